@@ -1,0 +1,180 @@
+"""`butlers` command line: a thin layer over the same objects the tests use.
+
+Environment: DATABASE_URL (else embedded PostgreSQL), BUTLERS_DATA_DIR (default .butlers),
+BUTLERS_AUTH_TOKEN (bearer token for every MCP endpoint), OTEL_EXPORTER_OTLP_ENDPOINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from butlers.config import ButlerConfig, load_config_dir
+from butlers.daemon import (
+    ButlerDaemon,
+    auth_token_from_environment,
+    migration_branches,
+    start_fleet,
+    stop_fleet,
+)
+from butlers.db import prepare_database, running, server_from_environment
+from butlers.errors import ButlersError
+
+logger = logging.getLogger("butlers")
+
+DEFAULT_CONFIG_DIR = Path("config/butlers")
+
+
+class CommandError(ButlersError):
+    """A command cannot go on; printed without a traceback, exit status 1."""
+
+
+def _data_dir() -> Path:
+    return Path(os.environ.get("BUTLERS_DATA_DIR") or ".butlers")
+
+
+def _select(config_dir: Path, only: Sequence[str] | None) -> list[ButlerConfig]:
+    fleet = load_config_dir(config_dir)
+    for error in fleet.errors:
+        print(f"error: {error} (butler skipped)", file=sys.stderr)
+    if only:
+        unknown = [name for name in only if fleet.get(name) is None]
+        if unknown:
+            known = ", ".join(b.name for b in fleet.butlers) or "none"
+            raise CommandError(
+                f"no loadable butler named {', '.join(map(repr, unknown))} in {config_dir} "
+                f"(loadable: {known})"
+            )
+        return [b for b in fleet.butlers if b.name in only]
+    if not fleet.butlers:
+        raise CommandError(f"no loadable butler in {config_dir}")
+    return list(fleet.butlers)
+
+
+def _print_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
+    rows = [("NAME", "MCP (SSE)", "STREAMABLE HTTP", "HEALTH")]
+    rows += [
+        (d.config.name, d.sse_url, f"{d.base_url}/mcp", f"{d.base_url}/health") for d in daemons
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"Butlers ready ({db_description}):")
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print("Press Ctrl-C to stop.", flush=True)
+
+
+def _install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+
+async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -> int:
+    """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal."""
+    stop = asyncio.Event()
+    _install_stop_signals(stop)
+    configs = _select(config_dir, only)
+    server = server_from_environment()
+    async with running(server):
+        report = await start_fleet(
+            configs, server, data_dir=_data_dir(), auth_token=auth_token_from_environment()
+        )
+        try:
+            for name, error in report.failed.items():
+                print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
+            if not report.running or (strict and report.failed):
+                raise CommandError(
+                    "no butler is running" if not report.running else "a butler failed to start"
+                )
+            _print_table(report.running, server.description)
+            await stop.wait()
+            print("Stopping...", flush=True)
+        finally:
+            await stop_fleet(report.running)
+    return 0
+
+
+async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
+    configs = _select(config_dir, names)
+    server = server_from_environment()
+    failed = False
+    async with running(server):
+        for config in configs:
+            try:
+                await prepare_database(server, config.database, migration_branches(config))
+            except ButlersError as exc:
+                print(f"error: {config.name}: {exc}", file=sys.stderr)
+                failed = True
+                continue
+            print(f"{config.name}: database {config.database} is up to date")
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="butlers",
+        description="Run and talk to a personal team of AI butlers.",
+        epilog="Environment: DATABASE_URL (else embedded PostgreSQL under $BUTLERS_DATA_DIR), "
+        "BUTLERS_DATA_DIR (default .butlers), BUTLERS_AUTH_TOKEN, OTEL_EXPORTER_OTLP_ENDPOINT.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("BUTLERS_LOG_LEVEL", "WARNING"),
+        help="logging level (default WARNING, env BUTLERS_LOG_LEVEL)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def config_dir_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config-dir",
+            type=Path,
+            default=DEFAULT_CONFIG_DIR,
+            help=f"butler config directory (default {DEFAULT_CONFIG_DIR})",
+        )
+
+    up = commands.add_parser("up", help="start PostgreSQL and every butler in one process")
+    config_dir_arg(up)
+    up.add_argument("--only", nargs="+", metavar="NAME", help="start only these butlers")
+
+    run = commands.add_parser("run", help="run one butler in the foreground")
+    config_dir_arg(run)
+    run.add_argument("name")
+
+    db = commands.add_parser("db", help="database commands")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser("upgrade", help="create and migrate butler databases")
+    config_dir_arg(upgrade)
+    upgrade.add_argument("names", nargs="*", metavar="NAME")
+    return parser
+
+
+async def cli(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "up":
+        return await serve(args.config_dir, args.only, strict=False)
+    if args.command == "run":
+        return await serve(args.config_dir, [args.name], strict=True)
+    if args.command == "db":
+        return await db_upgrade(args.config_dir, args.names)
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = asyncio.run(cli(sys.argv[1:] if argv is None else argv))
+    except ButlersError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:  # before the signal handlers were installed
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,36 @@
+"""The small explicit context every tool of a butler reaches its dependencies through."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from butlers.config import ButlerConfig
+from butlers.spawner import McpTarget, Spawner, default_allowed_tools
+from butlers.store import CoreStore
+
+
+@dataclass
+class ModuleStatus:
+    name: str
+    status: str  # "running" | "skipped" | "failed"
+    detail: str = ""
+
+
+@dataclass
+class ButlerContext:
+    config: ButlerConfig
+    store: CoreStore
+    spawner: Spawner
+    # The URL this butler's own sessions use to reach it (loopback, whatever the registry says).
+    self_url: str
+    started_at: float = field(default_factory=time.monotonic)
+    modules: list[ModuleStatus] = field(default_factory=list)
+    tool_names: list[str] = field(default_factory=list)
+
+    def self_target(self) -> McpTarget:
+        return McpTarget(
+            name=self.config.name,
+            url=self.self_url,
+            allowed_tools=default_allowed_tools(self.tool_names),
+        )

@@ -1,0 +1,192 @@
+"""The tools every butler serves: state, scheduler, sessions, trigger, tick, status.
+
+Errors a caller can act on are `ToolError`s with a message that says what was wrong; anything
+else is masked by FastMCP (`mask_error_details=True`) and logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from croniter import croniter
+from fastmcp import FastMCP
+from fastmcp.exceptions import ToolError
+from pydantic import Field
+
+from butlers.context import ButlerContext, ModuleStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_KEY_CHARS = 512
+MAX_VALUE_BYTES = 1024 * 1024
+MAX_SESSIONS_LIMIT = 500
+
+
+def next_run(cron: str, after: datetime) -> datetime:
+    return croniter(cron, after).get_next(datetime)
+
+
+def validate_cron(cron: str) -> None:
+    if not croniter.is_valid(cron):
+        raise ToolError(
+            f"invalid cron expression {cron!r}: expected five fields "
+            "'minute hour day-of-month month day-of-week', e.g. '0 8 * * *' for 08:00 daily"
+        )
+
+
+def _check_key(key: str) -> None:
+    if not key:
+        raise ToolError("state key must not be empty")
+    if len(key) > MAX_KEY_CHARS:
+        raise ToolError(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
+
+
+def _parse_session_id(session_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(session_id)
+    except (ValueError, AttributeError, TypeError):
+        raise ToolError(f"session id {session_id!r} is not a UUID") from None
+
+
+async def run_due_tasks(ctx: ButlerContext) -> list[dict[str, Any]]:
+    """Claim every due scheduled task and run each as a Claude Code session, in order."""
+    now = datetime.now(UTC)
+    due = await ctx.store.claim_due_tasks(now, next_run)
+    ran = []
+    for task in due:
+        outcome = await ctx.spawner.run(
+            task["prompt"], target=ctx.self_target(), trigger_source=f"schedule:{task['name']}"
+        )
+        ran.append(
+            {
+                "name": task["name"],
+                "session_id": str(outcome.session_id),
+                "success": outcome.success,
+                "error": outcome.error,
+            }
+        )
+    return ran
+
+
+async def database_status(ctx: ButlerContext) -> dict[str, Any]:
+    try:
+        await ctx.store.ping()
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"ok": True}
+
+
+def module_report(modules: list[ModuleStatus]) -> list[dict[str, str]]:
+    return [{"name": m.name, "status": m.status, "detail": m.detail} for m in modules]
+
+
+def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
+    store = ctx.store
+
+    @mcp.tool
+    async def state_get(key: str) -> Any:
+        """Return the JSON value stored under `key`, or null when there is none."""
+        _check_key(key)
+        row = await store.state_get(key)
+        return None if row is None else row["value"]
+
+    @mcp.tool
+    async def state_set(key: str, value: Any) -> dict[str, Any]:
+        """Store any JSON value under `key` (replacing what was there)."""
+        _check_key(key)
+        size = len(json.dumps(value))
+        if size > MAX_VALUE_BYTES:
+            raise ToolError(
+                f"value for key {key!r} is {size} bytes of JSON; the limit is {MAX_VALUE_BYTES}"
+            )
+        updated_at = await store.state_set(key, value)
+        return {"key": key, "updated_at": updated_at}
+
+    @mcp.tool
+    async def state_delete(key: str) -> dict[str, Any]:
+        """Delete `key`; `deleted` says whether it existed."""
+        _check_key(key)
+        return {"key": key, "deleted": await store.state_delete(key)}
+
+    @mcp.tool
+    async def state_list(prefix: str = "") -> list[dict[str, Any]]:
+        """Every key starting with `prefix`, with its value and when it was last set."""
+        return await store.state_list(prefix)
+
+    @mcp.tool
+    async def schedule_create(name: str, cron: str, prompt: str) -> dict[str, Any]:
+        """Run `prompt` as a Claude Code session on a cron schedule (UTC, 5 fields)."""
+        if not name.strip():
+            raise ToolError("schedule name must not be empty")
+        if not prompt.strip():
+            raise ToolError("schedule prompt must not be empty")
+        validate_cron(cron)
+        task = await store.schedule_create(name, cron, prompt, next_run(cron, datetime.now(UTC)))
+        if task is None:
+            raise ToolError(f"a schedule named {name!r} already exists; delete it first")
+        return task
+
+    @mcp.tool
+    async def schedule_list() -> list[dict[str, Any]]:
+        """Every scheduled task with its cron, prompt and next/last run times."""
+        return await store.schedule_list()
+
+    @mcp.tool
+    async def schedule_delete(name: str) -> dict[str, Any]:
+        """Delete the scheduled task called `name`."""
+        if not await store.schedule_delete(name):
+            raise ToolError(f"no schedule named {name!r}")
+        return {"name": name, "deleted": True}
+
+    @mcp.tool
+    async def sessions_list(
+        limit: Annotated[int, Field(ge=1, le=MAX_SESSIONS_LIMIT)] = 20,
+    ) -> list[dict[str, Any]]:
+        """The most recent Claude Code sessions of this butler, newest first."""
+        return await store.sessions_list(limit)
+
+    @mcp.tool
+    async def session_get(id: str) -> dict[str, Any]:
+        """One session in full: prompt, result, error, tool calls, duration, trace id."""
+        row = await store.session_get(_parse_session_id(id))
+        if row is None:
+            raise ToolError(f"session {id!r} not found")
+        return row
+
+    @mcp.tool
+    async def trigger(prompt: str) -> dict[str, Any]:
+        """Run a Claude Code session for this butler on `prompt` and return its answer."""
+        if not prompt.strip():
+            raise ToolError("prompt must not be empty")
+        outcome = await ctx.spawner.run(prompt, target=ctx.self_target(), trigger_source="trigger")
+        if not outcome.success:
+            raise ToolError(f"session {outcome.session_id} failed: {outcome.error}")
+        return {
+            "session_id": str(outcome.session_id),
+            "result": outcome.result,
+            "duration_ms": outcome.duration_ms,
+            "trace_id": outcome.trace_id,
+        }
+
+    @mcp.tool
+    async def tick() -> dict[str, Any]:
+        """Run the scheduled tasks that are due now; returns what ran."""
+        return {"ran": await run_due_tasks(ctx)}
+
+    @mcp.tool
+    async def status() -> dict[str, Any]:
+        """Name, modules, uptime and database health of this butler."""
+        return {
+            "name": ctx.config.name,
+            "description": ctx.config.description,
+            "endpoint_url": ctx.config.endpoint_url,
+            "modules": module_report(ctx.modules),
+            "uptime_s": round(time.monotonic() - ctx.started_at, 3),
+            "database": await database_status(ctx),
+            "sessions_running": ctx.spawner.running,
+        }

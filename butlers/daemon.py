@@ -1,0 +1,278 @@
+"""A butler daemon (one FastMCP server on its own port) and the fleet that runs several.
+
+Lifecycle: `ButlerDaemon.start()` opens the pool, binds the port and serves; `stop()` ends
+serving within a few seconds (open SSE streams included) and closes the pool. The process
+entry point (cli) owns the event loop and the signals; uvicorn is told not to touch them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import uvicorn
+from fastmcp import FastMCP
+
+from butlers.config import ButlerConfig
+from butlers.context import ButlerContext
+from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
+from butlers.db import PostgresServer, create_pool, prepare_database
+from butlers.errors import ButlersError
+from butlers.http import build_app
+from butlers.mcp_middleware import TraceContextMiddleware
+from butlers.modules import start_modules
+from butlers.spawner import Spawner
+from butlers.store import CoreStore
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 2
+STOP_TIMEOUT_S = 8.0
+
+
+def migration_branches(config: ButlerConfig) -> tuple[str, ...]:
+    """Alembic branches a butler's database gets, in order (core first, for every butler)."""
+    return ("core",)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn that leaves signal handling to the process that embeds it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+class ButlerDaemon:
+    """One butler: its pool, its FastMCP server, its HTTP listener and its background ticker."""
+
+    def __init__(
+        self,
+        config: ButlerConfig,
+        db_server: PostgresServer,
+        *,
+        data_dir: Path,
+        auth_token: str | None = None,
+        session_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.db_server = db_server
+        self.data_dir = data_dir
+        self.auth_token = auth_token
+        self.session_env = dict(session_env or {})
+        self.port: int | None = None
+        self.context: ButlerContext | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._state = "new"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{_loopback(self.config.host)}:{self.port}"
+
+    @property
+    def sse_url(self) -> str:
+        return f"{self.base_url}/sse"
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise RuntimeError(
+                f"butler {self.config.name!r} daemon is {self._state}; start it once"
+            )
+        self._state = "starting"
+        try:
+            await self._start()
+        except BaseException:
+            await self._close_resources()
+            self._state = "stopped"
+            raise
+        self._state = "running"
+
+    async def _start(self) -> None:
+        config = self.config
+        self._pool = await create_pool(self.db_server, config.database)
+        store = CoreStore(self._pool)
+        sock = self._bind()
+        self.port = sock.getsockname()[1]
+        spawner = Spawner(
+            config,
+            store,
+            work_dir=self.data_dir / "sessions" / config.name,
+            session_env=self.session_env,
+            auth_token=self.auth_token,
+        )
+        ctx = ButlerContext(config=config, store=store, spawner=spawner, self_url=self.sse_url)
+        self.context = ctx
+        mcp = FastMCP(
+            config.name,
+            instructions=config.description or None,
+            mask_error_details=True,
+            middleware=[TraceContextMiddleware(config.name)],
+        )
+        register_core_tools(mcp, ctx)
+        ctx.modules = start_modules(config, mcp, ctx)
+        ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
+
+        app = build_app(
+            mcp, self._health, auth_token=self.auth_token, allowed_hosts=self._allowed_hosts()
+        )
+        uv_config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        self._uvicorn = _EmbeddedUvicorn(uv_config)
+        self._serve_task = asyncio.create_task(self._serve(sock), name=f"butler:{config.name}:http")
+        while not self._uvicorn.started:
+            if self._serve_task.done():
+                self._serve_task.result()  # raises what went wrong
+                raise ButlersError(f"butler {config.name!r} stopped while starting")
+            await asyncio.sleep(0.01)
+        if config.runtime.tick_interval_s > 0:
+            self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
+        logger.info(
+            "butler %s serving on %s",
+            config.name,
+            self.base_url,
+            extra={"action": "butler_started"},
+        )
+
+    def _allowed_hosts(self) -> list[str]:
+        from urllib.parse import urlsplit
+
+        hosts = {self.config.host, "127.0.0.1", "localhost"}
+        if self.config.endpoint_url_override:
+            hosts.add(urlsplit(self.config.endpoint_url_override).hostname or "")
+        hosts.discard("")
+        return sorted(h for h in hosts if h not in ("0.0.0.0", "::"))
+
+    def _bind(self) -> socket.socket:
+        host, port = self.config.host, self.config.port
+        try:
+            return socket.create_server((host, port), reuse_port=False, backlog=128)
+        except OSError as exc:
+            raise ButlersError(
+                f"butler {self.config.name!r} cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+
+    async def _serve(self, sock: socket.socket) -> None:
+        assert self._uvicorn is not None
+        try:
+            await self._uvicorn.serve(sockets=[sock])
+        except SystemExit as exc:  # uvicorn's way of reporting a failed lifespan start-up
+            raise ButlersError(f"butler {self.config.name!r} failed to start its app") from exc
+        finally:
+            sock.close()
+
+    async def _tick_loop(self) -> None:
+        assert self.context is not None
+        interval = self.config.runtime.tick_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await run_due_tasks(self.context)
+            except Exception:
+                # Keep ticking on purpose: one bad tick must not stop the schedule for good.
+                logger.exception("scheduled tick failed", extra={"action": "tick_failed"})
+
+    async def _health(self) -> tuple[int, dict]:
+        assert self.context is not None
+        database = await database_status(self.context)
+        body = {
+            "name": self.config.name,
+            "status": "ok" if database["ok"] else "degraded",
+            "database": database,
+            "modules": module_report(self.context.modules),
+        }
+        return (200 if database["ok"] else 503), body
+
+    async def stop(self) -> None:
+        if self._state in ("new", "stopped"):
+            self._state = "stopped"
+            return
+        self._state = "stopping"
+        await self._close_resources()
+        self._state = "stopped"
+        logger.info("butler %s stopped", self.config.name, extra={"action": "butler_stopped"})
+
+    async def _close_resources(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+        if self._uvicorn is not None and self._serve_task is not None:
+            self._uvicorn.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._serve_task), STOP_TIMEOUT_S)
+            except TimeoutError:
+                self._serve_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._serve_task
+            except Exception:
+                logger.exception("butler %s: server ended with an error", self.config.name)
+            self._serve_task = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+
+@dataclass
+class FleetReport:
+    running: list[ButlerDaemon]
+    failed: dict[str, str]
+
+
+async def start_fleet(
+    configs: Sequence[ButlerConfig],
+    db_server: PostgresServer,
+    *,
+    data_dir: Path,
+    auth_token: str | None = None,
+    session_env: Mapping[str, str] | None = None,
+) -> FleetReport:
+    """Prepare each butler's database and start it; one failing butler never stops the others."""
+    running: list[ButlerDaemon] = []
+    failed: dict[str, str] = {}
+    for config in configs:
+        try:
+            await prepare_database(db_server, config.database, migration_branches(config))
+            daemon = ButlerDaemon(
+                config,
+                db_server,
+                data_dir=data_dir,
+                auth_token=auth_token,
+                session_env=session_env,
+            )
+            await daemon.start()
+        except ButlersError as exc:
+            logger.error(
+                "butler %s not started: %s", config.name, exc, extra={"action": "butler_failed"}
+            )
+            failed[config.name] = str(exc)
+            continue
+        running.append(daemon)
+    return FleetReport(running, failed)
+
+
+async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
+    await asyncio.gather(*(d.stop() for d in daemons), return_exceptions=True)
+
+
+def auth_token_from_environment() -> str | None:
+    return os.environ.get("BUTLERS_AUTH_TOKEN") or None

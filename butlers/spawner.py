@@ -1,0 +1,266 @@
+"""Run an ephemeral Claude Code session for a butler, through claude-agent-sdk.
+
+The session sees only the butler's own MCP endpoint (strict MCP config, no built-in tools,
+an explicit allow-list), runs under `permission_mode="dontAsk"` with bounded turns and a
+timeout, and is serialised per butler. Every session, successful or not, is a `sessions` row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from butlers.config import ButlerConfig
+from butlers.errors import SpawnError
+from butlers.store import CoreStore
+from butlers.telemetry import current_carrier, current_trace_id, tracer
+
+logger = logging.getLogger(__name__)
+
+# Anything Claude Code needs that is not the butler's business stays out of its way.
+_CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
+ERROR_TEXT_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class McpTarget:
+    """The one MCP server a session may use, and which of its tools it may call."""
+
+    name: str
+    url: str
+    allowed_tools: tuple[str, ...]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def transport(self) -> str:
+        return "sse" if "/sse" in self.url else "http"
+
+    def qualified_tools(self) -> list[str]:
+        return [f"mcp__{self.name}__{tool}" for tool in self.allowed_tools]
+
+
+@dataclass
+class SessionOutcome:
+    session_id: uuid.UUID
+    success: bool
+    result: str | None
+    error: str | None
+    tool_calls: list[dict[str, Any]]
+    duration_ms: int
+    trace_id: str | None
+
+
+class Spawner:
+    """Claude Code sessions for one butler, at most `max_concurrent_sessions` at a time.
+
+    `session_env` is added to the CLI's environment on top of the daemon's own (credentials,
+    ANTHROPIC_BASE_URL, HOME for an isolated config); the daemon's environment is inherited.
+    """
+
+    def __init__(
+        self,
+        config: ButlerConfig,
+        store: CoreStore,
+        *,
+        work_dir: Path,
+        session_env: Mapping[str, str] | None = None,
+        auth_token: str | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.work_dir = work_dir
+        self.session_env = dict(session_env or {})
+        self.auth_token = auth_token
+        self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
+        self.running = 0
+
+    def system_prompt(self) -> str:
+        if self.config.instructions:
+            return self.config.instructions
+        return (
+            f"You are the {self.config.name} butler. {self.config.description}\n"
+            "Use your tools to do what you are asked, then answer briefly."
+        )
+
+    async def run(
+        self,
+        prompt: str,
+        *,
+        target: McpTarget,
+        trigger_source: str,
+        system_prompt: str | None = None,
+    ) -> SessionOutcome:
+        """Run one session to completion; failures are recorded and returned, not raised."""
+        async with self._slots:
+            self.running += 1
+            try:
+                with tracer().start_as_current_span(
+                    "butler.session",
+                    attributes={"butler": self.config.name, "trigger_source": trigger_source},
+                ):
+                    return await self._run_recorded(
+                        prompt, target, trigger_source, system_prompt or self.system_prompt()
+                    )
+            finally:
+                self.running -= 1
+
+    async def _run_recorded(
+        self, prompt: str, target: McpTarget, trigger_source: str, system_prompt: str
+    ) -> SessionOutcome:
+        trace_id = current_trace_id()
+        session_id = await self.store.session_start(trigger_source, prompt, trace_id)
+        started = time.monotonic()
+        tool_calls: list[dict[str, Any]] = []
+        result: str | None = None
+        error: str | None = None
+        try:
+            result = await asyncio.wait_for(
+                self._query(prompt, target, system_prompt, tool_calls),
+                timeout=self.config.runtime.timeout_s,
+            )
+        except TimeoutError:
+            error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
+        except SpawnError as exc:
+            error = str(exc)
+        except Exception as exc:  # the SDK's and the CLI's own failures
+            logger.exception("Claude Code session failed", extra={"action": "spawn_failed"})
+            error = _describe_sdk_error(exc)
+        duration_ms = int((time.monotonic() - started) * 1000)
+        outcome = SessionOutcome(
+            session_id=session_id,
+            success=error is None,
+            result=result,
+            error=error[:ERROR_TEXT_LIMIT] if error else None,
+            tool_calls=tool_calls,
+            duration_ms=duration_ms,
+            trace_id=trace_id,
+        )
+        # The outcome must be written even when the caller is cancelled meanwhile.
+        await asyncio.shield(
+            self.store.session_finish(
+                session_id,
+                result=outcome.result,
+                success=outcome.success,
+                error=outcome.error,
+                tool_calls=tool_calls,
+                duration_ms=duration_ms,
+            )
+        )
+        return outcome
+
+    def _options(self, target: McpTarget, system_prompt: str):
+        from claude_agent_sdk import ClaudeAgentOptions
+
+        carrier = current_carrier()
+        headers = dict(target.headers)
+        headers.update(carrier)
+        if self.auth_token:
+            headers["Authorization"] = f"Bearer {self.auth_token}"
+        env = {**_CLI_ENV, **self.session_env}
+        if "traceparent" in carrier:
+            env["TRACEPARENT"] = carrier["traceparent"]
+            if "tracestate" in carrier:
+                env["TRACESTATE"] = carrier["tracestate"]
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        return ClaudeAgentOptions(
+            mcp_servers={
+                target.name: {"type": target.transport, "url": target.url, "headers": headers}
+            },
+            strict_mcp_config=True,
+            tools=[],
+            allowed_tools=target.qualified_tools(),
+            system_prompt=system_prompt,
+            max_turns=self.config.runtime.max_turns,
+            model=self.config.runtime.model,
+            permission_mode="dontAsk",
+            # An empty directory: no project CLAUDE.md or .claude settings get picked up.
+            cwd=str(self.work_dir),
+            setting_sources=[],
+            env=env,
+        )
+
+    async def _query(
+        self,
+        prompt: str,
+        target: McpTarget,
+        system_prompt: str,
+        tool_calls: list[dict[str, Any]],
+    ) -> str:
+        from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
+        from claude_agent_sdk.types import ToolUseBlock
+
+        options = self._options(target, system_prompt)
+        result: ResultMessage | None = None
+        # aclosing: on timeout or failure the generator is closed, which ends the CLI process.
+        async with contextlib.aclosing(query(prompt=prompt, options=options)) as messages:
+            async for message in messages:
+                if isinstance(message, SystemMessage) and message.subtype == "init":
+                    _check_connected(message.data, target)
+                elif isinstance(message, AssistantMessage):
+                    for block in message.content:
+                        if isinstance(block, ToolUseBlock):
+                            tool_calls.append({"name": block.name, "input": block.input})
+                elif isinstance(message, ResultMessage):
+                    result = message
+        if result is None:
+            raise SpawnError("Claude Code ended without a result")
+        if result.is_error:
+            detail = "; ".join(result.errors or []) or result.result or result.subtype
+            raise SpawnError(f"Claude Code session failed: {detail}")
+        return result.result or ""
+
+
+def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:
+    """A session without its tools is a failure, not a success (the CLI carries on without)."""
+    for server in init.get("mcp_servers") or []:
+        if server.get("name") == target.name:
+            if server.get("status") != "connected":
+                raise SpawnError(
+                    f"MCP server {target.name!r} at {target.url} did not connect "
+                    f"(status: {server.get('status')})"
+                )
+            return
+    raise SpawnError(f"MCP server {target.name!r} at {target.url} was not loaded by Claude Code")
+
+
+def _describe_sdk_error(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if "not logged in" in text.lower() or "api key" in text.lower():
+        return (
+            "Claude Code has no credentials: set ANTHROPIC_API_KEY (or log in with `claude`) "
+            f"in the butler's environment ({text.splitlines()[0]})"
+        )
+    return f"Claude Code could not run: {text.splitlines()[0]}"
+
+
+def default_allowed_tools(tool_names: Sequence[str]) -> tuple[str, ...]:
+    """A triggered session may use its butler's tools, except those that start sessions."""
+    return tuple(name for name in tool_names if name not in ("trigger", "tick"))
+
+
+def isolated_cli_env(home: Path, base_url: str, api_key: str = "sk-test") -> dict[str, str]:
+    """The environment for a Claude Code that must not see the host: used by tests and bench."""
+    env = {
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    # options.env is merged over the inherited environment: blank out what could leak in.
+    for key in os.environ:
+        if (
+            key.startswith(("ANTHROPIC_", "CLAUDE_"))
+            and key not in env
+            and key != "CLAUDE_CODE_DISABLE_AUTOUPDATER"
+        ):
+            env[key] = ""
+    return env

@@ -1,0 +1,156 @@
+"""Every SQL statement on the core tables, in one place, run through one asyncpg pool."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+
+def _row(record: asyncpg.Record | None) -> dict[str, Any] | None:
+    return None if record is None else dict(record)
+
+
+class CoreStore:
+    """Named queries on state, scheduled_tasks and sessions."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    # -- health -----------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        async with self.pool.acquire(timeout=5) as conn:
+            await conn.fetchval("SELECT 1")
+
+    # -- state ------------------------------------------------------------------------------
+
+    async def state_get(self, key: str) -> dict[str, Any] | None:
+        return _row(
+            await self.pool.fetchrow("SELECT key, value, updated_at FROM state WHERE key = $1", key)
+        )
+
+    async def state_set(self, key: str, value: Any) -> datetime:
+        return await self.pool.fetchval(
+            """
+            INSERT INTO state (key, value, updated_at) VALUES ($1, $2, now())
+            ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()
+            RETURNING updated_at
+            """,
+            key,
+            value,
+        )
+
+    async def state_delete(self, key: str) -> bool:
+        return (await self.pool.execute("DELETE FROM state WHERE key = $1", key)) == "DELETE 1"
+
+    async def state_list(self, prefix: str) -> list[dict[str, Any]]:
+        # starts_with() avoids LIKE's wildcard escaping for prefixes containing % or _.
+        rows = await self.pool.fetch(
+            "SELECT key, value, updated_at FROM state WHERE starts_with(key, $1) ORDER BY key",
+            prefix,
+        )
+        return [dict(r) for r in rows]
+
+    # -- scheduled tasks -------------------------------------------------------------------
+
+    async def schedule_create(
+        self, name: str, cron: str, prompt: str, next_run_at: datetime
+    ) -> dict[str, Any] | None:
+        """Insert a task; None when the name is taken."""
+        return _row(
+            await self.pool.fetchrow(
+                """
+                INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
+                VALUES ($1, $2, $3, $4) ON CONFLICT (name) DO NOTHING
+                RETURNING id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at
+                """,
+                name,
+                cron,
+                prompt,
+                next_run_at,
+            )
+        )
+
+    async def schedule_list(self) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            """SELECT id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at
+               FROM scheduled_tasks ORDER BY name"""
+        )
+        return [dict(r) for r in rows]
+
+    async def schedule_delete(self, name: str) -> bool:
+        result = await self.pool.execute("DELETE FROM scheduled_tasks WHERE name = $1", name)
+        return result == "DELETE 1"
+
+    async def claim_due_tasks(self, now: datetime, next_runs: Any) -> list[dict[str, Any]]:
+        """Take the tasks due at `now` and move each one's next_run_at forward, atomically.
+
+        `next_runs(cron, now)` computes the following run. Claiming and advancing in one
+        transaction (FOR UPDATE SKIP LOCKED) means two concurrent ticks never run a task twice.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                """SELECT id, name, cron, prompt FROM scheduled_tasks
+                   WHERE enabled AND next_run_at <= $1
+                   ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED""",
+                now,
+            )
+            for row in rows:
+                await conn.execute(
+                    "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WHERE id = $1",
+                    row["id"],
+                    now,
+                    next_runs(row["cron"], now),
+                )
+        return [dict(r) for r in rows]
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def session_start(
+        self, trigger_source: str, prompt: str, trace_id: str | None
+    ) -> uuid.UUID:
+        return await self.pool.fetchval(
+            """INSERT INTO sessions (trigger_source, prompt, trace_id)
+               VALUES ($1, $2, $3) RETURNING id""",
+            trigger_source,
+            prompt,
+            trace_id,
+        )
+
+    async def session_finish(
+        self,
+        session_id: uuid.UUID,
+        *,
+        result: str | None,
+        success: bool,
+        error: str | None,
+        tool_calls: Sequence[dict[str, Any]],
+        duration_ms: int,
+    ) -> None:
+        await self.pool.execute(
+            """UPDATE sessions SET result = $2, success = $3, error = $4, tool_calls = $5,
+                      duration_ms = $6, finished_at = now()
+               WHERE id = $1""",
+            session_id,
+            result,
+            success,
+            error,
+            list(tool_calls),
+            duration_ms,
+        )
+
+    async def sessions_list(self, limit: int) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            """SELECT id, trigger_source, prompt, success, error, duration_ms, trace_id,
+                      started_at, finished_at
+               FROM sessions ORDER BY started_at DESC LIMIT $1""",
+            limit,
+        )
+        return [dict(r) for r in rows]
+
+    async def session_get(self, session_id: uuid.UUID) -> dict[str, Any] | None:
+        return _row(await self.pool.fetchrow("SELECT * FROM sessions WHERE id = $1", session_id))
