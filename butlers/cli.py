@@ -25,6 +25,7 @@ from butlers.daemon import (
 )
 from butlers.db import prepare_database, running, server_from_environment
 from butlers.errors import ButlersError
+from butlers.telemetry import setup_tracing
 
 logger = logging.getLogger("butlers")
 
@@ -65,7 +66,10 @@ def _print_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     print(f"Butlers ready ({db_description}):")
     for row in rows:
-        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(
+            "  "
+            + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
     print("Press Ctrl-C to stop.", flush=True)
 
 
@@ -160,13 +164,16 @@ async def cli(argv: Sequence[str]) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "up":
-        return await serve(args.config_dir, args.only, strict=False)
-    if args.command == "run":
-        return await serve(args.config_dir, [args.name], strict=True)
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
-    raise AssertionError(args.command)
+    service = f"butler-{args.name}" if args.command == "run" else "butlers"
+    provider = setup_tracing(service)
+    try:
+        if args.command == "up":
+            return await serve(args.config_dir, args.only, strict=False)
+        return await serve(args.config_dir, [args.name], strict=True)
+    finally:
+        provider.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

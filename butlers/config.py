@@ -107,7 +107,7 @@ class ButlerConfig:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """What `load_config_dir` found: the butlers that loaded and the errors of those that did not."""
+    """What `load_config_dir` found: the butlers that loaded, and the errors of the rest."""
 
     butlers: tuple[ButlerConfig, ...]
     errors: tuple[ConfigError, ...]

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from butlers.config import ButlerConfig
-from butlers.spawner import McpTarget, Spawner, default_allowed_tools
+from butlers.spawner import SESSION_STARTING_TOOLS, McpTarget, Spawner, default_allowed_tools
 from butlers.store import CoreStore
 
 
@@ -33,4 +33,5 @@ class ButlerContext:
             name=self.config.name,
             url=self.self_url,
             allowed_tools=default_allowed_tools(self.tool_names),
+            denied_tools=tuple(t for t in self.tool_names if t in SESSION_STARTING_TOOLS),
         )

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from croniter import croniter
 from fastmcp import FastMCP
 from fastmcp.exceptions import ToolError
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from butlers.context import ButlerContext, ModuleStatus
 
@@ -89,14 +89,14 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     store = ctx.store
 
     @mcp.tool
-    async def state_get(key: str) -> Any:
+    async def state_get(key: str) -> JsonValue:
         """Return the JSON value stored under `key`, or null when there is none."""
         _check_key(key)
         row = await store.state_get(key)
         return None if row is None else row["value"]
 
     @mcp.tool
-    async def state_set(key: str, value: Any) -> dict[str, Any]:
+    async def state_set(key: str, value: JsonValue) -> dict[str, Any]:
         """Store any JSON value under `key` (replacing what was there)."""
         _check_key(key)
         size = len(json.dumps(value))

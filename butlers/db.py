@@ -277,7 +277,7 @@ async def ensure_database(server: PostgresServer, database: str) -> bool:
     """Create `database` if it does not exist; returns True when it was created."""
     try:
         conn = await asyncpg.connect(server.dsn("postgres"), timeout=10)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise DatabaseError(f"cannot reach {server.description}: {exc}") from exc
     try:
         exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database)
@@ -345,7 +345,7 @@ async def create_pool(server: PostgresServer, database: str, *, max_size: int = 
         return await asyncpg.create_pool(
             server.dsn(database), min_size=1, max_size=max_size, init=_init_connection, timeout=10
         )
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise DatabaseError(f"cannot open a pool on {database!r}: {exc}") from exc
 
 

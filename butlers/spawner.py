@@ -37,14 +37,16 @@ class McpTarget:
     name: str
     url: str
     allowed_tools: tuple[str, ...]
+    # Tools the server has that the session must not even see (hidden, not just refused).
+    denied_tools: tuple[str, ...] = ()
     headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def transport(self) -> str:
         return "sse" if "/sse" in self.url else "http"
 
-    def qualified_tools(self) -> list[str]:
-        return [f"mcp__{self.name}__{tool}" for tool in self.allowed_tools]
+    def qualified(self, tools: Sequence[str]) -> list[str]:
+        return [f"mcp__{self.name}__{tool}" for tool in tools]
 
 
 @dataclass
@@ -176,7 +178,8 @@ class Spawner:
             },
             strict_mcp_config=True,
             tools=[],
-            allowed_tools=target.qualified_tools(),
+            allowed_tools=target.qualified(target.allowed_tools),
+            disallowed_tools=target.qualified(target.denied_tools),
             system_prompt=system_prompt,
             max_turns=self.config.runtime.max_turns,
             model=self.config.runtime.model,
@@ -241,9 +244,12 @@ def _describe_sdk_error(exc: BaseException) -> str:
     return f"Claude Code could not run: {text.splitlines()[0]}"
 
 
+SESSION_STARTING_TOOLS = ("trigger", "tick")
+
+
 def default_allowed_tools(tool_names: Sequence[str]) -> tuple[str, ...]:
     """A triggered session may use its butler's tools, except those that start sessions."""
-    return tuple(name for name in tool_names if name not in ("trigger", "tick"))
+    return tuple(name for name in tool_names if name not in SESSION_STARTING_TOOLS)
 
 
 def isolated_cli_env(home: Path, base_url: str, api_key: str = "sk-test") -> dict[str, str]:

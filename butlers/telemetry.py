@@ -27,28 +27,29 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
-def setup_tracing(service_name: str) -> Any | None:
-    """Install an SDK provider exporting over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+def setup_tracing(service_name: str) -> Any:
+    """Install the SDK provider; export over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
 
-    Returns the provider (call `.shutdown()` on exit so the last spans are flushed), or None
-    when tracing is off, in which case no exporter thread is started.
+    The provider is installed either way so that sessions and routes carry real trace ids;
+    without an endpoint it has no processor, so spans cost next to nothing and no exporter
+    thread runs. Call `.shutdown()` on the result at exit so the last spans are flushed.
     """
-    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    if protocol.startswith("http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
-            OTLPSpanExporter,
-        )
     name = os.environ.get("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        if protocol.startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
+                OTLPSpanExporter,
+            )
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     return provider
 

@@ -1,0 +1,212 @@
+"""Shared fixtures: a real PostgreSQL, per-test databases, a scripted Messages API, live butlers.
+
+PostgreSQL: TEST_DATABASE_URL if set, else a testcontainers server when a Docker engine
+answers, else an embedded PostgreSQL 18 started for the session. Each test that needs a
+database gets a fresh copy of a migrated template (CREATE DATABASE ... TEMPLATE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from butlers.config import ButlerConfig, RuntimeConfig
+from butlers.daemon import ButlerDaemon
+from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
+from butlers.spawner import isolated_cli_env
+from tests.fakes.messages_api import ScriptedMessagesAPI
+
+# Nothing of the host's Claude / Anthropic / butlers setup may leak into a test.
+_LEAKY_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_", "BUTLERS_", "TELEGRAM_")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_environment() -> None:
+    for key in list(os.environ):
+        if key.startswith(_LEAKY_PREFIXES) or key == "DATABASE_URL":
+            del os.environ[key]
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+async def pg_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PostgresServer]:
+    url = os.environ.get("TEST_DATABASE_URL")
+    if url:
+        yield ExternalServer(url)
+        return
+    if _docker_answers():
+        from testcontainers.postgres import PostgresContainer
+
+        with PostgresContainer("postgres:18-alpine", driver=None) as container:
+            yield ExternalServer(container.get_connection_url())
+        return
+    server = EmbeddedServer(tmp_path_factory.mktemp("pg") / "pgdata")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def _drop(server: PostgresServer, name: str) -> None:
+    conn = await asyncpg.connect(server.dsn("postgres"))
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+async def core_template(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """A database with the core migrations applied, copied for each test."""
+    name = f"tmpl_core_{uuid.uuid4().hex[:8]}"
+    await prepare_database(pg_server, name, ("core",))
+    yield name
+    await _drop(pg_server, name)
+
+
+@pytest.fixture
+async def make_database(
+    pg_server: PostgresServer, core_template: str
+) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    created: list[str] = []
+
+    async def make(template: str = core_template) -> str:
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        conn = await asyncpg.connect(pg_server.dsn("postgres"))
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        finally:
+            await conn.close()
+        created.append(name)
+        return name
+
+    yield make
+    for name in created:
+        await _drop(pg_server, name)
+
+
+@pytest.fixture
+async def db_conn(pg_server: PostgresServer) -> AsyncIterator[Callable[[str], Awaitable]]:
+    """Open asyncpg connections to a test database, closed after the test."""
+    conns: list[asyncpg.Connection] = []
+
+    async def connect(database: str) -> asyncpg.Connection:
+        conn = await asyncpg.connect(pg_server.dsn(database))
+        conns.append(conn)
+        return conn
+
+    yield connect
+    for conn in conns:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+async def messages_api() -> AsyncIterator[ScriptedMessagesAPI]:
+    api = ScriptedMessagesAPI()
+    await api.start()
+    yield api
+    await api.stop()
+
+
+@pytest.fixture
+def scripted_api(messages_api: ScriptedMessagesAPI) -> ScriptedMessagesAPI:
+    """The session's scripted Messages API, with a clean script and log for this test."""
+    messages_api.reset()
+    return messages_api
+
+
+@pytest.fixture
+def claude_env(tmp_path: Path, scripted_api: ScriptedMessagesAPI) -> dict[str, str]:
+    """Environment for the real Claude Code binary: isolated home, scripted API, fake key."""
+    home = tmp_path / "claude-home"
+    home.mkdir()
+    return isolated_cli_env(home, scripted_api.url)
+
+
+def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
+    """A butler on an ephemeral loopback port, no background ticker unless asked."""
+    runtime = overrides.pop("runtime", RuntimeConfig(timeout_s=60, tick_interval_s=0))
+    return replace(
+        ButlerConfig(name=name, port=0, description=f"{name} test butler"),
+        runtime=runtime,
+        **overrides,
+    )
+
+
+StartButler = Callable[..., Awaitable[ButlerDaemon]]
+
+
+@pytest.fixture
+async def start_butler(
+    pg_server: PostgresServer,
+    make_database: Callable[[], Awaitable[str]],
+    tmp_path: Path,
+    claude_env: dict[str, str],
+) -> AsyncIterator[StartButler]:
+    """Start real butler daemons on loopback, each on a fresh database; stopped after the test."""
+    daemons: list[ButlerDaemon] = []
+
+    async def start(
+        config: ButlerConfig | None = None,
+        *,
+        auth_token: str | None = None,
+        session_env: dict[str, str] | None = None,
+    ) -> ButlerDaemon:
+        config = config or butler_config()
+        database = await make_database()
+        config = replace(config, db_name=database)
+        daemon = ButlerDaemon(
+            config,
+            pg_server,
+            data_dir=tmp_path / "data",
+            auth_token=auth_token,
+            session_env=claude_env if session_env is None else session_env,
+        )
+        await daemon.start()
+        daemons.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in daemons:
+        with contextlib.suppress(Exception):
+            await daemon.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _span_exporter():
+    """One SDK provider for the whole session (a provider can be set only once per process),
+    as `butlers up` installs one: sessions and routes always have a trace id."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+@pytest.fixture
+def spans(_span_exporter):
+    """The finished spans of this test (cleared at its start)."""
+    _span_exporter.clear()
+    return _span_exporter

@@ -1,0 +1,180 @@
+"""A scripted Anthropic Messages API on loopback, for driving the real Claude Code binary.
+
+Each scripted turn is the list of content blocks the "model" answers with. The turn used for a
+request is the number of assistant messages already in its conversation, so turn 0 answers the
+prompt, turn 1 answers the first tool results, and so on; past the script the model says
+"done". Requests and the tool results Claude Code sent back are kept for assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+Block = dict[str, Any]
+Responder = Callable[[dict[str, Any]], list[Block]]
+
+
+def text(value: str) -> Block:
+    return {"type": "text", "text": value}
+
+
+_ids = itertools.count(1)
+
+
+def tool_use(name: str, arguments: dict[str, Any]) -> Block:
+    return {"type": "tool_use", "id": f"toolu_{next(_ids):08d}", "name": name, "input": arguments}
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class ScriptedMessagesAPI:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.other_requests: list[str] = []
+        self._turns: list[list[Block]] = []
+        self._responder: Responder | None = None
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.delay_s = 0.0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    # -- scripting --------------------------------------------------------------------------
+
+    def script(self, *turns: list[Block]) -> None:
+        """Answer the n-th turn of every conversation with turns[n]."""
+        self._turns = [list(turn) for turn in turns]
+        self._responder = None
+
+    def respond_with(self, responder: Responder) -> None:
+        """Answer each request with whatever `responder(request_body)` returns."""
+        self._responder = responder
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.other_requests.clear()
+        self._turns = []
+        self._responder = None
+        self.delay_s = 0.0
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def tool_results(self) -> list[dict[str, Any]]:
+        """Every tool_result block Claude Code sent back, in order."""
+        seen: dict[str, dict[str, Any]] = {}
+        for body in self.requests:
+            for message in body.get("messages", []):
+                content = message.get("content")
+                if isinstance(content, list):
+                    for block in content:
+                        if block.get("type") == "tool_result":
+                            seen[block["tool_use_id"]] = block
+        return list(seen.values())
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def _answer(self, body: dict[str, Any]) -> list[Block]:
+        if self._responder is not None:
+            return self._responder(body)
+        turn = sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
+        if turn < len(self._turns):
+            return self._turns[turn]
+        return [text("done")]
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return await self._reply(request, body)
+        finally:
+            self.in_flight -= 1
+
+    async def _reply(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        blocks = self._answer(body)
+        stop_reason = "tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn"
+        message = {
+            "id": f"msg_{len(self.requests)}",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model", "scripted"),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+        }
+        if not body.get("stream"):
+            message.update(content=blocks, stop_reason=stop_reason)
+            return web.json_response(message)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(_sse("message_start", {"type": "message_start", "message": message}))
+        for index, block in enumerate(blocks):
+            if block["type"] == "text":
+                start = {"type": "text", "text": ""}
+                delta = {"type": "text_delta", "text": block["text"]}
+            else:
+                start = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            await response.write(
+                _sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": start},
+                )
+            )
+            await response.write(
+                _sse(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
+            )
+            await response.write(
+                _sse("content_block_stop", {"type": "content_block_stop", "index": index})
+            )
+        await response.write(
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                    "usage": {"output_tokens": 1},
+                },
+            )
+        )
+        await response.write(_sse("message_stop", {"type": "message_stop"}))
+        await response.write_eof()
+        return response
+
+    async def _other(self, request: web.Request) -> web.Response:
+        self.other_requests.append(f"{request.method} {request.path}")
+        return web.json_response(
+            {"type": "error", "error": {"type": "not_found_error", "message": "not scripted"}},
+            status=404,
+        )
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_route("*", "/{tail:.*}", self._other)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

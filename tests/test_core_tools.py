@@ -1,0 +1,150 @@
+"""Every core tool through a real MCP client, over SSE and over streamable HTTP."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from fastmcp import Client
+from fastmcp.exceptions import ToolError
+
+from tests.conftest import StartButler
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(params=["sse", "mcp"])
+async def client(request, start_butler: StartButler):
+    daemon = await start_butler()
+    url = daemon.sse_url if request.param == "sse" else f"{daemon.base_url}/mcp"
+    async with Client(url) as c:
+        c.daemon = daemon  # type: ignore[attr-defined]
+        yield c
+
+
+async def call(client: Client, tool: str, **arguments):
+    result = await client.call_tool(tool, arguments)
+    return (
+        result.structured_content.get("result", result.structured_content)
+        if result.structured_content is not None
+        else result.data
+    )
+
+
+async def test_tool_list_is_the_core_set(client: Client) -> None:
+    names = {tool.name for tool in await client.list_tools()}
+    assert names == {
+        "state_get",
+        "state_set",
+        "state_delete",
+        "state_list",
+        "schedule_create",
+        "schedule_list",
+        "schedule_delete",
+        "sessions_list",
+        "session_get",
+        "trigger",
+        "tick",
+        "status",
+    }
+
+
+async def test_state_round_trip(client: Client, db_conn) -> None:
+    value = {"kg": 75.5, "tags": ["morning", "ünïcode"], "nested": {"ok": True}}
+    stored = await call(client, "state_set", key="log/weight/2026-11-21", value=value)
+    assert stored["key"] == "log/weight/2026-11-21"
+    assert await call(client, "state_get", key="log/weight/2026-11-21") == value
+    assert await call(client, "state_get", key="missing") is None
+
+    # The row is really in PostgreSQL, as JSONB.
+    conn = await db_conn(client.daemon.config.database)
+    raw = await conn.fetchval(
+        "SELECT value::text FROM state WHERE key = $1", "log/weight/2026-11-21"
+    )
+    assert json.loads(raw) == value
+
+    await call(client, "state_set", key="log/weight/2026-11-22", value=74)
+    await call(client, "state_set", key="other", value="x")
+    listed = await call(client, "state_list", prefix="log/")
+    assert [row["key"] for row in listed] == ["log/weight/2026-11-21", "log/weight/2026-11-22"]
+    assert listed[1]["value"] == 74
+
+    assert (await call(client, "state_delete", key="other"))["deleted"] is True
+    assert (await call(client, "state_delete", key="other"))["deleted"] is False
+    assert [r["key"] for r in await call(client, "state_list")] == [
+        "log/weight/2026-11-21",
+        "log/weight/2026-11-22",
+    ]
+
+
+async def test_state_list_prefix_is_literal(client: Client) -> None:
+    await call(client, "state_set", key="a%b", value=1)
+    await call(client, "state_set", key="axb", value=2)
+    assert [r["key"] for r in await call(client, "state_list", prefix="a%")] == ["a%b"]
+
+
+async def test_schedule_lifecycle(client: Client, db_conn) -> None:
+    created = await call(
+        client,
+        "schedule_create",
+        name="weigh-in",
+        cron="0 7 * * *",
+        prompt="Remind me to weigh myself",
+    )
+    assert created["name"] == "weigh-in" and created["enabled"] is True
+    assert created["next_run_at"].endswith(("07:00:00Z", "07:00:00+00:00"))
+    listed = await call(client, "schedule_list")
+    assert [t["name"] for t in listed] == ["weigh-in"]
+
+    with pytest.raises(ToolError, match="already exists"):
+        await client.call_tool(
+            "schedule_create", {"name": "weigh-in", "cron": "* * * * *", "prompt": "again"}
+        )
+    assert (await call(client, "schedule_delete", name="weigh-in"))["deleted"] is True
+    assert await call(client, "schedule_list") == []
+    with pytest.raises(ToolError, match="no schedule named 'weigh-in'"):
+        await client.call_tool("schedule_delete", {"name": "weigh-in"})
+
+
+async def test_status_and_empty_sessions(client: Client) -> None:
+    status = await call(client, "status")
+    assert status["name"] == client.daemon.config.name
+    assert status["database"] == {"ok": True}
+    assert status["modules"] == []
+    assert status["uptime_s"] >= 0
+    assert await call(client, "sessions_list") == []
+
+
+async def test_tick_with_nothing_due_runs_nothing(client: Client) -> None:
+    await call(client, "schedule_create", name="later", cron="0 0 1 1 *", prompt="new year")
+    assert (await call(client, "tick"))["ran"] == []
+
+
+async def test_every_tool_accepts_trace_context(client: Client) -> None:
+    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    calls = {
+        "state_set": {"key": "k", "value": 1},
+        "state_get": {"key": "k"},
+        "state_list": {},
+        "state_delete": {"key": "k"},
+        "schedule_create": {"name": "s", "cron": "0 0 1 1 *", "prompt": "p"},
+        "schedule_list": {},
+        "schedule_delete": {"name": "s"},
+        "sessions_list": {},
+        "tick": {},
+        "status": {},
+    }
+    for tool, arguments in calls.items():
+        result = await client.call_tool(tool, {**arguments, "_trace_context": carrier})
+        assert not result.is_error, tool
+    # session_get and trigger take it too: they fail on their own terms, not on the argument.
+    with pytest.raises(ToolError, match="not found"):
+        await client.call_tool("session_get", {"id": str(uuid.uuid4()), "_trace_context": carrier})
+    with pytest.raises(ToolError, match="prompt must not be empty"):
+        await client.call_tool("trigger", {"prompt": " ", "_trace_context": carrier})
+
+
+async def test_trace_context_must_be_an_object(client: Client) -> None:
+    with pytest.raises(ToolError, match="_trace_context must be an object"):
+        await client.call_tool("status", {"_trace_context": "00-abc"})

@@ -1,0 +1,195 @@
+"""`trigger` end to end: the real Claude Code binary, driven by the scripted Messages API,
+calls the butler's own tools over MCP; every session is recorded, failures included."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+from fastmcp import Client
+from fastmcp.exceptions import ToolError
+
+from butlers.config import RuntimeConfig
+from butlers.spawner import McpTarget
+from tests.conftest import StartButler, butler_config
+from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+
+pytestmark = pytest.mark.asyncio
+
+INSTRUCTIONS = "You are the alpha butler. Keep notes in state."
+
+
+async def _session_rows(db_conn, daemon) -> list[dict]:
+    conn = await db_conn(daemon.config.database)
+    return [dict(r) for r in await conn.fetch("SELECT * FROM sessions ORDER BY started_at")]
+
+
+async def test_trigger_runs_claude_code_which_calls_state_set_over_mcp(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    daemon = await start_butler(butler_config(instructions=INSTRUCTIONS), auth_token="tok-123")
+    scripted_api.script(
+        [tool_use("mcp__alpha__state_set", {"key": "weight", "value": {"kg": 75}})],
+        [text("Logged 75 kg.")],
+    )
+    async with Client(daemon.sse_url, auth="tok-123") as client:
+        result = (await client.call_tool("trigger", {"prompt": "Log my weight: 75kg"})).data
+
+    assert result["result"] == "Logged 75 kg."
+    # Claude Code really called the tool over MCP: the row is there, and the tool's own answer
+    # went back to the model.
+    conn = await db_conn(daemon.config.database)
+    assert json.loads(await conn.fetchval("SELECT value::text FROM state WHERE key='weight'")) == {
+        "kg": 75
+    }
+    [tool_result] = scripted_api.tool_results()
+    assert "updated_at" in json.dumps(tool_result["content"])
+
+    [row] = await _session_rows(db_conn, daemon)
+    assert str(row["id"]) == result["session_id"]
+    assert row["success"] is True and row["error"] is None
+    assert row["result"] == "Logged 75 kg."
+    assert row["prompt"] == "Log my weight: 75kg"
+    assert row["trigger_source"] == "trigger"
+    assert [c["name"] for c in json.loads(row["tool_calls"])] == ["mcp__alpha__state_set"]
+    assert row["duration_ms"] > 0 and row["finished_at"] is not None
+    assert row["trace_id"] is not None and len(row["trace_id"]) == 32
+
+    # What Claude Code was given: the butler's instructions and only its allowed MCP tools.
+    first = scripted_api.requests[0]
+    system = json.dumps(first.get("system"))
+    assert INSTRUCTIONS in system
+    tool_names = {t["name"] for t in first.get("tools", [])}
+    mcp_tools = {n for n in tool_names if n.startswith("mcp__")}
+    assert "mcp__alpha__state_set" in mcp_tools
+    assert not mcp_tools & {"mcp__alpha__trigger", "mcp__alpha__tick"}
+    assert not tool_names & {"Bash", "Read", "Write", "Edit", "WebFetch"}
+
+
+async def test_session_is_listed_and_fetchable(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI
+) -> None:
+    daemon = await start_butler()
+    scripted_api.script([text("Hello there.")])
+    async with Client(daemon.sse_url) as client:
+        done = (await client.call_tool("trigger", {"prompt": "say hello"})).data
+        listed = (await client.call_tool("sessions_list", {"limit": 5})).structured_content[
+            "result"
+        ]
+        assert [s["id"] for s in listed] == [done["session_id"]]
+        full = (
+            await client.call_tool("session_get", {"id": done["session_id"]})
+        ).structured_content
+        assert full["result"] == "Hello there." and full["success"] is True
+
+
+async def test_mcp_server_that_does_not_connect_is_a_failed_session(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    daemon = await start_butler()
+    scripted_api.script([text("I did it anyway.")])
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    target = McpTarget(
+        name="alpha", url=f"http://127.0.0.1:{dead_port}/sse", allowed_tools=("state_set",)
+    )
+    outcome = await daemon.context.spawner.run("do it", target=target, trigger_source="test")
+    assert outcome.success is False
+    assert "did not connect" in outcome.error and str(dead_port) in outcome.error
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["success"] is False and "did not connect" in row["error"]
+
+
+async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
+    start_butler: StartButler, db_conn, tmp_path: Path
+) -> None:
+    home = tmp_path / "no-login"
+    home.mkdir()
+    env = {
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_API_KEY": "",
+        "ANTHROPIC_BASE_URL": "",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    daemon = await start_butler(session_env=env)
+    async with Client(daemon.sse_url) as client:
+        with pytest.raises(ToolError, match="no credentials|ANTHROPIC_API_KEY|not logged in"):
+            await client.call_tool("trigger", {"prompt": "hello"})
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["success"] is False and row["error"]
+
+
+def _claude_children() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "claude" in " ".join(p.cmdline()).lower()
+    ]
+
+
+async def test_timeout_is_a_recorded_failure_and_leaves_no_process(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    daemon = await start_butler(
+        butler_config(runtime=RuntimeConfig(timeout_s=3, tick_interval_s=0))
+    )
+    scripted_api.delay_s = 30
+    async with Client(daemon.sse_url) as client:
+        with pytest.raises(ToolError, match="timed out after 3s"):
+            await client.call_tool("trigger", {"prompt": "take your time"})
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["success"] is False and "timed out" in row["error"]
+    for _ in range(50):
+        if not _claude_children():
+            break
+        await asyncio.sleep(0.1)
+    assert _claude_children() == []
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_sessions_are_serialised_per_butler(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, concurrency: int
+) -> None:
+    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_concurrent_sessions=concurrency)
+    daemon = await start_butler(butler_config(runtime=runtime))
+    scripted_api.script([text("ok")])
+    scripted_api.delay_s = 1.5
+    async with Client(daemon.sse_url) as client:
+        results = await asyncio.gather(
+            client.call_tool("trigger", {"prompt": "one"}),
+            client.call_tool("trigger", {"prompt": "two"}),
+        )
+    assert [r.data["result"] for r in results] == ["ok", "ok"]
+    # One session at a time by default: the model never saw two conversations at once.
+    assert scripted_api.max_in_flight == concurrency
+
+
+async def test_tick_runs_due_schedule_as_a_session(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    daemon = await start_butler()
+    scripted_api.script(
+        [tool_use("mcp__alpha__state_set", {"key": "reminded", "value": True})], [text("Reminded.")]
+    )
+    async with Client(daemon.sse_url) as client:
+        await client.call_tool(
+            "schedule_create", {"name": "remind", "cron": "* * * * *", "prompt": "Remind me"}
+        )
+        conn = await db_conn(daemon.config.database)
+        await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+        ran = (await client.call_tool("tick", {})).structured_content["ran"]
+        assert [(r["name"], r["success"]) for r in ran] == [("remind", True)]
+        # Claimed: a second tick right away runs nothing, and the next run moved forward.
+        assert (await client.call_tool("tick", {})).structured_content["ran"] == []
+    task = await conn.fetchrow("SELECT * FROM scheduled_tasks WHERE name='remind'")
+    assert task["last_run_at"] is not None and task["next_run_at"] > task["last_run_at"]
+    assert await conn.fetchval("SELECT value::text FROM state WHERE key='reminded'") == "true"
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["trigger_source"] == "schedule:remind" and row["success"] is True
