@@ -222,10 +222,16 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def _pid_is_postgres(pid: int) -> bool:
+def _pid_is_postgres(pid: int, pgdata: Path | None = None) -> bool:
+    """Whether `pid` is a live PostgreSQL server (on `pgdata`, when given): pids get reused."""
     try:
-        return psutil.Process(pid).name() in ("postgres", "postmaster")
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        process = psutil.Process(pid)
+        if process.name() not in ("postgres", "postmaster"):
+            return False
+        if pgdata is None:
+            return True
+        return str(pgdata) in " ".join(process.cmdline()) or Path(process.cwd()) == pgdata
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
 
@@ -236,7 +242,7 @@ def _running_postmaster(pgdata: Path) -> tuple[int, Path | None] | None:
         pid = int(lines[0])
     except (OSError, ValueError, IndexError):
         return None
-    if not _pid_is_postgres(pid):
+    if not _pid_is_postgres(pid, pgdata):
         return None
     socket_dir = Path(lines[4].strip()) if len(lines) > 4 and lines[4].strip() else None
     return pid, socket_dir

@@ -11,8 +11,6 @@ from fastmcp.exceptions import ToolError
 from butlers.core_tools import MAX_VALUE_BYTES
 from tests.conftest import StartButler
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture
 async def client(start_butler: StartButler):

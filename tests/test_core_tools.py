@@ -11,8 +11,6 @@ from fastmcp.exceptions import ToolError
 
 from tests.conftest import StartButler
 
-pytestmark = pytest.mark.asyncio
-
 
 @pytest.fixture(params=["sse", "mcp"])
 async def client(request, start_butler: StartButler):

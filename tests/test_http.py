@@ -8,8 +8,6 @@ from fastmcp import Client
 
 from tests.conftest import StartButler
 
-pytestmark = pytest.mark.asyncio
-
 
 async def _get(url: str, headers: dict | None = None) -> tuple[int, dict | str]:
     async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:

@@ -10,8 +10,6 @@ from fastmcp.client.transports import SSETransport
 from tests.conftest import StartButler
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
-pytestmark = pytest.mark.asyncio
-
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"

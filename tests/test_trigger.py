@@ -18,8 +18,6 @@ from butlers.spawner import McpTarget
 from tests.conftest import StartButler, butler_config
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
-pytestmark = pytest.mark.asyncio
-
 INSTRUCTIONS = "You are the alpha butler. Keep notes in state."
 
 

@@ -1,0 +1,3 @@
+from butlers.cli import main
+
+main()

@@ -1,0 +1,178 @@
+"""butler.toml loading: typed values, and errors that name the file, the key and what was
+expected; a broken butler is skipped while the rest load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from butlers.config import load_butler_config, load_config_dir
+from butlers.errors import ConfigError
+
+SHIPPED = Path(__file__).resolve().parent.parent / "config" / "butlers"
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "butler.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_config_loads_four_butlers_on_8100_to_8103() -> None:
+    fleet = load_config_dir(SHIPPED)
+    assert fleet.errors == ()
+    by_name = {b.name: b for b in fleet.butlers}
+    assert {n: b.port for n, b in by_name.items()} == {
+        "switchboard": 8100,
+        "general": 8101,
+        "relationship": 8102,
+        "health": 8103,
+    }
+    for butler in fleet.butlers:
+        assert butler.description, butler.name
+        assert butler.instructions and butler.instructions.startswith("#"), butler.name
+        assert butler.endpoint_url == f"http://127.0.0.1:{butler.port}/sse"
+        assert butler.database == f"butler_{butler.name}"
+    assert by_name["switchboard"].modules == ["telegram", "email"]
+    assert by_name["switchboard"].telegram.allowed_chat_ids == ()
+
+
+def test_full_config_is_typed(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "health",
+        """
+[butler]
+name = "health"
+description = "Health things."
+port = 8103
+host = "0.0.0.0"
+endpoint_url = "http://health:8103/sse"
+
+[butler.db]
+name = "health_db"
+
+[runtime]
+model = "sonnet"
+max_turns = 5
+timeout_s = 30
+max_concurrent_sessions = 2
+
+[modules.telegram]
+allowed_chat_ids = [12345, "67890"]
+
+[[switchboard.triage]]
+channel = "email"
+sender = "@school.example"
+pattern = "(?i)invoice"
+butler = "finance"
+""",
+    )
+    config = load_butler_config(path)
+    assert config.host == "0.0.0.0"
+    assert config.endpoint_url == "http://health:8103/sse"
+    assert config.database == "health_db"
+    assert (config.runtime.model, config.runtime.max_turns, config.runtime.timeout_s) == (
+        "sonnet",
+        5,
+        30.0,
+    )
+    assert config.runtime.max_concurrent_sessions == 2
+    assert config.telegram.allowed_chat_ids == ("12345", "67890")
+    assert config.telegram.mode == "polling"
+    [rule] = config.triage
+    assert rule.butler == "finance" and rule.pattern.search("Your INVOICE")
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[butler\nname=", None, "is not valid TOML"),
+        ("[butler]\nport = 8000\n", "butler.name", "is required"),
+        ('[butler]\nname = "x"\n', "butler.port", "is required"),
+        ('[butler]\nname = "x"\nport = "80"\n', "butler.port", "expected a port number, got '80'"),
+        ('[butler]\nname = "x"\nport = true\n', "butler.port", "expected a port number, got True"),
+        ('[butler]\nname = "x"\nport = 70000\n', "butler.port", "between 1 and 65535"),
+        ('[butler]\nname = "x"\nport = 1\ncolour = "red"\n', "butler.colour", "unknown key"),
+        (
+            '[butler]\nname = "x"\nport = 1\n[runtime]\nmax_turn = 3\n',
+            "runtime.max_turn",
+            "unknown key",
+        ),
+        (
+            '[butler]\nname = "x"\nport = 1\n[runtime]\nmax_turns = 0\n',
+            "runtime.max_turns",
+            "positive",
+        ),
+        ('[butler]\nname = "x"\nport = 1\n[extra]\n', "extra", "unknown key"),
+        ('[butler]\nname = "x"\nport = 1\n[modules.fax]\n', "modules.fax", "unknown module"),
+        (
+            '[butler]\nname = "x"\nport = 1\n[modules.telegram]\nmode = "push"\n',
+            "modules.telegram.mode",
+            "expected one of 'polling', 'webhook'",
+        ),
+        (
+            '[butler]\nname = "x"\nport = 1\n[modules.email]\nallowed_senders = [1.5]\n',
+            "modules.email.allowed_senders",
+            "list of strings",
+        ),
+        (
+            '[butler]\nname = "x"\nport = 1\n[[switchboard.triage]]\npattern = "("\nbutler = "g"\n',
+            "switchboard.triage[0].pattern",
+            "invalid regular expression",
+        ),
+        (
+            '[butler]\nname = "x"\nport = 1\n[[switchboard.triage]]\nchannel = "sms"\nbutler = "g"\n',
+            "switchboard.triage[0].channel",
+            "expected one of",
+        ),
+        ('[butler]\nname = "Bad Name"\nport = 1\n', "butler.name", "expected [a-z][a-z0-9_-]*"),
+        ('[butler]\nname = "y"\nport = 1\n', "butler.name", "must match its directory name 'x'"),
+    ],
+)
+def test_errors_name_file_key_and_expectation(tmp_path: Path, text: str, key, problem) -> None:
+    path = write(tmp_path, "x", text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_butler_config(path)
+    error = excinfo.value
+    assert error.path == path
+    assert error.key == key
+    assert problem in error.problem
+    assert str(path) in str(error)
+
+
+def test_broken_butler_is_skipped_and_the_rest_load(tmp_path: Path) -> None:
+    write(tmp_path, "good", '[butler]\nname = "good"\nport = 9001\n')
+    write(tmp_path, "broken", '[butler]\nname = "broken"\nport = "nope"\n')
+    write(tmp_path, "also", '[butler]\nname = "also"\nport = 9002\n')
+    (tmp_path / "not-a-butler").mkdir()  # no butler.toml: ignored, not an error
+    fleet = load_config_dir(tmp_path)
+    assert [b.name for b in fleet.butlers] == ["also", "good"]
+    [error] = fleet.errors
+    assert error.path == tmp_path / "broken" / "butler.toml" and error.key == "butler.port"
+
+
+def test_duplicate_port_skips_the_second_butler(tmp_path: Path) -> None:
+    write(tmp_path, "alpha", '[butler]\nname = "alpha"\nport = 9001\n')
+    write(tmp_path, "beta", '[butler]\nname = "beta"\nport = 9001\n')
+    fleet = load_config_dir(tmp_path)
+    assert [b.name for b in fleet.butlers] == ["alpha"]
+    [error] = fleet.errors
+    assert error.key == "butler.port" and "already used by 'alpha'" in error.problem
+
+
+def test_missing_config_dir_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    fleet = load_config_dir(tmp_path / "nowhere")
+    assert fleet.butlers == ()
+    assert "does not exist" in str(fleet.errors[0])
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    directory = tmp_path / "x"
+    directory.mkdir()
+    (directory / "butler.toml").write_bytes(b'[butler]\nname = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_butler_config(directory / "butler.toml")

@@ -1,0 +1,139 @@
+"""Databases: created when missing, migrated by alembic's core branch, and an embedded
+server that cleans stale locks, restarts on its old data and stops when told."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import asyncpg
+import psutil
+import pytest
+
+from butlers.db import (
+    EmbeddedServer,
+    ExternalServer,
+    ensure_database,
+    migrate,
+    server_from_environment,
+)
+from butlers.errors import DatabaseError
+
+
+async def _columns(conn: asyncpg.Connection, table: str) -> dict[str, tuple[str, str]]:
+    rows = await conn.fetch(
+        """SELECT column_name, data_type, is_nullable FROM information_schema.columns
+           WHERE table_name = $1 AND table_schema = 'public'""",
+        table,
+    )
+    return {r["column_name"]: (r["data_type"], r["is_nullable"]) for r in rows}
+
+
+async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> None:
+    name = "t_fresh_core"
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    await admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    try:
+        assert await ensure_database(pg_server, name) is True
+        assert await ensure_database(pg_server, name) is False
+        await migrate(pg_server, name, ("core",))
+        await migrate(pg_server, name, ("core",))  # idempotent
+        conn = await db_conn(name)
+        assert await conn.fetchval("SELECT version_num FROM alembic_version") == "core_0001"
+        assert await _columns(conn, "state") == {
+            "key": ("text", "NO"),
+            "value": ("jsonb", "NO"),
+            "updated_at": ("timestamp with time zone", "NO"),
+        }
+        assert set(await _columns(conn, "scheduled_tasks")) == {
+            "id",
+            "name",
+            "cron",
+            "prompt",
+            "enabled",
+            "next_run_at",
+            "last_run_at",
+            "created_at",
+        }
+        assert set(await _columns(conn, "sessions")) == {
+            "id",
+            "trigger_source",
+            "prompt",
+            "result",
+            "success",
+            "error",
+            "tool_calls",
+            "duration_ms",
+            "trace_id",
+            "started_at",
+            "finished_at",
+        }
+        await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_unreachable_server_is_a_clear_error() -> None:
+    server = ExternalServer("postgresql://nobody@127.0.0.1:1/x")
+    with pytest.raises(DatabaseError, match="cannot reach PostgreSQL at 127.0.0.1:1"):
+        await ensure_database(server, "anything")
+
+
+def test_server_resolution_from_environment(tmp_path: Path) -> None:
+    external = server_from_environment({"DATABASE_URL": "postgresql://u:p@db:5432/any"})
+    assert isinstance(external, ExternalServer)
+    assert external.dsn("butler_health") == "postgresql://u:p@db:5432/butler_health"
+    embedded = server_from_environment({"BUTLERS_DATA_DIR": str(tmp_path)})
+    assert isinstance(embedded, EmbeddedServer)
+    assert embedded.pgdata == (tmp_path / "pgdata").resolve()
+    default = server_from_environment({})
+    assert default.pgdata == (Path(".butlers") / "pgdata").resolve()
+    with pytest.raises(DatabaseError, match="must start with postgresql://"):
+        server_from_environment({"DATABASE_URL": "mysql://x"})
+
+
+def _postgres_on(pgdata: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if process.info["name"] == "postgres" and str(pgdata) in cmdline:
+            found.append(process)
+    return found
+
+
+async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: Path) -> None:
+    server = EmbeddedServer(tmp_path / "pgdata")
+    await server.start()
+    try:
+        await ensure_database(server, "keep")
+        conn = await asyncpg.connect(server.dsn("keep"))
+        await conn.execute("CREATE TABLE t (v text); INSERT INTO t VALUES ('still here')")
+        await conn.close()
+        socket_dir = server.socket_dir
+    finally:
+        await server.stop()
+    assert _postgres_on(server.pgdata) == []
+
+    # A crash leaves a postmaster.pid and a socket lock naming a pid that now belongs to
+    # another live process of the server's user: PostgreSQL alone refuses to start on them.
+    other = subprocess.Popen(
+        ["sleep", "60"], user="embedded_postgres" if os.geteuid() == 0 else None
+    )
+    (server.pgdata / "postmaster.pid").write_text(f"{other.pid}\n{server.pgdata}\n0\n5432\n\n\n\n")
+    (socket_dir / ".s.PGSQL.5432.lock").write_text(f"{other.pid}\n")
+
+    again = EmbeddedServer(tmp_path / "pgdata")
+    try:
+        await again.start()
+    finally:
+        other.kill()
+        other.wait()
+    try:
+        conn = await asyncpg.connect(again.dsn("keep"))
+        assert await conn.fetchval("SELECT v FROM t") == "still here"
+        await conn.close()
+    finally:
+        await again.stop()
+    assert _postgres_on(again.pgdata) == []
