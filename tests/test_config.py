@@ -125,7 +125,8 @@ butler = "finance"
             "invalid regular expression",
         ),
         (
-            '[butler]\nname = "x"\nport = 1\n[[switchboard.triage]]\nchannel = "sms"\nbutler = "g"\n',
+            '[butler]\nname = "x"\nport = 1\n'
+            '[[switchboard.triage]]\nchannel = "sms"\nbutler = "g"\n',
             "switchboard.triage[0].channel",
             "expected one of",
         ),

