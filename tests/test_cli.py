@@ -90,7 +90,7 @@ class Butlers:
     async def wait_stderr(self, text: str, timeout_s: float = 10) -> None:
         """stderr is drained by its own task: give it a moment to catch up."""
         async with asyncio.timeout(timeout_s):
-            while text not in self.stderr:
+            while text not in self.stderr:  # noqa: ASYNC110 - polling a string another task fills
                 await asyncio.sleep(0.05)
 
     async def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 10) -> int:
