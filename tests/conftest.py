@@ -51,7 +51,10 @@ async def pg_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[P
         yield ExternalServer(url)
         return
     if _docker_answers():
-        from testcontainers.postgres import PostgresContainer
+        try:
+            from testcontainers.community.postgres import PostgresContainer
+        except ImportError:  # testcontainers before the community split
+            from testcontainers.postgres import PostgresContainer
 
         with PostgresContainer("postgres:18-alpine", driver=None) as container:
             yield ExternalServer(container.get_connection_url())

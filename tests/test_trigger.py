@@ -159,7 +159,7 @@ async def test_sessions_are_serialised_per_butler(
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_concurrent_sessions=concurrency)
     daemon = await start_butler(butler_config(runtime=runtime))
     scripted_api.script([text("ok")])
-    scripted_api.delay_s = 1.5
+    scripted_api.delay_s = 3
     async with Client(daemon.sse_url) as client:
         results = await asyncio.gather(
             client.call_tool("trigger", {"prompt": "one"}),
