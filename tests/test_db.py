@@ -137,3 +137,21 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: 
     finally:
         await again.stop()
     assert _postgres_on(again.pgdata) == []
+
+
+async def test_server_left_running_by_a_killed_process_is_adopted(tmp_path: Path) -> None:
+    """`butlers up` killed with SIGKILL leaves its PostgreSQL running: the next start adopts it."""
+    first = EmbeddedServer(tmp_path / "pgdata")
+    await first.start()
+    postmaster = psutil.Process(int((first.pgdata / "postmaster.pid").read_text().split()[0]))
+    second = EmbeddedServer(tmp_path / "pgdata")
+    await second.start()
+    try:
+        assert second.socket_dir == first.socket_dir
+        conn = await asyncpg.connect(second.dsn("postgres"))
+        assert await conn.fetchval("SELECT 1") == 1
+        await conn.close()
+        assert postmaster.is_running()
+    finally:
+        await second.stop()
+    assert _postgres_on(first.pgdata) == []
