@@ -87,7 +87,11 @@ async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -
     server = server_from_environment()
     async with running(server):
         report = await start_fleet(
-            configs, server, data_dir=_data_dir(), auth_token=auth_token_from_environment()
+            configs,
+            server,
+            data_dir=_data_dir(),
+            auth_token=auth_token_from_environment(),
+            config_dir=config_dir,
         )
         try:
             for name, error in report.failed.items():

@@ -30,6 +30,8 @@ from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import start_modules
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
+from butlers.switchboard import Switchboard, attach_switchboard
+from butlers.switchboard.store import SwitchboardStore
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,12 @@ GRACEFUL_SHUTDOWN_S = 2
 STOP_TIMEOUT_S = 8.0
 
 
+SWITCHBOARD = "switchboard"
+
+
 def migration_branches(config: ButlerConfig) -> tuple[str, ...]:
-    """Alembic branches a butler's database gets, in order (core first, for every butler)."""
-    return ("core",)
+    """Alembic branches a butler's database gets, in order: core for all, then its own."""
+    return ("core", SWITCHBOARD) if config.name == SWITCHBOARD else ("core",)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -65,8 +70,12 @@ class ButlerDaemon:
         data_dir: Path,
         auth_token: str | None = None,
         session_env: Mapping[str, str] | None = None,
+        config_dir: Path | None = None,
     ) -> None:
         self.config = config
+        # The fleet's config directory: what the switchboard's discover() scans.
+        self.config_dir = config_dir or (config.config_dir.parent if config.config_dir else None)
+        self.switchboard: Switchboard | None = None
         self.db_server = db_server
         self.data_dir = data_dir
         self.auth_token = auth_token
@@ -123,6 +132,8 @@ class ButlerDaemon:
             middleware=[TraceContextMiddleware(config.name)],
         )
         register_core_tools(mcp, ctx)
+        if config.name == SWITCHBOARD:
+            await self._attach_switchboard(mcp)
         ctx.modules = start_modules(config, mcp, ctx)
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
@@ -151,6 +162,20 @@ class ButlerDaemon:
             self.base_url,
             extra={"action": "butler_started"},
         )
+
+    async def _attach_switchboard(self, mcp: FastMCP) -> None:
+        if self.config_dir is None:
+            raise ButlersError("the switchboard needs the config directory to discover butlers")
+        assert self._pool is not None
+        self.switchboard = attach_switchboard(
+            mcp,
+            SwitchboardStore(self._pool),
+            config_dir=self.config_dir,
+            auth_token=self.auth_token,
+        )
+        report = await self.switchboard.discover()
+        for error in report["errors"]:
+            logger.warning("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
 
     def _allowed_hosts(self) -> list[str]:
         from urllib.parse import urlsplit
@@ -227,6 +252,9 @@ class ButlerDaemon:
             except Exception:
                 logger.exception("butler %s: server ended with an error", self.config.name)
             self._serve_task = None
+        if self.switchboard is not None:
+            await self.switchboard.close()
+            self.switchboard = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -245,6 +273,7 @@ async def start_fleet(
     data_dir: Path,
     auth_token: str | None = None,
     session_env: Mapping[str, str] | None = None,
+    config_dir: Path | None = None,
 ) -> FleetReport:
     """Prepare each butler's database and start it; one failing butler never stops the others."""
     running: list[ButlerDaemon] = []

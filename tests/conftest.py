@@ -84,10 +84,19 @@ async def core_template(pg_server: PostgresServer) -> AsyncIterator[str]:
     await _drop(pg_server, name)
 
 
+@pytest.fixture(scope="session")
+async def switchboard_template(pg_server: PostgresServer) -> AsyncIterator[str]:
+    """Core, then the switchboard branch: what the switchboard's database gets."""
+    name = f"tmpl_switchboard_{uuid.uuid4().hex[:8]}"
+    await prepare_database(pg_server, name, ("core", "switchboard"))
+    yield name
+    await _drop(pg_server, name)
+
+
 @pytest.fixture
 async def make_database(
     pg_server: PostgresServer, core_template: str
-) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+) -> AsyncIterator[Callable[..., Awaitable[str]]]:
     created: list[str] = []
 
     async def make(template: str = core_template) -> str:
@@ -159,11 +168,16 @@ StartButler = Callable[..., Awaitable[ButlerDaemon]]
 @pytest.fixture
 async def start_butler(
     pg_server: PostgresServer,
-    make_database: Callable[[], Awaitable[str]],
+    make_database: Callable[..., Awaitable[str]],
+    switchboard_template: str,
     tmp_path: Path,
     claude_env: dict[str, str],
 ) -> AsyncIterator[StartButler]:
-    """Start real butler daemons on loopback, each on a fresh database; stopped after the test."""
+    """Start real butler daemons on loopback, each on a fresh database; stopped after the test.
+
+    A butler named `switchboard` gets the switchboard's tables and discovers `config_dir`.
+    Pass `database=` to start again on an earlier daemon's database (a restart).
+    """
     daemons: list[ButlerDaemon] = []
 
     async def start(
@@ -171,9 +185,17 @@ async def start_butler(
         *,
         auth_token: str | None = None,
         session_env: dict[str, str] | None = None,
+        config_dir: Path | None = None,
+        database: str | None = None,
     ) -> ButlerDaemon:
         config = config or butler_config()
-        database = await make_database()
+        if database is None:
+            is_switchboard = config.name == "switchboard"
+            database = (
+                await make_database(switchboard_template)
+                if is_switchboard
+                else await make_database()
+            )
         config = replace(config, db_name=database)
         daemon = ButlerDaemon(
             config,
@@ -181,6 +203,7 @@ async def start_butler(
             data_dir=tmp_path / "data",
             auth_token=auth_token,
             session_env=claude_env if session_env is None else session_env,
+            config_dir=config_dir,
         )
         await daemon.start()
         daemons.append(daemon)
@@ -213,3 +236,24 @@ def spans(_span_exporter):
     """The finished spans of this test (cleared at its start)."""
     _span_exporter.clear()
     return _span_exporter
+
+
+def write_butler_dir(
+    root: Path, name: str, port: int, *, description: str | None = None, extra: str = ""
+) -> Path:
+    """A config/butlers/<name>/butler.toml for a butler listening on `port`."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    description = description if description is not None else f"{name} test butler"
+    (directory / "butler.toml").write_text(
+        f'[butler]\nname = "{name}"\ndescription = "{description}"\nport = {port}\n{extra}'
+    )
+    return directory
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,147 @@
+"""route(): forward one tool call to a registered butler and log it.
+
+Unknown butlers and the switchboard itself are refused before any connection is made. Every
+call, whatever its outcome, leaves one routing_log row; a successful one also stamps the
+target's last_seen_at, in the same statement. The call runs inside a `switchboard.route` span
+whose context travels to the target as `_trace_context`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mcp_types
+from mcp.shared.exceptions import MCPError
+from opentelemetry.trace import Status, StatusCode
+
+from butlers.errors import ButlersError
+from butlers.switchboard.pool import McpClientPool, TargetTimeout, TargetUnreachable
+from butlers.switchboard.store import RouteRecord, SwitchboardStore
+from butlers.telemetry import current_carrier, current_trace_id, tracer
+
+SWITCHBOARD = "switchboard"
+SUMMARY_CHARS = 200
+ERROR_CHARS = 1000
+DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
+
+
+class RouteError(ButlersError):
+    """A route that did not reach a successful answer; the message is safe to show."""
+
+
+@dataclass(frozen=True)
+class RouteSource:
+    """Where a routed call came from: a channel and the sender's id on it."""
+
+    channel: str = "mcp"
+    source_id: str | None = None
+
+
+def summarize(arguments: dict[str, Any]) -> str | None:
+    """The `prompt` argument when there is one, else the arguments as JSON; truncated."""
+    if not arguments:
+        return None
+    prompt = arguments.get("prompt")
+    text = prompt if isinstance(prompt, str) else json.dumps(arguments, default=str)
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+def unwrap(result: mcp_types.CallToolResult) -> Any:
+    """The target's answer as plain JSON: its structured content, else its text."""
+    if result.structured_content is not None:
+        meta = result.meta or {}
+        wrapped = isinstance(meta.get("fastmcp"), dict) and meta["fastmcp"].get("wrap_result")
+        content = result.structured_content
+        return content.get("result") if wrapped else content
+    texts = [block.text for block in result.content if isinstance(block, mcp_types.TextContent)]
+    return "\n".join(texts)
+
+
+class Router:
+    def __init__(
+        self,
+        store: SwitchboardStore,
+        pool: McpClientPool,
+        *,
+        timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    async def route(
+        self,
+        butler_name: str,
+        tool_name: str,
+        arguments: dict[str, Any] | None = None,
+        *,
+        source: RouteSource = RouteSource(),
+    ) -> Any:
+        arguments = dict(arguments or {})
+        with tracer().start_as_current_span(
+            "switchboard.route",
+            attributes={
+                "target": butler_name,
+                "tool_name": tool_name,
+                "source_channel": source.channel,
+            },
+        ) as span:
+            started = time.monotonic()
+            error: str | None = None
+            try:
+                return await self._forward(butler_name, tool_name, arguments)
+            except RouteError as exc:
+                error = str(exc)
+                span.set_status(Status(StatusCode.ERROR, error[:200]))
+                raise
+            except asyncio.CancelledError:
+                error = "cancelled before the target answered"
+                raise
+            except Exception as exc:
+                error = f"internal error ({type(exc).__name__})"
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, error))
+                raise
+            finally:
+                record = RouteRecord(
+                    source_channel=source.channel,
+                    source_id=source.source_id,
+                    routed_to=butler_name,
+                    tool_name=tool_name,
+                    prompt_summary=summarize(arguments),
+                    trace_id=current_trace_id(),
+                    success=error is None,
+                    error=error[:ERROR_CHARS] if error else None,
+                    duration_ms=int((time.monotonic() - started) * 1000),
+                )
+                # The log row must be written even if our caller is cancelled meanwhile.
+                await asyncio.shield(self.store.record_route(record))
+
+    async def _forward(self, butler_name: str, tool_name: str, arguments: dict[str, Any]) -> Any:
+        if butler_name == SWITCHBOARD:
+            raise RouteError("routing to the Switchboard is not permitted")
+        endpoint = await self.store.endpoint_of(butler_name)
+        if endpoint is None:
+            raise RouteError(f"butler {butler_name!r} not found")
+        forwarded = {**arguments, "_trace_context": current_carrier()}
+        try:
+            result = await self.pool.call(endpoint, tool_name, forwarded, timeout_s=self.timeout_s)
+        except TargetUnreachable as exc:
+            raise RouteError(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
+        except TargetTimeout as exc:
+            raise RouteError(
+                f"butler {butler_name!r} at {endpoint} did not answer {tool_name!r}: {exc}"
+            ) from exc
+        except MCPError as exc:
+            raise RouteError(
+                f"butler {butler_name!r} at {endpoint} failed {tool_name!r}: {exc.message}"
+            ) from exc
+        if result.is_error:
+            raise RouteError(
+                f"butler {butler_name!r} answered {tool_name!r} with an error: {unwrap(result)}"
+            )
+        return unwrap(result)

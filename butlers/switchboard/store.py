@@ -1,0 +1,93 @@
+"""Every SQL statement on the switchboard's own tables: butler_registry and routing_log."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+REGISTRY_COLUMNS = "name, endpoint_url, description, modules, last_seen_at, registered_at"
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """What discover() writes for one butler found in the config directory."""
+
+    name: str
+    endpoint_url: str
+    description: str
+    modules: list[str]
+
+
+@dataclass(frozen=True)
+class RouteRecord:
+    """One routing_log row: where a call came from, where it went, and how it ended."""
+
+    source_channel: str
+    source_id: str | None
+    routed_to: str
+    tool_name: str
+    prompt_summary: str | None
+    trace_id: str | None
+    success: bool
+    error: str | None
+    duration_ms: int
+
+
+class SwitchboardStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def registry(self) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            f"SELECT {REGISTRY_COLUMNS} FROM butler_registry ORDER BY name"
+        )
+        return [dict(r) for r in rows]
+
+    async def endpoint_of(self, name: str) -> str | None:
+        return await self.pool.fetchval(
+            "SELECT endpoint_url FROM butler_registry WHERE name = $1", name
+        )
+
+    async def mark_seen(self, entries: Sequence[RegistryEntry]) -> None:
+        """Insert new butlers, refresh changed ones, and stamp all of them as seen now."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.executemany(
+                """
+                INSERT INTO butler_registry (name, endpoint_url, description, modules, last_seen_at)
+                VALUES ($1, $2, $3, $4, now())
+                ON CONFLICT (name) DO UPDATE SET
+                    endpoint_url = EXCLUDED.endpoint_url,
+                    description = EXCLUDED.description,
+                    modules = EXCLUDED.modules,
+                    last_seen_at = now()
+                """,
+                [(e.name, e.endpoint_url, e.description, e.modules) for e in entries],
+            )
+
+    async def record_route(self, record: RouteRecord) -> uuid.UUID:
+        """Log one route, and on success stamp the target as seen: one round trip for both."""
+        return await self.pool.fetchval(
+            """
+            WITH seen AS (
+                UPDATE butler_registry SET last_seen_at = now()
+                WHERE name = $3 AND $7::boolean
+            )
+            INSERT INTO routing_log (source_channel, source_id, routed_to, tool_name,
+                                     prompt_summary, trace_id, success, error, duration_ms)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+            RETURNING id
+            """,
+            record.source_channel,
+            record.source_id,
+            record.routed_to,
+            record.tool_name,
+            record.prompt_summary,
+            record.trace_id,
+            record.success,
+            record.error,
+            record.duration_ms,
+        )

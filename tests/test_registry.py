@@ -1,0 +1,198 @@
+"""The switchboard's registry: tables, discover() at startup and at runtime, list_butlers()."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+from fastmcp import Client
+
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+
+DESCRIPTIONS = {
+    "general": "General: anything that does not clearly fit a specialist.",
+    "relationship": "Relationships: people, birthdays, gifts.",
+    "health": "Health: weight, meals, medication, exercise, sleep, symptoms.",
+}
+
+
+def make_config_dir(root: Path, ports: dict[str, int]) -> Path:
+    for name, port in ports.items():
+        write_butler_dir(root, name, port, description=DESCRIPTIONS.get(name, f"{name} butler"))
+    return root
+
+
+async def start_switchboard(start_butler: StartButler, config_dir: Path, **kwargs):
+    port = free_port()
+    write_butler_dir(
+        config_dir,
+        "switchboard",
+        port,
+        description="Front door.",
+        extra="[modules.telegram]\n[modules.email]\n",
+    )
+    return await start_butler(
+        butler_config("switchboard", port=port), config_dir=config_dir, **kwargs
+    )
+
+
+async def call(client: Client, tool: str, **arguments):
+    result = await client.call_tool(tool, arguments)
+    content = result.structured_content
+    return content["result"] if content is not None and set(content) == {"result"} else content
+
+
+async def _columns(conn, table: str) -> dict[str, tuple]:
+    rows = await conn.fetch(
+        """SELECT column_name, data_type, is_nullable, column_default
+           FROM information_schema.columns WHERE table_name = $1 AND table_schema = 'public'""",
+        table,
+    )
+    return {r["column_name"]: (r["data_type"], r["is_nullable"], r["column_default"]) for r in rows}
+
+
+async def test_fresh_switchboard_database_has_spec_tables_after_core(
+    start_butler: StartButler, tmp_path: Path, db_conn
+) -> None:
+    switchboard = await start_switchboard(start_butler, tmp_path / "config")
+    conn = await db_conn(switchboard.config.database)
+    registry = await _columns(conn, "butler_registry")
+    assert registry == {
+        "name": ("text", "NO", None),
+        "endpoint_url": ("text", "NO", None),
+        "description": ("text", "YES", None),
+        "modules": ("jsonb", "NO", "'[]'::jsonb"),
+        "last_seen_at": ("timestamp with time zone", "YES", None),
+        "registered_at": ("timestamp with time zone", "NO", "now()"),
+    }
+    pk = await conn.fetchval(
+        """SELECT a.attname FROM pg_index i JOIN pg_attribute a
+           ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+           WHERE i.indrelid = 'butler_registry'::regclass AND i.indisprimary"""
+    )
+    assert pk == "name"
+    log = await _columns(conn, "routing_log")
+    spec = {
+        "id": ("uuid", "NO", "gen_random_uuid()"),
+        "source_channel": ("text", "NO", None),
+        "source_id": ("text", "YES", None),
+        "routed_to": ("text", "NO", None),
+        "prompt_summary": ("text", "YES", None),
+        "trace_id": ("text", "YES", None),
+        "created_at": ("timestamp with time zone", "NO", "now()"),
+    }
+    assert {k: log[k] for k in spec} == spec
+    assert {"tool_name", "success", "error", "duration_ms"} <= set(log)
+    for core in ("state", "scheduled_tasks", "sessions"):
+        assert await _columns(conn, core), core
+    # The switchboard branch depends on core, so alembic records just its head.
+    versions = [r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")]
+    assert versions == ["switchboard_0001"]
+
+
+async def test_other_butlers_do_not_get_switchboard_tables(
+    start_butler: StartButler, db_conn
+) -> None:
+    daemon = await start_butler()
+    conn = await db_conn(daemon.config.database)
+    assert await conn.fetchval("SELECT to_regclass('butler_registry')") is None
+
+
+async def test_startup_discovery_registers_every_butler(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    ports = {"general": 18101, "relationship": 18102, "health": 18103}
+    config_dir = make_config_dir(tmp_path / "config", ports)
+    before = datetime.now().astimezone()
+    switchboard = await start_switchboard(start_butler, config_dir)
+    async with Client(switchboard.sse_url) as client:
+        rows = await call(client, "list_butlers")
+    by_name = {row["name"]: row for row in rows}
+    assert set(by_name) == {"general", "relationship", "health", "switchboard"}
+    for name, port in ports.items():
+        row = by_name[name]
+        assert set(row) == {
+            "name",
+            "endpoint_url",
+            "description",
+            "modules",
+            "last_seen_at",
+            "registered_at",
+        }
+        assert row["endpoint_url"] == f"http://127.0.0.1:{port}/sse"
+        assert row["description"] == DESCRIPTIONS[name]
+        assert row["modules"] == []
+        registered = datetime.fromisoformat(row["registered_at"])
+        assert registered >= before.replace(microsecond=0)
+        assert datetime.fromisoformat(row["last_seen_at"]) >= registered
+    assert by_name["switchboard"]["modules"] == ["telegram", "email"]
+
+
+async def test_discover_at_runtime_adds_updates_and_keeps_stale(
+    start_butler: StartButler, tmp_path: Path, db_conn
+) -> None:
+    config_dir = make_config_dir(tmp_path / "config", {"general": 18101, "health": 18103})
+    switchboard = await start_switchboard(start_butler, config_dir)
+    conn = await db_conn(switchboard.config.database)
+    original = {r["name"]: dict(r) for r in await conn.fetch("SELECT * FROM butler_registry")}
+
+    await asyncio.sleep(0.01)
+    write_butler_dir(config_dir, "relationship", 18102, description="People.")  # new
+    write_butler_dir(
+        config_dir,
+        "health",
+        18103,
+        description="Health, now with sleep.",
+        extra="[modules.email]\n",
+    )  # changed description and modules
+    shutil.rmtree(config_dir / "general")  # gone
+    (config_dir / "broken").mkdir()
+    (config_dir / "broken" / "butler.toml").write_text("[butler]\nname = 'broken'\n")
+
+    async with Client(switchboard.sse_url) as client:
+        report = await call(client, "discover")
+        rows = {r["name"]: r for r in await call(client, "list_butlers")}
+
+    assert report["added"] == ["relationship"]
+    assert report["updated"] == [{"name": "health", "changed": ["description", "modules"]}]
+    assert report["stale"] == ["general"]
+    assert report["unchanged"] == ["switchboard"]
+    [error] = report["errors"]
+    assert error["path"].endswith("broken/butler.toml") and error["key"] == "butler.port"
+
+    assert rows["relationship"]["description"] == "People."
+    assert rows["health"]["description"] == "Health, now with sleep."
+    assert rows["health"]["modules"] == ["email"]
+    now = {r["name"]: dict(r) for r in await conn.fetch("SELECT * FROM butler_registry")}
+    # Stale: kept, last_seen_at untouched. Present: seen again; registered_at never moves.
+    assert now["general"]["last_seen_at"] == original["general"]["last_seen_at"]
+    assert now["health"]["last_seen_at"] > original["health"]["last_seen_at"]
+    assert now["health"]["registered_at"] == original["health"]["registered_at"]
+    assert "broken" not in now
+
+
+async def test_changed_endpoint_is_updated(start_butler: StartButler, tmp_path: Path) -> None:
+    config_dir = make_config_dir(tmp_path / "config", {"health": 18103})
+    switchboard = await start_switchboard(start_butler, config_dir)
+    write_butler_dir(config_dir, "health", 18103, description=DESCRIPTIONS["health"], extra="")
+    toml = config_dir / "health" / "butler.toml"
+    toml.write_text(
+        toml.read_text().replace("[butler]", '[butler]\nendpoint_url = "http://health:8103/sse"')
+    )
+    async with Client(switchboard.sse_url) as client:
+        report = await call(client, "discover")
+        rows = {r["name"]: r for r in await call(client, "list_butlers")}
+    assert report["updated"] == [{"name": "health", "changed": ["endpoint_url"]}]
+    assert rows["health"]["endpoint_url"] == "http://health:8103/sse"
+
+
+async def test_empty_registry_lists_nothing(start_butler: StartButler, tmp_path: Path) -> None:
+    config_dir = tmp_path / "empty"
+    config_dir.mkdir()
+    switchboard = await start_butler(butler_config("switchboard"), config_dir=config_dir)
+    async with Client(switchboard.sse_url) as client:
+        result = await client.call_tool("list_butlers", {})
+        assert not result.is_error
+        assert await call(client, "list_butlers") == []
