@@ -25,7 +25,7 @@ from butlers.context import ButlerContext
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
-from butlers.http import build_app
+from butlers.http import ButlerApp, build_app
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import start_modules
 from butlers.spawner import Spawner
@@ -84,6 +84,7 @@ class ButlerDaemon:
         self.context: ButlerContext | None = None
         self._pool: asyncpg.Pool | None = None
         self._uvicorn: _EmbeddedUvicorn | None = None
+        self._app: ButlerApp | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._state = "new"
@@ -137,7 +138,7 @@ class ButlerDaemon:
         ctx.modules = start_modules(config, mcp, ctx)
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
-        app = build_app(
+        app, self._app = build_app(
             mcp, self._health, auth_token=self.auth_token, allowed_hosts=self._allowed_hosts()
         )
         uv_config = uvicorn.Config(
@@ -242,6 +243,8 @@ class ButlerDaemon:
                 await self._ticker
             self._ticker = None
         if self._uvicorn is not None and self._serve_task is not None:
+            if self._app is not None:
+                self._app.drain()  # end open MCP streams so shutdown does not wait for them
             self._uvicorn.should_exit = True
             try:
                 await asyncio.wait_for(asyncio.shield(self._serve_task), STOP_TIMEOUT_S)
@@ -300,7 +303,11 @@ async def start_fleet(
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
-    await asyncio.gather(*(d.stop() for d in daemons), return_exceptions=True)
+    """The switchboard first (it holds client sessions to the others), then the rest at once."""
+    front = [d for d in daemons if d.config.name == SWITCHBOARD]
+    rest = [d for d in daemons if d.config.name != SWITCHBOARD]
+    await asyncio.gather(*(d.stop() for d in front), return_exceptions=True)
+    await asyncio.gather(*(d.stop() for d in rest), return_exceptions=True)
 
 
 def auth_token_from_environment() -> str | None:

@@ -6,13 +6,14 @@ routes are merged into the streamable-HTTP app (whose lifespan runs the server's
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable
 
 from fastmcp import FastMCP
 from starlette.applications import Starlette
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
@@ -53,36 +54,70 @@ async def _json(send: Send, status: int, body: dict, extra: list | None = None) 
     await send({"type": "http.response.body", "body": payload})
 
 
+class ButlerApp:
+    """The ASGI app of one butler, able to end its open streams when the butler stops.
+
+    Open SSE streams (an MCP client's session) would otherwise hold uvicorn's shutdown until
+    its graceful timeout and then be cancelled with a logged traceback. `drain()` tells every
+    in-flight request that its client disconnected, which ends those streams cleanly.
+    """
+
+    def __init__(
+        self,
+        mcp: FastMCP,
+        health: Callable[[], Awaitable[tuple[int, dict]]],
+        *,
+        allowed_hosts: list[str] | None = None,
+    ) -> None:
+        # Host/Origin checks guard browsers against DNS rebinding; docker names must pass.
+        self._app: Starlette = mcp.http_app(
+            transport="http", path=MCP_PATH, allowed_hosts=allowed_hosts or None
+        )
+        sse_app = mcp.http_app(transport="sse", path=SSE_PATH, allowed_hosts=allowed_hosts or None)
+        self._app.router.routes[0:0] = [
+            route
+            for route in sse_app.router.routes
+            if getattr(route, "path", "") in (SSE_PATH, MESSAGES_PATH)
+        ]
+        self._health = health
+        self._draining = asyncio.Event()
+
+    def drain(self) -> None:
+        self._draining.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        if scope["path"] == HEALTH_PATH:
+            status, body = await self._health()
+            await _json(send, status, body)
+            return
+        await self._app(scope, self._until_drained(receive), send)
+
+    def _until_drained(self, receive: Receive) -> Receive:
+        async def receive_or_disconnect() -> Message:
+            if self._draining.is_set():
+                return {"type": "http.disconnect"}
+            message = asyncio.ensure_future(receive())
+            draining = asyncio.ensure_future(self._draining.wait())
+            done, _ = await asyncio.wait({message, draining}, return_when=asyncio.FIRST_COMPLETED)
+            if message in done:
+                draining.cancel()
+                return message.result()
+            message.cancel()
+            return {"type": "http.disconnect"}
+
+        return receive_or_disconnect
+
+
 def build_app(
     mcp: FastMCP,
     health: Callable[[], Awaitable[tuple[int, dict]]],
     *,
     auth_token: str | None,
     allowed_hosts: list[str] | None = None,
-) -> ASGIApp:
-    """One ASGI app with /sse + /messages/, /mcp and /health for one butler."""
-    # Host/Origin checks guard browsers against DNS rebinding; docker service names must pass.
-    app: Starlette = mcp.http_app(
-        transport="http", path=MCP_PATH, allowed_hosts=allowed_hosts or None
-    )
-    sse_app = mcp.http_app(transport="sse", path=SSE_PATH, allowed_hosts=allowed_hosts or None)
-    sse_routes = [
-        route
-        for route in sse_app.router.routes
-        if getattr(route, "path", "") in (SSE_PATH, MESSAGES_PATH)
-    ]
-    app.router.routes[0:0] = sse_routes
-
-    async def health_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-        status, body = await health()
-        await _json(send, status, body)
-
-    async def root(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == HEALTH_PATH:
-            await health_endpoint(scope, receive, send)
-            return
-        await app(scope, receive, send)
-
-    if auth_token:
-        return BearerTokenMiddleware(root, auth_token)
-    return root
+) -> tuple[ASGIApp, ButlerApp]:
+    """The served app (behind the bearer check when a token is set) and the app itself."""
+    app = ButlerApp(mcp, health, allowed_hosts=allowed_hosts)
+    return (BearerTokenMiddleware(app, auth_token) if auth_token else app), app

@@ -47,7 +47,7 @@ class TraceContextMiddleware(Middleware):
             or otel_context.get_current()
         )
         with tracer().start_as_current_span(
-            f"{self.butler_name}.{params.name}",
+            f"{self.butler_name}/{params.name}",
             context=parent,
             kind=SpanKind.SERVER,
             attributes={"butler": self.butler_name, "tool_name": params.name},

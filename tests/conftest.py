@@ -210,7 +210,7 @@ async def start_butler(
         return daemon
 
     yield start
-    for daemon in daemons:
+    for daemon in reversed(daemons):  # clients (a switchboard) before the butlers they call
         with contextlib.suppress(Exception):
             await daemon.stop()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import aiohttp
 import pytest
 from fastmcp import Client
@@ -75,3 +77,29 @@ async def test_without_token_configured_no_auth_needed(start_butler: StartButler
     daemon = await start_butler()
     async with Client(f"{daemon.base_url}/mcp") as client:
         assert (await client.call_tool("status", {})).data["name"] == "alpha"
+
+
+async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
+    start_butler: StartButler, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    from butlers.daemon import GRACEFUL_SHUTDOWN_S
+
+    daemon = await start_butler()
+    sse = Client(daemon.sse_url)
+    http = Client(f"{daemon.base_url}/mcp")
+    await sse.__aenter__()
+    await http.__aenter__()
+    try:
+        await sse.call_tool("status", {})
+        await http.call_tool("status", {})
+        started = time.monotonic()
+        await daemon.stop()
+        assert time.monotonic() - started < GRACEFUL_SHUTDOWN_S
+    finally:
+        for client in (sse, http):
+            with contextlib.suppress(Exception):
+                await client.close()
+    assert not [r for r in caplog.records if "graceful shutdown exceeded" in r.getMessage()]
+    assert not [r for r in caplog.records if r.exc_info and r.name.startswith("uvicorn")]

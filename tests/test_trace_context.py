@@ -37,7 +37,7 @@ async def test_trace_context_argument_continues_the_trace(start_butler: StartBut
         await client.call_tool(
             "state_set", {"key": "k", "value": 1, "_trace_context": {"traceparent": TRACEPARENT}}
         )
-    span = _tool_span(spans, "alpha.state_set")
+    span = _tool_span(spans, "alpha/state_set")
     assert format(span.context.trace_id, "032x") == TRACE_ID
     assert format(span.parent.span_id, "016x") == PARENT_ID
     assert span.attributes["tool_name"] == "state_set"
@@ -51,7 +51,7 @@ async def test_meta_traceparent_is_honoured(start_butler: StartButler, spans) ->
     async with Client(daemon.sse_url) as client:
         with trace.get_tracer("test").start_as_current_span("caller") as caller:
             await client.call_tool("status", {})
-    span = _tool_span(spans, "alpha.status")
+    span = _tool_span(spans, "alpha/status")
     assert span.context.trace_id == caller.get_span_context().trace_id
     assert _ancestors(span, spans)[-1] == "caller"
 
@@ -70,7 +70,7 @@ async def test_http_traceparent_header_is_honoured(
     transport = SSETransport(daemon.sse_url, headers={"traceparent": TRACEPARENT})
     async with Client(transport) as client:
         await client.call_tool("status", {})
-    span = _tool_span(spans, "alpha.status")
+    span = _tool_span(spans, "alpha/status")
     assert format(span.context.trace_id, "032x") == TRACE_ID
 
 
@@ -78,7 +78,7 @@ async def test_without_context_each_call_is_its_own_trace(start_butler: StartBut
     daemon = await start_butler()
     async with Client(daemon.sse_url) as client:
         await client.call_tool("status", {})
-    span = _tool_span(spans, "alpha.status")
+    span = _tool_span(spans, "alpha/status")
     assert format(span.context.trace_id, "032x") != TRACE_ID
 
 
@@ -93,12 +93,12 @@ async def test_triggered_session_tools_join_the_trigger_trace(
             "trigger", {"prompt": "look", "_trace_context": {"traceparent": TRACEPARENT}}
         )
     assert result.data["trace_id"] == TRACE_ID
-    trigger = _tool_span(spans, "alpha.trigger")
+    trigger = _tool_span(spans, "alpha/trigger")
     session = _tool_span(spans, "butler.session")
-    tool = _tool_span(spans, "alpha.state_get")
+    tool = _tool_span(spans, "alpha/state_get")
     assert {format(s.context.trace_id, "032x") for s in (trigger, session, tool)} == {TRACE_ID}
     assert trigger.parent.span_id == int(PARENT_ID, 16)
-    assert "alpha.trigger" in _ancestors(session, spans)
+    assert "alpha/trigger" in _ancestors(session, spans)
     # The session's tool call came back in through Claude Code, under the session's span.
     assert _ancestors(tool, spans)[0] == "butler.session"
 
@@ -120,4 +120,4 @@ async def test_session_cannot_call_tools_outside_its_allow_list(
     results = scripted_api.tool_results()
     assert len(results) == 2 and all(r.get("is_error") for r in results)
     # Only the outer trigger reached the butler: the session's own attempt never did.
-    assert len([s for s in spans.get_finished_spans() if s.name == "alpha.trigger"]) == 1
+    assert len([s for s in spans.get_finished_spans() if s.name == "alpha/trigger"]) == 1
