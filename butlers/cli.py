@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from butlers.config import ButlerConfig, load_config_dir
 from butlers.daemon import (
@@ -58,18 +60,19 @@ def _select(config_dir: Path, only: Sequence[str] | None) -> list[ButlerConfig]:
     return list(fleet.butlers)
 
 
+def _print_rows(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
 def _print_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
     rows = [("NAME", "MCP (SSE)", "STREAMABLE HTTP", "HEALTH")]
     rows += [
         (d.config.name, d.sse_url, f"{d.base_url}/mcp", f"{d.base_url}/health") for d in daemons
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     print(f"Butlers ready ({db_description}):")
-    for row in rows:
-        print(
-            "  "
-            + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+    _print_rows(rows, indent="  ")
     print("Press Ctrl-C to stop.", flush=True)
 
 
@@ -124,6 +127,89 @@ async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
     return 1 if failed else 0
 
 
+DEFAULT_SWITCHBOARD_URL = "http://127.0.0.1:8100/sse"
+
+
+async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> Any:
+    from fastmcp import Client
+    from fastmcp.exceptions import ToolError
+
+    from butlers.switchboard.route import unwrap
+
+    try:
+        async with Client(url, auth=auth_token_from_environment()) as client:
+            result = await client.call_tool_mcp(tool, arguments)
+    except RuntimeError as exc:
+        raise CommandError(f"cannot reach the switchboard at {url}: {exc}") from exc
+    except ToolError as exc:
+        raise CommandError(str(exc)) from exc
+    if result.is_error:
+        raise CommandError(str(unwrap(result)))
+    return unwrap(result)
+
+
+def _print_butlers(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("No butlers registered. Run `butlers discover` after adding config/butlers/<name>/.")
+        return
+    table = [("NAME", "ENDPOINT", "MODULES", "LAST SEEN", "DESCRIPTION")]
+    for row in rows:
+        description = row.get("description") or ""
+        table.append(
+            (
+                row["name"],
+                row["endpoint_url"],
+                ",".join(row.get("modules") or []) or "-",
+                (row.get("last_seen_at") or "never")[:19].replace("T", " "),
+                description if len(description) <= 60 else description[:59] + "…",
+            )
+        )
+    _print_rows(table)
+
+
+def _print_discover(report: dict[str, Any]) -> None:
+    print(f"added:     {', '.join(report['added']) or '-'}")
+    updated = [f"{u['name']} ({', '.join(u['changed'])})" for u in report["updated"]]
+    print(f"updated:   {', '.join(updated) or '-'}")
+    print(f"unchanged: {', '.join(report['unchanged']) or '-'}")
+    print(f"stale:     {', '.join(report['stale']) or '-'}")
+    for error in report["errors"]:
+        print(f"error:     {error['path']}: {error['key']}: {error['problem']}")
+
+
+def _print_result(result: Any) -> None:
+    print(result if isinstance(result, str) else json.dumps(result, indent=2, ensure_ascii=False))
+
+
+async def client_command(args: argparse.Namespace) -> int:
+    if args.command == "list":
+        result = await _call_switchboard(args.url, "list_butlers", {})
+        show = _print_butlers
+    elif args.command == "discover":
+        result = await _call_switchboard(args.url, "discover", {})
+        show = _print_discover
+    else:
+        try:
+            route_args = json.loads(args.args)
+        except json.JSONDecodeError as exc:
+            raise CommandError(
+                f'ARGS must be a JSON object such as \'{{"prompt": "hi"}}\': {exc}'
+            ) from exc
+        if not isinstance(route_args, dict):
+            raise CommandError(f"ARGS must be a JSON object, got {type(route_args).__name__}")
+        result = await _call_switchboard(
+            args.url,
+            "route",
+            {"butler_name": args.butler, "tool_name": args.tool, "args": route_args},
+        )
+        show = _print_result
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        show(result)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="butlers",
@@ -159,6 +245,23 @@ def _parser() -> argparse.ArgumentParser:
     upgrade = db_commands.add_parser("upgrade", help="create and migrate butler databases")
     config_dir_arg(upgrade)
     upgrade.add_argument("names", nargs="*", metavar="NAME")
+
+    def client_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--url",
+            default=os.environ.get("BUTLERS_SWITCHBOARD_URL", DEFAULT_SWITCHBOARD_URL),
+            help="the switchboard's MCP endpoint (default %(default)s, "
+            "env BUTLERS_SWITCHBOARD_URL)",
+        )
+        p.add_argument("--json", action="store_true", help="print JSON, for scripts")
+
+    client_args(commands.add_parser("list", help="list the registered butlers"))
+    client_args(commands.add_parser("discover", help="re-scan the config directory"))
+    route = commands.add_parser("route", help="call a tool on a butler through the switchboard")
+    client_args(route)
+    route.add_argument("butler")
+    route.add_argument("tool")
+    route.add_argument("args", nargs="?", default="{}", help="tool arguments as a JSON object")
     return parser
 
 
@@ -170,6 +273,8 @@ async def cli(argv: Sequence[str]) -> int:
     )
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
+    if args.command in ("list", "discover", "route"):
+        return await client_command(args)
     service = f"butler-{args.name}" if args.command == "run" else "butlers"
     provider = setup_tracing(service)
     try:

@@ -1,0 +1,94 @@
+"""`butlers list | discover | route` against a running switchboard, as a user runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import StartButler, write_butler_dir
+from tests.test_route import Fleet, make_fleet
+
+BUTLERS = str(Path(sys.executable).parent / "butlers")
+
+
+async def run_cli(*args: str, token: str | None = None) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+    if token:
+        env["BUTLERS_AUTH_TOKEN"] = token
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS, *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(60):
+        stdout, stderr = await process.communicate()
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+@pytest.fixture
+async def fleet(start_butler: StartButler, tmp_path: Path) -> Fleet:
+    return await make_fleet(start_butler, tmp_path, names=("general",), auth_token="cli-token")
+
+
+async def test_list_human_and_json(fleet: Fleet) -> None:
+    url = fleet.switchboard.sse_url
+    code, out, err = await run_cli("list", "--url", url, token="cli-token")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "ENDPOINT", "MODULES", "LAST", "SEEN", "DESCRIPTION"]
+    assert any(
+        line.startswith("general ") and fleet.targets["general"].sse_url in line for line in lines
+    )
+    code, out, _ = await run_cli("list", "--url", url, "--json", token="cli-token")
+    rows = json.loads(out)
+    assert {r["name"] for r in rows} == {"general", "switchboard"}
+
+
+async def test_discover_reports_changes(fleet: Fleet) -> None:
+    write_butler_dir(fleet.config_dir, "health", 18999)
+    code, out, err = await run_cli(
+        "discover", "--url", fleet.switchboard.sse_url, token="cli-token"
+    )
+    assert code == 0, err
+    assert "added:     health" in out and "stale:     -" in out
+    code, out, _ = await run_cli(
+        "discover", "--url", fleet.switchboard.sse_url, "--json", token="cli-token"
+    )
+    assert json.loads(out)["unchanged"] == ["general", "health", "switchboard"]
+
+
+async def test_route_prints_the_targets_answer(fleet: Fleet) -> None:
+    url = fleet.switchboard.sse_url
+    code, out, err = await run_cli(
+        "route",
+        "general",
+        "state_set",
+        '{"key": "cli", "value": [1, 2]}',
+        "--url",
+        url,
+        token="cli-token",
+    )
+    assert code == 0, err
+    assert json.loads(out)["key"] == "cli"
+    code, out, err = await run_cli(
+        "route", "general", "state_get", '{"key": "cli"}', "--url", url, "--json", token="cli-token"
+    )
+    assert json.loads(out) == [1, 2]
+
+
+async def test_errors_are_one_clear_line(fleet: Fleet) -> None:
+    url = fleet.switchboard.sse_url
+    code, _, err = await run_cli("route", "ghost", "status", "--url", url, token="cli-token")
+    assert code == 1 and "error: butler 'ghost' not found" in err and "Traceback" not in err
+    code, _, err = await run_cli(
+        "route", "general", "status", "{not json", "--url", url, token="cli-token"
+    )
+    assert code == 1 and "ARGS must be a JSON object" in err
+    code, _, err = await run_cli("list", "--url", "http://127.0.0.1:9/sse")
+    assert code == 1 and "cannot reach the switchboard at http://127.0.0.1:9/sse" in err
+    assert "Traceback" not in err
+    code, _, err = await run_cli("list", "--url", url)  # no token
+    assert code == 1 and "cannot reach the switchboard" in err
