@@ -139,13 +139,28 @@ async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> A
     try:
         async with Client(url, auth=auth_token_from_environment()) as client:
             result = await client.call_tool_mcp(tool, arguments)
-    except RuntimeError as exc:
-        raise CommandError(f"cannot reach the switchboard at {url}: {exc}") from exc
     except ToolError as exc:
         raise CommandError(str(exc)) from exc
+    except Exception as exc:  # connect failures arrive as RuntimeError or exception groups
+        raise CommandError(f"cannot reach the switchboard at {url}: {_connect_error(exc)}") from exc
     if result.is_error:
         raise CommandError(str(unwrap(result)))
     return unwrap(result)
+
+
+def _connect_error(exc: BaseException) -> str:
+    """The innermost, most telling cause of a failed connection."""
+    while True:
+        if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "401" in text:
+        return "401 Unauthorized: set BUTLERS_AUTH_TOKEN to the switchboard's token"
+    return text.removeprefix("Client failed to connect: ")
 
 
 def _print_butlers(rows: list[dict[str, Any]]) -> None:

@@ -91,4 +91,5 @@ async def test_errors_are_one_clear_line(fleet: Fleet) -> None:
     assert code == 1 and "cannot reach the switchboard at http://127.0.0.1:9/sse" in err
     assert "Traceback" not in err
     code, _, err = await run_cli("list", "--url", url)  # no token
-    assert code == 1 and "cannot reach the switchboard" in err
+    assert code == 1 and "401 Unauthorized: set BUTLERS_AUTH_TOKEN" in err
+    assert "Traceback" not in err, err
