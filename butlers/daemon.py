@@ -190,11 +190,15 @@ class ButlerDaemon:
     def _bind(self) -> socket.socket:
         host, port = self.config.host, self.config.port
         try:
-            return socket.create_server((host, port), reuse_port=False, backlog=128)
+            sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         except OSError as exc:
             raise ButlersError(
                 f"butler {self.config.name!r} cannot listen on {host}:{port}: {exc.strerror or exc}"
             ) from exc
+        # Accepted sockets inherit this. Without it every MCP reply over SSE waits ~40 ms for a
+        # delayed ACK (Nagle): measured 44 ms per call instead of 4 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     async def _serve(self, sock: socket.socket) -> None:
         assert self._uvicorn is not None

@@ -93,7 +93,9 @@ class ButlerApp:
             status, body = await self._health()
             await _json(send, status, body)
             return
-        await self._app(scope, self._until_drained(receive), send)
+        if scope["method"] == "GET":  # long-lived streams: an MCP session's SSE stream
+            receive = self._until_drained(receive)
+        await self._app(scope, receive, send)
 
     def _until_drained(self, receive: Receive) -> Receive:
         async def receive_or_disconnect() -> Message:

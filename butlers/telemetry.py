@@ -23,8 +23,19 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "butlers"
 
 
+_TRACER = trace.get_tracer(TRACER_NAME)  # a proxy: follows whatever provider is installed
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    return _TRACER
+
+
+def let_butlers_own_mcp_spans() -> None:
+    """FastMCP's own per-request spans duplicate ours (one per tool call, with the caller's
+    context); keep its context propagation, drop its spans. Process-wide, like the provider."""
+    import fastmcp
+
+    fastmcp.settings.telemetry_mode = "propagation_only"
 
 
 def setup_tracing(service_name: str) -> Any:
@@ -37,6 +48,7 @@ def setup_tracing(service_name: str) -> Any:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
+    let_butlers_own_mcp_spans()
     name = os.environ.get("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):

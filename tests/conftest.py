@@ -224,6 +224,9 @@ def _span_exporter():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from butlers.telemetry import let_butlers_own_mcp_spans
+
+    let_butlers_own_mcp_spans()  # as setup_tracing does in `butlers up`
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

@@ -31,7 +31,9 @@ class Switchboard:
     config_dir: Path
 
     async def discover(self) -> dict[str, Any]:
-        return await discover(self.store, self.config_dir)
+        report = await discover(self.store, self.config_dir)
+        self.router.forget_endpoints()
+        return report
 
     async def close(self) -> None:
         await self.pool.close()

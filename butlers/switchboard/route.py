@@ -72,6 +72,20 @@ class Router:
         self.store = store
         self.pool = pool
         self.timeout_s = timeout_s
+        # name -> endpoint_url, filled on first use; discover() and failures clear it. Saves a
+        # database round trip per call; a row edited behind our back is picked up on a miss.
+        self._endpoints: dict[str, str] = {}
+
+    def forget_endpoints(self) -> None:
+        self._endpoints.clear()
+
+    async def _endpoint_of(self, butler_name: str) -> str | None:
+        endpoint = self._endpoints.get(butler_name)
+        if endpoint is None:
+            endpoint = await self.store.endpoint_of(butler_name)
+            if endpoint is not None:
+                self._endpoints[butler_name] = endpoint
+        return endpoint
 
     async def route(
         self,
@@ -124,13 +138,14 @@ class Router:
     async def _forward(self, butler_name: str, tool_name: str, arguments: dict[str, Any]) -> Any:
         if butler_name == SWITCHBOARD:
             raise RouteError("routing to the Switchboard is not permitted")
-        endpoint = await self.store.endpoint_of(butler_name)
+        endpoint = await self._endpoint_of(butler_name)
         if endpoint is None:
             raise RouteError(f"butler {butler_name!r} not found")
         forwarded = {**arguments, "_trace_context": current_carrier()}
         try:
             result = await self.pool.call(endpoint, tool_name, forwarded, timeout_s=self.timeout_s)
         except TargetUnreachable as exc:
+            self._endpoints.pop(butler_name, None)  # re-read the registry next time
             raise RouteError(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
         except TargetTimeout as exc:
             raise RouteError(
