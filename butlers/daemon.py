@@ -31,6 +31,7 @@ from butlers.modules import start_modules
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
+from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.store import SwitchboardStore
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class ButlerDaemon:
                 self._serve_task.result()  # raises what went wrong
                 raise ButlersError(f"butler {config.name!r} stopped while starting")
             await asyncio.sleep(0.01)
+        if self.switchboard is not None:
+            await self.switchboard.start_worker()
         if config.runtime.tick_interval_s > 0:
             self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
         logger.info(
@@ -168,10 +171,17 @@ class ButlerDaemon:
         if self.config_dir is None:
             raise ButlersError("the switchboard needs the config directory to discover butlers")
         assert self._pool is not None
+        assert self.context is not None
+        context = self.context
         self.switchboard = attach_switchboard(
             mcp,
             SwitchboardStore(self._pool),
+            InboxStore(self._pool),
+            context.spawner,
             config_dir=self.config_dir,
+            self_url=self.sse_url,
+            tool_names=lambda: context.tool_names,
+            triage_rules=self.config.triage,
             auth_token=self.auth_token,
         )
         report = await self.switchboard.discover()

@@ -1,24 +1,34 @@
 """The Switchboard: the butler at the front door.
 
-A message's path reads top to bottom through this package: intake (butlers.modules) ->
-inbox -> classify -> route -> reply. This issue's part: the registry (discover, list_butlers)
-and route, over pooled MCP-over-SSE sessions.
+A message's path reads top to bottom through this package:
+intake (butlers.modules) -> inbox -> classifier -> route -> reply (worker).
+The registry (discover, list_butlers) says where each butler lives.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastmcp import FastMCP
 from fastmcp.exceptions import ToolError
+from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
+from butlers.config import TriageRule
+from butlers.spawner import Spawner
+from butlers.switchboard.classifier import INBOX_HEADER
+from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
-from butlers.switchboard.route import RouteError, Router
+from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
+from butlers.switchboard.worker import InboxWorker, reply_text
+
+MAX_ASK_CHARS = 200_000
 
 
 @dataclass
@@ -28,6 +38,7 @@ class Switchboard:
     store: SwitchboardStore
     router: Router
     pool: McpClientPool
+    worker: InboxWorker
     config_dir: Path
 
     async def discover(self) -> dict[str, Any]:
@@ -35,36 +46,68 @@ class Switchboard:
         self.router.forget_endpoints()
         return report
 
+    async def start_worker(self) -> None:
+        """Once the switchboard serves: the classifier's sessions connect back to it."""
+        await self.worker.start()
+
     async def close(self) -> None:
+        await self.worker.stop()
         await self.pool.close()
+
+
+async def _route_source(inbox: InboxStore) -> RouteSource:
+    """A classification session names its inbox message in a header; anything else is `mcp`."""
+    raw = get_http_headers(include={INBOX_HEADER.lower()}).get(INBOX_HEADER.lower())
+    if raw is None:
+        return RouteSource()
+    try:
+        message = await inbox.processing(int(raw))
+    except ValueError:
+        message = None
+    if message is None:
+        raise ToolError(f"{INBOX_HEADER} {raw!r} names no message being processed")
+    return RouteSource(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
 
 
 def attach_switchboard(
     mcp: FastMCP,
     store: SwitchboardStore,
+    inbox: InboxStore,
+    spawner: Spawner,
     *,
     config_dir: Path,
+    self_url: str,
+    tool_names: Callable[[], Sequence[str]],
+    triage_rules: Sequence[TriageRule] = (),
     auth_token: str | None,
-    route_timeout_s: float | None = None,
 ) -> Switchboard:
-    """Create the switchboard's parts and register route, list_butlers and discover."""
+    """Create the switchboard's parts and register route, list_butlers, discover and ask."""
     pool = McpClientPool(auth_token=auth_token)
-    router = (
-        Router(store, pool)
-        if route_timeout_s is None
-        else Router(store, pool, timeout_s=route_timeout_s)
+    router = Router(store, pool)
+    worker = InboxWorker(
+        inbox=inbox,
+        store=store,
+        router=router,
+        spawner=spawner,
+        triage_rules=triage_rules,
+        switchboard_url=self_url,
+        switchboard_tools=tool_names,
     )
-    switchboard = Switchboard(store=store, router=router, pool=pool, config_dir=config_dir)
+    switchboard = Switchboard(store, router, pool, worker, config_dir)
 
     @mcp.tool
     async def route(
         butler_name: str, tool_name: str, args: dict[str, Any] | None = None
     ) -> JsonValue:
         """Call `tool_name` with `args` on the butler `butler_name`; returns its answer."""
+        source = await _route_source(inbox)
         try:
-            return await router.route(butler_name, tool_name, args)
+            result = await router.route(butler_name, tool_name, args, source=source)
         except RouteError as exc:
             raise ToolError(str(exc)) from exc
+        if source.inbox_id is not None:
+            await inbox.attach_route(source.inbox_id, butler_name, reply_text(result))
+        return result
 
     @mcp.tool
     async def list_butlers() -> list[dict[str, Any]]:
@@ -77,5 +120,28 @@ def attach_switchboard(
         """Re-scan the butler config directory: add new butlers, update changed ones, report
         stale ones (never deleted) and broken configs."""
         return await switchboard.discover()
+
+    @mcp.tool
+    async def ask(text: str) -> dict[str, Any]:
+        """Send `text` through the whole inbox -> classify -> route path, as a message from
+        this MCP client, and return the reply (what Telegram or email would have sent)."""
+        if not text.strip():
+            raise ToolError("text must not be empty")
+        if len(text) > MAX_ASK_CHARS:
+            raise ToolError(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
+        inbox_id = await worker.accept(
+            IncomingMessage(
+                channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id="ask"
+            )
+        )
+        assert inbox_id is not None  # a fresh uuid is never a duplicate
+        row = await worker.wait_for(inbox_id)
+        return {
+            "inbox_id": inbox_id,
+            "status": row.get("status"),
+            "routed_to": row.get("routed_to"),
+            "reply": row.get("reply"),
+            "error": row.get("error"),
+        }
 
     return switchboard

@@ -39,6 +39,7 @@ class RouteSource:
 
     channel: str = "mcp"
     source_id: str | None = None
+    inbox_id: int | None = None  # the inbox message this call serves, if any
 
 
 def summarize(arguments: dict[str, Any]) -> str | None:
@@ -131,6 +132,7 @@ class Router:
                     success=error is None,
                     error=error[:ERROR_CHARS] if error else None,
                     duration_ms=int((time.monotonic() - started) * 1000),
+                    inbox_id=source.inbox_id,
                 )
                 # The log row must be written even if our caller is cancelled meanwhile.
                 await asyncio.shield(self.store.record_route(record))

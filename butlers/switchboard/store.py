@@ -35,6 +35,7 @@ class RouteRecord:
     success: bool
     error: str | None
     duration_ms: int
+    inbox_id: int | None = None
 
 
 class SwitchboardStore:
@@ -77,8 +78,9 @@ class SwitchboardStore:
                 WHERE name = $3 AND $7::boolean
             )
             INSERT INTO routing_log (source_channel, source_id, routed_to, tool_name,
-                                     prompt_summary, trace_id, success, error, duration_ms)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                                     prompt_summary, trace_id, success, error, duration_ms,
+                                     inbox_id)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
             RETURNING id
             """,
             record.source_channel,
@@ -90,4 +92,5 @@ class SwitchboardStore:
             record.success,
             record.error,
             record.duration_ms,
+            record.inbox_id,
         )

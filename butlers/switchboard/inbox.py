@@ -1,0 +1,142 @@
+"""The durable inbox: a message is in PostgreSQL before its channel is told it was received.
+
+`accept()` is idempotent on the channel's own id (Telegram update_id, email Message-ID), so a
+redelivered message is stored once. The worker claims messages strictly in arrival order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
+
+
+@dataclass(frozen=True)
+class IncomingMessage:
+    """What a channel hands to the inbox."""
+
+    channel: str  # telegram | email | mcp
+    external_id: str  # the channel's own id: the idempotency key
+    text: str
+    source_id: str | None = None  # chat id, sender address
+    sender_name: str | None = None
+    subject: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # what the reply needs (Message-ID...)
+
+
+@dataclass(frozen=True)
+class InboxMessage:
+    id: int
+    channel: str
+    external_id: str
+    source_id: str | None
+    sender_name: str | None
+    subject: str | None
+    text: str
+    meta: dict[str, Any]
+    attempts: int
+    trace_context: dict[str, str] | None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> InboxMessage:
+        return cls(
+            id=row["id"],
+            channel=row["channel"],
+            external_id=row["external_id"],
+            source_id=row["source_id"],
+            sender_name=row["sender_name"],
+            subject=row["subject"],
+            text=row["text"],
+            meta=row["meta"] or {},
+            attempts=row["attempts"],
+            trace_context=row["trace_context"],
+        )
+
+
+class InboxStore:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def accept(
+        self, message: IncomingMessage, trace_context: dict[str, str] | None
+    ) -> int | None:
+        """Store a message; returns its id, or None when it was already there (a duplicate)."""
+        return await self.pool.fetchval(
+            """
+            INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
+                               trace_context)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+            ON CONFLICT (channel, external_id) DO NOTHING
+            RETURNING id
+            """,
+            message.channel,
+            message.external_id,
+            message.source_id,
+            message.sender_name,
+            message.subject,
+            message.text,
+            message.meta,
+            trace_context,
+        )
+
+    async def requeue_interrupted(self) -> int:
+        """At start-up: what a crash left `processing` goes back to the queue, in its place."""
+        result = await self.pool.execute(
+            "UPDATE inbox SET status = 'queued' WHERE status = 'processing'"
+        )
+        return int(result.split()[-1])
+
+    async def claim_next(self) -> InboxMessage | None:
+        """The oldest queued message, now `processing`; None when the queue is empty."""
+        row = await self.pool.fetchrow(
+            """
+            UPDATE inbox SET status = 'processing', attempts = attempts + 1
+            WHERE id = (SELECT id FROM inbox WHERE status = 'queued'
+                        ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+            RETURNING *
+            """
+        )
+        return None if row is None else InboxMessage.from_row(row)
+
+    async def processing(self, inbox_id: int) -> InboxMessage | None:
+        """The message `inbox_id` if it is being processed right now (what route() accepts)."""
+        row = await self.pool.fetchrow(
+            "SELECT * FROM inbox WHERE id = $1 AND status = 'processing'", inbox_id
+        )
+        return None if row is None else InboxMessage.from_row(row)
+
+    async def attach_route(self, inbox_id: int, routed_to: str, reply: str) -> None:
+        await self.pool.execute(
+            "UPDATE inbox SET routed_to = $2, reply = $3 WHERE id = $1", inbox_id, routed_to, reply
+        )
+
+    async def routed(self, inbox_id: int) -> tuple[str | None, str | None]:
+        row = await self.pool.fetchrow("SELECT routed_to, reply FROM inbox WHERE id = $1", inbox_id)
+        return (row["routed_to"], row["reply"]) if row else (None, None)
+
+    async def finish(
+        self,
+        inbox_id: int,
+        *,
+        status: str,
+        routed_to: str | None,
+        reply: str | None,
+        error: str | None,
+    ) -> None:
+        await self.pool.execute(
+            """UPDATE inbox SET status = $2, routed_to = coalesce($3, routed_to), reply = $4,
+                      error = $5, finished_at = now()
+               WHERE id = $1""",
+            inbox_id,
+            status,
+            routed_to,
+            reply,
+            error,
+        )
+
+    async def get(self, inbox_id: int) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow("SELECT * FROM inbox WHERE id = $1", inbox_id)
+        return None if row is None else dict(row)
