@@ -192,6 +192,14 @@ def _print_discover(report: dict[str, Any]) -> None:
         print(f"error:     {error['path']}: {error['key']}: {error['problem']}")
 
 
+def _print_answer(answer: dict[str, Any]) -> None:
+    if answer.get("status") != "done":
+        raise CommandError(f"message {answer.get('inbox_id')} failed: {answer.get('error')}")
+    print(answer.get("reply") or "")
+    if answer.get("routed_to"):
+        print(f"(answered by {answer['routed_to']})", file=sys.stderr)
+
+
 def _print_result(result: Any) -> None:
     print(result if isinstance(result, str) else json.dumps(result, indent=2, ensure_ascii=False))
 
@@ -203,6 +211,9 @@ async def client_command(args: argparse.Namespace) -> int:
     elif args.command == "discover":
         result = await _call_switchboard(args.url, "discover", {})
         show = _print_discover
+    elif args.command == "ask":
+        result = await _call_switchboard(args.url, "ask", {"text": args.text})
+        show = _print_answer
     else:
         try:
             route_args = json.loads(args.args)
@@ -277,6 +288,11 @@ def _parser() -> argparse.ArgumentParser:
     route.add_argument("butler")
     route.add_argument("tool")
     route.add_argument("args", nargs="?", default="{}", help="tool arguments as a JSON object")
+    ask = commands.add_parser(
+        "ask", help="send a message through classify -> route -> reply and print the reply"
+    )
+    client_args(ask)
+    ask.add_argument("text")
     return parser
 
 
@@ -288,7 +304,7 @@ async def cli(argv: Sequence[str]) -> int:
     )
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
-    if args.command in ("list", "discover", "route"):
+    if args.command in ("list", "discover", "route", "ask"):
         return await client_command(args)
     service = f"butler-{args.name}" if args.command == "run" else "butlers"
     provider = setup_tracing(service)

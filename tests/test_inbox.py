@@ -1,0 +1,277 @@
+"""The switchboard's message path without a channel: `ask` -> inbox -> classify -> route -> reply.
+
+The classifier is the real Claude Code binary against the scripted Messages API; the routed
+butlers are real daemons whose own `trigger` runs Claude Code too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+
+from butlers.config import TriageRule
+from butlers.switchboard.inbox import IncomingMessage
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+from tests.test_cli_client import run_cli
+
+ROUTE_TOOL = "mcp__switchboard__route"
+
+
+def is_classifier(body: dict) -> bool:
+    return any(t["name"] == ROUTE_TOOL for t in body.get("tools", []))
+
+
+def turn(body: dict) -> int:
+    return sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
+
+
+def model(pick: str | None, answers: dict[str, str] | None = None):
+    """A scripted model: as the classifier it routes to `pick` (or routes nowhere when None);
+    as a butler it answers with `answers[butler]` (the butler is read from its tool names)."""
+    answers = answers or {}
+
+    def respond(body: dict) -> list[dict]:
+        if is_classifier(body):
+            if pick is None or turn(body) > 0:
+                return [text("done")]
+            message = json.dumps(body["messages"][0])
+            prompt = re.search(r"<<<MESSAGE\\n(.*?)\\nMESSAGE>>>", message, re.S)
+            request = prompt.group(1) if prompt else "?"
+            return [
+                tool_use(
+                    ROUTE_TOOL,
+                    {"butler_name": pick, "tool_name": "trigger", "args": {"prompt": request}},
+                )
+            ]
+        names = [t["name"] for t in body.get("tools", []) if t["name"].startswith("mcp__")]
+        butler = names[0].split("__")[1] if names else "?"
+        return [text(answers.get(butler, f"{butler} did it"))]
+
+    return respond
+
+
+async def start_fleet(
+    start_butler: StartButler,
+    tmp_path: Path,
+    *,
+    triage=(),
+    switchboard_env=None,
+    names=("general", "health", "relationship"),
+    database=None,
+    switchboard_port=None,
+):
+    config_dir = tmp_path / "config"
+    targets = {}
+    if not (config_dir / "switchboard").exists():
+        for name in names:
+            daemon = await start_butler(butler_config(name))
+            write_butler_dir(config_dir, name, daemon.port, description=f"{name.title()} things.")
+            targets[name] = daemon
+    port = switchboard_port or free_port()
+    write_butler_dir(config_dir, "switchboard", port, description="Front door.")
+    switchboard = await start_butler(
+        butler_config("switchboard", port=port, triage=tuple(triage)),
+        config_dir=config_dir,
+        session_env=switchboard_env,
+        database=database,
+    )
+    return switchboard, targets
+
+
+async def ask(switchboard, message: str) -> dict:
+    async with Client(switchboard.sse_url) as client:
+        result = await client.call_tool("ask", {"text": message}, timeout=120)
+    return result.structured_content
+
+
+async def _routing_log(db_conn, switchboard) -> list[dict]:
+    conn = await db_conn(switchboard.config.database)
+    return [dict(r) for r in await conn.fetch("SELECT * FROM routing_log ORDER BY created_at")]
+
+
+async def test_claude_code_classifies_and_the_butlers_answer_comes_back(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("health", {"health": "Logged 75 kg."}))
+    switchboard, targets = await start_fleet(start_butler, tmp_path)
+    answer = await ask(switchboard, "Log my weight: 75kg")
+    assert answer["status"] == "done", answer
+    assert answer["routed_to"] == "health" and answer["reply"] == "Logged 75 kg."
+
+    [row] = await _routing_log(db_conn, switchboard)
+    assert (row["source_channel"], row["source_id"], row["routed_to"]) == ("mcp", "ask", "health")
+    assert row["inbox_id"] == answer["inbox_id"] and row["success"] is True
+    assert row["prompt_summary"] == "Log my weight: 75kg" and len(row["trace_id"]) == 32
+
+    # The classification prompt: the spec's format, every butler but the switchboard, the
+    # default-to-general instruction; and the classifier saw only route and list_butlers.
+    [first] = [b for b in scripted_api.requests if is_classifier(b) and turn(b) == 0]
+    prompt = json.dumps(first["messages"][0])
+    assert "Classify this message and route it. Available butlers: [" in prompt
+    for name in ("general", "health", "relationship"):
+        assert f"{name}: {name.title()} things." in prompt
+    assert "switchboard:" not in prompt and "Front door" not in prompt
+    assert "does not clearly fit a specialist butler, route it to general" in prompt
+    assert "Message: <<<MESSAGE\\nLog my weight: 75kg\\nMESSAGE>>>" in prompt
+    mcp_tools = {t["name"] for t in first["tools"] if t["name"].startswith("mcp__")}
+    assert mcp_tools == {ROUTE_TOOL, "mcp__switchboard__list_butlers"}
+
+    # One trace: the health butler's session ran in the routing_log row's trace.
+    health_db = await db_conn(targets["health"].config.database)
+    assert await health_db.fetchval("SELECT trace_id FROM sessions") == row["trace_id"]
+
+
+async def test_ambiguous_message_goes_to_general(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    answer = await ask(switchboard, "hmm, what about that thing?")
+    assert (answer["routed_to"], answer["reply"]) == ("general", "Noted.")
+
+
+async def test_classifier_that_routes_nowhere_falls_back_to_general(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model(None, {"general": "General here."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    answer = await ask(switchboard, "hello")
+    assert answer["status"] == "done"
+    assert (answer["routed_to"], answer["reply"]) == ("general", "General here.")
+    assert "the classifier did not route the message; routed to general" in answer["error"]
+
+
+async def test_classifier_without_credentials_still_answers_via_general(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("health", {"general": "General here."}))
+    home = tmp_path / "no-login"
+    home.mkdir()
+    bad = {
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_API_KEY": "",
+        "ANTHROPIC_BASE_URL": "",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    switchboard, _ = await start_fleet(start_butler, tmp_path, switchboard_env=bad)
+    answer = await ask(switchboard, "Log my weight: 75kg")
+    assert (answer["status"], answer["routed_to"], answer["reply"]) == (
+        "done",
+        "general",
+        "General here.",
+    )
+    assert "no credentials" in answer["error"]
+    conn = await db_conn(switchboard.config.database)
+    session = await conn.fetchrow("SELECT * FROM sessions")
+    assert session["trigger_source"] == "classify:mcp" and session["success"] is False
+
+
+async def test_triage_rule_skips_claude_code(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("general", {"relationship": "Birthday saved."}))
+    rule = TriageRule(butler="relationship", pattern=re.compile(r"(?i)birthday"))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, triage=[rule])
+    answer = await ask(switchboard, "Anna's BIRTHDAY is on May 3")
+    assert (answer["routed_to"], answer["reply"]) == ("relationship", "Birthday saved.")
+    assert not [b for b in scripted_api.requests if is_classifier(b)]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM sessions") == 0
+
+
+async def test_target_down_is_a_failed_message_with_a_clear_reply(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("health"))
+    rule = TriageRule(butler="health", pattern=re.compile("weight"))
+    switchboard, targets = await start_fleet(start_butler, tmp_path, triage=[rule])
+    await targets["health"].stop()
+    answer = await ask(switchboard, "my weight is 75")
+    assert answer["status"] == "failed" and answer["reply"] is None
+    assert "butler 'health' is unreachable at" in answer["error"]
+    [row] = await _routing_log(db_conn, switchboard)
+    assert row["success"] is False and row["inbox_id"] == answer["inbox_id"]
+
+
+async def test_messages_are_processed_one_at_a_time_in_order(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("general"))
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    worker = switchboard.switchboard.worker
+    ids = [
+        await worker.accept(IncomingMessage("telegram", f"u{i}", f"message {i}", source_id="42"))
+        for i in range(4)
+    ]
+    rows = await asyncio.gather(*(worker.wait_for(i) for i in ids))
+    assert [r["status"] for r in rows] == ["done"] * 4
+    assert [r["finished_at"] for r in rows] == sorted(r["finished_at"] for r in rows)
+    conn = await db_conn(switchboard.config.database)
+    sessions = await conn.fetch(
+        "SELECT prompt, started_at, finished_at FROM sessions ORDER BY started_at"
+    )
+    assert [re.search(r"message (\d)", s["prompt"]).group(1) for s in sessions] == list("0123")
+    for earlier, later in zip(sessions, sessions[1:], strict=False):
+        assert earlier["finished_at"] <= later["started_at"]  # never two classifications at once
+
+
+async def test_duplicate_is_stored_and_answered_once(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("general"))
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard, _ = await start_fleet(start_butler, tmp_path, triage=[rule])
+    worker = switchboard.switchboard.worker
+    first = await worker.accept(IncomingMessage("telegram", "update-7", "hi", source_id="42"))
+    again = await worker.accept(IncomingMessage("telegram", "update-7", "hi", source_id="42"))
+    assert first is not None and again is None
+    await worker.wait_for(first)
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 1
+    assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
+
+
+async def test_message_interrupted_by_a_crash_is_resumed_at_start(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Back again."}))
+    rule = TriageRule(butler="general", channel="telegram")
+    port = free_port()
+    switchboard, _ = await start_fleet(start_butler, tmp_path, triage=[rule], switchboard_port=port)
+    database = switchboard.config.database
+    await switchboard.stop()
+    conn = await db_conn(database)
+    # What a SIGKILL mid-processing leaves behind: the row stored, claimed, never finished.
+    inbox_id = await conn.fetchval(
+        """INSERT INTO inbox (channel, external_id, source_id, text, status, attempts)
+           VALUES ('telegram', 'update-9', '42', 'are you there?', 'processing', 1) RETURNING id"""
+    )
+    again, _ = await start_fleet(
+        start_butler, tmp_path, triage=[rule], database=database, switchboard_port=port
+    )
+    row = await again.switchboard.worker.wait_for(inbox_id)
+    assert (row["status"], row["reply"], row["attempts"]) == ("done", "Back again.", 2)
+
+
+async def test_butlers_ask_cli(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
+) -> None:
+    scripted_api.respond_with(model("health", {"health": "Logged."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general", "health"))
+    code, out, err = await run_cli("ask", "Log my weight: 75kg", "--url", switchboard.sse_url)
+    assert code == 0, err
+    assert out.strip() == "Logged." and "(answered by health)" in err
+
+
+async def test_ask_rejects_empty_text(start_butler: StartButler, tmp_path: Path) -> None:
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    async with Client(switchboard.sse_url) as client:
+        with pytest.raises(Exception, match="text must not be empty"):
+            await client.call_tool("ask", {"text": "  "})
