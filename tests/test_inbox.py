@@ -7,6 +7,7 @@ butlers are real daemons whose own `trigger` runs Claude Code too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from pathlib import Path
@@ -218,7 +219,7 @@ async def test_messages_are_processed_one_at_a_time_in_order(
         "SELECT prompt, started_at, finished_at FROM sessions ORDER BY started_at"
     )
     assert [re.search(r"message (\d)", s["prompt"]).group(1) for s in sessions] == list("0123")
-    for earlier, later in zip(sessions, sessions[1:], strict=False):
+    for earlier, later in itertools.pairwise(sessions):
         assert earlier["finished_at"] <= later["started_at"]  # never two classifications at once
 
 
