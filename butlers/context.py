@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from butlers.config import ButlerConfig
@@ -25,7 +26,8 @@ class ButlerContext:
     # The URL this butler's own sessions use to reach it (loopback, whatever the registry says).
     self_url: str
     started_at: float = field(default_factory=time.monotonic)
-    modules: list[ModuleStatus] = field(default_factory=list)
+    # Live statuses of the butler's modules (a module's status changes as it connects).
+    module_statuses: Callable[[], list[ModuleStatus]] = list
     tool_names: list[str] = field(default_factory=list)
 
     def self_target(self) -> McpTarget:

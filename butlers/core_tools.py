@@ -185,7 +185,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "name": ctx.config.name,
             "description": ctx.config.description,
             "endpoint_url": ctx.config.endpoint_url,
-            "modules": module_report(ctx.modules),
+            "modules": module_report(ctx.module_statuses()),
             "uptime_s": round(time.monotonic() - ctx.started_at, 3),
             "database": await database_status(ctx),
             "sessions_running": ctx.spawner.running,

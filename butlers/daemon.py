@@ -27,7 +27,7 @@ from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
 from butlers.http import ButlerApp, build_app
 from butlers.mcp_middleware import TraceContextMiddleware
-from butlers.modules import start_modules
+from butlers.modules import Modules, build_modules
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
@@ -86,6 +86,7 @@ class ButlerDaemon:
         self._pool: asyncpg.Pool | None = None
         self._uvicorn: _EmbeddedUvicorn | None = None
         self._app: ButlerApp | None = None
+        self._modules = Modules()
         self._serve_task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._state = "new"
@@ -136,7 +137,8 @@ class ButlerDaemon:
         register_core_tools(mcp, ctx)
         if config.name == SWITCHBOARD:
             await self._attach_switchboard(mcp)
-        ctx.modules = start_modules(config, mcp, ctx)
+        self._modules = build_modules(config, mcp, self.switchboard)
+        ctx.module_statuses = self._modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
         app, self._app = build_app(
@@ -158,6 +160,7 @@ class ButlerDaemon:
             await asyncio.sleep(0.01)
         if self.switchboard is not None:
             await self.switchboard.start_worker()
+        await self._modules.start()
         if config.runtime.tick_interval_s > 0:
             self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
         logger.info(
@@ -237,7 +240,7 @@ class ButlerDaemon:
             "name": self.config.name,
             "status": "ok" if database["ok"] else "degraded",
             "database": database,
-            "modules": module_report(self.context.modules),
+            "modules": module_report(self.context.module_statuses()),
         }
         return (200 if database["ok"] else 503), body
 
@@ -269,6 +272,7 @@ class ButlerDaemon:
             except Exception:
                 logger.exception("butler %s: server ended with an error", self.config.name)
             self._serve_task = None
+        await self._modules.stop()
         if self.switchboard is not None:
             await self.switchboard.close()
             self.switchboard = None

@@ -8,28 +8,80 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from fastmcp import FastMCP
 
 from butlers.config import ButlerConfig
-from butlers.context import ButlerContext, ModuleStatus
+from butlers.context import ModuleStatus
+
+if TYPE_CHECKING:
+    from butlers.switchboard import Switchboard
 
 logger = logging.getLogger(__name__)
+
+
+class RunningModule(Protocol):
+    name: str
+    status: ModuleStatus
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass
+class Modules:
+    """The modules of one butler: those that run, and the status of every declared one."""
+
+    running: list[RunningModule] = field(default_factory=list)
+    skipped: list[ModuleStatus] = field(default_factory=list)
+
+    def statuses(self) -> list[ModuleStatus]:
+        return [m.status for m in self.running] + self.skipped
+
+    async def start(self) -> None:
+        for module in self.running:
+            await module.start()
+
+    async def stop(self) -> None:
+        for module in reversed(self.running):
+            try:
+                await module.stop()
+            except Exception:
+                logger.exception("module %s did not stop cleanly", module.name)
 
 
 def _missing_env(names: list[str]) -> list[str]:
     return [name for name in names if not os.environ.get(name)]
 
 
-def start_modules(config: ButlerConfig, mcp: FastMCP, ctx: ButlerContext) -> list[ModuleStatus]:
-    statuses: list[ModuleStatus] = []
+def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard | None) -> Modules:
+    """Register each declared module's tools and routes; nothing connects until start()."""
+    modules = Modules()
     if config.telegram is not None:
-        missing = _missing_env([config.telegram.token_env])
-        statuses.append(_not_available("telegram", missing))
+        if missing := _missing_env([config.telegram.token_env]):
+            modules.skipped.append(_not_configured("telegram", missing))
+        else:
+            from butlers.modules.telegram import TelegramModule
+
+            worker = switchboard.worker if switchboard is not None else None
+            telegram = TelegramModule(
+                config.telegram, os.environ[config.telegram.token_env], worker
+            )
+            telegram.register(mcp, os.environ.get(config.telegram.webhook_secret_env))
+            if worker is not None:
+                worker.repliers["telegram"] = telegram.reply
+            modules.running.append(telegram)
     if config.email is not None:
-        missing = _missing_env([config.email.username_env, config.email.password_env])
-        statuses.append(_not_available("email", missing))
-    for status in statuses:
+        if missing := _missing_env([config.email.username_env, config.email.password_env]):
+            modules.skipped.append(_not_configured("email", missing))
+        else:
+            modules.skipped.append(
+                ModuleStatus("email", "skipped", "the email intake is not part of this version yet")
+            )
+    for status in modules.skipped:
         logger.warning(
             "butler %s: module %s %s: %s",
             config.name,
@@ -38,10 +90,8 @@ def start_modules(config: ButlerConfig, mcp: FastMCP, ctx: ButlerContext) -> lis
             status.detail,
             extra={"action": "module_skipped"},
         )
-    return statuses
+    return modules
 
 
-def _not_available(name: str, missing: list[str]) -> ModuleStatus:
-    if missing:
-        return ModuleStatus(name, "skipped", f"not configured: {', '.join(missing)} not set")
-    return ModuleStatus(name, "skipped", "the channel intake is not part of this version yet")
+def _not_configured(name: str, missing: list[str]) -> ModuleStatus:
+    return ModuleStatus(name, "skipped", f"not configured: {', '.join(missing)} not set")

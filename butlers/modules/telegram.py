@@ -1,0 +1,249 @@
+"""Telegram: intake (long polling or webhook) into the switchboard's inbox, and `send_message`.
+
+Polling is our own loop over python-telegram-bot's `Bot.get_updates`, not PTB's Updater: the
+Updater moves the offset on (acknowledging updates to Telegram) before handlers run, so a
+crash could lose a message. Here an update is stored in the inbox first, and only the next
+`get_updates` call, with the offset past it, acknowledges it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastmcp import FastMCP
+from fastmcp.exceptions import ToolError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from butlers.config import TelegramConfig
+from butlers.context import ModuleStatus
+from butlers.switchboard.inbox import InboxMessage, IncomingMessage
+
+if TYPE_CHECKING:
+    from telegram import Update
+    from telegram.ext import ExtBot
+
+    from butlers.switchboard.worker import InboxWorker
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 4096
+POLL_TIMEOUT_S = 25
+BACKOFF_S = (1, 2, 5, 10, 30, 60)
+WEBHOOK_PATH = "/telegram/webhook"
+REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
+TEXT_ONLY = "I can only read text messages for now: please write it out."
+
+
+def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
+    """Telegram takes at most 4096 characters a message: cut at line, then word boundaries."""
+    chunks: list[str] = []
+    while len(text) > limit:
+        cut = text.rfind("\n", 0, limit)
+        if cut < limit // 2:
+            cut = text.rfind(" ", 0, limit)
+        if cut < limit // 2:
+            cut = limit
+        chunks.append(text[:cut])
+        text = text[cut:].lstrip("\n ")
+    if text or not chunks:
+        chunks.append(text)
+    return chunks
+
+
+class TelegramModule:
+    name = "telegram"
+
+    def __init__(self, config: TelegramConfig, token: str, worker: InboxWorker | None) -> None:
+        from telegram.ext import AIORateLimiter, ExtBot
+
+        self.config = config
+        self.worker = worker
+        base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
+        # A 429 would lose the reply without the rate limiter's retries.
+        self.bot: ExtBot = ExtBot(
+            token,
+            base_url=f"{base}/bot",
+            base_file_url=f"{base}/file/bot",
+            rate_limiter=AIORateLimiter(max_retries=3),
+        )
+        self.status = ModuleStatus(self.name, "starting")
+        self._task: asyncio.Task[None] | None = None
+        self._refused: set[str] = set()
+
+    # -- tools and routes -------------------------------------------------------------------
+
+    def register(self, mcp: FastMCP, webhook_secret: str | None) -> None:
+        module = self
+
+        @mcp.tool
+        async def send_message(chat_id: str, text: str) -> dict[str, Any]:
+            """Send `text` to a Telegram chat (split into several messages past 4096 chars)."""
+            if not text.strip():
+                raise ToolError("text must not be empty")
+            try:
+                ids = await module.send(chat_id, text)
+            except Exception as exc:
+                raise ToolError(
+                    f"Telegram did not take the message for chat {chat_id}: {exc}"
+                ) from exc
+            return {"chat_id": chat_id, "message_ids": ids}
+
+        if self.config.mode == "webhook" and self.worker is not None:
+
+            @mcp.custom_route(WEBHOOK_PATH, methods=["POST"])
+            async def telegram_webhook(request: Request) -> Response:
+                supplied = request.headers.get("x-telegram-bot-api-secret-token", "")
+                if not webhook_secret or not hmac.compare_digest(supplied, webhook_secret):
+                    return JSONResponse({"error": "wrong secret token"}, status_code=401)
+                try:
+                    data = await request.json()
+                except ValueError:
+                    return JSONResponse({"error": "body is not JSON"}, status_code=400)
+                await module.handle_update_json(data)
+                return JSONResponse({"ok": True})  # only now: the message is in the inbox
+
+    async def send(self, chat_id: str | int, text: str) -> list[int]:
+        ids = []
+        for chunk in split_text(text):
+            message = await self.bot.send_message(chat_id=chat_id, text=chunk)
+            ids.append(message.message_id)
+        return ids
+
+    async def reply(self, message: InboxMessage, text: str) -> None:
+        assert message.source_id is not None
+        await self.send(message.source_id, text)
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def allowed(self, chat_id: str) -> bool:
+        allowed = self.config.allowed_chat_ids
+        return "*" in allowed or chat_id in allowed
+
+    async def handle_update_json(self, data: dict[str, Any]) -> None:
+        from telegram import Update
+
+        await self.handle_update(Update.de_json(data, self.bot))
+
+    async def handle_update(self, update: Update) -> None:
+        """Store a text message in the inbox; answer what will not be routed. Never raises."""
+        try:
+            await self._handle_update(update)
+        except Exception:
+            logger.exception(
+                "telegram update %s not handled",
+                update.update_id,
+                extra={"action": "telegram_update_failed"},
+            )
+            raise
+
+    async def _handle_update(self, update: Update) -> None:
+        message = update.message  # edited messages, channel posts etc. are ignored on purpose
+        if message is None or self.worker is None:
+            return
+        chat_id = str(message.chat_id)
+        if not self.allowed(chat_id):
+            logger.warning("telegram: refused chat %s", chat_id, extra={"action": "refused"})
+            if chat_id not in self._refused:
+                self._refused.add(chat_id)
+                await self._best_effort(chat_id, REFUSAL)
+            return
+        if not message.text:
+            await self._best_effort(chat_id, TEXT_ONLY)
+            return
+        user = message.from_user
+        await self.worker.accept(
+            IncomingMessage(
+                channel="telegram",
+                external_id=str(update.update_id),
+                text=message.text,
+                source_id=chat_id,
+                sender_name=user.full_name if user else None,
+                meta={"message_id": message.message_id},
+            )
+        )
+
+    async def _best_effort(self, chat_id: str, text: str) -> None:
+        try:
+            await self.send(chat_id, text)
+        except Exception as exc:
+            logger.warning("telegram: could not answer chat %s: %s", chat_id, exc)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="telegram:intake")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.bot.shutdown()
+
+    async def _run(self) -> None:
+        await self._connect()
+        if self.config.mode == "polling" and self.worker is not None:
+            await self._poll()
+
+    async def _connect(self) -> None:
+        """initialize() calls getMe once, with no retry: retry it ourselves with backoff."""
+        from telegram.error import InvalidToken
+
+        for attempt in range(10**6):
+            try:
+                await self.bot.initialize()
+                if self.config.mode == "polling":
+                    await self.bot.delete_webhook()  # getUpdates is refused while one is set
+                self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
+                return
+            except InvalidToken:
+                self.status = ModuleStatus(self.name, "failed", "Telegram rejected the token")
+                raise
+            except Exception as exc:
+                delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                self.status = ModuleStatus(
+                    self.name, "starting", f"Bot API unreachable ({exc}); retrying"
+                )
+                logger.warning("telegram: Bot API unreachable (%s); retry in %ss", exc, delay)
+                await asyncio.sleep(delay)
+
+    async def _poll(self) -> None:
+        from telegram.error import Conflict
+
+        offset: int | None = None
+        failures = 0
+        while True:
+            try:
+                updates = await self.bot.get_updates(
+                    offset=offset,
+                    timeout=POLL_TIMEOUT_S,
+                    allowed_updates=["message", "edited_message"],
+                )
+                failures = 0
+            except Conflict as exc:
+                # Another process polls with this token: Telegram allows one poller per token.
+                self.status = ModuleStatus(self.name, "failed", f"another poller is running: {exc}")
+                logger.error("telegram: %s", self.status.detail)
+                await asyncio.sleep(BACKOFF_S[-1])
+                continue
+            except Exception as exc:
+                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                failures += 1
+                logger.warning("telegram: getUpdates failed (%s); retry in %ss", exc, delay)
+                await asyncio.sleep(delay)
+                continue
+            for update in updates:
+                try:
+                    await self.handle_update(update)
+                except Exception:
+                    # Not stored: do not acknowledge it; the next poll fetches it again.
+                    await asyncio.sleep(BACKOFF_S[0])
+                    break
+                offset = update.update_id + 1

@@ -1,0 +1,159 @@
+"""A fake Telegram Bot API on loopback, enough for python-telegram-bot: getMe, deleteWebhook,
+getUpdates (long poll, offsets acknowledge), sendMessage (recorded; can answer 429 once)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+
+class FakeBotAPI:
+    def __init__(self, token: str = "123456:TEST-TOKEN") -> None:
+        self.token = token
+        self.pending: list[dict[str, Any]] = []
+        self.sent: list[dict[str, Any]] = []
+        self.calls: list[str] = []
+        self.fail_next_sends_with_429 = 0
+        self._update_ids = itertools.count(1000)
+        self._message_ids = itertools.count(1)
+        self._changed = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -- what the test does -----------------------------------------------------------------
+
+    def _message(self, chat_id: int, **fields: Any) -> dict[str, Any]:
+        return {
+            "message_id": next(self._message_ids),
+            "date": int(time.time()),
+            "chat": {"id": chat_id, "type": "private", "first_name": "Ada"},
+            "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "last_name": "L"},
+            **fields,
+        }
+
+    async def push(self, update: dict[str, Any]) -> int:
+        update.setdefault("update_id", next(self._update_ids))
+        async with self._changed:
+            self.pending.append(update)
+            self._changed.notify_all()
+        return update["update_id"]
+
+    async def push_text(self, chat_id: int, text: str) -> int:
+        return await self.push({"message": self._message(chat_id, text=text)})
+
+    async def push_photo(self, chat_id: int) -> int:
+        photo = [{"file_id": "f1", "file_unique_id": "u1", "width": 1, "height": 1}]
+        return await self.push({"message": self._message(chat_id, photo=photo)})
+
+    async def push_edit(self, chat_id: int, text: str) -> int:
+        return await self.push(
+            {"edited_message": {**self._message(chat_id, text=text), "edit_date": 1}}
+        )
+
+    async def wait_sent(self, count: int, timeout_s: float = 60) -> list[dict[str, Any]]:
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(lambda: len(self.sent) >= count)
+        return self.sent
+
+    # -- the API ----------------------------------------------------------------------------
+
+    async def _params(self, request: web.Request) -> dict[str, Any]:
+        if request.content_type == "application/json":
+            return await request.json()
+        form = await request.post()
+        params: dict[str, Any] = {}
+        for key, value in form.items():
+            try:
+                params[key] = json.loads(value) if isinstance(value, str) else value
+            except json.JSONDecodeError:
+                params[key] = value
+        return params
+
+    async def _method(self, request: web.Request) -> web.Response:
+        if request.match_info["token"] != self.token:
+            return web.json_response(
+                {"ok": False, "error_code": 401, "description": "Unauthorized"}, status=401
+            )
+        method = request.match_info["method"]
+        params = await self._params(request)
+        self.calls.append(method)
+        handler = getattr(self, f"_api_{method}", None)
+        if handler is None:
+            return web.json_response(
+                {"ok": False, "error_code": 404, "description": f"{method} not faked"}, status=404
+            )
+        return await handler(params)
+
+    async def _api_getMe(self, params: dict[str, Any]) -> web.Response:
+        return web.json_response(
+            {
+                "ok": True,
+                "result": {
+                    "id": 1,
+                    "is_bot": True,
+                    "first_name": "Butler",
+                    "username": "butler_bot",
+                    "can_join_groups": True,
+                    "can_read_all_group_messages": False,
+                    "supports_inline_queries": False,
+                },
+            }
+        )
+
+    async def _api_deleteWebhook(self, params: dict[str, Any]) -> web.Response:
+        return web.json_response({"ok": True, "result": True})
+
+    async def _api_getUpdates(self, params: dict[str, Any]) -> web.Response:
+        offset = int(params.get("offset") or 0)
+        timeout = float(params.get("timeout") or 0)
+        async with self._changed:
+            # An offset acknowledges every update before it: they are gone for good.
+            self.pending = [u for u in self.pending if u["update_id"] >= offset]
+            if not self.pending and timeout:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._changed.wait_for(lambda: bool(self.pending))
+                except TimeoutError:
+                    pass
+            result = list(self.pending)
+        return web.json_response({"ok": True, "result": result})
+
+    async def _api_sendMessage(self, params: dict[str, Any]) -> web.Response:
+        if self.fail_next_sends_with_429:
+            self.fail_next_sends_with_429 -= 1
+            return web.json_response(
+                {
+                    "ok": False,
+                    "error_code": 429,
+                    "description": "Too Many Requests: retry after 1",
+                    "parameters": {"retry_after": 1},
+                },
+                status=429,
+            )
+        chat_id = int(params["chat_id"])
+        message = self._message(chat_id, text=str(params["text"]))
+        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        async with self._changed:
+            self.sent.append({"chat_id": chat_id, "text": str(params["text"])})
+            self._changed.notify_all()
+        return web.json_response({"ok": True, "result": message})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/bot{token}/{method}", self._method)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

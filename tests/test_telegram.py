@@ -1,0 +1,228 @@
+"""Telegram end to end: python-telegram-bot polling a fake Bot API on loopback, the real
+Claude Code classifying, real butlers answering, the reply sent back to the chat."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from butlers.config import TelegramConfig, TriageRule
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_inbox import model
+
+CHAT = 12345
+
+
+@pytest.fixture
+async def bot_api(monkeypatch: pytest.MonkeyPatch):
+    api = FakeBotAPI()
+    await api.start()
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", "hook-secret")
+    yield api
+    await api.stop()
+
+
+async def start_telegram_fleet(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    *,
+    mode: str = "polling",
+    triage=(),
+    names=("general", "health"),
+):
+    config_dir = tmp_path / "config"
+    targets = {}
+    for name in names:
+        daemon = await start_butler(butler_config(name))
+        write_butler_dir(config_dir, name, daemon.port, description=f"{name.title()} things.")
+        targets[name] = daemon
+    port = free_port()
+    write_butler_dir(config_dir, "switchboard", port)
+    telegram = TelegramConfig(mode=mode, allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url)
+    switchboard = await start_butler(
+        butler_config("switchboard", port=port, telegram=telegram, triage=tuple(triage)),
+        config_dir=config_dir,
+    )
+    return switchboard, targets
+
+
+async def test_message_is_classified_routed_and_answered_in_the_chat(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("health", {"health": "Logged 75 kg."}))
+    switchboard, targets = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_text(CHAT, "Log my weight: 75kg")
+    [sent] = await bot_api.wait_sent(1)
+    assert sent == {"chat_id": CHAT, "text": "Logged 75 kg."}
+
+    conn = await db_conn(switchboard.config.database)
+    [row] = await conn.fetch("SELECT * FROM routing_log")
+    assert (row["source_channel"], row["source_id"], row["routed_to"]) == (
+        "telegram",
+        "12345",
+        "health",
+    )
+    assert row["prompt_summary"] == "Log my weight: 75kg" and len(row["trace_id"]) == 32
+    inbox = await conn.fetchrow("SELECT * FROM inbox")
+    assert (inbox["status"], inbox["sender_name"], inbox["reply"]) == (
+        "done",
+        "Ada L",
+        "Logged 75 kg.",
+    )
+    health = await db_conn(targets["health"].config.database)
+    assert await health.fetchval("SELECT trace_id FROM sessions") == row["trace_id"]
+    status = (await _health(switchboard))["modules"]
+    assert {"name": "telegram", "status": "running", "detail": "@butler_bot"} in status
+
+
+async def _health(daemon) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(f"{daemon.base_url}/health") as r:
+        return await r.json()
+
+
+async def test_strangers_are_refused_once_and_nothing_is_routed(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general"))
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_text(999, "let me in")
+    await bot_api.push_text(999, "please")
+    await bot_api.push_text(CHAT, "hello")  # processed after the two above
+    sent = await bot_api.wait_sent(2)
+    await asyncio.sleep(0.3)
+    assert [s["chat_id"] for s in bot_api.sent] == [999, CHAT]
+    assert "private butler" in sent[0]["text"]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(source_id) FROM inbox") == ["12345"]
+    assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
+
+
+async def test_photos_get_a_text_only_answer_and_edits_are_ignored(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Got it."}))
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_photo(CHAT)
+    await bot_api.push_edit(CHAT, "edited text")
+    await bot_api.push_text(CHAT, "plain text")
+    sent = await bot_api.wait_sent(2)
+    assert [s["text"] for s in sent] == [
+        "I can only read text messages for now: please write it out.",
+        "Got it.",
+    ]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["plain text"]
+
+
+async def test_burst_of_messages_all_answered_in_order(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    def echo(body: dict) -> list[dict]:
+        prompt = str(body["messages"][-1])
+        number = re.findall(r"message #(\d+)", str(body["messages"][0]))
+        return [{"type": "text", "text": f"answer #{number[0] if number else prompt[:5]}"}]
+
+    scripted_api.respond_with(echo)
+    rule = TriageRule(butler="general", channel="telegram")  # the LLM is not what this tests
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
+    )
+    count = 30
+    await asyncio.gather(*(bot_api.push_text(CHAT, f"message #{i}") for i in range(count)))
+    sent = await bot_api.wait_sent(count, timeout_s=240)
+    assert [s["text"] for s in sent] == [f"answer #{i}" for i in range(count)]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox WHERE status = 'done'") == count
+
+
+async def test_redelivered_update_is_answered_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Once."}))
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
+    )
+    update_id = await bot_api.push_text(CHAT, "hi")
+    await bot_api.wait_sent(1)
+    # Telegram redelivers (e.g. our acknowledgement was lost): same update_id again.
+    await bot_api.push({"update_id": update_id, "message": bot_api._message(CHAT, text="hi")})
+    await bot_api.push_text(CHAT, "second")
+    await bot_api.wait_sent(2)
+    await asyncio.sleep(0.3)
+    assert [s["text"] for s in bot_api.sent] == ["Once.", "Once."]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 2
+
+
+async def test_long_reply_is_split_and_429_is_retried(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    long_answer = ("word " * 1200).strip()  # ~6000 characters
+    scripted_api.respond_with(model("general", {"general": long_answer}))
+    rule = TriageRule(butler="general", channel="telegram")
+    await start_telegram_fleet(start_butler, tmp_path, bot_api, triage=[rule], names=("general",))
+    bot_api.fail_next_sends_with_429 = 1
+    await bot_api.push_text(CHAT, "talk to me")
+    sent = await bot_api.wait_sent(2)
+    assert all(len(s["text"]) <= 4096 for s in sent)
+    assert " ".join(s["text"] for s in sent) == long_answer
+
+
+async def test_webhook_mode_checks_the_secret(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Via webhook."}))
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, mode="webhook", triage=[rule], names=("general",)
+    )
+    update = {"update_id": 77, "message": bot_api._message(CHAT, text="hook me")}
+    url = f"{switchboard.base_url}/telegram/webhook"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            url, json=update, headers={"X-Telegram-Bot-Api-Secret-Token": "wrong"}
+        ) as r:
+            assert r.status == 401
+        async with session.post(
+            url, json=update, headers={"X-Telegram-Bot-Api-Secret-Token": "hook-secret"}
+        ) as r:
+            assert r.status == 200
+    [sent] = await bot_api.wait_sent(1)
+    assert sent["text"] == "Via webhook."
+    assert "getUpdates" not in bot_api.calls
