@@ -23,6 +23,7 @@ class FakeBotAPI:
         self._message_ids = itertools.count(1)
         self._changed = asyncio.Condition()
         self._runner: web.AppRunner | None = None
+        self._closing = False
         self.url = ""
 
     # -- what the test does -----------------------------------------------------------------
@@ -117,7 +118,7 @@ class FakeBotAPI:
             if not self.pending and timeout:
                 try:
                     async with asyncio.timeout(timeout):
-                        await self._changed.wait_for(lambda: bool(self.pending))
+                        await self._changed.wait_for(lambda: bool(self.pending) or self._closing)
                 except TimeoutError:
                     pass
             result = list(self.pending)
@@ -154,6 +155,9 @@ class FakeBotAPI:
         self.url = f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
+        async with self._changed:  # end open long polls now rather than at their timeout
+            self._closing = True
+            self._changed.notify_all()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
