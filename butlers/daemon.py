@@ -33,6 +33,7 @@ from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
 from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.store import SwitchboardStore
+from butlers.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -254,11 +255,8 @@ class ButlerDaemon:
         logger.info("butler %s stopped", self.config.name, extra={"action": "butler_stopped"})
 
     async def _close_resources(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-            self._ticker = None
+        await cancel_and_wait(self._ticker)
+        self._ticker = None
         if self._uvicorn is not None and self._serve_task is not None:
             if self._app is not None:
                 self._app.drain()  # end open MCP streams so shutdown does not wait for them

@@ -152,6 +152,18 @@ def claude_env(tmp_path: Path, scripted_api: ScriptedMessagesAPI) -> dict[str, s
     return isolated_cli_env(home, scripted_api.url)
 
 
+def no_credentials_env(home: Path) -> dict[str, str]:
+    """A Claude Code environment with no API key, no login and no API override."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_API_KEY": "",
+        "ANTHROPIC_BASE_URL": "",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+
+
 def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
     """A butler on an ephemeral loopback port, no background ticker unless asked."""
     runtime = overrides.pop("runtime", RuntimeConfig(timeout_s=60, tick_interval_s=0))

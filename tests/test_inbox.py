@@ -17,7 +17,13 @@ from fastmcp import Client
 
 from butlers.config import TriageRule
 from butlers.switchboard.inbox import IncomingMessage
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import (
+    StartButler,
+    butler_config,
+    free_port,
+    no_credentials_env,
+    write_butler_dir,
+)
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_cli_client import run_cli
 
@@ -152,15 +158,7 @@ async def test_classifier_without_credentials_still_answers_via_general(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:
     scripted_api.respond_with(model("health", {"general": "General here."}))
-    home = tmp_path / "no-login"
-    home.mkdir()
-    bad = {
-        "HOME": str(home),
-        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        "ANTHROPIC_API_KEY": "",
-        "ANTHROPIC_BASE_URL": "",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
+    bad = no_credentials_env(tmp_path / "no-login")
     switchboard, _ = await start_fleet(start_butler, tmp_path, switchboard_env=bad)
     answer = await ask(switchboard, "Log my weight: 75kg")
     assert (answer["status"], answer["routed_to"], answer["reply"]) == (

@@ -15,7 +15,7 @@ from fastmcp.exceptions import ToolError
 
 from butlers.config import RuntimeConfig
 from butlers.spawner import McpTarget
-from tests.conftest import StartButler, butler_config
+from tests.conftest import StartButler, butler_config, no_credentials_env
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
 INSTRUCTIONS = "You are the alpha butler. Keep notes in state."
@@ -106,15 +106,7 @@ async def test_mcp_server_that_does_not_connect_is_a_failed_session(
 async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
     start_butler: StartButler, db_conn, tmp_path: Path
 ) -> None:
-    home = tmp_path / "no-login"
-    home.mkdir()
-    env = {
-        "HOME": str(home),
-        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        "ANTHROPIC_API_KEY": "",
-        "ANTHROPIC_BASE_URL": "",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
+    env = no_credentials_env(tmp_path / "no-login")
     daemon = await start_butler(session_env=env)
     async with Client(daemon.sse_url) as client:
         with pytest.raises(

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
+from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from telegram import Update
@@ -179,11 +180,8 @@ class TelegramModule:
         self._task = asyncio.create_task(self._run(), name="telegram:intake")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(Exception):
             await self.bot.shutdown()
 

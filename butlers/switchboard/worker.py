@@ -27,6 +27,7 @@ from butlers.switchboard.classifier import (
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
+from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier, tracer
 
 logger = logging.getLogger(__name__)
@@ -115,11 +116,8 @@ class InboxWorker:
 
     async def stop(self) -> None:
         """Stop now; a message being processed stays `processing` and is resumed next start."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(RuntimeError("the switchboard is stopping"))

@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes import serve_on_loopback
+
 
 class FakeBotAPI:
     def __init__(self, token: str = "123456:TEST-TOKEN") -> None:
@@ -147,12 +149,7 @@ class FakeBotAPI:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/bot{token}/{method}", self._method)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self._runner, self.url = await serve_on_loopback(app)
 
     async def stop(self) -> None:
         async with self._changed:  # end open long polls now rather than at their timeout

@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.fakes import serve_on_loopback
+
 Block = dict[str, Any]
 Responder = Callable[[dict[str, Any]], list[Block]]
 
@@ -167,12 +169,7 @@ class ScriptedMessagesAPI:
         app = web.Application()
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_route("*", "/{tail:.*}", self._other)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self._runner, self.url = await serve_on_loopback(app)
 
     async def stop(self) -> None:
         if self._runner is not None:
