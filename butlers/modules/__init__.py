@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+EMAIL_WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
+
 
 class RunningModule(Protocol):
     name: str
@@ -78,9 +80,19 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
         if missing := _missing_env([config.email.username_env, config.email.password_env]):
             modules.skipped.append(_not_configured("email", missing))
         else:
-            modules.skipped.append(
-                ModuleStatus("email", "skipped", "the email intake is not part of this version yet")
+            from butlers.modules.email import EmailModule
+
+            worker = switchboard.worker if switchboard is not None else None
+            mail = EmailModule(
+                config.email,
+                os.environ[config.email.username_env],
+                os.environ[config.email.password_env],
+                worker,
             )
+            mail.register(mcp, os.environ.get(EMAIL_WEBHOOK_TOKEN_ENV))
+            if worker is not None:
+                worker.repliers["email"] = mail.reply
+            modules.running.append(mail)
     for status in modules.skipped:
         logger.warning(
             "butler %s: module %s %s: %s",

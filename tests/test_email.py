@@ -1,0 +1,311 @@
+"""Email: parsing, and end to end with a real IMAP server (pymap) and a real SMTP server
+(aiosmtpd) on loopback, the real Claude Code classifying, real butlers answering."""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import os
+import signal
+import subprocess
+import sys
+from email.message import EmailMessage
+from pathlib import Path
+
+import aioimaplib
+import pytest
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import AuthResult
+
+from butlers.config import EmailConfig
+from butlers.modules.email import html_to_text, parse_mail, sender_allowed
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_inbox import model
+
+USER, PASSWORD = "butler", "imap-pw"
+
+
+def mail(
+    sender: str = "Ada <user@example.com>",
+    subject: str = "Anna's birthday",
+    body: str = "Anna's birthday is on May 3.",
+    message_id: str = "<m1@example.com>",
+    **headers: str,
+) -> EmailMessage:
+    message = EmailMessage()
+    message["From"] = sender
+    message["To"] = "butler@example.com"
+    message["Subject"] = subject
+    message["Message-ID"] = message_id
+    for key, value in headers.items():
+        message[key.replace("_", "-")] = value
+    message.set_content(body)
+    return message
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+def test_plain_text_is_preferred_and_quotes_trimmed() -> None:
+    message = mail(body="Yes, please book it.\n\nOn Mon, Ada wrote:\n> old text\n> more")
+    message.add_alternative("<p>HTML version</p>", subtype="html")
+    parsed = parse_mail(message.as_bytes())
+    assert parsed.text == "Yes, please book it."
+    assert (parsed.sender, parsed.sender_name, parsed.subject) == (
+        "user@example.com",
+        "Ada",
+        "Anna's birthday",
+    )
+    assert parsed.automated is None
+
+
+def test_html_only_latin1_and_attachments() -> None:
+    raw = (
+        "From: user@example.com\r\nSubject: =?iso-8859-1?q?Caf=E9?=\r\n"
+        "Message-ID: <h1@example.com>\r\nMIME-Version: 1.0\r\n"
+        'Content-Type: multipart/mixed; boundary="b"\r\n\r\n'
+        '--b\r\nContent-Type: text/html; charset="iso-8859-1"\r\n'
+        "Content-Transfer-Encoding: quoted-printable\r\n\r\n"
+        "<html><style>p{}</style><body><p>Caf=E9 at <b>noon</b></p><p>Bis dann</p></body>"
+        "</html>\r\n"
+        "--b\r\nContent-Type: application/pdf\r\n"
+        'Content-Disposition: attachment; filename="menu.pdf"\r\n\r\nJVBERi0=\r\n--b--\r\n'
+    ).encode("latin-1")
+    parsed = parse_mail(raw)
+    assert parsed.subject == "Café"
+    assert parsed.text.startswith("Café at noon\n\nBis dann")
+    assert parsed.attachments == ["menu.pdf"]
+    assert "[attachments not read: menu.pdf]" in parsed.text
+
+
+@pytest.mark.parametrize(
+    ("headers", "sender", "why"),
+    [
+        ({"Auto_Submitted": "auto-replied"}, "user@example.com", "Auto-Submitted"),
+        ({"Precedence": "bulk"}, "user@example.com", "Precedence: bulk"),
+        ({}, "MAILER-DAEMON@example.com", "mailer-daemon"),
+        ({"Return_Path": "<>"}, "user@example.com", "bounce"),
+    ],
+)
+def test_automated_mail_is_recognised(headers, sender, why) -> None:
+    parsed = parse_mail(mail(sender=sender, **headers).as_bytes())
+    assert parsed.automated and why in parsed.automated
+
+
+def test_sender_allowlist() -> None:
+    allowed = ("user@example.com", "@family.example")
+    assert sender_allowed("user@example.com", allowed)
+    assert sender_allowed("kid@family.example", allowed)
+    assert not sender_allowed("kid@evilfamily.example.com", allowed)
+    assert not sender_allowed("stranger@example.com", allowed)
+    assert not sender_allowed("user@example.com", ())
+
+
+def test_html_to_text_drops_scripts() -> None:
+    assert html_to_text("<div>a<script>x()</script></div><br>b") == "a\n\nb"
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def imap_server():
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "pymap"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-tls",
+            "dict",
+            "--demo-user",
+            USER,
+            "--demo-password",
+            PASSWORD,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.close()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.1)
+        yield port
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.messages: list[EmailMessage] = []
+        self.arrived = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+
+    async def handle_DATA(self, server, session, envelope):
+        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        self.messages.append(message)
+        self.loop.call_soon_threadsafe(self.arrived.set)
+        return "250 OK"
+
+
+@pytest.fixture
+async def smtp_server():
+    outbox = Outbox()
+    port = free_port()
+    controller = Controller(
+        outbox,
+        hostname="127.0.0.1",
+        port=port,
+        auth_require_tls=False,
+        authenticator=lambda server, session, envelope, mechanism, auth: AuthResult(
+            success=auth.login == USER.encode() and auth.password == PASSWORD.encode()
+        ),
+    )
+    controller.start()
+    outbox.port = port  # type: ignore[attr-defined]
+    yield outbox
+    controller.stop()
+
+
+async def append(port: int, message: EmailMessage) -> None:
+    client = aioimaplib.IMAP4(host="127.0.0.1", port=port)
+    await client.wait_hello_from_server()
+    await client.login(USER, PASSWORD)
+    await client.append(message.as_bytes(), mailbox="INBOX")
+    await client.logout()
+
+
+async def unseen(port: int) -> list[bytes]:
+    client = aioimaplib.IMAP4(host="127.0.0.1", port=port)
+    await client.wait_hello_from_server()
+    await client.login(USER, PASSWORD)
+    await client.select("INBOX")
+    response = await client.uid_search("UNSEEN")
+    await client.logout()
+    return response.lines[0].split()
+
+
+async def start_mail_fleet(
+    start_butler: StartButler,
+    tmp_path: Path,
+    imap_port: int,
+    outbox: Outbox,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str = "idle",
+):
+    monkeypatch.setenv("BUTLERS_EMAIL_USER", USER)
+    monkeypatch.setenv("BUTLERS_EMAIL_PASSWORD", PASSWORD)
+    config_dir = tmp_path / "config"
+    for name in ("general", "relationship"):
+        daemon = await start_butler(butler_config(name))
+        write_butler_dir(config_dir, name, daemon.port, description=f"{name.title()} things.")
+    port = free_port()
+    write_butler_dir(config_dir, "switchboard", port)
+    email_config = EmailConfig(
+        imap_host="127.0.0.1",
+        imap_port=imap_port,
+        imap_ssl=False,
+        smtp_host="127.0.0.1",
+        smtp_port=outbox.port,
+        smtp_starttls=False,  # type: ignore[attr-defined]
+        address="butler@example.com",
+        mode=mode,
+        poll_interval_s=0.2,
+        allowed_senders=("user@example.com", "@family.example"),
+    )
+    return await start_butler(
+        butler_config("switchboard", port=port, email=email_config), config_dir=config_dir
+    )
+
+
+async def wait_for(predicate, timeout_s: float = 60) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not await predicate():  # noqa: ASYNC110 - polls a server, not local state
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("mode", ["idle", "poll"])
+async def test_mail_is_routed_and_answered_by_mail(
+    start_butler: StartButler,
+    tmp_path: Path,
+    imap_server: int,
+    smtp_server: Outbox,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
+    scripted_api.respond_with(model("relationship", {"relationship": "Saved Anna's birthday."}))
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, imap_server, smtp_server, monkeypatch, mode
+    )
+    await append(imap_server, mail(References="<m0@example.com>"))
+    async with asyncio.timeout(60):
+        await smtp_server.arrived.wait()
+    [reply] = smtp_server.messages
+    assert reply["To"] == "user@example.com" and reply["From"] == "butler@example.com"
+    assert reply["Subject"] == "Re: Anna's birthday"
+    assert reply["In-Reply-To"] == "<m1@example.com>"
+    assert reply["References"] == "<m0@example.com> <m1@example.com>"
+    assert reply["Auto-Submitted"] == "auto-replied"
+    assert reply.get_content().strip() == "Saved Anna's birthday."
+
+    conn = await db_conn(switchboard.config.database)
+    [row] = await conn.fetch("SELECT * FROM routing_log")
+    assert (row["source_channel"], row["source_id"], row["routed_to"]) == (
+        "email",
+        "user@example.com",
+        "relationship",
+    )
+    classify_prompt = next(
+        b
+        for b in scripted_api.requests
+        if any(t["name"] == "mcp__switchboard__route" for t in b["tools"])
+    )
+    content = classify_prompt["messages"][0]["content"]
+    prompt = content if isinstance(content, str) else " ".join(b.get("text", "") for b in content)
+    assert "Message: <<<MESSAGE\nSubject: Anna's birthday\n\nAnna's birthday is on May 3." in prompt
+    assert await unseen(imap_server) == []  # \\Seen only after it was stored
+
+
+async def test_strangers_bounces_and_our_own_mail_are_never_answered(
+    start_butler: StartButler,
+    tmp_path: Path,
+    imap_server: int,
+    smtp_server: Outbox,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Hello kid."}))
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, imap_server, smtp_server, monkeypatch
+    )
+    await append(imap_server, mail(sender="stranger@example.com", message_id="<s1@x>"))
+    await append(imap_server, mail(message_id="<a1@x>", Auto_Submitted="auto-replied"))
+    await append(imap_server, mail(sender="butler@example.com", message_id="<o1@x>"))
+    await append(imap_server, mail(sender="MAILER-DAEMON@example.com", message_id="<b1@x>"))
+    await append(
+        imap_server, mail(sender="kid@family.example", message_id="<k1@x>", subject="hi", body="hi")
+    )
+    async with asyncio.timeout(60):
+        await smtp_server.arrived.wait()
+    await asyncio.sleep(0.5)
+    assert [m["To"] for m in smtp_server.messages] == ["kid@family.example"]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(source_id) FROM inbox") == ["kid@family.example"]
+
+    async def all_seen() -> bool:
+        return await unseen(imap_server) == []
+
+    await wait_for(all_seen)
