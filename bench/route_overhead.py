@@ -232,9 +232,14 @@ def render(results, calls: int, callers: int) -> str:
 
 
 def write_docs(table: str) -> None:
+    write_docs_block("route_overhead", table)
+
+
+def write_docs_block(name: str, table: str) -> None:
+    """Replace this benchmark's block in docs/benchmarks.md (or append it)."""
     path = ROOT / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start, end = "<!-- route_overhead:start -->", "<!-- route_overhead:end -->"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{table}\n{end}"
     if start in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]

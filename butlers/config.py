@@ -43,6 +43,8 @@ class TelegramConfig:
     allowed_chat_ids: tuple[str, ...] = ()
     api_base_url: str = ""
     webhook_secret_env: str = "TELEGRAM_WEBHOOK_SECRET"
+    # Telegram's own flood limit for a bot; 0 = rely on 429 retries alone (local Bot API).
+    max_messages_per_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,9 @@ def _read_telegram(table: _Table) -> TelegramConfig:
         allowed_chat_ids=table.take_str_list("allowed_chat_ids"),
         api_base_url=table.take("api_base_url", str, d.api_base_url),
         webhook_secret_env=table.take("webhook_secret_env", str, d.webhook_secret_env),
+        max_messages_per_s=float(
+            table.take("max_messages_per_s", (int, float), d.max_messages_per_s)
+        ),
     )
     table.done()
     return config

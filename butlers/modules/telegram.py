@@ -70,7 +70,7 @@ class TelegramModule:
             token,
             base_url=f"{base}/bot",
             base_file_url=f"{base}/file/bot",
-            rate_limiter=AIORateLimiter(max_retries=3),
+            rate_limiter=AIORateLimiter(overall_max_rate=config.max_messages_per_s, max_retries=3),
         )
         self.status = ModuleStatus(self.name, "starting")
         self._task: asyncio.Task[None] | None = None

@@ -19,6 +19,7 @@ class FakeBotAPI:
         self.token = token
         self.pending: list[dict[str, Any]] = []
         self.sent: list[dict[str, Any]] = []
+        self.sent_at: list[float] = []  # when each sendMessage arrived (time.monotonic)
         self.calls: list[str] = []
         self.fail_next_sends_with_429 = 0
         self._update_ids = itertools.count(1000)
@@ -143,6 +144,7 @@ class FakeBotAPI:
         message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
         async with self._changed:
             self.sent.append({"chat_id": chat_id, "text": str(params["text"])})
+            self.sent_at.append(time.monotonic())
             self._changed.notify_all()
         return web.json_response({"ok": True, "result": message})
 
