@@ -95,7 +95,7 @@ async def main(count: int, latency_count: int, write: bool) -> None:
         ready="Press Ctrl-C to stop.",
     )
     try:
-        while "getUpdates" not in bot.calls:  # the poller is up
+        while "getUpdates" not in bot.calls:  # noqa: ASYNC110 - wait for the poller
             await asyncio.sleep(0.05)
         for i in range(5):  # warm-up: the first route opens the pooled session
             await bot.push_text(CHAT, f"warm-up {i}")
