@@ -309,3 +309,42 @@ async def test_strangers_bounces_and_our_own_mail_are_never_answered(
         return await unseen(imap_server) == []
 
     await wait_for(all_seen)
+
+
+async def test_webhook_mode_takes_json_mail_with_its_token(
+    start_butler: StartButler,
+    tmp_path: Path,
+    smtp_server: Outbox,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aiohttp
+
+    scripted_api.respond_with(model("general", {"general": "Got your HTML."}))
+    monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "mail-hook")
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, 1, smtp_server, monkeypatch, mode="webhook"
+    )
+    url = f"{switchboard.base_url}/email/inbound"
+    payload = {
+        "from": "Ada <user@example.com>",
+        "subject": "Menu",
+        "html": "<p>Soup <b>today</b></p>",
+        "message_id": "<w1@example.com>",
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=payload) as response:
+            assert response.status == 401
+        headers = {"Authorization": "Bearer mail-hook"}
+        async with session.post(url, json={"from": "nobody"}, headers=headers) as response:
+            assert response.status == 400 and "bad inbound mail" in (await response.json())["error"]
+        for _ in range(2):  # a redelivery is stored once
+            async with session.post(url, json=payload, headers=headers) as response:
+                assert response.status == 200
+    async with asyncio.timeout(60):
+        await smtp_server.arrived.wait()
+    [reply] = smtp_server.messages
+    assert reply["Subject"] == "Re: Menu" and reply["In-Reply-To"] == "<w1@example.com>"
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["Soup today"]

@@ -226,3 +226,60 @@ async def test_webhook_mode_checks_the_secret(
     [sent] = await bot_api.wait_sent(1)
     assert sent["text"] == "Via webhook."
     assert "getUpdates" not in bot_api.calls
+
+
+async def test_large_message_is_handled(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "That was long."}))
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
+    )
+    big = "x" * 200_000  # far past Telegram's own limit: the pipeline must not care
+    await bot_api.push_text(CHAT, big)
+    [sent] = await bot_api.wait_sent(1)
+    assert sent["text"] == "That was long."
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT length(text) FROM inbox") == 200_000
+    assert len(await conn.fetchval("SELECT prompt_summary FROM routing_log")) == 200
+
+
+async def test_start_up_waits_for_an_unreachable_bot_api(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Finally."}))
+    api = FakeBotAPI()
+    port = free_port()
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"))
+    write_butler_dir(config_dir, "general", general.port)
+    sb_port = free_port()
+    write_butler_dir(config_dir, "switchboard", sb_port)
+    telegram = TelegramConfig(
+        allowed_chat_ids=(str(CHAT),), api_base_url=f"http://127.0.0.1:{port}"
+    )
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard = await start_butler(
+        butler_config("switchboard", port=sb_port, telegram=telegram, triage=(rule,)),
+        config_dir=config_dir,
+    )
+    # The Bot API is down: the switchboard still serves, and says why Telegram is not running.
+    await asyncio.sleep(0.5)
+    [module] = (await _health(switchboard))["modules"]
+    assert module["status"] == "starting" and "unreachable" in module["detail"]
+    await api.start_on(port)
+    try:
+        await api.push_text(CHAT, "hello?")
+        [sent] = await api.wait_sent(1, timeout_s=30)
+        assert sent["text"] == "Finally."
+    finally:
+        await api.stop()

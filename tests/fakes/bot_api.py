@@ -149,9 +149,12 @@ class FakeBotAPI:
         return web.json_response({"ok": True, "result": message})
 
     async def start(self) -> None:
+        await self.start_on(0)
+
+    async def start_on(self, port: int) -> None:
         app = web.Application()
         app.router.add_route("*", "/bot{token}/{method}", self._method)
-        self._runner, self.url = await serve_on_loopback(app)
+        self._runner, self.url = await serve_on_loopback(app, port)
 
     async def stop(self) -> None:
         async with self._changed:  # end open long polls now rather than at their timeout
