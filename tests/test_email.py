@@ -110,10 +110,8 @@ def test_html_to_text_drops_scripts() -> None:
 # -- end to end ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def imap_server():
-    port = free_port()
-    process = subprocess.Popen(  # noqa: ASYNC220 - started once, nothing awaits it yet
+def start_pymap(port: int) -> subprocess.Popen:
+    return subprocess.Popen(
         [
             str(Path(sys.executable).parent / "pymap"),
             "--host",
@@ -130,19 +128,34 @@ async def imap_server():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    try:
-        async with asyncio.timeout(30):
-            while True:
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", port)
-                    writer.close()
-                    break
-                except OSError:
-                    await asyncio.sleep(0.1)
-        yield port
-    finally:
+
+
+async def wait_listening(port: int) -> None:
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.1)
+
+
+def stop_pymap(process: subprocess.Popen) -> None:
+    if process.poll() is None:
         os.kill(process.pid, signal.SIGTERM)
         process.wait(timeout=10)
+
+
+@pytest.fixture
+async def imap_server():
+    port = free_port()
+    process = start_pymap(port)
+    try:
+        await wait_listening(port)
+        yield port
+    finally:
+        stop_pymap(process)
 
 
 class Outbox:
@@ -348,3 +361,29 @@ async def test_webhook_mode_takes_json_mail_with_its_token(
     assert reply["Subject"] == "Re: Menu" and reply["In-Reply-To"] == "<w1@example.com>"
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["Soup today"]
+
+
+async def test_imap_reconnects_after_the_server_goes_away(
+    start_butler: StartButler,
+    tmp_path: Path,
+    smtp_server: Outbox,
+    scripted_api: ScriptedMessagesAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Still here."}))
+    port = free_port()
+    server = start_pymap(port)
+    try:
+        await wait_listening(port)
+        await start_mail_fleet(start_butler, tmp_path, port, smtp_server, monkeypatch)
+        await asyncio.sleep(0.5)  # the module is in IDLE now
+        stop_pymap(server)  # the connection drops mid-IDLE
+        await asyncio.sleep(0.5)
+        server = start_pymap(port)
+        await wait_listening(port)
+        await append(port, mail(message_id="<r1@example.com>", subject="after", body="after"))
+        async with asyncio.timeout(60):
+            await smtp_server.arrived.wait()
+        assert smtp_server.messages[0]["Subject"] == "Re: after"
+    finally:
+        stop_pymap(server)

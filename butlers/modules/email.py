@@ -8,6 +8,7 @@ safely in the inbox. Bounces, auto-replies and our own mail are never answered: 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email
 import email.policy
 import email.utils
@@ -329,6 +330,8 @@ class EmailModule:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self.status.status == "running":
+                    failures = 0  # it was a working session: reconnect quickly
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
                 self.status = ModuleStatus(
@@ -340,10 +343,19 @@ class EmailModule:
     async def _session(self) -> None:
         import aioimaplib
 
+        lost = asyncio.Event()  # aioimaplib does not wake an IDLE wait when the server goes
+
+        def on_lost(_exc: Exception | None) -> None:
+            lost.set()
+
         if self.config.imap_ssl:
-            client = aioimaplib.IMAP4_SSL(host=self.config.imap_host, port=self.config.imap_port)
+            client = aioimaplib.IMAP4_SSL(
+                host=self.config.imap_host, port=self.config.imap_port, conn_lost_cb=on_lost
+            )
         else:
-            client = aioimaplib.IMAP4(host=self.config.imap_host, port=self.config.imap_port)
+            client = aioimaplib.IMAP4(
+                host=self.config.imap_host, port=self.config.imap_port, conn_lost_cb=on_lost
+            )
         await client.wait_hello_from_server()
         response = await client.login(self.username, self.password)
         if response.result != "OK":
@@ -360,14 +372,22 @@ class EmailModule:
                 await self._fetch_unseen(client)
                 if use_idle:
                     idle = await client.idle_start(timeout=IDLE_RENEW_S)
-                    try:
-                        await client.wait_server_push(timeout=IDLE_RENEW_S)
-                    except TimeoutError:
-                        pass  # renew the IDLE before the server drops it
+                    push = asyncio.ensure_future(client.wait_server_push(timeout=IDLE_RENEW_S))
+                    gone = asyncio.ensure_future(lost.wait())
+                    await asyncio.wait({push, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    gone.cancel()
+                    if lost.is_set():
+                        push.cancel()
+                        raise MailError(f"IMAP connection to {self.config.imap_host} was lost")
+                    with contextlib.suppress(TimeoutError):
+                        push.result()  # a timeout: renew the IDLE before the server drops it
                     client.idle_done()
                     await asyncio.wait_for(idle, 30)
                 else:
-                    await asyncio.sleep(self.config.poll_interval_s)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), self.config.poll_interval_s)
+                    if lost.is_set():
+                        raise MailError(f"IMAP connection to {self.config.imap_host} was lost")
         finally:
             try:
                 await asyncio.wait_for(client.logout(), 5)
