@@ -34,6 +34,10 @@ from pathlib import Path
 from fastmcp import Client
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fakes import wait_listening  # noqa: E402
+
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 Call = Callable[[], Awaitable[object]]
 
@@ -101,17 +105,6 @@ async def _start(*args: str, env: dict[str, str], ready: str) -> asyncio.subproc
     return process
 
 
-async def _wait_port(port: int) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                return
-            except OSError:
-                await asyncio.sleep(0.1)
-
-
 async def main(calls: int, callers: int, write: bool) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="butlers-bench-"))
     ports = {"target": free_port(), "switchboard": free_port()}
@@ -143,7 +136,7 @@ async def main(calls: int, callers: int, write: bool) -> None:
                 sys.executable, __file__, "--serve-proxy", target_url, str(proxy_port), env=env
             )
         )
-        await _wait_port(proxy_port)
+        await wait_listening(proxy_port)
         results = await measure(
             {
                 "direct": target_url,

@@ -21,6 +21,7 @@ from aiosmtpd.smtp import AuthResult
 from butlers.config import EmailConfig
 from butlers.modules.email import html_to_text, parse_mail, sender_allowed
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes import wait_listening
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_inbox import model
 
@@ -128,17 +129,6 @@ def start_pymap(port: int) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-
-
-async def wait_listening(port: int) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                return
-            except OSError:
-                await asyncio.sleep(0.1)
 
 
 def stop_pymap(process: subprocess.Popen) -> None:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
+
+
+async def wait_listening(port: int, timeout_s: float = 30) -> None:
+    """Wait until something accepts connections on 127.0.0.1:port."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.1)
 
 
 async def serve_on_loopback(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
