@@ -54,6 +54,24 @@ async def start_telegram_fleet(
     return switchboard, targets
 
 
+async def start_general_only(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    answer: str,
+    **kwargs,
+):
+    """A switchboard and `general` only; a triage rule sends every Telegram message to
+    `general`, whose model answers `answer` (for tests about the channel, not the LLM)."""
+    scripted_api.respond_with(model("general", {"general": answer}))
+    rule = TriageRule(butler="general", channel="telegram")
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, triage=[rule], names=("general",), **kwargs
+    )
+    return switchboard
+
+
 async def test_message_is_classified_routed_and_answered_in_the_chat(
     start_butler: StartButler,
     tmp_path: Path,
@@ -166,11 +184,7 @@ async def test_redelivered_update_is_answered_once(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(model("general", {"general": "Once."}))
-    rule = TriageRule(butler="general", channel="telegram")
-    switchboard, _ = await start_telegram_fleet(
-        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
-    )
+    switchboard = await start_general_only(start_butler, tmp_path, bot_api, scripted_api, "Once.")
     update_id = await bot_api.push_text(CHAT, "hi")
     await bot_api.wait_sent(1)
     # Telegram redelivers (e.g. our acknowledgement was lost): same update_id again.
@@ -190,9 +204,7 @@ async def test_long_reply_is_split_and_429_is_retried(
     scripted_api: ScriptedMessagesAPI,
 ) -> None:
     long_answer = ("word " * 1200).strip()  # ~6000 characters
-    scripted_api.respond_with(model("general", {"general": long_answer}))
-    rule = TriageRule(butler="general", channel="telegram")
-    await start_telegram_fleet(start_butler, tmp_path, bot_api, triage=[rule], names=("general",))
+    await start_general_only(start_butler, tmp_path, bot_api, scripted_api, long_answer)
     bot_api.fail_next_sends_with_429 = 1
     await bot_api.push_text(CHAT, "talk to me")
     sent = await bot_api.wait_sent(2)
@@ -207,10 +219,8 @@ async def test_webhook_mode_checks_the_secret(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(model("general", {"general": "Via webhook."}))
-    rule = TriageRule(butler="general", channel="telegram")
-    switchboard, _ = await start_telegram_fleet(
-        start_butler, tmp_path, bot_api, mode="webhook", triage=[rule], names=("general",)
+    switchboard = await start_general_only(
+        start_butler, tmp_path, bot_api, scripted_api, "Via webhook.", mode="webhook"
     )
     update = {"update_id": 77, "message": bot_api._message(CHAT, text="hook me")}
     url = f"{switchboard.base_url}/telegram/webhook"
@@ -235,10 +245,8 @@ async def test_large_message_is_handled(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(model("general", {"general": "That was long."}))
-    rule = TriageRule(butler="general", channel="telegram")
-    switchboard, _ = await start_telegram_fleet(
-        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
+    switchboard = await start_general_only(
+        start_butler, tmp_path, bot_api, scripted_api, "That was long."
     )
     big = "x" * 200_000  # far past Telegram's own limit: the pipeline must not care
     await bot_api.push_text(CHAT, big)
