@@ -346,10 +346,24 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Release without asyncpg's default reset query (`RESET ALL; UNLISTEN *; ...`).
+
+    That query is a second round trip after every pooled statement. Butlers never leave session
+    state behind (no SET, LISTEN, advisory locks or open cursors), and asyncpg still rolls back a
+    transaction left open, so there is nothing to reset.
+    """
+
+
 async def create_pool(server: PostgresServer, database: str, *, max_size: int = 5) -> asyncpg.Pool:
     try:
         return await asyncpg.create_pool(
-            server.dsn(database), min_size=1, max_size=max_size, init=_init_connection, timeout=10
+            server.dsn(database),
+            min_size=1,
+            max_size=max_size,
+            init=_init_connection,
+            reset=_keep_session,
+            timeout=10,
         )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise DatabaseError(f"cannot open a pool on {database!r}: {exc}") from exc

@@ -14,6 +14,7 @@ import pytest
 from butlers.db import (
     EmbeddedServer,
     ExternalServer,
+    create_pool,
     ensure_database,
     migrate,
     server_from_environment,
@@ -73,6 +74,24 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+async def test_a_pooled_statement_is_one_round_trip(pg_server, make_database, db_conn) -> None:
+    """asyncpg's default release sends `RESET ALL; ...` after every pooled statement."""
+    name = await make_database()
+    pool = await create_pool(pg_server, name, max_size=1)
+    try:
+        pid = await pool.fetchval("SELECT pg_backend_pid()")
+        await pool.execute("SELECT 'the last statement'")
+        observer = await db_conn(name)
+        last = await observer.fetchval("SELECT query FROM pg_stat_activity WHERE pid = $1", pid)
+        assert last == "SELECT 'the last statement'"
+        # A transaction left open is still rolled back on release (asyncpg does that itself).
+        async with pool.acquire() as conn:
+            await conn.execute("BEGIN; CREATE TABLE left_open (x int)")
+        assert await pool.fetchval("SELECT to_regclass('left_open')") is None
+    finally:
+        await pool.close()
 
 
 async def test_unreachable_server_is_a_clear_error() -> None:
