@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from butlers.daemon import (
 )
 from butlers.db import prepare_database, running, server_from_environment
 from butlers.errors import ButlersError
-from butlers.telemetry import setup_tracing
+from butlers.telemetry import Telemetry
 
 logger = logging.getLogger("butlers")
 
@@ -88,13 +89,15 @@ async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -
     _install_stop_signals(stop)
     configs = _select(config_dir, only)
     server = server_from_environment()
-    async with running(server):
+    telemetry = Telemetry.from_environment()
+    async with running(server), _flushed(telemetry):
         report = await start_fleet(
             configs,
             server,
             data_dir=_data_dir(),
             auth_token=auth_token_from_environment(),
             config_dir=config_dir,
+            telemetry=telemetry,
         )
         try:
             for name, error in report.failed.items():
@@ -109,6 +112,16 @@ async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -
         finally:
             await stop_fleet(report.running)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
+    """The last spans of a run are exported before the process ends (in a thread: a flush
+    blocks for as long as the collector takes to answer)."""
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)
 
 
 async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
@@ -306,14 +319,9 @@ async def cli(argv: Sequence[str]) -> int:
         return await db_upgrade(args.config_dir, args.names)
     if args.command in ("list", "discover", "route", "ask"):
         return await client_command(args)
-    service = f"butler-{args.name}" if args.command == "run" else "butlers"
-    provider = setup_tracing(service)
-    try:
-        if args.command == "up":
-            return await serve(args.config_dir, args.only, strict=False)
-        return await serve(args.config_dir, [args.name], strict=True)
-    finally:
-        provider.shutdown()
+    if args.command == "up":
+        return await serve(args.config_dir, args.only, strict=False)
+    return await serve(args.config_dir, [args.name], strict=True)
 
 
 def _install_fast_event_loop() -> None:

@@ -34,6 +34,7 @@ from butlers.switchboard import Switchboard, attach_switchboard
 from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.store import SwitchboardStore
 from butlers.tasks import cancel_and_wait
+from butlers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,11 @@ class ButlerDaemon:
         auth_token: str | None = None,
         session_env: Mapping[str, str] | None = None,
         config_dir: Path | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        # Spans are always real (trace ids are recorded); exported only if the Telemetry does.
+        self.telemetry = (telemetry or Telemetry()).for_butler(config.name)
         # The fleet's config directory: what the switchboard's discover() scans.
         self.config_dir = config_dir or (config.config_dir.parent if config.config_dir else None)
         self.switchboard: Switchboard | None = None
@@ -124,6 +128,7 @@ class ButlerDaemon:
             config,
             store,
             work_dir=self.data_dir / "sessions" / config.name,
+            telemetry=self.telemetry,
             session_env=self.session_env,
             auth_token=self.auth_token,
         )
@@ -133,7 +138,7 @@ class ButlerDaemon:
             config.name,
             instructions=config.description or None,
             mask_error_details=True,
-            middleware=[TraceContextMiddleware(config.name)],
+            middleware=[TraceContextMiddleware(config.name, self.telemetry.tracer)],
         )
         register_core_tools(mcp, ctx)
         if config.name == SWITCHBOARD:
@@ -293,6 +298,7 @@ async def start_fleet(
     auth_token: str | None = None,
     session_env: Mapping[str, str] | None = None,
     config_dir: Path | None = None,
+    telemetry: Telemetry | None = None,
 ) -> FleetReport:
     """Prepare each butler's database and start it; one failing butler never stops the others."""
     running: list[ButlerDaemon] = []
@@ -306,6 +312,7 @@ async def start_fleet(
                 data_dir=data_dir,
                 auth_token=auth_token,
                 session_env=session_env,
+                telemetry=telemetry,
             )
             await daemon.start()
         except ButlersError as exc:

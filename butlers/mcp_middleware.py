@@ -14,9 +14,9 @@ from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
-from butlers.telemetry import context_from_carrier, tracer
+from butlers.telemetry import context_from_carrier
 
 TRACE_CONTEXT_ARG = "_trace_context"
 
@@ -27,8 +27,9 @@ def _meta_carrier() -> dict[str, Any] | None:
 
 
 class TraceContextMiddleware(Middleware):
-    def __init__(self, butler_name: str) -> None:
+    def __init__(self, butler_name: str, tracer: Tracer) -> None:
         self.butler_name = butler_name
+        self.tracer = tracer
 
     async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         params = context.message
@@ -46,7 +47,7 @@ class TraceContextMiddleware(Middleware):
             or context_from_carrier(get_http_headers(include={"traceparent", "tracestate"}))
             or otel_context.get_current()
         )
-        with tracer().start_as_current_span(
+        with self.tracer.start_as_current_span(
             f"{self.butler_name}/{params.name}",
             context=parent,
             kind=SpanKind.SERVER,

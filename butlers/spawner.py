@@ -21,7 +21,7 @@ from typing import Any
 from butlers.config import ButlerConfig
 from butlers.errors import SpawnError
 from butlers.store import CoreStore
-from butlers.telemetry import current_carrier, current_trace_id, tracer
+from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +73,12 @@ class Spawner:
         store: CoreStore,
         *,
         work_dir: Path,
+        telemetry: ButlerTelemetry,
         session_env: Mapping[str, str] | None = None,
         auth_token: str | None = None,
     ) -> None:
         self.config = config
+        self.telemetry = telemetry
         self.store = store
         self.work_dir = work_dir
         self.session_env = dict(session_env or {})
@@ -104,7 +106,7 @@ class Spawner:
         async with self._slots:
             self.running += 1
             try:
-                with tracer().start_as_current_span(
+                with self.telemetry.tracer.start_as_current_span(
                     "butler.session",
                     attributes={"butler": self.config.name, "trigger_source": trigger_source},
                 ):
@@ -166,7 +168,7 @@ class Spawner:
         headers.update(carrier)
         if self.auth_token:
             headers["Authorization"] = f"Bearer {self.auth_token}"
-        env = {**_CLI_ENV, **self.session_env}
+        env = {**_CLI_ENV, **self.telemetry.cli_env, **self.session_env}
         if "traceparent" in carrier:
             env["TRACEPARENT"] = carrier["traceparent"]
             if "tracestate" in carrier:

@@ -1,7 +1,6 @@
-"""OpenTelemetry: the SDK is configured here, once, by the process entry point.
+"""OpenTelemetry: the process entry point builds one `Telemetry`; each butler gets its tracer.
 
-Library code only uses the API (`tracer()`), so tracing costs nothing until `setup_tracing`
-installs a provider. W3C trace context travels between butlers as `_trace_context`
+W3C trace context travels between butlers as `_trace_context`
 (`{"traceparent": ..., "tracestate": ...}`), as FastMCP's `_meta.traceparent`, as an HTTP
 `traceparent` header, and to Claude Code as the TRACEPARENT environment variable.
 """
@@ -11,23 +10,21 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from butlers.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "butlers"
-
-
-_TRACER = trace.get_tracer(TRACER_NAME)  # a proxy: follows whatever provider is installed
-
-
-def tracer() -> trace.Tracer:
-    return _TRACER
 
 
 def let_butlers_own_mcp_spans() -> None:
@@ -38,32 +35,103 @@ def let_butlers_own_mcp_spans() -> None:
     fastmcp.settings.telemetry_mode = "propagation_only"
 
 
-def setup_tracing(service_name: str) -> Any:
-    """Install the SDK provider; export over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+def service_name(butler: str) -> str:
+    """`butler-<name>`, unless OTEL_SERVICE_NAME says otherwise (then for every butler)."""
+    return os.environ.get("OTEL_SERVICE_NAME") or f"butler-{butler}"
 
-    The provider is installed either way so that sessions and routes carry real trace ids;
-    without an endpoint it has no processor, so spans cost next to nothing and no exporter
-    thread runs. Call `.shutdown()` on the result at exit so the last spans are flushed.
+
+@dataclass(frozen=True)
+class ButlerTelemetry:
+    """What one butler's parts need: its tracer, and the environment that makes its Claude
+    Code sessions export their own spans to the same place (empty when not exporting)."""
+
+    tracer: trace.Tracer
+    cli_env: Mapping[str, str] = field(default_factory=dict)
+
+
+class Telemetry:
+    """The process's spans: one tracer provider per butler, so each butler has its own
+    `service.name` even when several share a process (`butlers up`), and one span processor
+    shared by all of them (one export queue and thread, not one per butler).
+
+    Without a processor spans are still real (valid ids that sessions and routing_log record),
+    but nothing is queued or exported and no thread runs.
     """
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
 
-    let_butlers_own_mcp_spans()
-    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    def __init__(
+        self, processor: SpanProcessor | None = None, *, cli_env: Mapping[str, str] | None = None
+    ) -> None:
+        self.processor = processor
+        self._cli_env = dict(cli_env or {})
+        self._providers: dict[str, TracerProvider] = {}
+
+    @classmethod
+    def from_environment(cls) -> Telemetry:
+        """OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set (protocol per
+        OTEL_EXPORTER_OTLP_PROTOCOL: grpc, the default, or http/protobuf); otherwise none."""
+        let_butlers_own_mcp_spans()
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if not endpoint:
+            return cls()
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
         if protocol.startswith("http"):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        else:
+        elif protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
                 OTLPSpanExporter,
             )
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
-    return provider
+        else:
+            raise ConfigError(
+                f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: expected grpc or http/protobuf"
+            )
+        logger.info(
+            "exporting spans over OTLP (%s) to %s", protocol, endpoint, extra={"action": "otlp"}
+        )
+        return cls(
+            BatchSpanProcessor(OTLPSpanExporter()),
+            cli_env=claude_code_telemetry_env(endpoint, protocol),
+        )
+
+    @property
+    def exporting(self) -> bool:
+        return self.processor is not None
+
+    def for_butler(self, butler: str) -> ButlerTelemetry:
+        provider = self._providers.get(butler)
+        if provider is None:
+            provider = TracerProvider(
+                resource=Resource.create({"service.name": service_name(butler), "butler": butler})
+            )
+            if self.processor is not None:
+                provider.add_span_processor(self.processor)
+            self._providers[butler] = provider
+        cli_env = dict(self._cli_env)
+        if cli_env:
+            cli_env["OTEL_RESOURCE_ATTRIBUTES"] = f"butler={butler}"
+        return ButlerTelemetry(provider.get_tracer(TRACER_NAME), cli_env)
+
+    def shutdown(self) -> None:
+        """Flush what is queued (the last spans of a run) and stop the export thread."""
+        if self.processor is not None:
+            self.processor.force_flush()
+            self.processor.shutdown()
+
+
+def claude_code_telemetry_env(endpoint: str, protocol: str) -> dict[str, str]:
+    """Claude Code exports its own `claude_code.*` spans (parented by TRACEPARENT) only when
+    told to; metrics and logs stay off, they are not ours to ship."""
+    return {
+        "CLAUDE_CODE_ENABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_ENHANCED_TELEMETRY_BETA": "1",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_SERVICE_NAME": "claude-code",
+    }
 
 
 def context_from_carrier(carrier: Mapping[str, Any] | None) -> otel_context.Context | None:

@@ -21,6 +21,7 @@ from butlers.config import ButlerConfig, RuntimeConfig
 from butlers.daemon import ButlerDaemon
 from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
 from butlers.spawner import isolated_cli_env
+from butlers.telemetry import Telemetry
 from tests.fakes.messages_api import ScriptedMessagesAPI
 
 # Nothing of the host's Claude / Anthropic / butlers setup may leak into a test.
@@ -184,6 +185,7 @@ async def start_butler(
     switchboard_template: str,
     tmp_path: Path,
     claude_env: dict[str, str],
+    telemetry: Telemetry,
 ) -> AsyncIterator[StartButler]:
     """Start real butler daemons on loopback, each on a fresh database; stopped after the test.
 
@@ -216,6 +218,7 @@ async def start_butler(
             auth_token=auth_token,
             session_env=claude_env if session_env is None else session_env,
             config_dir=config_dir,
+            telemetry=telemetry,
         )
         await daemon.start()
         daemons.append(daemon)
@@ -227,23 +230,23 @@ async def start_butler(
             await daemon.stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def _span_exporter():
-    """One SDK provider for the whole session (a provider can be set only once per process),
-    as `butlers up` installs one: sessions and routes always have a trace id."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="session")
+def telemetry(_span_exporter) -> Telemetry:
+    """What `butlers up` builds from the environment, exporting to memory instead of OTLP:
+    every in-process butler's spans land in `spans`."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
     from butlers.telemetry import let_butlers_own_mcp_spans
 
-    let_butlers_own_mcp_spans()  # as setup_tracing does in `butlers up`
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    return exporter
+    let_butlers_own_mcp_spans()  # as Telemetry.from_environment does
+    return Telemetry(SimpleSpanProcessor(_span_exporter))
 
 
 @pytest.fixture

@@ -43,13 +43,11 @@ async def test_trace_context_argument_continues_the_trace(start_butler: StartBut
     assert span.attributes["tool_name"] == "state_set"
 
 
-async def test_meta_traceparent_is_honoured(start_butler: StartButler, spans) -> None:
+async def test_meta_traceparent_is_honoured(start_butler: StartButler, spans, telemetry) -> None:
     """A FastMCP client inside a span puts its traceparent in `_meta`; the tool continues it."""
-    from opentelemetry import trace
-
     daemon = await start_butler()
     async with Client(daemon.sse_url) as client:
-        with trace.get_tracer("test").start_as_current_span("caller") as caller:
+        with telemetry.for_butler("caller").tracer.start_as_current_span("caller") as caller:
             await client.call_tool("status", {})
     span = _tool_span(spans, "alpha/status")
     assert span.context.trace_id == caller.get_span_context().trace_id

@@ -83,7 +83,8 @@ def attach_switchboard(
 ) -> Switchboard:
     """Create the switchboard's parts and register route, list_butlers, discover and ask."""
     pool = McpClientPool(auth_token=auth_token)
-    router = Router(store, pool)
+    tracer = spawner.telemetry.tracer
+    router = Router(store, pool, tracer=tracer)
     worker = InboxWorker(
         inbox=inbox,
         store=store,
@@ -92,6 +93,7 @@ def attach_switchboard(
         triage_rules=triage_rules,
         switchboard_url=self_url,
         switchboard_tools=tool_names,
+        tracer=tracer,
     )
     switchboard = Switchboard(store, router, pool, worker, config_dir)
 

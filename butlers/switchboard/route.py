@@ -16,12 +16,12 @@ from typing import Any
 
 import mcp_types
 from mcp.shared.exceptions import MCPError
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.errors import ButlersError
 from butlers.switchboard.pool import McpClientPool, TargetTimeout, TargetUnreachable
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
-from butlers.telemetry import current_carrier, current_trace_id, tracer
+from butlers.telemetry import current_carrier, current_trace_id
 
 SWITCHBOARD = "switchboard"
 SUMMARY_CHARS = 200
@@ -68,10 +68,12 @@ class Router:
         store: SwitchboardStore,
         pool: McpClientPool,
         *,
+        tracer: Tracer,
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.pool = pool
+        self.tracer = tracer
         self.timeout_s = timeout_s
         # name -> endpoint_url, filled on first use; discover() and failures clear it. Saves a
         # database round trip per call; a row edited behind our back is picked up on a miss.
@@ -97,7 +99,7 @@ class Router:
         source: RouteSource = RouteSource(),
     ) -> Any:
         arguments = dict(arguments or {})
-        with tracer().start_as_current_span(
+        with self.tracer.start_as_current_span(
             "switchboard.route",
             attributes={
                 "target": butler_name,

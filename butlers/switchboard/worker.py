@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.config import TriageRule
 from butlers.spawner import Spawner
@@ -28,7 +28,7 @@ from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, In
 from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
 from butlers.tasks import cancel_and_wait
-from butlers.telemetry import context_from_carrier, current_carrier, tracer
+from butlers.telemetry import context_from_carrier, current_carrier
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ class InboxWorker:
         triage_rules: Sequence[TriageRule],
         switchboard_url: str,
         switchboard_tools: Callable[[], Sequence[str]],
+        tracer: Tracer,
     ) -> None:
+        self.tracer = tracer
         self.inbox = inbox
         self.store = store
         self.router = router
@@ -81,7 +83,7 @@ class InboxWorker:
 
         When this returns, the message survives a crash: the channel may acknowledge it.
         """
-        with tracer().start_as_current_span(
+        with self.tracer.start_as_current_span(
             "switchboard.receive",
             attributes={
                 "channel": message.channel,
@@ -176,7 +178,7 @@ class InboxWorker:
     ) -> tuple[str | None, str | None, str | None]:
         """(routed_to, reply, note): reply None means it failed, and note says why."""
         prompt = message_body(message)
-        with tracer().start_as_current_span(
+        with self.tracer.start_as_current_span(
             "switchboard.classify", attributes={"channel": message.channel}
         ) as span:
             butler = triage(self.triage_rules, message)
@@ -225,7 +227,7 @@ class InboxWorker:
         replier = self.repliers.get(message.channel)
         if replier is None:
             return None  # e.g. `ask`: the caller reads the reply from the inbox row
-        with tracer().start_as_current_span(
+        with self.tracer.start_as_current_span(
             "switchboard.reply", attributes={"channel": message.channel}
         ) as span:
             try:
