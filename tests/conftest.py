@@ -201,6 +201,7 @@ async def start_butler(
         session_env: dict[str, str] | None = None,
         config_dir: Path | None = None,
         database: str | None = None,
+        telemetry: Telemetry = telemetry,
     ) -> ButlerDaemon:
         config = config or butler_config()
         if database is None:

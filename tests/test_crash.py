@@ -72,10 +72,10 @@ async def test_sigkill_mid_message_then_restart_answers_it(
                 await asyncio.sleep(0.1)
         orphans = psutil.Process(first.process.pid).children(recursive=True)
         first.process.send_signal(signal.SIGKILL)
-        await first.process.wait()
         for orphan in orphans:  # the killed process's Claude Code: ours to end
             if orphan.is_running():
                 orphan.kill()
+        await first.process.wait()  # (returns only once the orphans have let go of its pipes)
 
         conn = await db_conn(f"crash_switchboard_{suffix}")
         row = await conn.fetchrow("SELECT status, attempts FROM inbox")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
+from opentelemetry.trace import StatusCode
 
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -162,7 +163,9 @@ async def test_routing_to_the_switchboard_is_refused(fleet: Fleet, db_conn) -> N
     assert row["routed_to"] == "switchboard" and row["success"] is False
 
 
-async def test_unreachable_butler_error_names_it_and_its_endpoint(fleet: Fleet, db_conn) -> None:
+async def test_unreachable_butler_error_names_it_and_its_endpoint(
+    fleet: Fleet, db_conn, spans
+) -> None:
     health = fleet.targets["health"]
     endpoint = health.sse_url
     async with Client(fleet.switchboard.sse_url) as client:
@@ -180,6 +183,10 @@ async def test_unreachable_butler_error_names_it_and_its_endpoint(fleet: Fleet, 
     assert [r["success"] for r in rows] == [True, False]
     assert endpoint in rows[1]["error"] and rows[1]["trace_id"]
     assert await _last_seen(db_conn, fleet, "health") == seen
+    # The failed route is still traced: an error span, in the trace routing_log names.
+    failed = [s for s in spans.get_finished_spans() if s.name == "switchboard.route"][-1]
+    assert failed.status.status_code is StatusCode.ERROR and endpoint in failed.status.description
+    assert format(failed.context.trace_id, "032x") == rows[1]["trace_id"]
 
 
 async def test_never_started_butler_is_unreachable_too(

@@ -9,6 +9,7 @@ prompt, turn 1 answers the first tool results, and so on; past the script the mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class ScriptedMessagesAPI:
         self.delay_s = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
+        self._stopping = asyncio.Event()
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -97,8 +99,9 @@ class ScriptedMessagesAPI:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
+            if self.delay_s:  # a "slow model"; ends early when the API stops
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self.delay_s)
             return await self._reply(request, body)
         finally:
             self.in_flight -= 1
@@ -172,6 +175,7 @@ class ScriptedMessagesAPI:
         self._runner, self.url = await serve_on_loopback(app)
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -1,0 +1,335 @@
+"""One message, one trace, exported over OTLP by the real `butlers up` to a local receiver.
+
+The full path runs for real: fake Telegram Bot API -> switchboard (python-telegram-bot) ->
+inbox -> the classifier's Claude Code (real binary, scripted Messages API) -> `route` ->
+the general butler's `trigger` -> its own Claude Code session -> reply. Every span of it —
+the switchboard's, both Claude Code sessions' own, the general butler's — must carry the
+routing_log row's trace id and hang in one tree under `switchboard.receive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import psutil
+import pytest
+from fastmcp import Client
+
+from butlers.errors import ConfigError
+from butlers.spawner import isolated_cli_env
+from butlers.telemetry import Telemetry
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.fakes.otlp import OtlpReceiver, ReceivedSpan
+from tests.test_cli import Butlers
+from tests.test_inbox import model
+
+CHAT = 4242
+
+
+@pytest.fixture
+async def otlp() -> AsyncIterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    await receiver.start()
+    yield receiver
+    await receiver.stop()
+
+
+@pytest.fixture
+async def bot_api() -> AsyncIterator[FakeBotAPI]:
+    api = FakeBotAPI()
+    await api.start()
+    yield api
+    await api.stop()
+
+
+class Fleet:
+    """`butlers up` with a general butler and a Telegram switchboard, exporting to `otlp`."""
+
+    def __init__(self, tmp_path: Path, bot_api: FakeBotAPI, scripted_api, pg_server) -> None:
+        self.suffix = uuid.uuid4().hex[:8]
+        self.pg_server = pg_server
+        self.config_dir = tmp_path / "config"
+        write_butler_dir(
+            self.config_dir,
+            "general",
+            free_port(),
+            extra=f'[butler.db]\nname = "{self.database("general")}"\n',
+        )
+        write_butler_dir(
+            self.config_dir,
+            "switchboard",
+            free_port(),
+            extra=(
+                f'[butler.db]\nname = "{self.database("switchboard")}"\n'
+                f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
+                f'api_base_url = "{bot_api.url}"\n'
+            ),
+        )
+        home = tmp_path / "home"
+        home.mkdir()
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "OTEL_"))}
+        self.env.update(isolated_cli_env(home, scripted_api.url))
+        self.env.update(
+            DATABASE_URL=pg_server.dsn("postgres"),
+            TELEGRAM_BOT_TOKEN=bot_api.token,
+            BUTLERS_DATA_DIR=str(tmp_path / "data"),
+        )
+
+    def database(self, name: str) -> str:
+        return f"trace_{name}_{self.suffix}"
+
+    def export_to(self, otlp: OtlpReceiver, protocol: str) -> None:
+        self.env.update(
+            OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url(protocol),
+            OTEL_EXPORTER_OTLP_PROTOCOL="grpc" if protocol == "grpc" else "http/protobuf",
+            OTEL_BSP_SCHEDULE_DELAY="100",  # export within 0.1 s, so a SIGKILL loses nothing
+        )
+
+    def up(self) -> Butlers:
+        return Butlers("up", "--config-dir", str(self.config_dir), env=self.env)
+
+    async def routing_log(self) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.pg_server.dsn(self.database("switchboard")))
+        try:
+            return await conn.fetch("SELECT * FROM routing_log ORDER BY created_at")
+        finally:
+            await conn.close()
+
+    async def drop(self) -> None:
+        admin = await asyncpg.connect(self.pg_server.dsn("postgres"))
+        try:
+            for name in ("general", "switchboard"):
+                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database(name)}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+@pytest.fixture
+async def fleet(tmp_path, bot_api, scripted_api, pg_server) -> AsyncIterator[Fleet]:
+    fleet = Fleet(tmp_path, bot_api, scripted_api, pg_server)
+    yield fleet
+    await fleet.drop()
+
+
+def assert_one_tree(spans: list[ReceivedSpan], trace_id: str) -> ReceivedSpan:
+    """All spans in `trace_id`, each parent present, one root: `switchboard.receive`."""
+    assert {s.trace_id for s in spans} == {trace_id}, sorted({(s.trace_id, s.name) for s in spans})
+    by_id = {s.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent_span_id is None]
+    assert [(r.service, r.name) for r in roots] == [("butler-switchboard", "switchboard.receive")]
+    orphans = [
+        (s.service, s.name) for s in spans if s.parent_span_id and s.parent_span_id not in by_id
+    ]
+    assert orphans == [], f"spans whose parent never arrived: {orphans}"
+    return roots[0]
+
+
+def without_killed_session(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+    """Drop what the SIGKILLed process's Claude Code may have exported on its way out: a
+    `claude_code.interaction` (and its children) whose parent, the classifier's session span,
+    died unfinished with the process. Nothing else may lack its parent."""
+    by_id = {s.span_id: s for s in spans}
+
+    def top(span: ReceivedSpan) -> ReceivedSpan:
+        while span.parent_span_id in by_id:
+            span = by_id[span.parent_span_id]
+        return span
+
+    def killed(span: ReceivedSpan) -> bool:
+        head = top(span)
+        return (
+            head.parent_span_id is not None
+            and head.name == "claude_code.interaction"
+            and head.attributes.get("butler") == "switchboard"
+        )
+
+    return [s for s in spans if not killed(s)]
+
+
+def ancestors(span: ReceivedSpan, spans: list[ReceivedSpan]) -> list[str]:
+    by_id = {s.span_id: s for s in spans}
+    names = []
+    while span.parent_span_id:
+        span = by_id[span.parent_span_id]
+        names.append(span.name)
+    return names
+
+
+def services(spans: list[ReceivedSpan]) -> set[str]:
+    return {s.service for s in spans}
+
+
+def is_claude_code(span: ReceivedSpan) -> bool:
+    return span.service == "claude-code"
+
+
+def interactions(spans: list[ReceivedSpan]) -> int:
+    """Finished Claude Code sessions (each exports one `claude_code.interaction`)."""
+    return sum(1 for s in spans if is_claude_code(s) and s.name == "claude_code.interaction")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+async def test_one_telegram_message_is_one_trace(
+    protocol: str,
+    fleet: Fleet,
+    otlp: OtlpReceiver,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Milk is on the list."}))
+    fleet.export_to(otlp, protocol)
+    butlers = fleet.up()
+    await butlers.start()
+    try:
+        await butlers.wait_ready()
+        await bot_api.push_text(CHAT, "add milk to my list")
+        [sent] = await bot_api.wait_sent(1, timeout_s=90)
+        assert sent["text"] == "Milk is on the list."
+    finally:
+        assert await butlers.stop() == 0, butlers.stderr  # flushes the last spans
+
+    [row] = await fleet.routing_log()
+    assert (row["routed_to"], row["source_channel"], row["success"]) == (
+        "general",
+        "telegram",
+        True,
+    )
+    trace_id = row["trace_id"]
+    assert len(trace_id) == 32 and int(trace_id, 16)
+
+    # Claude Code exports on its own schedule: wait until both sessions' spans are in.
+    spans = await otlp.wait_for(lambda got: interactions(got) >= 2)
+    assert {s.protocol for s in spans} == {protocol}
+    root = assert_one_tree(spans, trace_id)
+    assert root.attributes["channel"] == "telegram"
+    assert root.attributes["source_id"] == str(CHAT)
+
+    assert services(spans) == {"butler-switchboard", "butler-general", "claude-code"}
+    names = {(s.service, s.name) for s in spans}
+    for expected in [
+        ("butler-switchboard", "switchboard.classify"),
+        ("butler-switchboard", "switchboard.route"),
+        ("butler-switchboard", "switchboard/route"),  # the classifier's call, over MCP
+        ("butler-switchboard", "switchboard.reply"),
+        ("butler-general", "general/trigger"),
+        ("butler-general", "butler.session"),
+    ]:
+        assert expected in names, sorted(names)
+
+    [route] = [s for s in spans if s.name == "switchboard.route"]
+    assert (route.attributes["target"], route.attributes["tool_name"]) == ("general", "trigger")
+    assert route.status != "error"
+    [trigger] = [s for s in spans if s.name == "general/trigger"]
+    assert trigger.parent_span_id == route.span_id
+    [reply] = [s for s in spans if s.name == "switchboard.reply"]
+    assert ancestors(reply, spans) == ["switchboard.receive"]
+    # Both Claude Code sessions (the classifier's and the general butler's) joined the trace
+    # under their own butler.session span.
+    sessions = [s for s in spans if s.name == "butler.session"]
+    assert len(sessions) == 2
+    for session in sessions:
+        children = [s for s in spans if s.parent_span_id == session.span_id]
+        assert any(is_claude_code(c) for c in children), (session.service, children)
+    assert "Traceback" not in butlers.stderr, butlers.stderr
+
+
+async def test_a_crash_between_receipt_and_processing_keeps_one_trace(
+    fleet: Fleet, otlp: OtlpReceiver, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Noted, after all."}))
+    scripted_api.delay_s = 30  # the classifier "thinks" until we pull the plug
+    fleet.export_to(otlp, "http")
+    first = fleet.up()
+    await first.start()
+    orphans: list[psutil.Process] = []
+    second = None
+    try:
+        await first.wait_ready()
+        await bot_api.push_text(CHAT, "note: buy stamps")
+        await otlp.wait_for(lambda got: any(s.name == "switchboard.receive" for s in got))
+        async with asyncio.timeout(60):
+            while not scripted_api.requests:  # noqa: ASYNC110 - classification has begun
+                await asyncio.sleep(0.05)
+        assert first.process is not None
+        orphans = psutil.Process(first.process.pid).children(recursive=True)
+        first.process.send_signal(signal.SIGKILL)
+        for orphan in orphans:  # the killed process's Claude Code: ours to end
+            if orphan.is_running():
+                orphan.kill()
+        await first.process.wait()  # (returns only once the orphans have let go of its pipes)
+        assert bot_api.sent == []
+        scripted_api.delay_s = 0
+        second = fleet.up()
+        await second.start()
+        await second.wait_ready()
+        [sent] = await bot_api.wait_sent(1, timeout_s=90)
+        assert sent["text"] == "Noted, after all."
+        assert await second.stop() == 0, second.stderr
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+        for orphan in orphans:
+            if orphan.is_running():
+                orphan.kill()
+
+    [row] = await fleet.routing_log()
+    spans = await otlp.wait_for(lambda got: "switchboard.reply" in {s.name for s in got})
+    assert {s.trace_id for s in spans} == {row["trace_id"]}
+    root = assert_one_tree(without_killed_session(spans), row["trace_id"])
+    # Received by the first process, classified, routed and answered by the second.
+    [classify] = [s for s in spans if s.name == "switchboard.classify"]
+    assert classify.parent_span_id == root.span_id
+    assert {"switchboard.route", "general/trigger", "switchboard.reply"} <= {s.name for s in spans}
+
+
+async def test_tracing_off_means_no_exporter_yet_real_trace_ids(
+    start_butler: StartButler, tmp_path: Path, db_conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    telemetry = Telemetry.from_environment()
+    assert not telemetry.exporting and telemetry.for_butler("general").cli_env == {}
+
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"), telemetry=telemetry)
+    write_butler_dir(config_dir, "general", general.port)
+    switchboard = await start_butler(
+        butler_config("switchboard"), config_dir=config_dir, telemetry=telemetry
+    )
+    async with Client(switchboard.sse_url) as client:
+        result = await client.call_tool(
+            "route", {"butler_name": "general", "tool_name": "state_get", "args": {"key": "k"}}
+        )
+    assert not result.is_error
+    exporters = [t.name for t in threading.enumerate() if "Otel" in t.name or "Export" in t.name]
+    assert exporters == []
+    conn = await db_conn(switchboard.config.database)
+    trace_id = await conn.fetchval("SELECT trace_id FROM routing_log")
+    assert len(trace_id) == 32 and int(trace_id, 16)  # ids still tie routes and sessions
+    telemetry.shutdown()  # nothing to flush; must not fail
+
+
+def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    telemetry = Telemetry()
+    resource = telemetry.for_butler("health").tracer.resource  # type: ignore[attr-defined]
+    assert resource.attributes["service.name"] == "butler-health"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "my-health")
+    resource = Telemetry().for_butler("health").tracer.resource  # type: ignore[attr-defined]
+    assert resource.attributes["service.name"] == "my-health"
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"):
+        Telemetry.from_environment()
