@@ -19,7 +19,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from butlers.errors import ConfigError
+from butlers.errors import ButlersError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Telemetry:
                 OTLPSpanExporter,
             )
         else:
-            raise ConfigError(
+            raise ButlersError(
                 f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: expected grpc or http/protobuf"
             )
         logger.info(

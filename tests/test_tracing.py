@@ -22,7 +22,7 @@ import psutil
 import pytest
 from fastmcp import Client
 
-from butlers.errors import ConfigError
+from butlers.errors import ButlersError
 from butlers.spawner import isolated_cli_env
 from butlers.telemetry import Telemetry
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
@@ -331,5 +331,5 @@ def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
-    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"):
+    with pytest.raises(ButlersError, match="OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"):
         Telemetry.from_environment()
