@@ -7,14 +7,15 @@ skipped by `load_config_dir`; the others still load. Unknown keys are errors, ne
 from __future__ import annotations
 
 import logging
+import os
 import re
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from butlers.errors import ConfigError
+from butlers.errors import ButlersError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -302,8 +303,45 @@ def _port(table: _Table, key: str, value: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where butlers listen and how the registry reaches them, for whatever a butler.toml
+    leaves out. docker compose sets BUTLERS_HOST=0.0.0.0 and
+    BUTLERS_ENDPOINT_URL_TEMPLATE=http://{name}:{port}/sse, so the same config directory
+    serves `butlers up` on one machine and one container per butler."""
+
+    host: str = "127.0.0.1"
+    endpoint_url_template: str | None = None
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Placement:
+        env = os.environ if environ is None else environ
+        template = env.get("BUTLERS_ENDPOINT_URL_TEMPLATE") or None
+        if template is not None:
+            problem = None
+            if not template.startswith(("http://", "https://")):
+                problem = "expected an http(s) URL"
+            else:
+                try:
+                    template.format(name="x", port=1)
+                except (KeyError, IndexError, ValueError) as exc:
+                    problem = f"only {{name}} and {{port}} may be used ({exc})"
+            if problem:
+                raise ButlersError(f"BUTLERS_ENDPOINT_URL_TEMPLATE={template!r}: {problem}")
+        return cls(host=env.get("BUTLERS_HOST") or "127.0.0.1", endpoint_url_template=template)
+
+    def endpoint_url(self, name: str, port: int) -> str | None:
+        if self.endpoint_url_template is None:
+            return None
+        return self.endpoint_url_template.format(name=name, port=port)
+
+
 def parse_butler_config(
-    path: Path, data: dict[str, Any], *, dir_name: str | None = None
+    path: Path,
+    data: dict[str, Any],
+    *,
+    dir_name: str | None = None,
+    placement: Placement = Placement(),
 ) -> ButlerConfig:
     """Validate one parsed butler.toml. `dir_name`, when given, must equal `[butler] name`."""
     root = _Table(path, "", data)
@@ -317,10 +355,11 @@ def parse_butler_config(
         raise butler.error("name", f"must match its directory name {dir_name!r}, got {name!r}")
     port = _port(butler, "port", butler.take("port", int, expected="a port number"))
     description = butler.take("description", str, "")
-    host = butler.take("host", str, "127.0.0.1")
+    host = butler.take("host", str, placement.host)
     endpoint_url = butler.take("endpoint_url", str, None)
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         raise butler.error("endpoint_url", f"expected an http(s) URL, got {endpoint_url!r}")
+    endpoint_url = endpoint_url or placement.endpoint_url(name, port)
     db_name = ""
     db = butler.table("db")
     if db is not None:
@@ -374,7 +413,7 @@ def parse_butler_config(
     )
 
 
-def load_butler_config(path: Path) -> ButlerConfig:
+def load_butler_config(path: Path, placement: Placement = Placement()) -> ButlerConfig:
     """Read and validate one butler.toml; raises ConfigError naming the file and key."""
     try:
         raw = path.read_bytes()
@@ -386,7 +425,7 @@ def load_butler_config(path: Path) -> ButlerConfig:
         raise ConfigError(path, None, f"is not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, None, f"is not valid TOML: {exc}") from exc
-    return parse_butler_config(path, data, dir_name=path.parent.name)
+    return parse_butler_config(path, data, dir_name=path.parent.name, placement=placement)
 
 
 def butler_dirs(config_dir: Path) -> list[Path]:
@@ -396,11 +435,13 @@ def butler_dirs(config_dir: Path) -> list[Path]:
     return sorted(p for p in config_dir.iterdir() if (p / CONFIG_FILENAME).is_file())
 
 
-def load_config_dir(config_dir: Path) -> FleetConfig:
+def load_config_dir(config_dir: Path, placement: Placement | None = None) -> FleetConfig:
     """Load every butler under `config_dir`; a broken one is logged and skipped, never fatal.
 
     Two butlers asking for the same port: the first by name keeps it, the other is skipped.
+    `placement` defaults to the environment's (BUTLERS_HOST, BUTLERS_ENDPOINT_URL_TEMPLATE).
     """
+    placement = placement or Placement.from_environment()
     butlers: list[ButlerConfig] = []
     errors: list[ConfigError] = []
     if not config_dir.is_dir():
@@ -409,7 +450,7 @@ def load_config_dir(config_dir: Path) -> FleetConfig:
     for directory in butler_dirs(config_dir):
         path = directory / CONFIG_FILENAME
         try:
-            config = load_butler_config(path)
+            config = load_butler_config(path, placement)
             owner = ports.get(config.port)
             if owner is not None:
                 raise ConfigError(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from butlers.config import load_butler_config, load_config_dir
-from butlers.errors import ConfigError
+from butlers.errors import ButlersError, ConfigError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "butlers"
 
@@ -177,3 +177,29 @@ def test_non_utf8_file(tmp_path: Path) -> None:
     (directory / "butler.toml").write_bytes(b'[butler]\nname = "\xff"\n')
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_butler_config(directory / "butler.toml")
+
+
+def test_placement_from_the_environment_fills_what_butler_toml_leaves_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docker compose does: bind every interface, register service-name endpoints."""
+    write(tmp_path, "general", '[butler]\nname = "general"\nport = 8101\n')
+    write(
+        tmp_path,
+        "health",
+        '[butler]\nname = "health"\nport = 8103\nhost = "127.0.0.2"\n'
+        'endpoint_url = "http://health.lan:8103/sse"\n',
+    )
+    monkeypatch.setenv("BUTLERS_HOST", "0.0.0.0")
+    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "http://{name}:{port}/sse")
+    fleet = load_config_dir(tmp_path)
+    general, health = fleet.get("general"), fleet.get("health")
+    assert (general.host, general.endpoint_url) == ("0.0.0.0", "http://general:8101/sse")
+    assert (health.host, health.endpoint_url) == ("127.0.0.2", "http://health.lan:8103/sse")
+
+    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "http://{service}:{port}/sse")
+    with pytest.raises(ButlersError, match=r"_TEMPLATE=.*\{name\} and \{port\}"):
+        load_config_dir(tmp_path)
+    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "{name}:{port}")
+    with pytest.raises(ButlersError, match="expected an http"):
+        load_config_dir(tmp_path)
