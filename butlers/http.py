@@ -69,11 +69,12 @@ class ButlerApp:
         *,
         allowed_hosts: list[str] | None = None,
     ) -> None:
-        # Host/Origin checks guard browsers against DNS rebinding; docker names must pass.
-        self._app: Starlette = mcp.http_app(
-            transport="http", path=MCP_PATH, allowed_hosts=allowed_hosts or None
-        )
-        sse_app = mcp.http_app(transport="sse", path=SSE_PATH, allowed_hosts=allowed_hosts or None)
+        # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
+        # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
+        # endpoint host (e.g. a compose service name) must pass.
+        guard = {"allowed_hosts": allowed_hosts or None, "host_origin_protection": True}
+        self._app: Starlette = mcp.http_app(transport="http", path=MCP_PATH, **guard)
+        sse_app = mcp.http_app(transport="sse", path=SSE_PATH, **guard)
         self._app.router.routes[0:0] = [
             route
             for route in sse_app.router.routes

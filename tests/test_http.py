@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from fastmcp import Client
 
-from tests.conftest import StartButler
+from tests.conftest import StartButler, butler_config
 
 
 async def _get(url: str, headers: dict | None = None) -> tuple[int, dict | str]:
@@ -71,6 +71,27 @@ async def test_auth_token_accepted_and_refused(start_butler: StartButler, path: 
         assert body == {"error": "missing or wrong bearer token"}
     status, _ = await _get(f"{daemon.base_url}/health")
     assert status == 200
+
+
+@pytest.mark.parametrize("path", ["/sse", "/mcp", "/messages/?session_id=x"])
+async def test_foreign_host_header_is_refused(start_butler: StartButler, path: str) -> None:
+    """DNS rebinding: a web page whose name resolves to 127.0.0.1 must not drive a butler.
+    The registry's endpoint host (a compose service name here) is accepted."""
+    config = butler_config(endpoint_url_override="http://alpha-svc:1234/sse")
+    daemon = await start_butler(config)
+    port = daemon.port
+    status, body = await _get(f"{daemon.base_url}{path}", {"Host": f"evil.example:{port}"})
+    assert status == 421, body
+    status, _ = await _get(
+        f"{daemon.base_url}/sse", {"Host": f"evil.example:{port}", "Origin": "http://evil.example"}
+    )
+    assert status == 421
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "alpha-svc:1234"):
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{daemon.base_url}/sse", headers={"Host": host}) as response:
+                assert response.status == 200, host  # the SSE stream opened
+    async with Client(daemon.sse_url) as client:
+        assert (await client.call_tool("status", {})).data["name"] == "alpha"
 
 
 async def test_without_token_configured_no_auth_needed(start_butler: StartButler) -> None:

@@ -1,0 +1,93 @@
+"""docker-compose.yml: valid Compose, and in step with config/butlers (no Docker needed here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from butlers.config import Placement, load_config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.schema.json"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose_file_is_valid_against_the_compose_schema(compose: dict) -> None:
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+
+
+def test_the_schema_check_can_fail(compose: dict) -> None:
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    broken = {**compose, "services": {**compose["services"], "general": {"restart": 3}}}
+    assert list(validator.iter_errors(broken))
+
+
+def test_every_butler_has_a_service_running_it_on_its_port(compose: dict) -> None:
+    services = compose["services"]
+    environment = services["general"]["environment"]
+    placement = Placement.from_environment(environment)  # what the containers will see
+    butlers = load_config_dir(REPO / "config" / "butlers", placement).butlers
+    assert butlers
+    for butler in butlers:
+        service = services.get(butler.name)
+        assert service is not None, f"no service for butler {butler.name!r}"
+        assert service["command"] == ["run", butler.name]
+        assert f"127.0.0.1:{butler.port}:{butler.port}" in service["ports"]
+        assert str(butler.port) in " ".join(service["healthcheck"]["test"])
+        # Reachable from the other containers under the service's name.
+        assert butler.endpoint_url == f"http://{butler.name}:{butler.port}/sse"
+        assert butler.host == "0.0.0.0"
+        env = service["environment"]
+        assert (
+            env["DATABASE_URL"].startswith("postgresql://") and "@postgres:" in env["DATABASE_URL"]
+        )
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert {"postgres", "jaeger"} <= set(service["depends_on"])
+
+
+def test_infrastructure_services(compose: dict) -> None:
+    services = compose["services"]
+    jaeger = services["jaeger"]
+    image, _, tag = jaeger["image"].partition(":")
+    assert image == "jaegertracing/jaeger" and tag.startswith("2.") and tag != "latest"
+    assert {p.split(":", 1)[1] for p in jaeger["ports"]} >= {
+        "16686:16686",
+        "4317:4317",
+        "4318:4318",
+    }
+    postgres = services["postgres"]
+    assert postgres["image"].startswith("postgres:") and "healthcheck" in postgres
+    assert any(v.startswith("pgdata:") for v in postgres["volumes"])
+    # Every published port is bound to loopback only.
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), (name, port)
+
+
+def test_secrets_come_from_an_ignored_env_file(compose: dict) -> None:
+    assert ".env" in (REPO / ".gitignore").read_text().split()
+    example = (REPO / ".env.example").read_text()
+    declared = {line.split("=", 1)[0] for line in example.splitlines() if "=" in line}
+    needed = {"ANTHROPIC_API_KEY", "POSTGRES_PASSWORD", "BUTLERS_AUTH_TOKEN"}
+    for butler in load_config_dir(REPO / "config" / "butlers", Placement()).butlers:
+        if butler.telegram:
+            needed.add(butler.telegram.token_env)
+        if butler.email:
+            needed |= {butler.email.username_env, butler.email.password_env}
+    assert needed <= declared, needed - declared
+    for name, service in compose["services"].items():
+        if name in ("postgres", "jaeger"):
+            continue
+        assert service["env_file"] == ".env"
+        written_in = needed & set(service["environment"])
+        assert written_in == set(), f"{name}: {written_in} belong in .env, not the compose file"
