@@ -12,8 +12,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,8 +219,49 @@ def _print_result(result: Any) -> None:
     print(result if isinstance(result, str) else json.dumps(result, indent=2, ensure_ascii=False))
 
 
+DEFAULT_JAEGER_UI_URL = "http://localhost:16686"
+TRACE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+async def _trace(url: str, ref: str) -> dict[str, Any]:
+    """The Jaeger link for a trace id, or for the trace of a routing_log row (looked up through
+    the switchboard)."""
+    ref = ref.strip().lower()
+    route = None
+    if TRACE_ID.fullmatch(ref):
+        trace_id = ref
+    else:
+        try:
+            uuid.UUID(ref)
+        except ValueError:
+            raise CommandError(
+                f"{ref!r} is neither a trace id (32 hex characters) nor a routing_log id (a UUID)"
+            ) from None
+        route = await _call_switchboard(url, "routing_log_entry", {"id": ref})
+        trace_id = route.get("trace_id")
+        if not trace_id:
+            raise CommandError(f"routing_log row {ref} has no trace id")
+    jaeger = (os.environ.get("JAEGER_UI_URL") or DEFAULT_JAEGER_UI_URL).rstrip("/")
+    return {"trace_id": trace_id, "url": f"{jaeger}/trace/{trace_id}", "route": route}
+
+
+def _print_trace(found: dict[str, Any]) -> None:
+    print(found["url"])
+    route = found["route"]
+    if route:
+        outcome = "ok" if route["success"] else f"failed: {route['error']}"
+        print(
+            f"({route['source_channel']} -> {route['routed_to']}.{route['tool_name']}, "
+            f"{str(route['created_at'])[:19].replace('T', ' ')}, {outcome})",
+            file=sys.stderr,
+        )
+
+
 async def client_command(args: argparse.Namespace) -> int:
-    if args.command == "list":
+    if args.command == "trace":
+        result = await _trace(args.url, args.ref)
+        show = _print_trace
+    elif args.command == "list":
         result = await _call_switchboard(args.url, "list_butlers", {})
         show = _print_butlers
     elif args.command == "discover":
@@ -306,6 +349,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     client_args(ask)
     ask.add_argument("text")
+    trace = commands.add_parser(
+        "trace",
+        help="print the Jaeger URL of a message's trace (JAEGER_UI_URL, "
+        f"default {DEFAULT_JAEGER_UI_URL})",
+    )
+    client_args(trace)
+    trace.add_argument("ref", metavar="ID", help="a trace id, or a routing_log id")
     return parser
 
 
@@ -317,7 +367,7 @@ async def cli(argv: Sequence[str]) -> int:
     )
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
-    if args.command in ("list", "discover", "route", "ask"):
+    if args.command in ("list", "discover", "route", "ask", "trace"):
         return await client_command(args)
     if args.command == "up":
         return await serve(args.config_dir, args.only, strict=False)

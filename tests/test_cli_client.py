@@ -1,4 +1,4 @@
-"""`butlers list | discover | route` against a running switchboard, as a user runs them."""
+"""`butlers list | discover | route | trace` against a running switchboard, as a user runs them."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from tests.test_route import Fleet, make_fleet
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
 
-async def run_cli(*args: str, token: str | None = None) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+async def run_cli(
+    *args: str, token: str | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "JAEGER_"))},
+        **(env or {}),
+    }
     if token:
         env["BUTLERS_AUTH_TOKEN"] = token
     process = await asyncio.create_subprocess_exec(
@@ -93,3 +98,31 @@ async def test_errors_are_one_clear_line(fleet: Fleet) -> None:
     code, _, err = await run_cli("list", "--url", url)  # no token
     assert code == 1 and "401 Unauthorized: set BUTLERS_AUTH_TOKEN" in err
     assert "Traceback" not in err, err
+
+
+async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
+    url = fleet.switchboard.sse_url
+    code, _, err = await run_cli("route", "general", "status", "--url", url, token="cli-token")
+    assert code == 0, err
+    conn = await db_conn(fleet.switchboard.config.database)
+    row = await conn.fetchrow("SELECT id::text AS id, trace_id FROM routing_log")
+
+    code, out, err = await run_cli("trace", row["id"], "--url", url, token="cli-token")
+    assert code == 0, err
+    assert out.strip() == f"http://localhost:16686/trace/{row['trace_id']}"
+    assert "mcp -> general.status" in err and "ok" in err
+
+    jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
+    code, out, _ = await run_cli("trace", row["trace_id"].upper(), env=jaeger)  # no switchboard
+    assert out.strip() == f"http://jaeger.lan:16686/trace/{row['trace_id']}"
+    code, out, _ = await run_cli(
+        "trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger
+    )
+    found = json.loads(out)
+    assert found["trace_id"] == row["trace_id"] and found["route"]["routed_to"] == "general"
+
+    code, _, err = await run_cli("trace", "not-an-id")
+    assert code == 1 and "neither a trace id (32 hex characters) nor a routing_log id" in err
+    missing = "00000000-0000-0000-0000-000000000000"
+    code, _, err = await run_cli("trace", missing, "--url", url, token="cli-token")
+    assert code == 1 and f"no routing_log row with id {missing}" in err

@@ -117,6 +117,19 @@ def attach_switchboard(
         registered_at."""
         return await store.registry()
 
+    @mcp.tool
+    async def routing_log_entry(id: str) -> dict[str, Any]:
+        """One routing_log row by its id: where the call went, whether it worked, and the
+        trace_id to look it up in Jaeger."""
+        try:
+            entry_id = uuid.UUID(id)
+        except ValueError:
+            raise ToolError(f"id must be a routing_log id (a UUID), got {id!r}") from None
+        row = await store.routing_entry(entry_id)
+        if row is None:
+            raise ToolError(f"no routing_log row with id {id}")
+        return row
+
     @mcp.tool(name="discover")
     async def discover_tool() -> dict[str, Any]:
         """Re-scan the butler config directory: add new butlers, update changed ones, report

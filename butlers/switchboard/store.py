@@ -48,6 +48,15 @@ class SwitchboardStore:
         )
         return [dict(r) for r in rows]
 
+    async def routing_entry(self, entry_id: uuid.UUID) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(
+            """SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
+                      tool_name, prompt_summary, success, error, duration_ms, trace_id
+               FROM routing_log WHERE id = $1""",
+            entry_id,
+        )
+        return dict(row) if row is not None else None
+
     async def endpoint_of(self, name: str) -> str | None:
         return await self.pool.fetchval(
             "SELECT endpoint_url FROM butler_registry WHERE name = $1", name
