@@ -87,12 +87,15 @@ class Fleet:
     def database(self, name: str) -> str:
         return f"trace_{name}_{self.suffix}"
 
-    def export_to(self, otlp: OtlpReceiver, protocol: str) -> None:
+    def export_to(self, otlp: OtlpReceiver, protocol: str, *, every_ms: int | None = None) -> None:
+        """Export to `otlp`; by default on the SDK's own 5 s schedule, so what arrives right
+        after a stop was flushed by the shutdown."""
         self.env.update(
             OTEL_EXPORTER_OTLP_ENDPOINT=otlp.url(protocol),
             OTEL_EXPORTER_OTLP_PROTOCOL="grpc" if protocol == "grpc" else "http/protobuf",
-            OTEL_BSP_SCHEDULE_DELAY="100",  # export within 0.1 s, so a SIGKILL loses nothing
         )
+        if every_ms is not None:
+            self.env["OTEL_BSP_SCHEDULE_DELAY"] = str(every_ms)
 
     def up(self) -> Butlers:
         return Butlers("up", "--config-dir", str(self.config_dir), env=self.env)
@@ -195,7 +198,9 @@ async def test_one_telegram_message_is_one_trace(
         [sent] = await bot_api.wait_sent(1, timeout_s=90)
         assert sent["text"] == "Milk is on the list."
     finally:
-        assert await butlers.stop() == 0, butlers.stderr  # flushes the last spans
+        assert await butlers.stop() == 0, butlers.stderr
+    # Exported every 5 s, so the reply's span can only have come with the flush on shutdown.
+    assert any(s.name == "switchboard.reply" for s in otlp.spans)
 
     [row] = await fleet.routing_log()
     assert (row["routed_to"], row["source_channel"], row["success"]) == (
@@ -247,7 +252,7 @@ async def test_a_crash_between_receipt_and_processing_keeps_one_trace(
 ) -> None:
     scripted_api.respond_with(model("general", {"general": "Noted, after all."}))
     scripted_api.delay_s = 30  # the classifier "thinks" until we pull the plug
-    fleet.export_to(otlp, "http")
+    fleet.export_to(otlp, "http", every_ms=100)  # the receipt is exported before the SIGKILL
     first = fleet.up()
     await first.start()
     orphans: list[psutil.Process] = []
