@@ -292,6 +292,32 @@ async def client_command(args: argparse.Namespace) -> int:
     return 0
 
 
+async def gateway_command(args: argparse.Namespace) -> int:
+    from butlers.switchboard.gateway.run import (
+        GatewayOptions,
+        serve_gateway,
+        token_report,
+    )
+
+    options = GatewayOptions(
+        directory=args.dir,
+        transport=args.transport,
+        host=args.host,
+        port=args.port,
+        prewarm=not args.lazy,
+        auth_token=auth_token_from_environment(),
+    )
+
+    async def registry() -> list[dict[str, Any]]:
+        return await _call_switchboard(args.url, "list_butlers", {})  # CommandError if down
+
+    fetch = None if args.no_butlers else registry
+    if args.report:
+        print(await token_report(options, fetch))
+        return 0
+    return await serve_gateway(options, fetch)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="butlers",
@@ -349,6 +375,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     client_args(ask)
     ask.add_argument("text")
+    gateway = commands.add_parser(
+        "gateway",
+        help="serve every butler and .mcp.json server to a host as one MCP server",
+        description="One MCP server for a host such as Claude Code: a suite tool per butler "
+        "(from the switchboard's registry) and per .mcp.json server, plus gateway_activate / "
+        "gateway_deactivate / gateway_status. Reads gateway.toml (or switchboard.config.json) "
+        "from --dir.",
+    )
+    gateway.add_argument("--transport", choices=("stdio", "sse", "http"), default="stdio")
+    gateway.add_argument("--host", default="127.0.0.1", help="for sse/http (default 127.0.0.1)")
+    gateway.add_argument("--port", type=int, default=8110, help="for sse/http (default 8110)")
+    gateway.add_argument(
+        "--dir", type=Path, default=Path("."), help="where gateway.toml and the .mcp.json globs are"
+    )
+    gateway.add_argument(
+        "--url",
+        default=os.environ.get("BUTLERS_SWITCHBOARD_URL", DEFAULT_SWITCHBOARD_URL),
+        help="the switchboard whose registry lists the butlers",
+    )
+    gateway.add_argument("--no-butlers", action="store_true", help="only the .mcp.json servers")
+    gateway.add_argument(
+        "--lazy", action="store_true", help="start children on first use, not all at start"
+    )
+    gateway.add_argument(
+        "--report", action="store_true", help="print the token sizes of native vs gateway tools"
+    )
     trace = commands.add_parser(
         "trace",
         help="print the Jaeger URL of a message's trace (JAEGER_UI_URL, "
@@ -367,6 +419,8 @@ async def cli(argv: Sequence[str]) -> int:
     )
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
+    if args.command == "gateway":
+        return await gateway_command(args)
     if args.command in ("list", "discover", "route", "ask", "trace"):
         return await client_command(args)
     if args.command == "up":

@@ -1,0 +1,122 @@
+"""`butlers gateway`: assemble the children, serve the gateway (or print the token report)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from butlers.errors import ButlersError
+from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
+from butlers.switchboard.gateway.config import load_gateway_config
+from butlers.switchboard.gateway.server import CONTROL_TOOLS, SUITE_SCHEMA, Gateway
+
+logger = logging.getLogger(__name__)
+
+RegistryFetch = Callable[[], Awaitable[list[dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    directory: Path  # gateway.toml / switchboard.config.json, and the base of the globs
+    transport: str = "stdio"
+    host: str = "127.0.0.1"
+    port: int = 8110
+    prewarm: bool = True
+    auth_token: str | None = None
+
+
+async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> Gateway:
+    config = load_gateway_config(options.directory)
+    specs: list[ChildSpec] = []
+    if fetch_registry is not None:
+        try:
+            specs += butler_children(await fetch_registry())
+        except ButlersError as exc:
+            logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
+    specs += discover_mcp_files(config.discover_globs, config.base_dir)
+    return Gateway(config, specs, auth_token=options.auth_token)
+
+
+async def serve_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> int:
+    gateway = await build_gateway(options, fetch_registry)
+    try:
+        if options.prewarm:
+            gateway.start_warming()
+        if options.transport == "stdio":
+            await gateway.mcp.run_async(transport="stdio", show_banner=False)
+        else:
+            await gateway.mcp.run_async(
+                transport=options.transport,
+                show_banner=False,
+                host=options.host,
+                port=options.port,
+                log_level="warning",
+            )
+    finally:
+        await gateway.close()
+    return 0
+
+
+def _tokens(chars: int) -> int:
+    """About four characters per token for JSON tool definitions."""
+    return math.ceil(chars / 4)
+
+
+async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> str:
+    """Per child and in total: the tools/list a host sees natively vs through the gateway."""
+    gateway = await build_gateway(options, fetch_registry)
+    try:
+        await gateway.warm_all()
+        rows = []
+        for slot in gateway.slots.values():
+            native = json.dumps(
+                [
+                    {
+                        "name": t["name"],
+                        "description": t.get("description", ""),
+                        "inputSchema": t.get("inputSchema"),
+                    }
+                    for t in slot.tools
+                ]
+            )
+            suite = json.dumps(
+                {
+                    "name": slot.suite_name,
+                    "description": slot.description,
+                    "inputSchema": SUITE_SCHEMA,
+                }
+            )
+            rows.append((slot.spec.name, slot.state, len(slot.tools), len(native), len(suite)))
+        control = sum(
+            len(json.dumps(t.to_mcp_tool().model_dump(by_alias=True, exclude_none=True)))
+            for t in await gateway.mcp.list_tools()
+            if t.name in CONTROL_TOOLS
+        )
+    finally:
+        await gateway.close()
+    lines = [
+        "| child | state | tools | native chars | native tokens | gateway chars | gateway tokens |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, state, count, native, suite in rows:
+        lines.append(
+            f"| {name} | {state} | {count} | {native} | {_tokens(native)} | {suite} | "
+            f"{_tokens(suite)} |"
+        )
+    native_total = sum(r[3] for r in rows)
+    gateway_total = sum(r[4] for r in rows) + control
+    lines.append(
+        f"| **total** (gateway incl. {len(CONTROL_TOOLS)} gateway_* tools) | | "
+        f"{sum(r[2] for r in rows)} | {native_total} | {_tokens(native_total)} | "
+        f"{gateway_total} | {_tokens(gateway_total)} |"
+    )
+    if native_total:
+        saved = 100 * (1 - gateway_total / native_total)
+        lines.append("")
+        lines.append(f"Through the gateway a host's tool list is {saved:.0f}% smaller.")
+    return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""The gateway: one MCP server for a host, with one suite tool per child and activate mode.
+
+A host sees `<child>_suite` tools (`introspect` lists a child's tools in a few tokens, `call`
+runs one) plus `gateway_activate` / `gateway_deactivate` / `gateway_status`. Activating a child
+puts its own tools into the tool list and tells every connected session
+(`notifications/tools/list_changed`, which FastMCP does not send by itself); deactivating takes
+them out again while the child stays warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mcp_types
+from fastmcp import FastMCP
+from fastmcp.exceptions import ToolError
+from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp.tools.base import Tool, ToolResult
+
+from butlers.switchboard.gateway.children import ChildSpec
+from butlers.switchboard.gateway.clients import Child, ChildError, RemoteChild, StdioChild
+from butlers.switchboard.gateway.config import GatewayConfig
+from butlers.switchboard.gateway.summary import summarize
+from butlers.tasks import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+State = Literal["idle", "warming", "ready", "active", "error"]
+
+CONTROL_TOOLS = ("gateway_activate", "gateway_deactivate", "gateway_status")
+SUITE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "action": {"type": "string", "enum": ["introspect", "call"]},
+        "subtool": {"type": "string", "description": "the child's tool, for action 'call'"},
+        "args": {"type": "object", "description": "its arguments, for action 'call'"},
+    },
+    "required": ["action"],
+}
+
+
+@dataclass
+class Slot:
+    """One child and what the gateway knows about it."""
+
+    spec: ChildSpec
+    child: Child
+    suite_name: str
+    description: str
+    state: State = "idle"
+    error: str | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the child lists them
+    injected: list[str] = field(default_factory=list)  # tool names added by activate
+
+
+def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
+    configured = config.suite(spec.name).description
+    if configured:
+        return configured
+    if spec.switchboard_description:
+        return spec.switchboard_description
+    return f"Use this tool for {spec.description or spec.name}. Actions: 'introspect' | 'call'"
+
+
+def result_of(raw: dict[str, Any]) -> ToolResult:
+    """The child's CallToolResult, passed on unchanged."""
+    parsed = mcp_types.CallToolResult.model_validate(raw)
+    return ToolResult(
+        content=parsed.content,
+        structured_content=parsed.structured_content,
+        meta=parsed.meta,
+        is_error=bool(parsed.is_error),
+    )
+
+
+class _SuiteTool(Tool):
+    _gateway: Gateway
+    _slot: Slot
+
+    async def run(self, arguments: dict[str, Any]) -> ToolResult:
+        return await self._gateway.suite_call(self._slot, arguments)
+
+
+class _ChildTool(Tool):
+    _gateway: Gateway
+    _slot: Slot
+    _child_tool: str
+
+    async def run(self, arguments: dict[str, Any]) -> ToolResult:
+        return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
+
+
+class _SessionTracker(Middleware):
+    """Remembers every connected session, to tell them when the tool list changes."""
+
+    def __init__(self) -> None:
+        self.sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def on_request(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        ctx = context.fastmcp_context
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                self.sessions.add(ctx.session)
+        return await call_next(context)
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        specs: Sequence[ChildSpec],
+        *,
+        auth_token: str | None = None,
+    ) -> None:
+        self.config = config
+        self.mcp = FastMCP(
+            "butlers-gateway",
+            instructions="One tool per MCP server behind this gateway: call a suite tool with "
+            "action 'introspect' to see its tools, 'call' to run one; or gateway_activate a "
+            "server to get its tools directly.",
+        )
+        self._tracker = _SessionTracker()
+        self.mcp.add_middleware(self._tracker)
+        self.slots: dict[str, Slot] = {}
+        self._warming: list[asyncio.Task[None]] = []
+        self._notify_tasks: set[asyncio.Task[None]] = set()
+        for spec in specs:
+            self._add(spec, auth_token)
+        self._register_control_tools()
+        # Suite and control tools: an injected tool of the same name gets the child's prefix.
+        self._fixed_names = {s.suite_name for s in self.slots.values()} | set(CONTROL_TOOLS)
+
+    # -- children -------------------------------------------------------------------------
+
+    def _add(self, spec: ChildSpec, auth_token: str | None) -> None:
+        if spec.name in self.slots:
+            logger.warning(
+                "child %r from %s ignored: the name is taken by %s",
+                spec.name,
+                spec.source,
+                self.slots[spec.name].spec.source,
+            )
+            return
+        timeouts = {
+            "spawn_timeout_s": self.config.child_spawn_ms / 1000,
+            "rpc_timeout_s": self.config.rpc_ms / 1000,
+        }
+        child: Child
+        if spec.url is not None:
+            child = RemoteChild(
+                spec, auth_token=auth_token if spec.kind == "butler" else None, **timeouts
+            )
+        else:
+            child = StdioChild(spec, on_exit=self._child_exited, **timeouts)
+        suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
+        slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
+        self.slots[spec.name] = slot
+        tool = _SuiteTool(name=suite_name, description=slot.description, parameters=SUITE_SCHEMA)
+        tool._gateway, tool._slot = self, slot
+        self.mcp.add_tool(tool)
+
+    async def warm_all(self) -> None:
+        """Start every child at once; one broken or slow child never holds up the others."""
+        await asyncio.gather(*(self.warm(slot) for slot in self.slots.values()))
+
+    def start_warming(self) -> None:
+        self._warming = [
+            asyncio.create_task(self.warm(slot), name=f"gateway:warm:{slot.spec.name}")
+            for slot in self.slots.values()
+        ]
+
+    async def warm(self, slot: Slot) -> None:
+        if slot.state in ("ready", "active") and slot.child.running():
+            return
+        slot.state, slot.error = "warming", None
+        try:
+            slot.tools = await slot.child.list_tools()
+        except ChildError as exc:
+            slot.state, slot.error = "error", str(exc)
+            logger.warning("%s", exc, extra={"action": "child_failed"})
+            return
+        slot.state = "active" if slot.injected else "ready"
+
+    def _child_exited(self, child: StdioChild, reason: str) -> None:
+        slot = self.slots.get(child.name)
+        if slot is None:
+            return
+        slot.state, slot.error = "error", reason
+        logger.warning("%s", reason, extra={"action": "child_exited"})
+        if slot.injected:
+            self._remove_tools(slot)
+            self._notify_soon()
+
+    # -- suite tools ----------------------------------------------------------------------
+
+    async def suite_call(self, slot: Slot, arguments: dict[str, Any]) -> ToolResult:
+        action = arguments.get("action")
+        suite = slot.suite_name
+        if action == "introspect":
+            return ToolResult(structured_content={"tools": await self.introspect(slot)})
+        if action != "call":
+            raise ToolError(
+                f"suite {suite!r}: action must be 'introspect' or 'call', got {action!r}"
+            )
+        subtool = arguments.get("subtool")
+        if not isinstance(subtool, str) or not subtool:
+            raise ToolError(f"suite {suite!r}: action 'call' needs 'subtool' (see 'introspect')")
+        args = arguments.get("args") or {}
+        if not isinstance(args, dict):
+            raise ToolError(f"suite {suite!r}: 'args' must be an object")
+        if not self.config.suite(slot.spec.name).exposes(subtool):
+            raise ToolError(f"Subtool {subtool!r} not allowed by suite {suite!r}")
+        tools = await self._tools(slot)
+        if subtool not in {t["name"] for t in tools}:
+            known = ", ".join(t["name"] for t in self._exposed(slot, tools)) or "none"
+            raise ToolError(f"Subtool {subtool!r} not found in suite {suite!r} (tools: {known})")
+        return await self.direct_call(slot, subtool, args)
+
+    async def introspect(self, slot: Slot) -> list[dict[str, Any]]:
+        mode = self.config.introspection_mode
+        limit = self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
+        listed = []
+        for tool in self._exposed(slot, await self._tools(slot)):
+            entry: dict[str, Any] = {"name": tool["name"]}
+            if mode == "summary":
+                entry["summary"] = summarize(tool.get("description"), limit)
+            elif mode == "full":
+                entry["summary"] = tool.get("description") or ""
+            entry["inputSchema"] = tool.get("inputSchema") or {"type": "object"}
+            listed.append(entry)
+        return listed
+
+    def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        suite = self.config.suite(slot.spec.name)
+        return [t for t in tools if suite.exposes(t["name"])]
+
+    async def _tools(self, slot: Slot) -> list[dict[str, Any]]:
+        if slot.state not in ("ready", "active") or not slot.child.running():
+            await self.warm(slot)
+        if slot.state == "error":
+            raise ToolError(slot.error or f"child {slot.spec.name!r} is not available")
+        return slot.tools
+
+    async def direct_call(self, slot: Slot, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        was_running = slot.child.running()
+        try:
+            raw = await slot.child.call_tool(tool, arguments)
+        except ChildError as exc:
+            raise ToolError(str(exc)) from exc
+        if not was_running and slot.state == "error":  # restarted by this call: it is back
+            slot.state, slot.error = ("active" if slot.injected else "ready"), None
+        return result_of(raw)
+
+    # -- activate mode --------------------------------------------------------------------
+
+    def _register_control_tools(self) -> None:
+        @self.mcp.tool
+        async def gateway_activate(name: str) -> dict[str, Any]:
+            """Put the tools of the MCP server `name` into your tool list (see gateway_status
+            for the names). Its suite tool keeps working too."""
+            slot = self._slot(name)
+            await self.warm(slot)
+            if slot.state == "error":
+                raise ToolError(f"cannot activate {name!r}: {slot.error}")
+            if not slot.injected:
+                self._inject_tools(slot)
+                await self.notify_tools_changed()
+            slot.state = "active"
+            return {"activated": name, "tools": list(slot.injected)}
+
+        @self.mcp.tool
+        async def gateway_deactivate(name: str) -> dict[str, Any]:
+            """Take the tools of `name` out of your tool list again (it stays warm)."""
+            slot = self._slot(name)
+            removed = list(slot.injected)
+            if removed:
+                self._remove_tools(slot)
+                await self.notify_tools_changed()
+            if slot.state == "active":
+                slot.state = "ready"
+            return {"deactivated": name, "removed": removed}
+
+        @self.mcp.tool
+        async def gateway_status() -> list[dict[str, Any]]:
+            """Every MCP server behind the gateway: state (warming, ready, active, error),
+            its error if any, how many tools it has, and its suite tool."""
+            return [
+                {
+                    "name": slot.spec.name,
+                    "kind": slot.spec.kind,
+                    "state": slot.state,
+                    "ready": slot.state in ("ready", "active"),
+                    "active": slot.state == "active",
+                    "error": slot.error,
+                    "tools": len(slot.tools),
+                    "suite": slot.suite_name,
+                }
+                for slot in self.slots.values()
+            ]
+
+    def _slot(self, name: str) -> Slot:
+        slot = self.slots.get(name)
+        if slot is None:
+            known = ", ".join(self.slots) or "none"
+            raise ToolError(f"no MCP server named {name!r} behind the gateway (known: {known})")
+        return slot
+
+    def _inject_tools(self, slot: Slot) -> None:
+        taken = self._fixed_names | {n for other in self.slots.values() for n in other.injected}
+        for tool in self._exposed(slot, slot.tools):
+            name = tool["name"]
+            if name in taken:
+                name = f"{slot.spec.name}_{name}"
+            injected = _ChildTool(
+                name=name,
+                description=tool.get("description") or "",
+                parameters=tool.get("inputSchema") or {"type": "object"},
+            )
+            injected._gateway, injected._slot, injected._child_tool = self, slot, tool["name"]
+            self.mcp.add_tool(injected)
+            slot.injected.append(name)
+            taken.add(name)
+
+    def _remove_tools(self, slot: Slot) -> None:
+        for name in slot.injected:
+            with contextlib.suppress(Exception):
+                self.mcp.local_provider.remove_tool(name)
+        slot.injected.clear()
+
+    async def notify_tools_changed(self) -> None:
+        for session in list(self._tracker.sessions):
+            try:
+                await session.send_tool_list_changed()
+            except Exception:  # a session that went away: forget it
+                self._tracker.sessions.discard(session)
+
+    def _notify_soon(self) -> None:
+        task = asyncio.create_task(self.notify_tools_changed())
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._notify_tasks.discard)
+
+    async def close(self) -> None:
+        for task in self._warming:
+            await cancel_and_wait(task)
+        await asyncio.gather(
+            *(slot.child.close() for slot in self.slots.values()), return_exceptions=True
+        )
