@@ -1,0 +1,134 @@
+"""A mock child MCP server on stdio, in the shapes found in the wild (run as a script).
+
+    python mock_mcp.py [--framing lines|content-length] [--split] [--logs]
+                       [--crash-on TOOL] [--silent] [--name NAME]
+
+Reads requests one JSON per line (what the gateway sends). Answers one JSON per line, or with
+`Content-Length:` frames; `--split` writes each answer in small pieces with pauses; `--logs`
+prints non-JSON log lines to stdout between answers; `--crash-on` exits when that tool is
+called; `--silent` never answers anything;
+`--hang-on` never answers calls of that tool. Tools: echo, add, crash, long_description.
+Every spawn appends its pid to $MOCK_MCP_PIDS (a file), so tests can find the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+LONG = (
+    "Echoes back the input message to verify communication between host and child MCP. "
+    "This is useful for testing the JSON-RPC protocol, verifying parameter passing, and "
+    "ensuring that the stdio transport is working correctly in both directions. " * 3
+)
+
+TOOLS = [
+    {
+        "name": "echo",
+        "description": "Echo the message back.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"message": {"type": "string"}},
+            "required": ["message"],
+        },
+    },
+    {
+        "name": "add",
+        "description": "Add two   numbers\n   together.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        },
+    },
+    {"name": "crash", "description": "Exit at once.", "inputSchema": {"type": "object"}},
+    {"name": "long_description", "description": LONG, "inputSchema": {"type": "object"}},
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framing", choices=("lines", "content-length"), default="lines")
+    parser.add_argument("--split", action="store_true")
+    parser.add_argument("--logs", action="store_true")
+    parser.add_argument("--crash-on")
+    parser.add_argument("--silent", action="store_true")
+    parser.add_argument("--hang-on", help="never answer calls of this tool")
+    parser.add_argument("--name", default="mock")
+    options = parser.parse_args()
+    if pids := os.environ.get("MOCK_MCP_PIDS"):
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    out = sys.stdout.buffer
+
+    def write(message: dict) -> None:
+        body = json.dumps(message).encode()
+        if options.framing == "content-length":
+            data = b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        else:
+            data = body + b"\n"
+        if options.logs:
+            out.write(b"[mock] handling a request\n")
+        if options.split:
+            for start in range(0, len(data), 7):
+                out.write(data[start : start + 7])
+                out.flush()
+                time.sleep(0.002)
+        else:
+            out.write(data)
+        out.flush()
+
+    if options.logs:
+        out.write(b"mock MCP server starting (this line is not JSON)\n")
+        out.flush()
+    for line in sys.stdin.buffer:
+        if options.silent or not line.strip():
+            continue
+        request = json.loads(line)
+        method, request_id = request.get("method"), request.get("id")
+        if request_id is None:
+            continue  # a notification
+        if method == "initialize":
+            result = {
+                "protocolVersion": request["params"]["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": options.name, "version": "1"},
+            }
+        elif method == "tools/list":
+            result = {"tools": TOOLS}
+        elif method == "tools/call":
+            name = request["params"]["name"]
+            args = request["params"].get("arguments") or {}
+            if name == "crash" or name == options.crash_on:
+                sys.exit(3)
+            if name == options.hang_on:
+                continue
+            if name == "echo":
+                result = {
+                    "content": [{"type": "text", "text": args.get("message", "")}],
+                    "structuredContent": {
+                        "echo": args.get("message"),
+                        "cwd": os.getcwd(),
+                        "env": os.environ.get("MOCK_SETTING"),
+                    },
+                }
+            elif name == "add":
+                result = {"content": [{"type": "text", "text": str(args["a"] + args["b"])}]}
+            else:
+                result = {"content": [{"type": "text", "text": "ok"}]}
+        else:
+            write(
+                {
+                    "jsonrpc": "2.0",
+                    "id": request_id,
+                    "error": {"code": -32601, "message": f"Method not found: {method}"},
+                }
+            )
+            continue
+        write({"jsonrpc": "2.0", "id": request_id, "result": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,574 @@
+"""Gateway mode: `butlers gateway` driven by the official `mcp` client over stdio and SSE, with
+mock child MCPs in the shapes found in the wild and the real butlers behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import psutil
+import pytest
+from mcp import ClientSession
+from mcp.client.sse import sse_client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from butlers.errors import ConfigError
+from butlers.switchboard.gateway.children import parse_mcp_json
+from butlers.switchboard.gateway.clients import FrameReader
+from butlers.switchboard.gateway.config import load_gateway_config
+from butlers.switchboard.gateway.summary import summarize
+from tests.conftest import StartButler, free_port
+from tests.fakes import wait_listening
+from tests.test_cli_client import run_cli
+from tests.test_route import make_fleet
+
+REPO = Path(__file__).resolve().parent.parent
+BUTLERS = str(Path(sys.executable).parent / "butlers")
+MOCK = str(Path(__file__).resolve().parent / "fakes" / "mock_mcp.py")
+
+
+# -- pieces ---------------------------------------------------------------------------------
+
+
+def test_summaries_stay_within_the_limit_and_cut_where_a_reader_would() -> None:
+    sentence = "Echoes back the input message to verify communication between host and child."
+    long = sentence + " This is useful for testing the protocol and the transport in both ways."
+    assert summarize(long, 160) == long  # short enough: whitespace only
+    assert summarize("a  b\n\t c", 160) == "a b c"
+    assert summarize(long, 100) == sentence  # the sentence end lies past half the limit
+    cut = summarize("word " * 100, 40)
+    assert len(cut) <= 40 and cut.endswith("…") and cut[:-1].split() == ["word"] * 7
+    emoji = summarize("😀" * 200, 50)  # code points, never split
+    assert len(emoji) == 50 and emoji == "😀" * 49 + "…"
+    for limit in (1, 2, 10, 33, 160):
+        assert len(summarize(long * 3, limit)) <= limit
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_frame_reader_takes_both_framings_split_anywhere_and_skips_logs(chunk: int) -> None:
+    first = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"x": "é"}}).encode()
+    second = json.dumps({"jsonrpc": "2.0", "id": 2, "result": {}}).encode()
+    stream = (
+        b"starting up, not JSON\n"
+        + b"Content-Length: "
+        + str(len(first)).encode()
+        + b"\r\nContent-Type: application/json\r\n\r\n"
+        + first
+        + b"\n[log] between messages\n"
+        + second
+        + b"\n{broken json\n"
+    )
+    reader = FrameReader()
+    messages = []
+    for start in range(0, len(stream), chunk):
+        messages += reader.feed(stream[start : start + chunk])
+    assert [m["id"] for m in messages] == [1, 2]
+    assert messages[0]["result"] == {"x": "é"}
+    assert reader.skipped == ["starting up, not JSON", "[log] between messages", "{broken json"]
+
+
+def test_config_files_snake_and_camel(tmp_path: Path) -> None:
+    assert load_gateway_config(tmp_path).discover_globs == (
+        ".switchboard/mcps/*/.mcp.json",
+        "mcps/*/.mcp.json",
+    )
+    (tmp_path / "switchboard.config.json").write_text(
+        json.dumps(
+            {
+                "discoverGlobs": ["kids/*/.mcp.json"],
+                "suites": {"docs": {"suiteName": "handbook", "expose": {"deny": ["rm"]}}},
+                "timeouts": {"childSpawnMs": 500, "rpcMs": 900},
+                "introspection": {"mode": "full", "summaryMaxChars": 80},
+            }
+        )
+    )
+    config = load_gateway_config(tmp_path)
+    assert config.discover_globs == ("kids/*/.mcp.json",)
+    assert config.suite("docs").suite_name == "handbook" and config.suite("docs").deny == ("rm",)
+    assert (config.child_spawn_ms, config.rpc_ms) == (500, 900)
+    assert (config.introspection_mode, config.summary_max_chars) == ("full", 80)
+
+    # gateway.toml wins when both exist.
+    (tmp_path / "gateway.toml").write_text(
+        'discover_globs = ["x/*.json"]\n[suites.docs]\nsummary_max_chars = 40\n'
+        '[suites.docs.expose]\nallow = ["read"]\n[timeouts]\nrpc_ms = 1500\n'
+    )
+    config = load_gateway_config(tmp_path)
+    assert config.discover_globs == ("x/*.json",) and config.rpc_ms == 1500
+    assert config.suite("docs").allow == ("read",) and config.child_spawn_ms == 8000
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[timeouts]\nrpc_ms = -1\n", "timeouts.rpc_ms", "positive integer"),
+        ('[introspection]\nmode = "loud"\n', "introspection.mode", "summary, full, redacted"),
+        ("[suites.docs]\nsuitename = 1\n", "suites.docs", "unknown key(s): suitename"),
+        ('discover_globs = "x"\n', "discover_globs", "list of strings"),
+        ("[suites.docs.expose]\nallow = [1]\n", "suites.docs.expose.allow", "list of strings"),
+    ],
+)
+def test_config_errors_name_file_and_key(tmp_path: Path, text: str, key: str, problem) -> None:
+    (tmp_path / "gateway.toml").write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_gateway_config(tmp_path)
+    assert excinfo.value.key == key and problem in excinfo.value.problem
+    assert str(tmp_path / "gateway.toml") in str(excinfo.value)
+
+
+def test_camel_case_errors_use_the_files_own_spelling(tmp_path: Path) -> None:
+    (tmp_path / "switchboard.config.json").write_text('{"timeouts": {"rpcMs": "slow"}}')
+    with pytest.raises(ConfigError, match=r"switchboard.config.json: timeouts.rpcMs: expected"):
+        load_gateway_config(tmp_path)
+
+
+def test_shipped_json_schemas_accept_good_and_reject_bad_configs() -> None:
+    toml_schema = json.loads((REPO / "schemas" / "gateway.schema.json").read_text())
+    json_schema = json.loads((REPO / "schemas" / "switchboard.config.schema.json").read_text())
+    good_toml = {
+        "discover_globs": ["mcps/*/.mcp.json"],
+        "suites": {"docs": {"suite_name": "h", "expose": {"allow": ["a"]}}},
+        "timeouts": {"child_spawn_ms": 8000, "rpc_ms": 60000},
+        "introspection": {"mode": "summary", "summary_max_chars": 160},
+    }
+    jsonschema.validate(good_toml, toml_schema)
+    jsonschema.validate({"suites": {"docs": {"suiteName": "h"}}}, json_schema)
+    for bad, schema in [
+        ({"timeouts": {"rpc_ms": 0}}, toml_schema),
+        ({"introspection": {"mode": "loud"}}, toml_schema),
+        ({"suites": {"docs": {"suiteName": 3}}}, json_schema),
+        ({"unknown": True}, toml_schema),
+    ]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_mcp_json_files_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / ".mcp.json"
+    path.write_text('{"name": "docs", "command": {"cmd": "node", "args": ["a.js"]}}')
+    spec = parse_mcp_json(path)
+    assert (spec.cmd, spec.args, spec.cwd) == ("node", ("a.js",), tmp_path.resolve())
+    path.write_text('{"name": "web", "url": "http://127.0.0.1:9/sse"}')
+    assert parse_mcp_json(path).url == "http://127.0.0.1:9/sse"
+    for bad, problem in [
+        ("[]", "expected a JSON object"),
+        ('{"name": "a b", "url": "http://x"}', "name"),
+        ('{"name": "x"}', 'exactly one of "command"'),
+        ('{"name": "x", "command": {"cmd": "n", "args": "a"}}', "command.args"),
+        ("{nope", "not readable JSON"),
+    ]:
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=problem):
+            parse_mcp_json(path)
+
+
+# -- the gateway process ----------------------------------------------------------------------
+
+
+def mcp_json(directory: Path, name: str, *mock_args: str, **fields: Any) -> Path:
+    child = directory / "mcps" / name
+    child.mkdir(parents=True, exist_ok=True)
+    spec = {"name": name, "command": {"cmd": sys.executable, "args": [MOCK, *mock_args]}, **fields}
+    (child / ".mcp.json").write_text(json.dumps(spec))
+    return child
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A project with the mock children in the shapes the issue lists."""
+    mcp_json(tmp_path, "plain", description="plain things")
+    mcp_json(tmp_path, "framed", "--framing", "content-length", "--split")
+    mcp_json(tmp_path, "chatty", "--logs", switchboardDescription="A child that logs.")
+    mcp_json(tmp_path, "brittle", "--crash-on", "add")
+    (tmp_path / "mcps" / "broken").mkdir()
+    (tmp_path / "mcps" / "broken" / ".mcp.json").write_text("{not json")
+    return tmp_path
+
+
+class Host:
+    """The official MCP client session, plus the notifications it received."""
+
+    def __init__(self, session: ClientSession, notifications: list[Any]) -> None:
+        self.session = session
+        self.notifications = notifications
+
+    async def status(self) -> dict[str, dict[str, Any]]:
+        result = await self.call("gateway_status")
+        return {s["name"]: s for s in result.structured_content["result"]}
+
+    async def tools(self) -> list[str]:
+        return [t.name for t in (await self.session.list_tools()).tools]
+
+    async def call(self, tool: str, **arguments: Any):
+        return await self.session.call_tool(tool, arguments)
+
+    async def suite(self, suite: str, action: str, subtool: str | None = None, **args: Any):
+        arguments: dict[str, Any] = {"action": action}
+        if subtool is not None:
+            arguments |= {"subtool": subtool, "args": args}
+        return await self.session.call_tool(suite, arguments)
+
+    async def wait_list_changed(self, count: int, timeout_s: float = 10) -> None:
+        async with asyncio.timeout(timeout_s):
+            while self.list_changed < count:  # noqa: ASYNC110 - filled by the client's handler
+                await asyncio.sleep(0.02)
+
+    @property
+    def list_changed(self) -> int:
+        return sum(
+            1
+            for n in self.notifications
+            if getattr(n, "method", "") == "notifications/tools/list_changed"
+        )
+
+
+def _env(workdir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+    env["MOCK_MCP_PIDS"] = str(workdir / "pids")
+    return env | (extra or {})
+
+
+@contextlib.asynccontextmanager
+async def stdio_host(workdir: Path, *args: str) -> AsyncIterator[Host]:
+    notifications: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        notifications.append(message)
+
+    params = StdioServerParameters(
+        command=BUTLERS,
+        args=["gateway", "--dir", str(workdir), "--no-butlers", *args],
+        env=_env(workdir),
+        cwd=str(workdir),
+    )
+    with _append(workdir / "gateway.stderr") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write, message_handler=handler) as session,
+        ):
+            await session.initialize()
+            yield Host(session, notifications)
+
+
+def _append(path: Path):
+    return path.open("a")
+
+
+def child_pids(workdir: Path) -> list[int]:
+    path = workdir / "pids"
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def text_of(result) -> str:
+    return " ".join(getattr(c, "text", "") for c in result.content)
+
+
+async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_call(
+    workdir: Path,
+) -> None:
+    (workdir / "gateway.toml").write_text("[introspection]\nsummary_max_chars = 60\n")
+    async with stdio_host(workdir, "--lazy") as host:
+        assert sorted(await host.tools()) == [
+            "brittle_suite",
+            "chatty_suite",
+            "framed_suite",
+            "gateway_activate",
+            "gateway_deactivate",
+            "gateway_status",
+            "plain_suite",
+        ]
+        assert child_pids(workdir) == []  # --lazy: nothing spawned before first use
+        listed = {t.name: t for t in (await host.session.list_tools()).tools}
+        assert listed["chatty_suite"].description == "A child that logs."
+        assert listed["plain_suite"].description == (
+            "Use this tool for plain things. Actions: 'introspect' | 'call'"
+        )
+        assert listed["plain_suite"].input_schema["required"] == ["action"]
+
+        for suite in ("plain_suite", "framed_suite", "chatty_suite"):
+            result = await host.suite(suite, "introspect")
+            tools = {t["name"]: t for t in result.structured_content["tools"]}
+            assert set(tools) == {"echo", "add", "crash", "long_description"}, suite
+            assert all(len(t["summary"]) <= 60 for t in tools.values())
+            assert tools["add"]["summary"] == "Add two numbers together."
+            assert tools["echo"]["inputSchema"]["required"] == ["message"]
+
+            result = await host.suite(suite, "call", "echo", message=f"hi {suite}")
+            assert not result.is_error
+            assert text_of(result) == f"hi {suite}"
+            # Unchanged pass-through; run in the .mcp.json's directory.
+            assert result.structured_content["echo"] == f"hi {suite}"
+            assert result.structured_content["cwd"] == str(workdir / "mcps" / suite[:-6])
+        assert len(child_pids(workdir)) == 3  # spawned once each, then reused
+        result = await host.suite("plain_suite", "call", "add", a=2, b=3)
+        assert text_of(result) == "5" and len(child_pids(workdir)) == 3
+
+        result = await host.suite("plain_suite", "call", "nope")
+        assert result.is_error and "Subtool 'nope' not found in suite 'plain_suite'" in text_of(
+            result
+        )
+        result = await host.call("plain_suite", action="dance")
+        assert result.is_error and "action must be 'introspect' or 'call'" in text_of(result)
+    stderr = (workdir / "gateway.stderr").read_text()
+    assert f"skipping {workdir / 'mcps' / 'broken' / '.mcp.json'}" in stderr
+
+
+async def test_child_env_and_allow_deny(workdir: Path) -> None:
+    mcp_json(workdir, "plain", description="plain things")
+    spec = json.loads((workdir / "mcps" / "plain" / ".mcp.json").read_text())
+    spec["command"]["env"] = {"MOCK_SETTING": "from .mcp.json"}
+    (workdir / "mcps" / "plain" / ".mcp.json").write_text(json.dumps(spec))
+    (workdir / "gateway.toml").write_text(
+        '[suites.plain]\nsuite_name = "everyday"\ndescription = "Everyday tools."\n'
+        '[suites.plain.expose]\ndeny = ["crash"]\n'
+        '[suites.framed.expose]\nallow = ["echo"]\n'
+    )
+    async with stdio_host(workdir) as host:
+        tools = await host.tools()
+        assert "everyday" in tools and "plain_suite" not in tools
+        result = await host.suite("everyday", "call", "echo", message="x")
+        assert result.structured_content["env"] == "from .mcp.json"
+        result = await host.suite("everyday", "call", "crash")
+        assert result.is_error
+        assert text_of(result) == "Subtool 'crash' not allowed by suite 'everyday'"
+        introspected = (await host.suite("framed_suite", "introspect")).structured_content
+        assert [t["name"] for t in introspected["tools"]] == ["echo"]
+        result = await host.suite("framed_suite", "call", "add", a=1, b=1)
+        assert text_of(result) == "Subtool 'add' not allowed by suite 'framed_suite'"
+
+
+async def test_timeouts_name_the_child_and_the_step(workdir: Path) -> None:
+    mcp_json(workdir, "mute", "--silent")
+    mcp_json(workdir, "sleepy", "--hang-on", "add")
+    (workdir / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 700\nrpc_ms = 900\n")
+    async with stdio_host(workdir) as host:  # pre-warming: the mute child never blocks others
+        result = await host.suite("plain_suite", "call", "echo", message="fine")
+        assert text_of(result) == "fine"
+        result = await host.suite("mute_suite", "introspect")
+        assert result.is_error
+        assert text_of(result) == (
+            "child 'mute': no answer to initialize within 700 ms (timeouts.child_spawn_ms)"
+        )
+        result = await host.suite("sleepy_suite", "call", "add", a=1, b=2)
+        assert result.is_error
+        assert text_of(result) == (
+            "child 'sleepy': no answer to tools/call 'add' within 900 ms (timeouts.rpc_ms)"
+        )
+        result = await host.suite("sleepy_suite", "call", "echo", message="still here")
+        assert text_of(result) == "still here"  # a timeout does not cost the child
+        status = {
+            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
+        }
+        assert status["mute"]["state"] == "error" and "initialize" in status["mute"]["error"]
+        assert status["plain"]["state"] == "ready" and status["plain"]["tools"] == 4
+
+
+async def test_a_crashed_child_is_reported_and_restarted_on_the_next_call(workdir: Path) -> None:
+    async with stdio_host(workdir, "--lazy") as host:
+        result = await host.suite("brittle_suite", "call", "echo", message="one")
+        assert text_of(result) == "one"
+        [first] = child_pids(workdir)
+        result = await host.suite("brittle_suite", "call", "add", a=1, b=2)
+        assert result.is_error and text_of(result) == "child 'brittle' exited (code 3)"
+        status = (await host.call("gateway_status")).structured_content["result"]
+        assert [s["state"] for s in status if s["name"] == "brittle"] == ["error"]
+        result = await host.suite("brittle_suite", "call", "echo", message="two")
+        assert text_of(result) == "two"
+        [_, second] = child_pids(workdir)
+        assert second != first and not psutil.pid_exists(first)
+        status = (await host.call("gateway_status")).structured_content["result"]
+        assert [s["state"] for s in status if s["name"] == "brittle"] == ["ready"]
+
+
+async def test_an_existing_switchboard_config_json_is_honoured(workdir: Path) -> None:
+    (workdir / "switchboard.config.json").write_text(
+        json.dumps(
+            {
+                "discoverGlobs": ["mcps/framed/.mcp.json", "mcps/plain/.mcp.json"],
+                "suites": {
+                    "plain": {"suiteName": "p", "expose": {"allow": ["add"]}, "summaryMaxChars": 12}
+                },
+                "introspection": {"mode": "summary"},
+            }
+        )
+    )
+    async with stdio_host(workdir) as host:
+        assert sorted(await host.tools())[:2] == ["framed_suite", "gateway_activate"]
+        assert "p" in await host.tools() and "chatty_suite" not in await host.tools()
+        [tool] = (await host.suite("p", "introspect")).structured_content["tools"]
+        assert tool["name"] == "add" and len(tool["summary"]) <= 12
+
+
+async def test_activate_injects_tools_with_list_changed_and_deactivate_removes_them(
+    workdir: Path,
+) -> None:
+    async with stdio_host(workdir) as host:
+        before = await host.tools()
+        result = await host.call("gateway_activate", name="plain")
+        assert result.structured_content["tools"] == ["echo", "add", "crash", "long_description"]
+        await host.wait_list_changed(1)
+        tools = await host.tools()
+        assert set(tools) == set(before) | {"echo", "add", "crash", "long_description"}
+        result = await host.call("add", a=20, b=22)  # straight to the child
+        assert text_of(result) == "42"
+        # A second child with the same tool names gets them under its own prefix.
+        result = await host.call("gateway_activate", name="framed")
+        assert "framed_echo" in result.structured_content["tools"]
+        await host.wait_list_changed(2)
+        assert text_of(await host.call("framed_echo", message="via framed")) == "via framed"
+
+        await host.call("gateway_deactivate", name="plain")
+        await host.wait_list_changed(3)
+        tools = await host.tools()
+        assert "add" not in tools and "framed_add" in tools
+        status = {
+            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
+        }
+        assert status["plain"]["state"] == "ready" and status["framed"]["state"] == "active"
+        # Still reachable through its suite, and re-activation is instant (same process).
+        pids = child_pids(workdir)
+        assert text_of(await host.suite("plain_suite", "call", "add", a=1, b=1)) == "2"
+        await host.call("gateway_activate", name="plain")
+        assert child_pids(workdir) == pids
+
+        result = await host.call("gateway_activate", name="ghost")
+        assert result.is_error and "no MCP server named 'ghost'" in text_of(result)
+
+
+async def test_a_child_that_dies_while_active_drops_its_tools(workdir: Path) -> None:
+    async with stdio_host(workdir) as host:
+        await host.call("gateway_activate", name="brittle")
+        await host.wait_list_changed(1)
+        assert "echo" in await host.tools()
+        result = await host.call("crash")
+        assert result.is_error
+        await host.wait_list_changed(2)
+        assert "echo" not in await host.tools()
+        status = {
+            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
+        }
+        assert status["brittle"]["state"] == "error"
+        assert "exited" in status["brittle"]["error"]
+        # Its suite still works: the next call restarts it.
+        assert text_of(await host.suite("brittle_suite", "call", "echo", message="back")) == "back"
+
+
+async def test_killing_the_gateway_leaves_no_child_behind(workdir: Path) -> None:
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        "gateway",
+        "--dir",
+        str(workdir),
+        "--no-butlers",
+        env=_env(workdir),
+        cwd=workdir,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with asyncio.timeout(30):  # pre-warming spawns all four children
+            while len(child_pids(workdir)) < 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        pids = child_pids(workdir)
+        assert all(psutil.pid_exists(pid) for pid in pids)
+        process.send_signal(signal.SIGKILL)  # the host died and took the gateway with it
+        await process.wait()
+        async with asyncio.timeout(10):
+            while alive := [p for p in pids if _alive(p)]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert alive == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_closing_stdin_ends_the_gateway_and_its_children(workdir: Path) -> None:
+    async with stdio_host(workdir) as host:
+        await host.suite("plain_suite", "call", "echo", message="x")
+        pids = child_pids(workdir)
+        assert pids
+    async with asyncio.timeout(10):
+        while [p for p in pids if _alive(p)]:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_butlers_behind_the_gateway_over_sse(
+    start_butler: StartButler, tmp_path: Path, workdir: Path
+) -> None:
+    """The real switchboard's registry, the real general butler, served over SSE."""
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",))
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        "gateway",
+        "--dir",
+        str(workdir),
+        "--transport",
+        "sse",
+        "--port",
+        str(port),
+        "--url",
+        fleet.switchboard.sse_url,
+        env=_env(workdir),
+        cwd=workdir,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    notifications: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        notifications.append(message)
+
+    try:
+        await wait_listening(port)
+        async with (
+            sse_client(f"http://127.0.0.1:{port}/sse") as (read, write),
+            ClientSession(read, write, message_handler=handler) as session,
+        ):
+            await session.initialize()
+            host = Host(session, notifications)
+            tools = await host.tools()
+            assert {"general_suite", "switchboard_suite", "plain_suite"} <= set(tools)
+            introspected = (await host.suite("general_suite", "introspect")).structured_content
+            assert "state_set" in {t["name"] for t in introspected["tools"]}
+            await host.suite("general_suite", "call", "state_set", key="via", value="gateway")
+            result = await host.suite("general_suite", "call", "state_get", key="via")
+            assert result.structured_content == {"result": "gateway"}
+            await host.call("gateway_activate", name="general")
+            await host.wait_list_changed(1)
+            assert "state_get" in await host.tools()
+            assert (await host.call("state_get", key="via")).structured_content == {
+                "result": "gateway"
+            }
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            await process.wait()
+
+
+async def test_token_report(workdir: Path) -> None:
+    code, out, err = await run_cli("gateway", "--report", "--no-butlers", "--dir", str(workdir))
+    assert code == 0, err
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("|")}
+    assert {"plain", "framed", "chatty", "brittle"} <= set(rows)
+    cells = [c.strip() for c in rows["plain"].split("|")[1:-1]]
+    assert cells[1:3] == ["ready", "4"]
+    native, gateway = int(cells[3]), int(cells[5])
+    assert native > gateway > 0 and int(cells[4]) == -(-native // 4)
+    assert "% smaller" in out
