@@ -462,6 +462,7 @@ async def test_a_child_that_dies_while_active_drops_its_tools(workdir: Path) -> 
 
 
 async def test_killing_the_gateway_leaves_no_child_behind(workdir: Path) -> None:
+    mcp_json(workdir, "stubborn", "--linger")  # would outlive its stdin's end
     process = await asyncio.create_subprocess_exec(
         BUTLERS,
         "gateway",
@@ -475,8 +476,8 @@ async def test_killing_the_gateway_leaves_no_child_behind(workdir: Path) -> None
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        async with asyncio.timeout(30):  # pre-warming spawns all four children
-            while len(child_pids(workdir)) < 4:  # noqa: ASYNC110
+        async with asyncio.timeout(30):  # pre-warming spawns all five children
+            while len(child_pids(workdir)) < 5:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         pids = child_pids(workdir)
         assert all(psutil.pid_exists(pid) for pid in pids)

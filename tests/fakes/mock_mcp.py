@@ -7,7 +7,8 @@ Reads requests one JSON per line (what the gateway sends). Answers one JSON per 
 `Content-Length:` frames; `--split` writes each answer in small pieces with pauses; `--logs`
 prints non-JSON log lines to stdout between answers; `--crash-on` exits when that tool is
 called; `--silent` never answers anything;
-`--hang-on` never answers calls of that tool. Tools: echo, add, crash, long_description.
+`--hang-on` never answers calls of that tool;
+`--linger` outlives the end of its stdin. Tools: echo, add, crash, long_description.
 Every spawn appends its pid to $MOCK_MCP_PIDS (a file), so tests can find the process.
 """
 
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--crash-on")
     parser.add_argument("--silent", action="store_true")
     parser.add_argument("--hang-on", help="never answer calls of this tool")
+    parser.add_argument("--linger", action="store_true", help="keep running after stdin ends")
     parser.add_argument("--name", default="mock")
     options = parser.parse_args()
     if pids := os.environ.get("MOCK_MCP_PIDS"):
@@ -128,6 +130,8 @@ def main() -> None:
             )
             continue
         write({"jsonrpc": "2.0", "id": request_id, "result": result})
+    while options.linger:  # a server that does not notice its parent is gone
+        time.sleep(1)
 
 
 if __name__ == "__main__":
