@@ -154,7 +154,7 @@ class StdioChild:
                 env={**os.environ, **spec.env},
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
+                stderr=None,  # the child's own diagnostics go where the gateway's go
                 start_new_session=True,  # its own process group: close() ends grandchildren too
                 preexec_fn=_die_with_parent,
             )

@@ -13,7 +13,7 @@ from typing import Any
 from butlers.errors import ButlersError
 from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.switchboard.gateway.config import load_gateway_config
-from butlers.switchboard.gateway.server import CONTROL_TOOLS, SUITE_SCHEMA, Gateway
+from butlers.switchboard.gateway.server import CONTROL_TOOLS, Gateway
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ async def serve_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
     return 0
 
 
+def _json(model: Any) -> str:
+    return json.dumps(model.model_dump(by_alias=True, exclude_none=True, mode="json"))
+
+
 def _tokens(chars: int) -> int:
     """About four characters per token for JSON tool definitions."""
     return math.ceil(chars / 4)
@@ -72,31 +76,21 @@ async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | 
     gateway = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()
-        rows = []
-        for slot in gateway.slots.values():
-            native = json.dumps(
-                [
-                    {
-                        "name": t["name"],
-                        "description": t.get("description", ""),
-                        "inputSchema": t.get("inputSchema"),
-                    }
-                    for t in slot.tools
-                ]
+        # Whole definitions, as each side's tools/list carries them (schemas included).
+        listed = {
+            tool.name: len(_json(tool.to_mcp_tool())) for tool in await gateway.mcp.list_tools()
+        }
+        rows = [
+            (
+                slot.spec.name,
+                slot.state,
+                len(slot.tools),
+                sum(len(json.dumps(t)) for t in slot.tools),
+                listed.get(slot.suite_name, 0),
             )
-            suite = json.dumps(
-                {
-                    "name": slot.suite_name,
-                    "description": slot.description,
-                    "inputSchema": SUITE_SCHEMA,
-                }
-            )
-            rows.append((slot.spec.name, slot.state, len(slot.tools), len(native), len(suite)))
-        control = sum(
-            len(json.dumps(t.to_mcp_tool().model_dump(by_alias=True, exclude_none=True)))
-            for t in await gateway.mcp.list_tools()
-            if t.name in CONTROL_TOOLS
-        )
+            for slot in gateway.slots.values()
+        ]
+        control = sum(listed.get(name, 0) for name in CONTROL_TOOLS)
     finally:
         await gateway.close()
     lines = [
