@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonschema
 import psutil
 import pytest
@@ -526,7 +527,7 @@ async def test_butlers_behind_the_gateway_over_sse(
         str(port),
         "--url",
         fleet.switchboard.sse_url,
-        env=_env(workdir),
+        env=_env(workdir, {"BUTLERS_AUTH_TOKEN": "gw-token"}),
         cwd=workdir,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
@@ -538,8 +539,16 @@ async def test_butlers_behind_the_gateway_over_sse(
 
     try:
         await wait_listening(port)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/sse") as response:
+                assert response.status == 401  # the gateway asks for the token too
+            headers = {"Host": f"evil.example:{port}", "Authorization": "Bearer gw-token"}
+            async with http.get(f"http://127.0.0.1:{port}/sse", headers=headers) as response:
+                assert response.status == 421
         async with (
-            sse_client(f"http://127.0.0.1:{port}/sse") as (read, write),
+            sse_client(
+                f"http://127.0.0.1:{port}/sse", headers={"Authorization": "Bearer gw-token"}
+            ) as (read, write),
             ClientSession(read, write, message_handler=handler) as session,
         ):
             await session.initialize()

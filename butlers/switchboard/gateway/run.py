@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from starlette.middleware import Middleware
+
 from butlers.errors import ButlersError
+from butlers.http import BearerTokenMiddleware
 from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.server import CONTROL_TOOLS, Gateway
@@ -56,10 +59,17 @@ async def serve_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
                 host=options.host,
                 port=options.port,
                 log_level="warning",
+                host_origin_protection=True,
+                middleware=_bearer(options.auth_token),
             )
     finally:
         await gateway.close()
     return 0
+
+
+def _bearer(token: str | None) -> list[Middleware]:
+    """Over the network the gateway asks for the same BUTLERS_AUTH_TOKEN as the butlers."""
+    return [Middleware(BearerTokenMiddleware, token=token)] if token else []
 
 
 def _json(model: Any) -> str:
