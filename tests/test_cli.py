@@ -54,6 +54,7 @@ class Butlers:
         self.process: asyncio.subprocess.Process | None = None
         self.stdout = ""
         self.stderr = ""
+        self.orphans: list[psutil.Process] = []
 
     async def start(self) -> None:
         self.process = await asyncio.create_subprocess_exec(
@@ -112,9 +113,23 @@ class Butlers:
             await self._stderr_task
         return code
 
+    async def crash(self) -> None:
+        """SIGKILL, like a power cut. Its Claude Code sessions are then ours to end."""
+        assert self.process is not None
+        self.orphans = psutil.Process(self.process.pid).children(recursive=True)
+        self.process.send_signal(signal.SIGKILL)
+        self._end_orphans()
+        await self.process.wait()  # (returns only once the orphans have let go of its pipes)
+
+    def _end_orphans(self) -> None:
+        for orphan in self.orphans:
+            if orphan.is_running():
+                orphan.kill()
+
     def kill(self) -> None:
         if self.process and self.process.returncode is None:
             self.process.kill()
+        self._end_orphans()
 
 
 @pytest.fixture

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from butlers.spawner import isolated_cli_env
@@ -63,19 +61,13 @@ async def test_sigkill_mid_message_then_restart_answers_it(
     first = Butlers("up", "--config-dir", str(config_dir), env=env)
     await first.start()
     second = None
-    orphans: list[psutil.Process] = []
     try:
         await first.wait_ready()
         await bot_api.push_text(CHAT, "are you there?")
         async with asyncio.timeout(60):
             while not scripted_api.requests:  # noqa: ASYNC110 - the general butler's session began
                 await asyncio.sleep(0.1)
-        orphans = psutil.Process(first.process.pid).children(recursive=True)
-        first.process.send_signal(signal.SIGKILL)
-        for orphan in orphans:  # the killed process's Claude Code: ours to end
-            if orphan.is_running():
-                orphan.kill()
-        await first.process.wait()  # (returns only once the orphans have let go of its pipes)
+        await first.crash()
 
         conn = await db_conn(f"crash_switchboard_{suffix}")
         row = await conn.fetchrow("SELECT status, attempts FROM inbox")
@@ -99,9 +91,6 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         for process in (first, second):
             if process is not None:
                 process.kill()
-        for orphan in orphans:
-            if orphan.is_running():
-                orphan.kill()
         import asyncpg
 
         admin = await asyncpg.connect(pg_server.dsn("postgres"))

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
-import psutil
 import pytest
 from fastmcp import Client
 
@@ -255,7 +253,6 @@ async def test_a_crash_between_receipt_and_processing_keeps_one_trace(
     fleet.export_to(otlp, "http", every_ms=100)  # the receipt is exported before the SIGKILL
     first = fleet.up()
     await first.start()
-    orphans: list[psutil.Process] = []
     second = None
     try:
         await first.wait_ready()
@@ -264,13 +261,7 @@ async def test_a_crash_between_receipt_and_processing_keeps_one_trace(
         async with asyncio.timeout(60):
             while not scripted_api.requests:  # noqa: ASYNC110 - classification has begun
                 await asyncio.sleep(0.05)
-        assert first.process is not None
-        orphans = psutil.Process(first.process.pid).children(recursive=True)
-        first.process.send_signal(signal.SIGKILL)
-        for orphan in orphans:  # the killed process's Claude Code: ours to end
-            if orphan.is_running():
-                orphan.kill()
-        await first.process.wait()  # (returns only once the orphans have let go of its pipes)
+        await first.crash()
         assert bot_api.sent == []
         scripted_api.delay_s = 0
         second = fleet.up()
@@ -283,9 +274,6 @@ async def test_a_crash_between_receipt_and_processing_keeps_one_trace(
         for process in (first, second):
             if process is not None:
                 process.kill()
-        for orphan in orphans:
-            if orphan.is_running():
-                orphan.kill()
 
     [row] = await fleet.routing_log()
     spans = await otlp.wait_for(lambda got: "switchboard.reply" in {s.name for s in got})

@@ -135,19 +135,17 @@ def _kind(value: Any) -> str:
 
 def load_gateway_config(directory: Path) -> GatewayConfig:
     """gateway.toml in `directory`, else switchboard.config.json, else the defaults."""
-    toml_path, json_path = directory / TOML_NAME, directory / JSON_NAME
-    if toml_path.is_file():
-        try:
-            data = tomllib.loads(toml_path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(toml_path, None, f"is not valid TOML: {exc}") from exc
-        return _parse(toml_path, data, camel=False, base_dir=directory)
-    if json_path.is_file():
-        try:
-            data = json.loads(json_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(json_path, None, f"is not valid JSON: {exc}") from exc
-        return _parse(json_path, data, camel=True, base_dir=directory)
+    for name, language, loads in (
+        (TOML_NAME, "TOML", tomllib.loads),
+        (JSON_NAME, "JSON", json.loads),
+    ):
+        path = directory / name
+        if path.is_file():
+            try:
+                data = loads(path.read_text(encoding="utf-8"))
+            except ValueError as exc:  # TOML and JSON decode errors, bad UTF-8
+                raise ConfigError(path, None, f"is not valid {language}: {exc}") from exc
+            return _parse(path, data, camel=language == "JSON", base_dir=directory)
     return GatewayConfig(base_dir=directory)
 
 
