@@ -151,7 +151,10 @@ async def test_sessions_are_serialised_per_butler(
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_concurrent_sessions=concurrency)
     daemon = await start_butler(butler_config(runtime=runtime))
     scripted_api.script([text("ok")])
-    scripted_api.delay_s = 3
+    # Each request is held until both are in flight, or 3 s: serialised sessions never meet
+    # (each waits out the 3 s); parallel ones meet however slowly the second one starts.
+    scripted_api.delay_s = 3 if concurrency == 1 else 60
+    scripted_api.release_at_in_flight = 2
     async with Client(daemon.sse_url) as client:
         results = await asyncio.gather(
             client.call_tool("trigger", {"prompt": "one"}),

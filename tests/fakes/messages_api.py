@@ -50,6 +50,9 @@ class ScriptedMessagesAPI:
         self.in_flight = 0
         self.max_in_flight = 0
         self._stopping = asyncio.Event()
+        self._changed = asyncio.Condition()
+        # With delay_s: answer as soon as this many requests are in flight at once (0: never).
+        self.release_at_in_flight = 0
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -68,6 +71,7 @@ class ScriptedMessagesAPI:
         self._turns = []
         self._responder = None
         self.delay_s = 0.0
+        self.release_at_in_flight = 0
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -96,15 +100,30 @@ class ScriptedMessagesAPI:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        async with self._changed:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self._changed.notify_all()
         try:
             if self.delay_s:  # a "slow model"; ends early when the API stops
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self.delay_s)
+                    await asyncio.wait_for(self._released(), self.delay_s)
             return await self._reply(request, body)
         finally:
             self.in_flight -= 1
+
+    async def _released(self) -> None:
+        """Until the API stops, or `release_at_in_flight` requests are in flight together."""
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: (
+                    self._stopping.is_set()
+                    or (
+                        self.release_at_in_flight > 0
+                        and self.in_flight >= self.release_at_in_flight
+                    )
+                )
+            )
 
     async def _reply(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         blocks = self._answer(body)
@@ -176,6 +195,8 @@ class ScriptedMessagesAPI:
 
     async def stop(self) -> None:
         self._stopping.set()
+        async with self._changed:
+            self._changed.notify_all()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
