@@ -566,6 +566,13 @@ async def test_butlers_behind_the_gateway_over_sse(
             assert (await host.call("state_get", key="via")).structured_content == {
                 "result": "gateway"
             }
+            # The butler goes away while active: its tools go too, and the host is told.
+            await fleet.targets["general"].stop()
+            result = await host.call("state_get", key="via")
+            assert result.is_error and "child 'general'" in text_of(result)
+            await host.wait_list_changed(2)
+            assert "state_get" not in await host.tools()
+            assert (await host.status())["general"]["state"] == "error"
     finally:
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):

@@ -189,10 +189,13 @@ class Gateway:
 
     def _child_exited(self, child: StdioChild, reason: str) -> None:
         slot = self.slots.get(child.name)
-        if slot is None:
-            return
+        if slot is not None:
+            self._lost(slot, reason)
+
+    def _lost(self, slot: Slot, reason: str) -> None:
+        """A child died: it is in error until it restarts, and its injected tools go."""
         slot.state, slot.error = "error", reason
-        logger.warning("%s", reason, extra={"action": "child_exited"})
+        logger.warning("%s", reason, extra={"action": "child_lost"})
         if slot.injected:
             self._remove_tools(slot)
             self._notify_soon()
@@ -252,6 +255,8 @@ class Gateway:
         try:
             raw = await slot.child.call_tool(tool, arguments)
         except ChildError as exc:
+            if not slot.child.running():  # gone (a remote child tells us only now)
+                self._lost(slot, str(exc))
             raise ToolError(str(exc)) from exc
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
