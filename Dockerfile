@@ -19,7 +19,7 @@ COPY config config
 # Editable: the alembic migrations are read from /app/migrations, next to the package.
 RUN pip install --no-deps -e . && mkdir -p /app/.butlers && chown butler /app/.butlers
 
-USER butler
+USER 10001
 EXPOSE 8100 8101 8102 8103
 ENTRYPOINT ["butlers"]
 CMD ["up"]
