@@ -315,7 +315,12 @@ async def gateway_command(args: argparse.Namespace) -> int:
     if args.report:
         print(await token_report(options, fetch))
         return 0
-    return await serve_gateway(options, fetch)
+    stop = asyncio.Event()
+    if args.transport != "stdio":
+        # Over stdio the host ends us by closing our input; a signal keeps its default action
+        # (the stdin reader cannot be interrupted) and the children go with us (PDEATHSIG).
+        _install_stop_signals(stop)
+    return await serve_gateway(options, fetch, stop)
 
 
 def _parser() -> argparse.ArgumentParser:

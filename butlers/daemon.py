@@ -25,7 +25,7 @@ from butlers.context import ButlerContext
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
-from butlers.http import ButlerApp, build_app
+from butlers.http import ButlerApp, EmbeddedUvicorn, build_app
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
 from butlers.spawner import Spawner
@@ -48,14 +48,6 @@ SWITCHBOARD = "switchboard"
 def migration_branches(config: ButlerConfig) -> tuple[str, ...]:
     """Alembic branches a butler's database gets, in order: core for all, then its own."""
     return ("core", SWITCHBOARD) if config.name == SWITCHBOARD else ("core",)
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn that leaves signal handling to the process that embeds it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
-        yield
 
 
 def _loopback(host: str) -> str:
@@ -89,7 +81,7 @@ class ButlerDaemon:
         self.port: int | None = None
         self.context: ButlerContext | None = None
         self._pool: asyncpg.Pool | None = None
-        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._uvicorn: EmbeddedUvicorn | None = None
         self._app: ButlerApp | None = None
         self._modules = Modules()
         self._serve_task: asyncio.Task[None] | None = None
@@ -157,7 +149,7 @@ class ButlerDaemon:
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        self._uvicorn = _EmbeddedUvicorn(uv_config)
+        self._uvicorn = EmbeddedUvicorn(uv_config)
         self._serve_task = asyncio.create_task(self._serve(sock), name=f"butler:{config.name}:http")
         while not self._uvicorn.started:
             if self._serve_task.done():

@@ -7,10 +7,12 @@ routes are merged into the streamable-HTTP app (whose lifespan runs the server's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable
 
+import uvicorn
 from fastmcp import FastMCP
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,6 +22,14 @@ MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/health"
 _PROTECTED_PREFIXES = (SSE_PATH, MESSAGES_PATH, MCP_PATH)
+
+
+class EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn that leaves signal handling to the process that embeds it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
 
 
 class BearerTokenMiddleware:

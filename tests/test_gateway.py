@@ -589,3 +589,35 @@ async def test_token_report(workdir: Path) -> None:
     native, gateway = int(cells[3]), int(cells[5])
     assert native > gateway > 0 and int(cells[4]) == -(-native // 4)
     assert "% smaller" in out
+
+
+async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdir: Path) -> None:
+    from fastmcp import Client
+
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *("gateway", "--no-butlers", "--dir", str(workdir), "--transport", "http"),
+        *("--port", str(port)),
+        env=_env(workdir),
+        cwd=workdir,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await wait_listening(port)
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            assert "plain_suite" in {t.name for t in await client.list_tools()}
+            result = await client.call_tool(
+                "plain_suite", {"action": "call", "subtool": "add", "args": {"a": 1, "b": 2}}
+            )
+            assert result.content[0].text == "3"
+        pids = child_pids(workdir)
+        assert pids
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            assert await process.wait() == 0
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        if process.returncode is None:
+            process.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -10,16 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
-from butlers.http import BearerTokenMiddleware
+from butlers.http import BearerTokenMiddleware, EmbeddedUvicorn
 from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.server import CONTROL_TOOLS, Gateway
+from butlers.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
+GRACEFUL_SHUTDOWN_S = 2
 RegistryFetch = Callable[[], Awaitable[list[dict[str, Any]]]]
 
 
@@ -45,26 +49,53 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
     return Gateway(config, specs, auth_token=options.auth_token)
 
 
-async def serve_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> int:
+async def serve_gateway(
+    options: GatewayOptions, fetch_registry: RegistryFetch | None, stop: asyncio.Event
+) -> int:
+    """Serve until the host goes away (stdio: end of input) or `stop` is set (a signal); the
+    children end with the gateway either way."""
     gateway = await build_gateway(options, fetch_registry)
     try:
         if options.prewarm:
             gateway.start_warming()
         if options.transport == "stdio":
-            await gateway.mcp.run_async(transport="stdio", show_banner=False)
-        else:
-            await gateway.mcp.run_async(
-                transport=options.transport,
-                show_banner=False,
-                host=options.host,
-                port=options.port,
-                log_level="warning",
-                host_origin_protection=True,
-                middleware=_bearer(options.auth_token),
+            serving = asyncio.create_task(
+                gateway.mcp.run_async(transport="stdio", show_banner=False)
             )
+            await _until(serving, stop)
+            await cancel_and_wait(serving)
+        else:
+            app = gateway.mcp.http_app(
+                transport="sse" if options.transport == "sse" else "http",
+                middleware=_bearer(options.auth_token),
+                host_origin_protection=True,
+            )
+            server = EmbeddedUvicorn(
+                uvicorn.Config(
+                    app,
+                    host=options.host,
+                    port=options.port,
+                    log_level="warning",
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                )
+            )
+            serving = asyncio.create_task(server.serve())
+            await _until(serving, stop)
+            server.should_exit = True
+            await serving
     finally:
         await gateway.close()
     return 0
+
+
+async def _until(serving: asyncio.Task[Any], stop: asyncio.Event) -> None:
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(stopping)
+    if serving.done():
+        serving.result()  # what went wrong, if anything
 
 
 def _bearer(token: str | None) -> list[Middleware]:
