@@ -158,9 +158,10 @@ async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> A
         raise CommandError(str(exc)) from exc
     except Exception as exc:  # connect failures arrive as RuntimeError or exception groups
         raise CommandError(f"cannot reach the switchboard at {url}: {_connect_error(exc)}") from exc
+    answer = unwrap(result.model_dump(mode="json", by_alias=True, exclude_none=True))
     if result.is_error:
-        raise CommandError(str(unwrap(result)))
-    return unwrap(result)
+        raise CommandError(str(answer))
+    return answer
 
 
 def _connect_error(exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 A fresh connect + initialize costs about ten times a call on an open session, so sessions are
 opened lazily, shared by every caller (MCP multiplexes concurrent requests on one session),
 re-opened once when the connection turns out to be closed (the target restarted), and closed
-when the switchboard stops.
+when the switchboard stops. Endpoints ending in `/sse` (every butler's) get our lean
+`SseSession`; anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
 """
 
 from __future__ import annotations
@@ -12,112 +13,160 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
-import mcp_types
+import aiohttp
 from fastmcp import Client
 from mcp.shared.exceptions import MCPError
 
 from butlers.errors import ButlersError
+from butlers.switchboard.sse_session import CallTimedOut, RemoteError, SessionClosed, SseSession
 
 logger = logging.getLogger(__name__)
 
 CONNECTION_CLOSED = -32000
 CONNECT_TIMEOUT_S = 10.0
 
+__all__ = ["McpClientPool", "RemoteError", "TargetTimeout", "TargetUnreachable"]
+
 
 class TargetUnreachable(ButlersError):
     """The target's endpoint refused, dropped or never answered the connection."""
 
 
-class TargetTimeout(ButlersError):
-    """The target accepted the call but did not answer within the timeout."""
+TargetTimeout = CallTimedOut  # the target accepted the call but did not answer in time
+
+
+class Session(Protocol):
+    is_open: bool
+
+    async def open(self, timeout_s: float) -> None: ...
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
+    ) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
 
 
 class McpClientPool:
     def __init__(self, *, auth_token: str | None = None) -> None:
         self.auth_token = auth_token
-        self._clients: dict[str, Client] = {}
+        self._sessions: dict[str, Session] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._http: aiohttp.ClientSession | None = None
         self._closed = False
         self.connects = 0  # how many sessions were opened, for tests and benchmarks
 
     async def call(
-        self, url: str, tool: str, arguments: dict[str, Any], *, timeout_s: float
-    ) -> mcp_types.CallToolResult:
-        """Call `tool` on the endpoint; reconnects once if the kept session was closed."""
-        client = await self._session(url)
-        try:
-            return await self._call(client, tool, arguments, timeout_s)
-        except _Closed:
-            logger.info(
-                "session to %s was closed; reconnecting once",
-                url,
-                extra={"action": "pool_reconnect"},
-            )
-            await self._discard(url, client)
-        client = await self._session(url)
-        try:
-            return await self._call(client, tool, arguments, timeout_s)
-        except _Closed as exc:
-            await self._discard(url, client)
-            raise TargetUnreachable("the connection was closed") from exc
+        self,
+        url: str,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        meta: dict[str, str] | None = None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """The target's `CallToolResult` as JSON; reconnects once if the session was closed."""
+        for attempt in (1, 2):
+            session = await self._session(url)
+            try:
+                return await session.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
+            except SessionClosed as exc:
+                await self._discard(url, session)
+                if attempt == 2:
+                    raise TargetUnreachable(f"the connection was closed ({exc})") from exc
+                logger.info(
+                    "session to %s was closed; reconnecting once",
+                    url,
+                    extra={"action": "pool_reconnect"},
+                )
+        raise AssertionError("unreachable")
 
-    async def _call(
-        self, client: Client, tool: str, arguments: dict[str, Any], timeout_s: float
-    ) -> mcp_types.CallToolResult:
-        try:
-            return await client.call_tool_mcp(tool, arguments, timeout=timeout_s)
-        except MCPError as exc:
-            if exc.code == CONNECTION_CLOSED:
-                raise _Closed from exc
-            if "timed out" in str(exc.message):
-                raise TargetTimeout(f"no answer within {timeout_s:g}s") from exc
-            raise
-
-    async def _session(self, url: str) -> Client:
+    async def _session(self, url: str) -> Session:
         if self._closed:
             raise ButlersError("the MCP client pool is closed")
-        client = self._clients.get(url)
-        if client is not None and client.is_connected():
-            return client
+        session = self._sessions.get(url)
+        if session is not None and session.is_open:
+            return session
         async with self._locks[url]:
-            client = self._clients.get(url)
-            if client is not None and client.is_connected():
-                return client
-            if client is not None:
-                await self._discard(url, client)
-            client = Client(url, auth=self.auth_token, init_timeout=CONNECT_TIMEOUT_S)
-            try:
-                await asyncio.wait_for(client.__aenter__(), CONNECT_TIMEOUT_S)
-            except TimeoutError as exc:
-                raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
-            except Exception as exc:
-                raise TargetUnreachable(_reason(exc)) from exc
+            session = self._sessions.get(url)
+            if session is not None and session.is_open:
+                return session
+            if session is not None:
+                await self._discard(url, session)
+            session = await self._open(url)
             self.connects += 1
-            self._clients[url] = client
-            return client
+            self._sessions[url] = session
+            return session
 
-    async def _discard(self, url: str, client: Client) -> None:
-        if self._clients.get(url) is client:
-            del self._clients[url]
+    async def _open(self, url: str) -> Session:
+        if url.rstrip("/").endswith("/sse"):
+            if self._http is None:
+                self._http = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S)
+                )
+            session: Session = SseSession(url, self._http, auth_token=self.auth_token)
+        else:
+            session = FastMcpSession(url, auth_token=self.auth_token)
+        try:
+            await session.open(CONNECT_TIMEOUT_S)
+        except TimeoutError as exc:
+            await session.close()
+            raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
+        except Exception as exc:
+            await session.close()
+            raise TargetUnreachable(_reason(exc)) from exc
+        return session
+
+    async def _discard(self, url: str, session: Session) -> None:
+        if self._sessions.get(url) is session:
+            del self._sessions[url]
         with contextlib.suppress(Exception):
-            await client.close()
+            await session.close()
 
     async def close(self) -> None:
         self._closed = True
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
             with contextlib.suppress(Exception):
-                await client.close()
+                await session.close()
+        if self._http is not None:
+            await self._http.close()
 
 
-class _Closed(Exception):
-    """The kept session's connection is gone (internal: triggers one reconnect)."""
+class FastMcpSession:
+    """Any other transport (streamable HTTP): FastMCP's client behind the same interface."""
+
+    def __init__(self, url: str, *, auth_token: str | None) -> None:
+        self._client = Client(url, auth=auth_token, init_timeout=CONNECT_TIMEOUT_S)
+
+    @property
+    def is_open(self) -> bool:
+        return self._client.is_connected()
+
+    async def open(self, timeout_s: float) -> None:
+        await asyncio.wait_for(self._client.__aenter__(), timeout_s)
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
+    ) -> dict[str, Any]:
+        try:
+            result = await self._client.call_tool_mcp(name, arguments, timeout=timeout_s)
+        except MCPError as exc:
+            if exc.code == CONNECTION_CLOSED:
+                raise SessionClosed(str(exc.message)) from exc
+            if "timed out" in str(exc.message):
+                raise CallTimedOut(f"no answer within {timeout_s:g}s") from exc
+            raise RemoteError(exc.code, str(exc.message)) from exc
+        return result.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    async def close(self) -> None:
+        await self._client.close()
 
 
 def _reason(exc: BaseException) -> str:
-    """The innermost cause, e.g. 'All connection attempts failed' for a refused port."""
+    """The innermost cause, e.g. 'Connect call failed' for a refused port."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
     text = str(exc).strip()

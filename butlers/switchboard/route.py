@@ -14,12 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import mcp_types
-from mcp.shared.exceptions import MCPError
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.errors import ButlersError
-from butlers.switchboard.pool import McpClientPool, TargetTimeout, TargetUnreachable
+from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
 from butlers.telemetry import current_carrier, current_trace_id
 
@@ -51,15 +49,15 @@ def summarize(arguments: dict[str, Any]) -> str | None:
     return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
 
 
-def unwrap(result: mcp_types.CallToolResult) -> Any:
-    """The target's answer as plain JSON: its structured content, else its text."""
-    if result.structured_content is not None:
-        meta = result.meta or {}
-        wrapped = isinstance(meta.get("fastmcp"), dict) and meta["fastmcp"].get("wrap_result")
-        content = result.structured_content
-        return content.get("result") if wrapped else content
-    texts = [block.text for block in result.content if isinstance(block, mcp_types.TextContent)]
-    return "\n".join(texts)
+def unwrap(result: dict[str, Any]) -> Any:
+    """The target's answer (a `CallToolResult` as JSON): its structured content, else its text."""
+    structured = result.get("structuredContent")
+    if structured is not None:
+        fastmcp_meta = (result.get("_meta") or {}).get("fastmcp")
+        wrapped = isinstance(fastmcp_meta, dict) and fastmcp_meta.get("wrap_result")
+        return structured.get("result") if wrapped and isinstance(structured, dict) else structured
+    blocks = result.get("content") or []
+    return "\n".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text")
 
 
 class Router:
@@ -145,9 +143,12 @@ class Router:
         endpoint = await self._endpoint_of(butler_name)
         if endpoint is None:
             raise RouteError(f"butler {butler_name!r} not found")
-        forwarded = {**arguments, "_trace_context": current_carrier()}
+        carrier = current_carrier()
+        forwarded = {**arguments, "_trace_context": carrier}
         try:
-            result = await self.pool.call(endpoint, tool_name, forwarded, timeout_s=self.timeout_s)
+            result = await self.pool.call(
+                endpoint, tool_name, forwarded, meta=carrier, timeout_s=self.timeout_s
+            )
         except TargetUnreachable as exc:
             self._endpoints.pop(butler_name, None)  # re-read the registry next time
             raise RouteError(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
@@ -155,11 +156,11 @@ class Router:
             raise RouteError(
                 f"butler {butler_name!r} at {endpoint} did not answer {tool_name!r}: {exc}"
             ) from exc
-        except MCPError as exc:
+        except RemoteError as exc:
             raise RouteError(
                 f"butler {butler_name!r} at {endpoint} failed {tool_name!r}: {exc.message}"
             ) from exc
-        if result.is_error:
+        if result.get("isError"):
             raise RouteError(
                 f"butler {butler_name!r} answered {tool_name!r} with an error: {unwrap(result)}"
             )

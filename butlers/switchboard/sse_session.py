@@ -1,0 +1,245 @@
+"""One kept-open MCP session over the HTTP+SSE transport, lean enough for route's hot path.
+
+Every routed call crosses this client, and profiling `route` showed the general-purpose MCP
+client stack (its per-message HTTP machinery, memory streams, model validation of every
+message) costing more CPU than either server it connects. This session speaks exactly what
+route needs and nothing more: the handshake, `tools/call`, answers to the server's pings,
+and cancellation. HTTP is aiohttp's (keep-alive connections, chunked bodies); JSON-RPC
+framing and the SSE event stream are ours, because they are a few lines. Results come back
+as the JSON the target sent, which route unwraps without building models.
+
+The transport: GET the endpoint and keep the event stream; its first event names the URL to
+POST messages to (answered 202); replies and server requests arrive as `message` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from typing import Any
+from urllib.parse import urljoin
+
+import aiohttp
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
+
+from butlers.errors import ButlersError
+
+logger = logging.getLogger(__name__)
+
+CLIENT_INFO = {"name": "butlers-switchboard", "version": "1"}
+METHOD_NOT_FOUND = -32601
+
+
+class SessionClosed(ButlersError):
+    """The session's event stream or message endpoint is gone (e.g. the target restarted)."""
+
+
+class CallTimedOut(ButlersError):
+    """The target accepted the request but sent no answer within the timeout."""
+
+
+class RemoteError(ButlersError):
+    """The target answered with a JSON-RPC error (not a tool error: those are results)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class SseSession:
+    """A connected session; `open()` it, share it between concurrent callers, `close()` it."""
+
+    def __init__(self, url: str, http: aiohttp.ClientSession, *, auth_token: str | None) -> None:
+        self.url = url
+        self._http = http
+        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._endpoint: asyncio.Future[str] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed_reason: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._reader is not None and self._closed_reason is None
+
+    async def open(self, timeout_s: float) -> None:
+        """Connect the event stream and complete the MCP handshake; raises on any failure."""
+        async with asyncio.timeout(timeout_s):
+            response = await self._http.get(
+                self.url, headers={**self._headers, "Accept": "text/event-stream"}
+            )
+            if response.status != 200:
+                response.release()
+                raise SessionClosed(f"GET {self.url} answered HTTP {response.status}")
+            self._endpoint = asyncio.get_running_loop().create_future()
+            self._reader = asyncio.create_task(self._read_events(response))
+            endpoint = await asyncio.shield(self._endpoint)
+            self._post_url = urljoin(self.url, endpoint)
+            result = await self.request(
+                "initialize",
+                {
+                    "protocolVersion": LATEST_HANDSHAKE_VERSION,
+                    "capabilities": {},
+                    "clientInfo": CLIENT_INFO,
+                },
+                timeout_s=timeout_s,
+            )
+            version = result.get("protocolVersion")
+            if version not in HANDSHAKE_PROTOCOL_VERSIONS:
+                raise SessionClosed(f"{self.url} offered unsupported protocol version {version!r}")
+            await self._post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        *,
+        meta: dict[str, str] | None = None,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """The `CallToolResult` as JSON (a tool error is a result with `isError`, not a raise)."""
+        params: dict[str, Any] = {"name": name, "arguments": arguments}
+        if meta:
+            params["_meta"] = meta
+        return await self.request("tools/call", params, timeout_s=timeout_s)
+
+    async def request(
+        self, method: str, params: dict[str, Any], *, timeout_s: float
+    ) -> dict[str, Any]:
+        if self._closed_reason is not None:
+            raise SessionClosed(self._closed_reason)
+        request_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = answer
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._post(
+                    {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+                )
+                message = await answer
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            if self._closed_reason is None:  # tell the target to stop working on it
+                self._spawn(self._cancel(request_id, "timed out" if timed_out else "cancelled"))
+            if timed_out:
+                raise CallTimedOut(f"no answer within {timeout_s:g}s") from None
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+        if "error" in message:
+            error = message["error"] or {}
+            raise RemoteError(int(error.get("code", 0)), str(error.get("message", "")))
+        return message.get("result") or {}
+
+    async def close(self) -> None:
+        self._fail_pending("the session was closed")
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        for task in list(self._background):
+            task.cancel()
+
+    async def _post(self, message: dict[str, Any]) -> None:
+        body = json.dumps(message, separators=(",", ":")).encode()
+        headers = {**self._headers, "Content-Type": "application/json"}
+        try:
+            async with self._http.post(self._post_url, data=body, headers=headers) as response:
+                if response.status == 404:  # the server no longer knows this session
+                    self._fail_pending(f"{self.url} no longer knows this session")
+                    raise SessionClosed(self._closed_reason or "session unknown")
+                if response.status >= 300:
+                    text = (await response.text())[:200]
+                    raise RemoteError(response.status, f"HTTP {response.status}: {text}")
+        except aiohttp.ClientError as exc:
+            self._fail_pending(f"sending to {self.url} failed: {exc}")
+            raise SessionClosed(self._closed_reason or str(exc)) from exc
+
+    async def _read_events(self, response: aiohttp.ClientResponse) -> None:
+        reason = "the event stream ended"
+        try:
+            buffer = bytearray()
+            event, data = "message", []
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                while (end := buffer.find(b"\n")) >= 0:
+                    line = buffer[:end].rstrip(b"\r").decode()
+                    del buffer[: end + 1]
+                    if line:
+                        field, _, value = line.partition(":")
+                        if field == "event":
+                            event = value.strip()
+                        elif field == "data":
+                            data.append(value[1:] if value.startswith(" ") else value)
+                        continue  # comments (keep-alive pings) and other fields: nothing to do
+                    if data:
+                        self._dispatch(event, "\n".join(data))
+                    event, data = "message", []
+        except asyncio.CancelledError:
+            reason = "the session was closed"
+            raise
+        except Exception as exc:  # a broken connection: every caller must hear of it
+            reason = f"the event stream broke: {exc!r}"
+        finally:
+            response.close()
+            self._fail_pending(reason)
+
+    def _dispatch(self, event: str, data: str) -> None:
+        if event == "endpoint":
+            if self._endpoint is not None and not self._endpoint.done():
+                self._endpoint.set_result(data)
+            return
+        if event != "message":
+            return
+        try:
+            message = json.loads(data)
+        except ValueError:
+            logger.warning("%s sent a message that is not JSON; ignored", self.url)
+            return
+        if not isinstance(message, dict):
+            return
+        if "method" not in message:
+            answer = self._pending.get(message.get("id"))  # type: ignore[arg-type]
+            if answer is not None and not answer.done():
+                answer.set_result(message)
+        elif "id" in message:  # a request from the server: we serve pings only
+            if message["method"] == "ping":
+                reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"], "result": {}}
+            else:
+                reply = {
+                    "jsonrpc": "2.0",
+                    "id": message["id"],
+                    "error": {"code": METHOD_NOT_FOUND, "message": "not supported by this client"},
+                }
+            self._spawn(self._post(reply))
+        # notifications (logging, progress, list changes) are of no use to route
+
+    async def _cancel(self, request_id: int, reason: str) -> None:
+        with contextlib.suppress(ButlersError):
+            await self._post(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "notifications/cancelled",
+                    "params": {"requestId": request_id, "reason": reason},
+                }
+            )
+
+    def _fail_pending(self, reason: str) -> None:
+        if self._closed_reason is None:
+            self._closed_reason = reason
+        if self._endpoint is not None and not self._endpoint.done():
+            self._endpoint.set_exception(SessionClosed(reason))
+        for answer in self._pending.values():
+            if not answer.done():
+                answer.set_exception(SessionClosed(reason))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
