@@ -78,6 +78,8 @@ class SseSession:
                 response.release()
                 raise SessionClosed(f"GET {self.url} answered HTTP {response.status}")
             self._endpoint = asyncio.get_running_loop().create_future()
+            # read even when open() has already given up, so a late failure is not "unretrieved"
+            self._endpoint.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._reader = asyncio.create_task(self._read_events(response))
             endpoint = await asyncio.shield(self._endpoint)
             self._post_url = urljoin(self.url, endpoint)
