@@ -123,6 +123,26 @@ async def test_route_returns_target_results_and_summarizes_args(fleet: Fleet, db
     ]
 
 
+async def test_the_logs_asynchronous_commit_stays_in_its_own_statement(fleet: Fleet) -> None:
+    """The routing_log row is committed without waiting for the WAL flush; the inbox, which
+    shares the pooled connections, must keep durable commits."""
+    pool = fleet.switchboard.switchboard.store.pool
+    async with Client(fleet.switchboard.sse_url) as client:
+        await asyncio.gather(
+            *(
+                call(client, "route", butler_name="general", tool_name="status")
+                for _ in range(2 * pool.get_max_size())
+            )
+        )
+    connections = [await pool.acquire() for _ in range(pool.get_max_size())]
+    try:
+        settings = [await conn.fetchval("SHOW synchronous_commit") for conn in connections]
+    finally:
+        for conn in connections:
+            await pool.release(conn)
+    assert settings == ["on"] * pool.get_max_size()
+
+
 async def test_long_prompt_is_truncated_in_the_summary(fleet: Fleet, db_conn) -> None:
     async with Client(fleet.switchboard.sse_url) as client:
         with pytest.raises(ToolError):

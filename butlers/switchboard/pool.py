@@ -104,7 +104,8 @@ class McpClientPool:
         if url.rstrip("/").endswith("/sse"):
             if self._http is None:
                 self._http = aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S)
+                    timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
+                    cookie_jar=aiohttp.DummyCookieJar(),  # MCP does not use cookies
                 )
             session: Session = SseSession(url, self._http, auth_token=self.auth_token)
         else:

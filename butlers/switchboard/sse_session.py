@@ -57,6 +57,7 @@ class SseSession:
         self.url = url
         self._http = http
         self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._post_headers = {**self._headers, "Content-Type": "application/json"}
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._endpoint: asyncio.Future[str] | None = None
@@ -150,9 +151,10 @@ class SseSession:
 
     async def _post(self, message: dict[str, Any]) -> None:
         body = json.dumps(message, separators=(",", ":")).encode()
-        headers = {**self._headers, "Content-Type": "application/json"}
         try:
-            async with self._http.post(self._post_url, data=body, headers=headers) as response:
+            async with self._http.post(
+                self._post_url, data=body, headers=self._post_headers
+            ) as response:
                 if response.status == 404:  # the server no longer knows this session
                     self._fail_pending(f"{self.url} no longer knows this session")
                     raise SessionClosed(self._closed_reason or "session unknown")
