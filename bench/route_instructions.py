@@ -17,7 +17,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,14 +25,22 @@ from pathlib import Path
 from fastmcp import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from route_overhead import BUTLERS, ROOT, free_port, write_docs_block  # noqa: E402
+from route_overhead import BUTLERS, ROOT, free_port, write_docs_block
 
 READY = b"Press Ctrl-C to stop."
 
 
+async def callgrind_control(option: str, pid: int) -> None:
+    process = await asyncio.create_subprocess_exec(
+        "callgrind_control", option, str(pid), stdout=asyncio.subprocess.DEVNULL
+    )
+    if await process.wait() != 0:
+        raise RuntimeError(f"callgrind_control {option} {pid} failed")
+
+
 async def count(pid: int, out: Path, call, calls: int, callers: int) -> float:
     """Millions of instructions per call: zero the counters, make the calls, dump."""
-    subprocess.run(["callgrind_control", "--zero", str(pid)], check=True, capture_output=True)
+    await callgrind_control("--zero", pid)
 
     async def caller() -> None:
         for _ in range(calls // callers):
@@ -42,7 +49,7 @@ async def count(pid: int, out: Path, call, calls: int, callers: int) -> float:
 
     await asyncio.gather(*(caller() for _ in range(callers)))
     before = set(out.parent.glob(out.name + ".*"))
-    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, capture_output=True)
+    await callgrind_control("--dump", pid)
     (dump,) = set(out.parent.glob(out.name + ".*")) - before
     totals = re.search(r"^(?:summary|totals): (\d+)", dump.read_text(), re.MULTILINE)
     assert totals, f"no totals in {dump}"
