@@ -20,7 +20,13 @@ from fastmcp import Client
 from mcp.shared.exceptions import MCPError
 
 from butlers.errors import ButlersError
-from butlers.switchboard.sse_session import CallTimedOut, RemoteError, SessionClosed, SseSession
+from butlers.switchboard.sse_session import (
+    AnswerLost,
+    CallTimedOut,
+    RemoteError,
+    SessionClosed,
+    SseSession,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +73,22 @@ class McpClientPool:
         meta: dict[str, str] | None = None,
         timeout_s: float,
     ) -> dict[str, Any]:
-        """The target's `CallToolResult` as JSON; reconnects once if the session was closed."""
+        """The target's `CallToolResult` as JSON.
+
+        A kept session found closed (the target restarted) is re-opened once and the call sent
+        again: it never reached the target. A call whose connection broke after it was
+        delivered is not repeated; its tool may have run.
+        """
         for attempt in (1, 2):
             session = await self._session(url)
             try:
                 return await session.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
+            except AnswerLost as exc:
+                await self._discard(url, session)
+                raise TargetUnreachable(
+                    f"the connection was lost before {tool!r} answered ({exc}); "
+                    "it may or may not have run"
+                ) from exc
             except SessionClosed as exc:
                 await self._discard(url, session)
                 if attempt == 2:

@@ -34,7 +34,13 @@ METHOD_NOT_FOUND = -32601
 
 
 class SessionClosed(ButlersError):
-    """The session's event stream or message endpoint is gone (e.g. the target restarted)."""
+    """The session is gone (e.g. the target restarted) and the request was not delivered, so
+    sending it again on a new session cannot run anything twice."""
+
+
+class AnswerLost(ButlersError):
+    """The request was delivered, then the connection went away before its answer: the tool
+    may or may not have run, so it must not be sent again blindly."""
 
 
 class CallTimedOut(ButlersError):
@@ -125,7 +131,10 @@ class SseSession:
                 await self._post(
                     {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
                 )
-                message = await answer
+                try:
+                    message = await answer
+                except SessionClosed as exc:
+                    raise AnswerLost(f"{exc}, after the request was delivered") from exc
         except (TimeoutError, asyncio.CancelledError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             if self._closed_reason is None:  # tell the target to stop working on it
