@@ -153,6 +153,19 @@ async def test_an_unsupported_protocol_version_is_refused(http) -> None:
         await session.close()
 
 
+async def test_a_message_endpoint_on_another_origin_is_refused(http) -> None:
+    """Our bearer token goes only where we connected, whatever the server's first event says."""
+    async with (
+        SseMcpServer() as elsewhere,
+        SseMcpServer(endpoint_base=elsewhere.url.removesuffix("/sse")) as server,
+    ):
+        session = SseSession(server.url, http, auth_token="s3cret")
+        with pytest.raises(SessionClosed, match="another origin"):
+            await session.open(timeout_s=5)
+        await session.close()
+        assert elsewhere.headers == []  # nothing was sent there
+
+
 async def test_pool_reopens_a_session_the_server_forgot_once(server) -> None:
     pool = McpClientPool()
     try:

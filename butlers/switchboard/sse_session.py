@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 from typing import Any
-from urllib.parse import urljoin
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
@@ -67,6 +67,7 @@ class SseSession:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._endpoint: asyncio.Future[str] | None = None
+        self._post_url = ""  # named by the server's first event
         self._reader: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed_reason: str | None = None
@@ -84,12 +85,13 @@ class SseSession:
             if response.status != 200:
                 response.release()
                 raise SessionClosed(f"GET {self.url} answered HTTP {response.status}")
-            self._endpoint = asyncio.get_running_loop().create_future()
-            # read even when open() has already given up, so a late failure is not "unretrieved"
-            self._endpoint.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._endpoint = _future()
             self._reader = asyncio.create_task(self._read_events(response))
-            endpoint = await asyncio.shield(self._endpoint)
-            self._post_url = urljoin(self.url, endpoint)
+            self._post_url = urljoin(self.url, await asyncio.shield(self._endpoint))
+            if _origin(self._post_url) != _origin(self.url):  # our token must not go elsewhere
+                raise SessionClosed(
+                    f"{self.url} named a message endpoint on another origin: {self._post_url}"
+                )
             result = await self.request(
                 "initialize",
                 {
@@ -124,7 +126,7 @@ class SseSession:
         if self._closed_reason is not None:
             raise SessionClosed(self._closed_reason)
         request_id = next(self._ids)
-        answer = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[dict[str, Any]] = _future()
         self._pending[request_id] = answer
         try:
             async with asyncio.timeout(timeout_s):
@@ -256,3 +258,16 @@ class SseSession:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _origin(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.netloc
+
+
+def _future() -> asyncio.Future[Any]:
+    """A future whose failure nobody may await (its caller gave up first) without asyncio
+    reporting "exception was never retrieved"."""
+    future = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future

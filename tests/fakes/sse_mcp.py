@@ -31,6 +31,7 @@ class SseMcpServer:
     chunk_size: int = 5
     protocol_version: str = "2025-11-25"
     forget_sessions: bool = False  # answer every POST with 404, as after a restart
+    endpoint_base: str = ""  # e.g. "http://elsewhere:1" to name a foreign message endpoint
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     streams_opened: int = 0
@@ -74,7 +75,7 @@ class SseMcpServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        endpoint = f"/messages/?session_id={session}"
+        endpoint = f"{self.endpoint_base}/messages/?session_id={session}"
         await self._write(response, f"event: endpoint\r\ndata: {endpoint}\r\n\r\n")
         while (payload := await queue.get()) is not None:
             await self._write(response, payload.decode())
