@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from fastmcp import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from route_overhead import BUTLERS, ROOT, free_port, write_docs_block
+from route_overhead import BUTLERS, ROOT, bench_fleet, write_docs_block
 
 READY = b"Press Ctrl-C to stop."
 
@@ -57,17 +55,7 @@ async def count(pid: int, out: Path, call, calls: int, callers: int) -> float:
 
 
 async def main(calls: int, write: bool) -> None:
-    workdir = Path(tempfile.mkdtemp(prefix="butlers-bench-"))
-    ports = {"target": free_port(), "switchboard": free_port()}
-    for name, port in ports.items():
-        (workdir / "config" / name).mkdir(parents=True)
-        (workdir / "config" / name / "butler.toml").write_text(
-            f'[butler]\nname = "{name}"\nport = {port}\n'
-            f'[butler.db]\nname = "bench_{name}_{os.getpid()}"\n'
-            "[runtime]\ntick_interval_s = 0\n"
-        )
-    env = {**os.environ, "BUTLERS_DATA_DIR": str(workdir / "data")}
-    env.pop("BUTLERS_AUTH_TOKEN", None)
+    workdir, ports, env = bench_fleet()
     out = workdir / "callgrind.out"
     process = await asyncio.create_subprocess_exec(
         "valgrind",

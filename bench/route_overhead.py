@@ -105,7 +105,9 @@ async def _start(*args: str, env: dict[str, str], ready: str) -> asyncio.subproc
     return process
 
 
-async def main(calls: int, callers: int, write: bool) -> None:
+def bench_fleet() -> tuple[Path, dict[str, int], dict[str, str]]:
+    """A config directory with a target and a switchboard on free ports, and the environment
+    for a `butlers up` on it (embedded PostgreSQL in the same temporary directory)."""
     workdir = Path(tempfile.mkdtemp(prefix="butlers-bench-"))
     ports = {"target": free_port(), "switchboard": free_port()}
     for name, port in ports.items():
@@ -117,6 +119,11 @@ async def main(calls: int, callers: int, write: bool) -> None:
         )
     env = {**os.environ, "BUTLERS_DATA_DIR": str(workdir / "data")}
     env.pop("BUTLERS_AUTH_TOKEN", None)
+    return workdir, ports, env
+
+
+async def main(calls: int, callers: int, write: bool) -> None:
+    workdir, ports, env = bench_fleet()
     target_url = f"http://127.0.0.1:{ports['target']}/sse"
     proxy_port = free_port()
     processes = []
