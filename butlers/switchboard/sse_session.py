@@ -140,7 +140,16 @@ class SseSession:
         except (TimeoutError, asyncio.CancelledError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             if self._closed_reason is None:  # tell the target to stop working on it
-                self._spawn(self._cancel(request_id, "timed out" if timed_out else "cancelled"))
+                reason = "timed out" if timed_out else "cancelled"
+                self._spawn(
+                    self._send_quietly(
+                        {
+                            "jsonrpc": "2.0",
+                            "method": "notifications/cancelled",
+                            "params": {"requestId": request_id, "reason": reason},
+                        }
+                    )
+                )
             if timed_out:
                 raise CallTimedOut(f"no answer within {timeout_s:g}s") from None
             raise
@@ -232,18 +241,14 @@ class SseSession:
                     "id": message["id"],
                     "error": {"code": METHOD_NOT_FOUND, "message": "not supported by this client"},
                 }
-            self._spawn(self._post(reply))
+            self._spawn(self._send_quietly(reply))
         # notifications (logging, progress, list changes) are of no use to route
 
-    async def _cancel(self, request_id: int, reason: str) -> None:
+    async def _send_quietly(self, message: dict[str, Any]) -> None:
+        """For messages nobody waits on (replies, cancellations): a failure here surfaces
+        anyway, at the next call on this session."""
         with contextlib.suppress(ButlersError):
-            await self._post(
-                {
-                    "jsonrpc": "2.0",
-                    "method": "notifications/cancelled",
-                    "params": {"requestId": request_id, "reason": reason},
-                }
-            )
+            await self._post(message)
 
     def _fail_pending(self, reason: str) -> None:
         if self._closed_reason is None:
