@@ -148,12 +148,14 @@ async def test_timeout_is_a_recorded_failure_and_leaves_no_process(
 async def test_sessions_are_serialised_per_butler(
     start_butler: StartButler, scripted_api: ScriptedMessagesAPI, concurrency: int
 ) -> None:
-    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_concurrent_sessions=concurrency)
+    runtime = RuntimeConfig(timeout_s=120, tick_interval_s=0, max_concurrent_sessions=concurrency)
     daemon = await start_butler(butler_config(runtime=runtime))
     scripted_api.script([text("ok")])
     # Each request is held until both are in flight, or 3 s: serialised sessions never meet
-    # (each waits out the 3 s); parallel ones meet however slowly the second one starts.
-    scripted_api.delay_s = 3 if concurrency == 1 else 60
+    # (each waits out the 3 s); parallel ones meet however slowly the second one starts (up
+    # to 90 s; should it never come, the answer still beats the session timeout and the
+    # assertion below says what happened).
+    scripted_api.delay_s = 3 if concurrency == 1 else 90
     scripted_api.release_at_in_flight = 2
     async with Client(daemon.sse_url) as client:
         results = await asyncio.gather(

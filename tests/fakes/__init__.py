@@ -19,9 +19,12 @@ async def wait_listening(port: int, timeout_s: float = 30) -> None:
                 await asyncio.sleep(0.1)
 
 
-async def serve_on_loopback(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
-    """Serve an aiohttp app on loopback (an ephemeral port by default); runner and base URL."""
-    runner = web.AppRunner(app, access_log=None)
+async def serve_on_loopback(
+    app: web.Application, port: int = 0, *, cancel_on_disconnect: bool = False
+) -> tuple[web.AppRunner, str]:
+    """Serve an aiohttp app on loopback (an ephemeral port by default); runner and base URL.
+    `cancel_on_disconnect`: a handler whose client hung up is cancelled, not left running."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel_on_disconnect)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()

@@ -191,7 +191,9 @@ class ScriptedMessagesAPI:
         app = web.Application()
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_route("*", "/{tail:.*}", self._other)
-        self._runner, self.url = await serve_on_loopback(app)
+        # A held request whose Claude Code gave up on it (and retried) must stop counting as
+        # in flight, or `release_at_in_flight` would release a dead request with a live one.
+        self._runner, self.url = await serve_on_loopback(app, cancel_on_disconnect=True)
 
     async def stop(self) -> None:
         self._stopping.set()
