@@ -106,6 +106,7 @@ class ButlerApp:
             return
         if scope["method"] == "GET":  # long-lived streams: an MCP session's SSE stream
             receive = self._until_drained(receive)
+            send = _one_response(send)
         await self._app(scope, receive, send)
 
     def _until_drained(self, receive: Receive) -> Receive:
@@ -122,6 +123,33 @@ class ButlerApp:
             return {"type": "http.disconnect"}
 
         return receive_or_disconnect
+
+
+def _one_response(send: Send) -> Send:
+    """Finish the first response when the handler starts a second one, and drop the second.
+
+    FastMCP's SSE endpoint returns an empty `Response()` after its event stream ends. When we
+    end the stream (draining at shutdown), the stream's response is left unfinished and that
+    second response follows: uvicorn logged "Exception in ASGI application" on every stop and
+    clients saw an incomplete chunked body instead of a clean end of stream.
+    """
+    responses = 0
+    first_complete = False
+
+    async def send_first(message: Message) -> None:
+        nonlocal responses, first_complete
+        if message["type"] == "http.response.start":
+            responses += 1
+            if responses == 2 and not first_complete:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                first_complete = True
+        if responses > 1:
+            return
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            first_complete = True
+        await send(message)
+
+    return send_first
 
 
 def build_app(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import aiohttp
 import pytest
@@ -111,6 +112,9 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
     from butlers.daemon import GRACEFUL_SHUTDOWN_S
 
     daemon = await start_butler()
+    # uvicorn's own logging config stops its records from reaching caplog: listen directly.
+    uvicorn_errors = _Records()
+    logging.getLogger("uvicorn.error").addHandler(uvicorn_errors)
     sse = Client(daemon.sse_url)
     http = Client(f"{daemon.base_url}/mcp")
     await sse.__aenter__()
@@ -122,8 +126,18 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
         await daemon.stop()
         assert time.monotonic() - started < GRACEFUL_SHUTDOWN_S
     finally:
+        logging.getLogger("uvicorn.error").removeHandler(uvicorn_errors)
         for client in (sse, http):
             with contextlib.suppress(Exception):
                 await client.close()
     assert not [r for r in caplog.records if "graceful shutdown exceeded" in r.getMessage()]
-    assert not [r for r in caplog.records if r.exc_info and r.name.startswith("uvicorn")]
+    assert [r.getMessage() for r in uvicorn_errors.records if r.levelno >= logging.ERROR] == []
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
