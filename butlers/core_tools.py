@@ -1,6 +1,6 @@
 """The tools every butler serves: state, scheduler, sessions, trigger, tick, status.
 
-Errors a caller can act on are `ToolError`s with a message that says what was wrong; anything
+Errors a caller can act on are `ToolRefusal`s with a message that says what was wrong; anything
 else is masked by FastMCP (`mask_error_details=True`) and logged with its traceback.
 """
 
@@ -15,10 +15,10 @@ from typing import Annotated, Any
 
 from croniter import croniter
 from fastmcp import FastMCP
-from fastmcp.exceptions import ToolError
 from pydantic import Field, JsonValue
 
 from butlers.context import ButlerContext, ModuleStatus
+from butlers.errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def next_run(cron: str, after: datetime) -> datetime:
 
 def validate_cron(cron: str) -> None:
     if not croniter.is_valid(cron):
-        raise ToolError(
+        raise ToolRefusal(
             f"invalid cron expression {cron!r}: expected five fields "
             "'minute hour day-of-month month day-of-week', e.g. '0 8 * * *' for 08:00 daily"
         )
@@ -41,16 +41,16 @@ def validate_cron(cron: str) -> None:
 
 def _check_key(key: str) -> None:
     if not key:
-        raise ToolError("state key must not be empty")
+        raise ToolRefusal("state key must not be empty")
     if len(key) > MAX_KEY_CHARS:
-        raise ToolError(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
+        raise ToolRefusal(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
 
 
 def _parse_session_id(session_id: str) -> uuid.UUID:
     try:
         return uuid.UUID(session_id)
     except (ValueError, AttributeError, TypeError):
-        raise ToolError(f"session id {session_id!r} is not a UUID") from None
+        raise ToolRefusal(f"session id {session_id!r} is not a UUID") from None
 
 
 async def run_due_tasks(ctx: ButlerContext) -> list[dict[str, Any]]:
@@ -101,7 +101,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         _check_key(key)
         size = len(json.dumps(value))
         if size > MAX_VALUE_BYTES:
-            raise ToolError(
+            raise ToolRefusal(
                 f"value for key {key!r} is {size} bytes of JSON; the limit is {MAX_VALUE_BYTES}"
             )
         updated_at = await store.state_set(key, value)
@@ -122,13 +122,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     async def schedule_create(name: str, cron: str, prompt: str) -> dict[str, Any]:
         """Run `prompt` as a Claude Code session on a cron schedule (UTC, 5 fields)."""
         if not name.strip():
-            raise ToolError("schedule name must not be empty")
+            raise ToolRefusal("schedule name must not be empty")
         if not prompt.strip():
-            raise ToolError("schedule prompt must not be empty")
+            raise ToolRefusal("schedule prompt must not be empty")
         validate_cron(cron)
         task = await store.schedule_create(name, cron, prompt, next_run(cron, datetime.now(UTC)))
         if task is None:
-            raise ToolError(f"a schedule named {name!r} already exists; delete it first")
+            raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
         return task
 
     @mcp.tool
@@ -140,7 +140,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     async def schedule_delete(name: str) -> dict[str, Any]:
         """Delete the scheduled task called `name`."""
         if not await store.schedule_delete(name):
-            raise ToolError(f"no schedule named {name!r}")
+            raise ToolRefusal(f"no schedule named {name!r}")
         return {"name": name, "deleted": True}
 
     @mcp.tool
@@ -155,17 +155,19 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         """One session in full: prompt, result, error, tool calls, duration, trace id."""
         row = await store.session_get(_parse_session_id(id))
         if row is None:
-            raise ToolError(f"session {id!r} not found")
+            raise ToolRefusal(f"session {id!r} not found")
         return row
 
     @mcp.tool
     async def trigger(prompt: str) -> dict[str, Any]:
         """Run a Claude Code session for this butler on `prompt` and return its answer."""
         if not prompt.strip():
-            raise ToolError("prompt must not be empty")
+            raise ToolRefusal("prompt must not be empty")
         outcome = await ctx.spawner.run(prompt, target=ctx.self_target(), trigger_source="trigger")
         if not outcome.success:
-            raise ToolError(f"session {outcome.session_id} failed: {outcome.error}")
+            raise ToolRefusal(
+                f"session {outcome.session_id} failed: {outcome.error}", log_level=logging.WARNING
+            )
         return {
             "session_id": str(outcome.session_id),
             "result": outcome.result,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+from fastmcp.exceptions import ToolError
 
 
 class ButlersError(Exception):
@@ -26,3 +29,15 @@ class DatabaseError(ButlersError):
 
 class SpawnError(ButlersError):
     """A Claude Code session could not run, or ran without its tools."""
+
+
+class ToolRefusal(ToolError):
+    """A tool call answered with a message for the caller instead of a result.
+
+    FastMCP logs every ToolError at ERROR, which reads like a crash in the butler's log. A
+    caller's mistake (empty text, no such name) is routine and logged at INFO; sites where
+    something failed that an operator may want to see pass `log_level=logging.WARNING`.
+    """
+
+    def __init__(self, *args: object, log_level: int = logging.INFO) -> None:
+        super().__init__(*args, log_level=log_level)

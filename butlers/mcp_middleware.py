@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from butlers.errors import ToolRefusal
 from butlers.telemetry import context_from_carrier
 
 TRACE_CONTEXT_ARG = "_trace_context"
@@ -36,7 +36,7 @@ class TraceContextMiddleware(Middleware):
         arguments = dict(params.arguments or {})
         carrier = arguments.pop(TRACE_CONTEXT_ARG, None)
         if carrier is not None and not isinstance(carrier, dict):
-            raise ToolError(
+            raise ToolRefusal(
                 f"{TRACE_CONTEXT_ARG} must be an object such as "
                 '{"traceparent": "00-<trace id>-<span id>-01"}'
             )

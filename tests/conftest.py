@@ -8,9 +8,10 @@ database gets a fresh copy of a migrated template (CREATE DATABASE ... TEMPLATE)
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -276,3 +277,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def log_records(logger_name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records that reach `logger_name` (children included) while the block runs.
+
+    uvicorn's and FastMCP's logging configurations keep their records away from the root
+    logger, so caplog never sees them; this listens on their own logger. Enter it after the
+    daemon started: uvicorn's config resets the handlers of its loggers.
+    """
+    records: list[logging.LogRecord] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = _Collect(level=logging.DEBUG)
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-from tests.conftest import StartButler
+from tests.conftest import StartButler, log_records
 
 
 @pytest.fixture(params=["sse", "mcp"])
@@ -141,6 +142,14 @@ async def test_every_tool_accepts_trace_context(client: Client) -> None:
         await client.call_tool("session_get", {"id": str(uuid.uuid4()), "_trace_context": carrier})
     with pytest.raises(ToolError, match="prompt must not be empty"):
         await client.call_tool("trigger", {"prompt": " ", "_trace_context": carrier})
+
+
+async def test_a_refused_call_is_logged_as_routine_not_as_an_error(client: Client) -> None:
+    """FastMCP logs every ToolError at ERROR; a caller's mistake is not the butler's error."""
+    with log_records("fastmcp") as records, pytest.raises(ToolError, match="must not be empty"):
+        await client.call_tool("state_get", {"key": ""})
+    [logged] = [r for r in records if "Error calling tool" in r.getMessage()]
+    assert logged.levelno == logging.INFO
 
 
 async def test_trace_context_must_be_an_object(client: Client) -> None:

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from fastmcp import Client
 
-from tests.conftest import StartButler, butler_config
+from tests.conftest import StartButler, butler_config, log_records
 
 
 async def _get(url: str, headers: dict | None = None) -> tuple[int, dict | str]:
@@ -112,9 +112,6 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
     from butlers.daemon import GRACEFUL_SHUTDOWN_S
 
     daemon = await start_butler()
-    # uvicorn's own logging config stops its records from reaching caplog: listen directly.
-    uvicorn_errors = _Records()
-    logging.getLogger("uvicorn.error").addHandler(uvicorn_errors)
     sse = Client(daemon.sse_url)
     http = Client(f"{daemon.base_url}/mcp")
     await sse.__aenter__()
@@ -123,21 +120,12 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
         await sse.call_tool("status", {})
         await http.call_tool("status", {})
         started = time.monotonic()
-        await daemon.stop()
+        with log_records("uvicorn") as uvicorn_records:
+            await daemon.stop()
         assert time.monotonic() - started < GRACEFUL_SHUTDOWN_S
     finally:
-        logging.getLogger("uvicorn.error").removeHandler(uvicorn_errors)
         for client in (sse, http):
             with contextlib.suppress(Exception):
                 await client.close()
     assert not [r for r in caplog.records if "graceful shutdown exceeded" in r.getMessage()]
-    assert [r.getMessage() for r in uvicorn_errors.records if r.levelno >= logging.ERROR] == []
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+    assert [r.getMessage() for r in uvicorn_records if r.levelno >= logging.ERROR] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 from opentelemetry.trace import StatusCode
 
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import StartButler, butler_config, free_port, log_records, write_butler_dir
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_registry import call, start_switchboard
 
@@ -192,13 +193,16 @@ async def test_unreachable_butler_error_names_it_and_its_endpoint(
         await call(client, "route", butler_name="health", tool_name="status")
         seen = await _last_seen(db_conn, fleet, "health")
         await health.stop()
-        with pytest.raises(ToolError) as excinfo:
+        with log_records("fastmcp") as records, pytest.raises(ToolError) as excinfo:
             await client.call_tool(
                 "route",
                 {"butler_name": "health", "tool_name": "trigger", "args": {"prompt": "hello"}},
             )
     message = str(excinfo.value)
     assert "butler 'health' is unreachable at" in message and endpoint in message
+    # Worth an operator's attention, but not a crash of the switchboard.
+    [logged] = [r for r in records if "Error calling tool 'route'" in r.getMessage()]
+    assert logged.levelno == logging.WARNING
     rows = await _log_rows(db_conn, fleet)
     assert [r["success"] for r in rows] == [True, False]
     assert endpoint in rows[1]["error"] and rows[1]["trace_id"]

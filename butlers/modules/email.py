@@ -20,13 +20,12 @@ from html.parser import HTMLParser
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
-from fastmcp.exceptions import ToolError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.errors import ButlersError
+from butlers.errors import ButlersError, ToolRefusal
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.tasks import cancel_and_wait
 
@@ -201,11 +200,11 @@ class EmailModule:
         ) -> dict[str, Any]:
             """Send a plain-text email from the butler's address."""
             if "@" not in to:
-                raise ToolError(f"'to' must be an email address, got {to!r}")
+                raise ToolRefusal(f"'to' must be an email address, got {to!r}")
             try:
                 message_id = await module.send(to, subject, body, in_reply_to=in_reply_to)
             except MailError as exc:
-                raise ToolError(str(exc)) from exc
+                raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
             return {"to": to, "message_id": message_id}
 
         if self.config.mode == "webhook" and self.worker is not None:

@@ -15,12 +15,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
-from fastmcp.exceptions import ToolError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
+from butlers.errors import ToolRefusal
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.tasks import cancel_and_wait
 
@@ -85,12 +85,13 @@ class TelegramModule:
         async def send_message(chat_id: str, text: str) -> dict[str, Any]:
             """Send `text` to a Telegram chat (split into several messages past 4096 chars)."""
             if not text.strip():
-                raise ToolError("text must not be empty")
+                raise ToolRefusal("text must not be empty")
             try:
                 ids = await module.send(chat_id, text)
             except Exception as exc:
-                raise ToolError(
-                    f"Telegram did not take the message for chat {chat_id}: {exc}"
+                raise ToolRefusal(
+                    f"Telegram did not take the message for chat {chat_id}: {exc}",
+                    log_level=logging.WARNING,
                 ) from exc
             return {"chat_id": chat_id, "message_ids": ids}
 

@@ -7,6 +7,7 @@ The registry (discover, list_butlers) says where each butler lives.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from fastmcp import FastMCP
-from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
 from butlers.config import TriageRule
+from butlers.errors import ToolRefusal
 from butlers.spawner import Spawner
 from butlers.switchboard.classifier import INBOX_HEADER
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
@@ -65,7 +66,7 @@ async def _route_source(inbox: InboxStore) -> RouteSource:
     except ValueError:
         message = None
     if message is None:
-        raise ToolError(f"{INBOX_HEADER} {raw!r} names no message being processed")
+        raise ToolRefusal(f"{INBOX_HEADER} {raw!r} names no message being processed")
     return RouteSource(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
 
 
@@ -106,7 +107,7 @@ def attach_switchboard(
         try:
             result = await router.route(butler_name, tool_name, args, source=source)
         except RouteError as exc:
-            raise ToolError(str(exc)) from exc
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
         if source.inbox_id is not None:
             await inbox.attach_route(source.inbox_id, butler_name, reply_text(result))
         return result
@@ -124,10 +125,10 @@ def attach_switchboard(
         try:
             entry_id = uuid.UUID(id)
         except ValueError:
-            raise ToolError(f"id must be a routing_log id (a UUID), got {id!r}") from None
+            raise ToolRefusal(f"id must be a routing_log id (a UUID), got {id!r}") from None
         row = await store.routing_entry(entry_id)
         if row is None:
-            raise ToolError(f"no routing_log row with id {id}")
+            raise ToolRefusal(f"no routing_log row with id {id}")
         return row
 
     @mcp.tool(name="discover")
@@ -141,9 +142,9 @@ def attach_switchboard(
         """Send `text` through the whole inbox -> classify -> route path, as a message from
         this MCP client, and return the reply (what Telegram or email would have sent)."""
         if not text.strip():
-            raise ToolError("text must not be empty")
+            raise ToolRefusal("text must not be empty")
         if len(text) > MAX_ASK_CHARS:
-            raise ToolError(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
+            raise ToolRefusal(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
         inbox_id = await worker.accept(
             IncomingMessage(
                 channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id="ask"

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import mcp_types
 from fastmcp import FastMCP
-from fastmcp.exceptions import ToolError
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
 
+from butlers.errors import ToolRefusal
 from butlers.switchboard.gateway.children import ChildSpec
 from butlers.switchboard.gateway.clients import Child, ChildError, RemoteChild, StdioChild
 from butlers.switchboard.gateway.config import GatewayConfig
@@ -208,21 +208,21 @@ class Gateway:
         if action == "introspect":
             return ToolResult(structured_content={"tools": await self.introspect(slot)})
         if action != "call":
-            raise ToolError(
+            raise ToolRefusal(
                 f"suite {suite!r}: action must be 'introspect' or 'call', got {action!r}"
             )
         subtool = arguments.get("subtool")
         if not isinstance(subtool, str) or not subtool:
-            raise ToolError(f"suite {suite!r}: action 'call' needs 'subtool' (see 'introspect')")
+            raise ToolRefusal(f"suite {suite!r}: action 'call' needs 'subtool' (see 'introspect')")
         args = arguments.get("args") or {}
         if not isinstance(args, dict):
-            raise ToolError(f"suite {suite!r}: 'args' must be an object")
+            raise ToolRefusal(f"suite {suite!r}: 'args' must be an object")
         if not self.config.suite(slot.spec.name).exposes(subtool):
-            raise ToolError(f"Subtool {subtool!r} not allowed by suite {suite!r}")
+            raise ToolRefusal(f"Subtool {subtool!r} not allowed by suite {suite!r}")
         tools = await self._tools(slot)
         if subtool not in {t["name"] for t in tools}:
             known = ", ".join(t["name"] for t in self._exposed(slot, tools)) or "none"
-            raise ToolError(f"Subtool {subtool!r} not found in suite {suite!r} (tools: {known})")
+            raise ToolRefusal(f"Subtool {subtool!r} not found in suite {suite!r} (tools: {known})")
         return await self.direct_call(slot, subtool, args)
 
     async def introspect(self, slot: Slot) -> list[dict[str, Any]]:
@@ -247,7 +247,10 @@ class Gateway:
         if slot.state not in ("ready", "active") or not slot.child.running():
             await self.warm(slot)
         if slot.state == "error":
-            raise ToolError(slot.error or f"child {slot.spec.name!r} is not available")
+            raise ToolRefusal(
+                slot.error or f"child {slot.spec.name!r} is not available",
+                log_level=logging.WARNING,
+            )
         return slot.tools
 
     async def direct_call(self, slot: Slot, tool: str, arguments: dict[str, Any]) -> ToolResult:
@@ -257,7 +260,7 @@ class Gateway:
         except ChildError as exc:
             if not slot.child.running():  # gone (a remote child tells us only now)
                 self._lost(slot, str(exc))
-            raise ToolError(str(exc)) from exc
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
         return result_of(raw)
@@ -272,7 +275,9 @@ class Gateway:
             slot = self._slot(name)
             await self.warm(slot)
             if slot.state == "error":
-                raise ToolError(f"cannot activate {name!r}: {slot.error}")
+                raise ToolRefusal(
+                    f"cannot activate {name!r}: {slot.error}", log_level=logging.WARNING
+                )
             if not slot.injected:
                 self._inject_tools(slot)
                 await self.notify_tools_changed()
@@ -313,7 +318,7 @@ class Gateway:
         slot = self.slots.get(name)
         if slot is None:
             known = ", ".join(self.slots) or "none"
-            raise ToolError(f"no MCP server named {name!r} behind the gateway (known: {known})")
+            raise ToolRefusal(f"no MCP server named {name!r} behind the gateway (known: {known})")
         return slot
 
     def _inject_tools(self, slot: Slot) -> None:
