@@ -163,12 +163,18 @@ async def test_long_prompt_is_truncated_in_the_summary(fleet: Fleet, db_conn) ->
 async def test_unknown_butler_is_refused_without_connecting(fleet: Fleet, db_conn) -> None:
     connects = fleet.pool.connects
     async with Client(fleet.switchboard.sse_url) as client:
-        with pytest.raises(ToolError, match="butler 'nonexistent' not found"):
+        with (
+            log_records("fastmcp") as records,
+            pytest.raises(ToolError, match="butler 'nonexistent' not found"),
+        ):
             await client.call_tool(
                 "route",
                 {"butler_name": "nonexistent", "tool_name": "trigger", "args": {"prompt": "hello"}},
             )
     assert fleet.pool.connects == connects
+    # The caller's mistake: logged as routine, not as the switchboard's problem.
+    [logged] = [r for r in records if "Error calling tool 'route'" in r.getMessage()]
+    assert logged.levelno == logging.INFO
     [row] = await _log_rows(db_conn, fleet)
     assert row["routed_to"] == "nonexistent" and row["success"] is False
     assert "not found" in row["error"]

@@ -25,7 +25,7 @@ from butlers.switchboard.classifier import INBOX_HEADER
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
-from butlers.switchboard.route import RouteError, Router, RouteSource
+from butlers.switchboard.route import RouteError, Router, RouteRefused, RouteSource
 from butlers.switchboard.store import SwitchboardStore
 from butlers.switchboard.worker import InboxWorker, reply_text
 
@@ -106,8 +106,9 @@ def attach_switchboard(
         source = await _route_source(inbox)
         try:
             result = await router.route(butler_name, tool_name, args, source=source)
-        except RouteError as exc:
-            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        except RouteError as exc:  # a target that failed is worth a warning; a typo is not
+            level = logging.INFO if isinstance(exc, RouteRefused) else logging.WARNING
+            raise ToolRefusal(str(exc), log_level=level) from exc
         if source.inbox_id is not None:
             await inbox.attach_route(source.inbox_id, butler_name, reply_text(result))
         return result

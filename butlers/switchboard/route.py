@@ -31,6 +31,10 @@ class RouteError(ButlersError):
     """A route that did not reach a successful answer; the message is safe to show."""
 
 
+class RouteRefused(RouteError):
+    """Refused before any connection: the caller named no routable butler."""
+
+
 @dataclass(frozen=True)
 class RouteSource:
     """Where a routed call came from: a channel and the sender's id on it."""
@@ -139,10 +143,10 @@ class Router:
 
     async def _forward(self, butler_name: str, tool_name: str, arguments: dict[str, Any]) -> Any:
         if butler_name == SWITCHBOARD:
-            raise RouteError("routing to the Switchboard is not permitted")
+            raise RouteRefused("routing to the Switchboard is not permitted")
         endpoint = await self._endpoint_of(butler_name)
         if endpoint is None:
-            raise RouteError(f"butler {butler_name!r} not found")
+            raise RouteRefused(f"butler {butler_name!r} not found")
         carrier = current_carrier()
         forwarded = {**arguments, "_trace_context": carrier}
         try:
