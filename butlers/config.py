@@ -44,6 +44,8 @@ class TelegramConfig:
     allowed_chat_ids: tuple[str, ...] = ()
     api_base_url: str = ""
     webhook_secret_env: str = "TELEGRAM_WEBHOOK_SECRET"
+    # Webhook mode: the public https URL Telegram posts to; registered with setWebhook at start.
+    webhook_url: str = ""
     # Telegram's own flood limit for a bot; 0 = rely on 429 retries alone (local Bot API).
     max_messages_per_s: float = 30.0
 
@@ -52,7 +54,8 @@ class TelegramConfig:
 class EmailConfig:
     imap_host: str = ""
     imap_port: int = 993
-    imap_ssl: bool = True
+    imap_ssl: bool = True  # implicit TLS (993)
+    imap_starttls: bool = False  # STARTTLS on a plain port (143)
     smtp_host: str = ""
     smtp_port: int = 587
     smtp_starttls: bool = True
@@ -63,6 +66,20 @@ class EmailConfig:
     mode: str = "idle"
     poll_interval_s: float = 60.0
     allowed_senders: tuple[str, ...] = ()
+    # When set: accept only mail whose Authentication-Results from this authserv-id says
+    # dmarc=pass (the From header alone is forgeable).
+    require_authentication_results: str = ""
+
+
+@dataclass(frozen=True)
+class SwitchboardConfig:
+    """The `[switchboard]` table: limits of the front door."""
+
+    default_butler: str = "general"  # where a message goes that was not routed
+    max_routes_per_message: int = 3  # routes one classification session may make
+    max_messages_per_sender_per_hour: int = 60  # 0 = no limit
+    retention_days: int = 90  # done inbox rows, routing_log and sessions older are deleted
+    max_request_bytes: int = 1024 * 1024  # bigger request bodies get 413
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,7 @@ class ButlerConfig:
     telegram: TelegramConfig | None = None
     email: EmailConfig | None = None
     triage: tuple[TriageRule, ...] = ()
+    switchboard: SwitchboardConfig = field(default_factory=SwitchboardConfig)
     config_dir: Path | None = None
     instructions: str | None = None
 
@@ -237,24 +255,55 @@ def _read_telegram(table: _Table) -> TelegramConfig:
         allowed_chat_ids=table.take_str_list("allowed_chat_ids"),
         api_base_url=table.take("api_base_url", str, d.api_base_url),
         webhook_secret_env=table.take("webhook_secret_env", str, d.webhook_secret_env),
+        webhook_url=table.take("webhook_url", str, d.webhook_url),
         max_messages_per_s=float(
             table.take("max_messages_per_s", (int, float), d.max_messages_per_s)
         ),
     )
+    if config.webhook_url and not config.webhook_url.startswith("https://"):
+        raise table.error(
+            "webhook_url",
+            f"expected an https:// URL (Telegram requires it), got {config.webhook_url!r}",
+        )
+    if config.webhook_url and config.mode != "webhook":
+        raise table.error("webhook_url", 'is only used with mode = "webhook"')
     table.done()
     return config
 
 
+def _tls_pair(table: _Table, implicit: str, starttls: str, defaults: tuple[bool, bool]):
+    """(implicit TLS, STARTTLS) for IMAP or SMTP. Setting one on purpose turns the other's
+    default off; asking for both is an error (they are two ways to reach one port)."""
+    given_implicit = table.take(implicit, bool, None)
+    given_starttls = table.take(starttls, bool, None)
+    if given_implicit and given_starttls:
+        raise table.error(starttls, f"choose one of {implicit} (implicit TLS) and {starttls}")
+    if given_implicit is not None and given_starttls is None:
+        return given_implicit, False if given_implicit else defaults[1]
+    if given_starttls is not None and given_implicit is None:
+        return (False if given_starttls else defaults[0]), given_starttls
+    if given_implicit is None:
+        return defaults
+    return given_implicit, given_starttls
+
+
 def _read_email(table: _Table) -> EmailConfig:
     d = EmailConfig()
+    imap_ssl, imap_starttls = _tls_pair(
+        table, "imap_ssl", "imap_starttls", (d.imap_ssl, d.imap_starttls)
+    )
+    smtp_ssl, smtp_starttls = _tls_pair(
+        table, "smtp_ssl", "smtp_starttls", (d.smtp_ssl, d.smtp_starttls)
+    )
     config = EmailConfig(
         imap_host=table.take("imap_host", str, d.imap_host),
         imap_port=_port(table, "imap_port", table.take("imap_port", int, d.imap_port)),
-        imap_ssl=table.take("imap_ssl", bool, d.imap_ssl),
+        imap_ssl=imap_ssl,
+        imap_starttls=imap_starttls,
         smtp_host=table.take("smtp_host", str, d.smtp_host),
         smtp_port=_port(table, "smtp_port", table.take("smtp_port", int, d.smtp_port)),
-        smtp_starttls=table.take("smtp_starttls", bool, d.smtp_starttls),
-        smtp_ssl=table.take("smtp_ssl", bool, d.smtp_ssl),
+        smtp_starttls=smtp_starttls,
+        smtp_ssl=smtp_ssl,
         username_env=table.take("username_env", str, d.username_env),
         password_env=table.take("password_env", str, d.password_env),
         address=table.take("address", str, d.address),
@@ -267,6 +316,9 @@ def _read_email(table: _Table) -> EmailConfig:
             )
         ),
         allowed_senders=table.take_str_list("allowed_senders"),
+        require_authentication_results=table.take(
+            "require_authentication_results", str, d.require_authentication_results
+        ).strip(),
     )
     table.done()
     return config
@@ -295,6 +347,31 @@ def _read_triage(path: Path, items: Any) -> tuple[TriageRule, ...]:
             raise table.error("", "a rule needs at least one of channel, sender, pattern")
         rules.append(TriageRule(butler=butler, channel=channel, sender=sender, pattern=pattern))
     return tuple(rules)
+
+
+def _read_switchboard(table: _Table) -> SwitchboardConfig:
+    d = SwitchboardConfig()
+
+    def count(key: str, default: int, minimum: int) -> int:
+        value = table.take(key, int, default)
+        if value < minimum:
+            raise table.error(key, f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    default_butler = table.take("default_butler", str, d.default_butler)
+    if not NAME_PATTERN.fullmatch(default_butler):
+        raise table.error("default_butler", f"expected a butler name, got {default_butler!r}")
+    config = SwitchboardConfig(
+        default_butler=default_butler,
+        max_routes_per_message=count("max_routes_per_message", d.max_routes_per_message, 1),
+        max_messages_per_sender_per_hour=count(
+            "max_messages_per_sender_per_hour", d.max_messages_per_sender_per_hour, 0
+        ),
+        retention_days=count("retention_days", d.retention_days, 1),
+        max_request_bytes=count("max_request_bytes", d.max_request_bytes, 1024),
+    )
+    table.done()
+    return config
 
 
 def _port(table: _Table, key: str, value: int) -> int:
@@ -386,10 +463,11 @@ def parse_butler_config(
         modules.done()
 
     triage: tuple[TriageRule, ...] = ()
+    limits = SwitchboardConfig()
     switchboard = root.table("switchboard")
     if switchboard is not None:
         triage = _read_triage(path, switchboard.data.pop("triage", []))
-        switchboard.done()
+        limits = _read_switchboard(switchboard)
     root.done()
 
     instructions = None
@@ -408,6 +486,7 @@ def parse_butler_config(
         telegram=telegram,
         email=email,
         triage=triage,
+        switchboard=limits,
         config_dir=config_dir,
         instructions=instructions,
     )

@@ -203,3 +203,90 @@ def test_placement_from_the_environment_fills_what_butler_toml_leaves_out(
     monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "{name}:{port}")
     with pytest.raises(ButlersError, match="expected an http"):
         load_config_dir(tmp_path)
+
+
+def test_switchboard_limits_and_tls_choices(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "switchboard",
+        """
+[butler]
+name = "switchboard"
+port = 8100
+
+[switchboard]
+default_butler = "home"
+max_routes_per_message = 2
+max_messages_per_sender_per_hour = 0
+retention_days = 7
+max_request_bytes = 65536
+
+[modules.telegram]
+mode = "webhook"
+webhook_url = "https://bot.example.com/telegram/webhook"
+
+[modules.email]
+imap_starttls = true
+smtp_ssl = true
+require_authentication_results = " mx.example.com "
+""",
+    )
+    config = load_butler_config(path)
+    limits = config.switchboard
+    assert (limits.default_butler, limits.max_routes_per_message) == ("home", 2)
+    assert (limits.max_messages_per_sender_per_hour, limits.retention_days) == (0, 7)
+    assert limits.max_request_bytes == 65536
+    assert config.telegram.webhook_url == "https://bot.example.com/telegram/webhook"
+    email = config.email
+    # Choosing STARTTLS turns implicit TLS's default off, and the other way round.
+    assert (email.imap_ssl, email.imap_starttls) == (False, True)
+    assert (email.smtp_ssl, email.smtp_starttls) == (True, False)
+    assert email.require_authentication_results == "mx.example.com"
+    # Nothing said: the shipped defaults, implicit TLS for IMAP and STARTTLS for SMTP.
+    plain = load_butler_config(write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n'))
+    assert plain.switchboard.max_routes_per_message == 3
+    assert plain.switchboard.max_request_bytes == 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        (
+            "[modules.email]\nimap_ssl = true\nimap_starttls = true\n",
+            "modules.email.imap_starttls",
+            "choose one of imap_ssl",
+        ),
+        (
+            "[modules.email]\nsmtp_ssl = true\nsmtp_starttls = true\n",
+            "modules.email.smtp_starttls",
+            "choose one of smtp_ssl",
+        ),
+        (
+            '[modules.telegram]\nmode = "webhook"\nwebhook_url = "http://x.example/hook"\n',
+            "modules.telegram.webhook_url",
+            "https://",
+        ),
+        (
+            '[modules.telegram]\nwebhook_url = "https://x.example/hook"\n',
+            "modules.telegram.webhook_url",
+            'mode = "webhook"',
+        ),
+        (
+            "[switchboard]\nmax_routes_per_message = 0\n",
+            "switchboard.max_routes_per_message",
+            ">= 1",
+        ),
+        ("[switchboard]\nretention = 5\n", "switchboard.retention", "unknown key"),
+        (
+            '[switchboard]\ndefault_butler = "Gen eral"\n',
+            "switchboard.default_butler",
+            "butler name",
+        ),
+    ],
+)
+def test_new_keys_name_their_errors(tmp_path: Path, text: str, key: str, problem: str) -> None:
+    path = write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n' + text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_butler_config(path)
+    assert (excinfo.value.key, excinfo.value.path) == (key, path)
+    assert problem in excinfo.value.problem
