@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -47,7 +49,7 @@ def _docker_answers() -> bool:
 
 
 @pytest.fixture(scope="session")
-async def pg_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PostgresServer]:
+async def pg_server() -> AsyncIterator[PostgresServer]:
     url = os.environ.get("TEST_DATABASE_URL")
     if url:
         yield ExternalServer(url)
@@ -61,12 +63,18 @@ async def pg_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[P
         with PostgresContainer("postgres:18-alpine", driver=None) as container:
             yield ExternalServer(container.get_connection_url())
         return
-    server = EmbeddedServer(tmp_path_factory.mktemp("pg") / "pgdata")
+    # Not under pytest's basetemp: pytest makes /tmp/pytest-of-<user> 0700 again whenever a
+    # session starts, which would cut a root-run server (it runs as an unprivileged user) off
+    # its data directory mid-run. Our own directory, traversable (not readable) by others.
+    root = Path(tempfile.mkdtemp(prefix="butlers-test-pg-"))
+    os.chmod(root, 0o711)
+    server = EmbeddedServer(root / "pgdata")
     await server.start()
     try:
         yield server
     finally:
         await server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _drop(server: PostgresServer, name: str) -> None:
