@@ -14,6 +14,22 @@ import asyncpg
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
 
 
+def storable(text: str | None) -> str | None:
+    """PostgreSQL's text and jsonb refuse NUL (\\x00); a channel may hand us anything, and a
+    mail that can never be stored would be fetched again forever and block the mailbox."""
+    return None if text is None else text.replace("\x00", "")
+
+
+def _storable_meta(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {storable(str(k)): _storable_meta(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_storable_meta(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
 class IncomingMessage:
     """What a channel hands to the inbox."""
@@ -73,13 +89,32 @@ class InboxStore:
             RETURNING id
             """,
             message.channel,
-            message.external_id,
-            message.source_id,
-            message.sender_name,
-            message.subject,
-            message.text,
-            message.meta,
+            storable(message.external_id),
+            storable(message.source_id),
+            storable(message.sender_name),
+            storable(message.subject),
+            storable(message.text),
+            _storable_meta(message.meta),
             trace_context,
+        )
+
+    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+        """Keep a message that cannot be processed (a mail that failed to store N times) as a
+        `failed` row, so that its channel may let it go and an operator still sees it. Only
+        the envelope is kept: the content is what failed. None when the row already exists."""
+        return await self.pool.fetchval(
+            """
+            INSERT INTO inbox (channel, external_id, source_id, subject, text, status, error,
+                               finished_at)
+            VALUES ($1, $2, $3, $4, '', 'failed', $5, now())
+            ON CONFLICT (channel, external_id) DO NOTHING
+            RETURNING id
+            """,
+            message.channel,
+            storable(message.external_id),
+            storable(message.source_id),
+            storable(message.subject),
+            storable(error),
         )
 
     async def requeue_interrupted(self) -> int:
