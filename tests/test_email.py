@@ -7,6 +7,7 @@ import asyncio
 import email
 import email.policy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -277,7 +278,10 @@ async def test_mail_is_routed_and_answered_by_mail(
     )
     content = classify_prompt["messages"][0]["content"]
     prompt = content if isinstance(content, str) else " ".join(b.get("text", "") for b in content)
-    assert "Message: <<<MESSAGE\nSubject: Anna's birthday\n\nAnna's birthday is on May 3." in prompt
+    assert re.search(
+        r"Message: <<<MESSAGE \w{16}\nSubject: Anna's birthday\n\nAnna's birthday is on May 3\.",
+        prompt,
+    )
     assert await unseen(imap_server) == []  # \\Seen only after it was stored
 
 
