@@ -1,22 +1,28 @@
 """Email: intake from an IMAP mailbox (IDLE, polling) or a webhook into the switchboard's
-inbox, and `send_email` over SMTP.
+inbox, and `send_email` over SMTP (connections, TLS and login: `mail_transport`).
 
 A mail is fetched with BODY.PEEK[] (which leaves it unread) and flagged \\Seen only once it is
 safely in the inbox. Bounces, auto-replies and our own mail are never answered: no mail loops.
+
+Safe to expose: a mail is accepted only from exactly one well-formed From address (what
+`email.utils.parseaddr` misreads is refused), optionally only with a DMARC pass from our own
+MTA (`require_authentication_results`); no single mail can block the mailbox (one that cannot
+be stored is tried MAX_MAIL_FAILURES times, then recorded as failed and flagged \\Seen); and
+nothing a sender writes reaches a header we write with a line break in it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import email
-import email.policy
 import email.utils
+import functools
+import hashlib
+import hmac
 import logging
 import re
-from dataclasses import dataclass, field
+import ssl
 from email.message import EmailMessage
-from html.parser import HTMLParser
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
@@ -25,11 +31,37 @@ from starlette.responses import JSONResponse, Response
 
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.errors import ButlersError, ToolRefusal
+from butlers.errors import ToolRefusal
+from butlers.modules.mail_parse import (
+    MAX_TEXT_CHARS,
+    ParsedMail,
+    automated_reason,
+    dmarc_refusal,
+    html_to_text,
+    one_line,
+    parse_mail,
+    reply_subject,
+    sender_allowed,
+    single_address,
+    trim_quoted,
+)
+from butlers.modules.mail_transport import (
+    MailError,
+    MailRefused,
+    MailServer,
+    describe,
+    imap_close,
+    imap_connect,
+    security,
+    smtp_send,
+    tls_context,
+)
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
+    import aioimaplib
+
     from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
@@ -37,141 +69,11 @@ logger = logging.getLogger(__name__)
 IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
 WEBHOOK_PATH = "/email/inbound"
-MAX_TEXT_CHARS = 100_000
-
-
-class MailError(ButlersError):
-    """Sending or fetching mail failed; the message says what and where."""
-
-
-# -- parsing ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParsedMail:
-    message_id: str
-    sender: str  # the address, lower-cased
-    sender_name: str
-    subject: str
-    text: str
-    attachments: list[str] = field(default_factory=list)
-    references: str = ""
-    automated: str | None = None  # why this mail must not be answered, if it must not
-
-
-class _HTMLText(HTMLParser):
-    """HTML-only mail as readable text: block elements become line breaks."""
-
-    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "table", "blockquote"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts: list[str] = []
-        self._skip = 0
-
-    def handle_starttag(self, tag: str, attrs: Any) -> None:
-        if tag in ("script", "style"):
-            self._skip += 1
-        elif tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("script", "style") and self._skip:
-            self._skip -= 1
-        elif tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_data(self, data: str) -> None:
-        if not self._skip:
-            self.parts.append(data)
-
-
-def html_to_text(html: str) -> str:
-    parser = _HTMLText()
-    parser.feed(html)
-    text = "".join(parser.parts)
-    lines = [re.sub(r"[ \t\xa0]+", " ", line).strip() for line in text.splitlines()]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-
-
-_QUOTE_HEADER = re.compile(r"^(On .+ wrote:|-----Original Message-----|Le .+ a écrit :)\s*$")
-
-
-def trim_quoted(text: str) -> str:
-    """Drop the quoted history of a reply: '>' lines and everything after 'On ... wrote:'."""
-    kept = []
-    for line in text.splitlines():
-        if _QUOTE_HEADER.match(line.strip()):
-            break
-        if line.lstrip().startswith(">"):
-            continue
-        kept.append(line)
-    return "\n".join(kept).strip()
-
-
-def _automated(message: EmailMessage, sender: str) -> str | None:
-    auto = str(message.get("Auto-Submitted", "no")).strip().lower()
-    if auto and auto != "no":
-        return f"Auto-Submitted: {auto}"
-    precedence = str(message.get("Precedence", "")).strip().lower()
-    if precedence in ("bulk", "junk", "list", "auto_reply"):
-        return f"Precedence: {precedence}"
-    if message.get("X-Autoreply") or message.get("X-Autorespond"):
-        return "auto-reply header"
-    if str(message.get("Return-Path", "")).strip() == "<>":
-        return "bounce (empty Return-Path)"
-    local = sender.split("@")[0]
-    if local in ("mailer-daemon", "postmaster", "noreply", "no-reply"):
-        return f"sent by {local}"
-    if message.get_content_type() == "multipart/report":
-        return "delivery report"
-    return None
-
-
-def parse_mail(raw: bytes) -> ParsedMail:
-    """Parse with the stdlib (policy.default): text/plain preferred, HTML converted, any
-    charset, attachments listed by name, quoted history trimmed."""
-    message = email.message_from_bytes(raw, policy=email.policy.default)
-    assert isinstance(message, EmailMessage)
-    name, address = email.utils.parseaddr(str(message.get("From", "")))
-    address = address.lower()
-    body = message.get_body(preferencelist=("plain", "html"))
-    text = ""
-    if body is not None:
-        try:
-            content = body.get_content()
-        except (LookupError, UnicodeDecodeError):  # an unknown or lying charset
-            content = (body.get_payload(decode=True) or b"").decode("latin-1")
-        text = html_to_text(content) if body.get_content_type() == "text/html" else content
-    attachments = [part.get_filename() or "(unnamed)" for part in message.iter_attachments()]
-    text = trim_quoted(text)[:MAX_TEXT_CHARS]
-    if attachments:
-        text += f"\n\n[attachments not read: {', '.join(attachments)}]"
-    message_id = str(message.get("Message-ID", "")).strip()
-    references = " ".join(filter(None, [str(message.get("References", "")).strip(), message_id]))
-    return ParsedMail(
-        message_id=message_id,
-        sender=address,
-        sender_name=name,
-        subject=str(message.get("Subject", "")).strip(),
-        text=text,
-        attachments=attachments,
-        references=references,
-        automated=_automated(message, address),
-    )
-
-
-def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:
-    for entry in allowed:
-        entry = entry.lower()
-        if entry == "*" or address == entry or (entry.startswith("@") and address.endswith(entry)):
-            return True
-    return False
-
-
-def reply_subject(subject: str | None) -> str:
-    subject = (subject or "").strip()
-    return subject if subject.lower().startswith("re:") else f"Re: {subject}".strip()
+MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
+RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
+# A Message-ID is our idempotency key, in a unique index: PostgreSQL's btree refuses entries
+# past ~2.7 kB, so a longer one (a broken or hostile mailer) is replaced by a digest.
+MAX_MESSAGE_ID_BYTES = 512
 
 
 # -- the module ---------------------------------------------------------------------------------
@@ -190,6 +92,25 @@ class EmailModule:
         self.address = (config.address or username).lower()
         self.status = ModuleStatus(self.name, "starting")
         self._task: asyncio.Task[None] | None = None
+        self._imap = MailServer(
+            "IMAP",
+            config.imap_host,
+            config.imap_port,
+            security(config.imap_ssl, config.imap_starttls),
+        )
+        self._smtp = MailServer(
+            "SMTP",
+            config.smtp_host,
+            config.smtp_port,
+            security(config.smtp_ssl, config.smtp_starttls),
+        )
+        # Failed attempts to store a mail, per "<UIDVALIDITY>:<UID>" (see _settle).
+        self._failures: dict[str, int] = {}
+
+    @functools.cached_property
+    def tls_context(self) -> ssl.SSLContext:
+        """One context for every IMAP and SMTP connection (loading a trust store is not free)."""
+        return tls_context()
 
     def register(self, mcp: FastMCP, webhook_token: str | None) -> None:
         module = self
@@ -199,8 +120,10 @@ class EmailModule:
             to: str, subject: str, body: str, in_reply_to: str | None = None
         ) -> dict[str, Any]:
             """Send a plain-text email from the butler's address."""
-            if "@" not in to:
-                raise ToolRefusal(f"'to' must be an email address, got {to!r}")
+            try:
+                single_address([to])
+            except ValueError as exc:
+                raise ToolRefusal(f"'to' must be one email address: {exc}") from None
             try:
                 message_id = await module.send(to, subject, body, in_reply_to=in_reply_to)
             except MailError as exc:
@@ -208,19 +131,22 @@ class EmailModule:
             return {"to": to, "message_id": message_id}
 
         if self.config.mode == "webhook" and self.worker is not None:
+            # Compared as bytes: hmac.compare_digest raises TypeError on a non-ASCII str (a
+            # 500); starlette hands us header bytes decoded as latin-1, so this is lossless.
+            expected = f"Bearer {webhook_token}".encode() if webhook_token else None
 
             @mcp.custom_route(WEBHOOK_PATH, methods=["POST"])
             async def email_inbound(request: Request) -> Response:
-                import hmac
-
-                supplied = request.headers.get("authorization", "")
-                expected = f"Bearer {webhook_token}" if webhook_token else None
+                supplied = request.headers.get("authorization", "").encode("latin-1")
                 if expected is None or not hmac.compare_digest(supplied, expected):
                     return JSONResponse({"error": "missing or wrong bearer token"}, 401)
                 try:
                     data = await request.json()
                     mail = _mail_from_json(data)
                 except (ValueError, KeyError, TypeError) as exc:
+                    logger.warning(
+                        "email: webhook mail refused: %s", exc, extra={"action": "refused"}
+                    )
                     return JSONResponse({"error": f"bad inbound mail: {exc}"}, 400)
                 await module.accept(mail)
                 return JSONResponse({"ok": True})  # only now: the message is in the inbox
@@ -234,36 +160,28 @@ class EmailModule:
         in_reply_to: str | None = None,
         references: str | None = None,
     ) -> str:
-        import aiosmtplib
-
+        try:
+            recipient, _ = single_address([to])
+        except ValueError as exc:
+            raise MailError(f"cannot send to {to!r}: {exc}") from None
         message = EmailMessage()
         message["From"] = self.config.address or self.username
-        message["To"] = to
-        message["Subject"] = subject
+        message["To"] = recipient
+        message["Subject"] = one_line(subject)
         message["Date"] = email.utils.formatdate(localtime=False)
         message_id = email.utils.make_msgid(domain=self.address.split("@")[-1] or None)
         message["Message-ID"] = message_id
         message["Auto-Submitted"] = "auto-replied" if in_reply_to else "auto-generated"
-        if in_reply_to:
-            message["In-Reply-To"] = in_reply_to
-            message["References"] = references or in_reply_to
+        if in_reply_to and one_line(in_reply_to):
+            message["In-Reply-To"] = one_line(in_reply_to)
+            message["References"] = one_line(references or in_reply_to)
         message.set_content(body)
         try:
-            await aiosmtplib.send(
-                message,
-                hostname=self.config.smtp_host,
-                port=self.config.smtp_port,
-                username=self.username,
-                password=self.password,
-                use_tls=self.config.smtp_ssl,
-                start_tls=self.config.smtp_starttls if not self.config.smtp_ssl else False,
-                timeout=30,
+            await smtp_send(
+                self._smtp, message, self.username, self.password, context=self.tls_context
             )
-        except (aiosmtplib.SMTPException, OSError) as exc:
-            raise MailError(
-                f"SMTP {self.config.smtp_host}:{self.config.smtp_port} did not "
-                f"take the mail to {to}: {exc}"
-            ) from exc
+        except MailError as exc:
+            raise type(exc)(f"{exc} (the mail to {recipient} was not sent)") from exc
         return message_id
 
     async def reply(self, message: InboxMessage, text: str) -> None:
@@ -279,6 +197,14 @@ class EmailModule:
     async def accept(self, mail: ParsedMail) -> bool:
         """True when the mail is settled (stored, or deliberately ignored): it may be marked
         seen. Mail we must not answer is ignored, never routed."""
+        if mail.refused:
+            logger.warning(
+                "email: refusing message %r: %s",
+                mail.message_id[:200],
+                mail.refused,
+                extra={"action": "refused"},
+            )
+            return True
         if mail.automated:
             logger.info("email: ignoring automated mail from %s (%s)", mail.sender, mail.automated)
             return True
@@ -290,23 +216,20 @@ class EmailModule:
                 "email: sender %s is not allowed", mail.sender, extra={"action": "refused"}
             )
             return True
+        if authserv_id := self.config.require_authentication_results:
+            domain = mail.sender.rsplit("@", 1)[-1]
+            why = dmarc_refusal(mail.authentication_results, authserv_id, domain)
+            if why is not None:
+                logger.warning(
+                    "email: refusing mail from %s: %s",
+                    mail.sender,
+                    why,
+                    extra={"action": "refused"},
+                )
+                return True
         if self.worker is None:
             return False
-        await self.worker.accept(
-            IncomingMessage(
-                channel="email",
-                external_id=mail.message_id or _fingerprint(mail),
-                text=mail.text or "(empty message)",
-                source_id=mail.sender,
-                sender_name=mail.sender_name or None,
-                subject=mail.subject or None,
-                meta={
-                    "message_id": mail.message_id,
-                    "references": mail.references,
-                    "attachments": mail.attachments,
-                },
-            )
-        )
+        await self.worker.accept(_incoming(mail))
         return True
 
     # -- IMAP intake ------------------------------------------------------------------------
@@ -333,123 +256,212 @@ class EmailModule:
                     failures = 0  # it was a working session: reconnect quickly
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
-                self.status = ModuleStatus(
-                    self.name, "starting", f"IMAP {self.config.imap_host}: {exc}; retrying"
+                why = (
+                    str(exc)
+                    if isinstance(exc, MailError)
+                    else f"{self._imap.where}: {describe(exc)}"
                 )
-                logger.warning("email: IMAP session ended (%s); reconnecting in %ss", exc, delay)
+                # A refusal (untrusted certificate, no STARTTLS, login refused) needs someone
+                # to act: "failed", though we keep trying in case they did.
+                state = "failed" if isinstance(exc, MailRefused) else "starting"
+                self.status = ModuleStatus(self.name, state, f"{why}; retrying in {delay}s")
+                logger.warning("email: IMAP session ended (%s); reconnecting in %ss", why, delay)
                 await asyncio.sleep(delay)
 
     async def _session(self) -> None:
-        import aioimaplib
-
         lost = asyncio.Event()  # aioimaplib does not wake an IDLE wait when the server goes
 
         def on_lost(_exc: Exception | None) -> None:
             lost.set()
 
-        if self.config.imap_ssl:
-            client = aioimaplib.IMAP4_SSL(
-                host=self.config.imap_host, port=self.config.imap_port, conn_lost_cb=on_lost
-            )
-        else:
-            client = aioimaplib.IMAP4(
-                host=self.config.imap_host, port=self.config.imap_port, conn_lost_cb=on_lost
-            )
-        await client.wait_hello_from_server()
-        response = await client.login(self.username, self.password)
-        if response.result != "OK":
-            raise MailError(f"IMAP login refused for {self.username}")
+        client = await imap_connect(
+            self._imap, self.username, self.password, context=self.tls_context, on_lost=on_lost
+        )
         try:
-            await _ok(client.select("INBOX"), "SELECT INBOX")
+            selected = await self._ok(client.select("INBOX"), "SELECT INBOX")
+            uidvalidity = next(
+                (
+                    m.group(1).decode()
+                    for line in selected.lines
+                    if (m := _UIDVALIDITY.search(line))
+                ),
+                "",
+            )
             use_idle = self.config.mode == "idle" and client.has_capability("IDLE")
             self.status = ModuleStatus(
                 self.name,
                 "running",
-                f"{'IDLE' if use_idle else 'polling'} on {self.config.imap_host}",
+                f"{'IDLE' if use_idle else 'polling'} on {self._imap.host}:{self._imap.port}",
             )
             while True:
-                await self._fetch_unseen(client)
-                if use_idle:
-                    idle = await client.idle_start(timeout=IDLE_RENEW_S)
-                    push = asyncio.ensure_future(client.wait_server_push(timeout=IDLE_RENEW_S))
-                    gone = asyncio.ensure_future(lost.wait())
-                    await asyncio.wait({push, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    gone.cancel()
-                    if lost.is_set():
-                        push.cancel()
-                        raise MailError(f"IMAP connection to {self.config.imap_host} was lost")
-                    with contextlib.suppress(TimeoutError):
-                        push.result()  # a timeout: renew the IDLE before the server drops it
-                    client.idle_done()
-                    await asyncio.wait_for(idle, 30)
+                retry = await self._fetch_unseen(client, uidvalidity)
+                if retry:  # a mail could not be stored: try it again soon, not in 25 minutes
+                    await self._wait_or_lost(lost, min(RETRY_FAILED_S, self.config.poll_interval_s))
+                elif use_idle:
+                    await self._idle(client, lost)
                 else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(lost.wait(), self.config.poll_interval_s)
-                    if lost.is_set():
-                        raise MailError(f"IMAP connection to {self.config.imap_host} was lost")
+                    await self._wait_or_lost(lost, self.config.poll_interval_s)
         finally:
-            try:
-                await asyncio.wait_for(client.logout(), 5)
-            except Exception:
-                pass
+            await imap_close(client)
 
-    async def _fetch_unseen(self, client: Any) -> None:
-        response = await _ok(client.uid_search("UNSEEN"), "UID SEARCH UNSEEN")
+    async def _wait_or_lost(self, lost: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(lost.wait(), seconds)
+        if lost.is_set():
+            raise MailError(f"{self._imap.where}: the connection was lost")
+
+    async def _idle(self, client: aioimaplib.IMAP4, lost: asyncio.Event) -> None:
+        """IDLE until the server pushes something, the connection drops, or it is time to renew."""
+        idle = await client.idle_start(timeout=IDLE_RENEW_S)
+        push = asyncio.ensure_future(client.wait_server_push(timeout=IDLE_RENEW_S))
+        gone = asyncio.ensure_future(lost.wait())
+        await asyncio.wait({push, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if lost.is_set():
+            push.cancel()
+            raise MailError(f"{self._imap.where}: the connection was lost")
+        with contextlib.suppress(TimeoutError):
+            push.result()  # a timeout: renew the IDLE before the server drops it
+        client.idle_done()
+        await asyncio.wait_for(idle, 30)
+
+    async def _fetch_unseen(self, client: aioimaplib.IMAP4, uidvalidity: str) -> bool:
+        """Store and flag every unseen mail; True when one could not be stored (try again)."""
+        response = await self._ok(client.uid_search("UNSEEN"), "UID SEARCH UNSEEN")
         uids = [uid.decode() for uid in response.lines[0].split()] if response.lines else []
+        retry = False
         for uid in uids:
-            fetched = await _ok(client.uid("fetch", uid, "(BODY.PEEK[])"), f"FETCH {uid}")
+            fetched = await self._ok(client.uid("fetch", uid, "(BODY.PEEK[])"), f"FETCH {uid}")
             raw = next((bytes(line) for line in fetched.lines if isinstance(line, bytearray)), None)
             if raw is None:
                 continue
-            try:
-                mail = parse_mail(raw)
-            except Exception:
-                logger.exception("email: cannot parse message uid %s; marking it seen", uid)
-                settled = True
+            if await self._settle(f"{uidvalidity}:{uid}", raw):
+                await self._ok(client.uid("store", uid, "+FLAGS (\\Seen)"), f"STORE {uid}")
             else:
-                settled = await self.accept(mail)
-            if settled:
-                await _ok(client.uid("store", uid, "+FLAGS (\\Seen)"), f"STORE {uid}")
+                retry = True
+        return retry
+
+    async def _settle(self, key: str, raw: bytes) -> bool:
+        """Parse and accept one mail; True when it may be flagged seen.
+
+        A mail that cannot be stored is left unread and tried again; after MAX_MAIL_FAILURES
+        attempts its envelope is recorded as a failed inbox row and it is let go, so one mail
+        can never block the mailbox. If even that record fails (the database is down, not
+        the mail at fault) it stays unread, and the next attempt tries to store it again.
+        """
+        try:
+            mail = parse_mail(raw)
+        except Exception:
+            logger.exception("email: cannot parse message %s; marking it seen", key)
+            return True
+        try:
+            settled = await self.accept(mail)
+        except Exception as exc:
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            if failures < MAX_MAIL_FAILURES:
+                logger.warning(
+                    "email: message %r from %s could not be stored (attempt %d of %d): %s",
+                    mail.message_id[:200],
+                    mail.sender,
+                    failures,
+                    MAX_MAIL_FAILURES,
+                    describe(exc),
+                    extra={"action": "mail_retry"},
+                )
+                return False
+            await self._give_up(mail, f"could not be stored {failures} times: {describe(exc)}")
+            settled = True
+        self._failures.pop(key, None)
+        return settled
+
+    async def _give_up(self, mail: ParsedMail, error: str) -> None:
+        assert self.worker is not None
+        try:
+            await self.worker.inbox.record_failed(_incoming(mail), error)
+        except Exception as exc:
+            raise MailError(
+                f"message {mail.message_id[:200]!r} {error}, and cannot be recorded as failed "
+                f"either ({describe(exc)}); it stays unread"
+            ) from exc
+        logger.warning(
+            "email: message %r from %s %s; recorded as failed and marked seen",
+            mail.message_id[:200],
+            mail.sender,
+            error,
+            extra={"action": "mail_failed"},
+        )
+
+    async def _ok(self, awaitable: Any, what: str) -> Any:
+        response = await awaitable
+        if response.result != "OK":
+            raise MailError(f"{self._imap.where}: {what} failed: {response.lines[-1:]!r}")
+        return response
 
 
-def _fingerprint(mail: ParsedMail) -> str:
-    """A stable id for mail without a Message-ID, so a re-fetch is still a duplicate."""
-    import hashlib
+_UIDVALIDITY = re.compile(rb"\[UIDVALIDITY (\d+)\]")
 
-    digest = hashlib.sha256(f"{mail.sender}\0{mail.subject}\0{mail.text}".encode()).hexdigest()
+
+def _incoming(mail: ParsedMail) -> IncomingMessage:
+    return IncomingMessage(
+        channel="email",
+        external_id=_external_id(mail),
+        text=mail.text or "(empty message)",
+        source_id=mail.sender,
+        sender_name=mail.sender_name or None,
+        subject=mail.subject or None,
+        meta={
+            "message_id": mail.message_id,
+            "references": mail.references,
+            "attachments": mail.attachments,
+        },
+    )
+
+
+def _external_id(mail: ParsedMail) -> str:
+    """The inbox's idempotency key: the Message-ID, or a digest where there is none (so that a
+    re-fetch is still a duplicate) or it is too long for the index."""
+    if mail.message_id and len(mail.message_id.encode()) <= MAX_MESSAGE_ID_BYTES:
+        return mail.message_id
+    parts = [mail.sender, mail.subject, mail.text]
+    if mail.message_id:
+        digest = hashlib.sha256("\0".join([mail.message_id, *parts]).encode()).hexdigest()
+        return f"message-id-sha256:{digest[:32]}"
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     return f"no-message-id:{digest[:32]}"
 
 
-async def _ok(awaitable: Any, what: str) -> Any:
-    response = await awaitable
-    if response.result != "OK":
-        raise MailError(f"IMAP {what} failed: {response.lines[-1:]!r}")
-    return response
-
-
 def _mail_from_json(data: dict[str, Any]) -> ParsedMail:
-    """The webhook body: {from, subject, text | html, message_id, headers?}."""
+    """The webhook body: {from, subject, text | html, message_id, headers?}. The same sender
+    rules as IMAP: one well-formed From address (ValueError otherwise: a 400)."""
     if not isinstance(data, dict):
         raise TypeError("expected a JSON object")
-    name, address = email.utils.parseaddr(str(data["from"]))
-    if "@" not in address:
-        raise ValueError(f"'from' is not an address: {data['from']!r}")
+    if not isinstance(data["from"], str):
+        raise TypeError("'from' must be a string")
+    address, name = single_address([data["from"]])
     text = data.get("text")
     if not text and data.get("html"):
         text = html_to_text(str(data["html"]))
-    headers = {str(k).lower(): str(v) for k, v in (data.get("headers") or {}).items()}
+    given = data.get("headers") or {}
+    if not isinstance(given, dict):
+        raise TypeError("'headers' must be an object")
+    headers = {str(k).lower(): v for k, v in given.items()}
     fake = EmailMessage()
     for key, value in headers.items():
-        fake[key] = value
+        if key != "authentication-results":
+            fake[key] = str(value)
+    results = headers.get("authentication-results") or []
     message_id = str(data.get("message_id") or headers.get("message-id") or "")
     if not message_id:
         raise ValueError("'message_id' is required (it makes redelivery harmless)")
     return ParsedMail(
         message_id=message_id,
-        sender=address.lower(),
+        sender=address,
         sender_name=name,
         subject=str(data.get("subject") or ""),
         text=trim_quoted(str(text or ""))[:MAX_TEXT_CHARS],
         references=message_id,
-        automated=_automated(fake, address.lower()),
+        automated=automated_reason(fake, address),
+        authentication_results=tuple(
+            str(v) for v in (results if isinstance(results, list) else [results])
+        ),
     )

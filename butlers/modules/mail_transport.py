@@ -1,0 +1,248 @@
+"""IMAP and SMTP connections for the email module: verified TLS, and no secret in any log.
+
+Why this is a module of its own: the client libraries leave gaps a mailbox exposed to the
+internet cannot have, and they are closed here, where the third-party errors enter and become
+`MailError`:
+
+- aioimaplib 2.0 has no STARTTLS method, and its `IMAP4_SSL` takes no connection-lost
+  callback (passing one is a TypeError). Every variant here is `aioimaplib.IMAP4`, with an
+  `ssl_context` for implicit TLS, so that a dropped connection is noticed on every variant.
+- aioimaplib logs each line it sends at DEBUG and scrubs the password only in its raw form,
+  not as it is sent (quoted: `"` and `\\` escaped): we send LOGIN ourselves, scrubbing the
+  exact bytes that go out.
+- aiosmtplib logs in whenever it is handed credentials; we read the server's EHLO first, so a
+  relay that offers no AUTH (a local port 25) is used without logging in.
+
+TLS: one context per module (`tls_context()`): the system's trust store, or the CA file named
+by SSL_CERT_FILE (OpenSSL's default verify paths), with the host name checked. A configured
+STARTTLS that the server does not offer is refused: we never log in over plaintext instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.message import EmailMessage
+from typing import TYPE_CHECKING, Literal
+
+from butlers.errors import ButlersError
+
+if TYPE_CHECKING:
+    import aioimaplib
+
+Security = Literal["implicit", "starttls", "none"]
+TIMEOUT_S = 30.0
+
+
+class MailError(ButlersError):
+    """Sending or fetching mail failed; the message says what and where (host:port)."""
+
+
+class MailRefused(MailError):
+    """A failure that retrying will not fix until someone acts: an untrusted certificate,
+    STARTTLS not offered, a refused login."""
+
+
+@dataclass(frozen=True)
+class MailServer:
+    """Where a mail server is and how to talk to it safely."""
+
+    protocol: Literal["IMAP", "SMTP"]
+    host: str
+    port: int
+    security: Security
+    timeout_s: float = TIMEOUT_S
+
+    @property
+    def where(self) -> str:
+        return f"{self.protocol} {self.host}:{self.port}"
+
+
+def security(implicit: bool, starttls: bool) -> Security:
+    return "implicit" if implicit else "starttls" if starttls else "none"
+
+
+def tls_context() -> ssl.SSLContext:
+    """The one context a module verifies its servers with: system CAs, or SSL_CERT_FILE's
+    (read now, by OpenSSL), certificate required, host name checked."""
+    return ssl.create_default_context()
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one readable phrase; a refused certificate says so and how to fix it."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return (
+                f"the server's TLS certificate is not trusted ({cause.verify_message}); "
+                "a private CA can be trusted with SSL_CERT_FILE"
+            )
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+def _wrap(server: MailServer, exc: BaseException) -> MailError:
+    if isinstance(exc, MailError):
+        return exc
+    refused = any(
+        isinstance(e, ssl.SSLCertVerificationError) for e in (exc, exc.__cause__, exc.__context__)
+    )
+    return (MailRefused if refused else MailError)(f"{server.where}: {describe(exc)}")
+
+
+# -- IMAP -----------------------------------------------------------------------------------
+
+
+async def imap_connect(
+    server: MailServer,
+    username: str,
+    password: str,
+    *,
+    context: ssl.SSLContext,
+    on_lost: Callable[[Exception | None], None],
+) -> aioimaplib.IMAP4:
+    """A logged-in IMAP client. `on_lost` is called when the connection drops (aioimaplib does
+    not wake an IDLE wait by itself), on plain, implicit TLS and STARTTLS connections alike:
+    STARTTLS keeps the same protocol object, whose connection_lost calls it."""
+    import aioimaplib
+
+    client = aioimaplib.IMAP4(
+        host=server.host,
+        port=server.port,
+        timeout=server.timeout_s,
+        conn_lost_cb=on_lost,
+        ssl_context=context if server.security == "implicit" else None,
+    )
+    try:
+        await client.wait_hello_from_server()
+        if server.security == "starttls":
+            await _starttls(client, server, context)
+        response = await _login(client, username, password)
+        if response.result != "OK":
+            raise MailRefused(f"{server.where} refused the login of {username!r}")
+        # What a server offers may change once we are logged in (IDLE often appears only now).
+        await asyncio.wait_for(client.protocol.capability(), server.timeout_s)
+    except BaseException as exc:
+        imap_abort(client)
+        if isinstance(exc, Exception):
+            raise _wrap(server, exc) from exc
+        raise
+    return client
+
+
+async def _starttls(client: aioimaplib.IMAP4, server: MailServer, context: ssl.SSLContext) -> None:
+    """STARTTLS by hand (aioimaplib has the command but no method), RFC 3501 6.2.1."""
+    from aioimaplib.aioimaplib import Command
+
+    protocol = client.protocol
+    if "STARTTLS" not in protocol.capabilities:
+        raise MailRefused(
+            f"{server.where} does not offer STARTTLS; refusing to log in over plaintext"
+        )
+    response = await asyncio.wait_for(
+        protocol.execute(Command("STARTTLS", protocol.new_tag(), loop=protocol.loop)),
+        server.timeout_s,
+    )
+    if response.result != "OK":
+        raise MailRefused(f"{server.where} refused STARTTLS: {response.lines[-1:]!r}")
+    if protocol.incomplete_line:  # plaintext after the OK would be read as if it were secured
+        raise MailRefused(f"{server.where} sent plaintext after STARTTLS (injected?)")
+    protocol.transport = await protocol.loop.start_tls(
+        protocol.transport,
+        protocol,
+        context,
+        server_hostname=server.host,
+        ssl_handshake_timeout=server.timeout_s,
+    )
+    # RFC 3501: what the server said before TLS may have been forged; ask again.
+    await asyncio.wait_for(protocol.capability(), server.timeout_s)
+
+
+async def _login(client: aioimaplib.IMAP4, username: str, password: str) -> aioimaplib.Response:
+    """LOGIN with the password scrubbed from aioimaplib's DEBUG log as it is sent: quoted and
+    escaped (its own login() scrubs the raw password, which misses `"` and `\\`)."""
+    from aioimaplib.aioimaplib import AUTH, Command, quoted
+
+    protocol = client.protocol
+    wire = quoted(password)
+    try:
+        command = Command("LOGIN", protocol.new_tag(), quoted(username), wire, loop=protocol.loop)
+    except ValueError as exc:  # says which command, never the value
+        raise MailRefused(f"the IMAP user name or password cannot be sent: {exc}") from None
+    async with protocol.state_condition:
+        response = await asyncio.wait_for(protocol.execute(command, scrub=wire), client.timeout)
+        if response.result == "OK":
+            protocol.state = AUTH
+        protocol.state_condition.notify_all()
+    return response
+
+
+def imap_abort(client: aioimaplib.IMAP4) -> None:
+    """Close the connection now, whatever state it is in."""
+    transport = client.protocol.transport if client.protocol is not None else None
+    if transport is not None:
+        transport.close()
+
+
+async def imap_close(client: aioimaplib.IMAP4) -> None:
+    """LOGOUT politely (bounded), then close."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.logout(), 5)
+    imap_abort(client)
+
+
+# -- SMTP -----------------------------------------------------------------------------------
+
+
+async def smtp_send(
+    server: MailServer,
+    message: EmailMessage,
+    username: str,
+    password: str,
+    *,
+    context: ssl.SSLContext,
+) -> None:
+    """Send one message. Log in only when the server offers AUTH (the credentials are the
+    IMAP ones; a local relay has no use for them)."""
+    import aiosmtplib
+
+    tls = server.security != "none"
+    smtp = aiosmtplib.SMTP(
+        hostname=server.host,
+        port=server.port,
+        use_tls=server.security == "implicit",
+        start_tls=False,  # done below, after reading EHLO, or refused
+        tls_context=context if tls else None,
+        timeout=server.timeout_s,
+    )
+    try:
+        await smtp.connect()
+        await smtp.ehlo()
+        if server.security == "starttls":
+            if not smtp.supports_extension("starttls"):
+                raise MailRefused(
+                    f"{server.where} does not offer STARTTLS; refusing to send over plaintext"
+                )
+            await smtp.starttls()
+            await smtp.ehlo()  # RFC 3207: forget what the server said before TLS
+        if smtp.supports_extension("auth"):
+            try:
+                await smtp.login(username, password)
+            except aiosmtplib.SMTPAuthenticationError as exc:
+                raise MailRefused(
+                    f"{server.where} refused the login of {username!r}: {exc.message}"
+                ) from exc
+        await smtp.send_message(message)
+        with contextlib.suppress(aiosmtplib.SMTPException, OSError, TimeoutError):
+            await smtp.quit()  # the mail is taken; a failed goodbye changes nothing
+    except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
+        raise _wrap(server, exc) from exc
+    finally:
+        smtp.close()
