@@ -183,6 +183,7 @@ class ButlerDaemon:
             self_url=self.sse_url,
             tool_names=lambda: context.tool_names,
             triage_rules=self.config.triage,
+            limits=self.config.switchboard,
             auth_token=self.auth_token,
         )
         report = await self.switchboard.discover()

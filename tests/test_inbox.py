@@ -17,6 +17,7 @@ from fastmcp import Client
 
 from butlers.config import TriageRule
 from butlers.switchboard.inbox import IncomingMessage
+from butlers.switchboard.replies import sorry
 from tests.conftest import (
     StartButler,
     butler_config,
@@ -38,6 +39,22 @@ def turn(body: dict) -> int:
     return sum(1 for m in body.get("messages", []) if m.get("role") == "assistant")
 
 
+def classifier_prompt(body: dict) -> str:
+    """The classification prompt Claude Code sent (the first user message), as text."""
+    content = body["messages"][0]["content"]
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+    return content
+
+
+def delimited_message(body: dict) -> str | None:
+    """The message between the classification prompt's boundary lines (a random token)."""
+    found = re.search(
+        r"<<<MESSAGE ([0-9a-f]{16})\n(.*)\nMESSAGE \1>>>", classifier_prompt(body), re.S
+    )
+    return found.group(2) if found else None
+
+
 def model(pick: str | None, answers: dict[str, str] | None = None):
     """A scripted model: as the classifier it routes to `pick` (or routes nowhere when None);
     as a butler it answers with `answers[butler]` (the butler is read from its tool names)."""
@@ -47,9 +64,7 @@ def model(pick: str | None, answers: dict[str, str] | None = None):
         if is_classifier(body):
             if pick is None or turn(body) > 0:
                 return [text("done")]
-            message = json.dumps(body["messages"][0])
-            prompt = re.search(r"<<<MESSAGE\\n(.*?)\\nMESSAGE>>>", message, re.S)
-            request = prompt.group(1) if prompt else "?"
+            request = delimited_message(body) or "?"
             return [
                 tool_use(
                     ROUTE_TOOL,
@@ -72,6 +87,7 @@ async def start_fleet(
     names=("general", "health", "relationship"),
     database=None,
     switchboard_port=None,
+    **switchboard_overrides,
 ):
     config_dir = tmp_path / "config"
     targets = {}
@@ -83,7 +99,7 @@ async def start_fleet(
     port = switchboard_port or free_port()
     write_butler_dir(config_dir, "switchboard", port, description="Front door.")
     switchboard = await start_butler(
-        butler_config("switchboard", port=port, triage=tuple(triage)),
+        butler_config("switchboard", port=port, triage=tuple(triage), **switchboard_overrides),
         config_dir=config_dir,
         session_env=switchboard_env,
         database=database,
@@ -125,7 +141,7 @@ async def test_claude_code_classifies_and_the_butlers_answer_comes_back(
         assert f"{name}: {name.title()} things." in prompt
     assert "switchboard:" not in prompt and "Front door" not in prompt
     assert "does not clearly fit a specialist butler, route it to general" in prompt
-    assert "Message: <<<MESSAGE\\nLog my weight: 75kg\\nMESSAGE>>>" in prompt
+    assert re.search(r"Message: <<<MESSAGE (\w{16})\\nLog my weight: 75kg\\nMESSAGE \1>>>", prompt)
     mcp_tools = {t["name"] for t in first["tools"] if t["name"].startswith("mcp__")}
     assert mcp_tools == {ROUTE_TOOL, "mcp__switchboard__list_butlers"}
 
@@ -193,7 +209,10 @@ async def test_target_down_is_a_failed_message_with_a_clear_reply(
     switchboard, targets = await start_fleet(start_butler, tmp_path, triage=[rule])
     await targets["health"].stop()
     answer = await ask(switchboard, "my weight is 75")
-    assert answer["status"] == "failed" and answer["reply"] is None
+    # The person gets a fixed sentence; the detail (with the endpoint) is for the operator.
+    assert answer["status"] == "failed"
+    assert answer["reply"] == sorry("unreachable", "health")
+    assert answer["reply"].startswith("Sorry, the health butler is not reachable right now.")
     assert "butler 'health' is unreachable at" in answer["error"]
     [row] = await _routing_log(db_conn, switchboard)
     assert row["success"] is False and row["inbox_id"] == answer["inbox_id"]

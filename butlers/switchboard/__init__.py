@@ -18,16 +18,22 @@ from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
-from butlers.config import TriageRule
+from butlers.config import SwitchboardConfig, TriageRule
 from butlers.errors import ToolRefusal
 from butlers.spawner import Spawner
-from butlers.switchboard.classifier import INBOX_HEADER
+from butlers.switchboard.dispatch import (
+    CREDENTIAL_HEADER,
+    LEGACY_INBOX_HEADER,
+    Dispatch,
+    Dispatcher,
+    RoutePolicyError,
+)
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
-from butlers.switchboard.route import RouteError, Router, RouteRefused, RouteSource
+from butlers.switchboard.route import RouteError, Router, RouteRefused
 from butlers.switchboard.store import SwitchboardStore
-from butlers.switchboard.worker import InboxWorker, reply_text
+from butlers.switchboard.worker import InboxWorker
 
 MAX_ASK_CHARS = 200_000
 
@@ -56,18 +62,23 @@ class Switchboard:
         await self.pool.close()
 
 
-async def _route_source(inbox: InboxStore) -> RouteSource:
-    """A classification session names its inbox message in a header; anything else is `mcp`."""
-    raw = get_http_headers(include={INBOX_HEADER.lower()}).get(INBOX_HEADER.lower())
-    if raw is None:
-        return RouteSource()
-    try:
-        message = await inbox.processing(int(raw))
-    except ValueError:
-        message = None
-    if message is None:
-        raise ToolRefusal(f"{INBOX_HEADER} {raw!r} names no message being processed")
-    return RouteSource(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
+def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
+    """The message whose classification session is calling, or None for any other caller.
+
+    A session proves it is one by this message's credential; a header that claims to be one
+    without the right credential (or names an inbox id, as sessions once did) is refused
+    rather than treated as an ordinary caller.
+    """
+    headers = get_http_headers(include={CREDENTIAL_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
+    credential = headers.get(CREDENTIAL_HEADER.lower())
+    if credential is None:
+        if LEGACY_INBOX_HEADER.lower() in headers:
+            raise ToolRefusal(f"{LEGACY_INBOX_HEADER} is not accepted: it proves nothing")
+        return None
+    dispatch = dispatcher.find(credential)
+    if dispatch is None:
+        raise ToolRefusal(f"{CREDENTIAL_HEADER} names no message being classified")
+    return dispatch
 
 
 def attach_switchboard(
@@ -80,6 +91,7 @@ def attach_switchboard(
     self_url: str,
     tool_names: Callable[[], Sequence[str]],
     triage_rules: Sequence[TriageRule] = (),
+    limits: SwitchboardConfig,
     auth_token: str | None,
 ) -> Switchboard:
     """Create the switchboard's parts and register route, list_butlers, discover and ask."""
@@ -92,6 +104,7 @@ def attach_switchboard(
         router=router,
         spawner=spawner,
         triage_rules=triage_rules,
+        limits=limits,
         switchboard_url=self_url,
         switchboard_tools=tool_names,
         tracer=tracer,
@@ -102,16 +115,21 @@ def attach_switchboard(
     async def route(
         butler_name: str, tool_name: str, args: dict[str, Any] | None = None
     ) -> JsonValue:
-        """Call `tool_name` with `args` on the butler `butler_name`; returns its answer."""
-        source = await _route_source(inbox)
+        """Call `tool_name` with `args` on the butler `butler_name`; returns its answer.
+
+        From a classification session: only `trigger` with `{"prompt": ...}`, answered with
+        "accepted" at once; the switchboard delivers it and replies to the sender."""
+        classification = _classification_of_caller(worker.dispatcher)
+        if classification is not None:
+            try:
+                return await classification.accept(butler_name, tool_name, args)
+            except RoutePolicyError as exc:
+                raise ToolRefusal(str(exc)) from exc
         try:
-            result = await router.route(butler_name, tool_name, args, source=source)
+            return await router.route(butler_name, tool_name, args)
         except RouteError as exc:  # a target that failed is worth a warning; a typo is not
             level = logging.INFO if isinstance(exc, RouteRefused) else logging.WARNING
             raise ToolRefusal(str(exc), log_level=level) from exc
-        if source.inbox_id is not None:
-            await inbox.attach_route(source.inbox_id, butler_name, reply_text(result))
-        return result
 
     @mcp.tool
     async def list_butlers() -> list[dict[str, Any]]:

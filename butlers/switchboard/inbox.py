@@ -143,14 +143,12 @@ class InboxStore:
         )
         return None if row is None else InboxMessage.from_row(row)
 
-    async def attach_route(self, inbox_id: int, routed_to: str, reply: str) -> None:
+    async def store_reply(self, inbox_id: int, routed_to: str | None, reply: str) -> None:
+        """The reply, kept before it is sent: what was said is on record even if the send
+        or the process fails on the way."""
         await self.pool.execute(
             "UPDATE inbox SET routed_to = $2, reply = $3 WHERE id = $1", inbox_id, routed_to, reply
         )
-
-    async def routed(self, inbox_id: int) -> tuple[str | None, str | None]:
-        row = await self.pool.fetchrow("SELECT routed_to, reply FROM inbox WHERE id = $1", inbox_id)
-        return (row["routed_to"], row["reply"]) if row else (None, None)
 
     async def finish(
         self,

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode, Tracer
 
@@ -21,6 +21,9 @@ from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, 
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
 from butlers.telemetry import current_carrier, current_trace_id
 
+if TYPE_CHECKING:
+    from butlers.switchboard.inbox import InboxMessage
+
 SWITCHBOARD = "switchboard"
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
@@ -28,11 +31,29 @@ DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session
 
 
 class RouteError(ButlersError):
-    """A route that did not reach a successful answer; the message is safe to show."""
+    """A route that did not reach a successful answer. The message is for the caller of
+    `route` and the logs; people get a fixed sentence chosen by `kind` (butlers.switchboard.
+    replies), never this text: it names endpoints and the target's own errors."""
+
+    kind = "failed"  # the target ran the tool and answered with an error
 
 
 class RouteRefused(RouteError):
-    """Refused before any connection: the caller named no routable butler."""
+    """Refused before any connection: not a routable butler, or not allowed to this caller."""
+
+    kind = "refused"
+
+
+class TargetDown(RouteError):
+    """The target could not be reached, or the connection broke before it answered."""
+
+    kind = "unreachable"
+
+
+class TargetSlow(RouteError):
+    """The target took the call but did not answer within the route timeout."""
+
+    kind = "timeout"
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,10 @@ class RouteSource:
     channel: str = "mcp"
     source_id: str | None = None
     inbox_id: int | None = None  # the inbox message this call serves, if any
+
+    @classmethod
+    def of_message(cls, message: InboxMessage) -> RouteSource:
+        return cls(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
 
 
 def summarize(arguments: dict[str, Any]) -> str | None:
@@ -101,14 +126,7 @@ class Router:
         source: RouteSource = RouteSource(),
     ) -> Any:
         arguments = dict(arguments or {})
-        with self.tracer.start_as_current_span(
-            "switchboard.route",
-            attributes={
-                "target": butler_name,
-                "tool_name": tool_name,
-                "source_channel": source.channel,
-            },
-        ) as span:
+        with self._span(butler_name, tool_name, source) as span:
             started = time.monotonic()
             error: str | None = None
             try:
@@ -126,20 +144,65 @@ class Router:
                 span.set_status(Status(StatusCode.ERROR, error))
                 raise
             finally:
-                record = RouteRecord(
-                    source_channel=source.channel,
-                    source_id=source.source_id,
-                    routed_to=butler_name,
-                    tool_name=tool_name,
-                    prompt_summary=summarize(arguments),
-                    trace_id=current_trace_id(),
-                    success=error is None,
-                    error=error[:ERROR_CHARS] if error else None,
-                    duration_ms=int((time.monotonic() - started) * 1000),
-                    inbox_id=source.inbox_id,
-                )
                 # The log row must be written even if our caller is cancelled meanwhile.
-                await asyncio.shield(self.store.record_route(record))
+                await asyncio.shield(
+                    self._record(butler_name, tool_name, arguments, source, started, error)
+                )
+
+    async def refuse(
+        self,
+        butler_name: str,
+        tool_name: str,
+        arguments: dict[str, Any] | None,
+        *,
+        source: RouteSource,
+        reason: str,
+    ) -> None:
+        """Record a route that a policy refused before any connection: a routing_log row
+        (success = false) and a failed span, as for any route that did not happen."""
+        with self._span(butler_name, tool_name, source) as span:
+            span.set_status(Status(StatusCode.ERROR, reason[:200]))
+            await self._record(
+                butler_name, tool_name, dict(arguments or {}), source, time.monotonic(), reason
+            )
+
+    def _span(self, butler_name: str, tool_name: str, source: RouteSource):
+        return self.tracer.start_as_current_span(
+            "switchboard.route",
+            attributes={
+                "target": butler_name,
+                "tool_name": tool_name,
+                "source_channel": source.channel,
+            },
+        )
+
+    async def _record(
+        self,
+        butler_name: str,
+        tool_name: str,
+        arguments: dict[str, Any],
+        source: RouteSource,
+        started: float,
+        error: str | None,
+    ) -> None:
+        await self.store.record_route(
+            RouteRecord(
+                source_channel=source.channel,
+                source_id=source.source_id,
+                routed_to=butler_name,
+                tool_name=tool_name,
+                prompt_summary=summarize(arguments),
+                trace_id=current_trace_id(),
+                success=error is None,
+                error=error[:ERROR_CHARS] if error else None,
+                duration_ms=int((time.monotonic() - started) * 1000),
+                inbox_id=source.inbox_id,
+            )
+        )
+
+    async def is_routable(self, butler_name: str) -> bool:
+        """A registered butler other than the switchboard."""
+        return butler_name != SWITCHBOARD and await self._endpoint_of(butler_name) is not None
 
     async def _forward(self, butler_name: str, tool_name: str, arguments: dict[str, Any]) -> Any:
         if butler_name == SWITCHBOARD:
@@ -155,9 +218,9 @@ class Router:
             )
         except TargetUnreachable as exc:
             self._endpoints.pop(butler_name, None)  # re-read the registry next time
-            raise RouteError(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
+            raise TargetDown(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
         except TargetTimeout as exc:
-            raise RouteError(
+            raise TargetSlow(
                 f"butler {butler_name!r} at {endpoint} did not answer {tool_name!r}: {exc}"
             ) from exc
         except RemoteError as exc:

@@ -2,13 +2,14 @@
 
 Channels hand messages to `accept()`, which stores them (and only then may the channel
 acknowledge them) and wakes the worker. Whatever a crash interrupts is requeued at start-up.
+A message is replied to before the next one starts, also when the classifier routed it to
+several butlers: the worker waits for every route the classification session asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -16,15 +17,12 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
-from butlers.config import TriageRule
+from butlers.config import SwitchboardConfig, TriageRule
 from butlers.spawner import Spawner
-from butlers.switchboard.classifier import (
-    DEFAULT_BUTLER,
-    classify_with_claude,
-    message_body,
-    triage,
-)
+from butlers.switchboard.classifier import classify_with_claude, message_body, triage
+from butlers.switchboard.dispatch import Dispatcher
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
+from butlers.switchboard.replies import Answer, combine, reply_text, sorry
 from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
 from butlers.tasks import cancel_and_wait
@@ -34,20 +32,6 @@ logger = logging.getLogger(__name__)
 
 Replier = Callable[[InboxMessage, str], Awaitable[None]]
 IDLE_POLL_S = 5.0  # a fallback: accept() wakes the worker at once
-ERROR_REPLY = "Sorry, I could not handle your message: {error}"
-
-
-def reply_text(result: Any) -> str:
-    """What the person reads: a butler's `trigger` answer, or the result as text."""
-    if isinstance(result, dict) and isinstance(result.get("result"), str):
-        return result["result"]
-    if isinstance(result, str):
-        return result
-    return json.dumps(result, ensure_ascii=False, default=str)
-
-
-def source_of(message: InboxMessage) -> RouteSource:
-    return RouteSource(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
 
 
 class InboxWorker:
@@ -59,6 +43,7 @@ class InboxWorker:
         router: Router,
         spawner: Spawner,
         triage_rules: Sequence[TriageRule],
+        limits: SwitchboardConfig,
         switchboard_url: str,
         switchboard_tools: Callable[[], Sequence[str]],
         tracer: Tracer,
@@ -69,6 +54,8 @@ class InboxWorker:
         self.router = router
         self.spawner = spawner
         self.triage_rules = tuple(triage_rules)
+        self.limits = limits
+        self.dispatcher = Dispatcher(router, max_routes=limits.max_routes_per_message)
         self.switchboard_url = switchboard_url
         self.switchboard_tools = switchboard_tools
         self.repliers: dict[str, Replier] = {}
@@ -147,6 +134,8 @@ class InboxWorker:
                     extra={"action": "inbox_process_failed"},
                 )
                 await self._finish(message, "failed", None, None, "internal error")
+                with contextlib.suppress(Exception):
+                    await self._reply(message, sorry("internal"))
 
     # -- one message ------------------------------------------------------------------------
 
@@ -156,71 +145,76 @@ class InboxWorker:
         try:
             if message.attempts > MAX_ATTEMPTS:
                 error = f"gave up after {MAX_ATTEMPTS} interrupted attempts"
-                await self._reply(message, ERROR_REPLY.format(error=error))
-                await self._finish(message, "failed", None, None, error)
+                reply = sorry("gave_up")
+                await self._finish(
+                    message, "failed", None, reply, await self._reply(message, reply) or error
+                )
                 return
-            routed_to, reply, error = await self._classify_and_route(message)
-            if reply is None:
-                await self._reply(message, ERROR_REPLY.format(error=error))
-                await self._finish(message, "failed", routed_to, None, error)
-                return
+            answers, note = await self._classify_and_route(message)
+            reply = combine(answers)
+            failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
+            error = "; ".join(filter(None, [note, *failures])) or None
+            routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
+            await self.inbox.store_reply(message.id, routed_to, reply)
             reply_error = await self._reply(message, reply)
-            if reply_error:
-                await self._finish(message, "failed", routed_to, reply, reply_error)
-            else:
-                await self._finish(message, "done", routed_to, reply, error)
+            status = "done" if any(a.ok for a in answers) and reply_error is None else "failed"
+            await self._finish(message, status, routed_to, reply, reply_error or error)
         finally:
             if token is not None:
                 otel_context.detach(token)
 
-    async def _classify_and_route(
-        self, message: InboxMessage
-    ) -> tuple[str | None, str | None, str | None]:
-        """(routed_to, reply, note): reply None means it failed, and note says why."""
-        prompt = message_body(message)
+    async def _classify_and_route(self, message: InboxMessage) -> tuple[list[Answer], str | None]:
+        """The answers of every butler the message went to, and a note on how it got there
+        (why it went to the default butler, what went wrong in classification)."""
         with self.tracer.start_as_current_span(
             "switchboard.classify", attributes={"channel": message.channel}
         ) as span:
             butler = triage(self.triage_rules, message)
             span.set_attribute("via", "triage" if butler else "claude")
             if butler is not None:
-                try:
-                    result = await self.router.route(
-                        butler, "trigger", {"prompt": prompt}, source=source_of(message)
-                    )
-                except RouteError as exc:
-                    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-                    return butler, None, str(exc)
-                return butler, reply_text(result), None
+                answer = await self._route_one(butler, message)
+                if not answer.ok:
+                    span.set_status(Status(StatusCode.ERROR, (answer.error or "")[:200]))
+                return [answer], None
 
-            outcome = await classify_with_claude(
-                self.spawner,
-                message,
-                await self.store.registry(),
-                switchboard_url=self.switchboard_url,
-                switchboard_tools=self.switchboard_tools(),
-            )
-            routed_to, reply = await self.inbox.routed(message.id)
-            if routed_to is not None and reply is not None:
-                span.set_attribute("butler", routed_to)
-                return routed_to, reply, None
+            async with self.dispatcher.open(message) as dispatch:
+                outcome = await classify_with_claude(
+                    self.spawner,
+                    message,
+                    await self.store.registry(),
+                    credential=dispatch.credential,
+                    default_butler=self.limits.default_butler,
+                    switchboard_url=self.switchboard_url,
+                    switchboard_tools=self.switchboard_tools(),
+                )
+                if dispatch.routed:
+                    answers = await dispatch.answers()
+                    span.set_attribute("butler", ",".join(a.butler for a in answers))
+                    return answers, (f"classifier: {outcome.error}" if outcome.error else None)
             why = outcome.error or "the classifier did not route the message"
             span.set_attribute("fallback", why[:200])
-        # Not routed by the classifier: hand it to the default butler directly.
+        # Nothing was routed: hand the message to the default butler directly.
+        default = self.limits.default_butler
         logger.warning(
             "message %s: %s; routing to %s",
             message.id,
             why,
-            DEFAULT_BUTLER,
+            default,
             extra={"action": "classify_fallback"},
         )
+        return [await self._route_one(default, message)], f"classifier: {why}; routed to {default}"
+
+    async def _route_one(self, butler: str, message: InboxMessage) -> Answer:
         try:
             result = await self.router.route(
-                DEFAULT_BUTLER, "trigger", {"prompt": prompt}, source=source_of(message)
+                butler,
+                "trigger",
+                {"prompt": message_body(message)},
+                source=RouteSource.of_message(message),
             )
         except RouteError as exc:
-            return DEFAULT_BUTLER, None, f"{why}; routing to {DEFAULT_BUTLER} failed: {exc}"
-        return DEFAULT_BUTLER, reply_text(result), f"classifier: {why}; routed to {DEFAULT_BUTLER}"
+            return Answer(butler, failure=exc.kind, error=str(exc))
+        return Answer(butler, text=reply_text(result))
 
     async def _reply(self, message: InboxMessage, text: str) -> str | None:
         """Send the reply on the message's channel; returns an error text if that failed."""

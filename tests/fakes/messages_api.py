@@ -53,6 +53,9 @@ class ScriptedMessagesAPI:
         self._changed = asyncio.Condition()
         # With delay_s: answer as soon as this many requests are in flight at once (0: never).
         self.release_at_in_flight = 0
+        # Per request: how long to hold it (overrides delay_s), e.g. only a slow butler's.
+        self.delay_for: Callable[[dict[str, Any]], float] | None = None
+        self._release_all = False
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -65,6 +68,18 @@ class ScriptedMessagesAPI:
         """Answer each request with whatever `responder(request_body)` returns."""
         self._responder = responder
 
+    async def wait_for_request(self, matches: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The first request that `matches`, once it has arrived."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: any(matches(b) for b in self.requests))
+        return next(b for b in self.requests if matches(b))
+
+    async def release_held(self) -> None:
+        """Answer every request held by a delay now (and later ones at once)."""
+        async with self._changed:
+            self._release_all = True
+            self._changed.notify_all()
+
     def reset(self) -> None:
         self.requests.clear()
         self.other_requests.clear()
@@ -72,6 +87,8 @@ class ScriptedMessagesAPI:
         self._responder = None
         self.delay_s = 0.0
         self.release_at_in_flight = 0
+        self.delay_for = None
+        self._release_all = False
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -105,9 +122,10 @@ class ScriptedMessagesAPI:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             self._changed.notify_all()
         try:
-            if self.delay_s:  # a "slow model"; ends early when the API stops
+            delay_s = self.delay_for(body) if self.delay_for is not None else self.delay_s
+            if delay_s:  # a "slow model"; ends early when the API stops
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._released(), self.delay_s)
+                    await asyncio.wait_for(self._released(), delay_s)
             return await self._reply(request, body)
         finally:
             self.in_flight -= 1
@@ -118,6 +136,7 @@ class ScriptedMessagesAPI:
             await self._changed.wait_for(
                 lambda: (
                     self._stopping.is_set()
+                    or self._release_all
                     or (
                         self.release_at_in_flight > 0
                         and self.in_flight >= self.release_at_in_flight

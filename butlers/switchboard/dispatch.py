@@ -1,0 +1,177 @@
+"""route, from a classification session: what it may route, and the switchboard's dispatch.
+
+The classifier's Claude Code reads text written by strangers and holds one tool that reaches
+every butler. Whatever the message talks it into, a route from such a session can only hand a
+prompt to a specialist's `trigger`: no other tool (`state_list` would read a butler's data
+back into the sender's chat; `schedule_create` would plant work), no other argument, not the
+switchboard itself, at most `max_routes_per_message` times.
+
+The session is recognised by a credential the switchboard makes for each message and hands
+only to that session (a header in its private MCP config): an inbox id alone proves nothing,
+anyone who can reach /sse can send one.
+
+`route` answers such a call as soon as it is recorded, and the switchboard forwards it here,
+in a task this message's `Dispatch` owns and the worker waits for with the route timeout. The
+classification session therefore ends in seconds and its timeout no longer cuts a slow
+butler short (which used to send the message to `general` as well).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from butlers.switchboard.inbox import InboxMessage
+from butlers.switchboard.replies import Answer, reply_text
+from butlers.switchboard.route import RouteError, Router, RouteSource
+
+CREDENTIAL_HEADER = "X-Butlers-Classification"
+LEGACY_INBOX_HEADER = "X-Butlers-Inbox-Id"  # what sessions sent before credentials: refused
+ROUTABLE_TOOL = "trigger"
+MAX_PROMPT_BYTES = 32 * 1024
+
+
+class RoutePolicyError(RouteError):
+    """A classification session asked for a route it may not make; the text is for the model."""
+
+    kind = "refused"
+
+
+def check_classifier_route(
+    tool_name: str, arguments: dict[str, Any] | None, *, routable: bool, butler_name: str
+) -> str:
+    """The prompt to forward, if this is a route a classification session may make."""
+    if tool_name != ROUTABLE_TOOL:
+        raise RoutePolicyError(
+            f"refused: a message may only be handed to a butler's {ROUTABLE_TOOL!r} tool, "
+            f"not {tool_name!r}"
+        )
+    if not routable:
+        raise RoutePolicyError(
+            f"refused: {butler_name!r} is not a butler you can route to "
+            "(see list_butlers; the switchboard itself is not one)"
+        )
+    arguments = arguments or {}
+    prompt = arguments.get("prompt")
+    if set(arguments) != {"prompt"} or not isinstance(prompt, str):
+        raise RoutePolicyError(
+            'refused: the arguments must be exactly {"prompt": "<text>"}, got keys '
+            f"{sorted(arguments)}"
+        )
+    if not prompt.strip():
+        raise RoutePolicyError("refused: the prompt must not be empty")
+    size = len(prompt.encode())
+    if size > MAX_PROMPT_BYTES:
+        raise RoutePolicyError(
+            f"refused: the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}"
+        )
+    return prompt
+
+
+@dataclass
+class Dispatch:
+    """One message's classification: its credential and the routes its session asked for."""
+
+    message: InboxMessage
+    router: Router
+    max_routes: int
+    credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
+
+    @property
+    def source(self) -> RouteSource:
+        return RouteSource.of_message(self.message)
+
+    @property
+    def routed(self) -> bool:
+        return bool(self._routes)
+
+    async def accept(
+        self, butler_name: str, tool_name: str, arguments: dict[str, Any] | None
+    ) -> str:
+        """Check the route against the policy and start forwarding it; returns at once.
+        A refusal is recorded in routing_log and raised (RoutePolicyError) for the model."""
+        try:
+            if len(self._routes) >= self.max_routes:
+                raise RoutePolicyError(
+                    f"refused: this message was already routed {len(self._routes)} times; "
+                    f"the limit is {self.max_routes}"
+                )
+            prompt = check_classifier_route(
+                tool_name,
+                arguments,
+                routable=await self.router.is_routable(butler_name),
+                butler_name=butler_name,
+            )
+        except RoutePolicyError as exc:
+            await self.router.refuse(
+                butler_name, tool_name, arguments, source=self.source, reason=str(exc)
+            )
+            raise
+        # Created here, the task inherits this call's trace context: the forward and the
+        # target's session stay in the message's trace.
+        task = asyncio.create_task(
+            self.router.route(butler_name, ROUTABLE_TOOL, {"prompt": prompt}, source=self.source),
+            name=f"switchboard:dispatch:{self.message.id}:{butler_name}",
+        )
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited in answers()
+        self._routes.append((butler_name, task))
+        return (
+            f"accepted: routed to {butler_name}. The switchboard delivers it and replies to "
+            "the sender; route again only if the message also asks something of another butler."
+        )
+
+    async def answers(self) -> list[Answer]:
+        """Every accepted route's answer, in the order the session asked for them. Each
+        forward is bounded by the router's timeout, so this ends."""
+        answers = []
+        for butler, task in self._routes:
+            try:
+                result = await asyncio.shield(task)
+            except RouteError as exc:
+                answers.append(Answer(butler, failure=exc.kind, error=str(exc)))
+            except Exception as exc:
+                answers.append(Answer(butler, failure="internal", error=repr(exc)))
+            else:
+                answers.append(Answer(butler, text=reply_text(result)))
+        return answers
+
+    async def cancel(self) -> None:
+        for _, task in self._routes:
+            task.cancel()
+        for _, task in self._routes:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class Dispatcher:
+    """The dispatches of the messages being classified now, found by their credential."""
+
+    def __init__(self, router: Router, *, max_routes: int) -> None:
+        self.router = router
+        self.max_routes = max_routes
+        self._open: list[Dispatch] = []
+
+    @contextlib.asynccontextmanager
+    async def open(self, message: InboxMessage) -> AsyncIterator[Dispatch]:
+        """A dispatch for `message`, valid until the block ends; routes still running then
+        (the worker is stopping) are cancelled."""
+        dispatch = Dispatch(message, self.router, self.max_routes)
+        self._open.append(dispatch)
+        try:
+            yield dispatch
+        finally:
+            self._open.remove(dispatch)
+            await dispatch.cancel()
+
+    def find(self, credential: str) -> Dispatch | None:
+        supplied = credential.encode()
+        for dispatch in self._open:
+            if hmac.compare_digest(supplied, dispatch.credential.encode()):
+                return dispatch
+        return None
