@@ -17,7 +17,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ pg_home = test_db.pg_home  # fixtures: data outside pytest's 0700 basetemp, a pr
 shared_tmp = test_db.shared_tmp
 
 REPO = Path(__file__).resolve().parent.parent
-SITE_PACKAGES = sysconfig.get_paths()["purelib"]
+SITE_PACKAGES = str(Path(asyncpg.__file__).resolve().parent.parent)  # ours, wherever that is
 IS_ROOT = os.geteuid() == 0
 LONG = "x" * 100  # a data path too long for a Unix socket: the socket goes to the runtime dir
 
@@ -408,6 +407,7 @@ async def test_two_users_run_their_servers_side_by_side(
     ours = EmbeddedServer(pg_home / LONG / "pgdata")
 
     async def start_ours() -> None:
+        # Before the fix, whoever came second died on chmod of the other's /tmp/butlers-pg.
         await ours.start()
         assert await ensure_database(ours, "ours") is True
         assert await _answers(ours, "ours") == 42
@@ -417,11 +417,11 @@ async def test_two_users_run_their_servers_side_by_side(
         assert report["created"] is True and report["answer"] == 42
         socket_dir = Path(report["socket_dir"])
         if runtime == "xdg":
-            expected = home / "run" / "butlers-pg"
+            assert socket_dir.parent == home / "run" / "butlers-pg"
         else:
-            expected = shared_tmp / f"butlers-pg-{other_user.uid}"
-        assert socket_dir.parent == expected
-        assert _private(socket_dir, other_user.uid) and _private(expected, other_user.uid)
+            assert socket_dir.parent == shared_tmp / f"butlers-pg-{other_user.uid}"
+        assert _private(socket_dir, other_user.uid)
+        assert _private(socket_dir.parent, other_user.uid)
 
     try:
         if not IS_ROOT:
@@ -434,11 +434,14 @@ async def test_two_users_run_their_servers_side_by_side(
         else:
             await start_theirs()
             await start_ours()
+        assert await _answers(ours, "ours") == 42  # both up at once
+
+        # Each in a private directory of its own account (theirs checked as it started).
         assert ours.socket_dir is not None
         assert ours.socket_dir.parent == shared_tmp / f"butlers-pg-{_server_uid()}"
         assert _private(ours.socket_dir, _server_uid())
         assert _private(ours.socket_dir.parent, _server_uid())
-        assert await _answers(ours, "ours") == 42  # both still up
+
         await theirs.stop()
         await ours.stop()
         assert _postgres_on(pg_home) == []
