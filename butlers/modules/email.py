@@ -106,6 +106,7 @@ class EmailModule:
         )
         # Failed attempts to store a mail, per "<UIDVALIDITY>:<UID>" (see _settle).
         self._failures: dict[str, int] = {}
+        self._lost = asyncio.Event()  # the current IMAP connection dropped
 
     @functools.cached_property
     def tls_context(self) -> ssl.SSLContext:
@@ -269,7 +270,9 @@ class EmailModule:
                 await asyncio.sleep(delay)
 
     async def _session(self) -> None:
-        lost = asyncio.Event()  # aioimaplib does not wake an IDLE wait when the server goes
+        # Set when the connection drops: aioimaplib wakes neither an IDLE wait nor a pending
+        # command by itself (a command would wait for its timeout).
+        lost = self._lost = asyncio.Event()
 
         def on_lost(_exc: Exception | None) -> None:
             lost.set()
@@ -296,34 +299,39 @@ class EmailModule:
             while True:
                 retry = await self._fetch_unseen(client, uidvalidity)
                 if retry:  # a mail could not be stored: try it again soon, not in 25 minutes
-                    await self._wait_or_lost(lost, min(RETRY_FAILED_S, self.config.poll_interval_s))
+                    await self._wait(min(RETRY_FAILED_S, self.config.poll_interval_s))
                 elif use_idle:
-                    await self._idle(client, lost)
+                    await self._idle(client)
                 else:
-                    await self._wait_or_lost(lost, self.config.poll_interval_s)
+                    await self._wait(self.config.poll_interval_s)
         finally:
             await imap_close(client)
 
-    async def _wait_or_lost(self, lost: asyncio.Event, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(lost.wait(), seconds)
-        if lost.is_set():
+    async def _until_lost(self, awaitable: Any) -> Any:
+        """Await an IMAP step, or raise as soon as the connection is lost."""
+        step = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            unfinished = not step.done()
+            if unfinished:
+                step.cancel()
+        if unfinished:
             raise MailError(f"{self._imap.where}: the connection was lost")
+        return step.result()
 
-    async def _idle(self, client: aioimaplib.IMAP4, lost: asyncio.Event) -> None:
+    async def _wait(self, seconds: float) -> None:
+        await self._until_lost(asyncio.sleep(seconds))
+
+    async def _idle(self, client: aioimaplib.IMAP4) -> None:
         """IDLE until the server pushes something, the connection drops, or it is time to renew."""
-        idle = await client.idle_start(timeout=IDLE_RENEW_S)
-        push = asyncio.ensure_future(client.wait_server_push(timeout=IDLE_RENEW_S))
-        gone = asyncio.ensure_future(lost.wait())
-        await asyncio.wait({push, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if lost.is_set():
-            push.cancel()
-            raise MailError(f"{self._imap.where}: the connection was lost")
-        with contextlib.suppress(TimeoutError):
-            push.result()  # a timeout: renew the IDLE before the server drops it
+        idle = await self._until_lost(client.idle_start(timeout=IDLE_RENEW_S))
+        with contextlib.suppress(TimeoutError):  # a timeout: renew the IDLE before it is dropped
+            await self._until_lost(client.wait_server_push(timeout=IDLE_RENEW_S))
         client.idle_done()
-        await asyncio.wait_for(idle, 30)
+        await self._until_lost(asyncio.wait_for(idle, 30))
 
     async def _fetch_unseen(self, client: aioimaplib.IMAP4, uidvalidity: str) -> bool:
         """Store and flag every unseen mail; True when one could not be stored (try again)."""
@@ -392,7 +400,7 @@ class EmailModule:
         )
 
     async def _ok(self, awaitable: Any, what: str) -> Any:
-        response = await awaitable
+        response = await self._until_lost(awaitable)
         if response.result != "OK":
             raise MailError(f"{self._imap.where}: {what} failed: {response.lines[-1:]!r}")
         return response

@@ -1,0 +1,209 @@
+"""Real mail servers on 127.0.0.1 for the email tests, with a private CA.
+
+- `MailCA`: a CA of our own (trustme) and a certificate for 127.0.0.1 / localhost, as files
+  (pymap reads them) and as a server SSLContext (aiosmtpd, TcpFront).
+- `pymap_server()`: the pymap IMAP server in a subprocess; with a certificate it offers
+  STARTTLS (pymap serves no implicit TLS: put a `TcpFront(ssl=...)` in front for that).
+- `SmtpServer`: aiosmtpd on a free port (its Controller cannot take port 0), recording the
+  mails it takes and the credentials it was given.
+- `RecordingWorker`: what the email module hands mail to, for tests of the connection rather
+  than of the inbox: it keeps what it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from pathlib import Path
+from typing import Any
+
+import aioimaplib
+import trustme
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import AuthResult
+
+from butlers.switchboard.inbox import IncomingMessage
+from tests.conftest import free_port
+from tests.fakes import wait_listening
+
+
+class MailCA:
+    """A private CA and one server certificate for 127.0.0.1 and localhost."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = trustme.CA(organization_name="Butlers test CA")
+        cert = self.ca.issue_cert("127.0.0.1", "localhost")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.ca_file = directory / "ca.pem"  # what SSL_CERT_FILE points at
+        self.cert_file = directory / "server.pem"
+        self.key_file = directory / "server.key"
+        self.ca.cert_pem.write_to_path(str(self.ca_file))
+        cert.private_key_pem.write_to_path(str(self.key_file))
+        with self.cert_file.open("wb") as f:
+            for pem in cert.cert_chain_pems:
+                f.write(pem.bytes())
+        self._cert = cert
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._cert.configure_cert(context)
+        return context
+
+
+@asynccontextmanager
+async def pymap_server(user: str, password: str, *, ca: MailCA | None = None) -> AsyncIterator[int]:
+    """pymap on a free port (yielded): STARTTLS offered when given a CA's certificate."""
+    port = free_port()
+    tls = (
+        ["--cert", str(ca.cert_file), "--key", str(ca.key_file)] if ca is not None else ["--no-tls"]
+    )
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "pymap"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *tls,
+        "dict",
+        "--demo-user",
+        user,
+        "--demo-password",
+        password,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        await wait_listening(port)
+        yield port
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), 10)
+
+
+async def imap_append(port: int, user: str, password: str, raw: bytes | EmailMessage) -> None:
+    """APPEND a mail to INBOX (pymap lets a plaintext client log in)."""
+    client = aioimaplib.IMAP4(host="127.0.0.1", port=port)
+    await client.wait_hello_from_server()
+    await client.login(user, password)
+    data = raw.as_bytes() if isinstance(raw, EmailMessage) else raw
+    response = await client.append(data, mailbox="INBOX")
+    assert response.result == "OK", response
+    await client.logout()
+
+
+async def imap_unseen(port: int, user: str, password: str) -> list[bytes]:
+    client = aioimaplib.IMAP4(host="127.0.0.1", port=port)
+    await client.wait_hello_from_server()
+    await client.login(user, password)
+    await client.select("INBOX")
+    response = await client.uid_search("UNSEEN")
+    await client.logout()
+    return response.lines[0].split()
+
+
+class SmtpServer:
+    """aiosmtpd in its own thread: `messages` it took, `logins` (user, password) it was given.
+
+    tls: "starttls" (AUTH only after STARTTLS), "implicit" (TLS from the first byte), or
+    "none"; auth: whether AUTH is offered at all (a local relay offers none)."""
+
+    def __init__(
+        self,
+        *,
+        tls: str = "none",
+        auth: bool = True,
+        ca: MailCA | None = None,
+        users: dict[str, str] | None = None,
+    ) -> None:
+        self.messages: list[EmailMessage] = []
+        self.logins: list[tuple[str, str]] = []
+        self.arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._users = users or {}
+        self.port = free_port()
+        options: dict[str, Any] = {}
+        if auth:
+            options["authenticator"] = self._authenticate
+        if not auth:  # aiosmtpd offers AUTH only over TLS unless told otherwise: here, never
+            assert tls == "none"
+            options["auth_require_tls"] = True
+        elif tls == "starttls":
+            assert ca is not None
+            options |= {
+                "tls_context": ca.server_context(),
+                "require_starttls": True,
+                "auth_require_tls": True,
+            }
+        elif tls == "implicit":
+            assert ca is not None
+            options |= {"ssl_context": ca.server_context(), "auth_require_tls": False}
+        else:
+            options["auth_require_tls"] = False
+        self.controller = Controller(self, hostname="127.0.0.1", port=self.port, **options)
+
+    def _authenticate(self, server, session, envelope, mechanism, auth) -> AuthResult:
+        user, password = auth.login.decode(), auth.password.decode()
+        self.logins.append((user, password))
+        return AuthResult(success=self._users.get(user) == password)
+
+    async def handle_DATA(self, server, session, envelope) -> str:
+        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        self.messages.append(message)  # type: ignore[arg-type]
+        self._loop.call_soon_threadsafe(self.arrived.set)
+        return "250 OK"
+
+    def __enter__(self) -> SmtpServer:
+        self.controller.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.controller.stop()
+
+
+@dataclass
+class _Inbox:
+    failed: list[tuple[IncomingMessage, str]] = field(default_factory=list)
+
+    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+        self.failed.append((message, error))
+        return len(self.failed)
+
+
+class RecordingWorker:
+    """Stands in for the switchboard's InboxWorker: keeps what the email module accepts.
+
+    `fail_when(message)`, if given, makes accept raise for the messages it picks."""
+
+    def __init__(self, fail_when: Callable[[IncomingMessage], bool] | None = None) -> None:
+        self.accepted: list[IncomingMessage] = []
+        self.inbox = _Inbox()
+        self.fail_when = fail_when
+        self._changed = asyncio.Event()
+
+    async def accept(self, message: IncomingMessage) -> int | None:
+        if self.fail_when is not None and self.fail_when(message):
+            raise RuntimeError(f"cannot store {message.external_id}")
+        self.accepted.append(message)
+        self._changed.set()
+        return len(self.accepted)
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.external_id for m in self.accepted]
+
+    async def wait_for(self, external_id: str, timeout_s: float = 30) -> IncomingMessage:
+        """Wait until the message with this id was accepted; returns it."""
+        async with asyncio.timeout(timeout_s):
+            while external_id not in self.ids:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.accepted[self.ids.index(external_id)]

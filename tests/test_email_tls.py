@@ -1,0 +1,237 @@
+"""Email over TLS against real servers with a private CA: IMAP with implicit TLS and STARTTLS
+(pymap, behind a TcpFront that can drop connections), SMTP with implicit TLS, STARTTLS and a
+relay without AUTH (aiosmtpd). The module under test trusts the CA only through
+SSL_CERT_FILE, as an operator would; without it, the certificate is refused.
+
+The email module runs on its own here, handing mail to a RecordingWorker: what is tested is
+the connection, not the inbox (tests/test_email.py runs the whole switchboard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+import butlers.modules.email as email_module
+from butlers.config import EmailConfig
+from butlers.context import ModuleStatus
+from butlers.modules.email import EmailModule, MailRefused
+from tests.fakes.mail import (
+    MailCA,
+    RecordingWorker,
+    SmtpServer,
+    imap_append,
+    imap_unseen,
+    pymap_server,
+)
+from tests.fakes.tls_front import TcpFront
+from tests.test_email import mail
+
+USER, PASSWORD = "butler", "imap-pw"
+VARIANTS = ["none", "implicit", "starttls"]
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> MailCA:
+    return MailCA(tmp_path / "ca")
+
+
+@pytest.fixture
+def trust(ca: MailCA, monkeypatch: pytest.MonkeyPatch) -> MailCA:
+    """The module under test trusts our CA the way an operator would tell it to."""
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca.ca_file))
+    return ca
+
+
+@pytest.fixture
+def distrust(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the system's trust store, which has never heard of our CA."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+
+
+def email_config(
+    *, imap_port: int = 1, imap: str = "none", smtp_port: int = 1, smtp: str = "none", **more
+) -> EmailConfig:
+    options = {
+        "imap_host": "127.0.0.1",
+        "imap_port": imap_port,
+        "imap_ssl": imap == "implicit",
+        "imap_starttls": imap == "starttls",
+        "smtp_host": "127.0.0.1",
+        "smtp_port": smtp_port,
+        "smtp_ssl": smtp == "implicit",
+        "smtp_starttls": smtp == "starttls",
+        "address": "butler@example.com",
+        "mode": "idle",
+        "poll_interval_s": 0.2,
+        "allowed_senders": ("user@example.com",),
+    } | more
+    return EmailConfig(**options)
+
+
+@asynccontextmanager
+async def running(
+    config: EmailConfig, worker: RecordingWorker, password: str = PASSWORD
+) -> AsyncIterator[EmailModule]:
+    """The email module's IMAP intake, running until the block ends."""
+    module = EmailModule(config, USER, password, worker)  # type: ignore[arg-type]
+    await module.start()
+    try:
+        yield module
+    finally:
+        await module.stop()
+
+
+async def wait_until_seen(port: int, password: str = PASSWORD) -> None:
+    """Until every mail in pymap's INBOX is flagged \\Seen."""
+    async with asyncio.timeout(30):
+        while await imap_unseen(port, USER, password):  # noqa: ASYNC110 - polls a server
+            await asyncio.sleep(0.1)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 30) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - the module changes its status on its own
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def imap_stack(
+    variant: str, ca: MailCA, password: str = PASSWORD
+) -> AsyncIterator[tuple[int, TcpFront]]:
+    """pymap (port) and a front the module connects to: it terminates implicit TLS; for
+    STARTTLS (pymap's own) and plaintext it only passes bytes through."""
+    async with pymap_server(USER, password, ca=ca if variant == "starttls" else None) as port:
+        front = TcpFront(port, ssl=ca.server_context() if variant == "implicit" else None)
+        await front.start()
+        try:
+            yield port, front
+        finally:
+            await front.stop()
+
+
+# -- IMAP ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+async def test_imap_reads_mail_and_notices_a_dropped_connection(
+    variant: str, trust: MailCA, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = []
+    real_tls_context = email_module.tls_context
+
+    def counting_tls_context():
+        built.append(real_tls_context())
+        return built[-1]
+
+    monkeypatch.setattr(email_module, "tls_context", counting_tls_context)
+    worker = RecordingWorker()
+    async with imap_stack(variant, trust) as (port, front):
+        config = email_config(imap_port=front.port, imap=variant)
+        where = f"127.0.0.1:{front.port}"
+        async with running(config, worker) as module:
+            await imap_append(port, USER, PASSWORD, mail(message_id="<before@example.com>"))
+            await worker.wait_for("<before@example.com>")
+            await wait_until_seen(port)
+            if variant == "starttls":  # encrypted: the front cannot see the IDLE go out
+                await asyncio.sleep(0.5)
+            else:
+                await wait_until(lambda: front.received.endswith(b" IDLE\r\n"))
+            assert module.status == ModuleStatus("email", "running", f"IDLE on {where}")
+            connections = front.connections
+
+            front.drop()  # mid-IDLE: aioimaplib alone would wait for the next push forever
+            await imap_append(port, USER, PASSWORD, mail(message_id="<after@example.com>"))
+            # Generous, yet far below the 25 minutes until the IDLE would have been renewed.
+            await worker.wait_for("<after@example.com>", timeout_s=30)
+            assert front.connections > connections
+    assert worker.ids == ["<before@example.com>", "<after@example.com>"]
+    if variant == "starttls":  # the login went out encrypted
+        assert b"STARTTLS" in front.received and b"LOGIN" not in front.received
+    assert len(built) == 1  # one verified context, reused by the reconnection
+
+
+@pytest.mark.parametrize("variant", ["implicit", "starttls"])
+async def test_imap_refuses_an_untrusted_certificate(
+    variant: str, ca: MailCA, distrust: None
+) -> None:
+    worker = RecordingWorker()
+    async with imap_stack(variant, ca) as (port, front):
+        await imap_append(port, USER, PASSWORD, mail())
+        async with running(email_config(imap_port=front.port, imap=variant), worker) as module:
+            await wait_until(lambda: module.status.status == "failed")
+            detail = module.status.detail
+    assert f"IMAP 127.0.0.1:{front.port}" in detail
+    assert "certificate is not trusted" in detail and "SSL_CERT_FILE" in detail
+    assert b"LOGIN" not in front.received
+    assert worker.accepted == []
+
+
+async def test_imap_refuses_to_log_in_when_starttls_is_not_offered(trust: MailCA) -> None:
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:  # plaintext only: no STARTTLS
+        front = TcpFront(port)
+        await front.start()
+        try:
+            config = email_config(imap_port=front.port, imap="starttls")
+            async with running(config, worker) as module:
+                await wait_until(lambda: module.status.status == "failed")
+                detail = module.status.detail
+        finally:
+            await front.stop()
+    assert f"IMAP 127.0.0.1:{front.port} does not offer STARTTLS" in detail
+    assert front.received and b"LOGIN" not in front.received
+    assert worker.accepted == []
+
+
+# -- SMTP ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["implicit", "starttls"])
+async def test_smtp_sends_over_tls_with_the_credentials(variant: str, trust: MailCA) -> None:
+    with SmtpServer(tls=variant, ca=trust, users={USER: PASSWORD}) as smtp:
+        module = EmailModule(email_config(smtp_port=smtp.port, smtp=variant), USER, PASSWORD, None)
+        await module.send("user@example.com", "Hello", "Over TLS.")
+        async with asyncio.timeout(10):
+            await smtp.arrived.wait()
+    [message] = smtp.messages
+    assert (message["To"], message["Subject"]) == ("user@example.com", "Hello")
+    assert smtp.logins == [(USER, PASSWORD)]
+
+
+async def test_smtp_relay_without_auth_is_used_without_logging_in() -> None:
+    with SmtpServer(auth=False) as relay:  # a local relay on port 25 offers no AUTH
+        module = EmailModule(email_config(smtp_port=relay.port), USER, PASSWORD, None)
+        await module.send("user@example.com", "Hello", "Relayed.")
+        async with asyncio.timeout(10):
+            await relay.arrived.wait()
+    assert [m["Subject"] for m in relay.messages] == ["Hello"]
+
+
+async def test_smtp_refuses_plaintext_when_starttls_is_not_offered() -> None:
+    with SmtpServer(auth=True, users={USER: PASSWORD}) as smtp:  # AUTH, but no STARTTLS
+        module = EmailModule(
+            email_config(smtp_port=smtp.port, smtp="starttls"), USER, PASSWORD, None
+        )
+        with pytest.raises(
+            MailRefused, match=f"SMTP 127.0.0.1:{smtp.port} does not offer STARTTLS"
+        ):
+            await module.send("user@example.com", "Hello", "Not in plaintext.")
+    assert smtp.logins == [] and smtp.messages == []
+
+
+@pytest.mark.parametrize("variant", ["implicit", "starttls"])
+async def test_smtp_refuses_an_untrusted_certificate(
+    variant: str, ca: MailCA, distrust: None
+) -> None:
+    with SmtpServer(tls=variant, ca=ca, users={USER: PASSWORD}) as smtp:
+        module = EmailModule(email_config(smtp_port=smtp.port, smtp=variant), USER, PASSWORD, None)
+        with pytest.raises(MailRefused, match="certificate is not trusted") as refused:
+            await module.send("user@example.com", "Hello", "Not to an impostor.")
+    assert f"SMTP 127.0.0.1:{smtp.port}" in str(refused.value)
+    assert smtp.logins == [] and smtp.messages == []
