@@ -30,11 +30,14 @@ from butlers.daemon import (
 )
 from butlers.db import prepare_database, running, server_from_environment
 from butlers.errors import ButlersError
+from butlers.redact import Redactor, install_log_redaction
 from butlers.telemetry import Telemetry
 
 logger = logging.getLogger("butlers")
 
 DEFAULT_CONFIG_DIR = Path("config/butlers")
+# The process's log redaction: installed once by cli(), told more secrets as configs load.
+LOG_REDACTOR = Redactor()
 
 
 class CommandError(ButlersError):
@@ -90,6 +93,7 @@ async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -
     stop = asyncio.Event()
     _install_stop_signals(stop)
     configs = _select(config_dir, only)
+    LOG_REDACTOR.add(Redactor.from_environment(configs).secrets)
     server = server_from_environment()
     telemetry = Telemetry.from_environment()
     async with running(server), _flushed(telemetry):
@@ -423,6 +427,10 @@ async def cli(argv: Sequence[str]) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request URL at INFO, and Bot API URLs carry the bot token.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    install_log_redaction(LOG_REDACTOR)
+    LOG_REDACTOR.add(Redactor.from_environment().secrets)
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
     if args.command == "gateway":

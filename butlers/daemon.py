@@ -28,6 +28,7 @@ from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
+from butlers.redact import Redactor
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
@@ -174,6 +175,8 @@ class ButlerDaemon:
         assert self._pool is not None
         assert self.context is not None
         context = self.context
+        redactor = Redactor.from_environment([self.config])
+        redactor.add([self.auth_token] if self.auth_token else [])
         self.switchboard = attach_switchboard(
             mcp,
             SwitchboardStore(self._pool),
@@ -185,6 +188,7 @@ class ButlerDaemon:
             triage_rules=self.config.triage,
             limits=self.config.switchboard,
             auth_token=self.auth_token,
+            redact=redactor,
         )
         report = await self.switchboard.discover()
         for error in report["errors"]:

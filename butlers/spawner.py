@@ -3,14 +3,22 @@
 The session sees only the butler's own MCP endpoint (strict MCP config, no built-in tools,
 an explicit allow-list), runs under `permission_mode="dontAsk"` with bounded turns and a
 timeout, and is serialised per butler. Every session, successful or not, is a `sessions` row.
+
+Claude Code reads text written by strangers, so it gets nothing it does not need: its MCP
+config (with the auth token and a classification's credential in its headers) goes through a
+private file, not the command line that `ps` shows every user; and of the daemon's
+environment (bot token, mail password, DATABASE_URL) it keeps only an allowlist
+(butlers.environment).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -19,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from butlers.config import ButlerConfig
+from butlers.environment import claude_code_keeps
 from butlers.errors import SpawnError
 from butlers.store import CoreStore
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
@@ -160,24 +169,17 @@ class Spawner:
         )
         return outcome
 
-    def _options(self, target: McpTarget, system_prompt: str):
+    def _options(self, target: McpTarget, system_prompt: str, mcp_config: Path):
         from claude_agent_sdk import ClaudeAgentOptions
 
         carrier = current_carrier()
-        headers = dict(target.headers)
-        headers.update(carrier)
-        if self.auth_token:
-            headers["Authorization"] = f"Bearer {self.auth_token}"
         env = {**_CLI_ENV, **self.telemetry.cli_env, **self.session_env}
         if "traceparent" in carrier:
             env["TRACEPARENT"] = carrier["traceparent"]
             if "tracestate" in carrier:
                 env["TRACESTATE"] = carrier["tracestate"]
-        self.work_dir.mkdir(parents=True, exist_ok=True)
         return ClaudeAgentOptions(
-            mcp_servers={
-                target.name: {"type": target.transport, "url": target.url, "headers": headers}
-            },
+            mcp_servers=mcp_config,  # a path: what is in it never shows in the command line
             strict_mcp_config=True,
             tools=[],
             allowed_tools=target.qualified(target.allowed_tools),
@@ -192,6 +194,17 @@ class Spawner:
             env=env,
         )
 
+    def _mcp_servers(self, target: McpTarget) -> dict[str, Any]:
+        headers = dict(target.headers)
+        headers.update(current_carrier())
+        if self.auth_token:
+            headers["Authorization"] = f"Bearer {self.auth_token}"
+        return {
+            "mcpServers": {
+                target.name: {"type": target.transport, "url": target.url, "headers": headers}
+            }
+        }
+
     async def _query(
         self,
         prompt: str,
@@ -202,25 +215,74 @@ class Spawner:
         from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
         from claude_agent_sdk.types import ToolUseBlock
 
-        options = self._options(target, system_prompt)
-        result: ResultMessage | None = None
-        # aclosing: on timeout or failure the generator is closed, which ends the CLI process.
-        async with contextlib.aclosing(query(prompt=prompt, options=options)) as messages:
-            async for message in messages:
-                if isinstance(message, SystemMessage) and message.subtype == "init":
-                    _check_connected(message.data, target)
-                elif isinstance(message, AssistantMessage):
-                    for block in message.content:
-                        if isinstance(block, ToolUseBlock):
-                            tool_calls.append({"name": block.name, "input": block.input})
-                elif isinstance(message, ResultMessage):
-                    result = message
+        config_path = await asyncio.to_thread(
+            write_private_file, self.work_dir / ".mcp", json.dumps(self._mcp_servers(target))
+        )
+        try:
+            options = self._options(target, system_prompt, config_path)
+            transport = _AllowlistedEnvironmentTransport(prompt, options)
+            result: ResultMessage | None = None
+            # aclosing: on timeout or failure the generator is closed, which ends the CLI.
+            async with contextlib.aclosing(
+                query(prompt=prompt, options=options, transport=transport)
+            ) as messages:
+                async for message in messages:
+                    if isinstance(message, SystemMessage) and message.subtype == "init":
+                        _check_connected(message.data, target)
+                    elif isinstance(message, AssistantMessage):
+                        for block in message.content:
+                            if isinstance(block, ToolUseBlock):
+                                tool_calls.append({"name": block.name, "input": block.input})
+                    elif isinstance(message, ResultMessage):
+                        result = message
+        finally:
+            await asyncio.to_thread(config_path.unlink, missing_ok=True)
         if result is None:
             raise SpawnError("Claude Code ended without a result")
         if result.is_error:
             detail = "; ".join(result.errors or []) or result.result or result.subtype
             raise SpawnError(f"Claude Code session failed: {detail}")
         return result.result or ""
+
+
+def write_private_file(directory: Path, text: str) -> Path:
+    """A new file only this user can read, in a directory only this user can enter."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    path = directory / f"{uuid.uuid4().hex}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path
+
+
+def _subprocess_transport() -> type:
+    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+
+    return SubprocessCLITransport
+
+
+class _AllowlistedEnvironmentTransport(_subprocess_transport()):  # type: ignore[misc]
+    """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
+
+    The SDK always passes our whole environment down (its `env` option only adds to it). So the
+    command goes through `env -u NAME ...`, which drops every variable Claude Code has no use
+    for before it starts: only their names are on the command line, never their values.
+    """
+
+    def _build_command(self) -> list[str]:
+        command = super()._build_command()
+        ours = self._options.env
+        dropped = sorted(
+            name for name in os.environ if name not in ours and not claude_code_keeps(name)
+        )
+        if not dropped:
+            return command
+        unset = [arg for name in dropped for arg in ("-u", name)]
+        return [_ENV_BINARY, *unset, "--", *command]
+
+
+_ENV_BINARY = shutil.which("env") or "/usr/bin/env"
 
 
 def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:

@@ -177,7 +177,14 @@ def test_mcp_json_files_are_checked(tmp_path: Path) -> None:
 def mcp_json(directory: Path, name: str, *mock_args: str, **fields: Any) -> Path:
     child = directory / "mcps" / name
     child.mkdir(parents=True, exist_ok=True)
-    spec = {"name": name, "command": {"cmd": sys.executable, "args": [MOCK, *mock_args]}, **fields}
+    # A child gets PATH, HOME, locale and TZ plus what its .mcp.json declares, nothing else
+    # of the gateway's environment: the mock finds the pid file through its declared env.
+    command = {
+        "cmd": sys.executable,
+        "args": [MOCK, *mock_args],
+        "env": {"MOCK_MCP_PIDS": str(directory / "pids")},
+    }
+    spec = {"name": name, "command": command, **fields}
     (child / ".mcp.json").write_text(json.dumps(spec))
     return child
 
@@ -233,7 +240,7 @@ class Host:
 
 def _env(workdir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
-    env["MOCK_MCP_PIDS"] = str(workdir / "pids")
+    env["TELEGRAM_BOT_TOKEN"] = GATEWAY_SECRET  # the gateway's, never a child's
     return env | (extra or {})
 
 
@@ -261,6 +268,14 @@ async def stdio_host(workdir: Path, *args: str) -> AsyncIterator[Host]:
 
 def _append(path: Path):
     return path.open("a")
+
+
+GATEWAY_SECRET = "7000:gateway-process-secret"
+
+
+def child_environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def child_pids(workdir: Path) -> list[int]:
@@ -309,6 +324,11 @@ async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_ca
             assert result.structured_content["echo"] == f"hi {suite}"
             assert result.structured_content["cwd"] == str(workdir / "mcps" / suite[:-6])
         assert len(child_pids(workdir)) == 3  # spawned once each, then reused
+        for pid in child_pids(workdir):  # an allowlisted environment plus the declared env
+            environment = child_environment(pid)
+            assert "TELEGRAM_BOT_TOKEN" not in environment
+            assert GATEWAY_SECRET not in json.dumps(environment)
+            assert {"PATH", "MOCK_MCP_PIDS"} <= set(environment)
         result = await host.suite("plain_suite", "call", "add", a=2, b=3)
         assert text_of(result) == "5" and len(child_pids(workdir)) == 3
 

@@ -87,13 +87,14 @@ async def start_fleet(
     names=("general", "health", "relationship"),
     database=None,
     switchboard_port=None,
+    auth_token=None,
     **switchboard_overrides,
 ):
     config_dir = tmp_path / "config"
     targets = {}
     if not (config_dir / "switchboard").exists():
         for name in names:
-            daemon = await start_butler(butler_config(name))
+            daemon = await start_butler(butler_config(name), auth_token=auth_token)
             write_butler_dir(config_dir, name, daemon.port, description=f"{name.title()} things.")
             targets[name] = daemon
     port = switchboard_port or free_port()
@@ -103,6 +104,7 @@ async def start_fleet(
         config_dir=config_dir,
         session_env=switchboard_env,
         database=database,
+        auth_token=auth_token,
     )
     return switchboard, targets
 

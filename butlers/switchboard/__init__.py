@@ -93,11 +93,12 @@ def attach_switchboard(
     triage_rules: Sequence[TriageRule] = (),
     limits: SwitchboardConfig,
     auth_token: str | None,
+    redact: Callable[[str], str] = str,
 ) -> Switchboard:
     """Create the switchboard's parts and register route, list_butlers, discover and ask."""
     pool = McpClientPool(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
-    router = Router(store, pool, tracer=tracer)
+    router = Router(store, pool, tracer=tracer, redact=redact)
     worker = InboxWorker(
         inbox=inbox,
         store=store,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +98,11 @@ class Router:
         *,
         tracer: Tracer,
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
+        redact: Callable[[str], str] = str,
     ) -> None:
         self.store = store
+        # routing_log keeps a summary of the arguments and the error: no configured secret.
+        self.redact = redact
         self.pool = pool
         self.tracer = tracer
         self.timeout_s = timeout_s
@@ -191,14 +195,17 @@ class Router:
                 source_id=source.source_id,
                 routed_to=butler_name,
                 tool_name=tool_name,
-                prompt_summary=summarize(arguments),
+                prompt_summary=self._redacted(summarize(arguments)),
                 trace_id=current_trace_id(),
                 success=error is None,
-                error=error[:ERROR_CHARS] if error else None,
+                error=self._redacted(error[:ERROR_CHARS] if error else None),
                 duration_ms=int((time.monotonic() - started) * 1000),
                 inbox_id=source.inbox_id,
             )
         )
+
+    def _redacted(self, text: str | None) -> str | None:
+        return None if text is None else self.redact(text)
 
     async def is_routable(self, butler_name: str) -> bool:
         """A registered butler other than the switchboard."""

@@ -55,7 +55,7 @@ class ScriptedMessagesAPI:
         self.release_at_in_flight = 0
         # Per request: how long to hold it (overrides delay_s), e.g. only a slow butler's.
         self.delay_for: Callable[[dict[str, Any]], float] | None = None
-        self._release_all = False
+        self._releases = 0  # release_held() calls so far: a held request waits for the next
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -75,9 +75,9 @@ class ScriptedMessagesAPI:
         return next(b for b in self.requests if matches(b))
 
     async def release_held(self) -> None:
-        """Answer every request held by a delay now (and later ones at once)."""
+        """Answer every request held by a delay now (later ones are held as usual)."""
         async with self._changed:
-            self._release_all = True
+            self._releases += 1
             self._changed.notify_all()
 
     def reset(self) -> None:
@@ -88,7 +88,6 @@ class ScriptedMessagesAPI:
         self.delay_s = 0.0
         self.release_at_in_flight = 0
         self.delay_for = None
-        self._release_all = False
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -125,18 +124,18 @@ class ScriptedMessagesAPI:
             delay_s = self.delay_for(body) if self.delay_for is not None else self.delay_s
             if delay_s:  # a "slow model"; ends early when the API stops
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._released(), delay_s)
+                    await asyncio.wait_for(self._released(self._releases), delay_s)
             return await self._reply(request, body)
         finally:
             self.in_flight -= 1
 
-    async def _released(self) -> None:
+    async def _released(self, releases: int) -> None:
         """Until the API stops, or `release_at_in_flight` requests are in flight together."""
         async with self._changed:
             await self._changed.wait_for(
                 lambda: (
                     self._stopping.is_set()
-                    or self._release_all
+                    or self._releases > releases
                     or (
                         self.release_at_in_flight > 0
                         and self.in_flight >= self.release_at_in_flight

@@ -74,13 +74,16 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         self.receiver = receiver
 
     async def Export(self, request, context):  # the generated servicer names it so
-        await self.receiver._add(decode(request, "grpc"))
+        await self.receiver._add(decode(request, "grpc"), request.SerializeToString())
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
 class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        # Every export request as it came (protobuf): events, status messages and resources
+        # included, for checks that must see everything, e.g. that no secret was exported.
+        self.exports: list[bytes] = []
         self.http_url = ""
         self.grpc_url = ""
         self._changed = asyncio.Condition()
@@ -109,15 +112,17 @@ class OtlpReceiver:
     async def _http_export(self, request: web.Request) -> web.Response:
         if request.content_type != "application/x-protobuf":  # OTLP/JSON: not used by us
             return web.Response(status=415, text=f"unsupported {request.content_type}")
+        body = await request.read()
         message = trace_service_pb2.ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())
-        await self._add(decode(message, "http"))
+        message.ParseFromString(body)
+        await self._add(decode(message, "http"), body)
         reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
         return web.Response(body=reply, content_type="application/x-protobuf")
 
-    async def _add(self, spans: list[ReceivedSpan]) -> None:
+    async def _add(self, spans: list[ReceivedSpan], raw: bytes) -> None:
         async with self._changed:
             self.spans.extend(spans)
+            self.exports.append(raw)
             self._changed.notify_all()
 
     async def wait_for(

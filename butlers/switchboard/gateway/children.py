@@ -31,7 +31,7 @@ class ChildSpec:
     name: str
     description: str | None = None
     switchboard_description: str | None = None
-    # A stdio child: the command, run in `cwd` with the gateway's environment plus `env`.
+    # A stdio child: the command, run in `cwd` with PATH, HOME, locale and TZ plus `env`.
     cmd: str | None = None
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)

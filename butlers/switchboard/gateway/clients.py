@@ -20,6 +20,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from butlers.environment import gateway_child_environment
 from butlers.errors import ButlersError
 from butlers.switchboard.gateway.children import ChildSpec
 
@@ -151,7 +152,7 @@ class StdioChild:
                 spec.cmd,
                 *spec.args,
                 cwd=spec.cwd,
-                env={**os.environ, **spec.env},
+                env=gateway_child_environment(spec.env),  # not our secrets
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=None,  # the child's own diagnostics go where the gateway's go

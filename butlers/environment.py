@@ -1,0 +1,71 @@
+"""The environment each kind of child process gets: an allowlist, never the whole of ours.
+
+A butler's own environment holds the Telegram bot token, the mail password, DATABASE_URL and
+the MCP auth token. A Claude Code session reads text written by strangers, and a gateway
+child is somebody else's program: each gets only what it needs to run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# What any program needs to find its tools, its home, its time zone and its language.
+BASE_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TZ", "LANG", "LANGUAGE", "TERM"}
+)
+BASE_PREFIXES = ("LC_",)
+
+# Claude Code besides: its own settings and credentials, OpenTelemetry (its spans join ours),
+# the trace context, and how it reaches the Anthropic API (a proxy, a private CA).
+CLAUDE_CODE_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_")
+CLAUDE_CODE_NAMES = frozenset(
+    {
+        "TRACEPARENT",
+        "TRACESTATE",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "NODE_EXTRA_CA_CERTS",
+        "XDG_CONFIG_HOME",
+        "XDG_CACHE_HOME",
+        "XDG_DATA_HOME",
+        "XDG_STATE_HOME",
+    }
+)
+# Claude Code on Amazon Bedrock or Google Vertex takes that cloud's credentials, and only then.
+CLOUD_PREFIXES = {
+    "CLAUDE_CODE_USE_BEDROCK": ("AWS_",),
+    "CLAUDE_CODE_USE_VERTEX": ("GOOGLE_", "CLOUD_ML_", "VERTEX_"),
+}
+
+
+def is_base(name: str) -> bool:
+    return name in BASE_NAMES or name.startswith(BASE_PREFIXES)
+
+
+def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """PATH, HOME, locale, TZ and the like, from `environ` (default: ours)."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items() if is_base(name)}
+
+
+def claude_code_keeps(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a Claude Code session may see the variable `name` of `environ`."""
+    environ = os.environ if environ is None else environ
+    if is_base(name) or name in CLAUDE_CODE_NAMES or name.startswith(CLAUDE_CODE_PREFIXES):
+        return True
+    return any(
+        environ.get(switch) and name.startswith(prefixes)
+        for switch, prefixes in CLOUD_PREFIXES.items()
+    )
+
+
+def gateway_child_environment(own: Mapping[str, str]) -> dict[str, str]:
+    """A gateway child (an MCP server from a .mcp.json): the base plus its declared `env`."""
+    return {**base_environment(), **own}
