@@ -192,6 +192,8 @@ class EmbeddedServer:
         user's (say /root): we only check them and say what blocks, where chmod-ing them
         open (what the wheel's helpers do) would quietly expose the user's files.
         """
+        if account.switches:
+            self._check_server_can_reach(account)
         created = _make_missing_dirs(self.pgdata.parent)
         if account.switches:
             for directory in created:  # ours: give them what the server's account needs
@@ -206,9 +208,11 @@ class EmbeddedServer:
                 f"cannot create the PostgreSQL data directory {self.pgdata}: {exc.strerror}; "
                 "set BUTLERS_DATA_DIR to a directory you can write"
             ) from exc
-        if not account.switches:
-            return
+        if account.switches and self.pgdata.stat().st_uid != account.uid:
+            os.chown(self.pgdata, account.uid, account.gid)
 
+    def _check_server_can_reach(self, account: _ServerAccount) -> None:
+        """Before creating anything: can the server's account get to its programs and data?"""
         ensure_folder_permissions = _embedded_utils().ensure_folder_permissions
         # The wheel's own files (not their parent directories) may be made readable: they are
         # the package's, and pip may have installed them with a restrictive umask.
@@ -217,13 +221,6 @@ class EmbeddedServer:
         execute = stat.S_IXGRP | stat.S_IXOTH
         ensure_folder_permissions(bin_dir, execute | read)
         ensure_folder_permissions(bin_dir.parent / "lib", read)
-
-        data_fix = (
-            "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
-            "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
-            "your own"
-        )
-        _check_reachable(self.pgdata, account, "its data directory", data_fix)
         wheel_fix = (
             "install butlers (its virtualenv) outside {directory}, run butlers as an ordinary "
             "user, or set DATABASE_URL to a PostgreSQL server of your own"
@@ -232,14 +229,18 @@ class EmbeddedServer:
             _check_reachable(
                 directory, account, "the PostgreSQL programs", wheel_fix, include_self=True
             )
-        if self.pgdata.stat().st_uid != account.uid:
-            os.chown(self.pgdata, account.uid, account.gid)
+        data_fix = (
+            "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
+            "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
+            "your own"
+        )
+        _check_reachable(self.pgdata, account, "its data directory", data_fix)
 
     def _choose_socket_dir(self, account: _ServerAccount) -> Path:
         """pgdata itself when the socket's path fits a sockaddr_un; else a private directory.
 
         The private directory is <base>/<hash of pgdata>, base being $XDG_RUNTIME_DIR/butlers-pg
-        (ours, when the server runs as us) or $TMPDIR or /tmp /butlers-pg-<server uid>: one per
+        (ours, when the server runs as us) or ($TMPDIR or /tmp)/butlers-pg-<server uid>: one per
         account, so no user can lock another out, each 0700 and owned by the server's account.
         """
         if _socket_path_fits(self.pgdata):
@@ -389,6 +390,8 @@ def _check_reachable(
     for directory in _ancestors(target, include_self):
         try:
             st = os.stat(directory)
+        except FileNotFoundError:
+            continue  # ours to create (and to give what the account needs)
         except OSError as exc:
             raise DatabaseError(f"cannot inspect {directory}: {exc.strerror}") from exc
         if not account.may_search(st):

@@ -212,6 +212,7 @@ async def test_a_directory_the_server_cannot_pass_is_named_with_the_fix(pg_home:
     assert f"set BUTLERS_DATA_DIR to a directory outside {private}" in message
     assert "set DATABASE_URL" in message
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert list(private.iterdir()) == []  # checked before creating anything
     assert _postgres_on(server.pgdata) == []
 
 
