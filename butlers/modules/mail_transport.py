@@ -192,9 +192,11 @@ def imap_abort(client: aioimaplib.IMAP4) -> None:
 
 
 async def imap_close(client: aioimaplib.IMAP4) -> None:
-    """LOGOUT politely (bounded), then close."""
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(client.logout(), 5)
+    """LOGOUT politely (bounded, and not on a connection already gone), then close."""
+    transport = client.protocol.transport
+    if transport is not None and not transport.is_closing():
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.logout(), 5)
     imap_abort(client)
 
 
