@@ -1,0 +1,182 @@
+"""Whom a mail is from, and whether to believe it: exactly one well-formed From address (what
+email.utils.parseaddr misreads, CVE-2023-27043, is refused), and with
+`require_authentication_results` a DMARC pass from our own MTA's authserv-id."""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+
+import pytest
+
+from butlers.modules.email import _mail_from_json
+from butlers.modules.mail_parse import dmarc_refusal, parse_mail, single_address
+from tests.conftest import log_records
+from tests.fakes.mail import RecordingWorker, imap_append, pymap_server
+from tests.test_email_tls import PASSWORD, USER, email_config, running, wait_until_seen
+
+# Each is read by parseaddr as user@example.com, though a mail client shows (and a reply goes
+# to) someone else, or nobody in particular.
+MISREAD = [
+    "user@example.com)<attacker@evil.example>",
+    "<user@example.com>attacker@evil.example",
+    "user@example.com <attacker@evil.example>",
+]
+
+MX = "mx.butler.example"  # our MTA's authserv-id
+
+
+def raw_mail(sender: str, message_id: str, *headers: str, body: str = "Hello.") -> bytes:
+    lines = [
+        f"From: {sender}",
+        "To: butler@example.com",
+        "Subject: hi",
+        f"Message-ID: {message_id}",
+    ]
+    return ("\r\n".join([*headers, *lines]) + f"\r\n\r\n{body}\r\n").encode()
+
+
+# -- one From address ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", MISREAD)
+def test_what_parseaddr_misreads_is_refused(value: str) -> None:
+    assert email.utils.parseaddr(value)[1] == "user@example.com"  # the misreading
+    with pytest.raises(ValueError, match="malformed"):
+        single_address([value])
+    parsed = parse_mail(raw_mail(value, "<m@x>"))
+    assert parsed.sender == "" and parsed.refused and "malformed" in parsed.refused
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("a@example.com, b@example.com", "names 2 addresses"),
+        ("friends: user@example.com;", "group syntax"),
+        ("undisclosed-recipients:;", "names 0 addresses"),
+        ("user@example.com, undisclosed-recipients:;", "group syntax"),
+        ("", "names 0 addresses"),
+        ("not an address", "malformed"),
+        ("user", "malformed"),
+        ("<>", "malformed"),
+        ("Ada <user@example.com", "malformed"),
+        ("user@example.com\x00", "malformed"),
+    ],
+)
+def test_anything_but_one_well_formed_address_is_refused(value: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        single_address([value])
+
+
+def test_two_from_headers_are_refused() -> None:
+    raw = raw_mail("user@example.com", "<m@x>", "From: attacker@evil.example")
+    assert parse_mail(raw).refused == "2 From headers"
+    assert parse_mail(raw_mail("user@example.com", "<m@x>")).refused is None
+    assert parse_mail(b"Subject: no sender\r\n\r\nHi\r\n").refused == "no From header"
+
+
+@pytest.mark.parametrize(
+    ("value", "address", "name"),
+    [
+        ("user@example.com", "user@example.com", ""),
+        ("Ada <User@Example.COM>", "user@example.com", "Ada"),
+        ("=?utf-8?q?Ad=C3=A1?= <user@example.com>", "user@example.com", "Adá"),
+        ('"user@example.com" <attacker@evil.example>', "attacker@evil.example", "user@example.com"),
+        ("attacker@evil.example (user@example.com)", "attacker@evil.example", ""),
+        # Obsolete syntax (RFC 5322 section 4) is unambiguous, and must be accepted.
+        ("Dr. Ada <ada@example.com>", "ada@example.com", "Dr. Ada"),
+    ],
+)
+def test_one_well_formed_address_is_read_as_what_it_says(value, address, name) -> None:
+    assert single_address([value]) == (address, name)
+
+
+# -- Authentication-Results -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "refusal"),
+    [
+        ([f"{MX}; dmarc=pass (p=reject) header.from=example.com"], None),
+        ([f"{MX.upper()}; DMARC=PASS header.from=Example.COM"], None),
+        ([f"{MX} 1; spf=pass smtp.mailfrom=example.com; dmarc=pass"], None),
+        # Split over two headers of ours (one per filter), the DMARC one lower down.
+        ([f"{MX}; dkim=pass header.d=example.com", f"{MX}; dmarc=pass"], None),
+        ([f"{MX}; dmarc=fail (p=reject) header.from=example.com"], "DMARC fail"),
+        ([f"{MX}; dmarc=none header.from=example.com"], "DMARC none"),
+        ([], "no DMARC result from mx.butler.example"),
+        ([f"{MX}; spf=pass smtp.mailfrom=example.com"], "no DMARC result"),
+        # Forged: another authserv-id (the sender's own, or anyone's) does not count.
+        (["mx.evil.example; dmarc=pass header.from=example.com"], "no DMARC result"),
+        # Ours (topmost) says fail; what the mail arrived with below says pass.
+        (
+            [f"{MX}; dmarc=fail header.from=example.com", f"{MX}; dmarc=pass"],
+            "DMARC fail",
+        ),
+        # Passed, but for another domain than the From header's.
+        ([f"{MX}; dmarc=pass header.from=evil.example"], "not for the From domain"),
+        # Malformed: cannot be attributed to anyone.
+        ([f"{MX}; dmarc=", f"{MX} (unterminated; dmarc=pass"], "no DMARC result"),
+        (["", ";;;"], "no DMARC result"),
+    ],
+)
+def test_only_a_dmarc_pass_from_our_authserv_id_counts(headers, refusal) -> None:
+    result = dmarc_refusal(headers, MX, "example.com")
+    assert result is None if refusal is None else (result is not None and refusal in result)
+
+
+# -- through IMAP ---------------------------------------------------------------------------------
+
+
+async def test_refused_mail_is_logged_marked_seen_and_never_stored() -> None:
+    """With require_authentication_results: mails whose From parseaddr misreads, or whose DMARC
+    pass is forged or missing, are refused (a WARNING with the reason, not the body) and
+    flagged seen; the genuine mail behind them is stored."""
+    passing = f"Authentication-Results: {MX}; dmarc=pass header.from=example.com"
+    forged = "Authentication-Results: mx.evil.example; dmarc=pass header.from=example.com"
+    mails = [
+        raw_mail(MISREAD[0], "<misread-1@x>", passing, body="SECRET-BODY-1"),
+        raw_mail(MISREAD[1], "<misread-2@x>", passing, body="SECRET-BODY-2"),
+        raw_mail("user@example.com", "<forged@x>", forged, body="SECRET-BODY-3"),
+        raw_mail("user@example.com", "<no-dmarc@x>", body="SECRET-BODY-4"),
+        raw_mail("user@example.com", "<genuine@x>", passing),
+    ]
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        for raw in mails:
+            await imap_append(port, USER, PASSWORD, raw)
+        config = email_config(imap_port=port, mode="poll", require_authentication_results=MX)
+        with log_records("butlers.modules.email") as records:
+            async with running(config, worker):
+                await worker.wait_for("<genuine@x>")
+                await wait_until_seen(port)
+    assert worker.ids == ["<genuine@x>"]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4, warnings
+    assert "'<misread-1@x>'" in warnings[0] and "malformed" in warnings[0]
+    assert "'<misread-2@x>'" in warnings[1] and "malformed" in warnings[1]
+    assert "no DMARC result from mx.butler.example" in warnings[2]
+    assert "no DMARC result from mx.butler.example" in warnings[3]
+    assert not any("SECRET-BODY" in w for w in warnings)
+
+
+# -- the webhook ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [*MISREAD, "a@example.com, b@example.com", "g: a@example.com;"])
+def test_the_webhook_applies_the_same_address_rules(value: str) -> None:
+    with pytest.raises(ValueError):
+        _mail_from_json({"from": value, "text": "hi", "message_id": "<w@x>"})
+
+
+def test_the_webhook_carries_authentication_results() -> None:
+    mail = _mail_from_json(
+        {
+            "from": "Ada <user@example.com>",
+            "text": "hi",
+            "message_id": "<w@x>",
+            "headers": {"Authentication-Results": [f"{MX}; dmarc=pass", "x; dmarc=fail"]},
+        }
+    )
+    assert (mail.sender, mail.sender_name) == ("user@example.com", "Ada")
+    assert mail.authentication_results == (f"{MX}; dmarc=pass", "x; dmarc=fail")
