@@ -25,7 +25,7 @@ from butlers.context import ButlerContext
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
-from butlers.http import ButlerApp, EmbeddedUvicorn, build_app
+from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
 from butlers.redact import Redactor
@@ -113,6 +113,7 @@ class ButlerDaemon:
 
     async def _start(self) -> None:
         config = self.config
+        require_token_beyond_loopback(f"butler {config.name!r}", config.host, self.auth_token)
         self._pool = await create_pool(self.db_server, config.database)
         store = CoreStore(self._pool)
         sock = self._bind()
@@ -141,7 +142,12 @@ class ButlerDaemon:
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
         app, self._app = build_app(
-            mcp, self._health, auth_token=self.auth_token, allowed_hosts=self._allowed_hosts()
+            mcp,
+            self._health,
+            auth_token=self.auth_token,
+            allowed_hosts=self._allowed_hosts(),
+            webhooks=self._modules.webhooks,
+            max_request_bytes=config.switchboard.max_request_bytes,
         )
         uv_config = uvicorn.Config(
             app,

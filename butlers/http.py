@@ -1,7 +1,14 @@
-"""A butler's HTTP surface: MCP over SSE and streamable HTTP, /health, and a bearer token.
+"""A butler's HTTP surface: MCP over SSE and streamable HTTP, /health, webhooks, a bearer
+token and a body limit.
 
 FastMCP builds one Starlette app per transport; a butler serves both on one port, so the SSE
 routes are merged into the streamable-HTTP app (whose lifespan runs the server's lifespan).
+
+Who may reach what: MCP endpoints need the bearer token when one is set, and their Host and
+Origin must name this machine (a web page in the user's browser must not drive a loopback
+butler through DNS rebinding). Webhooks arrive through reverse proxies that keep the public
+Host, so they skip that check and prove themselves with their own secrets instead. Listening
+beyond loopback without a token is refused at start. No request body may exceed the limit.
 """
 
 from __future__ import annotations
@@ -9,19 +16,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import uvicorn
 from fastmcp import FastMCP
 from starlette.applications import Starlette
+from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from butlers.errors import ButlersError
 
 SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/health"
 _PROTECTED_PREFIXES = (SSE_PATH, MESSAGES_PATH, MCP_PATH)
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (a name other than localhost is
+    taken to be reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_beyond_loopback(what: str, host: str, auth_token: str | None) -> None:
+    """Listening beyond this machine without a bearer token would hand every tool (state,
+    schedules, sessions, route) to anyone who can reach the port: refuse to start."""
+    if not is_loopback(host) and not auth_token:
+        raise ButlersError(
+            f"{what} is set to listen on {host}, beyond this machine, without a token: set "
+            f"{AUTH_TOKEN_ENV} (every MCP endpoint then requires it as a bearer token), or "
+            "listen on 127.0.0.1 behind a reverse proxy"
+        )
+
+
+def secret_matches(supplied: str | None, expected: str | None) -> bool:
+    """Compare a secret from a request header with ours, in constant time, as bytes: str
+    comparison fails on non-ASCII (a TypeError, i.e. a 500); a header arrives as latin-1."""
+    if not expected or supplied is None:
+        return False
+    return hmac.compare_digest(supplied.encode("latin-1", "replace"), expected.encode())
 
 
 class EmbeddedUvicorn(uvicorn.Server):
@@ -64,6 +107,64 @@ async def _json(send: Send, status: int, body: dict, extra: list | None = None) 
     await send({"type": "http.response.body", "body": payload})
 
 
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: MCP messages, webhooks and `ask` alike.
+
+    A declared Content-Length is checked before anything is read (the HTTP parser never hands
+    over more than it declares); a chunked body is counted as it arrives.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:
+            if not length.isdigit():
+                await _json(send, 400, {"error": "bad Content-Length"})
+            elif int(length) > self.max_bytes:
+                await self._too_large(send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        await _json(send, 413, {"error": f"request body over {self.max_bytes} bytes"})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
 class ButlerApp:
     """The ASGI app of one butler, able to end its open streams when the butler stops.
 
@@ -78,6 +179,7 @@ class ButlerApp:
         health: Callable[[], Awaitable[tuple[int, dict]]],
         *,
         allowed_hosts: list[str] | None = None,
+        webhooks: Sequence[BaseRoute] = (),
     ) -> None:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
@@ -92,6 +194,9 @@ class ButlerApp:
         ]
         self._health = health
         self._draining = asyncio.Event()
+        # Served before (and without) the Host/Origin guard: see the module docstring.
+        self._webhook_paths = {getattr(route, "path", "") for route in webhooks}
+        self._webhooks = Router(routes=list(webhooks))
 
     def drain(self) -> None:
         self._draining.set()
@@ -103,6 +208,9 @@ class ButlerApp:
         if scope["path"] == HEALTH_PATH:
             status, body = await self._health()
             await _json(send, status, body)
+            return
+        if scope["path"] in self._webhook_paths:
+            await self._webhooks(scope, receive, send)
             return
         if scope["method"] == "GET":  # long-lived streams: an MCP session's SSE stream
             receive = self._until_drained(receive)
@@ -158,7 +266,11 @@ def build_app(
     *,
     auth_token: str | None,
     allowed_hosts: list[str] | None = None,
+    webhooks: Sequence[BaseRoute] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[ASGIApp, ButlerApp]:
-    """The served app (behind the bearer check when a token is set) and the app itself."""
-    app = ButlerApp(mcp, health, allowed_hosts=allowed_hosts)
-    return (BearerTokenMiddleware(app, auth_token) if auth_token else app), app
+    """The served app (body limit, then the bearer check when a token is set) and the app
+    itself."""
+    app = ButlerApp(mcp, health, allowed_hosts=allowed_hosts, webhooks=webhooks)
+    served: ASGIApp = BearerTokenMiddleware(app, auth_token) if auth_token else app
+    return BodyLimitMiddleware(served, max_request_bytes), app

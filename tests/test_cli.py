@@ -9,7 +9,9 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -133,10 +135,15 @@ class Butlers:
 
 
 @pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
+def cli_env() -> Iterator[dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
-    env["BUTLERS_DATA_DIR"] = str(tmp_path / "data")
-    return env
+    # Not under pytest's basetemp (0700): as root the embedded PostgreSQL runs as an
+    # unprivileged user, who must pass through every directory above its data.
+    root = Path(tempfile.mkdtemp(prefix="butlers-test-cli-"))
+    os.chmod(root, 0o711)
+    env["BUTLERS_DATA_DIR"] = str(root / "data")
+    yield env
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

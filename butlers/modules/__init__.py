@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from fastmcp import FastMCP
+from starlette.routing import BaseRoute
 
 from butlers.config import ButlerConfig
 from butlers.context import ModuleStatus
@@ -39,6 +40,8 @@ class Modules:
 
     running: list[RunningModule] = field(default_factory=list)
     skipped: list[ModuleStatus] = field(default_factory=list)
+    # Routes that arrive through reverse proxies and carry their own secrets (see butlers.http).
+    webhooks: list[BaseRoute] = field(default_factory=list)
 
     def statuses(self) -> list[ModuleStatus]:
         return [m.status for m in self.running] + self.skipped
@@ -70,9 +73,13 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
 
             worker = switchboard.worker if switchboard is not None else None
             telegram = TelegramModule(
-                config.telegram, os.environ[config.telegram.token_env], worker
+                config.telegram,
+                os.environ[config.telegram.token_env],
+                worker,
+                webhook_secret=os.environ.get(config.telegram.webhook_secret_env) or None,
             )
-            telegram.register(mcp, os.environ.get(config.telegram.webhook_secret_env))
+            telegram.register(mcp)
+            modules.webhooks.extend(telegram.webhook_routes())
             if worker is not None:
                 worker.repliers["telegram"] = telegram.reply
             modules.running.append(telegram)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
 
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
 from butlers.errors import ToolRefusal
+from butlers.http import secret_matches
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.tasks import cancel_and_wait
 
@@ -38,6 +40,8 @@ BACKOFF_S = (1, 2, 5, 10, 30, 60)
 WEBHOOK_PATH = "/telegram/webhook"
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
 TEXT_ONLY = "I can only read text messages for now: please write it out."
+# What Telegram accepts as a webhook's secret_token (Bot API, setWebhook).
+WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 
 def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
@@ -59,11 +63,19 @@ def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
 class TelegramModule:
     name = "telegram"
 
-    def __init__(self, config: TelegramConfig, token: str, worker: InboxWorker | None) -> None:
+    def __init__(
+        self,
+        config: TelegramConfig,
+        token: str,
+        worker: InboxWorker | None,
+        *,
+        webhook_secret: str | None = None,
+    ) -> None:
         from telegram.ext import AIORateLimiter, ExtBot
 
         self.config = config
         self.worker = worker
+        self.webhook_secret = webhook_secret
         base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
         # A 429 would lose the reply without the rate limiter's retries.
         self.bot: ExtBot = ExtBot(
@@ -78,7 +90,7 @@ class TelegramModule:
 
     # -- tools and routes -------------------------------------------------------------------
 
-    def register(self, mcp: FastMCP, webhook_secret: str | None) -> None:
+    def register(self, mcp: FastMCP) -> None:
         module = self
 
         @mcp.tool
@@ -95,19 +107,34 @@ class TelegramModule:
                 ) from exc
             return {"chat_id": chat_id, "message_ids": ids}
 
-        if self.config.mode == "webhook" and self.worker is not None:
+    def webhook_routes(self) -> list[BaseRoute]:
+        """POST /telegram/webhook in webhook mode: Telegram (or a reverse proxy in front of
+        us) posts updates there with our secret in X-Telegram-Bot-Api-Secret-Token."""
+        if self.config.mode != "webhook" or self.worker is None:
+            return []
+        return [Route(WEBHOOK_PATH, self._webhook, methods=["POST"])]
 
-            @mcp.custom_route(WEBHOOK_PATH, methods=["POST"])
-            async def telegram_webhook(request: Request) -> Response:
-                supplied = request.headers.get("x-telegram-bot-api-secret-token", "")
-                if not webhook_secret or not hmac.compare_digest(supplied, webhook_secret):
-                    return JSONResponse({"error": "wrong secret token"}, status_code=401)
-                try:
-                    data = await request.json()
-                except ValueError:
-                    return JSONResponse({"error": "body is not JSON"}, status_code=400)
-                await module.handle_update_json(data)
-                return JSONResponse({"ok": True})  # only now: the message is in the inbox
+    async def _webhook(self, request: Request) -> Response:
+        supplied = request.headers.get("x-telegram-bot-api-secret-token")
+        if not secret_matches(supplied, self.webhook_secret):
+            return JSONResponse({"error": "missing or wrong secret token"}, status_code=401)
+        try:
+            data = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "body is not JSON"}, status_code=400)
+        if not isinstance(data, dict) or not isinstance(data.get("update_id"), int):
+            return JSONResponse({"error": "body is not a Telegram update"}, status_code=400)
+        await self.handle_update_json(data)
+        return JSONResponse({"ok": True})  # only now: the message is in the inbox
+
+    def webhook_secret_problem(self) -> str | None:
+        """Why webhook mode cannot be trusted with the configured secret, if it cannot."""
+        name = self.config.webhook_secret_env
+        if not self.webhook_secret:
+            return f"webhook mode needs a secret: set {name}"
+        if not WEBHOOK_SECRET.fullmatch(self.webhook_secret):
+            return f"{name} must be 1-256 characters of A-Z, a-z, 0-9, _ and - (Telegram's rule)"
+        return None
 
     async def send(self, chat_id: str | int, text: str) -> list[int]:
         ids = []
@@ -200,6 +227,16 @@ class TelegramModule:
                 await self.bot.initialize()
                 if self.config.mode == "polling":
                     await self.bot.delete_webhook()  # getUpdates is refused while one is set
+                elif problem := self.webhook_secret_problem():
+                    self.status = ModuleStatus(self.name, "failed", problem)
+                    logger.error("telegram: %s", problem, extra={"action": "telegram_webhook"})
+                    return
+                elif self.config.webhook_url:
+                    await self.bot.set_webhook(
+                        url=self.config.webhook_url,
+                        secret_token=self.webhook_secret,
+                        allowed_updates=["message", "edited_message"],
+                    )
                 self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
                 return
             except InvalidToken:

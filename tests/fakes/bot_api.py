@@ -28,6 +28,7 @@ class FakeBotAPI:
         self._runner: web.AppRunner | None = None
         self._closing = False
         self.url = ""
+        self.webhooks: list[dict[str, Any]] = []  # setWebhook calls, with their parameters
 
     # -- what the test does -----------------------------------------------------------------
 
@@ -110,6 +111,10 @@ class FakeBotAPI:
         )
 
     async def _api_deleteWebhook(self, params: dict[str, Any]) -> web.Response:
+        return web.json_response({"ok": True, "result": True})
+
+    async def _api_setWebhook(self, params: dict[str, Any]) -> web.Response:
+        self.webhooks.append(params)
         return web.json_response({"ok": True, "result": True})
 
     async def _api_getUpdates(self, params: dict[str, Any]) -> web.Response:

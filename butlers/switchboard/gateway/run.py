@@ -15,7 +15,13 @@ import uvicorn
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
-from butlers.http import BearerTokenMiddleware, EmbeddedUvicorn
+from butlers.http import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BearerTokenMiddleware,
+    BodyLimitMiddleware,
+    EmbeddedUvicorn,
+    require_token_beyond_loopback,
+)
 from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.server import CONTROL_TOOLS, Gateway
@@ -54,6 +60,8 @@ async def serve_gateway(
 ) -> int:
     """Serve until the host goes away (stdio: end of input) or `stop` is set (a signal); the
     children end with the gateway either way."""
+    if options.transport != "stdio":
+        require_token_beyond_loopback("the gateway", options.host, options.auth_token)
     gateway = await build_gateway(options, fetch_registry)
     try:
         if options.prewarm:
@@ -67,7 +75,10 @@ async def serve_gateway(
         else:
             app = gateway.mcp.http_app(
                 transport="sse" if options.transport == "sse" else "http",
-                middleware=_bearer(options.auth_token),
+                middleware=[
+                    Middleware(BodyLimitMiddleware, max_bytes=DEFAULT_MAX_REQUEST_BYTES),
+                    *_bearer(options.auth_token),
+                ],
                 host_origin_protection=True,
             )
             server = EmbeddedUvicorn(
@@ -114,6 +125,8 @@ def _tokens(chars: int) -> int:
 
 async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> str:
     """Per child and in total: the tools/list a host sees natively vs through the gateway."""
+    if options.transport != "stdio":
+        require_token_beyond_loopback("the gateway", options.host, options.auth_token)
     gateway = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()

@@ -1,0 +1,254 @@
+"""Exposing the switchboard: a Telegram webhook behind a reverse proxy that keeps the public
+Host, secrets compared as bytes, request bodies capped, and no listening beyond loopback
+without a token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from fastmcp import Client
+
+from butlers.config import SwitchboardConfig, TelegramConfig, TriageRule
+from butlers.errors import ButlersError
+from butlers.http import is_loopback, require_token_beyond_loopback
+from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.fakes.proxy import ReverseProxy
+from tests.test_cli_client import run_cli
+from tests.test_inbox import model
+
+CHAT = 31337
+SECRET = "hook-Secret_0123456789"
+PUBLIC = "https://bot.example.com/telegram/webhook"
+
+
+@pytest.fixture
+async def bot_api(monkeypatch: pytest.MonkeyPatch):
+    api = FakeBotAPI()
+    await api.start()
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", SECRET)
+    yield api
+    await api.stop()
+
+
+async def webhook_switchboard(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    **telegram,
+):
+    scripted_api.respond_with(model("general", {"general": "Via the proxy."}))
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"))
+    write_butler_dir(config_dir, "general", general.port)
+    port = free_port()
+    write_butler_dir(config_dir, "switchboard", port)
+    config = TelegramConfig(
+        allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url, **{"mode": "webhook", **telegram}
+    )
+    return await start_butler(
+        butler_config(
+            "switchboard",
+            port=port,
+            telegram=config,
+            triage=(TriageRule(butler="general", channel="telegram"),),
+            switchboard=SwitchboardConfig(max_request_bytes=256 * 1024),
+        ),
+        config_dir=config_dir,
+    )
+
+
+async def wait_for(condition, timeout_s: float = 30) -> None:
+    """Until the fake Bot API's call log shows what we wait for (it has no event for it)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def raw_post(base_url: str, path: str, headers: bytes, body: bytes) -> int:
+    """A request written byte by byte: clients refuse to send non-ASCII header values, an
+    attacker does not."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + f"{host}:{port}".encode()
+            + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            + headers
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )  # fmt: skip
+        await writer.drain()
+        status_line = await reader.readline()
+        return int(status_line.split()[1])
+    finally:
+        writer.close()
+
+
+async def test_webhook_behind_a_proxy_that_keeps_the_host(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    switchboard = await webhook_switchboard(
+        start_butler, tmp_path, bot_api, scripted_api, webhook_url=PUBLIC
+    )
+    # At start the switchboard registered its public URL and secret with Telegram.
+    await wait_for(lambda: bot_api.webhooks)
+    [registered] = bot_api.webhooks
+    assert (registered["url"], registered["secret_token"]) == (PUBLIC, SECRET)
+    assert "deleteWebhook" not in bot_api.calls
+
+    proxy = ReverseProxy(switchboard.base_url)
+    await proxy.start()
+    try:
+        update = {"update_id": 501, "message": bot_api._message(CHAT, text="through nginx")}
+        async with aiohttp.ClientSession() as session:
+            hook = f"{proxy.url}/telegram/webhook"
+            public = {"Host": "bot.example.com"}
+            async with session.post(
+                hook, json=update, headers={**public, "X-Telegram-Bot-Api-Secret-Token": "wrong"}
+            ) as response:
+                assert response.status == 401
+            async with session.post(
+                hook, json=update, headers={**public, "X-Telegram-Bot-Api-Secret-Token": SECRET}
+            ) as response:
+                assert response.status == 200, await response.text()
+            # The MCP endpoints still refuse a foreign Host (DNS rebinding guard).
+            async with session.get(f"{proxy.url}/sse", headers=public) as response:
+                assert response.status == 421
+    finally:
+        await proxy.stop()
+    [sent] = await bot_api.wait_sent(1)
+    assert sent == {"chat_id": CHAT, "text": "Via the proxy."}
+
+
+@pytest.mark.parametrize(
+    "secret_header",
+    [
+        b"X-Telegram-Bot-Api-Secret-Token: h\xe9\xffk-s\xc3\xa9cret\r\n",
+        b"X-Telegram-Bot-Api-Secret-Token: " + SECRET.encode()[:-1] + b"\xe9\r\n",
+        b"",
+    ],
+    ids=["latin-1", "almost", "missing"],
+)
+async def test_a_wrong_or_non_ascii_secret_is_401_never_500(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    secret_header: bytes,
+    db_conn,
+) -> None:
+    switchboard = await webhook_switchboard(start_butler, tmp_path, bot_api, scripted_api)
+    body = json.dumps({"update_id": 9, "message": bot_api._message(CHAT, text="x")}).encode()
+    status = await raw_post(switchboard.base_url, "/telegram/webhook", secret_header, body)
+    assert status == 401
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 0
+
+
+async def test_bodies_over_the_limit_get_413(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    switchboard = await webhook_switchboard(start_butler, tmp_path, bot_api, scripted_api)
+    big = json.dumps(
+        {"update_id": 10, "message": bot_api._message(CHAT, text="x" * (2 * 1024 * 1024))}
+    ).encode()
+    secret = {"X-Telegram-Bot-Api-Secret-Token": SECRET}
+    async with aiohttp.ClientSession() as session:
+        # Declared with Content-Length: refused before it is read.
+        async with session.post(
+            f"{switchboard.base_url}/telegram/webhook", data=big, headers=secret
+        ) as response:
+            assert response.status == 413
+
+        # Streamed without a length (chunked): counted as it arrives.
+        async def chunks():
+            for start in range(0, len(big), 64 * 1024):
+                yield big[start : start + 64 * 1024]
+
+        async with session.post(
+            f"{switchboard.base_url}/telegram/webhook", data=chunks(), headers=secret
+        ) as response:
+            assert response.status == 413
+        # MCP messages and `ask` too.
+        async with session.post(
+            f"{switchboard.base_url}/messages/?session_id=0", data=big
+        ) as response:
+            assert response.status == 413
+        async with session.post(f"{switchboard.base_url}/mcp", data=big) as response:
+            assert response.status == 413
+    async with Client(switchboard.sse_url) as client:
+        with pytest.raises(Exception):  # noqa: B017 (the transport reports the 413 its own way)
+            await client.call_tool("ask", {"text": "y" * 300_000}, timeout=30)
+    async with Client(switchboard.sse_url) as client:  # the SDK client drops a session on 413
+        assert (await client.call_tool("status", {})).data["name"] == "switchboard"
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 0
+
+
+async def test_polling_mode_removes_a_webhook(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    await webhook_switchboard(start_butler, tmp_path, bot_api, scripted_api, mode="polling")
+    await wait_for(lambda: "getUpdates" in bot_api.calls)
+    assert bot_api.calls.index("deleteWebhook") < bot_api.calls.index("getUpdates")
+    assert bot_api.webhooks == []
+
+
+async def test_webhook_mode_without_a_usable_secret_is_reported(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", "spaces are not allowed")
+    switchboard = await webhook_switchboard(
+        start_butler, tmp_path, bot_api, scripted_api, webhook_url=PUBLIC
+    )
+    await wait_for(lambda: "getMe" in bot_api.calls)
+    async with Client(switchboard.sse_url) as client:
+        for _ in range(100):
+            status = (await client.call_tool("status", {})).data
+            [telegram] = [m for m in status["modules"] if m["name"] == "telegram"]
+            if telegram["status"] != "starting":
+                break
+            await asyncio.sleep(0.05)
+    assert telegram["status"] == "failed"
+    assert "TELEGRAM_WEBHOOK_SECRET must be 1-256 characters" in telegram["detail"]
+    assert bot_api.webhooks == []
+
+
+def test_loopback_names() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "butlers.lan", ""):
+        assert not is_loopback(host), host
+    require_token_beyond_loopback("x", "0.0.0.0", "a-token")  # with a token: allowed
+
+
+async def test_listening_beyond_loopback_needs_a_token(start_butler: StartButler) -> None:
+    with pytest.raises(ButlersError, match="set BUTLERS_AUTH_TOKEN") as refused:
+        await start_butler(butler_config(host="0.0.0.0"))
+    assert "butler 'alpha' is set to listen on 0.0.0.0" in str(refused.value)
+    code, _, err = await run_cli(
+        "gateway", "--transport", "sse", "--host", "0.0.0.0", "--no-butlers", env={}
+    )
+    assert code == 1 and "the gateway is set to listen on 0.0.0.0" in err
+    assert "BUTLERS_AUTH_TOKEN" in err
