@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 MAX_KEY_CHARS = 512
 MAX_VALUE_BYTES = 1024 * 1024
 MAX_SESSIONS_LIMIT = 500
+# A schedule runs a Claude Code session each time: a cap on how many, how often and how big,
+# so that neither a mistake nor a prompt talked into it can flood a butler.
+MAX_SCHEDULES = 100
+MAX_SCHEDULE_PROMPT_BYTES = 32 * 1024
+CRON_NICKNAMES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
 def next_run(cron: str, after: datetime) -> datetime:
@@ -32,7 +37,10 @@ def next_run(cron: str, after: datetime) -> datetime:
 
 
 def validate_cron(cron: str) -> None:
-    if not croniter.is_valid(cron):
+    """Five fields (minute resolution) or a nickname such as @daily. croniter also takes a
+    sixth field, seconds, which would run a session every second: refused."""
+    nickname = cron.strip().lower() in CRON_NICKNAMES
+    if not nickname and (len(cron.split()) != 5 or not croniter.is_valid(cron)):
         raise ToolRefusal(
             f"invalid cron expression {cron!r}: expected five fields "
             "'minute hour day-of-month month day-of-week', e.g. '0 8 * * *' for 08:00 daily"
@@ -125,8 +133,19 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal("schedule name must not be empty")
         if not prompt.strip():
             raise ToolRefusal("schedule prompt must not be empty")
+        size = len(prompt.encode())
+        if size > MAX_SCHEDULE_PROMPT_BYTES:
+            raise ToolRefusal(
+                f"schedule prompt is {size} bytes; the limit is {MAX_SCHEDULE_PROMPT_BYTES}"
+            )
         validate_cron(cron)
-        task = await store.schedule_create(name, cron, prompt, next_run(cron, datetime.now(UTC)))
+        task = await store.schedule_create(
+            name, cron, prompt, next_run(cron, datetime.now(UTC)), max_schedules=MAX_SCHEDULES
+        )
+        if task == "full":
+            raise ToolRefusal(
+                f"this butler already has {MAX_SCHEDULES} schedules, the limit; delete one first"
+            )
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
         return task

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 
@@ -58,22 +58,31 @@ class CoreStore:
     # -- scheduled tasks -------------------------------------------------------------------
 
     async def schedule_create(
-        self, name: str, cron: str, prompt: str, next_run_at: datetime
-    ) -> dict[str, Any] | None:
-        """Insert a task; None when the name is taken."""
-        return _row(
-            await self.pool.fetchrow(
-                """
-                INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
-                VALUES ($1, $2, $3, $4) ON CONFLICT (name) DO NOTHING
-                RETURNING id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at
-                """,
-                name,
-                cron,
-                prompt,
-                next_run_at,
+        self, name: str, cron: str, prompt: str, next_run_at: datetime, *, max_schedules: int
+    ) -> dict[str, Any] | Literal["full"] | None:
+        """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
+
+        The count and the insert are one transaction under a lock on the table, so two
+        concurrent creations cannot both pass the cap.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE")
+            if await conn.fetchval("SELECT count(*) FROM scheduled_tasks") >= max_schedules:
+                return "full"
+            return _row(
+                await conn.fetchrow(
+                    """
+                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
+                    VALUES ($1, $2, $3, $4) ON CONFLICT (name) DO NOTHING
+                    RETURNING id, name, cron, prompt, enabled, next_run_at, last_run_at,
+                              created_at
+                    """,
+                    name,
+                    cron,
+                    prompt,
+                    next_run_at,
+                )
             )
-        )
 
     async def schedule_list(self) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(

@@ -106,6 +106,30 @@ async def test_schedule_lifecycle(client: Client, db_conn) -> None:
         await client.call_tool("schedule_delete", {"name": "weigh-in"})
 
 
+async def test_schedules_are_capped(client: Client, db_conn) -> None:
+    """At most 100 per butler, at least a minute apart, prompts of at most 32 KiB: a
+    schedule starts a Claude Code session each time it runs."""
+    for cron in ("* * * * * */5", "* * * * * * *", "@reboot", "every minute"):
+        with pytest.raises(ToolError, match="invalid cron expression"):
+            await client.call_tool("schedule_create", {"name": "x", "cron": cron, "prompt": "p"})
+    with pytest.raises(ToolError, match="prompt is 32769 bytes; the limit is 32768"):
+        await client.call_tool(
+            "schedule_create", {"name": "big", "cron": "@daily", "prompt": "p" * 32769}
+        )
+    conn = await db_conn(client.daemon.config.database)
+    await conn.execute(
+        """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
+           SELECT 'task-' || n, '0 0 1 1 *', 'p', now() + interval '1 year'
+           FROM generate_series(1, 99) AS n"""
+    )
+    await call(client, "schedule_create", name="hundredth", cron="@hourly", prompt="p" * 32768)
+    with pytest.raises(ToolError, match="already has 100 schedules, the limit; delete one"):
+        await client.call_tool(
+            "schedule_create", {"name": "one-more", "cron": "0 8 * * *", "prompt": "p"}
+        )
+    assert await conn.fetchval("SELECT count(*) FROM scheduled_tasks") == 100
+
+
 async def test_status_and_empty_sessions(client: Client) -> None:
     status = await call(client, "status")
     assert status["name"] == client.daemon.config.name
