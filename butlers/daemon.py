@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 2
 STOP_TIMEOUT_S = 8.0
+PRUNE_EVERY_S = 3600.0  # retention runs with the ticker, at most this often
 
 
 SWITCHBOARD = "switchboard"
@@ -234,13 +236,33 @@ class ButlerDaemon:
     async def _tick_loop(self) -> None:
         assert self.context is not None
         interval = self.config.runtime.tick_interval_s
+        pruned_at: float | None = None
         while True:
             await asyncio.sleep(interval)
             try:
+                if pruned_at is None or time.monotonic() - pruned_at >= PRUNE_EVERY_S:
+                    pruned_at = time.monotonic()
+                    await self._prune()
                 await run_due_tasks(self.context)
             except Exception:
                 # Keep ticking on purpose: one bad tick must not stop the schedule for good.
                 logger.exception("scheduled tick failed", extra={"action": "tick_failed"})
+
+    async def _prune(self) -> None:
+        """Retention (`[switchboard] retention_days`): sessions, and on the switchboard its
+        finished inbox rows and routing_log, older than that are deleted."""
+        assert self.context is not None
+        days = self.config.switchboard.retention_days
+        deleted = {"sessions": await self.context.store.prune_sessions(days)}
+        if self.switchboard is not None:
+            deleted.update(await self.switchboard.worker.prune(days))
+        if any(deleted.values()):
+            logger.info(
+                "retention (%d days): deleted %s",
+                days,
+                ", ".join(f"{n} {table}" for table, n in deleted.items() if n),
+                extra={"action": "retention"},
+            )
 
     async def _health(self) -> tuple[int, dict]:
         assert self.context is not None

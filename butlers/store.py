@@ -152,6 +152,15 @@ class CoreStore:
             duration_ms,
         )
 
+    async def prune_sessions(self, older_than_days: int) -> int:
+        """Delete finished sessions that started longer ago than that."""
+        result = await self.pool.execute(
+            """DELETE FROM sessions WHERE started_at < now() - make_interval(days => $1)
+               AND finished_at IS NOT NULL""",
+            older_than_days,
+        )
+        return int(result.split()[-1])
+
     async def sessions_list(self, limit: int) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
             """SELECT id, trigger_source, prompt, success, error, duration_ms, trace_id,

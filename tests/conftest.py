@@ -311,3 +311,13 @@ def log_records(logger_name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> None:
+    """Until `check()` is true: for state another process or task changes (a database row),
+    which offers nothing to wait on."""
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while not await check():  # noqa: ASYNC110 (nothing to wait on but the state itself)
+            await asyncio.sleep(0.05)

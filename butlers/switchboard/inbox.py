@@ -170,6 +170,30 @@ class InboxStore:
             error,
         )
 
+    async def from_same_sender(self, inbox_id: int) -> tuple[int, bool]:
+        """How many messages the sender of `inbox_id` sent in the hour before it, and whether
+        one of those was already skipped for that (the sender has been told)."""
+        row = await self.pool.fetchrow(
+            """
+            SELECT count(*) AS earlier, coalesce(bool_or(i.status = 'skipped'), false) AS told
+            FROM inbox m JOIN inbox i
+              ON i.channel = m.channel AND i.source_id = m.source_id
+             AND i.received_at > m.received_at - interval '1 hour' AND i.id < m.id
+            WHERE m.id = $1
+            """,
+            inbox_id,
+        )
+        return row["earlier"], row["told"]
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete finished messages older than that; queued and processing ones stay."""
+        result = await self.pool.execute(
+            """DELETE FROM inbox WHERE finished_at < now() - make_interval(days => $1)
+               AND status IN ('done', 'failed', 'skipped')""",
+            older_than_days,
+        )
+        return int(result.split()[-1])
+
     async def get(self, inbox_id: int) -> dict[str, Any] | None:
         row = await self.pool.fetchrow("SELECT * FROM inbox WHERE id = $1", inbox_id)
         return None if row is None else dict(row)

@@ -111,3 +111,11 @@ class SwitchboardStore:
             record.duration_ms,
             record.inbox_id,
         )
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete routing_log rows older than that."""
+        result = await self.pool.execute(
+            "DELETE FROM routing_log WHERE created_at < now() - make_interval(days => $1)",
+            older_than_days,
+        )
+        return int(result.split()[-1])

@@ -22,7 +22,7 @@ from butlers.spawner import Spawner
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
 from butlers.switchboard.dispatch import Dispatcher
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
-from butlers.switchboard.replies import Answer, combine, reply_text, sorry
+from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
 from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
 from butlers.tasks import cancel_and_wait
@@ -86,7 +86,7 @@ class InboxWorker:
     async def wait_for(self, inbox_id: int) -> dict[str, Any]:
         """Wait until the message is done or failed; returns its inbox row."""
         row = await self.inbox.get(inbox_id)
-        if row is not None and row["status"] in ("done", "failed"):
+        if row is not None and row["status"] in ("done", "failed", "skipped"):
             return row
         future = self._waiters.setdefault(inbox_id, asyncio.get_running_loop().create_future())
         return await asyncio.shield(future)
@@ -102,6 +102,13 @@ class InboxWorker:
                 extra={"action": "inbox_resume"},
             )
         self._task = asyncio.create_task(self._run(), name="switchboard:inbox-worker")
+
+    async def prune(self, older_than_days: int) -> dict[str, int]:
+        """Retention: finished inbox rows and routing_log rows older than that go."""
+        return {
+            "inbox": await self.inbox.prune(older_than_days),
+            "routing_log": await self.store.prune(older_than_days),
+        }
 
     async def stop(self) -> None:
         """Stop now; a message being processed stays `processing` and is resumed next start."""
@@ -150,6 +157,8 @@ class InboxWorker:
                     message, "failed", None, reply, await self._reply(message, reply) or error
                 )
                 return
+            if await self._over_sender_limit(message):
+                return
             answers, note = await self._classify_and_route(message)
             reply = combine(answers)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
@@ -162,6 +171,33 @@ class InboxWorker:
         finally:
             if token is not None:
                 otel_context.detach(token)
+
+    async def _over_sender_limit(self, message: InboxMessage) -> bool:
+        """A sender over `max_messages_per_sender_per_hour` is told once, and the message is
+        kept (`skipped`) but not classified: nobody can run the fleet's sessions in a loop.
+        The operator's own `ask` (channel mcp) is not limited."""
+        limit = self.limits.max_messages_per_sender_per_hour
+        if not limit or message.channel == "mcp" or message.source_id is None:
+            return False
+        earlier, told = await self.inbox.from_same_sender(message.id)
+        if earlier < limit:
+            return False
+        error = f"over max_messages_per_sender_per_hour ({limit})"
+        logger.warning(
+            "message %s from %s %s: %s; not classified",
+            message.id,
+            message.channel,
+            message.source_id,
+            error,
+            extra={"action": "sender_limited"},
+        )
+        reply = None
+        if not told:
+            reply = RATE_LIMITED
+            await self.inbox.store_reply(message.id, None, reply)
+            error = await self._reply(message, reply) or error
+        await self._finish(message, "skipped", None, reply, error)
+        return True
 
     async def _classify_and_route(self, message: InboxMessage) -> tuple[list[Answer], str | None]:
         """The answers of every butler the message went to, and a note on how it got there

@@ -1,0 +1,131 @@
+"""Limits that keep one sender, or time, from flooding the switchboard: messages per sender
+per hour, and retention of finished rows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from butlers import daemon as daemon_module
+from butlers.config import RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
+from butlers.switchboard.replies import RATE_LIMITED
+from tests.conftest import StartButler, butler_config, eventually, free_port, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_inbox import model
+
+ALLOWED = (111, 222)
+
+
+@pytest.fixture
+async def bot_api(monkeypatch: pytest.MonkeyPatch):
+    api = FakeBotAPI()
+    await api.start()
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
+    yield api
+    await api.stop()
+
+
+async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Done."}))
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"))
+    write_butler_dir(config_dir, "general", general.port)
+    port = free_port()
+    write_butler_dir(config_dir, "switchboard", port)
+    telegram = TelegramConfig(allowed_chat_ids=tuple(map(str, ALLOWED)), api_base_url=bot_api.url)
+    switchboard = await start_butler(
+        butler_config(
+            "switchboard",
+            port=port,
+            telegram=telegram,
+            triage=(TriageRule(butler="general", channel="telegram"),),
+            switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
+        ),
+        config_dir=config_dir,
+    )
+    flooder, other = ALLOWED
+    for i in range(5):
+        await bot_api.push_text(flooder, f"message {i}")
+    await bot_api.push_text(other, "hello")
+    # Two answers, one notice for the flooder; one answer for the other sender.
+    sent = await bot_api.wait_sent(4, timeout_s=90)
+    conn = await db_conn(switchboard.config.database)
+
+    async def all_finished() -> bool:
+        return not await conn.fetchval("SELECT count(*) FROM inbox WHERE finished_at IS NULL")
+
+    await eventually(all_finished)
+    assert [s["text"] for s in sent if s["chat_id"] == flooder] == ["Done.", "Done.", RATE_LIMITED]
+    assert [s["text"] for s in sent if s["chat_id"] == other] == ["Done."]
+    assert len(bot_api.sent) == 4  # the later messages over the limit get no answer at all
+    rows = await conn.fetch(
+        "SELECT status, reply, error FROM inbox WHERE source_id = $1 ORDER BY id", str(flooder)
+    )
+    assert [r["status"] for r in rows] == ["done", "done", "skipped", "skipped", "skipped"]
+    assert [r["reply"] for r in rows][2:] == [RATE_LIMITED, None, None]
+    assert all("max_messages_per_sender_per_hour (2)" in r["error"] for r in rows[2:])
+    # Skipped messages never reached a butler: three trigger sessions in all.
+    general_db = await db_conn(general.config.database)
+    assert await general_db.fetchval("SELECT count(*) FROM sessions") == 3
+
+
+async def test_the_ticker_deletes_finished_rows_older_than_retention_days(
+    start_butler: StartButler,
+    tmp_path: Path,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    switchboard = await start_butler(
+        butler_config(
+            "switchboard",
+            port=free_port(),
+            runtime=RuntimeConfig(tick_interval_s=0.1),
+            switchboard=replace(SwitchboardConfig(), retention_days=30),
+        ),
+        config_dir=config_dir,
+    )
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """
+        INSERT INTO inbox (channel, external_id, text, status, received_at, finished_at) VALUES
+          ('telegram', 'old-done', 'x', 'done', now() - interval '40 days',
+                                                now() - interval '40 days'),
+          ('telegram', 'old-failed', 'x', 'failed', now() - interval '40 days',
+                                                    now() - interval '31 days'),
+          ('telegram', 'old-skipped', 'x', 'skipped', now() - interval '40 days',
+                                                      now() - interval '31 days'),
+          ('telegram', 'recent-done', 'x', 'done', now() - interval '29 days',
+                                                   now() - interval '29 days');
+        INSERT INTO routing_log (source_channel, routed_to, created_at) VALUES
+          ('telegram', 'general', now() - interval '31 days'),
+          ('telegram', 'general', now() - interval '1 day');
+        INSERT INTO sessions (trigger_source, prompt, started_at, finished_at) VALUES
+          ('classify:telegram', 'p', now() - interval '31 days', now() - interval '31 days'),
+          ('classify:telegram', 'p', now() - interval '2 days', now() - interval '2 days');
+        """
+    )
+
+    async def pruned() -> bool:  # by the daemon's ticker
+        counts = await conn.fetchrow(
+            """SELECT (SELECT count(*) FROM inbox) AS inbox,
+                      (SELECT count(*) FROM routing_log) AS routing_log,
+                      (SELECT count(*) FROM sessions) AS sessions"""
+        )
+        return tuple(counts) == (1, 1, 1)
+
+    await eventually(pruned)
+    assert await conn.fetchval("SELECT external_id FROM inbox") == "recent-done"
+    assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
+    assert await conn.fetchval("SELECT count(*) FROM sessions") == 1
