@@ -196,3 +196,54 @@ async def test_pool_does_not_repeat_a_call_whose_answer_was_lost(server) -> None
         await pool.close()
     assert result["structuredContent"] == {"echo": {"after": "drop"}}
     assert pool.connects == 2
+
+
+async def test_a_silent_stream_is_taken_for_dead(http) -> None:
+    """No message and no ping for `idle_stream_s`: a connection that died without a word
+    (a NAT or proxy dropped it). The call fails then, not after its whole timeout."""
+    async with SseMcpServer() as server:
+        session = SseSession(server.url, http, auth_token=None, idle_stream_s=0.5)
+        await session.open(timeout_s=5)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(AnswerLost, match=r"silent for .* taken for dead"):
+            await session.call_tool("hang", {}, timeout_s=30)
+        assert asyncio.get_running_loop().time() - started < 10
+        assert not session.is_open
+        await session.close()
+
+
+async def test_a_stream_kept_alive_by_pings_is_not(http) -> None:
+    async with SseMcpServer(ping_every_s=0.1) as server:
+        session = SseSession(server.url, http, auth_token=None, idle_stream_s=0.5)
+        await session.open(timeout_s=5)
+        try:
+            result = await session.call_tool("slow", {"s": 1.5}, timeout_s=30)
+            assert result["structuredContent"] == {"echo": {"s": 1.5}}
+            assert session.is_open
+        finally:
+            await session.close()
+
+
+async def test_pool_drops_a_session_whose_call_timed_out() -> None:
+    """New calls get a fresh session; calls still waiting on the old one get their answers,
+    then it is closed (the server notices at its next keep-alive)."""
+    pool = McpClientPool()
+    async with SseMcpServer(ping_every_s=0.1) as server:
+        await _timed_out_session_is_dropped(pool, server)
+
+
+async def _timed_out_session_is_dropped(pool: McpClientPool, server: SseMcpServer) -> None:
+    try:
+        await pool.call(server.url, "echo", {}, timeout_s=5)
+        slow = asyncio.create_task(pool.call(server.url, "slow", {"s": 1.0}, timeout_s=30))
+        await server.wait_for("tools/call")
+        with pytest.raises(CallTimedOut):
+            await pool.call(server.url, "hang", {}, timeout_s=0.3)
+        await pool.call(server.url, "echo", {"after": True}, timeout_s=5)
+        assert (pool.connects, server.streams_opened) == (2, 2)
+        assert (await slow)["structuredContent"] == {"echo": {"s": 1.0}}
+        async with asyncio.timeout(5):
+            while server.streams_ended < 1:  # noqa: ASYNC110 (the server's own counter)
+                await asyncio.sleep(0.05)
+    finally:
+        await pool.close()

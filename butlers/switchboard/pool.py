@@ -21,6 +21,7 @@ from mcp.shared.exceptions import MCPError
 
 from butlers.errors import ButlersError
 from butlers.switchboard.sse_session import (
+    IDLE_STREAM_S,
     AnswerLost,
     CallTimedOut,
     RemoteError,
@@ -48,6 +49,8 @@ class Session(Protocol):
 
     async def open(self, timeout_s: float) -> None: ...
 
+    def retire(self) -> None: ...
+
     async def call_tool(
         self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
     ) -> dict[str, Any]: ...
@@ -56,8 +59,11 @@ class Session(Protocol):
 
 
 class McpClientPool:
-    def __init__(self, *, auth_token: str | None = None) -> None:
+    def __init__(
+        self, *, auth_token: str | None = None, idle_stream_s: float = IDLE_STREAM_S
+    ) -> None:
         self.auth_token = auth_token
+        self.idle_stream_s = idle_stream_s
         self._sessions: dict[str, Session] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._http: aiohttp.ClientSession | None = None
@@ -83,6 +89,11 @@ class McpClientPool:
             session = await self._session(url)
             try:
                 return await session.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
+            except CallTimedOut:
+                # A session that let a call time out may be stuck: new calls get a fresh one,
+                # and the old one closes once the calls still waiting on it are answered.
+                self._retire(url, session)
+                raise
             except AnswerLost as exc:
                 await self._discard(url, session)
                 raise TargetUnreachable(
@@ -124,7 +135,9 @@ class McpClientPool:
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
                     cookie_jar=aiohttp.DummyCookieJar(),  # MCP does not use cookies
                 )
-            session: Session = SseSession(url, self._http, auth_token=self.auth_token)
+            session: Session = SseSession(
+                url, self._http, auth_token=self.auth_token, idle_stream_s=self.idle_stream_s
+            )
         else:
             session = FastMcpSession(url, auth_token=self.auth_token)
         try:
@@ -136,6 +149,11 @@ class McpClientPool:
             await session.close()
             raise TargetUnreachable(_reason(exc)) from exc
         return session
+
+    def _retire(self, url: str, session: Session) -> None:
+        if self._sessions.get(url) is session:
+            del self._sessions[url]
+            session.retire()
 
     async def _discard(self, url: str, session: Session) -> None:
         if self._sessions.get(url) is session:
@@ -178,6 +196,9 @@ class FastMcpSession:
                 raise CallTimedOut(f"no answer within {timeout_s:g}s") from exc
             raise RemoteError(exc.code, str(exc.message)) from exc
         return result.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def retire(self) -> None:
+        self._closing = asyncio.get_running_loop().create_task(self._client.close())
 
     async def close(self) -> None:
         await self._client.close()

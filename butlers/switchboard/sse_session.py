@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "butlers-switchboard", "version": "1"}
 METHOD_NOT_FOUND = -32601
+# Servers ping an idle event stream (the MCP SDK's every 15 s). A stream silent for longer
+# than this is a connection that died without a word (a NAT or proxy dropped it, the host
+# went away): every call on it would wait out its whole timeout.
+IDLE_STREAM_S = 45.0
 
 
 class SessionClosed(ButlersError):
@@ -59,8 +63,16 @@ class RemoteError(ButlersError):
 class SseSession:
     """A connected session; `open()` it, share it between concurrent callers, `close()` it."""
 
-    def __init__(self, url: str, http: aiohttp.ClientSession, *, auth_token: str | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        http: aiohttp.ClientSession,
+        *,
+        auth_token: str | None,
+        idle_stream_s: float = IDLE_STREAM_S,
+    ) -> None:
         self.url = url
+        self.idle_stream_s = idle_stream_s
         self._http = http
         self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._post_headers = {**self._headers, "Content-Type": "application/json"}
@@ -71,6 +83,8 @@ class SseSession:
         self._reader: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed_reason: str | None = None
+        self._last_heard = 0.0  # loop time of the last bytes on the event stream
+        self._retired = False
 
     @property
     def is_open(self) -> bool:
@@ -86,7 +100,9 @@ class SseSession:
                 response.release()
                 raise SessionClosed(f"GET {self.url} answered HTTP {response.status}")
             self._endpoint = _future()
+            self._last_heard = asyncio.get_running_loop().time()
             self._reader = asyncio.create_task(self._read_events(response))
+            self._spawn(self._watch_stream())
             self._post_url = urljoin(self.url, await asyncio.shield(self._endpoint))
             if _origin(self._post_url) != _origin(self.url):  # our token must not go elsewhere
                 raise SessionClosed(
@@ -155,10 +171,19 @@ class SseSession:
             raise
         finally:
             self._pending.pop(request_id, None)
+            if self._retired and not self._pending:
+                self._spawn(self.close())
         if "error" in message:
             error = message["error"] or {}
             raise RemoteError(int(error.get("code", 0)), str(error.get("message", "")))
         return message.get("result") or {}
+
+    def retire(self) -> None:
+        """No new calls will come (the pool dropped this session): close it as soon as the
+        calls still waiting on it have their answers."""
+        self._retired = True
+        if not self._pending:
+            self._spawn(self.close())
 
     async def close(self) -> None:
         self._fail_pending("the session was closed")
@@ -190,7 +215,9 @@ class SseSession:
         try:
             buffer = bytearray()
             event, data = "message", []
+            loop = asyncio.get_running_loop()
             async for chunk in response.content.iter_any():
+                self._last_heard = loop.time()
                 buffer += chunk
                 while (end := buffer.find(b"\n")) >= 0:
                     line = buffer[:end].rstrip(b"\r").decode()
@@ -206,7 +233,7 @@ class SseSession:
                         self._dispatch(event, "\n".join(data))
                     event, data = "message", []
         except asyncio.CancelledError:
-            reason = "the session was closed"
+            reason = self._closed_reason or "the session was closed"
             raise
         except Exception as exc:  # a broken connection: every caller must hear of it
             reason = f"the event stream broke: {exc!r}"
@@ -243,6 +270,21 @@ class SseSession:
                 }
             self._spawn(self._send_quietly(reply))
         # notifications (logging, progress, list changes) are of no use to route
+
+    async def _watch_stream(self) -> None:
+        """End the session when its event stream has been silent for `idle_stream_s`
+        (checked a few times per period, not on every chunk: the stream is route's hot path)."""
+        loop = asyncio.get_running_loop()
+        while self._closed_reason is None and self._reader is not None:
+            silent_s = loop.time() - self._last_heard
+            if silent_s >= self.idle_stream_s:
+                self._fail_pending(
+                    f"the event stream of {self.url} was silent for {silent_s:.0f}s "
+                    "(no message, no ping): the connection is taken for dead"
+                )
+                self._reader.cancel()
+                return
+            await asyncio.sleep(min(self.idle_stream_s / 3, self.idle_stream_s - silent_s))
 
     async def _send_quietly(self, message: dict[str, Any]) -> None:
         """For messages nobody waits on (replies, cancellations): a failure here surfaces

@@ -11,7 +11,11 @@ Tool behaviour is chosen by the tool's name:
              comment; answers once the client has replied to both requests
   error      answers a JSON-RPC error (not a tool error)
   hang       never answers
+  slow       answers like echo after `arguments["s"]` seconds
   drop       closes the event stream instead of answering
+
+The stream is silent between events unless `ping_every_s` is set (as servers do, to keep it
+alive: the MCP SDK's every 15 s).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class SseMcpServer:
     protocol_version: str = "2025-11-25"
     forget_sessions: bool = False  # answer every POST with 404, as after a restart
     endpoint_base: str = ""  # e.g. "http://elsewhere:1" to name a foreign message endpoint
+    ping_every_s: float = 0.0  # keep-alive comments on an idle stream (0: none)
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     streams_opened: int = 0
@@ -39,6 +44,7 @@ class SseMcpServer:
 
     def __post_init__(self) -> None:
         self._streams: dict[str, asyncio.Queue[bytes | None]] = {}
+        self.streams_ended = 0  # event streams whose client went away
         self._replies: dict[Any, asyncio.Future[dict[str, Any]]] = {}
         self._runner: web.AppRunner | None = None
         self._arrived = asyncio.Condition()
@@ -77,9 +83,18 @@ class SseMcpServer:
         await response.prepare(request)
         endpoint = f"{self.endpoint_base}/messages/?session_id={session}"
         await self._write(response, f"event: endpoint\r\ndata: {endpoint}\r\n\r\n")
-        while (payload := await queue.get()) is not None:
-            await self._write(response, payload.decode())
-        return response
+        while True:
+            try:
+                payload = await asyncio.wait_for(queue.get(), self.ping_every_s or None)
+            except TimeoutError:
+                payload = b": ping\r\n\r\n"
+            if payload is None:
+                return response
+            try:
+                await self._write(response, payload.decode())
+            except ConnectionError:
+                self.streams_ended += 1
+                return response
 
     async def _write(self, response: web.StreamResponse, text: str) -> None:
         data = text.encode()
@@ -136,6 +151,9 @@ class SseMcpServer:
             return
         elif tool == "hang":
             return
+        elif tool == "slow":
+            await asyncio.sleep(float(arguments["s"]))
+            result = {"content": [], "structuredContent": {"echo": arguments}, "isError": False}
         elif tool == "drop":
             self._streams[session].put_nowait(None)
             return
