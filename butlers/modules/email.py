@@ -22,6 +22,7 @@ import hmac
 import logging
 import re
 import ssl
+import time
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
+HEALTHY_SESSION_S = 60  # a session that lasted this long was a working one
 WEBHOOK_PATH = "/email/inbound"
 MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
@@ -248,13 +250,17 @@ class EmailModule:
     async def _run(self) -> None:
         failures = 0
         while True:
+            started = time.monotonic()
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if self.status.status == "running":
-                    failures = 0  # it was a working session: reconnect quickly
+                # A session that worked for a while: reconnect quickly. One that ends as soon
+                # as it starts (the database refusing even to record a failed mail, say) backs
+                # off, or it would reconnect every second for as long as that lasts.
+                if time.monotonic() - started >= HEALTHY_SESSION_S:
+                    failures = 0
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
                 why = (

@@ -125,6 +125,7 @@ class SmtpServer:
         users: dict[str, str] | None = None,
     ) -> None:
         self.messages: list[EmailMessage] = []
+        self.recipients: list[list[str]] = []  # each mail's envelope (RCPT TO)
         self.logins: list[tuple[str, str]] = []
         self.arrived = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -158,8 +159,18 @@ class SmtpServer:
     async def handle_DATA(self, server, session, envelope) -> str:
         message = email.message_from_bytes(envelope.content, policy=email.policy.default)
         self.messages.append(message)  # type: ignore[arg-type]
+        self.recipients.append(list(envelope.rcpt_tos))
         self._loop.call_soon_threadsafe(self.arrived.set)
         return "250 OK"
+
+    async def wait_for(self, count: int, timeout_s: float = 60) -> list[EmailMessage]:
+        """Wait until `count` mails arrived; returns them."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.messages) < count:
+                self.arrived.clear()
+                if len(self.messages) < count:
+                    await self.arrived.wait()
+        return self.messages
 
     def __enter__(self) -> SmtpServer:
         self.controller.start()

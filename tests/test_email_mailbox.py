@@ -1,0 +1,131 @@
+"""No mail can block the mailbox: end to end through a real IMAP server (pymap), the whole
+switchboard (the real Claude Code classifying, real butlers answering) and a real SMTP server.
+
+A mail with NUL bytes, a subject that decodes to a line break, a Message-ID too long for the
+inbox's index, or one that cannot be stored for whatever reason: each is dealt with, and the
+mail after it is still answered.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+
+from butlers.modules.email import MAX_MAIL_FAILURES
+from butlers.switchboard.inbox import IncomingMessage
+from tests.conftest import StartButler
+from tests.fakes.mail import SmtpServer, imap_append, pymap_server
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_email import mail, start_mail_fleet
+from tests.test_email_tls import PASSWORD, USER, wait_until_seen
+from tests.test_inbox import model
+
+NEXT = mail(message_id="<next@example.com>", subject="next", body="The next mail.")
+
+
+def raw_mail(subject: bytes, message_id: str, body: bytes = b"Hello.") -> bytes:
+    return (
+        b"From: Ada <user@example.com>\r\nTo: butler@example.com\r\nSubject: "
+        + subject
+        + f"\r\nMessage-ID: {message_id}\r\n".encode()
+        + b"Content-Type: text/plain; charset=utf-8\r\n\r\n"
+        + body
+        + b"\r\n"
+    )
+
+
+@pytest.fixture
+def answering(scripted_api: ScriptedMessagesAPI) -> ScriptedMessagesAPI:
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    return scripted_api
+
+
+async def test_nul_bytes_are_stored_and_answered_and_the_next_mail_too(
+    start_butler: StartButler, tmp_path: Path, answering, db_conn, monkeypatch
+) -> None:
+    nul = raw_mail(b"lunch\x00time", "<nul@example.com>", b"Soup\x00 at noon.")
+    async with pymap_server(USER, PASSWORD) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
+            await imap_append(port, USER, PASSWORD, nul)  # APPEND carries the NUL bytes as-is
+            await imap_append(port, USER, PASSWORD, NEXT)
+            replies = await smtp.wait_for(2)
+            await wait_until_seen(port)
+    assert sorted(m["Subject"] for m in replies) == ["Re: lunchtime", "Re: next"]
+    conn = await db_conn(switchboard.config.database)
+    rows = await conn.fetch("SELECT subject, text, status FROM inbox ORDER BY id")
+    assert [tuple(r) for r in rows] == [
+        ("lunchtime", "Soup at noon.", "done"),
+        ("next", "The next mail.", "done"),
+    ]
+
+
+async def test_a_subject_with_a_line_break_gets_its_reply_on_one_line(
+    start_butler: StartButler, tmp_path: Path, answering, monkeypatch
+) -> None:
+    # RFC 2047: the header is one line on the wire, its text has CR LF in it once decoded.
+    subject = b"=?utf-8?q?Lunch=0D=0ABcc:_attacker@evil.example?="
+    async with pymap_server(USER, PASSWORD) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
+            await imap_append(port, USER, PASSWORD, raw_mail(subject, "<crlf@example.com>"))
+            [reply] = await smtp.wait_for(1)
+    assert reply["Subject"] == "Re: Lunch Bcc: attacker@evil.example"
+    assert reply["Bcc"] is None and smtp.recipients == [["user@example.com"]]
+
+
+async def test_a_message_id_too_long_for_the_index_is_answered(
+    start_butler: StartButler, tmp_path: Path, answering, db_conn, monkeypatch
+) -> None:
+    """PostgreSQL's btree refuses an entry past ~2.7 kB: a mail whose (random, so
+    incompressible) Message-ID is that long could never be stored under it."""
+    long_id = f"<{secrets.token_urlsafe(3000)}@example.com>"
+    async with pymap_server(USER, PASSWORD) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
+            await imap_append(port, USER, PASSWORD, raw_mail(b"long id", long_id))
+            await imap_append(port, USER, PASSWORD, NEXT)
+            replies = await smtp.wait_for(2)
+            await wait_until_seen(port)
+    assert sorted(m["Subject"] for m in replies) == ["Re: long id", "Re: next"]
+    conn = await db_conn(switchboard.config.database)
+    ids = await conn.fetchval("SELECT array_agg(external_id ORDER BY id) FROM inbox")
+    assert ids[0].startswith("message-id-sha256:") and ids[1] == "<next@example.com>"
+
+
+async def test_a_mail_that_cannot_be_stored_is_recorded_as_failed_and_skipped(
+    start_butler: StartButler, tmp_path: Path, answering, db_conn, monkeypatch
+) -> None:
+    """Failure injection (only that): the inbox refuses one message, whatever it is."""
+    attempts: list[str] = []
+    async with pymap_server(USER, PASSWORD) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
+            worker = switchboard.switchboard.worker  # type: ignore[union-attr]
+            store = worker.accept
+
+            async def accept(message: IncomingMessage) -> int | None:
+                if message.external_id == "<poison@example.com>":
+                    attempts.append(message.external_id)
+                    raise RuntimeError("the inbox refuses this one")
+                return await store(message)
+
+            monkeypatch.setattr(worker, "accept", accept)
+            poison = mail(message_id="<poison@example.com>", subject="poison", body="Poison.")
+            await imap_append(port, USER, PASSWORD, poison)  # first: it used to block the rest
+            await imap_append(port, USER, PASSWORD, NEXT)
+            [reply] = await smtp.wait_for(1)
+            await wait_until_seen(port)
+    assert reply["Subject"] == "Re: next"
+    assert len(attempts) == MAX_MAIL_FAILURES == 3
+    conn = await db_conn(switchboard.config.database)
+    rows = await conn.fetch("SELECT external_id, source_id, subject, status, error FROM inbox")
+    failed = {r["external_id"]: r for r in rows}["<poison@example.com>"]
+    assert (failed["source_id"], failed["subject"], failed["status"]) == (
+        "user@example.com",
+        "poison",
+        "failed",
+    )
+    assert "could not be stored 3 times: the inbox refuses this one" in failed["error"]
