@@ -196,6 +196,8 @@ async def imap_close(client: aioimaplib.IMAP4) -> None:
     transport = client.protocol.transport
     if transport is not None and not transport.is_closing():
         with contextlib.suppress(Exception):
+            if client.has_pending_idle():  # else LOGOUT waits behind the IDLE until timeout
+                client.idle_done()
             await asyncio.wait_for(client.logout(), 5)
     imap_abort(client)
 
