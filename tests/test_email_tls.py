@@ -172,6 +172,26 @@ async def test_imap_refuses_an_untrusted_certificate(
     assert worker.accepted == []
 
 
+async def test_imap_refuses_a_certificate_for_another_host(trust: MailCA) -> None:
+    """Signed by the trusted CA, but for mail.example.org: not the host we connect to."""
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        front = TcpFront(port, ssl=trust.server_context("mail.example.org"))
+        await front.start()
+        try:
+            config = email_config(imap_port=front.port, imap="implicit")
+            async with running(config, worker) as module:
+                await wait_until(lambda: module.status.status == "failed")
+                detail = module.status.detail
+        finally:
+            await front.stop()
+    assert (
+        f"IMAP 127.0.0.1:{front.port}: the server's TLS certificate is for another host" in detail
+    )
+    assert "not valid for '127.0.0.1'" in detail
+    assert front.connections == 0 and worker.accepted == []
+
+
 async def test_imap_refuses_to_log_in_when_starttls_is_not_offered(trust: MailCA) -> None:
     worker = RecordingWorker()
     async with pymap_server(USER, PASSWORD) as port:  # plaintext only: no STARTTLS

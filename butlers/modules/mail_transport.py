@@ -71,6 +71,10 @@ def tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_EMAIL_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+_NAME_MISMATCH = (62, 63, 64)
+
+
 def describe(exc: BaseException) -> str:
     """An exception as one readable phrase; a refused certificate says so and how to fix it."""
     seen: set[int] = set()
@@ -78,6 +82,8 @@ def describe(exc: BaseException) -> str:
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, ssl.SSLCertVerificationError):
+            if cause.verify_code in _NAME_MISMATCH:
+                return f"the server's TLS certificate is for another host ({cause.verify_message})"
             return (
                 f"the server's TLS certificate is not trusted ({cause.verify_message}); "
                 "a private CA can be trusted with SSL_CERT_FILE"
@@ -185,10 +191,13 @@ async def _login(client: aioimaplib.IMAP4, username: str, password: str) -> aioi
 
 
 def imap_abort(client: aioimaplib.IMAP4) -> None:
-    """Close the connection now, whatever state it is in."""
+    """Close the connection now, whatever state it is in, and end what still waits on it (an
+    IDLE whose connection dropped would wait forever)."""
     transport = client.protocol.transport if client.protocol is not None else None
     if transport is not None:
         transport.close()
+    for task in [*client.tasks, *client.protocol.tasks]:
+        task.cancel()
 
 
 async def imap_close(client: aioimaplib.IMAP4) -> None:

@@ -53,9 +53,10 @@ class MailCA:
                 f.write(pem.bytes())
         self._cert = cert
 
-    def server_context(self) -> ssl.SSLContext:
+    def server_context(self, *names: str) -> ssl.SSLContext:
+        """A server's context: the certificate for 127.0.0.1 and localhost, or for `names`."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self._cert.configure_cert(context)
+        (self.ca.issue_cert(*names) if names else self._cert).configure_cert(context)
         return context
 
 
