@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from butlers.modules.email import MAX_MAIL_FAILURES
+from butlers.modules.email import MAX_MAIL_FAILURES, EmailModule, MailError
 from butlers.switchboard.inbox import IncomingMessage
 from tests.conftest import StartButler
 from tests.fakes.mail import SmtpServer, imap_append, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_email import mail, start_mail_fleet
-from tests.test_email_tls import PASSWORD, USER, wait_until_seen
+from tests.test_email_tls import PASSWORD, USER, email_config, wait_until_seen
 from tests.test_inbox import model
 
 NEXT = mail(message_id="<next@example.com>", subject="next", body="The next mail.")
@@ -129,3 +129,25 @@ async def test_a_mail_that_cannot_be_stored_is_recorded_as_failed_and_skipped(
         "failed",
     )
     assert "could not be stored 3 times: the inbox refuses this one" in failed["error"]
+
+
+async def test_every_header_we_write_is_one_line() -> None:
+    """Subject, In-Reply-To and References come from what a sender wrote; a line break in
+    them made the email package refuse the reply (and, were it let through, would start a
+    header of the sender's choosing). A To that is not one address is refused."""
+    with SmtpServer(auth=False) as relay:
+        module = EmailModule(email_config(smtp_port=relay.port), USER, PASSWORD, None)
+        await module.send(
+            "user@example.com",
+            "Re: Lunch\r\nBcc: a@evil.example",
+            "Soup.",
+            in_reply_to="<m1@example.com>\r\nBcc: b@evil.example",
+            references="<m0@example.com>\r\n <m1@example.com>\nBcc: c@evil.example",
+        )
+        [sent] = await relay.wait_for(1)
+        with pytest.raises(MailError, match="cannot send to"):
+            await module.send("user@example.com\r\nBcc: d@evil.example", "Hi", "Soup.")
+    assert sent["Subject"] == "Re: Lunch Bcc: a@evil.example"
+    assert sent["In-Reply-To"] == "<m1@example.com> Bcc: b@evil.example"
+    assert sent["References"] == "<m0@example.com> <m1@example.com> Bcc: c@evil.example"
+    assert sent["Bcc"] is None and relay.recipients == [["user@example.com"]]

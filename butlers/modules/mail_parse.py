@@ -221,7 +221,7 @@ def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:
 def one_line(value: str) -> str:
     """Header text as one line: a CR or LF in a header we write is refused by the email package
     (the reply would be lost) and, were it not, would start a header of the sender's choosing."""
-    return re.sub(r"[\x00-\x1f\x7f]+", " ", value).strip()
+    return re.sub(r"\s*[\x00-\x1f\x7f]+\s*", " ", value).strip()
 
 
 def reply_subject(subject: str | None) -> str:
