@@ -56,6 +56,7 @@ def echo_butler() -> FastMCP:
 
 async def main(count: int, latency_count: int, write: bool) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="butlers-intake-"))
+    os.chmod(workdir, 0o711)  # run as root, the embedded PostgreSQL must pass through
     bot = FakeBotAPI()
     await bot.start()
     echo_port, switchboard_port = free_port(), free_port()

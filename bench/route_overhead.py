@@ -109,6 +109,8 @@ def bench_fleet() -> tuple[Path, dict[str, int], dict[str, str]]:
     """A config directory with a target and a switchboard on free ports, and the environment
     for a `butlers up` on it (embedded PostgreSQL in the same temporary directory)."""
     workdir = Path(tempfile.mkdtemp(prefix="butlers-bench-"))
+    # Run as root, the embedded PostgreSQL is an unprivileged user who must pass through.
+    os.chmod(workdir, 0o711)
     ports = {"target": free_port(), "switchboard": free_port()}
     for name, port in ports.items():
         (workdir / "config" / name).mkdir(parents=True)

@@ -95,7 +95,7 @@ async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -
     configs = _select(config_dir, only)
     LOG_REDACTOR.add(Redactor.from_environment(configs).secrets)
     server = server_from_environment()
-    telemetry = Telemetry.from_environment()
+    telemetry = Telemetry.from_environment(redact=LOG_REDACTOR)
     async with running(server), _flushed(telemetry):
         report = await start_fleet(
             configs,

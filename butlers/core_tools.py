@@ -13,7 +13,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
@@ -23,7 +23,8 @@ from butlers.errors import ToolRefusal
 logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 512
-MAX_VALUE_BYTES = 1024 * 1024
+# Under the 1 MiB request body limit, so that a too-big value gets this clear refusal.
+MAX_VALUE_BYTES = 512 * 1024
 MAX_SESSIONS_LIMIT = 500
 # A schedule runs a Claude Code session each time: a cap on how many, how often and how big,
 # so that neither a mistake nor a prompt talked into it can flood a butler.
@@ -45,6 +46,10 @@ def validate_cron(cron: str) -> None:
             f"invalid cron expression {cron!r}: expected five fields "
             "'minute hour day-of-month month day-of-week', e.g. '0 8 * * *' for 08:00 daily"
         )
+    try:
+        next_run(cron, datetime.now(UTC))
+    except CroniterError:  # e.g. "0 0 31 2 *": valid fields, but no such day
+        raise ToolRefusal(f"cron expression {cron!r} never comes round (no such date)") from None
 
 
 def _check_key(key: str) -> None:

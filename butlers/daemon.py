@@ -80,6 +80,10 @@ class ButlerDaemon:
         self.db_server = db_server
         self.data_dir = data_dir
         self.auth_token = auth_token
+        # Configured secrets never go into sessions or routing_log rows (nor logs and spans,
+        # which the process entry point redacts).
+        self.redactor = Redactor.from_environment([config])
+        self.redactor.add([auth_token] if auth_token else [])
         self.session_env = dict(session_env or {})
         self.port: int | None = None
         self.context: ButlerContext | None = None
@@ -127,7 +131,9 @@ class ButlerDaemon:
             telemetry=self.telemetry,
             session_env=self.session_env,
             auth_token=self.auth_token,
+            redact=self.redactor,
         )
+        await spawner.remove_leftovers()
         ctx = ButlerContext(config=config, store=store, spawner=spawner, self_url=self.sse_url)
         self.context = ctx
         mcp = FastMCP(
@@ -183,8 +189,6 @@ class ButlerDaemon:
         assert self._pool is not None
         assert self.context is not None
         context = self.context
-        redactor = Redactor.from_environment([self.config])
-        redactor.add([self.auth_token] if self.auth_token else [])
         self.switchboard = attach_switchboard(
             mcp,
             SwitchboardStore(self._pool),
@@ -196,7 +200,7 @@ class ButlerDaemon:
             triage_rules=self.config.triage,
             limits=self.config.switchboard,
             auth_token=self.auth_token,
-            redact=redactor,
+            redact=self.redactor,
         )
         report = await self.switchboard.discover()
         for error in report["errors"]:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import uvicorn
 from fastmcp import FastMCP
+from fastmcp.server.http import HostOriginGuardMiddleware
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -110,8 +111,10 @@ async def _json(send: Send, status: int, body: dict, extra: list | None = None) 
 class BodyLimitMiddleware:
     """413 for a request body over `max_bytes`: MCP messages, webhooks and `ask` alike.
 
-    A declared Content-Length is checked before anything is read (the HTTP parser never hands
-    over more than it declares); a chunked body is counted as it arrives.
+    A plain Content-Length is checked before anything is read (the HTTP parser never hands over
+    more than it declares): the fast path, what MCP clients send. A body without one (chunked,
+    or Transfer-Encoding beside a Content-Length) is read here first, up to the limit, and
+    handed on whole: the app never sees a partial body it could answer 500 to.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
@@ -122,8 +125,14 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None:
+        length: bytes | None = None
+        encoded = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                encoded = True
+        if length is not None and not encoded:
             if not length.isdigit():
                 await _json(send, 400, {"error": "bad Content-Length"})
             elif int(length) > self.max_bytes:
@@ -131,38 +140,43 @@ class BodyLimitMiddleware:
             else:
                 await self.app(scope, receive, send)
             return
-        await self._counted(scope, receive, send)
+        if not encoded and scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)  # no body (an SSE stream's GET)
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            await self._too_large(send)
+            return
+        await self.app(scope, _replaying(body, receive), send)
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
-        received = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal received
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None when it is over the limit (or the client went away)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._too_large(send)
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
 
     async def _too_large(self, send: Send) -> None:
         await _json(send, 413, {"error": f"request body over {self.max_bytes} bytes"})
 
 
-class _BodyTooLarge(Exception):
-    pass
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """Hand the app the body read ahead, then whatever the connection says next."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 class ButlerApp:
@@ -193,10 +207,19 @@ class ButlerApp:
             if getattr(route, "path", "") in (SSE_PATH, MESSAGES_PATH)
         ]
         self._health = health
+        # /health carries no data, yet its details (a database error, a module's host) are
+        # for this machine: a page in the user's browser may not read them (DNS rebinding).
+        self._guarded_health = HostOriginGuardMiddleware(
+            self._serve_health, allowed_hosts=allowed_hosts, mode="strict"
+        )
         self._draining = asyncio.Event()
         # Served before (and without) the Host/Origin guard: see the module docstring.
         self._webhook_paths = {getattr(route, "path", "") for route in webhooks}
         self._webhooks = Router(routes=list(webhooks))
+
+    async def _serve_health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status, body = await self._health()
+        await _json(send, status, body)
 
     def drain(self) -> None:
         self._draining.set()
@@ -206,8 +229,7 @@ class ButlerApp:
             await self._app(scope, receive, send)
             return
         if scope["path"] == HEALTH_PATH:
-            status, body = await self._health()
-            await _json(send, status, body)
+            await self._guarded_health(scope, receive, send)
             return
         if scope["path"] in self._webhook_paths:
             await self._webhooks(scope, receive, send)

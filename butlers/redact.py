@@ -1,4 +1,4 @@
-"""Configured secrets never leave the process in a log line or a routing_log row.
+"""Configured secrets never leave the process in a log line, a span or a routing_log row.
 
 Libraries log what they are given: httpx logs every request URL at INFO, and the Telegram Bot
 API puts the bot token in the URL; an exception text may quote a connection string. Rather
@@ -12,8 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
+
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import Status
 
 from butlers.config import ButlerConfig
 
@@ -28,7 +33,11 @@ SECRET_NAMES = (
     "ANTHROPIC_AUTH_TOKEN",
     "CLAUDE_CODE_OAUTH_TOKEN",
 )
-SECRET_NAME_PATTERN = re.compile(r"(TOKEN|PASSWORD|PASSWD|SECRET|API_KEY|PRIVATE_KEY)$")
+SECRET_NAME_PATTERN = re.compile(
+    r"(TOKEN|PASSWORD|PASSWD|SECRET|SECRET_ACCESS_KEY|API_KEY|PRIVATE_KEY|CREDENTIALS)$"
+)
+# "key=value,key2=value2" lists of headers (an OTLP collector's API key): each value.
+HEADER_LIST_NAMES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
 
 
 class Redactor:
@@ -69,6 +78,9 @@ class Redactor:
                 names.add(config.email.password_env)
         names |= {name for name in environ if SECRET_NAME_PATTERN.search(name)}
         values = [environ[name] for name in names if environ.get(name)]
+        for name in HEADER_LIST_NAMES:
+            for pair in (environ.get(name) or "").split(","):
+                values.append(pair.partition("=")[2].strip())
         database_url = environ.get("DATABASE_URL")
         if database_url:
             try:
@@ -81,20 +93,26 @@ class Redactor:
 
 
 def install_log_redaction(redactor: Redactor) -> None:
-    """Redact every log record of this process as it is created (process-wide, like logging).
+    """Redact every log record of this process as it is created (process-wide, like logging),
+    and route `warnings` through logging so that they are redacted too.
 
     The message is formatted here, once, and an exception's traceback too (as text: handlers
     then print that text instead of formatting the exception again from its objects). Secrets
-    added to `redactor` later are redacted from then on.
+    added to `redactor` later are redacted from then on. A record whose message cannot be
+    formatted (a logging call with the wrong arguments) is left for logging's own error report.
     """
     make_record = logging.getLogRecordFactory()
     formatter = logging.Formatter()
+    logging.captureWarnings(True)
 
-    def redacting_factory(*args: object, **kwargs: object) -> logging.LogRecord:
+    def redacting_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
         if not redactor:
             return record
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:
+            return record  # logging reports it ("--- Logging error ---") when it is emitted
         redacted = redactor(message)
         if redacted is not message:
             record.msg, record.args = redacted, None
@@ -106,3 +124,52 @@ def install_log_redaction(redactor: Redactor) -> None:
         return record
 
     logging.setLogRecordFactory(redacting_factory)
+
+
+class RedactingSpanExporter(SpanExporter):
+    """Spans go out with every configured secret replaced in their names, attributes, event
+    attributes (exception messages and stack traces) and status descriptions."""
+
+    def __init__(self, exporter: SpanExporter, redact: Callable[[str], str]) -> None:
+        self.exporter = exporter
+        self.redact = redact
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self.exporter.export([self._redacted(span) for span in spans])
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+    def _redacted(self, span: ReadableSpan) -> ReadableSpan:
+        status = span.status
+        if status.description:
+            status = Status(status.status_code, self.redact(status.description))
+        return ReadableSpan(
+            name=self.redact(span.name),
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=self._attributes(span.attributes),
+            events=[
+                Event(e.name, self._attributes(e.attributes), e.timestamp) for e in span.events
+            ],
+            links=span.links,
+            kind=span.kind,
+            status=status,
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
+
+    def _attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {key: self._value(value) for key, value in (attributes or {}).items()}
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, tuple | list):
+            return [self._value(v) for v in value]
+        return value

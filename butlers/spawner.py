@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,8 +85,10 @@ class Spawner:
         telemetry: ButlerTelemetry,
         session_env: Mapping[str, str] | None = None,
         auth_token: str | None = None,
+        redact: Callable[[str], str] = str,
     ) -> None:
         self.config = config
+        self.redact = redact  # a session's error text may quote anything: no secret kept
         self.telemetry = telemetry
         self.store = store
         self.work_dir = work_dir
@@ -94,6 +96,15 @@ class Spawner:
         self.auth_token = auth_token
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
+
+    @property
+    def mcp_config_dir(self) -> Path:
+        return self.work_dir / ".mcp"
+
+    async def remove_leftovers(self) -> None:
+        """At start: MCP config files of sessions a killed process never finished."""
+        if removed := await asyncio.to_thread(remove_private_files, self.mcp_config_dir):
+            logger.info("removed %d MCP config file(s) left by a killed run", removed)
 
     def system_prompt(self) -> str:
         if self.config.instructions:
@@ -151,7 +162,7 @@ class Spawner:
             session_id=session_id,
             success=error is None,
             result=result,
-            error=error[:ERROR_TEXT_LIMIT] if error else None,
+            error=self.redact(error)[:ERROR_TEXT_LIMIT] if error else None,
             tool_calls=tool_calls,
             duration_ms=duration_ms,
             trace_id=trace_id,
@@ -216,7 +227,7 @@ class Spawner:
         from claude_agent_sdk.types import ToolUseBlock
 
         config_path = await asyncio.to_thread(
-            write_private_file, self.work_dir / ".mcp", json.dumps(self._mcp_servers(target))
+            write_private_file, self.mcp_config_dir, json.dumps(self._mcp_servers(target))
         )
         try:
             options = self._options(target, system_prompt, config_path)
@@ -243,6 +254,16 @@ class Spawner:
             detail = "; ".join(result.errors or []) or result.result or result.subtype
             raise SpawnError(f"Claude Code session failed: {detail}")
         return result.result or ""
+
+
+def remove_private_files(directory: Path) -> int:
+    """What `write_private_file` left behind when the process was killed mid-session (the
+    files hold the auth token): removed at start."""
+    removed = 0
+    for path in directory.glob("*.json") if directory.is_dir() else ():
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 def write_private_file(directory: Path, text: str) -> Path:

@@ -10,6 +10,24 @@ from typing import Any, Literal
 import asyncpg
 
 
+def storable(text: str | None) -> str | None:
+    """PostgreSQL's text and jsonb refuse NUL (\\x00). Channels, models and other butlers may
+    hand us anything, and a row that can never be written would be retried forever (a mail
+    blocking its mailbox) or lost (a session's outcome)."""
+    return None if text is None else text.replace("\x00", "")
+
+
+def storable_json(value: Any) -> Any:
+    """`storable` through a JSON value: every string in it, keys included."""
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {storable(str(k)): storable_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_json(v) for v in value]
+    return value
+
+
 def _row(record: asyncpg.Record | None) -> dict[str, Any] | None:
     return None if record is None else dict(record)
 
@@ -126,7 +144,7 @@ class CoreStore:
             """INSERT INTO sessions (trigger_source, prompt, trace_id)
                VALUES ($1, $2, $3) RETURNING id""",
             trigger_source,
-            prompt,
+            storable(prompt),
             trace_id,
         )
 
@@ -145,10 +163,10 @@ class CoreStore:
                       duration_ms = $6, finished_at = now()
                WHERE id = $1""",
             session_id,
-            result,
+            storable(result),
             success,
-            error,
-            list(tool_calls),
+            storable(error),
+            storable_json(list(tool_calls)),
             duration_ms,
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +66,10 @@ class Telemetry:
         self._providers: dict[str, TracerProvider] = {}
 
     @classmethod
-    def from_environment(cls) -> Telemetry:
+    def from_environment(cls, redact: Callable[[str], str] | None = None) -> Telemetry:
         """OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set (protocol per
-        OTEL_EXPORTER_OTLP_PROTOCOL: grpc, the default, or http/protobuf); otherwise none."""
+        OTEL_EXPORTER_OTLP_PROTOCOL: grpc, the default, or http/protobuf); otherwise none.
+        `redact`: applied to every exported span's texts (configured secrets)."""
         let_butlers_own_mcp_spans()
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if not endpoint:
@@ -89,9 +90,13 @@ class Telemetry:
         logger.info(
             "exporting spans over OTLP (%s) to %s", protocol, endpoint, extra={"action": "otlp"}
         )
+        exporter = OTLPSpanExporter()
+        if redact is not None:
+            from butlers.redact import RedactingSpanExporter
+
+            exporter = RedactingSpanExporter(exporter, redact)
         return cls(
-            BatchSpanProcessor(OTLPSpanExporter()),
-            cli_env=claude_code_telemetry_env(endpoint, protocol),
+            BatchSpanProcessor(exporter), cli_env=claude_code_telemetry_env(endpoint, protocol)
         )
 
     @property

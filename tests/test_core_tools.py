@@ -112,6 +112,10 @@ async def test_schedules_are_capped(client: Client, db_conn) -> None:
     for cron in ("* * * * * */5", "* * * * * * *", "@reboot", "every minute"):
         with pytest.raises(ToolError, match="invalid cron expression"):
             await client.call_tool("schedule_create", {"name": "x", "cron": cron, "prompt": "p"})
+    with pytest.raises(ToolError, match=r"'0 0 31 2 \*' never comes round"):
+        await client.call_tool(
+            "schedule_create", {"name": "x", "cron": "0 0 31 2 *", "prompt": "p"}
+        )
     with pytest.raises(ToolError, match="prompt is 32769 bytes; the limit is 32768"):
         await client.call_tool(
             "schedule_create", {"name": "big", "cron": "@daily", "prompt": "p" * 32769}

@@ -24,7 +24,7 @@ from butlers.switchboard.dispatch import (
     RoutePolicyError,
     check_classifier_route,
 )
-from butlers.switchboard.inbox import IncomingMessage
+from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from tests.conftest import StartButler
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_inbox import (
@@ -298,3 +298,29 @@ def test_what_a_classifier_may_route(tool, arguments, routable, problem) -> None
         )
         == "x" * MAX_PROMPT_BYTES
     )
+
+
+async def test_routes_made_at_once_cannot_pass_the_cap_together(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Tool calls of one model turn arrive concurrently; the check and the count must not be
+    split by an await (the registry lookup), or ten calls would all see "0 routed so far"."""
+    scripted_api.respond_with(model(None, {"general": "ok"}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    worker = switchboard.switchboard.worker
+    message = InboxMessage(
+        id=1, channel="telegram", external_id="u1", source_id="42", sender_name=None,
+        subject=None, text="x", meta={}, attempts=1, trace_context=None,
+    )  # fmt: skip
+    worker.router.forget_endpoints()  # the lookup awaits the database
+    async with worker.dispatcher.open(message) as dispatch:
+        results = await asyncio.gather(
+            *(dispatch.accept("general", "trigger", {"prompt": f"p{i}"}) for i in range(10)),
+            return_exceptions=True,
+        )
+        accepted = [r for r in results if isinstance(r, str)]
+        refused = [r for r in results if isinstance(r, RoutePolicyError)]
+        assert (len(accepted), len(refused)) == (3, 7)
+        assert all(a.ok for a in await dispatch.answers())
+    rows = await routing_log(db_conn, switchboard)
+    assert sorted(r["success"] for r in rows) == [False] * 7 + [True] * 3

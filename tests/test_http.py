@@ -91,6 +91,8 @@ async def test_foreign_host_header_is_refused(start_butler: StartButler, path: s
             return response.status
 
     assert await status(path, Host=f"evil.example:{port}") == 421
+    assert await status("/health", Host=f"evil.example:{port}") == 421  # details stay local
+    assert await status("/health", Host="alpha-svc:1234") == 200
     assert await status("/sse", Host=f"evil.example:{port}", Origin="http://evil.example") == 421
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", "alpha-svc:1234"):
         assert await status("/sse", Host=host) == 200, host  # the SSE stream opened

@@ -10,15 +10,17 @@ import json
 import logging
 import tomllib
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
 from fastmcp import Client
 
-from butlers.redact import REDACTED, Redactor, install_log_redaction
+from butlers.redact import REDACTED, RedactingSpanExporter, Redactor, install_log_redaction
 from butlers.spawner import isolated_cli_env
 from butlers.switchboard.inbox import IncomingMessage
+from butlers.switchboard.route import summarize
 from tests.conftest import StartButler
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
@@ -122,6 +124,16 @@ def check_process(process: psutil.Process, forbidden: list[str], secrets: dict) 
     config = Path(args[args.index("--mcp-config") + 1])
     assert config.is_file() and config.stat().st_mode & 0o777 == 0o600
     assert b"X-Butlers-Classification" not in argv and b"Authorization" not in argv
+
+
+async def test_mcp_config_files_a_killed_run_left_are_removed_at_start(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    leftovers = tmp_path / "data" / "sessions" / "alpha" / ".mcp"
+    leftovers.mkdir(parents=True)
+    (leftovers / "0123.json").write_text('{"headers": {"Authorization": "Bearer t"}}')
+    await start_butler()
+    assert list(leftovers.iterdir()) == []
 
 
 async def test_secrets_stay_out_of_debug_logs_spans_and_routing_log(
@@ -235,6 +247,7 @@ def test_log_redaction_covers_messages_arguments_and_tracebacks() -> None:
             environ={"DATABASE_URL": "postgresql://u:pg-password@h/db", "MY_API_KEY": "k" * 8}
         ).secrets == ("pg-password", "k" * 8)
     finally:
+        logging.captureWarnings(False)
         logging.setLogRecordFactory(saved)
 
 
@@ -252,3 +265,66 @@ async def otlp():
     await receiver.start()
     yield receiver
     await receiver.stop()
+
+
+def test_redaction_survives_bad_logging_calls_and_covers_warnings() -> None:
+    redactor = Redactor(["w4rning-secret"])
+    saved = logging.getLogRecordFactory()
+    install_log_redaction(redactor)
+    try:
+        logger = logging.getLogger("tests.redaction.bad")
+        record = logger.makeRecord(
+            logger.name, logging.INFO, __file__, 1, "two %s %s", ("a",), None
+        )
+        assert record.msg == "two %s %s"  # left for logging's own error report, not raised
+        seen: list[logging.LogRecord] = []
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                seen.append(record)
+
+        handler = Keep()
+        logging.getLogger("py.warnings").addHandler(handler)
+        try:
+            warnings.warn("token w4rning-secret expired", UserWarning, stacklevel=1)
+        finally:
+            logging.getLogger("py.warnings").removeHandler(handler)
+        [warned] = seen
+        assert "w4rning-secret" not in warned.getMessage() and REDACTED in warned.getMessage()
+    finally:
+        logging.captureWarnings(False)
+        logging.setLogRecordFactory(saved)
+
+
+def test_a_secret_is_redacted_before_it_is_cut_to_fit() -> None:
+    secret = "7312345678:AAHk3vR9xQpL2-secret-bot-token-zz"
+    redactor = Redactor([secret])
+    for pad in range(150, 200):
+        summary = summarize({"note": "x" * pad + secret}, redactor)
+        assert secret[:8] not in summary, pad
+
+
+def test_exported_spans_carry_no_secret() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Status, StatusCode
+
+    secret = "span-secret-0123456789"
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(
+        SimpleSpanProcessor(RedactingSpanExporter(memory, Redactor([secret])))
+    )
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span(f"call {secret}") as span:
+        span.set_attribute("url", f"https://api/bot{secret}/getMe")
+        span.set_attribute("list", [secret, "ok"])
+        span.record_exception(RuntimeError(f"refused: {secret}"))
+        span.set_status(Status(StatusCode.ERROR, f"failed with {secret}"))
+    provider.shutdown()
+    [exported] = memory.get_finished_spans()
+    assert secret not in exported.to_json()
+    assert exported.attributes["url"] == f"https://api/bot{REDACTED}/getMe"
+    assert exported.status.status_code is StatusCode.ERROR
+    assert exported.events[0].attributes["exception.message"] == f"refused: {REDACTED}"

@@ -82,6 +82,7 @@ class Dispatch:
     max_routes: int
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
+    _claimed: int = 0  # routes accepted or being checked: counted before any await
 
     @property
     def source(self) -> RouteSource:
@@ -97,17 +98,23 @@ class Dispatch:
         """Check the route against the policy and start forwarding it; returns at once.
         A refusal is recorded in routing_log and raised (RoutePolicyError) for the model."""
         try:
-            if len(self._routes) >= self.max_routes:
+            # Claimed before the first await: calls made in one turn arrive concurrently.
+            if self._claimed >= self.max_routes:
                 raise RoutePolicyError(
-                    f"refused: this message was already routed {len(self._routes)} times; "
+                    f"refused: this message was already routed {self._claimed} times; "
                     f"the limit is {self.max_routes}"
                 )
-            prompt = check_classifier_route(
-                tool_name,
-                arguments,
-                routable=await self.router.is_routable(butler_name),
-                butler_name=butler_name,
-            )
+            self._claimed += 1
+            try:
+                prompt = check_classifier_route(
+                    tool_name,
+                    arguments,
+                    routable=await self.router.is_routable(butler_name),
+                    butler_name=butler_name,
+                )
+            except BaseException:
+                self._claimed -= 1
+                raise
         except RoutePolicyError as exc:
             await self.router.refuse(
                 butler_name, tool_name, arguments, source=self.source, reason=str(exc)

@@ -11,23 +11,9 @@ from typing import Any
 
 import asyncpg
 
+from butlers.store import storable, storable_json
+
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
-
-
-def storable(text: str | None) -> str | None:
-    """PostgreSQL's text and jsonb refuse NUL (\\x00); a channel may hand us anything, and a
-    mail that can never be stored would be fetched again forever and block the mailbox."""
-    return None if text is None else text.replace("\x00", "")
-
-
-def _storable_meta(value: Any) -> Any:
-    if isinstance(value, str):
-        return storable(value)
-    if isinstance(value, dict):
-        return {storable(str(k)): _storable_meta(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_storable_meta(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -94,7 +80,7 @@ class InboxStore:
             storable(message.sender_name),
             storable(message.subject),
             storable(message.text),
-            _storable_meta(message.meta),
+            storable_json(message.meta),
             trace_context,
         )
 

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.errors import ButlersError
+from butlers.store import storable
 from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
 from butlers.telemetry import current_carrier, current_trace_id
 
 if TYPE_CHECKING:
     from butlers.switchboard.inbox import InboxMessage
+
 
 SWITCHBOARD = "switchboard"
 SUMMARY_CHARS = 200
@@ -70,13 +72,18 @@ class RouteSource:
         return cls(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
 
 
-def summarize(arguments: dict[str, Any]) -> str | None:
-    """The `prompt` argument when there is one, else the arguments as JSON; truncated."""
+def summarize(arguments: dict[str, Any], redact: Callable[[str], str] = str) -> str | None:
+    """The `prompt` argument when there is one, else the arguments as JSON; redacted, then
+    truncated (the other way round, a secret cut in two would keep its first part)."""
     if not arguments:
         return None
     prompt = arguments.get("prompt")
     text = prompt if isinstance(prompt, str) else json.dumps(arguments, default=str)
-    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+    return truncate(redact(text), SUMMARY_CHARS)
+
+
+def truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def unwrap(result: dict[str, Any]) -> Any:
@@ -195,17 +202,14 @@ class Router:
                 source_id=source.source_id,
                 routed_to=butler_name,
                 tool_name=tool_name,
-                prompt_summary=self._redacted(summarize(arguments)),
+                prompt_summary=storable(summarize(arguments, self.redact)),
                 trace_id=current_trace_id(),
                 success=error is None,
-                error=self._redacted(error[:ERROR_CHARS] if error else None),
+                error=storable(truncate(self.redact(error), ERROR_CHARS)) if error else None,
                 duration_ms=int((time.monotonic() - started) * 1000),
                 inbox_id=source.inbox_id,
             )
         )
-
-    def _redacted(self, text: str | None) -> str | None:
-        return None if text is None else self.redact(text)
 
     async def is_routable(self, butler_name: str) -> bool:
         """A registered butler other than the switchboard."""
