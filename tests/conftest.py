@@ -25,7 +25,9 @@ from butlers.daemon import ButlerDaemon
 from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
 from butlers.spawner import isolated_cli_env
 from butlers.telemetry import Telemetry
+from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.fakes.otlp import OtlpReceiver
 
 # Nothing of the host's Claude / Anthropic / butlers setup may leak into a test.
 _LEAKY_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_", "BUTLERS_", "TELEGRAM_")
@@ -145,6 +147,30 @@ async def messages_api() -> AsyncIterator[ScriptedMessagesAPI]:
     await api.start()
     yield api
     await api.stop()
+
+
+WEBHOOK_SECRET = "hook-Secret_0123456789"
+
+
+@pytest.fixture
+async def bot_api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeBotAPI]:
+    """A fake Telegram Bot API on loopback; its (random) token and a webhook secret are in the
+    environment, where a butler reads them."""
+    api = FakeBotAPI(token=f"123456:{uuid.uuid4().hex}")
+    await api.start()
+    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
+    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", WEBHOOK_SECRET)
+    yield api
+    await api.stop()
+
+
+@pytest.fixture
+async def otlp() -> AsyncIterator[OtlpReceiver]:
+    """A local OTLP receiver (HTTP and gRPC) for the spans real exporters send."""
+    receiver = OtlpReceiver()
+    await receiver.start()
+    yield receiver
+    await receiver.stop()
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ import os
 import uuid
 from pathlib import Path
 
-import pytest
-
 from butlers.spawner import isolated_cli_env
 from tests.conftest import free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
@@ -17,14 +15,6 @@ from tests.fakes.messages_api import ScriptedMessagesAPI, text
 from tests.test_cli import Butlers
 
 CHAT = 777
-
-
-@pytest.fixture
-async def bot_api():
-    api = FakeBotAPI()
-    await api.start()
-    yield api
-    await api.stop()
 
 
 async def test_sigkill_mid_message_then_restart_answers_it(

@@ -15,6 +15,7 @@ from fastmcp import Client
 from butlers.config import SwitchboardConfig, TelegramConfig, TriageRule
 from butlers.errors import ButlersError
 from butlers.http import is_loopback, require_token_beyond_loopback
+from tests.conftest import WEBHOOK_SECRET as SECRET
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
@@ -23,18 +24,7 @@ from tests.test_cli_client import run_cli
 from tests.test_inbox import model
 
 CHAT = 31337
-SECRET = "hook-Secret_0123456789"
 PUBLIC = "https://bot.example.com/telegram/webhook"
-
-
-@pytest.fixture
-async def bot_api(monkeypatch: pytest.MonkeyPatch):
-    api = FakeBotAPI()
-    await api.start()
-    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
-    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", SECRET)
-    yield api
-    await api.stop()
 
 
 async def webhook_switchboard(

@@ -19,15 +19,6 @@ from tests.test_inbox import model
 ALLOWED = (111, 222)
 
 
-@pytest.fixture
-async def bot_api(monkeypatch: pytest.MonkeyPatch):
-    api = FakeBotAPI()
-    await api.start()
-    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
-    yield api
-    await api.stop()
-
-
 async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
     start_butler: StartButler,
     tmp_path: Path,

@@ -89,7 +89,7 @@ async def test_fresh_switchboard_database_has_spec_tables_after_core(
         assert await _columns(conn, core), core
     # The switchboard branch depends on core, so alembic records just its head.
     versions = [r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")]
-    assert versions == ["switchboard_0002"]
+    assert versions == ["switchboard_0003"]
 
 
 async def test_other_butlers_do_not_get_switchboard_tables(

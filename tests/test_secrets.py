@@ -251,22 +251,6 @@ def test_log_redaction_covers_messages_arguments_and_tracebacks() -> None:
         logging.setLogRecordFactory(saved)
 
 
-@pytest.fixture
-async def bot_api():
-    api = FakeBotAPI(token=f"123456:{uuid.uuid4().hex}")
-    await api.start()
-    yield api
-    await api.stop()
-
-
-@pytest.fixture
-async def otlp():
-    receiver = OtlpReceiver()
-    await receiver.start()
-    yield receiver
-    await receiver.stop()
-
-
 def test_redaction_survives_bad_logging_calls_and_covers_warnings() -> None:
     redactor = Redactor(["w4rning-secret"])
     saved = logging.getLogRecordFactory()

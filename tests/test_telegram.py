@@ -11,22 +11,12 @@ import aiohttp
 import pytest
 
 from butlers.config import TelegramConfig, TriageRule
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import WEBHOOK_SECRET, StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_inbox import model
 
 CHAT = 12345
-
-
-@pytest.fixture
-async def bot_api(monkeypatch: pytest.MonkeyPatch):
-    api = FakeBotAPI()
-    await api.start()
-    monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
-    monkeypatch.setenv("TELEGRAM_WEBHOOK_SECRET", "hook-secret")
-    yield api
-    await api.stop()
 
 
 async def start_telegram_fleet(
@@ -230,7 +220,7 @@ async def test_webhook_mode_checks_the_secret(
         ) as r:
             assert r.status == 401
         async with session.post(
-            url, json=update, headers={"X-Telegram-Bot-Api-Secret-Token": "hook-secret"}
+            url, json=update, headers={"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
         ) as r:
             assert r.status == 200
     [sent] = await bot_api.wait_sent(1)

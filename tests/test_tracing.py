@@ -33,22 +33,6 @@ from tests.test_inbox import model
 CHAT = 4242
 
 
-@pytest.fixture
-async def otlp() -> AsyncIterator[OtlpReceiver]:
-    receiver = OtlpReceiver()
-    await receiver.start()
-    yield receiver
-    await receiver.stop()
-
-
-@pytest.fixture
-async def bot_api() -> AsyncIterator[FakeBotAPI]:
-    api = FakeBotAPI()
-    await api.start()
-    yield api
-    await api.stop()
-
-
 class Fleet:
     """`butlers up` with a general butler and a Telegram switchboard, exporting to `otlp`."""
 
