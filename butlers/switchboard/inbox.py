@@ -41,6 +41,10 @@ class InboxMessage:
     meta: dict[str, Any]
     attempts: int
     trace_context: dict[str, str] | None
+    # How many messages the same sender sent in the hour before this one, and whether one of
+    # them was already skipped for that (the sender has been told): the per-sender limit.
+    earlier_from_sender: int = 0
+    sender_told: bool = False
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> InboxMessage:
@@ -55,6 +59,8 @@ class InboxMessage:
             meta=row["meta"] or {},
             attempts=row["attempts"],
             trace_context=row["trace_context"],
+            earlier_from_sender=row["earlier_from_sender"],
+            sender_told=row["sender_told"],
         )
 
 
@@ -111,21 +117,26 @@ class InboxStore:
         return int(result.split()[-1])
 
     async def claim_next(self) -> InboxMessage | None:
-        """The oldest queued message, now `processing`; None when the queue is empty."""
+        """The oldest queued message, now `processing`, with its sender's last hour (in the
+        same round trip); None when the queue is empty."""
         row = await self.pool.fetchrow(
             """
-            UPDATE inbox SET status = 'processing', attempts = attempts + 1
-            WHERE id = (SELECT id FROM inbox WHERE status = 'queued'
-                        ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
-            RETURNING *
+            WITH claimed AS (
+                UPDATE inbox SET status = 'processing', attempts = attempts + 1
+                WHERE id = (SELECT id FROM inbox WHERE status = 'queued'
+                            ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+                RETURNING *
+            )
+            SELECT claimed.*, sender.earlier AS earlier_from_sender, sender.told AS sender_told
+            FROM claimed CROSS JOIN LATERAL (
+                SELECT count(*) AS earlier,
+                       coalesce(bool_or(i.status = 'skipped'), false) AS told
+                FROM inbox i
+                WHERE i.channel = claimed.channel AND i.source_id = claimed.source_id
+                  AND i.received_at > claimed.received_at - interval '1 hour'
+                  AND i.id < claimed.id
+            ) AS sender
             """
-        )
-        return None if row is None else InboxMessage.from_row(row)
-
-    async def processing(self, inbox_id: int) -> InboxMessage | None:
-        """The message `inbox_id` if it is being processed right now (what route() accepts)."""
-        row = await self.pool.fetchrow(
-            "SELECT * FROM inbox WHERE id = $1 AND status = 'processing'", inbox_id
         )
         return None if row is None else InboxMessage.from_row(row)
 
@@ -155,21 +166,6 @@ class InboxStore:
             reply,
             error,
         )
-
-    async def from_same_sender(self, inbox_id: int) -> tuple[int, bool]:
-        """How many messages the sender of `inbox_id` sent in the hour before it, and whether
-        one of those was already skipped for that (the sender has been told)."""
-        row = await self.pool.fetchrow(
-            """
-            SELECT count(*) AS earlier, coalesce(bool_or(i.status = 'skipped'), false) AS told
-            FROM inbox m JOIN inbox i
-              ON i.channel = m.channel AND i.source_id = m.source_id
-             AND i.received_at > m.received_at - interval '1 hour' AND i.id < m.id
-            WHERE m.id = $1
-            """,
-            inbox_id,
-        )
-        return row["earlier"], row["told"]
 
     async def prune(self, older_than_days: int) -> int:
         """Delete finished messages older than that; queued and processing ones stay."""

@@ -179,8 +179,7 @@ class InboxWorker:
         limit = self.limits.max_messages_per_sender_per_hour
         if not limit or message.channel == "mcp" or message.source_id is None:
             return False
-        earlier, told = await self.inbox.from_same_sender(message.id)
-        if earlier < limit:
+        if message.earlier_from_sender < limit:
             return False
         error = f"over max_messages_per_sender_per_hour ({limit})"
         logger.warning(
@@ -192,7 +191,7 @@ class InboxWorker:
             extra={"action": "sender_limited"},
         )
         reply = None
-        if not told:
+        if not message.sender_told:
             reply = RATE_LIMITED
             await self.inbox.store_reply(message.id, None, reply)
             error = await self._reply(message, reply) or error
