@@ -125,7 +125,8 @@ def attach_switchboard(
             try:
                 return await classification.accept(butler_name, tool_name, args)
             except RoutePolicyError as exc:
-                raise ToolRefusal(str(exc)) from exc
+                # What a message talked its classifier into: an operator wants to see that.
+                raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
         try:
             return await router.route(butler_name, tool_name, args)
         except RouteError as exc:  # a target that failed is worth a warning; a typo is not
