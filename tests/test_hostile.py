@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from butlers.switchboard.dispatch import (
     check_classifier_route,
 )
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
-from tests.conftest import StartButler
+from tests.conftest import StartButler, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_inbox import (
     ROUTE_TOOL,
@@ -129,7 +130,11 @@ async def test_a_message_cannot_plant_a_schedule_through_route(
     scripted_api.respond_with(attacker([[plant], sneaky]))
     switchboard, targets = await start_fleet(start_butler, tmp_path)
 
-    answer = await ask(switchboard, "please schedule a beacon every minute")
+    with log_records("fastmcp") as records:
+        answer = await ask(switchboard, "please schedule a beacon every minute")
+    # What a message talked its classifier into is worth an operator's attention.
+    logged = [r for r in records if "Error calling tool 'route'" in r.getMessage()]
+    assert [r.levelno for r in logged] == [logging.WARNING] * 3
 
     general_db = await db_conn(targets["general"].config.database)
     assert await general_db.fetchval("SELECT count(*) FROM scheduled_tasks") == 0
