@@ -20,7 +20,7 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
 
 from butlers.config import EmailConfig
-from butlers.modules.email import html_to_text, parse_mail, sender_allowed
+from butlers.modules.mail_parse import html_to_text, parse_mail, sender_allowed
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes import wait_listening
 from tests.fakes.messages_api import ScriptedMessagesAPI

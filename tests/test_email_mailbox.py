@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from butlers.modules.email import MAX_MAIL_FAILURES, EmailModule, MailError
+from butlers.modules.email import EmailModule, MailError
+from butlers.modules.mail_imap import MAX_MAIL_FAILURES
 from butlers.switchboard.inbox import IncomingMessage
 from tests.conftest import StartButler
 from tests.fakes.mail import SmtpServer, imap_append, pymap_server

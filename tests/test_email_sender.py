@@ -5,12 +5,14 @@ email.utils.parseaddr misreads, CVE-2023-27043, is refused), and with
 from __future__ import annotations
 
 import email.utils
+import json
 import logging
+from typing import Any
 
 import pytest
 
-from butlers.modules.email import _mail_from_json
-from butlers.modules.mail_parse import dmarc_refusal, parse_mail, single_address
+from butlers.modules.mail_parse import MailUnreadable, dmarc_refusal, parse_mail, single_address
+from butlers.modules.mail_webhook import parse_webhook
 from tests.conftest import log_records
 from tests.fakes.mail import RecordingWorker, imap_append, pymap_server
 from tests.test_email_tls import PASSWORD, USER, email_config, running, wait_until_seen
@@ -24,6 +26,10 @@ MISREAD = [
 ]
 
 MX = "mx.butler.example"  # our MTA's authserv-id
+
+
+def webhook(payload: dict[str, Any]) -> Any:
+    return parse_webhook(json.dumps(payload).encode())
 
 
 def raw_mail(sender: str, message_id: str, *headers: str, body: str = "Hello.") -> bytes:
@@ -165,12 +171,12 @@ async def test_refused_mail_is_logged_marked_seen_and_never_stored() -> None:
 
 @pytest.mark.parametrize("value", [*MISREAD, "a@example.com, b@example.com", "g: a@example.com;"])
 def test_the_webhook_applies_the_same_address_rules(value: str) -> None:
-    with pytest.raises(ValueError):
-        _mail_from_json({"from": value, "text": "hi", "message_id": "<w@x>"})
+    with pytest.raises(MailUnreadable, match="'from': From"):
+        parse_webhook(json.dumps({"from": value, "text": "hi", "message_id": "<w@x>"}).encode())
 
 
 def test_the_webhook_carries_authentication_results() -> None:
-    mail = _mail_from_json(
+    mail = webhook(
         {
             "from": "Ada <user@example.com>",
             "text": "hi",

@@ -19,7 +19,8 @@ import pytest
 import butlers.modules.email as email_module
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.modules.email import EmailModule, MailRefused
+from butlers.modules.email import EmailModule
+from butlers.modules.mail_transport import MailRefused
 from tests.fakes.mail import (
     MailCA,
     RecordingWorker,

@@ -95,8 +95,10 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
                 os.environ[config.email.username_env],
                 os.environ[config.email.password_env],
                 worker,
+                webhook_token=os.environ.get(EMAIL_WEBHOOK_TOKEN_ENV) or None,
             )
-            mail.register(mcp, os.environ.get(EMAIL_WEBHOOK_TOKEN_ENV))
+            mail.register(mcp)
+            modules.webhooks.extend(mail.webhook_routes())
             if worker is not None:
                 worker.repliers["email"] = mail.reply
             modules.running.append(mail)

@@ -1,19 +1,64 @@
-"""Reading a mail: its text, who sent it (and whether to believe it), and what we may write
-back in a header. Pure functions, no I/O: the email module applies them."""
+"""Reading a mail: its envelope (from the header alone), its text, and what we may write back
+in a header. Pure functions, no I/O: the email module runs them in a worker thread.
+
+Whatever a sender writes, reading it costs bounded time and memory. The stdlib's parser does
+not promise that, so the limits below are checked before it is asked:
+
+- `policy.default` parses a header each time it is read, in time and memory quadratic in its
+  length (a folded Subject of 256 KiB of `=?utf-8?q?abc?=` words took 2.1 GB): a header we
+  read that is longer than MAX_HEADER_BYTES is refused unparsed (`HeaderTooLong`), those we
+  never read are never parsed;
+- it re-parses each MIME part's Content-Type several times while splitting a mail (2 ms a
+  part: a 1 MB mail of 10,000 tiny parts took 20 s): past MAX_MIME_PARTS parts it stops;
+- a charset whose decoder is quadratic (punycode) is read as latin-1, like an unknown one;
+- an HTML body is converted only until there is text enough for MAX_TEXT_CHARS.
+"""
 
 from __future__ import annotations
 
-import email
+import codecs
 import email.errors
 import email.policy
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from email.message import EmailMessage
+from dataclasses import dataclass, field, replace
+from email.message import EmailMessage, Message
+from email.parser import BytesHeaderParser, BytesParser
+from email.policy import EmailPolicy, compat32
 from html.parser import HTMLParser
 from typing import Any
 
+from butlers.modules.mail_transport import MailError
+
+# A mail over this is not read (its envelope is kept as a failed inbox row). Ten times what a
+# long text with a few photos needs; what we keep of it is at most MAX_TEXT_CHARS of text and
+# attachment names, and parsing one this size takes a few hundred MB and a few seconds.
+MAX_MAIL_BYTES = 10 * 1024 * 1024
+# The header block we fetch and read at most: mail servers write a few to some tens of KiB.
+MAX_HEADER_BLOCK_BYTES = 256 * 1024
+# One header we read (From, Subject, Message-ID, Content-Type...): a legitimate one is under
+# 1 KiB (RFC 5322 lines stop at 998 characters); parsing 8 KiB costs policy.default at worst
+# ~30 ms and ~6 MB, 100 KiB cost it 400 MB.
+MAX_HEADER_BYTES = 8 * 1024
+MAX_MIME_PARTS = 200  # a newsletter with its inline images has a few dozen
 MAX_TEXT_CHARS = 100_000
+MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_MIME_PARTS)
+MAX_ATTACHMENT_NAME_CHARS = 100
+MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
+_PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
+_SLOW_CODECS = frozenset({"punycode", "idna"})  # pure Python, punycode quadratic
+
+
+class MailUnreadable(MailError):
+    """A mail (or webhook body) we will not read: too big, a header too long, too many MIME
+    parts, or not the JSON we take. The message says what and how big."""
+
+
+class HeaderTooLong(MailUnreadable):
+    def __init__(self, name: str, size: int) -> None:
+        super().__init__(
+            f"the {name} header is {size} bytes long, over the limit of {MAX_HEADER_BYTES}"
+        )
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -31,6 +76,188 @@ class ParsedMail:
     automated: str | None = None  # why this mail must not be answered, if it must not
     refused: str | None = None  # why its sender cannot be trusted (From), if it cannot
     authentication_results: tuple[str, ...] = ()  # Authentication-Results, topmost first
+    unreadable: str | None = None  # why the rest cannot be read (a header too long, ...)
+
+
+class _BoundedPolicy(EmailPolicy):
+    """policy.default, except that reading a header longer than MAX_HEADER_BYTES raises
+    HeaderTooLong instead of parsing it. Every way a header is read goes through here:
+    get/get_all, get_param, get_filename, get_content_type (the parser's own calls too)."""
+
+    def header_fetch_parse(self, name: str, value: str) -> Any:
+        if len(value) > MAX_HEADER_BYTES:
+            raise HeaderTooLong(name, len(value))
+        try:
+            return super().header_fetch_parse(name, value)
+        except RecursionError:  # comments nested a thousand deep
+            raise MailUnreadable(f"the {name} header is nested too deeply") from None
+
+
+READING = _BoundedPolicy()
+
+
+class _PartCounter:
+    """The parser's message factory, counting what it makes: the parser stops at the part past
+    MAX_MIME_PARTS (it would spend seconds on a few thousand)."""
+
+    def __init__(self) -> None:
+        # Not counted: the call FeedParser makes up front (to probe the factory's signature),
+        # and the message itself.
+        self.parts = -2
+
+    def __call__(self, policy: EmailPolicy) -> EmailMessage:
+        self.parts += 1
+        if self.parts > MAX_MIME_PARTS:
+            raise MailUnreadable(f"it has more than {MAX_MIME_PARTS} MIME parts")
+        return EmailMessage(policy=policy)
+
+
+def parse_header(header: bytes, *, complete: bool = True) -> ParsedMail:
+    """The envelope of a mail, from its header block alone (no text): enough to decide whether
+    to read the rest. `complete=False`: the block was cut at MAX_HEADER_BLOCK_BYTES. Never
+    raises: what cannot be read is said in `refused` (From) or `unreadable` (the rest)."""
+    if not complete:
+        header = header[: header.rfind(b"\n") + 1]  # the cut may have split a header
+    try:
+        # Split by compat32, which parses nothing (the parser itself reads Content-Type when
+        # it closes), then read through READING.
+        split = BytesHeaderParser(policy=compat32).parsebytes(header)
+        message = EmailMessage(policy=READING)
+        for name, value in split.raw_items():
+            message.set_raw(name, value)
+        mail = _read_headers(message)
+    except Exception as exc:  # a stdlib failure on hostile input
+        why = f"the header cannot be read ({_describe(exc)})"
+        return ParsedMail("", "", "", "", "", refused=why, unreadable=why)
+    if not complete:
+        too_big = f"its header is over {MAX_HEADER_BLOCK_BYTES} bytes"
+        mail = replace(mail, unreadable="; ".join(filter(None, [too_big, mail.unreadable])))
+    return mail
+
+
+def parse_mail(raw: bytes) -> ParsedMail:
+    """Parse a whole mail: text/plain preferred, HTML converted, any charset, attachments
+    listed by name, quoted history trimmed. MailUnreadable when it is over a limit (see the
+    module docstring); other exceptions are the stdlib failing on hostile input."""
+    if len(raw) > MAX_MAIL_BYTES:
+        raise MailUnreadable(f"it is {len(raw)} bytes, over the limit of {MAX_MAIL_BYTES}")
+    try:
+        message = BytesParser(_class=_PartCounter(), policy=READING).parsebytes(raw)
+        assert isinstance(message, EmailMessage)
+        mail = _read_headers(message)
+        if mail.unreadable:
+            raise MailUnreadable(mail.unreadable)
+        body = message.get_body(preferencelist=("plain", "html"))
+        text = _body_text(body) if body is not None else ""
+        attachments = [
+            one_line(str(part.get_filename() or "(unnamed)"))[:MAX_ATTACHMENT_NAME_CHARS]
+            for part in message.iter_attachments()
+        ]
+    except RecursionError:
+        raise MailUnreadable("its MIME parts are nested too deeply") from None
+    text = trim_quoted(text)[:MAX_TEXT_CHARS]
+    if attachments:
+        listed = ", ".join(attachments[:MAX_ATTACHMENTS_LISTED])
+        more = len(attachments) - MAX_ATTACHMENTS_LISTED
+        text += f"\n\n[attachments not read: {listed}{f' and {more} more' if more > 0 else ''}]"
+    return replace(mail, text=text, attachments=attachments)
+
+
+def _read_headers(message: Message) -> ParsedMail:
+    """What the header says, each header read through READING. A header we read that is too
+    long (or that the stdlib cannot parse) is reported in `unreadable`, and shown as the
+    start of its raw text instead."""
+    problems: list[str] = []
+
+    def raw(name: str) -> list[str]:
+        return [_unfold(v) for k, v in message.raw_items() if k.lower() == name.lower()]
+
+    def read(name: str) -> str:
+        try:
+            return str(message.get(name, "")).strip()
+        except Exception as exc:  # MailUnreadable; whatever else the stdlib may raise
+            problems.append(_header_problem(name, exc))
+        return _printable((raw(name) or [""])[0][:_PREVIEW_CHARS])
+
+    try:
+        address, name = single_address(raw("From"))
+        refused = None
+    except ValueError as exc:
+        address, name, refused = "", "", str(exc)
+    message_id = read("Message-ID")
+    subject = read("Subject")
+    try:
+        automated = automated_reason(message, address)
+    except Exception as exc:
+        automated = None
+        problems.append(_header_problem("Content-Type (or an auto-reply header)", exc))
+    results = raw("Authentication-Results")  # not parsed here: dmarc_refusal does, bounded
+    problems += [
+        str(HeaderTooLong("Authentication-Results", len(v)))
+        for v in results
+        if len(v) > MAX_HEADER_BYTES
+    ]
+    return ParsedMail(
+        message_id=message_id,
+        sender=address,
+        sender_name=name,
+        subject=subject,
+        text="",
+        references=_references((raw("References") or [""])[0], message_id),
+        automated=automated,
+        refused=refused,
+        authentication_results=tuple(v.strip() for v in results),
+        unreadable="; ".join(problems) or None,
+    )
+
+
+def _unfold(value: str) -> str:
+    """A raw header value as policy.default unfolds it (CR and LF removed)."""
+    return value.replace("\r", "").replace("\n", "")
+
+
+def _printable(raw: str) -> str:
+    """The start of a raw header value, for a failed row and the log: one line, its 8-bit
+    bytes (kept as surrogates by the parser, which no database takes) read as UTF-8."""
+    text = raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return one_line(text)
+
+
+def _header_problem(name: str, exc: Exception) -> str:
+    if isinstance(exc, MailUnreadable):  # names the header already
+        return str(exc)
+    return f"the {name} header cannot be read ({_describe(exc)})"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return f"{type(exc).__name__}: {exc}"[:_PREVIEW_CHARS]
+
+
+def _references(raw: str, message_id: str) -> str:
+    """References for our reply: the thread's Message-IDs (the last MAX_REFERENCES; a long
+    thread's header may be long, it is split, never parsed), then this mail's."""
+    ids = [i for i in raw.split() if len(i) <= 998][-MAX_REFERENCES:]
+    return " ".join(filter(None, [*ids, message_id]))
+
+
+def _body_text(part: EmailMessage) -> str:
+    """The text of a text/plain or text/html part, decoded by its charset; an unknown, lying
+    or slow one (punycode is quadratic) read as latin-1."""
+    payload = part.get_payload(decode=True)
+    data = payload if isinstance(payload, bytes) else b""
+    charset = str(part.get_param("charset", "us-ascii"))
+    try:
+        codec = codecs.lookup(charset)
+        if not codec._is_text_encoding or codec.name in _SLOW_CODECS:
+            raise LookupError(charset)
+        content = data.decode(codec.name, "replace")
+    except (LookupError, UnicodeError, ValueError, TypeError):
+        content = data.decode("latin-1")
+    if part.get_content_type() == "text/html":
+        return html_to_text(content, max_chars=2 * MAX_TEXT_CHARS)
+    return content
 
 
 class _HTMLText(HTMLParser):
@@ -41,6 +268,7 @@ class _HTMLText(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.parts: list[str] = []
+        self.chars = 0  # of text data so far
         self._skip = 0
 
     def handle_starttag(self, tag: str, attrs: Any) -> None:
@@ -58,11 +286,21 @@ class _HTMLText(HTMLParser):
     def handle_data(self, data: str) -> None:
         if not self._skip:
             self.parts.append(data)
+            self.chars += len(data)
 
 
-def html_to_text(html: str) -> str:
+_HTML_CHUNK = 64 * 1024
+
+
+def html_to_text(html: str, *, max_chars: int | None = None) -> str:
+    """HTML as text. With `max_chars`, conversion stops once that much text was found (the
+    rest would be cut anyway; converting takes ~0.6 s a MB)."""
     parser = _HTMLText()
-    parser.feed(html)
+    for start in range(0, len(html), _HTML_CHUNK):
+        parser.feed(html[start : start + _HTML_CHUNK])
+        if max_chars is not None and parser.chars >= max_chars:
+            break
+    parser.close()
     text = "".join(parser.parts)
     lines = [re.sub(r"[ \t\xa0]+", " ", line).strip() for line in text.splitlines()]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
@@ -83,7 +321,7 @@ def trim_quoted(text: str) -> str:
     return "\n".join(kept).strip()
 
 
-def automated_reason(message: EmailMessage, sender: str) -> str | None:
+def automated_reason(message: Message, sender: str) -> str | None:
     auto = str(message.get("Auto-Submitted", "no")).strip().lower()
     if auto and auto != "no":
         return f"Auto-Submitted: {auto}"
@@ -102,52 +340,13 @@ def automated_reason(message: EmailMessage, sender: str) -> str | None:
     return None
 
 
-def parse_mail(raw: bytes) -> ParsedMail:
-    """Parse with the stdlib (policy.default): text/plain preferred, HTML converted, any
-    charset, attachments listed by name, quoted history trimmed."""
-    message = email.message_from_bytes(raw, policy=email.policy.default)
-    assert isinstance(message, EmailMessage)
-    try:
-        address, name = single_address(message.get_all("From") or [])
-        refused = None
-    except ValueError as exc:
-        address, name, refused = "", "", str(exc)
-    body = message.get_body(preferencelist=("plain", "html"))
-    text = ""
-    if body is not None:
-        try:
-            content = body.get_content()
-        except (LookupError, UnicodeDecodeError):  # an unknown or lying charset
-            content = (body.get_payload(decode=True) or b"").decode("latin-1")
-        text = html_to_text(content) if body.get_content_type() == "text/html" else content
-    attachments = [part.get_filename() or "(unnamed)" for part in message.iter_attachments()]
-    text = trim_quoted(text)[:MAX_TEXT_CHARS]
-    if attachments:
-        text += f"\n\n[attachments not read: {', '.join(attachments)}]"
-    message_id = str(message.get("Message-ID", "")).strip()
-    references = " ".join(filter(None, [str(message.get("References", "")).strip(), message_id]))
-    return ParsedMail(
-        message_id=message_id,
-        sender=address,
-        sender_name=name,
-        subject=str(message.get("Subject", "")).strip(),
-        text=text,
-        attachments=attachments,
-        references=references,
-        automated=automated_reason(message, address),
-        refused=refused,
-        authentication_results=tuple(
-            str(value) for value in message.get_all("Authentication-Results") or []
-        ),
-    )
-
-
 # -- who sent it --------------------------------------------------------------------------------
 
 
-def single_address(values: Sequence[object], header_name: str = "From") -> tuple[str, str]:
-    """(address lower-cased, display name) of the one address a From (or To) header names;
-    ValueError saying why when there is not exactly one well-formed address.
+def single_address(values: Sequence[str], header_name: str = "From") -> tuple[str, str]:
+    """(address lower-cased, display name) of the one address a From (or To) header names
+    (raw, unfolded values); ValueError saying why when there is not exactly one well-formed
+    address of at most MAX_HEADER_BYTES.
 
     `email.utils.parseaddr` reads `user@example.com)<attacker@evil.example>` and
     `<user@example.com>attacker@evil.example` as user@example.com (CVE-2023-27043): the
@@ -159,9 +358,17 @@ def single_address(values: Sequence[object], header_name: str = "From") -> tuple
         raise ValueError(f"no {header_name} header")
     if len(values) > 1:
         raise ValueError(f"{len(values)} {header_name} headers")
-    raw = values[0]
-    what = f"{header_name} {str(raw)[:200]!r}"
-    header = raw if hasattr(raw, "addresses") else _header_factory(header_name, str(raw))
+    raw = str(values[0])
+    shown = raw if len(raw) <= _PREVIEW_CHARS else f"{raw[:_PREVIEW_CHARS]}..."
+    what = f"{header_name} {shown!r}"
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"{what} is {len(raw)} characters long, over the limit of {MAX_HEADER_BYTES}"
+        )
+    try:
+        header = _header_factory(header_name, raw)
+    except RecursionError:  # comments nested a thousand deep: no address is written so
+        raise ValueError(f"{what} is malformed (nested too deeply)") from None
     defects = [d for d in header.defects if not isinstance(d, email.errors.ObsoleteHeaderDefect)]
     if defects:
         raise ValueError(f"{what} is malformed ({'; '.join(map(str, defects))})")
@@ -217,11 +424,18 @@ def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:
 
 # -- what we write ------------------------------------------------------------------------------
 
+# Every character str.splitlines() breaks at: the email package refuses a header holding one
+# (our reply would be lost), and were it not, a CR or LF would start a header of the sender's
+# choosing.
+_BREAKS = "\x00-\x1f\x7f\x85\u2028\u2029"
+_SPACE_RUN = re.compile(rf"[\s{_BREAKS}]+")
+_BREAK = re.compile(rf"[{_BREAKS}]")
+
 
 def one_line(value: str) -> str:
-    """Header text as one line: a CR or LF in a header we write is refused by the email package
-    (the reply would be lost) and, were it not, would start a header of the sender's choosing."""
-    return re.sub(r"\s*[\x00-\x1f\x7f]+\s*", " ", value).strip()
+    """Header text as one line: a run of white space holding a line break (or any control
+    character) becomes one space. In linear time: each run is matched once."""
+    return _SPACE_RUN.sub(lambda m: " " if _BREAK.search(m.group()) else m.group(), value).strip()
 
 
 def reply_subject(subject: str | None) -> str:

@@ -16,6 +16,8 @@ internet cannot have, and they are closed here, where the third-party errors ent
 TLS: one context per module (`tls_context()`): the system's trust store, or the CA file named
 by SSL_CERT_FILE (OpenSSL's default verify paths), with the host name checked. A configured
 STARTTLS that the server does not offer is refused: we never log in over plaintext instead.
+Without TLS configured, the password goes only to a loopback host (a local relay, a bridge
+such as Proton Mail Bridge): `plaintext_login_refusal`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from email.message import EmailMessage
 from typing import TYPE_CHECKING, Literal
 
 from butlers.errors import ButlersError
+from butlers.http import is_loopback
 
 if TYPE_CHECKING:
     import aioimaplib
@@ -63,6 +66,25 @@ class MailServer:
 
 def security(implicit: bool, starttls: bool) -> Security:
     return "implicit" if implicit else "starttls" if starttls else "none"
+
+
+_TLS_KEYS = {
+    "IMAP": "imap_ssl = true (implicit TLS, usually port 993) or imap_starttls = true (port 143)",
+    "SMTP": "smtp_ssl = true (implicit TLS, usually port 465) or smtp_starttls = true (port 587)",
+}
+
+
+def plaintext_login_refusal(server: MailServer) -> str | None:
+    """Why we must not log in to `server`, or None: without TLS the password (and the mail)
+    would cross the network readable by anyone on the way, so only a loopback host
+    (127.0.0.0/8, ::1, localhost) may be used without it."""
+    if server.security != "none" or is_loopback(server.host.lower()):
+        return None
+    return (
+        f"{server.where}: refusing to log in without TLS to a host beyond this machine (the "
+        f"password would cross the network in plaintext); set {_TLS_KEYS[server.protocol]} "
+        "under [modules.email]"
+    )
 
 
 def tls_context() -> ssl.SSLContext:
@@ -119,6 +141,8 @@ async def imap_connect(
     STARTTLS keeps the same protocol object, whose connection_lost calls it."""
     import aioimaplib
 
+    if why := plaintext_login_refusal(server):  # before connecting: IMAP always logs in
+        raise MailRefused(why)
     client = aioimaplib.IMAP4(
         host=server.host,
         port=server.port,
@@ -246,6 +270,8 @@ async def smtp_send(
             await smtp.starttls()
             await smtp.ehlo()  # RFC 3207: forget what the server said before TLS
         if smtp.supports_extension("auth"):
+            if why := plaintext_login_refusal(server):  # a relay without AUTH is used as is
+                raise MailRefused(why)
             try:
                 await smtp.login(username, password)
             except aiosmtplib.SMTPAuthenticationError as exc:

@@ -3,7 +3,9 @@
 - `MailCA`: a CA of our own (trustme) and a certificate for 127.0.0.1 / localhost, as files
   (pymap reads them) and as a server SSLContext (aiosmtpd, TcpFront).
 - `pymap_server()`: the pymap IMAP server in a subprocess; with a certificate it offers
-  STARTTLS (pymap serves no implicit TLS: put a `TcpFront(ssl=...)` in front for that).
+  STARTTLS (pymap serves no implicit TLS: put a `TcpFront(ssl=...)` in front for that). It
+  keeps keywords like Dovecot, Gmail or Fastmail do (PERMANENTFLAGS with `\\*`); pymap's
+  in-memory backend alone keeps them for the session only (`keywords=False`).
 - `SmtpServer`: aiosmtpd on a free port (its Controller cannot take port 0), recording the
   mails it takes and the credentials it was given.
 - `RecordingWorker`: what the email module hands mail to, for tests of the connection rather
@@ -16,6 +18,7 @@ import asyncio
 import email
 import email.policy
 import logging
+import re
 import ssl
 import subprocess
 import sys
@@ -60,15 +63,36 @@ class MailCA:
         return context
 
 
+# pymap's `dict` backend, with keywords kept as permanent flags (`\*` in PERMANENTFLAGS).
+_PYMAP_KEEPING_KEYWORDS = """
+import sys
+from pymap.backend.dict.mailbox import MailboxData
+from pymap.main import main
+from pymap.parsing.specials.flag import Recent, Wildcard, get_system_flags
+
+MailboxData.permanent_flags = property(lambda self: get_system_flags() - {Recent} | {Wildcard})
+sys.argv[0] = "pymap"
+sys.exit(main())
+"""
+
+
 @asynccontextmanager
-async def pymap_server(user: str, password: str, *, ca: MailCA | None = None) -> AsyncIterator[int]:
-    """pymap on a free port (yielded): STARTTLS offered when given a CA's certificate."""
+async def pymap_server(
+    user: str, password: str, *, ca: MailCA | None = None, keywords: bool = True
+) -> AsyncIterator[int]:
+    """pymap on a free port (yielded): STARTTLS offered when given a CA's certificate;
+    keywords kept across sessions unless `keywords=False`."""
     port = free_port()
     tls = (
         ["--cert", str(ca.cert_file), "--key", str(ca.key_file)] if ca is not None else ["--no-tls"]
     )
+    command = (
+        [sys.executable, "-c", _PYMAP_KEEPING_KEYWORDS]
+        if keywords
+        else [str(Path(sys.executable).parent / "pymap")]
+    )
     process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).parent / "pymap"),
+        *command,
         "--host",
         "127.0.0.1",
         "--port",
@@ -122,6 +146,30 @@ async def imap_unseen(port: int, user: str, password: str) -> list[bytes]:
     response = await client.uid_search("UNSEEN")
     await client.logout()
     return response.lines[0].split()
+
+
+async def imap_flags(port: int, user: str, password: str) -> dict[int, set[str]]:
+    """Every mail's UID and flags, as another client (or the next start) would see them."""
+    client = await _test_client(port, user, password)
+    await client.select("INBOX")
+    response = await client.fetch("1:*", "(UID FLAGS)")
+    await client.logout()
+    flags = {}
+    for line in response.lines:
+        uid = re.search(rb"\bUID (\d+)", bytes(line))
+        found = re.search(rb"\bFLAGS \(([^)]*)\)", bytes(line))
+        if uid is not None and found is not None:
+            flags[int(uid.group(1))] = set(found.group(1).decode().split())
+    return flags
+
+
+async def imap_store(port: int, user: str, password: str, uid: int, flags: str) -> None:
+    """UID STORE `flags` (e.g. "+FLAGS ($ButlersTried)") on one mail."""
+    client = await _test_client(port, user, password)
+    await client.select("INBOX")
+    response = await client.uid("store", str(uid), flags)
+    assert response.result == "OK", response
+    await client.logout()
 
 
 class SmtpServer:

@@ -1,0 +1,392 @@
+"""IMAP intake for the email module: one session at a time (IDLE, or polling), every unseen
+mail taken in bounded steps and flagged \\Seen only once it is settled.
+
+Taking one mail (`ImapIntake._take`), cheapest step first, so that no mail can exhaust the
+memory, freeze the event loop (every butler of `butlers up` shares it) or crash-loop the
+process:
+
+1. FETCH its FLAGS, RFC822.SIZE and at most MAX_HEADER_BLOCK_BYTES of its header.
+2. Read the envelope from that header alone, in a worker thread (`parse_header`: a header we
+   read that is longer than MAX_HEADER_BYTES is refused unparsed). Strangers, bounces, our
+   own mail and a failed DMARC check end here, flagged \\Seen and logged.
+3. A mail over MAX_MAIL_BYTES, with a header we will not read, or carrying TRIED_KEYWORD
+   (step 4) is not read: its envelope is kept as a failed inbox row, and it is flagged \\Seen.
+4. Mark it with the keyword TRIED_KEYWORD, fetch it (at most MAX_MAIL_BYTES, whatever
+   RFC822.SIZE said) and parse it in a worker thread. Should the process die meanwhile (the
+   kernel's OOM killer, say), the mail carries the keyword at the next start and step 3
+   keeps it from being read again: without it, it would crash the process at every start.
+   A clean stop removes the keyword; a server that keeps no keywords (PERMANENTFLAGS
+   without \\*) is used without this protection, which is logged.
+5. Store it, flag it \\Seen, remove the keyword. A mail that cannot be stored is tried
+   MAX_MAIL_FAILURES times, then recorded as failed; one that cannot be parsed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from butlers.context import ModuleStatus
+from butlers.modules.mail_parse import (
+    MAX_HEADER_BLOCK_BYTES,
+    MAX_MAIL_BYTES,
+    ParsedMail,
+    parse_header,
+    parse_mail,
+)
+from butlers.modules.mail_transport import (
+    MailError,
+    MailRefused,
+    describe,
+    imap_close,
+    imap_connect,
+)
+
+if TYPE_CHECKING:
+    import aioimaplib
+
+    from butlers.modules.email import EmailModule
+
+# The email module's logger: one place to listen for what happens to mail.
+logger = logging.getLogger("butlers.modules.email")
+
+IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
+BACKOFF_S = (1, 2, 5, 10, 30, 60)
+HEALTHY_SESSION_S = 60  # a session that lasted this long was a working one
+MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
+RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
+TRIED_KEYWORD = "$ButlersTried"  # set while a mail is read (step 4 above)
+UNMARK_TIMEOUT_S = 2.0  # removing the keyword when stopping: no longer than this
+
+_UIDVALIDITY = re.compile(rb"\[UIDVALIDITY (\d+)\]")
+_PERMANENTFLAGS = re.compile(rb"\[PERMANENTFLAGS \(([^)]*)\)\]")
+_FETCH_START = re.compile(rb"\d+ FETCH \(")
+_FETCH_UID = re.compile(rb"\bUID (\d+)")
+_FETCH_FLAGS = re.compile(rb"\bFLAGS \(([^)]*)\)")
+_FETCH_SIZE = re.compile(rb"\bRFC822\.SIZE (\d+)")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One message's data in a FETCH response."""
+
+    flags: frozenset[str]
+    size: int | None  # RFC822.SIZE, when asked for
+    literal: bytes | None  # the body section asked for
+
+
+def fetched(lines: list[Any], uid: str) -> Fetched | None:
+    """Message `uid`'s data in a FETCH response's lines (aioimaplib gives a literal as a
+    bytearray between the text before and after it); None when the server has no such
+    message any more. A server may add unsolicited FETCH data of other messages (flag
+    changes), and may put UID and FLAGS before or after the literal."""
+    for i, line in enumerate(lines):
+        if isinstance(line, bytearray) or not isinstance(line, bytes):
+            continue
+        if not _FETCH_START.match(line):
+            continue
+        text, literal = line, None
+        if i + 1 < len(lines) and isinstance(lines[i + 1], bytearray):
+            literal = bytes(lines[i + 1])
+            after = lines[i + 2] if i + 2 < len(lines) else b""
+            if isinstance(after, bytes) and not _FETCH_START.match(after):
+                text += b" " + after
+        found = _FETCH_UID.search(text)
+        if found is None or found.group(1).decode() != uid:
+            continue
+        flags = _FETCH_FLAGS.search(text)
+        size = _FETCH_SIZE.search(text)
+        return Fetched(
+            flags=frozenset(flags.group(1).decode(errors="replace").split() if flags else ()),
+            size=int(size.group(1)) if size else None,
+            literal=literal,
+        )
+    return None
+
+
+def keywords_kept(select_lines: list[Any]) -> bool:
+    """Whether the selected mailbox keeps TRIED_KEYWORD across sessions: PERMANENTFLAGS names
+    it or \\* (any keyword may be created). Without PERMANENTFLAGS, RFC 3501 says to assume
+    every flag is permanent.
+
+    aioimaplib deletes every "* " from an untagged line, so a `\\*` followed by another flag
+    (pymap sorts it first: `(\\* \\Answered ...)`) reaches us as `(\\\\Answered ...)`."""
+    for line in select_lines:
+        if isinstance(line, bytes | bytearray) and (found := _PERMANENTFLAGS.search(line)):
+            flags = found.group(1).decode(errors="replace").split()
+            wildcard = "\\*" in flags or any(flag.startswith("\\\\") for flag in flags)
+            return wildcard or TRIED_KEYWORD in flags
+    return True
+
+
+class ImapIntake:
+    """The IMAP side of an EmailModule: its sessions, and each mail's way into the inbox."""
+
+    def __init__(self, module: EmailModule) -> None:
+        self.module = module
+        self.server = module.imap_server
+        # Failed attempts to store a mail, per "<UIDVALIDITY>:<UID>" (see _store).
+        self._failures: dict[str, int] = {}
+        # Mails this process marked with TRIED_KEYWORD: a retry of ours, not a crash's remains.
+        self._marked: set[str] = set()
+        self._keywords = True
+        self._told_no_keywords = False
+        self._lost = asyncio.Event()  # the current connection dropped
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # A session that worked for a while: reconnect quickly. One that ends as soon
+                # as it starts (the database refusing even to record a failed mail, say) backs
+                # off, or it would reconnect every second for as long as that lasts.
+                if time.monotonic() - started >= HEALTHY_SESSION_S:
+                    failures = 0
+                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                failures += 1
+                why = (
+                    str(exc)
+                    if isinstance(exc, MailError)
+                    else f"{self.server.where}: {describe(exc)}"
+                )
+                # A refusal (untrusted certificate, no STARTTLS, login refused) needs someone
+                # to act: "failed", though we keep trying in case they did.
+                state = "failed" if isinstance(exc, MailRefused) else "starting"
+                self.module.status = ModuleStatus(
+                    self.module.name, state, f"{why}; retrying in {delay}s"
+                )
+                logger.warning("email: IMAP session ended (%s); reconnecting in %ss", why, delay)
+                await asyncio.sleep(delay)
+
+    async def _session(self) -> None:
+        # Set when the connection drops: aioimaplib wakes neither an IDLE wait nor a pending
+        # command by itself (a command would wait for its timeout).
+        lost = self._lost = asyncio.Event()
+
+        def on_lost(_exc: Exception | None) -> None:
+            lost.set()
+
+        module = self.module
+        client = await imap_connect(
+            self.server,
+            module.username,
+            module.password,
+            context=module.tls_context,
+            on_lost=on_lost,
+        )
+        try:
+            selected = await self._ok(client.select("INBOX"), "SELECT INBOX")
+            uidvalidity = next(
+                (
+                    m.group(1).decode()
+                    for line in selected.lines
+                    if isinstance(line, bytes | bytearray) and (m := _UIDVALIDITY.search(line))
+                ),
+                "",
+            )
+            self._keywords = keywords_kept(selected.lines)
+            if not self._keywords:
+                self._no_keywords("its PERMANENTFLAGS allow no keywords")
+            use_idle = module.config.mode == "idle" and client.has_capability("IDLE")
+            module.status = ModuleStatus(
+                module.name,
+                "running",
+                f"{'IDLE' if use_idle else 'polling'} on {self.server.host}:{self.server.port}",
+            )
+            while True:
+                retry = await self._fetch_unseen(client, uidvalidity)
+                if retry:  # a mail could not be stored: try it again soon, not in 25 minutes
+                    await self._wait(min(RETRY_FAILED_S, module.config.poll_interval_s))
+                elif use_idle:
+                    await self._idle(client)
+                else:
+                    await self._wait(module.config.poll_interval_s)
+        finally:
+            await imap_close(client)
+
+    def _no_keywords(self, why: str) -> None:
+        self._keywords = False
+        if not self._told_no_keywords:
+            self._told_no_keywords = True
+            logger.warning(
+                "email: %s keeps no %s keyword (%s): a mail that crashes the process while it "
+                "is read would be read again at every start",
+                self.server.where,
+                TRIED_KEYWORD,
+                why,
+            )
+
+    async def _until_lost(self, awaitable: Any) -> Any:
+        """Await an IMAP step, or raise as soon as the connection is lost."""
+        step = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            unfinished = not step.done()
+            if unfinished:
+                step.cancel()
+        if unfinished:
+            raise MailError(f"{self.server.where}: the connection was lost")
+        return step.result()
+
+    async def _wait(self, seconds: float) -> None:
+        await self._until_lost(asyncio.sleep(seconds))
+
+    async def _idle(self, client: aioimaplib.IMAP4) -> None:
+        """IDLE until the server pushes something, the connection drops, or it is time to renew."""
+        idle = await self._until_lost(client.idle_start(timeout=IDLE_RENEW_S))
+        with contextlib.suppress(TimeoutError):  # a timeout: renew the IDLE before it is dropped
+            await self._until_lost(client.wait_server_push(timeout=IDLE_RENEW_S))
+        client.idle_done()
+        await self._until_lost(asyncio.wait_for(idle, 30))
+
+    async def _ok(self, awaitable: Any, what: str) -> Any:
+        response = await self._until_lost(awaitable)
+        if response.result != "OK":
+            raise MailError(f"{self.server.where}: {what} failed: {response.lines[-1:]!r}")
+        return response
+
+    # -- one mail at a time ---------------------------------------------------------------------
+
+    async def _fetch_unseen(self, client: aioimaplib.IMAP4, uidvalidity: str) -> bool:
+        """Take every unseen mail; True when one could not be stored (try again soon)."""
+        response = await self._ok(client.uid_search("UNSEEN"), "UID SEARCH UNSEEN")
+        uids = [uid.decode() for uid in response.lines[0].split()] if response.lines else []
+        retry = False
+        for uid in uids:
+            if not await self._take(client, uidvalidity, uid):
+                retry = True
+        return retry
+
+    async def _take(self, client: aioimaplib.IMAP4, uidvalidity: str, uid: str) -> bool:
+        """Steps 1-3 of the module docstring; False when the mail is to be tried again."""
+        key = f"{uidvalidity}:{uid}"
+        items = f"(UID FLAGS RFC822.SIZE BODY.PEEK[HEADER]<0.{MAX_HEADER_BLOCK_BYTES + 1}>)"
+        head = await self._fetch(client, uid, items)
+        if head is None:
+            return True  # expunged meanwhile
+        header = head.literal or b""
+        complete = len(header) <= MAX_HEADER_BLOCK_BYTES
+        envelope = await asyncio.to_thread(
+            parse_header, header[:MAX_HEADER_BLOCK_BYTES], complete=complete
+        )
+        left_marked = TRIED_KEYWORD in head.flags
+        if not self.module.wanted(envelope):
+            await self._settle(client, key, uid, marked=left_marked)
+            return True
+        problem = envelope.unreadable
+        if problem is None and head.size is not None and head.size > MAX_MAIL_BYTES:
+            problem = f"it is {head.size} bytes, over the limit of {MAX_MAIL_BYTES}"
+        if problem is None and left_marked and key not in self._marked:
+            problem = (
+                "an earlier attempt to read it never finished (the process stopped or died "
+                "meanwhile), so it is not read again"
+            )
+        if problem is not None:
+            await self._give_up(envelope, uid, head.size, problem)
+            await self._settle(client, key, uid, marked=left_marked)
+            return True
+        return await self._read(client, key, uid, envelope, head.size)
+
+    async def _read(
+        self, client: aioimaplib.IMAP4, key: str, uid: str, envelope: ParsedMail, size: int | None
+    ) -> bool:
+        """Steps 4-5 of the module docstring; False when the mail is to be tried again."""
+        marked = await self._mark(client, key, uid)
+        try:
+            body = await self._fetch(client, uid, f"(UID BODY.PEEK[]<0.{MAX_MAIL_BYTES + 1}>)")
+            if body is None:
+                return True  # expunged meanwhile
+            raw = body.literal or b""
+            try:
+                mail = await asyncio.to_thread(parse_mail, raw)
+            except Exception as exc:  # MailUnreadable, or the stdlib failing on hostile input
+                await self._give_up(envelope, uid, size, f"it cannot be read: {describe(exc)}")
+                await self._settle(client, key, uid, marked=marked)
+                return True
+            if await self._store(key, mail):
+                await self._settle(client, key, uid, marked=marked)
+                return True
+            if marked:  # it was read without harm: a retry may read it, even after a restart
+                await self._unmark(client, uid)
+            return False
+        except asyncio.CancelledError:
+            if marked:  # stopping, not crashing: the next start may read it
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._unmark(client, uid), UNMARK_TIMEOUT_S)
+            raise
+
+    async def _fetch(self, client: aioimaplib.IMAP4, uid: str, items: str) -> Fetched | None:
+        response = await self._ok(client.uid("fetch", uid, items), f"UID FETCH {uid}")
+        return fetched(response.lines, uid)
+
+    async def _mark(self, client: aioimaplib.IMAP4, key: str, uid: str) -> bool:
+        if not self._keywords:
+            return False
+        store = client.uid("store", uid, f"+FLAGS ({TRIED_KEYWORD})")
+        response = await self._until_lost(store)
+        if response.result != "OK":
+            self._no_keywords(f"STORE {TRIED_KEYWORD} answered {response.lines[-1:]!r}")
+            return False
+        self._marked.add(key)
+        return True
+
+    async def _unmark(self, client: aioimaplib.IMAP4, uid: str) -> None:
+        """Remove our keyword (a NO changes nothing that matters: it is only left behind)."""
+        await self._until_lost(client.uid("store", uid, f"-FLAGS ({TRIED_KEYWORD})"))
+
+    async def _settle(self, client: aioimaplib.IMAP4, key: str, uid: str, *, marked: bool) -> None:
+        await self._ok(client.uid("store", uid, "+FLAGS (\\Seen)"), f"STORE {uid} \\Seen")
+        if marked:
+            await self._unmark(client, uid)
+        self._marked.discard(key)
+
+    async def _store(self, key: str, mail: ParsedMail) -> bool:
+        """Store one mail; True when it may be flagged seen.
+
+        A mail that cannot be stored is left unread and tried again; after MAX_MAIL_FAILURES
+        attempts its envelope is recorded as a failed inbox row and it is let go, so one mail
+        can never block the mailbox. If even that record fails (the database is down, not
+        the mail at fault) it stays unread, and the next attempt tries to store it again.
+        """
+        try:
+            await self.module.store(mail)
+        except Exception as exc:
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            if failures < MAX_MAIL_FAILURES:
+                logger.warning(
+                    "email: message %r from %s could not be stored (attempt %d of %d): %s",
+                    mail.message_id[:200],
+                    mail.sender,
+                    failures,
+                    MAX_MAIL_FAILURES,
+                    describe(exc),
+                    extra={"action": "mail_retry"},
+                )
+                return False
+            await self.module.record_failed(
+                mail, f"could not be stored {failures} times: {describe(exc)}"
+            )
+        self._failures.pop(key, None)
+        return True
+
+    async def _give_up(
+        self, envelope: ParsedMail, uid: str, size: int | None, problem: str
+    ) -> None:
+        """Keep a mail we will not read as a failed inbox row (what its header said, and why)."""
+        where = f"{self.server.where} UID {uid}" + (f", {size} bytes" if size is not None else "")
+        await self.module.record_failed(envelope, f"{problem} ({where})")
