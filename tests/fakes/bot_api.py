@@ -1,5 +1,10 @@
 """A fake Telegram Bot API on loopback, enough for python-telegram-bot: getMe, deleteWebhook,
-getUpdates (long poll, offsets acknowledge), sendMessage (recorded; can answer 429 once)."""
+getUpdates (long poll, offsets acknowledge; every call's offset and the update ids it returned
+are recorded), sendMessage (recorded; can answer 429, or 400 for good).
+
+As Telegram does, an update below the offset a getUpdates call was given is never returned by
+it, also when it was pushed while that call was waiting; an update pushed twice (a
+redelivery) is returned twice."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +28,12 @@ class FakeBotAPI:
         self.sent_at: list[float] = []  # when each sendMessage arrived (time.monotonic)
         self.calls: list[str] = []
         self.fail_next_sends_with_429 = 0
+        # While set, sendMessage answers 400 (what Telegram says for a chat it cannot write to).
+        self.fail_sends_with_400 = False
+        self.refused_sends: list[dict[str, Any]] = []  # what a 400 refused
+        # One entry per getUpdates call: the offset it asked with (None: none given), and the
+        # update_ids it returned (None while it is still waiting).
+        self.polls: list[dict[str, Any]] = []
         self._update_ids = itertools.count(1000)
         self._message_ids = itertools.count(1)
         self._changed = asyncio.Condition()
@@ -42,11 +54,22 @@ class FakeBotAPI:
         }
 
     async def push(self, update: dict[str, Any]) -> int:
-        update.setdefault("update_id", next(self._update_ids))
+        [update_id] = await self.push_batch(update)
+        return update_id
+
+    async def push_batch(self, *updates: dict[str, Any]) -> list[int]:
+        """Queue several updates at once: one getUpdates call returns them all. The same
+        update given twice is delivered twice, as a redelivery would be."""
+        for update in updates:
+            update.setdefault("update_id", next(self._update_ids))
         async with self._changed:
-            self.pending.append(update)
+            self.pending.extend(updates)
             self._changed.notify_all()
-        return update["update_id"]
+        return [u["update_id"] for u in updates]
+
+    def text_update(self, chat_id: int, text: str) -> dict[str, Any]:
+        """An update carrying a text message, with a fresh update_id; not queued."""
+        return {"update_id": next(self._update_ids), "message": self._message(chat_id, text=text)}
 
     async def push_text(self, chat_id: int, text: str) -> int:
         return await self.push({"message": self._message(chat_id, text=text)})
@@ -64,6 +87,20 @@ class FakeBotAPI:
         async with asyncio.timeout(timeout_s), self._changed:
             await self._changed.wait_for(lambda: len(self.sent) >= count)
         return self.sent
+
+    async def wait_until(self, condition: Callable[[], bool], timeout_s: float = 60) -> None:
+        """Until `condition()` holds; it is checked whenever a call arrives or is answered."""
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(condition)
+
+    def deliveries(self, update_id: int) -> int:
+        """How many getUpdates answers carried `update_id`."""
+        return sum((p["returned"] or []).count(update_id) for p in self.polls)
+
+    def acknowledged(self, update_id: int) -> bool:
+        """Whether a getUpdates call has asked with an offset past `update_id` (which tells
+        Telegram it may forget the update)."""
+        return any(p["offset"] is not None and p["offset"] > update_id for p in self.polls)
 
     # -- the API ----------------------------------------------------------------------------
 
@@ -86,7 +123,9 @@ class FakeBotAPI:
             )
         method = request.match_info["method"]
         params = await self._params(request)
-        self.calls.append(method)
+        async with self._changed:
+            self.calls.append(method)
+            self._changed.notify_all()
         handler = getattr(self, f"_api_{method}", None)
         if handler is None:
             return web.json_response(
@@ -118,21 +157,39 @@ class FakeBotAPI:
         return web.json_response({"ok": True, "result": True})
 
     async def _api_getUpdates(self, params: dict[str, Any]) -> web.Response:
-        offset = int(params.get("offset") or 0)
+        given = params.get("offset")
+        offset = int(given or 0)
         timeout = float(params.get("timeout") or 0)
-        async with self._changed:
-            # An offset acknowledges every update before it: they are gone for good.
+        poll: dict[str, Any] = {"offset": None if given is None else int(given), "returned": None}
+
+        def acknowledge() -> None:  # an offset acknowledges every update before it, for good
             self.pending = [u for u in self.pending if u["update_id"] >= offset]
+
+        async with self._changed:
+            self.polls.append(poll)
+            self._changed.notify_all()
+            acknowledge()
             if not self.pending and timeout:
                 try:
                     async with asyncio.timeout(timeout):
                         await self._changed.wait_for(lambda: bool(self.pending) or self._closing)
                 except TimeoutError:
                     pass
+                acknowledge()  # what came meanwhile may be below the offset: never returned
             result = list(self.pending)
+            poll["returned"] = [u["update_id"] for u in result]
+            self._changed.notify_all()
         return web.json_response({"ok": True, "result": result})
 
     async def _api_sendMessage(self, params: dict[str, Any]) -> web.Response:
+        if self.fail_sends_with_400:
+            async with self._changed:
+                self.refused_sends.append({"chat_id": params["chat_id"], "text": params["text"]})
+                self._changed.notify_all()
+            return web.json_response(
+                {"ok": False, "error_code": 400, "description": "Bad Request: chat not found"},
+                status=400,
+            )
         if self.fail_next_sends_with_429:
             self.fail_next_sends_with_429 -= 1
             return web.json_response(
