@@ -1,0 +1,378 @@
+"""No mail can exhaust the memory, freeze the event loop or crash-loop the process: through a
+real IMAP server (pymap), the email module handing mail to a RecordingWorker.
+
+- a header the stdlib would parse in quadratic time and memory is refused unparsed;
+- a mail over the size limit is recorded as failed from its header alone, never fetched whole;
+- a big mail is parsed in a worker thread: the event loop keeps running meanwhile;
+- a mail that was being read when the process died is recognised by its keyword at the next
+  start and recorded as failed, not read (and crashed on) again; one that a clean stop
+  interrupted is read normally;
+- a mail that cannot be parsed is kept as a failed inbox row, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from email.headerregistry import HeaderRegistry
+from typing import Any
+
+import pytest
+
+import butlers.modules.mail_imap as mail_imap
+from butlers.modules.mail_imap import TRIED_KEYWORD
+from butlers.modules.mail_parse import (
+    MAX_HEADER_BYTES,
+    MAX_MIME_PARTS,
+    MailUnreadable,
+    ParsedMail,
+    parse_header,
+    parse_mail,
+)
+from tests.conftest import log_records
+from tests.fakes.mail import (
+    RecordingWorker,
+    imap_append,
+    imap_flags,
+    imap_store,
+    pymap_server,
+)
+from tests.fakes.tls_front import TcpFront
+from tests.test_email_tls import PASSWORD, USER, email_config, running, wait_until_seen
+
+
+def quadratic_subject(size: int) -> bytes:
+    """A Subject of about `size` bytes of RFC 2047 encoded words, folded in lines under 80
+    characters: policy.default took 2.1 GB and minutes to parse 256 KiB of it."""
+    words = [b"=?utf-8?q?abc?="] * (size // 16)
+    return b"\r\n ".join(b" ".join(words[i : i + 4]) for i in range(0, len(words), 4))
+
+
+def raw_mail(
+    message_id: str,
+    *,
+    subject: bytes = b"hi",
+    body: bytes = b"Hello.",
+    content_type: bytes = b"text/plain; charset=utf-8",
+    sender: bytes = b"Ada <user@example.com>",
+) -> bytes:
+    return (
+        b"From: " + sender + b"\r\nTo: butler@example.com\r\nSubject: " + subject
+        + f"\r\nMessage-ID: {message_id}\r\nMIME-Version: 1.0\r\n".encode()
+        + b"Content-Type: " + content_type + b"\r\n\r\n" + body + b"\r\n"
+    )  # fmt: skip
+
+
+def many_parts(message_id: str, parts: int) -> bytes:
+    """A multipart mail of `parts` tiny attachments after its text."""
+    attachment = (
+        b"--b\r\nContent-Type: application/octet-stream\r\nContent-Disposition: attachment; "
+        b'filename="a.bin"\r\n\r\nxx\r\n'
+    )
+    body = b"--b\r\nContent-Type: text/plain\r\n\r\nHello.\r\n" + attachment * parts + b"--b--"
+    return raw_mail(message_id, body=body, content_type=b'multipart/mixed; boundary="b"')
+
+
+@pytest.fixture
+def parsed_headers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
+    """Every header the stdlib's header parser is given: (name, length). One longer than
+    MAX_HEADER_BYTES is not parsed but refused here (it could take gigabytes): a test fails,
+    not the machine."""
+    given: list[tuple[str, int]] = []
+    parse = HeaderRegistry.__call__
+
+    def guarded(self: HeaderRegistry, name: str, value: str) -> Any:
+        given.append((name, len(value)))
+        if len(value) > MAX_HEADER_BYTES:
+            raise AssertionError(f"the {name} header of {len(value)} bytes was parsed")
+        return parse(self, name, value)
+
+    monkeypatch.setattr(HeaderRegistry, "__call__", guarded)
+    yield given
+
+
+def spy_parse(
+    monkeypatch: pytest.MonkeyPatch, before: Callable[[bytes], None] = lambda raw: None
+) -> list[bytes]:
+    """Every mail the intake parses whole (its raw bytes); `before` runs first, in the
+    worker thread the parse runs in."""
+    parsed: list[bytes] = []
+
+    def parse(raw: bytes) -> ParsedMail:
+        parsed.append(raw)
+        before(raw)
+        return parse_mail(raw)
+
+    monkeypatch.setattr(mail_imap, "parse_mail", parse)
+    return parsed
+
+
+# -- a header too long ------------------------------------------------------------------------
+
+
+def test_a_quadratic_header_is_refused_without_being_parsed(parsed_headers) -> None:
+    raw = raw_mail("<big@x>", subject=quadratic_subject(256 * 1024))
+    started = time.monotonic()
+    envelope = parse_header(raw)
+    assert (envelope.sender, envelope.message_id) == ("user@example.com", "<big@x>")
+    assert envelope.unreadable and "the Subject header is" in envelope.unreadable
+    assert f"over the limit of {MAX_HEADER_BYTES}" in envelope.unreadable
+    assert envelope.subject.startswith("=?utf-8?q?abc?= ")  # its raw start, for the failed row
+    with pytest.raises(MailUnreadable, match="the Subject header is"):
+        parse_mail(raw)
+    assert time.monotonic() - started < 1
+    assert parsed_headers and max(size for _, size in parsed_headers) <= MAX_HEADER_BYTES
+
+
+async def test_through_imap_a_quadratic_header_is_recorded_as_failed(parsed_headers) -> None:
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        big = raw_mail("<big@x>", subject=b"Lunch " + quadratic_subject(128 * 1024))
+        await imap_append(port, USER, PASSWORD, big)
+        await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            await worker.wait_for("<next@x>")
+            await wait_until_seen(port)
+    assert worker.ids == ["<next@x>"]
+    [(failed, error)] = worker.inbox.failed
+    assert (failed.external_id, failed.source_id) == ("<big@x>", "user@example.com")
+    assert failed.subject and failed.subject.startswith("Lunch =?utf-8?q?abc?=")
+    assert "the Subject header is" in error and f"IMAP 127.0.0.1:{port} UID" in error
+    assert max(size for _, size in parsed_headers) <= MAX_HEADER_BYTES
+
+
+# -- a mail too big -----------------------------------------------------------------------------
+
+
+async def test_a_mail_over_the_size_limit_is_recorded_as_failed_unread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The limit is lowered to 32 KiB here (10 MiB in earnest): RFC822.SIZE says the mail is
+    over it, so its body is never fetched, let alone parsed."""
+    monkeypatch.setattr(mail_imap, "MAX_MAIL_BYTES", 32 * 1024)
+    parsed = spy_parse(monkeypatch)
+    worker = RecordingWorker()
+    big = raw_mail("<big@x>", subject=b"photos", body=b"x" * 64 * 1024)
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, big)
+        await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
+        with log_records("butlers.modules.email") as records:
+            async with running(email_config(imap_port=port, mode="poll"), worker):
+                await worker.wait_for("<next@x>")
+                await wait_until_seen(port)
+    assert worker.ids == ["<next@x>"] and len(parsed) == 1 and b"<next@x>" in parsed[0]
+    [(failed, error)] = worker.inbox.failed
+    assert (failed.external_id, failed.source_id, failed.subject) == (
+        "<big@x>",
+        "user@example.com",
+        "photos",
+    )
+    assert f"it is {len(big)} bytes, over the limit of 32768" in error
+    [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert "user@example.com" in warning and str(len(big)) in warning
+
+
+def test_a_mail_whose_size_was_misreported_is_not_parsed() -> None:
+    """What the fetch returns is checked too: RFC822.SIZE is the server's word."""
+    with pytest.raises(MailUnreadable, match="over the limit of 10485760"):
+        parse_mail(raw_mail("<big@x>", body=b"x" * (10 * 1024 * 1024)))
+
+
+# -- not on the event loop ----------------------------------------------------------------------
+
+
+async def test_a_big_mail_is_parsed_without_blocking_the_event_loop() -> None:
+    """5 MB of HTML markup (no text: its conversion cannot stop early) takes the parser
+    seconds; a task ticking every 10 ms meanwhile is never held up for long."""
+    worker = RecordingWorker()
+    html = raw_mail(
+        "<big@x>", body=b"<p>Soup.</p>" + b"<i></i>" * 700_000, content_type=b"text/html"
+    )
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, html)
+        ticker = asyncio.create_task(tick())
+        try:
+            async with running(email_config(imap_port=port, mode="poll"), worker):
+                mail = await worker.wait_for("<big@x>", timeout_s=60)
+        finally:
+            ticker.cancel()
+    assert mail.text == "Soup."
+    longest = max(b - a for a, b in itertools.pairwise(ticks))
+    assert longest < 0.5, f"the event loop stood still for {longest:.2f}s"
+
+
+# -- a mail that crashed the process ------------------------------------------------------------
+
+
+async def test_a_mail_being_read_when_the_process_died_is_not_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first run dies while parsing <poison@x> (its connection cut, no goodbye: as the
+    OOM killer would leave it). The mail carries the keyword; the next start records it as
+    failed without parsing it, and reads the next mail."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hang_on_poison(raw: bytes) -> None:
+        if b"<poison@x>" in raw:
+            entered.set()
+            release.wait(30)
+
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        front = TcpFront(port)
+        await front.start()
+        try:
+            await imap_append(port, USER, PASSWORD, raw_mail("<poison@x>", subject=b"poison"))
+            config = email_config(imap_port=front.port, mode="poll")
+            spy_parse(monkeypatch, before=hang_on_poison)
+            async with running(config, worker):
+                assert await asyncio.to_thread(entered.wait, 30)
+                front.drop()  # the process dies: nothing more goes to the server
+            release.set()
+        finally:
+            release.set()
+            await front.stop()
+        [flags] = (await imap_flags(port, USER, PASSWORD)).values()
+        assert TRIED_KEYWORD in flags and "\\Seen" not in flags
+
+        await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
+        parsed = spy_parse(monkeypatch)
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            await worker.wait_for("<next@x>")
+            await wait_until_seen(port)
+        flags_after = await imap_flags(port, USER, PASSWORD)
+    assert worker.ids == ["<next@x>"]
+    assert len(parsed) == 1 and b"<next@x>" in parsed[0]  # <poison@x> was not parsed again
+    [(failed, error)] = worker.inbox.failed
+    assert (failed.external_id, failed.source_id, failed.subject) == (
+        "<poison@x>",
+        "user@example.com",
+        "poison",
+    )
+    assert "an earlier attempt to read it never finished" in error
+    assert all(TRIED_KEYWORD not in f and "\\Seen" in f for f in flags_after.values())
+
+
+async def test_a_mail_whose_reading_a_clean_stop_interrupted_is_read_at_the_next_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def hang(raw: bytes) -> None:
+        entered.set()
+        release.wait(30)
+
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, raw_mail("<m@x>"))
+        config = email_config(imap_port=port, mode="poll")
+        spy_parse(monkeypatch, before=hang)
+        try:
+            async with running(config, worker):
+                assert await asyncio.to_thread(entered.wait, 30)
+        finally:
+            release.set()
+        [flags] = (await imap_flags(port, USER, PASSWORD)).values()
+        assert TRIED_KEYWORD not in flags and "\\Seen" not in flags
+
+        parsed = spy_parse(monkeypatch)
+        async with running(config, worker):
+            await worker.wait_for("<m@x>")
+            await wait_until_seen(port)
+    assert len(parsed) == 1 and worker.inbox.failed == []
+
+
+async def test_a_mail_carrying_the_keyword_at_start_is_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = RecordingWorker()
+    parsed = spy_parse(monkeypatch)
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, raw_mail("<poison@x>"))
+        [uid] = await imap_flags(port, USER, PASSWORD)
+        await imap_store(port, USER, PASSWORD, uid, f"+FLAGS ({TRIED_KEYWORD})")
+        await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            await worker.wait_for("<next@x>")
+            await wait_until_seen(port)
+    assert [b"<next@x>" in raw for raw in parsed] == [True]
+    assert [m.external_id for m, _ in worker.inbox.failed] == ["<poison@x>"]
+
+
+async def test_a_server_that_keeps_no_keywords_is_used_and_said_so() -> None:
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD, keywords=False) as port:
+        await imap_append(port, USER, PASSWORD, raw_mail("<m@x>"))
+        with log_records("butlers.modules.email") as records:
+            async with running(email_config(imap_port=port, mode="poll"), worker):
+                await worker.wait_for("<m@x>")
+                await wait_until_seen(port)
+    [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert f"keeps no {TRIED_KEYWORD} keyword" in warning
+
+
+# -- a mail that cannot be parsed ---------------------------------------------------------------
+
+
+async def test_a_mail_that_cannot_be_parsed_is_kept_as_a_failed_row() -> None:
+    """It used to be flagged seen with no trace but a log line."""
+    part_header = b"text/plain; name=" + b"x" * (MAX_HEADER_BYTES + 1)
+    mails = [
+        many_parts("<parts@x>", MAX_MIME_PARTS),  # the text part makes one too many
+        raw_mail(
+            "<ctype@x>",
+            subject=b"part",
+            body=b"--b\r\nContent-Type: " + part_header + b"\r\n\r\nHi.\r\n--b--",
+            content_type=b'multipart/mixed; boundary="b"',
+        ),
+        raw_mail("<next@x>"),
+    ]
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        for raw in mails:
+            await imap_append(port, USER, PASSWORD, raw)
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            await worker.wait_for("<next@x>")
+            await wait_until_seen(port)
+    assert worker.ids == ["<next@x>"]
+    errors = {m.external_id: (m.source_id, error) for m, error in worker.inbox.failed}
+    assert errors.keys() == {"<parts@x>", "<ctype@x>"}
+    sender, error = errors["<parts@x>"]
+    assert sender == "user@example.com"
+    assert f"it cannot be read: it has more than {MAX_MIME_PARTS} MIME parts" in error
+    assert "the Content-Type header is" in errors["<ctype@x>"][1]
+
+
+def test_parsing_costs_stay_bounded() -> None:
+    """Found while bounding the parse: each of these took seconds to minutes (or raised)."""
+    started = time.monotonic()
+    with pytest.raises(MailUnreadable, match="more than 200 MIME parts"):
+        parse_mail(many_parts("<m@x>", 10_000))  # 20 s before
+    nested = b"".join(
+        f'Content-Type: multipart/mixed; boundary="b{i}"\r\n\r\n--b{i}\r\n'.encode()
+        for i in range(5000)
+    )
+    with pytest.raises(MailUnreadable, match="MIME parts"):  # RecursionError after 30 s before
+        parse_mail(b"From: user@example.com\r\nMIME-Version: 1.0\r\n" + nested + b"\r\nHi.")
+    # punycode's decoder is quadratic (minutes for this); idna raised UnicodeError.
+    punycode = parse_mail(
+        raw_mail(
+            "<p@x>", body=b"abc-" + b"a" * 400_000, content_type=b"text/plain; charset=punycode"
+        )
+    )
+    assert punycode.text.startswith("abc-aaa")
+    assert parse_mail(raw_mail("<i@x>", content_type=b"text/plain; charset=idna")).text == "Hello."
+    assert time.monotonic() - started < 5
+    listed = parse_mail(many_parts("<m@x>", 150)).text
+    assert listed.endswith("a.bin and 130 more]")
