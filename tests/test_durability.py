@@ -4,21 +4,12 @@ take it, the update stays unacknowledged and is fetched again until it can."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
-from butlers.config import TriageRule
 from tests.conftest import StartButler, eventually
 from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.messages_api import ScriptedMessagesAPI, text
-from tests.test_telegram import CHAT, start_telegram_fleet
-
-
-def answer_notes(body: dict) -> list[dict]:
-    """A butler model that answers `note-<n>` in its prompt with `noted <n>`."""
-    found = re.search(r"note-(\d+)", json.dumps(body["messages"][0]))
-    return [text(f"noted {found.group(1) if found else '?'}")]
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_telegram import CHAT, answer_notes, notes_fleet
 
 
 async def test_update_is_not_acknowledged_until_the_inbox_has_stored_it(
@@ -32,10 +23,7 @@ async def test_update_is_not_acknowledged_until_the_inbox_has_stored_it(
     offset (Telegram would forget it: the message would be lost); it is fetched again, and
     once the inbox is back it is stored and answered exactly once."""
     scripted_api.respond_with(answer_notes)
-    rule = TriageRule(butler="general", channel="telegram")  # the LLM is not what this tests
-    switchboard, _ = await start_telegram_fleet(
-        start_butler, tmp_path, bot_api, triage=[rule], names=("general",)
-    )
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api)
     await bot_api.wait_until(lambda: bool(bot_api.polls))  # the intake loop is polling
     conn = await db_conn(switchboard.config.database)
     await conn.execute("ALTER TABLE inbox RENAME TO inbox_away")  # every insert now fails

@@ -4,6 +4,7 @@ Claude Code classifying, real butlers answering, the reply sent back to the chat
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -11,9 +12,16 @@ import aiohttp
 import pytest
 
 from butlers.config import TelegramConfig, TriageRule
-from tests.conftest import WEBHOOK_SECRET, StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import (
+    WEBHOOK_SECRET,
+    StartButler,
+    butler_config,
+    eventually,
+    free_port,
+    write_butler_dir,
+)
 from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI, text
 from tests.test_inbox import model
 
 CHAT = 12345
@@ -112,8 +120,8 @@ async def test_strangers_are_refused_once_and_nothing_is_routed(
     await bot_api.push_text(999, "let me in")
     await bot_api.push_text(999, "please")
     await bot_api.push_text(CHAT, "hello")  # processed after the two above
+    # Intake handles updates in order: a second refusal would be sent before the answer.
     sent = await bot_api.wait_sent(2)
-    await asyncio.sleep(0.3)
     assert [s["chat_id"] for s in bot_api.sent] == [999, CHAT]
     assert "private butler" in sent[0]["text"]
     conn = await db_conn(switchboard.config.database)
@@ -167,24 +175,70 @@ async def test_burst_of_messages_all_answered_in_order(
     assert await conn.fetchval("SELECT count(*) FROM inbox WHERE status = 'done'") == count
 
 
-async def test_redelivered_update_is_answered_once(
+def answer_notes(body: dict) -> list[dict]:
+    """A butler model that answers `note-<n>` in its prompt with `noted <n>`: each answer
+    says which message it is for."""
+    found = re.search(r"note-(\d+)", json.dumps(body["messages"][0]))
+    return [text(f"noted {found.group(1) if found else '?'}")]
+
+
+async def notes_fleet(start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, **kwargs):
+    """A switchboard and `general`; a triage rule sends every Telegram message there."""
+    rule = TriageRule(butler="general", channel="telegram")  # the LLM is not what this tests
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, triage=[rule], names=("general",), **kwargs
+    )
+    return switchboard
+
+
+async def test_update_delivered_twice_in_one_batch_is_stored_and_answered_once(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    switchboard = await start_general_only(start_butler, tmp_path, bot_api, scripted_api, "Once.")
-    update_id = await bot_api.push_text(CHAT, "hi")
-    await bot_api.wait_sent(1)
-    # Telegram redelivers (e.g. our acknowledgement was lost): same update_id again.
-    await bot_api.push({"update_id": update_id, "message": bot_api._message(CHAT, text="hi")})
-    await bot_api.push_text(CHAT, "second")
+    """Guards the inbox's idempotency on Telegram's update_id: Telegram redelivers an update
+    whose acknowledgement it did not get, here twice in one getUpdates answer."""
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api)
+    update = bot_api.text_update(CHAT, "note-1")
+    later = bot_api.text_update(CHAT, "note-2")
+    await bot_api.push_batch(update, dict(update), later)
+    # note-2 is stored after both copies and answered after the first: a second answer to
+    # note-1 would come before it.
     await bot_api.wait_sent(2)
-    await asyncio.sleep(0.3)
-    assert [s["text"] for s in bot_api.sent] == ["Once.", "Once."]
+    assert bot_api.deliveries(update["update_id"]) >= 2
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"]
     conn = await db_conn(switchboard.config.database)
-    assert await conn.fetchval("SELECT count(*) FROM inbox") == 2
+    rows = await conn.fetch("SELECT external_id FROM inbox ORDER BY id")
+    assert [r["external_id"] for r in rows] == [str(update["update_id"]), str(later["update_id"])]
+
+
+async def test_webhook_update_posted_twice_is_stored_and_answered_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Guards idempotency in webhook mode: Telegram posts an update again when our 200 did
+    not reach it; the second post is acknowledged (200) but not stored or answered again."""
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api, mode="webhook")
+    update = bot_api.text_update(CHAT, "note-1")
+    later = bot_api.text_update(CHAT, "note-2")
+    url = f"{switchboard.base_url}/telegram/webhook"
+    headers = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+    async with aiohttp.ClientSession() as session:
+        for body in (update, update, later):
+            async with session.post(url, json=body, headers=headers) as response:
+                assert response.status == 200
+    await bot_api.wait_sent(2)
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"]
+    conn = await db_conn(switchboard.config.database)
+    rows = await conn.fetch("SELECT external_id FROM inbox ORDER BY id")
+    assert [r["external_id"] for r in rows] == [str(update["update_id"]), str(later["update_id"])]
 
 
 async def test_long_reply_is_split_and_429_is_retried(
@@ -270,10 +324,13 @@ async def test_start_up_waits_for_an_unreachable_bot_api(
         butler_config("switchboard", port=sb_port, telegram=telegram, triage=(rule,)),
         config_dir=config_dir,
     )
+
     # The Bot API is down: the switchboard still serves, and says why Telegram is not running.
-    await asyncio.sleep(0.5)
-    [module] = (await _health(switchboard))["modules"]
-    assert module["status"] == "starting" and "unreachable" in module["detail"]
+    async def says_unreachable() -> bool:
+        [module] = (await _health(switchboard))["modules"]
+        return module["status"] == "starting" and "unreachable" in module["detail"]
+
+    await eventually(says_unreachable)
     await api.start_on(port)
     try:
         await api.push_text(CHAT, "hello?")
