@@ -7,6 +7,7 @@ database gets a fresh copy of a migrated template (CREATE DATABASE ... TEMPLATE)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -261,9 +262,28 @@ async def start_butler(
         return daemon
 
     yield start
-    for daemon in reversed(daemons):  # clients (a switchboard) before the butlers they call
-        with contextlib.suppress(Exception):
+    await _stop_all(daemons)
+
+
+async def _stop_all(daemons: list[ButlerDaemon]) -> None:
+    """Stop every daemon, as `butlers up` does: a switchboard (it holds sessions to the others)
+    first, then the rest at once. Every one is stopped; what went wrong is raised afterwards,
+    all of it, so a broken stop() fails the test instead of hiding behind the others."""
+    errors: list[Exception] = []
+
+    async def stop(daemon: ButlerDaemon) -> None:
+        try:
             await daemon.stop()
+        except Exception as exc:
+            exc.add_note(f"while stopping butler {daemon.config.name!r}")
+            errors.append(exc)
+
+    clients = [d for d in daemons if d.switchboard is not None]
+    for daemon in clients:
+        await stop(daemon)
+    await asyncio.gather(*(stop(d) for d in daemons if d not in clients))
+    if errors:
+        raise ExceptionGroup(f"{len(errors)} butler(s) did not stop cleanly", errors)
 
 
 @pytest.fixture(scope="session")
@@ -313,6 +333,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def migration_heads(*branches: str) -> set[str]:
+    """What `alembic_version` holds once `branches` are migrated to their heads: each branch's
+    head, less any head another of them depends on (alembic records only the dependant).
+    Read from the migration scripts, so a new migration needs no test edited."""
+    from alembic.script import ScriptDirectory
+
+    from butlers.db import MIGRATIONS_DIR
+
+    script = ScriptDirectory(str(MIGRATIONS_DIR))
+    heads = {script.get_revision(f"{branch}@head").revision for branch in branches}
+    below = {
+        revision.revision
+        for head in heads
+        for revision in script.iterate_revisions(head, "base")
+        if revision.revision != head
+    }
+    return heads - below
+
+
 @contextlib.contextmanager
 def log_records(logger_name: str) -> Iterator[list[logging.LogRecord]]:
     """The records that reach `logger_name` (children included) while the block runs.
@@ -342,8 +381,6 @@ def log_records(logger_name: str) -> Iterator[list[logging.LogRecord]]:
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> None:
     """Until `check()` is true: for state another process or task changes (a database row),
     which offers nothing to wait on."""
-    import asyncio
-
     async with asyncio.timeout(timeout_s):
         while not await check():  # noqa: ASYNC110 (nothing to wait on but the state itself)
             await asyncio.sleep(0.05)

@@ -19,6 +19,8 @@ import psutil
 import pytest
 from fastmcp import Client
 
+from tests.conftest import migration_heads
+
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "config" / "butlers"
 BUTLERS = str(Path(sys.executable).parent / "butlers")
@@ -96,7 +98,9 @@ class Butlers:
             while text not in self.stderr:  # noqa: ASYNC110 - polling a string another task fills
                 await asyncio.sleep(0.05)
 
-    async def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 10) -> int:
+    async def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """Signal, then wait for the exit code. `timeout_s` only keeps a hung process from
+        hanging the test: how fast it stops is measured by bench/startup.py."""
         assert self.process and self.process.stdout
         self.process.send_signal(signum)
         async with asyncio.timeout(timeout_s):
@@ -178,7 +182,7 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
     processes.append(up)
     await up.start()
-    cold_s = await up.wait_ready()
+    await up.wait_ready()  # (how long it takes: bench/startup.py)
 
     for name, port in ports.items():
         assert f"http://127.0.0.1:{port}/sse" in up.stdout
@@ -192,9 +196,7 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
         await client.call_tool("state_set", {"key": "survives", "value": {"restart": True}})
 
-    stop_started = time.monotonic()
     assert await up.stop(signal.SIGTERM) == 0
-    assert time.monotonic() - stop_started < 10
     assert "Traceback" not in up.stderr, up.stderr
     pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
     assert _postgres_on(pgdata) == []
@@ -202,14 +204,13 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     again = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
     processes.append(again)
     await again.start()
-    warm_s = await again.wait_ready()
+    await again.wait_ready()
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
         value = (await client.call_tool("state_get", {"key": "survives"})).data
     assert value == {"restart": True}
     assert await again.stop(signal.SIGINT) == 0
     assert "Traceback" not in again.stderr, again.stderr
     assert _postgres_on(pgdata) == []
-    print(f"\nbutlers up: cold start {cold_s:.2f}s, warm start {warm_s:.2f}s")
 
 
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(
@@ -281,7 +282,8 @@ async def test_db_upgrade_creates_and_migrates(
         assert await upgrade.run() == 0, upgrade.stderr
         assert "health: database t_upgrade_health is up to date" in upgrade.stdout
         conn = await db_conn("t_upgrade_health")
-        assert await conn.fetchval("SELECT version_num FROM alembic_version") == "core_0001"
+        versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
+        assert versions == migration_heads("core")
         await conn.close()
     finally:
         import asyncpg

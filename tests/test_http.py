@@ -106,13 +106,10 @@ async def test_without_token_configured_no_auth_needed(start_butler: StartButler
         assert (await client.call_tool("status", {})).data["name"] == "alpha"
 
 
-async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
-    start_butler: StartButler, caplog: pytest.LogCaptureFixture
-) -> None:
-    import time
-
-    from butlers.daemon import GRACEFUL_SHUTDOWN_S
-
+async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(start_butler: StartButler) -> None:
+    """Open SSE and streamable-HTTP sessions are ended by stop(), not waited for: uvicorn
+    would otherwise sit out its graceful-shutdown timeout, then cancel them and log an error
+    (on its own logger, which does not propagate: hence log_records, not caplog)."""
     daemon = await start_butler()
     sse = Client(daemon.sse_url)
     http = Client(f"{daemon.base_url}/mcp")
@@ -121,13 +118,13 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(
     try:
         await sse.call_tool("status", {})
         await http.call_tool("status", {})
-        started = time.monotonic()
-        with log_records("uvicorn") as uvicorn_records:
+        with log_records("uvicorn.error") as uvicorn_records:
             await daemon.stop()
-        assert time.monotonic() - started < GRACEFUL_SHUTDOWN_S
     finally:
         for client in (sse, http):
             with contextlib.suppress(Exception):
                 await client.close()
-    assert not [r for r in caplog.records if "graceful shutdown exceeded" in r.getMessage()]
+    messages = [r.getMessage() for r in uvicorn_records]
+    assert "Shutting down" in messages  # (the listener did hear uvicorn's shutdown)
+    assert not [m for m in messages if "graceful shutdown exceeded" in m], messages
     assert [r.getMessage() for r in uvicorn_records if r.levelno >= logging.ERROR] == []
