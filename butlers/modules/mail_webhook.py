@@ -11,6 +11,7 @@ surrogate. The email module runs this in a worker thread (HTML conversion is ~0.
 from __future__ import annotations
 
 import json
+import re
 from email.message import EmailMessage
 from typing import Any
 
@@ -135,6 +136,7 @@ def _automated(headers: dict[str, list[str]], address: str) -> str | None:
 def _valid_unicode(value: str) -> str:
     """JSON may carry lone surrogates ("\\ud800"), which no database or mail can hold: each
     becomes U+FFFD, as undecodable bytes in a mail do."""
-    if value.isascii():
-        return value
-    return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
