@@ -20,7 +20,7 @@ import butlers.modules.email as email_module
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
 from butlers.modules.email import EmailModule
-from butlers.modules.mail_transport import MailRefused
+from butlers.modules.mail_transport import MailRefused, MailServer, plaintext_login_refusal
 from tests.fakes.mail import (
     MailCA,
     RecordingWorker,
@@ -256,3 +256,93 @@ async def test_smtp_refuses_an_untrusted_certificate(
             await module.send("user@example.com", "Hello", "Not to an impostor.")
     assert f"SMTP 127.0.0.1:{smtp.port}" in str(refused.value)
     assert smtp.logins == [] and smtp.messages == []
+
+
+# -- no password in plaintext beyond this machine ----------------------------------------------
+
+NOWHERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): beyond loopback, routed nowhere
+
+
+@pytest.fixture
+async def beyond_loopback(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Connections opened to NOWHERE reach 127.0.0.1 (same port) instead: a test server stands
+    in for a mail server elsewhere on the network. Yields the hosts connections were asked for."""
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+    asked: list[str] = []
+
+    async def create_connection(factory, host=None, port=None, **options):  # type: ignore[no-untyped-def]
+        asked.append(host)
+        return await connect(factory, "127.0.0.1" if host == NOWHERE else host, port, **options)
+
+    monkeypatch.setattr(loop, "create_connection", create_connection)
+    return asked
+
+
+@pytest.mark.parametrize(
+    ("protocol", "host", "security", "refused"),
+    [
+        ("IMAP", "127.0.0.1", "none", False),
+        ("IMAP", "127.8.9.10", "none", False),
+        ("IMAP", "::1", "none", False),
+        ("SMTP", "[::1]", "none", False),
+        ("SMTP", "localhost", "none", False),
+        ("SMTP", "LocalHost", "none", False),
+        ("IMAP", NOWHERE, "none", True),
+        ("IMAP", "mail.example.com", "none", True),
+        ("SMTP", "10.0.0.25", "none", True),
+        ("SMTP", "localhost.example.com", "none", True),
+        ("IMAP", "mail.example.com", "starttls", False),
+        ("SMTP", "mail.example.com", "implicit", False),
+    ],
+)
+def test_plaintext_logins_go_to_loopback_only(protocol, host, security, refused) -> None:
+    why = plaintext_login_refusal(MailServer(protocol, host, 25, security))
+    assert (why is not None) == refused
+    if why is not None:
+        keys = protocol.lower()
+        assert f"{protocol} {host}:25: refusing to log in without TLS" in why
+        assert f"{keys}_ssl = true" in why and f"{keys}_starttls = true" in why
+
+
+async def test_imap_refuses_a_plaintext_login_beyond_loopback(beyond_loopback) -> None:
+    """Refused before connecting: LOGIN is the first thing an IMAP session does."""
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, mail())
+        front = TcpFront(port)
+        await front.start()
+        try:
+            config = email_config(imap_host=NOWHERE, imap_port=front.port)
+            async with running(config, worker) as module:
+                await wait_until(lambda: module.status.status == "failed", timeout_s=10)
+                detail = module.status.detail
+        finally:
+            await front.stop()
+    assert f"IMAP {NOWHERE}:{front.port}: refusing to log in without TLS" in detail
+    assert "imap_ssl = true" in detail and "imap_starttls = true" in detail
+    assert NOWHERE not in beyond_loopback and front.connections == 0
+    assert worker.accepted == []
+
+
+async def test_smtp_refuses_a_plaintext_login_beyond_loopback(beyond_loopback) -> None:
+    """Refused once the server offers AUTH, before logging in: nothing is sent."""
+    with SmtpServer(users={USER: PASSWORD}) as smtp:  # AUTH offered, no TLS
+        config = email_config(smtp_host=NOWHERE, smtp_port=smtp.port)
+        module = EmailModule(config, USER, PASSWORD, None)
+        with pytest.raises(MailRefused) as refused:
+            await module.send("user@example.com", "Hello", "Not in plaintext.")
+    assert f"SMTP {NOWHERE}:{smtp.port}: refusing to log in without TLS" in str(refused.value)
+    assert "smtp_ssl = true" in str(refused.value) and "smtp_starttls" in str(refused.value)
+    assert beyond_loopback == [NOWHERE] and smtp.logins == [] and smtp.messages == []
+
+
+async def test_a_relay_beyond_loopback_without_auth_is_used_in_plaintext(beyond_loopback) -> None:
+    """No AUTH offered (a relay on the local network): there is no password to protect."""
+    with SmtpServer(auth=False) as relay:
+        module = EmailModule(
+            email_config(smtp_host=NOWHERE, smtp_port=relay.port), USER, "pw", None
+        )
+        await module.send("user@example.com", "Hello", "Relayed.")
+        await relay.wait_for(1)
+    assert beyond_loopback == [NOWHERE]
