@@ -9,12 +9,15 @@ mail after it is still answered.
 from __future__ import annotations
 
 import secrets
+import time
+from email.message import EmailMessage
 from pathlib import Path
 
 import pytest
 
 from butlers.modules.email import EmailModule, MailError
 from butlers.modules.mail_imap import MAX_MAIL_FAILURES
+from butlers.modules.mail_parse import one_line
 from butlers.switchboard.inbox import IncomingMessage
 from tests.conftest import StartButler
 from tests.fakes.mail import SmtpServer, imap_append, pymap_server
@@ -152,3 +155,17 @@ async def test_every_header_we_write_is_one_line() -> None:
     assert sent["In-Reply-To"] == "<m1@example.com> Bcc: b@evil.example"
     assert sent["References"] == "<m0@example.com> <m1@example.com> Bcc: c@evil.example"
     assert sent["Bcc"] is None and relay.recipients == [["user@example.com"]]
+
+
+def test_one_line_is_linear_and_knows_every_line_break() -> None:
+    """Its regex backtracked on runs of spaces (32 KiB of them: 5.8 s, on the event loop when
+    replying); and the email package refuses a header with any character str.splitlines()
+    breaks at, U+2028 included: the reply to such a subject was lost."""
+    started = time.monotonic()
+    assert one_line(" " * 32_768 + "x") == "x"
+    assert one_line("a" + " " * 32_768 + "b") == "a" + " " * 32_768 + "b"  # plain spaces stay
+    assert time.monotonic() - started < 1
+    for brk in ["\r\n ", "\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]:
+        subject = one_line(f"Lunch {brk} Bcc: a@evil.example")
+        assert subject == "Lunch Bcc: a@evil.example", repr(brk)
+        EmailMessage()["Subject"] = subject  # the email package takes it
