@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -136,6 +137,13 @@ class Butlers:
         if self.process and self.process.returncode is None:
             self.process.kill()
         self._end_orphans()
+
+    async def stop_quietly(self) -> None:
+        """After a failure: stop it (killed if a signal does not do), raising nothing, so the
+        failure that got us here is the one reported."""
+        with contextlib.suppress(Exception):
+            await self.stop(timeout_s=20)
+        self.kill()
 
 
 @pytest.fixture

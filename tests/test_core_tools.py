@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 
 import pytest
@@ -15,10 +16,13 @@ from tests.conftest import StartButler, log_records
 
 @pytest.fixture(params=["sse", "mcp"])
 async def client(request, start_butler: StartButler):
+    begun = time.monotonic()
     daemon = await start_butler()
+    started = time.monotonic()
     url = daemon.sse_url if request.param == "sse" else f"{daemon.base_url}/mcp"
     async with Client(url) as c:
         c.daemon = daemon  # type: ignore[attr-defined]
+        c.started_between = (begun, started)  # type: ignore[attr-defined]
         yield c
 
 
@@ -135,11 +139,15 @@ async def test_schedules_are_capped(client: Client, db_conn) -> None:
 
 
 async def test_status_and_empty_sessions(client: Client) -> None:
+    asked = time.monotonic()
     status = await call(client, "status")
+    answered = time.monotonic()
     assert status["name"] == client.daemon.config.name
     assert status["database"] == {"ok": True}
     assert status["modules"] == []
-    assert status["uptime_s"] >= 0
+    # Seconds since the butler started (it runs in this process, on this clock), to the ms.
+    begun, started = client.started_between
+    assert asked - started - 0.001 <= status["uptime_s"] <= answered - begun + 0.001
     assert await call(client, "sessions_list") == []
 
 
@@ -148,23 +156,37 @@ async def test_tick_with_nothing_due_runs_nothing(client: Client) -> None:
     assert (await call(client, "tick"))["ran"] == []
 
 
-async def test_every_tool_accepts_trace_context(client: Client) -> None:
-    carrier = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
-    calls = {
-        "state_set": {"key": "k", "value": 1},
-        "state_get": {"key": "k"},
-        "state_list": {},
-        "state_delete": {"key": "k"},
-        "schedule_create": {"name": "s", "cron": "0 0 1 1 *", "prompt": "p"},
-        "schedule_list": {},
-        "schedule_delete": {"name": "s"},
-        "sessions_list": {},
-        "tick": {},
-        "status": {},
+async def test_every_tool_accepts_trace_context(client: Client, spans) -> None:
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    carrier = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
+    # Each call does its ordinary work with the extra argument...
+    calls = [
+        ("state_set", {"key": "k", "value": 1}, lambda r: r["key"] == "k"),
+        ("state_get", {"key": "k"}, lambda r: r == 1),
+        ("state_list", {}, lambda r: [(e["key"], e["value"]) for e in r] == [("k", 1)]),
+        ("state_delete", {"key": "k"}, lambda r: r["deleted"] is True),
+        (
+            "schedule_create",
+            {"name": "s", "cron": "0 0 1 1 *", "prompt": "p"},
+            lambda r: r["name"] == "s",
+        ),
+        ("schedule_list", {}, lambda r: [t["name"] for t in r] == ["s"]),
+        ("schedule_delete", {"name": "s"}, lambda r: r["deleted"] is True),
+        ("sessions_list", {}, lambda r: r == []),
+        ("tick", {}, lambda r: r["ran"] == []),
+        ("status", {}, lambda r: r["name"] == client.daemon.config.name),
+    ]
+    for tool, arguments, expected in calls:
+        result = await call(client, tool, **arguments, _trace_context=carrier)
+        assert expected(result), (tool, result)
+    # ...and runs in the caller's trace.
+    name = client.daemon.config.name
+    traced = {
+        s.name.removeprefix(f"{name}/"): format(s.context.trace_id, "032x")
+        for s in spans.get_finished_spans()
+        if s.name.startswith(f"{name}/")
     }
-    for tool, arguments in calls.items():
-        result = await client.call_tool(tool, {**arguments, "_trace_context": carrier})
-        assert not result.is_error, tool
+    assert traced == {tool: trace_id for tool, _, _ in calls}
     # session_get and trigger take it too: they fail on their own terms, not on the argument.
     with pytest.raises(ToolError, match="not found"):
         await client.call_tool("session_get", {"id": str(uuid.uuid4()), "_trace_context": carrier})

@@ -73,11 +73,20 @@ async def test_http_traceparent_header_is_honoured(
 
 
 async def test_without_context_each_call_is_its_own_trace(start_butler: StartButler, spans) -> None:
+    """A caller's trace ends with its call: the next calls on the same session, without
+    context, are roots of new traces of their own."""
     daemon = await start_butler()
     async with Client(daemon.sse_url) as client:
+        await client.call_tool("status", {"_trace_context": {"traceparent": TRACEPARENT}})
         await client.call_tool("status", {})
-    span = _tool_span(spans, "alpha/status")
-    assert format(span.context.trace_id, "032x") != TRACE_ID
+        await client.call_tool("status", {})
+    with_context, *without = [s for s in spans.get_finished_spans() if s.name == "alpha/status"]
+    assert format(with_context.context.trace_id, "032x") == TRACE_ID
+    assert len(without) == 2
+    assert [s.parent for s in without] == [None, None]
+    trace_ids = {format(s.context.trace_id, "032x") for s in without}
+    assert len(trace_ids) == 2 and TRACE_ID not in trace_ids
+    assert all(s.context.is_valid for s in without)
 
 
 async def test_triggered_session_tools_join_the_trigger_trace(

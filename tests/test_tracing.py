@@ -29,6 +29,7 @@ from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.fakes.otlp import OtlpReceiver, ReceivedSpan
 from tests.test_cli import Butlers
 from tests.test_inbox import model
+from tests.test_registry import call
 
 CHAT = 4242
 
@@ -179,8 +180,10 @@ async def test_one_telegram_message_is_one_trace(
         await bot_api.push_text(CHAT, "add milk to my list")
         [sent] = await bot_api.wait_sent(1, timeout_s=90)
         assert sent["text"] == "Milk is on the list."
-    finally:
-        assert await butlers.stop() == 0, butlers.stderr
+    except BaseException:
+        await butlers.stop_quietly()  # the first failure is the one to see
+        raise
+    assert await butlers.stop() == 0, butlers.stderr
     # Exported every 5 s, so the reply's span can only have come with the flush on shutdown.
     assert any(s.name == "switchboard.reply" for s in otlp.spans)
 
@@ -284,10 +287,15 @@ async def test_tracing_off_means_no_exporter_yet_real_trace_ids(
         butler_config("switchboard"), config_dir=config_dir, telemetry=telemetry
     )
     async with Client(switchboard.sse_url) as client:
-        result = await client.call_tool(
-            "route", {"butler_name": "general", "tool_name": "state_get", "args": {"key": "k"}}
+        await call(
+            client,
+            "route",
+            butler_name="general",
+            tool_name="state_set",
+            args={"key": "k", "value": 7},
         )
-    assert not result.is_error
+    general_db = await db_conn(general.config.database)
+    assert await general_db.fetchval("SELECT value::text FROM state WHERE key = 'k'") == "7"
     exporters = [t.name for t in threading.enumerate() if "Otel" in t.name or "Export" in t.name]
     assert exporters == []
     conn = await db_conn(switchboard.config.database)
