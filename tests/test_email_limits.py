@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import butlers.modules.mail_imap as mail_imap
-from butlers.modules.mail_imap import TRIED_KEYWORD
+from butlers.modules.mail_imap import TRIED_KEYWORD, Fetched, fetched, keywords_kept
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
     MAX_MIME_PARTS,
@@ -376,3 +376,35 @@ def test_parsing_costs_stay_bounded() -> None:
     assert time.monotonic() - started < 5
     listed = parse_mail(many_parts("<m@x>", 150)).text
     assert listed.endswith("a.bin and 130 more]")
+
+
+# -- reading the server's answers ---------------------------------------------------------------
+
+
+def test_fetch_data_is_found_by_uid_wherever_the_server_puts_it() -> None:
+    lines = [
+        b"3 FETCH (FLAGS (\\Seen) UID 7)",  # unsolicited: another mail's flags changed
+        b"4 FETCH (UID 9 FLAGS (\\Recent $ButlersTried) RFC822.SIZE 120 BODY[HEADER]<0> {5}",
+        bytearray(b"From:"),
+        b")",
+        b"UID FETCH completed.",
+    ]
+    assert fetched(lines, "9") == Fetched(frozenset({"\\Recent", TRIED_KEYWORD}), 120, b"From:")
+    assert fetched(lines, "8") is None  # expunged meanwhile
+    after = [b"4 FETCH (BODY[]<0> {2}", bytearray(b"hi"), b" UID 9 FLAGS ($ButlersTried))"]
+    assert fetched(after, "9") == Fetched(frozenset({TRIED_KEYWORD}), None, b"hi")
+
+
+@pytest.mark.parametrize(
+    ("line", "kept"),
+    [
+        (b"OK [PERMANENTFLAGS (\\Answered \\Deleted \\Seen \\*)] Flags permitted.", True),
+        # pymap's `(\* \Answered ...)`, after aioimaplib deleted every "* " from the line
+        (b"OK [PERMANENTFLAGS (\\\\Answered \\Deleted \\Seen)] Flags permitted.", True),
+        (b"OK [PERMANENTFLAGS ($ButlersTried \\Seen)] Flags permitted.", True),
+        (b"OK [PERMANENTFLAGS (\\Answered \\Deleted \\Seen)] Flags permitted.", False),
+        (b"OK [UIDVALIDITY 3] UIDs valid.", True),  # none said: every flag is (RFC 3501)
+    ],
+)
+def test_whether_the_server_keeps_our_keyword(line: bytes, kept: bool) -> None:
+    assert keywords_kept([b"FLAGS (\\Seen)", line]) is kept

@@ -124,6 +124,9 @@ def test_one_well_formed_address_is_read_as_what_it_says(value, address, name) -
         # Malformed: cannot be attributed to anyone.
         ([f"{MX}; dmarc=", f"{MX} (unterminated; dmarc=pass"], "no DMARC result"),
         (["", ";;;"], "no DMARC result"),
+        # Comments nested a thousand deep made authres raise RecursionError (which ended the
+        # IMAP session, again at every reconnection: the mailbox was blocked).
+        ([f"{MX}; dmarc=pass (" + "(" * 3000, f"{MX}; dmarc=fail"], "DMARC fail"),
     ],
 )
 def test_only_a_dmarc_pass_from_our_authserv_id_counts(headers, refusal) -> None:

@@ -147,7 +147,7 @@ class EmailModule:
 
     # -- what comes in --------------------------------------------------------------------------
 
-    def wanted(self, mail: ParsedMail) -> bool:
+    async def wanted(self, mail: ParsedMail) -> bool:
         """Whether to store this mail: from an allowed sender that we can believe, and one we
         may answer. Why not is logged. Decided from the header alone (IMAP: the envelope)."""
         if mail.refused:
@@ -171,7 +171,10 @@ class EmailModule:
             return False
         if authserv_id := self.config.require_authentication_results:
             domain = mail.sender.rsplit("@", 1)[-1]
-            why = dmarc_refusal(mail.authentication_results, authserv_id, domain)
+            # In a worker thread: a sender may write 256 KiB of Authentication-Results.
+            why = await asyncio.to_thread(
+                dmarc_refusal, mail.authentication_results, authserv_id, domain
+            )
             if why is not None:
                 logger.warning(
                     "email: refusing mail from %s: %s",
@@ -185,7 +188,7 @@ class EmailModule:
     async def accept(self, mail: ParsedMail) -> bool:
         """Store the mail if it is wanted. True when it is settled (stored, or deliberately
         ignored); False when there is no inbox here to store it in."""
-        if not self.wanted(mail):
+        if not await self.wanted(mail):
             return True
         if self.worker is None:
             return False

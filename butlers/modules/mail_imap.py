@@ -285,7 +285,7 @@ class ImapIntake:
             parse_header, header[:MAX_HEADER_BLOCK_BYTES], complete=complete
         )
         left_marked = TRIED_KEYWORD in head.flags
-        if not self.module.wanted(envelope):
+        if not await self.module.wanted(envelope):
             await self._settle(client, key, uid, marked=left_marked)
             return True
         problem = envelope.unreadable
@@ -310,6 +310,7 @@ class ImapIntake:
         try:
             body = await self._fetch(client, uid, f"(UID BODY.PEEK[]<0.{MAX_MAIL_BYTES + 1}>)")
             if body is None:
+                self._marked.discard(key)
                 return True  # expunged meanwhile
             raw = body.literal or b""
             try:

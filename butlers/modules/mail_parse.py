@@ -398,7 +398,7 @@ def dmarc_refusal(results: Sequence[str], authserv_id: str, from_domain: str) ->
     for value in results:
         try:
             header = authres.AuthenticationResultsHeader.parse_value(value)
-        except authres.AuthResError:
+        except (authres.AuthResError, RecursionError):  # nested comments recurse in authres
             continue
         if (header.authserv_id or "").lower() != authserv_id.lower():
             continue
