@@ -12,10 +12,12 @@ Tool behaviour is chosen by the tool's name:
   error      answers a JSON-RPC error (not a tool error)
   hang       never answers
   slow       answers like echo after `arguments["s"]` seconds
+  held       answers like echo once the test sets `release_held`
   drop       closes the event stream instead of answering
 
-The stream is silent between events unless `ping_every_s` is set (as servers do, to keep it
-alive: the MCP SDK's every 15 s).
+`tools/list` lists these tools, `ping` is answered; any other request gets "method not
+found". The stream is silent between events unless `ping_every_s` is set (as servers do, to keep
+it alive: the MCP SDK's every 15 s).
 """
 
 from __future__ import annotations
@@ -29,11 +31,38 @@ from aiohttp import web
 
 from tests.fakes import serve_on_loopback
 
+TOOLS = [
+    {
+        "name": "echo",
+        "description": "Answer with the arguments.",
+        "inputSchema": {"type": "object"},
+    },
+    {
+        "name": "big",
+        "description": "Answer with `size` characters.",
+        "inputSchema": {"type": "object", "properties": {"size": {"type": "integer"}}},
+    },
+    {
+        "name": "ask_first",
+        "description": "Ask the client first.",
+        "inputSchema": {"type": "object"},
+    },
+    {"name": "error", "description": "A JSON-RPC error.", "inputSchema": {"type": "object"}},
+    {"name": "hang", "description": "Never answer.", "inputSchema": {"type": "object"}},
+    {
+        "name": "slow",
+        "description": "Answer after `s` seconds.",
+        "inputSchema": {"type": "object", "properties": {"s": {"type": "number"}}},
+    },
+    {"name": "drop", "description": "Close the event stream.", "inputSchema": {"type": "object"}},
+    {"name": "held", "description": "Answer when released.", "inputSchema": {"type": "object"}},
+]
+
 
 @dataclass
 class SseMcpServer:
     chunk_size: int = 5
-    protocol_version: str = "2025-11-25"
+    protocol_version: str | None = None  # None: the version the client asks for
     forget_sessions: bool = False  # answer every POST with 404, as after a restart
     endpoint_base: str = ""  # e.g. "http://elsewhere:1" to name a foreign message endpoint
     ping_every_s: float = 0.0  # keep-alive comments on an idle stream (0: none)
@@ -48,6 +77,7 @@ class SseMcpServer:
         self._replies: dict[Any, asyncio.Future[dict[str, Any]]] = {}
         self._runner: web.AppRunner | None = None
         self._arrived = asyncio.Condition()
+        self.release_held = asyncio.Event()  # lets every `held` call answer
 
     async def __aenter__(self) -> SseMcpServer:
         app = web.Application()
@@ -66,10 +96,10 @@ class SseMcpServer:
     def methods(self) -> list[str]:
         return [message.get("method", "<reply>") for message in self.received]
 
-    async def wait_for(self, method: str) -> dict[str, Any]:
-        """The first message received with this method, once it has arrived."""
+    async def wait_for(self, method: str, count: int = 1) -> dict[str, Any]:
+        """The first message received with this method, once `count` of them have arrived."""
         async with self._arrived:
-            await self._arrived.wait_for(lambda: method in self.methods())
+            await self._arrived.wait_for(lambda: self.methods().count(method) >= count)
         return self.received[self.methods().index(method)]
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
@@ -128,13 +158,8 @@ class SseMcpServer:
 
     async def _answer(self, session: str, message: dict[str, Any]) -> None:
         request_id = message["id"]
-        if message["method"] == "initialize":
-            result = {
-                "protocolVersion": self.protocol_version,
-                "capabilities": {"tools": {}},
-                "serverInfo": {"name": "scripted", "version": "1"},
-            }
-            self._send(session, {"jsonrpc": "2.0", "id": request_id, "result": result})
+        if message["method"] != "tools/call":
+            self._send(session, {"jsonrpc": "2.0", "id": request_id, **self._other(message)})
             return
         params = message.get("params") or {}
         tool, arguments = params.get("name"), params.get("arguments") or {}
@@ -154,12 +179,33 @@ class SseMcpServer:
         elif tool == "slow":
             await asyncio.sleep(float(arguments["s"]))
             result = {"content": [], "structuredContent": {"echo": arguments}, "isError": False}
+        elif tool == "held":
+            await self.release_held.wait()
+            result = {"content": [], "structuredContent": {"echo": arguments}, "isError": False}
         elif tool == "drop":
             self._streams[session].put_nowait(None)
             return
         else:
             raise AssertionError(f"unscripted tool {tool!r}")
         self._send(session, {"jsonrpc": "2.0", "id": request_id, "result": result})
+
+    def _other(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The answer (`result` or `error`) to a request other than tools/call."""
+        method = message["method"]
+        if method == "initialize":
+            asked = (message.get("params") or {}).get("protocolVersion")
+            return {
+                "result": {
+                    "protocolVersion": self.protocol_version or asked,
+                    "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "scripted", "version": "1"},
+                }
+            }
+        if method == "tools/list":
+            return {"result": {"tools": TOOLS}}
+        if method == "ping":
+            return {"result": {}}
+        return {"error": {"code": -32601, "message": f"Method not found: {method}"}}
 
     async def _ask_first(self, session: str) -> None:
         loop = asyncio.get_running_loop()
