@@ -11,7 +11,8 @@ not promise that, so the limits below are checked before it is asked:
 - it re-parses each MIME part's Content-Type several times while splitting a mail (2 ms a
   part: a 1 MB mail of 10,000 tiny parts took 20 s): past MAX_MIME_PARTS parts it stops;
 - a charset whose decoder is quadratic (punycode) is read as latin-1, like an unknown one;
-- an HTML body is converted only until there is text enough for MAX_TEXT_CHARS.
+- an HTML body is converted only until there is text enough for MAX_TEXT_CHARS, and at most
+  its first MAX_HTML_CHARS (converting takes ~0.6 s a MiB).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from typing import Any
 
 from butlers.modules.mail_transport import MailError
 
-# A mail over this is not read (its envelope is kept as a failed inbox row). Ten times what a
-# long text with a few photos needs; what we keep of it is at most MAX_TEXT_CHARS of text and
-# attachment names, and parsing one this size takes a few hundred MB and a few seconds.
+# A mail over this is not read (its envelope is kept as a failed inbox row): room for a long
+# text with a few photos attached (we keep at most MAX_TEXT_CHARS of text and the attachments'
+# names); parsing one this size takes about 100 MB and at most a second or two.
 MAX_MAIL_BYTES = 10 * 1024 * 1024
 # The header block we fetch and read at most: mail servers write a few to some tens of KiB.
 MAX_HEADER_BLOCK_BYTES = 256 * 1024
@@ -42,6 +43,8 @@ MAX_HEADER_BLOCK_BYTES = 256 * 1024
 MAX_HEADER_BYTES = 8 * 1024
 MAX_MIME_PARTS = 200  # a newsletter with its inline images has a few dozen
 MAX_TEXT_CHARS = 100_000
+# HTML converted at most (~0.6 s a MiB): far more markup than MAX_TEXT_CHARS of text needs.
+MAX_HTML_CHARS = 2 * 1024 * 1024
 MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_MIME_PARTS)
 MAX_ATTACHMENT_NAME_CHARS = 100
 MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
@@ -256,7 +259,7 @@ def _body_text(part: EmailMessage) -> str:
     except (LookupError, UnicodeError, ValueError, TypeError):
         content = data.decode("latin-1")
     if part.get_content_type() == "text/html":
-        return html_to_text(content, max_chars=2 * MAX_TEXT_CHARS)
+        return html_to_text(content[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
     return content
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
+    MAX_HTML_CHARS,
     MAX_TEXT_CHARS,
     READING,
     MailUnreadable,
@@ -60,7 +61,7 @@ def parse_webhook(body: bytes) -> ParsedMail:
         raise MailUnreadable("'message_id' is required (it makes a redelivery harmless)")
     text = _string(data, "text")
     if not text and (html := _string(data, "html")):
-        text = html_to_text(html, max_chars=2 * MAX_TEXT_CHARS)
+        text = html_to_text(html[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
     return ParsedMail(
         message_id=message_id,
         sender=address,
