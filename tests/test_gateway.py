@@ -28,6 +28,9 @@ from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.summary import summarize
 from tests.conftest import StartButler, free_port
 from tests.fakes import wait_listening
+from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
+from tests.fakes.sse_mcp import TOOLS as SCRIPTED_TOOLS
+from tests.fakes.sse_mcp import SseMcpServer
 from tests.test_cli_client import run_cli
 from tests.test_route import make_fleet
 
@@ -245,7 +248,9 @@ def _env(workdir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def stdio_host(workdir: Path, *args: str) -> AsyncIterator[Host]:
+async def stdio_host(
+    workdir: Path, *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[Host]:
     notifications: list[Any] = []
 
     async def handler(message: Any) -> None:
@@ -254,7 +259,7 @@ async def stdio_host(workdir: Path, *args: str) -> AsyncIterator[Host]:
     params = StdioServerParameters(
         command=BUTLERS,
         args=["gateway", "--dir", str(workdir), "--no-butlers", *args],
-        env=_env(workdir),
+        env=_env(workdir, env),
         cwd=str(workdir),
     )
     with _append(workdir / "gateway.stderr") as errlog:
@@ -366,30 +371,68 @@ async def test_child_env_and_allow_deny(workdir: Path) -> None:
         assert text_of(result) == "Subtool 'add' not allowed by suite 'framed_suite'"
 
 
-async def test_timeouts_name_the_child_and_the_step(workdir: Path) -> None:
-    mcp_json(workdir, "mute", "--silent")
-    mcp_json(workdir, "sleepy", "--hang-on", "add")
-    (workdir / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 700\nrpc_ms = 900\n")
-    async with stdio_host(workdir) as host:  # pre-warming: the mute child never blocks others
-        result = await host.suite("plain_suite", "call", "echo", message="fine")
-        assert text_of(result) == "fine"
+async def test_a_child_that_never_initializes_is_reported_by_name_and_step(
+    tmp_path: Path,
+) -> None:
+    """It never answers, so any spawn timeout runs out, however fast the machine."""
+    mcp_json(tmp_path, "mute", "--silent")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 300\n")
+    async with stdio_host(tmp_path, "--lazy") as host:
         result = await host.suite("mute_suite", "introspect")
         assert result.is_error
         assert text_of(result) == (
-            "child 'mute': no answer to initialize within 700 ms (timeouts.child_spawn_ms)"
+            "child 'mute': no answer to initialize within 300 ms (timeouts.child_spawn_ms)"
         )
+        status = await host.status()
+        assert status["mute"]["state"] == "error" and "initialize" in status["mute"]["error"]
+
+
+async def test_a_call_that_times_out_is_reported_and_costs_the_child_nothing(
+    tmp_path: Path,
+) -> None:
+    """Children get all the time in the world to start (a loaded machine must not fail this);
+    a call the child never answers runs out of rpc_ms."""
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "mute", "--silent")
+    mcp_json(tmp_path, "sleepy", "--hang-on", "add")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 120000\nrpc_ms = 1500\n")
+    async with stdio_host(tmp_path) as host:
+        result = await host.suite("plain_suite", "call", "echo", message="fine")
+        assert text_of(result) == "fine"
+        # Pre-warming in parallel: the child that never answers holds up nobody.
+        assert (await host.status())["mute"]["state"] == "warming"
         result = await host.suite("sleepy_suite", "call", "add", a=1, b=2)
         assert result.is_error
         assert text_of(result) == (
-            "child 'sleepy': no answer to tools/call 'add' within 900 ms (timeouts.rpc_ms)"
+            "child 'sleepy': no answer to tools/call 'add' within 1500 ms (timeouts.rpc_ms)"
         )
         result = await host.suite("sleepy_suite", "call", "echo", message="still here")
         assert text_of(result) == "still here"  # a timeout does not cost the child
-        status = {
-            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
-        }
-        assert status["mute"]["state"] == "error" and "initialize" in status["mute"]["error"]
-        assert status["plain"]["state"] == "ready" and status["plain"]["tools"] == 4
+        status = await host.status()
+        assert status["sleepy"]["state"] == "ready" and status["sleepy"]["tools"] == 4
+        assert len(child_pids(tmp_path)) == 3  # nobody was restarted
+
+
+@pytest.mark.parametrize("mode", ["full", "redacted"])
+async def test_introspection_modes(tmp_path: Path, mode: str) -> None:
+    """full: each tool's own description, whole (no summary limit); redacted: none at all."""
+    mcp_json(tmp_path, "plain")
+    (tmp_path / "gateway.toml").write_text(
+        f'[introspection]\nmode = "{mode}"\nsummary_max_chars = 40\n'
+    )
+    async with stdio_host(tmp_path, "--lazy") as host:
+        result = await host.suite("plain_suite", "introspect")
+    assert not result.is_error, text_of(result)
+    listed = result.structured_content["tools"]
+    assert [t["name"] for t in listed] == [t["name"] for t in MOCK_TOOLS]
+    for entry, tool in zip(listed, MOCK_TOOLS, strict=True):
+        expected = {"name": tool["name"], "inputSchema": tool["inputSchema"]}
+        if mode == "full":
+            expected["summary"] = tool["description"]  # "Add two   numbers\n   together." too
+        assert entry == expected
+    if mode == "redacted":
+        described = json.dumps(result.structured_content)
+        assert not [t["name"] for t in MOCK_TOOLS if t["description"][:20] in described]
 
 
 async def test_a_crashed_child_is_reported_and_restarted_on_the_next_call(workdir: Path) -> None:
@@ -597,6 +640,64 @@ async def test_butlers_behind_the_gateway_over_sse(
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
             await process.wait()
+
+
+async def test_remote_mcp_json_children_through_the_gateway(
+    start_butler: StartButler, tmp_path: Path, db_conn
+) -> None:
+    """`.mcp.json` with "url": a real butler over streamable HTTP and the scripted SSE server,
+    introspected and called through the gateway; one that is not there is an error naming
+    it. The gateway's own BUTLERS_AUTH_TOKEN goes to butlers only, never to such a server."""
+    butler = await start_butler()
+    gone = f"http://127.0.0.1:{free_port()}/sse"
+    async with SseMcpServer() as scripted:
+        for name, url in [
+            ("remote", f"{butler.base_url}/mcp"),
+            ("scripted", scripted.url),
+            ("gone", gone),
+        ]:
+            (tmp_path / "mcps" / name).mkdir(parents=True)
+            (tmp_path / "mcps" / name / ".mcp.json").write_text(
+                json.dumps({"name": name, "url": url, "description": f"{name} things"})
+            )
+        async with stdio_host(tmp_path, env={"BUTLERS_AUTH_TOKEN": "gateway-only"}) as host:
+            assert {"remote_suite", "scripted_suite", "gone_suite"} <= set(await host.tools())
+
+            listed = (await host.suite("remote_suite", "introspect")).structured_content
+            assert {"state_set", "state_get", "status", "trigger"} <= {
+                t["name"] for t in listed["tools"]
+            }
+            result = await host.suite(
+                "remote_suite", "call", "state_set", key="via", value={"gateway": True}
+            )
+            assert not result.is_error, text_of(result)
+            assert result.structured_content["key"] == "via"
+            result = await host.suite("remote_suite", "call", "status")
+            assert result.structured_content["name"] == butler.config.name
+
+            listed = (await host.suite("scripted_suite", "introspect")).structured_content
+            assert [(t["name"], t["summary"]) for t in listed["tools"]] == [
+                (t["name"], t["description"]) for t in SCRIPTED_TOOLS
+            ]
+            result = await host.suite("scripted_suite", "call", "echo", n=7)
+            assert result.structured_content == {"echo": {"n": 7}}
+            result = await host.suite("scripted_suite", "call", "error")
+            assert result.is_error and "scripted failure" in text_of(result)
+            result = await host.suite("scripted_suite", "call", "echo", n=8)  # reconnected
+            assert result.structured_content == {"echo": {"n": 8}}
+
+            result = await host.suite("gone_suite", "introspect")
+            assert result.is_error
+            assert text_of(result).startswith(f"child 'gone': cannot connect to {gone}")
+            status = await host.status()
+            assert (status["remote"]["state"], status["scripted"]["state"]) == ("ready", "ready")
+            assert status["gone"]["state"] == "error"
+        assert scripted.methods().count("tools/call") == 3
+        assert scripted.headers and not [h for h in scripted.headers if "Authorization" in h]
+    conn = await db_conn(butler.config.database)
+    assert json.loads(await conn.fetchval("SELECT value FROM state WHERE key = 'via'")) == {
+        "gateway": True
+    }
 
 
 async def test_token_report(workdir: Path) -> None:
