@@ -290,7 +290,7 @@ class ImapIntake:
             return True
         problem = envelope.unreadable
         if problem is None and head.size is not None and head.size > MAX_MAIL_BYTES:
-            problem = f"it is {head.size} bytes, over the limit of {MAX_MAIL_BYTES}"
+            problem = f"it is over the size limit of {MAX_MAIL_BYTES} bytes"
         if problem is None and left_marked and key not in self._marked:
             problem = (
                 "an earlier attempt to read it never finished (the process stopped or died "
