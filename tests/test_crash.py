@@ -1,12 +1,22 @@
 """Never lose a message: SIGKILL the switchboard's process while a message is being
-processed, start it again, and the message is processed and answered."""
+processed, start it again, and the message is processed and answered. And the embedded
+PostgreSQL after a SIGKILL: a server left running is adopted, stale locks are cleaned, the
+data is there, and no server is left behind."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
+import tempfile
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+
+import psutil
+import pytest
+from fastmcp import Client
 
 from butlers.spawner import isolated_cli_env
 from tests.conftest import free_port, write_butler_dir
@@ -87,3 +97,138 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         for name in ("general", "switchboard"):
             await admin.execute(f'DROP DATABASE IF EXISTS "crash_{name}_{suffix}" WITH (FORCE)')
         await admin.close()
+
+
+# -- the embedded PostgreSQL after a SIGKILL --------------------------------------------------
+
+
+@pytest.fixture
+def embedded_env() -> Iterator[dict[str, str]]:
+    """`butlers up` with its own embedded PostgreSQL, in a data directory of this test's.
+    Not under pytest's basetemp (0700): as root the server runs as an unprivileged user,
+    who must pass through every directory above its data."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
+    root = Path(tempfile.mkdtemp(prefix="butlers-test-crash-"))
+    os.chmod(root, 0o711)
+    env["BUTLERS_DATA_DIR"] = str(root / "data")
+    yield env
+    pgdata = root / "data" / "pgdata"
+    for process in _postgres_on(pgdata):  # only if a test failed half-way: ours to end
+        process.kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _postgres_on(pgdata: Path) -> list[psutil.Process]:
+    """The postmaster serving `pgdata` (its children name no data directory)."""
+    found = []
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] == "postgres" and str(pgdata) in " ".join(
+            process.info["cmdline"] or []
+        ):
+            found.append(process)
+    return found
+
+
+def _ended(process: psutil.Process) -> bool:
+    """Whether a process has exited (a zombie has: it only waits for its parent, here
+    whichever process adopted the detached server, to collect it)."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _postmaster_pid(pgdata: Path) -> int:
+    return int((pgdata / "postmaster.pid").read_text().splitlines()[0])
+
+
+async def _up(config_dir: Path, env: dict[str, str], started: list[Butlers]) -> Butlers:
+    up = Butlers("up", "--config-dir", str(config_dir), env=env)
+    started.append(up)
+    await up.start()
+    await up.wait_ready()
+    return up
+
+
+async def _state(port: int, key: str, value: object = None) -> object:
+    """state_set (with a value) or state_get on the butler listening on `port`."""
+    async with Client(f"http://127.0.0.1:{port}/sse") as client:
+        if value is not None:
+            return (await client.call_tool("state_set", {"key": key, "value": value})).data
+        return (await client.call_tool("state_get", {"key": key})).data
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[list[Butlers]]:
+    processes: list[Butlers] = []
+    yield processes
+    for process in processes:
+        process.kill()
+        if process.process is not None:
+            await process.process.wait()
+
+
+async def test_postgres_left_by_a_killed_butlers_up_is_adopted_and_stopped(
+    tmp_path: Path, embedded_env: dict[str, str], started: list[Butlers]
+) -> None:
+    """Guards EmbeddedServer's adoption: `butlers up` killed with SIGKILL leaves its embedded
+    PostgreSQL running (pg_ctl detached it); the next `butlers up` on the same data directory
+    takes that server over (rather than failing on its lock), finds the data, and stops it
+    on SIGTERM: no server is left behind."""
+    port = free_port()
+    write_butler_dir(tmp_path / "config", "general", port)
+    pgdata = Path(embedded_env["BUTLERS_DATA_DIR"]) / "pgdata"
+    first = await _up(tmp_path / "config", embedded_env, started)
+    await _state(port, "before-the-kill", {"kept": True})
+    postmaster = psutil.Process(_postmaster_pid(pgdata))
+    await first.crash()
+    assert not _ended(postmaster)  # not a child of butlers: it outlives the SIGKILL
+
+    second = await _up(tmp_path / "config", embedded_env, started)
+    assert _postmaster_pid(pgdata) == postmaster.pid  # the same server, adopted
+    assert await _state(port, "before-the-kill") == {"kept": True}
+    assert await second.stop() == 0
+    assert "Traceback" not in second.stderr, second.stderr
+    assert _ended(postmaster) and _postgres_on(pgdata) == []
+
+
+async def test_after_a_power_cut_stale_locks_are_cleaned_and_the_data_is_there(
+    tmp_path: Path, embedded_env: dict[str, str], started: list[Butlers]
+) -> None:
+    """Guards the stale-lock cleaning of EmbeddedServer.start and the durability of a write:
+    `butlers up` and its PostgreSQL are both SIGKILLed (a power cut), and the pid their locks
+    name (postmaster.pid, the socket's lock) now belongs to another live process of the
+    server's user, as after a reboot. PostgreSQL alone refuses to start on such locks; the
+    next `butlers up` removes them, starts, and a value written before the cut is there."""
+    port = free_port()
+    write_butler_dir(tmp_path / "config", "general", port)
+    pgdata = Path(embedded_env["BUTLERS_DATA_DIR"]) / "pgdata"
+    first = await _up(tmp_path / "config", embedded_env, started)
+    await _state(port, "before-the-cut", {"committed": 1})
+    postmaster = psutil.Process(_postmaster_pid(pgdata))
+    server_processes = [postmaster, *postmaster.children()]
+    await first.crash()
+    postmaster.kill()
+    _, alive = await asyncio.to_thread(psutil.wait_procs, server_processes, timeout=30)
+    assert alive == []  # its backends follow the postmaster down
+    socket_lock = pgdata / ".s.PGSQL.5432.lock"
+    assert (pgdata / "postmaster.pid").exists() and socket_lock.exists()
+
+    other = subprocess.Popen(  # noqa: ASYNC220 - a short-lived helper, started once
+        ["sleep", "120"], user="embedded_postgres" if os.geteuid() == 0 else None
+    )
+    try:
+        for lock in (pgdata / "postmaster.pid", socket_lock):
+            lines = lock.read_text().splitlines()
+            lock.write_text("\n".join([str(other.pid), *lines[1:]]) + "\n")
+        second = await _up(tmp_path / "config", embedded_env, started)
+        assert other.poll() is None  # the other process was left alone
+    finally:
+        other.kill()
+        other.wait()
+    new_postmaster = psutil.Process(_postmaster_pid(pgdata))
+    assert new_postmaster.pid not in (postmaster.pid, other.pid)
+    assert await _state(port, "before-the-cut") == {"committed": 1}
+    assert await second.stop() == 0
+    assert "Traceback" not in second.stderr, second.stderr
+    assert _ended(new_postmaster) and _postgres_on(pgdata) == []
