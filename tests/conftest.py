@@ -123,8 +123,16 @@ async def make_database(
         return name
 
     yield make
-    for name in created:
-        await _drop(pg_server, name)
+    # At once: each DROP DATABASE waits for a checkpoint, and concurrent ones share it.
+    errors = [
+        e
+        for e in await asyncio.gather(
+            *(_drop(pg_server, name) for name in created), return_exceptions=True
+        )
+        if isinstance(e, BaseException)
+    ]
+    if errors:
+        raise BaseExceptionGroup(f"{len(errors)} test database(s) not dropped", errors)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fastmcp import Client
 
-from butlers.config import TriageRule
+from butlers.config import TriageRule, load_butler_config
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.replies import sorry
 from tests.conftest import (
@@ -201,6 +201,55 @@ async def test_triage_rule_skips_claude_code(
     assert not [b for b in scripted_api.requests if is_classifier(b)]
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT count(*) FROM sessions") == 0
+
+
+async def test_triage_by_sender_domain_and_exact_id(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """`sender` rules as butler.toml declares them: "@domain" matches any address there (any
+    case), anything else one address or chat id exactly. A near miss goes to the classifier."""
+    scripted_api.respond_with(
+        model(
+            "general",
+            {"relationship": "School noted.", "health": "Health noted.", "general": "Noted."},
+        )
+    )
+    rules_toml = write_butler_dir(
+        tmp_path / "rules",
+        "switchboard",
+        free_port(),
+        extra=(
+            '[[switchboard.triage]]\nsender = "@school.example"\nbutler = "relationship"\n'
+            '[[switchboard.triage]]\nsender = "4242"\nbutler = "health"\n'
+        ),
+    )
+    rules = load_butler_config(rules_toml / "butler.toml").triage
+    switchboard, _ = await start_fleet(start_butler, tmp_path, triage=rules)
+    worker = switchboard.switchboard.worker
+    messages = {
+        "the school": IncomingMessage("email", "m1", "term dates", source_id="Head@School.Example"),
+        "the chat": IncomingMessage("telegram", "u1", "slept 8h", source_id="4242"),
+        "a near domain": IncomingMessage(
+            "email", "m2", "bake sale", source_id="pta@notschool.example"
+        ),
+        "a near chat": IncomingMessage("telegram", "u2", "hello there", source_id="42420"),
+    }
+    ids = {who: await worker.accept(message) for who, message in messages.items()}
+    rows = {who: await worker.wait_for(inbox_id) for who, inbox_id in ids.items()}
+    assert {who: (r["status"], r["routed_to"], r["reply"]) for who, r in rows.items()} == {
+        "the school": ("done", "relationship", "School noted."),
+        "the chat": ("done", "health", "Health noted."),
+        "a near domain": ("done", "general", "Noted."),
+        "a near chat": ("done", "general", "Noted."),
+    }
+    # Claude Code classified the two near misses, and nothing else.
+    classified = {
+        delimited_message(b) for b in scripted_api.requests if is_classifier(b) and turn(b) == 0
+    }
+    assert classified == {"bake sale", "hello there"}
+    conn = await db_conn(switchboard.config.database)
+    sources = await conn.fetch("SELECT trigger_source FROM sessions ORDER BY started_at")
+    assert [s["trigger_source"] for s in sources] == ["classify:email", "classify:telegram"]
 
 
 async def test_target_down_is_a_failed_message_with_a_clear_reply(
