@@ -19,7 +19,7 @@ import pytest
 from fastmcp import Client
 
 from butlers.spawner import isolated_cli_env
-from tests.conftest import free_port, write_butler_dir
+from tests.conftest import eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
 from tests.test_cli import Butlers
@@ -64,9 +64,8 @@ async def test_sigkill_mid_message_then_restart_answers_it(
     try:
         await first.wait_ready()
         await bot_api.push_text(CHAT, "are you there?")
-        async with asyncio.timeout(60):
-            while not scripted_api.requests:  # noqa: ASYNC110 - the general butler's session began
-                await asyncio.sleep(0.1)
+        async with asyncio.timeout(60):  # the general butler's session began
+            await scripted_api.wait_for_request(lambda body: True)
         await first.crash()
 
         conn = await db_conn(f"crash_switchboard_{suffix}")
@@ -80,11 +79,12 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         await second.wait_ready()
         [sent] = await bot_api.wait_sent(1, timeout_s=60)
         assert sent == {"chat_id": CHAT, "text": "Survived the crash."}
-        async with asyncio.timeout(10):  # the row is finished right after the reply is sent
-            while (row := await conn.fetchrow("SELECT status, attempts FROM inbox"))[  # noqa: ASYNC110
-                "status"
-            ] == "processing":
-                await asyncio.sleep(0.05)
+
+        async def finished() -> bool:  # the row is finished right after the reply is sent
+            return await conn.fetchval("SELECT status FROM inbox") != "processing"
+
+        await eventually(finished)
+        row = await conn.fetchrow("SELECT status, attempts FROM inbox")
         assert (row["status"], row["attempts"]) == ("done", 2)
         assert await second.stop() == 0
     finally:
