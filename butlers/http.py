@@ -41,12 +41,14 @@ AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
 def is_loopback(host: str) -> bool:
     """Whether `host` is reachable from this machine only (a name other than localhost is
     taken to be reachable from elsewhere)."""
-    if host == "localhost":
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def require_token_beyond_loopback(what: str, host: str, auth_token: str | None) -> None:

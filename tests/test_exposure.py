@@ -230,9 +230,17 @@ async def test_webhook_mode_without_a_usable_secret_is_reported(
 
 
 def test_loopback_names() -> None:
-    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+    for host in (
+        "127.0.0.1",
+        "127.0.0.2",
+        "::1",
+        "[::1]",
+        "localhost",
+        "LocalHost",
+        "::ffff:127.0.0.1",
+    ):
         assert is_loopback(host), host
-    for host in ("0.0.0.0", "::", "192.168.1.5", "butlers.lan", ""):
+    for host in ("0.0.0.0", "::", "192.168.1.5", "butlers.lan", "", "::ffff:10.0.0.1"):
         assert not is_loopback(host), host
     require_token_beyond_loopback("x", "0.0.0.0", "a-token")  # with a token: allowed
 
