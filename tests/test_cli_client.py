@@ -40,15 +40,18 @@ async def fleet(start_butler: StartButler, tmp_path: Path) -> Fleet:
 
 async def test_list_human_and_json(fleet: Fleet) -> None:
     url = fleet.switchboard.sse_url
-    code, out, err = await run_cli("list", "--url", url, token="cli-token")
+    (code, out, err), (json_code, json_out, json_err) = await asyncio.gather(
+        run_cli("list", "--url", url, token="cli-token"),
+        run_cli("list", "--url", url, "--json", token="cli-token"),
+    )
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "ENDPOINT", "MODULES", "LAST", "SEEN", "DESCRIPTION"]
     assert any(
         line.startswith("general ") and fleet.targets["general"].sse_url in line for line in lines
     )
-    code, out, _ = await run_cli("list", "--url", url, "--json", token="cli-token")
-    rows = json.loads(out)
+    assert json_code == 0, json_err
+    rows = json.loads(json_out)
     assert {r["name"] for r in rows} == {"general", "switchboard"}
 
 
@@ -86,16 +89,20 @@ async def test_route_prints_the_targets_answer(fleet: Fleet) -> None:
 
 async def test_errors_are_one_clear_line(fleet: Fleet) -> None:
     url = fleet.switchboard.sse_url
-    code, _, err = await run_cli("route", "ghost", "status", "--url", url, token="cli-token")
-    assert code == 1 and "error: butler 'ghost' not found" in err and "Traceback" not in err
-    code, _, err = await run_cli(
-        "route", "general", "status", "{not json", "--url", url, token="cli-token"
+    ghost, not_json, unreachable, no_token = await asyncio.gather(  # independent: at once
+        run_cli("route", "ghost", "status", "--url", url, token="cli-token"),
+        run_cli("route", "general", "status", "{not json", "--url", url, token="cli-token"),
+        run_cli("list", "--url", "http://127.0.0.1:9/sse"),
+        run_cli("list", "--url", url),  # no token
     )
+    code, _, err = ghost
+    assert code == 1 and "error: butler 'ghost' not found" in err and "Traceback" not in err
+    code, _, err = not_json
     assert code == 1 and "ARGS must be a JSON object" in err
-    code, _, err = await run_cli("list", "--url", "http://127.0.0.1:9/sse")
+    code, _, err = unreachable
     assert code == 1 and "cannot reach the switchboard at http://127.0.0.1:9/sse" in err
     assert "Traceback" not in err
-    code, _, err = await run_cli("list", "--url", url)  # no token
+    code, _, err = no_token
     assert code == 1 and "401 Unauthorized: set BUTLERS_AUTH_TOKEN" in err
     assert "Traceback" not in err, err
 
@@ -107,22 +114,27 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     conn = await db_conn(fleet.switchboard.config.database)
     row = await conn.fetchrow("SELECT id::text AS id, trace_id FROM routing_log")
 
-    code, out, err = await run_cli("trace", row["id"], "--url", url, token="cli-token")
+    jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
+    missing = "00000000-0000-0000-0000-000000000000"
+    by_row, by_trace_id, as_json, not_an_id, no_row = await asyncio.gather(  # at once
+        run_cli("trace", row["id"], "--url", url, token="cli-token"),
+        run_cli("trace", row["trace_id"].upper(), env=jaeger),  # no switchboard
+        run_cli("trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger),
+        run_cli("trace", "not-an-id"),
+        run_cli("trace", missing, "--url", url, token="cli-token"),
+    )
+    code, out, err = by_row
     assert code == 0, err
     assert out.strip() == f"http://localhost:16686/trace/{row['trace_id']}"
     assert "mcp -> general.status" in err and "ok" in err
 
-    jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
-    code, out, _ = await run_cli("trace", row["trace_id"].upper(), env=jaeger)  # no switchboard
+    code, out, _ = by_trace_id
     assert out.strip() == f"http://jaeger.lan:16686/trace/{row['trace_id']}"
-    code, out, _ = await run_cli(
-        "trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger
-    )
+    code, out, _ = as_json
     found = json.loads(out)
     assert found["trace_id"] == row["trace_id"] and found["route"]["routed_to"] == "general"
 
-    code, _, err = await run_cli("trace", "not-an-id")
+    code, _, err = not_an_id
     assert code == 1 and "neither a trace id (32 hex characters) nor a routing_log id" in err
-    missing = "00000000-0000-0000-0000-000000000000"
-    code, _, err = await run_cli("trace", missing, "--url", url, token="cli-token")
+    code, _, err = no_row
     assert code == 1 and f"no routing_log row with id {missing}" in err
