@@ -243,3 +243,23 @@ async def test_a_big_body_is_read_without_blocking_the_event_loop(
     assert longest < 0.25, f"the event loop stood still for {longest:.2f}s"
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["Soup."]
+
+
+async def test_webhook_mode_without_a_token_is_reported_not_running(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It would answer 401 to everything: the module says why, where an operator looks."""
+    monkeypatch.delenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", raising=False)
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        switchboard = await start_mail_fleet(
+            start_butler, tmp_path, 1, smtp, monkeypatch, mode="webhook"
+        )
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{switchboard.base_url}/health") as response:
+                modules = {m["name"]: m for m in (await response.json())["modules"]}
+        assert modules["email"]["status"] == "failed"
+        assert "set BUTLERS_EMAIL_WEBHOOK_TOKEN" in modules["email"]["detail"]
+        assert await post(switchboard.base_url, GOOD, b"Bearer ") == 401

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EMAIL_WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
-
 
 class RunningModule(Protocol):
     name: str
@@ -87,7 +85,7 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
         if missing := _missing_env([config.email.username_env, config.email.password_env]):
             modules.skipped.append(_not_configured("email", missing))
         else:
-            from butlers.modules.email import EmailModule
+            from butlers.modules.email import WEBHOOK_TOKEN_ENV, EmailModule
 
             worker = switchboard.worker if switchboard is not None else None
             mail = EmailModule(
@@ -95,7 +93,7 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
                 os.environ[config.email.username_env],
                 os.environ[config.email.password_env],
                 worker,
-                webhook_token=os.environ.get(EMAIL_WEBHOOK_TOKEN_ENV) or None,
+                webhook_token=os.environ.get(WEBHOOK_TOKEN_ENV) or None,
             )
             mail.register(mcp)
             modules.webhooks.extend(mail.webhook_routes())

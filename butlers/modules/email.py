@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/email/inbound"
+WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"  # the bearer token of POST /email/inbound
 # A Message-ID is our idempotency key, in a unique index: PostgreSQL's btree refuses entries
 # past ~2.7 kB, so a longer one (a broken or hostile mailer) is replaced by a digest.
 MAX_MESSAGE_ID_BYTES = 512
@@ -221,6 +222,11 @@ class EmailModule:
     async def start(self) -> None:
         if self.worker is not None and self.config.mode in ("idle", "poll"):
             self._task = asyncio.create_task(ImapIntake(self).run(), name="email:intake")
+        elif self.config.mode == "webhook" and self.worker is not None and not self.webhook_token:
+            # The webhook would answer 401 to everything: say so where an operator looks.
+            problem = f"webhook mode needs a token: set {WEBHOOK_TOKEN_ENV}"
+            self.status = ModuleStatus(self.name, "failed", problem)
+            logger.error("email: %s", problem, extra={"action": "email_webhook"})
         else:
             self.status = ModuleStatus(self.name, "running", f"{self.config.mode} mode")
 
