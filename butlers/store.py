@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
 import asyncpg
+
+logger = logging.getLogger(__name__)
 
 
 def storable(text: str | None) -> str | None:
@@ -118,7 +121,10 @@ class CoreStore:
 
         `next_runs(cron, now)` computes the following run. Claiming and advancing in one
         transaction (FOR UPDATE SKIP LOCKED) means two concurrent ticks never run a task twice.
+        A row whose cron cannot be read (written by hand, or by an older version) is disabled
+        and logged, rather than failing the claim of every other task on every tick.
         """
+        due = []
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
                 """SELECT id, name, cron, prompt FROM scheduled_tasks
@@ -127,13 +133,28 @@ class CoreStore:
                 now,
             )
             for row in rows:
+                try:
+                    following = next_runs(row["cron"], now)
+                except Exception as exc:
+                    logger.error(
+                        "schedule %r: cron %r cannot be read (%s); disabled",
+                        row["name"],
+                        row["cron"],
+                        exc,
+                        extra={"action": "schedule_disabled"},
+                    )
+                    await conn.execute(
+                        "UPDATE scheduled_tasks SET enabled = false WHERE id = $1", row["id"]
+                    )
+                    continue
                 await conn.execute(
                     "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WHERE id = $1",
                     row["id"],
                     now,
-                    next_runs(row["cron"], now),
+                    following,
                 )
-        return [dict(r) for r in rows]
+                due.append(dict(row))
+        return due
 
     # -- sessions --------------------------------------------------------------------------
 

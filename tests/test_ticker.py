@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncpg
-import pytest
 from fastmcp import Client
 
 from butlers.config import RuntimeConfig
@@ -117,12 +116,6 @@ async def test_a_failed_tick_does_not_stop_the_ticker(
     assert await conn.fetchval("SELECT count(*) FROM sessions") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: CoreStore.claim_due_tasks computes every due row's next run in one "
-    "transaction, so one row whose cron croniter cannot parse rolls back the claim of all "
-    "of them, on every tick: no schedule of that butler runs again",
-)
 async def test_a_schedule_row_that_cannot_be_parsed_does_not_block_the_others(
     start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:
@@ -131,7 +124,7 @@ async def test_a_schedule_row_that_cannot_be_parsed_does_not_block_the_others(
     scripted_api.script([text("Ran.")])
     daemon = await start_butler(butler_config("alpha", runtime=TICKING))
     conn = await db_conn(daemon.config.database)
-    with log_records("butlers.daemon") as records:
+    with log_records("butlers.daemon") as records, log_records("butlers.store") as logged:
         await conn.execute(
             """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
                VALUES ('unparsable', 'every morning', 'x', now() - interval '1 minute')"""
@@ -145,3 +138,8 @@ async def test_a_schedule_row_that_cannot_be_parsed_does_not_block_the_others(
 
         await eventually(ran_or_failed_thrice)
     assert await conn.fetchval(query) > 0
+    assert (
+        await conn.fetchval("SELECT enabled FROM scheduled_tasks WHERE name = 'unparsable'")
+        is False
+    )
+    assert any(getattr(r, "action", None) == "schedule_disabled" for r in logged)
