@@ -224,6 +224,7 @@ class Spawner:
         tool_calls: list[dict[str, Any]],
     ) -> str:
         from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
+        from claude_agent_sdk._errors import ResultError
         from claude_agent_sdk.types import ToolUseBlock
 
         config_path = await asyncio.to_thread(
@@ -246,6 +247,11 @@ class Spawner:
                                 tool_calls.append({"name": block.name, "input": block.input})
                     elif isinstance(message, ResultMessage):
                         result = message
+        except ResultError as exc:
+            # The session ran and ended in an error result (max turns, an API error, no
+            # login): the SDK raises after yielding it. Say what the result said.
+            detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
+            raise SpawnError(_describe_failure(detail, "Claude Code session failed")) from exc
         finally:
             await asyncio.to_thread(config_path.unlink, missing_ok=True)
         if result is None:
@@ -320,13 +326,17 @@ def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:
 
 
 def _describe_sdk_error(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    return _describe_failure(str(exc).strip() or type(exc).__name__, "Claude Code could not run")
+
+
+def _describe_failure(text: str, what: str) -> str:
+    first_line = text.splitlines()[0] if text else what
     if "not logged in" in text.lower() or "api key" in text.lower():
         return (
             "Claude Code has no credentials: set ANTHROPIC_API_KEY (or log in with `claude`) "
-            f"in the butler's environment ({text.splitlines()[0]})"
+            f"in the butler's environment ({first_line})"
         )
-    return f"Claude Code could not run: {text.splitlines()[0]}"
+    return f"{what}: {first_line}"
 
 
 SESSION_STARTING_TOOLS = ("trigger", "tick")

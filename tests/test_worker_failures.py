@@ -253,7 +253,10 @@ async def test_a_classifier_past_max_turns_is_a_failed_session_and_general_answe
     conn = await db_conn(switchboard.config.database)
     session = await conn.fetchrow("SELECT * FROM sessions")
     assert (session["trigger_source"], session["success"]) == ("classify:telegram", False)
-    assert "maximum number of turns (2)" in session["error"], session["error"]
+    # It ran and ended in an error result: said so, not "could not run".
+    assert session["error"].startswith(
+        "Claude Code session failed: Reached maximum number of turns (2)"
+    ), session["error"]
     row = await finished_row(conn, update_id)
     assert (row["status"], row["routed_to"]) == ("done", "general")
     assert row["error"].startswith("classifier: ") and row["error"].endswith("; routed to general")
@@ -282,7 +285,10 @@ async def test_a_butler_past_max_turns_gets_a_friendly_failure(
     general = await db_conn(targets["general"].config.database)
     session = await general.fetchrow("SELECT * FROM sessions")
     assert (session["trigger_source"], session["success"]) == ("trigger", False)
-    assert "maximum number of turns (2)" in session["error"], session["error"]
+    # It ran and ended in an error result: said so, not "could not run".
+    assert session["error"].startswith(
+        "Claude Code session failed: Reached maximum number of turns (2)"
+    ), session["error"]
     conn = await db_conn(switchboard.config.database)
     row = await finished_row(conn, update_id)
     assert (row["status"], row["routed_to"]) == ("failed", "general")
