@@ -20,10 +20,12 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
 
 from butlers.config import EmailConfig
+from butlers.context import ModuleStatus
 from butlers.modules.mail_parse import html_to_text, parse_mail, sender_allowed
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes import wait_listening
 from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.fakes.tls_front import TcpFront
 from tests.test_inbox import model
 
 USER, PASSWORD = "butler", "imap-pw"
@@ -206,6 +208,7 @@ async def start_mail_fleet(
     outbox: Outbox,
     monkeypatch: pytest.MonkeyPatch,
     mode: str = "idle",
+    allowed_senders: tuple[str, ...] = ("user@example.com", "@family.example"),
 ):
     monkeypatch.setenv("BUTLERS_EMAIL_USER", USER)
     monkeypatch.setenv("BUTLERS_EMAIL_PASSWORD", PASSWORD)
@@ -225,7 +228,7 @@ async def start_mail_fleet(
         address="butler@example.com",
         mode=mode,
         poll_interval_s=0.2,
-        allowed_senders=("user@example.com", "@family.example"),
+        allowed_senders=allowed_senders,
     )
     return await start_butler(
         butler_config("switchboard", port=port, email=email_config), config_dir=config_dir
@@ -236,6 +239,12 @@ async def wait_for(predicate, timeout_s: float = 60) -> None:
     async with asyncio.timeout(timeout_s):
         while not await predicate():  # noqa: ASYNC110 - polls a server, not local state
             await asyncio.sleep(0.1)
+
+
+async def wait_until(predicate, timeout_s: float = 60) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - state another task changes on its own
+            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("mode", ["idle", "poll"])
@@ -294,28 +303,44 @@ async def test_strangers_bounces_and_our_own_mail_are_never_answered(
     db_conn,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    scripted_api.respond_with(model("general", {"general": "Hello kid."}))
+    """Each mail but the last is from a sender the allowlist lets through (our own domain is
+    allowed), except the stranger's: only the filter meant for it can stop it."""
+    scripted_api.respond_with(model("general", {"general": "Hello."}))
     switchboard = await start_mail_fleet(
-        start_butler, tmp_path, imap_server, smtp_server, monkeypatch
+        start_butler,
+        tmp_path,
+        imap_server,
+        smtp_server,
+        monkeypatch,
+        allowed_senders=("@example.com", "@family.example"),
     )
-    await append(imap_server, mail(sender="stranger@example.com", message_id="<s1@x>"))
-    await append(imap_server, mail(message_id="<a1@x>", Auto_Submitted="auto-replied"))
-    await append(imap_server, mail(sender="butler@example.com", message_id="<o1@x>"))
-    await append(imap_server, mail(sender="MAILER-DAEMON@example.com", message_id="<b1@x>"))
-    await append(
-        imap_server, mail(sender="kid@family.example", message_id="<k1@x>", subject="hi", body="hi")
-    )
-    async with asyncio.timeout(60):
-        await smtp_server.arrived.wait()
-    await asyncio.sleep(0.5)
-    assert [m["To"] for m in smtp_server.messages] == ["kid@family.example"]
-    conn = await db_conn(switchboard.config.database)
-    assert await conn.fetchval("SELECT array_agg(source_id) FROM inbox") == ["kid@family.example"]
+    for message in [
+        mail(sender="stranger@elsewhere.example", message_id="<s1@x>"),  # the allowlist
+        mail(message_id="<a1@x>", Auto_Submitted="auto-replied"),  # an auto-reply
+        mail(sender="Butler <Butler@Example.com>", message_id="<o1@x>"),  # our own address
+        mail(sender="MAILER-DAEMON@example.com", message_id="<b1@x>"),  # a bounce
+        mail(sender="kid@family.example", message_id="<k1@x>", subject="hi", body="hi"),
+    ]:
+        await append(imap_server, message)
 
     async def all_seen() -> bool:
         return await unseen(imap_server) == []
 
-    await wait_for(all_seen)
+    await wait_for(all_seen)  # each one stored (and flagged) or refused (and flagged)
+    # The sentinel: the worker answers strictly in order, so once this one is answered,
+    # anything stored before it has been answered too.
+    await append(imap_server, mail(message_id="<last@x>", subject="last", body="last"))
+
+    async def last_answered() -> bool:
+        return any(m["In-Reply-To"] == "<last@x>" for m in smtp_server.messages)
+
+    await wait_for(last_answered)
+    assert [m["To"] for m in smtp_server.messages] == ["kid@family.example", "user@example.com"]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(external_id ORDER BY id) FROM inbox") == [
+        "<k1@x>",
+        "<last@x>",
+    ]
 
 
 async def test_webhook_mode_takes_json_mail_with_its_token(
@@ -364,15 +389,26 @@ async def test_imap_reconnects_after_the_server_goes_away(
     scripted_api: ScriptedMessagesAPI,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The server stops while the module is in IDLE (aioimaplib alone would wait for a push
+    that never comes); once it is back, a new mail is answered."""
     scripted_api.respond_with(model("general", {"general": "Still here."}))
     port = free_port()
     server = start_pymap(port)
+    front = TcpFront(port)  # the module connects through it: it shows what the module sent
+    await front.start()
     try:
         await wait_listening(port)
-        await start_mail_fleet(start_butler, tmp_path, port, smtp_server, monkeypatch)
-        await asyncio.sleep(0.5)  # the module is in IDLE now
+        switchboard = await start_mail_fleet(
+            start_butler, tmp_path, front.port, smtp_server, monkeypatch
+        )
+
+        def email_status() -> ModuleStatus:
+            return next(s for s in switchboard.context.module_statuses() if s.name == "email")
+
+        await wait_until(lambda: front.received.endswith(b" IDLE\r\n"))  # in IDLE now
+        assert email_status().status == "running"
         stop_pymap(server)  # the connection drops mid-IDLE
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: email_status().status != "running")  # noticed
         server = start_pymap(port)
         await wait_listening(port)
         await append(port, mail(message_id="<r1@example.com>", subject="after", body="after"))
@@ -381,3 +417,4 @@ async def test_imap_reconnects_after_the_server_goes_away(
         assert smtp_server.messages[0]["Subject"] == "Re: after"
     finally:
         stop_pymap(server)
+        await front.stop()

@@ -5,7 +5,9 @@
 - `pymap_server()`: the pymap IMAP server in a subprocess; with a certificate it offers
   STARTTLS (pymap serves no implicit TLS: put a `TcpFront(ssl=...)` in front for that). It
   keeps keywords like Dovecot, Gmail or Fastmail do (PERMANENTFLAGS with `\\*`); pymap's
-  in-memory backend alone keeps them for the session only (`keywords=False`).
+  in-memory backend alone keeps them for the session only (`keywords=False`). With a
+  `transcript` file it logs every line of every connection there (`PymapTranscript` reads
+  it): what the server got, decrypted, STARTTLS sessions included.
 - `SmtpServer`: aiosmtpd on a free port (its Controller cannot take port 0), recording the
   mails it takes and the credentials it was given.
 - `RecordingWorker`: what the email module hands mail to, for tests of the connection rather
@@ -78,10 +80,16 @@ sys.exit(main())
 
 @asynccontextmanager
 async def pymap_server(
-    user: str, password: str, *, ca: MailCA | None = None, keywords: bool = True
+    user: str,
+    password: str,
+    *,
+    ca: MailCA | None = None,
+    keywords: bool = True,
+    transcript: Path | None = None,
 ) -> AsyncIterator[int]:
     """pymap on a free port (yielded): STARTTLS offered when given a CA's certificate;
-    keywords kept across sessions unless `keywords=False`."""
+    keywords kept across sessions unless `keywords=False`; its sessions logged line by line
+    into `transcript` when given (see PymapTranscript)."""
     port = free_port()
     tls = (
         ["--cert", str(ca.cert_file), "--key", str(ca.key_file)] if ca is not None else ["--no-tls"]
@@ -91,28 +99,71 @@ async def pymap_server(
         if keywords
         else [str(Path(sys.executable).parent / "pymap")]
     )
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *tls,
-        "dict",
-        "--demo-user",
-        user,
-        "--demo-password",
-        password,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = transcript.open("wb") if transcript is not None else subprocess.DEVNULL
     try:
-        await wait_listening(port)
-        yield port
+        process = await asyncio.create_subprocess_exec(
+            *command,
+            *(["--debug"] if transcript is not None else []),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *tls,
+            "dict",
+            "--demo-user",
+            user,
+            "--demo-password",
+            password,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            await wait_listening(port)
+            yield port
+        finally:
+            if process.returncode is None:
+                process.terminate()
+                await asyncio.wait_for(process.wait(), 10)
     finally:
-        if process.returncode is None:
-            process.terminate()
-            await asyncio.wait_for(process.wait(), 10)
+        if not isinstance(log, int):
+            log.close()
+
+
+# pymap --debug: "DEBUG:pymap.imap:<connection> -->| <line>" (client to server), "<--|" (server
+# to client), "+++|" (connected), "---|" (disconnected).
+_TRANSCRIPT_LINE = re.compile(r"^DEBUG:pymap\.imap:(\w+) (-->|<--|\+\+\+|---)\| ?(.*)$")
+
+
+class PymapTranscript:
+    """What a `pymap_server(transcript=...)` logged, connection by connection: each line a
+    client sent (`-->`) and got (`<--`), as the server saw them, decrypted."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def connections(self) -> dict[str, list[tuple[str, str]]]:
+        """Each connection's lines, in order: (direction, text)."""
+        sessions: dict[str, list[tuple[str, str]]] = {}
+        if not self.path.exists():
+            return sessions
+        for line in self.path.read_text(errors="replace").splitlines():
+            if found := _TRANSCRIPT_LINE.match(line):
+                name, direction, text = found.groups()
+                sessions.setdefault(name, []).append((direction, text))
+        return sessions
+
+    def idling(self) -> int:
+        """How many open connections are in IDLE now: the last line their client sent is an
+        IDLE command, and the server has answered it with its continuation ("+ ...")."""
+        count = 0
+        for lines in self.connections().values():
+            if any(direction == "---" for direction, _ in lines):
+                continue
+            sent = [i for i, (direction, _) in enumerate(lines) if direction == "-->"]
+            if not sent or not lines[sent[-1]][1].upper().endswith(" IDLE"):
+                continue
+            count += any(d == "<--" and t.startswith("+") for d, t in lines[sent[-1] + 1 :])
+        return count
 
 
 async def _test_client(port: int, user: str, password: str) -> aioimaplib.IMAP4:
