@@ -84,7 +84,7 @@ class InboxWorker:
         return inbox_id
 
     async def wait_for(self, inbox_id: int) -> dict[str, Any]:
-        """Wait until the message is done or failed; returns its inbox row."""
+        """Wait until the message is done, failed or skipped; returns its inbox row."""
         row = await self.inbox.get(inbox_id)
         if row is not None and row["status"] in ("done", "failed", "skipped"):
             return row
