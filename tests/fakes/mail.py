@@ -12,6 +12,8 @@
   mails it takes and the credentials it was given.
 - `RecordingWorker`: what the email module hands mail to, for tests of the connection rather
   than of the inbox: it keeps what it is given.
+- `record_threads()`: which thread each call of some functions ran on (the event loop's, or a
+  worker thread).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aioimaplib
+import pytest
 import trustme
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
@@ -331,3 +335,20 @@ class RecordingWorker:
                 self._changed.clear()
                 await self._changed.wait()
         return self.accepted[self.ids.index(external_id)]
+
+
+def record_threads(
+    monkeypatch: pytest.MonkeyPatch, *targets: tuple[object, str]
+) -> list[tuple[str, int]]:
+    """Wrap each function `getattr(owner, name)` so that every call records (name, the id of
+    the thread it runs on): compare with `threading.get_ident()` on the event loop."""
+    calls: list[tuple[str, int]] = []
+    for owner, name in targets:
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, _original: Any = original, _name: str = name, **kw: Any) -> Any:
+            calls.append((_name, threading.get_ident()))
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(owner, name, wrapper)
+    return calls
