@@ -303,8 +303,9 @@ async def test_strangers_bounces_and_our_own_mail_are_never_answered(
     db_conn,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each mail but the last is from a sender the allowlist lets through (our own domain is
-    allowed), except the stranger's: only the filter meant for it can stop it."""
+    """Our own domain is allowed here, so the allowlist lets every one of these mails through
+    but the stranger's: each of the others is stopped only by the filter meant for it (the
+    auto-reply, our own address, the mailer-daemon)."""
     scripted_api.respond_with(model("general", {"general": "Hello."}))
     switchboard = await start_mail_fleet(
         start_butler,
