@@ -19,11 +19,18 @@ import pytest
 from butlers.context import ModuleStatus
 from butlers.modules.mail_imap import MAX_MAIL_FAILURES, TRIED_KEYWORD
 from tests.conftest import StartButler, eventually
-from tests.fakes.mail import SmtpServer, imap_append, imap_flags, pymap_server
+from tests.fakes.mail import RecordingWorker, SmtpServer, imap_append, imap_flags, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.fakes.tls_front import TcpFront
 from tests.test_email import mail, start_mail_fleet
-from tests.test_email_tls import PASSWORD, USER, wait_until, wait_until_seen
+from tests.test_email_tls import (
+    PASSWORD,
+    USER,
+    email_config,
+    running,
+    wait_until,
+    wait_until_seen,
+)
 from tests.test_inbox import model
 
 # What flags a mail \Seen: a STORE naming \Seen, or a FETCH of BODY[...] or BINARY[...] (not
@@ -104,3 +111,26 @@ async def test_a_mail_stays_unseen_until_the_inbox_has_stored_it(
     await eventually(all_done)
     rows = await conn.fetch("SELECT external_id, status FROM inbox ORDER BY id")
     assert [tuple(r) for r in rows] == [("<durable@x>", "done"), ("<next@x>", "done")]
+
+
+async def test_a_mail_the_database_refused_is_read_after_a_clean_restart() -> None:
+    """The crash mark ($ButlersTried) says "reading this killed the process". A mail that
+    could not be stored because the database was down, then a clean stop, is no such mail:
+    at the next start it is read and stored, not recorded as failed and dropped."""
+    down = RecordingWorker(fail_when=lambda m: True)  # the inbox refuses every insert
+
+    async def cannot_record(message, error):
+        raise RuntimeError("the database is down")
+
+    down.inbox.record_failed = cannot_record  # type: ignore[method-assign]
+    async with pymap_server(USER, PASSWORD) as port:
+        await imap_append(port, USER, PASSWORD, mail(message_id="<m@x>"))
+        config = email_config(imap_port=port, mode="poll")
+        async with running(config, down) as module:
+            await wait_until(lambda: "stays unread" in (module.status.detail or ""))
+        [flags] = (await imap_flags(port, USER, PASSWORD)).values()
+        assert TRIED_KEYWORD not in flags and "\\Seen" not in flags
+        up = RecordingWorker()  # the database is back; the butler starts again
+        async with running(config, up):
+            await wait_until_seen(port)
+    assert up.ids == ["<m@x>"] and up.inbox.failed == []

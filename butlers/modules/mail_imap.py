@@ -330,6 +330,14 @@ class ImapIntake:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._unmark(client, uid), UNMARK_TIMEOUT_S)
             raise
+        except Exception:
+            # Not the mail's doing (the database is down, the connection went): the mark
+            # must not outlive this, or the next start takes it for a crash and drops the
+            # mail. Best effort: a connection that is gone cannot remove it.
+            if marked:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._unmark(client, uid), UNMARK_TIMEOUT_S)
+            raise
 
     async def _fetch(self, client: aioimaplib.IMAP4, uid: str, items: str) -> Fetched | None:
         response = await self._ok(client.uid("fetch", uid, items), f"UID FETCH {uid}")
