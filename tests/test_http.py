@@ -96,6 +96,12 @@ async def test_foreign_host_header_is_refused(start_butler: StartButler, path: s
     assert await status("/sse", Host=f"evil.example:{port}", Origin="http://evil.example") == 421
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", "alpha-svc:1234"):
         assert await status("/sse", Host=host) == 200, host  # the SSE stream opened
+    # The Origin on its own: a page served by evil.example whose request names our own Host
+    # (a rebinding that got the Host right) is refused, 403 Forbidden Origin.
+    good = f"127.0.0.1:{port}"
+    assert await status(path, Host=good, Origin="http://evil.example") == 403
+    assert await status("/health", Host=good, Origin=f"http://evil.example:{port}") == 403
+    assert await status("/sse", Host=good, Origin=f"http://{good}") == 200
     async with Client(daemon.sse_url) as client:
         assert (await client.call_tool("status", {})).data["name"] == "alpha"
 
