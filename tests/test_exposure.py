@@ -12,18 +12,17 @@ import aiohttp
 import pytest
 from fastmcp import Client
 
-from butlers.config import SwitchboardConfig, TelegramConfig, TriageRule
+from butlers.config import SwitchboardConfig
 from butlers.errors import ButlersError
 from butlers.http import is_loopback, require_token_beyond_loopback
 from tests.conftest import WEBHOOK_SECRET as SECRET
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import StartButler, butler_config
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.fakes.proxy import ReverseProxy
 from tests.test_cli_client import run_cli
-from tests.test_inbox import model
+from tests.test_telegram import CHAT, start_general_only
 
-CHAT = 31337
 PUBLIC = "https://bot.example.com/telegram/webhook"
 
 
@@ -32,26 +31,21 @@ async def webhook_switchboard(
     tmp_path: Path,
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
+    *,
+    mode: str = "webhook",
     **telegram,
 ):
-    scripted_api.respond_with(model("general", {"general": "Via the proxy."}))
-    config_dir = tmp_path / "config"
-    general = await start_butler(butler_config("general"))
-    write_butler_dir(config_dir, "general", general.port)
-    port = free_port()
-    write_butler_dir(config_dir, "switchboard", port)
-    config = TelegramConfig(
-        allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url, **{"mode": "webhook", **telegram}
-    )
-    return await start_butler(
-        butler_config(
-            "switchboard",
-            port=port,
-            telegram=config,
-            triage=(TriageRule(butler="general", channel="telegram"),),
-            switchboard=SwitchboardConfig(max_request_bytes=256 * 1024),
-        ),
-        config_dir=config_dir,
+    """A switchboard and `general` (which answers "Via the proxy."), Telegram in `mode`, and a
+    256 KiB body limit."""
+    return await start_general_only(
+        start_butler,
+        tmp_path,
+        bot_api,
+        scripted_api,
+        "Via the proxy.",
+        mode=mode,
+        telegram=telegram,
+        switchboard=SwitchboardConfig(max_request_bytes=256 * 1024),
     )
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from butlers import daemon as daemon_module
-from butlers.config import RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
+from butlers.config import RuntimeConfig, SwitchboardConfig, TriageRule
 from butlers.switchboard.replies import RATE_LIMITED
-from tests.conftest import StartButler, butler_config, eventually, free_port, write_butler_dir
+from tests.conftest import StartButler, butler_config, eventually, free_port
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_inbox import model
+from tests.test_telegram import start_telegram_fleet
 
 ALLOWED = (111, 222)
 
@@ -27,22 +28,16 @@ async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
     db_conn,
 ) -> None:
     scripted_api.respond_with(model("general", {"general": "Done."}))
-    config_dir = tmp_path / "config"
-    general = await start_butler(butler_config("general"))
-    write_butler_dir(config_dir, "general", general.port)
-    port = free_port()
-    write_butler_dir(config_dir, "switchboard", port)
-    telegram = TelegramConfig(allowed_chat_ids=tuple(map(str, ALLOWED)), api_base_url=bot_api.url)
-    switchboard = await start_butler(
-        butler_config(
-            "switchboard",
-            port=port,
-            telegram=telegram,
-            triage=(TriageRule(butler="general", channel="telegram"),),
-            switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
-        ),
-        config_dir=config_dir,
+    switchboard, targets = await start_telegram_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        triage=[TriageRule(butler="general", channel="telegram")],
+        names=("general",),
+        chats=ALLOWED,
+        switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
     )
+    general = targets["general"]
     flooder, other = ALLOWED
     for i in range(5):
         await bot_api.push_text(flooder, f"message {i}")

@@ -35,7 +35,13 @@ async def start_telegram_fleet(
     mode: str = "polling",
     triage=(),
     names=("general", "health"),
+    chats=(CHAT,),
+    telegram: dict | None = None,
+    **switchboard_overrides,
 ):
+    """Butlers `names` and a switchboard whose Telegram module talks to `bot_api` and allows
+    `chats`; `telegram` adds [modules.telegram] keys, the rest goes to the switchboard's
+    config (e.g. `switchboard=SwitchboardConfig(...)`)."""
     config_dir = tmp_path / "config"
     targets = {}
     for name in names:
@@ -44,9 +50,20 @@ async def start_telegram_fleet(
         targets[name] = daemon
     port = free_port()
     write_butler_dir(config_dir, "switchboard", port)
-    telegram = TelegramConfig(mode=mode, allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url)
+    module = TelegramConfig(
+        mode=mode,
+        allowed_chat_ids=tuple(map(str, chats)),
+        api_base_url=bot_api.url,
+        **(telegram or {}),
+    )
     switchboard = await start_butler(
-        butler_config("switchboard", port=port, telegram=telegram, triage=tuple(triage)),
+        butler_config(
+            "switchboard",
+            port=port,
+            telegram=module,
+            triage=tuple(triage),
+            **switchboard_overrides,
+        ),
         config_dir=config_dir,
     )
     return switchboard, targets
