@@ -72,14 +72,34 @@ class EmailConfig:
 
 
 @dataclass(frozen=True)
+class OwnerConfig:
+    """`[switchboard.owner]`: where a butler's `notify` goes when no conversation is active."""
+
+    telegram_chat_id: str = ""
+    email: str = ""
+    prefer: str = "telegram"  # telegram | email
+
+    def channels(self) -> list[tuple[str, str]]:
+        """(channel, recipient) the owner can be reached on, the preferred one first."""
+        known = [("telegram", self.telegram_chat_id), ("email", self.email)]
+        reachable = [(channel, who) for channel, who in known if who]
+        return sorted(reachable, key=lambda c: c[0] != self.prefer)
+
+
+@dataclass(frozen=True)
 class SwitchboardConfig:
-    """The `[switchboard]` table: limits of the front door."""
+    """The `[switchboard]` table: limits of the front door, conversations and delivery."""
 
     default_butler: str = "general"  # where a message goes that was not routed
     max_routes_per_message: int = 3  # routes one classification session may make
     max_messages_per_sender_per_hour: int = 60  # 0 = no limit
     retention_days: int = 90  # done inbox rows, routing_log and sessions older are deleted
     max_request_bytes: int = 1024 * 1024  # bigger request bodies get 413
+    context_messages: int = 6  # earlier exchanges of a conversation given to classifier and butler
+    thread_affinity_days: int = 30  # a reply in a thread goes to the butler that answered it
+    reply_retry_hours: float = 24.0  # how long the outbox keeps trying a channel that is down
+    max_notifications_per_hour: int = 30  # per butler; 0 = no limit
+    owner: OwnerConfig = field(default_factory=OwnerConfig)
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,9 @@ class ButlerConfig:
     description: str = ""
     host: str = "127.0.0.1"
     endpoint_url_override: str | None = None
+    # Where this butler's `notify` reaches the switchboard (None: the registry's, or
+    # BUTLERS_SWITCHBOARD_URL).
+    switchboard_url: str | None = None
     db_name: str = ""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     telegram: TelegramConfig | None = None
@@ -361,6 +384,14 @@ def _read_switchboard(table: _Table) -> SwitchboardConfig:
     default_butler = table.take("default_butler", str, d.default_butler)
     if not NAME_PATTERN.fullmatch(default_butler):
         raise table.error("default_butler", f"expected a butler name, got {default_butler!r}")
+    owner = _read_owner(table.table("owner"))
+    reply_retry_hours = float(
+        _positive(
+            table,
+            "reply_retry_hours",
+            table.take("reply_retry_hours", (int, float), d.reply_retry_hours),
+        )
+    )
     config = SwitchboardConfig(
         default_butler=default_butler,
         max_routes_per_message=count("max_routes_per_message", d.max_routes_per_message, 1),
@@ -369,9 +400,29 @@ def _read_switchboard(table: _Table) -> SwitchboardConfig:
         ),
         retention_days=count("retention_days", d.retention_days, 1),
         max_request_bytes=count("max_request_bytes", d.max_request_bytes, 1024),
+        context_messages=count("context_messages", d.context_messages, 0),
+        thread_affinity_days=count("thread_affinity_days", d.thread_affinity_days, 0),
+        reply_retry_hours=reply_retry_hours,
+        max_notifications_per_hour=count(
+            "max_notifications_per_hour", d.max_notifications_per_hour, 0
+        ),
+        owner=owner,
     )
     table.done()
     return config
+
+
+def _read_owner(table: _Table | None) -> OwnerConfig:
+    if table is None:
+        return OwnerConfig()
+    d = OwnerConfig()
+    chat_id = table.take("telegram_chat_id", (str, int), d.telegram_chat_id)
+    email = table.take("email", str, d.email).strip()
+    if email and "@" not in email:
+        raise table.error("email", f"expected an email address, got {email!r}")
+    prefer = _choice(table, "prefer", table.take("prefer", str, d.prefer), ("telegram", "email"))
+    table.done()
+    return OwnerConfig(telegram_chat_id=str(chat_id), email=email, prefer=prefer)
 
 
 def _port(table: _Table, key: str, value: int) -> int:
@@ -433,6 +484,9 @@ def parse_butler_config(
     port = _port(butler, "port", butler.take("port", int, expected="a port number"))
     description = butler.take("description", str, "")
     host = butler.take("host", str, placement.host)
+    switchboard_url = butler.take("switchboard_url", str, None)
+    if switchboard_url is not None and not switchboard_url.startswith(("http://", "https://")):
+        raise butler.error("switchboard_url", f"expected an http(s) URL, got {switchboard_url!r}")
     endpoint_url = butler.take("endpoint_url", str, None)
     if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
         raise butler.error("endpoint_url", f"expected an http(s) URL, got {endpoint_url!r}")
@@ -481,6 +535,7 @@ def parse_butler_config(
         description=description,
         host=host,
         endpoint_url_override=endpoint_url,
+        switchboard_url=switchboard_url,
         db_name=db_name,
         runtime=runtime,
         telegram=telegram,
