@@ -290,3 +290,52 @@ def test_new_keys_name_their_errors(tmp_path: Path, text: str, key: str, problem
         load_butler_config(path)
     assert (excinfo.value.key, excinfo.value.path) == (key, path)
     assert problem in excinfo.value.problem
+
+
+def test_conversation_delivery_and_owner_keys(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "switchboard",
+        """
+[butler]
+name = "switchboard"
+port = 8100
+switchboard_url = "http://127.0.0.1:8100/sse"
+
+[switchboard]
+context_messages = 0
+thread_affinity_days = 7
+reply_retry_hours = 0.5
+max_notifications_per_hour = 5
+
+[switchboard.owner]
+telegram_chat_id = 12345
+email = "me@example.com"
+prefer = "email"
+""",
+    )
+    config = load_butler_config(path)
+    limits = config.switchboard
+    assert (limits.context_messages, limits.thread_affinity_days) == (0, 7)
+    assert (limits.reply_retry_hours, limits.max_notifications_per_hour) == (0.5, 5)
+    assert limits.owner.channels() == [("email", "me@example.com"), ("telegram", "12345")]
+    assert config.switchboard_url == "http://127.0.0.1:8100/sse"
+    plain = load_butler_config(write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n'))
+    assert plain.switchboard.owner.channels() == [] and plain.switchboard_url is None
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ('[switchboard.owner]\nemail = "me"\n', "switchboard.owner.email", "email address"),
+        ('[switchboard.owner]\nprefer = "sms"\n', "switchboard.owner.prefer", "expected one of"),
+        ("[switchboard.owner]\nphone = 1\n", "switchboard.owner.phone", "unknown key"),
+        ("[switchboard]\nreply_retry_hours = 0\n", "switchboard.reply_retry_hours", "positive"),
+        ("[switchboard]\ncontext_messages = -1\n", "switchboard.context_messages", ">= 0"),
+    ],
+)
+def test_owner_and_delivery_errors(tmp_path: Path, text: str, key: str, problem: str) -> None:
+    path = write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n' + text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_butler_config(path)
+    assert (excinfo.value.key, problem in excinfo.value.problem) == (key, True)
