@@ -83,6 +83,10 @@ class InboxWorker:
             self._wake.set()
         return inbox_id
 
+    def wake(self) -> None:
+        """Look at the queue now (a message was queued by other means, e.g. a retry)."""
+        self._wake.set()
+
     async def wait_for(self, inbox_id: int) -> dict[str, Any]:
         """Wait until the message is done, failed or skipped; returns its inbox row."""
         row = await self.inbox.get(inbox_id)
