@@ -174,6 +174,8 @@ class ButlerDaemon:
         if self.switchboard is not None:
             await self.switchboard.start_worker()
         await self._modules.start()
+        if self.switchboard is not None:
+            await self.switchboard.start_outbox()
         if config.runtime.tick_interval_s > 0:
             self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
         logger.info(
@@ -304,10 +306,11 @@ class ButlerDaemon:
             except Exception:
                 logger.exception("butler %s: server ended with an error", self.config.name)
             self._serve_task = None
-        await self._modules.stop()
+        # The switchboard first: its outbox sends through the modules' channels.
         if self.switchboard is not None:
             await self.switchboard.close()
             self.switchboard = None
+        await self._modules.stop()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

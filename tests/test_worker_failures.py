@@ -113,18 +113,25 @@ async def test_a_reply_the_bot_api_refuses_is_recorded_and_the_queue_moves_on(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    """Guards worker._reply: a send that fails (400 from the Bot API) makes the message
-    `failed` with the reason, keeps the reply it could not deliver, and does not stop the
-    next message from being answered."""
+    """Guards the outbox: a send Telegram refuses (400: the chat does not exist) is final:
+    the outbox row is `failed` with the reason (the message itself was handled: `done`,
+    its reply on record), it is not tried again, and the next reply still goes out."""
     scripted_api.respond_with(model("general", {"general": "Done."}))
     switchboard, _ = await start_fleet(start_butler, tmp_path, bot_api)
     conn = await db_conn(switchboard.config.database)
     bot_api.fail_sends_with_400 = True
     refused_id = await bot_api.push_text(CHAT, "first")
     row = await finished_row(conn, refused_id)
+    assert (row["status"], row["routed_to"], row["reply"]) == ("done", "general", "Done.")
+
+    async def refused() -> bool:
+        return await conn.fetchval("SELECT status FROM outbox") == "failed"
+
+    await eventually(refused)
+    outbox = await conn.fetchrow("SELECT * FROM outbox")
+    assert (outbox["kind"], outbox["inbox_id"], outbox["attempts"]) == ("reply", row["id"], 1)
+    assert "refused" in outbox["error"] and "chat not found" in outbox["error"].lower()
     assert bot_api.refused_sends == [{"chat_id": CHAT, "text": "Done."}]
-    assert (row["status"], row["routed_to"], row["reply"]) == ("failed", "general", "Done.")
-    assert row["error"].startswith("reply failed:") and "chat not found" in row["error"].lower()
 
     bot_api.fail_sends_with_400 = False
     answered_id = await bot_api.push_text(CHAT, "second")
@@ -132,6 +139,7 @@ async def test_a_reply_the_bot_api_refuses_is_recorded_and_the_queue_moves_on(
     assert sent == {"chat_id": CHAT, "text": "Done."}
     row = await finished_row(conn, answered_id)
     assert (row["status"], row["error"]) == ("done", None)
+    assert bot_api.refused_sends == [{"chat_id": CHAT, "text": "Done."}]  # not tried again
 
 
 async def test_a_message_that_keeps_crashing_the_switchboard_is_given_up(

@@ -78,8 +78,8 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
             )
             telegram.register(mcp)
             modules.webhooks.extend(telegram.webhook_routes())
-            if worker is not None:
-                worker.repliers["telegram"] = telegram.reply
+            if switchboard is not None:
+                switchboard.outbox.channels["telegram"] = telegram
             modules.running.append(telegram)
     if config.email is not None:
         if missing := _missing_env([config.email.username_env, config.email.password_env]):
@@ -97,8 +97,8 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
             )
             mail.register(mcp)
             modules.webhooks.extend(mail.webhook_routes())
-            if worker is not None:
-                worker.repliers["email"] = mail.reply
+            if switchboard is not None:
+                switchboard.outbox.channels["email"] = mail
             modules.running.append(mail)
     for status in modules.skipped:
         logger.warning(

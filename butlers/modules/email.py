@@ -53,6 +53,7 @@ from butlers.modules.mail_transport import (
 )
 from butlers.modules.mail_webhook import parse_webhook
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
+from butlers.switchboard.outbox import Delivery, DeliveryError
 from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -244,7 +245,9 @@ class EmailModule:
         *,
         in_reply_to: str | None = None,
         references: str | None = None,
+        message_id: str | None = None,
     ) -> str:
+        """Send a plain-text mail; its Message-ID (`message_id`, else a new one)."""
         try:
             recipient, _ = single_address([to], "To")
         except ValueError as exc:
@@ -254,7 +257,7 @@ class EmailModule:
         message["To"] = recipient
         message["Subject"] = one_line(subject)
         message["Date"] = email.utils.formatdate(localtime=False)
-        message_id = email.utils.make_msgid(domain=self.address.split("@")[-1] or None)
+        message_id = message_id or self.new_message_id()
         message["Message-ID"] = message_id
         message["Auto-Submitted"] = "auto-replied" if in_reply_to else "auto-generated"
         if in_reply_to and one_line(in_reply_to):
@@ -269,15 +272,48 @@ class EmailModule:
             raise type(exc)(f"{exc} (the mail to {recipient} was not sent)") from exc
         return message_id
 
-    async def reply(self, message: InboxMessage, text: str) -> None:
-        assert message.source_id is not None
-        await self.send(
-            message.source_id,
-            reply_subject(message.subject),
-            text,
-            in_reply_to=message.meta.get("message_id") or None,
-            references=message.meta.get("references") or None,
-        )
+    def new_message_id(self) -> str:
+        return email.utils.make_msgid(domain=self.address.split("@")[-1] or None)
+
+    # -- the outbox's channel ------------------------------------------------------------
+
+    def prepare(
+        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """One row; its Message-ID is chosen now, so that a mail sent again after a crash is
+        the same mail to the reader's client (which drops the copy)."""
+        meta: dict[str, Any] = {"message_id": self.new_message_id()}
+        if reply_to is not None:
+            meta["subject"] = reply_subject(reply_to.subject)
+            meta["in_reply_to"] = reply_to.meta.get("message_id") or None
+            meta["references"] = reply_to.meta.get("references") or None
+        else:
+            meta["subject"] = f"From your {butler} butler" if butler else "From your butlers"
+        return [(text, meta)]
+
+    async def deliver(self, delivery: Delivery) -> list[str]:
+        """Send one row. A server refusing the mail itself (5xx) is final; a server down,
+        refusing the connection or the login, or answering 4xx is tried again later."""
+        import aiosmtplib
+
+        meta = delivery.meta
+        try:
+            message_id = await self.send(
+                delivery.recipient,
+                meta.get("subject") or "",
+                delivery.text,
+                in_reply_to=meta.get("in_reply_to"),
+                references=meta.get("references"),
+                message_id=meta.get("message_id"),
+            )
+        except MailError as exc:
+            cause = exc.__cause__.__cause__ if exc.__cause__ is not None else None
+            code = getattr(cause, "code", None)
+            permanent = isinstance(cause, aiosmtplib.SMTPRecipientsRefused) or (
+                isinstance(code, int) and 500 <= code < 600
+            )
+            raise DeliveryError(str(exc), permanent=permanent) from exc
+        return [message_id]
 
 
 def _incoming(mail: ParsedMail) -> IncomingMessage:

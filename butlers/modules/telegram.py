@@ -24,6 +24,7 @@ from butlers.context import ModuleStatus
 from butlers.errors import ToolRefusal
 from butlers.http import secret_matches
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
+from butlers.switchboard.outbox import Delivery, DeliveryError
 from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -143,9 +144,41 @@ class TelegramModule:
             ids.append(message.message_id)
         return ids
 
-    async def reply(self, message: InboxMessage, text: str) -> None:
-        assert message.source_id is not None
-        await self.send(message.source_id, text)
+    # -- the outbox's channel ------------------------------------------------------------
+
+    def prepare(
+        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """One outbox row per 4096-character chunk; the first answers the person's message."""
+        chunks = split_text(text)
+        first: dict[str, Any] = {}
+        if reply_to is not None and reply_to.meta.get("message_id"):
+            first["reply_to_message_id"] = reply_to.meta["message_id"]
+        return [(chunk, first if index == 0 else {}) for index, chunk in enumerate(chunks)]
+
+    async def deliver(self, delivery: Delivery) -> list[str]:
+        """Send one row. Telegram refusing the chat or the message (400, 403: no such chat,
+        the bot blocked) is final; the Bot API down or slow (5xx, network, 429 past the rate
+        limiter's retries) is tried again later."""
+        from telegram import ReplyParameters
+        from telegram.error import BadRequest, ChatMigrated, Forbidden, TelegramError
+
+        reply_to = delivery.meta.get("reply_to_message_id")
+        try:
+            message = await self.bot.send_message(
+                chat_id=delivery.recipient,
+                text=delivery.text,
+                reply_parameters=(
+                    ReplyParameters(int(reply_to), allow_sending_without_reply=True)
+                    if reply_to
+                    else None
+                ),
+            )
+        except (BadRequest, Forbidden, ChatMigrated) as exc:
+            raise DeliveryError(f"Telegram refused it: {exc}", permanent=True) from exc
+        except (TelegramError, OSError) as exc:
+            raise DeliveryError(f"the Bot API did not take it: {exc}") from exc
+        return [str(message.message_id)]
 
     # -- intake -----------------------------------------------------------------------------
 

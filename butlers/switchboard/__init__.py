@@ -29,6 +29,7 @@ from butlers.switchboard.dispatch import (
     RoutePolicyError,
 )
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import RouteError, Router, RouteRefused
@@ -46,6 +47,7 @@ class Switchboard:
     router: Router
     pool: McpClientPool
     worker: InboxWorker
+    outbox: OutboxSender
     config_dir: Path
 
     async def discover(self) -> dict[str, Any]:
@@ -57,7 +59,12 @@ class Switchboard:
         """Once the switchboard serves: the classifier's sessions connect back to it."""
         await self.worker.start()
 
+    async def start_outbox(self) -> None:
+        """Once the channel modules (registered in `outbox.channels`) have started."""
+        await self.outbox.start()
+
     async def close(self) -> None:
+        await self.outbox.stop()
         await self.worker.stop()
         await self.pool.close()
 
@@ -99,6 +106,9 @@ def attach_switchboard(
     pool = McpClientPool(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     router = Router(store, pool, tracer=tracer, redact=redact)
+    outbox = OutboxSender(
+        OutboxStore(store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
+    )
     worker = InboxWorker(
         inbox=inbox,
         store=store,
@@ -109,8 +119,9 @@ def attach_switchboard(
         switchboard_url=self_url,
         switchboard_tools=tool_names,
         tracer=tracer,
+        outbox=outbox,
     )
-    switchboard = Switchboard(store, router, pool, worker, config_dir)
+    switchboard = Switchboard(store, router, pool, worker, outbox, config_dir)
 
     @mcp.tool
     async def route(

@@ -27,6 +27,9 @@ class IncomingMessage:
     sender_name: str | None = None
     subject: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # what the reply needs (Message-ID...)
+    # telegram:<chat>[:<topic>] or email:<thread root Message-ID>: what history and replies
+    # belong together.
+    conversation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class InboxMessage:
     meta: dict[str, Any]
     attempts: int
     trace_context: dict[str, str] | None
+    conversation: str | None = None
     # How many messages the same sender sent in the hour before this one, and whether one of
     # them was already skipped for that (the sender has been told): the per-sender limit.
     earlier_from_sender: int = 0
@@ -59,6 +63,7 @@ class InboxMessage:
             meta=row["meta"] or {},
             attempts=row["attempts"],
             trace_context=row["trace_context"],
+            conversation=row["conversation"],
             earlier_from_sender=row["earlier_from_sender"],
             sender_told=row["sender_told"],
         )
@@ -75,8 +80,8 @@ class InboxStore:
         return await self.pool.fetchval(
             """
             INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
-                               trace_context)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                               trace_context, conversation)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
             ON CONFLICT (channel, external_id) DO NOTHING
             RETURNING id
             """,
@@ -88,6 +93,7 @@ class InboxStore:
             storable(message.text),
             storable_json(message.meta),
             trace_context,
+            storable(message.conversation),
         )
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
@@ -140,13 +146,6 @@ class InboxStore:
         )
         return None if row is None else InboxMessage.from_row(row)
 
-    async def store_reply(self, inbox_id: int, routed_to: str | None, reply: str) -> None:
-        """The reply, kept before it is sent: what was said is on record even if the send
-        or the process fails on the way."""
-        await self.pool.execute(
-            "UPDATE inbox SET routed_to = $2, reply = $3 WHERE id = $1", inbox_id, routed_to, reply
-        )
-
     async def finish(
         self,
         inbox_id: int,
@@ -155,16 +154,21 @@ class InboxStore:
         routed_to: str | None,
         reply: str | None,
         error: str | None,
+        classified_via: str | None = None,
+        conn: asyncpg.Connection | None = None,
     ) -> None:
-        await self.pool.execute(
+        """The message's outcome; `conn`: in the caller's transaction (with its outbox rows)."""
+        await (conn or self.pool).execute(
             """UPDATE inbox SET status = $2, routed_to = coalesce($3, routed_to), reply = $4,
-                      error = $5, finished_at = now()
+                      error = $5, classified_via = coalesce($6, classified_via),
+                      finished_at = now()
                WHERE id = $1""",
             inbox_id,
             status,
             routed_to,
-            reply,
-            error,
+            storable(reply),
+            storable(error),
+            classified_via,
         )
 
     async def prune(self, older_than_days: int) -> int:

@@ -2,8 +2,10 @@
 
 Channels hand messages to `accept()`, which stores them (and only then may the channel
 acknowledge them) and wakes the worker. Whatever a crash interrupts is requeued at start-up.
-A message is replied to before the next one starts, also when the classifier routed it to
+A message is finished before the next one starts, also when the classifier routed it to
 several butlers: the worker waits for every route the classification session asked for.
+Finishing a message writes its reply to the outbox in the same transaction
+(butlers.switchboard.outbox): from then on delivering it is the outbox's job.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -22,6 +24,7 @@ from butlers.spawner import Spawner
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
 from butlers.switchboard.dispatch import Dispatcher
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
+from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
 from butlers.switchboard.route import RouteError, Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
@@ -30,7 +33,6 @@ from butlers.telemetry import context_from_carrier, current_carrier
 
 logger = logging.getLogger(__name__)
 
-Replier = Callable[[InboxMessage, str], Awaitable[None]]
 IDLE_POLL_S = 5.0  # a fallback: accept() wakes the worker at once
 
 
@@ -47,9 +49,12 @@ class InboxWorker:
         switchboard_url: str,
         switchboard_tools: Callable[[], Sequence[str]],
         tracer: Tracer,
+        outbox: OutboxSender,
     ) -> None:
         self.tracer = tracer
         self.inbox = inbox
+        self.outbox = outbox
+        self.outbox_store = outbox.store
         self.store = store
         self.router = router
         self.spawner = spawner
@@ -58,7 +63,6 @@ class InboxWorker:
         self.dispatcher = Dispatcher(router, max_routes=limits.max_routes_per_message)
         self.switchboard_url = switchboard_url
         self.switchboard_tools = switchboard_tools
-        self.repliers: dict[str, Replier] = {}
         self._wake = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -112,6 +116,7 @@ class InboxWorker:
         return {
             "inbox": await self.inbox.prune(older_than_days),
             "routing_log": await self.store.prune(older_than_days),
+            "outbox": await self.outbox_store.prune(older_than_days),
         }
 
     async def stop(self) -> None:
@@ -144,9 +149,7 @@ class InboxWorker:
                     message.id,
                     extra={"action": "inbox_process_failed"},
                 )
-                await self._finish(message, "failed", None, None, "internal error")
-                with contextlib.suppress(Exception):
-                    await self._reply(message, sorry("internal"))
+                await self._finish(message, "failed", None, sorry("internal"), "internal error")
 
     # -- one message ------------------------------------------------------------------------
 
@@ -156,22 +159,21 @@ class InboxWorker:
         try:
             if message.attempts > MAX_ATTEMPTS:
                 error = f"gave up after {MAX_ATTEMPTS} interrupted attempts"
-                reply = sorry("gave_up")
-                await self._finish(
-                    message, "failed", None, reply, await self._reply(message, reply) or error
-                )
+                await self._finish(message, "failed", None, sorry("gave_up"), error)
                 return
             if await self._over_sender_limit(message):
                 return
-            answers, note = await self._classify_and_route(message)
-            reply = combine(answers)
+            answers, note, via = await self._classify_and_route(message)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
-            error = "; ".join(filter(None, [note, *failures])) or None
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
-            await self.inbox.store_reply(message.id, routed_to, reply)
-            reply_error = await self._reply(message, reply)
-            status = "done" if any(a.ok for a in answers) and reply_error is None else "failed"
-            await self._finish(message, status, routed_to, reply, reply_error or error)
+            await self._finish(
+                message,
+                "done" if any(a.ok for a in answers) else "failed",
+                routed_to,
+                combine(answers),
+                "; ".join(filter(None, [note, *failures])) or None,
+                via=via,
+            )
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -194,17 +196,16 @@ class InboxWorker:
             error,
             extra={"action": "sender_limited"},
         )
-        reply = None
-        if not message.sender_told:
-            reply = RATE_LIMITED
-            await self.inbox.store_reply(message.id, None, reply)
-            error = await self._reply(message, reply) or error
-        await self._finish(message, "skipped", None, reply, error)
+        reply = None if message.sender_told else RATE_LIMITED
+        await self._finish(message, "skipped", None, reply, error, via="limit")
         return True
 
-    async def _classify_and_route(self, message: InboxMessage) -> tuple[list[Answer], str | None]:
-        """The answers of every butler the message went to, and a note on how it got there
-        (why it went to the default butler, what went wrong in classification)."""
+    async def _classify_and_route(
+        self, message: InboxMessage
+    ) -> tuple[list[Answer], str | None, str]:
+        """The answers of every butler the message went to, a note on how it got there (why
+        it went to the default butler, what went wrong in classification), and how it was
+        classified: triage | claude | default."""
         with self.tracer.start_as_current_span(
             "switchboard.classify", attributes={"channel": message.channel}
         ) as span:
@@ -214,7 +215,7 @@ class InboxWorker:
                 answer = await self._route_one(butler, message)
                 if not answer.ok:
                     span.set_status(Status(StatusCode.ERROR, (answer.error or "")[:200]))
-                return [answer], None
+                return [answer], None, "triage"
 
             async with self.dispatcher.open(message) as dispatch:
                 outcome = await classify_with_claude(
@@ -229,7 +230,8 @@ class InboxWorker:
                 if dispatch.routed:
                     answers = await dispatch.answers()
                     span.set_attribute("butler", ",".join(a.butler for a in answers))
-                    return answers, (f"classifier: {outcome.error}" if outcome.error else None)
+                    note = f"classifier: {outcome.error}" if outcome.error else None
+                    return answers, note, "claude"
             why = outcome.error or "the classifier did not route the message"
             span.set_attribute("fallback", why[:200])
         # Nothing was routed: hand the message to the default butler directly.
@@ -241,7 +243,8 @@ class InboxWorker:
             default,
             extra={"action": "classify_fallback"},
         )
-        return [await self._route_one(default, message)], f"classifier: {why}; routed to {default}"
+        answer = await self._route_one(default, message)
+        return [answer], f"classifier: {why}; routed to {default}", "default"
 
     async def _route_one(self, butler: str, message: InboxMessage) -> Answer:
         try:
@@ -255,24 +258,6 @@ class InboxWorker:
             return Answer(butler, failure=exc.kind, error=str(exc))
         return Answer(butler, text=reply_text(result))
 
-    async def _reply(self, message: InboxMessage, text: str) -> str | None:
-        """Send the reply on the message's channel; returns an error text if that failed."""
-        replier = self.repliers.get(message.channel)
-        if replier is None:
-            return None  # e.g. `ask`: the caller reads the reply from the inbox row
-        with self.tracer.start_as_current_span(
-            "switchboard.reply", attributes={"channel": message.channel}
-        ) as span:
-            try:
-                await replier(message, text)
-            except Exception as exc:
-                logger.exception(
-                    "reply to inbox message %s failed", message.id, extra={"action": "reply_failed"}
-                )
-                span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-                return f"reply failed: {exc}"
-        return None
-
     async def _finish(
         self,
         message: InboxMessage,
@@ -280,13 +265,55 @@ class InboxWorker:
         routed_to: str | None,
         reply: str | None,
         error: str | None,
+        *,
+        via: str | None = None,
     ) -> None:
-        await asyncio.shield(
-            self.inbox.finish(
-                message.id, status=status, routed_to=routed_to, reply=reply, error=error
-            )
-        )
+        """The message's outcome and its reply's outbox rows, in one transaction: a crash
+        leaves the message either to be processed again or answered, never both."""
+        outgoing = self._replies(message, reply, routed_to)
+
+        async def write() -> None:
+            async with self.inbox.pool.acquire() as conn, conn.transaction():
+                await self.inbox.finish(
+                    message.id,
+                    status=status,
+                    routed_to=routed_to,
+                    reply=reply,
+                    error=error,
+                    classified_via=via,
+                    conn=conn,
+                )
+                if outgoing:
+                    await self.outbox_store.add(conn, outgoing, message.trace_context)
+
+        await asyncio.shield(write())
+        if outgoing:
+            self.outbox.wake()
         future = self._waiters.pop(message.id, None)
         if future is not None and not future.done():
             row = await self.inbox.get(message.id)
             future.set_result(row or {})
+
+    def _replies(
+        self, message: InboxMessage, reply: str | None, routed_to: str | None
+    ) -> list[Outgoing]:
+        """The outbox rows of a reply on the message's channel (none for `ask`, whose caller
+        reads the reply from the inbox row)."""
+        channel = self.outbox.channels.get(message.channel)
+        if reply is None or channel is None or message.source_id is None:
+            return []
+        # A single butler answered: a reply to this reply goes back to it (thread affinity).
+        butler = routed_to if routed_to and "," not in routed_to else None
+        return [
+            Outgoing(
+                kind="reply",
+                channel=message.channel,
+                recipient=message.source_id,
+                text=text,
+                meta=meta,
+                inbox_id=message.id,
+                butler=butler,
+                conversation=message.conversation,
+            )
+            for text, meta in channel.prepare(reply, reply_to=message, butler=butler)
+        ]

@@ -31,6 +31,14 @@ class FakeBotAPI:
         # While set, sendMessage answers 400 (what Telegram says for a chat it cannot write to).
         self.fail_sends_with_400 = False
         self.refused_sends: list[dict[str, Any]] = []  # what a 400 refused
+        # The Bot API "down": sendMessage answers 502 Bad Gateway while this is set.
+        self.sends_down = False
+        self.down_sends = 0  # sendMessage calls answered 502
+        # Hold every sendMessage (after recording it in send_attempts) until release_sends().
+        self.hold_sends = False
+        self._released_sends = asyncio.Event()
+        self.send_attempts: list[dict[str, Any]] = []  # every sendMessage, as it arrived
+        self.sent_params: list[dict[str, Any]] = []  # every delivered sendMessage, all params
         # One entry per getUpdates call: the offset it asked with (None: none given), and the
         # update_ids it returned (None while it is still waiting).
         self.polls: list[dict[str, Any]] = []
@@ -82,6 +90,12 @@ class FakeBotAPI:
         return await self.push(
             {"edited_message": {**self._message(chat_id, text=text), "edit_date": 1}}
         )
+
+    async def wait_attempts(self, count: int, timeout_s: float = 60) -> list[dict[str, Any]]:
+        """Until `count` sendMessage calls have arrived (delivered, refused, down or held)."""
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(lambda: len(self.send_attempts) >= count)
+        return self.send_attempts
 
     async def wait_sent(self, count: int, timeout_s: float = 60) -> list[dict[str, Any]]:
         async with asyncio.timeout(timeout_s), self._changed:
@@ -181,7 +195,21 @@ class FakeBotAPI:
             self._changed.notify_all()
         return web.json_response({"ok": True, "result": result})
 
+    def release_sends(self) -> None:
+        self.hold_sends = False
+        self._released_sends.set()
+
     async def _api_sendMessage(self, params: dict[str, Any]) -> web.Response:
+        async with self._changed:
+            self.send_attempts.append(params)
+            self._changed.notify_all()
+        if self.hold_sends:
+            await self._released_sends.wait()
+        if self.sends_down:
+            self.down_sends += 1
+            return web.json_response(
+                {"ok": False, "error_code": 502, "description": "Bad Gateway"}, status=502
+            )
         if self.fail_sends_with_400:
             async with self._changed:
                 self.refused_sends.append({"chat_id": params["chat_id"], "text": params["text"]})
@@ -206,6 +234,7 @@ class FakeBotAPI:
         message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
         async with self._changed:
             self.sent.append({"chat_id": chat_id, "text": str(params["text"])})
+            self.sent_params.append(params)
             self.sent_at.append(time.monotonic())
             self._changed.notify_all()
         return web.json_response({"ok": True, "result": message})

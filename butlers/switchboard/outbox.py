@@ -1,0 +1,320 @@
+"""reply, durably: the outbox holds every reply and notification until its channel took it.
+
+A reply is written in the same transaction that finishes its inbox row, so a message is
+either still to be processed or has its reply on record: a crash can no longer make the
+switchboard route a message again and answer it twice. A sender task per channel then
+delivers the channel's rows strictly in order, retrying with backoff while the channel is
+down (Bot API 5xx or unreachable, SMTP refusing) for up to `reply_retry_hours`, and marks
+each row sent once the channel has taken it.
+
+The one window left: a crash after the channel took a message and before its row was marked
+sent. That row is sent again at the next start: at most one duplicate. Telegram has no
+idempotency key to prevent it; a mail is sent again with the same Message-ID, which mail
+clients use to drop the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import asyncpg
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Status, StatusCode, Tracer
+
+from butlers.errors import ButlersError
+from butlers.store import storable, storable_json
+from butlers.switchboard.inbox import InboxMessage
+from butlers.tasks import cancel_and_wait
+from butlers.telemetry import context_from_carrier
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_S = (1, 2, 5, 10, 30, 60, 120, 300)  # between attempts while a channel is down
+IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
+ERROR_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message to send: a reply to an inbox message, or a butler's notification."""
+
+    kind: str  # reply | notification
+    channel: str
+    recipient: str  # chat id, address
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)  # what the channel needs to send it
+    inbox_id: int | None = None
+    butler: str | None = None  # who answered or notified: a reply to it goes back there
+    conversation: str | None = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """An outbox row being sent."""
+
+    id: int
+    kind: str
+    channel: str
+    recipient: str
+    text: str
+    meta: dict[str, Any]
+    attempts: int
+    created_at: datetime
+    trace_context: dict[str, str] | None
+    inbox_id: int | None
+    butler: str | None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> Delivery:
+        return cls(
+            id=row["id"],
+            kind=row["kind"],
+            channel=row["channel"],
+            recipient=row["recipient"],
+            text=row["text"],
+            meta=row["meta"] or {},
+            attempts=row["attempts"],
+            created_at=row["created_at"],
+            trace_context=row["trace_context"],
+            inbox_id=row["inbox_id"],
+            butler=row["butler"],
+        )
+
+
+class DeliveryError(ButlersError):
+    """The channel did not take a message. `permanent`: it never will (a chat that does not
+    exist, an address the server refuses); otherwise it is tried again later."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class Channel(Protocol):
+    """What a channel module offers the outbox."""
+
+    def prepare(
+        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The rows one message becomes (text over the channel's limit is split), each with
+        what `deliver` will need (`reply_to`: the message this answers, if any; `butler`:
+        who speaks, for a notification's subject)."""
+        ...
+
+    async def deliver(self, delivery: Delivery) -> list[str]:
+        """Send one row; the channel's own ids of what was sent. Raises DeliveryError."""
+        ...
+
+
+class OutboxStore:
+    """Every SQL statement on the outbox."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def add(
+        self,
+        conn: asyncpg.Connection,
+        messages: Sequence[Outgoing],
+        trace_context: dict[str, str] | None,
+    ) -> None:
+        """Queue messages, in the caller's transaction (with the inbox row they answer)."""
+        await conn.executemany(
+            """
+            INSERT INTO outbox (kind, inbox_id, butler, channel, recipient, conversation, text,
+                                meta, trace_context)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+            """,
+            [
+                (
+                    m.kind,
+                    m.inbox_id,
+                    m.butler,
+                    m.channel,
+                    storable(m.recipient),
+                    storable(m.conversation),
+                    storable(m.text),
+                    storable_json(m.meta),
+                    trace_context,
+                )
+                for m in messages
+            ],
+        )
+
+    async def claim(self, channel: str) -> Delivery | None:
+        """The channel's oldest unsent row, now `sending`, if it is due. Rows go out strictly
+        in order: while the oldest waits for its next attempt, the ones after it wait too."""
+        row = await self.pool.fetchrow(
+            """
+            WITH head AS (
+                SELECT id, next_attempt_at FROM outbox
+                WHERE channel = $1 AND status IN ('pending', 'sending')
+                ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
+            )
+            UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1
+            FROM head WHERE outbox.id = head.id AND head.next_attempt_at <= now()
+            RETURNING outbox.*
+            """,
+            channel,
+        )
+        return None if row is None else Delivery.from_row(row)
+
+    async def head_due_in_s(self, channel: str) -> float | None:
+        """Seconds until the channel's oldest unsent row is due; None when there is none."""
+        return await self.pool.fetchval(
+            """SELECT greatest(0, extract(epoch FROM next_attempt_at - now()))::float8
+               FROM outbox WHERE channel = $1 AND status IN ('pending', 'sending')
+               ORDER BY id LIMIT 1""",
+            channel,
+        )
+
+    async def sent(self, delivery_id: int, sent_ids: Sequence[str]) -> None:
+        await self.pool.execute(
+            """UPDATE outbox SET status = 'sent', sent_at = now(), sent_ids = $2, error = NULL
+               WHERE id = $1""",
+            delivery_id,
+            [storable(str(i)) for i in sent_ids],
+        )
+
+    async def later(self, delivery_id: int, error: str, delay_s: float) -> None:
+        await self.pool.execute(
+            """UPDATE outbox SET status = 'pending', error = $2,
+                      next_attempt_at = now() + make_interval(secs => $3)
+               WHERE id = $1""",
+            delivery_id,
+            storable(error[:ERROR_CHARS]),
+            delay_s,
+        )
+
+    async def failed(self, delivery_id: int, error: str) -> None:
+        await self.pool.execute(
+            "UPDATE outbox SET status = 'failed', error = $2 WHERE id = $1",
+            delivery_id,
+            storable(error[:ERROR_CHARS]),
+        )
+
+    async def notifications_last_hour(self, butler: str) -> int:
+        return await self.pool.fetchval(
+            """SELECT count(DISTINCT (conversation, created_at)) FROM outbox
+               WHERE kind = 'notification' AND butler = $1
+                 AND created_at > now() - interval '1 hour'""",
+            butler,
+        )
+
+    async def prune(self, older_than_days: int) -> int:
+        """Delete sent and failed rows older than that; what is still to send stays."""
+        result = await self.pool.execute(
+            """DELETE FROM outbox WHERE created_at < now() - make_interval(days => $1)
+               AND status IN ('sent', 'failed')""",
+            older_than_days,
+        )
+        return int(result.split()[-1])
+
+
+class OutboxSender:
+    """One task per channel, delivering its outbox rows in order; opened and closed with the
+    switchboard. Channels are registered by their modules before `start()`."""
+
+    def __init__(self, store: OutboxStore, *, tracer: Tracer, retry_hours: float) -> None:
+        self.store = store
+        self.tracer = tracer
+        self.retry_budget_s = retry_hours * 3600
+        self.channels: dict[str, Channel] = {}
+        self._wakes: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def wake(self) -> None:
+        for event in self._wakes.values():
+            event.set()
+
+    async def start(self) -> None:
+        for name, channel in self.channels.items():
+            self._wakes[name] = asyncio.Event()
+            self._tasks.append(
+                asyncio.create_task(self._run(name, channel), name=f"switchboard:outbox:{name}")
+            )
+
+    async def stop(self) -> None:
+        """A row being sent stays `sending` and is sent again at the next start."""
+        for task in self._tasks:
+            await cancel_and_wait(task)
+        self._tasks.clear()
+
+    async def _run(self, name: str, channel: Channel) -> None:
+        wake = self._wakes[name]
+        while True:
+            wake.clear()
+            try:
+                delivery = await self.store.claim(name)
+                if delivery is not None:
+                    await self._deliver(channel, delivery)
+                    continue
+                due_s = await self.store.head_due_in_s(name)
+            except Exception:
+                # Keep delivering on purpose: a database hiccup must not end the outbox.
+                logger.exception("outbox %s: cannot read the outbox", name)
+                due_s = BACKOFF_S[2]
+            wait_s = IDLE_POLL_S if due_s is None else min(due_s, IDLE_POLL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), wait_s)
+
+    async def _deliver(self, channel: Channel, delivery: Delivery) -> None:
+        parent = context_from_carrier(delivery.trace_context)
+        token = otel_context.attach(parent) if parent is not None else None
+        try:
+            with self.tracer.start_as_current_span(
+                "switchboard.reply",
+                attributes={
+                    "channel": delivery.channel,
+                    "kind": delivery.kind,
+                    "attempt": delivery.attempts,
+                },
+            ) as span:
+                try:
+                    sent_ids = await channel.deliver(delivery)
+                except DeliveryError as exc:
+                    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+                    await self._not_taken(delivery, str(exc), permanent=exc.permanent)
+                    return
+                except Exception as exc:  # a bug in a channel: retried, never lost silently
+                    logger.exception("outbox: delivering row %s failed", delivery.id)
+                    span.record_exception(exc)
+                    await self._not_taken(delivery, f"internal error ({type(exc).__name__})")
+                    return
+                # The channel has it: marking it must survive our own cancellation.
+                await asyncio.shield(self.store.sent(delivery.id, sent_ids))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    async def _not_taken(self, delivery: Delivery, error: str, *, permanent: bool = False) -> None:
+        age_s = (datetime.now(UTC) - delivery.created_at).total_seconds()
+        if permanent or age_s >= self.retry_budget_s:
+            why = "refused" if permanent else f"still failing after {age_s / 3600:.1f} h"
+            logger.warning(
+                "outbox: %s to %s %s %s: %s",
+                delivery.kind,
+                delivery.channel,
+                delivery.recipient,
+                why,
+                error,
+                extra={"action": "delivery_failed"},
+            )
+            await self.store.failed(delivery.id, error)
+            return
+        delay_s = BACKOFF_S[min(delivery.attempts, len(BACKOFF_S)) - 1]
+        logger.warning(
+            "outbox: %s channel did not take row %s (%s); again in %ss",
+            delivery.channel,
+            delivery.id,
+            error,
+            delay_s,
+            extra={"action": "delivery_retry"},
+        )
+        await self.store.later(delivery.id, error, delay_s)

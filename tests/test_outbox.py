@@ -1,0 +1,192 @@
+"""The durable outbox: a channel that is down delays replies but loses none, they arrive in
+order and once; what the channel refuses for good, or past the retry budget, is visible as
+failed; a crash can at most send one reply twice (the documented window), never route a
+message again."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import pytest
+
+from butlers.config import SwitchboardConfig
+from tests.conftest import StartButler, eventually
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.mail import SmtpServer
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_email import start_mail_fleet
+from tests.test_email_tls import PASSWORD, USER
+from tests.test_telegram import CHAT, answer_notes, notes_fleet
+from tests.test_tracing import CHAT as FLEET_CHAT
+from tests.test_tracing import Fleet
+
+
+async def outbox_rows(conn: asyncpg.Connection) -> list[dict]:
+    return [dict(r) for r in await conn.fetch("SELECT * FROM outbox ORDER BY id")]
+
+
+async def test_telegram_down_for_a_while_loses_nothing_and_keeps_the_order(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    bot_api.sends_down = True  # 502 Bad Gateway, as when Telegram has an outage
+    for n in range(1, 4):
+        await bot_api.push_text(CHAT, f"note-{n}")
+
+    async def all_answered_and_retried() -> bool:
+        done = await conn.fetchval("SELECT count(*) FROM inbox WHERE status = 'done'")
+        return done == 3 and bot_api.down_sends >= 3
+
+    await eventually(all_answered_and_retried)
+    # Every message is handled and its reply is on record while the channel is down.
+    rows = await outbox_rows(conn)
+    assert [(r["kind"], r["text"]) for r in rows] == [("reply", f"noted {n}") for n in (1, 2, 3)]
+    assert {r["status"] for r in rows} <= {"pending", "sending"} and bot_api.sent == []
+    bot_api.sends_down = False
+    sent = await bot_api.wait_sent(3)
+    assert [s["text"] for s in sent] == ["noted 1", "noted 2", "noted 3"]
+    await bot_api.push_text(CHAT, "note-4")  # a sentinel: nothing else is still on its way
+    await bot_api.wait_sent(4)
+    assert [s["text"] for s in bot_api.sent] == [f"noted {n}" for n in range(1, 5)]
+
+    async def all_marked_sent() -> bool:  # the channel answered; the row is marked next
+        return [r["status"] for r in await outbox_rows(conn)] == ["sent"] * 4
+
+    await eventually(all_marked_sent)
+    rows = await outbox_rows(conn)
+    assert rows[0]["attempts"] > 1 and rows[0]["sent_ids"]  # retried, then taken
+    # Each reply answers the person's own message.
+    assert [p.get("reply_parameters") is not None for p in bot_api.sent_params] == [True] * 4
+
+
+async def test_a_reply_still_failing_after_the_retry_budget_is_failed(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        switchboard=replace(SwitchboardConfig(), reply_retry_hours=2 / 3600),  # 2 s
+    )
+    conn = await db_conn(switchboard.config.database)
+    bot_api.sends_down = True
+    await bot_api.push_text(CHAT, "note-1")
+
+    async def failed() -> bool:
+        return await conn.fetchval("SELECT status FROM outbox") == "failed"
+
+    await eventually(failed)
+    [row] = await outbox_rows(conn)
+    assert row["attempts"] >= 2 and "Bad Gateway" in row["error"]
+    inbox = await conn.fetchrow("SELECT status, reply FROM inbox")
+    assert (inbox["status"], inbox["reply"]) == ("done", "noted 1")  # handled; not delivered
+    bot_api.sends_down = False
+    await bot_api.push_text(CHAT, "note-2")  # the channel is back: later replies go out
+    [sent] = await bot_api.wait_sent(1)
+    assert sent["text"] == "noted 2"
+
+
+async def test_smtp_down_for_a_while_loses_nothing_and_keeps_the_order(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(answer_notes)
+    monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "hook")
+    smtp = SmtpServer(users={USER: PASSWORD})  # not started yet: connections are refused
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, 1, smtp, monkeypatch, mode="webhook"
+    )
+    conn = await db_conn(switchboard.config.database)
+    async with aiohttp.ClientSession() as session:
+        for n in range(1, 4):
+            payload = {
+                "from": "user@example.com",
+                "subject": f"note-{n}",
+                "text": f"note-{n}",
+                "message_id": f"<n{n}@x>",
+            }
+            async with session.post(
+                f"{switchboard.base_url}/email/inbound",
+                json=payload,
+                headers={"Authorization": "Bearer hook"},
+            ) as response:
+                assert response.status == 200
+
+    async def retried() -> bool:
+        rows = await outbox_rows(conn)
+        return len(rows) == 3 and rows[0]["attempts"] >= 2
+
+    await eventually(retried)
+    with smtp:  # the server is back
+        received = await smtp.wait_for(3)
+    assert [m.get_content().strip() for m in received] == ["noted 1", "noted 2", "noted 3"]
+    assert [m["In-Reply-To"] for m in received] == ["<n1@x>", "<n2@x>", "<n3@x>"]
+
+    async def all_marked_sent() -> bool:
+        return [r["status"] for r in await outbox_rows(conn)] == ["sent"] * 3
+
+    await eventually(all_marked_sent)
+    rows = await outbox_rows(conn)
+    assert [r["sent_ids"] for r in rows] == [[m["Message-ID"]] for m in received]
+
+
+async def test_a_crash_between_sending_and_marking_sends_at_most_one_duplicate(
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    pg_server,
+) -> None:
+    """SIGKILL while Telegram holds the reply (taken, not yet acknowledged): the message is
+    not routed again after the restart (its row was finished with the reply queued, in one
+    transaction); the reply is sent again, once: the documented one-duplicate window."""
+    scripted_api.respond_with(answer_notes)
+    fleet = Fleet(tmp_path, bot_api, scripted_api, pg_server)
+    toml = fleet.config_dir / "switchboard" / "butler.toml"
+    toml.write_text(
+        toml.read_text() + '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
+    )
+    try:
+        butlers = fleet.up()
+        await butlers.start()
+        await butlers.wait_ready()
+        bot_api.hold_sends = True
+        await bot_api.push_text(FLEET_CHAT, "note-1")
+        await bot_api.wait_attempts(1)  # Telegram has the reply; its answer is held
+        os.kill(butlers.process.pid, signal.SIGKILL)
+        await butlers.process.wait()
+        bot_api.release_sends()
+        again = fleet.up()
+        await again.start()
+        await again.wait_ready()
+        sent = await bot_api.wait_sent(2)
+        assert [s["text"] for s in sent] == ["noted 1", "noted 1"]
+        assert await again.stop() == 0, again.stderr
+        rows = await fleet.routing_log()
+        assert len(rows) == 1  # routed once, before the crash
+        conn = await asyncpg.connect(pg_server.dsn(fleet.database("switchboard")))
+        try:
+            [outbox] = await conn.fetch("SELECT status, attempts FROM outbox")
+            assert (outbox["status"], outbox["attempts"]) == ("sent", 2)
+        finally:
+            await conn.close()
+    finally:
+        await fleet.drop()
