@@ -1,0 +1,253 @@
+"""Operator tools: what the switchboard did with each message, and a second chance for one.
+
+An operator's questions are "what came in, where did it go, why did it fail, did the answer
+go out?": `inbox_list`, `routing_log_list` and `outbox_list` answer them from the rows the
+message path writes anyway, newest first, each with its trace (a Jaeger link) where it has
+one. `inbox_retry` puts a failed message back in the queue once its cause is fixed (a butler
+that was down is back): the worker then classifies, routes and answers it like a new one, in
+the trace it was received in.
+
+The `butlers inbox | log | retry | outbox` commands are thin clients of these tools. A
+classification session (whose text a stranger wrote) may call none of them: they read every
+person's messages and can make the fleet work again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from fastmcp import FastMCP
+from fastmcp.server.dependencies import get_http_headers
+
+from butlers.errors import ToolRefusal
+from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
+
+if TYPE_CHECKING:
+    from butlers.switchboard import Switchboard
+
+INBOX_STATUSES = ("queued", "processing", "done", "failed", "skipped")
+OUTBOX_STATUSES = ("pending", "sending", "sent", "failed")
+# What an operator has to look at: everything the channel has not taken yet, and what it
+# never will.
+OUTBOX_UNSENT = ("pending", "sending", "failed")
+RETRYABLE = ("failed", "skipped")
+MAX_LIMIT = 500
+EXCERPT_CHARS = 120
+# Enough of a text to fill an excerpt once its runs of whitespace are collapsed, without
+# reading a 10 MiB mail to show 120 characters of it.
+_HEAD_CHARS = EXCERPT_CHARS * 4
+_WHITESPACE = re.compile(r"\s+")
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_JAEGER_UI_URL = "http://localhost:16686"
+
+
+def jaeger_url(trace_id: str) -> str:
+    """Where a trace is shown: `$JAEGER_UI_URL/trace/<trace id>` (default localhost:16686)."""
+    jaeger = (os.environ.get("JAEGER_UI_URL") or DEFAULT_JAEGER_UI_URL).rstrip("/")
+    return f"{jaeger}/trace/{trace_id}"
+
+
+def excerpt(head: str | None, total_chars: int | None, limit: int = EXCERPT_CHARS) -> str:
+    """One line of at most `limit` characters (whitespace collapsed, "…" when cut) from the
+    first characters of a text (`head`) whose full length is `total_chars`."""
+    if not head:
+        return ""
+    line = _WHITESPACE.sub(" ", head).strip()
+    more = len(line) > limit or (total_chars or 0) > len(head)
+    return line[: limit - 1].rstrip() + "…" if more else line
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ToolRefusal(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
+
+
+def _check_status(status: str | None, allowed: Sequence[str], table: str) -> None:
+    if status is not None and status not in allowed:
+        raise ToolRefusal(
+            f"status must be one of {', '.join(allowed)} (an {table} status), got {status!r}"
+        )
+
+
+def _refuse_classification_sessions() -> None:
+    """The classifier's Claude Code is denied these tools; this holds even if it asked."""
+    headers = get_http_headers(include={CREDENTIAL_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
+    if headers:
+        raise ToolRefusal(
+            "operator tools are not available to a classification session",
+            log_level=logging.WARNING,
+        )
+
+
+class OperatorStore:
+    """Every SQL statement of the operator tools (read-mostly; the inbox's own writes stay in
+    butlers.switchboard.inbox)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def inbox(self, status: str | None, limit: int) -> list[dict[str, Any]]:
+        """Newest first. The trace id is the stored trace context's; a row without one (an
+        envelope kept by `record_failed`, a row from before tracing) takes its first route's."""
+        rows = await self.pool.fetch(
+            """
+            WITH page AS (
+                SELECT id, channel, source_id, sender_name, subject, conversation, status,
+                       routed_to, classified_via, attempts, error, received_at, finished_at,
+                       left(text, $3) AS text_head, length(text) AS text_chars,
+                       substring(trace_context->>'traceparent'
+                                 FROM '^[0-9a-f]{2}-([0-9a-f]{32})-') AS traced
+                FROM inbox
+                WHERE $1::text IS NULL OR status = $1
+                ORDER BY id DESC LIMIT $2
+            )
+            SELECT page.*, coalesce(page.traced, routed.trace_id) AS trace_id
+            FROM page LEFT JOIN LATERAL (
+                SELECT r.trace_id FROM routing_log r
+                WHERE page.traced IS NULL AND r.inbox_id = page.id AND r.trace_id IS NOT NULL
+                ORDER BY r.created_at LIMIT 1
+            ) AS routed ON true
+            ORDER BY page.id DESC
+            """,
+            status,
+            limit,
+            _HEAD_CHARS,
+        )
+        return [dict(r) for r in rows]
+
+    async def routing_log(self, butler: str | None, limit: int) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            """SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
+                      tool_name, prompt_summary, success, error, duration_ms, inbox_id,
+                      trace_id
+               FROM routing_log
+               WHERE $1::text IS NULL OR routed_to = $1
+               ORDER BY created_at DESC, id LIMIT $2""",
+            butler,
+            limit,
+        )
+        return [dict(r) for r in rows]
+
+    async def outbox(self, statuses: Sequence[str], limit: int) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            """SELECT id, kind, inbox_id, butler, channel, recipient, conversation, status,
+                      attempts, next_attempt_at, created_at, sent_at, error,
+                      left(text, $3) AS text_head, length(text) AS text_chars
+               FROM outbox WHERE status = ANY($1::text[])
+               ORDER BY id DESC LIMIT $2""",
+            list(statuses),
+            limit,
+            _HEAD_CHARS,
+        )
+        return [dict(r) for r in rows]
+
+    async def requeue(self, inbox_id: int) -> dict[str, Any]:
+        """Put a failed or skipped message back in the queue as if it had just come in
+        (attempts 0, no outcome); its earlier outcome is appended to `meta.retries` for the
+        record. ToolRefusal when there is no such message or it is not retryable."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                "SELECT status, attempts, error FROM inbox WHERE id = $1 FOR UPDATE", inbox_id
+            )
+            if row is None:
+                raise ToolRefusal(f"no inbox message with id {inbox_id}")
+            if row["status"] not in RETRYABLE:
+                raise ToolRefusal(
+                    f"inbox message {inbox_id} is {row['status']}: only a failed or skipped "
+                    "message can be retried"
+                )
+            if row["status"] == "failed" and row["attempts"] == 0:
+                # Never claimed by the worker: record_failed kept only the envelope of a mail
+                # the channel could not hand over. There is no text to process again.
+                raise ToolRefusal(
+                    f"inbox message {inbox_id} is failed but was never stored in full (only "
+                    f"its envelope was kept: {row['error']}); there is nothing to retry"
+                )
+            return dict(
+                await conn.fetchrow(
+                    """
+                    UPDATE inbox SET
+                        status = 'queued', attempts = 0, error = NULL, reply = NULL,
+                        routed_to = NULL, classified_via = NULL, finished_at = NULL,
+                        meta = jsonb_set(
+                            meta, '{retries}',
+                            coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
+                                jsonb_build_object(
+                                    'retried_at', now(), 'status', status, 'error', error,
+                                    'routed_to', routed_to, 'classified_via', classified_via,
+                                    'attempts', attempts, 'finished_at', finished_at)))
+                    WHERE id = $1
+                    RETURNING id, status, meta->'retries' AS retries
+                    """,
+                    inbox_id,
+                )
+            )
+
+
+def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
+    head, total = row.pop("text_head"), row.pop("text_chars")
+    row["excerpt"] = excerpt(head, total)
+    row["text_chars"] = total
+    return row
+
+
+def register_operator_tools(mcp: FastMCP, switchboard: Switchboard) -> None:
+    """Register inbox_list, routing_log_list, inbox_retry and outbox_list on the switchboard."""
+    store = OperatorStore(switchboard.store.pool)
+
+    @mcp.tool
+    async def inbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest inbox messages (`status`: queued | processing | done | failed |
+        skipped; `limit` 1..500): sender, conversation, what happened to it (status,
+        routed_to, classified_via, error), a text excerpt, times and its trace id."""
+        _refuse_classification_sessions()
+        _check_status(status, INBOX_STATUSES, "inbox")
+        _check_limit(limit)
+        rows = await store.inbox(status, limit)
+        for row in rows:
+            _with_excerpt(row)
+            row.pop("traced")
+            row["trace_url"] = jaeger_url(row["trace_id"]) if row["trace_id"] else None
+        return rows
+
+    @mcp.tool
+    async def routing_log_list(butler: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest routing_log rows (only the routes to `butler`, when given; `limit`
+        1..500), each with the Jaeger link of its trace (JAEGER_UI_URL)."""
+        _refuse_classification_sessions()
+        _check_limit(limit)
+        rows = await store.routing_log(butler, limit)
+        for row in rows:
+            row["trace_url"] = jaeger_url(row["trace_id"]) if row["trace_id"] else None
+        return rows
+
+    @mcp.tool
+    async def inbox_retry(id: int) -> dict[str, Any]:
+        """Queue a failed (or skipped) message again, once what made it fail is fixed: it is
+        classified, routed and answered like a new message. Its earlier outcome is kept in
+        its meta (`retries`)."""
+        _refuse_classification_sessions()
+        requeued = await store.requeue(id)
+        switchboard.worker.wake()
+        logger.info(
+            "inbox message %s queued again by an operator", id, extra={"action": "inbox_retry"}
+        )
+        return requeued
+
+    @mcp.tool
+    async def outbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest outbox rows (replies and notifications): by default those not sent
+        yet and those that failed (pending, sending, failed); `status` (pending | sending |
+        sent | failed) for one kind only; `limit` 1..500."""
+        _refuse_classification_sessions()
+        _check_status(status, OUTBOX_STATUSES, "outbox")
+        _check_limit(limit)
+        rows = await store.outbox(OUTBOX_UNSENT if status is None else (status,), limit)
+        return [_with_excerpt(row) for row in rows]
