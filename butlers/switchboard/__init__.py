@@ -29,6 +29,7 @@ from butlers.switchboard.dispatch import (
     RoutePolicyError,
 )
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
@@ -192,4 +193,5 @@ def attach_switchboard(
             "error": row.get("error"),
         }
 
+    register_operator_tools(mcp, switchboard)
     return switchboard
