@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from butlers.config import ButlerConfig
+from butlers.notify import SwitchboardLink
 from butlers.spawner import SESSION_STARTING_TOOLS, McpTarget, Spawner, default_allowed_tools
 from butlers.store import CoreStore
 
@@ -29,6 +30,8 @@ class ButlerContext:
     # Live statuses of the butler's modules (a module's status changes as it connects).
     module_statuses: Callable[[], list[ModuleStatus]] = list
     tool_names: list[str] = field(default_factory=list)
+    # Where `notify` goes: the switchboard's `deliver`.
+    switchboard: SwitchboardLink | None = None
 
     def self_target(self) -> McpTarget:
         return McpTarget(

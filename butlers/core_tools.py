@@ -15,10 +15,14 @@ from typing import Annotated, Any
 
 from croniter import CroniterError, croniter
 from fastmcp import FastMCP
+from fastmcp.server.dependencies import get_http_headers
 from pydantic import Field, JsonValue
 
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import ToolRefusal
+from butlers.mcp_middleware import request_conversation
+from butlers.notify import NotifyFailed
+from butlers.spawner import SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +191,12 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         """Run a Claude Code session for this butler on `prompt` and return its answer."""
         if not prompt.strip():
             raise ToolRefusal("prompt must not be empty")
-        outcome = await ctx.spawner.run(prompt, target=ctx.self_target(), trigger_source="trigger")
+        outcome = await ctx.spawner.run(
+            prompt,
+            target=ctx.self_target(),
+            trigger_source="trigger",
+            conversation=request_conversation(),  # a routed message's: where notify goes
+        )
         if not outcome.success:
             raise ToolRefusal(
                 f"session {outcome.session_id} failed: {outcome.error}", log_level=logging.WARNING
@@ -198,6 +207,21 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "duration_ms": outcome.duration_ms,
             "trace_id": outcome.trace_id,
         }
+
+    @mcp.tool
+    async def notify(text: str, channel: str | None = None) -> dict[str, Any]:
+        """Send your person a message now: a reminder, an alert, something they asked to be
+        told. From a session answering their message it goes to that conversation; from a
+        schedule, to the owner (`channel`: telegram or email, to choose)."""
+        if ctx.switchboard is None:
+            raise ToolRefusal("notify is not available on this butler")
+        token = get_http_headers(include={SESSION_HEADER.lower()}).get(SESSION_HEADER.lower())
+        try:
+            return await ctx.switchboard.deliver(
+                text, channel=channel, conversation=ctx.spawner.conversation_of(token)
+            )
+        except NotifyFailed as exc:
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 
     @mcp.tool
     async def tick() -> dict[str, Any]:

@@ -29,6 +29,7 @@ from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
+from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
@@ -134,7 +135,17 @@ class ButlerDaemon:
             redact=self.redactor,
         )
         await spawner.remove_leftovers()
-        ctx = ButlerContext(config=config, store=store, spawner=spawner, self_url=self.sse_url)
+        ctx = ButlerContext(
+            config=config,
+            store=store,
+            spawner=spawner,
+            self_url=self.sse_url,
+            switchboard=SwitchboardLink(
+                config.name,
+                await asyncio.to_thread(switchboard_url, config, self.config_dir, self.sse_url),
+                auth_token=self.auth_token,
+            ),
+        )
         self.context = ctx
         mcp = FastMCP(
             config.name,
@@ -311,6 +322,8 @@ class ButlerDaemon:
             await self.switchboard.close()
             self.switchboard = None
         await self._modules.stop()
+        if self.context is not None and self.context.switchboard is not None:
+            await self.context.switchboard.close()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

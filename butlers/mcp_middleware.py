@@ -19,6 +19,16 @@ from butlers.errors import ToolRefusal
 from butlers.telemetry import context_from_carrier
 
 TRACE_CONTEXT_ARG = "_trace_context"
+# In a call's `_meta`: the conversation a routed call serves (set by the switchboard), so that
+# the session it starts can `notify` that conversation.
+CONVERSATION_META = "butlers/conversation"
+
+
+def request_conversation() -> str | None:
+    """The conversation the current tool call serves, as its caller said in `_meta`."""
+    meta = _meta_carrier() or {}
+    value = meta.get(CONVERSATION_META)
+    return value if isinstance(value, str) and value else None
 
 
 def _meta_carrier() -> dict[str, Any] | None:

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 # Anything Claude Code needs that is not the butler's business stays out of its way.
 _CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
 ERROR_TEXT_LIMIT = 2000
+SESSION_HEADER = "X-Butlers-Session"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Spawner:
         self.auth_token = auth_token
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
+        self._serving: dict[str, str | None] = {}  # session token -> its conversation
 
     @property
     def mcp_config_dir(self) -> Path:
@@ -121,10 +125,17 @@ class Spawner:
         target: McpTarget,
         trigger_source: str,
         system_prompt: str | None = None,
+        conversation: str | None = None,
     ) -> SessionOutcome:
-        """Run one session to completion; failures are recorded and returned, not raised."""
+        """Run one session to completion; failures are recorded and returned, not raised.
+        `conversation`: the one a routed message belongs to, where its `notify` goes."""
         async with self._slots:
             self.running += 1
+            # The session names itself with this in its private MCP config: the butler's
+            # tools (notify) learn which conversation the call serves, and nobody else can.
+            token = secrets.token_urlsafe(24)
+            self._serving[token] = conversation
+            target = replace(target, headers={**target.headers, SESSION_HEADER: token})
             try:
                 with self.telemetry.tracer.start_as_current_span(
                     "butler.session",
@@ -135,6 +146,16 @@ class Spawner:
                     )
             finally:
                 self.running -= 1
+                self._serving.pop(token, None)
+
+    def conversation_of(self, session_token: str | None) -> str | None:
+        """The conversation the session presenting `session_token` serves, if any."""
+        if not session_token:
+            return None
+        for token, conversation in self._serving.items():
+            if hmac.compare_digest(token.encode(), session_token.encode()):
+                return conversation
+        return None
 
     async def _run_recorded(
         self, prompt: str, target: McpTarget, trigger_source: str, system_prompt: str

@@ -50,6 +50,7 @@ async def test_tool_list_is_the_core_set(client: Client) -> None:
         "trigger",
         "tick",
         "status",
+        "notify",
     }
 
 

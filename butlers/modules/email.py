@@ -329,7 +329,15 @@ def _incoming(mail: ParsedMail) -> IncomingMessage:
             "references": mail.references,
             "attachments": mail.attachments,
         },
+        conversation=conversation_of(mail),
     )
+
+
+def conversation_of(mail: ParsedMail) -> str:
+    """A mail thread's key: its root, the first of References (our reply keeps the thread's
+    References and adds to it), else the mail's own Message-ID."""
+    ids = mail.references.split()
+    return f"email:{ids[0] if ids else _external_id(mail)}"
 
 
 def _external_id(mail: ParsedMail) -> str:

@@ -218,6 +218,12 @@ class TelegramModule:
             await self._best_effort(chat_id, TEXT_ONLY)
             return
         user = message.from_user
+        meta: dict[str, Any] = {"message_id": message.message_id}
+        if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
+            meta["reply_to_message_id"] = message.reply_to_message.message_id
+        # A forum group's topics are separate conversations.
+        topic = message.message_thread_id if message.is_topic_message else None
+        conversation = f"telegram:{chat_id}" + (f":{topic}" if topic else "")
         await self.worker.accept(
             IncomingMessage(
                 channel="telegram",
@@ -225,7 +231,8 @@ class TelegramModule:
                 text=message.text,
                 source_id=chat_id,
                 sender_name=user.full_name if user else None,
-                meta={"message_id": message.message_id},
+                meta=meta,
+                conversation=conversation,
             )
         )
 

@@ -29,6 +29,7 @@ from butlers.switchboard.dispatch import (
     RoutePolicyError,
 )
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.notify import Notifier, NotifyRefused
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pool import McpClientPool
@@ -144,6 +145,21 @@ def attach_switchboard(
         except RouteError as exc:  # a target that failed is worth a warning; a typo is not
             level = logging.INFO if isinstance(exc, RouteRefused) else logging.WARNING
             raise ToolRefusal(str(exc), log_level=level) from exc
+
+    notifier = Notifier(limits=limits, inbox=inbox, store=store, outbox=outbox)
+
+    @mcp.tool
+    async def deliver(
+        text: str, butler: str, channel: str | None = None, conversation: str | None = None
+    ) -> dict[str, Any]:
+        """Send a butler's notification to its person: to `conversation` (a routed message's,
+        e.g. "telegram:12345"), else to the owner ([switchboard.owner]) on `channel`
+        (telegram | email) or the owner's preferred one. Through the outbox: it waits out a
+        channel that is down."""
+        try:
+            return await notifier.deliver(text, butler, channel, conversation)
+        except NotifyRefused as exc:
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 
     @mcp.tool
     async def list_butlers() -> list[dict[str, Any]]:

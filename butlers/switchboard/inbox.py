@@ -171,6 +171,15 @@ class InboxStore:
             classified_via,
         )
 
+    async def last_of_conversation(self, conversation: str) -> InboxMessage | None:
+        """The newest message of a conversation (whom a notification to it goes to)."""
+        row = await self.pool.fetchrow(
+            """SELECT *, 0 AS earlier_from_sender, false AS sender_told FROM inbox
+               WHERE conversation = $1 ORDER BY id DESC LIMIT 1""",
+            conversation,
+        )
+        return None if row is None else InboxMessage.from_row(row)
+
     async def prune(self, older_than_days: int) -> int:
         """Delete finished messages older than that; queued and processing ones stay."""
         result = await self.pool.execute(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.errors import ButlersError
+from butlers.mcp_middleware import CONVERSATION_META
 from butlers.store import storable
 from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
@@ -66,10 +67,16 @@ class RouteSource:
     channel: str = "mcp"
     source_id: str | None = None
     inbox_id: int | None = None  # the inbox message this call serves, if any
+    conversation: str | None = None  # passed on: where the target's `notify` goes
 
     @classmethod
     def of_message(cls, message: InboxMessage) -> RouteSource:
-        return cls(channel=message.channel, source_id=message.source_id, inbox_id=message.id)
+        return cls(
+            channel=message.channel,
+            source_id=message.source_id,
+            inbox_id=message.id,
+            conversation=message.conversation,
+        )
 
 
 def summarize(arguments: dict[str, Any], redact: Callable[[str], str] = str) -> str | None:
@@ -141,7 +148,7 @@ class Router:
             started = time.monotonic()
             error: str | None = None
             try:
-                return await self._forward(butler_name, tool_name, arguments)
+                return await self._forward(butler_name, tool_name, arguments, source)
             except RouteError as exc:
                 error = str(exc)
                 span.set_status(Status(StatusCode.ERROR, error[:200]))
@@ -215,7 +222,9 @@ class Router:
         """A registered butler other than the switchboard."""
         return butler_name != SWITCHBOARD and await self._endpoint_of(butler_name) is not None
 
-    async def _forward(self, butler_name: str, tool_name: str, arguments: dict[str, Any]) -> Any:
+    async def _forward(
+        self, butler_name: str, tool_name: str, arguments: dict[str, Any], source: RouteSource
+    ) -> Any:
         if butler_name == SWITCHBOARD:
             raise RouteRefused("routing to the Switchboard is not permitted")
         endpoint = await self._endpoint_of(butler_name)
@@ -223,9 +232,12 @@ class Router:
             raise RouteRefused(f"butler {butler_name!r} not found")
         carrier = current_carrier()
         forwarded = {**arguments, "_trace_context": carrier}
+        meta: dict[str, str] = dict(carrier)
+        if source.conversation:
+            meta[CONVERSATION_META] = source.conversation
         try:
             result = await self.pool.call(
-                endpoint, tool_name, forwarded, meta=carrier, timeout_s=self.timeout_s
+                endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
             )
         except TargetUnreachable as exc:
             self._endpoints.pop(butler_name, None)  # re-read the registry next time

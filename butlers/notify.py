@@ -1,0 +1,83 @@
+"""notify: a butler's sessions reach their person, through the switchboard's `deliver`.
+
+A butler does not talk to Telegram or mail itself: the switchboard owns the channels, the
+owner's addresses, the outbox and the limits. The butler finds it through `[butler]
+switchboard_url`, else BUTLERS_SWITCHBOARD_URL, else the switchboard of its own config
+directory, and calls it over MCP (with the auth token when one is set), in the session's
+trace.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from butlers.config import CONFIG_FILENAME, ButlerConfig, load_butler_config
+from butlers.errors import ButlersError, ConfigError
+from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
+from butlers.switchboard.route import unwrap
+from butlers.telemetry import current_carrier
+
+SWITCHBOARD_URL_ENV = "BUTLERS_SWITCHBOARD_URL"
+DELIVER_TIMEOUT_S = 30.0
+
+
+class NotifyFailed(ButlersError):
+    """The switchboard did not take the notification; the message says why."""
+
+
+def switchboard_url(config: ButlerConfig, config_dir: Path | None, own_url: str) -> str | None:
+    """Where this butler's notifications go (None: nowhere known)."""
+    if config.switchboard_url:
+        return config.switchboard_url
+    if os.environ.get(SWITCHBOARD_URL_ENV):
+        return os.environ[SWITCHBOARD_URL_ENV]
+    if config.name == "switchboard":
+        return own_url
+    if config_dir is not None:
+        try:
+            return load_butler_config(config_dir / "switchboard" / CONFIG_FILENAME).endpoint_url
+        except ConfigError:
+            return None
+    return None
+
+
+class SwitchboardLink:
+    """One butler's kept-open way to the switchboard's `deliver`; closed with the daemon."""
+
+    def __init__(self, butler: str, url: str | None, *, auth_token: str | None) -> None:
+        self.butler = butler
+        self.url = url
+        self._pool = McpClientPool(auth_token=auth_token)
+
+    async def deliver(
+        self, text: str, *, channel: str | None, conversation: str | None
+    ) -> dict[str, Any]:
+        if self.url is None:
+            raise NotifyFailed(
+                f"{self.butler} does not know where the switchboard is: set [butler] "
+                f"switchboard_url or {SWITCHBOARD_URL_ENV}"
+            )
+        carrier = current_carrier()
+        arguments = {
+            "text": text,
+            "butler": self.butler,
+            "channel": channel,
+            "conversation": conversation,
+            "_trace_context": carrier,
+        }
+        try:
+            result = await self._pool.call(
+                self.url, "deliver", arguments, meta=carrier, timeout_s=DELIVER_TIMEOUT_S
+            )
+        except (TargetUnreachable, TargetTimeout) as exc:
+            raise NotifyFailed(f"the switchboard at {self.url} did not answer: {exc}") from exc
+        except RemoteError as exc:
+            raise NotifyFailed(f"the switchboard refused: {exc.message}") from exc
+        if result.get("isError"):
+            raise NotifyFailed(f"not sent: {unwrap(result)}")
+        return unwrap(result)
+
+    async def close(self) -> None:
+        await self._pool.close()

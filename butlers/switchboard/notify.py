@@ -1,0 +1,149 @@
+"""deliver: butlers speak first. A butler's session calls its own `notify` tool, its daemon
+calls the switchboard's `deliver`, and the notification goes through the outbox like any
+reply: to the conversation the session is serving (a routed message's), or else to the
+owner (`[switchboard.owner]`), on the channel asked for or the owner's preferred one.
+
+Each notification is a `routing_log` row (`source_channel = 'butler'`, `tool_name =
+'notify'`) in the session's trace, and a butler may send at most `max_notifications_per_hour`
+(a reminder loop gone wrong must not flood its person).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from butlers.config import SwitchboardConfig
+from butlers.store import storable
+from butlers.switchboard.inbox import InboxMessage, InboxStore
+from butlers.switchboard.outbox import OutboxSender, Outgoing
+from butlers.switchboard.route import summarize
+from butlers.switchboard.store import RouteRecord, SwitchboardStore
+from butlers.telemetry import current_carrier, current_trace_id
+
+MAX_NOTIFICATION_CHARS = 32_000
+NOTIFY_TOOL = "notify"
+
+
+class NotifyRefused(Exception):
+    """A notification that cannot go out; the message says why, for the butler's model."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    channel: str
+    recipient: str
+    conversation: str | None
+    reply_to: InboxMessage | None  # a mail conversation: continue its thread
+
+
+class Notifier:
+    def __init__(
+        self,
+        *,
+        limits: SwitchboardConfig,
+        inbox: InboxStore,
+        store: SwitchboardStore,
+        outbox: OutboxSender,
+    ) -> None:
+        self.limits = limits
+        self.inbox = inbox
+        self.store = store
+        self.outbox = outbox
+
+    async def deliver(
+        self, text: str, butler: str, channel: str | None, conversation: str | None
+    ) -> dict[str, Any]:
+        """Queue a notification; what it was queued for. Raises NotifyRefused."""
+        started = time.monotonic()
+        destination: Destination | None = None
+        error: str | None = None
+        try:
+            destination = await self._check(text, butler, channel, conversation)
+            chunks = self.outbox.channels[destination.channel].prepare(
+                text, reply_to=destination.reply_to, butler=butler
+            )
+            outgoing = [
+                Outgoing(
+                    kind="notification",
+                    channel=destination.channel,
+                    recipient=destination.recipient,
+                    text=chunk,
+                    meta=meta,
+                    butler=butler,
+                    conversation=destination.conversation,
+                )
+                for chunk, meta in chunks
+            ]
+            async with self.store.pool.acquire() as conn, conn.transaction():
+                await self.outbox.store.add(conn, outgoing, current_carrier() or None)
+            self.outbox.wake()
+            return {
+                "queued": len(outgoing),
+                "channel": destination.channel,
+                "to": "conversation" if destination.conversation else "owner",
+            }
+        except NotifyRefused as exc:
+            error = str(exc)
+            raise
+        finally:
+            await self.store.record_route(
+                RouteRecord(
+                    source_channel="butler",
+                    source_id=butler,
+                    routed_to=destination.channel if destination else (channel or "?"),
+                    tool_name=NOTIFY_TOOL,
+                    prompt_summary=storable(summarize({"prompt": text})),
+                    trace_id=current_trace_id(),
+                    success=error is None,
+                    error=error,
+                    duration_ms=int((time.monotonic() - started) * 1000),
+                )
+            )
+
+    async def _check(
+        self, text: str, butler: str, channel: str | None, conversation: str | None
+    ) -> Destination:
+        if not text.strip():
+            raise NotifyRefused("the text must not be empty")
+        if len(text) > MAX_NOTIFICATION_CHARS:
+            raise NotifyRefused(
+                f"the text is {len(text)} characters; the limit is {MAX_NOTIFICATION_CHARS}"
+            )
+        limit = self.limits.max_notifications_per_hour
+        if limit and await self.outbox.store.notifications_last_hour(butler) >= limit:
+            raise NotifyRefused(
+                f"{butler} already sent {limit} notifications in the last hour, the limit "
+                "(max_notifications_per_hour): send fewer, or say more in one"
+            )
+        destination = (
+            await self._conversation(conversation)
+            if conversation and channel is None
+            else self._owner(channel)
+        )
+        if destination.channel not in self.outbox.channels:
+            raise NotifyRefused(f"the {destination.channel} channel is not running here")
+        return destination
+
+    async def _conversation(self, conversation: str) -> Destination:
+        """The conversation a routed message belongs to: its channel and its person."""
+        last = await self.inbox.last_of_conversation(conversation)
+        if last is None or last.source_id is None:
+            raise NotifyRefused(f"no conversation {conversation!r} to notify")
+        reply_to = last if last.channel == "email" else None  # mail continues its thread
+        return Destination(last.channel, last.source_id, conversation, reply_to)
+
+    def _owner(self, channel: str | None) -> Destination:
+        reachable = self.limits.owner.channels()
+        if not reachable:
+            raise NotifyRefused(
+                "no owner to notify: set telegram_chat_id or email under [switchboard.owner] "
+                "in the switchboard's butler.toml"
+            )
+        if channel is not None:
+            reachable = [c for c in reachable if c[0] == channel]
+            if not reachable:
+                raise NotifyRefused(f"the owner has no {channel} set under [switchboard.owner]")
+        chosen, recipient = reachable[0]
+        return Destination(chosen, recipient, None, None)
