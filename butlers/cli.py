@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from butlers.daemon import (
 from butlers.db import prepare_database, running, server_from_environment
 from butlers.errors import ButlersError
 from butlers.redact import Redactor, install_log_redaction
+from butlers.switchboard.operator import DEFAULT_JAEGER_UI_URL, jaeger_url
 from butlers.telemetry import Telemetry
 
 logger = logging.getLogger("butlers")
@@ -66,10 +69,30 @@ def _select(config_dir: Path, only: Sequence[str] | None) -> list[ButlerConfig]:
     return list(fleet.butlers)
 
 
-def _print_rows(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+def _format_rows(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print(indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return [
+        indent + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _print_rows(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    for line in _format_rows(rows, indent):
+        print(line)
+
+
+def _print_rows_with_details(
+    header: Sequence[str], rows: Sequence[tuple[Sequence[str], Sequence[str]]]
+) -> None:
+    """A table whose rows may each carry detail lines (an error), printed indented under it:
+    too long for a column, and what the operator is looking for."""
+    lines = _format_rows([header, *(cells for cells, _ in rows)])
+    print(lines[0])
+    for line, (_, details) in zip(lines[1:], rows, strict=True):
+        print(line)
+        for detail in details:
+            print(f"    {detail}")
 
 
 def _print_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
@@ -147,6 +170,7 @@ async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
 
 
 DEFAULT_SWITCHBOARD_URL = "http://127.0.0.1:8100/sse"
+CLIENT_COMMANDS = ("list", "discover", "route", "ask", "trace", "inbox", "log", "retry", "outbox")
 
 
 async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> Any:
@@ -224,7 +248,6 @@ def _print_result(result: Any) -> None:
     print(result if isinstance(result, str) else json.dumps(result, indent=2, ensure_ascii=False))
 
 
-DEFAULT_JAEGER_UI_URL = "http://localhost:16686"
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -246,8 +269,7 @@ async def _trace(url: str, ref: str) -> dict[str, Any]:
         trace_id = route.get("trace_id")
         if not trace_id:
             raise CommandError(f"routing_log row {ref} has no trace id")
-    jaeger = (os.environ.get("JAEGER_UI_URL") or DEFAULT_JAEGER_UI_URL).rstrip("/")
-    return {"trace_id": trace_id, "url": f"{jaeger}/trace/{trace_id}", "route": route}
+    return {"trace_id": trace_id, "url": jaeger_url(trace_id), "route": route}
 
 
 def _print_trace(found: dict[str, Any]) -> None:
@@ -260,6 +282,125 @@ def _print_trace(found: dict[str, Any]) -> None:
             f"{str(route['created_at'])[:19].replace('T', ' ')}, {outcome})",
             file=sys.stderr,
         )
+
+
+TABLE_TEXT_CHARS = 48  # an excerpt's share of a table line; --json has the tool's whole excerpt
+
+
+def _when(value: str | None) -> str:
+    """A timestamp of the switchboard's (ISO 8601, UTC) in this machine's local time."""
+    if not value:
+        return "-"
+    return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _cut(text: str | None, limit: int = TABLE_TEXT_CHARS) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _none_found(what: str, status: str | None) -> str:
+    return f"No {status} {what}." if status else f"No {what}."
+
+
+def _print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
+    if not rows:
+        print(_none_found("inbox messages", status))
+        return
+    table = []
+    for row in rows:
+        sender = row.get("source_id") or "-"
+        if row.get("sender_name"):
+            sender = f"{row['sender_name']} ({sender})"
+        text = row.get("excerpt") or ""
+        if row.get("subject"):
+            text = f"[{row['subject']}] {text}"
+        cells = (
+            str(row["id"]),
+            _when(row.get("received_at")),
+            row["channel"],
+            _cut(sender, 32),
+            row["status"],
+            row.get("routed_to") or "-",
+            row.get("classified_via") or "-",
+            _cut(text),
+        )
+        details = [f"error: {row['error']}"] if row.get("error") else []
+        if row.get("error") and row.get("trace_url"):
+            details.append(f"trace: {row['trace_url']}")
+        table.append((cells, details))
+    header = ("ID", "RECEIVED", "CHANNEL", "FROM", "STATUS", "ROUTED TO", "VIA", "TEXT")
+    _print_rows_with_details(header, table)
+
+
+def _print_routing_log(rows: list[dict[str, Any]], butler: str | None) -> None:
+    if not rows:
+        print(f"No routes to {butler!r} logged." if butler else "No routes logged.")
+        return
+    table = []
+    for row in rows:
+        duration = row.get("duration_ms")
+        cells = (
+            _when(row.get("created_at")),
+            row["source_channel"],
+            _cut(row.get("source_id") or "-", 32),
+            f"{row['routed_to']}.{row.get('tool_name') or '?'}",
+            "ok" if row.get("success") else "FAILED",
+            "-" if duration is None else str(duration),
+            str(row.get("inbox_id") or "-"),
+            _cut(row.get("prompt_summary")) or "-",
+            row.get("trace_url") or "-",
+        )
+        table.append((cells, [f"error: {row['error']}"] if row.get("error") else []))
+    header = ("WHEN", "CHANNEL", "FROM", "TO", "RESULT", "MS", "INBOX", "SUMMARY", "TRACE")
+    _print_rows_with_details(header, table)
+
+
+def _print_retry(answer: dict[str, Any]) -> None:
+    earlier = (answer.get("retries") or [{}])[-1]
+    why = f": {earlier['error']}" if earlier.get("error") else ""
+    print(f"message {answer['id']} is queued again (it was {earlier.get('status', '?')}{why})")
+
+
+def _print_outbox(rows: list[dict[str, Any]], status: str | None) -> None:
+    if not rows:
+        print(_none_found("outbox rows", status) if status else "Nothing waiting in the outbox.")
+        return
+    table = []
+    for row in rows:
+        cells = (
+            str(row["id"]),
+            _when(row.get("created_at")),
+            row["kind"],
+            row["channel"],
+            _cut(row["recipient"], 32),
+            row["status"],
+            str(row["attempts"]),
+            _when(row.get("sent_at")) if row["status"] == "sent" else _next(row),
+            str(row.get("inbox_id") or "-"),
+            row.get("butler") or "-",
+            _cut(row.get("excerpt")),
+        )
+        table.append((cells, [f"error: {row['error']}"] if row.get("error") else []))
+    header = (
+        "ID",
+        "CREATED",
+        "KIND",
+        "CHANNEL",
+        "TO",
+        "STATUS",
+        "ATTEMPTS",
+        "SENT / NEXT TRY",
+        "INBOX",
+        "BUTLER",
+        "TEXT",
+    )
+    _print_rows_with_details(header, table)
+
+
+def _next(row: dict[str, Any]) -> str:
+    """When a row not sent yet is tried again (nothing for one that failed for good)."""
+    return "-" if row["status"] == "failed" else _when(row.get("next_attempt_at"))
 
 
 async def client_command(args: argparse.Namespace) -> int:
@@ -275,6 +416,24 @@ async def client_command(args: argparse.Namespace) -> int:
     elif args.command == "ask":
         result = await _call_switchboard(args.url, "ask", {"text": args.text})
         show = _print_answer
+    elif args.command == "inbox":
+        result = await _call_switchboard(
+            args.url, "inbox_list", {"status": args.status, "limit": args.limit}
+        )
+        show = functools.partial(_print_inbox, status=args.status)
+    elif args.command == "log":
+        result = await _call_switchboard(
+            args.url, "routing_log_list", {"butler": args.butler, "limit": args.limit}
+        )
+        show = functools.partial(_print_routing_log, butler=args.butler)
+    elif args.command == "retry":
+        result = await _call_switchboard(args.url, "inbox_retry", {"id": args.id})
+        show = _print_retry
+    elif args.command == "outbox":
+        result = await _call_switchboard(
+            args.url, "outbox_list", {"status": args.status, "limit": args.limit}
+        )
+        show = functools.partial(_print_outbox, status=args.status)
     else:
         try:
             route_args = json.loads(args.args)
@@ -418,6 +577,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     client_args(trace)
     trace.add_argument("ref", metavar="ID", help="a trace id, or a routing_log id")
+
+    def limit_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--limit", type=int, default=20, help="at most this many, 1..500 (20)")
+
+    inbox = commands.add_parser(
+        "inbox", help="the newest messages and what became of them (times are local)"
+    )
+    client_args(inbox)
+    inbox.add_argument("--status", help="only queued|processing|done|failed|skipped ones")
+    limit_arg(inbox)
+    log = commands.add_parser("log", help="the newest routing_log rows, with their Jaeger links")
+    client_args(log)
+    log.add_argument("--butler", metavar="NAME", help="only the routes to this butler")
+    limit_arg(log)
+    retry = commands.add_parser(
+        "retry", help="queue a failed (or skipped) message again: it is routed and answered anew"
+    )
+    client_args(retry)
+    retry.add_argument("id", metavar="ID", type=int, help="the message's inbox id")
+    outbox = commands.add_parser(
+        "outbox", help="replies and notifications not sent yet, and those that failed"
+    )
+    client_args(outbox)
+    outbox.add_argument("--status", help="only pending|sending|sent|failed ones")
+    limit_arg(outbox)
     return parser
 
 
@@ -435,7 +619,7 @@ async def cli(argv: Sequence[str]) -> int:
         return await db_upgrade(args.config_dir, args.names)
     if args.command == "gateway":
         return await gateway_command(args)
-    if args.command in ("list", "discover", "route", "ask", "trace"):
+    if args.command in CLIENT_COMMANDS:
         return await client_command(args)
     if args.command == "up":
         return await serve(args.config_dir, args.only, strict=False)

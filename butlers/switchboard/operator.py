@@ -78,8 +78,8 @@ def _check_status(status: str | None, allowed: Sequence[str], table: str) -> Non
 
 def _refuse_classification_sessions() -> None:
     """The classifier's Claude Code is denied these tools; this holds even if it asked."""
-    headers = get_http_headers(include={CREDENTIAL_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
-    if headers:
+    headers = get_http_headers()
+    if CREDENTIAL_HEADER.lower() in headers or LEGACY_INBOX_HEADER.lower() in headers:
         raise ToolRefusal(
             "operator tools are not available to a classification session",
             log_level=logging.WARNING,
