@@ -399,22 +399,32 @@ async def test_retry_of_skipped_and_given_up_messages_and_what_cannot_be_retried
         status="failed",
         error="could not be stored 3 times: boom",
     )
-    processing = await seed_inbox(
-        conn, external_id="p", text="busy", status="processing", attempts=1
-    )
 
+    # With the worker stopped, what a retry leaves: the message as if it had just come in.
+    await worker.stop()
     answer = await call(switchboard, "inbox_retry", id=skipped)
     assert (answer["id"], answer["status"]) == (skipped, "queued")
     assert answer["retries"][0]["classified_via"] == "limit"
     code, out, err = await cli(switchboard, "retry", str(gave_up), "--json")
     assert code == 0, err
     assert json.loads(out)["retries"][0]["error"] == "gave up after 3 interrupted attempts"
+    queued = await conn.fetch(
+        """SELECT status, attempts, error, reply, routed_to, classified_via, finished_at
+           FROM inbox WHERE id = ANY($1::bigint[])""",
+        [skipped, gave_up],
+    )
+    assert [tuple(r) for r in queued] == [("queued", 0, None, None, None, None, None)] * 2
+
+    await worker.start()
     rows = {i: await worker.wait_for(i) for i in (skipped, gave_up)}
     assert {i: (r["status"], r["reply"], r["attempts"]) for i, r in rows.items()} == {
         skipped: ("done", "General here.", 1),
         gave_up: ("done", "General here.", 1),
     }
 
+    processing = await seed_inbox(
+        conn, external_id="p", text="busy", status="processing", attempts=1
+    )
     envelope_refused, processing_refused = await asyncio.gather(
         cli(switchboard, "retry", str(envelope)), cli(switchboard, "retry", str(processing))
     )
