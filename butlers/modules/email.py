@@ -62,7 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/email/inbound"
-WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"  # the bearer token of POST /email/inbound
+WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
+MAX_CONVERSATION_ID_CHARS = 256  # the bearer token of POST /email/inbound
 # A Message-ID is our idempotency key, in a unique index: PostgreSQL's btree refuses entries
 # past ~2.7 kB, so a longer one (a broken or hostile mailer) is replaced by a digest.
 MAX_MESSAGE_ID_BYTES = 512
@@ -337,7 +338,10 @@ def conversation_of(mail: ParsedMail) -> str:
     """A mail thread's key: its root, the first of References (our reply keeps the thread's
     References and adds to it), else the mail's own Message-ID."""
     ids = mail.references.split()
-    return f"email:{ids[0] if ids else _external_id(mail)}"
+    root = ids[0] if ids else _external_id(mail)
+    if len(root) > MAX_CONVERSATION_ID_CHARS:  # the key is indexed: a hostile id may be huge
+        root = "sha256:" + hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"email:{root}"
 
 
 def _external_id(mail: ParsedMail) -> str:

@@ -206,7 +206,9 @@ def _read_headers(message: Message) -> ParsedMail:
         sender_name=name,
         subject=subject,
         text="",
-        references=_references((raw("References") or [""])[0], message_id),
+        references=thread_references(
+            (raw("References") or [""])[0], (raw("In-Reply-To") or [""])[0], message_id
+        ),
         automated=automated,
         refused=refused,
         authentication_results=tuple(v.strip() for v in results),
@@ -238,10 +240,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:_PREVIEW_CHARS]
 
 
-def _references(raw: str, message_id: str) -> str:
-    """References for our reply: the thread's Message-IDs (the last MAX_REFERENCES; a long
-    thread's header may be long, it is split, never parsed), then this mail's."""
-    ids = [i for i in raw.split() if len(i) <= 998][-MAX_REFERENCES:]
+def thread_references(references: str, in_reply_to: str, message_id: str) -> str:
+    """References for our reply: the thread's Message-IDs (References, else In-Reply-To, as
+    RFC 5322 3.6.4 has a reply build them; the last MAX_REFERENCES: a long thread's header
+    may be long, it is split, never parsed), then this mail's."""
+    ids = [i for i in (references or in_reply_to).split() if len(i) <= 998][-MAX_REFERENCES:]
     return " ".join(filter(None, [*ids, message_id]))
 
 

@@ -25,6 +25,7 @@ from butlers.modules.mail_parse import (
     automated_reason,
     html_to_text,
     single_address,
+    thread_references,
     trim_quoted,
 )
 
@@ -68,7 +69,9 @@ def parse_webhook(body: bytes) -> ParsedMail:
         sender_name=name,
         subject=_string(data, "subject", limit=MAX_HEADER_BYTES),
         text=trim_quoted(text)[:MAX_TEXT_CHARS],
-        references=message_id,
+        references=thread_references(
+            _first(headers, "references"), _first(headers, "in-reply-to"), message_id
+        ),
         automated=_automated(headers, address),
         authentication_results=tuple(headers.get("authentication-results", [])),
     )

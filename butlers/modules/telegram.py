@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
@@ -39,6 +40,7 @@ MAX_MESSAGE_CHARS = 4096
 POLL_TIMEOUT_S = 25
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
 WEBHOOK_PATH = "/telegram/webhook"
+TYPING_EVERY_S = 4.5
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
 TEXT_ONLY = "I can only read text messages for now: please write it out."
 # What Telegram accepts as a webhook's secret_token (Bot API, setWebhook).
@@ -155,6 +157,24 @@ class TelegramModule:
         if reply_to is not None and reply_to.meta.get("message_id"):
             first["reply_to_message_id"] = reply_to.meta["message_id"]
         return [(chunk, first if index == 0 else {}) for index, chunk in enumerate(chunks)]
+
+    @contextlib.asynccontextmanager
+    async def working(self, chat_id: str) -> AsyncIterator[None]:
+        """ "typing..." in the chat while its message is processed (Telegram shows it for 5 s
+        a time, so it is sent again every TYPING_EVERY_S); best effort."""
+        task = asyncio.create_task(self._typing(chat_id), name=f"telegram:typing:{chat_id}")
+        try:
+            yield
+        finally:
+            await cancel_and_wait(task)
+
+    async def _typing(self, chat_id: str) -> None:
+        from telegram.constants import ChatAction
+
+        while True:
+            with contextlib.suppress(Exception):
+                await self.bot.send_chat_action(chat_id=chat_id, action=ChatAction.TYPING)
+            await asyncio.sleep(TYPING_EVERY_S)
 
     async def deliver(self, delivery: Delivery) -> list[str]:
         """Send one row. Telegram refusing the chat or the message (400, 403: no such chat,

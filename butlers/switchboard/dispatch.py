@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from butlers.switchboard.conversation import with_history
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.replies import Answer, reply_text
 from butlers.switchboard.route import RouteError, Router, RouteSource
@@ -80,6 +81,7 @@ class Dispatch:
     message: InboxMessage
     router: Router
     max_routes: int
+    history: str = ""  # the conversation so far, added to each forwarded prompt
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
     _claimed: int = 0  # routes accepted or being checked: counted before any await
@@ -123,7 +125,12 @@ class Dispatch:
         # Created here, the task inherits this call's trace context: the forward and the
         # target's session stay in the message's trace.
         task = asyncio.create_task(
-            self.router.route(butler_name, ROUTABLE_TOOL, {"prompt": prompt}, source=self.source),
+            self.router.route(
+                butler_name,
+                ROUTABLE_TOOL,
+                {"prompt": with_history(prompt, self.history)},
+                source=self.source,
+            ),
             name=f"switchboard:dispatch:{self.message.id}:{butler_name}",
         )
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited in answers()
@@ -165,10 +172,10 @@ class Dispatcher:
         self._open: list[Dispatch] = []
 
     @contextlib.asynccontextmanager
-    async def open(self, message: InboxMessage) -> AsyncIterator[Dispatch]:
+    async def open(self, message: InboxMessage, history: str = "") -> AsyncIterator[Dispatch]:
         """A dispatch for `message`, valid until the block ends; routes still running then
         (the worker is stopping) are cancelled."""
-        dispatch = Dispatch(message, self.router, self.max_routes)
+        dispatch = Dispatch(message, self.router, self.max_routes, history)
         self._open.append(dispatch)
         try:
             yield dispatch

@@ -171,6 +171,21 @@ class InboxStore:
             classified_via,
         )
 
+    async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
+        """The last `exchanges` handled messages of the message's conversation before it,
+        oldest first: who said what, and which butler answered what."""
+        if not message.conversation or exchanges <= 0:
+            return []
+        rows = await self.pool.fetch(
+            """SELECT sender_name, source_id, subject, text, routed_to, reply FROM inbox
+               WHERE conversation = $1 AND id < $2 AND status = 'done'
+               ORDER BY id DESC LIMIT $3""",
+            message.conversation,
+            message.id,
+            exchanges,
+        )
+        return [dict(r) for r in reversed(rows)]
+
     async def last_of_conversation(self, conversation: str) -> InboxMessage | None:
         """The newest message of a conversation (whom a notification to it goes to)."""
         row = await self.pool.fetchrow(

@@ -199,6 +199,25 @@ class OutboxStore:
             storable(error[:ERROR_CHARS]),
         )
 
+    async def butler_answering(
+        self, channel: str, recipient: str, sent_ids: Sequence[str], within_days: int
+    ) -> str | None:
+        """The butler whose reply or notification (one of `sent_ids`, the channel's own ids)
+        this person is answering, if we sent it in the last `within_days`: thread affinity."""
+        if not sent_ids or within_days <= 0:
+            return None
+        return await self.pool.fetchval(
+            """SELECT butler FROM outbox
+               WHERE channel = $1 AND recipient = $2 AND sent_ids && $3::text[]
+                 AND butler IS NOT NULL AND status = 'sent'
+                 AND created_at > now() - make_interval(days => $4)
+               ORDER BY id DESC LIMIT 1""",
+            channel,
+            recipient,
+            [str(i) for i in sent_ids],
+            within_days,
+        )
+
     async def notifications_last_hour(self, butler: str) -> int:
         return await self.pool.fetchval(
             """SELECT count(DISTINCT (conversation, created_at)) FROM outbox

@@ -22,6 +22,13 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from butlers.config import SwitchboardConfig, TriageRule
 from butlers.spawner import Spawner
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
+from butlers.switchboard.conversation import (
+    answered_ids,
+    command_of,
+    help_text,
+    history_text,
+    with_history,
+)
 from butlers.switchboard.dispatch import Dispatcher
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
@@ -163,7 +170,13 @@ class InboxWorker:
                 return
             if await self._over_sender_limit(message):
                 return
-            answers, note, via = await self._classify_and_route(message)
+            if command_of(message.channel, message.text):
+                reply = help_text(await self.store.registry())
+                await self._finish(message, "done", None, reply, None, via="command")
+                return
+            history = history_text(await self.inbox.history(message, self.limits.context_messages))
+            async with self._working(message):
+                answers, note, via = await self._classify_and_route(message, history)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
             await self._finish(
@@ -200,24 +213,36 @@ class InboxWorker:
         await self._finish(message, "skipped", None, reply, error, via="limit")
         return True
 
+    def _working(self, message: InboxMessage) -> contextlib.AbstractAsyncContextManager[None]:
+        """While a message is processed, its channel may show it (Telegram: "typing...")."""
+        channel = self.outbox.channels.get(message.channel)
+        working = getattr(channel, "working", None)  # optional for a channel
+        if working is None or message.source_id is None:
+            return contextlib.nullcontext()
+        return working(message.source_id)
+
     async def _classify_and_route(
-        self, message: InboxMessage
+        self, message: InboxMessage, history: str = ""
     ) -> tuple[list[Answer], str | None, str]:
         """The answers of every butler the message went to, a note on how it got there (why
         it went to the default butler, what went wrong in classification), and how it was
-        classified: triage | claude | default."""
+        classified: triage | thread | claude | default."""
         with self.tracer.start_as_current_span(
             "switchboard.classify", attributes={"channel": message.channel}
         ) as span:
-            butler = triage(self.triage_rules, message)
-            span.set_attribute("via", "triage" if butler else "claude")
+            via, butler = "triage", triage(self.triage_rules, message)
+            if butler is None:  # a reply to one of our messages: the butler that sent it
+                via, butler = "thread", await self._answering_butler(message)
             if butler is not None:
-                answer = await self._route_one(butler, message)
+                span.set_attribute("via", via)
+                span.set_attribute("butler", butler)
+                answer = await self._route_one(butler, message, history)
                 if not answer.ok:
                     span.set_status(Status(StatusCode.ERROR, (answer.error or "")[:200]))
-                return [answer], None, "triage"
+                return [answer], None, via
 
-            async with self.dispatcher.open(message) as dispatch:
+            span.set_attribute("via", "claude")
+            async with self.dispatcher.open(message, history) as dispatch:
                 outcome = await classify_with_claude(
                     self.spawner,
                     message,
@@ -226,6 +251,7 @@ class InboxWorker:
                     default_butler=self.limits.default_butler,
                     switchboard_url=self.switchboard_url,
                     switchboard_tools=self.switchboard_tools(),
+                    history=history,
                 )
                 if dispatch.routed:
                     answers = await dispatch.answers()
@@ -243,15 +269,30 @@ class InboxWorker:
             default,
             extra={"action": "classify_fallback"},
         )
-        answer = await self._route_one(default, message)
+        answer = await self._route_one(default, message, history)
         return [answer], f"classifier: {why}; routed to {default}", "default"
 
-    async def _route_one(self, butler: str, message: InboxMessage) -> Answer:
+    async def _answering_butler(self, message: InboxMessage) -> str | None:
+        """Thread affinity: the butler whose message (sent within thread_affinity_days) this
+        one replies to, if it is still a butler we can route to."""
+        if message.source_id is None:
+            return None
+        butler = await self.outbox_store.butler_answering(
+            message.channel,
+            message.source_id,
+            answered_ids(message.channel, message.meta),
+            self.limits.thread_affinity_days,
+        )
+        if butler is None or not await self.router.is_routable(butler):
+            return None
+        return butler
+
+    async def _route_one(self, butler: str, message: InboxMessage, history: str = "") -> Answer:
         try:
             result = await self.router.route(
                 butler,
                 "trigger",
-                {"prompt": message_body(message)},
+                {"prompt": with_history(message_body(message), history)},
                 source=RouteSource.of_message(message),
             )
         except RouteError as exc:

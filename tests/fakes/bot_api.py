@@ -39,6 +39,8 @@ class FakeBotAPI:
         self._released_sends = asyncio.Event()
         self.send_attempts: list[dict[str, Any]] = []  # every sendMessage, as it arrived
         self.sent_params: list[dict[str, Any]] = []  # every delivered sendMessage, all params
+        self._sent_ids: list[int] = []
+        self.chat_actions: list[dict[str, Any]] = []  # sendChatAction calls ("typing")
         # One entry per getUpdates call: the offset it asked with (None: none given), and the
         # update_ids it returned (None while it is still waiting).
         self.polls: list[dict[str, Any]] = []
@@ -79,8 +81,24 @@ class FakeBotAPI:
         """An update carrying a text message, with a fresh update_id; not queued."""
         return {"update_id": next(self._update_ids), "message": self._message(chat_id, text=text)}
 
-    async def push_text(self, chat_id: int, text: str) -> int:
-        return await self.push({"message": self._message(chat_id, text=text)})
+    async def push_text(self, chat_id: int, text: str, *, reply_to: int | None = None) -> int:
+        """A text message; `reply_to`: the id of the bot's message it answers (as a person's
+        reply in the app)."""
+        fields: dict[str, Any] = {"text": text}
+        if reply_to is not None:
+            bot = {"id": 1, "is_bot": True, "first_name": "Butler"}
+            fields["reply_to_message"] = {
+                "message_id": reply_to,
+                "date": int(time.time()),
+                "chat": {"id": chat_id, "type": "private", "first_name": "Ada"},
+                "from": bot,
+                "text": "(ours)",
+            }
+        return await self.push({"message": self._message(chat_id, **fields)})
+
+    def sent_message_ids(self) -> list[int]:
+        """The message ids the bot's sends were given, in order (a person may reply to one)."""
+        return list(self._sent_ids)
 
     async def push_photo(self, chat_id: int) -> int:
         photo = [{"file_id": "f1", "file_unique_id": "u1", "width": 1, "height": 1}]
@@ -166,6 +184,12 @@ class FakeBotAPI:
     async def _api_deleteWebhook(self, params: dict[str, Any]) -> web.Response:
         return web.json_response({"ok": True, "result": True})
 
+    async def _api_sendChatAction(self, params: dict[str, Any]) -> web.Response:
+        async with self._changed:
+            self.chat_actions.append(params)
+            self._changed.notify_all()
+        return web.json_response({"ok": True, "result": True})
+
     async def _api_setWebhook(self, params: dict[str, Any]) -> web.Response:
         self.webhooks.append(params)
         return web.json_response({"ok": True, "result": True})
@@ -232,6 +256,7 @@ class FakeBotAPI:
         chat_id = int(params["chat_id"])
         message = self._message(chat_id, text=str(params["text"]))
         message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        self._sent_ids.append(message["message_id"])
         async with self._changed:
             self.sent.append({"chat_id": chat_id, "text": str(params["text"])})
             self.sent_params.append(params)

@@ -1,0 +1,71 @@
+"""Conversations: what a message follows, so that a follow-up makes sense.
+
+A message's conversation key (set at intake: a Telegram chat and topic, a mail thread's root)
+gathers its earlier exchanges; the last `context_messages` of them go into the classifier's
+prompt and the routed prompt, each bounded. Thread affinity (a reply to one of our messages
+goes back to the butler that sent it) is looked up in the outbox, which knows what it sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+HISTORY_CHARS_PER_TEXT = 500  # each earlier message and answer, in prompts
+HISTORY_INTRO = "Earlier in this conversation, oldest first"
+
+
+def history_text(history: Sequence[dict[str, Any]]) -> str:
+    """Earlier exchanges as lines: who said what, and which butler answered what."""
+
+    def bounded(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= HISTORY_CHARS_PER_TEXT else text[:HISTORY_CHARS_PER_TEXT] + "…"
+
+    lines = []
+    for row in history:
+        said = f"Subject: {row['subject']}. {row['text']}" if row.get("subject") else row["text"]
+        lines.append(f"{row.get('sender_name') or 'They'} said: {bounded(said)}")
+        if row.get("reply"):
+            lines.append(f"{row.get('routed_to') or 'A butler'} answered: {bounded(row['reply'])}")
+    return "\n".join(lines)
+
+
+def with_history(prompt: str, history: str) -> str:
+    """A routed prompt with the conversation so far, so that a follow-up makes sense."""
+    if not history:
+        return prompt
+    return f"{prompt}\n\n{HISTORY_INTRO} (for context):\n{history}"
+
+
+def answered_ids(channel: str, meta: dict[str, Any]) -> list[str]:
+    """The channel's own ids of the messages of ours that this message answers: a Telegram
+    reply's message, a mail's References (its client lists the thread, ours included)."""
+    if channel == "telegram" and meta.get("reply_to_message_id"):
+        return [str(meta["reply_to_message_id"])]
+    if channel == "email":
+        return str(meta.get("references") or "").split()
+    return []
+
+
+COMMANDS = ("/start", "/help")
+
+
+def command_of(channel: str, text: str) -> str | None:
+    """A Telegram bot command answered without any butler (`/help@my_bot` included)."""
+    if channel != "telegram":
+        return None
+    first = (text.split() or [""])[0].split("@")[0].lower()
+    return first if first in COMMANDS else None
+
+
+def help_text(butlers: Sequence[dict[str, Any]]) -> str:
+    listed = "\n".join(
+        f"• {b['name']}: {b.get('description') or ''}".rstrip(": ")
+        for b in butlers
+        if b["name"] != "switchboard"
+    )
+    return (
+        "Hello! Write to me in plain words and I pass your message to the butler it is for:\n"
+        f"{listed}\n\nReply to one of my answers to carry on with the butler that gave it."
+    )
