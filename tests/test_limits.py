@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fastmcp import Client
 
 from butlers import daemon as daemon_module
 from butlers.config import RuntimeConfig, SwitchboardConfig, TriageRule
@@ -54,7 +55,8 @@ async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
     assert [s["text"] for s in sent if s["chat_id"] == other] == ["Done."]
     assert len(bot_api.sent) == 4  # the later messages over the limit get no answer at all
     rows = await conn.fetch(
-        "SELECT status, reply, error FROM inbox WHERE source_id = $1 ORDER BY id", str(flooder)
+        "SELECT id, status, reply, error FROM inbox WHERE source_id = $1 ORDER BY id",
+        str(flooder),
     )
     assert [r["status"] for r in rows] == ["done", "done", "skipped", "skipped", "skipped"]
     assert [r["reply"] for r in rows][2:] == [RATE_LIMITED, None, None]
@@ -62,6 +64,11 @@ async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
     # Skipped messages never reached a butler: three trigger sessions in all.
     general_db = await db_conn(general.config.database)
     assert await general_db.fetchval("SELECT count(*) FROM sessions") == 3
+    # The operator may queue one again on purpose: then it is answered, not skipped again.
+    async with Client(switchboard.sse_url) as client:
+        await client.call_tool("inbox_retry", {"id": rows[3]["id"]})
+    retried = await switchboard.switchboard.worker.wait_for(rows[3]["id"])
+    assert (retried["status"], retried["reply"]) == ("done", "Done.")
 
 
 async def test_the_ticker_deletes_finished_rows_older_than_retention_days(

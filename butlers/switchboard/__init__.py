@@ -104,7 +104,9 @@ def attach_switchboard(
     auth_token: str | None,
     redact: Callable[[str], str] = str,
 ) -> Switchboard:
-    """Create the switchboard's parts and register route, list_butlers, discover and ask."""
+    """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
+    routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
+    routing_log_list and outbox_list."""
     pool = McpClientPool(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     router = Router(store, pool, tracer=tracer, redact=redact)

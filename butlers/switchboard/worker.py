@@ -100,10 +100,13 @@ class InboxWorker:
 
     async def wait_for(self, inbox_id: int) -> dict[str, Any]:
         """Wait until the message is done, failed or skipped; returns its inbox row."""
+        # Registered before the row is read: a message that finishes meanwhile resolves it.
+        future = self._waiters.setdefault(inbox_id, asyncio.get_running_loop().create_future())
         row = await self.inbox.get(inbox_id)
         if row is not None and row["status"] in ("done", "failed", "skipped"):
+            if self._waiters.get(inbox_id) is future:
+                del self._waiters[inbox_id]
             return row
-        future = self._waiters.setdefault(inbox_id, asyncio.get_running_loop().create_future())
         return await asyncio.shield(future)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -197,6 +200,8 @@ class InboxWorker:
         The operator's own `ask` (channel mcp) is not limited."""
         limit = self.limits.max_messages_per_sender_per_hour
         if not limit or message.channel == "mcp" or message.source_id is None:
+            return False
+        if message.meta.get("retries"):  # the operator queued it again on purpose
             return False
         if message.earlier_from_sender < limit:
             return False

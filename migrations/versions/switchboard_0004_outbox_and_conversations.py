@@ -23,6 +23,7 @@ def upgrade() -> None:
     # triage | thread | claude | default | limit: how the message found its butler.
     op.add_column("inbox", sa.Column("classified_via", sa.Text))
     op.create_index("inbox_conversation", "inbox", ["conversation", "id"])
+    op.create_index("routing_log_inbox", "routing_log", ["inbox_id"])  # a message's routes
 
     op.create_table(
         "outbox",
@@ -67,6 +68,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("outbox")
+    op.drop_index("routing_log_inbox", "routing_log")
     op.drop_index("inbox_conversation", "inbox")
     op.drop_column("inbox", "classified_via")
     op.drop_column("inbox", "conversation")
