@@ -329,3 +329,29 @@ async def test_routes_made_at_once_cannot_pass_the_cap_together(
         assert all(a.ok for a in await dispatch.answers())
     rows = await routing_log(db_conn, switchboard)
     assert sorted(r["success"] for r in rows) == [False] * 7 + [True] * 3
+
+
+async def test_a_classification_session_cannot_deliver_or_read_the_inbox(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
+) -> None:
+    """The classifier is shown only route and list_butlers; should it call another tool
+    anyway (with its credential), the switchboard refuses: a message must not be able to
+    send notifications to the owner or read other people's messages."""
+    scripted_api.respond_with(model("general", {"general": "ok"}))
+    scripted_api.delay_for = lambda body: 30.0 if is_classifier(body) and turn(body) == 0 else 0
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    worker = switchboard.switchboard.worker
+    inbox_id = await worker.accept(IncomingMessage("telegram", "u1", "hello", source_id="42"))
+    await asyncio.wait_for(scripted_api.wait_for_request(is_classifier), 60)
+    [dispatch] = worker.dispatcher._open
+    transport = SSETransport(
+        switchboard.sse_url, headers={"X-Butlers-Classification": dispatch.credential}
+    )
+    async with Client(transport) as client:
+        with pytest.raises(Exception, match="not for classification sessions"):
+            await client.call_tool("deliver", {"text": "pwned", "butler": "general"})
+        with pytest.raises(Exception, match="classification"):
+            await client.call_tool("inbox_list", {})
+    await scripted_api.release_held()
+    row = await asyncio.wait_for(worker.wait_for(inbox_id), 60)
+    assert row["status"] == "done"

@@ -158,6 +158,11 @@ def attach_switchboard(
         e.g. "telegram:12345"), else to the owner ([switchboard.owner]) on `channel`
         (telegram | email) or the owner's preferred one. Through the outbox: it waits out a
         channel that is down."""
+        if _classification_of_caller(worker.dispatcher) is not None:
+            # A message's classifier may only route it (it is not shown this tool either).
+            raise ToolRefusal(
+                "deliver is not for classification sessions", log_level=logging.WARNING
+            )
         try:
             return await notifier.deliver(text, butler, channel, conversation)
         except NotifyRefused as exc:
