@@ -417,7 +417,7 @@ def _read_owner(table: _Table | None) -> OwnerConfig:
         return OwnerConfig()
     d = OwnerConfig()
     chat_id = table.take("telegram_chat_id", (str, int), d.telegram_chat_id)
-    email = table.take("email", str, d.email).strip()
+    email = table.take("email", str, d.email).strip().lower()  # as senders are compared
     if email and "@" not in email:
         raise table.error("email", f"expected an email address, got {email!r}")
     prefer = _choice(table, "prefer", table.take("prefer", str, d.prefer), ("telegram", "email"))

@@ -126,9 +126,11 @@ async def test_an_email_reply_in_our_thread_goes_back_to_the_butler(
         )
         conn = await db_conn(switchboard.config.database)
 
-        async def post(message_id: str, references: str = "") -> None:
+        async def post(
+            message_id: str, references: str = "", sender: str = "user@example.com"
+        ) -> None:
             payload = {
-                "from": "user@example.com",
+                "from": sender,
                 "subject": "Anna",
                 "text": "Anna's birthday is May 3" if not references else "and Tom's is June 1",
                 "message_id": message_id,
@@ -153,11 +155,20 @@ async def test_an_email_reply_in_our_thread_goes_back_to_the_butler(
         await eventually(marked_sent)
         await post("<m2@x>", references=f"<m1@x> {reply['Message-ID']}")
         await smtp.wait_for(2)
-    assert len(classifier_prompts(scripted_api)) == 1
+        # Someone else in the thread (CC'd, or claiming its root): their own conversation,
+        # with none of the first person's history, and no affinity to our reply to them.
+        await post(
+            "<m3@x>", references=f"<m1@x> {reply['Message-ID']}", sender="kid@family.example"
+        )
+        await smtp.wait_for(3)
+    assert len(classifier_prompts(scripted_api)) == 2
+    assert HISTORY_INTRO not in classifier_prompts(scripted_api)[1]
+    assert "Anna's birthday" not in butler_prompts(scripted_api, "relationship")[-1]
     rows = await inbox(conn)
     assert [(r["classified_via"], r["routed_to"], r["conversation"]) for r in rows] == [
-        ("claude", "relationship", "email:<m1@x>"),
-        ("thread", "relationship", "email:<m1@x>"),
+        ("claude", "relationship", "email:user@example.com:<m1@x>"),
+        ("thread", "relationship", "email:user@example.com:<m1@x>"),
+        ("claude", "relationship", "email:kid@family.example:<m1@x>"),
     ]
 
 
@@ -196,3 +207,43 @@ async def test_the_chat_shows_typing_while_a_message_is_processed(
     assert {"chat_id": CHAT, "action": "typing"} in [
         {"chat_id": int(a["chat_id"]), "action": a["action"]} for a in bot_api.chat_actions
     ]
+
+
+async def test_a_reply_to_a_butler_that_is_gone_is_classified_afresh(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Thread affinity follows the butler that answered; if it is unreachable now, the
+    classifier decides instead of the reply failing for thread_affinity_days."""
+    first, later = model("health", ANSWERS), model("general", ANSWERS)
+    classified = []
+
+    def respond(body: dict) -> list[dict]:
+        if is_classifier(body) and turn(body) == 0:
+            classified.append(body)
+        return (first if len(classified) <= 1 else later)(body)
+
+    scripted_api.respond_with(respond)
+    switchboard, targets = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    await bot_api.push_text(CHAT, "Log my weight: 80kg")
+    await bot_api.wait_sent(1)
+    [ours] = bot_api.sent_message_ids()
+
+    async def marked_sent() -> bool:
+        return await conn.fetchval("SELECT status FROM outbox") == "sent"
+
+    await eventually(marked_sent)
+    await targets["health"].stop()
+    await bot_api.push_text(CHAT, "and yesterday 81", reply_to=ours)
+    sent = await bot_api.wait_sent(2)
+    assert sent[1]["text"] == "General here."
+    rows = await inbox(conn)
+    assert [(r["classified_via"], r["routed_to"], r["status"]) for r in rows][1] == (
+        "claude",
+        "general",
+        "done",
+    )

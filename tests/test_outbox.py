@@ -190,3 +190,81 @@ async def test_a_crash_between_sending_and_marking_sends_at_most_one_duplicate(
             await conn.close()
     finally:
         await fleet.drop()
+
+
+async def test_a_refused_smtp_login_is_tried_again_until_the_password_works(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards EmailModule.deliver: a login the server refuses (535: the password changed,
+    until the operator fixes it) is not the mail's fault; making it final would lose every
+    reply queued meanwhile. It is retried and goes out once the login works."""
+    scripted_api.respond_with(answer_notes)
+    monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "hook")
+    with SmtpServer(users={USER: "the-old-password"}) as smtp:
+        switchboard = await start_mail_fleet(
+            start_butler, tmp_path, 1, smtp, monkeypatch, mode="webhook"
+        )
+        conn = await db_conn(switchboard.config.database)
+        payload = {"from": "user@example.com", "text": "note-1", "message_id": "<n1@x>"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                f"{switchboard.base_url}/email/inbound",
+                json=payload,
+                headers={"Authorization": "Bearer hook"},
+            ) as response:
+                assert response.status == 200
+
+        async def refused_twice() -> bool:
+            return await conn.fetchval("SELECT attempts FROM outbox") == 2
+
+        await eventually(refused_twice)
+        [row] = await outbox_rows(conn)
+        assert row["status"] in ("pending", "sending") and "refused the login" in row["error"]
+        smtp._users[USER] = PASSWORD  # the operator fixed it
+        [mail] = await smtp.wait_for(1)
+    assert mail.get_content().strip() == "noted 1"
+
+
+async def test_a_channel_failing_in_a_way_it_does_not_explain_gives_up_after_a_few_tries(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards OutboxSender: an exception a channel does not turn into a DeliveryError (a
+    bug) is retried MAX_INTERNAL_ERRORS times, then the row is failed: delivery is in order,
+    so a row retried for the whole budget would hold up the channel's later replies."""
+    from butlers.modules.telegram import TelegramModule
+    from butlers.switchboard.outbox import MAX_INTERNAL_ERRORS
+
+    deliver = TelegramModule.deliver
+    broken = True
+
+    async def maybe_broken(self: TelegramModule, delivery):
+        if broken:
+            raise RuntimeError("a bug in the channel")
+        return await deliver(self, delivery)
+
+    monkeypatch.setattr(TelegramModule, "deliver", maybe_broken)
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    await bot_api.push_text(CHAT, "note-1")
+
+    async def failed() -> bool:
+        return await conn.fetchval("SELECT status FROM outbox") == "failed"
+
+    await eventually(failed)
+    [row] = await outbox_rows(conn)
+    assert row["attempts"] == MAX_INTERNAL_ERRORS
+    assert row["error"] == "internal error (RuntimeError)"
+    broken = False
+    await bot_api.push_text(CHAT, "note-2")
+    [sent] = await bot_api.wait_sent(1)
+    assert sent["text"] == "noted 2"

@@ -16,7 +16,14 @@ from butlers.config import RuntimeConfig, TelegramConfig, TriageRule
 from butlers.daemon import ButlerDaemon
 from butlers.switchboard.inbox import MAX_ATTEMPTS
 from butlers.switchboard.replies import sorry
-from tests.conftest import StartButler, butler_config, eventually, free_port, write_butler_dir
+from tests.conftest import (
+    StartButler,
+    butler_config,
+    eventually,
+    free_port,
+    log_records,
+    write_butler_dir,
+)
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_inbox import is_classifier, model
@@ -301,3 +308,38 @@ async def test_a_butler_past_max_turns_gets_a_friendly_failure(
     row = await finished_row(conn, update_id)
     assert (row["status"], row["routed_to"]) == ("failed", "general")
     assert session["error"] in row["error"]
+
+
+async def test_the_worker_outlives_a_database_that_fails_while_a_message_is_finished(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Guards worker._run: when finishing a message fails and recording it as failed fails
+    too (the database is failing), the worker logs it and goes on; the message stays
+    `processing` (resumed at the next start) and later messages are answered."""
+    scripted_api.respond_with(model("general", {"general": "Done."}))
+    scripted_api.delay_for = lambda body: 60.0  # general's session waits for the release
+    switchboard, _ = await start_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    with log_records("butlers.switchboard.worker") as records:
+        first_id = await bot_api.push_text(CHAT, "first")
+        await scripted_api.wait_for_request(lambda body: True)
+        await conn.execute("ALTER TABLE inbox RENAME TO inbox_away")
+        await scripted_api.release_held()
+
+        async def gave_up_recording() -> bool:
+            return any(r.getMessage().startswith("cannot record inbox") for r in records)
+
+        await eventually(gave_up_recording)
+        await conn.execute("ALTER TABLE inbox_away RENAME TO inbox")
+    scripted_api.delay_for = None
+    answered_id = await bot_api.push_text(CHAT, "second")
+    row = await finished_row(conn, answered_id)
+    assert (row["status"], row["reply"]) == ("done", "Done.")
+    [sent] = await bot_api.wait_sent(1)
+    assert sent == {"chat_id": CHAT, "text": "Done."}
+    first = await conn.fetchrow("SELECT status FROM inbox WHERE external_id = $1", str(first_id))
+    assert first["status"] == "processing"

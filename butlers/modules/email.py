@@ -45,6 +45,7 @@ from butlers.modules.mail_parse import (
 )
 from butlers.modules.mail_transport import (
     MailError,
+    MailRefused,
     MailServer,
     describe,
     security,
@@ -62,8 +63,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/email/inbound"
-WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
-MAX_CONVERSATION_ID_CHARS = 256  # the bearer token of POST /email/inbound
+WEBHOOK_TOKEN_ENV = "BUTLERS_EMAIL_WEBHOOK_TOKEN"  # the bearer token of POST /email/inbound
+MAX_CONVERSATION_ID_CHARS = 256  # a thread root longer than this is keyed by its digest
 # A Message-ID is our idempotency key, in a unique index: PostgreSQL's btree refuses entries
 # past ~2.7 kB, so a longer one (a broken or hostile mailer) is replaced by a digest.
 MAX_MESSAGE_ID_BYTES = 512
@@ -293,11 +294,17 @@ class EmailModule:
         return [(text, meta)]
 
     async def deliver(self, delivery: Delivery) -> list[str]:
-        """Send one row. A server refusing the mail itself (5xx) is final; a server down,
-        refusing the connection or the login, or answering 4xx is tried again later."""
+        """Send one row. A recipient that is no address, or a server refusing the mail itself
+        (5xx to the recipient or the data) is final; a server down, refusing the connection,
+        STARTTLS or the login (a password that changed: every queued mail would be lost), or
+        answering 4xx is tried again later."""
         import aiosmtplib
 
         meta = delivery.meta
+        try:
+            single_address([delivery.recipient], "To")
+        except ValueError as exc:
+            raise DeliveryError(f"no address to send to: {exc}", permanent=True) from None
         try:
             message_id = await self.send(
                 delivery.recipient,
@@ -310,8 +317,18 @@ class EmailModule:
         except MailError as exc:
             cause = exc.__cause__.__cause__ if exc.__cause__ is not None else None
             code = getattr(cause, "code", None)
-            permanent = isinstance(cause, aiosmtplib.SMTPRecipientsRefused) or (
-                isinstance(code, int) and 500 <= code < 600
+            if isinstance(cause, aiosmtplib.SMTPRecipientsRefused):  # 450 greylisting: later
+                code = min((r.code for r in cause.recipients), default=None)
+            refused_mail = isinstance(
+                cause,
+                aiosmtplib.SMTPRecipientsRefused
+                | aiosmtplib.SMTPSenderRefused
+                | aiosmtplib.SMTPDataError,
+            )
+            permanent = (
+                not isinstance(exc, MailRefused)
+                and refused_mail
+                and (not isinstance(code, int) or 500 <= code < 600)
             )
             raise DeliveryError(str(exc), permanent=permanent) from exc
         return [message_id]
@@ -335,13 +352,16 @@ def _incoming(mail: ParsedMail) -> IncomingMessage:
 
 
 def conversation_of(mail: ParsedMail) -> str:
-    """A mail thread's key: its root, the first of References (our reply keeps the thread's
-    References and adds to it), else the mail's own Message-ID."""
+    """A mail thread's key, per sender: the thread's root (the first of References: our reply
+    keeps the thread's References and adds to it; else the mail's own Message-ID) and who
+    writes. References are the sender's to choose: someone CC'd on another person's thread,
+    or claiming its root, must not get that person's history in their prompts, nor their
+    notifications."""
     ids = mail.references.split()
     root = ids[0] if ids else _external_id(mail)
     if len(root) > MAX_CONVERSATION_ID_CHARS:  # the key is indexed: a hostile id may be huge
         root = "sha256:" + hashlib.sha256(root.encode("utf-8", "surrogateescape")).hexdigest()
-    return f"email:{root}"
+    return f"email:{mail.sender}:{root}"
 
 
 def _external_id(mail: ParsedMail) -> str:

@@ -25,7 +25,8 @@ def history_text(history: Sequence[dict[str, Any]]) -> str:
     lines = []
     for row in history:
         said = f"Subject: {row['subject']}. {row['text']}" if row.get("subject") else row["text"]
-        lines.append(f"{row.get('sender_name') or 'They'} said: {bounded(said)}")
+        who = bounded(row.get("sender_name") or "They")[:60]  # a display name is theirs too
+        lines.append(f"{who} said: {bounded(said)}")
         if row.get("reply"):
             lines.append(f"{row.get('routed_to') or 'A butler'} answered: {bounded(row['reply'])}")
     return "\n".join(lines)

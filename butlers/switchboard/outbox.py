@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_S = (1, 2, 5, 10, 30, 60, 120, 300)  # between attempts while a channel is down
 IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
+# A channel failing in a way it does not explain (a bug) is not waited out for a day: the
+# channel's later messages queue behind the row (delivery is in order).
+MAX_INTERNAL_ERRORS = 3
 ERROR_CHARS = 1000
 
 
@@ -301,10 +304,14 @@ class OutboxSender:
                     span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                     await self._not_taken(delivery, str(exc), permanent=exc.permanent)
                     return
-                except Exception as exc:  # a bug in a channel: retried, never lost silently
+                except Exception as exc:  # a bug in a channel: retried a few times, logged
                     logger.exception("outbox: delivering row %s failed", delivery.id)
                     span.record_exception(exc)
-                    await self._not_taken(delivery, f"internal error ({type(exc).__name__})")
+                    await self._not_taken(
+                        delivery,
+                        f"internal error ({type(exc).__name__})",
+                        permanent=delivery.attempts >= MAX_INTERNAL_ERRORS,
+                    )
                     return
                 # The channel has it: marking it must survive our own cancellation.
                 await asyncio.shield(self.store.sent(delivery.id, sent_ids))

@@ -159,7 +159,17 @@ class InboxWorker:
                     message.id,
                     extra={"action": "inbox_process_failed"},
                 )
-                await self._finish(message, "failed", None, sorry("internal"), "internal error")
+                try:
+                    await self._finish(message, "failed", None, sorry("internal"), "internal error")
+                except Exception:
+                    # The database itself is failing: the message stays `processing` and is
+                    # resumed at the next start; the worker waits a little and goes on.
+                    logger.exception(
+                        "cannot record inbox message %s as failed",
+                        message.id,
+                        extra={"action": "inbox_error"},
+                    )
+                    await asyncio.sleep(IDLE_POLL_S)
 
     # -- one message ------------------------------------------------------------------------
 
@@ -242,9 +252,13 @@ class InboxWorker:
                 span.set_attribute("via", via)
                 span.set_attribute("butler", butler)
                 answer = await self._route_one(butler, message, history)
-                if not answer.ok:
-                    span.set_status(Status(StatusCode.ERROR, (answer.error or "")[:200]))
-                return [answer], None, via
+                gone = answer.failure in ("unreachable", "refused")
+                if not (via == "thread" and gone):
+                    if not answer.ok:
+                        span.set_status(Status(StatusCode.ERROR, (answer.error or "")[:200]))
+                    return [answer], None, via
+                # The butler that answered before is gone: the classifier decides afresh.
+                span.set_attribute("thread_butler_gone", butler)
 
             span.set_attribute("via", "claude")
             async with self.dispatcher.open(message, history) as dispatch:

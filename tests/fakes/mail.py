@@ -271,7 +271,8 @@ class SmtpServer:
     def _authenticate(self, server, session, envelope, mechanism, auth) -> AuthResult:
         user, password = auth.login.decode(), auth.password.decode()
         self.logins.append((user, password))
-        return AuthResult(success=self._users.get(user) == password)
+        ok = self._users.get(user) == password
+        return AuthResult(success=ok, handled=False)  # handled=True: no answer to a refusal
 
     async def handle_DATA(self, server, session, envelope) -> str:
         message = email.message_from_bytes(envelope.content, policy=email.policy.default)
