@@ -1,13 +1,23 @@
-# One command to run, one to test. Both create .venv and install on first use.
+# One command to run, one to test. Both create .venv and install on first use, with the exact
+# versions requirements.lock pins (the ones the tests ran with); plain pip, nothing else.
 PYTHON ?= python3
 VENV ?= .venv
+LOCK := requirements.lock
 STAMP := $(VENV)/.installed-stamp
+# What `make lock` passes to pip-compile besides the fixed options, e.g.
+# PIP_COMPILE_ARGS=--upgrade, or PIP_COMPILE_ARGS="--upgrade-package fastmcp".
+PIP_COMPILE_ARGS ?=
 
-.PHONY: up test lint clean
+.PHONY: up test test-fast lint lock clean
 
-$(STAMP): pyproject.toml
+# Reinstalled when the lock or pyproject.toml changes. `pip check` fails when pyproject.toml
+# asks for something the lock does not pin (run `make lock`): butlers itself goes in with
+# --no-deps, so nothing unpinned slips in. No build isolation: the lock's setuptools builds it.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	$(VENV)/bin/pip install --quiet -r $(LOCK)
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	$(VENV)/bin/pip check
 	touch $(STAMP)
 
 up: $(STAMP)
@@ -16,8 +26,24 @@ up: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest
 
+# The tests that need neither PostgreSQL nor Claude Code (markers `pg` and `claude`, set in
+# tests/conftest.py from the fixtures a test uses): the loop to run while editing.
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -m "not pg and not claude"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Re-resolve requirements.lock from pyproject.toml with pip-tools, in a throwaway venv (so it
+# is not one of the project's dependencies). Without PIP_COMPILE_ARGS it keeps every pin the
+# ranges still admit and only adds or drops what changed.
+lock:
+	tools=$$(mktemp -d) && trap 'rm -rf "$$tools"' EXIT && \
+	$(PYTHON) -m venv "$$tools" && \
+	"$$tools/bin/pip" install --quiet 'pip-tools>=7.4,<8' && \
+	CUSTOM_COMPILE_COMMAND="make lock" "$$tools/bin/pip-compile" --quiet --extra dev \
+		--strip-extras --allow-unsafe --no-emit-index-url --no-emit-trusted-host \
+		--no-emit-find-links $(PIP_COMPILE_ARGS) --output-file $(LOCK) pyproject.toml
 
 clean:
 	rm -rf $(VENV)

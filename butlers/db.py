@@ -27,7 +27,10 @@ from butlers.errors import DatabaseError
 
 logger = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+# alembic's scripts are package data of `butlers` (butlers/migrations), so a wheel or pipx
+# install migrates from wherever it is installed; alembic resolves "package:path" through
+# importlib.resources.
+MIGRATIONS_RESOURCE = "butlers:migrations"
 DEFAULT_DATA_DIR = ".butlers"
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
@@ -673,16 +676,33 @@ async def ensure_database(server: PostgresServer, database: str) -> bool:
         await conn.close()
 
 
+def migrations_dir() -> Path:
+    """The directory of the alembic scripts inside the installed `butlers` package.
+
+    Raises DatabaseError, saying how to repair it, when the install lacks them (a wheel built
+    without its package data, files deleted): without it alembic's own error would only name
+    a path.
+    """
+    from importlib import resources
+
+    package, _, name = MIGRATIONS_RESOURCE.partition(":")
+    location = resources.files(package) / name
+    # A regular install is a directory on disk; alembic needs one (it lists versions/).
+    if not isinstance(location, Path) or not (location / "env.py").is_file():
+        raise DatabaseError(
+            f"this butlers installation has no database migrations (looked for {location}/"
+            "env.py); the package was installed without its data files: reinstall it "
+            "(pip install --force-reinstall butlers, or pip install . from a checkout)"
+        )
+    return location
+
+
 def _alembic_config(dsn: str):
     from alembic.config import Config
 
-    if not (MIGRATIONS_DIR / "env.py").is_file():
-        raise DatabaseError(
-            f"migrations not found at {MIGRATIONS_DIR}; install butlers from its source tree "
-            "(pip install -e .)"
-        )
+    migrations_dir()  # fail with the repair hint before alembic fails with a bare path
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", MIGRATIONS_RESOURCE)
     config.attributes["dsn"] = dsn
     return config
 

@@ -347,9 +347,9 @@ def migration_heads(*branches: str) -> set[str]:
     Read from the migration scripts, so a new migration needs no test edited."""
     from alembic.script import ScriptDirectory
 
-    from butlers.db import MIGRATIONS_DIR
+    from butlers.db import migrations_dir
 
-    script = ScriptDirectory(str(MIGRATIONS_DIR))
+    script = ScriptDirectory(str(migrations_dir()))
     heads = {script.get_revision(f"{branch}@head").revision for branch in branches}
     below = {
         revision.revision
