@@ -8,16 +8,16 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 10001 butler
 WORKDIR /app
 
-# Dependencies first, so editing the code does not reinstall them.
-COPY pyproject.toml README.md ./
+# Dependencies first, so editing the code does not reinstall them: the versions the tests ran
+# with (requirements.lock as constraints: only what butlers needs, not the test tools).
+COPY requirements.lock pyproject.toml README.md LICENSE ./
 COPY butlers/__init__.py butlers/__init__.py
-RUN pip install .  && pip uninstall --yes butlers
+RUN pip install -c requirements.lock . && pip uninstall --yes butlers
 
+# A regular install: the alembic migrations are package data (butlers/migrations).
 COPY butlers butlers
-COPY migrations migrations
 COPY config config
-# Editable: the alembic migrations are read from /app/migrations, next to the package.
-RUN pip install --no-deps -e . && mkdir -p /app/.butlers && chown butler /app/.butlers
+RUN pip install --no-deps . && mkdir -p /app/.butlers && chown butler /app/.butlers
 
 USER 10001
 EXPOSE 8100 8101 8102 8103
