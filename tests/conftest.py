@@ -34,6 +34,25 @@ from tests.fakes.otlp import OtlpReceiver
 _LEAKY_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_", "BUTLERS_", "TELEGRAM_")
 
 
+# Markers (registered in pyproject.toml) that `make test-fast` deselects, set from the fixtures
+# a test uses (directly or through other fixtures), so a new test is marked without thinking of
+# it. A test that starts Claude Code or PostgreSQL in some other way marks itself.
+_MARKER_FIXTURES = {
+    # pg_server, and the places tests give a PostgreSQL they start themselves (an embedded
+    # server's home, a `butlers` subprocess's BUTLERS_DATA_DIR).
+    "pg": {"pg_server", "pg_home", "embedded_env", "cli_env"},
+    "claude": {"messages_api"},
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in _MARKER_FIXTURES.items():
+            if used & fixtures:
+                item.add_marker(marker)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _clean_environment() -> None:
     for key in list(os.environ):
