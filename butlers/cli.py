@@ -2,6 +2,11 @@
 
 Environment: DATABASE_URL (else embedded PostgreSQL), BUTLERS_DATA_DIR (default .butlers),
 BUTLERS_AUTH_TOKEN (bearer token for every MCP endpoint), OTEL_EXPORTER_OTLP_ENDPOINT.
+
+Each command imports what it needs when it runs, not at import time: `--help` and the client
+commands must not pay for FastMCP, OpenTelemetry, Claude Code's SDK and the Telegram library
+(seconds on a small machine; tests/test_cli_imports.py guards it, bench/cli_startup.py
+measures it). Keep module-level imports here to the standard library and light modules.
 """
 
 from __future__ import annotations
@@ -20,27 +25,20 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from butlers.config import ButlerConfig, load_config_dir
-from butlers.daemon import (
-    ButlerDaemon,
-    auth_token_from_environment,
-    migration_branches,
-    start_fleet,
-    stop_fleet,
-)
-from butlers.db import prepare_database, running, server_from_environment
+from butlers import logs
 from butlers.errors import ButlersError
-from butlers.redact import Redactor, install_log_redaction
-from butlers.switchboard.operator import DEFAULT_JAEGER_UI_URL, jaeger_url
-from butlers.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from butlers.config import ButlerConfig
+    from butlers.daemon import ButlerDaemon
+    from butlers.redact import Redactor
+    from butlers.telemetry import Telemetry
 
 logger = logging.getLogger("butlers")
 
 DEFAULT_CONFIG_DIR = Path("config/butlers")
-# The process's log redaction: installed once by cli(), told more secrets as configs load.
-LOG_REDACTOR = Redactor()
 
 
 class CommandError(ButlersError):
@@ -52,6 +50,8 @@ def _data_dir() -> Path:
 
 
 def _select(config_dir: Path, only: Sequence[str] | None) -> list[ButlerConfig]:
+    from butlers.config import load_config_dir
+
     fleet = load_config_dir(config_dir)
     for error in fleet.errors:
         print(f"error: {error} (butler skipped)", file=sys.stderr)
@@ -105,42 +105,128 @@ def _print_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
     print("Press Ctrl-C to stop.", flush=True)
 
 
+def ready_report(
+    daemons: Sequence[ButlerDaemon], failed: dict[str, str], db_description: str
+) -> dict[str, Any]:
+    """The ready table as data (`butlers up --json`): every butler asked for, running or not."""
+    butlers: list[dict[str, Any]] = [
+        {
+            "name": d.config.name,
+            "status": "running",
+            "url": d.sse_url,
+            "mcp_url": f"{d.base_url}/mcp",
+            "health_url": f"{d.base_url}/health",
+        }
+        for d in daemons
+    ]
+    butlers += [{"name": n, "status": "failed", "error": error} for n, error in failed.items()]
+    return {"database": db_description, "butlers": sorted(butlers, key=lambda b: b["name"])}
+
+
+def progress(text: str) -> None:
+    """A start-up step, for the person waiting (stderr: stdout stays the ready table or JSON)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def _install_stop_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
 
 
-async def serve(config_dir: Path, only: Sequence[str] | None, *, strict: bool) -> int:
-    """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal."""
+async def serve(
+    config_dir: Path,
+    only: Sequence[str] | None,
+    *,
+    strict: bool,
+    redactor: Redactor,
+    as_json: bool = False,
+) -> int:
+    """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal.
+    `redactor`: the process's log redaction, told the secrets the configs name."""
     stop = asyncio.Event()
     _install_stop_signals(stop)
     configs = _select(config_dir, only)
-    LOG_REDACTOR.add(Redactor.from_environment(configs).secrets)
+    from butlers.db import EmbeddedServer, running, server_from_environment
+
     server = server_from_environment()
-    telemetry = Telemetry.from_environment(redact=LOG_REDACTOR)
-    async with running(server), _flushed(telemetry):
-        report = await start_fleet(
-            configs,
-            server,
-            data_dir=_data_dir(),
-            auth_token=auth_token_from_environment(),
-            config_dir=config_dir,
-            telemetry=telemetry,
+    if isinstance(server, EmbeddedServer):
+        first = not (server.pgdata / "PG_VERSION").exists()
+        progress(
+            f"Initialising PostgreSQL in {server.pgdata} (first start)..."
+            if first
+            else f"Starting PostgreSQL in {server.pgdata}..."
         )
+    async with contextlib.AsyncExitStack() as stack:
+        # PostgreSQL starts in a worker thread (initdb alone takes most of a second) while this
+        # one imports what the butlers need: on a cold start the two overlap.
+        starting = asyncio.create_task(
+            stack.enter_async_context(running(server)), name="postgres:start"
+        )
+        await asyncio.sleep(0)  # let it hand the start to its thread before the imports
         try:
-            for name, error in report.failed.items():
-                print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
-            if not report.running or (strict and report.failed):
-                raise CommandError(
-                    "no butler is running" if not report.running else "a butler failed to start"
-                )
-            _print_table(report.running, server.description)
-            await stop.wait()
-            print("Stopping...", flush=True)
+            from butlers.daemon import auth_token_from_environment
+            from butlers.telemetry import Telemetry
+
+            logs.adopt_fastmcp_logging()
         finally:
-            await stop_fleet(report.running)
+            await starting
+        from butlers.redact import Redactor
+
+        redactor.add(Redactor.from_environment(configs, environ=os.environ).secrets)
+        telemetry = Telemetry.from_environment(redact=redactor)
+        async with _flushed(telemetry):
+            await _serve_fleet(
+                configs,
+                server,
+                config_dir,
+                telemetry,
+                auth_token=auth_token_from_environment(),
+                stop=stop,
+                strict=strict,
+                as_json=as_json,
+            )
     return 0
+
+
+async def _serve_fleet(
+    configs: Sequence[ButlerConfig],
+    server: Any,
+    config_dir: Path,
+    telemetry: Telemetry,
+    *,
+    auth_token: str | None,
+    stop: asyncio.Event,
+    strict: bool,
+    as_json: bool,
+) -> None:
+    from butlers.daemon import start_fleet, stop_fleet
+
+    report = await start_fleet(
+        configs,
+        server,
+        data_dir=_data_dir(),
+        auth_token=auth_token,
+        config_dir=config_dir,
+        telemetry=telemetry,
+        progress=progress,
+    )
+    try:
+        for name, error in report.failed.items():
+            print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
+        if not report.running or (strict and report.failed):
+            raise CommandError(
+                "no butler is running" if not report.running else "a butler failed to start"
+            )
+        if as_json:
+            ready = ready_report(report.running, report.failed, server.description)
+            print(json.dumps(ready, ensure_ascii=False), flush=True)
+        else:
+            _print_table(report.running, server.description)
+        await stop.wait()
+        progress("Stopping...")
+    finally:
+        await stop_fleet(report.running)
 
 
 @contextlib.asynccontextmanager
@@ -154,6 +240,9 @@ async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
 
 
 async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
+    from butlers.daemon import migration_branches
+    from butlers.db import prepare_database, running, server_from_environment
+
     configs = _select(config_dir, names)
     server = server_from_environment()
     failed = False
@@ -180,20 +269,25 @@ async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> A
     from butlers.switchboard.route import unwrap
 
     try:
-        async with Client(url, auth=auth_token_from_environment()) as client:
+        async with Client(url, auth=_auth_token()) as client:
             result = await client.call_tool_mcp(tool, arguments)
     except ToolError as exc:
         raise CommandError(str(exc)) from exc
     except Exception as exc:  # connect failures arrive as RuntimeError or exception groups
-        raise CommandError(f"cannot reach the switchboard at {url}: {_connect_error(exc)}") from exc
+        raise CommandError(_unreachable(url, exc)) from exc
     answer = unwrap(result.model_dump(mode="json", by_alias=True, exclude_none=True))
     if result.is_error:
         raise CommandError(str(answer))
     return answer
 
 
-def _connect_error(exc: BaseException) -> str:
-    """The innermost, most telling cause of a failed connection."""
+def _auth_token() -> str | None:
+    return os.environ.get("BUTLERS_AUTH_TOKEN") or None
+
+
+def _unreachable(url: str, exc: BaseException) -> str:
+    """What to tell the user when the switchboard did not answer: what to check first, and
+    the innermost, most telling cause of the failed connection."""
     while True:
         if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
@@ -203,8 +297,12 @@ def _connect_error(exc: BaseException) -> str:
             break
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "401" in text:
-        return "401 Unauthorized: set BUTLERS_AUTH_TOKEN to the switchboard's token"
-    return text.removeprefix("Client failed to connect: ")
+        return (
+            f"the switchboard at {url} answered 401 Unauthorized: set BUTLERS_AUTH_TOKEN to "
+            "the switchboard's token"
+        )
+    cause = text.removeprefix("Client failed to connect: ")
+    return f"cannot reach the switchboard at {url}: is `butlers up` running? ({cause})"
 
 
 def _print_butlers(rows: list[dict[str, Any]]) -> None:
@@ -269,6 +367,8 @@ async def _trace(url: str, ref: str) -> dict[str, Any]:
         trace_id = route.get("trace_id")
         if not trace_id:
             raise CommandError(f"routing_log row {ref} has no trace id")
+    from butlers.switchboard.operator import jaeger_url
+
     return {"trace_id": trace_id, "url": jaeger_url(trace_id), "route": route}
 
 
@@ -463,13 +563,14 @@ async def gateway_command(args: argparse.Namespace) -> int:
         token_report,
     )
 
+    logs.adopt_fastmcp_logging()
     options = GatewayOptions(
         directory=args.dir,
         transport=args.transport,
         host=args.host,
         port=args.port,
         prewarm=not args.lazy,
-        auth_token=auth_token_from_environment(),
+        auth_token=_auth_token(),
     )
 
     async def registry() -> list[dict[str, Any]]:
@@ -477,7 +578,7 @@ async def gateway_command(args: argparse.Namespace) -> int:
 
     fetch = None if args.no_butlers else registry
     if args.report:
-        print(await token_report(options, fetch))
+        print(await token_report(options, fetch, as_json=args.json))
         return 0
     stop = asyncio.Event()
     if args.transport != "stdio":
@@ -494,10 +595,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Environment: DATABASE_URL (else embedded PostgreSQL under $BUTLERS_DATA_DIR), "
         "BUTLERS_DATA_DIR (default .butlers), BUTLERS_AUTH_TOKEN, OTEL_EXPORTER_OTLP_ENDPOINT.",
     )
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("BUTLERS_LOG_LEVEL", "WARNING"),
-        help="logging level (default WARNING, env BUTLERS_LOG_LEVEL)",
+    _log_options(
+        parser,
+        level=os.environ.get("BUTLERS_LOG_LEVEL") or logs.DEFAULT_LEVEL,
+        log_format=os.environ.get("BUTLERS_LOG_FORMAT") or logs.DEFAULT_FORMAT,
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -512,6 +613,7 @@ def _parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="start PostgreSQL and every butler in one process")
     config_dir_arg(up)
     up.add_argument("--only", nargs="+", metavar="NAME", help="start only these butlers")
+    up.add_argument("--json", action="store_true", help="print the ready table as one JSON object")
 
     run = commands.add_parser("run", help="run one butler in the foreground")
     config_dir_arg(run)
@@ -570,10 +672,12 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument(
         "--report", action="store_true", help="print the token sizes of native vs gateway tools"
     )
+    gateway.add_argument("--json", action="store_true", help="--report as JSON, for scripts")
     trace = commands.add_parser(
         "trace",
+        # (the default is butlers.switchboard.operator's, not imported for a --help)
         help="print the Jaeger URL of a message's trace (JAEGER_UI_URL, "
-        f"default {DEFAULT_JAEGER_UI_URL})",
+        "default http://localhost:16686)",
     )
     client_args(trace)
     trace.add_argument("ref", metavar="ID", help="a trace id, or a routing_log id")
@@ -602,19 +706,59 @@ def _parser() -> argparse.ArgumentParser:
     client_args(outbox)
     outbox.add_argument("--status", help="only pending|sending|sent|failed ones")
     limit_arg(outbox)
+    # On every command too (`butlers list --log-level debug`), where they override the
+    # defaults above only when given.
+    for command in [*commands.choices.values(), *db_commands.choices.values()]:
+        _log_options(command, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     return parser
 
 
-async def cli(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+def _log_options(parser: argparse.ArgumentParser, *, level: str, log_format: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logs.LEVELS,
+        default=level,
+        help="what to log, from DEBUG up (default WARNING, env BUTLERS_LOG_LEVEL)",
     )
-    # httpx logs every request URL at INFO, and Bot API URLs carry the bot token.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    install_log_redaction(LOG_REDACTOR)
-    LOG_REDACTOR.add(Redactor.from_environment().secrets)
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=log_format,
+        help="text lines, or one JSON object per line (default text, env BUTLERS_LOG_FORMAT)",
+    )
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # argparse checks the choices of what is typed, not of a default from the environment.
+    try:
+        args.log_level = logs.parse_level(args.log_level)
+    except ValueError as exc:
+        parser.error(f"BUTLERS_LOG_LEVEL: {exc}")
+    if args.log_format not in logs.FORMATS:
+        parser.error(
+            f"BUTLERS_LOG_FORMAT: {args.log_format!r} is not one of {', '.join(logs.FORMATS)}"
+        )
+    return args
+
+
+def _start_logging(args: argparse.Namespace) -> Redactor:
+    """The process's one log stream, redacting the secrets of the environment (and later
+    those the loaded configs name: the returned redactor is told them)."""
+    from butlers.redact import Redactor, install_log_redaction
+
+    logs.configure_logging(args.log_level, args.log_format)
+    redactor = Redactor()
+    install_log_redaction(redactor)
+    redactor.add(Redactor.from_environment(environ=os.environ).secrets)
+    return redactor
+
+
+async def cli(argv: Sequence[str]) -> int:
+    args = _parse(argv)
+    redactor = _start_logging(args)
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names)
     if args.command == "gateway":
@@ -622,8 +766,10 @@ async def cli(argv: Sequence[str]) -> int:
     if args.command in CLIENT_COMMANDS:
         return await client_command(args)
     if args.command == "up":
-        return await serve(args.config_dir, args.only, strict=False)
-    return await serve(args.config_dir, [args.name], strict=True)
+        return await serve(
+            args.config_dir, args.only, strict=False, redactor=redactor, as_json=args.json
+        )
+    return await serve(args.config_dir, [args.name], strict=True, redactor=redactor)
 
 
 def _install_fast_event_loop() -> None:

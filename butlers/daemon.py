@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +27,12 @@ from butlers.core_tools import database_status, module_report, register_core_too
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
+from butlers.logs import butler_context
 from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
+from butlers.settings import Settings
 from butlers.spawner import Spawner
 from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
@@ -67,12 +69,16 @@ class ButlerDaemon:
         db_server: PostgresServer,
         *,
         data_dir: Path,
+        settings: Settings,
         auth_token: str | None = None,
         session_env: Mapping[str, str] | None = None,
         config_dir: Path | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.config = config
+        # The process's environment settings (butlers.settings): credentials by name, the
+        # switchboard's URL, the environment Claude Code's is chosen from.
+        self.settings = settings
         # Spans are always real (trace ids are recorded); exported only if the Telemetry does.
         self.telemetry = (telemetry or Telemetry()).for_butler(config.name)
         # The fleet's config directory: what the switchboard's discover() scans.
@@ -83,7 +89,7 @@ class ButlerDaemon:
         self.auth_token = auth_token
         # Configured secrets never go into sessions or routing_log rows (nor logs and spans,
         # which the process entry point redacts).
-        self.redactor = Redactor.from_environment([config])
+        self.redactor = Redactor.from_environment([config], environ=settings.environ)
         self.redactor.add([auth_token] if auth_token else [])
         self.session_env = dict(session_env or {})
         self.port: int | None = None
@@ -111,7 +117,10 @@ class ButlerDaemon:
             )
         self._state = "starting"
         try:
-            await self._start()
+            # Every record of this butler's start-up, and of every task it creates (its
+            # server, ticker, worker, channels), names it (butlers.logs).
+            with butler_context(self.config.name):
+                await self._start()
         except BaseException:
             await self._close_resources()
             self._state = "stopped"
@@ -130,6 +139,7 @@ class ButlerDaemon:
             store,
             work_dir=self.data_dir / "sessions" / config.name,
             telemetry=self.telemetry,
+            settings=self.settings,
             session_env=self.session_env,
             auth_token=self.auth_token,
             redact=self.redactor,
@@ -142,7 +152,13 @@ class ButlerDaemon:
             self_url=self.sse_url,
             switchboard=SwitchboardLink(
                 config.name,
-                await asyncio.to_thread(switchboard_url, config, self.config_dir, self.sse_url),
+                await asyncio.to_thread(
+                    switchboard_url,
+                    config,
+                    self.config_dir,
+                    self.sse_url,
+                    self.settings.switchboard_url,
+                ),
                 auth_token=self.auth_token,
             ),
         )
@@ -156,7 +172,7 @@ class ButlerDaemon:
         register_core_tools(mcp, ctx)
         if config.name == SWITCHBOARD:
             await self._attach_switchboard(mcp)
-        self._modules = build_modules(config, mcp, self.switchboard)
+        self._modules = build_modules(config, mcp, self.switchboard, self.settings)
         ctx.module_statuses = self._modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
@@ -170,7 +186,11 @@ class ButlerDaemon:
         )
         uv_config = uvicorn.Config(
             app,
-            log_level="warning",
+            # uvicorn's records propagate to the process's one stream, at its level
+            # (butlers.logs), instead of its own handlers fixed at one level. Its access log
+            # stays off: a line per MCP message (every tool call over SSE is a POST) says
+            # less than the tool's own log and span, and costs the route hot path.
+            log_config=None,
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
@@ -297,7 +317,8 @@ class ButlerDaemon:
             self._state = "stopped"
             return
         self._state = "stopping"
-        await self._close_resources()
+        with butler_context(self.config.name):
+            await self._close_resources()
         self._state = "stopped"
         logger.info("butler %s stopped", self.config.name, extra={"action": "butler_stopped"})
 
@@ -340,21 +361,38 @@ async def start_fleet(
     db_server: PostgresServer,
     *,
     data_dir: Path,
+    settings: Settings,
     auth_token: str | None = None,
     session_env: Mapping[str, str] | None = None,
     config_dir: Path | None = None,
     telemetry: Telemetry | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FleetReport:
-    """Prepare each butler's database and start it; one failing butler never stops the others."""
+    """Prepare every butler's database, then start the butlers; one failing butler never
+    stops the others. `progress` is told each step (`butlers up` prints them)."""
     running: list[ButlerDaemon] = []
     failed: dict[str, str] = {}
+    say = progress or (lambda _text: None)
+    say(f"Migrating {len(configs)} database{'s' if len(configs) != 1 else ''}...")
+    prepared = []
     for config in configs:
         try:
             await prepare_database(db_server, config.database, migration_branches(config))
+        except ButlersError as exc:
+            logger.error(
+                "butler %s not started: %s", config.name, exc, extra={"action": "butler_failed"}
+            )
+            failed[config.name] = str(exc)
+            continue
+        prepared.append(config)
+    say(f"Starting {len(prepared)} butler{'s' if len(prepared) != 1 else ''}...")
+    for config in prepared:
+        try:
             daemon = ButlerDaemon(
                 config,
                 db_server,
                 data_dir=data_dir,
+                settings=settings,
                 auth_token=auth_token,
                 session_env=session_env,
                 telemetry=telemetry,

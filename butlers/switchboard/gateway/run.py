@@ -86,7 +86,8 @@ async def serve_gateway(
                     app,
                     host=options.host,
                     port=options.port,
-                    log_level="warning",
+                    log_config=None,  # to the process's one log stream (butlers.logs)
+                    access_log=False,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                 )
             )
@@ -123,8 +124,11 @@ def _tokens(chars: int) -> int:
     return math.ceil(chars / 4)
 
 
-async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> str:
-    """Per child and in total: the tools/list a host sees natively vs through the gateway."""
+async def token_report(
+    options: GatewayOptions, fetch_registry: RegistryFetch | None, *, as_json: bool = False
+) -> str:
+    """Per child and in total: the tools/list a host sees natively vs through the gateway;
+    a Markdown table, or (`as_json`) one JSON object with the same figures."""
     if options.transport != "stdio":
         require_token_beyond_loopback("the gateway", options.host, options.auth_token)
     gateway = await build_gateway(options, fetch_registry)
@@ -147,6 +151,8 @@ async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | 
         control = sum(listed.get(name, 0) for name in CONTROL_TOOLS)
     finally:
         await gateway.close()
+    if as_json:
+        return json.dumps(_report_data(rows, control))
     lines = [
         "| child | state | tools | native chars | native tokens | gateway chars | gateway tokens |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -168,3 +174,36 @@ async def token_report(options: GatewayOptions, fetch_registry: RegistryFetch | 
         lines.append("")
         lines.append(f"Through the gateway a host's tool list is {saved:.0f}% smaller.")
     return "\n".join(lines)
+
+
+def _report_data(rows: list[tuple[str, str, int, int, int]], control: int) -> dict[str, Any]:
+    """The token report as data: per child, and the totals (the gateway's including its
+    control tools)."""
+    native_total = sum(r[3] for r in rows)
+    gateway_total = sum(r[4] for r in rows) + control
+    return {
+        "children": [
+            {
+                "name": name,
+                "state": state,
+                "tools": count,
+                "native_chars": native,
+                "native_tokens": _tokens(native),
+                "gateway_chars": suite,
+                "gateway_tokens": _tokens(suite),
+            }
+            for name, state, count, native, suite in rows
+        ],
+        "control_tools": list(CONTROL_TOOLS),
+        "control_chars": control,
+        "total": {
+            "tools": sum(r[2] for r in rows),
+            "native_chars": native_total,
+            "native_tokens": _tokens(native_total),
+            "gateway_chars": gateway_total,
+            "gateway_tokens": _tokens(gateway_total),
+            "saved_percent": round(100 * (1 - gateway_total / native_total))
+            if native_total
+            else None,
+        },
+    }
