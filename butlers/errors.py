@@ -31,6 +31,39 @@ class SpawnError(ButlersError):
     """A Claude Code session could not run, or ran without its tools."""
 
 
+class McpCallError(ButlersError):
+    """A request we sent to another MCP server got no result (butlers.mcp_connection).
+
+    route, notify and the gateway catch this family; which subclass says whether sending the
+    request again elsewhere is safe. Each message is written for the person or model who
+    will read it, by whoever knows most about the call (the connection, or its owner).
+    """
+
+
+class ConnectionClosed(McpCallError):
+    """The connection is gone, or never opened. Raised as itself, the request was not sent:
+    sending it again on a new connection cannot run anything twice (AnswerLost: it was)."""
+
+
+class AnswerLost(ConnectionClosed):
+    """The request was sent, then the connection went away before its answer: the tool may
+    or may not have run, so it must not be sent again blindly."""
+
+
+class CallTimedOut(McpCallError):
+    """The peer took the request but sent no answer within the timeout (we told it to stop:
+    `notifications/cancelled`)."""
+
+
+class RemoteError(McpCallError):
+    """The peer answered with a JSON-RPC error (a tool's own error is a result, not this)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class ToolRefusal(ToolError):
     """A tool call answered with a message for the caller instead of a result.
 

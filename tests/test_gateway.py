@@ -23,7 +23,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.errors import ConfigError
 from butlers.switchboard.gateway.children import parse_mcp_json
-from butlers.switchboard.gateway.clients import FrameReader
+from butlers.mcp_connection.stdio import FrameReader
 from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.summary import summarize
 from tests.conftest import StartButler, free_port

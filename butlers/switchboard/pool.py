@@ -4,7 +4,7 @@ A fresh connect + initialize costs about ten times a call on an open session, so
 opened lazily, shared by every caller (MCP multiplexes concurrent requests on one session),
 re-opened once when the connection turns out to be closed (the target restarted), and closed
 when the switchboard stops. Endpoints ending in `/sse` (every butler's) get our lean
-`SseSession`; anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
+`SseConnection`; anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
 """
 
 from __future__ import annotations
@@ -19,15 +19,8 @@ import aiohttp
 from fastmcp import Client
 from mcp.shared.exceptions import MCPError
 
-from butlers.errors import ButlersError
-from butlers.switchboard.sse_session import (
-    IDLE_STREAM_S,
-    AnswerLost,
-    CallTimedOut,
-    RemoteError,
-    SessionClosed,
-    SseSession,
-)
+from butlers.errors import AnswerLost, ButlersError, CallTimedOut, ConnectionClosed, RemoteError
+from butlers.mcp_connection.sse import IDLE_STREAM_S, SseConnection
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +93,7 @@ class McpClientPool:
                     f"the connection was lost before {tool!r} answered ({exc}); "
                     "it may or may not have run"
                 ) from exc
-            except SessionClosed as exc:
+            except ConnectionClosed as exc:
                 await self._discard(url, session)
                 if attempt == 2:
                     raise TargetUnreachable(f"the connection was closed ({exc})") from exc
@@ -135,7 +128,7 @@ class McpClientPool:
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
                     cookie_jar=aiohttp.DummyCookieJar(),  # MCP does not use cookies
                 )
-            session: Session = SseSession(
+            session: Session = SseConnection(
                 url, self._http, auth_token=self.auth_token, idle_stream_s=self.idle_stream_s
             )
         else:
@@ -191,7 +184,7 @@ class FastMcpSession:
             result = await self._client.call_tool_mcp(name, arguments, timeout=timeout_s)
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
-                raise SessionClosed(str(exc.message)) from exc
+                raise ConnectionClosed(str(exc.message)) from exc
             if "timed out" in str(exc.message):
                 raise CallTimedOut(f"no answer within {timeout_s:g}s") from exc
             raise RemoteError(exc.code, str(exc.message)) from exc

@@ -22,9 +22,9 @@ from fastmcp import FastMCP
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
 
-from butlers.errors import ToolRefusal
+from butlers.errors import McpCallError, ToolRefusal
 from butlers.switchboard.gateway.children import ChildSpec
-from butlers.switchboard.gateway.clients import Child, ChildError, RemoteChild, StdioChild
+from butlers.switchboard.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.switchboard.gateway.config import GatewayConfig
 from butlers.switchboard.gateway.summary import summarize
 from butlers.tasks import cancel_and_wait
@@ -181,7 +181,7 @@ class Gateway:
         slot.state, slot.error = "warming", None
         try:
             slot.tools = await slot.child.list_tools()
-        except ChildError as exc:
+        except McpCallError as exc:
             slot.state, slot.error = "error", str(exc)
             logger.warning("%s", exc, extra={"action": "child_failed"})
             return
@@ -257,7 +257,7 @@ class Gateway:
         was_running = slot.child.running()
         try:
             raw = await slot.child.call_tool(tool, arguments)
-        except ChildError as exc:
+        except McpCallError as exc:
             if not slot.child.running():  # gone (a remote child tells us only now)
                 self._lost(slot, str(exc))
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc

@@ -13,14 +13,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, RemoteError
+from butlers.mcp_connection.sse import SseConnection
 from butlers.switchboard.pool import McpClientPool, TargetUnreachable
-from butlers.switchboard.sse_session import (
-    AnswerLost,
-    CallTimedOut,
-    RemoteError,
-    SessionClosed,
-    SseSession,
-)
 from tests.fakes.sse_mcp import SseMcpServer
 
 
@@ -36,8 +31,8 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield http
 
 
-async def opened(server: SseMcpServer, http: aiohttp.ClientSession, **kwargs) -> SseSession:
-    session = SseSession(server.url, http, auth_token=kwargs.pop("auth_token", None))
+async def opened(server: SseMcpServer, http: aiohttp.ClientSession, **kwargs) -> SseConnection:
+    session = SseConnection(server.url, http, auth_token=kwargs.pop("auth_token", None))
     await session.open(timeout_s=5)
     return session
 
@@ -125,12 +120,12 @@ async def test_a_dropped_stream_fails_waiting_calls_at_once(server, http) -> Non
         )
         async with asyncio.timeout(5):
             await server.wait_for("tools/call", count=3)  # all three delivered, now waiting
-            with pytest.raises(AnswerLost, match="after the request was delivered"):
+            with pytest.raises(AnswerLost, match="^the event stream ended$"):
                 await session.call_tool("drop", {}, timeout_s=30)
             outcomes = await waiting
         assert all(isinstance(o, AnswerLost) for o in outcomes)
         assert not session.is_open
-        with pytest.raises(SessionClosed):  # not sent at all: safe to send elsewhere
+        with pytest.raises(ConnectionClosed):  # not sent at all: safe to send elsewhere
             await session.call_tool("echo", {}, timeout_s=5)
     finally:
         await session.close()
@@ -147,8 +142,8 @@ async def test_bearer_token_on_stream_and_messages(server, http) -> None:
 
 async def test_an_unsupported_protocol_version_is_refused(http) -> None:
     async with SseMcpServer(protocol_version="1999-01-01") as server:
-        session = SseSession(server.url, http, auth_token=None)
-        with pytest.raises(SessionClosed, match="1999-01-01"):
+        session = SseConnection(server.url, http, auth_token=None)
+        with pytest.raises(ConnectionClosed, match="1999-01-01"):
             await session.open(timeout_s=5)
         await session.close()
 
@@ -159,8 +154,8 @@ async def test_a_message_endpoint_on_another_origin_is_refused(http) -> None:
         SseMcpServer() as elsewhere,
         SseMcpServer(endpoint_base=elsewhere.url.removesuffix("/sse")) as server,
     ):
-        session = SseSession(server.url, http, auth_token="s3cret")
-        with pytest.raises(SessionClosed, match="another origin"):
+        session = SseConnection(server.url, http, auth_token="s3cret")
+        with pytest.raises(ConnectionClosed, match="another origin"):
             await session.open(timeout_s=5)
         await session.close()
         assert elsewhere.headers == []  # nothing was sent there
@@ -171,7 +166,7 @@ async def test_pool_reopens_a_session_the_server_forgot_once(server) -> None:
     try:
         first = await pool.call(server.url, "echo", {"n": 1}, timeout_s=5)
         server.forget_sessions = True  # as a restarted server would
-        with pytest.raises(TargetUnreachable, match="no longer knows this session"):
+        with pytest.raises(TargetUnreachable, match="no longer knows this connection"):
             await pool.call(server.url, "echo", {"n": 2}, timeout_s=5)
         assert server.streams_opened == 2  # tried to reconnect once, then gave up
         server.forget_sessions = False
@@ -202,7 +197,7 @@ async def test_a_silent_stream_is_taken_for_dead(http) -> None:
     """No message and no ping for `idle_stream_s`: a connection that died without a word
     (a NAT or proxy dropped it). The call fails then, not after its whole timeout."""
     async with SseMcpServer() as server:
-        session = SseSession(server.url, http, auth_token=None, idle_stream_s=0.5)
+        session = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
         await session.open(timeout_s=5)
         # Not CallTimedOut: the silence ends the call before its own timeout would.
         with pytest.raises(AnswerLost, match=r"silent for .* taken for dead"):
@@ -213,7 +208,7 @@ async def test_a_silent_stream_is_taken_for_dead(http) -> None:
 
 async def test_a_stream_kept_alive_by_pings_is_not(http) -> None:
     async with SseMcpServer(ping_every_s=0.05) as server:  # ten pings per idle_stream_s
-        session = SseSession(server.url, http, auth_token=None, idle_stream_s=0.5)
+        session = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
         await session.open(timeout_s=5)
         try:
             result = await session.call_tool("slow", {"s": 1.5}, timeout_s=30)

@@ -1,0 +1,116 @@
+"""Any other MCP transport (streamable HTTP, `/mcp`) through FastMCP's client, behind the same
+methods and errors as our own connections.
+
+Only `/sse` endpoints get our lean SseConnection (every butler serves one, and route's hot path
+runs over them); for the rest FastMCP's client is good enough, and the MCP SDK under it
+answers the server's pings itself. Its exceptions are turned into the McpCallError family
+here, where they enter, so no caller ever catches an MCPError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import mcp_types
+from fastmcp import Client
+from fastmcp.client.messages import MessageHandler
+from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import CONNECTION_CLOSED
+
+from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
+from butlers.mcp_connection.core import no_answer_within
+
+
+class _ToolsChanged(MessageHandler):
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+
+    async def on_tool_list_changed(self, message: mcp_types.ToolListChangedNotification) -> None:
+        self._callback()
+
+
+class FastMcpConnection:
+    """A kept-open FastMCP client: `open()`, `call_tool()`, `list_tools()`, `close()`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        auth_token: str | None,
+        on_tools_changed: Callable[[], None] | None = None,
+    ) -> None:
+        self.url = url
+        handler = _ToolsChanged(on_tools_changed) if on_tools_changed is not None else None
+        self._client = Client(url, auth=auth_token, message_handler=handler)
+        self._closing: asyncio.Task[None] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._client.is_connected()
+
+    async def open(self, timeout_s: float) -> None:
+        """Connect and complete the handshake; raises TimeoutError, or the client's own error
+        (the caller closes either way)."""
+        await asyncio.wait_for(self._client.__aenter__(), timeout_s)
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        *,
+        meta: dict[str, str] | None = None,
+        timeout_s: float | None,
+    ) -> dict[str, Any]:
+        """The `CallToolResult` as JSON (a tool's error is a result with `isError`)."""
+        self._check_open()
+        try:
+            result = await self._client.call_tool_mcp(
+                name, arguments, timeout=timeout_s, meta=meta or None
+            )
+        except MCPError as exc:
+            raise _mapped(exc, timeout_s) from exc
+        return result.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]:
+        """Every tool, as JSON, following `nextCursor`."""
+        self._check_open()
+        tools: list[dict[str, Any]] = []
+        cursor = None
+        try:
+            while True:
+                async with asyncio.timeout(timeout_s):
+                    page = await self._client.list_tools_mcp(cursor=cursor)
+                tools += [
+                    t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in page.tools
+                ]
+                cursor = page.next_cursor
+                if not cursor:
+                    return tools
+        except TimeoutError:
+            raise CallTimedOut(no_answer_within(timeout_s)) from None
+        except MCPError as exc:
+            raise _mapped(exc, timeout_s) from exc
+
+    def _check_open(self) -> None:
+        if not self.is_open:
+            raise ConnectionClosed(f"the connection to {self.url} is closed")
+
+    def retire(self) -> None:
+        """Close once nobody uses it; FastMCP's client lets calls in flight finish."""
+        self._closing = asyncio.get_running_loop().create_task(
+            self._client.close(), name=f"mcp:{self.url}:close"
+        )
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def _mapped(exc: MCPError, timeout_s: float | None) -> McpCallError:
+    """The request was sent (the connection was open), so a closed connection lost its answer."""
+    if exc.code == CONNECTION_CLOSED:
+        return AnswerLost(str(exc.message))
+    if "timed out" in str(exc.message):
+        return CallTimedOut(no_answer_within(timeout_s))
+    return RemoteError(exc.code, str(exc.message))
