@@ -1,0 +1,279 @@
+"""How fast does the `butlers` command start, now and at a baseline commit? (Not a test: run it
+by hand.)
+
+    .venv/bin/python bench/cli_startup.py [--base COMMIT] [--rounds 5] [--write]
+
+The baseline is checked out with `git worktree add` into a temporary directory and run with
+this same interpreter and venv (PYTHONPATH puts its `butlers` package first), so the two ways
+differ only in the code. The ways alternate within each round (the host is noisy: a round's
+pair shares its conditions). Each round, per way:
+
+  help         `butlers --help`: spawn -> exit
+  unreachable  `butlers list` against a closed port: spawn -> the error, exit 1
+  gateway      `butlers gateway --no-butlers` (stdio, an empty directory): spawn -> the answer
+               to `initialize`
+  cold         `butlers up` (the shipped config, four butlers) on a new data directory:
+               spawn -> every butler's /health answering 200
+  list         `butlers list` against that switchboard: spawn -> exit 0
+  warm         `butlers up` again on the same data directory: spawn -> every /health 200
+
+Medians over the rounds, with the spread (min-max), and now / baseline per figure. Targets
+(issue 14): help and client commands < 0.5 s, gateway < 1 s, warm < 2 s, cold < 4 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.route_overhead import write_docs_block  # noqa: E402
+from bench.startup import environment, private_dir  # noqa: E402
+from tests.test_cli import READY, _postgres_on, copy_shipped_config  # noqa: E402
+
+FIGURES = {
+    "help": ("`butlers --help`", 0.5),
+    "unreachable": ("`butlers list`, switchboard down (the error)", 0.5),
+    "list": ("`butlers list` against the running switchboard", 0.5),
+    "gateway": ("`butlers gateway` (stdio): `initialize` answered", 1.0),
+    "warm": ("`butlers up` warm: every /health 200", 2.0),
+    "cold": ("`butlers up` cold: every /health 200", 4.0),
+}
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Way:
+    """One version of the code: its source root, run as `python -m butlers` with PYTHONPATH."""
+
+    name: str
+    source: Path
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "butlers", *args]
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        return {**base, "PYTHONPATH": str(self.source)}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed_run(way: Way, env: dict[str, str], cwd: Path, *args: str, code: int = 0) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(way.command(*args), env=way.env(env), cwd=cwd, capture_output=True)
+    elapsed = time.perf_counter() - started
+    if done.returncode != code:
+        raise SystemExit(
+            f"{way.name}: butlers {' '.join(args)} exited {done.returncode}:\n"
+            f"{done.stderr.decode()}"
+        )
+    return elapsed
+
+
+async def gateway_initialize(way: Way, env: dict[str, str], cwd: Path) -> float:
+    """Spawn -> the answer to `initialize` on stdout."""
+    request = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "bench", "version": "1"},
+        },
+    }
+    started = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(
+        *way.command("gateway", "--no-butlers", "--dir", str(cwd)),
+        env=way.env(env),
+        cwd=cwd,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stdin and process.stdout
+    process.stdin.write(json.dumps(request).encode() + b"\n")
+    await process.stdin.drain()
+    async with asyncio.timeout(TIMEOUT_S):
+        answer = json.loads(await process.stdout.readline())
+    elapsed = time.perf_counter() - started
+    process.stdin.close()  # the host going away ends the gateway
+    async with asyncio.timeout(TIMEOUT_S):
+        await process.wait()
+    if answer.get("id") != 1 or "result" not in answer:
+        raise SystemExit(f"{way.name}: gateway answered {answer}")
+    return elapsed
+
+
+async def _all_healthy(ports: dict[str, int]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for port in ports.values():
+            async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                if response.status != 200:
+                    raise SystemExit(f"/health on {port}: {response.status}")
+
+
+async def up_then(
+    way: Way, env: dict[str, str], cwd: Path, ports: dict[str, int], results: dict[str, list]
+) -> float:
+    """`butlers up`: spawn -> ready line -> every /health 200 (seconds); meanwhile one
+    `butlers list` against it (recorded in results["list"]); then SIGTERM and a clean exit."""
+    started = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(
+        *way.command("up", "--config-dir", str(cwd / "config")),
+        env=way.env(env),
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout and process.stderr
+    stderr_task = asyncio.create_task(process.stderr.read())
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            while True:
+                line = await process.stdout.readline()
+                if not line:
+                    raise SystemExit(
+                        f"{way.name}: butlers up exited:\n{(await stderr_task).decode()}"
+                    )
+                if READY in line.decode():
+                    break
+            await _all_healthy(ports)
+        healthy = time.perf_counter() - started
+        url = f"http://127.0.0.1:{ports['switchboard']}/sse"
+        results["list"].append(
+            await asyncio.to_thread(timed_run, way, env, cwd, "list", "--url", url)
+        )
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(TIMEOUT_S):
+            await process.stdout.read()
+            code = await process.wait()
+        stderr = (await stderr_task).decode()
+    if code != 0 or "Traceback" in stderr:
+        raise SystemExit(f"{way.name}: butlers up exited {code}:\n{stderr}")
+    if _postgres_on(Path(env["BUTLERS_DATA_DIR"]) / "pgdata"):
+        raise SystemExit("PostgreSQL still running after butlers up exited")
+    return healthy
+
+
+async def one_round(way: Way, results: dict[str, list[float]]) -> None:
+    root = private_dir(f"butlers-bench-cli-{way.name}-")
+    try:
+        ports = copy_shipped_config(root / "config")
+        env = environment(root / "data")
+        results["help"].append(await asyncio.to_thread(timed_run, way, env, root, "--help"))
+        closed = f"http://127.0.0.1:{_closed_port()}/sse"
+        results["unreachable"].append(
+            await asyncio.to_thread(timed_run, way, env, root, "list", "--url", closed, code=1)
+        )
+        (root / "gateway").mkdir()
+        results["gateway"].append(await gateway_initialize(way, env, root / "gateway"))
+        results["cold"].append(await up_then(way, env, root, ports, results))
+        results["warm"].append(await up_then(way, env, root, ports, results))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def checkout(commit: str) -> Path:
+    """The baseline's sources, in a temporary git worktree."""
+    target = Path(tempfile.mkdtemp(prefix="butlers-cli-base-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(target), commit],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def remove_checkout(path: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+        check=False,
+        capture_output=True,
+    )
+
+
+def _stats(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def table(results: dict[str, dict[str, list[float]]], base: str, rounds: int) -> str:
+    lines = [
+        f"## the `butlers` command: start-up ({date.today()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()})",
+        "",
+        f"`bench/cli_startup.py`: {rounds} rounds, the two ways alternating in each; seconds, "
+        f"median (min-max). Baseline: `{base}`, run from a worktree with the same venv.",
+        "",
+        "| figure | target | baseline | now | now / baseline |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, (label, target) in FIGURES.items():
+        old, new = results["base"][key], results["now"][key]
+        ratio = statistics.median(new) / statistics.median(old)
+        lines.append(f"| {label} | < {target:g} | {_stats(old)} | {_stats(new)} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+async def measure(ways: list[Way], rounds: int) -> dict[str, dict[str, list[float]]]:
+    results: dict[str, dict[str, list[float]]] = {w.name: {k: [] for k in FIGURES} for w in ways}
+    for number in range(1, rounds + 1):
+        for way in ways if number % 2 else reversed(ways):
+            await one_round(way, results[way.name])
+            print(
+                f"round {number} {way.name}: "
+                + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results[way.name].items()),
+                flush=True,
+            )
+    return results
+
+
+def main(base: str, rounds: int, write: bool) -> None:
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", base],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    base_source = checkout(commit)
+    try:
+        results = asyncio.run(measure([Way("base", base_source), Way("now", ROOT)], rounds))
+    finally:
+        remove_checkout(base_source)
+    output = table(results, commit, rounds)
+    print(output)
+    if write:
+        write_docs_block("cli_startup", output)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="HEAD", help="the baseline commit (default HEAD)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    main(args.base, args.rounds, args.write)
