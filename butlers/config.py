@@ -1,83 +1,290 @@
-"""Load and validate `config/butlers/<name>/butler.toml` into typed, frozen objects.
+"""`config/butlers/<name>/butler.toml`: one pydantic model per table, and the loaded butler.
 
-Every error names the file, the key and what was expected. A broken butler is reported and
-skipped by `load_config_dir`; the others still load. Unknown keys are errors, never ignored.
+Every table of the file is a frozen pydantic dataclass below (`RuntimeConfig` is `[runtime]`,
+and so on), validated once when the file is read and then read as plain attributes on every
+message. `ButlerFile` is the whole file; `ButlerConfig` is a butler as the daemon runs it: the
+file's tables plus what is not in the file (its directory, its CLAUDE.md, the bind address and
+endpoint the environment's `Placement` fills in).
+
+Errors name the file, the key and what was expected (butlers.config_errors); unknown keys are
+errors, with the closest known key suggested. `load_config_dir` reports a broken butler and
+skips it; the others still load. The switchboard is the butler whose file has a
+`[switchboard]` table, whatever its name; docs/configuration.md documents every key, and
+schemas/butler.schema.json (generated: `python -m butlers.schemas`) lets an editor check them.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+import dataclasses
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
+
+from butlers.config_errors import Expect, KeyProblem, config_error
 from butlers.errors import ButlersError, ConfigError
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILENAME = "butler.toml"
 INSTRUCTIONS_FILENAME = "CLAUDE.md"
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]*")
 CHANNELS = ("telegram", "email", "mcp")
 
+# Every table: unknown keys are errors; values are immutable once read.
+TABLE = ConfigDict(extra="forbid")
 
-@dataclass(frozen=True)
+# TOML has real types: "80" is not a port and `true` is not 1, so scalars are strict.
+Str = Annotated[str, Strict()]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Strict()]  # an integer is taken as a number
+Name = Annotated[
+    str,
+    Strict(),
+    Field(pattern=f"^{NAME_PATTERN.pattern}$"),
+    Expect(f"a name such as 'health' ({NAME_PATTERN.pattern})"),
+]
+Port = Annotated[int, Strict(), Field(ge=1, le=65535), Expect("a port number between 1 and 65535")]
+HttpUrl = Annotated[str, Strict(), Field(pattern="^https?://"), Expect("an http(s) URL")]
+
+
+def _chat_id(value: Any) -> Any:
+    """Telegram chat ids are numbers in the Bot API; both spellings are taken (not `true`)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+ChatId = Annotated[str, BeforeValidator(_chat_id), Strict(), Expect("a chat id (number or string)")]
+
+
+def _regex(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from None
+    return value
+
+
+Regex = Annotated[re.Pattern[str], BeforeValidator(_regex)]
+
+
+def _none_if_empty(value: str | None) -> str | None:
+    return value or None
+
+
+@dataclass(frozen=True, config=TABLE)
+class DbTable:
+    """`[butler.db]`."""
+
+    name: Name | None = Field(
+        default=None, description="The butler's database; unset: `butler_<name>`."
+    )
+
+
+@dataclass(frozen=True, config=TABLE)
+class ButlerTable:
+    """`[butler]`: who the butler is and where it listens."""
+
+    name: Name = Field(description="The butler's name; must equal its directory's name.")
+    port: Port = Field(description="The TCP port it serves MCP and /health on.")
+    description: Str = Field(
+        default="", description="What it does; the classifier routes by this text."
+    )
+    host: Str | None = Field(
+        default=None,
+        description="Bind address; unset: `BUTLERS_HOST`, else `127.0.0.1`. Anything but "
+        "loopback needs `BUTLERS_AUTH_TOKEN`.",
+    )
+    endpoint_url: HttpUrl | None = Field(
+        default=None,
+        description="What the registry stores as its MCP endpoint; unset: "
+        "`BUTLERS_ENDPOINT_URL_TEMPLATE`, else `http://{host}:{port}/sse`.",
+    )
+    switchboard_url: HttpUrl | None = Field(
+        default=None,
+        description="Where this butler's `notify` reaches the switchboard; unset: "
+        "`BUTLERS_SWITCHBOARD_URL`, else the switchboard of its config directory.",
+    )
+    db: DbTable = Field(default_factory=DbTable, description="`[butler.db]`.")
+
+
+@dataclass(frozen=True, config=TABLE)
 class RuntimeConfig:
-    """How `trigger` runs Claude Code for this butler."""
+    """`[runtime]`: how `trigger` runs Claude Code for this butler."""
 
-    model: str | None = None
-    max_turns: int = 20
-    timeout_s: float = 300.0
-    max_concurrent_sessions: int = 1
-    # How often the daemon runs `tick()` by itself; 0 disables the background ticker.
-    tick_interval_s: float = 60.0
+    model: Annotated[Str | None, AfterValidator(_none_if_empty)] = Field(
+        default=None, description="The Claude model (`sonnet`, `opus`...); unset: Claude Code's."
+    )
+    max_turns: Annotated[Int, Field(gt=0)] = Field(
+        default=20, description="Turns one session may take."
+    )
+    timeout_s: Annotated[Float, Field(gt=0)] = Field(
+        default=300.0, description="Seconds one session may take."
+    )
+    max_concurrent_sessions: Annotated[Int, Field(gt=0)] = Field(
+        default=1, description="Sessions of this butler at once; more wait their turn."
+    )
+    tick_interval_s: Annotated[Float, Field(ge=0)] = Field(
+        default=60.0,
+        description="How often the daemon runs due schedules by itself; 0: only when `tick` "
+        "is called.",
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=TABLE)
 class TelegramConfig:
-    mode: str = "polling"
-    token_env: str = "TELEGRAM_BOT_TOKEN"
-    allowed_chat_ids: tuple[str, ...] = ()
-    api_base_url: str = ""
-    webhook_secret_env: str = "TELEGRAM_WEBHOOK_SECRET"
-    # Webhook mode: the public https URL Telegram posts to; registered with setWebhook at start.
-    webhook_url: str = ""
-    # Telegram's own flood limit for a bot; 0 = rely on 429 retries alone (local Bot API).
-    max_messages_per_s: float = 30.0
+    """`[modules.telegram]`: the Telegram channel (the switchboard's, in the shipped config)."""
+
+    mode: Literal["polling", "webhook"] = Field(
+        default="polling",
+        description="`polling` (long-poll getUpdates) or `webhook` (Telegram posts to "
+        "`/telegram/webhook`).",
+    )
+    token_env: Str = Field(
+        default="TELEGRAM_BOT_TOKEN",
+        description="The environment variable holding the bot token (never the file).",
+    )
+    allowed_chat_ids: tuple[ChatId, ...] = Field(
+        default=(),
+        description='Who may talk to the bot; empty: nobody, `["*"]`: anyone.',
+    )
+    api_base_url: Str = Field(
+        default="", description="Another Bot API server (a local one, tests); empty: Telegram's."
+    )
+    webhook_secret_env: Str = Field(
+        default="TELEGRAM_WEBHOOK_SECRET",
+        description="The environment variable holding the webhook's secret token.",
+    )
+    webhook_url: Str = Field(
+        default="",
+        description="Webhook mode: the public https URL registered with setWebhook at start.",
+    )
+    max_messages_per_s: Annotated[Float, Field(ge=0)] = Field(
+        default=30.0,
+        description="Telegram's flood limit for a bot; 0: no limit (a local Bot API).",
+    )
+
+    @model_validator(mode="after")
+    def _webhook(self) -> TelegramConfig:
+        if self.webhook_url and not self.webhook_url.startswith("https://"):
+            raise KeyProblem(
+                "webhook_url",
+                f"expected an https:// URL (Telegram requires it), got {self.webhook_url!r}",
+            )
+        if self.webhook_url and self.mode != "webhook":
+            raise KeyProblem("webhook_url", 'is only used with mode = "webhook"')
+        return self
 
 
-@dataclass(frozen=True)
+# (implicit TLS key, STARTTLS key, their defaults) of IMAP and SMTP.
+_TLS_PAIRS = (
+    ("imap_ssl", "imap_starttls", True, False),
+    ("smtp_ssl", "smtp_starttls", False, True),
+)
+
+
+@dataclass(frozen=True, config=TABLE)
 class EmailConfig:
-    imap_host: str = ""
-    imap_port: int = 993
-    imap_ssl: bool = True  # implicit TLS (993)
-    imap_starttls: bool = False  # STARTTLS on a plain port (143)
-    smtp_host: str = ""
-    smtp_port: int = 587
-    smtp_starttls: bool = True
-    smtp_ssl: bool = False
-    username_env: str = "BUTLERS_EMAIL_USER"
-    password_env: str = "BUTLERS_EMAIL_PASSWORD"
-    address: str = ""
-    mode: str = "idle"
-    poll_interval_s: float = 60.0
-    allowed_senders: tuple[str, ...] = ()
-    # When set: accept only mail whose Authentication-Results from this authserv-id says
-    # dmarc=pass (the From header alone is forgeable).
-    require_authentication_results: str = ""
+    """`[modules.email]`: the email channel (IMAP in, SMTP out)."""
+
+    imap_host: Str = Field(default="", description="The IMAP server.")
+    imap_port: Port = Field(default=993, description="Its port.")
+    imap_ssl: Bool = Field(
+        default=True, description="Implicit TLS (port 993); setting `imap_starttls` turns it off."
+    )
+    imap_starttls: Bool = Field(default=False, description="STARTTLS on a plain port (143).")
+    smtp_host: Str = Field(default="", description="The SMTP server.")
+    smtp_port: Port = Field(default=587, description="Its port.")
+    smtp_starttls: Bool = Field(
+        default=True, description="STARTTLS (port 587); setting `smtp_ssl` turns it off."
+    )
+    smtp_ssl: Bool = Field(default=False, description="Implicit TLS (port 465).")
+    username_env: Str = Field(
+        default="BUTLERS_EMAIL_USER",
+        description="The environment variable holding the mailbox user name.",
+    )
+    password_env: Str = Field(
+        default="BUTLERS_EMAIL_PASSWORD",
+        description="The environment variable holding its password.",
+    )
+    address: Str = Field(default="", description="The butler's own address (From of replies).")
+    mode: Literal["idle", "poll", "webhook"] = Field(
+        default="idle",
+        description="`idle` (IMAP IDLE), `poll` (every `poll_interval_s`), or `webhook` "
+        "(`POST /email/inbound`, see *The email webhook*).",
+    )
+    poll_interval_s: Annotated[Float, Field(gt=0)] = Field(
+        default=60.0, description="Poll mode: seconds between looks at the mailbox."
+    )
+    allowed_senders: tuple[Str, ...] = Field(
+        default=(),
+        description="Who may write: addresses or `@domain`; empty: nobody.",
+    )
+    require_authentication_results: Annotated[Str, AfterValidator(str.strip)] = Field(
+        default="",
+        description="When set: accept only mail whose Authentication-Results from this "
+        "authserv-id says dmarc=pass (the From header alone is forgeable).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tls_choice(cls, data: Any) -> Any:
+        """Choosing one of a pair (implicit TLS or STARTTLS) on purpose turns the other's
+        default off; choosing both is an error: they are two ways to reach one port."""
+        given = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if not isinstance(given, dict):
+            return data
+        chosen = dict(given)
+        for implicit, starttls, _, _ in _TLS_PAIRS:
+            said_implicit, said_starttls = chosen.get(implicit), chosen.get(starttls)
+            if said_implicit is True and said_starttls is True:
+                raise KeyProblem(
+                    starttls, f"choose one of {implicit} (implicit TLS) and {starttls}"
+                )
+            if said_implicit is True and starttls not in chosen:
+                chosen[starttls] = False
+            if said_starttls is True and implicit not in chosen:
+                chosen[implicit] = False
+        if isinstance(data, ArgsKwargs):
+            return ArgsKwargs(data.args, chosen)
+        return chosen
 
 
-@dataclass(frozen=True)
+def _email_address(value: str) -> str:
+    value = value.strip().lower()  # as senders are compared
+    if value and "@" not in value:
+        raise ValueError(f"expected an email address, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, config=TABLE)
 class OwnerConfig:
     """`[switchboard.owner]`: where a butler's `notify` goes when no conversation is active."""
 
-    telegram_chat_id: str = ""
-    email: str = ""
-    prefer: str = "telegram"  # telegram | email
+    telegram_chat_id: ChatId = Field(
+        default="", description="The owner's chat with the bot (as in `allowed_chat_ids`)."
+    )
+    email: Annotated[Str, AfterValidator(_email_address)] = Field(
+        default="", description="The owner's address."
+    )
+    prefer: Literal["telegram", "email"] = Field(
+        default="telegram", description="The channel `notify` uses when it names none."
+    )
 
     def channels(self) -> list[tuple[str, str]]:
         """(channel, recipient) the owner can be reached on, the preferred one first."""
@@ -86,50 +293,127 @@ class OwnerConfig:
         return sorted(reachable, key=lambda c: c[0] != self.prefer)
 
 
-@dataclass(frozen=True)
-class SwitchboardConfig:
-    """The `[switchboard]` table: limits of the front door, conversations and delivery."""
-
-    default_butler: str = "general"  # where a message goes that was not routed
-    max_routes_per_message: int = 3  # routes one classification session may make
-    max_messages_per_sender_per_hour: int = 60  # 0 = no limit
-    retention_days: int = 90  # done inbox rows, routing_log and sessions older are deleted
-    max_request_bytes: int = 1024 * 1024  # bigger request bodies get 413
-    context_messages: int = 6  # earlier exchanges of a conversation given to classifier and butler
-    thread_affinity_days: int = 30  # a reply in a thread goes to the butler that answered it
-    reply_retry_hours: float = 24.0  # how long the outbox keeps trying a channel that is down
-    max_notifications_per_hour: int = 30  # per butler; 0 = no limit
-    owner: OwnerConfig = field(default_factory=OwnerConfig)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=TABLE)
 class TriageRule:
-    """A deterministic routing rule tried before Claude Code; first match wins."""
+    """`[[switchboard.triage]]`: a rule tried before Claude Code; the first match wins."""
 
-    butler: str
-    channel: str | None = None
-    sender: str | None = None
-    pattern: re.Pattern[str] | None = None
+    butler: Name = Field(description="Where a matching message goes.")
+    channel: Literal["telegram", "email", "mcp"] | None = Field(
+        default=None, description="Only messages from this channel."
+    )
+    sender: Str | None = Field(
+        default=None, description="Only from this chat id, address, or `@domain`."
+    )
+    pattern: Regex | None = Field(
+        default=None, description="Only messages this regular expression finds (subject + text)."
+    )
+
+    @model_validator(mode="after")
+    def _says_something(self) -> TriageRule:
+        if self.channel is None and self.sender is None and self.pattern is None:
+            raise ValueError("a rule needs at least one of channel, sender, pattern")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=TABLE)
+class SwitchboardConfig:
+    """`[switchboard]`: its presence makes a butler the switchboard (the front door); its
+    limits, conversations and delivery."""
+
+    default_butler: Name = Field(
+        default="general",
+        description="Where a message goes that nothing routed; must be a butler of the same "
+        "config directory.",
+    )
+    max_routes_per_message: Annotated[Int, Field(ge=1)] = Field(
+        default=3, description="Routes one classification session may make."
+    )
+    max_messages_per_sender_per_hour: Annotated[Int, Field(ge=0)] = Field(
+        default=60, description="Later messages are kept but not classified; 0: no limit."
+    )
+    retention_days: Annotated[Int, Field(ge=1)] = Field(
+        default=90,
+        description="Finished inbox rows, routing_log, sessions and sent outbox rows older "
+        "than this are deleted.",
+    )
+    max_request_bytes: Annotated[Int, Field(ge=1024)] = Field(
+        default=1024 * 1024, description="Bigger request bodies get 413."
+    )
+    context_messages: Annotated[Int, Field(ge=0)] = Field(
+        default=6, description="Earlier exchanges of a conversation given to classifier and butler."
+    )
+    thread_affinity_days: Annotated[Int, Field(ge=0)] = Field(
+        default=30, description="A reply in a thread goes back to the butler that answered it."
+    )
+    reply_retry_hours: Annotated[Float, Field(gt=0)] = Field(
+        default=24.0, description="How long the outbox keeps trying a channel that is down."
+    )
+    max_notifications_per_hour: Annotated[Int, Field(ge=0)] = Field(
+        default=30, description="Per butler; 0: no limit."
+    )
+    owner: OwnerConfig = Field(default_factory=OwnerConfig, description="`[switchboard.owner]`.")
+    triage: tuple[TriageRule, ...] = Field(
+        default=(), description="`[[switchboard.triage]]` rules, tried in order."
+    )
+
+
+@dataclass(frozen=True, config=TABLE)
+class ModulesTable:
+    """`[modules]`: the channel modules this butler runs."""
+
+    UNKNOWN_KEY_NOUN: ClassVar[str] = "module"
+
+    telegram: TelegramConfig | None = Field(default=None, description="`[modules.telegram]`.")
+    email: EmailConfig | None = Field(default=None, description="`[modules.email]`.")
+
+
+@dataclass(frozen=True, config=TABLE)
+class ButlerFile:
+    """A whole butler.toml."""
+
+    butler: Annotated[ButlerTable, Expect("a [butler] table with name and port")] = Field(
+        description="`[butler]` (required)."
+    )
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="`[runtime]`.")
+    modules: ModulesTable = Field(default_factory=ModulesTable, description="`[modules]`.")
+    switchboard: SwitchboardConfig | None = Field(
+        default=None, description="`[switchboard]`: only the switchboard has one."
+    )
+
+
+BUTLER_FILE = TypeAdapter(ButlerFile)
+
+
+@dataclasses.dataclass(frozen=True)
 class ButlerConfig:
+    """A butler as the daemon runs it: the tables of its butler.toml, resolved against its
+    directory and the environment's `Placement`.
+
+    A plain dataclass, not a model: it is built from a validated `ButlerFile`, and tests build
+    it directly (port 0 = any free port, which a file may not say)."""
+
     name: str
     port: int
     description: str = ""
     host: str = "127.0.0.1"
     endpoint_url_override: str | None = None
-    # Where this butler's `notify` reaches the switchboard (None: the registry's, or
-    # BUTLERS_SWITCHBOARD_URL).
+    # Where this butler's `notify` reaches the switchboard (None: BUTLERS_SWITCHBOARD_URL, or
+    # the switchboard of its config directory).
     switchboard_url: str | None = None
     db_name: str = ""
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     telegram: TelegramConfig | None = None
     email: EmailConfig | None = None
+    # The switchboard's [[switchboard.triage]] rules (as on `switchboard.triage`).
     triage: tuple[TriageRule, ...] = ()
-    switchboard: SwitchboardConfig = field(default_factory=SwitchboardConfig)
+    # Set on the switchboard only: its [switchboard] table is what makes it the switchboard.
+    switchboard: SwitchboardConfig | None = None
     config_dir: Path | None = None
     instructions: str | None = None
+
+    @property
+    def is_switchboard(self) -> bool:
+        return self.switchboard is not None
 
     @property
     def endpoint_url(self) -> str:
@@ -149,7 +433,7 @@ class ButlerConfig:
         return [name for name in ("telegram", "email") if getattr(self, name) is not None]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FleetConfig:
     """What `load_config_dir` found: the butlers that loaded, and the errors of the rest."""
 
@@ -159,279 +443,13 @@ class FleetConfig:
     def get(self, name: str) -> ButlerConfig | None:
         return next((b for b in self.butlers if b.name == name), None)
 
-
-class _Table:
-    """A TOML table being read: takes typed keys, then complains about whatever is left."""
-
-    def __init__(self, path: Path, prefix: str, data: Any) -> None:
-        self.path = path
-        self.prefix = prefix
-        if not isinstance(data, dict):
-            raise ConfigError(path, prefix, f"expected a table, got {type(data).__name__}")
-        self.data = dict(data)
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def error(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(self.path, self._key(key), problem)
-
-    def take(
-        self,
-        key: str,
-        kind: type | tuple[type, ...],
-        default: Any = ...,
-        *,
-        expected: str | None = None,
-    ) -> Any:
-        if key not in self.data:
-            if default is ...:
-                raise self.error(key, f"is required ({expected or _kind_name(kind)})")
-            return default
-        value = self.data.pop(key)
-        # bool is an int in Python; a port of `true` is still wrong.
-        wrong_bool = isinstance(value, bool) and bool not in _as_tuple(kind)
-        if wrong_bool or not isinstance(value, kind):
-            raise self.error(key, f"expected {expected or _kind_name(kind)}, got {value!r}")
-        return value
-
-    def take_str_list(self, key: str, default: tuple[str, ...] = ()) -> tuple[str, ...]:
-        value = self.take(key, list, list(default), expected="a list of strings")
-        items = []
-        for item in value:
-            # Telegram chat ids are numbers in the API; accept both spellings.
-            if isinstance(item, int) and not isinstance(item, bool):
-                item = str(item)
-            if not isinstance(item, str):
-                raise self.error(key, f"expected a list of strings, found {item!r}")
-            items.append(item)
-        return tuple(items)
-
-    def table(self, key: str) -> _Table | None:
-        if key not in self.data:
-            return None
-        return _Table(self.path, self._key(key), self.data.pop(key))
-
-    def done(self) -> None:
-        if self.data:
-            unknown = ", ".join(sorted(self._key(k) for k in self.data))
-            raise ConfigError(self.path, unknown, "unknown key (check the spelling; see DESIGN.md)")
+    @property
+    def switchboard(self) -> ButlerConfig | None:
+        """The butler with a [switchboard] table, if one loaded."""
+        return next((b for b in self.butlers if b.is_switchboard), None)
 
 
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {
-        str: "a string",
-        int: "an integer",
-        float: "a number",
-        bool: "true or false",
-        list: "a list",
-        dict: "a table",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
-
-
-def _positive(table: _Table, key: str, value: float) -> float:
-    if value <= 0:
-        raise table.error(key, f"expected a positive number, got {value!r}")
-    return value
-
-
-def _choice(table: _Table, key: str, value: str, choices: Iterable[str]) -> str:
-    choices = tuple(choices)
-    if value not in choices:
-        raise table.error(key, f"expected one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
-
-
-def _read_runtime(table: _Table | None) -> RuntimeConfig:
-    if table is None:
-        return RuntimeConfig()
-    d = RuntimeConfig()
-    model = table.take("model", str, None)
-    max_turns = int(_positive(table, "max_turns", table.take("max_turns", int, d.max_turns)))
-    timeout_s = float(
-        _positive(table, "timeout_s", table.take("timeout_s", (int, float), d.timeout_s))
-    )
-    concurrency = int(
-        _positive(
-            table,
-            "max_concurrent_sessions",
-            table.take("max_concurrent_sessions", int, d.max_concurrent_sessions),
-        )
-    )
-    tick_interval_s = float(table.take("tick_interval_s", (int, float), d.tick_interval_s))
-    if tick_interval_s < 0:
-        raise table.error("tick_interval_s", "expected 0 (off) or a positive number of seconds")
-    table.done()
-    return RuntimeConfig(model or None, max_turns, timeout_s, concurrency, tick_interval_s)
-
-
-def _read_telegram(table: _Table) -> TelegramConfig:
-    d = TelegramConfig()
-    config = TelegramConfig(
-        mode=_choice(table, "mode", table.take("mode", str, d.mode), ("polling", "webhook")),
-        token_env=table.take("token_env", str, d.token_env),
-        allowed_chat_ids=table.take_str_list("allowed_chat_ids"),
-        api_base_url=table.take("api_base_url", str, d.api_base_url),
-        webhook_secret_env=table.take("webhook_secret_env", str, d.webhook_secret_env),
-        webhook_url=table.take("webhook_url", str, d.webhook_url),
-        max_messages_per_s=float(
-            table.take("max_messages_per_s", (int, float), d.max_messages_per_s)
-        ),
-    )
-    if config.webhook_url and not config.webhook_url.startswith("https://"):
-        raise table.error(
-            "webhook_url",
-            f"expected an https:// URL (Telegram requires it), got {config.webhook_url!r}",
-        )
-    if config.webhook_url and config.mode != "webhook":
-        raise table.error("webhook_url", 'is only used with mode = "webhook"')
-    table.done()
-    return config
-
-
-def _tls_pair(table: _Table, implicit: str, starttls: str, defaults: tuple[bool, bool]):
-    """(implicit TLS, STARTTLS) for IMAP or SMTP. Setting one on purpose turns the other's
-    default off; asking for both is an error (they are two ways to reach one port)."""
-    given_implicit = table.take(implicit, bool, None)
-    given_starttls = table.take(starttls, bool, None)
-    if given_implicit and given_starttls:
-        raise table.error(starttls, f"choose one of {implicit} (implicit TLS) and {starttls}")
-    if given_implicit is not None and given_starttls is None:
-        return given_implicit, False if given_implicit else defaults[1]
-    if given_starttls is not None and given_implicit is None:
-        return (False if given_starttls else defaults[0]), given_starttls
-    if given_implicit is None:
-        return defaults
-    return given_implicit, given_starttls
-
-
-def _read_email(table: _Table) -> EmailConfig:
-    d = EmailConfig()
-    imap_ssl, imap_starttls = _tls_pair(
-        table, "imap_ssl", "imap_starttls", (d.imap_ssl, d.imap_starttls)
-    )
-    smtp_ssl, smtp_starttls = _tls_pair(
-        table, "smtp_ssl", "smtp_starttls", (d.smtp_ssl, d.smtp_starttls)
-    )
-    config = EmailConfig(
-        imap_host=table.take("imap_host", str, d.imap_host),
-        imap_port=_port(table, "imap_port", table.take("imap_port", int, d.imap_port)),
-        imap_ssl=imap_ssl,
-        imap_starttls=imap_starttls,
-        smtp_host=table.take("smtp_host", str, d.smtp_host),
-        smtp_port=_port(table, "smtp_port", table.take("smtp_port", int, d.smtp_port)),
-        smtp_starttls=smtp_starttls,
-        smtp_ssl=smtp_ssl,
-        username_env=table.take("username_env", str, d.username_env),
-        password_env=table.take("password_env", str, d.password_env),
-        address=table.take("address", str, d.address),
-        mode=_choice(table, "mode", table.take("mode", str, d.mode), ("idle", "poll", "webhook")),
-        poll_interval_s=float(
-            _positive(
-                table,
-                "poll_interval_s",
-                table.take("poll_interval_s", (int, float), d.poll_interval_s),
-            )
-        ),
-        allowed_senders=table.take_str_list("allowed_senders"),
-        require_authentication_results=table.take(
-            "require_authentication_results", str, d.require_authentication_results
-        ).strip(),
-    )
-    table.done()
-    return config
-
-
-def _read_triage(path: Path, items: Any) -> tuple[TriageRule, ...]:
-    if not isinstance(items, list):
-        raise ConfigError(path, "switchboard.triage", "expected [[switchboard.triage]] entries")
-    rules = []
-    for index, item in enumerate(items):
-        table = _Table(path, f"switchboard.triage[{index}]", item)
-        channel = table.take("channel", str, None)
-        if channel is not None:
-            _choice(table, "channel", channel, CHANNELS)
-        sender = table.take("sender", str, None)
-        raw_pattern = table.take("pattern", str, None)
-        pattern = None
-        if raw_pattern is not None:
-            try:
-                pattern = re.compile(raw_pattern)
-            except re.error as exc:
-                raise table.error("pattern", f"invalid regular expression: {exc}") from exc
-        butler = table.take("butler", str, expected="the name of the butler a match goes to")
-        table.done()
-        if channel is None and sender is None and pattern is None:
-            raise table.error("", "a rule needs at least one of channel, sender, pattern")
-        rules.append(TriageRule(butler=butler, channel=channel, sender=sender, pattern=pattern))
-    return tuple(rules)
-
-
-def _read_switchboard(table: _Table) -> SwitchboardConfig:
-    d = SwitchboardConfig()
-
-    def count(key: str, default: int, minimum: int) -> int:
-        value = table.take(key, int, default)
-        if value < minimum:
-            raise table.error(key, f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    default_butler = table.take("default_butler", str, d.default_butler)
-    if not NAME_PATTERN.fullmatch(default_butler):
-        raise table.error("default_butler", f"expected a butler name, got {default_butler!r}")
-    owner = _read_owner(table.table("owner"))
-    reply_retry_hours = float(
-        _positive(
-            table,
-            "reply_retry_hours",
-            table.take("reply_retry_hours", (int, float), d.reply_retry_hours),
-        )
-    )
-    config = SwitchboardConfig(
-        default_butler=default_butler,
-        max_routes_per_message=count("max_routes_per_message", d.max_routes_per_message, 1),
-        max_messages_per_sender_per_hour=count(
-            "max_messages_per_sender_per_hour", d.max_messages_per_sender_per_hour, 0
-        ),
-        retention_days=count("retention_days", d.retention_days, 1),
-        max_request_bytes=count("max_request_bytes", d.max_request_bytes, 1024),
-        context_messages=count("context_messages", d.context_messages, 0),
-        thread_affinity_days=count("thread_affinity_days", d.thread_affinity_days, 0),
-        reply_retry_hours=reply_retry_hours,
-        max_notifications_per_hour=count(
-            "max_notifications_per_hour", d.max_notifications_per_hour, 0
-        ),
-        owner=owner,
-    )
-    table.done()
-    return config
-
-
-def _read_owner(table: _Table | None) -> OwnerConfig:
-    if table is None:
-        return OwnerConfig()
-    d = OwnerConfig()
-    chat_id = table.take("telegram_chat_id", (str, int), d.telegram_chat_id)
-    email = table.take("email", str, d.email).strip().lower()  # as senders are compared
-    if email and "@" not in email:
-        raise table.error("email", f"expected an email address, got {email!r}")
-    prefer = _choice(table, "prefer", table.take("prefer", str, d.prefer), ("telegram", "email"))
-    table.done()
-    return OwnerConfig(telegram_chat_id=str(chat_id), email=email, prefer=prefer)
-
-
-def _port(table: _Table, key: str, value: int) -> int:
-    if not 1 <= value <= 65535:
-        raise table.error(key, f"expected a port number between 1 and 65535, got {value}")
-    return value
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Placement:
     """Where butlers listen and how the registry reaches them, for whatever a butler.toml
     leaves out. docker compose sets BUTLERS_HOST=0.0.0.0 and
@@ -442,9 +460,10 @@ class Placement:
     endpoint_url_template: str | None = None
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Placement:
-        env = os.environ if environ is None else environ
-        template = env.get("BUTLERS_ENDPOINT_URL_TEMPLATE") or None
+    def from_environment(cls, environ: Mapping[str, str]) -> Placement:
+        """From BUTLERS_HOST and BUTLERS_ENDPOINT_URL_TEMPLATE in `environ` (the caller's
+        environment: this module reads none)."""
+        template = environ.get("BUTLERS_ENDPOINT_URL_TEMPLATE") or None
         if template is not None:
             problem = None
             if not template.startswith(("http://", "https://")):
@@ -456,7 +475,7 @@ class Placement:
                     problem = f"only {{name}} and {{port}} may be used ({exc})"
             if problem:
                 raise ButlersError(f"BUTLERS_ENDPOINT_URL_TEMPLATE={template!r}: {problem}")
-        return cls(host=env.get("BUTLERS_HOST") or "127.0.0.1", endpoint_url_template=template)
+        return cls(host=environ.get("BUTLERS_HOST") or "127.0.0.1", endpoint_url_template=template)
 
     def endpoint_url(self, name: str, port: int) -> str | None:
         if self.endpoint_url_template is None:
@@ -472,77 +491,34 @@ def parse_butler_config(
     placement: Placement = Placement(),
 ) -> ButlerConfig:
     """Validate one parsed butler.toml. `dir_name`, when given, must equal `[butler] name`."""
-    root = _Table(path, "", data)
-    butler = root.table("butler")
-    if butler is None:
-        raise ConfigError(path, "butler", "a [butler] table with name and port is required")
-    name = butler.take("name", str, expected="a string such as 'health'")
-    if not NAME_PATTERN.fullmatch(name):
-        raise butler.error("name", f"expected [a-z][a-z0-9_-]*, got {name!r}")
-    if dir_name is not None and dir_name != name:
-        raise butler.error("name", f"must match its directory name {dir_name!r}, got {name!r}")
-    port = _port(butler, "port", butler.take("port", int, expected="a port number"))
-    description = butler.take("description", str, "")
-    host = butler.take("host", str, placement.host)
-    switchboard_url = butler.take("switchboard_url", str, None)
-    if switchboard_url is not None and not switchboard_url.startswith(("http://", "https://")):
-        raise butler.error("switchboard_url", f"expected an http(s) URL, got {switchboard_url!r}")
-    endpoint_url = butler.take("endpoint_url", str, None)
-    if endpoint_url is not None and not endpoint_url.startswith(("http://", "https://")):
-        raise butler.error("endpoint_url", f"expected an http(s) URL, got {endpoint_url!r}")
-    endpoint_url = endpoint_url or placement.endpoint_url(name, port)
-    db_name = ""
-    db = butler.table("db")
-    if db is not None:
-        db_name = db.take("name", str, "")
-        if db_name and not NAME_PATTERN.fullmatch(db_name):
-            raise db.error("name", f"expected [a-z][a-z0-9_-]*, got {db_name!r}")
-        db.done()
-    butler.done()
-
-    runtime = _read_runtime(root.table("runtime"))
-    telegram = email = None
-    modules = root.table("modules")
-    if modules is not None:
-        known = {"telegram", "email"}
-        for module_name in list(modules.data):
-            if module_name not in known:
-                raise modules.error(
-                    module_name, f"unknown module (known: {', '.join(sorted(known))})"
-                )
-        if (table := modules.table("telegram")) is not None:
-            telegram = _read_telegram(table)
-        if (table := modules.table("email")) is not None:
-            email = _read_email(table)
-        modules.done()
-
-    triage: tuple[TriageRule, ...] = ()
-    limits = SwitchboardConfig()
-    switchboard = root.table("switchboard")
-    if switchboard is not None:
-        triage = _read_triage(path, switchboard.data.pop("triage", []))
-        limits = _read_switchboard(switchboard)
-    root.done()
-
+    try:
+        file = BUTLER_FILE.validate_python(data)
+    except ValidationError as exc:
+        raise config_error(path, exc, ButlerFile) from None
+    butler = file.butler
+    if dir_name is not None and dir_name != butler.name:
+        raise ConfigError(
+            path, "butler.name", f"must match its directory name {dir_name!r}, got {butler.name!r}"
+        )
     instructions = None
-    config_dir = path.parent
-    instructions_path = config_dir / INSTRUCTIONS_FILENAME
+    instructions_path = path.parent / INSTRUCTIONS_FILENAME
     if instructions_path.is_file():
         instructions = instructions_path.read_text(encoding="utf-8")
     return ButlerConfig(
-        name=name,
-        port=port,
-        description=description,
-        host=host,
-        endpoint_url_override=endpoint_url,
-        switchboard_url=switchboard_url,
-        db_name=db_name,
-        runtime=runtime,
-        telegram=telegram,
-        email=email,
-        triage=triage,
-        switchboard=limits,
-        config_dir=config_dir,
+        name=butler.name,
+        port=butler.port,
+        description=butler.description,
+        host=butler.host if butler.host is not None else placement.host,
+        endpoint_url_override=butler.endpoint_url
+        or placement.endpoint_url(butler.name, butler.port),
+        switchboard_url=butler.switchboard_url,
+        db_name=butler.db.name or "",
+        runtime=file.runtime,
+        telegram=file.modules.telegram,
+        email=file.modules.email,
+        triage=file.switchboard.triage if file.switchboard else (),
+        switchboard=file.switchboard,
+        config_dir=path.parent,
         instructions=instructions,
     )
 
@@ -569,31 +545,72 @@ def butler_dirs(config_dir: Path) -> list[Path]:
     return sorted(p for p in config_dir.iterdir() if (p / CONFIG_FILENAME).is_file())
 
 
-def load_config_dir(config_dir: Path, placement: Placement | None = None) -> FleetConfig:
-    """Load every butler under `config_dir`; a broken one is logged and skipped, never fatal.
+def load_config_dir(config_dir: Path, placement: Placement = Placement()) -> FleetConfig:
+    """Load every butler under `config_dir`; a broken one is skipped, never fatal, and its
+    error returned (not logged: the caller reports it, once).
 
-    Two butlers asking for the same port: the first by name keeps it, the other is skipped.
-    `placement` defaults to the environment's (BUTLERS_HOST, BUTLERS_ENDPOINT_URL_TEMPLATE).
+    Beyond each file on its own: two butlers asking for the same port, or a second
+    switchboard, are errors of the later one by name; the switchboard's `default_butler`
+    must be a butler of the directory (its butler.toml may be broken, or run elsewhere:
+    `butlers run switchboard` starts the switchboard alone). `placement` says what the
+    environment fills in (Placement.from_environment); the default, loopback.
     """
-    placement = placement or Placement.from_environment()
     butlers: list[ButlerConfig] = []
     errors: list[ConfigError] = []
     if not config_dir.is_dir():
         errors.append(ConfigError(config_dir, None, "config directory does not exist"))
+    directories = butler_dirs(config_dir)
+    names = [d.name for d in directories]
     ports: dict[int, str] = {}
-    for directory in butler_dirs(config_dir):
+    switchboard: str | None = None
+    for directory in directories:
         path = directory / CONFIG_FILENAME
         try:
             config = load_butler_config(path, placement)
-            owner = ports.get(config.port)
-            if owner is not None:
-                raise ConfigError(
-                    path, "butler.port", f"port {config.port} is already used by {owner!r}"
-                )
+            _check_in_fleet(path, config, ports, switchboard, names, config_dir)
         except ConfigError as exc:
-            logger.error("skipping butler: %s", exc, extra={"action": "config_error"})
             errors.append(exc)
             continue
         ports[config.port] = config.name
+        if config.is_switchboard:
+            switchboard = config.name
         butlers.append(config)
     return FleetConfig(tuple(butlers), tuple(errors))
+
+
+def _check_in_fleet(
+    path: Path,
+    config: ButlerConfig,
+    ports: Mapping[int, str],
+    switchboard: str | None,
+    names: list[str],
+    config_dir: Path,
+) -> None:
+    owner = ports.get(config.port)
+    if owner is not None:
+        raise ConfigError(path, "butler.port", f"port {config.port} is already used by {owner!r}")
+    if config.switchboard is None:
+        return
+    if switchboard is not None:
+        raise ConfigError(
+            path,
+            "switchboard",
+            f"{switchboard!r} is already the switchboard of {config_dir}: a config directory "
+            "has one butler with a [switchboard] table",
+        )
+    default = config.switchboard.default_butler
+    if default == config.name:
+        raise ConfigError(
+            path,
+            "switchboard.default_butler",
+            f"default_butler {default!r} is the switchboard itself: name a butler that "
+            "answers messages",
+        )
+    if default not in names:
+        others = ", ".join(n for n in names if n != config.name) or "none"
+        raise ConfigError(
+            path,
+            "switchboard.default_butler",
+            f"default_butler {default!r} is not a butler of {config_dir} (its butlers: "
+            f"{others}); add {config_dir / default}/{CONFIG_FILENAME} or name another",
+        )

@@ -21,7 +21,7 @@ import asyncpg
 import uvicorn
 from fastmcp import FastMCP
 
-from butlers.config import ButlerConfig
+from butlers.config import ButlerConfig, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
@@ -48,12 +48,14 @@ STOP_TIMEOUT_S = 8.0
 PRUNE_EVERY_S = 3600.0  # retention runs with the ticker, at most this often
 
 
-SWITCHBOARD = "switchboard"
+# The alembic branch of the switchboard's own tables (registry, inbox, outbox...).
+SWITCHBOARD_BRANCH = "switchboard"
 
 
 def migration_branches(config: ButlerConfig) -> tuple[str, ...]:
-    """Alembic branches a butler's database gets, in order: core for all, then its own."""
-    return ("core", SWITCHBOARD) if config.name == SWITCHBOARD else ("core",)
+    """Alembic branches a butler's database gets, in order: core for all, then the
+    switchboard's for the butler whose butler.toml has a [switchboard] table."""
+    return ("core", SWITCHBOARD_BRANCH) if config.is_switchboard else ("core",)
 
 
 def _loopback(host: str) -> str:
@@ -170,7 +172,7 @@ class ButlerDaemon:
             middleware=[TraceContextMiddleware(config.name, self.telemetry.tracer)],
         )
         register_core_tools(mcp, ctx)
-        if config.name == SWITCHBOARD:
+        if config.is_switchboard:
             await self._attach_switchboard(mcp)
         self._modules = build_modules(config, mcp, self.switchboard, self.settings)
         ctx.module_statuses = self._modules.statuses
@@ -182,7 +184,7 @@ class ButlerDaemon:
             auth_token=self.auth_token,
             allowed_hosts=self._allowed_hosts(),
             webhooks=self._modules.webhooks,
-            max_request_bytes=config.switchboard.max_request_bytes,
+            max_request_bytes=(config.switchboard or SwitchboardConfig()).max_request_bytes,
         )
         uv_config = uvicorn.Config(
             app,
@@ -221,6 +223,8 @@ class ButlerDaemon:
             raise ButlersError("the switchboard needs the config directory to discover butlers")
         assert self._pool is not None
         assert self.context is not None
+        limits = self.config.switchboard
+        assert limits is not None
         context = self.context
         self.switchboard = attach_switchboard(
             mcp,
@@ -231,13 +235,15 @@ class ButlerDaemon:
             self_url=self.sse_url,
             tool_names=lambda: context.tool_names,
             triage_rules=self.config.triage,
-            limits=self.config.switchboard,
+            limits=limits,
             auth_token=self.auth_token,
             redact=self.redactor,
         )
         report = await self.switchboard.discover()
         for error in report["errors"]:
-            logger.warning("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
+            # INFO: `butlers up` / `run` loaded the same directory and printed each of these
+            # already; a later `discover` call returns them to whoever asked.
+            logger.info("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
 
     def _allowed_hosts(self) -> list[str]:
         from urllib.parse import urlsplit
@@ -289,7 +295,7 @@ class ButlerDaemon:
         """Retention (`[switchboard] retention_days`): sessions, and on the switchboard its
         finished inbox rows and routing_log, older than that are deleted."""
         assert self.context is not None
-        days = self.config.switchboard.retention_days
+        days = (self.config.switchboard or SwitchboardConfig()).retention_days
         deleted = {"sessions": await self.context.store.prune_sessions(days)}
         if self.switchboard is not None:
             deleted.update(await self.switchboard.worker.prune(days))
@@ -410,8 +416,8 @@ async def start_fleet(
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
     """The switchboard first (it holds client sessions to the others), then the rest at once."""
-    front = [d for d in daemons if d.config.name == SWITCHBOARD]
-    rest = [d for d in daemons if d.config.name != SWITCHBOARD]
+    front = [d for d in daemons if d.config.is_switchboard]
+    rest = [d for d in daemons if not d.config.is_switchboard]
     await asyncio.gather(*(d.stop() for d in front), return_exceptions=True)
     await asyncio.gather(*(d.stop() for d in rest), return_exceptions=True)
 

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from butlers.config import CONFIG_FILENAME, ButlerConfig, load_butler_config
-from butlers.errors import ButlersError, ConfigError
+from butlers.config import ButlerConfig, load_config_dir
+from butlers.errors import ButlersError
 from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
 from butlers.switchboard.route import unwrap
 from butlers.telemetry import current_carrier
@@ -33,13 +33,13 @@ def switchboard_url(config: ButlerConfig, config_dir: Path | None, own_url: str)
         return config.switchboard_url
     if os.environ.get(SWITCHBOARD_URL_ENV):
         return os.environ[SWITCHBOARD_URL_ENV]
-    if config.name == "switchboard":
+    if config.is_switchboard:
         return own_url
     if config_dir is not None:
-        try:
-            return load_butler_config(config_dir / "switchboard" / CONFIG_FILENAME).endpoint_url
-        except ConfigError:
-            return None
+        # The butler with a [switchboard] table, whatever its name (the others' errors are
+        # the CLI's to report).
+        switchboard = load_config_dir(config_dir).switchboard
+        return switchboard.endpoint_url if switchboard is not None else None
     return None
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from butlers.config import ButlerConfig, RuntimeConfig
+from butlers.config import ButlerConfig, RuntimeConfig, SwitchboardConfig
 from butlers.daemon import ButlerDaemon
 from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
 from butlers.spawner import isolated_cli_env
@@ -229,8 +229,12 @@ def no_credentials_env(home: Path) -> dict[str, str]:
 
 
 def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
-    """A butler on an ephemeral loopback port, no background ticker unless asked."""
+    """A butler on an ephemeral loopback port, no background ticker unless asked. The one
+    named `switchboard` is the switchboard (it has a [switchboard] table: the defaults, unless
+    `switchboard=` gives one); any other becomes one with `switchboard=`."""
     runtime = overrides.pop("runtime", RuntimeConfig(timeout_s=60, tick_interval_s=0))
+    if name == "switchboard":
+        overrides.setdefault("switchboard", SwitchboardConfig())
     return replace(
         ButlerConfig(name=name, port=0, description=f"{name} test butler"),
         runtime=runtime,
@@ -252,7 +256,8 @@ async def start_butler(
 ) -> AsyncIterator[StartButler]:
     """Start real butler daemons on loopback, each on a fresh database; stopped after the test.
 
-    A butler named `switchboard` gets the switchboard's tables and discovers `config_dir`.
+    A switchboard (a config with a [switchboard] table) gets the switchboard's tables and
+    discovers `config_dir`.
     Pass `database=` to start again on an earlier daemon's database (a restart).
     """
     daemons: list[ButlerDaemon] = []
@@ -268,10 +273,9 @@ async def start_butler(
     ) -> ButlerDaemon:
         config = config or butler_config()
         if database is None:
-            is_switchboard = config.name == "switchboard"
             database = (
                 await make_database(switchboard_template)
-                if is_switchboard
+                if config.is_switchboard
                 else await make_database()
             )
         config = replace(config, db_name=database)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from butlers.config import load_butler_config, load_config_dir
+from butlers.config import Placement, load_butler_config, load_config_dir
 from butlers.errors import ButlersError, ConfigError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "butlers"
@@ -93,8 +93,16 @@ butler = "finance"
         ("[butler\nname=", None, "is not valid TOML"),
         ("[butler]\nport = 8000\n", "butler.name", "is required"),
         ('[butler]\nname = "x"\n', "butler.port", "is required"),
-        ('[butler]\nname = "x"\nport = "80"\n', "butler.port", "expected a port number, got '80'"),
-        ('[butler]\nname = "x"\nport = true\n', "butler.port", "expected a port number, got True"),
+        (
+            '[butler]\nname = "x"\nport = "80"\n',
+            "butler.port",
+            "expected a port number between 1 and 65535, got '80'",
+        ),
+        (
+            '[butler]\nname = "x"\nport = true\n',
+            "butler.port",
+            "expected a port number between 1 and 65535, got True",
+        ),
         ('[butler]\nname = "x"\nport = 70000\n', "butler.port", "between 1 and 65535"),
         ('[butler]\nname = "x"\nport = 1\ncolour = "red"\n', "butler.colour", "unknown key"),
         (
@@ -130,7 +138,11 @@ butler = "finance"
             "switchboard.triage[0].channel",
             "expected one of",
         ),
-        ('[butler]\nname = "Bad Name"\nport = 1\n', "butler.name", "expected [a-z][a-z0-9_-]*"),
+        (
+            '[butler]\nname = "Bad Name"\nport = 1\n',
+            "butler.name",
+            "expected a name such as 'health' ([a-z][a-z0-9_-]*), got 'Bad Name'",
+        ),
         ('[butler]\nname = "y"\nport = 1\n', "butler.name", "must match its directory name 'x'"),
     ],
 )
@@ -180,9 +192,10 @@ def test_non_utf8_file(tmp_path: Path) -> None:
 
 
 def test_placement_from_the_environment_fills_what_butler_toml_leaves_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    """What docker compose does: bind every interface, register service-name endpoints."""
+    """What docker compose does: bind every interface, register service-name endpoints. The
+    environment is handed in (this module reads none)."""
     write(tmp_path, "general", '[butler]\nname = "general"\nport = 8101\n')
     write(
         tmp_path,
@@ -190,19 +203,23 @@ def test_placement_from_the_environment_fills_what_butler_toml_leaves_out(
         '[butler]\nname = "health"\nport = 8103\nhost = "127.0.0.2"\n'
         'endpoint_url = "http://health.lan:8103/sse"\n',
     )
-    monkeypatch.setenv("BUTLERS_HOST", "0.0.0.0")
-    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "http://{name}:{port}/sse")
-    fleet = load_config_dir(tmp_path)
+    environ = {
+        "BUTLERS_HOST": "0.0.0.0",
+        "BUTLERS_ENDPOINT_URL_TEMPLATE": "http://{name}:{port}/sse",
+    }
+    fleet = load_config_dir(tmp_path, Placement.from_environment(environ))
     general, health = fleet.get("general"), fleet.get("health")
     assert (general.host, general.endpoint_url) == ("0.0.0.0", "http://general:8101/sse")
     assert (health.host, health.endpoint_url) == ("127.0.0.2", "http://health.lan:8103/sse")
+    # Nothing handed in: loopback, whatever this process's environment says.
+    assert load_config_dir(tmp_path).get("general").endpoint_url == "http://127.0.0.1:8101/sse"
 
-    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "http://{service}:{port}/sse")
+    environ["BUTLERS_ENDPOINT_URL_TEMPLATE"] = "http://{service}:{port}/sse"
     with pytest.raises(ButlersError, match=r"_TEMPLATE=.*\{name\} and \{port\}"):
-        load_config_dir(tmp_path)
-    monkeypatch.setenv("BUTLERS_ENDPOINT_URL_TEMPLATE", "{name}:{port}")
+        Placement.from_environment(environ)
+    environ["BUTLERS_ENDPOINT_URL_TEMPLATE"] = "{name}:{port}"
     with pytest.raises(ButlersError, match="expected an http"):
-        load_config_dir(tmp_path)
+        Placement.from_environment(environ)
 
 
 def test_switchboard_limits_and_tls_choices(tmp_path: Path) -> None:
@@ -242,10 +259,16 @@ require_authentication_results = " mx.example.com "
     assert (email.imap_ssl, email.imap_starttls) == (False, True)
     assert (email.smtp_ssl, email.smtp_starttls) == (True, False)
     assert email.require_authentication_results == "mx.example.com"
-    # Nothing said: the shipped defaults, implicit TLS for IMAP and STARTTLS for SMTP.
+    # No [switchboard] table: not the switchboard.
     plain = load_butler_config(write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n'))
-    assert plain.switchboard.max_routes_per_message == 3
-    assert plain.switchboard.max_request_bytes == 1024 * 1024
+    assert plain.switchboard is None and not plain.is_switchboard
+    # An empty one: the switchboard, with the defaults.
+    front = load_butler_config(
+        write(tmp_path, "y", '[butler]\nname = "y"\nport = 1\n[switchboard]\n')
+    )
+    assert front.is_switchboard and front.switchboard.max_routes_per_message == 3
+    assert front.switchboard.max_request_bytes == 1024 * 1024
+    assert front.switchboard.default_butler == "general"
 
 
 @pytest.mark.parametrize(
@@ -280,7 +303,7 @@ require_authentication_results = " mx.example.com "
         (
             '[switchboard]\ndefault_butler = "Gen eral"\n',
             "switchboard.default_butler",
-            "butler name",
+            "expected a name such as 'health'",
         ),
     ],
 )
@@ -321,7 +344,11 @@ prefer = "email"
     assert limits.owner.channels() == [("email", "me@example.com"), ("telegram", "12345")]
     assert config.switchboard_url == "http://127.0.0.1:8100/sse"
     plain = load_butler_config(write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n'))
-    assert plain.switchboard.owner.channels() == [] and plain.switchboard_url is None
+    assert plain.switchboard is None and plain.switchboard_url is None
+    owner_only = load_butler_config(
+        write(tmp_path, "y", '[butler]\nname = "y"\nport = 1\n[switchboard.owner]\n')
+    )
+    assert owner_only.is_switchboard and owner_only.switchboard.owner.channels() == []
 
 
 @pytest.mark.parametrize(
@@ -339,3 +366,107 @@ def test_owner_and_delivery_errors(tmp_path: Path, text: str, key: str, problem:
     with pytest.raises(ConfigError) as excinfo:
         load_butler_config(path)
     assert (excinfo.value.key, problem in excinfo.value.problem) == (key, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ("[runtime]\nmax_turn = 3\n", "runtime.max_turn", "did you mean 'max_turns'?"),
+        ("[modules.emial]\n", "modules.emial", "unknown module, did you mean 'email'?"),
+        ("[switchboard]\nretention = 5\n", "switchboard.retention", "'retention_days'?"),
+        ("[swtichboard]\n", "swtichboard", "unknown key, did you mean 'switchboard'?"),
+        (
+            "[butler.db]\ncolour = 1\n",
+            "butler.db.colour",
+            "unknown key, expected one of: name",  # nothing close: what there is
+        ),
+    ],
+)
+def test_unknown_keys_suggest_the_key_meant(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    path = write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n' + text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_butler_config(path)
+    assert excinfo.value.key == key
+    assert problem in excinfo.value.problem, excinfo.value.problem
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "x",
+        '[butler]\nname = "x"\nport = 1\n[runtime]\nmax_turns = 0\ntimeout = 3\n'
+        '[modules.telegram]\nmode = "push"\n',
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_butler_config(path)
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}: runtime.max_turns: expected a positive integer, got 0")
+    assert "runtime.timeout: unknown key, did you mean 'timeout_s'?" in message
+    assert "modules.telegram.mode: expected one of 'polling', 'webhook', got 'push'" in message
+
+
+def test_shipped_switchboard_is_the_one_with_a_switchboard_table() -> None:
+    fleet = load_config_dir(SHIPPED)
+    assert fleet.switchboard is fleet.get("switchboard")
+    assert [b.name for b in fleet.butlers if b.is_switchboard] == ["switchboard"]
+    assert fleet.switchboard.switchboard.default_butler == "general"
+
+
+def test_the_switchboard_is_found_by_its_table_not_its_name(tmp_path: Path) -> None:
+    write(tmp_path, "frontdoor", '[butler]\nname = "frontdoor"\nport = 9100\n[switchboard]\n')
+    write(tmp_path, "general", '[butler]\nname = "general"\nport = 9101\n')
+    write(tmp_path, "switchboard", '[butler]\nname = "switchboard"\nport = 9102\n')
+    fleet = load_config_dir(tmp_path)
+    assert fleet.errors == ()
+    assert fleet.switchboard is fleet.get("frontdoor")
+    assert not fleet.get("switchboard").is_switchboard
+
+
+def test_a_default_butler_that_is_not_in_the_config_dir_is_refused(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "frontdoor",
+        '[butler]\nname = "frontdoor"\nport = 9100\n[switchboard]\ndefault_butler = "helper"\n',
+    )
+    write(tmp_path, "general", '[butler]\nname = "general"\nport = 9101\n')
+    fleet = load_config_dir(tmp_path)
+    assert [b.name for b in fleet.butlers] == ["general"]
+    [error] = fleet.errors
+    assert (error.path, error.key) == (path, "switchboard.default_butler")
+    assert f"default_butler 'helper' is not a butler of {tmp_path}" in str(error)
+    assert "(its butlers: general)" in error.problem
+
+    # The default: general, which must be there too.
+    (tmp_path / "general" / "butler.toml").unlink()
+    path.write_text('[butler]\nname = "frontdoor"\nport = 9100\n[switchboard]\n')
+    [error] = load_config_dir(tmp_path).errors
+    assert f"default_butler 'general' is not a butler of {tmp_path}" in str(error)
+
+    # A butler of the directory that is broken still counts: it may be fixed, or run elsewhere.
+    write(tmp_path, "general", '[butler]\nname = "general"\nport = "nope"\n')
+    fleet = load_config_dir(tmp_path)
+    assert fleet.switchboard is fleet.get("frontdoor")
+    assert [e.key for e in fleet.errors] == ["butler.port"]
+
+
+def test_the_switchboard_cannot_be_its_own_default(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "frontdoor",
+        '[butler]\nname = "frontdoor"\nport = 9100\n[switchboard]\ndefault_butler = "frontdoor"\n',
+    )
+    [error] = load_config_dir(tmp_path).errors
+    assert error.key == "switchboard.default_butler" and "the switchboard itself" in error.problem
+
+
+def test_a_second_switchboard_in_one_config_dir_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, "general", '[butler]\nname = "general"\nport = 9101\n')
+    write(tmp_path, "alpha", '[butler]\nname = "alpha"\nport = 9100\n[switchboard]\n')
+    second = write(tmp_path, "beta", '[butler]\nname = "beta"\nport = 9102\n[switchboard.owner]\n')
+    fleet = load_config_dir(tmp_path)
+    assert fleet.switchboard is fleet.get("alpha") and fleet.get("beta") is None
+    [error] = fleet.errors
+    assert (error.path, error.key) == (second, "switchboard")
+    assert f"'alpha' is already the switchboard of {tmp_path}" in error.problem

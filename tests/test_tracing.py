@@ -55,6 +55,7 @@ class Fleet:
                 f'[butler.db]\nname = "{self.database("switchboard")}"\n'
                 f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
                 f'api_base_url = "{bot_api.url}"\n'
+                "[switchboard]\n"  # what makes it the switchboard
             ),
         )
         home = tmp_path / "home"

@@ -61,17 +61,19 @@ def classification_prompt(
     message: InboxMessage,
     butlers: Sequence[dict[str, Any]],
     *,
+    switchboard: str,
     default_butler: str,
     boundary: str,
     history: str = "",
 ) -> str:
     """The spec's prompt: `Classify this message and route it. Available butlers: [...].
-    Message: ...` with the default-butler rule; the switchboard itself is never listed. The
-    conversation so far, when there is one, follows in its own block, as data too."""
+    Message: ...` with the default-butler rule; the switchboard itself (`switchboard`: its
+    name) is never listed. The conversation so far, when there is one, follows in its own
+    block, as data too."""
     listed = ", ".join(
         f"{b['name']}: {b.get('description') or '(no description)'}"
         for b in butlers
-        if b["name"] != "switchboard"
+        if b["name"] != switchboard
     )
     start, end = f"<<<MESSAGE {boundary}", f"MESSAGE {boundary}>>>"
     earlier = ""
@@ -126,7 +128,7 @@ async def classify_with_claude(
 ) -> SessionOutcome:
     """Run the classification session; its `route` calls are this message's dispatch."""
     target = McpTarget(
-        name="switchboard",
+        name="switchboard",  # the session's label for the MCP server (mcp__switchboard__route)
         url=switchboard_url,
         allowed_tools=CLASSIFIER_TOOLS,
         denied_tools=tuple(t for t in switchboard_tools if t not in CLASSIFIER_TOOLS),
@@ -135,6 +137,7 @@ async def classify_with_claude(
     prompt = classification_prompt(
         message,
         butlers,
+        switchboard=spawner.config.name,  # the spawner runs the switchboard's sessions
         default_butler=default_butler,
         boundary=new_boundary(message_body(message) + history),
         history=history,

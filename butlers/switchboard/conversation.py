@@ -60,11 +60,13 @@ def command_of(channel: str, text: str) -> str | None:
     return first if first in COMMANDS else None
 
 
-def help_text(butlers: Sequence[dict[str, Any]]) -> str:
+def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str = "switchboard") -> str:
+    """/help's answer: the registry's butlers but the switchboard (`switchboard`: its name;
+    the worker passes the configured one)."""
     listed = "\n".join(
         f"• {b['name']}: {b.get('description') or ''}".rstrip(": ")
         for b in butlers
-        if b["name"] != "switchboard"
+        if b["name"] != switchboard
     )
     return (
         "Hello! Write to me in plain words and I pass your message to the butler it is for:\n"

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from butlers.switchboard.inbox import InboxMessage
 
 
-SWITCHBOARD = "switchboard"
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
 DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
@@ -113,8 +112,12 @@ class Router:
         tracer: Tracer,
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
         redact: Callable[[str], str] = str,
+        switchboard_name: str = "switchboard",
     ) -> None:
         self.store = store
+        # The switchboard's own name (its butler.toml's; the registry lists it too): routing
+        # to it is refused. attach_switchboard passes the configured one.
+        self.switchboard_name = switchboard_name
         # routing_log keeps a summary of the arguments and the error: no configured secret.
         self.redact = redact
         self.pool = pool
@@ -220,12 +223,15 @@ class Router:
 
     async def is_routable(self, butler_name: str) -> bool:
         """A registered butler other than the switchboard."""
-        return butler_name != SWITCHBOARD and await self._endpoint_of(butler_name) is not None
+        return (
+            butler_name != self.switchboard_name
+            and await self._endpoint_of(butler_name) is not None
+        )
 
     async def _forward(
         self, butler_name: str, tool_name: str, arguments: dict[str, Any], source: RouteSource
     ) -> Any:
-        if butler_name == SWITCHBOARD:
+        if butler_name == self.switchboard_name:
             raise RouteRefused("routing to the Switchboard is not permitted")
         endpoint = await self._endpoint_of(butler_name)
         if endpoint is None:
