@@ -22,8 +22,8 @@ from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.errors import ConfigError
-from butlers.switchboard.gateway.children import parse_mcp_json
 from butlers.mcp_connection.stdio import FrameReader
+from butlers.switchboard.gateway.children import parse_mcp_json
 from butlers.switchboard.gateway.config import load_gateway_config
 from butlers.switchboard.gateway.summary import summarize
 from tests.conftest import StartButler, free_port
@@ -37,6 +37,7 @@ from tests.test_route import make_fleet
 REPO = Path(__file__).resolve().parent.parent
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 MOCK = str(Path(__file__).resolve().parent / "fakes" / "mock_mcp.py")
+PEER = str(Path(__file__).resolve().parent / "fakes" / "peer_mcp.py")
 
 
 # -- pieces ---------------------------------------------------------------------------------
@@ -411,6 +412,34 @@ async def test_a_call_that_times_out_is_reported_and_costs_the_child_nothing(
         status = await host.status()
         assert status["sleepy"]["state"] == "ready" and status["sleepy"]["tools"] == 4
         assert len(child_pids(tmp_path)) == 3  # nobody was restarted
+
+
+async def test_a_child_that_pings_and_asks_the_gateway_gets_answers(tmp_path: Path) -> None:
+    """A real FastMCP server as a stdio child, turning to the gateway in the middle of a call:
+    its ping is answered (its call waited for ever before), its roots/list refused as a
+    method we do not offer, its tools/list_changed taken."""
+    (tmp_path / "mcps" / "peer").mkdir(parents=True)
+    (tmp_path / "mcps" / "peer" / ".mcp.json").write_text(
+        json.dumps(
+            {
+                "name": "peer",
+                "command": {
+                    "cmd": sys.executable,
+                    "args": [PEER],
+                    "env": {"FASTMCP_LOG_LEVEL": "WARNING"},
+                },
+            }
+        )
+    )
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 120000\nrpc_ms = 10000\n")
+    async with stdio_host(tmp_path, "--lazy") as host:
+        result = await host.suite("peer_suite", "call", "ping_client")
+        assert not result.is_error and text_of(result) == "pong", text_of(result)
+        result = await host.suite("peer_suite", "call", "ask_roots")
+        assert text_of(result) == "error -32601: Method not found: roots/list"
+        result = await host.suite("peer_suite", "call", "change_tools")
+        assert text_of(result) == "sent"
+        assert (await host.status())["peer"]["state"] == "ready"
 
 
 @pytest.mark.parametrize("mode", ["full", "redacted"])

@@ -1,22 +1,179 @@
-"""route's outbound MCP-over-SSE session against a scripted server that frames events awkwardly.
+"""Our MCP connections (butlers.mcp_connection): the shared JSON-RPC core over its transports.
 
-The real butlers (FastMCP) are covered through `route` in test_route.py; these are the cases a
-well-behaved server never shows: events cut into 5-byte chunks with CRLF endings and multi-line
-data, server requests in the middle of a call, hangs, dropped streams, forgotten sessions.
+First a real FastMCP server that turns to the client (pings it, asks it things, says its tools
+changed, hangs until cancelled, goes away), over SSE on loopback and as a stdio child: the same
+behaviour expected of both transports. Then route's SSE connection against a scripted server
+showing what a well-behaved server never does: events cut into 5-byte chunks with CRLF endings
+and multi-line data, hangs, dropped streams, a server that forgot the connection. The real
+butlers are covered through `route` in test_route.py, the gateway's children in test_gateway.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import re
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import pytest
+from mcp_types.jsonrpc import METHOD_NOT_FOUND
+from mcp_types.version import LATEST_HANDSHAKE_VERSION
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, RemoteError
+from butlers.mcp_connection.core import McpConnection
 from butlers.mcp_connection.sse import SseConnection
+from butlers.mcp_connection.stdio import StdioConnection
 from butlers.switchboard.pool import McpClientPool, TargetUnreachable
+from tests.fakes import peer_mcp
 from tests.fakes.sse_mcp import SseMcpServer
+
+PEER = str(Path(peer_mcp.__file__))
+CLIENT_INFO = {"name": "test_mcp_connection", "version": "1"}
+
+# -- against a real FastMCP server, over SSE and over stdio ----------------------------------
+
+
+# What a waiting call hears when the peer goes: over SSE, the MCP SDK's server answers what it
+# drops ("Connection closed") before its stream ends; a stdio child that exits says nothing.
+SSE_GONE = r"^(the event stream (ended|broke)|.* closed the connection before answering)"
+STDIO_GONE = rf"^the peer exited \(code {peer_mcp.EXIT_CODE}\)$"
+
+
+@dataclass
+class Peer:
+    """An open connection to the peer server, and how to make the peer go away."""
+
+    connection: McpConnection
+    drop: Callable[[], Awaitable[None]]
+    gone_reason: str  # a regular expression for what the waiting calls hear then
+    closed: list[str] = field(default_factory=list)  # what on_closed was told
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # on_closed was called
+    tools_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.connection.on_closed = self._closed
+        self.connection.on_tools_changed = self.tools_changed.set
+
+    def _closed(self, reason: str) -> None:
+        self.closed.append(reason)
+        self.gone.set()
+
+
+@contextlib.asynccontextmanager
+async def sse_peer() -> AsyncIterator[Peer]:
+    async with peer_mcp.serve_peer_over_sse() as (url, stop):
+
+        async def drop() -> None:
+            stop.set()
+
+        connection = SseConnection(url, auth_token=None)
+        peer = Peer(connection, drop, gone_reason=SSE_GONE)
+        try:
+            await connection.open(timeout_s=10)
+            yield peer
+        finally:
+            await connection.close()
+
+
+@contextlib.asynccontextmanager
+async def stdio_peer() -> AsyncIterator[Peer]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        PEER,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "FASTMCP_LOG_LEVEL": "WARNING"},
+    )
+
+    async def drop() -> None:  # the peer exits while answering; its own call is lost too
+        with contextlib.suppress(AnswerLost):
+            await connection.call_tool("exit", {}, timeout_s=10)
+
+    connection = StdioConnection(process, label="the peer")
+    peer = Peer(connection, drop, gone_reason=STDIO_GONE)
+    try:
+        await connection.open(CLIENT_INFO, timeout_s=30)  # a Python start-up on a loaded host
+        yield peer
+    finally:
+        await connection.close()
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+@pytest.fixture(params=["sse", "stdio"])
+async def peer(request: pytest.FixtureRequest) -> AsyncIterator[Peer]:
+    async with sse_peer() if request.param == "sse" else stdio_peer() as peer:
+        yield peer
+
+
+def text(result: dict) -> str:
+    return " ".join(block["text"] for block in result["content"] if block["type"] == "text")
+
+
+async def test_the_handshake_agrees_on_the_newest_revision_of_the_types_package(peer) -> None:
+    assert peer.connection.protocol_version == LATEST_HANDSHAKE_VERSION
+    assert peer.connection.server_info["name"] == "peer"
+
+
+async def test_the_peers_ping_is_answered(peer) -> None:
+    """The server's send_ping() returns only once we answered it (it waits for ever else)."""
+    result = await peer.connection.call_tool("ping_client", {}, timeout_s=10)
+    assert text(result) == "pong"
+
+
+async def test_the_peers_other_requests_get_method_not_found(peer) -> None:
+    result = await peer.connection.call_tool("ask_roots", {}, timeout_s=10)
+    assert text(result) == f"error {METHOD_NOT_FOUND}: Method not found: roots/list"
+
+
+async def test_tools_list_changed_reaches_the_owner(peer) -> None:
+    assert not peer.tools_changed.is_set()
+    result = await peer.connection.call_tool("change_tools", {}, timeout_s=10)
+    assert text(result) == "sent"
+    async with asyncio.timeout(10):
+        await peer.tools_changed.wait()
+
+
+async def test_a_timed_out_request_is_cancelled_at_the_peer(peer) -> None:
+    """The peer hears `notifications/cancelled` and stops the tool; the connection stays."""
+    with pytest.raises(CallTimedOut, match=r"^no answer within 0\.5s$"):
+        await peer.connection.call_tool("hang", {}, timeout_s=0.5)
+    result = await peer.connection.call_tool("wait_cancelled", {"timeout_s": 10}, timeout_s=20)
+    assert result["structuredContent"] == {"result": True}
+    assert peer.connection.is_open
+
+
+async def test_a_dropped_connection_fails_every_waiting_call_with_its_reason(peer) -> None:
+    waiting = [
+        asyncio.create_task(peer.connection.call_tool("hang", {}, timeout_s=60)) for _ in range(3)
+    ]
+    running = await peer.connection.call_tool(
+        "wait_hanging", {"n": 3, "timeout_s": 10}, timeout_s=20
+    )
+    assert running["structuredContent"] == {"result": True}  # sent, and the peer is on them
+    await peer.drop()
+    async with asyncio.timeout(10):  # at once, not after the calls' own timeout
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+    # Sent, then lost: the tool may have run. The MCP SDK's server, stopping, first answers
+    # what it drops with "Connection closed"; a process that exits says nothing.
+    assert all(isinstance(o, AnswerLost) for o in outcomes), outcomes
+    assert all(re.search(peer.gone_reason, str(o)) for o in outcomes), outcomes
+    async with asyncio.timeout(10):
+        await peer.gone.wait()  # over SSE the stream's end may follow the answers
+    assert not peer.connection.is_open
+    [reason] = peer.closed  # the owner heard it once
+    with pytest.raises(ConnectionClosed) as refused:  # a new call is not sent at all
+        await peer.connection.call_tool("ping_client", {}, timeout_s=10)
+    assert type(refused.value) is ConnectionClosed and str(refused.value) == reason
+
+
+# -- route's SSE connection against a scripted server ----------------------------------------
 
 
 @pytest.fixture
@@ -32,43 +189,43 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def opened(server: SseMcpServer, http: aiohttp.ClientSession, **kwargs) -> SseConnection:
-    session = SseConnection(server.url, http, auth_token=kwargs.pop("auth_token", None))
-    await session.open(timeout_s=5)
-    return session
+    connection = SseConnection(server.url, http, auth_token=kwargs.pop("auth_token", None))
+    await connection.open(timeout_s=5)
+    return connection
 
 
 async def test_handshake_and_call_over_chopped_events(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
-        result = await session.call_tool(
+        result = await connection.call_tool(
             "echo", {"text": "hé, world"}, meta={"traceparent": "00-ab-cd-01"}, timeout_s=5
         )
     finally:
-        await session.close()
+        await connection.close()
     assert result["structuredContent"] == {"echo": {"text": "hé, world"}}
     assert server.methods() == ["initialize", "notifications/initialized", "tools/call"]
     initialize, _, call = server.received
-    assert initialize["params"]["protocolVersion"] == "2025-11-25"
+    assert initialize["params"]["protocolVersion"] == LATEST_HANDSHAKE_VERSION
     assert call["params"]["_meta"] == {"traceparent": "00-ab-cd-01"}
 
 
 async def test_concurrent_calls_each_get_their_own_answer(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
         results = await asyncio.gather(
-            *(session.call_tool("echo", {"n": n}, timeout_s=5) for n in range(40))
+            *(connection.call_tool("echo", {"n": n}, timeout_s=5) for n in range(40))
         )
     finally:
-        await session.close()
+        await connection.close()
     assert [r["structuredContent"]["echo"]["n"] for r in results] == list(range(40))
 
 
 async def test_server_requests_mid_call_are_answered(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
-        result = await session.call_tool("ask_first", {}, timeout_s=5)
+        result = await connection.call_tool("ask_first", {}, timeout_s=5)
     finally:
-        await session.close()
+        await connection.close()
     assert result["content"][0]["text"] == "answered after asking"
     replies = {m["id"]: m for m in server.received if "method" not in m}
     assert replies["srv-ping"]["result"] == {}
@@ -77,75 +234,75 @@ async def test_server_requests_mid_call_are_answered(server, http) -> None:
 
 async def test_a_large_result_arrives_whole(http) -> None:
     async with SseMcpServer(chunk_size=65_536) as server:
-        session = await opened(server, http)
+        connection = await opened(server, http)
         try:
-            result = await session.call_tool("big", {"size": 3_000_000}, timeout_s=10)
+            result = await connection.call_tool("big", {"size": 3_000_000}, timeout_s=10)
         finally:
-            await session.close()
+            await connection.close()
     assert result["content"][0]["text"] == "x" * 3_000_000
 
 
 async def test_a_json_rpc_error_is_raised_with_its_message(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
         with pytest.raises(RemoteError, match="scripted failure") as caught:
-            await session.call_tool("error", {}, timeout_s=5)
+            await connection.call_tool("error", {}, timeout_s=5)
         assert caught.value.code == -32602
-        # the session is still usable
-        assert (await session.call_tool("echo", {}, timeout_s=5))["structuredContent"]
+        # the connection is still usable
+        assert (await connection.call_tool("echo", {}, timeout_s=5))["structuredContent"]
     finally:
-        await session.close()
+        await connection.close()
 
 
 async def test_a_timeout_raises_and_tells_the_server(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
         with pytest.raises(CallTimedOut, match=r"0\.3s"):
-            await session.call_tool("hang", {}, timeout_s=0.3)
+            await connection.call_tool("hang", {}, timeout_s=0.3)
         call_id = server.received[-1]["id"]
         async with asyncio.timeout(5):
             cancelled = await server.wait_for("notifications/cancelled")
         assert cancelled["params"]["requestId"] == call_id
-        assert session.is_open
+        assert connection.is_open
     finally:
-        await session.close()
+        await connection.close()
 
 
 async def test_a_dropped_stream_fails_waiting_calls_at_once(server, http) -> None:
-    session = await opened(server, http)
+    connection = await opened(server, http)
     try:
         waiting = asyncio.gather(
-            *(session.call_tool("hang", {}, timeout_s=30) for _ in range(3)),
+            *(connection.call_tool("hang", {}, timeout_s=30) for _ in range(3)),
             return_exceptions=True,
         )
         async with asyncio.timeout(5):
             await server.wait_for("tools/call", count=3)  # all three delivered, now waiting
-            with pytest.raises(AnswerLost, match="^the event stream ended$"):
-                await session.call_tool("drop", {}, timeout_s=30)
+            with pytest.raises(AnswerLost, match=r"^the event stream ended$"):
+                await connection.call_tool("drop", {}, timeout_s=30)
             outcomes = await waiting
         assert all(isinstance(o, AnswerLost) for o in outcomes)
-        assert not session.is_open
+        assert not connection.is_open
         with pytest.raises(ConnectionClosed):  # not sent at all: safe to send elsewhere
-            await session.call_tool("echo", {}, timeout_s=5)
+            await connection.call_tool("echo", {}, timeout_s=5)
     finally:
-        await session.close()
+        await connection.close()
 
 
 async def test_bearer_token_on_stream_and_messages(server, http) -> None:
-    session = await opened(server, http, auth_token="s3cret")
+    connection = await opened(server, http, auth_token="s3cret")
     try:
-        await session.call_tool("echo", {}, timeout_s=5)
+        await connection.call_tool("echo", {}, timeout_s=5)
     finally:
-        await session.close()
+        await connection.close()
     assert server.headers and all(h["Authorization"] == "Bearer s3cret" for h in server.headers)
 
 
 async def test_an_unsupported_protocol_version_is_refused(http) -> None:
     async with SseMcpServer(protocol_version="1999-01-01") as server:
-        session = SseConnection(server.url, http, auth_token=None)
+        connection = SseConnection(server.url, http, auth_token=None)
         with pytest.raises(ConnectionClosed, match="1999-01-01"):
-            await session.open(timeout_s=5)
-        await session.close()
+            await connection.open(timeout_s=5)
+        await connection.close()
 
 
 async def test_a_message_endpoint_on_another_origin_is_refused(http) -> None:
@@ -154,14 +311,14 @@ async def test_a_message_endpoint_on_another_origin_is_refused(http) -> None:
         SseMcpServer() as elsewhere,
         SseMcpServer(endpoint_base=elsewhere.url.removesuffix("/sse")) as server,
     ):
-        session = SseConnection(server.url, http, auth_token="s3cret")
+        connection = SseConnection(server.url, http, auth_token="s3cret")
         with pytest.raises(ConnectionClosed, match="another origin"):
-            await session.open(timeout_s=5)
-        await session.close()
+            await connection.open(timeout_s=5)
+        await connection.close()
         assert elsewhere.headers == []  # nothing was sent there
 
 
-async def test_pool_reopens_a_session_the_server_forgot_once(server) -> None:
+async def test_pool_reopens_a_connection_the_server_forgot_once(server) -> None:
     pool = McpClientPool()
     try:
         first = await pool.call(server.url, "echo", {"n": 1}, timeout_s=5)
@@ -197,47 +354,47 @@ async def test_a_silent_stream_is_taken_for_dead(http) -> None:
     """No message and no ping for `idle_stream_s`: a connection that died without a word
     (a NAT or proxy dropped it). The call fails then, not after its whole timeout."""
     async with SseMcpServer() as server:
-        session = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
-        await session.open(timeout_s=5)
+        connection = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
+        await connection.open(timeout_s=5)
         # Not CallTimedOut: the silence ends the call before its own timeout would.
         with pytest.raises(AnswerLost, match=r"silent for .* taken for dead"):
-            await session.call_tool("hang", {}, timeout_s=30)
-        assert not session.is_open
-        await session.close()
+            await connection.call_tool("hang", {}, timeout_s=30)
+        assert not connection.is_open
+        await connection.close()
 
 
 async def test_a_stream_kept_alive_by_pings_is_not(http) -> None:
     async with SseMcpServer(ping_every_s=0.05) as server:  # ten pings per idle_stream_s
-        session = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
-        await session.open(timeout_s=5)
+        connection = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
+        await connection.open(timeout_s=5)
         try:
-            result = await session.call_tool("slow", {"s": 1.5}, timeout_s=30)
+            result = await connection.call_tool("slow", {"s": 1.5}, timeout_s=30)
             assert result["structuredContent"] == {"echo": {"s": 1.5}}
-            assert session.is_open
+            assert connection.is_open
         finally:
-            await session.close()
+            await connection.close()
 
 
-async def test_pool_drops_a_session_whose_call_timed_out() -> None:
-    """New calls get a fresh session; calls still waiting on the old one get their answers,
+async def test_pool_drops_a_connection_whose_call_timed_out() -> None:
+    """New calls get a fresh connection; calls still waiting on the old one get their answers,
     then it is closed (the server notices at its next keep-alive)."""
     pool = McpClientPool()
     async with SseMcpServer(ping_every_s=0.1) as server:
-        await _timed_out_session_is_dropped(pool, server)
+        await _timed_out_connection_is_dropped(pool, server)
 
 
-async def _timed_out_session_is_dropped(pool: McpClientPool, server: SseMcpServer) -> None:
+async def _timed_out_connection_is_dropped(pool: McpClientPool, server: SseMcpServer) -> None:
     try:
         await pool.call(server.url, "echo", {}, timeout_s=5)
         held = asyncio.create_task(pool.call(server.url, "held", {"n": 1}, timeout_s=30))
         async with asyncio.timeout(5):
-            await server.wait_for("tools/call", count=2)  # held: waiting on the first session
+            await server.wait_for("tools/call", count=2)  # held: waiting on the first connection
         with pytest.raises(CallTimedOut):
             await pool.call(server.url, "hang", {}, timeout_s=0.3)
         await pool.call(server.url, "echo", {"after": True}, timeout_s=5)
         assert (pool.connects, server.streams_opened) == (2, 2)
         assert not held.done()
-        server.release_held.set()  # its answer comes over the old session's stream
+        server.release_held.set()  # its answer comes over the old connection's stream
         assert (await held)["structuredContent"] == {"echo": {"n": 1}}
         async with asyncio.timeout(5):
             while server.streams_ended < 1:  # noqa: ASYNC110 (the server's own counter)

@@ -12,7 +12,9 @@ A transport subclass sends one message (`_send`), hands over each message it rec
   (we declare no client capabilities). Its `notifications/tools/list_changed` goes to the
   owner's `on_tools_changed`; other notifications (logging, progress) are of no use to us.
 - **The end**: when the connection closes, every request still waiting fails at once with
-  AnswerLost naming the reason, and later requests are refused with ConnectionClosed.
+  AnswerLost naming the reason, and later requests are refused with ConnectionClosed. A peer
+  shutting down may first answer what it drops with a "connection closed" error (the MCP
+  SDK does): that is AnswerLost too, not the peer's error.
 
 The errors are butlers.errors' McpCallError family: their messages are plain enough to show;
 an owner that knows better words for its readers (the gateway names the child and its
@@ -28,7 +30,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from mcp_types.jsonrpc import JSONRPC_VERSION, METHOD_NOT_FOUND
+from mcp_types.jsonrpc import CONNECTION_CLOSED, JSONRPC_VERSION, METHOD_NOT_FOUND
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
@@ -172,7 +174,10 @@ class McpConnection:
                 self._spawn(self.close(), "close")
         if "error" in reply:
             error = reply["error"] or {}
-            raise RemoteError(int(error.get("code", 0)), str(error.get("message", "")))
+            code, text = int(error.get("code", 0)), str(error.get("message", ""))
+            if code == CONNECTION_CLOSED:  # the MCP SDK's answer to what it drops on shutdown
+                raise AnswerLost(f"{self.label} closed the connection before answering ({text})")
+            raise RemoteError(code, text)
         return reply.get("result") or {}
 
     async def notify(self, method: str, params: dict[str, Any] | None = None) -> None:
