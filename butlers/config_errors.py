@@ -50,9 +50,11 @@ class KeyProblem(ValueError):
 def config_error(
     path: Path, error: ValidationError, model: type, *, by_alias: bool = False
 ) -> ConfigError:
-    """The ConfigError for `error`, raised validating `path` as `model`: its first problem,
-    then a few more (a file with three typos shows all three)."""
-    problems = [_describe(detail, model, by_alias) for detail in error.errors(include_url=False)]
+    """The ConfigError for `error`, raised validating `path` as `model` (`by_alias`: the file
+    spells its keys as the fields' aliases): its first problem, then a few more (a file with
+    three typos shows all three). A .json file's tables are called objects."""
+    style = _Style(by_alias, "an object" if path.suffix == ".json" else "a table")
+    problems = [_describe(detail, model, style) for detail in error.errors(include_url=False)]
     key, problem = problems[0]
     more = [f"{k}: {p}" if k else p for k, p in problems[1 : 1 + MORE_ERRORS_SHOWN]]
     if len(problems) > 1 + MORE_ERRORS_SHOWN:
@@ -60,6 +62,14 @@ def config_error(
     if more:
         problem += "; also " + "; ".join(more)
     return ConfigError(path, key or None, problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Style:
+    """How the file spells things: keys by alias or by name; a table, or a JSON object."""
+
+    by_alias: bool
+    table: str
 
 
 @dataclasses.dataclass
@@ -73,15 +83,15 @@ class _Place:
     item: int | None  # set when the location ends inside a list of scalars
 
 
-def _describe(detail: ErrorDetails, model: type, by_alias: bool) -> tuple[str, str]:
-    place = _place(model, detail["loc"], by_alias)
+def _describe(detail: ErrorDetails, model: type, style: _Style) -> tuple[str, str]:
+    place = _place(model, detail["loc"], style.by_alias)
     kind, given, ctx = detail["type"], detail.get("input"), detail.get("ctx") or {}
     error = ctx.get("error")
     if isinstance(error, KeyProblem):
         return _join(place.key, error.key), error.problem
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        return place.key, _unknown_key(place, by_alias)
-    expected = _expected(place)
+        return place.key, _unknown_key(place, style.by_alias)
+    expected = _expected(place, style)
     if kind == "missing":
         return place.key, f"is required, expected {expected}"
     if isinstance(error, ValueError) and kind in ("value_error", "assertion_error"):
@@ -130,7 +140,7 @@ def _unknown_key(place: _Place, by_alias: bool) -> str:
     return f"unknown {noun}, expected one of: {', '.join(known)}"
 
 
-def _expected(place: _Place) -> str:
+def _expected(place: _Place, style: _Style) -> str:
     """What the key expects, from its `Expect` if it has one, else its type and bounds."""
     annotation = place.annotation
     if place.item is not None and place.field is not None:
@@ -138,18 +148,18 @@ def _expected(place: _Place) -> str:
     for item in _metadata(place.field, annotation):
         if isinstance(item, Expect):
             return item.text
-    return _phrase(annotation, place.field)
+    return _phrase(annotation, style, place.field)
 
 
-def _phrase(annotation: Any, field: FieldInfo | None = None) -> str:
+def _phrase(annotation: Any, style: _Style, field: FieldInfo | None = None) -> str:
     base = _unoptional(annotation)
     origin, args = typing.get_origin(base), typing.get_args(base)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (tuple, list):
-        return "a list of " + _plural(_phrase(args[0])) if args else "a list"
+        return "a list of " + _plural(_phrase(args[0], style)) if args else "a list"
     if origin is dict or _fields(base) is not None:
-        return "a table"
+        return style.table
     if base is re.Pattern or origin is re.Pattern:
         return "a regular expression"
     noun = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}.get(

@@ -115,8 +115,18 @@ def test_config_files_snake_and_camel(tmp_path: Path) -> None:
     ("text", "key", "problem"),
     [
         ("[timeouts]\nrpc_ms = -1\n", "timeouts.rpc_ms", "positive integer"),
-        ('[introspection]\nmode = "loud"\n', "introspection.mode", "summary, full, redacted"),
-        ("[suites.docs]\nsuitename = 1\n", "suites.docs", "unknown key(s): suitename"),
+        (
+            '[introspection]\nmode = "loud"\n',
+            "introspection.mode",
+            "expected one of 'summary', 'full', 'redacted', got 'loud'",
+        ),
+        (
+            "[suites.docs]\nsuitename = 1\n",
+            "suites.docs.suitename",
+            "unknown key, did you mean 'suite_name'?",
+        ),
+        # Each file in its own spelling: camelCase is unknown in gateway.toml.
+        ("[timeouts]\nrpcMs = 5\n", "timeouts.rpcMs", "unknown key, did you mean 'rpc_ms'?"),
         ('discover_globs = "x"\n', "discover_globs", "list of strings"),
         ("[suites.docs.expose]\nallow = [1]\n", "suites.docs.expose.allow", "list of strings"),
     ],

@@ -1,11 +1,12 @@
 """POST /email/inbound's JSON body as a mail, by the same rules as one read over IMAP.
 
-A mail provider (or a reverse proxy in front of us) posts {from, subject?, text | html,
-message_id, headers?}. The HTTP layer caps the body at max_request_bytes (1 MiB); here each
-field is checked for its type and size, and every way it can be wrong is a MailUnreadable
-naming the field (a 400), never an exception of the JSON or email packages (a 500): JSON
-nested a thousand deep, a From of nested comments, an integer of 5,000 digits, a lone UTF-16
-surrogate. The email module runs this in a worker thread (HTML conversion is ~0.6 s a MB).
+A mail provider (or a reverse proxy in front of us) posts a `WebhookMail`: {from, subject?,
+text | html, message_id, headers?} (docs/configuration.md, schemas/email-webhook.schema.json).
+The HTTP layer caps the body at max_request_bytes (1 MiB); the model checks each field's type
+and size, and every way the body can be wrong is a MailUnreadable naming the field (a 400),
+never an exception of the JSON, pydantic or email packages (a 500): JSON nested a thousand
+deep, a From of nested comments, an integer of 5,000 digits, a lone UTF-16 surrogate. The
+email module runs this in a worker thread (HTML conversion is ~0.6 s a MB).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import json
 import re
 from email.message import EmailMessage
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import ErrorDetails
 
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
@@ -38,6 +42,38 @@ _AUTOMATION_HEADERS = (
     "return-path",
 )
 
+Line = Annotated[str, Strict(), Field(max_length=MAX_HEADER_BYTES)]
+Body = Annotated[str, Strict()]
+
+
+class WebhookMail(BaseModel):
+    """The JSON body of `POST /email/inbound`. Fields a provider adds beyond these are
+    ignored (providers post many); `null` and `""` count as absent."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sender: Line = Field(
+        alias="from",
+        min_length=1,
+        description="The From header: one address, with or without a display name. Required.",
+    )
+    subject: Line | None = Field(default=None, description="The Subject header.")
+    text: Body | None = Field(default=None, description="The plain-text body.")
+    html: Body | None = Field(
+        default=None, description="The HTML body, used (as text) when there is no `text`."
+    )
+    message_id: Line | None = Field(
+        default=None,
+        description="The Message-ID (else `headers`' Message-ID); required: it makes a "
+        "redelivery harmless.",
+    )
+    headers: dict[str, Line | list[Line]] | None = Field(
+        default=None,
+        description="More headers, a string or a list of strings each (any case): "
+        "References, In-Reply-To (threading), Auto-Submitted, Precedence... (automated "
+        "mail is not answered), Authentication-Results.",
+    )
+
 
 def parse_webhook(body: bytes) -> ParsedMail:
     """The mail in a webhook body; MailUnreadable saying which field is wrong, and how."""
@@ -49,25 +85,29 @@ def parse_webhook(body: bytes) -> ParsedMail:
         raise MailUnreadable(f"the body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise MailUnreadable(f"the body must be a JSON object, not {_kind(data)}")
-    sender = _string(data, "from", required=True, limit=MAX_HEADER_BYTES)
+    given = {key: _clean(value) for key, value in data.items() if value not in ("", None)}
     try:
-        address, name = single_address([sender])
+        mail = WebhookMail.model_validate(given)
+    except ValidationError as exc:
+        raise MailUnreadable(_problem(exc.errors(include_url=False)[0], given)) from None
+    try:
+        address, name = single_address([mail.sender])
     except ValueError as exc:
         raise MailUnreadable(f"'from': {exc}") from None
-    headers = _headers(data.get("headers"))
-    message_id = _string(data, "message_id", limit=MAX_HEADER_BYTES) or _first(
-        headers, "message-id"
-    )
+    headers: dict[str, list[str]] = {}
+    for key, value in (mail.headers or {}).items():
+        headers.setdefault(key.lower(), []).extend(value if isinstance(value, list) else [value])
+    message_id = mail.message_id or _first(headers, "message-id")
     if not message_id:
         raise MailUnreadable("'message_id' is required (it makes a redelivery harmless)")
-    text = _string(data, "text")
-    if not text and (html := _string(data, "html")):
-        text = html_to_text(html[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
+    text = mail.text or ""
+    if not text and mail.html:
+        text = html_to_text(mail.html[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
     return ParsedMail(
         message_id=message_id,
         sender=address,
         sender_name=name,
-        subject=_string(data, "subject", limit=MAX_HEADER_BYTES),
+        subject=mail.subject or "",
         text=trim_quoted(text)[:MAX_TEXT_CHARS],
         references=thread_references(
             _first(headers, "references"), _first(headers, "in-reply-to"), message_id
@@ -77,46 +117,33 @@ def parse_webhook(body: bytes) -> ParsedMail:
     )
 
 
+def _problem(error: ErrorDetails, data: dict[str, Any]) -> str:
+    """What a sender of the body can act on: the field, as the JSON spells it, and why."""
+    loc, kind, given = error["loc"], error["type"], error.get("input")
+    field = str(loc[0])
+    if field == "headers" and len(loc) > 1:
+        key, value = str(loc[1]), data["headers"][loc[1]]
+        if kind == "string_too_long":
+            return (
+                f"'headers': {key!r} is {len(given)} characters long, "
+                f"over the limit of {MAX_HEADER_BYTES}"
+            )
+        items = value if isinstance(value, list) else [value]
+        wrong = next((v for v in items if not isinstance(v, str)), value)
+        return f"'headers': {key!r} must be a string or a list of strings, not {_kind(wrong)}"
+    if kind in ("missing", "string_too_short"):
+        return f"'{field}' is required"
+    if kind == "string_too_long":
+        return f"'{field}' is {len(given)} characters long, over the limit of {MAX_HEADER_BYTES}"
+    if field == "headers":
+        return f"'headers' must be an object, not {_kind(given)}"
+    return f"'{field}' must be a string, not {_kind(given)}"
+
+
 def _kind(value: object) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(
         type(value), "a number" if isinstance(value, int | float) else "null"
     )
-
-
-def _string(data: dict[str, Any], key: str, *, required: bool = False, limit: int = 0) -> str:
-    value = data.get(key)
-    if value is None or value == "":
-        if required:
-            raise MailUnreadable(f"'{key}' is required")
-        return ""
-    if not isinstance(value, str):
-        raise MailUnreadable(f"'{key}' must be a string, not {_kind(value)}")
-    if limit and len(value) > limit:
-        raise MailUnreadable(f"'{key}' is {len(value)} characters long, over the limit of {limit}")
-    return _valid_unicode(value)
-
-
-def _headers(given: object) -> dict[str, list[str]]:
-    """`headers`: an object of strings or lists of strings; names lower-cased."""
-    if given is None:
-        return {}
-    if not isinstance(given, dict):
-        raise MailUnreadable(f"'headers' must be an object, not {_kind(given)}")
-    headers: dict[str, list[str]] = {}
-    for key, value in given.items():
-        values = value if isinstance(value, list) else [value]
-        for item in values:
-            if not isinstance(item, str):
-                raise MailUnreadable(
-                    f"'headers': {key!r} must be a string or a list of strings, not {_kind(item)}"
-                )
-            if len(item) > MAX_HEADER_BYTES:
-                raise MailUnreadable(
-                    f"'headers': {key!r} is {len(item)} characters long, "
-                    f"over the limit of {MAX_HEADER_BYTES}"
-                )
-        headers.setdefault(key.lower(), []).extend(_valid_unicode(v) for v in values)
-    return headers
 
 
 def _first(headers: dict[str, list[str]], key: str) -> str:
@@ -135,6 +162,18 @@ def _automated(headers: dict[str, list[str]], address: str) -> str | None:
         raise MailUnreadable("'headers': nested too deeply") from None
     except ValueError as exc:  # a line break in a value, say
         raise MailUnreadable(f"'headers': {exc}") from None
+
+
+def _clean(value: Any, *, objects: bool = True) -> Any:
+    """`value` with valid strings, in the shapes a field may have (a string, a list of them,
+    an object of those); anything deeper is left to the model to refuse, unread."""
+    if isinstance(value, str):
+        return _valid_unicode(value)
+    if isinstance(value, list):
+        return [_valid_unicode(v) if isinstance(v, str) else v for v in value]
+    if objects and isinstance(value, dict):
+        return {_valid_unicode(k): _clean(v, objects=False) for k, v in value.items()}
+    return value
 
 
 def _valid_unicode(value: str) -> str:

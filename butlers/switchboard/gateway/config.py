@@ -1,136 +1,173 @@
 """Gateway configuration: `gateway.toml` (snake_case), or an existing `switchboard.config.json`
-from the TypeScript Switchboard (camelCase) when there is no gateway.toml.
+from the TypeScript Switchboard (camelCase) when there is no gateway.toml; and the `.mcp.json`
+file that declares one child.
 
-Both are read into the same typed objects; errors name the file and the key. The JSON Schema
-for editors is `schemas/gateway.schema.json` (TOML) and `schemas/switchboard.config.schema.json`.
+One pydantic model per table, frozen and read as plain attributes by the gateway. The two
+files are the same model in two spellings: each field has its camelCase alias, and a file is
+validated in its own spelling only (a camelCase key in gateway.toml is unknown there, and the
+other way round). Errors name the file and the key as the file spells it (butlers.
+config_errors). schemas/gateway.schema.json, schemas/switchboard.config.schema.json and
+schemas/mcp.schema.json are generated from these models (`python -m butlers.schemas`).
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationError,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from butlers.config_errors import Expect, config_error
 from butlers.errors import ConfigError
 
 TOML_NAME = "gateway.toml"
 JSON_NAME = "switchboard.config.json"
+MCP_JSON_NAME = ".mcp.json"
 DEFAULT_GLOBS = (".switchboard/mcps/*/.mcp.json", "mcps/*/.mcp.json")
 INTROSPECTION_MODES = ("summary", "full", "redacted")
+# An editor's key for the file's JSON Schema; taken (and ignored) at the top of either file.
+SCHEMA_KEY = "$schema"
 
 
-@dataclass(frozen=True)
-class SuiteConfig:
-    suite_name: str | None = None
-    description: str | None = None
-    allow: tuple[str, ...] | None = None  # None: every subtool
-    deny: tuple[str, ...] = ()
-    summary_max_chars: int | None = None
+class _Table(BaseModel):
+    """A table of gateway.toml / switchboard.config.json: unknown keys are errors, and each
+    key has its camelCase alias for the JSON file."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+    )
+
+
+Text = Annotated[str, Strict(), Field(pattern=r"\S"), Expect("a non-empty string")]
+Positive = Annotated[int, Strict(), Field(gt=0)]
+Strings = tuple[Annotated[str, Strict()], ...]
+
+
+class Expose(_Table):
+    """`[suites.<child>.expose]`: which of a child's tools its suite offers."""
+
+    allow: Strings | None = Field(default=None, description="Only these subtools; unset: all.")
+    deny: Strings = Field(default=(), description="Never these subtools.")
+
+
+class SuiteConfig(_Table):
+    """`[suites.<child>]`: how one child (a butler or an .mcp.json server) is offered."""
+
+    suite_name: Text | None = Field(
+        default=None, description="The suite tool's name; unset: `<child>_suite`."
+    )
+    description: Text | None = Field(
+        default=None, description="The suite tool's description; unset: the child's own."
+    )
+    expose: Expose = Field(default_factory=Expose, description="`[suites.<child>.expose]`.")
+    summary_max_chars: Positive | None = Field(
+        default=None,
+        description="Summary length of this child's tools; unset: `[introspection]`'s.",
+    )
+
+    @property
+    def allow(self) -> tuple[str, ...] | None:
+        return self.expose.allow
+
+    @property
+    def deny(self) -> tuple[str, ...]:
+        return self.expose.deny
 
     def exposes(self, subtool: str) -> bool:
-        if subtool in self.deny:
+        if subtool in self.expose.deny:
             return False
-        return self.allow is None or subtool in self.allow
+        return self.expose.allow is None or subtool in self.expose.allow
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    discover_globs: tuple[str, ...] = DEFAULT_GLOBS
-    suites: dict[str, SuiteConfig] = field(default_factory=dict)
-    child_spawn_ms: int = 8000
-    rpc_ms: int = 60000
-    introspection_mode: str = "summary"
-    summary_max_chars: int = 160
-    source: Path | None = None  # the file it came from, if any
-    base_dir: Path = Path(".")  # globs are relative to this
+class Timeouts(_Table):
+    """`[timeouts]`."""
+
+    child_spawn_ms: Positive = Field(
+        default=8000, description="Starting a stdio child and its `initialize`, in ms."
+    )
+    rpc_ms: Positive = Field(default=60000, description="Each call to a child, in ms.")
+
+
+class Introspection(_Table):
+    """`[introspection]`: what `{"action": "introspect"}` shows of a child's tools."""
+
+    mode: Literal["summary", "full", "redacted"] = Field(
+        default="summary",
+        description="`summary` (descriptions cut to `summary_max_chars`), `full`, or "
+        "`redacted` (no descriptions).",
+    )
+    summary_max_chars: Positive = Field(default=160, description="Length of a tool's summary.")
+
+
+class GatewayConfig(_Table):
+    """A whole gateway.toml (or switchboard.config.json); the defaults when there is none."""
+
+    discover_globs: Strings = Field(
+        default=DEFAULT_GLOBS,
+        description="Strings of `.mcp.json` files (one child each), relative to the gateway's "
+        "directory.",
+    )
+    suites: dict[str, SuiteConfig] = Field(
+        default_factory=dict, description="`[suites.<child>]`, keyed by the child's name."
+    )
+    timeouts: Timeouts = Field(default_factory=Timeouts, description="`[timeouts]`.")
+    introspection: Introspection = Field(
+        default_factory=Introspection, description="`[introspection]`."
+    )
+
+    # Not in the file: where it was read from (None: the defaults) and what its globs are
+    # relative to.
+    _source: Path | None = PrivateAttr(default=None)
+    _base_dir: Path = PrivateAttr(default=Path("."))
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
+
+    @property
+    def base_dir(self) -> Path:
+        return self._base_dir
+
+    @property
+    def child_spawn_ms(self) -> int:
+        return self.timeouts.child_spawn_ms
+
+    @property
+    def rpc_ms(self) -> int:
+        return self.timeouts.rpc_ms
+
+    @property
+    def introspection_mode(self) -> str:
+        return self.introspection.mode
+
+    @property
+    def summary_max_chars(self) -> int:
+        return self.introspection.summary_max_chars
 
     def suite(self, child: str) -> SuiteConfig:
-        return self.suites.get(child, SuiteConfig())
+        return self.suites.get(child) or _NO_SUITE_CONFIG
+
+    def _placed(self, source: Path | None, base_dir: Path) -> GatewayConfig:
+        self._source, self._base_dir = source, base_dir
+        return self
 
 
-# The two spellings of every key: (snake_case in gateway.toml, camelCase in the JSON file).
-_KEYS = {
-    "discover_globs": "discoverGlobs",
-    "suites": "suites",
-    "timeouts": "timeouts",
-    "introspection": "introspection",
-    "suite_name": "suiteName",
-    "description": "description",
-    "expose": "expose",
-    "allow": "allow",
-    "deny": "deny",
-    "summary_max_chars": "summaryMaxChars",
-    "child_spawn_ms": "childSpawnMs",
-    "rpc_ms": "rpcMs",
-    "mode": "mode",
-    "$schema": "$schema",
-}
-
-
-class _Reader:
-    """Takes keys out of one table, in the file's own spelling, with errors naming file + key."""
-
-    def __init__(self, path: Path, camel: bool, data: Any, where: str = "") -> None:
-        self.path, self.camel, self.where = path, camel, where
-        if not isinstance(data, dict):
-            raise ConfigError(path, where or None, f"expected a table, got {_kind(data)}")
-        self.data = dict(data)
-
-    def key(self, name: str) -> str:
-        spelled = _KEYS[name] if self.camel else name
-        return f"{self.where}.{spelled}" if self.where else spelled
-
-    def _raw(self, name: str) -> Any:
-        return self.data.pop(_KEYS[name] if self.camel else name, None)
-
-    def table(self, name: str) -> _Reader | None:
-        raw = self._raw(name)
-        return None if raw is None else _Reader(self.path, self.camel, raw, self.key(name))
-
-    def tables(self, name: str) -> dict[str, _Reader]:
-        sub = self.table(name)
-        if sub is None:
-            return {}
-        return {
-            child: _Reader(self.path, self.camel, raw, f"{sub.where}.{child}")
-            for child, raw in sub.data.items()
-        }
-
-    def string(self, name: str) -> str | None:
-        raw = self._raw(name)
-        if raw is not None and not (isinstance(raw, str) and raw.strip()):
-            raise ConfigError(
-                self.path, self.key(name), f"expected a non-empty string, got {raw!r}"
-            )
-        return raw
-
-    def strings(self, name: str) -> tuple[str, ...] | None:
-        raw = self._raw(name)
-        if raw is None:
-            return None
-        if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
-            raise ConfigError(self.path, self.key(name), f"expected a list of strings, got {raw!r}")
-        return tuple(raw)
-
-    def positive(self, name: str) -> int | None:
-        raw = self._raw(name)
-        if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0):
-            raise ConfigError(
-                self.path, self.key(name), f"expected a positive integer, got {raw!r}"
-            )
-        return raw
-
-    def done(self) -> None:
-        self.data.pop("$schema", None)
-        if self.data:
-            unknown = ", ".join(sorted(self.data))
-            raise ConfigError(self.path, self.where or None, f"unknown key(s): {unknown}")
-
-
-def _kind(value: Any) -> str:
-    return type(value).__name__
+_NO_SUITE_CONFIG = SuiteConfig()
 
 
 def load_gateway_config(directory: Path) -> GatewayConfig:
@@ -145,52 +182,70 @@ def load_gateway_config(directory: Path) -> GatewayConfig:
                 data = loads(path.read_text(encoding="utf-8"))
             except ValueError as exc:  # TOML and JSON decode errors, bad UTF-8
                 raise ConfigError(path, None, f"is not valid {language}: {exc}") from exc
-            return _parse(path, data, camel=language == "JSON", base_dir=directory)
-    return GatewayConfig(base_dir=directory)
+            camel = language == "JSON"
+            if isinstance(data, dict):
+                data.pop(SCHEMA_KEY, None)
+            try:
+                config = GatewayConfig.model_validate(data, by_alias=camel, by_name=not camel)
+            except ValidationError as exc:
+                raise config_error(path, exc, GatewayConfig, by_alias=camel) from None
+            return config._placed(path, directory)
+    return GatewayConfig()._placed(None, directory)
 
 
-def _parse(path: Path, data: Any, *, camel: bool, base_dir: Path) -> GatewayConfig:
-    root = _Reader(path, camel, data)
-    defaults = GatewayConfig()
-    globs = root.strings("discover_globs")
-    suites = {}
-    for child, table in root.tables("suites").items():
-        expose = table.table("expose")
-        allow = deny = None
-        if expose is not None:
-            allow, deny = expose.strings("allow"), expose.strings("deny")
-            expose.done()
-        suites[child] = SuiteConfig(
-            suite_name=table.string("suite_name"),
-            description=table.string("description"),
-            allow=allow,
-            deny=deny or (),
-            summary_max_chars=table.positive("summary_max_chars"),
-        )
-        table.done()
-    spawn_ms = rpc_ms = None
-    if (timeouts := root.table("timeouts")) is not None:
-        spawn_ms, rpc_ms = timeouts.positive("child_spawn_ms"), timeouts.positive("rpc_ms")
-        timeouts.done()
-    mode = max_chars = None
-    if (introspection := root.table("introspection")) is not None:
-        mode = introspection.string("mode")
-        if mode is not None and mode not in INTROSPECTION_MODES:
-            raise ConfigError(
-                path,
-                introspection.key("mode"),
-                f"expected one of {', '.join(INTROSPECTION_MODES)}, got {mode!r}",
-            )
-        max_chars = introspection.positive("summary_max_chars")
-        introspection.done()
-    root.done()
-    return GatewayConfig(
-        discover_globs=globs if globs is not None else defaults.discover_globs,
-        suites=suites,
-        child_spawn_ms=spawn_ms or defaults.child_spawn_ms,
-        rpc_ms=rpc_ms or defaults.rpc_ms,
-        introspection_mode=mode or defaults.introspection_mode,
-        summary_max_chars=max_chars or defaults.summary_max_chars,
-        source=path,
-        base_dir=base_dir,
+# -- .mcp.json ---------------------------------------------------------------------------------
+
+
+class McpCommand(_Table):
+    """`command` of a stdio child."""
+
+    cmd: Annotated[str, Strict()] = Field(description="The program, found on PATH or by path.")
+    args: Strings = Field(default=(), description="Its arguments.")
+    env: dict[str, Annotated[str, Strict()]] = Field(
+        default_factory=dict,
+        description="Variables added to PATH, HOME, locale and TZ (nothing else of ours).",
     )
+
+
+class McpJson(_Table):
+    """One `.mcp.json`: a child behind the gateway, stdio (`command`) or remote (`url`), in
+    the TypeScript Switchboard's camelCase spelling."""
+
+    name: Annotated[
+        str,
+        Strict(),
+        Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"),
+        Expect("a name like 'docs' ([A-Za-z0-9_.-])"),
+    ] = Field(description="The child's name; its suite is `<name>_suite`.")
+    description: Annotated[str, Strict()] | None = Field(
+        default=None, description="What it does (the suite tool's description)."
+    )
+    switchboard_description: Annotated[str, Strict()] | None = Field(
+        default=None, description="A description for the gateway only; wins over `description`."
+    )
+    command: McpCommand | None = Field(
+        default=None, description="A stdio child: run in the file's directory."
+    )
+    url: Annotated[str, Strict(), Field(pattern="^https?://"), Expect("an http(s) URL")] | None = (
+        Field(default=None, description="A remote child's MCP endpoint (SSE or streamable HTTP).")
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> McpJson:
+        if (self.command is None) == (self.url is None):
+            raise ValueError('expected exactly one of "command" (stdio) or "url" (remote)')
+        return self
+
+
+def load_mcp_json(path: Path) -> McpJson:
+    """One `.mcp.json`; ConfigError naming the file and the key when it is not usable."""
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(path, None, f"not readable JSON: {exc}") from exc
+    if isinstance(data, dict):
+        data.pop(SCHEMA_KEY, None)
+    try:
+        return McpJson.model_validate(data, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise config_error(path, exc, McpJson, by_alias=True) from None
