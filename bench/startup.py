@@ -91,12 +91,12 @@ async def start_and_stop(config: Path, env: dict[str, str]) -> tuple[float, floa
 async def postgres_alone() -> tuple[float, float, float]:
     root = private_dir("butlers-bench-pg-")
     try:
-        server = EmbeddedServer(root / "pgdata")
+        server = EmbeddedServer(root / "pgdata", environ=os.environ)
         started = time.perf_counter()
         await server.start()
         cold = time.perf_counter() - started
         await server.stop()
-        again = EmbeddedServer(root / "pgdata")
+        again = EmbeddedServer(root / "pgdata", environ=os.environ)
         started = time.perf_counter()
         await again.start()
         warm = time.perf_counter() - started

@@ -17,12 +17,12 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import re
 import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from butlers.config import ButlerConfig
     from butlers.daemon import ButlerDaemon
     from butlers.redact import Redactor
+    from butlers.settings import Settings
     from butlers.telemetry import Telemetry
 
 logger = logging.getLogger("butlers")
@@ -45,14 +46,10 @@ class CommandError(ButlersError):
     """A command cannot go on; printed without a traceback, exit status 1."""
 
 
-def _data_dir() -> Path:
-    return Path(os.environ.get("BUTLERS_DATA_DIR") or ".butlers")
+def _select(config_dir: Path, only: Sequence[str] | None, settings: Settings) -> list[ButlerConfig]:
+    from butlers.config import Placement, load_config_dir
 
-
-def _select(config_dir: Path, only: Sequence[str] | None) -> list[ButlerConfig]:
-    from butlers.config import load_config_dir
-
-    fleet = load_config_dir(config_dir)
+    fleet = load_config_dir(config_dir, Placement.from_environment(settings.environ))
     for error in fleet.errors:
         print(f"error: {error} (butler skipped)", file=sys.stderr)
     if only:
@@ -140,16 +137,17 @@ async def serve(
     *,
     strict: bool,
     redactor: Redactor,
+    settings: Settings,
     as_json: bool = False,
 ) -> int:
     """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal.
     `redactor`: the process's log redaction, told the secrets the configs name."""
     stop = asyncio.Event()
     _install_stop_signals(stop)
-    configs = _select(config_dir, only)
-    from butlers.db import EmbeddedServer, running, server_from_environment
+    configs = _select(config_dir, only, settings)
+    from butlers.db import EmbeddedServer, running, server_for
 
-    server = server_from_environment()
+    server = server_for(settings)
     if isinstance(server, EmbeddedServer):
         first = not (server.pgdata / "PG_VERSION").exists()
         progress(
@@ -165,7 +163,7 @@ async def serve(
         )
         await asyncio.sleep(0)  # let it hand the start to its thread before the imports
         try:
-            from butlers.daemon import auth_token_from_environment
+            from butlers.settings import reveal
             from butlers.telemetry import Telemetry
 
             logs.adopt_fastmcp_logging()
@@ -173,15 +171,16 @@ async def serve(
             await starting
         from butlers.redact import Redactor
 
-        redactor.add(Redactor.from_environment(configs, environ=os.environ).secrets)
-        telemetry = Telemetry.from_environment(redact=redactor)
+        redactor.add(Redactor.from_environment(configs, environ=settings.environ).secrets)
+        telemetry = Telemetry.from_settings(settings, redact=redactor)
         async with _flushed(telemetry):
             await _serve_fleet(
                 configs,
                 server,
                 config_dir,
                 telemetry,
-                auth_token=auth_token_from_environment(),
+                settings=settings,
+                auth_token=reveal(settings.auth_token),
                 stop=stop,
                 strict=strict,
                 as_json=as_json,
@@ -195,6 +194,7 @@ async def _serve_fleet(
     config_dir: Path,
     telemetry: Telemetry,
     *,
+    settings: Settings,
     auth_token: str | None,
     stop: asyncio.Event,
     strict: bool,
@@ -205,7 +205,8 @@ async def _serve_fleet(
     report = await start_fleet(
         configs,
         server,
-        data_dir=_data_dir(),
+        data_dir=settings.data_dir,
+        settings=settings,
         auth_token=auth_token,
         config_dir=config_dir,
         telemetry=telemetry,
@@ -239,12 +240,12 @@ async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
         await asyncio.to_thread(telemetry.shutdown)
 
 
-async def db_upgrade(config_dir: Path, names: Sequence[str]) -> int:
+async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings) -> int:
     from butlers.daemon import migration_branches
-    from butlers.db import prepare_database, running, server_from_environment
+    from butlers.db import prepare_database, running, server_for
 
-    configs = _select(config_dir, names)
-    server = server_from_environment()
+    configs = _select(config_dir, names, settings)
+    server = server_for(settings)
     failed = False
     async with running(server):
         for config in configs:
@@ -262,14 +263,24 @@ DEFAULT_SWITCHBOARD_URL = "http://127.0.0.1:8100/sse"
 CLIENT_COMMANDS = ("list", "discover", "route", "ask", "trace", "inbox", "log", "retry", "outbox")
 
 
-async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> Any:
+@dataclass(frozen=True)
+class SwitchboardTarget:
+    """Where a client command calls the switchboard (`--url`), with the token it sends
+    (BUTLERS_AUTH_TOKEN; never shown)."""
+
+    url: str
+    auth_token: str | None = field(default=None, repr=False)
+
+
+async def _call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict[str, Any]) -> Any:
     from fastmcp import Client
     from fastmcp.exceptions import ToolError
 
     from butlers.switchboard.route import unwrap
 
+    url = target.url
     try:
-        async with Client(url, auth=_auth_token()) as client:
+        async with Client(url, auth=target.auth_token) as client:
             result = await client.call_tool_mcp(tool, arguments)
     except ToolError as exc:
         raise CommandError(str(exc)) from exc
@@ -279,10 +290,6 @@ async def _call_switchboard(url: str, tool: str, arguments: dict[str, Any]) -> A
     if result.is_error:
         raise CommandError(str(answer))
     return answer
-
-
-def _auth_token() -> str | None:
-    return os.environ.get("BUTLERS_AUTH_TOKEN") or None
 
 
 def _unreachable(url: str, exc: BaseException) -> str:
@@ -349,7 +356,7 @@ def _print_result(result: Any) -> None:
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
 
-async def _trace(url: str, ref: str) -> dict[str, Any]:
+async def _trace(target: SwitchboardTarget, ref: str, jaeger_ui_url: str) -> dict[str, Any]:
     """The Jaeger link for a trace id, or for the trace of a routing_log row (looked up through
     the switchboard)."""
     ref = ref.strip().lower()
@@ -363,13 +370,13 @@ async def _trace(url: str, ref: str) -> dict[str, Any]:
             raise CommandError(
                 f"{ref!r} is neither a trace id (32 hex characters) nor a routing_log id (a UUID)"
             ) from None
-        route = await _call_switchboard(url, "routing_log_entry", {"id": ref})
+        route = await _call_switchboard(target, "routing_log_entry", {"id": ref})
         trace_id = route.get("trace_id")
         if not trace_id:
             raise CommandError(f"routing_log row {ref} has no trace id")
     from butlers.switchboard.operator import jaeger_url
 
-    return {"trace_id": trace_id, "url": jaeger_url(trace_id), "route": route}
+    return {"trace_id": trace_id, "url": jaeger_url(trace_id, jaeger_ui_url), "route": route}
 
 
 def _print_trace(found: dict[str, Any]) -> None:
@@ -503,35 +510,38 @@ def _next(row: dict[str, Any]) -> str:
     return "-" if row["status"] == "failed" else _when(row.get("next_attempt_at"))
 
 
-async def client_command(args: argparse.Namespace) -> int:
+async def client_command(args: argparse.Namespace, settings: Settings) -> int:
+    from butlers.settings import reveal
+
+    target = SwitchboardTarget(args.url, reveal(settings.auth_token))
     if args.command == "trace":
-        result = await _trace(args.url, args.ref)
+        result = await _trace(target, args.ref, settings.jaeger_ui_url)
         show = _print_trace
     elif args.command == "list":
-        result = await _call_switchboard(args.url, "list_butlers", {})
+        result = await _call_switchboard(target, "list_butlers", {})
         show = _print_butlers
     elif args.command == "discover":
-        result = await _call_switchboard(args.url, "discover", {})
+        result = await _call_switchboard(target, "discover", {})
         show = _print_discover
     elif args.command == "ask":
-        result = await _call_switchboard(args.url, "ask", {"text": args.text})
+        result = await _call_switchboard(target, "ask", {"text": args.text})
         show = _print_answer
     elif args.command == "inbox":
         result = await _call_switchboard(
-            args.url, "inbox_list", {"status": args.status, "limit": args.limit}
+            target, "inbox_list", {"status": args.status, "limit": args.limit}
         )
         show = functools.partial(_print_inbox, status=args.status)
     elif args.command == "log":
         result = await _call_switchboard(
-            args.url, "routing_log_list", {"butler": args.butler, "limit": args.limit}
+            target, "routing_log_list", {"butler": args.butler, "limit": args.limit}
         )
         show = functools.partial(_print_routing_log, butler=args.butler)
     elif args.command == "retry":
-        result = await _call_switchboard(args.url, "inbox_retry", {"id": args.id})
+        result = await _call_switchboard(target, "inbox_retry", {"id": args.id})
         show = _print_retry
     elif args.command == "outbox":
         result = await _call_switchboard(
-            args.url, "outbox_list", {"status": args.status, "limit": args.limit}
+            target, "outbox_list", {"status": args.status, "limit": args.limit}
         )
         show = functools.partial(_print_outbox, status=args.status)
     else:
@@ -544,7 +554,7 @@ async def client_command(args: argparse.Namespace) -> int:
         if not isinstance(route_args, dict):
             raise CommandError(f"ARGS must be a JSON object, got {type(route_args).__name__}")
         result = await _call_switchboard(
-            args.url,
+            target,
             "route",
             {"butler_name": args.butler, "tool_name": args.tool, "args": route_args},
         )
@@ -556,7 +566,8 @@ async def client_command(args: argparse.Namespace) -> int:
     return 0
 
 
-async def gateway_command(args: argparse.Namespace) -> int:
+async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
+    from butlers.settings import reveal
     from butlers.switchboard.gateway.run import (
         GatewayOptions,
         serve_gateway,
@@ -570,11 +581,12 @@ async def gateway_command(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         prewarm=not args.lazy,
-        auth_token=_auth_token(),
+        auth_token=reveal(settings.auth_token),
     )
+    target = SwitchboardTarget(args.url, options.auth_token)
 
     async def registry() -> list[dict[str, Any]]:
-        return await _call_switchboard(args.url, "list_butlers", {})  # CommandError if down
+        return await _call_switchboard(target, "list_butlers", {})  # CommandError if down
 
     fetch = None if args.no_butlers else registry
     if args.report:
@@ -588,7 +600,7 @@ async def gateway_command(args: argparse.Namespace) -> int:
     return await serve_gateway(options, fetch, stop)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="butlers",
         description="Run and talk to a personal team of AI butlers.",
@@ -597,8 +609,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _log_options(
         parser,
-        level=os.environ.get("BUTLERS_LOG_LEVEL") or logs.DEFAULT_LEVEL,
-        log_format=os.environ.get("BUTLERS_LOG_FORMAT") or logs.DEFAULT_FORMAT,
+        level=settings.log_level,
+        log_format=settings.log_format,
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -628,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
     def client_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--url",
-            default=os.environ.get("BUTLERS_SWITCHBOARD_URL", DEFAULT_SWITCHBOARD_URL),
+            default=settings.switchboard_url or DEFAULT_SWITCHBOARD_URL,
             help="the switchboard's MCP endpoint (default %(default)s, "
             "env BUTLERS_SWITCHBOARD_URL)",
         )
@@ -662,7 +674,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gateway.add_argument(
         "--url",
-        default=os.environ.get("BUTLERS_SWITCHBOARD_URL", DEFAULT_SWITCHBOARD_URL),
+        default=settings.switchboard_url or DEFAULT_SWITCHBOARD_URL,
         help="the switchboard whose registry lists the butlers",
     )
     gateway.add_argument("--no-butlers", action="store_true", help="only the .mcp.json servers")
@@ -729,8 +741,8 @@ def _log_options(parser: argparse.ArgumentParser, *, level: str, log_format: str
     )
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = _parser()
+def _parse(argv: Sequence[str], settings: Settings) -> argparse.Namespace:
+    parser = _parser(settings)
     args = parser.parse_args(argv)
     # argparse checks the choices of what is typed, not of a default from the environment.
     try:
@@ -744,7 +756,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _start_logging(args: argparse.Namespace) -> Redactor:
+def _start_logging(args: argparse.Namespace, settings: Settings) -> Redactor:
     """The process's one log stream, redacting the secrets of the environment (and later
     those the loaded configs name: the returned redactor is told them)."""
     from butlers.redact import Redactor, install_log_redaction
@@ -752,24 +764,32 @@ def _start_logging(args: argparse.Namespace) -> Redactor:
     logs.configure_logging(args.log_level, args.log_format)
     redactor = Redactor()
     install_log_redaction(redactor)
-    redactor.add(Redactor.from_environment(environ=os.environ).secrets)
+    redactor.add(Redactor.from_environment(environ=settings.environ).secrets)
     return redactor
 
 
-async def cli(argv: Sequence[str]) -> int:
-    args = _parse(argv)
-    redactor = _start_logging(args)
+async def cli(argv: Sequence[str], settings: Settings) -> int:
+    """Run one command. `settings`: the process's environment, read once by main()."""
+    args = _parse(argv, settings)
+    redactor = _start_logging(args, settings)
     if args.command == "db":
-        return await db_upgrade(args.config_dir, args.names)
+        return await db_upgrade(args.config_dir, args.names, settings)
     if args.command == "gateway":
-        return await gateway_command(args)
+        return await gateway_command(args, settings)
     if args.command in CLIENT_COMMANDS:
-        return await client_command(args)
+        return await client_command(args, settings)
     if args.command == "up":
         return await serve(
-            args.config_dir, args.only, strict=False, redactor=redactor, as_json=args.json
+            args.config_dir,
+            args.only,
+            strict=False,
+            redactor=redactor,
+            settings=settings,
+            as_json=args.json,
         )
-    return await serve(args.config_dir, [args.name], strict=True, redactor=redactor)
+    return await serve(
+        args.config_dir, [args.name], strict=True, redactor=redactor, settings=settings
+    )
 
 
 def _install_fast_event_loop() -> None:
@@ -784,7 +804,11 @@ def _install_fast_event_loop() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     _install_fast_event_loop()
     try:
-        code = asyncio.run(cli(sys.argv[1:] if argv is None else argv))
+        from butlers.settings import Settings
+
+        # The one place the environment is read: a bad value ends here, named, exit 1.
+        settings = Settings.from_environ()
+        code = asyncio.run(cli(sys.argv[1:] if argv is None else argv, settings))
     except ButlersError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1

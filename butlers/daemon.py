@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -420,7 +419,3 @@ async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
     rest = [d for d in daemons if not d.config.is_switchboard]
     await asyncio.gather(*(d.stop() for d in front), return_exceptions=True)
     await asyncio.gather(*(d.stop() for d in rest), return_exceptions=True)
-
-
-def auth_token_from_environment() -> str | None:
-    return os.environ.get("BUTLERS_AUTH_TOKEN") or None

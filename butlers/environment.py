@@ -3,6 +3,9 @@
 A butler's own environment holds the Telegram bot token, the mail password, DATABASE_URL and
 the MCP auth token. A Claude Code session reads text written by strangers, and a gateway
 child is somebody else's program: each gets only what it needs to run.
+
+Each function is given the environment to choose from (`Settings.environ`, or for a child a
+library starts, `Settings.inherited_environ()`): this module reads none of its own.
 """
 
 from __future__ import annotations
@@ -49,15 +52,14 @@ def is_base(name: str) -> bool:
     return name in BASE_NAMES or name.startswith(BASE_PREFIXES)
 
 
-def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """PATH, HOME, locale, TZ and the like, from `environ` (default: ours)."""
-    environ = os.environ if environ is None else environ
+def base_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """PATH, HOME, locale, TZ and the like, from `environ`."""
     return {name: value for name, value in environ.items() if is_base(name)}
 
 
-def claude_code_keeps(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a Claude Code session may see the variable `name` of `environ`."""
-    environ = os.environ if environ is None else environ
+def claude_code_keeps(name: str, environ: Mapping[str, str]) -> bool:
+    """Whether a Claude Code session may see the variable `name` of `environ` (which also
+    says whether Claude Code runs on Bedrock or Vertex)."""
     if is_base(name) or name in CLAUDE_CODE_NAMES or name.startswith(CLAUDE_CODE_PREFIXES):
         return True
     return any(
@@ -66,6 +68,13 @@ def claude_code_keeps(name: str, environ: Mapping[str, str] | None = None) -> bo
     )
 
 
-def gateway_child_environment(own: Mapping[str, str]) -> dict[str, str]:
-    """A gateway child (an MCP server from a .mcp.json): the base plus its declared `env`."""
-    return {**base_environment(), **own}
+def gateway_child_environment(
+    own: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """A gateway child (an MCP server from a .mcp.json): the base of `environ` plus its
+    declared `env`.
+
+    `environ` None reads the process's own: the gateway (butlers.switchboard.gateway) does
+    not pass its Settings down to its child clients yet.
+    """
+    return {**base_environment(os.environ if environ is None else environ), **own}

@@ -9,7 +9,6 @@ trace.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,15 @@ class NotifyFailed(ButlersError):
     """The switchboard did not take the notification; the message says why."""
 
 
-def switchboard_url(config: ButlerConfig, config_dir: Path | None, own_url: str) -> str | None:
-    """Where this butler's notifications go (None: nowhere known)."""
+def switchboard_url(
+    config: ButlerConfig, config_dir: Path | None, own_url: str, from_environment: str | None
+) -> str | None:
+    """Where this butler's notifications go (None: nowhere known); `from_environment` is
+    `Settings.switchboard_url` (BUTLERS_SWITCHBOARD_URL)."""
     if config.switchboard_url:
         return config.switchboard_url
-    if os.environ.get(SWITCHBOARD_URL_ENV):
-        return os.environ[SWITCHBOARD_URL_ENV]
+    if from_environment:
+        return from_environment
     if config.is_switchboard:
         return own_url
     if config_dir is not None:

@@ -3,14 +3,13 @@
 Libraries log what they are given: httpx logs every request URL at INFO, and the Telegram Bot
 API puts the bot token in the URL; an exception text may quote a connection string. Rather
 than hunting each one down, every log record is checked against the secrets this process was
-configured with (the environment variables that hold them), at the moment it is created, so
-no handler, formatter or level ever sees the original text.
+configured with (the environment variables that hold them, in `Settings.environ`), at the
+moment it is created, so no handler, formatter or level ever sees the original text.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -64,12 +63,11 @@ class Redactor:
 
     @classmethod
     def from_environment(
-        cls, configs: Iterable[ButlerConfig] = (), environ: Mapping[str, str] | None = None
+        cls, configs: Iterable[ButlerConfig] = (), *, environ: Mapping[str, str]
     ) -> Redactor:
-        """The secrets in `environ` (default: ours): the variables butler.toml names for
+        """The secrets in `environ` (`Settings.environ`): the variables butler.toml names for
         tokens and passwords, the well-known ones, any *_TOKEN/*_PASSWORD/*_SECRET/*_API_KEY,
         and the password in DATABASE_URL."""
-        environ = os.environ if environ is None else environ
         names = set(SECRET_NAMES)
         for config in configs:
             if config.telegram is not None:

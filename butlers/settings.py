@@ -65,6 +65,10 @@ class Settings(BaseSettings):
         default=DEFAULT_LOG_LEVEL,
         description="Default of `--log-level`: CRITICAL, ERROR, WARNING, INFO or DEBUG.",
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Default of `--log-format`: text lines, or one JSON object per line.",
+    )
     email_webhook_token: SecretStr | None = Field(
         default=None,
         description='Bearer token `POST /email/inbound` requires (email `mode = "webhook"`).',
@@ -159,10 +163,6 @@ class Settings(BaseSettings):
         """
         return os.environ
 
-    def auth_token_value(self) -> str | None:
-        """The auth token itself, for the places that send or check it."""
-        return self.auth_token.get_secret_value() if self.auth_token is not None else None
-
     @classmethod
     def variables(cls) -> dict[str, str]:
         """Each variable's name -> its field: what docs/configuration.md documents."""
@@ -209,3 +209,8 @@ class _MappingSource(EnvSettingsSource):
         return parse_env_vars(
             self._mapping, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str
         )
+
+
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret's value, for the one place that sends or checks it (`settings.auth_token`)."""
+    return secret.get_secret_value() if secret is not None else None

@@ -26,13 +26,16 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from butlers.config import ButlerConfig
 from butlers.environment import claude_code_keeps
 from butlers.errors import SpawnError
 from butlers.store import CoreStore
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
+
+if TYPE_CHECKING:
+    from butlers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,8 @@ class Spawner:
     """Claude Code sessions for one butler, at most `max_concurrent_sessions` at a time.
 
     `session_env` is added to the CLI's environment on top of the daemon's own (credentials,
-    ANTHROPIC_BASE_URL, HOME for an isolated config); the daemon's environment is inherited.
+    ANTHROPIC_BASE_URL, HOME for an isolated config); of the daemon's environment, which the
+    SDK passes down (`settings.inherited_environ()`), only the allowlist is kept.
     """
 
     def __init__(
@@ -86,11 +90,13 @@ class Spawner:
         *,
         work_dir: Path,
         telemetry: ButlerTelemetry,
+        settings: Settings,
         session_env: Mapping[str, str] | None = None,
         auth_token: str | None = None,
         redact: Callable[[str], str] = str,
     ) -> None:
         self.config = config
+        self.settings = settings
         self.redact = redact  # a session's error text may quote anything: no secret kept
         self.telemetry = telemetry
         self.store = store
@@ -253,7 +259,9 @@ class Spawner:
         )
         try:
             options = self._options(target, system_prompt, config_path)
-            transport = _AllowlistedEnvironmentTransport(prompt, options)
+            transport = _AllowlistedEnvironmentTransport(
+                prompt, options, inherited=self.settings.inherited_environ()
+            )
             result: ResultMessage | None = None
             # aclosing: on timeout or failure the generator is closed, which ends the CLI.
             async with contextlib.aclosing(
@@ -313,16 +321,24 @@ def _subprocess_transport() -> type:
 class _AllowlistedEnvironmentTransport(_subprocess_transport()):  # type: ignore[misc]
     """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
 
-    The SDK always passes our whole environment down (its `env` option only adds to it). So the
-    command goes through `env -u NAME ...`, which drops every variable Claude Code has no use
-    for before it starts: only their names are on the command line, never their values.
+    The SDK always passes our whole environment (`inherited`) down; its `env` option only adds
+    to it. So the command goes through `env -u NAME ...`, which drops every variable Claude Code
+    has no use for before it starts: only their names are on the command line, never their
+    values.
     """
+
+    def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inherited = inherited
 
     def _build_command(self) -> list[str]:
         command = super()._build_command()
         ours = self._options.env
+        inherited = self._inherited
         dropped = sorted(
-            name for name in os.environ if name not in ours and not claude_code_keeps(name)
+            name
+            for name in inherited
+            if name not in ours and not claude_code_keeps(name, inherited)
         )
         if not dropped:
             return command
@@ -368,8 +384,13 @@ def default_allowed_tools(tool_names: Sequence[str]) -> tuple[str, ...]:
     return tuple(name for name in tool_names if name not in SESSION_STARTING_TOOLS)
 
 
-def isolated_cli_env(home: Path, base_url: str, api_key: str = "sk-test") -> dict[str, str]:
-    """The environment for a Claude Code that must not see the host: used by tests and bench."""
+def isolated_cli_env(
+    home: Path, base_url: str, api_key: str = "sk-test", *, inherited: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment for a Claude Code that must not see the host: used by tests and bench.
+
+    `inherited`: the environment the CLI would inherit (the caller's process environment); each
+    ANTHROPIC_*/CLAUDE_* variable of it is blanked."""
     env = {
         "HOME": str(home),
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
@@ -378,7 +399,7 @@ def isolated_cli_env(home: Path, base_url: str, api_key: str = "sk-test") -> dic
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
     # options.env is merged over the inherited environment: blank out what could leak in.
-    for key in os.environ:
+    for key in inherited:
         if (
             key.startswith(("ANTHROPIC_", "CLAUDE_"))
             and key not in env

@@ -8,10 +8,9 @@ W3C trace context travels between butlers as `_trace_context`
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -19,7 +18,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from butlers.errors import ButlersError
+if TYPE_CHECKING:
+    from butlers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ def let_butlers_own_mcp_spans() -> None:
     fastmcp.settings.telemetry_mode = "propagation_only"
 
 
-def service_name(butler: str) -> str:
-    """`butler-<name>`, unless OTEL_SERVICE_NAME says otherwise (then for every butler)."""
-    return os.environ.get("OTEL_SERVICE_NAME") or f"butler-{butler}"
+def service_name(butler: str, override: str | None = None) -> str:
+    """`butler-<name>`, unless `override` (OTEL_SERVICE_NAME) says otherwise (then for every
+    butler)."""
+    return override or f"butler-{butler}"
 
 
 @dataclass(frozen=True)
@@ -59,33 +60,39 @@ class Telemetry:
     """
 
     def __init__(
-        self, processor: SpanProcessor | None = None, *, cli_env: Mapping[str, str] | None = None
+        self,
+        processor: SpanProcessor | None = None,
+        *,
+        cli_env: Mapping[str, str] | None = None,
+        service_name: str | None = None,
     ) -> None:
         self.processor = processor
         self._cli_env = dict(cli_env or {})
+        self._service_name = service_name
         self._providers: dict[str, TracerProvider] = {}
 
     @classmethod
-    def from_environment(cls, redact: Callable[[str], str] | None = None) -> Telemetry:
+    def from_settings(
+        cls, settings: Settings, redact: Callable[[str], str] | None = None
+    ) -> Telemetry:
         """OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set (protocol per
         OTEL_EXPORTER_OTLP_PROTOCOL: grpc, the default, or http/protobuf); otherwise none.
-        `redact`: applied to every exported span's texts (configured secrets)."""
+        `redact`: applied to every exported span's texts (configured secrets).
+
+        The exporter reads the rest of its OTEL_EXPORTER_OTLP_* configuration (headers,
+        certificates, timeouts) itself, as the OpenTelemetry SDK documents."""
         let_butlers_own_mcp_spans()
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = settings.otel_exporter_otlp_endpoint
         if not endpoint:
-            return cls()
+            return cls(service_name=settings.otel_service_name)
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        protocol = settings.otel_exporter_otlp_protocol  # validated: grpc or http/...
         if protocol.startswith("http"):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        elif protocol == "grpc":
+        else:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
                 OTLPSpanExporter,
-            )
-        else:
-            raise ButlersError(
-                f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: expected grpc or http/protobuf"
             )
         logger.info(
             "exporting spans over OTLP (%s) to %s", protocol, endpoint, extra={"action": "otlp"}
@@ -96,7 +103,9 @@ class Telemetry:
 
             exporter = RedactingSpanExporter(exporter, redact)
         return cls(
-            BatchSpanProcessor(exporter), cli_env=claude_code_telemetry_env(endpoint, protocol)
+            BatchSpanProcessor(exporter),
+            cli_env=claude_code_telemetry_env(endpoint, protocol),
+            service_name=settings.otel_service_name,
         )
 
     @property
@@ -107,7 +116,9 @@ class Telemetry:
         provider = self._providers.get(butler)
         if provider is None:
             provider = TracerProvider(
-                resource=Resource.create({"service.name": service_name(butler), "butler": butler})
+                resource=Resource.create(
+                    {"service.name": service_name(butler, self._service_name), "butler": butler}
+                )
             )
             if self.processor is not None:
                 provider.add_span_processor(self.processor)

@@ -24,6 +24,7 @@ import pytest
 from butlers.config import ButlerConfig, RuntimeConfig, SwitchboardConfig
 from butlers.daemon import ButlerDaemon
 from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
+from butlers.settings import Settings
 from butlers.spawner import isolated_cli_env
 from butlers.telemetry import Telemetry
 from tests.fakes.bot_api import FakeBotAPI
@@ -90,7 +91,7 @@ async def pg_server() -> AsyncIterator[PostgresServer]:
     # its data directory mid-run. Our own directory, traversable (not readable) by others.
     root = Path(tempfile.mkdtemp(prefix="butlers-test-pg-"))
     os.chmod(root, 0o711)
-    server = EmbeddedServer(root / "pgdata")
+    server = EmbeddedServer(root / "pgdata", environ=os.environ)
     await server.start()
     try:
         yield server
@@ -213,7 +214,7 @@ def claude_env(tmp_path: Path, scripted_api: ScriptedMessagesAPI) -> dict[str, s
     """Environment for the real Claude Code binary: isolated home, scripted API, fake key."""
     home = tmp_path / "claude-home"
     home.mkdir()
-    return isolated_cli_env(home, scripted_api.url)
+    return isolated_cli_env(home, scripted_api.url, inherited=os.environ)
 
 
 def no_credentials_env(home: Path) -> dict[str, str]:
@@ -258,7 +259,9 @@ async def start_butler(
 
     A switchboard (a config with a [switchboard] table) gets the switchboard's tables and
     discovers `config_dir`.
-    Pass `database=` to start again on an earlier daemon's database (a restart).
+    Pass `database=` to start again on an earlier daemon's database (a restart). Its
+    Settings are read from the environment when it starts (after any monkeypatch.setenv),
+    unless `settings=` is given.
     """
     daemons: list[ButlerDaemon] = []
 
@@ -270,6 +273,7 @@ async def start_butler(
         config_dir: Path | None = None,
         database: str | None = None,
         telemetry: Telemetry = telemetry,
+        settings: Settings | None = None,
     ) -> ButlerDaemon:
         config = config or butler_config()
         if database is None:
@@ -283,6 +287,7 @@ async def start_butler(
             config,
             pg_server,
             data_dir=tmp_path / "data",
+            settings=Settings.from_environ() if settings is None else settings,
             auth_token=auth_token,
             session_env=claude_env if session_env is None else session_env,
             config_dir=config_dir,

@@ -49,7 +49,7 @@ async def test_sigkill_mid_message_then_restart_answers_it(
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
-    env.update(isolated_cli_env(home, scripted_api.url))
+    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
     env.update(
         DATABASE_URL=pg_server.dsn("postgres"),
         TELEGRAM_BOT_TOKEN=bot_api.token,

@@ -22,9 +22,10 @@ from butlers.db import (
     create_pool,
     ensure_database,
     migrate,
-    server_from_environment,
+    server_for,
 )
 from butlers.errors import DatabaseError
+from butlers.settings import Settings
 from tests.conftest import migration_heads
 
 
@@ -108,16 +109,20 @@ async def test_unreachable_server_is_a_clear_error() -> None:
 
 
 def test_server_resolution_from_environment(tmp_path: Path) -> None:
-    external = server_from_environment({"DATABASE_URL": "postgresql://u:p@db:5432/any"})
+    def server(environ: dict[str, str]) -> ExternalServer | EmbeddedServer:
+        return server_for(Settings.from_environ(environ))
+
+    external = server({"DATABASE_URL": "postgresql://u:p@db:5432/any"})
     assert isinstance(external, ExternalServer)
     assert external.dsn("butler_health") == "postgresql://u:p@db:5432/butler_health"
-    embedded = server_from_environment({"BUTLERS_DATA_DIR": str(tmp_path)})
+    embedded = server({"BUTLERS_DATA_DIR": str(tmp_path)})
     assert isinstance(embedded, EmbeddedServer)
     assert embedded.pgdata == (tmp_path / "pgdata").resolve()
-    default = server_from_environment({})
+    default = server({})
+    assert isinstance(default, EmbeddedServer)
     assert default.pgdata == (Path(".butlers") / "pgdata").resolve()
     with pytest.raises(DatabaseError, match="must start with postgresql://"):
-        server_from_environment({"DATABASE_URL": "mysql://x"})
+        server({"DATABASE_URL": "mysql://x"})
 
 
 def _postgres_on(pgdata: Path) -> list[psutil.Process]:
@@ -172,7 +177,7 @@ def shared_tmp(pg_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 async def test_embedded_server_restarts_on_its_data_after_stale_locks(pg_home: Path) -> None:
-    server = EmbeddedServer(pg_home / "pgdata")
+    server = EmbeddedServer(pg_home / "pgdata", environ=os.environ)
     await server.start()
     try:
         await ensure_database(server, "keep")
@@ -192,7 +197,7 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(pg_home: P
     (server.pgdata / "postmaster.pid").write_text(f"{other.pid}\n{server.pgdata}\n0\n5432\n\n\n\n")
     (socket_dir / ".s.PGSQL.5432.lock").write_text(f"{other.pid}\n")
 
-    again = EmbeddedServer(pg_home / "pgdata")
+    again = EmbeddedServer(pg_home / "pgdata", environ=os.environ)
     try:
         await again.start()
     finally:
@@ -214,11 +219,11 @@ async def test_server_left_running_by_a_killed_process_is_adopted(
     """`butlers up` killed with SIGKILL leaves its PostgreSQL running: the next start adopts it,
     also when its socket lives in the private runtime directory (a long data path)."""
     deep = pg_home / ("d" * 100) if socket_place == "runtime dir" else pg_home
-    first = EmbeddedServer(deep / "pgdata")
+    first = EmbeddedServer(deep / "pgdata", environ=os.environ)
     await first.start()
     assert (first.socket_dir == first.pgdata) == (socket_place == "pgdata")
     postmaster = psutil.Process(int((first.pgdata / "postmaster.pid").read_text().split()[0]))
-    second = EmbeddedServer(deep / "pgdata")
+    second = EmbeddedServer(deep / "pgdata", environ=os.environ)
     await second.start()
     try:
         assert second.socket_dir == first.socket_dir

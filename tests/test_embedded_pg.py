@@ -101,7 +101,7 @@ async def test_planted_symlink_at_the_socket_dir_is_refused(
         planted = runtime / _hash_name(pgdata)
     planted.symlink_to(target)
 
-    server = EmbeddedServer(pgdata)
+    server = EmbeddedServer(pgdata, environ=os.environ)
     with pytest.raises(DatabaseError) as refused:
         await server.start()
     message = str(refused.value)
@@ -122,7 +122,7 @@ async def test_socket_dir_of_someone_else_or_not_a_directory_is_refused(
 
     runtime.write_text("")
     with pytest.raises(DatabaseError, match=rf"{runtime}: it is not a directory"):
-        await EmbeddedServer(pgdata).start()
+        await EmbeddedServer(pgdata, environ=os.environ).start()
     runtime.unlink()
 
     if not IS_ROOT:
@@ -130,7 +130,7 @@ async def test_socket_dir_of_someone_else_or_not_a_directory_is_refused(
     runtime.mkdir(mode=0o700)
     os.chown(runtime, 65534, 65534)  # nobody's
     with pytest.raises(DatabaseError, match=rf"{runtime}: it belongs to .* \(uid 65534\)"):
-        await EmbeddedServer(pgdata).start()
+        await EmbeddedServer(pgdata, environ=os.environ).start()
     assert runtime.stat().st_uid == 65534
     assert _postgres_on(pgdata) == []
 
@@ -142,7 +142,7 @@ async def test_socket_dir_open_to_others_is_closed_and_used(
     runtime = shared_tmp / f"butlers-pg-{_server_uid()}"
     runtime.mkdir()
     os.chmod(runtime, 0o1777)
-    server = EmbeddedServer(pg_home / LONG / "pgdata")
+    server = EmbeddedServer(pg_home / LONG / "pgdata", environ=os.environ)
     await server.start()
     try:
         assert server.socket_dir is not None and server.socket_dir.parent == runtime
@@ -160,13 +160,13 @@ async def test_an_adopted_server_socket_dir_is_checked_again(
     postmaster.pid names: that directory must still be private and its account's."""
     if not IS_ROOT:
         pytest.skip("handing the directory to someone else needs root")
-    first = EmbeddedServer(pg_home / LONG / "pgdata")
+    first = EmbeddedServer(pg_home / LONG / "pgdata", environ=os.environ)
     await first.start()
     try:
         assert first.socket_dir is not None and first.socket_dir.parent.parent == shared_tmp
         os.chown(first.socket_dir, 65534, -1)  # as if someone had swapped it for theirs
         with pytest.raises(DatabaseError, match=r"cannot adopt the PostgreSQL \(pid \d+\)") as e:
-            await EmbeddedServer(pg_home / LONG / "pgdata").start()
+            await EmbeddedServer(pg_home / LONG / "pgdata", environ=os.environ).start()
         someone = pwd.getpwuid(65534).pw_name if _has_uid(65534) else "65534"
         assert f"{first.socket_dir}: it belongs to {someone} (uid 65534)" in str(e.value)
         os.chown(first.socket_dir, _server_uid(), -1)
@@ -194,7 +194,7 @@ async def test_no_parent_directory_changes_mode(pg_home: Path) -> None:
     watched = [*reversed(parent.parents), parent, *reversed(bin_dir.parents)]
     before = _modes(watched)
 
-    server = EmbeddedServer(pgdata)
+    server = EmbeddedServer(pgdata, environ=os.environ)
     await server.start()
     try:
         assert await _answers(server) == 42
@@ -209,7 +209,7 @@ async def test_a_directory_the_server_cannot_pass_is_named_with_the_fix(pg_home:
     private = pg_home / "private"
     private.mkdir(mode=0o700)
     os.chmod(private, 0o700)
-    server = EmbeddedServer(private / "data" / "pgdata")
+    server = EmbeddedServer(private / "data" / "pgdata", environ=os.environ)
     with pytest.raises(DatabaseError) as refused:
         await server.start()
     message = str(refused.value)
@@ -249,7 +249,8 @@ async def test_postgres_gets_none_of_our_environment_nor_root_groups(
 ) -> None:
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
-    server = EmbeddedServer(pg_home / "with space" / "pgdata")  # (pg_ctl passes -k to a shell)
+    # (pg_ctl passes -k to a shell); our environment, secrets and all, is what it is given
+    server = EmbeddedServer(pg_home / "with space" / "pgdata", environ=os.environ)
     await server.start()
     try:
         assert await _answers(server) == 42  # PGPORT in our environment changes nothing
@@ -274,7 +275,7 @@ async def test_postgres_gets_none_of_our_environment_nor_root_groups(
 # Run by the other user: start an embedded server, create a database, answer a query, report,
 # and stop when told (or when the test goes away and stdin closes).
 CHILD = """
-import asyncio, json, site, sys
+import asyncio, json, os, site, sys
 site.addsitedir(sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
@@ -282,7 +283,7 @@ import asyncpg
 from butlers.db import EmbeddedServer, ensure_database
 
 async def main():
-    server = EmbeddedServer(Path(sys.argv[3]))
+    server = EmbeddedServer(Path(sys.argv[3]), environ=os.environ)
     await server.start()
     try:
         created = await ensure_database(server, "mine")
@@ -441,7 +442,7 @@ async def test_two_users_run_their_servers_side_by_side(
         os.chown(run, other_user.uid, other_user.gid)
         env["XDG_RUNTIME_DIR"] = str(run)
     theirs = OtherServer(other_user, home, home / LONG / "pgdata", env)
-    ours = EmbeddedServer(pg_home / LONG / "pgdata")
+    ours = EmbeddedServer(pg_home / LONG / "pgdata", environ=os.environ)
 
     async def start_ours() -> None:
         # Before the fix, whoever came second died on chmod of the other's /tmp/butlers-pg.

@@ -225,6 +225,8 @@ async def test_routing_log_list_with_jaeger_links(
     db_conn,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The switchboard's JAEGER_UI_URL, read when it starts (the daemons run in this process).
+    monkeypatch.setenv("JAEGER_UI_URL", "http://jaeger.lan:16686/")
     switchboard, _ = await start_fleet(
         start_butler, tmp_path, names=("general", "health"), auth_token=TOKEN
     )
@@ -237,8 +239,6 @@ async def test_routing_log_list_with_jaeger_links(
     )
     assert [r["routed_to"] for r in stored] == ["general", "ghost", "health", "general"]
 
-    # The switchboard's JAEGER_UI_URL (the daemons run in this process), as `trace` reads it.
-    monkeypatch.setenv("JAEGER_UI_URL", "http://jaeger.lan:16686/")
     rows = await call(switchboard, "routing_log_list")
     assert [r["id"] for r in rows] == [r["id"] for r in stored]
     newest = rows[0]
@@ -257,6 +257,7 @@ async def test_routing_log_list_with_jaeger_links(
     assert [r["id"] for r in general] == [stored[0]["id"]]
     assert len(await call(switchboard, "routing_log_list", butler="general")) == 2
 
+    # The links are the switchboard's, whatever the JAEGER_UI_URL of the command's environment.
     monkeypatch.delenv("JAEGER_UI_URL")
     (code, out, err), (json_code, json_out, json_err) = await asyncio.gather(
         cli(switchboard, "log", env=LOCAL_TZ),
@@ -268,8 +269,8 @@ async def test_routing_log_list_with_jaeger_links(
     lines = out.splitlines()[1:]
     assert len(lines) == 5  # four routes and the ghost's error line
     assert lines[0].startswith(local(newest["created_at"]))
-    assert re.search(r"mcp\s+-\s+general\.status\s+ok\s+\d+\s+-\s+-\s+http://localhost", lines[0])
-    assert lines[0].endswith(f"http://localhost:16686/trace/{stored[0]['trace_id']}")
+    assert re.search(r"mcp\s+-\s+general\.status\s+ok\s+\d+\s+-\s+-\s+http://jaeger", lines[0])
+    assert lines[0].endswith(f"http://jaeger.lan:16686/trace/{stored[0]['trace_id']}")
     assert "ghost.status" in lines[1] and "FAILED" in lines[1]
     assert lines[2].startswith("    error: butler 'ghost' not found")
     assert json_code == 0, json_err

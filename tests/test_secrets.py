@@ -168,7 +168,9 @@ async def _run_with_secrets(
     }
     api_key = f"sk-ant-{uuid.uuid4().hex}"
     fleet.env.update(secrets)
-    fleet.env.update(isolated_cli_env(tmp_path / "home", scripted_api.url, api_key=api_key))
+    fleet.env.update(
+        isolated_cli_env(tmp_path / "home", scripted_api.url, api_key=api_key, inherited=fleet.env)
+    )
     fleet.env.update(BUTLERS_EMAIL_USER="butler@example.com")
     switchboard_toml = fleet.config_dir / "switchboard" / "butler.toml"
     switchboard_toml.write_text(

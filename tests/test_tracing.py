@@ -21,6 +21,7 @@ import pytest
 from fastmcp import Client
 
 from butlers.errors import ButlersError
+from butlers.settings import Settings
 from butlers.spawner import isolated_cli_env
 from butlers.telemetry import Telemetry
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
@@ -61,7 +62,7 @@ class Fleet:
         home = tmp_path / "home"
         home.mkdir()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "OTEL_"))}
-        self.env.update(isolated_cli_env(home, scripted_api.url))
+        self.env.update(isolated_cli_env(home, scripted_api.url, inherited=self.env))
         self.env.update(
             DATABASE_URL=pg_server.dsn("postgres"),
             TELEGRAM_BOT_TOKEN=bot_api.token,
@@ -278,7 +279,7 @@ async def test_tracing_off_means_no_exporter_yet_real_trace_ids(
 ) -> None:
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         monkeypatch.delenv(name)
-    telemetry = Telemetry.from_environment()
+    telemetry = Telemetry.from_settings(Settings.from_environ())
     assert not telemetry.exporting and telemetry.for_butler("general").cli_env == {}
 
     config_dir = tmp_path / "config"
@@ -308,14 +309,15 @@ async def test_tracing_off_means_no_exporter_yet_real_trace_ids(
 def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         monkeypatch.delenv(name)
-    telemetry = Telemetry()
+    telemetry = Telemetry.from_settings(Settings.from_environ())
     resource = telemetry.for_butler("health").tracer.resource  # type: ignore[attr-defined]
     assert resource.attributes["service.name"] == "butler-health"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "my-health")
-    resource = Telemetry().for_butler("health").tracer.resource  # type: ignore[attr-defined]
+    telemetry = Telemetry.from_settings(Settings.from_environ())
+    resource = telemetry.for_butler("health").tracer.resource  # type: ignore[attr-defined]
     assert resource.attributes["service.name"] == "my-health"
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ButlersError, match="OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"):
-        Telemetry.from_environment()
+        Settings.from_environ()

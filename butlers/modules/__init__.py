@@ -7,7 +7,6 @@ A module that is declared but cannot run here (no credentials, not built yet) is
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -16,8 +15,10 @@ from starlette.routing import BaseRoute
 
 from butlers.config import ButlerConfig
 from butlers.context import ModuleStatus
+from butlers.settings import reveal
 
 if TYPE_CHECKING:
+    from butlers.settings import Settings
     from butlers.switchboard import Switchboard
 
 logger = logging.getLogger(__name__)
@@ -56,25 +57,26 @@ class Modules:
                 logger.exception("module %s did not stop cleanly", module.name)
 
 
-def _missing_env(names: list[str]) -> list[str]:
-    return [name for name in names if not os.environ.get(name)]
+def build_modules(
+    config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard | None, settings: Settings
+) -> Modules:
+    """Register each declared module's tools and routes; nothing connects until start().
 
-
-def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard | None) -> Modules:
-    """Register each declared module's tools and routes; nothing connects until start()."""
+    Credentials come from the variables the butler.toml names, looked up in `settings`."""
     modules = Modules()
     if config.telegram is not None:
-        if missing := _missing_env([config.telegram.token_env]):
-            modules.skipped.append(_not_configured("telegram", missing))
+        token = settings.variable(config.telegram.token_env)
+        if token is None:
+            modules.skipped.append(_not_configured("telegram", [config.telegram.token_env]))
         else:
             from butlers.modules.telegram import TelegramModule
 
             worker = switchboard.worker if switchboard is not None else None
             telegram = TelegramModule(
                 config.telegram,
-                os.environ[config.telegram.token_env],
+                token,
                 worker,
-                webhook_secret=os.environ.get(config.telegram.webhook_secret_env) or None,
+                webhook_secret=settings.variable(config.telegram.webhook_secret_env),
             )
             telegram.register(mcp)
             modules.webhooks.extend(telegram.webhook_routes())
@@ -82,18 +84,21 @@ def build_modules(config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard |
                 switchboard.outbox.channels["telegram"] = telegram
             modules.running.append(telegram)
     if config.email is not None:
-        if missing := _missing_env([config.email.username_env, config.email.password_env]):
+        names = [config.email.username_env, config.email.password_env]
+        username, password = (settings.variable(name) for name in names)
+        if username is None or password is None:
+            missing = [name for name in names if settings.variable(name) is None]
             modules.skipped.append(_not_configured("email", missing))
         else:
-            from butlers.modules.email import WEBHOOK_TOKEN_ENV, EmailModule
+            from butlers.modules.email import EmailModule
 
             worker = switchboard.worker if switchboard is not None else None
             mail = EmailModule(
                 config.email,
-                os.environ[config.email.username_env],
-                os.environ[config.email.password_env],
+                username,
+                password,
                 worker,
-                webhook_token=os.environ.get(WEBHOOK_TOKEN_ENV) or None,
+                webhook_token=reveal(settings.email_webhook_token),
             )
             mail.register(mcp)
             modules.webhooks.extend(mail.webhook_routes())

@@ -15,7 +15,6 @@ person's messages and can make the fleet work again.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 
 from butlers.errors import ToolRefusal
+from butlers.settings import DEFAULT_JAEGER_UI_URL
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
 
 if TYPE_CHECKING:
@@ -45,13 +45,11 @@ _WHITESPACE = re.compile(r"\s+")
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_JAEGER_UI_URL = "http://localhost:16686"
 
-
-def jaeger_url(trace_id: str) -> str:
-    """Where a trace is shown: `$JAEGER_UI_URL/trace/<trace id>` (default localhost:16686)."""
-    jaeger = (os.environ.get("JAEGER_UI_URL") or DEFAULT_JAEGER_UI_URL).rstrip("/")
-    return f"{jaeger}/trace/{trace_id}"
+def jaeger_url(trace_id: str, jaeger_ui_url: str = DEFAULT_JAEGER_UI_URL) -> str:
+    """Where a trace is shown: `<jaeger_ui_url>/trace/<trace id>` (`Settings.jaeger_ui_url`,
+    JAEGER_UI_URL)."""
+    return f"{jaeger_ui_url.rstrip('/')}/trace/{trace_id}"
 
 
 def excerpt(head: str | None, total_chars: int | None, limit: int = EXCERPT_CHARS) -> str:
@@ -198,9 +196,15 @@ def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def register_operator_tools(mcp: FastMCP, switchboard: Switchboard) -> None:
-    """Register inbox_list, routing_log_list, inbox_retry and outbox_list on the switchboard."""
+def register_operator_tools(
+    mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str | None = None
+) -> None:
+    """Register inbox_list, routing_log_list, inbox_retry and outbox_list on the switchboard.
+
+    Trace links point to `jaeger_ui_url`; by default the butler's own setting, from the
+    Settings its spawner was given."""
     store = OperatorStore(switchboard.store.pool)
+    jaeger = jaeger_ui_url or switchboard.worker.spawner.settings.jaeger_ui_url
 
     @mcp.tool
     async def inbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
@@ -214,7 +218,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard) -> None:
         for row in rows:
             _with_excerpt(row)
             row.pop("traced")
-            row["trace_url"] = jaeger_url(row["trace_id"]) if row["trace_id"] else None
+            row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
         return rows
 
     @mcp.tool
@@ -225,7 +229,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard) -> None:
         _check_limit(limit)
         rows = await store.routing_log(butler, limit)
         for row in rows:
-            row["trace_url"] = jaeger_url(row["trace_id"]) if row["trace_id"] else None
+            row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
         return rows
 
     @mcp.tool
