@@ -175,6 +175,16 @@ def configure_logging(
     return handler
 
 
+def progress(text: str) -> None:
+    """A step of a long start, for the person waiting: a plain line on stderr, or, when the
+    log stream is JSON (what a log shipper reads), an INFO record with action `startup`
+    instead, so that every line there stays one object."""
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        logging.getLogger("butlers").info(text, extra={"action": "startup"})
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def adopt_fastmcp_logging() -> None:
     """FastMCP's records go to our stream: its own (Rich) handler off, its logger propagating
     at the root's level. Call after importing FastMCP: its import installs that handler, and
