@@ -122,7 +122,7 @@ def ready_report(
 
 def progress(text: str) -> None:
     """A start-up step, for the person waiting (stderr: stdout stays the ready table or JSON)."""
-    print(text, file=sys.stderr, flush=True)
+    logs.progress(text)
 
 
 def _install_stop_signals(stop: asyncio.Event) -> None:
