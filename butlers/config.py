@@ -89,7 +89,7 @@ def _none_if_empty(value: str | None) -> str | None:
 
 @dataclass(frozen=True, config=TABLE)
 class DbTable:
-    """`[butler.db]`."""
+    """`[butler.db]`: the butler's own database (on the one PostgreSQL server)."""
 
     name: Name | None = Field(
         default=None, description="The butler's database; unset: `butler_<name>`."

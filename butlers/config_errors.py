@@ -64,6 +64,12 @@ def config_error(
     return ConfigError(path, key or None, problem)
 
 
+def expectation(field: FieldInfo, *, json: bool = False) -> str:
+    """What a key expects, in the words its errors use ("a positive integer"): for the docs."""
+    place = _Place(key="", field=field, annotation=field.annotation, parent=None, item=None)
+    return _expected(place, _Style(by_alias=json, table="an object" if json else "a table"))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Style:
     """How the file spells things: keys by alias or by name; a table, or a JSON object."""
@@ -165,7 +171,11 @@ def _phrase(annotation: Any, style: _Style, field: FieldInfo | None = None) -> s
     noun = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}.get(
         base, "a value"
     )
-    low, high = _limits(_metadata(field, annotation))
+    metadata = _metadata(field, annotation)
+    longest = [item.max_length for item in metadata if isinstance(item, annotated_types.MaxLen)]
+    if base is str and longest:
+        return f"a string of at most {longest[0]} characters"
+    low, high = _limits(metadata)
     if low == (">", 0) and high is None:
         return f"a positive {'integer' if base is int else 'number'}"
     if low and high and low[0] == ">=" and high[0] == "<=":
@@ -226,7 +236,9 @@ def _metadata(field: FieldInfo | None, annotation: Any) -> list[Any]:
 
 def _annotated_metadata(annotation: Any) -> Iterator[Any]:
     if typing.get_origin(annotation) is typing.Annotated:
-        yield from annotation.__metadata__
+        for item in annotation.__metadata__:
+            # Field(gt=0) inside Annotated[...] stays a FieldInfo holding the constraints.
+            yield from item.metadata if isinstance(item, FieldInfo) else [item]
         yield from _annotated_metadata(typing.get_args(annotation)[0])
     elif _is_union(annotation):
         for arg in typing.get_args(annotation):

@@ -55,7 +55,7 @@ class WebhookMail(BaseModel):
     sender: Line = Field(
         alias="from",
         min_length=1,
-        description="The From header: one address, with or without a display name. Required.",
+        description="The From header: one address, with or without a display name.",
     )
     subject: Line | None = Field(default=None, description="The Subject header.")
     text: Body | None = Field(default=None, description="The plain-text body.")

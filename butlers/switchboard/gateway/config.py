@@ -95,7 +95,7 @@ class SuiteConfig(_Table):
 
 
 class Timeouts(_Table):
-    """`[timeouts]`."""
+    """`[timeouts]`: how long the gateway waits for its children."""
 
     child_spawn_ms: Positive = Field(
         default=8000, description="Starting a stdio child and its `initialize`, in ms."
@@ -119,7 +119,7 @@ class GatewayConfig(_Table):
 
     discover_globs: Strings = Field(
         default=DEFAULT_GLOBS,
-        description="Strings of `.mcp.json` files (one child each), relative to the gateway's "
+        description="Globs of `.mcp.json` files (one child each), relative to the gateway's "
         "directory.",
     )
     suites: dict[str, SuiteConfig] = Field(
@@ -197,7 +197,7 @@ def load_gateway_config(directory: Path) -> GatewayConfig:
 
 
 class McpCommand(_Table):
-    """`command` of a stdio child."""
+    """`"command"`: how a stdio child is started."""
 
     cmd: Annotated[str, Strict()] = Field(description="The program, found on PATH or by path.")
     args: Strings = Field(default=(), description="Its arguments.")
