@@ -243,6 +243,8 @@ async def test_broken_butler_and_busy_port_do_not_stop_the_others(
         assert (await _health(ports["general"]))["name"] == "general"
         assert (await _health(ports["switchboard"]))["name"] == "switchboard"
         assert await up.stop() == 0
+    # Once: not again by a logger, nor by the switchboard's discover of the same directory.
+    assert up.stderr.count(str(broken)) == 1, up.stderr
 
 
 async def test_run_refuses_a_broken_butler_with_a_clear_error(
