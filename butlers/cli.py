@@ -272,24 +272,50 @@ class SwitchboardTarget:
     auth_token: str | None = field(default=None, repr=False)
 
 
-async def _call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict[str, Any]) -> Any:
-    from fastmcp import Client
-    from fastmcp.exceptions import ToolError
+CONNECT_TIMEOUT_S = 10.0
+CLIENT_INFO = {"name": "butlers-cli", "version": "1"}
 
+
+async def _call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict[str, Any]) -> Any:
+    """One of the switchboard's tools, called and answered; CommandError, in words for the
+    user, when the switchboard cannot be reached or the tool refuses.
+
+    An `/sse` URL (the default) goes through our own lean connection (aiohttp): a client
+    command then does not import FastMCP, whose import alone takes longer than the whole
+    command should (bench/cli_startup.py). Any other URL (`/mcp`) goes through FastMCP's."""
+    from butlers.errors import McpCallError
+
+    connection = _connection(target)
+    try:
+        await connection.open(CONNECT_TIMEOUT_S)
+    except Exception as exc:  # TimeoutError, ConnectionClosed, FastMCP's client's own
+        # FastMCP's client raises its connect error again from close(): already reported.
+        with contextlib.suppress(Exception):
+            await connection.close()
+        raise CommandError(_unreachable(target.url, exc)) from exc
+    try:
+        result = await connection.call_tool(tool, arguments, timeout_s=None)
+    except McpCallError as exc:
+        raise CommandError(f"the switchboard at {target.url} did not answer: {exc}") from exc
+    finally:
+        await connection.close()
     from butlers.switchboard.route import unwrap
 
-    url = target.url
-    try:
-        async with Client(url, auth=target.auth_token) as client:
-            result = await client.call_tool_mcp(tool, arguments)
-    except ToolError as exc:
-        raise CommandError(str(exc)) from exc
-    except Exception as exc:  # connect failures arrive as RuntimeError or exception groups
-        raise CommandError(_unreachable(url, exc)) from exc
-    answer = unwrap(result.model_dump(mode="json", by_alias=True, exclude_none=True))
-    if result.is_error:
+    answer = unwrap(result)
+    if result.get("isError"):
         raise CommandError(str(answer))
     return answer
+
+
+def _connection(target: SwitchboardTarget) -> Any:
+    if target.url.rstrip("/").endswith("/sse"):
+        from butlers.mcp_connection.sse import SseConnection
+
+        return SseConnection(target.url, auth_token=target.auth_token, client_info=CLIENT_INFO)
+    from butlers.mcp_connection.streamable import FastMcpConnection
+
+    logs.adopt_fastmcp_logging()
+    return FastMcpConnection(target.url, auth_token=target.auth_token)
 
 
 def _unreachable(url: str, exc: BaseException) -> str:
@@ -302,7 +328,10 @@ def _unreachable(url: str, exc: BaseException) -> str:
             exc = exc.__cause__
         else:
             break
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, TimeoutError):
+        text = f"no answer within {CONNECT_TIMEOUT_S:g} s"
+    else:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "401" in text:
         return (
             f"the switchboard at {url} answered 401 Unauthorized: set BUTLERS_AUTH_TOKEN to "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import StartButler, write_butler_dir
+from tests.conftest import StartButler, free_port, write_butler_dir
 from tests.test_route import Fleet, make_fleet
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
@@ -138,3 +138,50 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     assert code == 1 and "neither a trace id (32 hex characters) nor a routing_log id" in err
     code, _, err = no_row
     assert code == 1 and f"no routing_log row with id {missing}" in err
+
+
+async def test_every_client_command_says_what_to_check_when_the_switchboard_is_down() -> None:
+    url = f"http://127.0.0.1:{free_port()}/sse"  # nothing listens there
+    commands = [
+        ("list",),
+        ("discover",),
+        ("route", "general", "status"),
+        ("ask", "hello"),
+        ("trace", "00000000-0000-0000-0000-000000000000"),
+        ("inbox",),
+        ("log",),
+        ("retry", "1"),
+        ("outbox",),
+    ]
+    results = await asyncio.gather(*(run_cli(*command, "--url", url) for command in commands))
+    for command, (code, out, err) in zip(commands, results, strict=True):
+        assert code == 1 and out == "", (command, out, err)
+        assert err.startswith(
+            f"error: cannot reach the switchboard at {url}: is `butlers up` running? ("
+        ), (command, err)
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (command, err)
+
+
+async def test_gateway_report_as_json(fleet: Fleet, tmp_path: Path) -> None:
+    code, out, err = await run_cli(
+        "gateway",
+        "--report",
+        "--json",
+        "--url",
+        fleet.switchboard.sse_url,
+        "--dir",
+        str(tmp_path),
+        token="cli-token",
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    children = {child["name"]: child for child in report["children"]}
+    assert set(children) == {"general", "switchboard"}
+    assert all(c["state"] == "ready" and c["tools"] > 0 for c in children.values())
+    assert report["control_tools"] == ["gateway_activate", "gateway_deactivate", "gateway_status"]
+    total = report["total"]
+    assert total["native_chars"] == sum(c["native_chars"] for c in children.values())
+    assert total["gateway_chars"] == (
+        sum(c["gateway_chars"] for c in children.values()) + report["control_chars"]
+    )
+    assert 0 < total["saved_percent"] < 100
