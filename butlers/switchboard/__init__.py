@@ -109,7 +109,9 @@ def attach_switchboard(
     routing_log_list and outbox_list."""
     pool = McpClientPool(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
-    router = Router(store, pool, tracer=tracer, redact=redact)
+    # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
+    # by its configured name.
+    router = Router(store, pool, tracer=tracer, redact=redact, switchboard_name=spawner.config.name)
     outbox = OutboxSender(
         OutboxStore(store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
     )

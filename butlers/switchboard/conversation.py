@@ -60,9 +60,8 @@ def command_of(channel: str, text: str) -> str | None:
     return first if first in COMMANDS else None
 
 
-def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str = "switchboard") -> str:
-    """/help's answer: the registry's butlers but the switchboard (`switchboard`: its name;
-    the worker passes the configured one)."""
+def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str) -> str:
+    """/help's answer: the registry's butlers but the switchboard (`switchboard`: its name)."""
     listed = "\n".join(
         f"• {b['name']}: {b.get('description') or ''}".rstrip(": ")
         for b in butlers

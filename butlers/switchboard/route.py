@@ -112,11 +112,10 @@ class Router:
         tracer: Tracer,
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
         redact: Callable[[str], str] = str,
-        switchboard_name: str = "switchboard",
+        switchboard_name: str,
     ) -> None:
         self.store = store
-        # The switchboard's own name (its butler.toml's; the registry lists it too): routing
-        # to it is refused. attach_switchboard passes the configured one.
+        # The switchboard's own name (the registry lists it too): routing to it is refused.
         self.switchboard_name = switchboard_name
         # routing_log keeps a summary of the arguments and the error: no configured secret.
         self.redact = redact

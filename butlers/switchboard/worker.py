@@ -184,7 +184,7 @@ class InboxWorker:
             if await self._over_sender_limit(message):
                 return
             if command_of(message.channel, message.text):
-                reply = help_text(await self.store.registry())
+                reply = help_text(await self.store.registry(), switchboard=self.spawner.config.name)
                 await self._finish(message, "done", None, reply, None, via="command")
                 return
             history = history_text(await self.inbox.history(message, self.limits.context_messages))
