@@ -17,7 +17,8 @@ pair shares its conditions). Each round, per way:
   list         `butlers list` against that switchboard: spawn -> exit 0
   warm         `butlers up` again on the same data directory: spawn -> every /health 200
 
-Medians over the rounds, with the spread (min-max), and now / baseline per figure. Targets
+`--way NAME=DIR` adds a way: sources in DIR (a copy with a change tried out). Medians over the
+rounds, with the spread (min-max), and each way / baseline per figure. Targets
 (issue 14): help and client commands < 0.5 s, gateway < 1 s, warm < 2 s, cold < 4 s.
 """
 
@@ -222,27 +223,41 @@ def _stats(values: list[float]) -> str:
 
 
 def table(results: dict[str, dict[str, list[float]]], base: str, rounds: int) -> str:
+    """Markdown: a column per way (base first), and each way's median over the baseline's."""
+    others = [name for name in results if name != "base"]
     lines = [
         f"## the `butlers` command: start-up ({date.today()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()})",
         "",
-        f"`bench/cli_startup.py`: {rounds} rounds, the two ways alternating in each; seconds, "
+        f"`bench/cli_startup.py`: {rounds} rounds, the ways alternating in each; seconds, "
         f"median (min-max). Baseline: `{base}`, run from a worktree with the same venv.",
         "",
-        "| figure | target | baseline | now | now / baseline |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| figure | target | baseline | "
+        + " | ".join(others)
+        + " | "
+        + " | ".join(f"{name} / baseline" for name in others)
+        + " |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in others * 2) + " |",
     ]
     for key, (label, target) in FIGURES.items():
-        old, new = results["base"][key], results["now"][key]
-        ratio = statistics.median(new) / statistics.median(old)
-        lines.append(f"| {label} | < {target:g} | {_stats(old)} | {_stats(new)} | {ratio:.2f} |")
+        old = results["base"][key]
+        cells = [_stats(results[name][key]) for name in others]
+        ratios = [
+            f"{statistics.median(results[name][key]) / statistics.median(old):.2f}"
+            for name in others
+        ]
+        lines.append(
+            f"| {label} | < {target:g} | {_stats(old)} | " + " | ".join(cells + ratios) + " |"
+        )
     return "\n".join(lines)
 
 
 async def measure(ways: list[Way], rounds: int) -> dict[str, dict[str, list[float]]]:
     results: dict[str, dict[str, list[float]]] = {w.name: {k: [] for k in FIGURES} for w in ways}
     for number in range(1, rounds + 1):
-        for way in ways if number % 2 else reversed(ways):
+        # Each round in another order: no way always runs first (or last) in a round.
+        shift = number % len(ways)
+        for way in ways[shift:] + ways[:shift]:
             await one_round(way, results[way.name])
             print(
                 f"round {number} {way.name}: "
@@ -252,7 +267,7 @@ async def measure(ways: list[Way], rounds: int) -> dict[str, dict[str, list[floa
     return results
 
 
-def main(base: str, rounds: int, write: bool) -> None:
+def main(base: str, rounds: int, write: bool, extra: list[str]) -> None:
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", base],
         check=True,
@@ -261,7 +276,11 @@ def main(base: str, rounds: int, write: bool) -> None:
     ).stdout.strip()
     base_source = checkout(commit)
     try:
-        results = asyncio.run(measure([Way("base", base_source), Way("now", ROOT)], rounds))
+        ways = [Way("base", base_source), Way("now", ROOT)]
+        for spec in extra:
+            name, _, directory = spec.partition("=")
+            ways.append(Way(name, Path(directory)))
+        results = asyncio.run(measure(ways, rounds))
     finally:
         remove_checkout(base_source)
     output = table(results, commit, rounds)
@@ -275,5 +294,12 @@ if __name__ == "__main__":
     parser.add_argument("--base", default="HEAD", help="the baseline commit (default HEAD)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument(
+        "--way",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also measure the sources in DIR (e.g. a copy with a change tried out)",
+    )
     args = parser.parse_args()
-    main(args.base, args.rounds, args.write)
+    main(args.base, args.rounds, args.write, args.way)
