@@ -27,9 +27,11 @@ test: $(STAMP)
 	$(VENV)/bin/pytest
 
 # The tests that need neither PostgreSQL nor Claude Code (markers `pg` and `claude`, set in
-# tests/conftest.py from the fixtures a test uses): the loop to run while editing.
+# tests/conftest.py from the fixtures a test uses): the loop to run while editing. Most of
+# its time is child processes starting (mail servers, `butlers gateway`), so it runs on every
+# core (pytest-xdist).
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not pg and not claude"
+	$(VENV)/bin/pytest -m "not pg and not claude" -n auto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -38,7 +40,7 @@ lint: $(STAMP)
 # is not one of the project's dependencies). Without PIP_COMPILE_ARGS it keeps every pin the
 # ranges still admit and only adds or drops what changed.
 lock:
-	tools=$$(mktemp -d) && trap 'rm -rf "$$tools"' EXIT && \
+	@tools=$$(mktemp -d) && trap 'rm -rf "$$tools"' EXIT && \
 	$(PYTHON) -m venv "$$tools" && \
 	"$$tools/bin/pip" install --quiet 'pip-tools>=7.4,<8' && \
 	CUSTOM_COMPILE_COMMAND="make lock" "$$tools/bin/pip-compile" --quiet --extra dev \
