@@ -174,7 +174,8 @@ def test_mcp_json_files_are_checked(tmp_path: Path) -> None:
     path.write_text('{"name": "web", "url": "http://127.0.0.1:9/sse"}')
     assert parse_mcp_json(path).url == "http://127.0.0.1:9/sse"
     for bad, problem in [
-        ("[]", "expected a JSON object"),
+        ("[]", "expected an object, got "),
+        ('{"name": "x", "url": "http://x", "urll": 1}', "urll: unknown key, did you mean 'url'"),
         ('{"name": "a b", "url": "http://x"}', "name"),
         ('{"name": "x"}', 'exactly one of "command"'),
         ('{"name": "x", "command": {"cmd": "n", "args": "a"}}', "command.args"),

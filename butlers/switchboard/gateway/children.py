@@ -13,17 +13,16 @@ An invalid file is skipped with a warning naming it; it never stops the others.
 from __future__ import annotations
 
 import glob
-import json
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from butlers.errors import ConfigError
+from butlers.switchboard.gateway.config import load_mcp_json
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,42 +46,27 @@ class InvalidChild(ValueError):
 
 
 def parse_mcp_json(path: Path) -> ChildSpec:
-    """One `.mcp.json`; raises InvalidChild saying what is wrong with it."""
+    """One `.mcp.json` (the gateway.config.McpJson model); raises InvalidChild saying which
+    key is wrong and how."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidChild(f"not readable JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidChild("expected a JSON object")
-    name = data.get("name")
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise InvalidChild(f"name: expected a name like 'docs' ([A-Za-z0-9_.-]), got {name!r}")
-    for key in ("description", "switchboardDescription"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            raise InvalidChild(f"{key}: expected a string")
-    command, url = data.get("command"), data.get("url")
-    if (command is None) == (url is None):
-        raise InvalidChild('expected exactly one of "command" (stdio) or "url" (remote)')
+        declared = load_mcp_json(path)
+    except ConfigError as exc:
+        raise InvalidChild(f"{exc.key}: {exc.problem}" if exc.key else exc.problem) from exc
     common = {
-        "name": name,
-        "description": data.get("description"),
-        "switchboard_description": data.get("switchboardDescription"),
+        "name": declared.name,
+        "description": declared.description,
+        "switchboard_description": declared.switchboard_description,
         "source": str(path),
     }
-    if url is not None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidChild(f"url: expected an http(s) URL, got {url!r}")
-        return ChildSpec(url=url, **common)
-    if not isinstance(command, dict) or not isinstance(command.get("cmd"), str):
-        raise InvalidChild('command: expected {"cmd": "...", "args": [...], "env": {...}}')
-    args = command.get("args", [])
-    env = command.get("env", {})
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise InvalidChild("command.args: expected a list of strings")
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise InvalidChild("command.env: expected an object of strings")
+    if declared.command is None:
+        return ChildSpec(url=declared.url, **common)
+    command = declared.command
     return ChildSpec(
-        cmd=command["cmd"], args=tuple(args), env=dict(env), cwd=path.parent.resolve(), **common
+        cmd=command.cmd,
+        args=command.args,
+        env=dict(command.env),
+        cwd=path.parent.resolve(),
+        **common,
     )
 
 
