@@ -185,7 +185,8 @@ def _phrase(annotation: Any, style: _Style, field: FieldInfo | None = None) -> s
 
 def _limits(metadata: list[Any]) -> tuple[tuple[str, Any] | None, tuple[str, Any] | None]:
     """The lower and upper bound a field's constraints set, as (operator, value)."""
-    low = high = None
+    low: tuple[str, Any] | None = None
+    high: tuple[str, Any] | None = None
     for item in metadata:
         if isinstance(item, annotated_types.Gt):
             low = (">", item.gt)

@@ -14,6 +14,7 @@ hand and left alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -138,7 +139,10 @@ def schema_of(schema: Schema) -> dict[str, Any]:
     generated = TypeAdapter(schema.model).json_schema(
         by_alias=schema.by_alias, schema_generator=_Generator
     )
-    document = {"$schema": DRAFT, "$id": f"https://butlers.local/schemas/{schema.file}"}
+    document: dict[str, Any] = {
+        "$schema": DRAFT,
+        "$id": f"https://butlers.local/schemas/{schema.file}",
+    }
     document |= generated
     document["title"] = schema.title
     document["description"] = (
@@ -260,7 +264,7 @@ def render_doc(current: str) -> str:
 def outputs(root: Path) -> dict[Path, Callable[[], str]]:
     """Every generated file under `root`, with what it should hold."""
     files: dict[Path, Callable[[], str]] = {
-        root / SCHEMAS_DIR / s.file: (lambda s=s: render_schema(s)) for s in SCHEMAS
+        root / SCHEMAS_DIR / s.file: functools.partial(render_schema, s) for s in SCHEMAS
     }
     doc = root / DOC
     files[doc] = lambda: render_doc(doc.read_text(encoding="utf-8"))

@@ -52,21 +52,17 @@ def parse_mcp_json(path: Path) -> ChildSpec:
         declared = load_mcp_json(path)
     except ConfigError as exc:
         raise InvalidChild(f"{exc.key}: {exc.problem}" if exc.key else exc.problem) from exc
-    common = {
-        "name": declared.name,
-        "description": declared.description,
-        "switchboard_description": declared.switchboard_description,
-        "source": str(path),
-    }
-    if declared.command is None:
-        return ChildSpec(url=declared.url, **common)
     command = declared.command
     return ChildSpec(
-        cmd=command.cmd,
-        args=command.args,
-        env=dict(command.env),
-        cwd=path.parent.resolve(),
-        **common,
+        name=declared.name,
+        description=declared.description,
+        switchboard_description=declared.switchboard_description,
+        cmd=command.cmd if command else None,
+        args=command.args if command else (),
+        env=dict(command.env) if command else {},
+        cwd=path.parent.resolve() if command else None,
+        url=declared.url,
+        source=str(path),
     )
 
 
