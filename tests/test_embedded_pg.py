@@ -46,7 +46,7 @@ LONG = "x" * 100  # a data path too long for a Unix socket: the socket goes to t
 
 def _server_uid() -> int:
     """Whose processes the embedded server's are (and who must own its socket directory)."""
-    return _server_account().uid
+    return _server_account(os.environ).uid
 
 
 def _hash_name(pgdata: Path) -> str:
@@ -264,7 +264,7 @@ async def test_postgres_gets_none_of_our_environment_nor_root_groups(
     assert leaked == set(), environ
     assert not {k for k in environ if k.startswith(("BUTLERS_", "ANTHROPIC_", "TELEGRAM_"))}
     if IS_ROOT:  # it runs as embedded_postgres with that user's groups, not root's group 0
-        account = _server_account()
+        account = _server_account(os.environ)
         assert status["Uid"].split() == [str(account.uid)] * 4
         assert status["Gid"].split() == [str(account.gid)] * 4
         assert {int(g) for g in status["Groups"].split()} == set(account.groups)
