@@ -20,7 +20,7 @@ import asyncpg
 import uvicorn
 from fastmcp import FastMCP
 
-from butlers.config import ButlerConfig, SwitchboardConfig
+from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
@@ -80,6 +80,10 @@ class ButlerDaemon:
         # The process's environment settings (butlers.settings): credentials by name, the
         # switchboard's URL, the environment Claude Code's is chosen from.
         self.settings = settings
+        # Where the butlers of the config directory listen and are registered, for what their
+        # butler.toml leaves out (BUTLERS_HOST, BUTLERS_ENDPOINT_URL_TEMPLATE): what discover
+        # registers and where notify finds the switchboard.
+        self.placement = Placement.from_environment(settings.environ)
         # Spans are always real (trace ids are recorded); exported only if the Telemetry does.
         self.telemetry = (telemetry or Telemetry()).for_butler(config.name)
         # The fleet's config directory: what the switchboard's discover() scans.
@@ -159,6 +163,7 @@ class ButlerDaemon:
                     self.config_dir,
                     self.sse_url,
                     self.settings.switchboard_url,
+                    self.placement,
                 ),
                 auth_token=self.auth_token,
             ),
@@ -231,6 +236,7 @@ class ButlerDaemon:
             InboxStore(self._pool),
             context.spawner,
             config_dir=self.config_dir,
+            placement=self.placement,
             self_url=self.sse_url,
             tool_names=lambda: context.tool_names,
             triage_rules=self.config.triage,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from butlers.config import ButlerConfig, load_config_dir
+from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.errors import ButlersError
 from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
 from butlers.switchboard.route import unwrap
@@ -27,10 +27,15 @@ class NotifyFailed(ButlersError):
 
 
 def switchboard_url(
-    config: ButlerConfig, config_dir: Path | None, own_url: str, from_environment: str | None
+    config: ButlerConfig,
+    config_dir: Path | None,
+    own_url: str,
+    from_environment: str | None,
+    placement: Placement,
 ) -> str | None:
     """Where this butler's notifications go (None: nowhere known); `from_environment` is
-    `Settings.switchboard_url` (BUTLERS_SWITCHBOARD_URL)."""
+    `Settings.switchboard_url` (BUTLERS_SWITCHBOARD_URL), `placement` what the environment
+    says of endpoints a butler.toml leaves out (the switchboard's, found in `config_dir`)."""
     if config.switchboard_url:
         return config.switchboard_url
     if from_environment:
@@ -40,7 +45,7 @@ def switchboard_url(
     if config_dir is not None:
         # The butler with a [switchboard] table, whatever its name (the others' errors are
         # the CLI's to report).
-        switchboard = load_config_dir(config_dir).switchboard
+        switchboard = load_config_dir(config_dir, placement).switchboard
         return switchboard.endpoint_url if switchboard is not None else None
     return None
 

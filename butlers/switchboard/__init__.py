@@ -18,7 +18,7 @@ from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
-from butlers.config import SwitchboardConfig, TriageRule
+from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import ToolRefusal
 from butlers.spawner import Spawner
 from butlers.switchboard.dispatch import (
@@ -51,9 +51,10 @@ class Switchboard:
     worker: InboxWorker
     outbox: OutboxSender
     config_dir: Path
+    placement: Placement  # what discover fills in for what a butler.toml leaves out
 
     async def discover(self) -> dict[str, Any]:
-        report = await discover(self.store, self.config_dir)
+        report = await discover(self.store, self.config_dir, self.placement)
         self.router.forget_endpoints()
         return report
 
@@ -97,6 +98,7 @@ def attach_switchboard(
     spawner: Spawner,
     *,
     config_dir: Path,
+    placement: Placement,
     self_url: str,
     tool_names: Callable[[], Sequence[str]],
     triage_rules: Sequence[TriageRule] = (),
@@ -127,7 +129,7 @@ def attach_switchboard(
         tracer=tracer,
         outbox=outbox,
     )
-    switchboard = Switchboard(store, router, pool, worker, outbox, config_dir)
+    switchboard = Switchboard(store, router, pool, worker, outbox, config_dir, placement)
 
     @mcp.tool
     async def route(

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from butlers.config import load_config_dir
+from butlers.config import Placement, load_config_dir
 from butlers.switchboard.store import RegistryEntry, SwitchboardStore
 
 logger = logging.getLogger(__name__)
@@ -29,9 +29,12 @@ def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
     return changed
 
 
-async def discover(store: SwitchboardStore, config_dir: Path) -> dict[str, Any]:
-    """Scan `config_dir` and update the registry; returns what was added, updated and stale."""
-    fleet = await asyncio.to_thread(load_config_dir, config_dir)
+async def discover(
+    store: SwitchboardStore, config_dir: Path, placement: Placement
+) -> dict[str, Any]:
+    """Scan `config_dir` and update the registry; returns what was added, updated and stale.
+    `placement`: the endpoints the environment gives butlers whose butler.toml names none."""
+    fleet = await asyncio.to_thread(load_config_dir, config_dir, placement)
     known = {row["name"]: row for row in await store.registry()}
     entries = [
         RegistryEntry(b.name, b.endpoint_url, b.description, b.modules) for b in fleet.butlers
