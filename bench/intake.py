@@ -82,6 +82,7 @@ async def main(count: int, latency_count: int, write: bool) -> None:
         f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\napi_base_url = "{bot.url}"\n'
         # Telegram's 30 messages/s flood limit would be all this measures otherwise.
         "max_messages_per_s = 0\n"
+        '[switchboard]\ndefault_butler = "echo"\n'
         '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "echo"\n'
     )
     env = {**os.environ, "BUTLERS_DATA_DIR": str(workdir / "data"), "TELEGRAM_BOT_TOKEN": bot.token}

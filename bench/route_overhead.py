@@ -118,6 +118,8 @@ def bench_fleet() -> tuple[Path, dict[str, int], dict[str, str]]:
             f'[butler]\nname = "{name}"\nport = {port}\n'
             f'[butler.db]\nname = "bench_{name}_{os.getpid()}"\n'
             "[runtime]\ntick_interval_s = 0\n"
+            # The [switchboard] table is what makes it the switchboard.
+            + ('[switchboard]\ndefault_butler = "target"\n' if name == "switchboard" else "")
         )
     env = {**os.environ, "BUTLERS_DATA_DIR": str(workdir / "data")}
     env.pop("BUTLERS_AUTH_TOKEN", None)
