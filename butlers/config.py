@@ -41,7 +41,6 @@ from butlers.errors import ButlersError, ConfigError
 CONFIG_FILENAME = "butler.toml"
 INSTRUCTIONS_FILENAME = "CLAUDE.md"
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]*")
-CHANNELS = ("telegram", "email", "mcp")
 
 # Every table: unknown keys are errors; values are immutable once read.
 TABLE = ConfigDict(extra="forbid")

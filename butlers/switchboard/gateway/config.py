@@ -33,9 +33,7 @@ from butlers.errors import ConfigError
 
 TOML_NAME = "gateway.toml"
 JSON_NAME = "switchboard.config.json"
-MCP_JSON_NAME = ".mcp.json"
 DEFAULT_GLOBS = (".switchboard/mcps/*/.mcp.json", "mcps/*/.mcp.json")
-INTROSPECTION_MODES = ("summary", "full", "redacted")
 # An editor's key for the file's JSON Schema; taken (and ignored) at the top of either file.
 SCHEMA_KEY = "$schema"
 
