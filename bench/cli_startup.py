@@ -1,7 +1,7 @@
 """How fast does the `butlers` command start, now and at a baseline commit? (Not a test: run it
 by hand.)
 
-    .venv/bin/python bench/cli_startup.py [--base COMMIT] [--rounds 5] [--write]
+    .venv/bin/python bench/cli_startup.py [--base COMMIT] [--now COMMIT] [--rounds 5] [--write]
 
 The baseline is checked out with `git worktree add` into a temporary directory and run with
 this same interpreter and venv (PYTHONPATH puts its `butlers` package first), so the two ways
@@ -248,7 +248,9 @@ def _stats(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def table(results: dict[str, dict[str, list[float]]], base: str, rounds: int) -> str:
+def table(
+    results: dict[str, dict[str, list[float]]], base: str, rounds: int, now: str | None = None
+) -> str:
     """Markdown: a column per way (base first), and each way's median over the baseline's."""
     others = [name for name in results if name != "base"]
     lines = [
@@ -256,7 +258,9 @@ def table(results: dict[str, dict[str, list[float]]], base: str, rounds: int) ->
         f"Python {platform.python_version()})",
         "",
         f"`bench/cli_startup.py`: {rounds} rounds, the ways alternating in each; seconds, "
-        f"median (min-max). Baseline: `{base}`, run from a worktree with the same venv.",
+        f"median (min-max). Baseline `{base}`, now "
+        + (f"`{now}`" if now else "the working tree")
+        + ", with the same venv.",
         "",
         "| figure | target | baseline | "
         + " | ".join(others)
@@ -295,23 +299,30 @@ async def measure(ways: list[Way], rounds: int) -> dict[str, dict[str, list[floa
     return results
 
 
-def main(base: str, rounds: int, write: bool, extra: list[str]) -> None:
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", base],
+def _short(ref: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
         check=True,
         capture_output=True,
         text=True,
     ).stdout.strip()
-    base_source = checkout(commit)
+
+
+def main(base: str, now: str | None, rounds: int, write: bool, extra: list[str]) -> None:
+    commit = _short(base)
+    checkouts = [checkout(commit)]
     try:
-        ways = [Way("base", base_source), Way("now", ROOT)]
+        if now is not None:  # a commit, not the working tree others may be editing
+            checkouts.append(checkout(_short(now)))
+        ways = [Way("base", checkouts[0]), Way("now", checkouts[1] if now else ROOT)]
         for spec in extra:
             name, _, directory = spec.partition("=")
             ways.append(Way(name, Path(directory)))
         results = asyncio.run(measure(ways, rounds))
     finally:
-        remove_checkout(base_source)
-    output = table(results, commit, rounds)
+        for path in checkouts:
+            remove_checkout(path)
+    output = table(results, commit, rounds, _short(now) if now else None)
     print(output)
     if write:
         write_docs_block("cli_startup", output)
@@ -320,6 +331,9 @@ def main(base: str, rounds: int, write: bool, extra: list[str]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="HEAD", help="the baseline commit (default HEAD)")
+    parser.add_argument(
+        "--now", metavar="COMMIT", help="measure this commit as now (default: the working tree)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument(
@@ -330,4 +344,4 @@ if __name__ == "__main__":
         help="also measure the sources in DIR (e.g. a copy with a change tried out)",
     )
     args = parser.parse_args()
-    main(args.base, args.rounds, args.write, args.way)
+    main(args.base, args.now, args.rounds, args.write, args.way)
