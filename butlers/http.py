@@ -18,7 +18,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
 from fastmcp import FastMCP
@@ -74,7 +74,7 @@ class EmbeddedUvicorn(uvicorn.Server):
     """uvicorn that leaves signal handling to the process that embeds it."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -200,9 +200,13 @@ class ButlerApp:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
         # endpoint host (e.g. a compose service name) must pass.
-        guard = {"allowed_hosts": allowed_hosts or None, "host_origin_protection": True}
-        self._app: Starlette = mcp.http_app(transport="http", path=MCP_PATH, **guard)
-        sse_app = mcp.http_app(transport="sse", path=SSE_PATH, **guard)
+        hosts = allowed_hosts or None
+        self._app: Starlette = mcp.http_app(
+            transport="http", path=MCP_PATH, allowed_hosts=hosts, host_origin_protection=True
+        )
+        sse_app = mcp.http_app(
+            transport="sse", path=SSE_PATH, allowed_hosts=hosts, host_origin_protection=True
+        )
         self._app.router.routes[0:0] = [
             route
             for route in sse_app.router.routes

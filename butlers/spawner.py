@@ -23,10 +23,10 @@ import secrets
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from butlers.config import ButlerConfig
 from butlers.environment import claude_code_keeps
@@ -35,6 +35,8 @@ from butlers.store import CoreStore
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:
+    from claude_agent_sdk import Message
+
     from butlers.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -264,8 +266,12 @@ class Spawner:
             )
             result: ResultMessage | None = None
             # aclosing: on timeout or failure the generator is closed, which ends the CLI.
+            # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
             async with contextlib.aclosing(
-                query(prompt=prompt, options=options, transport=transport)
+                cast(
+                    "AsyncGenerator[Message, None]",
+                    query(prompt=prompt, options=options, transport=transport),
+                )
             ) as messages:
                 async for message in messages:
                     if isinstance(message, SystemMessage) and message.subtype == "init":

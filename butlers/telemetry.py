@@ -85,19 +85,23 @@ class Telemetry:
         endpoint = settings.otel_exporter_otlp_endpoint
         if not endpoint:
             return cls(service_name=settings.otel_service_name)
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
         protocol = settings.otel_exporter_otlp_protocol  # validated: grpc or http/...
-        if protocol.startswith("http"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[assignment]
-                OTLPSpanExporter,
-            )
         logger.info(
             "exporting spans over OTLP (%s) to %s", protocol, endpoint, extra={"action": "otlp"}
         )
-        exporter = OTLPSpanExporter()
+        exporter: SpanExporter
+        if protocol.startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcSpanExporter,
+            )
+
+            exporter = GrpcSpanExporter()
         if redact is not None:
             from butlers.redact import RedactingSpanExporter
 
