@@ -21,7 +21,7 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -543,6 +543,8 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
     from butlers.settings import reveal
 
     target = SwitchboardTarget(args.url, reveal(settings.auth_token))
+    result: Any
+    show: Callable[[Any], None]  # each printer takes its own tool's answer
     if args.command == "trace":
         result = await _trace(target, args.ref, settings.jaeger_ui_url)
         show = _print_trace

@@ -23,7 +23,7 @@ import email.policy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from email.message import EmailMessage, Message
+from email.message import EmailMessage, Message, MIMEPart
 from email.parser import BytesHeaderParser, BytesParser
 from email.policy import EmailPolicy, compat32
 from html.parser import HTMLParser
@@ -108,7 +108,9 @@ class _PartCounter:
         # and the message itself.
         self.parts = -2
 
-    def __call__(self, policy: EmailPolicy) -> EmailMessage:
+    # FeedParser calls it with `policy=` (after probing that it takes one); the default only
+    # makes it the `Callable[[], ...]` typeshed's BytesParser stub asks for.
+    def __call__(self, policy: EmailPolicy | None = None) -> EmailMessage:
         self.parts += 1
         if self.parts > MAX_MIME_PARTS:
             raise MailUnreadable(f"it has more than {MAX_MIME_PARTS} MIME parts")
@@ -248,7 +250,7 @@ def thread_references(references: str, in_reply_to: str, message_id: str) -> str
     return " ".join(filter(None, [*ids, message_id]))
 
 
-def _body_text(part: EmailMessage) -> str:
+def _body_text(part: MIMEPart) -> str:
     """The text of a text/plain or text/html part, decoded by its charset; an unknown, lying
     or slow one (punycode is quadratic) read as latin-1."""
     payload = part.get_payload(decode=True)

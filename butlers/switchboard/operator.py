@@ -168,25 +168,25 @@ class OperatorStore:
                     f"inbox message {inbox_id} is failed but was never stored in full (only "
                     f"its envelope was kept: {row['error']}); there is nothing to retry"
                 )
-            return dict(
-                await conn.fetchrow(
-                    """
-                    UPDATE inbox SET
-                        status = 'queued', attempts = 0, error = NULL, reply = NULL,
-                        routed_to = NULL, classified_via = NULL, finished_at = NULL,
-                        meta = jsonb_set(
-                            meta, '{retries}',
-                            coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
-                                jsonb_build_object(
-                                    'retried_at', now(), 'status', status, 'error', error,
-                                    'routed_to', routed_to, 'classified_via', classified_via,
-                                    'attempts', attempts, 'finished_at', finished_at)))
-                    WHERE id = $1
-                    RETURNING id, status, meta->'retries' AS retries
-                    """,
-                    inbox_id,
-                )
+            updated = await conn.fetchrow(
+                """
+                UPDATE inbox SET
+                    status = 'queued', attempts = 0, error = NULL, reply = NULL,
+                    routed_to = NULL, classified_via = NULL, finished_at = NULL,
+                    meta = jsonb_set(
+                        meta, '{retries}',
+                        coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
+                            jsonb_build_object(
+                                'retried_at', now(), 'status', status, 'error', error,
+                                'routed_to', routed_to, 'classified_via', classified_via,
+                                'attempts', attempts, 'finished_at', finished_at)))
+                WHERE id = $1
+                RETURNING id, status, meta->'retries' AS retries
+                """,
+                inbox_id,
             )
+            assert updated is not None  # the row is locked FOR UPDATE above
+            return dict(updated)
 
 
 def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
