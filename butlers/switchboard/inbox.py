@@ -155,7 +155,7 @@ class InboxStore:
         reply: str | None,
         error: str | None,
         classified_via: str | None = None,
-        conn: asyncpg.Connection | None = None,
+        conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy | None = None,
     ) -> None:
         """The message's outcome; `conn`: in the caller's transaction (with its outbox rows)."""
         await (conn or self.pool).execute(

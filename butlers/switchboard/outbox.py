@@ -123,7 +123,7 @@ class OutboxStore:
 
     async def add(
         self,
-        conn: asyncpg.Connection,
+        conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
         messages: Sequence[Outgoing],
         trace_context: dict[str, str] | None,
     ) -> None:
