@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # PIP_COMPILE_ARGS=--upgrade, or PIP_COMPILE_ARGS="--upgrade-package fastmcp".
 PIP_COMPILE_ARGS ?=
 
-.PHONY: up test test-fast lint lock clean
+.PHONY: up test test-fast lint typecheck lock clean
 
 # Reinstalled when the lock or pyproject.toml changes. `pip check` fails when pyproject.toml
 # asks for something the lock does not pin (run `make lock`): butlers itself goes in with
@@ -35,6 +35,10 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# mypy on butlers/, configured in pyproject.toml ([tool.mypy]: what it checks and how strictly).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # Re-resolve requirements.lock from pyproject.toml with pip-tools, in a throwaway venv (so it
 # is not one of the project's dependencies). Without PIP_COMPILE_ARGS it keeps every pin the
