@@ -38,7 +38,8 @@ TargetTimeout = CallTimedOut  # the target accepted the call but did not answer 
 
 
 class Session(Protocol):
-    is_open: bool
+    @property
+    def is_open(self) -> bool: ...  # read-only in both kinds
 
     async def open(self, timeout_s: float) -> None: ...
 
