@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers import logs
-from butlers.errors import ButlersError
+from butlers.errors import ButlersError, CommandError
 
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("butlers")
 
 DEFAULT_CONFIG_DIR = Path("config/butlers")
-
-
-class CommandError(ButlersError):
-    """A command cannot go on; printed without a traceback, exit status 1."""
 
 
 def _select(config_dir: Path, only: Sequence[str] | None, settings: Settings) -> list[ButlerConfig]:

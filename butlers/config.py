@@ -35,8 +35,8 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
-from butlers.config_errors import Expect, KeyProblem, config_error
-from butlers.errors import ButlersError, ConfigError
+from butlers.config_errors import Expect, config_error
+from butlers.errors import ButlersError, ConfigError, KeyProblem
 
 CONFIG_FILENAME = "butler.toml"
 INSTRUCTIONS_FILENAME = "CLAUDE.md"

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from butlers.errors import ConfigError
+from butlers.errors import ConfigError, KeyProblem
 
 MORE_ERRORS_SHOWN = 3  # besides the first; the rest are counted
 
@@ -35,16 +35,6 @@ class Expect:
     (`Annotated[int, Expect("a port number between 1 and 65535")]`)."""
 
     text: str
-
-
-class KeyProblem(ValueError):
-    """Raised by a model's validator about one of its keys (not the table as a whole), so the
-    message names that key: `raise KeyProblem("webhook_url", "is only used with ...")`."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(problem)
-        self.key = key
-        self.problem = problem
 
 
 def config_error(

@@ -19,10 +19,10 @@ from fastmcp.server.dependencies import get_http_headers
 from pydantic import Field, JsonValue
 
 from butlers.context import ButlerContext, ModuleStatus
-from butlers.errors import ToolRefusal
+from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
-from butlers.notify import NotifyFailed
 from butlers.spawner import SESSION_HEADER
+from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,44 @@
-"""One exception family for the package; third-party errors are wrapped where they enter."""
+"""Every exception class of the package. Third-party errors are wrapped where they enter.
+
+Exception
+├── ButlersError               every error we raise on purpose
+│   ├── ConfigError            a config file is malformed: file, key, what was expected
+│   ├── DatabaseError          PostgreSQL could not be started, reached, created, migrated
+│   ├── SpawnError             a Claude Code session could not run, or ran without its tools
+│   ├── CommandError           a `butlers` command cannot go on (exit 1, no traceback)
+│   ├── InvalidChild           (also a ValueError) a `.mcp.json` the gateway skips
+│   ├── McpCallError           a request to another MCP server got no result
+│   │   ├── ConnectionClosed   not sent: safe to send again on a new connection
+│   │   │   └── AnswerLost     sent, then the connection went: may have run
+│   │   ├── CallTimedOut       sent, no answer in time (the peer was told to stop)
+│   │   └── RemoteError        the peer answered with a JSON-RPC error
+│   ├── TargetUnreachable      the switchboard's connection to a target failed or broke
+│   ├── RouteError             a route with no successful answer; `kind` picks the reply
+│   │   ├── RouteRefused       not a routable butler (kind refused)
+│   │   ├── RoutePolicyError   a classification session's route it may not make (refused)
+│   │   ├── TargetDown         the target could not be reached (kind unreachable)
+│   │   └── TargetSlow         the target did not answer in time (kind timeout)
+│   ├── NotifyFailed           a butler's `notify`: the switchboard did not take it
+│   ├── NotifyRefused          the switchboard's `deliver`: a notification it will not send
+│   ├── DeliveryError          a channel did not take an outbox row (`permanent` or not)
+│   └── MailError              sending or fetching mail failed (host:port in the message)
+│       ├── MailRefused        will not work until someone acts (certificate, login)
+│       └── MailUnreadable     a mail or webhook body we will not read
+│           └── HeaderTooLong  one header over the limit, refused unparsed
+└── KeyProblem (ValueError)    a config model's validator names one key; pydantic makes it
+                               part of a ValidationError, config_errors a ConfigError
+
+fastmcp.exceptions.ToolError
+└── ToolRefusal                the tool-answer class: a message for the caller instead of
+                               a result. It lives in butlers.tool_errors, kept apart because
+                               it subclasses FastMCP's ToolError and importing FastMCP takes
+                               seconds: this module imports nothing heavy (`butlers --help`
+                               and every ConfigError import it; tests/test_cli.py guards it).
+"""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-
-from fastmcp.exceptions import ToolError
 
 
 class ButlersError(Exception):
@@ -64,13 +97,96 @@ class RemoteError(McpCallError):
         self.message = message
 
 
-class ToolRefusal(ToolError):
-    """A tool call answered with a message for the caller instead of a result.
+class CommandError(ButlersError):
+    """A command cannot go on; printed without a traceback, exit status 1."""
 
-    FastMCP logs every ToolError at ERROR, which reads like a crash in the butler's log. A
-    caller's mistake (empty text, no such name) is routine and logged at INFO; sites where
-    something failed that an operator may want to see pass `log_level=logging.WARNING`.
-    """
 
-    def __init__(self, *args: object, log_level: int = logging.INFO) -> None:
-        super().__init__(*args, log_level=log_level)
+class InvalidChild(ButlersError, ValueError):
+    """A `.mcp.json` that is not a child the gateway can run; the message says which key is
+    wrong and how. The gateway skips the file with a warning."""
+
+
+class TargetUnreachable(ButlersError):
+    """The target's endpoint refused, dropped or never answered the connection."""
+
+
+class RouteError(ButlersError):
+    """A route that did not reach a successful answer. The message is for the caller of
+    `route` and the logs; people get a fixed sentence chosen by `kind` (butlers.switchboard.
+    replies), never this text: it names endpoints and the target's own errors."""
+
+    kind = "failed"  # the target ran the tool and answered with an error
+
+
+class RouteRefused(RouteError):
+    """Refused before any connection: not a routable butler, or not allowed to this caller."""
+
+    kind = "refused"
+
+
+class RoutePolicyError(RouteError):
+    """A classification session asked for a route it may not make; the text is for the model."""
+
+    kind = "refused"
+
+
+class TargetDown(RouteError):
+    """The target could not be reached, or the connection broke before it answered."""
+
+    kind = "unreachable"
+
+
+class TargetSlow(RouteError):
+    """The target took the call but did not answer within the route timeout."""
+
+    kind = "timeout"
+
+
+class NotifyFailed(ButlersError):
+    """The switchboard did not take the notification; the message says why."""
+
+
+class NotifyRefused(ButlersError):
+    """A notification that cannot go out; the message says why, for the butler's model."""
+
+
+class DeliveryError(ButlersError):
+    """The channel did not take a message. `permanent`: it never will (a chat that does not
+    exist, an address the server refuses); otherwise it is tried again later."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class MailError(ButlersError):
+    """Sending or fetching mail failed; the message says what and where (host:port)."""
+
+
+class MailRefused(MailError):
+    """A failure that retrying will not fix until someone acts: an untrusted certificate,
+    STARTTLS not offered, a refused login."""
+
+
+class MailUnreadable(MailError):
+    """A mail (or webhook body) we will not read: too big, a header too long, too many MIME
+    parts, or not the JSON we take. The message says what and how big."""
+
+
+class HeaderTooLong(MailUnreadable):
+    """One header longer than `limit` bytes, refused without parsing it."""
+
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        super().__init__(f"the {name} header is {size} bytes long, over the limit of {limit}")
+
+
+class KeyProblem(ValueError):
+    """Raised by a config model's validator about one of its keys (not the table as a whole),
+    so the message names that key: `raise KeyProblem("webhook_url", "is only used with ...")`.
+    A ValueError, not a ButlersError: pydantic collects it into its ValidationError, which
+    butlers.config_errors turns into a ConfigError."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(problem)
+        self.key = key
+        self.problem = problem

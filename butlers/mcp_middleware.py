@@ -15,8 +15,8 @@ from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
-from butlers.errors import ToolRefusal
 from butlers.telemetry import context_from_carrier
+from butlers.tool_errors import ToolRefusal
 
 TRACE_CONTEXT_ARG = "_trace_context"
 # In a call's `_meta`: the conversation a routed call serves (set by the switchboard), so that

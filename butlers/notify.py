@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from butlers.config import ButlerConfig, Placement, load_config_dir
-from butlers.errors import ButlersError
-from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
+from butlers.errors import CallTimedOut, NotifyFailed, RemoteError, TargetUnreachable
+from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.route import unwrap
 from butlers.telemetry import current_carrier
 
 SWITCHBOARD_URL_ENV = "BUTLERS_SWITCHBOARD_URL"
 DELIVER_TIMEOUT_S = 30.0
-
-
-class NotifyFailed(ButlersError):
-    """The switchboard did not take the notification; the message says why."""
 
 
 def switchboard_url(
@@ -78,7 +74,7 @@ class SwitchboardLink:
             result = await self._pool.call(
                 self.url, "deliver", arguments, meta=carrier, timeout_s=DELIVER_TIMEOUT_S
             )
-        except (TargetUnreachable, TargetTimeout) as exc:
+        except (TargetUnreachable, CallTimedOut) as exc:
             raise NotifyFailed(f"the switchboard at {self.url} did not answer: {exc}") from exc
         except RemoteError as exc:
             raise NotifyFailed(f"the switchboard refused: {exc.message}") from exc

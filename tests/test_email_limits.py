@@ -25,11 +25,11 @@ import pytest
 
 import butlers.modules.mail_imap as mail_imap
 import butlers.modules.mail_parse as mail_parse
+from butlers.errors import MailUnreadable
 from butlers.modules.mail_imap import TRIED_KEYWORD, Fetched, fetched, keywords_kept
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
     MAX_MIME_PARTS,
-    MailUnreadable,
     ParsedMail,
     parse_header,
     parse_mail,

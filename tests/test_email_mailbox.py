@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from butlers.modules.email import EmailModule, MailError
+from butlers.errors import MailError
+from butlers.modules.email import EmailModule
 from butlers.modules.mail_imap import MAX_MAIL_FAILURES
 from butlers.modules.mail_parse import one_line
 from butlers.switchboard.inbox import IncomingMessage

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from butlers.modules.mail_parse import MailUnreadable, dmarc_refusal, parse_mail, single_address
+from butlers.errors import MailUnreadable
+from butlers.modules.mail_parse import dmarc_refusal, parse_mail, single_address
 from butlers.modules.mail_webhook import parse_webhook
 from tests.conftest import log_records
 from tests.fakes.mail import RecordingWorker, imap_append, pymap_server

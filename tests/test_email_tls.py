@@ -19,8 +19,9 @@ import pytest
 import butlers.modules.email as email_module
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
+from butlers.errors import MailRefused
 from butlers.modules.email import EmailModule
-from butlers.modules.mail_transport import MailRefused, MailServer, plaintext_login_refusal
+from butlers.modules.mail_transport import MailServer, plaintext_login_refusal
 from tests.fakes.mail import (
     MailCA,
     PymapTranscript,

@@ -20,11 +20,8 @@ from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
 from butlers.config import RuntimeConfig, SwitchboardConfig
-from butlers.switchboard.dispatch import (
-    MAX_PROMPT_BYTES,
-    RoutePolicyError,
-    check_classifier_route,
-)
+from butlers.errors import RoutePolicyError
+from butlers.switchboard.dispatch import MAX_PROMPT_BYTES, check_classifier_route
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from tests.conftest import StartButler, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use

@@ -24,11 +24,17 @@ import pytest
 from mcp_types.jsonrpc import METHOD_NOT_FOUND
 from mcp_types.version import LATEST_HANDSHAKE_VERSION
 
-from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, RemoteError
+from butlers.errors import (
+    AnswerLost,
+    CallTimedOut,
+    ConnectionClosed,
+    RemoteError,
+    TargetUnreachable,
+)
 from butlers.mcp_connection.core import McpConnection
 from butlers.mcp_connection.sse import SseConnection
 from butlers.mcp_connection.stdio import StdioConnection
-from butlers.switchboard.pool import McpClientPool, TargetUnreachable
+from butlers.switchboard.pool import McpClientPool
 from tests.fakes import peer_mcp
 from tests.fakes.sse_mcp import SseMcpServer
 

@@ -31,11 +31,10 @@ from starlette.routing import BaseRoute, Route
 
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.errors import ToolRefusal
+from butlers.errors import DeliveryError, MailError, MailRefused, MailUnreadable
 from butlers.http import secret_matches
 from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
-    MailUnreadable,
     ParsedMail,
     dmarc_refusal,
     one_line,
@@ -44,8 +43,6 @@ from butlers.modules.mail_parse import (
     single_address,
 )
 from butlers.modules.mail_transport import (
-    MailError,
-    MailRefused,
     MailServer,
     describe,
     security,
@@ -54,8 +51,9 @@ from butlers.modules.mail_transport import (
 )
 from butlers.modules.mail_webhook import parse_webhook
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
-from butlers.switchboard.outbox import Delivery, DeliveryError
+from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
+from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from butlers.switchboard.worker import InboxWorker

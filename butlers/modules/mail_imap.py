@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from butlers.context import ModuleStatus
+from butlers.errors import MailError, MailRefused
 from butlers.modules.mail_parse import (
     MAX_HEADER_BLOCK_BYTES,
     MAX_MAIL_BYTES,
@@ -40,8 +41,6 @@ from butlers.modules.mail_parse import (
     parse_mail,
 )
 from butlers.modules.mail_transport import (
-    MailError,
-    MailRefused,
     describe,
     imap_close,
     imap_connect,

@@ -29,7 +29,7 @@ from email.policy import EmailPolicy, compat32
 from html.parser import HTMLParser
 from typing import Any
 
-from butlers.modules.mail_transport import MailError
+from butlers.errors import HeaderTooLong, MailUnreadable
 
 # A mail over this is not read (its envelope is kept as a failed inbox row): room for a long
 # text with a few photos attached (we keep at most MAX_TEXT_CHARS of text and the attachments'
@@ -50,18 +50,6 @@ MAX_ATTACHMENT_NAME_CHARS = 100
 MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
 _PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
 _SLOW_CODECS = frozenset({"punycode", "idna"})  # pure Python, punycode quadratic
-
-
-class MailUnreadable(MailError):
-    """A mail (or webhook body) we will not read: too big, a header too long, too many MIME
-    parts, or not the JSON we take. The message says what and how big."""
-
-
-class HeaderTooLong(MailUnreadable):
-    def __init__(self, name: str, size: int) -> None:
-        super().__init__(
-            f"the {name} header is {size} bytes long, over the limit of {MAX_HEADER_BYTES}"
-        )
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -89,7 +77,7 @@ class _BoundedPolicy(EmailPolicy):
 
     def header_fetch_parse(self, name: str, value: str) -> Any:
         if len(value) > MAX_HEADER_BYTES:
-            raise HeaderTooLong(name, len(value))
+            raise HeaderTooLong(name, len(value), MAX_HEADER_BYTES)
         try:
             return super().header_fetch_parse(name, value)
         except RecursionError:  # comments nested a thousand deep
@@ -198,7 +186,7 @@ def _read_headers(message: Message) -> ParsedMail:
         problems.append(_header_problem("Content-Type (or an auto-reply header)", exc))
     results = raw("Authentication-Results")  # not parsed here: dmarc_refusal does, bounded
     problems += [
-        str(HeaderTooLong("Authentication-Results", len(v)))
+        str(HeaderTooLong("Authentication-Results", len(v), MAX_HEADER_BYTES))
         for v in results
         if len(v) > MAX_HEADER_BYTES
     ]

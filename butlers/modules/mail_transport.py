@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Literal
 
-from butlers.errors import ButlersError
+from butlers.errors import MailError, MailRefused
 from butlers.http import is_loopback
 
 if TYPE_CHECKING:
@@ -38,15 +38,6 @@ if TYPE_CHECKING:
 
 Security = Literal["implicit", "starttls", "none"]
 TIMEOUT_S = 30.0
-
-
-class MailError(ButlersError):
-    """Sending or fetching mail failed; the message says what and where (host:port)."""
-
-
-class MailRefused(MailError):
-    """A failure that retrying will not fix until someone acts: an untrusted certificate,
-    STARTTLS not offered, a refused login."""
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from pydantic_core import ErrorDetails
 
+from butlers.errors import MailUnreadable
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
     MAX_HTML_CHARS,
     MAX_TEXT_CHARS,
     READING,
-    MailUnreadable,
     ParsedMail,
     automated_reason,
     html_to_text,

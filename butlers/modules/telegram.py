@@ -22,11 +22,12 @@ from starlette.routing import BaseRoute, Route
 
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
-from butlers.errors import ToolRefusal
+from butlers.errors import DeliveryError
 from butlers.http import secret_matches
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
-from butlers.switchboard.outbox import Delivery, DeliveryError
+from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
+from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from telegram import Update

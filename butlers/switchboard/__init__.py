@@ -19,24 +19,24 @@ from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
 from butlers.config import Placement, SwitchboardConfig, TriageRule
-from butlers.errors import ToolRefusal
+from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
 from butlers.spawner import Spawner
 from butlers.switchboard.dispatch import (
     CREDENTIAL_HEADER,
     LEGACY_INBOX_HEADER,
     Dispatch,
     Dispatcher,
-    RoutePolicyError,
 )
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
-from butlers.switchboard.notify import Notifier, NotifyRefused
+from butlers.switchboard.notify import Notifier
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
-from butlers.switchboard.route import RouteError, Router, RouteRefused
+from butlers.switchboard.route import Router
 from butlers.switchboard.store import SwitchboardStore
 from butlers.switchboard.worker import InboxWorker
+from butlers.tool_errors import ToolRefusal
 
 MAX_ASK_CHARS = 200_000
 

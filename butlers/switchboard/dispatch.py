@@ -26,21 +26,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from butlers.errors import RouteError, RoutePolicyError
 from butlers.switchboard.conversation import with_history
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.replies import Answer, reply_text
-from butlers.switchboard.route import RouteError, Router, RouteSource
+from butlers.switchboard.route import Router, RouteSource
 
 CREDENTIAL_HEADER = "X-Butlers-Classification"
 LEGACY_INBOX_HEADER = "X-Butlers-Inbox-Id"  # what sessions sent before credentials: refused
 ROUTABLE_TOOL = "trigger"
 MAX_PROMPT_BYTES = 32 * 1024
-
-
-class RoutePolicyError(RouteError):
-    """A classification session asked for a route it may not make; the text is for the model."""
-
-    kind = "refused"
 
 
 def check_classifier_route(

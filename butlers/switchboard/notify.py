@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from butlers.config import SwitchboardConfig
+from butlers.errors import NotifyRefused
 from butlers.store import storable
 from butlers.switchboard.inbox import InboxMessage, InboxStore
 from butlers.switchboard.outbox import OutboxSender, Outgoing
@@ -24,10 +25,6 @@ from butlers.telemetry import current_carrier, current_trace_id
 
 MAX_NOTIFICATION_CHARS = 32_000
 NOTIFY_TOOL = "notify"
-
-
-class NotifyRefused(Exception):
-    """A notification that cannot go out; the message says why, for the butler's model."""
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import asyncpg
 from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 
-from butlers.errors import ToolRefusal
 from butlers.settings import DEFAULT_JAEGER_UI_URL
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
+from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from butlers.switchboard import Switchboard

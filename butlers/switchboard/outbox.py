@@ -27,7 +27,7 @@ import asyncpg
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
-from butlers.errors import ButlersError
+from butlers.errors import DeliveryError
 from butlers.store import storable, storable_json
 from butlers.switchboard.inbox import InboxMessage
 from butlers.tasks import cancel_and_wait
@@ -88,15 +88,6 @@ class Delivery:
             inbox_id=row["inbox_id"],
             butler=row["butler"],
         )
-
-
-class DeliveryError(ButlersError):
-    """The channel did not take a message. `permanent`: it never will (a chat that does not
-    exist, an address the server refuses); otherwise it is tried again later."""
-
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
-        super().__init__(message)
-        self.permanent = permanent
 
 
 class Channel(Protocol):

@@ -19,22 +19,20 @@ import aiohttp
 from fastmcp import Client
 from mcp.shared.exceptions import MCPError
 
-from butlers.errors import AnswerLost, ButlersError, CallTimedOut, ConnectionClosed, RemoteError
+from butlers.errors import (
+    AnswerLost,
+    ButlersError,
+    CallTimedOut,
+    ConnectionClosed,
+    RemoteError,
+    TargetUnreachable,
+)
 from butlers.mcp_connection.sse import IDLE_STREAM_S, SseConnection
 
 logger = logging.getLogger(__name__)
 
 CONNECTION_CLOSED = -32000
 CONNECT_TIMEOUT_S = 10.0
-
-__all__ = ["McpClientPool", "RemoteError", "TargetTimeout", "TargetUnreachable"]
-
-
-class TargetUnreachable(ButlersError):
-    """The target's endpoint refused, dropped or never answered the connection."""
-
-
-TargetTimeout = CallTimedOut  # the target accepted the call but did not answer in time
 
 
 class Session(Protocol):

@@ -17,10 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode, Tracer
 
-from butlers.errors import ButlersError
+from butlers.errors import (
+    CallTimedOut,
+    RemoteError,
+    RouteError,
+    RouteRefused,
+    TargetDown,
+    TargetSlow,
+    TargetUnreachable,
+)
 from butlers.mcp_middleware import CONVERSATION_META
 from butlers.store import storable
-from butlers.switchboard.pool import McpClientPool, RemoteError, TargetTimeout, TargetUnreachable
+from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
 from butlers.telemetry import current_carrier, current_trace_id
 
@@ -31,32 +39,6 @@ if TYPE_CHECKING:
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
 DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
-
-
-class RouteError(ButlersError):
-    """A route that did not reach a successful answer. The message is for the caller of
-    `route` and the logs; people get a fixed sentence chosen by `kind` (butlers.switchboard.
-    replies), never this text: it names endpoints and the target's own errors."""
-
-    kind = "failed"  # the target ran the tool and answered with an error
-
-
-class RouteRefused(RouteError):
-    """Refused before any connection: not a routable butler, or not allowed to this caller."""
-
-    kind = "refused"
-
-
-class TargetDown(RouteError):
-    """The target could not be reached, or the connection broke before it answered."""
-
-    kind = "unreachable"
-
-
-class TargetSlow(RouteError):
-    """The target took the call but did not answer within the route timeout."""
-
-    kind = "timeout"
 
 
 @dataclass(frozen=True)
@@ -247,7 +229,7 @@ class Router:
         except TargetUnreachable as exc:
             self._endpoints.pop(butler_name, None)  # re-read the registry next time
             raise TargetDown(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
-        except TargetTimeout as exc:
+        except CallTimedOut as exc:
             raise TargetSlow(
                 f"butler {butler_name!r} at {endpoint} did not answer {tool_name!r}: {exc}"
             ) from exc

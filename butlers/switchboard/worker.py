@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.config import SwitchboardConfig, TriageRule
+from butlers.errors import RouteError
 from butlers.spawner import Spawner
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
 from butlers.switchboard.conversation import (
@@ -33,7 +34,7 @@ from butlers.switchboard.dispatch import Dispatcher
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
-from butlers.switchboard.route import RouteError, Router, RouteSource
+from butlers.switchboard.route import Router, RouteSource
 from butlers.switchboard.store import SwitchboardStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier

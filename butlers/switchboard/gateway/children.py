@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from butlers.errors import ConfigError
+from butlers.errors import ConfigError, InvalidChild
 from butlers.switchboard.gateway.config import load_mcp_json
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ class ChildSpec:
     url: str | None = None
     kind: str = "mcp"  # "butler" | "mcp"
     source: str = ""  # where it was declared, for messages
-
-
-class InvalidChild(ValueError):
-    pass
 
 
 def parse_mcp_json(path: Path) -> ChildSpec:
