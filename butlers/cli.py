@@ -594,12 +594,12 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
-    from butlers.settings import reveal
-    from butlers.switchboard.gateway.run import (
+    from butlers.gateway.run import (
         GatewayOptions,
         serve_gateway,
         token_report,
     )
+    from butlers.settings import reveal
 
     logs.adopt_fastmcp_logging()
     options = GatewayOptions(

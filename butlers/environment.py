@@ -74,7 +74,7 @@ def gateway_child_environment(
     """A gateway child (an MCP server from a .mcp.json): the base of `environ` plus its
     declared `env`.
 
-    `environ` None reads the process's own: the gateway (butlers.switchboard.gateway) does
+    `environ` None reads the process's own: the gateway (butlers.gateway) does
     not pass its Settings down to its child clients yet.
     """
     return {**base_environment(os.environ if environ is None else environ), **own}

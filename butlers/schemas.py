@@ -42,8 +42,7 @@ from butlers.config import (
     TriageRule,
 )
 from butlers.config_errors import expectation
-from butlers.modules.mail_webhook import WebhookMail
-from butlers.switchboard.gateway.config import (
+from butlers.gateway.config import (
     SCHEMA_KEY,
     Expose,
     GatewayConfig,
@@ -53,6 +52,7 @@ from butlers.switchboard.gateway.config import (
     SuiteConfig,
     Timeouts,
 )
+from butlers.modules.mail_webhook import WebhookMail
 
 SCHEMAS_DIR = "schemas"
 DOC = "docs/configuration.md"

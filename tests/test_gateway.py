@@ -22,10 +22,10 @@ from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.errors import ConfigError
+from butlers.gateway.children import parse_mcp_json
+from butlers.gateway.config import load_gateway_config
+from butlers.gateway.summary import summarize
 from butlers.mcp_connection.stdio import FrameReader
-from butlers.switchboard.gateway.children import parse_mcp_json
-from butlers.switchboard.gateway.config import load_gateway_config
-from butlers.switchboard.gateway.summary import summarize
 from tests.conftest import StartButler, free_port
 from tests.fakes import wait_listening
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS

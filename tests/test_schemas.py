@@ -17,9 +17,9 @@ import pytest
 
 from butlers.config import ButlerFile, load_butler_config
 from butlers.errors import ConfigError
+from butlers.gateway.config import GatewayConfig, McpJson
 from butlers.modules.mail_webhook import WebhookMail
 from butlers.schemas import DOC, DOC_TABLES, REGENERATE, SCHEMAS, documented_fields, stale
-from butlers.switchboard.gateway.config import GatewayConfig, McpJson
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = (ButlerFile, GatewayConfig, McpJson, WebhookMail)

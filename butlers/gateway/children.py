@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from butlers.errors import ConfigError, InvalidChild
-from butlers.switchboard.gateway.config import load_mcp_json
+from butlers.gateway.config import load_mcp_json
 
 logger = logging.getLogger(__name__)
 

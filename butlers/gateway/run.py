@@ -15,6 +15,9 @@ import uvicorn
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
+from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
+from butlers.gateway.config import load_gateway_config
+from butlers.gateway.server import CONTROL_TOOLS, Gateway
 from butlers.http import (
     DEFAULT_MAX_REQUEST_BYTES,
     BearerTokenMiddleware,
@@ -22,9 +25,6 @@ from butlers.http import (
     EmbeddedUvicorn,
     require_token_beyond_loopback,
 )
-from butlers.switchboard.gateway.children import ChildSpec, butler_children, discover_mcp_files
-from butlers.switchboard.gateway.config import load_gateway_config
-from butlers.switchboard.gateway.server import CONTROL_TOOLS, Gateway
 from butlers.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

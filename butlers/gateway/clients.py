@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from butlers.environment import gateway_child_environment
 from butlers.errors import CallTimedOut, ConnectionClosed, McpCallError, RemoteError
+from butlers.gateway.children import ChildSpec
 from butlers.mcp_connection.stdio import StdioConnection
-from butlers.switchboard.gateway.children import ChildSpec
 
 if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote child starts
     from butlers.mcp_connection.sse import SseConnection

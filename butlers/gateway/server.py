@@ -23,10 +23,10 @@ from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
 
 from butlers.errors import McpCallError
-from butlers.switchboard.gateway.children import ChildSpec
-from butlers.switchboard.gateway.clients import Child, RemoteChild, StdioChild
-from butlers.switchboard.gateway.config import GatewayConfig
-from butlers.switchboard.gateway.summary import summarize
+from butlers.gateway.children import ChildSpec
+from butlers.gateway.clients import Child, RemoteChild, StdioChild
+from butlers.gateway.config import GatewayConfig
+from butlers.gateway.summary import summarize
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
