@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,7 +176,7 @@ async def token_report(
     return "\n".join(lines)
 
 
-def _report_data(rows: list[tuple[str, str, int, int, int]], control: int) -> dict[str, Any]:
+def _report_data(rows: Sequence[tuple[str, str, int, int, int]], control: int) -> dict[str, Any]:
     """The token report as data: per child, and the totals (the gateway's including its
     control tools)."""
     native_total = sum(r[3] for r in rows)

@@ -148,17 +148,19 @@ class Gateway:
                 self.slots[spec.name].spec.source,
             )
             return
-        timeouts = {
-            "spawn_timeout_s": self.config.child_spawn_ms / 1000,
-            "rpc_timeout_s": self.config.rpc_ms / 1000,
-        }
+        spawn_s, rpc_s = self.config.child_spawn_ms / 1000, self.config.rpc_ms / 1000
         child: Child
         if spec.url is not None:
             child = RemoteChild(
-                spec, auth_token=auth_token if spec.kind == "butler" else None, **timeouts
+                spec,
+                spawn_timeout_s=spawn_s,
+                rpc_timeout_s=rpc_s,
+                auth_token=auth_token if spec.kind == "butler" else None,
             )
         else:
-            child = StdioChild(spec, on_exit=self._child_exited, **timeouts)
+            child = StdioChild(
+                spec, spawn_timeout_s=spawn_s, rpc_timeout_s=rpc_s, on_exit=self._child_exited
+            )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
         self.slots[spec.name] = slot
