@@ -769,18 +769,9 @@ def _log_options(parser: argparse.ArgumentParser, *, level: str, log_format: str
 
 
 def _parse(argv: Sequence[str], settings: Settings) -> argparse.Namespace:
-    parser = _parser(settings)
-    args = parser.parse_args(argv)
-    # argparse checks the choices of what is typed, not of a default from the environment.
-    try:
-        args.log_level = logs.parse_level(args.log_level)
-    except ValueError as exc:
-        parser.error(f"BUTLERS_LOG_LEVEL: {exc}")
-    if args.log_format not in logs.FORMATS:
-        parser.error(
-            f"BUTLERS_LOG_FORMAT: {args.log_format!r} is not one of {', '.join(logs.FORMATS)}"
-        )
-    return args
+    """argparse checks the choices of what is typed; the defaults from BUTLERS_LOG_LEVEL and
+    BUTLERS_LOG_FORMAT were checked when `settings` were read."""
+    return _parser(settings).parse_args(argv)
 
 
 def _start_logging(args: argparse.Namespace, settings: Settings) -> Redactor:
