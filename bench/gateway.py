@@ -3,7 +3,7 @@
     .venv/bin/python bench/gateway.py [--calls 500] [--write]
 
 One stdio MCP server (tests/fakes/mock_mcp.py, its `echo` tool) called with the official `mcp`
-client over stdio three ways, sequentially, each on a kept-open session:
+client over stdio three ways, sequentially, each on a kept-open connection:
 
   direct     host -> child
   suite      host -> `butlers gateway` -> `mock_suite` {action: call, subtool: echo}

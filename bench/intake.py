@@ -6,7 +6,7 @@
 `butlers up --only switchboard` runs against a fake Telegram Bot API (tests/fakes/bot_api.py)
 with a triage rule instead of the LLM, and routes to an "echo" butler whose `trigger` answers
 at once, so what is measured is ours: python-telegram-bot polling, the durable inbox, the
-serial worker, route over the pooled MCP session, the reply. Two figures:
+serial worker, route over the kept-open MCP connection, the reply. Two figures:
 
   latency   messages sent one at a time: receipt (the update is offered) -> reply sent
   burst     all messages offered at once: messages/s end to end, and none lost
@@ -99,7 +99,7 @@ async def main(count: int, latency_count: int, write: bool) -> None:
     try:
         while "getUpdates" not in bot.calls:  # noqa: ASYNC110 - wait for the poller
             await asyncio.sleep(0.05)
-        for i in range(5):  # warm-up: the first route opens the pooled session
+        for i in range(5):  # warm-up: the first route opens the kept connection
             await bot.push_text(CHAT, f"warm-up {i}")
             await bot.wait_sent(i + 1)
         latencies = []

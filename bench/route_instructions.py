@@ -90,7 +90,7 @@ async def main(calls: int, write: bool) -> None:
                 ),
             }
             for way, call in ways.items():
-                await asyncio.gather(*(call() for _ in range(32)))  # warm: sessions, caches
+                await asyncio.gather(*(call() for _ in range(32)))  # warm: connections, caches
                 for callers in (1, 16):
                     results[way, callers] = await count(process.pid, out, call, calls, callers)
     finally:

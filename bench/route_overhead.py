@@ -6,10 +6,10 @@ Runs `butlers up` (a target butler and a switchboard, one process, embedded Post
 temporary directory unless DATABASE_URL is set) and, in another process, FastMCP's own proxy
 (`create_proxy` over a connected client) in front of the same target. This process is only
 the client. One tool call (`state_get` on the target) is made three ways, each over a
-kept-open MCP-over-SSE session:
+kept-open MCP-over-SSE connection:
 
   direct  client -> target
-  route   client -> switchboard `route` -> pooled session -> target
+  route   client -> switchboard `route` -> kept connection -> target
   proxy   client -> FastMCP proxy -> target (the peer to beat)
 
 sequentially and with N concurrent callers. Prints a Markdown table; --write also puts it into

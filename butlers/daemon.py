@@ -420,7 +420,7 @@ async def start_fleet(
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
-    """The switchboard first (it holds client sessions to the others), then the rest at once."""
+    """The switchboard first (it holds MCP connections to the others), then the rest at once."""
     front = [d for d in daemons if d.config.is_switchboard]
     rest = [d for d in daemons if not d.config.is_switchboard]
     await asyncio.gather(*(d.stop() for d in front), return_exceptions=True)

@@ -758,12 +758,12 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
 
 
-async def _keep_session(conn: asyncpg.Connection) -> None:
+async def _skip_reset(conn: asyncpg.Connection) -> None:
     """Release without asyncpg's default reset query (`RESET ALL; UNLISTEN *; ...`).
 
-    That query is a second round trip after every pooled statement. Butlers never leave session
-    state behind (no SET, LISTEN, advisory locks or open cursors), and asyncpg still rolls back a
-    transaction left open, so there is nothing to reset.
+    That query is a second round trip after every pooled statement. Butlers never leave state
+    on a connection (no SET, LISTEN, advisory locks or open cursors), and asyncpg still rolls
+    back a transaction left open, so there is nothing to reset.
     """
 
 
@@ -774,7 +774,7 @@ async def create_pool(server: PostgresServer, database: str, *, max_size: int = 
             min_size=1,
             max_size=max_size,
             init=_init_connection,
-            reset=_keep_session,
+            reset=_skip_reset,
             timeout=10,
         )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:

@@ -184,7 +184,7 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 class ButlerApp:
     """The ASGI app of one butler, able to end its open streams when the butler stops.
 
-    Open SSE streams (an MCP client's session) would otherwise hold uvicorn's shutdown until
+    Open SSE streams (an MCP client's connection) would otherwise hold uvicorn's shutdown until
     its graceful timeout and then be cancelled with a logged traceback. `drain()` tells every
     in-flight request that its client disconnected, which ends those streams cleanly.
     """
@@ -240,7 +240,7 @@ class ButlerApp:
         if scope["path"] in self._webhook_paths:
             await self._webhooks(scope, receive, send)
             return
-        if scope["method"] == "GET":  # long-lived streams: an MCP session's SSE stream
+        if scope["method"] == "GET":  # long-lived streams: an MCP client's SSE stream
             receive = self._until_drained(receive)
             send = _one_response(send)
         await self._app(scope, receive, send)

@@ -14,7 +14,7 @@ from typing import Any
 
 from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.errors import CallTimedOut, NotifyFailed, RemoteError, TargetUnreachable
-from butlers.switchboard.pool import McpClientPool
+from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.route import unwrap
 from butlers.telemetry import current_carrier
 
@@ -52,7 +52,7 @@ class SwitchboardLink:
     def __init__(self, butler: str, url: str | None, *, auth_token: str | None) -> None:
         self.butler = butler
         self.url = url
-        self._pool = McpClientPool(auth_token=auth_token)
+        self._connections = McpConnections(auth_token=auth_token)
 
     async def deliver(
         self, text: str, *, channel: str | None, conversation: str | None
@@ -71,7 +71,7 @@ class SwitchboardLink:
             "_trace_context": carrier,
         }
         try:
-            result = await self._pool.call(
+            result = await self._connections.call(
                 self.url, "deliver", arguments, meta=carrier, timeout_s=DELIVER_TIMEOUT_S
             )
         except (TargetUnreachable, CallTimedOut) as exc:
@@ -83,4 +83,4 @@ class SwitchboardLink:
         return unwrap(result)
 
     async def close(self) -> None:
-        await self._pool.close()
+        await self._connections.close()

@@ -317,7 +317,7 @@ async def start_butler(
 
 
 async def _stop_all(daemons: list[ButlerDaemon]) -> None:
-    """Stop every daemon, as `butlers up` does: a switchboard (it holds sessions to the others)
+    """Stop every daemon, as `butlers up` does: a switchboard (it holds connections to the others)
     first, then the rest at once. Every one is stopped; what went wrong is raised afterwards,
     all of it, so a broken stop() fails the test instead of hiding behind the others."""
     errors: list[Exception] = []

@@ -1,4 +1,4 @@
-"""The mail password appears in no log, at any level: an IMAP session (LOGIN over plaintext,
+"""The mail password appears in no log, at any level: an IMAP connection (LOGIN over plaintext,
 STARTTLS and implicit TLS) and an SMTP send with AUTH, every logger at DEBUG.
 
 aioimaplib logs each line it sends at DEBUG and scrubbed only the raw password, which is not

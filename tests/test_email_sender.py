@@ -126,7 +126,7 @@ def test_one_well_formed_address_is_read_as_what_it_says(value, address, name) -
         ([f"{MX}; dmarc=", f"{MX} (unterminated; dmarc=pass"], "no DMARC result"),
         (["", ";;;"], "no DMARC result"),
         # Comments nested a thousand deep made authres raise RecursionError (which ended the
-        # IMAP session, again at every reconnection: the mailbox was blocked).
+        # IMAP connection, again at every reconnection: the mailbox was blocked).
         ([f"{MX}; dmarc=pass (" + "(" * 3000, f"{MX}; dmarc=fail"], "DMARC fail"),
     ],
 )

@@ -309,7 +309,7 @@ def test_plaintext_logins_go_to_loopback_only(protocol, host, security, refused)
 
 
 async def test_imap_refuses_a_plaintext_login_beyond_loopback(beyond_loopback) -> None:
-    """Refused before connecting: LOGIN is the first thing an IMAP session does."""
+    """Refused before connecting: LOGIN is the first thing an IMAP connection does."""
     worker = RecordingWorker()
     async with pymap_server(USER, PASSWORD) as port:
         await imap_append(port, USER, PASSWORD, mail())

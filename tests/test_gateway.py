@@ -217,10 +217,10 @@ def workdir(tmp_path: Path) -> Path:
 
 
 class Host:
-    """The official MCP client session, plus the notifications it received."""
+    """The official MCP client (the SDK's ClientSession), plus the notifications it received."""
 
-    def __init__(self, session: ClientSession, notifications: list[Any]) -> None:
-        self.session = session
+    def __init__(self, client: ClientSession, notifications: list[Any]) -> None:
+        self.client = client
         self.notifications = notifications
 
     async def status(self) -> dict[str, dict[str, Any]]:
@@ -228,16 +228,16 @@ class Host:
         return {s["name"]: s for s in result.structured_content["result"]}
 
     async def tools(self) -> list[str]:
-        return [t.name for t in (await self.session.list_tools()).tools]
+        return [t.name for t in (await self.client.list_tools()).tools]
 
     async def call(self, tool: str, **arguments: Any):
-        return await self.session.call_tool(tool, arguments)
+        return await self.client.call_tool(tool, arguments)
 
     async def suite(self, suite: str, action: str, subtool: str | None = None, **args: Any):
         arguments: dict[str, Any] = {"action": action}
         if subtool is not None:
             arguments |= {"subtool": subtool, "args": args}
-        return await self.session.call_tool(suite, arguments)
+        return await self.client.call_tool(suite, arguments)
 
     async def wait_list_changed(self, count: int, timeout_s: float = 10) -> None:
         async with asyncio.timeout(timeout_s):
@@ -277,10 +277,10 @@ async def stdio_host(
     with _append(workdir / "gateway.stderr") as errlog:
         async with (
             stdio_client(params, errlog=errlog) as (read, write),
-            ClientSession(read, write, message_handler=handler) as session,
+            ClientSession(read, write, message_handler=handler) as client,
         ):
-            await session.initialize()
-            yield Host(session, notifications)
+            await client.initialize()
+            yield Host(client, notifications)
 
 
 def _append(path: Path):
@@ -319,7 +319,7 @@ async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_ca
             "plain_suite",
         ]
         assert child_pids(workdir) == []  # --lazy: nothing spawned before first use
-        listed = {t.name: t for t in (await host.session.list_tools()).tools}
+        listed = {t.name: t for t in (await host.client.list_tools()).tools}
         assert listed["chatty_suite"].description == "A child that logs."
         assert listed["plain_suite"].description == (
             "Use this tool for plain things. Actions: 'introspect' | 'call'"
@@ -654,10 +654,10 @@ async def test_butlers_behind_the_gateway_over_sse(
             sse_client(
                 f"http://127.0.0.1:{port}/sse", headers={"Authorization": "Bearer gw-token"}
             ) as (read, write),
-            ClientSession(read, write, message_handler=handler) as session,
+            ClientSession(read, write, message_handler=handler) as client,
         ):
-            await session.initialize()
-            host = Host(session, notifications)
+            await client.initialize()
+            host = Host(client, notifications)
             tools = await host.tools()
             assert {"general_suite", "switchboard_suite", "plain_suite"} <= set(tools)
             introspected = (await host.suite("general_suite", "introspect")).structured_content

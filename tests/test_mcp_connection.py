@@ -34,7 +34,7 @@ from butlers.errors import (
 from butlers.mcp_connection.core import McpConnection
 from butlers.mcp_connection.sse import SseConnection
 from butlers.mcp_connection.stdio import StdioConnection
-from butlers.switchboard.pool import McpClientPool
+from butlers.switchboard.connections import McpConnections
 from tests.fakes import peer_mcp
 from tests.fakes.sse_mcp import SseMcpServer
 
@@ -324,36 +324,36 @@ async def test_a_message_endpoint_on_another_origin_is_refused(http) -> None:
         assert elsewhere.headers == []  # nothing was sent there
 
 
-async def test_pool_reopens_a_connection_the_server_forgot_once(server) -> None:
-    pool = McpClientPool()
+async def test_kept_connection_is_reopened_once_when_the_server_forgot_it(server) -> None:
+    connections = McpConnections()
     try:
-        first = await pool.call(server.url, "echo", {"n": 1}, timeout_s=5)
+        first = await connections.call(server.url, "echo", {"n": 1}, timeout_s=5)
         server.forget_sessions = True  # as a restarted server would
         with pytest.raises(TargetUnreachable, match="no longer knows this connection"):
-            await pool.call(server.url, "echo", {"n": 2}, timeout_s=5)
+            await connections.call(server.url, "echo", {"n": 2}, timeout_s=5)
         assert server.streams_opened == 2  # tried to reconnect once, then gave up
         server.forget_sessions = False
-        second = await pool.call(server.url, "echo", {"n": 3}, timeout_s=5)
+        second = await connections.call(server.url, "echo", {"n": 3}, timeout_s=5)
     finally:
-        await pool.close()
+        await connections.close()
     assert first["structuredContent"] == {"echo": {"n": 1}}
     assert second["structuredContent"] == {"echo": {"n": 3}}
-    assert pool.connects == 2 and server.streams_opened == 3
+    assert connections.connects == 2 and server.streams_opened == 3
 
 
-async def test_pool_does_not_repeat_a_call_whose_answer_was_lost(server) -> None:
+async def test_kept_connection_does_not_repeat_a_call_whose_answer_was_lost(server) -> None:
     """The stream broke after the call was delivered: the tool may have run, so no retry."""
-    pool = McpClientPool()
+    connections = McpConnections()
     try:
-        await pool.call(server.url, "echo", {}, timeout_s=5)
+        await connections.call(server.url, "echo", {}, timeout_s=5)
         with pytest.raises(TargetUnreachable, match=r"'drop' answered .*may or may not have run"):
-            await pool.call(server.url, "drop", {}, timeout_s=5)
+            await connections.call(server.url, "drop", {}, timeout_s=5)
         assert server.methods().count("tools/call") == 2  # echo, drop: drop was sent once
-        result = await pool.call(server.url, "echo", {"after": "drop"}, timeout_s=5)
+        result = await connections.call(server.url, "echo", {"after": "drop"}, timeout_s=5)
     finally:
-        await pool.close()
+        await connections.close()
     assert result["structuredContent"] == {"echo": {"after": "drop"}}
-    assert pool.connects == 2
+    assert connections.connects == 2
 
 
 async def test_a_silent_stream_is_taken_for_dead(http) -> None:
@@ -381,24 +381,26 @@ async def test_a_stream_kept_alive_by_pings_is_not(http) -> None:
             await connection.close()
 
 
-async def test_pool_drops_a_connection_whose_call_timed_out() -> None:
+async def test_kept_connection_whose_call_timed_out_is_dropped() -> None:
     """New calls get a fresh connection; calls still waiting on the old one get their answers,
     then it is closed (the server notices at its next keep-alive)."""
-    pool = McpClientPool()
+    connections = McpConnections()
     async with SseMcpServer(ping_every_s=0.1) as server:
-        await _timed_out_connection_is_dropped(pool, server)
+        await _timed_out_connection_is_dropped(connections, server)
 
 
-async def _timed_out_connection_is_dropped(pool: McpClientPool, server: SseMcpServer) -> None:
+async def _timed_out_connection_is_dropped(
+    connections: McpConnections, server: SseMcpServer
+) -> None:
     try:
-        await pool.call(server.url, "echo", {}, timeout_s=5)
-        held = asyncio.create_task(pool.call(server.url, "held", {"n": 1}, timeout_s=30))
+        await connections.call(server.url, "echo", {}, timeout_s=5)
+        held = asyncio.create_task(connections.call(server.url, "held", {"n": 1}, timeout_s=30))
         async with asyncio.timeout(5):
             await server.wait_for("tools/call", count=2)  # held: waiting on the first connection
         with pytest.raises(CallTimedOut):
-            await pool.call(server.url, "hang", {}, timeout_s=0.3)
-        await pool.call(server.url, "echo", {"after": True}, timeout_s=5)
-        assert (pool.connects, server.streams_opened) == (2, 2)
+            await connections.call(server.url, "hang", {}, timeout_s=0.3)
+        await connections.call(server.url, "echo", {"after": True}, timeout_s=5)
+        assert (connections.connects, server.streams_opened) == (2, 2)
         assert not held.done()
         server.release_held.set()  # its answer comes over the old connection's stream
         assert (await held)["structuredContent"] == {"echo": {"n": 1}}
@@ -406,4 +408,4 @@ async def _timed_out_connection_is_dropped(pool: McpClientPool, server: SseMcpSe
             while server.streams_ended < 1:  # noqa: ASYNC110 (the server's own counter)
                 await asyncio.sleep(0.05)
     finally:
-        await pool.close()
+        await connections.close()

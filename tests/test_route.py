@@ -24,8 +24,8 @@ class Fleet:
         self.config_dir = config_dir
 
     @property
-    def pool(self):
-        return self.switchboard.switchboard.pool
+    def connections(self):
+        return self.switchboard.switchboard.connections
 
 
 async def make_fleet(
@@ -161,7 +161,7 @@ async def test_long_prompt_is_truncated_in_the_summary(fleet: Fleet, db_conn) ->
 
 
 async def test_unknown_butler_is_refused_without_connecting(fleet: Fleet, db_conn) -> None:
-    connects = fleet.pool.connects
+    connects = fleet.connections.connects
     async with Client(fleet.switchboard.sse_url) as client:
         with (
             log_records("fastmcp") as records,
@@ -171,7 +171,7 @@ async def test_unknown_butler_is_refused_without_connecting(fleet: Fleet, db_con
                 "route",
                 {"butler_name": "nonexistent", "tool_name": "trigger", "args": {"prompt": "hello"}},
             )
-    assert fleet.pool.connects == connects
+    assert fleet.connections.connects == connects
     # The caller's mistake: logged as routine, not as the switchboard's problem.
     [logged] = [r for r in records if "Error calling tool 'route'" in r.getMessage()]
     assert logged.levelno == logging.INFO
@@ -181,11 +181,11 @@ async def test_unknown_butler_is_refused_without_connecting(fleet: Fleet, db_con
 
 
 async def test_routing_to_the_switchboard_is_refused(fleet: Fleet, db_conn) -> None:
-    connects = fleet.pool.connects
+    connects = fleet.connections.connects
     async with Client(fleet.switchboard.sse_url) as client:
         with pytest.raises(ToolError, match="routing to the Switchboard is not permitted"):
             await client.call_tool("route", {"butler_name": "switchboard", "tool_name": "status"})
-    assert fleet.pool.connects == connects
+    assert fleet.connections.connects == connects
     [row] = await _log_rows(db_conn, fleet)
     assert row["routed_to"] == "switchboard" and row["success"] is False
 
@@ -277,7 +277,7 @@ async def test_failed_route_span_has_error_status(fleet: Fleet, spans) -> None:
     assert route_span.status.status_code.name == "ERROR"
 
 
-async def test_sessions_are_pooled_and_shared_by_concurrent_callers(fleet: Fleet) -> None:
+async def test_connections_are_kept_and_shared_by_concurrent_callers(fleet: Fleet) -> None:
     async with Client(fleet.switchboard.sse_url) as client:
         for i in range(5):
             await call(
@@ -294,7 +294,7 @@ async def test_sessions_are_pooled_and_shared_by_concurrent_callers(fleet: Fleet
             )
         )
     assert {r["name"] for r in results} == {"general", "health"}
-    assert fleet.pool.connects == 2  # one session per target, whatever the traffic
+    assert fleet.connections.connects == 2  # one connection per target, whatever the traffic
 
 
 async def test_target_restart_between_routes(
@@ -317,7 +317,7 @@ async def test_target_restart_between_routes(
             client, "route", butler_name="health", tool_name="state_get", args={"key": "before"}
         )
     assert value == 1
-    assert fleet.pool.connects == 2
+    assert fleet.connections.connects == 2
     assert [r["success"] for r in await _log_rows(db_conn, fleet)] == [True, True]
 
 

@@ -2,7 +2,7 @@
 
 A host sees `<child>_suite` tools (`introspect` lists a child's tools in a few tokens, `call`
 runs one) plus `gateway_activate` / `gateway_deactivate` / `gateway_status`. Activating a child
-puts its own tools into the tool list and tells every connected session
+puts its own tools into the tool list and tells every connected host
 (`notifications/tools/list_changed`, which FastMCP does not send by itself); deactivating takes
 them out again while the child stays warm.
 """
@@ -97,17 +97,18 @@ class _ChildTool(Tool):
         return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
 
 
-class _SessionTracker(Middleware):
-    """Remembers every connected session, to tell them when the tool list changes."""
+class _HostTracker(Middleware):
+    """Remembers every connected host (FastMCP's server-side `ctx.session` of each), to tell
+    them when the tool list changes."""
 
     def __init__(self) -> None:
-        self.sessions: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.hosts: weakref.WeakSet[Any] = weakref.WeakSet()
 
     async def on_request(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         ctx = context.fastmcp_context
         if ctx is not None:
             with contextlib.suppress(Exception):
-                self.sessions.add(ctx.session)
+                self.hosts.add(ctx.session)
         return await call_next(context)
 
 
@@ -126,7 +127,7 @@ class Gateway:
             "action 'introspect' to see its tools, 'call' to run one; or gateway_activate a "
             "server to get its tools directly.",
         )
-        self._tracker = _SessionTracker()
+        self._tracker = _HostTracker()
         self.mcp.add_middleware(self._tracker)
         self.slots: dict[str, Slot] = {}
         self._warming: list[asyncio.Task[None]] = []
@@ -347,11 +348,11 @@ class Gateway:
         slot.injected.clear()
 
     async def notify_tools_changed(self) -> None:
-        for session in list(self._tracker.sessions):
+        for host in list(self._tracker.hosts):
             try:
-                await session.send_tool_list_changed()
-            except Exception:  # a session that went away: forget it
-                self._tracker.sessions.discard(session)
+                await host.send_tool_list_changed()
+            except Exception:  # a host that went away: forget it
+                self._tracker.hosts.discard(host)
 
     def _notify_soon(self) -> None:
         task = asyncio.create_task(self.notify_tools_changed())

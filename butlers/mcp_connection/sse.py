@@ -35,7 +35,7 @@ IDLE_STREAM_S = 45.0
 
 class SseConnection(McpConnection):
     """A connection to one `/sse` endpoint: `open()` it, share it between concurrent callers,
-    `close()` it. Without `http`, it makes its own aiohttp session and closes it with itself."""
+    `close()` it. Without `http`, it makes its own aiohttp client and closes it with itself."""
 
     def __init__(
         self,

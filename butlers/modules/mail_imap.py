@@ -1,4 +1,4 @@
-"""IMAP intake for the email module: one session at a time (IDLE, or polling), every unseen
+"""IMAP intake for the email module: one connection at a time (IDLE, or polling), every unseen
 mail taken in bounded steps and flagged \\Seen only once it is settled.
 
 Taking one mail (`ImapIntake._take`), cheapest step first, so that no mail can exhaust the
@@ -56,7 +56,7 @@ logger = logging.getLogger("butlers.modules.email")
 
 IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
 BACKOFF_S = (1, 2, 5, 10, 30, 60)
-HEALTHY_SESSION_S = 60  # a session that lasted this long was a working one
+HEALTHY_CONNECTION_S = 60  # a connection that lasted this long was a working one
 MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
 TRIED_KEYWORD = "$ButlersTried"  # set while a mail is read (step 4 above)
@@ -109,7 +109,7 @@ def fetched(lines: list[Any], uid: str) -> Fetched | None:
 
 
 def keywords_kept(select_lines: list[Any]) -> bool:
-    """Whether the selected mailbox keeps TRIED_KEYWORD across sessions: PERMANENTFLAGS names
+    """Whether the selected mailbox keeps TRIED_KEYWORD across connections: PERMANENTFLAGS names
     it or \\* (any keyword may be created). Without PERMANENTFLAGS, RFC 3501 says to assume
     every flag is permanent.
 
@@ -124,7 +124,7 @@ def keywords_kept(select_lines: list[Any]) -> bool:
 
 
 class ImapIntake:
-    """The IMAP side of an EmailModule: its sessions, and each mail's way into the inbox."""
+    """The IMAP side of an EmailModule: its connections, and each mail's way into the inbox."""
 
     def __init__(self, module: EmailModule) -> None:
         self.module = module
@@ -137,21 +137,21 @@ class ImapIntake:
         self._told_no_keywords = False
         self._lost = asyncio.Event()  # the current connection dropped
 
-    # -- sessions -------------------------------------------------------------------------------
+    # -- connections ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         failures = 0
         while True:
             started = time.monotonic()
             try:
-                await self._session()
+                await self._connection()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # A session that worked for a while: reconnect quickly. One that ends as soon
+                # A connection that worked for a while: reconnect quickly. One that ends as soon
                 # as it starts (the database refusing even to record a failed mail, say) backs
                 # off, or it would reconnect every second for as long as that lasts.
-                if time.monotonic() - started >= HEALTHY_SESSION_S:
+                if time.monotonic() - started >= HEALTHY_CONNECTION_S:
                     failures = 0
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
@@ -166,10 +166,10 @@ class ImapIntake:
                 self.module.status = ModuleStatus(
                     self.module.name, state, f"{why}; retrying in {delay}s"
                 )
-                logger.warning("email: IMAP session ended (%s); reconnecting in %ss", why, delay)
+                logger.warning("email: IMAP connection ended (%s); reconnecting in %ss", why, delay)
                 await asyncio.sleep(delay)
 
-    async def _session(self) -> None:
+    async def _connection(self) -> None:
         # Set when the connection drops: aioimaplib wakes neither an IDLE wait nor a pending
         # command by itself (a command would wait for its timeout).
         lost = self._lost = asyncio.Event()

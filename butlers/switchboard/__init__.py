@@ -21,6 +21,7 @@ from pydantic import JsonValue
 from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
 from butlers.spawner import Spawner
+from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.dispatch import (
     CREDENTIAL_HEADER,
     LEGACY_INBOX_HEADER,
@@ -31,7 +32,6 @@ from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.notify import Notifier
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
-from butlers.switchboard.pool import McpClientPool
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import Router
 from butlers.switchboard.store import SwitchboardStore
@@ -47,7 +47,7 @@ class Switchboard:
 
     store: SwitchboardStore
     router: Router
-    pool: McpClientPool
+    connections: McpConnections  # to the other butlers (route)
     worker: InboxWorker
     outbox: OutboxSender
     config_dir: Path
@@ -69,7 +69,7 @@ class Switchboard:
     async def close(self) -> None:
         await self.outbox.stop()
         await self.worker.stop()
-        await self.pool.close()
+        await self.connections.close()
 
 
 def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
@@ -109,11 +109,13 @@ def attach_switchboard(
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
     routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
     routing_log_list and outbox_list."""
-    pool = McpClientPool(auth_token=auth_token)
+    connections = McpConnections(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
     # by its configured name.
-    router = Router(store, pool, tracer=tracer, redact=redact, switchboard_name=spawner.config.name)
+    router = Router(
+        store, connections, tracer=tracer, redact=redact, switchboard_name=spawner.config.name
+    )
     outbox = OutboxSender(
         OutboxStore(store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
     )
@@ -129,7 +131,7 @@ def attach_switchboard(
         tracer=tracer,
         outbox=outbox,
     )
-    switchboard = Switchboard(store, router, pool, worker, outbox, config_dir, placement)
+    switchboard = Switchboard(store, router, connections, worker, outbox, config_dir, placement)
 
     @mcp.tool
     async def route(

@@ -28,7 +28,7 @@ from butlers.errors import (
 )
 from butlers.mcp_middleware import CONVERSATION_META
 from butlers.store import storable
-from butlers.switchboard.pool import McpClientPool
+from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.store import RouteRecord, SwitchboardStore
 from butlers.telemetry import current_carrier, current_trace_id
 
@@ -89,7 +89,7 @@ class Router:
     def __init__(
         self,
         store: SwitchboardStore,
-        pool: McpClientPool,
+        connections: McpConnections,
         *,
         tracer: Tracer,
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
@@ -101,7 +101,7 @@ class Router:
         self.switchboard_name = switchboard_name
         # routing_log keeps a summary of the arguments and the error: no configured secret.
         self.redact = redact
-        self.pool = pool
+        self.connections = connections
         self.tracer = tracer
         self.timeout_s = timeout_s
         # name -> endpoint_url, filled on first use; discover() and failures clear it. Saves a
@@ -223,7 +223,7 @@ class Router:
         if source.conversation:
             meta[CONVERSATION_META] = source.conversation
         try:
-            result = await self.pool.call(
+            result = await self.connections.call(
                 endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
             )
         except TargetUnreachable as exc:

@@ -1,10 +1,11 @@
-"""Kept-open MCP client sessions, one per target endpoint.
+"""Kept-open MCP connections to other butlers, one per target endpoint.
 
-A fresh connect + initialize costs about ten times a call on an open session, so sessions are
-opened lazily, shared by every caller (MCP multiplexes concurrent requests on one session),
-re-opened once when the connection turns out to be closed (the target restarted), and closed
-when the switchboard stops. Endpoints ending in `/sse` (every butler's) get our lean
-`SseConnection`; anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
+A fresh connect + initialize costs about ten times a call on an open connection, so
+connections are opened lazily, shared by every caller (MCP multiplexes concurrent requests on
+one connection), re-opened once when one turns out to be closed (the target restarted), and
+closed with their owner: the switchboard (route), or a butler (its `notify` to the
+switchboard). Endpoints ending in `/sse` (every butler's) get our lean `SseConnection`;
+anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ CONNECTION_CLOSED = -32000
 CONNECT_TIMEOUT_S = 10.0
 
 
-class Session(Protocol):
+class Connection(Protocol):
+    """What McpConnections needs of a connection (SseConnection, FastMcpClientConnection)."""
+
     @property
     def is_open(self) -> bool: ...  # read-only in both kinds
 
@@ -50,17 +53,20 @@ class Session(Protocol):
     async def close(self) -> None: ...
 
 
-class McpClientPool:
+class McpConnections:
+    """One kept-open connection per endpoint URL, opened by the first `call()` to it; its
+    owner (the switchboard, or a butler's notify) ends them all with `close()`."""
+
     def __init__(
         self, *, auth_token: str | None = None, idle_stream_s: float = IDLE_STREAM_S
     ) -> None:
         self.auth_token = auth_token
         self.idle_stream_s = idle_stream_s
-        self._sessions: dict[str, Session] = {}
+        self._connections: dict[str, Connection] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
-        self.connects = 0  # how many sessions were opened, for tests and benchmarks
+        self.connects = 0  # how many connections were opened, for tests and benchmarks
 
     async def call(
         self,
@@ -73,98 +79,103 @@ class McpClientPool:
     ) -> dict[str, Any]:
         """The target's `CallToolResult` as JSON.
 
-        A kept session found closed (the target restarted) is re-opened once and the call sent
-        again: it never reached the target. A call whose connection broke after it was
+        A kept connection found closed (the target restarted) is re-opened once and the call
+        sent again: it never reached the target. A call whose connection broke after it was
         delivered is not repeated; its tool may have run.
         """
         for attempt in (1, 2):
-            session = await self._session(url)
+            connection = await self._connection(url)
             try:
-                return await session.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
+                return await connection.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
             except CallTimedOut:
-                # A session that let a call time out may be stuck: new calls get a fresh one,
-                # and the old one closes once the calls still waiting on it are answered.
-                self._retire(url, session)
+                # A connection that let a call time out may be stuck: new calls get a fresh
+                # one, and the old one closes once the calls still waiting on it are answered.
+                self._retire(url, connection)
                 raise
             except AnswerLost as exc:
-                await self._discard(url, session)
+                await self._discard(url, connection)
                 raise TargetUnreachable(
                     f"the connection was lost before {tool!r} answered ({exc}); "
                     "it may or may not have run"
                 ) from exc
             except ConnectionClosed as exc:
-                await self._discard(url, session)
+                await self._discard(url, connection)
                 if attempt == 2:
                     raise TargetUnreachable(f"the connection was closed ({exc})") from exc
                 logger.info(
-                    "session to %s was closed; reconnecting once",
+                    "connection to %s was closed; reconnecting once",
                     url,
-                    extra={"action": "pool_reconnect"},
+                    extra={"action": "mcp_reconnect"},
                 )
         raise AssertionError("unreachable")
 
-    async def _session(self, url: str) -> Session:
+    async def _connection(self, url: str) -> Connection:
         if self._closed:
-            raise ButlersError("the MCP client pool is closed")
-        session = self._sessions.get(url)
-        if session is not None and session.is_open:
-            return session
+            raise ButlersError("the switchboard's MCP connections are closed")
+        connection = self._connections.get(url)
+        if connection is not None and connection.is_open:
+            return connection
         async with self._locks[url]:
-            session = self._sessions.get(url)
-            if session is not None and session.is_open:
-                return session
-            if session is not None:
-                await self._discard(url, session)
-            session = await self._open(url)
+            connection = self._connections.get(url)
+            if connection is not None and connection.is_open:
+                return connection
+            if connection is not None:
+                await self._discard(url, connection)
+            connection = await self._open(url)
             self.connects += 1
-            self._sessions[url] = session
-            return session
+            self._connections[url] = connection
+            return connection
 
-    async def _open(self, url: str) -> Session:
+    async def _open(self, url: str) -> Connection:
         if url.rstrip("/").endswith("/sse"):
             if self._http is None:
                 self._http = aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
                     cookie_jar=aiohttp.DummyCookieJar(),  # MCP does not use cookies
                 )
-            session: Session = SseConnection(
+            connection: Connection = SseConnection(
                 url, self._http, auth_token=self.auth_token, idle_stream_s=self.idle_stream_s
             )
         else:
-            session = FastMcpSession(url, auth_token=self.auth_token)
+            connection = FastMcpClientConnection(url, auth_token=self.auth_token)
         try:
-            await session.open(CONNECT_TIMEOUT_S)
+            await connection.open(CONNECT_TIMEOUT_S)
         except TimeoutError as exc:
-            await session.close()
+            await connection.close()
             raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
         except Exception as exc:
-            await session.close()
+            await connection.close()
             raise TargetUnreachable(_reason(exc)) from exc
-        return session
+        return connection
 
-    def _retire(self, url: str, session: Session) -> None:
-        if self._sessions.get(url) is session:
-            del self._sessions[url]
-            session.retire()
+    def _retire(self, url: str, connection: Connection) -> None:
+        if self._connections.get(url) is connection:
+            del self._connections[url]
+            connection.retire()
 
-    async def _discard(self, url: str, session: Session) -> None:
-        if self._sessions.get(url) is session:
-            del self._sessions[url]
+    async def _discard(self, url: str, connection: Connection) -> None:
+        if self._connections.get(url) is connection:
+            del self._connections[url]
         with contextlib.suppress(Exception):
-            await session.close()
+            await connection.close()
 
     async def close(self) -> None:
         self._closed = True
-        sessions, self._sessions = self._sessions, {}
-        for session in sessions.values():
+        connections, self._connections = self._connections, {}
+        for connection in connections.values():
             with contextlib.suppress(Exception):
-                await session.close()
+                await connection.close()
         if self._http is not None:
             await self._http.close()
 
 
-class FastMcpSession:
-    """Any other transport (streamable HTTP): FastMCP's client behind the same interface."""
+class FastMcpClientConnection:
+    """Any other transport (streamable HTTP): FastMCP's client behind the same interface.
+
+    Not butlers.mcp_connection.streamable.FastMcpConnection (which the CLI and the gateway
+    use): this one sends no `_meta`, and takes a connection closed mid-call for one that can
+    be called again (ConnectionClosed, not AnswerLost). Moving route to that one changes both.
+    """
 
     def __init__(self, url: str, *, auth_token: str | None) -> None:
         self._client = Client(url, auth=auth_token, init_timeout=CONNECT_TIMEOUT_S)
