@@ -79,7 +79,7 @@ class McpConnection:
         raise NotImplementedError
 
     async def _close_transport(self) -> None:
-        """Stop reading and release the transport (called once, by close())."""
+        """Stop reading and release the transport (by close(); again if close() is)."""
 
     # -- state -------------------------------------------------------------------------------
 
