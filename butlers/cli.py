@@ -5,7 +5,7 @@ BUTLERS_AUTH_TOKEN (bearer token for every MCP endpoint), OTEL_EXPORTER_OTLP_END
 
 Each command imports what it needs when it runs, not at import time: `--help` and the client
 commands must not pay for FastMCP, OpenTelemetry, Claude Code's SDK and the Telegram library
-(seconds on a small machine; tests/test_cli_imports.py guards it, bench/cli_startup.py
+(seconds on a small machine; tests/test_cli.py guards it, bench/cli_startup.py
 measures it). Keep module-level imports here to the standard library and light modules.
 """
 
