@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from butlers.config import ButlerConfig
+from butlers.core_store import CoreStore
 from butlers.notify import SwitchboardLink
 from butlers.spawner import SESSION_STARTING_TOOLS, McpTarget, Spawner, default_allowed_tools
-from butlers.store import CoreStore
 
 
 @dataclass

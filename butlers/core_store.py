@@ -1,4 +1,5 @@
-"""Every SQL statement on the core tables, in one place, run through one asyncpg pool."""
+"""Every SQL statement on the core tables (state, scheduled_tasks, sessions), run through the
+butler's asyncpg pool; and `storable`, which every store uses on what it writes."""
 
 from __future__ import annotations
 

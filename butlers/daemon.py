@@ -22,6 +22,7 @@ from fastmcp import FastMCP
 
 from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
+from butlers.core_store import CoreStore
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
@@ -33,10 +34,9 @@ from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
 from butlers.settings import Settings
 from butlers.spawner import Spawner
-from butlers.store import CoreStore
 from butlers.switchboard import Switchboard, attach_switchboard
 from butlers.switchboard.inbox import InboxStore
-from butlers.switchboard.store import SwitchboardStore
+from butlers.switchboard.routing_store import RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import Telemetry
 
@@ -232,7 +232,7 @@ class ButlerDaemon:
         context = self.context
         self.switchboard = attach_switchboard(
             mcp,
-            SwitchboardStore(self._pool),
+            RoutingStore(self._pool),
             InboxStore(self._pool),
             context.spawner,
             config_dir=self.config_dir,

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from butlers.config import ButlerConfig
+from butlers.core_store import CoreStore
 from butlers.environment import claude_code_keeps
 from butlers.errors import SpawnError
-from butlers.store import CoreStore
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:

@@ -127,7 +127,7 @@ async def test_route_returns_target_results_and_summarizes_args(fleet: Fleet, db
 async def test_the_logs_asynchronous_commit_stays_in_its_own_statement(fleet: Fleet) -> None:
     """The routing_log row is committed without waiting for the WAL flush; the inbox, which
     shares the pooled connections, must keep durable commits."""
-    pool = fleet.switchboard.switchboard.store.pool
+    pool = fleet.switchboard.switchboard.routing_store.pool
     async with Client(fleet.switchboard.sse_url) as client:
         await asyncio.gather(
             *(

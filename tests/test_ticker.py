@@ -124,7 +124,7 @@ async def test_a_schedule_row_that_cannot_be_parsed_does_not_block_the_others(
     scripted_api.script([text("Ran.")])
     daemon = await start_butler(butler_config("alpha", runtime=TICKING))
     conn = await db_conn(daemon.config.database)
-    with log_records("butlers.daemon") as records, log_records("butlers.store") as logged:
+    with log_records("butlers.daemon") as records, log_records("butlers.core_store") as logged:
         await conn.execute(
             """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
                VALUES ('unparsable', 'every morning', 'x', now() - interval '1 minute')"""

@@ -34,7 +34,7 @@ from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import Router
-from butlers.switchboard.store import SwitchboardStore
+from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.worker import InboxWorker
 from butlers.tool_errors import ToolRefusal
 
@@ -45,7 +45,7 @@ MAX_ASK_CHARS = 200_000
 class Switchboard:
     """What the switchboard has beyond a plain butler; opened and closed with its daemon."""
 
-    store: SwitchboardStore
+    routing_store: RoutingStore
     router: Router
     connections: McpConnections  # to the other butlers (route)
     worker: InboxWorker
@@ -54,7 +54,7 @@ class Switchboard:
     placement: Placement  # what discover fills in for what a butler.toml leaves out
 
     async def discover(self) -> dict[str, Any]:
-        report = await discover(self.store, self.config_dir, self.placement)
+        report = await discover(self.routing_store, self.config_dir, self.placement)
         self.router.forget_endpoints()
         return report
 
@@ -93,7 +93,7 @@ def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
 
 def attach_switchboard(
     mcp: FastMCP,
-    store: SwitchboardStore,
+    routing_store: RoutingStore,
     inbox: InboxStore,
     spawner: Spawner,
     *,
@@ -114,14 +114,18 @@ def attach_switchboard(
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
     # by its configured name.
     router = Router(
-        store, connections, tracer=tracer, redact=redact, switchboard_name=spawner.config.name
+        routing_store,
+        connections,
+        tracer=tracer,
+        redact=redact,
+        switchboard_name=spawner.config.name,
     )
     outbox = OutboxSender(
-        OutboxStore(store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
+        OutboxStore(routing_store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
     )
     worker = InboxWorker(
         inbox=inbox,
-        store=store,
+        routing_store=routing_store,
         router=router,
         spawner=spawner,
         triage_rules=triage_rules,
@@ -131,7 +135,9 @@ def attach_switchboard(
         tracer=tracer,
         outbox=outbox,
     )
-    switchboard = Switchboard(store, router, connections, worker, outbox, config_dir, placement)
+    switchboard = Switchboard(
+        routing_store, router, connections, worker, outbox, config_dir, placement
+    )
 
     @mcp.tool
     async def route(
@@ -154,7 +160,7 @@ def attach_switchboard(
             level = logging.INFO if isinstance(exc, RouteRefused) else logging.WARNING
             raise ToolRefusal(str(exc), log_level=level) from exc
 
-    notifier = Notifier(limits=limits, inbox=inbox, store=store, outbox=outbox)
+    notifier = Notifier(limits=limits, inbox=inbox, routing_store=routing_store, outbox=outbox)
 
     @mcp.tool
     async def deliver(
@@ -178,7 +184,7 @@ def attach_switchboard(
     async def list_butlers() -> list[dict[str, Any]]:
         """Every registered butler: name, endpoint_url, description, modules, last_seen_at,
         registered_at."""
-        return await store.registry()
+        return await routing_store.registry()
 
     @mcp.tool
     async def routing_log_entry(id: str) -> dict[str, Any]:
@@ -188,7 +194,7 @@ def attach_switchboard(
             entry_id = uuid.UUID(id)
         except ValueError:
             raise ToolRefusal(f"id must be a routing_log id (a UUID), got {id!r}") from None
-        row = await store.routing_entry(entry_id)
+        row = await routing_store.routing_entry(entry_id)
         if row is None:
             raise ToolRefusal(f"no routing_log row with id {id}")
         return row

@@ -11,7 +11,7 @@ from typing import Any
 
 import asyncpg
 
-from butlers.store import storable, storable_json
+from butlers.core_store import storable, storable_json
 
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from butlers.config import SwitchboardConfig
+from butlers.core_store import storable
 from butlers.errors import NotifyRefused
-from butlers.store import storable
 from butlers.switchboard.inbox import InboxMessage, InboxStore
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.route import summarize
-from butlers.switchboard.store import RouteRecord, SwitchboardStore
+from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.telemetry import current_carrier, current_trace_id
 
 MAX_NOTIFICATION_CHARS = 32_000
@@ -41,12 +41,12 @@ class Notifier:
         *,
         limits: SwitchboardConfig,
         inbox: InboxStore,
-        store: SwitchboardStore,
+        routing_store: RoutingStore,
         outbox: OutboxSender,
     ) -> None:
         self.limits = limits
         self.inbox = inbox
-        self.store = store
+        self.routing_store = routing_store
         self.outbox = outbox
 
     async def deliver(
@@ -73,7 +73,7 @@ class Notifier:
                 )
                 for chunk, meta in chunks
             ]
-            async with self.store.pool.acquire() as conn, conn.transaction():
+            async with self.routing_store.pool.acquire() as conn, conn.transaction():
                 await self.outbox.store.add(conn, outgoing, current_carrier() or None)
             self.outbox.wake()
             return {
@@ -85,7 +85,7 @@ class Notifier:
             error = str(exc)
             raise
         finally:
-            await self.store.record_route(
+            await self.routing_store.record_route(
                 RouteRecord(
                     source_channel="butler",
                     source_id=butler,

@@ -203,7 +203,7 @@ def register_operator_tools(
 
     Trace links point to `jaeger_ui_url`; by default the butler's own setting, from the
     Settings its spawner was given."""
-    store = OperatorStore(switchboard.store.pool)
+    store = OperatorStore(switchboard.routing_store.pool)
     jaeger = jaeger_ui_url or switchboard.worker.spawner.settings.jaeger_ui_url
 
     @mcp.tool

@@ -27,8 +27,8 @@ import asyncpg
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.core_store import storable, storable_json
 from butlers.errors import DeliveryError
-from butlers.store import storable, storable_json
 from butlers.switchboard.inbox import InboxMessage
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier

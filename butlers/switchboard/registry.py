@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from butlers.config import Placement, load_config_dir
-from butlers.switchboard.store import RegistryEntry, SwitchboardStore
+from butlers.switchboard.routing_store import RegistryEntry, RoutingStore
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +29,7 @@ def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
     return changed
 
 
-async def discover(
-    store: SwitchboardStore, config_dir: Path, placement: Placement
-) -> dict[str, Any]:
+async def discover(store: RoutingStore, config_dir: Path, placement: Placement) -> dict[str, Any]:
     """Scan `config_dir` and update the registry; returns what was added, updated and stale.
     `placement`: the endpoints the environment gives butlers whose butler.toml names none."""
     fleet = await asyncio.to_thread(load_config_dir, config_dir, placement)

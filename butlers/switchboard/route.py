@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.core_store import storable
 from butlers.errors import (
     CallTimedOut,
     RemoteError,
@@ -27,9 +28,8 @@ from butlers.errors import (
     TargetUnreachable,
 )
 from butlers.mcp_middleware import CONVERSATION_META
-from butlers.store import storable
 from butlers.switchboard.connections import McpConnections
-from butlers.switchboard.store import RouteRecord, SwitchboardStore
+from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.telemetry import current_carrier, current_trace_id
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def unwrap(result: dict[str, Any]) -> Any:
 class Router:
     def __init__(
         self,
-        store: SwitchboardStore,
+        store: RoutingStore,
         connections: McpConnections,
         *,
         tracer: Tracer,

@@ -1,4 +1,7 @@
-"""Every SQL statement on the switchboard's own tables: butler_registry and routing_log."""
+"""Every SQL statement on the tables of where a call can go and where it went: butler_registry
+(written by discover, read by route, list_butlers and the classifier's list) and routing_log
+(a row per route and notification). The inbox and the outbox have their stores next to their
+logic (butlers.switchboard.inbox, .outbox), the operator's read queries theirs (.operator)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ class RouteRecord:
     inbox_id: int | None = None
 
 
-class SwitchboardStore:
+class RoutingStore:
+    """butler_registry and routing_log, through the switchboard's asyncpg pool."""
+
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
 

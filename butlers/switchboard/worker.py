@@ -35,7 +35,7 @@ from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, In
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
 from butlers.switchboard.route import Router, RouteSource
-from butlers.switchboard.store import SwitchboardStore
+from butlers.switchboard.routing_store import RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier
 
@@ -49,7 +49,7 @@ class InboxWorker:
         self,
         *,
         inbox: InboxStore,
-        store: SwitchboardStore,
+        routing_store: RoutingStore,
         router: Router,
         spawner: Spawner,
         triage_rules: Sequence[TriageRule],
@@ -63,7 +63,7 @@ class InboxWorker:
         self.inbox = inbox
         self.outbox = outbox
         self.outbox_store = outbox.store
-        self.store = store
+        self.routing_store = routing_store
         self.router = router
         self.spawner = spawner
         self.triage_rules = tuple(triage_rules)
@@ -126,7 +126,7 @@ class InboxWorker:
         """Retention: finished inbox rows and routing_log rows older than that go."""
         return {
             "inbox": await self.inbox.prune(older_than_days),
-            "routing_log": await self.store.prune(older_than_days),
+            "routing_log": await self.routing_store.prune(older_than_days),
             "outbox": await self.outbox_store.prune(older_than_days),
         }
 
@@ -185,7 +185,9 @@ class InboxWorker:
             if await self._over_sender_limit(message):
                 return
             if command_of(message.channel, message.text):
-                reply = help_text(await self.store.registry(), switchboard=self.spawner.config.name)
+                reply = help_text(
+                    await self.routing_store.registry(), switchboard=self.spawner.config.name
+                )
                 await self._finish(message, "done", None, reply, None, via="command")
                 return
             history = history_text(await self.inbox.history(message, self.limits.context_messages))
@@ -266,7 +268,7 @@ class InboxWorker:
                 outcome = await classify_with_claude(
                     self.spawner,
                     message,
-                    await self.store.registry(),
+                    await self.routing_store.registry(),
                     credential=dispatch.credential,
                     default_butler=self.limits.default_butler,
                     switchboard_url=self.switchboard_url,
