@@ -35,6 +35,7 @@ from butlers.mcp_connection.core import McpConnection
 from butlers.mcp_connection.sse import SseConnection
 from butlers.mcp_connection.stdio import StdioConnection
 from butlers.switchboard.connections import McpConnections
+from tests.conftest import free_port
 from tests.fakes import peer_mcp
 from tests.fakes.sse_mcp import SseMcpServer
 
@@ -407,5 +408,19 @@ async def _timed_out_connection_is_dropped(
         async with asyncio.timeout(5):
             while server.streams_ended < 1:  # noqa: ASYNC110 (the server's own counter)
                 await asyncio.sleep(0.05)
+    finally:
+        await connections.close()
+
+
+@pytest.mark.parametrize("path", ["/sse", "/mcp"])
+async def test_a_target_that_is_not_there_is_unreachable_over_either_transport(path) -> None:
+    """Guards McpConnections._open: a refused connection is TargetUnreachable (route says
+    'unreachable' to the person) over streamable HTTP too, where FastMCP's client raises its
+    connect error again when it is closed after failing to open (httpx's ConnectError
+    escaped route)."""
+    connections = McpConnections()
+    try:
+        with pytest.raises(TargetUnreachable):
+            await connections.call(f"http://127.0.0.1:{free_port()}{path}", "x", {}, timeout_s=5)
     finally:
         await connections.close()

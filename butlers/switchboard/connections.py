@@ -140,11 +140,13 @@ class McpConnections:
             connection = FastMcpClientConnection(url, auth_token=self.auth_token)
         try:
             await connection.open(CONNECT_TIMEOUT_S)
-        except TimeoutError as exc:
-            await connection.close()
-            raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
         except Exception as exc:
-            await connection.close()
+            # FastMCP's client raises its connect error again when closed after failing to
+            # open: the reason to report is the first one.
+            with contextlib.suppress(Exception):
+                await connection.close()
+            if isinstance(exc, TimeoutError):
+                raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
             raise TargetUnreachable(_reason(exc)) from exc
         return connection
 
