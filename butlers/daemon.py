@@ -34,9 +34,9 @@ from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
 from butlers.settings import Settings
 from butlers.spawner import Spawner
-from butlers.switchboard import Switchboard, attach_switchboard
 from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.tools import Switchboard, attach_switchboard
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import Telemetry
 

@@ -19,7 +19,7 @@ from butlers.settings import reveal
 
 if TYPE_CHECKING:
     from butlers.settings import Settings
-    from butlers.switchboard import Switchboard
+    from butlers.switchboard.tools import Switchboard
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,230 @@
+"""The switchboard's own MCP tools (route, deliver, list_butlers, routing_log_entry, discover,
+ask; the operator's come from butlers.switchboard.operator), and `attach_switchboard`, which
+builds the parts they use (Switchboard) and registers them on the butler's FastMCP server.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastmcp import FastMCP
+from fastmcp.server.dependencies import get_http_headers
+from pydantic import JsonValue
+
+from butlers.config import Placement, SwitchboardConfig, TriageRule
+from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
+from butlers.spawner import Spawner
+from butlers.switchboard.connections import McpConnections
+from butlers.switchboard.dispatch import (
+    CREDENTIAL_HEADER,
+    LEGACY_INBOX_HEADER,
+    Dispatch,
+    Dispatcher,
+)
+from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.notify import Notifier
+from butlers.switchboard.operator import register_operator_tools
+from butlers.switchboard.outbox import OutboxSender, OutboxStore
+from butlers.switchboard.registry import discover
+from butlers.switchboard.route import Router
+from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.worker import InboxWorker
+from butlers.tool_errors import ToolRefusal
+
+MAX_ASK_CHARS = 200_000
+
+
+@dataclass
+class Switchboard:
+    """What the switchboard has beyond a plain butler; opened and closed with its daemon."""
+
+    routing_store: RoutingStore
+    router: Router
+    connections: McpConnections  # to the other butlers (route)
+    worker: InboxWorker
+    outbox: OutboxSender
+    config_dir: Path
+    placement: Placement  # what discover fills in for what a butler.toml leaves out
+
+    async def discover(self) -> dict[str, Any]:
+        report = await discover(self.routing_store, self.config_dir, self.placement)
+        self.router.forget_endpoints()
+        return report
+
+    async def start_worker(self) -> None:
+        """Once the switchboard serves: the classifier's sessions connect back to it."""
+        await self.worker.start()
+
+    async def start_outbox(self) -> None:
+        """Once the channel modules (registered in `outbox.channels`) have started."""
+        await self.outbox.start()
+
+    async def close(self) -> None:
+        await self.outbox.stop()
+        await self.worker.stop()
+        await self.connections.close()
+
+
+def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
+    """The message whose classification session is calling, or None for any other caller.
+
+    A session proves it is one by this message's credential; a header that claims to be one
+    without the right credential (or names an inbox id, as sessions once did) is refused
+    rather than treated as an ordinary caller.
+    """
+    headers = get_http_headers(include={CREDENTIAL_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
+    credential = headers.get(CREDENTIAL_HEADER.lower())
+    if credential is None:
+        if LEGACY_INBOX_HEADER.lower() in headers:
+            raise ToolRefusal(f"{LEGACY_INBOX_HEADER} is not accepted: it proves nothing")
+        return None
+    dispatch = dispatcher.find(credential)
+    if dispatch is None:
+        raise ToolRefusal(f"{CREDENTIAL_HEADER} names no message being classified")
+    return dispatch
+
+
+def attach_switchboard(
+    mcp: FastMCP,
+    routing_store: RoutingStore,
+    inbox: InboxStore,
+    spawner: Spawner,
+    *,
+    config_dir: Path,
+    placement: Placement,
+    self_url: str,
+    tool_names: Callable[[], Sequence[str]],
+    triage_rules: Sequence[TriageRule] = (),
+    limits: SwitchboardConfig,
+    auth_token: str | None,
+    redact: Callable[[str], str] = str,
+) -> Switchboard:
+    """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
+    routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
+    routing_log_list and outbox_list."""
+    connections = McpConnections(auth_token=auth_token)
+    tracer = spawner.telemetry.tracer
+    # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
+    # by its configured name.
+    router = Router(
+        routing_store,
+        connections,
+        tracer=tracer,
+        redact=redact,
+        switchboard_name=spawner.config.name,
+    )
+    outbox = OutboxSender(
+        OutboxStore(routing_store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
+    )
+    worker = InboxWorker(
+        inbox=inbox,
+        routing_store=routing_store,
+        router=router,
+        spawner=spawner,
+        triage_rules=triage_rules,
+        limits=limits,
+        switchboard_url=self_url,
+        switchboard_tools=tool_names,
+        tracer=tracer,
+        outbox=outbox,
+    )
+    switchboard = Switchboard(
+        routing_store, router, connections, worker, outbox, config_dir, placement
+    )
+
+    @mcp.tool
+    async def route(
+        butler_name: str, tool_name: str, args: dict[str, Any] | None = None
+    ) -> JsonValue:
+        """Call `tool_name` with `args` on the butler `butler_name`; returns its answer.
+
+        From a classification session: only `trigger` with `{"prompt": ...}`, answered with
+        "accepted" at once; the switchboard delivers it and replies to the sender."""
+        classification = _classification_of_caller(worker.dispatcher)
+        if classification is not None:
+            try:
+                return await classification.accept(butler_name, tool_name, args)
+            except RoutePolicyError as exc:
+                # What a message talked its classifier into: an operator wants to see that.
+                raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        try:
+            return await router.route(butler_name, tool_name, args)
+        except RouteError as exc:  # a target that failed is worth a warning; a typo is not
+            level = logging.INFO if isinstance(exc, RouteRefused) else logging.WARNING
+            raise ToolRefusal(str(exc), log_level=level) from exc
+
+    notifier = Notifier(limits=limits, inbox=inbox, routing_store=routing_store, outbox=outbox)
+
+    @mcp.tool
+    async def deliver(
+        text: str, butler: str, channel: str | None = None, conversation: str | None = None
+    ) -> dict[str, Any]:
+        """Send a butler's notification to its person: to `conversation` (a routed message's,
+        e.g. "telegram:12345"), else to the owner ([switchboard.owner]) on `channel`
+        (telegram | email) or the owner's preferred one. Through the outbox: it waits out a
+        channel that is down."""
+        if _classification_of_caller(worker.dispatcher) is not None:
+            # A message's classifier may only route it (it is not shown this tool either).
+            raise ToolRefusal(
+                "deliver is not for classification sessions", log_level=logging.WARNING
+            )
+        try:
+            return await notifier.deliver(text, butler, channel, conversation)
+        except NotifyRefused as exc:
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+
+    @mcp.tool
+    async def list_butlers() -> list[dict[str, Any]]:
+        """Every registered butler: name, endpoint_url, description, modules, last_seen_at,
+        registered_at."""
+        return await routing_store.registry()
+
+    @mcp.tool
+    async def routing_log_entry(id: str) -> dict[str, Any]:
+        """One routing_log row by its id: where the call went, whether it worked, and the
+        trace_id to look it up in Jaeger."""
+        try:
+            entry_id = uuid.UUID(id)
+        except ValueError:
+            raise ToolRefusal(f"id must be a routing_log id (a UUID), got {id!r}") from None
+        row = await routing_store.routing_entry(entry_id)
+        if row is None:
+            raise ToolRefusal(f"no routing_log row with id {id}")
+        return row
+
+    @mcp.tool(name="discover")
+    async def discover_tool() -> dict[str, Any]:
+        """Re-scan the butler config directory: add new butlers, update changed ones, report
+        stale ones (never deleted) and broken configs."""
+        return await switchboard.discover()
+
+    @mcp.tool
+    async def ask(text: str) -> dict[str, Any]:
+        """Send `text` through the whole inbox -> classify -> route path, as a message from
+        this MCP client, and return the reply (what Telegram or email would have sent)."""
+        if not text.strip():
+            raise ToolRefusal("text must not be empty")
+        if len(text) > MAX_ASK_CHARS:
+            raise ToolRefusal(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
+        inbox_id = await worker.accept(
+            IncomingMessage(
+                channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id="ask"
+            )
+        )
+        assert inbox_id is not None  # a fresh uuid is never a duplicate
+        row = await worker.wait_for(inbox_id)
+        return {
+            "inbox_id": inbox_id,
+            "status": row.get("status"),
+            "routed_to": row.get("routed_to"),
+            "reply": row.get("reply"),
+            "error": row.get("error"),
+        }
+
+    register_operator_tools(mcp, switchboard)
+    return switchboard
