@@ -295,7 +295,7 @@ async def _call_switchboard(target: SwitchboardTarget, tool: str, arguments: dic
         raise CommandError(f"the switchboard at {target.url} did not answer: {exc}") from exc
     finally:
         await connection.close()
-    from butlers.switchboard.route import unwrap
+    from butlers.mcp_connection.core import unwrap
 
     answer = unwrap(result)
     if result.get("isError"):

@@ -40,7 +40,7 @@ class Refused(Exception):
 
 async def call(switchboard, tool: str, headers: dict[str, str] | None = None, **arguments) -> Any:
     """A tool's answer as the CLI reads it (the same unwrap), or Refused with its text."""
-    from butlers.switchboard.route import unwrap
+    from butlers.mcp_connection.core import unwrap
 
     transport = SSETransport(switchboard.sse_url, headers=headers or {}, auth=TOKEN)
     async with Client(transport) as client:

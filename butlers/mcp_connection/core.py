@@ -290,3 +290,18 @@ def quiet_future() -> asyncio.Future[Any]:
     future = asyncio.get_running_loop().create_future()
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
     return future
+
+
+def unwrap(result: dict[str, Any]) -> Any:
+    """A tool's answer (a `CallToolResult` as JSON): its structured content, else its text.
+
+    Route, notify and the CLI's client commands read answers with it; it lives here, not in
+    the switchboard, so a client command does not import the switchboard (1.4 s -> 0.5 s for
+    `butlers list`, bench/cli_startup.py)."""
+    structured = result.get("structuredContent")
+    if structured is not None:
+        fastmcp_meta = (result.get("_meta") or {}).get("fastmcp")
+        wrapped = isinstance(fastmcp_meta, dict) and fastmcp_meta.get("wrap_result")
+        return structured.get("result") if wrapped and isinstance(structured, dict) else structured
+    blocks = result.get("content") or []
+    return "\n".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text")

@@ -27,6 +27,7 @@ from butlers.errors import (
     TargetSlow,
     TargetUnreachable,
 )
+from butlers.mcp_connection.core import unwrap
 from butlers.mcp_middleware import CONVERSATION_META
 from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
@@ -72,17 +73,6 @@ def summarize(arguments: dict[str, Any], redact: Callable[[str], str] = str) -> 
 
 def truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def unwrap(result: dict[str, Any]) -> Any:
-    """The target's answer (a `CallToolResult` as JSON): its structured content, else its text."""
-    structured = result.get("structuredContent")
-    if structured is not None:
-        fastmcp_meta = (result.get("_meta") or {}).get("fastmcp")
-        wrapped = isinstance(fastmcp_meta, dict) and fastmcp_meta.get("wrap_result")
-        return structured.get("result") if wrapped and isinstance(structured, dict) else structured
-    blocks = result.get("content") or []
-    return "\n".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text")
 
 
 class Router:
