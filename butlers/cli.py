@@ -604,6 +604,7 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
     logs.adopt_fastmcp_logging()
     options = GatewayOptions(
         directory=args.dir,
+        environ=settings.environ,
         transport=args.transport,
         host=args.host,
         port=args.port,

@@ -10,7 +10,6 @@ library starts, `Settings.inherited_environ()`): this module reads none of its o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 # What any program needs to find its tools, its home, its time zone and its language.
@@ -68,13 +67,7 @@ def claude_code_keeps(name: str, environ: Mapping[str, str]) -> bool:
     )
 
 
-def gateway_child_environment(
-    own: Mapping[str, str], environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """A gateway child (an MCP server from a .mcp.json): the base of `environ` plus its
-    declared `env`.
-
-    `environ` None reads the process's own: the gateway (butlers.gateway) does
-    not pass its Settings down to its child clients yet.
-    """
-    return {**base_environment(os.environ if environ is None else environ), **own}
+def gateway_child_environment(own: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """A gateway child (an MCP server from a .mcp.json): the base of `environ` (the gateway's
+    Settings.environ) plus its declared `env`."""
+    return {**base_environment(environ), **own}

@@ -15,7 +15,7 @@ import ctypes
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from butlers.environment import gateway_child_environment
@@ -143,6 +143,7 @@ class StdioChild(_Child):
         self,
         spec: ChildSpec,
         *,
+        environ: Mapping[str, str],
         spawn_timeout_s: float,
         rpc_timeout_s: float,
         on_exit: Callable[[StdioChild, str], None] | None = None,
@@ -155,6 +156,7 @@ class StdioChild(_Child):
             on_tools_changed=on_tools_changed,
         )
         self.on_exit = on_exit
+        self.environ = environ
         self.spawns = 0
         self._process: asyncio.subprocess.Process | None = None
         self._start_lock = asyncio.Lock()
@@ -196,7 +198,7 @@ class StdioChild(_Child):
                 spec.cmd,
                 *spec.args,
                 cwd=spec.cwd,
-                env=gateway_child_environment(spec.env),  # not our secrets
+                env=gateway_child_environment(spec.env, self.environ),  # not our secrets
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=None,  # the child's own diagnostics go where the gateway's go

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ RegistryFetch = Callable[[], Awaitable[list[dict[str, Any]]]]
 @dataclass(frozen=True)
 class GatewayOptions:
     directory: Path  # gateway.toml / switchboard.config.json, and the base of the globs
+    environ: Mapping[str, str]  # the process's (Settings.environ): children get its base
     transport: str = "stdio"
     host: str = "127.0.0.1"
     port: int = 8110
@@ -52,7 +53,7 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
         except ButlersError as exc:
             logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
     specs += discover_mcp_files(config.discover_globs, config.base_dir)
-    return Gateway(config, specs, auth_token=options.auth_token)
+    return Gateway(config, specs, environ=options.environ, auth_token=options.auth_token)
 
 
 async def serve_gateway(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -118,9 +118,11 @@ class Gateway:
         config: GatewayConfig,
         specs: Sequence[ChildSpec],
         *,
+        environ: Mapping[str, str],
         auth_token: str | None = None,
     ) -> None:
         self.config = config
+        self.environ = environ  # stdio children get its base variables, never our secrets
         self.mcp = FastMCP(
             "butlers-gateway",
             instructions="One tool per MCP server behind this gateway: call a suite tool with "
@@ -160,7 +162,11 @@ class Gateway:
             )
         else:
             child = StdioChild(
-                spec, spawn_timeout_s=spawn_s, rpc_timeout_s=rpc_s, on_exit=self._child_exited
+                spec,
+                environ=self.environ,
+                spawn_timeout_s=spawn_s,
+                rpc_timeout_s=rpc_s,
+                on_exit=self._child_exited,
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
