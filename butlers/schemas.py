@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
+from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticUndefined
@@ -162,7 +163,8 @@ def render_schema(schema: Schema) -> str:
 def fields_of(model: type) -> dict[str, FieldInfo]:
     if isinstance(model, type) and issubclass(model, BaseModel):
         return dict(model.model_fields)
-    return dict(model.__pydantic_fields__)  # type: ignore[attr-defined]
+    assert is_pydantic_dataclass(model), model
+    return dict(model.__pydantic_fields__)
 
 
 def documented_fields(table: Table) -> Iterator[tuple[str, FieldInfo]]:

@@ -324,7 +324,13 @@ def _subprocess_transport() -> type:
     return SubprocessCLITransport
 
 
-class _AllowlistedEnvironmentTransport(_subprocess_transport()):  # type: ignore[misc]
+if TYPE_CHECKING:  # the same class, for the checker (a base computed by a call is opaque to it)
+    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+else:
+    SubprocessCLITransport = _subprocess_transport()
+
+
+class _AllowlistedEnvironmentTransport(SubprocessCLITransport):
     """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
 
     The SDK always passes our whole environment (`inherited`) down; its `env` option only adds
