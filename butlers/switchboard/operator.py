@@ -196,15 +196,12 @@ def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def register_operator_tools(
-    mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str | None = None
-) -> None:
+def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str) -> None:
     """Register inbox_list, routing_log_list, inbox_retry and outbox_list on the switchboard.
 
-    Trace links point to `jaeger_ui_url`; by default the butler's own setting, from the
-    Settings its spawner was given."""
+    Trace links point to `jaeger_ui_url` (the butler's Settings.jaeger_ui_url)."""
     store = OperatorStore(switchboard.routing_store.pool)
-    jaeger = jaeger_ui_url or switchboard.worker.spawner.settings.jaeger_ui_url
+    jaeger = jaeger_ui_url
 
     @mcp.tool
     async def inbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:

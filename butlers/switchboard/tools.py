@@ -226,5 +226,5 @@ def attach_switchboard(
             "error": row.get("error"),
         }
 
-    register_operator_tools(mcp, switchboard)
+    register_operator_tools(mcp, switchboard, jaeger_ui_url=spawner.settings.jaeger_ui_url)
     return switchboard
