@@ -9,7 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from butlers.switchboard.conversation import HISTORY_INTRO
@@ -19,6 +18,7 @@ from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_email import start_mail_fleet
 from tests.test_email_tls import PASSWORD, USER
+from tests.test_email_webhook import post as post_mail
 from tests.test_inbox import classifier_prompt, is_classifier, model, turn
 from tests.test_telegram import CHAT, start_telegram_fleet
 
@@ -136,15 +136,7 @@ async def test_an_email_reply_in_our_thread_goes_back_to_the_butler(
                 "message_id": message_id,
                 "headers": {"References": references} if references else {},
             }
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(
-                    f"{switchboard.base_url}/email/inbound",
-                    json=payload,
-                    headers={"Authorization": "Bearer hook"},
-                ) as response,
-            ):
-                assert response.status == 200, await response.text()
+            assert await post_mail(switchboard.base_url, payload, b"Bearer hook") == 200
 
         await post("<m1@x>")
         [reply] = await smtp.wait_for(1)

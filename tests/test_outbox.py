@@ -10,7 +10,6 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import asyncpg
 import pytest
 
@@ -21,6 +20,7 @@ from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_email import start_mail_fleet
 from tests.test_email_tls import PASSWORD, USER
+from tests.test_email_webhook import post as post_mail
 from tests.test_telegram import CHAT, answer_notes, notes_fleet
 from tests.test_tracing import CHAT as FLEET_CHAT
 from tests.test_tracing import Fleet
@@ -116,20 +116,14 @@ async def test_smtp_down_for_a_while_loses_nothing_and_keeps_the_order(
         start_butler, tmp_path, 1, smtp, monkeypatch, mode="webhook"
     )
     conn = await db_conn(switchboard.config.database)
-    async with aiohttp.ClientSession() as session:
-        for n in range(1, 4):
-            payload = {
-                "from": "user@example.com",
-                "subject": f"note-{n}",
-                "text": f"note-{n}",
-                "message_id": f"<n{n}@x>",
-            }
-            async with session.post(
-                f"{switchboard.base_url}/email/inbound",
-                json=payload,
-                headers={"Authorization": "Bearer hook"},
-            ) as response:
-                assert response.status == 200
+    for n in range(1, 4):
+        payload = {
+            "from": "user@example.com",
+            "subject": f"note-{n}",
+            "text": f"note-{n}",
+            "message_id": f"<n{n}@x>",
+        }
+        assert await post_mail(switchboard.base_url, payload, b"Bearer hook") == 200
 
     async def retried() -> bool:
         rows = await outbox_rows(conn)
@@ -210,13 +204,7 @@ async def test_a_refused_smtp_login_is_tried_again_until_the_password_works(
         )
         conn = await db_conn(switchboard.config.database)
         payload = {"from": "user@example.com", "text": "note-1", "message_id": "<n1@x>"}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(
-                f"{switchboard.base_url}/email/inbound",
-                json=payload,
-                headers={"Authorization": "Bearer hook"},
-            ) as response:
-                assert response.status == 200
+        assert await post_mail(switchboard.base_url, payload, b"Bearer hook") == 200
 
         async def refused_twice() -> bool:
             return await conn.fetchval("SELECT attempts FROM outbox") == 2
