@@ -33,7 +33,7 @@ test: $(STAMP)
 # 4 workers 60 s, 2 workers 105 s, same load).
 TEST_FAST_WORKERS ?= $(shell echo $$((2 * $$(nproc 2>/dev/null || echo 2))))
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not pg and not claude" -n $(TEST_FAST_WORKERS)
+	$(VENV)/bin/pytest -m "not pg and not claude" -n $(TEST_FAST_WORKERS) --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
