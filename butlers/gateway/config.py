@@ -77,6 +77,17 @@ class SuiteConfig(_Table):
         default=None,
         description="Summary length of this child's tools; unset: `[introspection]`'s.",
     )
+    claude: Text | None = Field(
+        default=None,
+        description="Instructions for a Claude Code session that answers the suite's "
+        "`natural_language` subtool with this child's tools; unset: the child's CLAUDE.md, "
+        "else none (no `natural_language`).",
+    )
+    redact: Strings = Field(
+        default=(),
+        description="Argument keys masked in the gateway's logs and spans (never in what is "
+        "sent to the child), e.g. `[\"password\", \"token\"]`.",
+    )
 
     @property
     def allow(self) -> tuple[str, ...] | None:
@@ -115,6 +126,15 @@ class Introspection(_Table):
 class GatewayConfig(_Table):
     """A whole gateway.toml (or switchboard.config.json); the defaults when there is none."""
 
+    mode: Literal["suite", "activate", "both"] = Field(
+        default="suite",
+        description="What a host's tool list holds. `suite`: a suite tool per child plus the "
+        "three `gateway_*` tools; activating a child adds its own tools next to its suite. "
+        "`activate` (mcpflip's way): only the `gateway_*` tools until a child is activated, "
+        "then its own tools; no suite tools. `both`: suite tools and `gateway_*` tools, and an "
+        "activated child is listed by its own tools instead of its suite (one way at a time). "
+        "`--mode` overrides it.",
+    )
     discover_globs: Strings = Field(
         default=DEFAULT_GLOBS,
         description="Globs of `.mcp.json` files (one child each), relative to the gateway's "
