@@ -123,9 +123,11 @@ async def test_a_mail_the_database_refused_is_read_after_a_clean_restart() -> No
         raise RuntimeError("the database is down")
 
     down.inbox.record_failed = cannot_record  # type: ignore[method-assign]
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         await imap_append(port, USER, PASSWORD, mail(message_id="<m@x>"))
-        config = email_config(imap_port=port, mode="poll")
+        # Tried again every 0.02 s (the retry waits at most poll_interval_s): three failed
+        # attempts before the row that cannot be written either.
+        config = email_config(imap_port=port, mode="poll", poll_interval_s=0.02)
         async with running(config, down) as module:
             await wait_until(lambda: "stays unread" in (module.status.detail or ""))
         [flags] = (await imap_flags(port, USER, PASSWORD)).values()

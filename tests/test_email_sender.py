@@ -152,7 +152,7 @@ async def test_refused_mail_is_logged_marked_seen_and_never_stored() -> None:
         raw_mail("user@example.com", "<genuine@x>", passing),
     ]
     worker = RecordingWorker()
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         for raw in mails:
             await imap_append(port, USER, PASSWORD, raw)
         config = email_config(imap_port=port, mode="poll", require_authentication_results=MX)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import butlers.modules.email as email_module
+import butlers.modules.mail_imap as mail_imap
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
 from butlers.errors import MailRefused
@@ -94,13 +95,13 @@ async def wait_until_seen(port: int, password: str = PASSWORD) -> None:
     """Until every mail in pymap's INBOX is flagged \\Seen."""
     async with asyncio.timeout(30):
         while await imap_unseen(port, USER, password):  # noqa: ASYNC110 - polls a server
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 30) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():  # noqa: ASYNC110 - the module changes its status on its own
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
 
 
 @asynccontextmanager
@@ -111,7 +112,9 @@ async def imap_stack(
     STARTTLS (pymap's own) and plaintext it only passes bytes through. pymap logs its
     sessions into `transcript` when given."""
     server_ca = ca if variant == "starttls" else None
-    async with pymap_server(USER, password, ca=server_ca, transcript=transcript) as port:
+    async with pymap_server(
+        USER, password, ca=server_ca, transcript=transcript, fast_login=True
+    ) as port:
         front = TcpFront(port, ssl=ca.server_context() if variant == "implicit" else None)
         await front.start()
         try:
@@ -135,6 +138,8 @@ async def test_imap_reads_mail_and_notices_a_dropped_connection(
         return built[-1]
 
     monkeypatch.setattr(email_module, "tls_context", counting_tls_context)
+    # Reconnect after 0.05 s rather than 1 s: the test is of noticing the drop, not of waiting.
+    monkeypatch.setattr(mail_imap, "BACKOFF_S", (0.05,))
     worker = RecordingWorker()
     transcript = PymapTranscript(tmp_path / "pymap.log")
     async with imap_stack(variant, trust, transcript=transcript.path) as (port, front):
@@ -149,8 +154,11 @@ async def test_imap_reads_mail_and_notices_a_dropped_connection(
             assert module.status == ModuleStatus("email", "running", f"IDLE on {where}")
             connections = front.connections
 
+            front.hold()  # the reconnection waits at the front until the mail is in
             front.drop()  # mid-IDLE: aioimaplib alone would wait for the next push forever
+            await wait_until(lambda: front.held > 0)  # noticed: it is reconnecting
             await imap_append(port, USER, PASSWORD, mail(message_id="<after@example.com>"))
+            front.release()
             # Generous, yet far below the 25 minutes until the IDLE would have been renewed.
             await worker.wait_for("<after@example.com>", timeout_s=30)
             assert front.connections > connections
@@ -179,7 +187,7 @@ async def test_imap_refuses_an_untrusted_certificate(
 async def test_imap_refuses_a_certificate_for_another_host(trust: MailCA) -> None:
     """Signed by the trusted CA, but for mail.example.org: not the host we connect to."""
     worker = RecordingWorker()
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         front = TcpFront(port, ssl=trust.server_context("mail.example.org"))
         await front.start()
         try:
@@ -198,7 +206,7 @@ async def test_imap_refuses_a_certificate_for_another_host(trust: MailCA) -> Non
 
 async def test_imap_refuses_to_log_in_when_starttls_is_not_offered(trust: MailCA) -> None:
     worker = RecordingWorker()
-    async with pymap_server(USER, PASSWORD) as port:  # plaintext only: no STARTTLS
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:  # plaintext only: no STARTTLS
         front = TcpFront(port)
         await front.start()
         try:
@@ -311,7 +319,7 @@ def test_plaintext_logins_go_to_loopback_only(protocol, host, security, refused)
 async def test_imap_refuses_a_plaintext_login_beyond_loopback(beyond_loopback) -> None:
     """Refused before connecting: LOGIN is the first thing an IMAP connection does."""
     worker = RecordingWorker()
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         await imap_append(port, USER, PASSWORD, mail())
         front = TcpFront(port)
         await front.start()

@@ -2,7 +2,8 @@
 
 - `MailCA`: a CA of our own (trustme) and a certificate for 127.0.0.1 / localhost, as files
   (pymap reads them) and as a server SSLContext (aiosmtpd, TcpFront).
-- `pymap_server()`: the pymap IMAP server in a subprocess; with a certificate it offers
+- `pymap_server()`: the pymap IMAP server in a process of its own (forked off one that has
+  pymap imported, one per test process: see _PYMAP_FORKER); with a certificate it offers
   STARTTLS (pymap serves no implicit TLS: put a `TcpFront(ssl=...)` in front for that). It
   keeps keywords like Dovecot, Gmail or Fastmail do (PERMANENTFLAGS with `\\*`); pymap's
   in-memory backend alone keeps them for the session only (`keywords=False`). With a
@@ -19,10 +20,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import email
 import email.policy
+import json
 import logging
+import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
@@ -42,7 +48,6 @@ from aiosmtpd.smtp import AuthResult
 
 from butlers.switchboard.inbox import IncomingMessage
 from tests.conftest import free_port
-from tests.fakes import wait_listening
 
 
 class MailCA:
@@ -69,17 +74,179 @@ class MailCA:
         return context
 
 
-# pymap's `dict` backend, with keywords kept as permanent flags (`\*` in PERMANENTFLAGS).
-_PYMAP_KEEPING_KEYWORDS = """
+# One process per test process that has imported pymap (0.13 s) and forks a server off itself
+# for each pymap_server(): 0.01 s of CPU, not 0.16 s for a fresh interpreter; every test still
+# gets a server (and a mailbox) of its own. It reads one JSON line per server from stdin (a
+# name, pymap's arguments, whether it keeps keywords, whether it hashes the password, a file
+# for its stderr) and says
+# "<name> started <pid>", "<name> ready" (listening) and "<name> exited <status>" on stdout.
+# When its stdin closes (the test process ended, however), it stops its servers and exits.
+#
+# Its servers are pymap's `dict` backend. They keep keywords as permanent flags (`\*` in
+# PERMANENTFLAGS), like Dovecot, Gmail or Fastmail, unless told not to. With `cleartext` they
+# keep the demo password as given rather than hashed: pymap's default hash (PBKDF2, 500,000
+# rounds) takes 0.12 s of CPU at every login (and once at the start), and a test logs in a
+# dozen times; a wrong password is refused all the same.
+_PYMAP_FORKER = r"""
+import ctypes
+import json
+import os
+import signal
 import sys
-from pymap.backend.dict.mailbox import MailboxData
-from pymap.main import main
-from pymap.parsing.specials.flag import Recent, Wildcard, get_system_flags
+import time
+import traceback
 
-MailboxData.permanent_flags = property(lambda self: get_system_flags() - {Recent} | {Wildcard})
-sys.argv[0] = "pymap"
-sys.exit(main())
+import pymap.main
+from pymap.backend import backends
+from pymap.backend.dict.mailbox import MailboxData
+from pymap.config import IMAPConfig
+from pymap.parsing.specials.flag import Recent, Wildcard, get_system_flags
+from pymap.service import services
+from pysasl.hashing import Cleartext
+
+dict(backends.items()), dict(services.items())  # their entry points, found once
+servers = {}  # pid: name
+
+
+def say(line):
+    os.write(1, (line + "\n").encode())
+
+
+def reap(signum, frame):
+    while servers:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        say(f"{servers.pop(pid)} exited {os.waitstatus_to_exitcode(status)}")
+
+
+def serve(name, argv, keywords, cleartext, log):
+    code = 1
+    try:
+        if sys.platform == "linux":  # killed with the forker, however it ends
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        null = os.open(os.devnull, os.O_RDWR)
+        ready = os.dup(1)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if log else null, 2)
+        if cleartext:
+            IMAPConfig._get_hash_context = classmethod(lambda cls, passlib_cfg: Cleartext())
+        if keywords:
+            MailboxData.permanent_flags = property(
+                lambda self: get_system_flags() - {Recent} | {Wildcard}
+            )
+        pymap.main.notify_ready = lambda: os.write(ready, f"{name} ready\n".encode())
+        sys.argv = ["pymap", *argv]
+        pymap.main.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+signal.signal(signal.SIGCHLD, reap)
+for line in sys.stdin:
+    name, argv, keywords, cleartext, log = json.loads(line)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # until servers has it
+    pid = os.fork()
+    if pid == 0:
+        serve(name, argv, keywords, cleartext, log)
+    servers[pid] = name
+    say(f"{name} started {pid}")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+for pid in list(servers):
+    os.kill(pid, signal.SIGTERM)
+deadline = time.monotonic() + 5
+while servers and time.monotonic() < deadline:
+    time.sleep(0.01)
+for pid in list(servers):
+    os.kill(pid, signal.SIGKILL)
 """
+
+
+class _PymapForker:
+    """The test process's end of _PYMAP_FORKER: a thread reads what it says and hands each
+    server's lines to the event loop waiting for them."""
+
+    _instance: _PymapForker | None = None
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _PYMAP_FORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # not the capture of whichever test started it
+        )
+        self._lock = threading.Lock()
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[str]]] = {}
+        self._count = 0
+        threading.Thread(target=self._read, name="pymap forker", daemon=True).start()
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> _PymapForker:
+        if cls._instance is None or cls._instance.process.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            name, _, said = line.decode().strip().partition(" ")
+            self._tell(name, said)
+        with self._lock:
+            names = list(self._listeners)
+        for name in names:  # the forker is gone: so are its servers
+            self._tell(name, "exited (the forker ended)")
+
+    def _tell(self, name: str, said: str) -> None:
+        with self._lock:
+            listener = self._listeners.get(name)
+        if listener is not None:
+            loop, queue = listener
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(queue.put_nowait, said)
+
+    def start(
+        self, argv: list[str], keywords: bool, cleartext: bool, log: Path | None
+    ) -> tuple[str, asyncio.Queue[str]]:
+        """Fork a server; its name, and a queue of what the forker says about it."""
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        with self._lock:
+            self._count += 1
+            name = f"pymap{self._count}"
+            self._listeners[name] = (asyncio.get_running_loop(), queue)
+            log_file = str(log) if log else None
+            command = json.dumps([name, argv, keywords, cleartext, log_file]) + "\n"
+            assert self.process.stdin is not None
+            self.process.stdin.write(command.encode())
+            self.process.stdin.flush()
+        return name, queue
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._listeners.pop(name, None)
+
+    def close(self) -> None:
+        """Its stdin closed, it stops its servers and exits."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()  # type: ignore[union-attr]
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 @asynccontextmanager
@@ -90,47 +257,52 @@ async def pymap_server(
     ca: MailCA | None = None,
     keywords: bool = True,
     transcript: Path | None = None,
+    fast_login: bool = False,
 ) -> AsyncIterator[int]:
     """pymap on a free port (yielded): STARTTLS offered when given a CA's certificate;
     keywords kept across sessions unless `keywords=False`; its sessions logged line by line
-    into `transcript` when given (see PymapTranscript)."""
+    into `transcript` when given (see PymapTranscript). A process of its own, forked off
+    _PYMAP_FORKER.
+
+    `fast_login`: the password is not hashed, so a login takes 1 ms of the server's CPU
+    rather than 120. Not the default: the whole-switchboard tests of tests/test_email_mailbox.py
+    pass only while a login is slow (a mail appended while the email module is busy with the
+    one before, between its SEARCH and its IDLE, is announced by an EXISTS the module ignores,
+    and it waits for the next push)."""
     port = free_port()
     tls = (
         ["--cert", str(ca.cert_file), "--key", str(ca.key_file)] if ca is not None else ["--no-tls"]
     )
-    command = (
-        [sys.executable, "-c", _PYMAP_KEEPING_KEYWORDS]
-        if keywords
-        else [str(Path(sys.executable).parent / "pymap")]
-    )
-    log = transcript.open("wb") if transcript is not None else subprocess.DEVNULL
+    argv = [
+        *(["--debug"] if transcript is not None else []),
+        *("--host", "127.0.0.1", "--port", str(port), *tls),
+        *("dict", "--demo-user", user, "--demo-password", password),
+    ]
+    forker = _PymapForker.get()
+    name, said = forker.start(argv, keywords, fast_login, transcript)
+    pid: int | None = None
+    exited: str | None = None
     try:
-        process = await asyncio.create_subprocess_exec(
-            *command,
-            *(["--debug"] if transcript is not None else []),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *tls,
-            "dict",
-            "--demo-user",
-            user,
-            "--demo-password",
-            password,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-        try:
-            await wait_listening(port)
-            yield port
-        finally:
-            if process.returncode is None:
-                process.terminate()
-                await asyncio.wait_for(process.wait(), 10)
+        async with asyncio.timeout(30):
+            while (line := await said.get()) != "ready":
+                if line.startswith("started "):
+                    pid = int(line.split()[1])
+                elif line.startswith("exited"):
+                    exited = line
+                    raise RuntimeError(f"pymap did not start: {line}")
+        yield port
     finally:
-        if not isinstance(log, int):
-            log.close()
+        if pid is not None and exited is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(10):
+                    while not (await said.get()).startswith("exited"):
+                        pass
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                raise
+        forker.forget(name)
 
 
 # pymap --debug: "DEBUG:pymap.imap:<connection> -->| <line>" (client to server), "<--|" (server
