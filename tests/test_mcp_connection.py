@@ -2,7 +2,8 @@
 
 First a real FastMCP server that turns to the client (pings it, asks it things, says its tools
 changed, hangs until cancelled, goes away), over SSE on loopback and as a stdio child: the same
-behaviour expected of both transports. Then route's SSE connection against a scripted server
+behaviour expected of both transports (one server of each, kept for the next test unless a test
+made it go away or failed). Then route's SSE connection against a scripted server
 showing what a well-behaved server never does: events cut into 5-byte chunks with CRLF endings
 and multi-line data, hangs, dropped streams, a server that forgot the connection. The real
 butlers are covered through `route` in test_route.py, the gateway's children in test_gateway.py.
@@ -15,6 +16,7 @@ import contextlib
 import os
 import re
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,19 +54,35 @@ STDIO_GONE = rf"^the peer exited \(code {peer_mcp.EXIT_CODE}\)$"
 
 
 @dataclass
-class Peer:
-    """An open connection to the peer server, and how to make the peer go away."""
+class Served:
+    """A running peer server, our open connection to it, and how to make the peer go away."""
 
     connection: McpConnection
     drop: Callable[[], Awaitable[None]]
     gone_reason: str  # a regular expression for what the waiting calls hear then
+    dropped: bool = False  # a test made it go away (or may have: it failed)
+
+
+@dataclass
+class Peer:
+    """One test's view of a served peer: what the connection told it, and a tag of its own
+    for the peer's hang calls (the peer may have served other tests before)."""
+
+    served: Served
     closed: list[str] = field(default_factory=list)  # what on_closed was told
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # on_closed was called
     tools_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
+        self.connection = self.served.connection
+        self.gone_reason = self.served.gone_reason
         self.connection.on_closed = self._closed
         self.connection.on_tools_changed = self.tools_changed.set
+
+    async def drop(self) -> None:
+        self.served.dropped = True
+        await self.served.drop()
 
     def _closed(self, reason: str) -> None:
         self.closed.append(reason)
@@ -72,23 +90,22 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def sse_peer() -> AsyncIterator[Peer]:
+async def sse_peer() -> AsyncIterator[Served]:
     async with peer_mcp.serve_peer_over_sse() as (url, stop):
 
         async def drop() -> None:
             stop.set()
 
         connection = SseConnection(url, auth_token=None)
-        peer = Peer(connection, drop, gone_reason=SSE_GONE)
         try:
             await connection.open(timeout_s=10)
-            yield peer
+            yield Served(connection, drop, gone_reason=SSE_GONE)
         finally:
             await connection.close()
 
 
 @contextlib.asynccontextmanager
-async def stdio_peer() -> AsyncIterator[Peer]:
+async def stdio_peer() -> AsyncIterator[Served]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         PEER,
@@ -102,10 +119,9 @@ async def stdio_peer() -> AsyncIterator[Peer]:
             await connection.call_tool("exit", {}, timeout_s=10)
 
     connection = StdioConnection(process, label="the peer")
-    peer = Peer(connection, drop, gone_reason=STDIO_GONE)
     try:
         await connection.open(CLIENT_INFO, timeout_s=30)  # a Python start-up on a loaded host
-        yield peer
+        yield Served(connection, drop, gone_reason=STDIO_GONE)
     finally:
         await connection.close()
         if process.returncode is None:
@@ -113,32 +129,87 @@ async def stdio_peer() -> AsyncIterator[Peer]:
         await process.wait()
 
 
+class Peers:
+    """The module's peers, one per transport, started when a test first asks for one (a stdio
+    peer is a Python start-up importing FastMCP: 0.7 s of CPU). A peer that a test dropped,
+    whose connection ended, or whose test failed is shut down, and the next test gets a new
+    one: whatever the order, each test starts with a peer that is up and connected."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[contextlib.AsyncExitStack, Served]] = {}
+
+    async def get(self, transport: str) -> Served:
+        kept = self._kept.get(transport)
+        if kept is not None and kept[1].connection.is_open and not kept[1].dropped:
+            return kept[1]
+        await self.discard(transport)
+        stack = contextlib.AsyncExitStack()
+        served = await stack.enter_async_context(sse_peer() if transport == "sse" else stdio_peer())
+        self._kept[transport] = (stack, served)
+        return served
+
+    async def discard(self, transport: str) -> None:
+        kept = self._kept.pop(transport, None)
+        if kept is not None:
+            await kept[0].aclose()
+
+    async def close(self) -> None:
+        for transport in list(self._kept):
+            await self.discard(transport)
+
+
+@pytest.fixture(scope="module")
+async def peers() -> AsyncIterator[Peers]:
+    peers = Peers()
+    try:
+        yield peers
+    finally:
+        await peers.close()
+
+
+# The tests that share the module's peers run on one xdist worker (`--dist loadgroup`).
+SHARES_PEERS = pytest.mark.xdist_group("test_mcp_connection:peers")
+
+
 @pytest.fixture(params=["sse", "stdio"])
-async def peer(request: pytest.FixtureRequest) -> AsyncIterator[Peer]:
-    async with sse_peer() if request.param == "sse" else stdio_peer() as peer:
-        yield peer
+async def peer(request: pytest.FixtureRequest, peers: Peers) -> AsyncIterator[Peer]:
+    served = await peers.get(request.param)
+    failed_before = request.session.testsfailed
+    try:
+        yield Peer(served)
+    finally:
+        served.connection.on_closed = None
+        served.connection.on_tools_changed = None
+        if request.session.testsfailed != failed_before:  # leave nothing odd to the next test
+            served.dropped = True
+        if served.dropped:
+            await peers.discard(request.param)
 
 
 def text(result: dict) -> str:
     return " ".join(block["text"] for block in result["content"] if block["type"] == "text")
 
 
+@SHARES_PEERS
 async def test_the_handshake_agrees_on_the_newest_revision_of_the_types_package(peer) -> None:
     assert peer.connection.protocol_version == LATEST_HANDSHAKE_VERSION
     assert peer.connection.server_info["name"] == "peer"
 
 
+@SHARES_PEERS
 async def test_the_peers_ping_is_answered(peer) -> None:
     """The server's send_ping() returns only once we answered it (it waits for ever else)."""
     result = await peer.connection.call_tool("ping_client", {}, timeout_s=10)
     assert text(result) == "pong"
 
 
+@SHARES_PEERS
 async def test_the_peers_other_requests_get_method_not_found(peer) -> None:
     result = await peer.connection.call_tool("ask_roots", {}, timeout_s=10)
     assert text(result) == f"error {METHOD_NOT_FOUND}: Method not found: roots/list"
 
 
+@SHARES_PEERS
 async def test_tools_list_changed_reaches_the_owner(peer) -> None:
     assert not peer.tools_changed.is_set()
     result = await peer.connection.call_tool("change_tools", {}, timeout_s=10)
@@ -147,21 +218,26 @@ async def test_tools_list_changed_reaches_the_owner(peer) -> None:
         await peer.tools_changed.wait()
 
 
+@SHARES_PEERS
 async def test_a_timed_out_request_is_cancelled_at_the_peer(peer) -> None:
     """The peer hears `notifications/cancelled` and stops the tool; the connection stays."""
     with pytest.raises(CallTimedOut, match=r"^no answer within 0\.5s$"):
-        await peer.connection.call_tool("hang", {}, timeout_s=0.5)
-    result = await peer.connection.call_tool("wait_cancelled", {"timeout_s": 10}, timeout_s=20)
+        await peer.connection.call_tool("hang", {"tag": peer.tag}, timeout_s=0.5)
+    result = await peer.connection.call_tool(
+        "wait_cancelled", {"timeout_s": 10, "tag": peer.tag}, timeout_s=20
+    )
     assert result["structuredContent"] == {"result": True}
     assert peer.connection.is_open
 
 
+@SHARES_PEERS
 async def test_a_dropped_connection_fails_every_waiting_call_with_its_reason(peer) -> None:
     waiting = [
-        asyncio.create_task(peer.connection.call_tool("hang", {}, timeout_s=60)) for _ in range(3)
+        asyncio.create_task(peer.connection.call_tool("hang", {"tag": peer.tag}, timeout_s=60))
+        for _ in range(3)
     ]
     running = await peer.connection.call_tool(
-        "wait_hanging", {"n": 3, "timeout_s": 10}, timeout_s=20
+        "wait_hanging", {"n": 3, "timeout_s": 10, "tag": peer.tag}, timeout_s=20
     )
     assert running["structuredContent"] == {"result": True}  # sent, and the peer is on them
     await peer.drop()
@@ -375,8 +451,8 @@ async def test_a_stream_kept_alive_by_pings_is_not(http) -> None:
         connection = SseConnection(server.url, http, auth_token=None, idle_stream_s=0.5)
         await connection.open(timeout_s=5)
         try:
-            result = await connection.call_tool("slow", {"s": 1.5}, timeout_s=30)
-            assert result["structuredContent"] == {"echo": {"s": 1.5}}
+            result = await connection.call_tool("slow", {"s": 1.0}, timeout_s=30)
+            assert result["structuredContent"] == {"echo": {"s": 1.0}}
             assert connection.is_open
         finally:
             await connection.close()

@@ -9,6 +9,9 @@ what our MCP connections must handle. Served over SSE in the test's process
   wait_hanging     answers once `n` hang calls are running (false after `timeout_s`)
   wait_cancelled   true once a `hang` call was cancelled (false after `timeout_s`)
   exit             the process ends at once, code 3 (over stdio: the connection drops)
+
+hang, wait_hanging and wait_cancelled take an optional `tag`: a hang call counts only for
+the wait_* calls with its tag, so tests sharing one peer do not see each other's calls.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import warnings
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 
 from fastmcp import Context, FastMCP
@@ -27,9 +31,10 @@ EXIT_CODE = 3
 
 def build_peer() -> FastMCP:
     mcp = FastMCP("peer")
-    cancelled = asyncio.Event()  # FastMCP runs every tool on the server's loop
-    hanging = asyncio.Condition()
-    running: list[int] = [0]  # hang calls in progress
+    # FastMCP runs every tool on the server's loop. By tag: hang calls cancelled, in progress.
+    cancelled: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+    running: Counter[str] = Counter()
+    hanging = asyncio.Condition()  # notified when a hang call starts
 
     @mcp.tool
     async def ping_client(ctx: Context) -> str:
@@ -52,30 +57,32 @@ def build_peer() -> FastMCP:
         return "sent"
 
     @mcp.tool
-    async def hang() -> str:
+    async def hang(tag: str = "") -> str:
         async with hanging:
-            running[0] += 1
+            running[tag] += 1
             hanging.notify_all()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            cancelled.set()
+            cancelled[tag].set()
             raise
+        finally:
+            running[tag] -= 1
         return "never"
 
     @mcp.tool
-    async def wait_hanging(n: int, timeout_s: float) -> bool:
+    async def wait_hanging(n: int, timeout_s: float, tag: str = "") -> bool:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s), hanging:
-                await hanging.wait_for(lambda: running[0] >= n)
-        return running[0] >= n
+                await hanging.wait_for(lambda: running[tag] >= n)
+        return running[tag] >= n
 
     @mcp.tool
-    async def wait_cancelled(timeout_s: float) -> bool:
+    async def wait_cancelled(timeout_s: float, tag: str = "") -> bool:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                await cancelled.wait()
-        return cancelled.is_set()
+                await cancelled[tag].wait()
+        return cancelled[tag].is_set()
 
     @mcp.tool
     def exit() -> str:
