@@ -60,7 +60,7 @@ async def test_a_mail_stays_unseen_until_the_inbox_has_stored_it(
     with BODY[], shows here). The front holds that reconnection until the table is back, so
     the next attempt is the one that stores it: it is answered once."""
     scripted_api.respond_with(model("general", {"general": "Noted."}))
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         front = TcpFront(port)
         await front.start()
         try:

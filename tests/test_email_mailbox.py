@@ -51,7 +51,7 @@ async def test_nul_bytes_are_stored_and_answered_and_the_next_mail_too(
     start_butler: StartButler, tmp_path: Path, answering, db_conn, monkeypatch
 ) -> None:
     nul = raw_mail(b"lunch\x00time", "<nul@example.com>", b"Soup\x00 at noon.")
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
             switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             await imap_append(port, USER, PASSWORD, nul)  # APPEND carries the NUL bytes as-is
@@ -72,7 +72,7 @@ async def test_a_subject_with_a_line_break_gets_its_reply_on_one_line(
 ) -> None:
     # RFC 2047: the header is one line on the wire, its text has CR LF in it once decoded.
     subject = b"=?utf-8?q?Lunch=0D=0ABcc:_attacker@evil.example?="
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
             await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             await imap_append(port, USER, PASSWORD, raw_mail(subject, "<crlf@example.com>"))
@@ -87,7 +87,7 @@ async def test_a_message_id_too_long_for_the_index_is_answered(
     """PostgreSQL's btree refuses an entry past ~2.7 kB: a mail whose (random, so
     incompressible) Message-ID is that long could never be stored under it."""
     long_id = f"<{secrets.token_urlsafe(3000)}@example.com>"
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
             switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             await imap_append(port, USER, PASSWORD, raw_mail(b"long id", long_id))
@@ -105,7 +105,7 @@ async def test_a_mail_that_cannot_be_stored_is_recorded_as_failed_and_skipped(
 ) -> None:
     """Failure injection (only that): the inbox refuses one message, whatever it is."""
     attempts: list[str] = []
-    async with pymap_server(USER, PASSWORD) as port:
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
             switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             worker = switchboard.switchboard.worker  # type: ignore[union-attr]

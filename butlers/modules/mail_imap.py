@@ -44,6 +44,7 @@ from butlers.modules.mail_transport import (
     describe,
     imap_close,
     imap_connect,
+    watch_arrivals,
 )
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ class ImapIntake:
             on_lost=on_lost,
         )
         try:
+            arrivals = watch_arrivals(client)
             selected = await self._ok(client.select("INBOX"), "SELECT INBOX")
             uidvalidity = next(
                 (
@@ -205,9 +207,21 @@ class ImapIntake:
                 f"{'IDLE' if use_idle else 'polling'} on {self.server.host}:{self.server.port}",
             )
             while True:
+                announced = arrivals.count
                 retry = await self._fetch_unseen(client, uidvalidity)
                 if retry:  # a mail could not be stored: try it again soon, not in 25 minutes
                     await self._wait(min(RETRY_FAILED_S, module.config.poll_interval_s))
+                elif arrivals.count != announced:
+                    # A mail was announced (EXISTS) after the UID SEARCH began, in the answer
+                    # to it or to a FETCH or STORE since (aioimaplib drops those: see
+                    # watch_arrivals). The search may not have had it (pymap searches only the
+                    # mails it had announced), and a server announces a mail once: the IDLE
+                    # would not report it, and it would wait for the next mail or the renewal
+                    # 25 minutes later. So search again: IDLE only after a search with no
+                    # announcement since it began. Costs one SEARCH after a batch in which mail
+                    # arrived. What arrives later is the IDLE's to report (pymap's only once
+                    # something else changes, should it come in the instant before the IDLE).
+                    continue
                 elif use_idle:
                     await self._idle(client)
                 else:
@@ -247,6 +261,14 @@ class ImapIntake:
 
     async def _idle(self, client: aioimaplib.IMAP4) -> None:
         """IDLE until the server pushes something, the connection drops, or it is time to renew."""
+        # aioimaplib queues every read of an IDLE's lines as one push: pymap's EXISTS, RECENT
+        # and FETCH for one mail are often three. The first ended the last IDLE; the others
+        # (and lines that came after our DONE) came before the SEARCH that followed it, which
+        # covered them. Left queued, each would end this IDLE at once, for a DONE and a
+        # SEARCH that find nothing.
+        pushes = client.protocol.idle_queue
+        while not pushes.empty():
+            pushes.get_nowait()
         idle = await self._until_lost(client.idle_start(timeout=IDLE_RENEW_S))
         with contextlib.suppress(TimeoutError):  # a timeout: renew the IDLE before it is dropped
             await self._until_lost(client.wait_server_push(timeout=IDLE_RENEW_S))

@@ -10,6 +10,9 @@ internet cannot have, and they are closed here, where the third-party errors ent
 - aioimaplib logs each line it sends at DEBUG and scrubs the password only in its raw form,
   not as it is sent (quoted: `"` and `\\` escaped): we send LOGIN ourselves, scrubbing the
   exact bytes that go out.
+- aioimaplib files an untagged response under the command it names, and drops the ones no
+  pending command claims: the `* <n> EXISTS` that announces a new mail in the answer to a
+  FETCH, STORE or SEARCH is lost. `watch_arrivals` reads every line as it comes in.
 - aiosmtplib logs in whenever it is handed credentials; we read the server's EHLO first, so a
   relay that offers no AUTH (a local port 25) is used without logging in.
 
@@ -24,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.message import EmailMessage
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from butlers.errors import MailError, MailRefused
 from butlers.http import is_loopback
@@ -203,6 +207,51 @@ async def _login(client: aioimaplib.IMAP4, username: str, password: str) -> aioi
             protocol.state = AUTH
         protocol.state_condition.notify_all()
     return response
+
+
+_SIZE_LINE = re.compile(rb"\* (\d+) (EXISTS|EXPUNGE)\Z", re.IGNORECASE)
+
+
+class Arrivals:
+    """How often the server announced new mail on one connection: an untagged `<n> EXISTS`
+    larger than the mailbox it had announced before (EXISTS sets that size, each `<n> EXPUNGE`
+    lowers it by one: RFC 3501 7.3.1, 7.4.1). An EXISTS that repeats the size is no arrival;
+    the first one (SELECT's) counts as one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._size: int | None = None
+
+    def saw(self, line: bytes) -> None:
+        found = _SIZE_LINE.match(line)
+        if found is None:
+            return
+        number = int(found.group(1))
+        if found.group(2).upper() == b"EXPUNGE":
+            if self._size:
+                self._size -= 1
+            return
+        if self._size is None or number > self._size:
+            self.count += 1
+        self._size = number
+
+
+def watch_arrivals(client: aioimaplib.IMAP4) -> Arrivals:
+    """Count the server's announcements of new mail on `client` from now on, whatever command
+    they come with: aioimaplib hands those of an IDLE to `wait_server_push` but drops those
+    that come with a FETCH, STORE or SEARCH ("ignored untagged response"). Every line the
+    server sends passes through its protocol's `_handle_line` (a literal's bytes do not:
+    a mail's text is never taken for a response)."""
+    arrivals = Arrivals()
+    protocol = client.protocol
+    handle_line = protocol._handle_line
+
+    def watching(line: bytes, current_cmd: Any) -> Any:
+        arrivals.saw(line)
+        return handle_line(line, current_cmd)
+
+    protocol._handle_line = watching
+    return arrivals
 
 
 def imap_abort(client: aioimaplib.IMAP4) -> None:

@@ -264,11 +264,12 @@ async def pymap_server(
     into `transcript` when given (see PymapTranscript). A process of its own, forked off
     _PYMAP_FORKER.
 
-    `fast_login`: the password is not hashed, so a login takes 1 ms of the server's CPU
-    rather than 120. Not the default: the whole-switchboard tests of tests/test_email_mailbox.py
-    pass only while a login is slow (a mail appended while the email module is busy with the
-    one before, between its SEARCH and its IDLE, is announced by an EXISTS the module ignores,
-    and it waits for the next push)."""
+    `fast_login`: the password is kept unhashed, so a login takes 1 ms of the server's CPU
+    rather than 120 (pymap's PBKDF2); a wrong one is refused all the same. Every email test
+    uses it; the default stays pymap's own. (The whole-switchboard tests of
+    tests/test_email_mailbox.py once passed only with slow logins: the test's second mail,
+    appended while the module was busy with the first, was announced by an EXISTS the module
+    lost, and waited for the IDLE renewal. tests/test_email_arrivals.py covers that.)"""
     port = free_port()
     tls = (
         ["--cert", str(ca.cert_file), "--key", str(ca.key_file)] if ca is not None else ["--no-tls"]
