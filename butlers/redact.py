@@ -4,20 +4,18 @@ Libraries log what they are given: httpx logs every request URL at INFO, and the
 API puts the bot token in the URL; an exception text may quote a connection string. Rather
 than hunting each one down, every log record is checked against the secrets this process was
 configured with (the environment variables that hold them, in `Settings.environ`), at the
-moment it is created, so no handler, formatter or level ever sees the original text.
+moment it is created, so no handler, formatter or level ever sees the original text. Spans
+go through the same Redactor on their way out (`butlers.telemetry.RedactingSpanExporter`, kept
+there so that this module, which every command loads, does not import the tracing SDK).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
-
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import Status
 
 from butlers.config import ButlerConfig
 
@@ -122,52 +120,3 @@ def install_log_redaction(redactor: Redactor) -> None:
         return record
 
     logging.setLogRecordFactory(redacting_factory)
-
-
-class RedactingSpanExporter(SpanExporter):
-    """Spans go out with every configured secret replaced in their names, attributes, event
-    attributes (exception messages and stack traces) and status descriptions."""
-
-    def __init__(self, exporter: SpanExporter, redact: Callable[[str], str]) -> None:
-        self.exporter = exporter
-        self.redact = redact
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return self.exporter.export([self._redacted(span) for span in spans])
-
-    def shutdown(self) -> None:
-        self.exporter.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.exporter.force_flush(timeout_millis)
-
-    def _redacted(self, span: ReadableSpan) -> ReadableSpan:
-        status = span.status
-        if status.description:
-            status = Status(status.status_code, self.redact(status.description))
-        return ReadableSpan(
-            name=self.redact(span.name),
-            context=span.context,
-            parent=span.parent,
-            resource=span.resource,
-            attributes=self._attributes(span.attributes),
-            events=[
-                Event(e.name, self._attributes(e.attributes), e.timestamp) for e in span.events
-            ],
-            links=span.links,
-            kind=span.kind,
-            status=status,
-            start_time=span.start_time,
-            end_time=span.end_time,
-            instrumentation_scope=span.instrumentation_scope,
-        )
-
-    def _attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
-        return {key: self._value(value) for key, value in (attributes or {}).items()}
-
-    def _value(self, value: Any) -> Any:
-        if isinstance(value, str):
-            return self.redact(value)
-        if isinstance(value, tuple | list):
-            return [self._value(v) for v in value]
-        return value

@@ -8,14 +8,16 @@ W3C trace context travels between butlers as `_trace_context`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ class Telemetry:
         endpoint = settings.otel_exporter_otlp_endpoint
         if not endpoint:
             return cls(service_name=settings.otel_service_name)
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         protocol = settings.otel_exporter_otlp_protocol  # validated: grpc or http/...
         logger.info(
@@ -103,8 +105,6 @@ class Telemetry:
 
             exporter = GrpcSpanExporter()
         if redact is not None:
-            from butlers.redact import RedactingSpanExporter
-
             exporter = RedactingSpanExporter(exporter, redact)
         return cls(
             BatchSpanProcessor(exporter),
@@ -180,3 +180,52 @@ def current_trace_id() -> str | None:
     if not span_context.is_valid:
         return None
     return format(span_context.trace_id, "032x")
+
+
+class RedactingSpanExporter(SpanExporter):
+    """Spans go out with every configured secret replaced in their names, attributes, event
+    attributes (exception messages and stack traces) and status descriptions."""
+
+    def __init__(self, exporter: SpanExporter, redact: Callable[[str], str]) -> None:
+        self.exporter = exporter
+        self.redact = redact
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self.exporter.export([self._redacted(span) for span in spans])
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+    def _redacted(self, span: ReadableSpan) -> ReadableSpan:
+        status = span.status
+        if status.description:
+            status = Status(status.status_code, self.redact(status.description))
+        return ReadableSpan(
+            name=self.redact(span.name),
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=self._attributes(span.attributes),
+            events=[
+                Event(e.name, self._attributes(e.attributes), e.timestamp) for e in span.events
+            ],
+            links=span.links,
+            kind=span.kind,
+            status=status,
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
+
+    def _attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {key: self._value(value) for key, value in (attributes or {}).items()}
+
+    def _value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, tuple | list):
+            return [self._value(v) for v in value]
+        return value

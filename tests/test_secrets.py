@@ -17,10 +17,11 @@ import psutil
 import pytest
 from fastmcp import Client
 
-from butlers.redact import REDACTED, RedactingSpanExporter, Redactor, install_log_redaction
+from butlers.redact import REDACTED, Redactor, install_log_redaction
 from butlers.spawner import isolated_cli_env
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.route import summarize
+from butlers.telemetry import RedactingSpanExporter
 from tests.conftest import StartButler
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI

@@ -86,7 +86,7 @@ class SuiteConfig(_Table):
     redact: Strings = Field(
         default=(),
         description="Argument keys masked in the gateway's logs and spans (never in what is "
-        "sent to the child), e.g. `[\"password\", \"token\"]`.",
+        'sent to the child), e.g. `["password", "token"]`.',
     )
 
     @property
