@@ -17,19 +17,23 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
 
-from butlers.config import ButlerConfig, RuntimeConfig, SwitchboardConfig
-from butlers.daemon import ButlerDaemon
-from butlers.db import EmbeddedServer, ExternalServer, PostgresServer, prepare_database
-from butlers.settings import Settings
-from butlers.spawner import isolated_cli_env
-from butlers.telemetry import Telemetry
-from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.messages_api import ScriptedMessagesAPI
-from tests.fakes.otlp import OtlpReceiver
+# What the fixtures use is imported where they use it: this module is loaded first by every
+# pytest process, xdist's controller included, which runs no test (the daemon alone takes
+# 1.3 s to import, before any worker can start).
+if TYPE_CHECKING:
+    from butlers.config import ButlerConfig
+    from butlers.daemon import ButlerDaemon
+    from butlers.db import PostgresServer
+    from butlers.settings import Settings
+    from butlers.telemetry import Telemetry
+    from tests.fakes.bot_api import FakeBotAPI
+    from tests.fakes.messages_api import ScriptedMessagesAPI
+    from tests.fakes.otlp import OtlpReceiver
 
 # Nothing of the host's Claude / Anthropic / butlers setup may leak into a test.
 _LEAKY_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_", "BUTLERS_", "TELEGRAM_")
@@ -88,6 +92,8 @@ def _docker_answers() -> bool:
 
 @pytest.fixture(scope="session")
 async def pg_server() -> AsyncIterator[PostgresServer]:
+    from butlers.db import EmbeddedServer, ExternalServer
+
     url = os.environ.get("TEST_DATABASE_URL")
     if url:
         yield ExternalServer(url)
@@ -126,6 +132,8 @@ async def _drop(server: PostgresServer, name: str) -> None:
 @pytest.fixture(scope="session")
 async def core_template(pg_server: PostgresServer) -> AsyncIterator[str]:
     """A database with the core migrations applied, copied for each test."""
+    from butlers.db import prepare_database
+
     name = f"tmpl_core_{uuid.uuid4().hex[:8]}"
     await prepare_database(pg_server, name, ("core",))
     yield name
@@ -135,6 +143,8 @@ async def core_template(pg_server: PostgresServer) -> AsyncIterator[str]:
 @pytest.fixture(scope="session")
 async def switchboard_template(pg_server: PostgresServer) -> AsyncIterator[str]:
     """Core, then the switchboard branch: what the switchboard's database gets."""
+    from butlers.db import prepare_database
+
     name = f"tmpl_switchboard_{uuid.uuid4().hex[:8]}"
     await prepare_database(pg_server, name, ("core", "switchboard"))
     yield name
@@ -187,6 +197,8 @@ async def db_conn(pg_server: PostgresServer) -> AsyncIterator[Callable[[str], Aw
 
 @pytest.fixture(scope="session")
 async def messages_api() -> AsyncIterator[ScriptedMessagesAPI]:
+    from tests.fakes.messages_api import ScriptedMessagesAPI
+
     api = ScriptedMessagesAPI()
     await api.start()
     yield api
@@ -200,6 +212,8 @@ WEBHOOK_SECRET = "hook-Secret_0123456789"
 async def bot_api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeBotAPI]:
     """A fake Telegram Bot API on loopback; its (random) token and a webhook secret are in the
     environment, where a butler reads them."""
+    from tests.fakes.bot_api import FakeBotAPI
+
     api = FakeBotAPI(token=f"123456:{uuid.uuid4().hex}")
     await api.start()
     monkeypatch.setenv("TELEGRAM_BOT_TOKEN", api.token)
@@ -211,6 +225,8 @@ async def bot_api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeBotAPI]:
 @pytest.fixture
 async def otlp() -> AsyncIterator[OtlpReceiver]:
     """A local OTLP receiver (HTTP and gRPC) for the spans real exporters send."""
+    from tests.fakes.otlp import OtlpReceiver
+
     receiver = OtlpReceiver()
     await receiver.start()
     yield receiver
@@ -227,6 +243,8 @@ def scripted_api(messages_api: ScriptedMessagesAPI) -> ScriptedMessagesAPI:
 @pytest.fixture
 def claude_env(tmp_path: Path, scripted_api: ScriptedMessagesAPI) -> dict[str, str]:
     """Environment for the real Claude Code binary: isolated home, scripted API, fake key."""
+    from butlers.spawner import isolated_cli_env
+
     home = tmp_path / "claude-home"
     home.mkdir()
     return isolated_cli_env(home, scripted_api.url, inherited=os.environ)
@@ -248,6 +266,8 @@ def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
     """A butler on an ephemeral loopback port, no background ticker unless asked. The one
     named `switchboard` is the switchboard (it has a [switchboard] table: the defaults, unless
     `switchboard=` gives one); any other becomes one with `switchboard=`."""
+    from butlers.config import ButlerConfig, RuntimeConfig, SwitchboardConfig
+
     runtime = overrides.pop("runtime", RuntimeConfig(timeout_s=60, tick_interval_s=0))
     if name == "switchboard":
         overrides.setdefault("switchboard", SwitchboardConfig())
@@ -258,7 +278,7 @@ def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
     )
 
 
-StartButler = Callable[..., Awaitable[ButlerDaemon]]
+StartButler = Callable[..., Awaitable["ButlerDaemon"]]
 
 
 @pytest.fixture
@@ -278,6 +298,9 @@ async def start_butler(
     Settings are read from the environment when it starts (after any monkeypatch.setenv),
     unless `settings=` is given.
     """
+    from butlers.daemon import ButlerDaemon
+    from butlers.settings import Settings
+
     daemons: list[ButlerDaemon] = []
 
     async def start(
@@ -350,7 +373,7 @@ def telemetry(_span_exporter) -> Telemetry:
     every in-process butler's spans land in `spans`."""
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from butlers.telemetry import let_butlers_own_mcp_spans
+    from butlers.telemetry import Telemetry, let_butlers_own_mcp_spans
 
     let_butlers_own_mcp_spans()  # as Telemetry.from_environment does
     return Telemetry(SimpleSpanProcessor(_span_exporter))

@@ -304,7 +304,7 @@ def text_of(result) -> str:
     return " ".join(getattr(c, "text", "") for c in result.content)
 
 
-async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_call(
+async def test_a_host_sees_suites_introspects_calls_and_closing_stdin_ends_every_child(
     workdir: Path,
 ) -> None:
     (workdir / "gateway.toml").write_text("[introspection]\nsummary_max_chars = 60\n")
@@ -347,7 +347,8 @@ async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_ca
             assert GATEWAY_SECRET not in json.dumps(environment)
             assert {"PATH", "MOCK_MCP_PIDS"} <= set(environment)
         result = await host.suite("plain_suite", "call", "add", a=2, b=3)
-        assert text_of(result) == "5" and len(child_pids(workdir)) == 3
+        pids = child_pids(workdir)
+        assert text_of(result) == "5" and len(pids) == 3
 
         result = await host.suite("plain_suite", "call", "nope")
         assert result.is_error and "Subtool 'nope' not found in suite 'plain_suite'" in text_of(
@@ -357,6 +358,8 @@ async def test_host_sees_only_suites_and_gateway_tools_and_can_introspect_and_ca
         assert result.is_error and "action must be 'introspect' or 'call'" in text_of(result)
     stderr = (workdir / "gateway.stderr").read_text()
     assert f"skipping {workdir / 'mcps' / 'broken' / '.mcp.json'}" in stderr
+    # The host closed the gateway's stdin: the gateway ended, and every child with it.
+    assert await survivors(pids) == []
 
 
 async def test_child_env_and_allow_deny(workdir: Path) -> None:
@@ -605,14 +608,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-async def test_closing_stdin_ends_the_gateway_and_its_children(workdir: Path) -> None:
-    async with stdio_host(workdir) as host:
-        await host.suite("plain_suite", "call", "echo", message="x")
-        pids = child_pids(workdir)
-        assert pids
-    assert await survivors(pids) == []
 
 
 async def test_butlers_behind_the_gateway_over_sse(
