@@ -6,10 +6,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from butlers.claude_code import McpTarget
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
 from butlers.notify import SwitchboardLink
-from butlers.spawner import SESSION_STARTING_TOOLS, McpTarget, Spawner, default_allowed_tools
+from butlers.spawner import SESSION_STARTING_TOOLS, Spawner, default_allowed_tools
 
 
 @dataclass

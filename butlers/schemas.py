@@ -52,6 +52,7 @@ from butlers.gateway.config import (
     McpJson,
     SuiteConfig,
     Timeouts,
+    Wrapper,
 )
 from butlers.modules.mail_webhook import WebhookMail
 
@@ -120,6 +121,7 @@ DOC_TABLES: dict[str, tuple[Table, ...]] = {
         Table("[suites.<child>.expose]", Expose),
         Table("[timeouts]", Timeouts),
         Table("[introspection]", Introspection),
+        Table("[wrapper]", Wrapper),
     ),
     ".mcp.json": (
         Table("top level", McpJson, by_alias=True, json=True),

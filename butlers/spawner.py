@@ -1,69 +1,44 @@
-"""Run an ephemeral Claude Code session for a butler, through claude-agent-sdk.
+"""Run an ephemeral Claude Code session for a butler.
 
-The session sees only the butler's own MCP endpoint (strict MCP config, no built-in tools,
-an explicit allow-list), runs under `permission_mode="dontAsk"` with bounded turns and a
-timeout, and is serialised per butler. Every session, successful or not, is a `sessions` row.
-
-Claude Code reads text written by strangers, so it gets nothing it does not need: its MCP
-config (with the auth token and a classification's credential in its headers) goes through a
-private file, not the command line that `ps` shows every user; and of the daemon's
-environment (bot token, mail password, DATABASE_URL) it keeps only an allowlist
-(butlers.environment).
+The session sees only the butler's own MCP endpoint, with bounded turns and a timeout, and at
+most `max_concurrent_sessions` run at once per butler. Every session, successful or not, is a
+`sessions` row. How one run is isolated (private MCP config, allowlisted environment, no
+built-in tools) is butlers.claude_code's, shared with the gateway's Claude wrapper.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
-import json
 import logging
-import os
 import secrets
-import shutil
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from butlers.claude_code import (
+    ClaudeCodeRun,
+    McpTarget,
+    describe_sdk_error,
+    mcp_config_dir,
+    remove_private_files,
+    run_claude_code,
+)
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
-from butlers.environment import claude_code_keeps
 from butlers.errors import SpawnError
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:
-    from claude_agent_sdk import Message
-
     from butlers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-# Anything Claude Code needs that is not the butler's business stays out of its way.
-_CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
 ERROR_TEXT_LIMIT = 2000
 SESSION_HEADER = "X-Butlers-Session"
-
-
-@dataclass(frozen=True)
-class McpTarget:
-    """The one MCP server a session may use, and which of its tools it may call."""
-
-    name: str
-    url: str
-    allowed_tools: tuple[str, ...]
-    # Tools the server has that the session must not even see (hidden, not just refused).
-    denied_tools: tuple[str, ...] = ()
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def transport(self) -> str:
-        return "sse" if "/sse" in self.url else "http"
-
-    def qualified(self, tools: Sequence[str]) -> list[str]:
-        return [f"mcp__{self.name}__{tool}" for tool in tools]
 
 
 @dataclass
@@ -111,7 +86,7 @@ class Spawner:
 
     @property
     def mcp_config_dir(self) -> Path:
-        return self.work_dir / ".mcp"
+        return mcp_config_dir(self.work_dir)
 
     async def remove_leftovers(self) -> None:
         """At start: MCP config files of sessions a killed process never finished."""
@@ -185,7 +160,7 @@ class Spawner:
             error = str(exc)
         except Exception as exc:  # the SDK's and the CLI's own failures
             logger.exception("Claude Code session failed", extra={"action": "spawn_failed"})
-            error = _describe_sdk_error(exc)
+            error = describe_sdk_error(exc)
         duration_ms = int((time.monotonic() - started) * 1000)
         outcome = SessionOutcome(
             session_id=session_id,
@@ -209,41 +184,28 @@ class Spawner:
         )
         return outcome
 
-    def _options(self, target: McpTarget, system_prompt: str, mcp_config: Path):
-        from claude_agent_sdk import ClaudeAgentOptions
-
+    def _run_settings(self, system_prompt: str) -> ClaudeCodeRun:
+        env = {**self.telemetry.cli_env, **self.session_env}
         carrier = current_carrier()
-        env = {**_CLI_ENV, **self.telemetry.cli_env, **self.session_env}
         if "traceparent" in carrier:
             env["TRACEPARENT"] = carrier["traceparent"]
             if "tracestate" in carrier:
                 env["TRACESTATE"] = carrier["tracestate"]
-        return ClaudeAgentOptions(
-            mcp_servers=mcp_config,  # a path: what is in it never shows in the command line
-            strict_mcp_config=True,
-            tools=[],
-            allowed_tools=target.qualified(target.allowed_tools),
-            disallowed_tools=target.qualified(target.denied_tools),
+        return ClaudeCodeRun(
             system_prompt=system_prompt,
             max_turns=self.config.runtime.max_turns,
             model=self.config.runtime.model,
-            permission_mode="dontAsk",
-            # An empty directory: no project CLAUDE.md or .claude settings get picked up.
-            cwd=str(self.work_dir),
-            setting_sources=[],
+            work_dir=self.work_dir,
+            inherited=self.settings.inherited_environ(),
             env=env,
         )
 
-    def _mcp_servers(self, target: McpTarget) -> dict[str, Any]:
-        headers = dict(target.headers)
-        headers.update(current_carrier())
+    def _with_credentials(self, target: McpTarget) -> McpTarget:
+        """The butler's endpoint asks for the auth token; the trace context rides along."""
+        headers = {**target.headers, **current_carrier()}
         if self.auth_token:
             headers["Authorization"] = f"Bearer {self.auth_token}"
-        return {
-            "mcpServers": {
-                target.name: {"type": target.transport, "url": target.url, "headers": headers}
-            }
-        }
+        return replace(target, headers=headers)
 
     async def _query(
         self,
@@ -252,140 +214,9 @@ class Spawner:
         system_prompt: str,
         tool_calls: list[dict[str, Any]],
     ) -> str:
-        from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
-        from claude_agent_sdk._errors import ResultError
-        from claude_agent_sdk.types import ToolUseBlock
-
-        config_path = await asyncio.to_thread(
-            write_private_file, self.mcp_config_dir, json.dumps(self._mcp_servers(target))
+        return await run_claude_code(
+            prompt, self._with_credentials(target), self._run_settings(system_prompt), tool_calls
         )
-        try:
-            options = self._options(target, system_prompt, config_path)
-            transport = _AllowlistedEnvironmentTransport(
-                prompt, options, inherited=self.settings.inherited_environ()
-            )
-            result: ResultMessage | None = None
-            # aclosing: on timeout or failure the generator is closed, which ends the CLI.
-            # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
-            async with contextlib.aclosing(
-                cast(
-                    "AsyncGenerator[Message, None]",
-                    query(prompt=prompt, options=options, transport=transport),
-                )
-            ) as messages:
-                async for message in messages:
-                    if isinstance(message, SystemMessage) and message.subtype == "init":
-                        _check_connected(message.data, target)
-                    elif isinstance(message, AssistantMessage):
-                        for block in message.content:
-                            if isinstance(block, ToolUseBlock):
-                                tool_calls.append({"name": block.name, "input": block.input})
-                    elif isinstance(message, ResultMessage):
-                        result = message
-        except ResultError as exc:
-            # The session ran and ended in an error result (max turns, an API error, no
-            # login): the SDK raises after yielding it. Say what the result said.
-            detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
-            raise SpawnError(_describe_failure(detail, "Claude Code session failed")) from exc
-        finally:
-            await asyncio.to_thread(config_path.unlink, missing_ok=True)
-        if result is None:
-            raise SpawnError("Claude Code ended without a result")
-        if result.is_error:
-            detail = "; ".join(result.errors or []) or result.result or result.subtype
-            raise SpawnError(f"Claude Code session failed: {detail}")
-        return result.result or ""
-
-
-def remove_private_files(directory: Path) -> int:
-    """What `write_private_file` left behind when the process was killed mid-session (the
-    files hold the auth token): removed at start."""
-    removed = 0
-    for path in directory.glob("*.json") if directory.is_dir() else ():
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
-
-
-def write_private_file(directory: Path, text: str) -> Path:
-    """A new file only this user can read, in a directory only this user can enter."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory.chmod(0o700)
-    path = directory / f"{uuid.uuid4().hex}.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as file:
-        file.write(text)
-    return path
-
-
-def _subprocess_transport() -> type:
-    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
-
-    return SubprocessCLITransport
-
-
-if TYPE_CHECKING:  # the same class, for the checker (a base computed by a call is opaque to it)
-    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
-else:
-    SubprocessCLITransport = _subprocess_transport()
-
-
-class _AllowlistedEnvironmentTransport(SubprocessCLITransport):
-    """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
-
-    The SDK always passes our whole environment (`inherited`) down; its `env` option only adds
-    to it. So the command goes through `env -u NAME ...`, which drops every variable Claude Code
-    has no use for before it starts: only their names are on the command line, never their
-    values.
-    """
-
-    def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._inherited = inherited
-
-    def _build_command(self) -> list[str]:
-        command = super()._build_command()
-        ours = self._options.env
-        inherited = self._inherited
-        dropped = sorted(
-            name
-            for name in inherited
-            if name not in ours and not claude_code_keeps(name, inherited)
-        )
-        if not dropped:
-            return command
-        unset = [arg for name in dropped for arg in ("-u", name)]
-        return [_ENV_BINARY, *unset, "--", *command]
-
-
-_ENV_BINARY = shutil.which("env") or "/usr/bin/env"
-
-
-def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:
-    """A session without its tools is a failure, not a success (the CLI carries on without)."""
-    for server in init.get("mcp_servers") or []:
-        if server.get("name") == target.name:
-            if server.get("status") != "connected":
-                raise SpawnError(
-                    f"MCP server {target.name!r} at {target.url} did not connect "
-                    f"(status: {server.get('status')})"
-                )
-            return
-    raise SpawnError(f"MCP server {target.name!r} at {target.url} was not loaded by Claude Code")
-
-
-def _describe_sdk_error(exc: BaseException) -> str:
-    return _describe_failure(str(exc).strip() or type(exc).__name__, "Claude Code could not run")
-
-
-def _describe_failure(text: str, what: str) -> str:
-    first_line = text.splitlines()[0] if text else what
-    if "not logged in" in text.lower() or "api key" in text.lower():
-        return (
-            "Claude Code has no credentials: set ANTHROPIC_API_KEY (or log in with `claude`) "
-            f"in the butler's environment ({first_line})"
-        )
-    return f"{what}: {first_line}"
 
 
 SESSION_STARTING_TOOLS = ("trigger", "tick")
@@ -394,28 +225,3 @@ SESSION_STARTING_TOOLS = ("trigger", "tick")
 def default_allowed_tools(tool_names: Sequence[str]) -> tuple[str, ...]:
     """A triggered session may use its butler's tools, except those that start sessions."""
     return tuple(name for name in tool_names if name not in SESSION_STARTING_TOOLS)
-
-
-def isolated_cli_env(
-    home: Path, base_url: str, api_key: str = "sk-test", *, inherited: Mapping[str, str]
-) -> dict[str, str]:
-    """The environment for a Claude Code that must not see the host: used by tests and bench.
-
-    `inherited`: the environment the CLI would inherit (the caller's process environment); each
-    ANTHROPIC_*/CLAUDE_* variable of it is blanked."""
-    env = {
-        "HOME": str(home),
-        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": api_key,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    }
-    # options.env is merged over the inherited environment: blank out what could leak in.
-    for key in inherited:
-        if (
-            key.startswith(("ANTHROPIC_", "CLAUDE_"))
-            and key not in env
-            and key != "CLAUDE_CODE_DISABLE_AUTOUPDATER"
-        ):
-            env[key] = ""
-    return env

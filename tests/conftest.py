@@ -243,7 +243,7 @@ def scripted_api(messages_api: ScriptedMessagesAPI) -> ScriptedMessagesAPI:
 @pytest.fixture
 def claude_env(tmp_path: Path, scripted_api: ScriptedMessagesAPI) -> dict[str, str]:
     """Environment for the real Claude Code binary: isolated home, scripted API, fake key."""
-    from butlers.spawner import isolated_cli_env
+    from butlers.claude_code import isolated_cli_env
 
     home = tmp_path / "claude-home"
     home.mkdir()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from fastmcp import Client
 
-from butlers.spawner import isolated_cli_env
+from butlers.claude_code import isolated_cli_env
 from tests.conftest import eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from fastmcp import Client
 
+from butlers.claude_code import isolated_cli_env
 from butlers.redact import REDACTED, Redactor, install_log_redaction
-from butlers.spawner import isolated_cli_env
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.route import summarize
 from butlers.telemetry import RedactingSpanExporter

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "butlers"
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
-# The one module that reads the process's environment.
-READS_THE_ENVIRONMENT = {"butlers/settings.py"}
+# The one module that reads the process's environment; and a program of its own whose job is
+# to filter its own environment before it execs (the Claude wrapper's stdio launcher).
+READS_THE_ENVIRONMENT = {"butlers/settings.py", "butlers/allowlisted_exec.py"}
 # Reads that wait for another part of issue 14 to pass Settings down. The test fails when one
 # of them is gone, so this list can only shrink.
 PENDING: dict[str, str] = {}

@@ -20,9 +20,9 @@ import asyncpg
 import pytest
 from fastmcp import Client
 
+from butlers.claude_code import isolated_cli_env
 from butlers.errors import ButlersError
 from butlers.settings import Settings
-from butlers.spawner import isolated_cli_env
 from butlers.telemetry import Telemetry
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI

@@ -13,8 +13,8 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
+from butlers.claude_code import McpTarget
 from butlers.config import RuntimeConfig
-from butlers.spawner import McpTarget
 from tests.conftest import StartButler, butler_config, no_credentials_env
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 

@@ -80,8 +80,9 @@ class SuiteConfig(_Table):
     claude: Text | None = Field(
         default=None,
         description="Instructions for a Claude Code session that answers the suite's "
-        "`natural_language` subtool with this child's tools; unset: the child's CLAUDE.md, "
-        "else none (no `natural_language`).",
+        "`natural_language` subtool with this child's tools; unset: the CLAUDE.md in the "
+        "child's directory, else the `claude` key of `mcp-descriptions.json`, else none (no "
+        "`natural_language`).",
     )
     redact: Strings = Field(
         default=(),
@@ -110,6 +111,16 @@ class Timeouts(_Table):
         default=8000, description="Starting a stdio child and its `initialize`, in ms."
     )
     rpc_ms: Positive = Field(default=60000, description="Each call to a child, in ms.")
+
+
+class Wrapper(_Table):
+    """`[wrapper]`: the Claude Code sessions behind a suite's `natural_language` subtool."""
+
+    max_turns: Positive = Field(default=10, description="Turns a session may take.")
+    timeout_s: Positive = Field(
+        default=120, description="Seconds a session may run before it is ended."
+    )
+    model: Text | None = Field(default=None, description="Claude model; unset: Claude Code's.")
 
 
 class Introspection(_Table):
@@ -147,6 +158,7 @@ class GatewayConfig(_Table):
     introspection: Introspection = Field(
         default_factory=Introspection, description="`[introspection]`."
     )
+    wrapper: Wrapper = Field(default_factory=Wrapper, description="`[wrapper]`.")
 
     # Not in the file: where it was read from (None: the defaults) and what its globs are
     # relative to.

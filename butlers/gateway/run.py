@@ -146,6 +146,7 @@ async def token_report(
                 len(slot.tools),
                 sum(len(json.dumps(t)) for t in slot.tools),
                 listed.get(slot.suite_name, 0),
+                gateway.wrapper_load_chars(slot),
             )
             for slot in gateway.slots.values()
         ]
@@ -155,29 +156,38 @@ async def token_report(
     if as_json:
         return json.dumps(_report_data(rows, control))
     lines = [
-        "| child | state | tools | native chars | native tokens | gateway chars | gateway tokens |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| child | state | tools | native chars | native tokens | gateway chars | gateway tokens "
+        "| wrapper tokens |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, state, count, native, suite in rows:
+    for name, state, count, native, suite, wrapper in rows:
         lines.append(
             f"| {name} | {state} | {count} | {native} | {_tokens(native)} | {suite} | "
-            f"{_tokens(suite)} |"
+            f"{_tokens(suite)} | {'-' if wrapper is None else _tokens(wrapper)} |"
         )
     native_total = sum(r[3] for r in rows)
     gateway_total = sum(r[4] for r in rows) + control
     lines.append(
         f"| **total** (gateway incl. {len(CONTROL_TOOLS)} gateway_* tools) | | "
         f"{sum(r[2] for r in rows)} | {native_total} | {_tokens(native_total)} | "
-        f"{gateway_total} | {_tokens(gateway_total)} |"
+        f"{gateway_total} | {_tokens(gateway_total)} | |"
     )
     if native_total:
         saved = 100 * (1 - gateway_total / native_total)
         lines.append("")
         lines.append(f"Through the gateway a host's tool list is {saved:.0f}% smaller.")
+    if any(r[5] is not None for r in rows):
+        lines.append(
+            "wrapper tokens: what each natural_language call's Claude session loads (the "
+            "wrapper's instructions and the child's tools), paid by that session, not the host."
+        )
     return "\n".join(lines)
 
 
-def _report_data(rows: Sequence[tuple[str, str, int, int, int]], control: int) -> dict[str, Any]:
+ReportRow = tuple[str, str, int, int, int, int | None]
+
+
+def _report_data(rows: Sequence[ReportRow], control: int) -> dict[str, Any]:
     """The token report as data: per child, and the totals (the gateway's including its
     control tools)."""
     native_total = sum(r[3] for r in rows)
@@ -192,8 +202,10 @@ def _report_data(rows: Sequence[tuple[str, str, int, int, int]], control: int) -
                 "native_tokens": _tokens(native),
                 "gateway_chars": suite,
                 "gateway_tokens": _tokens(suite),
+                "wrapper_chars": wrapper,
+                "wrapper_tokens": None if wrapper is None else _tokens(wrapper),
             }
-            for name, state, count, native, suite in rows
+            for name, state, count, native, suite, wrapper in rows
         ],
         "control_tools": list(CONTROL_TOOLS),
         "control_chars": control,

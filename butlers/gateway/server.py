@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,15 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.config import GatewayConfig
 from butlers.gateway.summary import summarize
+from butlers.gateway.wrapper import (
+    NATURAL_LANGUAGE,
+    QUERY_SCHEMA,
+    ClaudeWrapper,
+    Instructions,
+    WrapperFailed,
+    instructions_for,
+    load_descriptions,
+)
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
@@ -58,6 +68,8 @@ class Slot:
     error: str | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the child lists them
     injected: list[str] = field(default_factory=list)  # tool names added by activate
+    # Its Claude wrapper's instructions (butlers.gateway.wrapper); None: no natural_language.
+    instructions: Instructions | None = None
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -120,9 +132,13 @@ class Gateway:
         *,
         environ: Mapping[str, str],
         auth_token: str | None = None,
+        wrapper: ClaudeWrapper | None = None,
     ) -> None:
         self.config = config
         self.environ = environ  # stdio children get its base variables, never our secrets
+        self.auth_token = auth_token  # for butlers only
+        self.wrapper = wrapper or ClaudeWrapper(config, environ=environ)
+        self._descriptions = load_descriptions(config.base_dir)
         self.mcp = FastMCP(
             "butlers-gateway",
             instructions="One tool per MCP server behind this gateway: call a suite tool with "
@@ -170,6 +186,7 @@ class Gateway:
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
+        slot.instructions = instructions_for(spec, self.config, self._descriptions)
         self.slots[spec.name] = slot
         tool = _SuiteTool(name=suite_name, description=slot.description, parameters=SUITE_SCHEMA)
         tool._gateway, tool._slot = self, slot
@@ -230,6 +247,8 @@ class Gateway:
         if not self.config.suite(slot.spec.name).exposes(subtool):
             raise ToolRefusal(f"Subtool {subtool!r} not allowed by suite {suite!r}")
         tools = await self._tools(slot)
+        if subtool == NATURAL_LANGUAGE and self._wraps(slot, tools):
+            return await self.natural_language(slot, args)
         if subtool not in {t["name"] for t in tools}:
             known = ", ".join(t["name"] for t in self._exposed(slot, tools)) or "none"
             raise ToolRefusal(f"Subtool {subtool!r} not found in suite {suite!r} (tools: {known})")
@@ -247,6 +266,12 @@ class Gateway:
                 entry["summary"] = tool.get("description") or ""
             entry["inputSchema"] = tool.get("inputSchema") or {"type": "object"}
             listed.append(entry)
+        wrapper = self._wrapper_tool(slot)
+        if wrapper is not None and self.config.suite(slot.spec.name).exposes(NATURAL_LANGUAGE):
+            entry = {"name": NATURAL_LANGUAGE}
+            if mode != "redacted":
+                entry["summary"] = wrapper["description"]
+            listed.append(entry | {"inputSchema": wrapper["inputSchema"]})
         return listed
 
     def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -264,6 +289,8 @@ class Gateway:
         return slot.tools
 
     async def direct_call(self, slot: Slot, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        if tool == NATURAL_LANGUAGE and self._wraps(slot, slot.tools):
+            return await self.natural_language(slot, arguments)
         was_running = slot.child.running()
         try:
             raw = await slot.child.call_tool(tool, arguments)
@@ -274,6 +301,61 @@ class Gateway:
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
         return result_of(raw)
+
+    # -- the Claude wrapper ---------------------------------------------------------------
+
+    def _wraps(self, slot: Slot, tools: list[dict[str, Any]]) -> bool:
+        """Whether `natural_language` is the wrapper's: the child has instructions and no
+        tool of that name of its own (its own tool wins)."""
+        return slot.instructions is not None and NATURAL_LANGUAGE not in {t["name"] for t in tools}
+
+    def _wrapper_tool(self, slot: Slot) -> dict[str, Any] | None:
+        """The `natural_language` tool definition a wrapped child offers, as a child lists
+        its tools."""
+        if not self._wraps(slot, slot.tools):
+            return None
+        return {
+            "name": NATURAL_LANGUAGE,
+            "description": f"Ask {slot.spec.name} in plain words: a Claude session with its "
+            "tools answers, and lists the calls it made.",
+            "inputSchema": QUERY_SCHEMA,
+        }
+
+    def wrapper_load_chars(self, slot: Slot) -> int | None:
+        """What each `natural_language` session loads besides the query: its instructions
+        and the definitions of the child's tools it may use (paid by that session, not by the
+        host). None: the child is not wrapped."""
+        if slot.instructions is None or not self._wraps(slot, slot.tools):
+            return None
+        exposed = self._exposed(slot, slot.tools)
+        return len(slot.instructions.text) + sum(len(json.dumps(t)) for t in exposed)
+
+    async def natural_language(self, slot: Slot, arguments: dict[str, Any]) -> ToolResult:
+        query = arguments.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise ToolRefusal(
+                f"suite {slot.suite_name!r}: natural_language needs 'query', a non-empty string"
+            )
+        instructions = slot.instructions
+        if instructions is None:  # (only wrapped children get here)
+            raise ToolRefusal(f"suite {slot.suite_name!r} has no natural_language")
+        suite = self.config.suite(slot.spec.name)
+        names = [t["name"] for t in slot.tools]
+        try:
+            answer = await self.wrapper.ask(
+                slot.spec,
+                instructions,
+                query,
+                allowed=[n for n in names if suite.exposes(n)],
+                hidden=[n for n in names if not suite.exposes(n)],
+                auth_token=self.auth_token if slot.spec.kind == "butler" else None,
+            )
+        except WrapperFailed as exc:
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        return ToolResult(
+            content=[mcp_types.TextContent(type="text", text=answer.answer)],
+            structured_content=answer.structured(),
+        )
 
     # -- activate mode --------------------------------------------------------------------
 
@@ -333,7 +415,8 @@ class Gateway:
 
     def _inject_tools(self, slot: Slot) -> None:
         taken = self._fixed_names | {n for other in self.slots.values() for n in other.injected}
-        for tool in self._exposed(slot, slot.tools):
+        wrapper = self._wrapper_tool(slot)
+        for tool in self._exposed(slot, [*slot.tools, *([wrapper] if wrapper else [])]):
             name = tool["name"]
             if name in taken:
                 name = f"{slot.spec.name}_{name}"
@@ -371,3 +454,4 @@ class Gateway:
         await asyncio.gather(
             *(slot.child.close() for slot in self.slots.values()), return_exceptions=True
         )
+        self.wrapper.close()

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from butlers.claude_code import McpTarget
 from butlers.config import TriageRule
-from butlers.spawner import McpTarget, SessionOutcome, Spawner
+from butlers.spawner import SessionOutcome, Spawner
 from butlers.switchboard.conversation import HISTORY_INTRO
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage

@@ -1,0 +1,314 @@
+"""One Claude Code run through claude-agent-sdk, whoever asks for it: a butler's session
+(butlers.spawner) or the gateway's Claude wrapper (butlers.gateway.wrapper).
+
+A run sees exactly one MCP server (strict MCP config, no built-in tools, an explicit
+allow-list, the rest hidden), runs under `permission_mode="dontAsk"` with bounded turns, in an
+empty directory with no setting sources, and reports the tool calls it made.
+
+Claude Code reads text written by strangers, so it gets nothing it does not need: its MCP
+config (auth tokens in headers, a stdio server's declared environment) goes through a private
+file, not the command line that `ps` shows every user; and of the caller's environment (bot
+token, mail password, DATABASE_URL) it keeps only an allowlist (butlers.environment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from butlers.environment import BASE_NAMES, BASE_PREFIXES, claude_code_keeps
+from butlers.errors import SpawnError
+
+if TYPE_CHECKING:
+    from claude_agent_sdk import Message
+
+# Anything Claude Code needs that is not the caller's business stays out of its way.
+_CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
+_ENV_BINARY = shutil.which("env") or "/usr/bin/env"
+
+
+@dataclass(frozen=True)
+class StdioServer:
+    """An MCP server Claude Code starts itself: its program, arguments, declared environment
+    (written to the private config file, never to a command line) and directory."""
+
+    command: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class McpTarget:
+    """The one MCP server a run may use, and which of its tools it may call: at `url`
+    (SSE or streamable HTTP), or started by Claude Code (`stdio`)."""
+
+    name: str
+    url: str = ""
+    allowed_tools: tuple[str, ...] = ()
+    # Tools the server has that the run must not even see (hidden, not just refused).
+    denied_tools: tuple[str, ...] = ()
+    headers: Mapping[str, str] = field(default_factory=dict)
+    stdio: StdioServer | None = None
+
+    @property
+    def transport(self) -> str:
+        if self.stdio is not None:
+            return "stdio"
+        return "sse" if "/sse" in self.url else "http"
+
+    @property
+    def where(self) -> str:
+        """The server, for an error message: its URL, or the program it runs."""
+        return self.url if self.stdio is None else f"`{self.stdio.command}`"
+
+    def qualified(self, tools: Sequence[str]) -> list[str]:
+        return [f"mcp__{self.name}__{tool}" for tool in tools]
+
+    def server_config(self) -> dict[str, Any]:
+        """This server's entry of the run's `mcpServers`. A stdio server goes through
+        butlers/allowlisted_exec.py: Claude Code would hand it its own environment,
+        credentials included; it gets the base (PATH, HOME, locale) and what it declares."""
+        if self.stdio is None:
+            return {"type": self.transport, "url": self.url, "headers": dict(self.headers)}
+        server = self.stdio
+        keep = sorted(BASE_NAMES | set(server.env)) + [f"{p}*" for p in BASE_PREFIXES]
+        return {
+            "type": "stdio",
+            "command": sys.executable,
+            "args": [
+                "-S",
+                str(_ALLOWLISTED_EXEC),
+                ",".join(keep),
+                server.cwd or "",
+                "--",
+                server.command,
+                *server.args,
+            ],
+            "env": dict(server.env),
+        }
+
+
+_ALLOWLISTED_EXEC = Path(__file__).with_name("allowlisted_exec.py")
+
+
+@dataclass(frozen=True)
+class ClaudeCodeRun:
+    """How one run goes: its instructions, limits, directory and environment.
+
+    `env` is added to Claude Code's environment (credentials, ANTHROPIC_BASE_URL, HOME for an
+    isolated config, OpenTelemetry); of `inherited` (the environment the SDK passes down,
+    `Settings.inherited_environ()`) only the allowlist is kept. `work_dir`: an empty
+    directory of the caller's, where the private MCP config files go too."""
+
+    system_prompt: str
+    max_turns: int
+    work_dir: Path
+    inherited: Mapping[str, str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
+
+    @property
+    def mcp_config_dir(self) -> Path:
+        return mcp_config_dir(self.work_dir)
+
+
+def mcp_config_dir(work_dir: Path) -> Path:
+    """Where a run's private MCP config files go: `remove_private_files` empties it."""
+    return work_dir / ".mcp"
+
+
+async def run_claude_code(
+    prompt: str,
+    target: McpTarget,
+    run: ClaudeCodeRun,
+    tool_calls: list[dict[str, Any]],
+) -> str:
+    """Run Claude Code to its result; each tool call it makes is appended to `tool_calls` as
+    it happens (so a caller that times out still has them). Raises SpawnError when the run
+    fails or its server does not connect; cancelling it ends the CLI."""
+    from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
+    from claude_agent_sdk._errors import ResultError
+    from claude_agent_sdk.types import ToolUseBlock
+
+    env = {**_CLI_ENV, **run.env}
+    servers = {"mcpServers": {target.name: target.server_config()}}
+    config_path = await asyncio.to_thread(
+        write_private_file, run.mcp_config_dir, json.dumps(servers)
+    )
+    try:
+        options = _options(target, run, env, config_path)
+        transport = _AllowlistedEnvironmentTransport(prompt, options, inherited=run.inherited)
+        result: ResultMessage | None = None
+        # aclosing: on timeout or failure the generator is closed, which ends the CLI.
+        # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
+        async with contextlib.aclosing(
+            cast(
+                "AsyncGenerator[Message, None]",
+                query(prompt=prompt, options=options, transport=transport),
+            )
+        ) as messages:
+            async for message in messages:
+                if isinstance(message, SystemMessage) and message.subtype == "init":
+                    _check_connected(message.data, target)
+                elif isinstance(message, AssistantMessage):
+                    for block in message.content:
+                        if isinstance(block, ToolUseBlock):
+                            tool_calls.append({"name": block.name, "input": block.input})
+                elif isinstance(message, ResultMessage):
+                    result = message
+    except ResultError as exc:
+        # The run ended in an error result (max turns, an API error, no login): the SDK
+        # raises after yielding it. Say what the result said.
+        detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
+        raise SpawnError(describe_failure(detail, "Claude Code session failed")) from exc
+    finally:
+        await asyncio.to_thread(config_path.unlink, missing_ok=True)
+    if result is None:
+        raise SpawnError("Claude Code ended without a result")
+    if result.is_error:
+        detail = "; ".join(result.errors or []) or result.result or result.subtype
+        raise SpawnError(f"Claude Code session failed: {detail}")
+    return result.result or ""
+
+
+def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_config: Path):
+    from claude_agent_sdk import ClaudeAgentOptions
+
+    return ClaudeAgentOptions(
+        mcp_servers=mcp_config,  # a path: what is in it never shows in the command line
+        strict_mcp_config=True,
+        tools=[],
+        allowed_tools=target.qualified(target.allowed_tools),
+        disallowed_tools=target.qualified(target.denied_tools),
+        system_prompt=run.system_prompt,
+        max_turns=run.max_turns,
+        model=run.model,
+        permission_mode="dontAsk",
+        # An empty directory: no project CLAUDE.md or .claude settings get picked up.
+        cwd=str(run.work_dir),
+        setting_sources=[],
+        env=dict(env),
+    )
+
+
+def remove_private_files(directory: Path) -> int:
+    """What `write_private_file` left behind when the process was killed mid-run (the files
+    hold auth tokens): removed at start."""
+    removed = 0
+    for path in directory.glob("*.json") if directory.is_dir() else ():
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def write_private_file(directory: Path, text: str) -> Path:
+    """A new file only this user can read, in a directory only this user can enter."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    path = directory / f"{uuid.uuid4().hex}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path
+
+
+def _subprocess_transport() -> type:
+    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+
+    return SubprocessCLITransport
+
+
+if TYPE_CHECKING:  # the same class, for the checker (a base computed by a call is opaque to it)
+    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+else:
+    SubprocessCLITransport = _subprocess_transport()
+
+
+class _AllowlistedEnvironmentTransport(SubprocessCLITransport):
+    """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
+
+    The SDK always passes our whole environment (`inherited`) down; its `env` option only adds
+    to it. So the command goes through `env -u NAME ...`, which drops every variable Claude Code
+    has no use for before it starts: only their names are on the command line, never their
+    values.
+    """
+
+    def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inherited = inherited
+
+    def _build_command(self) -> list[str]:
+        command = super()._build_command()
+        ours = self._options.env
+        inherited = self._inherited
+        dropped = sorted(
+            name
+            for name in inherited
+            if name not in ours and not claude_code_keeps(name, inherited)
+        )
+        if not dropped:
+            return command
+        unset = [arg for name in dropped for arg in ("-u", name)]
+        return [_ENV_BINARY, *unset, "--", *command]
+
+
+def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:
+    """A run without its tools is a failure, not a success (the CLI carries on without)."""
+    for server in init.get("mcp_servers") or []:
+        if server.get("name") == target.name:
+            if server.get("status") != "connected":
+                raise SpawnError(
+                    f"MCP server {target.name!r} at {target.where} did not connect "
+                    f"(status: {server.get('status')})"
+                )
+            return
+    raise SpawnError(f"MCP server {target.name!r} at {target.where} was not loaded by Claude Code")
+
+
+def describe_sdk_error(exc: BaseException) -> str:
+    return describe_failure(str(exc).strip() or type(exc).__name__, "Claude Code could not run")
+
+
+def describe_failure(text: str, what: str) -> str:
+    first_line = text.splitlines()[0] if text else what
+    if "not logged in" in text.lower() or "api key" in text.lower():
+        return (
+            "Claude Code has no credentials: set ANTHROPIC_API_KEY (or log in with `claude`) "
+            f"in the environment `butlers` runs with ({first_line})"
+        )
+    return f"{what}: {first_line}"
+
+
+def isolated_cli_env(
+    home: Path, base_url: str, api_key: str = "sk-test", *, inherited: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment for a Claude Code that must not see the host: used by tests and bench.
+
+    `inherited`: the environment the CLI would inherit (the caller's process environment); each
+    ANTHROPIC_*/CLAUDE_* variable of it is blanked."""
+    env = {
+        "HOME": str(home),
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    # options.env is merged over the inherited environment: blank out what could leak in.
+    for key in inherited:
+        if (
+            key.startswith(("ANTHROPIC_", "CLAUDE_"))
+            and key not in env
+            and key != "CLAUDE_CODE_DISABLE_AUTOUPDATER"
+        ):
+            env[key] = ""
+    return env
