@@ -738,6 +738,7 @@ async def test_remote_mcp_json_children_through_the_gateway(
 
 
 async def test_token_report(workdir: Path) -> None:
+    (workdir / "mcps" / "plain" / "CLAUDE.md").write_text("You run plain things.")  # wrapped
     code, out, err = await run_cli("gateway", "--report", "--no-butlers", "--dir", str(workdir))
     assert code == 0, err
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("|")}
@@ -747,6 +748,10 @@ async def test_token_report(workdir: Path) -> None:
     native, gateway = int(cells[3]), int(cells[5])
     assert native > gateway > 0 and int(cells[4]) == -(-native // 4)
     assert "% smaller" in out
+    # A wrapped child's natural_language sessions load its tools and instructions.
+    wrapper = len("You run plain things.") + sum(len(json.dumps(t)) for t in MOCK_TOOLS)
+    assert int(cells[7]) == -(-wrapper // 4)
+    assert rows["framed"].split("|")[8].strip() == "-"
 
 
 async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdir: Path) -> None:
