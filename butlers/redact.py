@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from butlers.config import ButlerConfig
+if TYPE_CHECKING:
+    from butlers.config import ButlerConfig
 
 REDACTED = "[redacted]"
 MIN_SECRET_CHARS = 6  # shorter values would blank out ordinary words

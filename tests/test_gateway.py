@@ -476,7 +476,9 @@ async def test_introspection_modes(tmp_path: Path, mode: str) -> None:
     assert set(result.structured_content) == {"tools"}  # nothing beside the entries
 
 
-async def test_a_crashed_child_is_reported_and_restarted_on_the_next_call(workdir: Path) -> None:
+async def test_a_crashed_child_is_reported_restarted_and_loses_its_active_tools(
+    workdir: Path,
+) -> None:
     async with stdio_host(workdir, "--lazy") as host:
         result = await host.suite("brittle_suite", "call", "echo", message="one")
         assert text_of(result) == "one"
@@ -491,6 +493,22 @@ async def test_a_crashed_child_is_reported_and_restarted_on_the_next_call(workdi
         assert second != first and not psutil.pid_exists(first)
         status = (await host.call("gateway_status")).structured_content["result"]
         assert [s["state"] for s in status if s["name"] == "brittle"] == ["ready"]
+
+        # Dying while active, it takes its tools out of the list, and the host is told.
+        await host.call("gateway_activate", name="brittle")
+        await host.wait_list_changed(1)
+        assert "echo" in await host.tools()
+        result = await host.call("crash")
+        assert result.is_error
+        await host.wait_list_changed(2)
+        assert "echo" not in await host.tools()
+        status = {
+            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
+        }
+        assert status["brittle"]["state"] == "error"
+        assert "exited" in status["brittle"]["error"]
+        # Its suite still works: the next call restarts it.
+        assert text_of(await host.suite("brittle_suite", "call", "echo", message="back")) == "back"
 
 
 async def test_an_existing_switchboard_config_json_is_honoured(workdir: Path) -> None:
@@ -546,24 +564,6 @@ async def test_activate_injects_tools_with_list_changed_and_deactivate_removes_t
 
         result = await host.call("gateway_activate", name="ghost")
         assert result.is_error and "no MCP server named 'ghost'" in text_of(result)
-
-
-async def test_a_child_that_dies_while_active_drops_its_tools(workdir: Path) -> None:
-    async with stdio_host(workdir) as host:
-        await host.call("gateway_activate", name="brittle")
-        await host.wait_list_changed(1)
-        assert "echo" in await host.tools()
-        result = await host.call("crash")
-        assert result.is_error
-        await host.wait_list_changed(2)
-        assert "echo" not in await host.tools()
-        status = {
-            s["name"]: s for s in (await host.call("gateway_status")).structured_content["result"]
-        }
-        assert status["brittle"]["state"] == "error"
-        assert "exited" in status["brittle"]["error"]
-        # Its suite still works: the next call restarts it.
-        assert text_of(await host.suite("brittle_suite", "call", "echo", message="back")) == "back"
 
 
 async def test_killing_the_gateway_leaves_no_child_behind(workdir: Path) -> None:
