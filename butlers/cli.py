@@ -596,6 +596,7 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
 async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
     from butlers.gateway.run import (
         GatewayOptions,
+        dry_run,
         serve_gateway,
         token_report,
     )
@@ -610,6 +611,7 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
         port=args.port,
         prewarm=not args.lazy,
         auth_token=reveal(settings.auth_token),
+        mode=args.mode,
     )
     target = SwitchboardTarget(args.url, options.auth_token)
 
@@ -620,6 +622,10 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
     if args.report:
         print(await token_report(options, fetch, as_json=args.json))
         return 0
+    if args.dry_run:
+        code, listing = await dry_run(options, fetch, as_json=args.json)
+        print(listing)
+        return code
     stop = asyncio.Event()
     if args.transport != "stdio":
         # Over stdio the host ends us by closing our input; a signal keeps its default action
@@ -712,7 +718,20 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     gateway.add_argument(
         "--report", action="store_true", help="print the token sizes of native vs gateway tools"
     )
-    gateway.add_argument("--json", action="store_true", help="--report as JSON, for scripts")
+    gateway.add_argument(
+        "--mode",
+        choices=("suite", "activate", "both"),
+        help="suite tools, only gateway_* until activation, or both (default: gateway.toml's "
+        "mode, else suite)",
+    )
+    gateway.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="start every child, list its state and subtools, and exit (1 if one is in error)",
+    )
+    gateway.add_argument(
+        "--json", action="store_true", help="--report / --dry-run as JSON, for scripts"
+    )
     trace = commands.add_parser(
         "trace",
         # (the default is butlers.switchboard.operator's, not imported for a --help)

@@ -456,24 +456,27 @@ async def test_a_child_that_pings_and_asks_the_gateway_gets_answers(tmp_path: Pa
         assert (await host.status())["peer"]["state"] == "ready"
 
 
-@pytest.mark.parametrize("mode", ["full", "redacted"])
-async def test_introspection_modes(tmp_path: Path, mode: str) -> None:
+async def test_introspection_full_from_the_config_and_redacted_for_one_call(
+    tmp_path: Path,
+) -> None:
     """full: each tool's own description, whole (no summary limit); redacted: none at all."""
     mcp_json(tmp_path, "plain")
     (tmp_path / "gateway.toml").write_text(
-        f'[introspection]\nmode = "{mode}"\nsummary_max_chars = 40\n'
+        '[introspection]\nmode = "full"\nsummary_max_chars = 40\n'
     )
     async with stdio_host(tmp_path, "--lazy") as host:
-        result = await host.suite("plain_suite", "introspect")
-    assert not result.is_error, text_of(result)
-    listed = result.structured_content["tools"]
-    assert [t["name"] for t in listed] == [t["name"] for t in MOCK_TOOLS]
-    for entry, tool in zip(listed, MOCK_TOOLS, strict=True):
-        expected = {"name": tool["name"], "inputSchema": tool["inputSchema"]}
-        if mode == "full":
-            expected["summary"] = tool["description"]  # "Add two   numbers\n   together." too
-        assert entry == expected
-    assert set(result.structured_content) == {"tools"}  # nothing beside the entries
+        full = await host.suite("plain_suite", "introspect")
+        redacted = await host.call("plain_suite", action="introspect", verbosity="redacted")
+    for result, mode in ((full, "full"), (redacted, "redacted")):
+        assert not result.is_error, text_of(result)
+        listed = result.structured_content["tools"]
+        assert [t["name"] for t in listed] == [t["name"] for t in MOCK_TOOLS]
+        for entry, tool in zip(listed, MOCK_TOOLS, strict=True):
+            expected = {"name": tool["name"], "inputSchema": tool["inputSchema"]}
+            if mode == "full":
+                expected["summary"] = tool["description"]  # "Add two   numbers\n   together." too
+            assert entry == expected
+        assert set(result.structured_content) == {"tools"}  # nothing beside the entries
 
 
 async def test_a_crashed_child_is_reported_restarted_and_loses_its_active_tools(

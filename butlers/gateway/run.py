@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
-from butlers.gateway.server import CONTROL_TOOLS, Gateway
+from butlers.gateway.server import CONTROL_TOOLS, Gateway, Mode
 from butlers.http import (
     DEFAULT_MAX_REQUEST_BYTES,
     BearerTokenMiddleware,
@@ -42,6 +42,7 @@ class GatewayOptions:
     port: int = 8110
     prewarm: bool = True
     auth_token: str | None = None
+    mode: Mode | None = None  # None: gateway.toml's
 
 
 async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> Gateway:
@@ -53,7 +54,9 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
         except ButlersError as exc:
             logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
     specs += discover_mcp_files(config.discover_globs, config.base_dir)
-    return Gateway(config, specs, environ=options.environ, auth_token=options.auth_token)
+    return Gateway(
+        config, specs, environ=options.environ, auth_token=options.auth_token, mode=options.mode
+    )
 
 
 async def serve_gateway(
@@ -114,6 +117,50 @@ async def _until(serving: asyncio.Task[Any], stop: asyncio.Event) -> None:
 def _bearer(token: str | None) -> list[Middleware]:
     """Over the network the gateway asks for the same BUTLERS_AUTH_TOKEN as the butlers."""
     return [Middleware(BearerTokenMiddleware, token=token)] if token else []
+
+
+async def dry_run(
+    options: GatewayOptions, fetch_registry: RegistryFetch | None, *, as_json: bool = False
+) -> tuple[int, str]:
+    """Start every child, list each one's state and subtools (names and summaries), stop.
+    The exit code is 1 when a child is in error, so a script can check a config with it."""
+    gateway = await build_gateway(options, fetch_registry)
+    try:
+        await gateway.warm_all()
+        children: list[dict[str, Any]] = []
+        for slot in gateway.slots.values():
+            subtools = []
+            if slot.state != "error":
+                subtools = await gateway.introspect(slot, "summary")
+            children.append(
+                {
+                    "name": slot.spec.name,
+                    "kind": slot.spec.kind,
+                    "source": slot.spec.source,
+                    "state": slot.state,
+                    "error": slot.error,
+                    "suite": None if gateway.mode == "activate" else slot.suite_name,
+                    "subtools": [
+                        {"name": t["name"], "summary": t.get("summary", "")} for t in subtools
+                    ],
+                }
+            )
+    finally:
+        await gateway.close()
+    code = 1 if any(c["state"] == "error" for c in children) else 0
+    if as_json:
+        return code, json.dumps({"mode": gateway.mode, "children": children})
+    lines = [f"mode: {gateway.mode}, {len(children)} children"]
+    for child in children:
+        head = f"{child['name']} ({child['kind']}, {child['state']})"
+        if child["error"]:
+            lines.append(f"{head}: {child['error']}")
+            continue
+        suite = f", suite {child['suite']}" if child["suite"] else ""
+        lines.append(f"{head}: {len(child['subtools'])} subtools{suite}")
+        width = max((len(t["name"]) for t in child["subtools"]), default=0)
+        lines += [f"  {t['name']:<{width}}  {t['summary']}".rstrip() for t in child["subtools"]]
+    return code, "\n".join(lines)
 
 
 def _json(model: Any) -> str:

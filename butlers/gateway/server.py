@@ -5,6 +5,11 @@ runs one) plus `gateway_activate` / `gateway_deactivate` / `gateway_status`. Act
 puts its own tools into the tool list and tells every connected host
 (`notifications/tools/list_changed`, which FastMCP does not send by itself); deactivating takes
 them out again while the child stays warm.
+
+The mode (gateway.toml `mode`, `--mode`) says what the list holds: `suite` (suite tools, and an
+activated child's tools beside its suite), `activate` (mcpflip's promise: only the three
+`gateway_*` tools until something is activated, no suite tools) or `both` (suite tools, and an
+activated child's own tools instead of its suite).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +48,9 @@ from butlers.tool_errors import ToolRefusal
 logger = logging.getLogger(__name__)
 
 State = Literal["idle", "warming", "ready", "active", "error"]
+Mode = Literal["suite", "activate", "both"]
+Verbosity = Literal["summary", "full", "redacted"]
+VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
 
 CONTROL_TOOLS = ("gateway_activate", "gateway_deactivate", "gateway_status")
 SUITE_SCHEMA: dict[str, Any] = {
@@ -51,8 +59,18 @@ SUITE_SCHEMA: dict[str, Any] = {
         "action": {"type": "string", "enum": ["introspect", "call"]},
         "subtool": {"type": "string", "description": "the child's tool, for action 'call'"},
         "args": {"type": "object", "description": "its arguments, for action 'call'"},
+        "verbosity": {
+            "type": "string",
+            "enum": list(VERBOSITIES),
+            "description": "for introspect: full descriptions, summaries or none",
+        },
     },
     "required": ["action"],
+}
+NAME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "description": "an MCP server's name"}},
+    "required": ["name"],
 }
 
 
@@ -68,6 +86,7 @@ class Slot:
     error: str | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the child lists them
     injected: list[str] = field(default_factory=list)  # tool names added by activate
+    suite_tool: Tool | None = None  # listed unless the mode hides it
     # Its Claude wrapper's instructions (butlers.gateway.wrapper); None: no natural_language.
     instructions: Instructions | None = None
 
@@ -109,6 +128,22 @@ class _ChildTool(Tool):
         return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
 
 
+class _ControlTool(Tool):
+    """A `gateway_*` tool: its handler's answer as JSON text and structured content (a list
+    under "result", as FastMCP gives a function's). Declared with its schema, not from a
+    function's signature: FastMCP would parse the docstrings with griffe at start (30 ms of a
+    gateway's start-up, measured)."""
+
+    _handler: Callable[[dict[str, Any]], Awaitable[Any]]
+
+    async def run(self, arguments: dict[str, Any]) -> ToolResult:
+        value = await self._handler(arguments)
+        return ToolResult(
+            content=[mcp_types.TextContent(type="text", text=json.dumps(value))],
+            structured_content=value if isinstance(value, dict) else {"result": value},
+        )
+
+
 class _HostTracker(Middleware):
     """Remembers every connected host (FastMCP's server-side `ctx.session` of each), to tell
     them when the tool list changes."""
@@ -133,18 +168,15 @@ class Gateway:
         environ: Mapping[str, str],
         auth_token: str | None = None,
         wrapper: ClaudeWrapper | None = None,
+        mode: Mode | None = None,
     ) -> None:
         self.config = config
+        self.mode: Mode = mode or config.mode
         self.environ = environ  # stdio children get its base variables, never our secrets
         self.auth_token = auth_token  # for butlers only
         self.wrapper = wrapper or ClaudeWrapper(config, environ=environ)
         self._descriptions = load_descriptions(config.base_dir)
-        self.mcp = FastMCP(
-            "butlers-gateway",
-            instructions="One tool per MCP server behind this gateway: call a suite tool with "
-            "action 'introspect' to see its tools, 'call' to run one; or gateway_activate a "
-            "server to get its tools directly.",
-        )
+        self.mcp = FastMCP("butlers-gateway", instructions=_INSTRUCTIONS[self.mode])
         self._tracker = _HostTracker()
         self.mcp.add_middleware(self._tracker)
         self.slots: dict[str, Slot] = {}
@@ -190,7 +222,9 @@ class Gateway:
         self.slots[spec.name] = slot
         tool = _SuiteTool(name=suite_name, description=slot.description, parameters=SUITE_SCHEMA)
         tool._gateway, tool._slot = self, slot
-        self.mcp.add_tool(tool)
+        slot.suite_tool = tool
+        if self.mode != "activate":
+            self.mcp.add_tool(tool)
 
     async def warm_all(self) -> None:
         """Start every child at once; one broken or slow child never holds up the others."""
@@ -233,7 +267,14 @@ class Gateway:
         action = arguments.get("action")
         suite = slot.suite_name
         if action == "introspect":
-            return ToolResult(structured_content={"tools": await self.introspect(slot)})
+            verbosity = arguments.get("verbosity")
+            if verbosity is not None and verbosity not in VERBOSITIES:
+                raise ToolRefusal(
+                    f"suite {suite!r}: verbosity must be one of {', '.join(VERBOSITIES)}, "
+                    f"got {verbosity!r}"
+                )
+            tools = await self.introspect(slot, verbosity)
+            return ToolResult(structured_content={"tools": tools})
         if action != "call":
             raise ToolRefusal(
                 f"suite {suite!r}: action must be 'introspect' or 'call', got {action!r}"
@@ -254,8 +295,11 @@ class Gateway:
             raise ToolRefusal(f"Subtool {subtool!r} not found in suite {suite!r} (tools: {known})")
         return await self.direct_call(slot, subtool, args)
 
-    async def introspect(self, slot: Slot) -> list[dict[str, Any]]:
-        mode = self.config.introspection_mode
+    async def introspect(
+        self, slot: Slot, verbosity: Verbosity | None = None
+    ) -> list[dict[str, Any]]:
+        """The child's exposed tools, as `verbosity` (else `[introspection] mode`) says."""
+        mode = verbosity or self.config.introspection_mode
         limit = self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
         listed = []
         for tool in self._exposed(slot, await self._tools(slot)):
@@ -360,51 +404,55 @@ class Gateway:
     # -- activate mode --------------------------------------------------------------------
 
     def _register_control_tools(self) -> None:
-        @self.mcp.tool
-        async def gateway_activate(name: str) -> dict[str, Any]:
-            """Put the tools of the MCP server `name` into your tool list (see gateway_status
-            for the names). Its suite tool keeps working too."""
-            slot = self._slot(name)
-            await self.warm(slot)
-            if slot.state == "error":
-                raise ToolRefusal(
-                    f"cannot activate {name!r}: {slot.error}", log_level=logging.WARNING
-                )
-            if not slot.injected:
-                self._inject_tools(slot)
-                await self.notify_tools_changed()
-            slot.state = "active"
-            return {"activated": name, "tools": list(slot.injected)}
+        described = _CONTROL_DESCRIPTIONS[self.mode]
+        for name, handler, parameters in (
+            ("gateway_activate", self._activate, NAME_SCHEMA),
+            ("gateway_deactivate", self._deactivate, NAME_SCHEMA),
+            ("gateway_status", self._status, {"type": "object", "properties": {}}),
+        ):
+            tool = _ControlTool(name=name, description=described[name], parameters=parameters)
+            tool._handler = handler
+            self.mcp.add_tool(tool)
 
-        @self.mcp.tool
-        async def gateway_deactivate(name: str) -> dict[str, Any]:
-            """Take the tools of `name` out of your tool list again (it stays warm)."""
-            slot = self._slot(name)
-            removed = list(slot.injected)
-            if removed:
-                self._remove_tools(slot)
-                await self.notify_tools_changed()
-            if slot.state == "active":
-                slot.state = "ready"
-            return {"deactivated": name, "removed": removed}
+    async def _activate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        name = _name_argument(arguments)
+        slot = self._slot(name)
+        await self.warm(slot)
+        if slot.state == "error":
+            raise ToolRefusal(f"cannot activate {name!r}: {slot.error}", log_level=logging.WARNING)
+        if not slot.injected:
+            self._inject_tools(slot)
+            if self.mode == "both":
+                self._hide_suite(slot)
+            await self.notify_tools_changed()
+        slot.state = "active"
+        return {"activated": name, "tools": list(slot.injected)}
 
-        @self.mcp.tool
-        async def gateway_status() -> list[dict[str, Any]]:
-            """Every MCP server behind the gateway: state (warming, ready, active, error),
-            its error if any, how many tools it has, and its suite tool."""
-            return [
-                {
-                    "name": slot.spec.name,
-                    "kind": slot.spec.kind,
-                    "state": slot.state,
-                    "ready": slot.state in ("ready", "active"),
-                    "active": slot.state == "active",
-                    "error": slot.error,
-                    "tools": len(slot.tools),
-                    "suite": slot.suite_name,
-                }
-                for slot in self.slots.values()
-            ]
+    async def _deactivate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        name = _name_argument(arguments)
+        slot = self._slot(name)
+        removed = list(slot.injected)
+        if removed:
+            self._remove_tools(slot)
+            await self.notify_tools_changed()
+        if slot.state == "active":
+            slot.state = "ready"
+        return {"deactivated": name, "removed": removed}
+
+    async def _status(self, arguments: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": slot.spec.name,
+                "kind": slot.spec.kind,
+                "state": slot.state,
+                "ready": slot.state in ("ready", "active"),
+                "active": slot.state == "active",
+                "error": slot.error,
+                "tools": len(slot.tools),
+                "suite": None if self.mode == "activate" else slot.suite_name,
+            }
+            for slot in self.slots.values()
+        ]
 
     def _slot(self, name: str) -> Slot:
         slot = self.slots.get(name)
@@ -435,6 +483,16 @@ class Gateway:
             with contextlib.suppress(Exception):
                 self.mcp.local_provider.remove_tool(name)
         slot.injected.clear()
+        if self.mode == "both":
+            self._show_suite(slot)
+
+    def _hide_suite(self, slot: Slot) -> None:
+        with contextlib.suppress(Exception):
+            self.mcp.local_provider.remove_tool(slot.suite_name)
+
+    def _show_suite(self, slot: Slot) -> None:
+        if slot.suite_tool is not None:
+            self.mcp.add_tool(slot.suite_tool)
 
     async def notify_tools_changed(self) -> None:
         for host in list(self._tracker.hosts):
@@ -455,3 +513,50 @@ class Gateway:
             *(slot.child.close() for slot in self.slots.values()), return_exceptions=True
         )
         self.wrapper.close()
+
+
+def _name_argument(arguments: dict[str, Any]) -> str:
+    name = arguments.get("name")
+    if not isinstance(name, str) or not name:
+        raise ToolRefusal("'name' must be an MCP server's name (see gateway_status)")
+    return name
+
+
+_INSTRUCTIONS: dict[Mode, str] = {
+    "suite": "One tool per MCP server behind this gateway: call a suite tool with action "
+    "'introspect' to see its tools, 'call' to run one; or gateway_activate a server to get its "
+    "tools directly.",
+    "activate": "The MCP servers behind this gateway are off until you need one: "
+    "gateway_status lists them, gateway_activate puts a server's tools into your tool list, "
+    "gateway_deactivate takes them out again.",
+    "both": "One tool per MCP server behind this gateway: call a suite tool with action "
+    "'introspect' to see its tools, 'call' to run one; or gateway_activate a server to get its "
+    "own tools instead of its suite tool.",
+}
+_STATUS = (
+    "Every MCP server behind the gateway: state (warming, ready, active, error), its error if "
+    "any, how many tools it has, and its suite tool."
+)
+_CONTROL_DESCRIPTIONS: dict[Mode, dict[str, str]] = {
+    "suite": {
+        "gateway_activate": "Put the tools of the MCP server `name` into your tool list (see "
+        "gateway_status for the names). Its suite tool keeps working too.",
+        "gateway_deactivate": "Take the tools of `name` out of your tool list again (it stays "
+        "warm).",
+        "gateway_status": _STATUS,
+    },
+    "activate": {
+        "gateway_activate": "Put the tools of the MCP server `name` into your tool list (see "
+        "gateway_status for the names).",
+        "gateway_deactivate": "Take the tools of `name` out of your tool list again (it stays "
+        "warm).",
+        "gateway_status": _STATUS,
+    },
+    "both": {
+        "gateway_activate": "Put the tools of the MCP server `name` into your tool list, in "
+        "place of its suite tool (see gateway_status for the names).",
+        "gateway_deactivate": "Take the tools of `name` out of your tool list again; its suite "
+        "tool comes back (it stays warm).",
+        "gateway_status": _STATUS,
+    },
+}

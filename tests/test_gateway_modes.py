@@ -1,0 +1,122 @@
+"""What a host's tool list holds in each mode (`suite`, `activate`, `both`), per-call
+introspection verbosity, and `butlers gateway --dry-run`: the real `butlers gateway` driven by
+the official `mcp` client, with the mock children of test_gateway."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
+from tests.test_cli_client import run_cli
+from tests.test_gateway import mcp_json, stdio_host, text_of
+
+CONTROL = ["gateway_activate", "gateway_deactivate", "gateway_status"]
+MOCK_NAMES = [t["name"] for t in MOCK_TOOLS]
+
+
+async def test_activate_mode_lists_only_the_gateway_tools_until_a_child_is_activated(
+    tmp_path: Path,
+) -> None:
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "framed", "--framing", "content-length")
+    # --mode wins over the file.
+    (tmp_path / "gateway.toml").write_text('mode = "both"\n')
+    async with stdio_host(tmp_path, "--mode", "activate") as host:
+        assert sorted(await host.tools()) == CONTROL
+        status = await host.status()
+        assert set(status) == {"plain", "framed"} and status["plain"]["suite"] is None
+        result = await host.call("plain_suite", action="introspect")
+        assert result.is_error  # there is no suite tool to call
+
+        result = await host.call("gateway_activate", name="plain")
+        assert result.structured_content["tools"] == MOCK_NAMES
+        await host.wait_list_changed(1)
+        assert sorted(await host.tools()) == sorted(CONTROL + MOCK_NAMES)
+        assert text_of(await host.call("add", a=2, b=40)) == "42"
+
+        result = await host.call("gateway_deactivate", name="plain")
+        assert result.structured_content["removed"] == MOCK_NAMES
+        await host.wait_list_changed(2)
+        assert sorted(await host.tools()) == CONTROL
+        result = await host.call("gateway_activate", name="nobody")
+        assert result.is_error and "no MCP server named 'nobody'" in text_of(result)
+
+
+async def test_both_mode_swaps_a_suite_for_its_tools_and_introspect_takes_a_verbosity(
+    tmp_path: Path,
+) -> None:
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "framed", "--framing", "content-length")
+    (tmp_path / "gateway.toml").write_text(
+        'mode = "both"\n[introspection]\nmode = "redacted"\nsummary_max_chars = 12\n'
+    )
+    async with stdio_host(tmp_path) as host:
+        suites = ["framed_suite", "plain_suite"]
+        assert sorted(await host.tools()) == sorted(CONTROL + suites)
+
+        await host.call("gateway_activate", name="plain")
+        await host.wait_list_changed(1)
+        assert sorted(await host.tools()) == sorted([*CONTROL, "framed_suite", *MOCK_NAMES])
+        await host.call("gateway_deactivate", name="plain")
+        await host.wait_list_changed(2)
+        assert sorted(await host.tools()) == sorted(CONTROL + suites)
+        assert text_of(await host.suite("plain_suite", "call", "add", a=1, b=2)) == "3"
+
+        # The configured mode (redacted), then each verbosity asked for in the call.
+        def introspected(result) -> dict[str, dict]:
+            assert not result.is_error, text_of(result)
+            return {t["name"]: t for t in result.structured_content["tools"]}
+
+        tools = introspected(await host.suite("plain_suite", "introspect"))
+        assert "summary" not in tools["add"]
+        tools = introspected(await host.call("plain_suite", action="introspect", verbosity="full"))
+        assert tools["add"]["summary"] == "Add two   numbers\n   together."
+        assert tools["long_description"]["summary"] == MOCK_TOOLS[3]["description"]
+        tools = introspected(
+            await host.call("plain_suite", action="introspect", verbosity="summary")
+        )
+        assert all(len(t["summary"]) <= 12 for t in tools.values())
+        result = await host.call("plain_suite", action="introspect", verbosity="loud")
+        assert result.is_error and "verbosity must be one of summary, full, redacted" in (
+            text_of(result)
+        )
+
+
+async def test_dry_run_lists_children_states_and_subtools_and_fails_on_a_broken_one(
+    tmp_path: Path,
+) -> None:
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "mute", "--silent")
+    (tmp_path / "gateway.toml").write_text(
+        '[timeouts]\nchild_spawn_ms = 300\n[suites.plain.expose]\ndeny = ["crash"]\n'
+    )
+    code, out, err = await run_cli("gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path))
+    assert code == 1, (out, err)  # mute never answers
+    lines = out.splitlines()
+    assert lines[0] == "mode: suite, 2 children"
+    assert "plain (mcp, ready): 3 subtools, suite plain_suite" in lines
+    assert any(line.split() == ["add", "Add", "two", "numbers", "together."] for line in lines)
+    assert not any(line.split()[:1] == ["crash"] for line in lines)  # denied
+    assert (
+        "mute (mcp, error): child 'mute': no answer to initialize within 300 ms "
+        "(timeouts.child_spawn_ms)"
+    ) in lines
+
+    (tmp_path / "mcps" / "mute" / ".mcp.json").unlink()
+    code, out, err = await run_cli(
+        "gateway",
+        "--dry-run",
+        "--json",
+        "--mode",
+        "activate",
+        "--no-butlers",
+        "--dir",
+        str(tmp_path),
+    )
+    assert code == 0, err
+    listing = json.loads(out)
+    assert listing["mode"] == "activate"
+    [plain] = listing["children"]
+    assert (plain["state"], plain["suite"]) == ("ready", None)
+    assert [t["name"] for t in plain["subtools"]] == ["echo", "add", "long_description"]
