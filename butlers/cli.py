@@ -627,10 +627,9 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
         print(listing)
         return code
     stop = asyncio.Event()
-    if args.transport != "stdio":
-        # Over stdio the host ends us by closing our input; a signal keeps its default action
-        # (the stdin reader cannot be interrupted) and the children go with us (PDEATHSIG).
-        _install_stop_signals(stop)
+    # Over stdio the host ends us by closing our input, or with SIGTERM / SIGINT: either way
+    # the children are ended before we go.
+    _install_stop_signals(stop)
     return await serve_gateway(options, fetch, stop)
 
 

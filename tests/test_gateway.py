@@ -569,32 +569,91 @@ async def test_activate_injects_tools_with_list_changed_and_deactivate_removes_t
         assert result.is_error and "no MCP server named 'ghost'" in text_of(result)
 
 
-async def test_killing_the_gateway_leaves_no_child_behind(workdir: Path) -> None:
-    mcp_json(workdir, "stubborn", "--linger")  # would outlive its stdin's end
+def wrapped_child(directory: Path, name: str) -> None:
+    """A child the way npx / uvx / `sh -c` start one: the real server is a grandchild, here
+    beside a `sleep` that nothing but its process group would end."""
+    child = directory / "mcps" / name
+    child.mkdir(parents=True, exist_ok=True)
+    command = {
+        "cmd": "sh",
+        "args": ["-c", f"sleep 300 & exec {sys.executable} {MOCK}"],
+        "env": {"MOCK_MCP_PIDS": str(directory / "pids")},
+    }
+    (child / ".mcp.json").write_text(json.dumps({"name": name, "command": command}))
+
+
+async def start_gateway(
+    workdir: Path, children: int, wrapped: int
+) -> tuple[asyncio.subprocess.Process, list[int]]:
+    """`butlers gateway` over stdio with its input held open, once it pre-warmed `children`
+    children (`wrapped` of them by `wrapped_child`): the process, and every descendant of it
+    (children, the wrapped ones' sleeps, the watchdog)."""
     process = await asyncio.create_subprocess_exec(
         BUTLERS,
-        "gateway",
-        "--dir",
-        str(workdir),
-        "--no-butlers",
+        *("gateway", "--dir", str(workdir), "--no-butlers"),
         env=_env(workdir),
         cwd=workdir,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )
+    async with asyncio.timeout(30):
+        while len(child_pids(workdir)) < children:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        expected = children + wrapped + 1  # the sleeps, the watchdog
+        while len(psutil.Process(process.pid).children(recursive=True)) < expected:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    descendants = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+    return process, descendants
+
+
+async def test_killing_the_gateway_leaves_no_descendant_behind(workdir: Path) -> None:
+    mcp_json(workdir, "stubborn", "--linger")  # would outlive its stdin's end
+    wrapped_child(workdir, "wrapped")
+    process, descendants = await start_gateway(workdir, 6, wrapped=1)
     try:
-        async with asyncio.timeout(30):  # pre-warming spawns all five children
-            while len(child_pids(workdir)) < 5:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        pids = child_pids(workdir)
-        assert all(psutil.pid_exists(pid) for pid in pids)
+        watchdog = [p for p in descendants if "watchdog.py" in " ".join(_cmdline(p))]
+        assert len(watchdog) == 1 and set(child_pids(workdir)) < set(descendants)
         process.send_signal(signal.SIGKILL)  # the host died and took the gateway with it
         await process.wait()
-        assert await survivors(pids) == []
+        # Children, the wrapped server's sleep, and the watchdog once it did its work.
+        assert await survivors(descendants, timeout_s=5) == []
     finally:
         if process.returncode is None:
             process.kill()
+        _kill_left(descendants)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_stops_a_stdio_gateway_and_everything_it_started(
+    tmp_path: Path, signum: int
+) -> None:
+    mcp_json(tmp_path, "plain")
+    wrapped_child(tmp_path, "wrapped")
+    process, descendants = await start_gateway(tmp_path, 2, wrapped=1)
+    try:
+        process.send_signal(signum)
+        async with asyncio.timeout(15):
+            assert await process.wait() == 0
+        assert await survivors(descendants, timeout_s=5) == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+        _kill_left(descendants)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_left(pids: list[int]) -> None:
+    """What a failed test left (only processes it started)."""
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
 
 
 async def survivors(pids: list[int], timeout_s: float = 10) -> list[int]:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from butlers.environment import gateway_child_environment
 from butlers.errors import CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.gateway.children import ChildSpec
+from butlers.gateway.reaper import Watchdog, end_group
 from butlers.mcp_connection.stdio import StdioConnection
 
 if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote child starts
@@ -148,6 +148,7 @@ class StdioChild(_Child):
         rpc_timeout_s: float,
         on_exit: Callable[[StdioChild, str], None] | None = None,
         on_tools_changed: Callable[[str], None] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -157,6 +158,7 @@ class StdioChild(_Child):
         )
         self.on_exit = on_exit
         self.environ = environ
+        self.watchdog = watchdog  # ends its process group if the gateway is killed
         self.spawns = 0
         self._process: asyncio.subprocess.Process | None = None
         self._start_lock = asyncio.Lock()
@@ -210,6 +212,8 @@ class StdioChild(_Child):
                 f"child {self.name!r}: cannot run {spec.cmd!r} in {spec.cwd}: {exc.strerror or exc}"
             ) from exc
         self.spawns += 1
+        if self.watchdog is not None:
+            self.watchdog.watch(self._process.pid)
         connection = StdioConnection(
             self._process,
             label=f"child {self.name!r}",  # "child 'docs' exited (code 3)"
@@ -227,20 +231,17 @@ class StdioChild(_Child):
         return exc  # its connection's words already name the child: "child 'x' exited (code 3)"
 
     async def _kill(self) -> None:
-        """Stop listening first (a child we end did not crash), then end its process group."""
+        """Stop listening first (a child we end did not crash), then end its process group:
+        also what it started, also when it has exited already (a crash leaves its own
+        children behind)."""
         connection, self._connection = self._connection, None
         if connection is not None:
             await connection.close()
         process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), KILL_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        if process is not None:
+            await end_group(process, KILL_GRACE_S)
+            if self.watchdog is not None:
+                self.watchdog.forget(process.pid)
 
     async def close(self) -> None:
         await self._kill()

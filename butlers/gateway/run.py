@@ -18,6 +18,7 @@ from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.server import CONTROL_TOOLS, Gateway, Mode
+from butlers.gateway.stdio import serve_stdio
 from butlers.http import (
     DEFAULT_MAX_REQUEST_BYTES,
     BearerTokenMiddleware,
@@ -71,9 +72,7 @@ async def serve_gateway(
         if options.prewarm:
             gateway.start_warming()
         if options.transport == "stdio":
-            serving = asyncio.create_task(
-                gateway.mcp.run_async(transport="stdio", show_banner=False)
-            )
+            serving = asyncio.create_task(serve_stdio(gateway.mcp))
             await _until(serving, stop)
             await cancel_and_wait(serving)
         else:

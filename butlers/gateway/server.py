@@ -32,6 +32,7 @@ from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.config import GatewayConfig
+from butlers.gateway.reaper import Watchdog
 from butlers.gateway.summary import summarize
 from butlers.gateway.wrapper import (
     NATURAL_LANGUAGE,
@@ -180,6 +181,7 @@ class Gateway:
         self._tracker = _HostTracker()
         self.mcp.add_middleware(self._tracker)
         self.slots: dict[str, Slot] = {}
+        self.watchdog = Watchdog()  # the children's groups, should we be killed
         self._warming: list[asyncio.Task[None]] = []
         self._notify_tasks: set[asyncio.Task[None]] = set()
         for spec in specs:
@@ -215,6 +217,7 @@ class Gateway:
                 spawn_timeout_s=spawn_s,
                 rpc_timeout_s=rpc_s,
                 on_exit=self._child_exited,
+                watchdog=self.watchdog,
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
@@ -512,6 +515,7 @@ class Gateway:
         await asyncio.gather(
             *(slot.child.close() for slot in self.slots.values()), return_exceptions=True
         )
+        await self.watchdog.close()
         self.wrapper.close()
 
 

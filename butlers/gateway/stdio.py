@@ -1,0 +1,90 @@
+"""Serving the host over stdio, so that a signal can stop it.
+
+FastMCP's stdio transport (the MCP SDK's `stdio_server`) reads standard input in a worker
+thread; a task blocked there cannot be cancelled, so a SIGTERM or SIGINT could not end the
+gateway (measured: it kept running, children and all, until its input closed). Here the event
+loop reads standard input itself (a pipe, as every host gives; a tty too), so stopping is a
+cancellation like any other. Anything else (a regular file) falls back to FastMCP's own run.
+
+This drives FastMCP's server the way its `run_stdio_async` does (its lifespan and low-level
+server: private names, in the range pyproject.toml pins).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastmcp import FastMCP
+
+logger = logging.getLogger(__name__)
+
+# A JSON-RPC message is one line; a longer one is dropped (and logged), never fatal.
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+class StdinLines:
+    """Standard input as the async iterator of text lines the SDK's `stdio_server` reads."""
+
+    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport) -> None:
+        self._reader = reader
+        self._transport = transport
+
+    def __aiter__(self) -> StdinLines:
+        return self
+
+    async def __anext__(self) -> str:
+        while True:
+            try:
+                line = await self._reader.readline()
+            except ValueError:  # over MAX_LINE_BYTES: the reader dropped it
+                logger.warning(
+                    "a message from the host over %d bytes was dropped",
+                    MAX_LINE_BYTES,
+                    extra={"action": "host_message_too_long"},
+                )
+                continue
+            if not line:
+                raise StopAsyncIteration
+            return line.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+async def open_stdin() -> StdinLines | None:
+    """Standard input, read by the event loop; None when it is not a pipe, socket or tty."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
+    pipe = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+    try:
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+    except ValueError:
+        pipe.close()
+        return None
+    return StdinLines(reader, transport)
+
+
+async def serve_stdio(mcp: FastMCP) -> None:
+    """Serve `mcp` to the host on stdin/stdout until the input ends or this is cancelled."""
+    stdin = await open_stdin()
+    if stdin is None:
+        await mcp.run_async(transport="stdio", show_banner=False)
+        return
+    from fastmcp.server.context import reset_transport, set_transport
+    from mcp.server.stdio import stdio_server
+
+    token = set_transport("stdio")
+    try:
+        async with mcp._lifespan_manager(), stdio_server(stdin=stdin) as (read, write):  # type: ignore[arg-type]
+            server = mcp._mcp_server
+            await server.run(read, write, server.create_initialization_options())
+    finally:
+        reset_transport(token)
+        stdin.close()
