@@ -612,6 +612,7 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
         prewarm=not args.lazy,
         auth_token=reveal(settings.auth_token),
         mode=args.mode,
+        config_file=args.config,
     )
     target = SwitchboardTarget(args.url, options.auth_token)
 
@@ -716,6 +717,13 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     )
     gateway.add_argument(
         "--report", action="store_true", help="print the token sizes of native vs gateway tools"
+    )
+    gateway.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="MCP servers from a claude_desktop_config.json or an mcpflip servers.json too "
+        "(.mcp.json at --dir is read anyway)",
     )
     gateway.add_argument(
         "--mode",

@@ -35,8 +35,9 @@ class ChildSpec:
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path | None = None
-    # A remote child (a butler, or an .mcp.json with "url").
+    # A remote child (a butler, or an .mcp.json with "url"), and the headers it asks for.
     url: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
     kind: str = "mcp"  # "butler" | "mcp"
     source: str = ""  # where it was declared, for messages
 

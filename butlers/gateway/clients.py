@@ -303,13 +303,17 @@ class RemoteChild(_Child):
             return SseConnection(
                 url,
                 auth_token=self.auth_token,
+                headers=self.spec.headers,
                 client_info=CLIENT_INFO,
                 on_tools_changed=self._tools_changed,
             )
         from butlers.mcp_connection.streamable import FastMcpConnection
 
         return FastMcpConnection(
-            url, auth_token=self.auth_token, on_tools_changed=self._tools_changed
+            url,
+            auth_token=self.auth_token,
+            headers=self.spec.headers,
+            on_tools_changed=self._tools_changed,
         )
 
     async def close(self) -> None:

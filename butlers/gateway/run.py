@@ -18,6 +18,7 @@ from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.server import CONTROL_TOOLS, Gateway, Mode
+from butlers.gateway.sources import project_servers, read_config_file
 from butlers.gateway.stdio import serve_stdio
 from butlers.http import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -44,6 +45,7 @@ class GatewayOptions:
     prewarm: bool = True
     auth_token: str | None = None
     mode: Mode | None = None  # None: gateway.toml's
+    config_file: Path | None = None  # --config: claude_desktop_config.json or servers.json
 
 
 async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> Gateway:
@@ -54,6 +56,11 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
             specs += butler_children(await fetch_registry())
         except ButlersError as exc:
             logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
+    # Where a name comes twice, the first wins and the gateway warns, naming both files:
+    # the butlers, --config, .mcp.json, what install moved, then the seed-000 globs.
+    if options.config_file is not None:
+        specs += read_config_file(options.config_file, options.environ)
+    specs += project_servers(options.directory, options.environ)
     specs += discover_mcp_files(config.discover_globs, config.base_dir)
     return Gateway(
         config, specs, environ=options.environ, auth_token=options.auth_token, mode=options.mode

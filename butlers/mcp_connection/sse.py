@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -43,6 +43,7 @@ class SseConnection(McpConnection):
         http: aiohttp.ClientSession | None = None,
         *,
         auth_token: str | None,
+        headers: Mapping[str, str] | None = None,
         idle_stream_s: float = IDLE_STREAM_S,
         client_info: dict[str, str] = CLIENT_INFO,
         on_tools_changed: Callable[[], None] | None = None,
@@ -54,7 +55,9 @@ class SseConnection(McpConnection):
         self.client_info = client_info
         self._http = http
         self._own_http = http is None
-        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._headers = dict(headers or {})  # a server's own (an API key), then our token
+        if auth_token:
+            self._headers["Authorization"] = f"Bearer {auth_token}"
         self._post_headers = {**self._headers, "Content-Type": "application/json"}
         self._endpoint: asyncio.Future[str] | None = None
         self._post_url = ""  # named by the server's first event

@@ -10,12 +10,13 @@ here, where they enter, so no caller ever catches an MCPError.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mcp_types
 from fastmcp import Client
 from fastmcp.client.messages import MessageHandler
+from fastmcp.client.transports import StreamableHttpTransport
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import CONNECTION_CLOSED
 
@@ -39,11 +40,13 @@ class FastMcpConnection:
         url: str,
         *,
         auth_token: str | None,
+        headers: Mapping[str, str] | None = None,
         on_tools_changed: Callable[[], None] | None = None,
     ) -> None:
         self.url = url
         handler = _ToolsChanged(on_tools_changed) if on_tools_changed is not None else None
-        self._client = Client(url, auth=auth_token, message_handler=handler)
+        transport = StreamableHttpTransport(url, headers=dict(headers or {}), auth=auth_token)
+        self._client = Client(transport, message_handler=handler)
         self._closing: asyncio.Task[None] | None = None
 
     @property

@@ -1,0 +1,175 @@
+"""The MCP servers people have already declared, in the files their hosts use.
+
+- Claude Code's project file, `.mcp.json` at `--dir`, and Claude Desktop's
+  `claude_desktop_config.json` (`--config FILE`): `{"mcpServers": {"<name>": {"command",
+  "args", "env"} | {"type": "http" | "sse", "url", "headers"}}}`.
+- mcpflip's `servers.json` (`--config FILE`): `{"<alias>": {"command", "args", "env"}}`.
+- What `butlers gateway install` moved out of `.mcp.json`: `.butlers-gateway/servers.json`
+  at `--dir`, in Claude Code's shape.
+
+`${VAR}` and `${VAR:-default}` are expanded in commands, arguments, env values, URLs and
+headers, as Claude Code does, from the gateway's environment; a variable that is not set and
+has no default makes that server unusable (skipped, with a warning naming the file, the server
+and the variable), never the others. An entry that runs this very gateway (`butlers gateway`,
+which `install` writes into `.mcp.json`) is left out: the gateway does not start itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from butlers.errors import ConfigError, InvalidChild
+from butlers.gateway.children import ChildSpec
+
+logger = logging.getLogger(__name__)
+
+PROJECT_FILE = ".mcp.json"
+INSTALL_DIR = ".butlers-gateway"
+INSTALLED_SERVERS = f"{INSTALL_DIR}/servers.json"
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class _Entry(BaseModel):
+    # Hosts keep keys of their own in these files (disabled, autoApprove, timeout...): not ours
+    # to refuse.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class StdioServer(_Entry):
+    type: Literal["stdio"] = "stdio"
+    command: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class RemoteServer(_Entry):
+    type: Literal["http", "sse", "streamable-http"]
+    url: str = Field(min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+def read_config_file(path: Path, environ: Mapping[str, str]) -> list[ChildSpec]:
+    """`--config FILE`: a claude_desktop_config.json (it has `mcpServers`) or an mcpflip
+    servers.json. ConfigError when the file is not JSON or not either shape."""
+    data = _read_json(path)
+    if "mcpServers" in data:
+        return _servers(path, data["mcpServers"], environ, cwd=None)
+    return _servers(path, data, environ, cwd=path.parent.resolve(), key="")
+
+
+def project_servers(directory: Path, environ: Mapping[str, str]) -> list[ChildSpec]:
+    """Claude Code's `.mcp.json` at `directory` (the servers beside `butlers gateway`, if
+    install put it there), then the servers install moved behind the gateway."""
+    specs: list[ChildSpec] = []
+    cwd = directory.resolve()
+    for name in (PROJECT_FILE, INSTALLED_SERVERS):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = _read_json(path)
+        except ConfigError as exc:
+            logger.warning("skipping %s", exc, extra={"action": "child_invalid"})
+            continue
+        servers = data.get("mcpServers")
+        if servers is None:
+            continue  # a seed-000 file of one child (name, command): the globs' business
+        specs += _servers(path, servers, environ, cwd=cwd)
+    return specs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(path, None, f"not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(path, None, f"expected an object, got {type(data).__name__}")
+    return data
+
+
+def _servers(
+    path: Path,
+    servers: Any,
+    environ: Mapping[str, str],
+    *,
+    cwd: Path | None,
+    key: str = "mcpServers",
+) -> list[ChildSpec]:
+    if not isinstance(servers, dict):
+        raise ConfigError(path, key or None, f"expected an object, got {type(servers).__name__}")
+    specs = []
+    for name, entry in servers.items():
+        where = f"{key}.{name}" if key else name
+        try:
+            spec = _spec(path, name, entry, environ, cwd)
+        except InvalidChild as exc:
+            logger.warning(
+                "skipping %s: %s: %s", path, where, exc, extra={"action": "child_invalid"}
+            )
+            continue
+        if spec is not None:
+            specs.append(spec)
+    return specs
+
+
+def _spec(
+    path: Path, name: str, entry: Any, environ: Mapping[str, str], cwd: Path | None
+) -> ChildSpec | None:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise InvalidChild("a server name is letters, digits, '_' and '-'")
+    if not isinstance(entry, dict):
+        raise InvalidChild(f"expected an object, got {type(entry).__name__}")
+    try:
+        if "url" in entry or entry.get("type") in ("http", "sse", "streamable-http"):
+            remote = RemoteServer.model_validate(entry)
+            return ChildSpec(
+                name=name,
+                url=_expand(remote.url, environ),
+                headers={k: _expand(v, environ) for k, v in remote.headers.items()},
+                source=str(path),
+            )
+        stdio = StdioServer.model_validate(entry)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        key = ".".join(str(part) for part in first["loc"]) or "entry"
+        raise InvalidChild(f"{key}: {first['msg']}") from None
+    command = _expand(stdio.command, environ)
+    args = tuple(_expand(arg, environ) for arg in stdio.args)
+    if runs_this_gateway(command, args):
+        return None
+    return ChildSpec(
+        name=name,
+        cmd=command,
+        args=args,
+        env={k: _expand(v, environ) for k, v in stdio.env.items()},
+        cwd=cwd,
+        source=str(path),
+    )
+
+
+def _expand(text: str, environ: Mapping[str, str]) -> str:
+    def value(match: re.Match[str]) -> str:
+        variable, default = match.group(1), match.group(2)
+        if variable in environ:
+            return environ[variable]
+        if default is not None:
+            return default
+        raise InvalidChild(f"${{{variable}}} is not set and has no default (${{{variable}:-...}})")
+
+    return _VARIABLE.sub(value, text)
+
+
+def runs_this_gateway(command: str, args: tuple[str, ...] | list[str]) -> bool:
+    """`butlers gateway ...` or `python -m butlers gateway ...`: the entry install writes."""
+    program = Path(command).name
+    if program == "butlers":
+        return bool(args) and args[0] == "gateway"
+    return program.startswith("python") and list(args[:3]) == ["-m", "butlers", "gateway"]
