@@ -594,6 +594,19 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
+    if args.action in ("install", "uninstall"):
+        from butlers.gateway import install
+
+        act = install.install if args.action == "install" else install.uninstall
+        for line in act(
+            args.dir,
+            host=args.target_host,
+            scope=args.scope,
+            config=args.config,
+            environ=settings.environ,
+        ):
+            print(line)
+        return 0
     from butlers.gateway.run import (
         GatewayOptions,
         dry_run,
@@ -739,6 +752,34 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     gateway.add_argument(
         "--json", action="store_true", help="--report / --dry-run as JSON, for scripts"
     )
+    actions = gateway.add_subparsers(dest="action", metavar="{install,uninstall}")
+    for action, text in (
+        ("install", "put the gateway in front of a host's MCP servers, with a backup"),
+        ("uninstall", "put the host's original config back, byte for byte"),
+    ):
+        step = actions.add_parser(action, help=text, description=text)
+        step.add_argument(
+            "--dir", type=Path, default=Path("."), help="the project (the gateway's --dir)"
+        )
+        step.add_argument(
+            "--scope",
+            choices=("project", "user"),
+            default="project",
+            help="project: rewrite DIR/.mcp.json; user: `claude mcp add -s user`",
+        )
+        step.add_argument(
+            "--host",
+            dest="target_host",
+            choices=("claude-code", "claude-desktop"),
+            default="claude-code",
+            help="whose config (default claude-code)",
+        )
+        step.add_argument(
+            "--config",
+            type=Path,
+            metavar="FILE",
+            help="the host's file, if not where it keeps it (claude_desktop_config.json)",
+        )
     trace = commands.add_parser(
         "trace",
         # (the default is butlers.switchboard.operator's, not imported for a --help)

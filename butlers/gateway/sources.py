@@ -4,8 +4,8 @@
   `claude_desktop_config.json` (`--config FILE`): `{"mcpServers": {"<name>": {"command",
   "args", "env"} | {"type": "http" | "sse", "url", "headers"}}}`.
 - mcpflip's `servers.json` (`--config FILE`): `{"<alias>": {"command", "args", "env"}}`.
-- What `butlers gateway install` moved out of `.mcp.json`: `.butlers-gateway/servers.json`
-  at `--dir`, in Claude Code's shape.
+- What `butlers gateway install` moved out of a host's file:
+  `.butlers-gateway/<host>/servers.json` at `--dir`, in Claude Code's shape.
 
 `${VAR}` and `${VAR:-default}` are expanded in commands, arguments, env values, URLs and
 headers, as Claude Code does, from the gateway's environment; a variable that is not set and
@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 
 PROJECT_FILE = ".mcp.json"
 INSTALL_DIR = ".butlers-gateway"
-INSTALLED_SERVERS = f"{INSTALL_DIR}/servers.json"
+# What install moved behind the gateway, per host (butlers.gateway.install).
+INSTALLED_SERVERS = tuple(
+    f"{INSTALL_DIR}/{host}/servers.json" for host in ("claude-code", "claude-desktop")
+)
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -69,7 +72,7 @@ def project_servers(directory: Path, environ: Mapping[str, str]) -> list[ChildSp
     install put it there), then the servers install moved behind the gateway."""
     specs: list[ChildSpec] = []
     cwd = directory.resolve()
-    for name in (PROJECT_FILE, INSTALLED_SERVERS):
+    for name in (PROJECT_FILE, *INSTALLED_SERVERS):
         path = directory / name
         if not path.is_file():
             continue

@@ -1,0 +1,327 @@
+"""`butlers gateway install` / `uninstall`: put the gateway in front of a host's MCP servers,
+and take it away again byte for byte.
+
+Claude Code, project scope (the default): the servers of `D/.mcp.json` move behind the gateway
+(`D/.butlers-gateway/claude-code/servers.json`, which the gateway reads, `${VAR}`s unexpanded),
+and `D/.mcp.json` is rewritten so that its only server is `butlers`, this installation's
+`butlers gateway --dir D` by absolute path. The original file is kept byte for byte beside it,
+and so is what we wrote: uninstalling puts the original back only while `.mcp.json` is still
+what we wrote (an edit of the user's is never overwritten). `--host claude-desktop` does the
+same with `claude_desktop_config.json` (its other settings kept). `--scope user` registers the
+gateway with Claude Code's own `claude mcp add -s user` (or prints that command when there is
+no `claude` binary). Each also writes the `/butlers-gateway` skill. Installing twice changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from butlers.errors import CommandError
+from butlers.gateway.sources import INSTALL_DIR, PROJECT_FILE, runs_this_gateway
+
+Host = Literal["claude-code", "claude-desktop"]
+Scope = Literal["project", "user"]
+SERVER_NAME = "butlers"
+SKILL = Path(".claude") / "skills" / "butlers-gateway" / "SKILL.md"
+
+
+@dataclass(frozen=True)
+class Install:
+    """Where one host's install of the gateway for project `directory` keeps its files."""
+
+    directory: Path  # the gateway's --dir
+    host: Host
+    config: Path  # the host's file we rewrite
+
+    @property
+    def record(self) -> Path:
+        return self.directory / INSTALL_DIR / self.host
+
+    @property
+    def servers(self) -> Path:
+        return self.record / "servers.json"
+
+    @property
+    def original(self) -> Path:
+        return self.record / "original.json"
+
+    @property
+    def absent(self) -> Path:
+        """Marks that there was no file to keep: uninstall removes the one we wrote."""
+        return self.record / "original.absent"
+
+    @property
+    def written(self) -> Path:
+        return self.record / "installed.json"
+
+
+def desktop_config_path(environ: Mapping[str, str]) -> Path:
+    """Claude Desktop's config, where it keeps it on this platform."""
+    home = Path(environ.get("HOME") or Path.home())
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
+    if sys.platform == "win32":
+        return Path(environ.get("APPDATA", home)) / "Claude" / "claude_desktop_config.json"
+    config_home = environ.get("XDG_CONFIG_HOME") or str(home / ".config")
+    return Path(config_home) / "Claude" / "claude_desktop_config.json"
+
+
+def gateway_command(directory: Path) -> tuple[str, list[str]]:
+    """How a host starts this installation's gateway for `directory`: absolute paths only."""
+    butlers = Path(sys.executable).parent / "butlers"
+    target = ["gateway", "--dir", str(directory.resolve())]
+    if butlers.is_file():
+        return str(butlers), target
+    return sys.executable, ["-m", "butlers", *target]
+
+
+def install(
+    directory: Path,
+    *,
+    host: Host = "claude-code",
+    scope: Scope = "project",
+    config: Path | None = None,
+    environ: Mapping[str, str],
+) -> list[str]:
+    """Install; returns what was done, a line each (nothing done: says so)."""
+    if not directory.is_dir():
+        raise CommandError(f"--dir {directory}: not a directory")
+    if scope == "user":
+        if host != "claude-code":
+            raise CommandError("--scope user is Claude Code's; Claude Desktop has one config")
+        return [*_register_user(directory, environ), *_write_skill(_user_home(environ))]
+    target = config or (
+        directory / PROJECT_FILE if host == "claude-code" else desktop_config_path(environ)
+    )
+    done = _take_over(Install(directory, host, target))
+    skill_root = directory if host == "claude-code" else _user_home(environ)
+    return done + _write_skill(skill_root)
+
+
+def uninstall(
+    directory: Path,
+    *,
+    host: Host = "claude-code",
+    scope: Scope = "project",
+    config: Path | None = None,
+    environ: Mapping[str, str],
+) -> list[str]:
+    if scope == "user":
+        return [*_unregister_user(environ), *_remove_skill(_user_home(environ))]
+    target = config or (
+        directory / PROJECT_FILE if host == "claude-code" else desktop_config_path(environ)
+    )
+    done = _give_back(Install(directory, host, target))
+    skill_root = directory if host == "claude-code" else _user_home(environ)
+    return done + _remove_skill(skill_root)
+
+
+# -- one host file ------------------------------------------------------------------------
+
+
+def _take_over(place: Install) -> list[str]:
+    current = place.config.read_bytes() if place.config.is_file() else None
+    if place.written.is_file():
+        if current == place.written.read_bytes():
+            return [f"{place.config}: already installed, nothing changed"]
+        raise CommandError(
+            f"{place.config} changed since `butlers gateway install` (kept in "
+            f"{place.record}): run `butlers gateway uninstall` first, or put the servers "
+            f"you added into {place.servers}"
+        )
+    data: dict[str, Any] = {}
+    if current is not None:
+        try:
+            data = json.loads(current)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CommandError(f"{place.config}: not readable JSON: {exc}") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("mcpServers", {}), dict):
+            raise CommandError(f"{place.config}: expected an object with an mcpServers object")
+    servers = {
+        name: entry
+        for name, entry in data.get("mcpServers", {}).items()
+        if not _is_gateway_entry(entry)
+    }
+    command, args = gateway_command(place.directory)
+    data["mcpServers"] = {SERVER_NAME: {"command": command, "args": args}}
+    written = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode()
+
+    place.record.mkdir(parents=True, exist_ok=True)
+    if current is None:
+        place.absent.write_text("")
+    else:
+        place.original.write_bytes(current)
+    place.servers.write_text(json.dumps({"mcpServers": servers}, indent=2) + "\n")
+    place.written.write_bytes(written)
+    place.config.parent.mkdir(parents=True, exist_ok=True)
+    _replace(place.config, written)
+    moved = ", ".join(servers) or "none"
+    return [
+        f"{place.config}: its one server is now `butlers` ({command} {' '.join(args)})",
+        f"{place.servers}: the servers behind the gateway ({moved})",
+        f"{place.original if current is not None else place.absent}: the original, for "
+        "`butlers gateway uninstall`",
+    ]
+
+
+def _give_back(place: Install) -> list[str]:
+    if not place.written.is_file():
+        raise CommandError(f"{place.config}: the gateway is not installed there ({place.record})")
+    current = place.config.read_bytes() if place.config.is_file() else None
+    if current != place.written.read_bytes():
+        raise CommandError(
+            f"{place.config} was edited since `butlers gateway install`: not overwriting your "
+            f"edits. The original is {place.original}; put it back by hand, or undo the edit "
+            "and run uninstall again"
+        )
+    if place.absent.is_file():
+        place.config.unlink()
+        done = f"{place.config}: removed (there was none before install)"
+    else:
+        _replace(place.config, place.original.read_bytes())
+        done = f"{place.config}: the original is back"
+    for path in (place.servers, place.original, place.absent, place.written):
+        path.unlink(missing_ok=True)
+    for empty in (place.record, place.record.parent):
+        if empty.is_dir() and not any(empty.iterdir()):
+            empty.rmdir()
+    return [done]
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write `data` to `path` all at once (a host reading it never sees half a file), keeping
+    the file's permissions."""
+    temporary = path.with_name(f".{path.name}.butlers-tmp")
+    temporary.write_bytes(data)
+    if path.exists():
+        shutil.copymode(path, temporary)
+    os.replace(temporary, path)
+
+
+def _is_gateway_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("command"), str):
+        return False
+    args = entry.get("args") or []
+    return runs_this_gateway(entry["command"], [str(a) for a in args])
+
+
+# -- Claude Code's user scope -------------------------------------------------------------
+
+
+def claude_binary(environ: Mapping[str, str]) -> str | None:
+    """`claude` on PATH, else the one claude-agent-sdk bundles."""
+    found = shutil.which("claude", path=environ.get("PATH"))
+    if found:
+        return found
+    try:
+        import claude_agent_sdk
+    except ImportError:
+        return None
+    bundled = Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+    return str(bundled) if bundled.is_file() else None
+
+
+def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
+    command, args = gateway_command(directory)
+    add = ["mcp", "add", "-s", "user", SERVER_NAME, "--", command, *args]
+    return _run_claude(add, environ, already="already exists")
+
+
+def _unregister_user(environ: Mapping[str, str]) -> list[str]:
+    return _run_claude(["mcp", "remove", "-s", "user", SERVER_NAME], environ, already="not found")
+
+
+def _run_claude(args: list[str], environ: Mapping[str, str], *, already: str) -> list[str]:
+    claude = claude_binary(environ)
+    shown = " ".join(["claude", *args])
+    if claude is None:
+        return [f"no `claude` binary here: run `{shown}` yourself"]
+    result = subprocess.run(
+        [claude, *args], env=dict(environ), capture_output=True, text=True, timeout=60
+    )
+    output = (result.stdout + result.stderr).strip()
+    if result.returncode != 0:
+        if already in output:
+            return [f"`{shown}`: nothing to do ({output.splitlines()[0]})"]
+        raise CommandError(f"`{shown}` failed: {output or f'exit {result.returncode}'}")
+    return [f"`{shown}`: done"]
+
+
+def _user_home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("HOME") or Path.home())
+
+
+# -- the skill ----------------------------------------------------------------------------
+
+
+def _write_skill(root: Path) -> list[str]:
+    path = root / SKILL
+    if path.is_file() and path.read_text(encoding="utf-8") == SKILL_TEXT:
+        return []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(SKILL_TEXT, encoding="utf-8")
+    return [f"{path}: the /butlers-gateway skill"]
+
+
+def _remove_skill(root: Path) -> list[str]:
+    path = root / SKILL
+    if not path.is_file() or path.read_text(encoding="utf-8") != SKILL_TEXT:
+        return []  # not there, or the user's own now
+    path.unlink()
+    if not any(path.parent.iterdir()):
+        path.parent.rmdir()
+    return [f"{path}: removed"]
+
+
+SKILL_TEXT = """\
+---
+name: butlers-gateway
+description: >-
+  Show, activate or deactivate the MCP servers behind the butlers gateway. Use for
+  "/butlers-gateway status", "/butlers-gateway activate NAME" and "/butlers-gateway
+  deactivate NAME", or when the user asks which MCP servers or tools are available or wants
+  one switched on or off.
+---
+
+# The butlers gateway
+
+This project's MCP servers sit behind one MCP server, `butlers`. Its tools:
+`mcp__butlers__gateway_status` (every server: name, state, tool count, whether active),
+`mcp__butlers__gateway_activate` and `mcp__butlers__gateway_deactivate` (argument `name`).
+A server's own tools appear in your tool list only while it is active.
+
+## Finding the server the user means
+
+Always call `gateway_status` first and match NAME against the names it lists:
+1. an exact name (ignoring case) wins;
+2. otherwise the names that start with NAME, then the names that contain it;
+3. exactly one match: use it; several: list them and ask the user which one, and do nothing
+   else until they answer; none: say so and list every name.
+
+## /butlers-gateway status
+
+Call `gateway_status` and show one line per server: name, state (warming, ready, active,
+error), number of tools, and its error if it has one.
+
+## /butlers-gateway activate NAME
+
+1. Find the server (above).
+2. If it is already active, say so and stop. If its state is `error`, show the error and stop.
+3. Call `gateway_activate` with its exact name and tell the user which tools are now available.
+
+## /butlers-gateway deactivate NAME
+
+1. Find the server (above).
+2. If it is not active, say so and stop.
+3. It is active: ask the user to confirm ("Deactivate NAME? Its tools leave your tool list.")
+   and wait for the answer. Only on a yes, call `gateway_deactivate` with its exact name.
+"""
