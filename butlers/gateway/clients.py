@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 CLIENT_INFO = {"name": "butlers-gateway", "version": "0.1.0"}
 KILL_GRACE_S = 2.0
 T = TypeVar("T")
+_progress_tokens = itertools.count(1)
 
 
 class Connection(Protocol):
@@ -80,6 +82,10 @@ class _Child:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_tools_changed = on_tools_changed
         self._connection: Connection | None = None
+        # Calls in flight that asked for their progress: our progress token -> where it goes.
+        self._progress: dict[str, Callable[[dict[str, Any]], None]] = {}
+        # Where the child's log messages go while calls run (the gateway's hosts).
+        self.on_log: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def name(self) -> str:
@@ -96,14 +102,40 @@ class _Child:
             "tools/list", self._connection.list_tools(timeout_s=self.rpc_timeout_s)
         )
 
-    async def call_tool(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """The child's `CallToolResult` as JSON; starts it first if need be."""
+    async def call_tool(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """The child's `CallToolResult` as JSON; starts it first if need be. `progress` gets
+        the params of each `notifications/progress` the child sends about this call."""
         await self.start()
         assert self._connection is not None, "start() connected it"
-        return await self._ask(
-            f"tools/call {tool!r}",
-            self._connection.call_tool(tool, arguments, timeout_s=self.rpc_timeout_s),
-        )
+        meta = None
+        token = f"gateway-{next(_progress_tokens)}"
+        if progress is not None:
+            self._progress[token] = progress
+            meta = {"progressToken": token}
+        try:
+            return await self._ask(
+                f"tools/call {tool!r}",
+                self._connection.call_tool(
+                    tool, arguments, meta=meta, timeout_s=self.rpc_timeout_s
+                ),
+            )
+        finally:
+            self._progress.pop(token, None)
+
+    def _notified(self, method: str, params: dict[str, Any]) -> None:
+        """A call's progress goes to whoever asked for it; log messages to `on_log`."""
+        if method == "notifications/progress":
+            forward = self._progress.get(str(params.get("progressToken")))
+            if forward is not None:
+                forward(params)
+        elif method == "notifications/message" and self.on_log is not None:
+            self.on_log(params)
 
     def _tools_changed(self) -> None:
         """The child says its tool list changed. The gateway may act on it; we log it."""
@@ -220,6 +252,7 @@ class StdioChild(_Child):
             on_tools_changed=self._tools_changed,
             on_closed=self._exited,
         )
+        connection.on_notification = self._notified
         self._connection = connection
         await self._ask("initialize", connection.open(CLIENT_INFO, timeout_s=None))
 
@@ -300,13 +333,15 @@ class RemoteChild(_Child):
         if url.rstrip("/").endswith("/sse"):
             from butlers.mcp_connection.sse import SseConnection
 
-            return SseConnection(
+            sse = SseConnection(
                 url,
                 auth_token=self.auth_token,
                 headers=self.spec.headers,
                 client_info=CLIENT_INFO,
                 on_tools_changed=self._tools_changed,
             )
+            sse.on_notification = self._notified
+            return sse
         from butlers.mcp_connection.streamable import FastMcpConnection
 
         return FastMcpConnection(

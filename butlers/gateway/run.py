@@ -6,12 +6,14 @@ import asyncio
 import json
 import logging
 import math
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from mcp.shared.exceptions import MCPDeprecationWarning
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
@@ -74,6 +76,10 @@ async def serve_gateway(
     children end with the gateway either way."""
     if options.transport != "stdio":
         require_token_beyond_loopback("the gateway", options.host, options.auth_token)
+    # A child's log messages go to its caller through FastMCP's context, on the logging
+    # capability the 2026-07-28 revision deprecates (still delivered to a host that asks):
+    # warned once per process otherwise, in the middle of the gateway's own log.
+    warnings.filterwarnings("ignore", category=MCPDeprecationWarning, module="fastmcp")
     gateway = await build_gateway(options, fetch_registry)
     try:
         if options.prewarm:

@@ -15,18 +15,22 @@ activated child's own tools instead of its suite).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import contextvars
+import functools
 import json
 import logging
-import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import mcp_types
-from fastmcp import FastMCP
+from fastmcp import Context, FastMCP
+from fastmcp.server.dependencies import get_context
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
+from mcp_types import LoggingLevel
 
 from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
@@ -88,6 +92,8 @@ class Slot:
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the child lists them
     injected: list[str] = field(default_factory=list)  # tool names added by activate
     suite_tool: Tool | None = None  # listed unless the mode hides it
+    # Hosts with a call on it running, by id (FastMCP contexts are not hashable).
+    callers: dict[int, HostCall] = field(default_factory=dict)
     # Its Claude wrapper's instructions (butlers.gateway.wrapper); None: no natural_language.
     instructions: Instructions | None = None
 
@@ -146,18 +152,43 @@ class _ControlTool(Tool):
 
 
 class _HostTracker(Middleware):
-    """Remembers every connected host (FastMCP's server-side `ctx.session` of each), to tell
-    them when the tool list changes."""
+    """Remembers every connected host, to tell them when the tool list changes.
+
+    FastMCP's `ctx.session` is a new object for each request (on 2026-07-28 connections
+    every request is its own); what they share is the connection they write to (the SDK's
+    `ServerSession._connection`: stdio has one). So the newest session of each connection is
+    kept, strongly (a weak reference died with its request, and a tool list change outside a
+    request, a child's own, reached nobody: found by test_gateway_protocol), at most
+    MAX_HOSTS of them, and a connection that fails a notification is forgotten.
+    """
+
+    MAX_HOSTS = 256
 
     def __init__(self) -> None:
-        self.hosts: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hosts: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+    @property
+    def hosts(self) -> list[Any]:
+        return list(self._hosts.values())
+
+    def forget(self, session: Any) -> None:
+        self._hosts.pop(_connection_key(session), None)
 
     async def on_request(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         ctx = context.fastmcp_context
         if ctx is not None:
             with contextlib.suppress(Exception):
-                self.hosts.add(ctx.session)
+                session = ctx.session
+                key = _connection_key(session)
+                self._hosts[key] = session
+                self._hosts.move_to_end(key)
+                while len(self._hosts) > self.MAX_HOSTS:
+                    self._hosts.popitem(last=False)
         return await call_next(context)
+
+
+def _connection_key(session: Any) -> int:
+    return id(getattr(session, "_connection", session))
 
 
 class Gateway:
@@ -209,6 +240,7 @@ class Gateway:
                 spawn_timeout_s=spawn_s,
                 rpc_timeout_s=rpc_s,
                 auth_token=auth_token if spec.kind == "butler" else None,
+                on_tools_changed=self._child_tools_changed,
             )
         else:
             child = StdioChild(
@@ -217,10 +249,12 @@ class Gateway:
                 spawn_timeout_s=spawn_s,
                 rpc_timeout_s=rpc_s,
                 on_exit=self._child_exited,
+                on_tools_changed=self._child_tools_changed,
                 watchdog=self.watchdog,
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
+        child.on_log = functools.partial(self._forward_log, slot)
         slot.instructions = instructions_for(spec, self.config, self._descriptions)
         self.slots[spec.name] = slot
         tool = _SuiteTool(name=suite_name, description=slot.description, parameters=SUITE_SCHEMA)
@@ -339,15 +373,91 @@ class Gateway:
         if tool == NATURAL_LANGUAGE and self._wraps(slot, slot.tools):
             return await self.natural_language(slot, arguments)
         was_running = slot.child.running()
+        host = _current_host()
+        progress = None
+        if host is not None:
+            slot.callers[id(host)] = host
+            progress = functools.partial(self._forward_progress, host)
         try:
-            raw = await slot.child.call_tool(tool, arguments)
+            raw = await slot.child.call_tool(tool, arguments, progress=progress)
         except McpCallError as exc:
             if not slot.child.running():  # gone (a remote child tells us only now)
                 self._lost(slot, str(exc))
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        finally:
+            if host is not None:
+                slot.callers.pop(id(host), None)
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
         return result_of(raw)
+
+    # -- what children say on their own ---------------------------------------------------
+
+    def _forward_progress(self, host: HostCall, params: dict[str, Any]) -> None:
+        """A child's progress on a call, to the host that made it (under the host's own
+        progress token, which FastMCP's context holds; nothing if it asked for none)."""
+        progress = params.get("progress")
+        if isinstance(progress, int | float):
+            total = params.get("total")
+            message = params.get("message")
+            self._spawn(
+                host.context.report_progress(
+                    progress,
+                    total if isinstance(total, int | float) else None,
+                    message if isinstance(message, str) else None,
+                ),
+                host.variables,
+            )
+
+    def _forward_log(self, slot: Slot, params: dict[str, Any]) -> None:
+        """A child's log message, to each host with a call on it running."""
+        data = params.get("data")
+        text = data if isinstance(data, str) else json.dumps(data)
+        level: LoggingLevel = "info"
+        for known in get_args(LoggingLevel):
+            if params.get("level") == known:
+                level = known
+        for host in list(slot.callers.values()):
+            self._spawn(
+                host.context.log(text, level=level, logger_name=slot.spec.name), host.variables
+            )
+
+    def _child_tools_changed(self, name: str) -> None:
+        slot = self.slots.get(name)
+        if slot is not None and slot.state in ("ready", "active"):
+            self._spawn(self._refresh_tools(slot))
+
+    async def _refresh_tools(self, slot: Slot) -> None:
+        """The child's tool list changed: read it again; if the child is active, its tools in
+        the hosts' lists are replaced and the hosts told."""
+        try:
+            slot.tools = await slot.child.list_tools()
+        except McpCallError as exc:
+            logger.warning("%s", exc, extra={"action": "child_tools_refresh_failed"})
+            return
+        if slot.injected:
+            for name in slot.injected:
+                with contextlib.suppress(Exception):
+                    self.mcp.local_provider.remove_tool(name)
+            slot.injected.clear()
+            self._inject_tools(slot)
+            await self.notify_tools_changed()
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, None], variables: contextvars.Context | None = None
+    ) -> None:
+        """A task of the gateway's (closed with it); `variables`: a host request's context
+        variables, where FastMCP finds the request a progress or log message belongs to."""
+        task = asyncio.create_task(coro, context=variables)
+        self._notify_tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._notify_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "gateway task failed", exc_info=task.exception(), extra={"action": "task_failed"}
+            )
 
     # -- the Claude wrapper ---------------------------------------------------------------
 
@@ -498,16 +608,14 @@ class Gateway:
             self.mcp.add_tool(slot.suite_tool)
 
     async def notify_tools_changed(self) -> None:
-        for host in list(self._tracker.hosts):
+        for host in self._tracker.hosts:
             try:
                 await host.send_tool_list_changed()
             except Exception:  # a host that went away: forget it
-                self._tracker.hosts.discard(host)
+                self._tracker.forget(host)
 
     def _notify_soon(self) -> None:
-        task = asyncio.create_task(self.notify_tools_changed())
-        self._notify_tasks.add(task)
-        task.add_done_callback(self._notify_tasks.discard)
+        self._spawn(self.notify_tools_changed())
 
     async def close(self) -> None:
         for task in self._warming:
@@ -564,3 +672,21 @@ _CONTROL_DESCRIPTIONS: dict[Mode, dict[str, str]] = {
         "gateway_status": _STATUS,
     },
 }
+
+
+@dataclass(frozen=True)
+class HostCall:
+    """A host's request being served: FastMCP's context of it, and the context variables it
+    runs with (a notification from a child arrives in the child's reader task, outside them)."""
+
+    context: Context
+    variables: contextvars.Context
+
+
+def _current_host() -> HostCall | None:
+    """The host request being served, if any."""
+    try:
+        context = get_context()
+    except RuntimeError:
+        return None
+    return HostCall(context, contextvars.copy_context())

@@ -10,7 +10,8 @@ A transport subclass sends one message (`_send`), hands over each message it rec
   handshake and refuses an answer that package does not list: no version literals here.
 - **The peer's requests**: `ping` is answered with `{}`; anything else gets "method not found"
   (we declare no client capabilities). Its `notifications/tools/list_changed` goes to the
-  owner's `on_tools_changed`; other notifications (logging, progress) are of no use to us.
+  owner's `on_tools_changed`; any other notification (a call's progress, log messages) to
+  `on_notification(method, params)` when the owner set one (the gateway passes them on).
 - **The end**: when the connection closes, every request still waiting fails at once with
   AnswerLost naming the reason, and later requests are refused with ConnectionClosed. A peer
   shutting down may first answer what it drops with a "connection closed" error (the MCP
@@ -62,6 +63,8 @@ class McpConnection:
         self.label = label  # who the peer is, in messages and task names
         self.on_tools_changed = on_tools_changed
         self.on_closed = on_closed
+        # Set by an owner that wants the peer's other notifications (progress, log messages).
+        self.on_notification: Callable[[str, dict[str, Any]], None] | None = None
         self.protocol_version: str | None = None  # agreed in the handshake
         self.server_info: dict[str, Any] = {}
         self._ids = itertools.count(1)
@@ -224,6 +227,12 @@ class McpConnection:
                 self.on_tools_changed()
             except Exception:  # the owner's bug must not end our reader
                 logger.exception("on_tools_changed of %s failed", self.label)
+        elif self.on_notification is not None:
+            params = message.get("params")
+            try:
+                self.on_notification(method, params if isinstance(params, dict) else {})
+            except Exception:
+                logger.exception("on_notification of %s failed", self.label)
 
     def _lost(self, reason: str) -> None:
         """The connection ended (or is being closed): fail every waiting request, refuse new

@@ -8,7 +8,10 @@ Reads requests one JSON per line (what the gateway sends). Answers one JSON per 
 prints non-JSON log lines to stdout between answers; `--crash-on` exits when that tool is
 called; `--silent` never answers anything;
 `--hang-on` never answers calls of that tool;
-`--linger` outlives the end of its stdin. Tools: echo, add, crash, long_description.
+`--linger` outlives the end of its stdin; `--protocol V` answers initialize with revision V;
+`--extras` adds the tools `progress` (reports progress and logs a message before it answers)
+and `grow` (adds the tool `extra` and says its tool list changed). Tools: echo, add, crash,
+long_description.
 Every spawn appends its pid to $MOCK_MCP_PIDS (a file), so tests can find the process.
 """
 
@@ -48,6 +51,11 @@ TOOLS = [
     {"name": "long_description", "description": LONG, "inputSchema": {"type": "object"}},
 ]
 
+EXTRAS = [
+    {"name": "progress", "description": "Report progress.", "inputSchema": {"type": "object"}},
+    {"name": "grow", "description": "Add a tool.", "inputSchema": {"type": "object"}},
+]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -59,6 +67,8 @@ def main() -> None:
     parser.add_argument("--hang-on", help="never answer calls of this tool")
     parser.add_argument("--linger", action="store_true", help="keep running after stdin ends")
     parser.add_argument("--name", default="mock")
+    parser.add_argument("--protocol", help="the revision to answer initialize with")
+    parser.add_argument("--extras", action="store_true")
     options = parser.parse_args()
     if pids := os.environ.get("MOCK_MCP_PIDS"):
         with open(pids, "a") as f:
@@ -85,6 +95,7 @@ def main() -> None:
     if options.logs:
         out.write(b"mock MCP server starting (this line is not JSON)\n")
         out.flush()
+    tools = [*TOOLS, *(EXTRAS if options.extras else [])]
     for line in sys.stdin.buffer:
         if options.silent or not line.strip():
             continue
@@ -94,12 +105,12 @@ def main() -> None:
             continue  # a notification
         if method == "initialize":
             result = {
-                "protocolVersion": request["params"]["protocolVersion"],
+                "protocolVersion": options.protocol or request["params"]["protocolVersion"],
                 "capabilities": {"tools": {}},
                 "serverInfo": {"name": options.name, "version": "1"},
             }
         elif method == "tools/list":
-            result = {"tools": TOOLS}
+            result = {"tools": tools}
         elif method == "tools/call":
             name = request["params"]["name"]
             args = request["params"].get("arguments") or {}
@@ -116,6 +127,31 @@ def main() -> None:
                         "env": os.environ.get("MOCK_SETTING"),
                     },
                 }
+            elif name == "progress":
+                token = (request["params"].get("_meta") or {}).get("progressToken")
+                for step in (1, 2, 3):
+                    if token is not None:
+                        params = {"progressToken": token, "progress": step, "total": 3}
+                        write(
+                            {
+                                "jsonrpc": "2.0",
+                                "method": "notifications/progress",
+                                "params": params | {"message": f"step {step}"},
+                            }
+                        )
+                log = {"level": "warning", "logger": "mock", "data": "half way there"}
+                write({"jsonrpc": "2.0", "method": "notifications/message", "params": log})
+                result = {"content": [{"type": "text", "text": "done"}]}
+            elif name == "grow":
+                tools.append(
+                    {
+                        "name": "extra",
+                        "description": "Added later.",
+                        "inputSchema": {"type": "object"},
+                    }
+                )
+                write({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+                result = {"content": [{"type": "text", "text": "grown"}]}
             elif name == "add":
                 result = {"content": [{"type": "text", "text": str(args["a"] + args["b"])}]}
             else:
