@@ -593,7 +593,9 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
+async def gateway_command(
+    args: argparse.Namespace, settings: Settings, redactor: Redactor | None = None
+) -> int:
     if args.action in ("install", "uninstall"):
         from butlers.gateway import install
 
@@ -616,6 +618,11 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
     from butlers.settings import reveal
 
     logs.adopt_fastmcp_logging()
+    telemetry = None
+    if settings.otel_exporter_otlp_endpoint:  # (the tracing SDK loads only then)
+        from butlers.telemetry import Telemetry
+
+        telemetry = Telemetry.from_settings(settings, redact=redactor)
     options = GatewayOptions(
         directory=args.dir,
         environ=settings.environ,
@@ -626,6 +633,7 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
         auth_token=reveal(settings.auth_token),
         mode=args.mode,
         config_file=args.config,
+        telemetry=telemetry.for_butler("gateway") if telemetry is not None else None,
     )
     target = SwitchboardTarget(args.url, options.auth_token)
 
@@ -644,7 +652,11 @@ async def gateway_command(args: argparse.Namespace, settings: Settings) -> int:
     # Over stdio the host ends us by closing our input, or with SIGTERM / SIGINT: either way
     # the children are ended before we go.
     _install_stop_signals(stop)
-    return await serve_gateway(options, fetch, stop)
+    try:
+        return await serve_gateway(options, fetch, stop)
+    finally:
+        if telemetry is not None:
+            await asyncio.to_thread(telemetry.shutdown)  # the last spans go out
 
 
 def _parser(settings: Settings) -> argparse.ArgumentParser:
@@ -861,7 +873,7 @@ async def cli(argv: Sequence[str], settings: Settings) -> int:
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names, settings)
     if args.command == "gateway":
-        return await gateway_command(args, settings)
+        return await gateway_command(args, settings, redactor)
     if args.command in CLIENT_COMMANDS:
         return await client_command(args, settings)
     if args.command == "up":

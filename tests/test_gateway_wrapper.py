@@ -17,6 +17,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.wrapper import instructions_for, load_descriptions
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+from tests.fakes.otlp import OtlpReceiver
 from tests.test_gateway import (
     GATEWAY_SECRET,
     child_environment,
@@ -119,7 +120,7 @@ def wrapped(tmp_path: Path) -> Path:
 
 
 async def test_natural_language_runs_claude_code_with_the_child_as_its_only_server(
-    wrapped: Path, scripted_api: ScriptedMessagesAPI
+    wrapped: Path, scripted_api: ScriptedMessagesAPI, otlp: OtlpReceiver
 ) -> None:
     seen: dict[str, Any] = {}
 
@@ -139,6 +140,10 @@ async def test_natural_language_runs_claude_code_with_the_child_as_its_only_serv
     home = wrapped / "claude-home"
     home.mkdir()
     env = isolated_cli_env(home, scripted_api.url, inherited=os.environ)
+    env |= {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url("http"),
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    }
     async with stdio_host(wrapped, env=env) as host:
         listed = (await host.suite("plain_suite", "introspect")).structured_content["tools"]
         [entry] = [t for t in listed if t["name"] == "natural_language"]
@@ -185,3 +190,15 @@ async def test_natural_language_runs_claude_code_with_the_child_as_its_only_serv
         activated = await host.call("gateway_activate", name="plain")
         assert "natural_language" in activated.structured_content["tools"]
         assert "crash" not in activated.structured_content["tools"]
+
+    # Traced: the wrapper's session is a span inside the suite call's.
+    spans = await otlp.wait_for(lambda spans: "gateway.natural_language" in {s.name for s in spans})
+    [session] = [s for s in spans if s.name == "gateway.natural_language"]
+    [call] = [
+        s
+        for s in spans
+        if s.name == "gateway.suite_call"
+        and s.attributes.get("subtool") == "natural_language"
+        and s.trace_id == session.trace_id
+    ]
+    assert session.parent_span_id == call.span_id and session.attributes["child"] == "plain"

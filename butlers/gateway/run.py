@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from mcp.shared.exceptions import MCPDeprecationWarning
@@ -19,6 +19,7 @@ from starlette.middleware import Middleware
 from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
+from butlers.gateway.redaction import install_argument_redaction
 from butlers.gateway.server import CONTROL_TOOLS, Gateway, Mode
 from butlers.gateway.sources import project_servers, read_config_file
 from butlers.gateway.stdio import serve_stdio
@@ -30,6 +31,9 @@ from butlers.http import (
     require_token_beyond_loopback,
 )
 from butlers.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from butlers.telemetry import ButlerTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ class GatewayOptions:
     auth_token: str | None = None
     mode: Mode | None = None  # None: gateway.toml's
     config_file: Path | None = None  # --config: claude_desktop_config.json or servers.json
+    telemetry: ButlerTelemetry | None = None  # spans, when tracing is on
 
 
 async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> Gateway:
@@ -64,8 +69,15 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
         specs += read_config_file(options.config_file, options.environ)
     specs += project_servers(options.directory, options.environ)
     specs += discover_mcp_files(config.discover_globs, config.base_dir)
+    telemetry = options.telemetry
     return Gateway(
-        config, specs, environ=options.environ, auth_token=options.auth_token, mode=options.mode
+        config,
+        specs,
+        environ=options.environ,
+        auth_token=options.auth_token,
+        mode=options.mode,
+        tracer=telemetry.tracer if telemetry is not None else None,
+        cli_env=telemetry.cli_env if telemetry is not None else None,
     )
 
 
@@ -81,6 +93,7 @@ async def serve_gateway(
     # warned once per process otherwise, in the middle of the gateway's own log.
     warnings.filterwarnings("ignore", category=MCPDeprecationWarning, module="fastmcp")
     gateway = await build_gateway(options, fetch_registry)
+    install_argument_redaction(k for s in gateway.config.suites.values() for k in s.redact)
     try:
         if options.prewarm:
             gateway.start_warming()

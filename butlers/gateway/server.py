@@ -21,9 +21,9 @@ import contextvars
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import mcp_types
 from fastmcp import Context, FastMCP
@@ -37,6 +37,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.config import GatewayConfig
 from butlers.gateway.reaper import Watchdog
+from butlers.gateway.redaction import redact_arguments
 from butlers.gateway.summary import summarize
 from butlers.gateway.wrapper import (
     NATURAL_LANGUAGE,
@@ -49,6 +50,9 @@ from butlers.gateway.wrapper import (
 )
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +127,8 @@ class _SuiteTool(Tool):
     _slot: Slot
 
     async def run(self, arguments: dict[str, Any]) -> ToolResult:
-        return await self._gateway.suite_call(self._slot, arguments)
+        with self._gateway.span("gateway.suite_call", self._slot, arguments):
+            return await self._gateway.suite_call(self._slot, arguments)
 
 
 class _ChildTool(Tool):
@@ -132,7 +137,10 @@ class _ChildTool(Tool):
     _child_tool: str
 
     async def run(self, arguments: dict[str, Any]) -> ToolResult:
-        return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
+        with self._gateway.span(
+            "gateway.call", self._slot, arguments, {"subtool": self._child_tool}
+        ):
+            return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
 
 
 class _ControlTool(Tool):
@@ -199,14 +207,16 @@ class Gateway:
         *,
         environ: Mapping[str, str],
         auth_token: str | None = None,
-        wrapper: ClaudeWrapper | None = None,
         mode: Mode | None = None,
+        tracer: Tracer | None = None,
+        cli_env: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.mode: Mode = mode or config.mode
         self.environ = environ  # stdio children get its base variables, never our secrets
         self.auth_token = auth_token  # for butlers only
-        self.wrapper = wrapper or ClaudeWrapper(config, environ=environ)
+        self.tracer = tracer  # None: no spans (tracing is off)
+        self.wrapper = ClaudeWrapper(config, environ=environ, cli_env=cli_env, tracer=tracer)
         self._descriptions = load_descriptions(config.base_dir)
         self.mcp = FastMCP("butlers-gateway", instructions=_INSTRUCTIONS[self.mode])
         self._tracker = _HostTracker()
@@ -391,6 +401,33 @@ class Gateway:
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
         return result_of(raw)
 
+    # -- spans ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        slot: Slot,
+        arguments: dict[str, Any] | None = None,
+        attributes: dict[str, str] | None = None,
+    ) -> Iterator[None]:
+        """A span around one suite call, call or (de)activation when tracing is on: in the
+        host's trace when its request carried one (FastMCP puts `_meta.traceparent` in the
+        context). Arguments go in with the suite's `redact` keys masked."""
+        if self.tracer is None:
+            yield
+            return
+        recorded = {"child": slot.spec.name, "suite": slot.suite_name, **(attributes or {})}
+        if arguments is not None:
+            keys = frozenset(self.config.suite(slot.spec.name).redact)
+            shown = redact_arguments(arguments, keys)
+            recorded["arguments"] = json.dumps(shown, ensure_ascii=False, default=str)
+            for key in ("action", "subtool"):
+                if isinstance(arguments.get(key), str):
+                    recorded[key] = arguments[key]
+        with self.tracer.start_as_current_span(name, attributes=recorded):
+            yield
+
     # -- what children say on their own ---------------------------------------------------
 
     def _forward_progress(self, host: HostCall, params: dict[str, Any]) -> None:
@@ -530,6 +567,11 @@ class Gateway:
     async def _activate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         name = _name_argument(arguments)
         slot = self._slot(name)
+        with self.span("gateway.activate", slot):
+            return await self._activate_slot(slot)
+
+    async def _activate_slot(self, slot: Slot) -> dict[str, Any]:
+        name = slot.spec.name
         await self.warm(slot)
         if slot.state == "error":
             raise ToolRefusal(f"cannot activate {name!r}: {slot.error}", log_level=logging.WARNING)
@@ -542,8 +584,12 @@ class Gateway:
         return {"activated": name, "tools": list(slot.injected)}
 
     async def _deactivate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        name = _name_argument(arguments)
-        slot = self._slot(name)
+        slot = self._slot(_name_argument(arguments))
+        with self.span("gateway.deactivate", slot):
+            return await self._deactivate_slot(slot)
+
+    async def _deactivate_slot(self, slot: Slot) -> dict[str, Any]:
+        name = slot.spec.name
         removed = list(slot.injected)
         if removed:
             self._remove_tools(slot)
