@@ -26,14 +26,15 @@ up: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest
 
-# The tests that need neither PostgreSQL nor Claude Code (markers `pg` and `claude`, set in
-# tests/conftest.py from the fixtures a test uses): the loop to run while editing, spread over
-# one pytest-xdist worker per core, by xdist group (tests sharing a server stay on one worker).
+# The tests that need neither PostgreSQL, Claude Code nor npm's servers (markers `pg`, `claude`,
+# `npm`, set in tests/conftest.py from the fixtures a test uses): the loop to run while editing,
+# spread over one pytest-xdist worker per core, by xdist group (tests sharing a server stay on
+# one worker).
 # More workers do not help: each one collects every test module first, ~4.5 s CPU (measured on
 # 2 cores: 2 workers 31 s, 3 workers 32 s, 4 workers 37 s).
 TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -m "not pg and not claude" -n $(TEST_FAST_WORKERS) --dist loadgroup
+	$(VENV)/bin/pytest -m "not pg and not claude and not npm" -n $(TEST_FAST_WORKERS) --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

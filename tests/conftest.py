@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from tests.fakes.messages_api import ScriptedMessagesAPI
     from tests.fakes.otlp import OtlpReceiver
 
+pytest_plugins = ["tests.npm_servers"]
+
 # Nothing of the host's Claude / Anthropic / butlers setup may leak into a test.
 _LEAKY_PREFIXES = ("ANTHROPIC_", "CLAUDE_", "OTEL_", "BUTLERS_", "TELEGRAM_")
 
@@ -47,6 +49,7 @@ _MARKER_FIXTURES = {
     # server's home, a `butlers` subprocess's BUTLERS_DATA_DIR).
     "pg": {"pg_server", "pg_home", "embedded_env", "cli_env"},
     "claude": {"messages_api"},
+    "npm": {"npm_servers"},
 }
 
 
