@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from butlers.errors import SpawnError
 
 if TYPE_CHECKING:
     from claude_agent_sdk import Message
+    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
 
 # Anything Claude Code needs that is not the caller's business stays out of its way.
 _CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
@@ -147,7 +149,7 @@ async def run_claude_code(
     )
     try:
         options = _options(target, run, env, config_path)
-        transport = _AllowlistedEnvironmentTransport(prompt, options, inherited=run.inherited)
+        transport = _transport_class()(prompt, options, inherited=run.inherited)  # type: ignore[call-arg]
         result: ResultMessage | None = None
         # aclosing: on timeout or failure the generator is closed, which ends the CLI.
         # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
@@ -222,44 +224,38 @@ def write_private_file(directory: Path, text: str) -> Path:
     return path
 
 
-def _subprocess_transport() -> type:
+@functools.cache
+def _transport_class() -> type[SubprocessCLITransport]:
+    """The SDK's subprocess transport, starting Claude Code with an allowlisted environment;
+    made on first use, so that importing this module does not load the SDK (the gateway
+    imports it at start and may never run Claude Code: 60 ms, measured)."""
     from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
 
-    return SubprocessCLITransport
+    class AllowlistedEnvironmentTransport(SubprocessCLITransport):
+        """The SDK always passes our whole environment (`inherited`) down; its `env` option
+        only adds to it. So the command goes through `env -u NAME ...`, which drops every
+        variable Claude Code has no use for before it starts: only their names are on the
+        command line, never their values."""
 
+        def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._inherited = inherited
 
-if TYPE_CHECKING:  # the same class, for the checker (a base computed by a call is opaque to it)
-    from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
-else:
-    SubprocessCLITransport = _subprocess_transport()
+        def _build_command(self) -> list[str]:
+            command = super()._build_command()
+            ours = self._options.env
+            inherited = self._inherited
+            dropped = sorted(
+                name
+                for name in inherited
+                if name not in ours and not claude_code_keeps(name, inherited)
+            )
+            if not dropped:
+                return command
+            unset = [arg for name in dropped for arg in ("-u", name)]
+            return [_ENV_BINARY, *unset, "--", *command]
 
-
-class _AllowlistedEnvironmentTransport(SubprocessCLITransport):
-    """The SDK's subprocess transport, starting Claude Code with an allowlisted environment.
-
-    The SDK always passes our whole environment (`inherited`) down; its `env` option only adds
-    to it. So the command goes through `env -u NAME ...`, which drops every variable Claude Code
-    has no use for before it starts: only their names are on the command line, never their
-    values.
-    """
-
-    def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._inherited = inherited
-
-    def _build_command(self) -> list[str]:
-        command = super()._build_command()
-        ours = self._options.env
-        inherited = self._inherited
-        dropped = sorted(
-            name
-            for name in inherited
-            if name not in ours and not claude_code_keeps(name, inherited)
-        )
-        if not dropped:
-            return command
-        unset = [arg for name in dropped for arg in ("-u", name)]
-        return [_ENV_BINARY, *unset, "--", *command]
+    return AllowlistedEnvironmentTransport
 
 
 def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
@@ -108,6 +109,7 @@ async def test_claude_desktop_config_with_a_backup(tmp_path: Path) -> None:
     assert desktop.read_text() == original and not (home / SKILL).exists()
 
 
+@pytest.mark.claude  # runs the real Claude Code binary (its `mcp add`), 2-3 s each
 async def test_user_scope_registers_through_claude_codes_own_command(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
