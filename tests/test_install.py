@@ -206,7 +206,9 @@ async def test_the_installed_butlers_is_the_wheel_with_its_migrations(installed:
     assert (Path(migrations) / "script.py.mako").is_file()
     # The console script runs the installed interpreter, and its commands include `db upgrade`.
     assert installed.butlers.read_text().splitlines()[0] == f"#!{installed.python}"
-    help_text = await _run(installed.butlers, "db", "--help", cwd=installed.elsewhere)
+    help_text = await _run(
+        installed.butlers, "db", "--help", cwd=installed.elsewhere, env=installed.env()
+    )
     assert "upgrade" in help_text
     # The versions the tests run with satisfy every range the wheel declares.
     await _run(installed.python, "-m", "pip", "check", cwd=installed.elsewhere, env=installed.env())
