@@ -642,6 +642,23 @@ async def test_a_signal_stops_a_stdio_gateway_and_everything_it_started(
         _kill_left(descendants)
 
 
+async def test_a_gateway_whose_input_is_not_a_pipe_ends_cleanly(tmp_path: Path) -> None:
+    """/dev/null as standard input (a script, a host misconfigured): the input ends, and the
+    gateway with it, exit 0. (Handed to the event loop, a character device made uvloop abort
+    the process: exit 134.)"""
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *("gateway", "--dir", str(tmp_path), "--no-butlers"),
+        env=_env(tmp_path),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        _, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         return psutil.Process(pid).cmdline()

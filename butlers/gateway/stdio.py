@@ -3,8 +3,9 @@
 FastMCP's stdio transport (the MCP SDK's `stdio_server`) reads standard input in a worker
 thread; a task blocked there cannot be cancelled, so a SIGTERM or SIGINT could not end the
 gateway (measured: it kept running, children and all, until its input closed). Here the event
-loop reads standard input itself (a pipe, as every host gives; a tty too), so stopping is a
-cancellation like any other. Anything else (a regular file) falls back to FastMCP's own run.
+loop reads standard input itself when it is a pipe or socket, as every host gives, so stopping
+is a cancellation like any other. Anything else (a terminal, a file, /dev/null) falls back to
+FastMCP's own run.
 
 This drives FastMCP's server the way its `run_stdio_async` does (its lifespan and low-level
 server: private names, in the range pyproject.toml pins).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import sys
 from typing import TYPE_CHECKING
 
@@ -57,10 +59,15 @@ class StdinLines:
 
 
 async def open_stdin() -> StdinLines | None:
-    """Standard input, read by the event loop; None when it is not a pipe, socket or tty."""
+    """Standard input, read by the event loop; None when it is not a pipe or a socket (uvloop
+    aborts the process on a character device such as /dev/null: measured)."""
+    fd = sys.stdin.fileno()
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=MAX_LINE_BYTES)
-    pipe = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+    pipe = os.fdopen(os.dup(fd), "rb", buffering=0)
     try:
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), pipe
