@@ -43,6 +43,9 @@ async def test_install_runs_the_servers_behind_the_gateway_and_uninstall_restore
     assert server["args"] == ["gateway", "--dir", str(project)]
     assert (project / SKILL).read_text() == SKILL_TEXT
     written = mcp_json.read_bytes()
+    record = project / ".butlers-gateway" / "claude-code"
+    assert record.stat().st_mode & 0o777 == 0o700  # the servers' env may hold API keys
+    assert {p.stat().st_mode & 0o777 for p in record.iterdir()} == {0o600}
 
     code, out, err = await run_cli("gateway", "install", "--dir", str(project))
     assert code == 0, err

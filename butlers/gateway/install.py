@@ -155,13 +155,16 @@ def _take_over(place: Install) -> list[str]:
     data["mcpServers"] = {SERVER_NAME: {"command": command, "args": args}}
     written = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode()
 
-    place.record.mkdir(parents=True, exist_ok=True)
+    # The servers' env may hold API keys: the record is the user's alone, whatever the
+    # host's file allowed.
+    place.record.mkdir(mode=0o700, parents=True, exist_ok=True)
+    place.record.chmod(0o700)
     if current is None:
-        place.absent.write_text("")
+        _write_private(place.absent, b"")
     else:
-        place.original.write_bytes(current)
-    place.servers.write_text(json.dumps({"mcpServers": servers}, indent=2) + "\n")
-    place.written.write_bytes(written)
+        _write_private(place.original, current)
+    _write_private(place.servers, (json.dumps({"mcpServers": servers}, indent=2) + "\n").encode())
+    _write_private(place.written, written)
     place.config.parent.mkdir(parents=True, exist_ok=True)
     _replace(place.config, written)
     moved = ", ".join(servers) or "none"
@@ -195,6 +198,13 @@ def _give_back(place: Install) -> list[str]:
         if empty.is_dir() and not any(empty.iterdir()):
             empty.rmdir()
     return [done]
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+    path.chmod(0o600)
 
 
 def _replace(path: Path, data: bytes) -> None:
