@@ -19,8 +19,9 @@ from starlette.middleware import Middleware
 from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
+from butlers.gateway.control import CONTROL_TOOLS, Mode
 from butlers.gateway.redaction import install_argument_redaction
-from butlers.gateway.server import CONTROL_TOOLS, Gateway, Mode
+from butlers.gateway.server import Gateway
 from butlers.gateway.sources import project_servers, read_config_file
 from butlers.gateway.stdio import serve_stdio
 from butlers.http import (

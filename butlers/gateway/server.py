@@ -15,20 +15,17 @@ activated child's own tools instead of its suite).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import contextvars
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import mcp_types
-from fastmcp import Context, FastMCP
-from fastmcp.server.dependencies import get_context
-from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp import FastMCP
 from fastmcp.tools.base import Tool, ToolResult
 from mcp_types import LoggingLevel
 
@@ -36,6 +33,16 @@ from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.config import GatewayConfig
+from butlers.gateway.control import (
+    CONTROL_DESCRIPTIONS,
+    CONTROL_TOOLS,
+    INSTRUCTIONS,
+    NAME_SCHEMA,
+    ControlTool,
+    Mode,
+    name_argument,
+)
+from butlers.gateway.hosts import HostCall, HostTracker, current_host
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.redaction import redact_arguments
 from butlers.gateway.summary import summarize
@@ -57,11 +64,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 State = Literal["idle", "warming", "ready", "active", "error"]
-Mode = Literal["suite", "activate", "both"]
 Verbosity = Literal["summary", "full", "redacted"]
 VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
 
-CONTROL_TOOLS = ("gateway_activate", "gateway_deactivate", "gateway_status")
 SUITE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -75,11 +80,6 @@ SUITE_SCHEMA: dict[str, Any] = {
         },
     },
     "required": ["action"],
-}
-NAME_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "description": "an MCP server's name"}},
-    "required": ["name"],
 }
 
 
@@ -143,62 +143,6 @@ class _ChildTool(Tool):
             return await self._gateway.direct_call(self._slot, self._child_tool, arguments)
 
 
-class _ControlTool(Tool):
-    """A `gateway_*` tool: its handler's answer as JSON text and structured content (a list
-    under "result", as FastMCP gives a function's). Declared with its schema, not from a
-    function's signature: FastMCP would parse the docstrings with griffe at start (30 ms of a
-    gateway's start-up, measured)."""
-
-    _handler: Callable[[dict[str, Any]], Awaitable[Any]]
-
-    async def run(self, arguments: dict[str, Any]) -> ToolResult:
-        value = await self._handler(arguments)
-        return ToolResult(
-            content=[mcp_types.TextContent(type="text", text=json.dumps(value))],
-            structured_content=value if isinstance(value, dict) else {"result": value},
-        )
-
-
-class _HostTracker(Middleware):
-    """Remembers every connected host, to tell them when the tool list changes.
-
-    FastMCP's `ctx.session` is a new object for each request (on 2026-07-28 connections
-    every request is its own); what they share is the connection they write to (the SDK's
-    `ServerSession._connection`: stdio has one). So the newest session of each connection is
-    kept, strongly (a weak reference died with its request, and a tool list change outside a
-    request, a child's own, reached nobody: found by test_gateway_protocol), at most
-    MAX_HOSTS of them, and a connection that fails a notification is forgotten.
-    """
-
-    MAX_HOSTS = 256
-
-    def __init__(self) -> None:
-        self._hosts: collections.OrderedDict[int, Any] = collections.OrderedDict()
-
-    @property
-    def hosts(self) -> list[Any]:
-        return list(self._hosts.values())
-
-    def forget(self, session: Any) -> None:
-        self._hosts.pop(_connection_key(session), None)
-
-    async def on_request(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        ctx = context.fastmcp_context
-        if ctx is not None:
-            with contextlib.suppress(Exception):
-                session = ctx.session
-                key = _connection_key(session)
-                self._hosts[key] = session
-                self._hosts.move_to_end(key)
-                while len(self._hosts) > self.MAX_HOSTS:
-                    self._hosts.popitem(last=False)
-        return await call_next(context)
-
-
-def _connection_key(session: Any) -> int:
-    return id(getattr(session, "_connection", session))
-
-
 class Gateway:
     def __init__(
         self,
@@ -218,8 +162,8 @@ class Gateway:
         self.tracer = tracer  # None: no spans (tracing is off)
         self.wrapper = ClaudeWrapper(config, environ=environ, cli_env=cli_env, tracer=tracer)
         self._descriptions = load_descriptions(config.base_dir)
-        self.mcp = FastMCP("butlers-gateway", instructions=_INSTRUCTIONS[self.mode])
-        self._tracker = _HostTracker()
+        self.mcp = FastMCP("butlers-gateway", instructions=INSTRUCTIONS[self.mode])
+        self._tracker = HostTracker()
         self.mcp.add_middleware(self._tracker)
         self.slots: dict[str, Slot] = {}
         self.watchdog = Watchdog()  # the children's groups, should we be killed
@@ -383,7 +327,7 @@ class Gateway:
         if tool == NATURAL_LANGUAGE and self._wraps(slot, slot.tools):
             return await self.natural_language(slot, arguments)
         was_running = slot.child.running()
-        host = _current_host()
+        host = current_host()
         progress = None
         if host is not None:
             slot.callers[id(host)] = host
@@ -554,18 +498,18 @@ class Gateway:
     # -- activate mode --------------------------------------------------------------------
 
     def _register_control_tools(self) -> None:
-        described = _CONTROL_DESCRIPTIONS[self.mode]
+        described = CONTROL_DESCRIPTIONS[self.mode]
         for name, handler, parameters in (
             ("gateway_activate", self._activate, NAME_SCHEMA),
             ("gateway_deactivate", self._deactivate, NAME_SCHEMA),
             ("gateway_status", self._status, {"type": "object", "properties": {}}),
         ):
-            tool = _ControlTool(name=name, description=described[name], parameters=parameters)
+            tool = ControlTool(name=name, description=described[name], parameters=parameters)
             tool._handler = handler
             self.mcp.add_tool(tool)
 
     async def _activate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        name = _name_argument(arguments)
+        name = name_argument(arguments)
         slot = self._slot(name)
         with self.span("gateway.activate", slot):
             return await self._activate_slot(slot)
@@ -584,7 +528,7 @@ class Gateway:
         return {"activated": name, "tools": list(slot.injected)}
 
     async def _deactivate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        slot = self._slot(_name_argument(arguments))
+        slot = self._slot(name_argument(arguments))
         with self.span("gateway.deactivate", slot):
             return await self._deactivate_slot(slot)
 
@@ -671,68 +615,3 @@ class Gateway:
         )
         await self.watchdog.close()
         self.wrapper.close()
-
-
-def _name_argument(arguments: dict[str, Any]) -> str:
-    name = arguments.get("name")
-    if not isinstance(name, str) or not name:
-        raise ToolRefusal("'name' must be an MCP server's name (see gateway_status)")
-    return name
-
-
-_INSTRUCTIONS: dict[Mode, str] = {
-    "suite": "One tool per MCP server behind this gateway: call a suite tool with action "
-    "'introspect' to see its tools, 'call' to run one; or gateway_activate a server to get its "
-    "tools directly.",
-    "activate": "The MCP servers behind this gateway are off until you need one: "
-    "gateway_status lists them, gateway_activate puts a server's tools into your tool list, "
-    "gateway_deactivate takes them out again.",
-    "both": "One tool per MCP server behind this gateway: call a suite tool with action "
-    "'introspect' to see its tools, 'call' to run one; or gateway_activate a server to get its "
-    "own tools instead of its suite tool.",
-}
-_STATUS = (
-    "Every MCP server behind the gateway: state (warming, ready, active, error), its error if "
-    "any, how many tools it has, and its suite tool."
-)
-_CONTROL_DESCRIPTIONS: dict[Mode, dict[str, str]] = {
-    "suite": {
-        "gateway_activate": "Put the tools of the MCP server `name` into your tool list (see "
-        "gateway_status for the names). Its suite tool keeps working too.",
-        "gateway_deactivate": "Take the tools of `name` out of your tool list again (it stays "
-        "warm).",
-        "gateway_status": _STATUS,
-    },
-    "activate": {
-        "gateway_activate": "Put the tools of the MCP server `name` into your tool list (see "
-        "gateway_status for the names).",
-        "gateway_deactivate": "Take the tools of `name` out of your tool list again (it stays "
-        "warm).",
-        "gateway_status": _STATUS,
-    },
-    "both": {
-        "gateway_activate": "Put the tools of the MCP server `name` into your tool list, in "
-        "place of its suite tool (see gateway_status for the names).",
-        "gateway_deactivate": "Take the tools of `name` out of your tool list again; its suite "
-        "tool comes back (it stays warm).",
-        "gateway_status": _STATUS,
-    },
-}
-
-
-@dataclass(frozen=True)
-class HostCall:
-    """A host's request being served: FastMCP's context of it, and the context variables it
-    runs with (a notification from a child arrives in the child's reader task, outside them)."""
-
-    context: Context
-    variables: contextvars.Context
-
-
-def _current_host() -> HostCall | None:
-    """The host request being served, if any."""
-    try:
-        context = get_context()
-    except RuntimeError:
-        return None
-    return HostCall(context, contextvars.copy_context())
