@@ -15,7 +15,7 @@ import pytest
 from butlers.claude_code import McpTarget, StdioServer, isolated_cli_env
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.config import load_gateway_config
-from butlers.gateway.wrapper import instructions_for, load_descriptions
+from butlers.gateway.wrapper import _target, instructions_for, load_descriptions
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.fakes.otlp import OtlpReceiver
 from tests.test_gateway import (
@@ -102,6 +102,18 @@ def test_a_stdio_server_of_claude_code_gets_no_credentials_and_no_values_in_argv
         check=True,
     ).stdout
     assert pwd.strip() == str(tmp_path)  # run in its directory, as the gateway runs it
+
+
+def test_a_remote_childs_headers_and_a_butlers_token_go_to_claude_codes_config() -> None:
+    remote = ChildSpec(name="web", url="https://x.example/mcp", headers={"X-Api-Key": "k-1"})
+    assert _target(remote, ["search"], ["admin"], None).server_config() == {
+        "type": "http",
+        "url": "https://x.example/mcp",
+        "headers": {"X-Api-Key": "k-1"},
+    }
+    butler = ChildSpec(name="general", url="http://127.0.0.1:8101/sse", kind="butler")
+    config = _target(butler, ["state_get"], [], "tok-123456").server_config()
+    assert config["type"] == "sse" and config["headers"] == {"Authorization": "Bearer tok-123456"}
 
 
 @pytest.fixture

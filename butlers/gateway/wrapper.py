@@ -198,7 +198,9 @@ class ClaudeWrapper:
 def _target(
     spec: ChildSpec, allowed: Sequence[str], hidden: Sequence[str], auth_token: str | None
 ) -> McpTarget:
-    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    headers = dict(spec.headers)  # a remote server's own (an API key), in the private file
+    if auth_token:
+        headers["Authorization"] = f"Bearer {auth_token}"
     stdio = None
     if spec.cmd is not None:
         cwd = str(spec.cwd) if spec.cwd is not None else None
