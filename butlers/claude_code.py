@@ -204,20 +204,34 @@ def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_
 
 
 def remove_private_files(directory: Path) -> int:
-    """What `write_private_file` left behind when the process was killed mid-run (the files
-    hold auth tokens): removed at start."""
+    """What `write_private_file` left behind when a process was killed mid-run (the files
+    hold auth tokens): removed at start. A file of a process still running (another replica
+    of a switchboard on the same data directory) is its own: kept."""
     removed = 0
     for path in directory.glob("*.json") if directory.is_dir() else ():
+        writer, _, _ = path.stem.partition("-")
+        if writer.isdigit() and int(writer) != os.getpid() and _running(int(writer)):
+            continue
         path.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: not ours to judge
+        return True
+    return True
 
 
 def write_private_file(directory: Path, text: str) -> Path:
     """A new file only this user can read, in a directory only this user can enter."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     directory.chmod(0o700)
-    path = directory / f"{uuid.uuid4().hex}.json"
+    path = directory / f"{os.getpid()}-{uuid.uuid4().hex}.json"  # whose it is: see above
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(text)

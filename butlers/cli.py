@@ -22,7 +22,7 @@ import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,6 +127,29 @@ def _install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(signum, stop.set)
 
 
+@dataclass(frozen=True)
+class PortChoice:
+    """Ports other than the butler.toml's: `run --port P` (one butler) or `up --port-offset K`
+    (every butler). What the registry stores stays the butler.toml's: replicas sit behind
+    one address (docs/scaling.md)."""
+
+    port: int | None = None
+    offset: int = 0
+
+    def apply(self, configs: Sequence[ButlerConfig]) -> list[ButlerConfig]:
+        chosen = []
+        for config in configs:
+            port = self.port if self.port is not None else config.port + self.offset
+            if not 1 <= port <= 65535:
+                option = "--port" if self.port is not None else f"--port-offset {self.offset}"
+                raise CommandError(
+                    f"{option}: butler {config.name!r} would listen on port {port}; "
+                    "expected a port number between 1 and 65535"
+                )
+            chosen.append(replace(config, port=port))
+        return chosen
+
+
 async def serve(
     config_dir: Path,
     only: Sequence[str] | None,
@@ -135,12 +158,13 @@ async def serve(
     redactor: Redactor,
     settings: Settings,
     as_json: bool = False,
+    ports: PortChoice | None = None,
 ) -> int:
     """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal.
     `redactor`: the process's log redaction, told the secrets the configs name."""
     stop = asyncio.Event()
     _install_stop_signals(stop)
-    configs = _select(config_dir, only, settings)
+    configs = (ports or PortChoice()).apply(_select(config_dir, only, settings))
     from butlers.db import EmbeddedServer, running, server_for
 
     server = server_for(settings)
@@ -685,10 +709,24 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     config_dir_arg(up)
     up.add_argument("--only", nargs="+", metavar="NAME", help="start only these butlers")
     up.add_argument("--json", action="store_true", help="print the ready table as one JSON object")
+    up.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="K",
+        help="every butler listens on its port + K: a second fleet beside the first, on the "
+        "same databases (the switchboard runs as a replica)",
+    )
 
     run = commands.add_parser("run", help="run one butler in the foreground")
     config_dir_arg(run)
     run.add_argument("name")
+    run.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        help="listen on P instead of the butler.toml's port (a switchboard replica)",
+    )
 
     db = commands.add_parser("db", help="database commands")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -884,9 +922,15 @@ async def cli(argv: Sequence[str], settings: Settings) -> int:
             redactor=redactor,
             settings=settings,
             as_json=args.json,
+            ports=PortChoice(offset=args.port_offset),
         )
     return await serve(
-        args.config_dir, [args.name], strict=True, redactor=redactor, settings=settings
+        args.config_dir,
+        [args.name],
+        strict=True,
+        redactor=redactor,
+        settings=settings,
+        ports=PortChoice(port=args.port),
     )
 
 

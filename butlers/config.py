@@ -350,6 +350,16 @@ class SwitchboardConfig:
     max_notifications_per_hour: Annotated[Int, Field(ge=0)] = Field(
         default=30, description="Per butler; 0: no limit."
     )
+    max_concurrent_messages: Annotated[Int, Field(ge=1)] = Field(
+        default=1,
+        description="Messages processed at once (per switchboard process); 1: one at a time, "
+        "in arrival order. Messages of one conversation are always one at a time, in order.",
+    )
+    message_lease_s: Annotated[Float, Field(ge=1)] = Field(
+        default=30.0,
+        description="How long a switchboard process's claim on a message lasts unless it "
+        "renews it: the messages of a process that died are taken over after this.",
+    )
     owner: OwnerConfig = Field(default_factory=OwnerConfig, description="`[switchboard.owner]`.")
     triage: tuple[TriageRule, ...] = Field(
         default=(), description="`[[switchboard.triage]]` rules, tried in order."

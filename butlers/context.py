@@ -16,7 +16,9 @@ from butlers.spawner import SESSION_STARTING_TOOLS, Spawner, default_allowed_too
 @dataclass
 class ModuleStatus:
     name: str
-    status: str  # "running" | "skipped" | "failed"
+    # "starting" | "running" | "standby" (another switchboard process runs its intake) |
+    # "skipped" | "failed"
+    status: str
     detail: str = ""
 
 

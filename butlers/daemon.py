@@ -35,6 +35,7 @@ from butlers.redact import Redactor
 from butlers.settings import Settings
 from butlers.spawner import Spawner
 from butlers.switchboard.inbox import InboxStore
+from butlers.switchboard.leadership import LeaderDuty
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.tools import Switchboard, attach_switchboard
 from butlers.tasks import cancel_and_wait
@@ -135,7 +136,10 @@ class ButlerDaemon:
     async def _start(self) -> None:
         config = self.config
         require_token_beyond_loopback(f"butler {config.name!r}", config.host, self.auth_token)
-        self._pool = await create_pool(self.db_server, config.database)
+        limits = config.switchboard
+        # The switchboard's messages in flight each hold a connection now and then.
+        pool_size = max(5, limits.max_concurrent_messages + 4) if limits else 5
+        self._pool = await create_pool(self.db_server, config.database, max_size=pool_size)
         store = CoreStore(self._pool)
         sock = self._bind()
         self.port = sock.getsockname()[1]
@@ -212,7 +216,8 @@ class ButlerDaemon:
             await self.switchboard.start_worker()
         await self._modules.start()
         if self.switchboard is not None:
-            await self.switchboard.start_outbox()
+            duties = [m for m in self._modules.running if isinstance(m, LeaderDuty)]
+            await self.switchboard.start_leadership(self._connect, duties)
         if config.runtime.tick_interval_s > 0:
             self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
         logger.info(
@@ -242,6 +247,8 @@ class ButlerDaemon:
             triage_rules=self.config.triage,
             limits=limits,
             auth_token=self.auth_token,
+            # Its name among switchboard processes on one database: the same after a restart.
+            replica=f"{socket.gethostname()}:{self.port}",
             redact=self.redactor,
         )
         report = await self.switchboard.discover()
@@ -249,6 +256,11 @@ class ButlerDaemon:
             # INFO: `butlers up` / `run` loaded the same directory and printed each of these
             # already; a later `discover` call returns them to whoever asked.
             logger.info("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
+
+    async def _connect(self) -> asyncpg.Connection:
+        """A connection outside the pool, for what holds one for good (the leader's lock,
+        LISTEN)."""
+        return await asyncpg.connect(self.db_server.dsn(self.config.database), timeout=10)
 
     def _allowed_hosts(self) -> list[str]:
         from urllib.parse import urlsplit

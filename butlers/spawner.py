@@ -109,10 +109,13 @@ class Spawner:
         trigger_source: str,
         system_prompt: str | None = None,
         conversation: str | None = None,
+        slots: asyncio.Semaphore | None = None,
     ) -> SessionOutcome:
         """Run one session to completion; failures are recorded and returned, not raised.
-        `conversation`: the one a routed message belongs to, where its `notify` goes."""
-        async with self._slots:
+        `conversation`: the one a routed message belongs to, where its `notify` goes.
+        `slots`: what bounds this kind of session instead of `max_concurrent_sessions` (the
+        classifier's sessions: the switchboard's `max_concurrent_messages`)."""
+        async with slots or self._slots:
             self.running += 1
             # The session names itself with this in its private MCP config: the butler's
             # tools (notify) learn which conversation the call serves, and nobody else can.

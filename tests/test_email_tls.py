@@ -82,9 +82,11 @@ def email_config(
 async def running(
     config: EmailConfig, worker: RecordingWorker, password: str = PASSWORD
 ) -> AsyncIterator[EmailModule]:
-    """The email module's IMAP intake, running until the block ends."""
+    """The email module's IMAP intake, running until the block ends (the module as the
+    leader of the switchboard processes, which is what reads the mailbox)."""
     module = EmailModule(config, USER, password, worker)  # type: ignore[arg-type]
     await module.start()
+    await module.lead()
     try:
         yield module
     finally:

@@ -137,6 +137,26 @@ async def test_mcp_config_files_a_killed_run_left_are_removed_at_start(
     assert list(leftovers.iterdir()) == []
 
 
+async def test_a_running_replicas_mcp_config_files_are_left_alone(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """Two switchboard processes on one data directory: the one starting removes what a
+    killed process left, not the files of the other one's sessions in flight."""
+    leftovers = tmp_path / "data" / "sessions" / "alpha" / ".mcp"
+    leftovers.mkdir(parents=True)
+    other = await asyncio.create_subprocess_exec("sleep", "60")
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()
+    try:
+        (leftovers / f"{other.pid}-a.json").write_text("{}")
+        (leftovers / f"{dead.pid}-b.json").write_text("{}")
+        await start_butler()
+        assert [p.name for p in leftovers.iterdir()] == [f"{other.pid}-a.json"]
+    finally:
+        other.kill()
+        await other.wait()
+
+
 async def test_secrets_stay_out_of_debug_logs_spans_and_routing_log(
     tmp_path: Path,
     bot_api: FakeBotAPI,

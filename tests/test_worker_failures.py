@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from butlers.config import RuntimeConfig, TelegramConfig, TriageRule
+from butlers.config import RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
 from butlers.daemon import ButlerDaemon
 from butlers.switchboard.inbox import MAX_ATTEMPTS
 from butlers.switchboard.replies import sorry
@@ -41,9 +41,11 @@ async def start_fleet(
     runtimes: dict[str, RuntimeConfig] | None = None,
     triage: tuple[TriageRule, ...] = (TO_GENERAL,),
     database: str | None = None,
+    lease_s: float = 30.0,
 ) -> tuple[ButlerDaemon, dict[str, ButlerDaemon]]:
     """The named butlers and a switchboard polling the fake Bot API for chat CHAT.
-    `runtimes` gives a butler (the switchboard included) its own [runtime]."""
+    `runtimes` gives a butler (the switchboard included) its own [runtime]; `lease_s`: the
+    switchboard's message_lease_s."""
     runtimes = runtimes or {}
     config_dir = tmp_path / "config"
     targets = {}
@@ -56,7 +58,12 @@ async def start_fleet(
     port = free_port()
     write_butler_dir(config_dir, "switchboard", port)
     telegram = TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url)
-    overrides: dict[str, Any] = {"port": port, "telegram": telegram, "triage": triage}
+    overrides: dict[str, Any] = {
+        "port": port,
+        "telegram": telegram,
+        "triage": triage,
+        "switchboard": SwitchboardConfig(message_lease_s=lease_s),
+    }
     if "switchboard" in runtimes:
         overrides["runtime"] = runtimes["switchboard"]
     switchboard = await start_butler(
@@ -317,12 +324,13 @@ async def test_the_worker_outlives_a_database_that_fails_while_a_message_is_fini
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    """Guards worker._run: when finishing a message fails and recording it as failed fails
-    too (the database is failing), the worker logs it and goes on; the message stays
-    `processing` (resumed at the next start) and later messages are answered."""
+    """Guards the worker: when finishing a message fails and recording it as failed fails
+    too (the database is failing), the worker logs it and goes on. The message stays
+    `processing` until its lease runs out; then it is taken up again and answered, before
+    the chat's next message (one conversation, in order)."""
     scripted_api.respond_with(model("general", {"general": "Done."}))
     scripted_api.delay_for = lambda body: 60.0  # general's session waits for the release
-    switchboard, _ = await start_fleet(start_butler, tmp_path, bot_api)
+    switchboard, _ = await start_fleet(start_butler, tmp_path, bot_api, lease_s=2)
     conn = await db_conn(switchboard.config.database)
     with log_records("butlers.switchboard.worker") as records:
         first_id = await bot_api.push_text(CHAT, "first")
@@ -335,11 +343,14 @@ async def test_the_worker_outlives_a_database_that_fails_while_a_message_is_fini
 
         await eventually(gave_up_recording)
         await conn.execute("ALTER TABLE inbox_away RENAME TO inbox")
+    first = await conn.fetchrow("SELECT status FROM inbox WHERE external_id = $1", str(first_id))
+    assert first["status"] == "processing"
     scripted_api.delay_for = None
     answered_id = await bot_api.push_text(CHAT, "second")
     row = await finished_row(conn, answered_id)
     assert (row["status"], row["reply"]) == ("done", "Done.")
-    [sent] = await bot_api.wait_sent(1)
-    assert sent == {"chat_id": CHAT, "text": "Done."}
-    first = await conn.fetchrow("SELECT status FROM inbox WHERE external_id = $1", str(first_id))
-    assert first["status"] == "processing"
+    first = await finished_row(conn, first_id)
+    assert (first["status"], first["reply"], first["attempts"]) == ("done", "Done.", 2)
+    assert first["finished_at"] < row["finished_at"]  # the chat's order held
+    sent = await bot_api.wait_sent(2)
+    assert sent == [{"chat_id": CHAT, "text": "Done."}] * 2

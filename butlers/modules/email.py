@@ -221,8 +221,10 @@ class EmailModule:
         )
 
     async def start(self) -> None:
+        """Reading the mailbox is the leader's (`lead`); sending, and the webhook, every
+        switchboard process's."""
         if self.worker is not None and self.config.mode in ("idle", "poll"):
-            self._task = asyncio.create_task(ImapIntake(self).run(), name="email:intake")
+            self.status = ModuleStatus(self.name, "standby", "another process reads the mailbox")
         elif self.config.mode == "webhook" and self.worker is not None and not self.webhook_token:
             # The webhook would answer 401 to everything: say so where an operator looks.
             problem = f"webhook mode needs a token: set {WEBHOOK_TOKEN_ENV}"
@@ -232,8 +234,20 @@ class EmailModule:
             self.status = ModuleStatus(self.name, "running", f"{self.config.mode} mode")
 
     async def stop(self) -> None:
+        await self.step_down()
+
+    async def lead(self) -> None:
+        """The IMAP session (IDLE or polling), on one switchboard process only."""
+        if self.worker is not None and self.config.mode in ("idle", "poll"):
+            self.status = ModuleStatus(self.name, "starting")
+            self._task = asyncio.create_task(ImapIntake(self).run(), name="email:intake")
+
+    async def step_down(self) -> None:
+        if self._task is None:
+            return
         await cancel_and_wait(self._task)
         self._task = None
+        self.status = ModuleStatus(self.name, "standby", "another process reads the mailbox")
 
     # -- what goes out --------------------------------------------------------------------------
 

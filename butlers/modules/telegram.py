@@ -90,6 +90,8 @@ class TelegramModule:
         )
         self.status = ModuleStatus(self.name, "starting")
         self._task: asyncio.Task[None] | None = None
+        self._poll_task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
         self._refused: set[str] = set()
 
     # -- tools and routes -------------------------------------------------------------------
@@ -266,18 +268,29 @@ class TelegramModule:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="telegram:intake")
+        """Connect (getMe, the webhook set or deleted): every switchboard process sends, and
+        takes webhooks. Polling is the leader's (`lead`)."""
+        self._task = asyncio.create_task(self._connect(), name="telegram:connect")
 
     async def stop(self) -> None:
+        await self.step_down()
         await cancel_and_wait(self._task)
         self._task = None
         with contextlib.suppress(Exception):
             await self.bot.shutdown()
 
-    async def _run(self) -> None:
-        await self._connect()
+    async def lead(self) -> None:
+        """getUpdates, on one switchboard process only: Telegram allows one poller a token."""
         if self.config.mode == "polling" and self.worker is not None:
-            await self._poll()
+            self._poll_task = asyncio.create_task(self._poll_when_connected(), name="telegram:poll")
+
+    async def step_down(self) -> None:
+        await cancel_and_wait(self._poll_task)
+        self._poll_task = None
+
+    async def _poll_when_connected(self) -> None:
+        await self._connected.wait()
+        await self._poll()
 
     async def _connect(self) -> None:
         """initialize() calls getMe once, with no retry: retry it ourselves with backoff."""
@@ -299,6 +312,7 @@ class TelegramModule:
                         allowed_updates=["message", "edited_message"],
                     )
                 self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
+                self._connected.set()
                 return
             except InvalidToken:
                 self.status = ModuleStatus(self.name, "failed", "Telegram rejected the token")

@@ -12,6 +12,7 @@ drawn for this message, which the text cannot know and so cannot close.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -126,8 +127,10 @@ async def classify_with_claude(
     switchboard_url: str,
     switchboard_tools: Sequence[str],
     history: str = "",
+    slots: asyncio.Semaphore | None = None,
 ) -> SessionOutcome:
-    """Run the classification session; its `route` calls are this message's dispatch."""
+    """Run the classification session; its `route` calls are this message's dispatch.
+    `slots`: the bound on classification sessions at once (the worker's)."""
     target = McpTarget(
         name="switchboard",  # the session's label for the MCP server (mcp__switchboard__route)
         url=switchboard_url,
@@ -148,4 +151,5 @@ async def classify_with_claude(
         target=target,
         trigger_source=f"classify:{message.channel}",
         system_prompt=SYSTEM_PROMPT,
+        slots=slots,
     )

@@ -1,11 +1,13 @@
 """The durable inbox: a message is in PostgreSQL before its channel is told it was received.
 
 `accept()` is idempotent on the channel's own id (Telegram update_id, email Message-ID), so a
-redelivered message is stored once. The worker claims messages strictly in arrival order.
+redelivered message is stored once. Workers (in one or several switchboard processes) claim
+messages in arrival order, the messages of one conversation one at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,22 +117,48 @@ class InboxStore:
             storable(error),
         )
 
-    async def requeue_interrupted(self) -> int:
-        """At start-up: what a crash left `processing` goes back to the queue, in its place."""
+    async def requeue_interrupted(self, replica: str) -> int:
+        """At start-up: what this process (`replica`: the same name as before its restart)
+        left `processing` when it crashed goes back to the queue, in its place. A row claimed
+        by nobody in particular is from before leases: requeued too. Another process's rows
+        are its own until their lease runs out."""
         result = await self.pool.execute(
-            "UPDATE inbox SET status = 'queued' WHERE status = 'processing'"
+            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL
+               WHERE status = 'processing' AND (claimed_by = $1 OR claimed_by IS NULL)""",
+            replica,
         )
         return int(result.split()[-1])
 
-    async def claim_next(self) -> InboxMessage | None:
-        """The oldest queued message, now `processing`, with its sender's last hour (in the
-        same round trip); None when the queue is empty."""
+    async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
+        """The oldest message that may start now, `processing` for `replica` until its lease
+        ends, with its sender's last hour (in the same round trip); None when none may.
+
+        A message may start when it is queued (or its claim's lease ran out: its process
+        died) and its conversation has nothing older pending and nothing in flight: the
+        messages of one conversation go one at a time, in order, whichever process takes
+        them. One statement: FOR UPDATE SKIP LOCKED makes two processes claiming at once
+        take different messages, and a conversation's next message is not claimable while
+        an older one is still queued, so neither can take it out of turn.
+        """
         row = await self.pool.fetchrow(
             """
-            WITH claimed AS (
-                UPDATE inbox SET status = 'processing', attempts = attempts + 1
-                WHERE id = (SELECT id FROM inbox WHERE status = 'queued'
-                            ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
+            WITH candidate AS (
+                SELECT q.id FROM inbox q
+                WHERE (q.status = 'queued'
+                       OR (q.status = 'processing' AND q.lease_until < now()))
+                  AND NOT EXISTS (
+                      SELECT 1 FROM inbox o
+                      WHERE o.conversation = q.conversation AND o.id <> q.id
+                        AND o.status IN ('queued', 'processing')
+                        AND (o.id < q.id OR o.lease_until >= now())
+                  )
+                ORDER BY q.id LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            ), claimed AS (
+                UPDATE inbox SET status = 'processing', attempts = attempts + 1,
+                                 claimed_by = $1,
+                                 lease_until = now() + make_interval(secs => $2)
+                WHERE id = (SELECT id FROM candidate)
                 RETURNING *
             )
             SELECT claimed.*, sender.earlier AS earlier_from_sender, sender.told AS sender_told
@@ -142,34 +170,67 @@ class InboxStore:
                   AND i.received_at > claimed.received_at - interval '1 hour'
                   AND i.id < claimed.id
             ) AS sender
-            """
+            """,
+            replica,
+            lease_s,
         )
         return None if row is None else InboxMessage.from_row(row)
+
+    async def renew(self, replica: str, inbox_ids: Sequence[int], lease_s: float) -> set[int]:
+        """Extend the leases of the messages `replica` is working on; returns the ids it
+        still holds (a message missing was taken over after its lease ran out)."""
+        rows = await self.pool.fetch(
+            """UPDATE inbox SET lease_until = now() + make_interval(secs => $3)
+               WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'
+               RETURNING id""",
+            replica,
+            list(inbox_ids),
+            lease_s,
+        )
+        return {row["id"] for row in rows}
+
+    async def release(self, replica: str, inbox_ids: Sequence[int]) -> int:
+        """A process stopping on purpose hands its messages back to the queue, in their
+        place, for another process (or itself, restarted) to start afresh: that attempt
+        does not count as one a crash interrupted."""
+        result = await self.pool.execute(
+            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL,
+                      attempts = greatest(attempts - 1, 0)
+               WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'""",
+            replica,
+            list(inbox_ids),
+        )
+        return int(result.split()[-1])
 
     async def finish(
         self,
         inbox_id: int,
         *,
+        replica: str,
         status: str,
         routed_to: str | None,
         reply: str | None,
         error: str | None,
         classified_via: str | None = None,
         conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy | None = None,
-    ) -> None:
-        """The message's outcome; `conn`: in the caller's transaction (with its outbox rows)."""
-        await (conn or self.pool).execute(
+    ) -> bool:
+        """The message's outcome, if `replica` still holds its claim (False: another process
+        took it over; its outcome is the one that counts). `conn`: in the caller's
+        transaction (with its outbox rows)."""
+        result = await (conn or self.pool).execute(
             """UPDATE inbox SET status = $2, routed_to = coalesce($3, routed_to), reply = $4,
                       error = $5, classified_via = coalesce($6, classified_via),
-                      finished_at = now()
-               WHERE id = $1""",
+                      finished_at = now(), lease_until = NULL
+               WHERE id = $1 AND claimed_by = $7 AND status = 'processing'""",
             inbox_id,
             status,
             routed_to,
             storable(reply),
             storable(error),
             classified_via,
+            replica,
         )
+        return result.split()[-1] == "1"
 
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
         """The last `exchanges` handled messages of the message's conversation before it,

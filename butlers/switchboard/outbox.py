@@ -231,8 +231,11 @@ class OutboxStore:
 
 
 class OutboxSender:
-    """One task per channel, delivering its outbox rows in order; opened and closed with the
-    switchboard. Channels are registered by their modules before `start()`."""
+    """One task per channel, delivering its outbox rows in order. Channels are registered by
+    their modules before `start()`. Of several switchboard processes, only the leader sends
+    (butlers.switchboard.leadership): `lead()` and `step_down()` start and stop it."""
+
+    name = "outbox"
 
     def __init__(self, store: OutboxStore, *, tracer: Tracer, retry_hours: float) -> None:
         self.store = store
@@ -258,6 +261,13 @@ class OutboxSender:
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks.clear()
+        self._wakes.clear()
+
+    async def lead(self) -> None:
+        await self.start()
+
+    async def step_down(self) -> None:
+        await self.stop()
 
     async def _run(self, name: str, channel: Channel) -> None:
         wake = self._wakes[name]

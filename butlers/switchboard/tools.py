@@ -27,12 +27,14 @@ from butlers.switchboard.dispatch import (
     Dispatcher,
 )
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
 from butlers.switchboard.notify import Notifier
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import Router
 from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
 from butlers.switchboard.worker import InboxWorker
 from butlers.tool_errors import ToolRefusal
 
@@ -50,6 +52,8 @@ class Switchboard:
     outbox: OutboxSender
     config_dir: Path
     placement: Placement  # what discover fills in for what a butler.toml leaves out
+    leadership: Leadership | None = None  # once started: pollers and outbox on one process
+    wakeups: Wakeups | None = None  # once started: the other processes' notifications
 
     async def discover(self) -> dict[str, Any]:
         report = await discover(self.routing_store, self.config_dir, self.placement)
@@ -60,12 +64,28 @@ class Switchboard:
         """Once the switchboard serves: the classifier's sessions connect back to it."""
         await self.worker.start()
 
-    async def start_outbox(self) -> None:
-        """Once the channel modules (registered in `outbox.channels`) have started."""
-        await self.outbox.start()
+    async def start_leadership(self, connect: Connect, duties: Sequence[LeaderDuty]) -> None:
+        """Once the channel modules (registered in `outbox.channels`) have started: listen to
+        the other switchboard processes, and run `duties` (the channels' pollers) and the
+        outbox if this process is, or becomes, the leader. `connect`: a connection of their
+        own to the switchboard's database."""
+        self.wakeups = Wakeups(
+            connect,
+            WakeupHandlers(
+                queued=self.worker.wake,
+                finished=self.worker.finished_elsewhere,
+                outbox=lambda _channel: self.outbox.wake(),
+            ),
+        )
+        await self.wakeups.start()
+        self.leadership = Leadership(connect, [*duties, self.outbox], replica=self.worker.replica)
+        await self.leadership.start()
 
     async def close(self) -> None:
-        await self.outbox.stop()
+        if self.leadership is not None:  # the pollers and the outbox stop; the lock is let go
+            await self.leadership.stop()
+        if self.wakeups is not None:
+            await self.wakeups.stop()
         await self.worker.stop()
         await self.connections.close()
 
@@ -102,6 +122,7 @@ def attach_switchboard(
     triage_rules: Sequence[TriageRule] = (),
     limits: SwitchboardConfig,
     auth_token: str | None,
+    replica: str,
     redact: Callable[[str], str] = str,
 ) -> Switchboard:
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
@@ -132,6 +153,7 @@ def attach_switchboard(
         switchboard_tools=tool_names,
         tracer=tracer,
         outbox=outbox,
+        replica=replica,
     )
     switchboard = Switchboard(
         routing_store, router, connections, worker, outbox, config_dir, placement

@@ -1,9 +1,13 @@
-"""The inbox worker: one message at a time, in arrival order, classify -> route -> reply.
+"""The inbox worker: classify -> route -> reply, up to `max_concurrent_messages` at once,
+the messages of one conversation one at a time and in order.
 
 Channels hand messages to `accept()`, which stores them (and only then may the channel
-acknowledge them) and wakes the worker. Whatever a crash interrupts is requeued at start-up.
-A message is finished before the next one starts, also when the classifier routed it to
-several butlers: the worker waits for every route the classification session asked for.
+acknowledge them) and wakes the worker. Several switchboard processes may work on one
+database: each claims messages for itself (butlers.switchboard.inbox), holds a lease on each
+one it works on and renews it; a process that died has its messages taken over when their
+leases run out, and one that lost a lease drops that message (the process that took it over
+answers it). Whatever a crash of this process interrupted is requeued when it starts again.
+A message is finished when every route its classification asked for has answered.
 Finishing a message writes its reply to the outbox in the same transaction
 (butlers.switchboard.outbox): from then on delivering it is the outbox's job.
 """
@@ -41,7 +45,11 @@ from butlers.telemetry import context_from_carrier, current_carrier
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 5.0  # a fallback: accept() wakes the worker at once
+IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
+
+
+class LeaseLost(Exception):
+    """This process's claim on a message ended (another process took it over)."""
 
 
 class InboxWorker:
@@ -58,6 +66,7 @@ class InboxWorker:
         switchboard_tools: Callable[[], Sequence[str]],
         tracer: Tracer,
         outbox: OutboxSender,
+        replica: str,
     ) -> None:
         self.tracer = tracer
         self.inbox = inbox
@@ -71,9 +80,19 @@ class InboxWorker:
         self.dispatcher = Dispatcher(router, max_routes=limits.max_routes_per_message)
         self.switchboard_url = switchboard_url
         self.switchboard_tools = switchboard_tools
+        # This process's name in `inbox.claimed_by`: the same after a restart (its host and
+        # port), so that it resumes what it was doing when it crashed.
+        self.replica = replica
+        self.max_concurrent = limits.max_concurrent_messages
+        self.lease_s = limits.message_lease_s
+        # The classifier's sessions are bounded by the messages in flight, not by the
+        # switchboard's own max_concurrent_sessions.
+        self._classifier_slots = asyncio.Semaphore(self.max_concurrent)
         self._wake = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
+        self._in_flight: dict[int, asyncio.Task[None]] = {}
 
     # -- intake side ------------------------------------------------------------------------
 
@@ -110,10 +129,32 @@ class InboxWorker:
             return row
         return await asyncio.shield(future)
 
+    def finished_elsewhere(self, inbox_id: int) -> None:
+        """Another process finished a message (its notification): an `ask` here may be
+        waiting for it."""
+        future = self._waiters.get(inbox_id)
+        if future is not None and not future.done():
+            asyncio.get_running_loop().create_task(self._resolve(inbox_id))
+
+    async def _resolve(self, inbox_id: int) -> None:
+        future = self._waiters.get(inbox_id)
+        if future is None or future.done():
+            return
+        try:
+            row = await self.inbox.get(inbox_id)
+        except Exception as exc:  # the waiter hears why rather than waiting for ever
+            if not future.done():
+                future.set_exception(exc)
+            return
+        if row is not None and row["status"] in ("done", "failed", "skipped"):
+            self._waiters.pop(inbox_id, None)
+            if not future.done():
+                future.set_result(row)
+
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        resumed = await self.inbox.requeue_interrupted()
+        resumed = await self.inbox.requeue_interrupted(self.replica)
         if resumed:
             logger.warning(
                 "resuming %d message(s) interrupted by a crash",
@@ -121,6 +162,7 @@ class InboxWorker:
                 extra={"action": "inbox_resume"},
             )
         self._task = asyncio.create_task(self._run(), name="switchboard:inbox-worker")
+        self._renewer = asyncio.create_task(self._renew_leases(), name="switchboard:leases")
 
     async def prune(self, older_than_days: int) -> dict[str, int]:
         """Retention: finished inbox rows and routing_log rows older than that go."""
@@ -131,46 +173,104 @@ class InboxWorker:
         }
 
     async def stop(self) -> None:
-        """Stop now; a message being processed stays `processing` and is resumed next start."""
+        """Stop now; the messages being processed go back to the queue, for another process
+        (or this one, started again) to take."""
         await cancel_and_wait(self._task)
-        self._task = None
+        await cancel_and_wait(self._renewer)
+        self._task = self._renewer = None
+        in_flight = dict(self._in_flight)
+        for task in in_flight.values():
+            await cancel_and_wait(task)
+        if in_flight:
+            try:
+                await self.inbox.release(self.replica, list(in_flight))
+            except Exception:  # their leases run out instead
+                logger.warning("could not hand back messages %s", sorted(in_flight))
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(RuntimeError("the switchboard is stopping"))
         self._waiters.clear()
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
     async def _run(self) -> None:
         while True:
             self._wake.clear()
+            while len(self._in_flight) < self.max_concurrent:
+                try:
+                    message = await self.inbox.claim_next(self.replica, self.lease_s)
+                except Exception:
+                    logger.exception("cannot read the inbox", extra={"action": "inbox_error"})
+                    break
+                if message is None:
+                    break
+                task = asyncio.create_task(
+                    self._work_on(message), name=f"switchboard:message:{message.id}"
+                )
+                self._in_flight[message.id] = task
+            # A message finishing, one arriving (here or in another process) or a lease
+            # ending elsewhere: look again.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+
+    async def _work_on(self, message: InboxMessage) -> None:
+        try:
+            await self._process(message)
+        except LeaseLost:
+            logger.warning(
+                "message %s was taken over by another switchboard process; its outcome here "
+                "is dropped",
+                message.id,
+                extra={"action": "lease_lost"},
+            )
+        except Exception:
+            # Keep the queue moving on purpose: one message's bug must not stop the others.
+            logger.exception(
+                "processing inbox message %s failed",
+                message.id,
+                extra={"action": "inbox_process_failed"},
+            )
             try:
-                message = await self.inbox.claim_next()
+                await self._finish(message, "failed", None, sorry("internal"), "internal error")
+            except LeaseLost:
+                pass
             except Exception:
-                logger.exception("cannot read the inbox", extra={"action": "inbox_error"})
-                message = None
-            if message is None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+                # The database itself is failing: the message stays `processing` until its
+                # lease runs out (or this process starts again), then it is resumed.
+                logger.exception(
+                    "cannot record inbox message %s as failed",
+                    message.id,
+                    extra={"action": "inbox_error"},
+                )
+                await asyncio.sleep(IDLE_POLL_S)
+        finally:
+            self._in_flight.pop(message.id, None)
+            self._wake.set()
+
+    async def _renew_leases(self) -> None:
+        """Every third of a lease: extend the leases of the messages in flight; a message
+        whose lease another process took over is stopped here."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            ids = list(self._in_flight)
+            if not ids:
                 continue
             try:
-                await self._process(message)
-            except Exception:
-                # Keep the queue moving on purpose: one message's bug must not stop the others.
-                logger.exception(
-                    "processing inbox message %s failed",
-                    message.id,
-                    extra={"action": "inbox_process_failed"},
-                )
-                try:
-                    await self._finish(message, "failed", None, sorry("internal"), "internal error")
-                except Exception:
-                    # The database itself is failing: the message stays `processing` and is
-                    # resumed at the next start; the worker waits a little and goes on.
-                    logger.exception(
-                        "cannot record inbox message %s as failed",
-                        message.id,
-                        extra={"action": "inbox_error"},
+                held = await self.inbox.renew(self.replica, ids, self.lease_s)
+            except Exception as exc:  # tried again in a third of a lease
+                logger.warning("cannot renew message leases: %s", exc)
+                continue
+            for inbox_id in set(ids) - held:
+                task = self._in_flight.get(inbox_id)
+                if task is not None and inbox_id in self._in_flight:
+                    logger.warning(
+                        "message %s: the lease was lost; stopping work on it",
+                        inbox_id,
+                        extra={"action": "lease_lost"},
                     )
-                    await asyncio.sleep(IDLE_POLL_S)
+                    task.cancel()
 
     # -- one message ------------------------------------------------------------------------
 
@@ -274,6 +374,7 @@ class InboxWorker:
                     switchboard_url=self.switchboard_url,
                     switchboard_tools=self.switchboard_tools(),
                     history=history,
+                    slots=self._classifier_slots,
                 )
                 if dispatch.routed:
                     answers = await dispatch.answers()
@@ -337,8 +438,9 @@ class InboxWorker:
 
         async def write() -> None:
             async with self.inbox.pool.acquire() as conn, conn.transaction():
-                await self.inbox.finish(
+                finished = await self.inbox.finish(
                     message.id,
+                    replica=self.replica,
                     status=status,
                     routed_to=routed_to,
                     reply=reply,
@@ -346,6 +448,8 @@ class InboxWorker:
                     classified_via=via,
                     conn=conn,
                 )
+                if not finished:  # rolled back: the process that took it over answers it
+                    raise LeaseLost(message.id)
                 if outgoing:
                     await self.outbox_store.add(conn, outgoing, message.trace_context)
 

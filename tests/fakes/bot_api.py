@@ -4,7 +4,9 @@ are recorded), sendMessage (recorded; can answer 429, or 400 for good).
 
 As Telegram does, an update below the offset a getUpdates call was given is never returned by
 it, also when it was pushed while that call was waiting; an update pushed twice (a
-redelivery) is returned twice."""
+redelivery) is returned twice. And as Telegram does with two pollers of one token, a
+getUpdates arriving while another still waits ends the waiting one with 409 Conflict
+(counted in `conflicts`, unless the waiting one's client had gone: a poller that died)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ class FakeBotAPI:
         # One entry per getUpdates call: the offset it asked with (None: none given), and the
         # update_ids it returned (None while it is still waiting).
         self.polls: list[dict[str, Any]] = []
+        self.conflicts = 0  # getUpdates calls that overlapped a live one (two pollers)
+        self._waiting_poll: tuple[asyncio.Event, web.Request] | None = None
         self._update_ids = itertools.count(1000)
         self._message_ids = itertools.count(1)
         self._changed = asyncio.Condition()
@@ -163,6 +167,8 @@ class FakeBotAPI:
             return web.json_response(
                 {"ok": False, "error_code": 404, "description": f"{method} not faked"}, status=404
             )
+        if method == "getUpdates":
+            return await self._api_getUpdates(params, request)
         return await handler(params)
 
     async def _api_getMe(self, params: dict[str, Any]) -> web.Response:
@@ -194,26 +200,50 @@ class FakeBotAPI:
         self.webhooks.append(params)
         return web.json_response({"ok": True, "result": True})
 
-    async def _api_getUpdates(self, params: dict[str, Any]) -> web.Response:
+    async def _api_getUpdates(self, params: dict[str, Any], request: web.Request) -> web.Response:
         given = params.get("offset")
         offset = int(given or 0)
         timeout = float(params.get("timeout") or 0)
         poll: dict[str, Any] = {"offset": None if given is None else int(given), "returned": None}
+        poll["at"] = time.monotonic()
+        superseded = asyncio.Event()
 
         def acknowledge() -> None:  # an offset acknowledges every update before it, for good
             self.pending = [u for u in self.pending if u["update_id"] >= offset]
 
         async with self._changed:
+            if self._waiting_poll is not None:
+                earlier, earlier_request = self._waiting_poll
+                transport = earlier_request.transport
+                if transport is not None and not transport.is_closing():
+                    self.conflicts += 1
+                earlier.set()
+            self._waiting_poll = (superseded, request)
             self.polls.append(poll)
             self._changed.notify_all()
             acknowledge()
             if not self.pending and timeout:
                 try:
                     async with asyncio.timeout(timeout):
-                        await self._changed.wait_for(lambda: bool(self.pending) or self._closing)
+                        await self._changed.wait_for(
+                            lambda: bool(self.pending) or self._closing or superseded.is_set()
+                        )
                 except TimeoutError:
                     pass
                 acknowledge()  # what came meanwhile may be below the offset: never returned
+            if self._waiting_poll is not None and self._waiting_poll[0] is superseded:
+                self._waiting_poll = None
+            if superseded.is_set():
+                poll["returned"] = []
+                return web.json_response(
+                    {
+                        "ok": False,
+                        "error_code": 409,
+                        "description": "Conflict: terminated by other getUpdates request; "
+                        "make sure that only one bot instance is running",
+                    },
+                    status=409,
+                )
             result = list(self.pending)
             poll["returned"] = [u["update_id"] for u in result]
             self._changed.notify_all()

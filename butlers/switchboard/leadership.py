@@ -1,0 +1,174 @@
+"""Leadership: which of several switchboard processes on one database runs what must run once.
+
+Every switchboard process serves MCP, takes webhooks and processes the inbox. The Telegram
+getUpdates loop, the IMAP session and the outbox's senders must run in exactly one of them:
+Telegram answers a second poller with 409 Conflict, a mailbox read twice is read for nothing,
+and replies go out in order and within the Bot API's flood limit only from one sender.
+
+The leader is the process holding a PostgreSQL advisory lock (`pg_try_advisory_lock`) on a
+connection of its own. PostgreSQL releases the lock when that connection ends, so when the
+leader dies (a SIGKILL closes its socket at once) another process gets the lock at its next
+try, within `retry_s`. A leader that cannot reach the database any more (a network split: its
+check fails within `check_s`) steps down on its own; server-side TCP keepalives on the lock's
+connection make PostgreSQL drop a leader that vanished without closing its socket.
+
+A lone switchboard takes the lock at its first try, inside `start()`: it runs as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import asyncpg
+
+from butlers.tasks import cancel_and_wait
+
+logger = logging.getLogger(__name__)
+
+# The lock's key: any bigint, the same in every process of one switchboard's database
+# (advisory locks are per database). "butlers" in ASCII.
+LOCK_KEY = 0x6275746C657273
+RETRY_S = 2.0  # a follower tries the lock this often: a dead leader is replaced within this
+CHECK_S = 3.0  # a leader checks its lock's connection this often
+# Server-side keepalives on the lock's connection: PostgreSQL notices a leader that vanished
+# without closing its socket (its machine lost) within about idle + interval * count seconds.
+KEEPALIVE_SETTINGS = {
+    "tcp_keepalives_idle": "5",
+    "tcp_keepalives_interval": "2",
+    "tcp_keepalives_count": "2",
+}
+
+
+@runtime_checkable
+class LeaderDuty(Protocol):
+    """Something only the leader runs (a channel's poller, the outbox's senders)."""
+
+    name: str
+
+    async def lead(self) -> None:
+        """Start it: this process is the leader now."""
+        ...
+
+    async def step_down(self) -> None:
+        """Stop it: this process is no longer the leader (or is stopping)."""
+        ...
+
+
+Connect = Callable[[], Awaitable[asyncpg.Connection]]
+
+
+class Leadership:
+    """Holds (or waits for) the leader's lock, and runs the duties while it holds it."""
+
+    def __init__(
+        self,
+        connect: Connect,
+        duties: Sequence[LeaderDuty],
+        *,
+        replica: str,
+        retry_s: float = RETRY_S,
+        check_s: float = CHECK_S,
+    ) -> None:
+        self._connect = connect
+        self.duties = tuple(duties)
+        self.replica = replica
+        self.retry_s = retry_s
+        self.check_s = check_s
+        self.is_leader = False
+        self._conn: asyncpg.Connection | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Try the lock once now (a lone switchboard leads from its first moment), then keep
+        trying, or keep checking it, in the background."""
+        with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
+            await self._try_lock()
+        self._task = asyncio.create_task(self._run(), name="switchboard:leadership")
+
+    async def stop(self) -> None:
+        """Step down and let the lock go, so that another process takes over at once."""
+        await cancel_and_wait(self._task)
+        self._task = None
+        await self._step_down()
+        await self._close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if not self.is_leader:
+                    await self._try_lock()
+                if self.is_leader:
+                    await self._hold()
+                else:
+                    await asyncio.sleep(self.retry_s)
+            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+                # The lock's connection is gone, and with it the lock: stop leading first.
+                was_leader = self.is_leader
+                await self._step_down()
+                await self._close()
+                log = logger.warning if was_leader else logger.info
+                log(
+                    "switchboard %s: the leader's lock is unreachable (%s); trying again",
+                    self.replica,
+                    exc,
+                    extra={"action": "leader_lost" if was_leader else "leader_retry"},
+                )
+                await asyncio.sleep(self.retry_s)
+
+    async def _try_lock(self) -> None:
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await asyncio.wait_for(self._connect(), self.retry_s * 5)
+            for name, value in KEEPALIVE_SETTINGS.items():
+                with contextlib.suppress(asyncpg.PostgresError):  # a pooler may refuse them
+                    await self._conn.execute(f"SET {name} = {value}")
+        got = await asyncio.wait_for(
+            self._conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY), self.retry_s * 5
+        )
+        if got:
+            await self._lead()
+
+    async def _hold(self) -> None:
+        """While leading: the lock holds as long as its connection answers."""
+        assert self._conn is not None
+        while True:
+            await asyncio.sleep(self.check_s)
+            await asyncio.wait_for(self._conn.fetchval("SELECT 1"), self.check_s)
+
+    async def _lead(self) -> None:
+        self.is_leader = True
+        logger.info(
+            "switchboard %s leads: it runs %s",
+            self.replica,
+            ", ".join(d.name for d in self.duties) or "nothing more",
+            extra={"action": "leader_elected"},
+        )
+        for duty in self.duties:
+            try:
+                await duty.lead()
+            except Exception:  # one duty that cannot start must not keep the others down
+                logger.exception("switchboard %s: %s did not start", self.replica, duty.name)
+
+    async def _step_down(self) -> None:
+        if not self.is_leader:
+            return
+        self.is_leader = False
+        for duty in reversed(self.duties):
+            try:
+                await duty.step_down()
+            except Exception:
+                logger.exception("switchboard %s: %s did not stop cleanly", self.replica, duty.name)
+        logger.info(
+            "switchboard %s stepped down", self.replica, extra={"action": "leader_stepped_down"}
+        )
+
+    async def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 5)
+            if not conn.is_closed():
+                conn.terminate()
