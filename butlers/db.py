@@ -767,6 +767,11 @@ async def _skip_reset(conn: asyncpg.Connection) -> None:
     """
 
 
+# What a database call on a connection that went away raises, besides PostgreSQL's own errors
+# (asyncpg's InterfaceError: "connection is closed").
+CONNECTION_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
 async def create_pool(server: PostgresServer, database: str, *, max_size: int = 5) -> asyncpg.Pool:
     try:
         return await asyncpg.create_pool(

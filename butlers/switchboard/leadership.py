@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import asyncpg
 
+from butlers.db import CONNECTION_ERRORS
 from butlers.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Leadership:
     async def start(self) -> None:
         """Try the lock once now (a lone switchboard leads from its first moment), then keep
         trying, or keep checking it, in the background."""
-        with contextlib.suppress(OSError, asyncpg.PostgresError, TimeoutError):
+        with contextlib.suppress(*CONNECTION_ERRORS):
             await self._try_lock()
         self._task = asyncio.create_task(self._run(), name="switchboard:leadership")
 
@@ -105,7 +106,7 @@ class Leadership:
                     await self._hold()
                 else:
                     await asyncio.sleep(self.retry_s)
-            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            except CONNECTION_ERRORS as exc:
                 # The lock's connection is gone, and with it the lock: stop leading first.
                 was_leader = self.is_leader
                 await self._step_down()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from butlers.db import CONNECTION_ERRORS
 from butlers.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Wakeups:
                 while True:
                     await asyncio.sleep(CHECK_S)
                     await asyncio.wait_for(conn.fetchval("SELECT 1"), CHECK_S)
-            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            except CONNECTION_ERRORS as exc:
                 logger.info("switchboard: not listening for wake-ups (%s); again soon", exc)
             finally:
                 self.listening = False

@@ -1,0 +1,233 @@
+"""Several switchboard processes on one database, part by part, on a real PostgreSQL: the
+claim (one statement, per-conversation order, race-free), leases and their takeover (short
+leases), the leader's advisory lock, and the LISTEN/NOTIFY wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import asyncpg
+import pytest
+
+from butlers.db import create_pool
+from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.leadership import Leadership
+from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
+from tests.conftest import eventually
+
+_ids = itertools.count(1)
+
+
+@pytest.fixture
+async def database(make_database, switchboard_template: str) -> str:
+    return await make_database(switchboard_template)
+
+
+@pytest.fixture
+async def stores(pg_server, database: str) -> AsyncIterator[Callable[[], Awaitable[InboxStore]]]:
+    """Inbox stores on pools of their own: what two switchboard processes have."""
+    pools: list[asyncpg.Pool] = []
+
+    async def make() -> InboxStore:
+        pool = await create_pool(pg_server, database)
+        pools.append(pool)
+        return InboxStore(pool)
+
+    yield make
+    for pool in pools:
+        await pool.close()
+
+
+async def queue(store: InboxStore, conversation: str | None, text: str = "hi") -> int:
+    inbox_id = await store.accept(
+        IncomingMessage(
+            "telegram", f"u{next(_ids)}", text, source_id="1", conversation=conversation
+        ),
+        None,
+    )
+    assert inbox_id is not None
+    return inbox_id
+
+
+async def finish(store: InboxStore, inbox_id: int, replica: str) -> bool:
+    return await store.finish(
+        inbox_id, replica=replica, status="done", routed_to=None, reply="ok", error=None
+    )
+
+
+async def test_a_conversation_goes_one_at_a_time_in_order_across_processes(stores) -> None:
+    a, b = await stores(), await stores()
+    x1 = await queue(a, "telegram:1")
+    x2 = await queue(a, "telegram:1")
+    y1 = await queue(a, "telegram:2")
+    loose = await queue(a, None)  # no conversation (an `ask`): in order with nobody
+    first = await a.claim_next("a", 30)
+    assert first is not None and first.id == x1
+    # The other process does not take x2 while x1 is in flight: the next conversation's.
+    second = await b.claim_next("b", 30)
+    assert second is not None and second.id == y1
+    third = await b.claim_next("b", 30)
+    assert third is not None and third.id == loose
+    assert await b.claim_next("b", 30) is None
+    assert await finish(a, x1, "a")
+    fourth = await b.claim_next("b", 30)
+    assert fourth is not None and fourth.id == x2
+
+
+async def test_claims_racing_from_two_processes_never_break_a_conversation(stores) -> None:
+    """60 messages in 6 conversations, 8 workers in two processes claiming as fast as they
+    can: every message once, never two of one conversation at once, each in its order."""
+    a, b = await stores(), await stores()
+    conversations = [f"telegram:{n}" for n in range(6)]
+    expected: dict[str, list[int]] = {c: [] for c in conversations}
+    for _ in range(60):
+        conversation = random.choice(conversations)
+        expected[conversation].append(await queue(a, conversation))
+    in_flight: set[str] = set()
+    done: dict[str, list[int]] = {c: [] for c in conversations}
+    claimed: list[int] = []
+
+    async def worker(store: InboxStore, replica: str) -> None:
+        idle = 0
+        while idle < 20:
+            message = await store.claim_next(replica, 30)
+            if message is None:
+                idle += 1
+                await asyncio.sleep(0.005)
+                continue
+            idle = 0
+            assert message.conversation not in in_flight, "two of one conversation at once"
+            in_flight.add(message.conversation)
+            claimed.append(message.id)
+            await asyncio.sleep(random.random() / 200)
+            in_flight.discard(message.conversation)
+            done[message.conversation].append(message.id)
+            assert await finish(store, message.id, replica)
+
+    await asyncio.gather(*(worker(s, r) for s, r in [(a, "a"), (b, "b")] * 4))
+    assert sorted(claimed) == sorted(i for ids in expected.values() for i in ids)
+    assert done == expected
+
+
+async def test_a_lease_that_runs_out_is_taken_over_and_fences_the_old_owner(stores) -> None:
+    a, b = await stores(), await stores()
+    inbox_id = await queue(a, "telegram:1")
+    later = await queue(a, "telegram:1")
+    message = await a.claim_next("a", 1)
+    assert message is not None and message.attempts == 1
+    assert await a.renew("a", [inbox_id], 1) == {inbox_id}
+    assert await b.claim_next("b", 30) is None  # held, and its conversation's next waits
+    await asyncio.sleep(1.2)  # "a" died: nobody renews
+    taken = await b.claim_next("b", 30)
+    assert taken is not None and (taken.id, taken.attempts) == (inbox_id, 2)
+    # The old owner hears it lost the message, and cannot finish it any more.
+    assert await a.renew("a", [inbox_id], 1) == set()
+    assert not await finish(a, inbox_id, "a")
+    assert await finish(b, inbox_id, "b")
+    assert (await b.claim_next("b", 30)).id == later
+
+
+async def test_a_restarted_process_resumes_its_own_messages_not_the_others(stores) -> None:
+    a, b = await stores(), await stores()
+    mine = await queue(a, "telegram:1")
+    theirs = await queue(a, "telegram:2")
+    assert (await a.claim_next("host:8100", 30)).id == mine
+    assert (await b.claim_next("host:8101", 30)).id == theirs
+    assert await a.requeue_interrupted("host:8100") == 1  # "host:8100" started again
+    assert (await a.get(mine))["status"] == "queued"
+    assert (await a.get(theirs))["status"] == "processing"
+    # A process stopping on purpose hands back what it was doing, attempt not counted.
+    assert (await a.claim_next("host:8100", 30)).id == mine
+    assert await a.release("host:8100", [mine]) == 1
+    row = await a.get(mine)
+    assert (row["status"], row["attempts"], row["claimed_by"]) == ("queued", 1, None)
+
+
+class Duty:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.leading = False
+        self.terms = 0
+
+    async def lead(self) -> None:
+        self.leading = True
+        self.terms += 1
+
+    async def step_down(self) -> None:
+        self.leading = False
+
+
+async def test_one_leader_and_another_takes_over_when_it_dies(pg_server, database: str) -> None:
+    async def connect() -> asyncpg.Connection:
+        return await asyncpg.connect(pg_server.dsn(database))
+
+    duty_a, duty_b = Duty("poller-a"), Duty("poller-b")
+    a = Leadership(connect, [duty_a], replica="a", retry_s=0.2, check_s=0.2)
+    b = Leadership(connect, [duty_b], replica="b", retry_s=0.2, check_s=0.2)
+    await a.start()
+    await b.start()
+    try:
+        assert (a.is_leader, duty_a.leading) == (True, True)  # at once: a lone process leads
+        await asyncio.sleep(0.6)
+        assert (b.is_leader, duty_b.leading) == (False, False)
+        # The leader's connection dies (its process was killed, its host lost).
+        admin = await connect()
+        try:
+            await admin.execute(
+                """SELECT pg_terminate_backend(pid) FROM pg_locks
+                   WHERE locktype = 'advisory' AND granted AND database =
+                         (SELECT oid FROM pg_database WHERE datname = current_database())"""
+            )
+        finally:
+            await admin.close()
+
+        async def b_leads() -> bool:
+            return b.is_leader and duty_b.leading
+
+        await eventually(b_leads, timeout_s=10)
+        await eventually(lambda: _async(not duty_a.leading), timeout_s=5)
+        # The old leader, back on a connection, waits as a follower now.
+        await asyncio.sleep(0.6)
+        assert not a.is_leader and duty_a.terms == 1
+        # The leader stops on purpose: the lock goes with it, the other leads again.
+        await b.stop()
+        await eventually(lambda: _async(a.is_leader and duty_a.leading), timeout_s=10)
+        assert duty_a.terms == 2 and not duty_b.leading
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_notifications_wake_the_other_processes(stores, pg_server, database: str) -> None:
+    store = await stores()
+    queued = asyncio.Event()
+    finished: list[int] = []
+    outbox: list[str] = []
+    wakeups = Wakeups(
+        lambda: asyncpg.connect(pg_server.dsn(database)),
+        WakeupHandlers(queued=queued.set, finished=finished.append, outbox=outbox.append),
+    )
+    await wakeups.start()
+    try:
+        await eventually(lambda: _async(wakeups.listening))
+        queued.clear()
+        inbox_id = await queue(store, "telegram:1")
+        await asyncio.wait_for(queued.wait(), 5)
+        assert (await store.claim_next("a", 30)).id == inbox_id
+        assert await finish(store, inbox_id, "a")
+        await eventually(lambda: _async(finished == [inbox_id]), timeout_s=5)
+        async with store.pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO outbox (kind, channel, recipient, text) "
+                "VALUES ('reply', 'telegram', '1', 'x')"
+            )
+        await eventually(lambda: _async(outbox == ["telegram"]), timeout_s=5)
+    finally:
+        await wakeups.stop()

@@ -1,0 +1,137 @@
+"""Two switchboard processes on one database (`butlers run switchboard` and a replica with
+`--port`), a burst of 12 Telegram messages from 3 chats, and the leader SIGKILLed in the
+middle of it: every message is answered exactly once, in each chat's order, and the
+Telegram poller resumes on the survivor. Real processes, the real PostgreSQL of the tests,
+real Claude Code sessions against the scripted model, the fake Bot API (which, as Telegram
+does, ends a getUpdates with 409 when a second poller calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+import asyncpg
+
+from butlers.claude_code import isolated_cli_env
+from tests.conftest import eventually, free_port, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI, text
+from tests.test_cli import Butlers
+
+CHATS = (7101, 7102, 7103)
+MARK = re.compile(r"chat (\d+) #(\d+)")
+
+
+def answer(body: dict) -> list[dict]:
+    found = MARK.search(json.dumps(body["messages"][0]))
+    return [text(f"answer to chat {found.group(1)} #{found.group(2)}" if found else "?")]
+
+
+async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
+    tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    databases = [f"replicas_general_{suffix}", f"replicas_switchboard_{suffix}"]
+    config_dir = tmp_path / "config"
+    write_butler_dir(
+        config_dir,
+        "general",
+        free_port(),
+        extra=f'[butler.db]\nname = "{databases[0]}"\n[runtime]\nmax_concurrent_sessions = 6\n',
+    )
+    first_port, replica_port = free_port(), free_port()
+    write_butler_dir(
+        config_dir,
+        "switchboard",
+        first_port,
+        extra=(
+            f'[butler.db]\nname = "{databases[1]}"\n'
+            f"[modules.telegram]\nallowed_chat_ids = {json.dumps([str(c) for c in CHATS])}\n"
+            f'api_base_url = "{bot_api.url}"\n'
+            # Two at a time each: with three chats, both processes have work.
+            "[switchboard]\nmax_concurrent_messages = 2\nmessage_lease_s = 2\n"
+            '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
+        ),
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
+    env.update(
+        DATABASE_URL=pg_server.dsn("postgres"),
+        TELEGRAM_BOT_TOKEN=bot_api.token,
+        BUTLERS_DATA_DIR=str(tmp_path / "data"),
+        BUTLERS_LOG_LEVEL="INFO",
+    )
+    scripted_api.respond_with(answer)
+    scripted_api.delay_s = 2.0  # the model takes its time: the burst is still going on
+
+    args = ("--config-dir", str(config_dir))
+    general = Butlers("run", "general", *args, env=env)
+    leader = Butlers("run", "switchboard", *args, env=env)
+    replica = Butlers("run", "switchboard", "--port", str(replica_port), *args, env=env)
+    processes = [general, leader, replica]
+    try:
+        await general.start()
+        await general.wait_ready()
+        await leader.start()
+        await leader.wait_ready()
+        await leader.wait_stderr("leads")  # the first one up takes the lock
+        await replica.start()
+        await replica.wait_ready()
+        assert "leads" not in replica.stderr
+
+        conn = await db_conn(databases[1])
+        await bot_api.push_batch(
+            *(bot_api.text_update(chat, f"chat {chat} #{n}") for n in (1, 2) for chat in CHATS)
+        )
+
+        async def both_work() -> bool:  # both processes are working on messages
+            owners = await conn.fetch(
+                "SELECT DISTINCT claimed_by FROM inbox WHERE status = 'processing'"
+            )
+            return len(owners) == 2
+
+        await eventually(both_work, timeout_s=60)
+        assert bot_api.sent == []  # nothing answered yet: no reply was on its way
+        await leader.crash()
+        killed_at = time.monotonic()
+        # The rest of the burst comes after: only a poller on the survivor can fetch it.
+        await bot_api.push_batch(
+            *(bot_api.text_update(chat, f"chat {chat} #{n}") for n in (3, 4) for chat in CHATS)
+        )
+        sent = await bot_api.wait_sent(12, timeout_s=150)
+        await asyncio.sleep(1)  # a duplicate would come now
+        assert len(bot_api.sent) == 12
+
+        for chat in CHATS:  # each message once, each chat in its order
+            assert [s["text"] for s in sent if s["chat_id"] == chat] == [
+                f"answer to chat {chat} #{n}" for n in (1, 2, 3, 4)
+            ]
+        rows = await conn.fetch("SELECT status, attempts, claimed_by FROM inbox")
+        assert len(rows) == 12 and {r["status"] for r in rows} == {"done"}
+        # What the killed leader was doing was taken over (a second attempt) by the other.
+        assert any(r["attempts"] == 2 for r in rows)
+        assert {r["claimed_by"] for r in rows if r["attempts"] == 2} == {
+            f"{os.uname().nodename}:{replica_port}"
+        }
+        # The poller moved to the survivor, and there were never two at once.
+        assert any(p["at"] > killed_at for p in bot_api.polls)
+        assert bot_api.conflicts == 0
+        await replica.wait_stderr("leads")
+        assert await replica.stop() == 0
+        assert await general.stop() == 0
+    finally:
+        for process in processes:
+            process.kill()
+        admin = await asyncpg.connect(pg_server.dsn("postgres"))
+        try:
+            for name in databases:
+                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
