@@ -333,6 +333,13 @@ class ButlerDaemon:
             "database": database,
             "modules": module_report(self.context.module_statuses()),
         }
+        if self.switchboard is not None:  # which replica this is, and whether it leads
+            leadership = self.switchboard.leadership
+            body["switchboard"] = {
+                "replica": self.switchboard.worker.replica,
+                "leader": bool(leadership and leadership.is_leader),
+                "messages_in_flight": self.switchboard.worker.in_flight,
+            }
         return (200 if database["ok"] else 503), body
 
     async def stop(self) -> None:

@@ -128,6 +128,24 @@ class EmbeddedServer:
             )
 
         running = _running_postmaster(self.pgdata)
+        owner = self._owner()
+        if running is not None and owner is not None:
+            # Another butlers process (a second fleet, `butlers up --port-offset`) runs on
+            # this data directory: share its server, and leave stopping it to that process.
+            logger.info(
+                "using the PostgreSQL (pid %s) that butlers process %s runs on %s",
+                running.pid,
+                owner,
+                self.pgdata,
+                extra={"action": "pg_shared"},
+            )
+            if running.socket_dir is None:
+                raise DatabaseError(
+                    f"PostgreSQL (pid {running.pid}) is running on {self.pgdata} without a Unix "
+                    "socket; stop it and start again"
+                )
+            self.socket_dir, self.port = running.socket_dir, running.port
+            return
         if running is not None:
             # A server on this data directory survives from a crashed run: adopt it.
             logger.warning("adopting running PostgreSQL (pid %s) on %s", running.pid, self.pgdata)
@@ -147,7 +165,7 @@ class EmbeddedServer:
                         "and start again."
                     ) from exc
             self.socket_dir, self.port = running.socket_dir, running.port
-            self._started_here = True
+            self._own()
             return
         _remove_stale_locks(self.pgdata)
 
@@ -176,11 +194,39 @@ class EmbeddedServer:
             tail = _tail(log_path)
             raise DatabaseError(f"{exc}\nserver log ({log_path}):\n{tail}") from exc
         self.socket_dir, self.port = socket_dir, PG_PORT
+        self._own()
+
+    @property
+    def _owner_file(self) -> Path:
+        """Which butlers process runs the server (it stops it): beside pgdata, ours alone."""
+        return self.pgdata.parent / "pgdata.owner"
+
+    def _owner(self) -> int | None:
+        """The pid of another live butlers process that runs the server, if one does (a
+        crashed one's pid is no owner: its server is adopted)."""
+        try:
+            pid = int(self._owner_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pid
+
+    def _own(self) -> None:
         self._started_here = True
+        self._owner_file.write_text(f"{os.getpid()}\n")
 
     def _stop_blocking(self) -> None:
         if not self._started_here:
             return
+        with contextlib.suppress(OSError):
+            self._owner_file.unlink()
         account = self._account or _server_account(self._environ)
         try:
             _run_pg(

@@ -245,6 +245,45 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     assert _postgres_on(pgdata) == []
 
 
+async def test_a_second_fleet_with_a_port_offset_shares_postgresql_and_the_switchboard(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """`butlers up --port-offset K` beside a running `butlers up`, on the same embedded
+    PostgreSQL: every butler again on its port + K, the switchboard a replica on the same
+    database; stopping the second fleet leaves the first one's PostgreSQL running."""
+    ports = copy_shipped_config(tmp_path / "config")
+    offset = 7
+    args = ("up", "--config-dir", str(tmp_path / "config"))
+    first = Butlers(*args, env=cli_env)
+    second = Butlers(*args, "--port-offset", str(offset), "--json", env=cli_env)
+    processes.extend([first, second])
+    await first.start()
+    await first.wait_ready()
+    await second.start()
+    ready = await second.wait_json()
+    assert {b["name"]: b["url"] for b in ready["butlers"]} == {
+        name: f"http://127.0.0.1:{port + offset}/sse" for name, port in ports.items()
+    }
+    for name, port in ports.items():
+        assert (await _health(port + offset))["name"] == name
+    async with Client(f"http://127.0.0.1:{ports['general'] + offset}/sse") as client:
+        await client.call_tool("state_set", {"key": "fleet", "value": "second"})
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        assert (await client.call_tool("state_get", {"key": "fleet"})).data == "second"
+
+    assert await second.stop() == 0
+    pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
+    assert _postgres_on(pgdata) != []
+    assert (await _health(ports["switchboard"]))["database"]["ok"] is True
+    assert await first.stop() == 0
+    assert _postgres_on(pgdata) == []
+
+    bad = Butlers(*args, "--port-offset", "70000", env=cli_env)
+    processes.append(bad)
+    assert await bad.run() != 0
+    assert "would listen on port" in bad.stderr and "Traceback" not in bad.stderr
+
+
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(
     tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers], pg_server
 ) -> None:

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import aiohttp
 import asyncpg
 
 from butlers.claude_code import isolated_cli_env
@@ -25,6 +26,14 @@ from tests.test_cli import Butlers
 
 CHATS = (7101, 7102, 7103)
 MARK = re.compile(r"chat (\d+) #(\d+)")
+
+
+async def health(port: int) -> dict:
+    """The switchboard part of a replica's /health."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/health") as response:
+            assert response.status == 200
+            return (await response.json())["switchboard"]
 
 
 def answer(body: dict) -> list[dict]:
@@ -85,6 +94,8 @@ async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
         await replica.start()
         await replica.wait_ready()
         assert "leads" not in replica.stderr
+        assert (await health(first_port))["leader"] is True
+        assert (await health(replica_port))["leader"] is False
 
         conn = await db_conn(databases[1])
         await bot_api.push_batch(
@@ -124,6 +135,7 @@ async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
         assert any(p["at"] > killed_at for p in bot_api.polls)
         assert bot_api.conflicts == 0
         await replica.wait_stderr("leads")
+        assert (await health(replica_port))["leader"] is True
         assert await replica.stop() == 0
         assert await general.stop() == 0
     finally:

@@ -2,7 +2,7 @@
 
     (intake)        butlers.modules.telegram, .email: a message is accepted into the inbox
     inbox           the durable inbox: stored before its channel is told, claimed in order
-    worker          one message at a time, in arrival order: classify -> route -> reply
+    worker          classify -> route -> reply, N at once, each conversation in order
     conversation    what a message follows: earlier exchanges for the prompts, thread affinity
     classifier      triage rules first, else a Claude Code session that calls `route`
     dispatch        what a classification session may route, and waiting for its routes
@@ -17,6 +17,8 @@ Beside the path:
     routing_store   the SQL of butler_registry and routing_log
     notify          deliver: a butler's notification, through the outbox
     operator        inbox_list, routing_log_list, inbox_retry, outbox_list
+    leadership      which of several switchboard processes runs the pollers and the outbox
+    wakeups         LISTEN/NOTIFY between switchboard processes
     tools           the switchboard's MCP tools; attach_switchboard assembles it all
 
 Nothing is imported here: a module of the path costs only what it uses.

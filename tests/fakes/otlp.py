@@ -30,6 +30,8 @@ class ReceivedSpan:
     status: str  # "unset" | "ok" | "error"
     attributes: dict[str, Any] = field(default_factory=dict)
     protocol: str = ""  # "http" | "grpc": how it arrived
+    start_ns: int = 0  # wall clock (ns since the epoch), as the span says
+    end_ns: int = 0
 
 
 def _value(value: AnyValue) -> Any:
@@ -64,6 +66,8 @@ def decode(
                         status=_STATUS.get(span.status.code, "unset"),
                         attributes={a.key: _value(a.value) for a in span.attributes},
                         protocol=protocol,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
                     )
                 )
     return spans
