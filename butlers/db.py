@@ -732,8 +732,10 @@ async def ensure_database(server: PostgresServer, database: str) -> bool:
             return False
         try:
             await conn.execute(f'CREATE DATABASE "{database}"')
-        except asyncpg.DuplicateDatabaseError:
-            return False  # created concurrently by another process
+        except (asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
+            # Created concurrently by another process (at the same moment, PostgreSQL says
+            # so with the catalog's unique index rather than "already exists").
+            return False
         logger.info("created database %s", database, extra={"action": "db_create"})
         return True
     except asyncpg.PostgresError as exc:
@@ -781,14 +783,28 @@ def _upgrade_blocking(dsn: str, branches: Sequence[str]) -> None:
         command.upgrade(config, f"{branch}@head")
 
 
+# An advisory lock held while a database is migrated ("butlers" in ASCII, + 1): replicas
+# starting together (a Kubernetes Deployment) migrate one after the other, the later ones
+# finding the database at its heads, instead of creating the same tables at once.
+MIGRATION_LOCK_KEY = 0x6275746C657274
+
+
 async def migrate(server: PostgresServer, database: str, branches: Sequence[str]) -> None:
-    """Apply alembic branches in order (e.g. core, then switchboard) to one database."""
+    """Apply alembic branches in order (e.g. core, then switchboard) to one database; one
+    process at a time."""
     try:
+        lock = await asyncpg.connect(server.dsn(database), timeout=10)
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise DatabaseError(f"cannot reach {database!r} to migrate it: {exc}") from exc
+    try:
+        await lock.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
         await asyncio.to_thread(_upgrade_blocking, server.dsn(database), tuple(branches))
     except DatabaseError:
         raise
     except Exception as exc:
         raise DatabaseError(f"migrating {database!r} failed: {exc}") from exc
+    finally:
+        await lock.close()  # and the lock with it
 
 
 async def prepare_database(server: PostgresServer, database: str, branches: Sequence[str]) -> None:

@@ -3,12 +3,14 @@ server that cleans stale locks, restarts on its old data and stops when told."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +80,26 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "started_at",
             "finished_at",
         }
+        await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_replicas_starting_together_migrate_one_after_the_other(pg_server, db_conn) -> None:
+    """Two switchboard replicas (a Kubernetes Deployment) prepare one new database at once:
+    both succeed, and it is migrated once."""
+    from butlers.db import prepare_database
+
+    name = f"t_together_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await asyncio.gather(
+            *(prepare_database(pg_server, name, ("core", "switchboard")) for _ in range(3))
+        )
+        conn = await db_conn(name)
+        versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
+        assert versions == migration_heads("core", "switchboard")
         await conn.close()
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
