@@ -91,3 +91,16 @@ def test_secrets_come_from_an_ignored_env_file(compose: dict) -> None:
         assert service["env_file"] == ".env"
         written_in = needed & set(service["environment"])
         assert written_in == set(), f"{name}: {written_in} belong in .env, not the compose file"
+
+
+def test_the_replicas_profile_adds_a_switchboard_behind_the_same_name(compose: dict) -> None:
+    """`--profile replicas`: a second `butlers run switchboard` on the same database, reached
+    by the name `switchboard` (a network alias), publishing no second port."""
+    services = compose["services"]
+    replica = services["switchboard-replica"]
+    assert replica["profiles"] == ["replicas"]
+    assert replica["command"] == services["switchboard"]["command"] == ["run", "switchboard"]
+    assert replica["environment"] == services["switchboard"]["environment"]
+    assert replica["networks"]["default"]["aliases"] == ["switchboard"]
+    assert "ports" not in replica
+    assert all("profiles" not in s for name, s in services.items() if name != "switchboard-replica")
