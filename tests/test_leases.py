@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import asyncpg
 import pytest
 
+from butlers.config import TriageRule
 from butlers.db import create_pool
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Leadership
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
-from tests.conftest import eventually
+from tests.conftest import butler_config, eventually, free_port
+from tests.test_inbox import ask, model, start_fleet
 
 _ids = itertools.count(1)
 
@@ -231,3 +233,24 @@ async def test_notifications_wake_the_other_processes(stores, pg_server, databas
         await eventually(lambda: _async(outbox == ["telegram"]), timeout_s=5)
     finally:
         await wakeups.stop()
+
+
+async def test_an_ask_answered_by_another_process_reaches_its_caller(
+    start_butler, tmp_path, scripted_api
+) -> None:
+    """`ask` waits in the process it was sent to; another process takes the message (this
+    one's worker is stopped here, so the other must): the caller still gets the reply, told
+    by PostgreSQL's notification."""
+    scripted_api.respond_with(model("general", {"general": "From the other one."}))
+    rule = TriageRule(butler="general", channel="mcp")
+    first, _ = await start_fleet(start_butler, tmp_path, triage=[rule], names=("general",))
+    other = await start_butler(
+        butler_config("switchboard", port=free_port(), triage=(rule,)),
+        config_dir=tmp_path / "config",
+        database=first.config.database,
+    )
+    await other.switchboard.worker.stop()  # it takes nothing: the first one must
+    result = await ask(other, "hello there")
+    assert (result["status"], result["reply"]) == ("done", "From the other one.")
+    row = await first.switchboard.worker.inbox.get(result["inbox_id"])
+    assert row["claimed_by"] == first.switchboard.worker.replica
