@@ -9,16 +9,19 @@ import itertools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import asyncpg
 import pytest
 
-from butlers.config import TriageRule
+from butlers.config import TelegramConfig, TriageRule
 from butlers.db import create_pool
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Leadership
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
-from tests.conftest import butler_config, eventually, free_port
+from tests.conftest import WEBHOOK_SECRET, butler_config, eventually, free_port
 from tests.test_inbox import ask, model, start_fleet
+from tests.test_telegram import CHAT as TELEGRAM_CHAT
+from tests.test_telegram import answer_notes, notes_fleet
 
 _ids = itertools.count(1)
 
@@ -254,3 +257,40 @@ async def test_an_ask_answered_by_another_process_reaches_its_caller(
     assert (result["status"], result["reply"]) == ("done", "From the other one.")
     row = await first.switchboard.worker.inbox.get(result["inbox_id"])
     assert row["claimed_by"] == first.switchboard.worker.replica
+
+
+async def test_webhooks_work_on_every_replica_and_the_leader_sends(
+    start_butler, tmp_path, bot_api, scripted_api, db_conn
+) -> None:
+    """Telegram in webhook mode, two switchboard processes on one database: an update
+    posted to either is stored (once, posted to both) and answered once, by the leader's
+    outbox, also when the follower stored it."""
+    scripted_api.respond_with(answer_notes)
+    leader = await notes_fleet(start_butler, tmp_path, bot_api, mode="webhook")
+    follower = await start_butler(
+        butler_config(
+            "switchboard",
+            port=free_port(),
+            telegram=TelegramConfig(
+                mode="webhook", allowed_chat_ids=(str(TELEGRAM_CHAT),), api_base_url=bot_api.url
+            ),
+            triage=(TriageRule(butler="general", channel="telegram"),),
+        ),
+        config_dir=tmp_path / "config",
+        database=leader.config.database,
+    )
+    assert leader.switchboard.leadership.is_leader
+    assert not follower.switchboard.leadership.is_leader
+    first = bot_api.text_update(TELEGRAM_CHAT, "note-1")
+    second = bot_api.text_update(TELEGRAM_CHAT, "note-2")
+    headers = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+    async with aiohttp.ClientSession() as session:
+        for daemon, update in ((follower, first), (leader, first), (follower, second)):
+            url = f"{daemon.base_url}/telegram/webhook"
+            async with session.post(url, json=update, headers=headers) as response:
+                assert response.status == 200
+    sent = await bot_api.wait_sent(2)
+    await asyncio.sleep(1)  # a duplicate would come now
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"] == [s["text"] for s in sent]
+    conn = await db_conn(leader.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox") == 2
