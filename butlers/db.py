@@ -220,7 +220,12 @@ class EmbeddedServer:
 
     def _own(self) -> None:
         self._started_here = True
-        self._owner_file.write_text(f"{os.getpid()}\n")
+        # Not through a link planted in its place (root writes it when run as root).
+        with contextlib.suppress(FileNotFoundError):
+            self._owner_file.unlink()
+        fd = os.open(self._owner_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(f"{os.getpid()}\n")
 
     def _stop_blocking(self) -> None:
         if not self._started_here:
