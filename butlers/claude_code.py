@@ -129,12 +129,21 @@ def mcp_config_dir(work_dir: Path) -> Path:
     return work_dir / ".mcp"
 
 
+@dataclass(frozen=True)
+class ClaudeCodeResult:
+    """What a run answered, and what it cost by Claude Code's own reckoning (None when it
+    did not say)."""
+
+    text: str
+    cost_usd: float | None = None
+
+
 async def run_claude_code(
     prompt: str,
     target: McpTarget,
     run: ClaudeCodeRun,
     tool_calls: list[dict[str, Any]],
-) -> str:
+) -> ClaudeCodeResult:
     """Run Claude Code to its result; each tool call it makes is appended to `tool_calls` as
     it happens (so a caller that times out still has them). Raises SpawnError when the run
     fails or its server does not connect; cancelling it ends the CLI."""
@@ -180,7 +189,7 @@ async def run_claude_code(
     if result.is_error:
         detail = "; ".join(result.errors or []) or result.result or result.subtype
         raise SpawnError(f"Claude Code session failed: {detail}")
-    return result.result or ""
+    return ClaudeCodeResult(result.result or "", result.total_cost_usd)
 
 
 def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_config: Path):

@@ -179,10 +179,11 @@ class CoreStore:
         error: str | None,
         tool_calls: Sequence[dict[str, Any]],
         duration_ms: int,
+        cost_usd: float | None = None,
     ) -> None:
         await self.pool.execute(
             """UPDATE sessions SET result = $2, success = $3, error = $4, tool_calls = $5,
-                      duration_ms = $6, finished_at = now()
+                      duration_ms = $6, cost_usd = $7, finished_at = now()
                WHERE id = $1""",
             session_id,
             storable(result),
@@ -190,6 +191,7 @@ class CoreStore:
             storable(error),
             storable_json(list(tool_calls)),
             duration_ms,
+            cost_usd,
         )
 
     async def prune_sessions(self, older_than_days: int) -> int:

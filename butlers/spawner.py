@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers.claude_code import (
+    ClaudeCodeResult,
     ClaudeCodeRun,
     McpTarget,
     describe_sdk_error,
@@ -50,6 +51,7 @@ class SessionOutcome:
     tool_calls: list[dict[str, Any]]
     duration_ms: int
     trace_id: str | None
+    cost_usd: float | None = None  # Claude Code's own figure, when it gave one
 
 
 class Spawner:
@@ -151,12 +153,14 @@ class Spawner:
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []
         result: str | None = None
+        cost_usd: float | None = None
         error: str | None = None
         try:
-            result = await asyncio.wait_for(
+            answered = await asyncio.wait_for(
                 self._query(prompt, target, system_prompt, tool_calls),
                 timeout=self.config.runtime.timeout_s,
             )
+            result, cost_usd = answered.text, answered.cost_usd
         except TimeoutError:
             error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
         except SpawnError as exc:
@@ -173,6 +177,7 @@ class Spawner:
             tool_calls=tool_calls,
             duration_ms=duration_ms,
             trace_id=trace_id,
+            cost_usd=cost_usd,
         )
         # The outcome must be written even when the caller is cancelled meanwhile.
         await asyncio.shield(
@@ -183,6 +188,7 @@ class Spawner:
                 error=outcome.error,
                 tool_calls=tool_calls,
                 duration_ms=duration_ms,
+                cost_usd=cost_usd,
             )
         )
         return outcome
@@ -216,7 +222,7 @@ class Spawner:
         target: McpTarget,
         system_prompt: str,
         tool_calls: list[dict[str, Any]],
-    ) -> str:
+    ) -> ClaudeCodeResult:
         return await run_claude_code(
             prompt, self._with_credentials(target), self._run_settings(system_prompt), tool_calls
         )

@@ -79,6 +79,7 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "trace_id",
             "started_at",
             "finished_at",
+            "cost_usd",
         }
         await conn.close()
     finally:

@@ -56,6 +56,8 @@ async def test_trigger_runs_claude_code_which_calls_state_set_over_mcp(
     assert [c["name"] for c in json.loads(row["tool_calls"])] == ["mcp__alpha__state_set"]
     assert row["duration_ms"] > 0 and row["finished_at"] is not None
     assert row["trace_id"] is not None and len(row["trace_id"]) == 32
+    # What Claude Code said the session cost (its price of the tokens the API reported).
+    assert row["cost_usd"] is not None and row["cost_usd"] > 0
 
     # What Claude Code was given: the butler's instructions and only its allowed MCP tools.
     first = scripted_api.requests[0]
@@ -115,6 +117,7 @@ async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
             await client.call_tool("trigger", {"prompt": "hello"})
     [row] = await _session_rows(db_conn, daemon)
     assert row["success"] is False and row["error"]
+    assert row["cost_usd"] is None  # no result, no figure
 
 
 def _claude_children() -> list[psutil.Process]:

@@ -179,7 +179,7 @@ class ClaudeWrapper:
         calls: list[dict[str, Any]] = []
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                answer = await run_claude_code(query, target, run, calls)
+                answer = (await run_claude_code(query, target, run, calls)).text
         except TimeoutError:
             raise WrapperFailed(
                 f"child {spec.name!r}: natural_language: no answer within "
