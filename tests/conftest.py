@@ -53,6 +53,17 @@ _MARKER_FIXTURES = {
 }
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """Collecting imports every test module and most libraries with them: as in the
+    `butlers` command, with the garbage collector paused meanwhile (a worker collected the
+    fast loop in 2.2 s instead of 3.8 s, measured)."""
+    from butlers.cli import collector_paused
+
+    with collector_paused():
+        return (yield)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))

@@ -391,3 +391,29 @@ def test_help_imports_no_heavy_library() -> None:
     imported = set(json.loads(done.stdout.splitlines()[-1]))
     assert "argparse" in imported  # (it did run)
     assert imported.isdisjoint(HEAVY_LIBRARIES), sorted(imported & set(HEAVY_LIBRARIES))
+
+
+def test_the_collector_is_paused_only_while_a_command_imports() -> None:
+    """Paused for the imports, frozen after (what they built is never traversed again), and
+    on again for the life of the command, nested or not: a long-running fleet or gateway with
+    the collector left off would keep every reference cycle it ever made."""
+    import gc
+
+    from butlers.cli import collector_paused
+
+    frozen_before = gc.get_freeze_count()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the inner one leaves the outer's pause alone
+            built = [[n] for n in range(1000)]  # what an import leaves behind
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen_before + len(built)
+        with contextlib.suppress(RuntimeError), collector_paused():
+            raise RuntimeError("an import failed")
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -84,10 +84,14 @@ def main() -> None:
         if options.logs:
             out.write(b"[mock] handling a request\n")
         if options.split:
-            for start in range(0, len(data), 7):
+            # Pieces of 7 bytes, with a pause after every 8th: the reader gets frames cut at
+            # every kind of place (header, body, between frames) in a few dozen reads, not one
+            # 2 ms pause per 7 bytes (0.8 s for a tools/list).
+            for piece, start in enumerate(range(0, len(data), 7)):
                 out.write(data[start : start + 7])
-                out.flush()
-                time.sleep(0.002)
+                if piece % 8 == 7:
+                    out.flush()
+                    time.sleep(0.002)
         else:
             out.write(data)
         out.flush()
