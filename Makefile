@@ -36,8 +36,9 @@ test: $(STAMP)
 # `npm`, set in tests/conftest.py from the fixtures a test uses): the loop to run while editing,
 # spread over one pytest-xdist worker per core, by xdist group (tests sharing a server stay on
 # one worker).
-# More workers do not help: each one collects every test module first, ~4.5 s CPU (measured on
-# 2 cores: 2 workers 31 s, 3 workers 32 s, 4 workers 37 s).
+# More workers do not help: each one collects every test module first, ~1.6 s CPU, and the
+# tests start CPU-bound processes (measured on 2 cores: 2 workers 28-30 s, 3 workers 32 s,
+# 4 workers 31 s).
 TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not pg and not claude and not npm" -n $(TEST_FAST_WORKERS) --dist loadgroup
