@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # PIP_COMPILE_ARGS=--upgrade, or PIP_COMPILE_ARGS="--upgrade-package fastmcp".
 PIP_COMPILE_ARGS ?=
 
-.PHONY: up test test-fast lint typecheck lock clean
+.PHONY: up test test-fast lint typecheck lock clean browser
 
 # Reinstalled when the lock or pyproject.toml changes. `pip check` fails when pyproject.toml
 # asks for something the lock does not pin (run `make lock`): butlers itself goes in with
@@ -42,6 +42,17 @@ test: $(STAMP)
 TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not pg and not claude and not npm" -n $(TEST_FAST_WORKERS) --dist loadgroup
+
+# Debian's Chromium for tests/test_dashboard_browser.py, which says it skipped without one.
+# Installs only as root on a machine with apt-get; never fails (the test then says why).
+browser:
+	@command -v chromium >/dev/null 2>&1 && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+		echo "make browser: apt-get could not install chromium"; \
+	else echo "make browser: no Chromium, and not root with apt-get: the browser test will skip"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

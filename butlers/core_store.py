@@ -203,14 +203,38 @@ class CoreStore:
         )
         return int(result.split()[-1])
 
-    async def sessions_list(self, limit: int) -> list[dict[str, Any]]:
+    async def sessions_list(
+        self, limit: int, *, trace_id: str | None = None, detail: bool = False
+    ) -> list[dict[str, Any]]:
+        """Newest first; only one trace's when `trace_id` is given; with `detail`, each one's
+        result and tool calls too."""
+        more = ", result, tool_calls" if detail else ""
         rows = await self.pool.fetch(
-            """SELECT id, trigger_source, prompt, success, error, duration_ms, trace_id,
-                      started_at, finished_at
-               FROM sessions ORDER BY started_at DESC LIMIT $1""",
+            f"""SELECT id, trigger_source, prompt, success, error, duration_ms, cost_usd,
+                       trace_id, started_at, finished_at{more}
+                FROM sessions WHERE $2::text IS NULL OR trace_id = $2
+                ORDER BY started_at DESC LIMIT $1""",
             limit,
+            trace_id,
         )
         return [dict(r) for r in rows]
+
+    async def sessions_summary(self, hours: int) -> dict[str, Any]:
+        """The sessions started in the last `hours`: how many, how many failed, their median
+        duration and what they cost (Claude Code's figures, where it gave one)."""
+        row = await self.pool.fetchrow(
+            """SELECT count(*) AS count,
+                      count(*) FILTER (WHERE success IS FALSE) AS failed,
+                      percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS median_ms,
+                      sum(cost_usd) AS cost_usd
+               FROM sessions WHERE started_at > now() - make_interval(hours => $1)""",
+            hours,
+        )
+        assert row is not None  # an aggregate always has a row
+        summary = dict(row)
+        if summary["median_ms"] is not None:
+            summary["median_ms"] = round(summary["median_ms"])
+        return summary
 
     async def session_get(self, session_id: uuid.UUID) -> dict[str, Any] | None:
         return _row(await self.pool.fetchrow("SELECT * FROM sessions WHERE id = $1", session_id))

@@ -30,6 +30,7 @@ MAX_KEY_CHARS = 512
 # Under the 1 MiB request body limit, so that a too-big value gets this clear refusal.
 MAX_VALUE_BYTES = 512 * 1024
 MAX_SESSIONS_LIMIT = 500
+TRACE_ID_PATTERN = r"^[0-9a-f]{32}$"  # W3C: 16 bytes, lower-case hex
 # A schedule runs a Claude Code session each time: a cap on how many, how often and how big,
 # so that neither a mistake nor a prompt talked into it can flood a butler.
 MAX_SCHEDULES = 100
@@ -174,9 +175,12 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @mcp.tool
     async def sessions_list(
         limit: Annotated[int, Field(ge=1, le=MAX_SESSIONS_LIMIT)] = 20,
+        trace_id: Annotated[str | None, Field(pattern=TRACE_ID_PATTERN)] = None,
+        detail: bool = False,
     ) -> list[dict[str, Any]]:
-        """The most recent Claude Code sessions of this butler, newest first."""
-        return await store.sessions_list(limit)
+        """The most recent Claude Code sessions of this butler, newest first: only those of
+        one trace when `trace_id` is given; `detail` adds each one's result and tool calls."""
+        return await store.sessions_list(limit, trace_id=trace_id, detail=detail)
 
     @mcp.tool
     async def session_get(id: str) -> dict[str, Any]:
@@ -230,7 +234,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
 
     @mcp.tool
     async def status() -> dict[str, Any]:
-        """Name, modules, uptime and database health of this butler."""
+        """Name, modules, uptime and database health of this butler, and its sessions of the
+        last 24 hours (count, failed, median duration, cost)."""
         return {
             "name": ctx.config.name,
             "description": ctx.config.description,
@@ -239,4 +244,5 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "uptime_s": round(time.monotonic() - ctx.started_at, 3),
             "database": await database_status(ctx),
             "sessions_running": ctx.spawner.running,
+            "sessions_24h": await store.sessions_summary(24),
         }

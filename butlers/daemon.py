@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import uvicorn
@@ -24,6 +25,9 @@ from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
 from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
+from butlers.dashboard.app import Dashboard, DashboardParts
+from butlers.dashboard.fleet import FleetProbe
+from butlers.dashboard.store import DashboardStore
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
@@ -90,6 +94,7 @@ class ButlerDaemon:
         # The fleet's config directory: what the switchboard's discover() scans.
         self.config_dir = config_dir or (config.config_dir.parent if config.config_dir else None)
         self.switchboard: Switchboard | None = None
+        self.dashboard: Dashboard | None = None  # the switchboard's /ui
         self.db_server = db_server
         self.data_dir = data_dir
         self.auth_token = auth_token
@@ -186,12 +191,15 @@ class ButlerDaemon:
         ctx.module_statuses = self._modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
+        if self.switchboard is not None:
+            self.dashboard = self._dashboard(ctx)
         app, self._app = build_app(
             mcp,
             self._health,
             auth_token=self.auth_token,
             allowed_hosts=self._allowed_hosts(),
             webhooks=self._modules.webhooks,
+            dashboard=self.dashboard.app if self.dashboard is not None else None,
             max_request_bytes=(config.switchboard or SwitchboardConfig()).max_request_bytes,
         )
         uv_config = uvicorn.Config(
@@ -256,6 +264,28 @@ class ButlerDaemon:
             # INFO: `butlers up` / `run` loaded the same directory and printed each of these
             # already; a later `discover` call returns them to whoever asked.
             logger.info("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
+
+    def _dashboard(self, ctx: ButlerContext) -> Dashboard:
+        switchboard = self.switchboard
+        assert switchboard is not None and self._pool is not None
+
+        async def ask(text: str) -> dict[str, Any]:
+            return await switchboard.ask(text, source_id="dashboard")
+
+        parts = DashboardParts(
+            store=DashboardStore(self._pool),
+            probe=FleetProbe(switchboard.connections),
+            sessions=ctx.store,
+            switchboard_name=self.config.name,
+            ask=ask,
+            jaeger_ui_url=self.settings.jaeger_ui_url,
+        )
+        return Dashboard(
+            parts,
+            auth_token=self.auth_token,
+            allowed_hosts=self._allowed_hosts(),
+            redact=self.redactor,
+        )
 
     async def _connect(self) -> asyncpg.Connection:
         """A connection outside the pool, for what holds one for good (the leader's lock,
@@ -368,6 +398,9 @@ class ButlerDaemon:
             except Exception:
                 logger.exception("butler %s: server ended with an error", self.config.name)
             self._serve_task = None
+        if self.dashboard is not None:
+            await self.dashboard.parts.probe.close()
+            self.dashboard = None
         # The switchboard first: its outbox sends through the modules' channels.
         if self.switchboard is not None:
             await self.switchboard.close()

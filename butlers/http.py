@@ -33,6 +33,7 @@ SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/health"
+DASHBOARD_PATH = "/ui"
 _PROTECTED_PREFIXES = (SSE_PATH, MESSAGES_PATH, MCP_PATH)
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
@@ -196,6 +197,7 @@ class ButlerApp:
         *,
         allowed_hosts: list[str] | None = None,
         webhooks: Sequence[BaseRoute] = (),
+        dashboard: ASGIApp | None = None,
     ) -> None:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
@@ -222,6 +224,9 @@ class ButlerApp:
         # Served before (and without) the Host/Origin guard: see the module docstring.
         self._webhook_paths = {getattr(route, "path", "") for route in webhooks}
         self._webhooks = Router(routes=list(webhooks))
+        # The switchboard's /ui: its own token check (a cookie or the bearer token) and,
+        # without a token, its own Host/Origin guard (butlers.dashboard.auth).
+        self._dashboard = dashboard
 
     async def _serve_health(self, scope: Scope, receive: Receive, send: Send) -> None:
         status, body = await self._health()
@@ -239,6 +244,11 @@ class ButlerApp:
             return
         if scope["path"] in self._webhook_paths:
             await self._webhooks(scope, receive, send)
+            return
+        if self._dashboard is not None and (
+            scope["path"] == DASHBOARD_PATH or scope["path"].startswith(DASHBOARD_PATH + "/")
+        ):
+            await self._dashboard(scope, receive, send)
             return
         if scope["method"] == "GET":  # long-lived streams: an MCP client's SSE stream
             receive = self._until_drained(receive)
@@ -295,10 +305,13 @@ def build_app(
     auth_token: str | None,
     allowed_hosts: list[str] | None = None,
     webhooks: Sequence[BaseRoute] = (),
+    dashboard: ASGIApp | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[ASGIApp, ButlerApp]:
     """The served app (body limit, then the bearer check when a token is set) and the app
     itself."""
-    app = ButlerApp(mcp, health, allowed_hosts=allowed_hosts, webhooks=webhooks)
+    app = ButlerApp(
+        mcp, health, allowed_hosts=allowed_hosts, webhooks=webhooks, dashboard=dashboard
+    )
     served: ASGIApp = BearerTokenMiddleware(app, auth_token) if auth_token else app
     return BodyLimitMiddleware(served, max_request_bytes), app

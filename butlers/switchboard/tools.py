@@ -55,6 +55,29 @@ class Switchboard:
     leadership: Leadership | None = None  # once started: pollers and outbox on one process
     wakeups: Wakeups | None = None  # once started: the other processes' notifications
 
+    async def ask(self, text: str, *, source_id: str = "ask") -> dict[str, Any]:
+        """`text` through the whole inbox -> classify -> route path as a message of the `mcp`
+        channel from `source_id` (`ask`, the dashboard's form), and what came of it.
+        ToolRefusal for an empty or oversized text."""
+        if not text.strip():
+            raise ToolRefusal("text must not be empty")
+        if len(text) > MAX_ASK_CHARS:
+            raise ToolRefusal(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
+        inbox_id = await self.worker.accept(
+            IncomingMessage(
+                channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id=source_id
+            )
+        )
+        assert inbox_id is not None  # a fresh uuid is never a duplicate
+        row = await self.worker.wait_for(inbox_id)
+        return {
+            "inbox_id": inbox_id,
+            "status": row.get("status"),
+            "routed_to": row.get("routed_to"),
+            "reply": row.get("reply"),
+            "error": row.get("error"),
+        }
+
     async def discover(self) -> dict[str, Any]:
         report = await discover(self.routing_store, self.config_dir, self.placement)
         self.router.forget_endpoints()
@@ -229,24 +252,7 @@ def attach_switchboard(
     async def ask(text: str) -> dict[str, Any]:
         """Send `text` through the whole inbox -> classify -> route path, as a message from
         this MCP client, and return the reply (what Telegram or email would have sent)."""
-        if not text.strip():
-            raise ToolRefusal("text must not be empty")
-        if len(text) > MAX_ASK_CHARS:
-            raise ToolRefusal(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
-        inbox_id = await worker.accept(
-            IncomingMessage(
-                channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id="ask"
-            )
-        )
-        assert inbox_id is not None  # a fresh uuid is never a duplicate
-        row = await worker.wait_for(inbox_id)
-        return {
-            "inbox_id": inbox_id,
-            "status": row.get("status"),
-            "routed_to": row.get("routed_to"),
-            "reply": row.get("reply"),
-            "error": row.get("error"),
-        }
+        return await switchboard.ask(text)
 
     register_operator_tools(mcp, switchboard, jaeger_ui_url=spawner.settings.jaeger_ui_url)
     return switchboard

@@ -459,7 +459,10 @@ class InboxWorker:
         future = self._waiters.pop(message.id, None)
         if future is not None and not future.done():
             row = await self.inbox.get(message.id)
-            future.set_result(row or {})
+            # This process's own notification of the finish may have resolved it meanwhile
+            # (`_resolve`, which took the waiter before it was popped here).
+            if not future.done():
+                future.set_result(row or {})
 
     def _replies(
         self, message: InboxMessage, reply: str | None, routed_to: str | None

@@ -1,0 +1,439 @@
+"""The dashboard's pages, served by the switchboard at /ui on its own port.
+
+Server-rendered (Jinja2, autoescaped: message text is written by strangers), read-mostly,
+working without JavaScript; `static/dashboard.js` only refreshes a page's content in place.
+Every value a template prints passes through the process's redactor first (`finalize`), so a
+secret that reached a message, a reply or an error is not shown either.
+
+    /ui                   Fleet: each butler's health, sessions of the last 24 h, spend
+    /ui/messages          the inbox, newest first (?status= ?channel= ?before=ID)
+    /ui/messages/ID       one message: its routes, sessions with tool calls, reply, outbox
+    /ui/routes            the routing log (?butler= ?outcome=ok|failed ?before=TIME)
+    /ui/butlers/NAME      a butler: sessions, schedules (next run), state keys
+    /ui/ask               a form that sends a message through classify -> route -> reply
+    /ui/login, /ui/logout the token, once (when BUTLERS_AUTH_TOKEN is set)
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import jinja2
+from fastmcp.server.http import HostOriginGuardMiddleware
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from butlers.core_store import CoreStore
+from butlers.dashboard.auth import (
+    CSRF_FIELD,
+    DashboardAuth,
+    csrf_matches,
+    csrf_token,
+    keep_csrf,
+)
+from butlers.dashboard.fleet import Answer, FleetProbe
+from butlers.dashboard.store import DashboardStore
+from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
+from butlers.tool_errors import ToolRefusal
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+CHANNELS = ("telegram", "email", "mcp")
+OUTCOMES = {"ok": True, "failed": False}
+REFRESH_S = 10
+MAX_ASK_FORM_CHARS = 20_000
+# Same-origin only, no inline script or style: an injected tag would run nothing.
+SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+    "x-frame-options": "DENY",
+}
+
+
+@dataclass
+class DashboardParts:
+    """What the pages read and do; the switchboard's own, passed in at start."""
+
+    store: DashboardStore
+    probe: FleetProbe
+    sessions: CoreStore  # the switchboard's own sessions: the classifier's
+    switchboard_name: str
+    ask: Callable[[str], Awaitable[dict[str, Any]]]
+    jaeger_ui_url: str
+
+
+class BadFilter(ValueError):
+    """A query parameter that names nothing the page can filter by (400, named)."""
+
+
+def _when(value: datetime | str | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):  # a butler's answer over MCP: ISO 8601
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            return value
+    else:
+        when = value
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _duration(ms: int | float | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms / 1000:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def _money(value: float | None) -> str:
+    return "-" if value is None else f"${value:.4f}"
+
+
+def _environment(redact: Callable[[str], str]) -> jinja2.Environment:
+    def finalize(value: Any) -> Any:
+        return redact(value) if isinstance(value, str) else value
+
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        finalize=finalize,
+        undefined=jinja2.ChainableUndefined,
+    )
+    environment.filters.update(when=_when, duration=_duration, money=_money)
+    return environment
+
+
+class Dashboard:
+    """The pages and their access rules, as one ASGI app (`app`) for paths under /ui."""
+
+    def __init__(
+        self,
+        parts: DashboardParts,
+        *,
+        auth_token: str | None,
+        allowed_hosts: Sequence[str] | None = None,
+        redact: Callable[[str], str] = str,
+    ) -> None:
+        self.parts = parts
+        self.auth = DashboardAuth(auth_token)
+        self.templates = _environment(redact)
+        routes = [
+            Route("/ui", self.fleet),
+            Route("/ui/", self.fleet),
+            Route("/ui/messages", self.messages),
+            Route("/ui/messages/{inbox_id:int}", self.message),
+            Route("/ui/routes", self.routes),
+            Route("/ui/butlers/{name}", self.butler),
+            Route("/ui/ask", self.ask, methods=["GET", "POST"]),
+            Route("/ui/login", self.login, methods=["GET", "POST"]),
+            Route("/ui/logout", self.logout, methods=["POST"]),
+            Mount("/ui/static", StaticFiles(directory=HERE / "static"), name="static"),
+        ]
+        pages = Starlette(routes=routes)
+        guarded: ASGIApp = self._checked(pages)
+        if not self.auth.required:
+            # Open on loopback only: no page may be read by a rebinding web page.
+            guarded = HostOriginGuardMiddleware(guarded, allowed_hosts=allowed_hosts, mode="strict")
+        self.app: ASGIApp = _with_headers(guarded)
+
+    def _checked(self, pages: ASGIApp) -> ASGIApp:
+        async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+            path = scope.get("path", "")
+            if scope["type"] != "http" or path.startswith("/ui/static/") or path == "/ui/login":
+                await pages(scope, receive, send)
+                return
+            request = Request(scope, receive)
+            if not self.auth.allows(request):
+                response: Response
+                if request.method == "GET" and "authorization" not in request.headers:
+                    target = request.url.path + (
+                        f"?{request.url.query}" if request.url.query else ""
+                    )
+                    response = RedirectResponse(
+                        "/ui/login?" + urlencode({"next": target}), status_code=303
+                    )
+                else:
+                    response = Response(
+                        "the dashboard needs the token (BUTLERS_AUTH_TOKEN)",
+                        status_code=401,
+                        headers={"www-authenticate": 'Bearer realm="butlers"'},
+                    )
+                await response(scope, receive, send)
+                return
+            await pages(scope, receive, send)
+
+        return checked
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def _render(
+        self,
+        request: Request,
+        template: str,
+        status_code: int = 200,
+        *,
+        refresh: bool = False,
+        **values: Any,
+    ) -> HTMLResponse:
+        token, new = csrf_token(request)
+        html = self.templates.get_template(template).render(
+            csrf_field=CSRF_FIELD,
+            csrf=token,
+            signed_in=self.auth.required,
+            refresh_s=REFRESH_S if refresh else 0,
+            path=request.url.path,
+            trace_url=self._trace_url,
+            **values,
+        )
+        response = HTMLResponse(html, status_code=status_code)
+        if new:
+            keep_csrf(request, response, token)
+        return response
+
+    def _trace_url(self, trace_id: str | None) -> str | None:
+        return jaeger_url(trace_id, self.parts.jaeger_ui_url) if trace_id else None
+
+    def _problem(self, request: Request, status_code: int, problem: str) -> HTMLResponse:
+        return self._render(request, "problem.html", status_code, problem=problem)
+
+    # -- pages ------------------------------------------------------------------------------
+
+    async def fleet(self, request: Request) -> Response:
+        butlers = await self.parts.probe.fleet(await self.parts.store.registry())
+        for butler in butlers:
+            status: Answer = butler["status"]
+            butler["summary"] = (status.value or {}).get("sessions_24h") if status.value else None
+        spent = [
+            b["summary"]["cost_usd"] for b in butlers if b["summary"] and b["summary"]["cost_usd"]
+        ]
+        return self._render(
+            request,
+            "fleet.html",
+            refresh=True,
+            butlers=butlers,
+            total_cost=sum(spent) if spent else None,
+        )
+
+    async def messages(self, request: Request) -> Response:
+        try:
+            status = _choice(request, "status", INBOX_STATUSES)
+            channel = _choice(request, "channel", CHANNELS)
+            before = _integer(request, "before")
+        except BadFilter as exc:
+            return self._problem(request, 400, str(exc))
+        rows = await self.parts.store.messages(status=status, channel=channel, before=before)
+        older = None
+        if rows and len(rows) >= 50:
+            older = "?" + urlencode(
+                {k: v for k, v in (("status", status), ("channel", channel)) if v}
+                | {"before": rows[-1]["id"]}
+            )
+        return self._render(
+            request,
+            "messages.html",
+            refresh=before is None,
+            rows=rows,
+            status=status,
+            channel=channel,
+            statuses=INBOX_STATUSES,
+            channels=CHANNELS,
+            older=older,
+        )
+
+    async def message(self, request: Request) -> Response:
+        inbox_id = request.path_params["inbox_id"]
+        message = await self.parts.store.message(inbox_id)
+        if message is None:
+            return self._problem(request, 404, f"no message with id {inbox_id}")
+        sessions: dict[str, Answer] = {}
+        if message["trace_id"]:
+            own = await self.parts.sessions.sessions_list(
+                20, trace_id=message["trace_id"], detail=True
+            )
+            sessions[self.parts.switchboard_name] = Answer(own)
+            routed = {r["routed_to"] for r in message["routes"]} - {self.parts.switchboard_name}
+            registry = {b["name"]: b["endpoint_url"] for b in await self.parts.store.registry()}
+            found = {name: registry[name] for name in routed if name in registry}
+            sessions |= await self.parts.probe.sessions_of_trace(found, message["trace_id"])
+            for name in sorted(routed - set(found)):
+                sessions[name] = Answer(error="no longer registered")
+        return self._render(request, "message.html", message=message, sessions=sessions)
+
+    async def routes(self, request: Request) -> Response:
+        try:
+            butler = request.query_params.get("butler") or None
+            outcome = _choice(request, "outcome", tuple(OUTCOMES))
+            before = _timestamp(request, "before")
+        except BadFilter as exc:
+            return self._problem(request, 400, str(exc))
+        rows = await self.parts.store.routes(
+            butler=butler,
+            success=OUTCOMES[outcome] if outcome else None,
+            before=before,
+        )
+        older = None
+        if rows and len(rows) >= 50:
+            older = "?" + urlencode(
+                {k: v for k, v in (("butler", butler), ("outcome", outcome)) if v}
+                | {"before": rows[-1]["created_at"].isoformat()}
+            )
+        butlers = [b["name"] for b in await self.parts.store.registry()]
+        return self._render(
+            request,
+            "routes.html",
+            refresh=before is None,
+            rows=rows,
+            butler=butler,
+            outcome=outcome,
+            butlers=butlers,
+            outcomes=tuple(OUTCOMES),
+            older=older,
+        )
+
+    async def butler(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        butler = await self.parts.store.butler(name)
+        if butler is None:
+            return self._problem(request, 404, f"no butler named {name!r} in the registry")
+        detail = await self.parts.probe.butler_detail(butler["endpoint_url"])
+        durations = [
+            s["duration_ms"]
+            for s in (detail["sessions"].value or [])
+            if s.get("duration_ms") is not None
+        ]
+        return self._render(
+            request,
+            "butler.html",
+            refresh=True,
+            butler=butler,
+            detail=detail,
+            median_ms=statistics.median(durations) if durations else None,
+        )
+
+    async def ask(self, request: Request) -> Response:
+        if request.method == "GET":
+            return self._render(request, "ask.html", text="", answer=None, problem=None)
+        form = await request.form()
+        if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
+            return self._problem(
+                request,
+                403,
+                "the form's CSRF token is missing or wrong: reload the page and send it again",
+            )
+        text = _field(form, "text") or ""
+        if len(text) > MAX_ASK_FORM_CHARS:
+            problem = f"the text is {len(text)} characters; the form takes {MAX_ASK_FORM_CHARS}"
+            return self._render(request, "ask.html", 400, text=text, answer=None, problem=problem)
+        try:
+            answer = await self.parts.ask(text)
+        except ToolRefusal as exc:
+            return self._render(request, "ask.html", 400, text=text, answer=None, problem=str(exc))
+        return self._render(request, "ask.html", text="", answer=answer, problem=None)
+
+    async def login(self, request: Request) -> Response:
+        target = _local_target(request.query_params.get("next"))
+        if not self.auth.required:
+            return RedirectResponse(target, status_code=303)
+        if request.method == "GET":
+            return self._render(request, "login.html", problem=None, target=target)
+        form = await request.form()
+        if not csrf_matches(request, _field(form, CSRF_FIELD)):
+            return self._problem(
+                request,
+                403,
+                "the form's CSRF token is missing or wrong: reload the page and send it again",
+            )
+        if not self.auth.token_matches(_field(form, "token")):
+            logger.warning(
+                "dashboard: a wrong token was typed", extra={"action": "dashboard_login_refused"}
+            )
+            return self._render(
+                request, "login.html", 401, problem="that is not the token", target=target
+            )
+        response = RedirectResponse(_local_target(_field(form, "next")), status_code=303)
+        self.auth.start_session(request, response)
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        form = await request.form()
+        if not csrf_matches(request, _field(form, CSRF_FIELD)):
+            return self._problem(
+                request,
+                403,
+                "the form's CSRF token is missing or wrong: reload the page and send it again",
+            )
+        response = RedirectResponse("/ui/login", status_code=303)
+        self.auth.end_session(response)
+        return response
+
+
+def _field(form: Any, name: str) -> str | None:
+    value = form.get(name)
+    return value if isinstance(value, str) else None
+
+
+def _choice(request: Request, name: str, allowed: Sequence[str]) -> str | None:
+    value = request.query_params.get(name) or None
+    if value is not None and value not in allowed:
+        raise BadFilter(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _integer(request: Request, name: str) -> int | None:
+    value = request.query_params.get(name) or None
+    if value is None:
+        return None
+    if not value.isdigit() or len(value) > 18:
+        raise BadFilter(f"{name} must be a message id (a positive whole number), got {value!r}")
+    return int(value)
+
+
+def _timestamp(request: Request, name: str) -> datetime | None:
+    value = request.query_params.get(name) or None
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise BadFilter(f"{name} must be an ISO 8601 time with its offset, got {value!r}") from None
+    if when.tzinfo is None:
+        raise BadFilter(f"{name} must be an ISO 8601 time with its offset, got {value!r}")
+    return when
+
+
+def _local_target(target: str | None) -> str:
+    """Where to go after login: a dashboard path only (never another site)."""
+    if target and target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
+        return quote(target, safe="/?=&%:+-._~")
+    return "/ui"
+
+
+def _with_headers(app: ASGIApp) -> ASGIApp:
+    extra = [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    async def with_headers(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await app(scope, receive, send_with_headers)
+
+    return with_headers

@@ -1,0 +1,121 @@
+"""What the dashboard asks the butlers themselves: each owns its database, so its sessions,
+schedules and state come from its own tools, over the switchboard's kept MCP connections
+(not through `route`: looking is not routing, and leaves no routing_log row).
+
+Every butler is asked at once, each with a short timeout: a butler that is down or slow shows
+as such and holds up no page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from butlers.mcp_connection.core import unwrap
+from butlers.switchboard.connections import McpConnections
+
+HEALTH_TIMEOUT_S = 1.5
+TOOL_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A butler's answer to one question, or why there is none."""
+
+    value: Any = None
+    error: str | None = None
+
+
+def health_url(endpoint_url: str) -> str:
+    """`http://host:port/health` of a butler registered at `http://host:port/sse`."""
+    parts = urlsplit(endpoint_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
+
+
+class FleetProbe:
+    """Asks the butlers; owns the HTTP session of its /health checks (closed by `close()`)."""
+
+    def __init__(self, connections: McpConnections) -> None:
+        self.connections = connections
+        self._http: aiohttp.ClientSession | None = None
+
+    async def health(self, endpoint_url: str) -> Answer:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            )
+        try:
+            async with self._http.get(health_url(endpoint_url)) as response:
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return Answer(error=f"unreachable ({type(exc).__name__})")
+        if not isinstance(body, dict):
+            return Answer(error=f"/health answered {response.status} without a JSON object")
+        return Answer(body, None if response.status == 200 else f"/health {response.status}")
+
+    async def call(self, endpoint_url: str, tool: str, arguments: dict[str, Any]) -> Answer:
+        try:
+            result = await self.connections.call(
+                endpoint_url, tool, arguments, timeout_s=TOOL_TIMEOUT_S
+            )
+        except Exception as exc:  # unreachable, timed out, refused: shown, never raised
+            return Answer(error=f"{tool}: {exc}"[:300] or type(exc).__name__)
+        answer = unwrap(result)
+        if result.get("isError"):
+            return Answer(error=f"{tool}: {answer}"[:300])
+        return Answer(answer)
+
+    async def fleet(self, registry: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each registered butler with its live health and its `status` (sessions of the last
+        24 hours among it), asked of all at once."""
+
+        async def one(butler: dict[str, Any]) -> dict[str, Any]:
+            health, status = await asyncio.gather(
+                self.health(butler["endpoint_url"]),
+                self.call(butler["endpoint_url"], "status", {}),
+            )
+            return {**butler, "health": health, "status": status}
+
+        return list(await asyncio.gather(*(one(b) for b in registry)))
+
+    async def sessions_of_trace(self, butlers: dict[str, str], trace_id: str) -> dict[str, Answer]:
+        """Each named butler's sessions in one trace, with their tool calls (name -> its
+        endpoint URL)."""
+        names = sorted(butlers)
+        answers = await asyncio.gather(
+            *(
+                self.call(
+                    butlers[name],
+                    "sessions_list",
+                    {"limit": 20, "trace_id": trace_id, "detail": True},
+                )
+                for name in names
+            )
+        )
+        return dict(zip(names, answers, strict=True))
+
+    async def butler_detail(self, endpoint_url: str) -> dict[str, Answer]:
+        """What a butler's page shows: its status, sessions, schedules and state keys."""
+        health, status, sessions, schedules, state = await asyncio.gather(
+            self.health(endpoint_url),
+            self.call(endpoint_url, "status", {}),
+            self.call(endpoint_url, "sessions_list", {"limit": 20, "detail": True}),
+            self.call(endpoint_url, "schedule_list", {}),
+            self.call(endpoint_url, "state_list", {}),
+        )
+        return {
+            "health": health,
+            "status": status,
+            "sessions": sessions,
+            "schedules": schedules,
+            "state": state,
+        }
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None

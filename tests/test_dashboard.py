@@ -1,0 +1,385 @@
+"""The dashboard at /ui: every page from real rows (a real switchboard and `general`, a message
+through the real Claude Code path), filters, escaping of hostile text, redaction, and access:
+the token once as a cookie, the bearer token, CSRF on every form.
+
+Pages are read with Starlette's TestClient, which runs the app on an event loop of its own:
+the dashboard under test is built there (`dashboard_client`), with its own pool on the
+switchboard's database and its own MCP connections to the running butlers. The dashboard the
+switchboard itself serves is tested over its port (the Ask form, the Host guard) and in a
+real browser (tests/test_dashboard_browser.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+from html import unescape
+from typing import Any
+
+import aiohttp
+import pytest
+from starlette.testclient import TestClient
+
+from butlers.core_store import CoreStore
+from butlers.dashboard.app import Dashboard, DashboardParts
+from butlers.dashboard.fleet import FleetProbe
+from butlers.dashboard.store import DashboardStore
+from butlers.db import create_pool
+from butlers.redact import Redactor
+from butlers.switchboard.connections import McpConnections
+from butlers.tool_errors import ToolRefusal
+from tests.conftest import StartButler
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_inbox import model, start_fleet
+from tests.test_operator import TOKEN, Refused, call, seed_inbox
+
+HOSTILE = "<script>alert('pwned')</script> remind me to water the plants"
+SECRET = "sekrit-4242-dashboard-value"
+BEARER = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def fleet(start_butler: StartButler, tmp_path, scripted_api: ScriptedMessagesAPI):
+    """A switchboard (token-protected) and `general`; the classifier routes every message
+    to general, which answers with markup of its own."""
+    scripted_api.respond_with(model("general", {"general": "General here: <b>done</b>."}))
+    switchboard, targets = await start_fleet(
+        start_butler,
+        tmp_path,
+        names=("general",),
+        auth_token=TOKEN,
+    )
+    return switchboard, targets["general"]
+
+
+class Pages:
+    """A TestClient whose requests run in a worker thread: TestClient blocks its caller, and
+    the butlers it asks run on this test's event loop."""
+
+    def __init__(self, client: TestClient) -> None:
+        self.client = client
+        self.cookies = client.cookies
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.client.get, path, **kwargs)
+
+    async def post(self, path: str, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.client.post, path, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def dashboard_client(
+    pg_server, switchboard, *, token: str | None = TOKEN, redact=str
+) -> AsyncIterator[Pages]:
+    """TestClient on a Dashboard built on TestClient's own loop, reading the switchboard's
+    database and asking the running butlers; `ask` goes to the switchboard's own `ask` tool."""
+    holder: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan() -> AsyncIterator[None]:
+        pool = await create_pool(pg_server, switchboard.config.db_name)
+        connections = McpConnections(auth_token=TOKEN)
+
+        async def ask(text: str) -> dict[str, Any]:
+            try:
+                return await call(switchboard, "ask", text=text)
+            except Refused as exc:  # as the switchboard's own Switchboard.ask refuses
+                raise ToolRefusal(str(exc)) from exc
+
+        parts = DashboardParts(
+            store=DashboardStore(pool),
+            probe=FleetProbe(connections),
+            sessions=CoreStore(pool),
+            switchboard_name=switchboard.config.name,
+            ask=ask,
+            jaeger_ui_url="http://jaeger.example:16686",
+        )
+        holder["app"] = Dashboard(
+            parts, auth_token=token, allowed_hosts=["testserver"], redact=redact
+        ).app
+        try:
+            yield
+        finally:
+            await parts.probe.close()
+            await connections.close()
+            await pool.close()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            async with lifespan():
+                await receive()  # startup
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # shutdown
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await holder["app"](scope, receive, send)
+
+    client = TestClient(app, base_url="http://testserver", follow_redirects=False)
+    await asyncio.to_thread(client.__enter__)
+    try:
+        yield Pages(client)
+    finally:
+        await asyncio.to_thread(client.__exit__, None, None, None)
+
+
+def rows_of(html: str, table: str) -> list[str]:
+    """The <tr> elements of the table with that id (its body), as HTML."""
+    body = html.split(f'id="{table}"', 1)[1].split("</table>", 1)[0]
+    return re.findall(r"<tr[ >].*?</tr>", body.split("<tbody>", 1)[1], flags=re.S)
+
+
+def cells(row: str) -> list[str]:
+    """The text of each <td> of a table row."""
+    return [" ".join(text_of(c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+
+
+def text_of(html: str) -> str:
+    return unescape(re.sub(r"<[^>]+>", " ", html))
+
+
+async def answered_message(switchboard, general) -> dict[str, Any]:
+    """A message through classify -> route -> reply (real Claude Code), plus a schedule and a
+    state key on general for its page."""
+    answer = await call(switchboard, "ask", text=f"{HOSTILE} {SECRET}")
+    assert answer["status"] == "done" and answer["routed_to"] == "general", answer
+    await call(general, "state_set", key="plants/last_watered", value={"when": "monday"})
+    await call(general, "schedule_create", name="water", cron="0 8 * * 1", prompt="Water them")
+    return answer
+
+
+async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
+    fleet, pg_server, db_conn
+) -> None:
+    switchboard, general = fleet
+    answer = await answered_message(switchboard, general)
+    conn = await db_conn(switchboard.config.db_name)
+    failed = await seed_inbox(
+        conn,
+        external_id="t-9",
+        source_id="555",
+        text="never mind",
+        status="failed",
+        error="butler 'health' is down <img src=x onerror=alert(1)>",
+    )
+    mail = await seed_inbox(
+        conn,
+        channel="email",
+        external_id="m-1",
+        source_id="a@example.com",
+        text="Subject line body",
+        status="done",
+        routed_to="general",
+        reply="Done by mail.",
+    )
+    await conn.execute(
+        """INSERT INTO routing_log (source_channel, routed_to, tool_name, success, error,
+                                    duration_ms, inbox_id)
+           VALUES ('telegram', 'health', 'trigger', false, 'connection refused', 12, $1)""",
+        failed,
+    )
+    redactor = Redactor([SECRET])
+
+    async with dashboard_client(pg_server, switchboard, redact=redactor) as client:
+        # Fleet: both butlers, live, with general's session of the last 24 h and its cost.
+        page = await client.get("/ui", headers=BEARER)
+        assert page.status_code == 200, page.text
+        fleet_rows = {
+            re.search(r'data-butler="([^"]+)"', r)[1]: r for r in rows_of(page.text, "fleet")
+        }
+        assert set(fleet_rows) == {"general", "switchboard"}
+        general_row = text_of(fleet_rows["general"])
+        assert " ok " in f" {general_row} " and general.sse_url in general_row
+        assert re.search(r'class="sessions">1<', fleet_rows["general"]), fleet_rows["general"]
+        assert re.search(r'class="cost">\$0\.\d{4}<', fleet_rows["general"])  # Claude Code's figure
+        assert re.search(r'class="sessions">1<', fleet_rows["switchboard"])  # the classifier
+
+        # Messages: newest first; the hostile text escaped, the secret redacted.
+        page = await client.get("/ui/messages", headers=BEARER)
+        assert page.status_code == 200
+        ids = [int(i) for i in re.findall(r'<tr data-id="(\d+)"', page.text)]
+        assert ids == sorted([answer["inbox_id"], failed, mail], reverse=True)
+        assert "<script>alert" not in page.text and "<img src=x" not in page.text
+        assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in page.text
+        assert SECRET not in page.text and "[redacted]" in page.text
+        asked = next(
+            r for r in rows_of(page.text, "messages") if f'data-id="{answer["inbox_id"]}"' in r
+        )
+        assert "claude" in asked and "general" in asked and "General here: &lt;b&gt;done" in asked
+        assert re.search(r'href="http://jaeger\.example:16686/trace/[0-9a-f]{32}"', asked)
+
+        failed_only = (await client.get("/ui/messages?status=failed", headers=BEARER)).text
+        assert re.findall(r'<tr data-id="(\d+)"', failed_only) == [str(failed)]
+        assert "health&#39; is down &lt;img" in failed_only
+        by_mail = (await client.get("/ui/messages?channel=email", headers=BEARER)).text
+        assert re.findall(r'<tr data-id="(\d+)"', by_mail) == [str(mail)]
+        older = (await client.get(f"/ui/messages?before={failed}", headers=BEARER)).text
+        assert re.findall(r'<tr data-id="(\d+)"', older) == [str(answer["inbox_id"])]
+        for bad, named in (
+            (
+                "status=lost",
+                "status must be one of queued, processing, done, failed, skipped, "
+                "got &#39;lost&#39;",
+            ),
+            ("channel=fax", "channel must be one of telegram, email, mcp"),
+            ("before=12abc", "before must be a message id"),
+        ):
+            refused = await client.get(f"/ui/messages?{bad}", headers=BEARER)
+            assert refused.status_code == 400 and named in refused.text, refused.text
+
+        # One message: its route, both sessions of its trace with their tool calls, the reply.
+        page = await client.get(f"/ui/messages/{answer['inbox_id']}", headers=BEARER)
+        assert page.status_code == 200
+        html = page.text
+        assert "&lt;script&gt;" in html and "<script>alert" not in html
+        assert [cells(r)[1] for r in rows_of(html, "routes")] == ["general"]
+        sections = dict(
+            re.findall(
+                r'<section class="sessions" data-butler="([^"]+)">(.*?)</section>', html, re.S
+            )
+        )
+        assert set(sections) == {"switchboard", "general"}
+        assert "mcp__switchboard__route" in sections["switchboard"]  # the classifier's call
+        assert "General here: &lt;b&gt;done" in sections["general"]  # general's result
+        assert re.search(r"\$0\.\d{4}", sections["general"])
+        assert 'id="message-reply">General here: &lt;b&gt;done' in html
+        assert (await client.get("/ui/messages/999999", headers=BEARER)).status_code == 404
+
+        # Routing log: by butler and by outcome.
+        page = (await client.get("/ui/routes?butler=general&outcome=ok", headers=BEARER)).text
+        assert [cells(r)[2] for r in rows_of(page, "routing-log")] == ["general"]
+        page = (await client.get("/ui/routes?outcome=failed", headers=BEARER)).text
+        [row] = rows_of(page, "routing-log")
+        assert "health" in row and "connection refused" in row and f"/ui/messages/{failed}" in row
+        refused = await client.get("/ui/routes?before=yesterday", headers=BEARER)
+        assert refused.status_code == 400 and "before must be an ISO 8601 time" in refused.text
+
+        # A butler's page: its session (prompt, result, tool calls), schedule, state keys.
+        page = (await client.get("/ui/butlers/general", headers=BEARER)).text
+        assert "&lt;script&gt;alert" in page and "General here: &lt;b&gt;done" in page
+        [schedule] = rows_of(page, "schedules")
+        assert "water" in schedule and "0 8 * * 1" in schedule and "UTC" in schedule
+        assert [cells(r)[0] for r in rows_of(page, "state")] == ["plants/last_watered"]
+        assert "monday" not in page  # keys only: a value may be anything the person said
+        assert (await client.get("/ui/butlers/nobody", headers=BEARER)).status_code == 404
+
+
+async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_token(
+    fleet, pg_server, db_conn
+) -> None:
+    switchboard, general = fleet
+    answer = await answered_message(switchboard, general)
+    conn = await db_conn(switchboard.config.db_name)
+    inbox_rows = await conn.fetchval("SELECT count(*) FROM inbox")
+
+    async with dashboard_client(pg_server, switchboard) as client:
+        for path in (
+            "/ui",
+            "/ui/messages",
+            f"/ui/messages/{answer['inbox_id']}",
+            "/ui/routes",
+            "/ui/butlers/general",
+            "/ui/ask",
+        ):
+            page = await client.get(path)
+            assert page.status_code == 303, (path, page.status_code)
+            assert page.headers["location"].startswith("/ui/login?next=")
+            assert "plants" not in page.text and "general" not in page.text
+        wrong = await client.get("/ui/messages", headers={"authorization": "Bearer not-it"})
+        assert wrong.status_code == 401 and "water" not in wrong.text
+        assert (await client.post("/ui/ask", data={"text": "hi"})).status_code == 401
+        # The static files carry nothing and need nothing.
+        assert (await client.get("/ui/static/dashboard.css")).status_code == 200
+
+        # The login form: a CSRF cookie, HttpOnly and SameSite=Strict, and its field.
+        page = await client.get("/ui/login?next=/ui/messages")
+        assert page.status_code == 200
+        csrf_cookie = page.headers["set-cookie"]
+        assert "butlers_csrf=" in csrf_cookie and "HttpOnly" in csrf_cookie
+        assert "SameSite=strict" in csrf_cookie and "Path=/ui" in csrf_cookie
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)[1]
+        assert client.cookies.get("butlers_csrf") == csrf
+
+        refused = await client.post("/ui/login", data={"token": TOKEN, "next": "/ui/messages"})
+        assert refused.status_code == 403 and "CSRF" in refused.text  # no field, no session
+        assert "butlers_ui" not in refused.headers.get("set-cookie", "")
+        wrong = await client.post("/ui/login", data={"token": "guess", "csrf": csrf, "next": "/ui"})
+        assert wrong.status_code == 401 and "that is not the token" in wrong.text
+        # Another site is never where a login sends you.
+        signed = await client.post(
+            "/ui/login", data={"token": TOKEN, "csrf": csrf, "next": "//evil.example/ui"}
+        )
+        assert signed.status_code == 303 and signed.headers["location"] == "/ui"
+        session_cookie = signed.headers["set-cookie"]
+        assert session_cookie.startswith("butlers_ui=") and TOKEN not in session_cookie
+        for flag in ("HttpOnly", "SameSite=strict", "Path=/ui", "Max-Age="):
+            assert flag in session_cookie, session_cookie
+        assert "Secure" not in session_cookie  # plain HTTP here; set over HTTPS
+
+        page = await client.get("/ui/messages")  # the cookie, no header
+        assert page.status_code == 200 and f'data-id="{answer["inbox_id"]}"' in page.text
+        for header, value in {
+            "content-security-policy": "script-src 'self'",
+            "x-content-type-options": "nosniff",
+            "x-frame-options": "DENY",
+            "cache-control": "no-store",
+        }.items():
+            assert value in page.headers[header]
+
+        # The Ask form without its CSRF field, or with another one: refused, nothing queued.
+        for data in ({"text": "hello"}, {"text": "hello", "csrf": "x" * 43}):
+            refused = await client.post("/ui/ask", data=data)
+            assert refused.status_code == 403 and "CSRF token is missing or wrong" in refused.text
+        assert await conn.fetchval("SELECT count(*) FROM inbox") == inbox_rows
+        # An empty text is refused by name.
+        empty = await client.post("/ui/ask", data={"text": "  ", "csrf": csrf})
+        assert empty.status_code == 400 and "text must not be empty" in empty.text
+        # A script with the bearer token needs no CSRF field.
+        asked = await client.post("/ui/ask", data={"text": "what now?"}, headers=BEARER)
+        assert asked.status_code == 200 and 'id="answer-reply">General here' in asked.text
+
+        out = await client.post("/ui/logout", data={"csrf": csrf})
+        assert out.status_code == 303 and 'butlers_ui=""' in out.headers["set-cookie"]
+        assert (await client.get("/ui/messages")).status_code == 303  # signed out
+
+    # A new token ends the sessions the old one opened.
+    cookie = session_cookie.split(";", 1)[0].split("=", 1)[1]
+    async with dashboard_client(pg_server, switchboard, token="a-new-token") as client:
+        client.cookies.set("butlers_ui", cookie, path="/ui")
+        assert (await client.get("/ui")).status_code == 303
+
+
+async def test_the_switchboard_serves_it_and_its_ask_form_answers(
+    start_butler: StartButler, tmp_path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Served on the switchboard's port, without a token (loopback): the Ask form goes
+    through the real path (source `dashboard`); a page asked for by another Host name (DNS
+    rebinding) is refused."""
+    scripted_api.respond_with(model("general", {"general": "Watered, noted."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    base = switchboard.sse_url.removesuffix("/sse")
+    jar = aiohttp.CookieJar(unsafe=True)  # cookies for 127.0.0.1
+    async with aiohttp.ClientSession(cookie_jar=jar) as http:
+        async with http.get(f"{base}/ui/ask") as response:
+            assert response.status == 200
+            csrf = re.search(r'name="csrf" value="([^"]+)"', await response.text())[1]
+        async with http.post(
+            f"{base}/ui/ask", data={"text": "I watered the plants", "csrf": csrf}
+        ) as response:
+            page = await response.text()
+            assert response.status == 200, page
+        assert 'id="answer-reply">Watered, noted.' in page and "answered by general" in page
+        async with http.get(f"{base}/ui/messages?channel=mcp") as response:
+            assert "I watered the plants" in await response.text()
+        async with http.get(f"{base}/ui", headers={"Host": "evil.example:80"}) as response:
+            assert response.status == 421
+        async with http.post(
+            f"{base}/ui/ask",
+            data={"text": "from another site", "csrf": csrf},
+            headers={"Origin": "http://evil.example"},
+        ) as response:
+            assert response.status == 403
+    conn = await db_conn(switchboard.config.db_name)
+    rows = await conn.fetch("SELECT source_id, text FROM inbox ORDER BY id")
+    assert [(r["source_id"], r["text"]) for r in rows] == [("dashboard", "I watered the plants")]

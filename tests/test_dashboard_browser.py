@@ -1,0 +1,128 @@
+"""The dashboard in a real browser: Debian's headless Chromium, driven by Playwright (its own
+browser download is never used), against a running switchboard that answered a message
+through the real Claude Code path. Screenshots go to $BUTLERS_TEST_ARTIFACTS (default
+.test-artifacts/ in the checkout), kept after the run.
+
+Skipped, saying so, only where no Chromium is installed (`make browser` installs Debian's, as
+root; BUTLERS_TEST_CHROMIUM names another binary).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import StartButler
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_inbox import model, start_fleet
+from tests.test_operator import TOKEN, call
+
+REPO = Path(__file__).resolve().parent.parent
+# What this machine's closed network needs: no background connections, no sandbox as root.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\"> when is the dentist?"
+
+
+def chromium_path() -> str | None:
+    named = os.environ.get("BUTLERS_TEST_CHROMIUM")
+    if named:
+        return named
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def artifacts(request: pytest.FixtureRequest) -> Path:
+    base = Path(os.environ.get("BUTLERS_TEST_ARTIFACTS", REPO / ".test-artifacts"))
+    directory = base / "dashboard" / request.node.name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[object]:
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip(
+            "no Chromium on this machine: install Debian's (`make browser`, as root: apt-get "
+            "install chromium) or set BUTLERS_TEST_CHROMIUM to a Chromium binary"
+        )
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def test_fleet_messages_and_the_ask_form_in_chromium(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    browser,
+    artifacts: Path,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Thursday at 10, I noted it."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",), auth_token=TOKEN)
+    answered = await call(switchboard, "ask", text=HOSTILE)
+    assert answered["status"] == "done" and answered["routed_to"] == "general"
+    base = switchboard.sse_url.removesuffix("/sse")
+
+    context = await browser.new_context(viewport={"width": 1400, "height": 900})
+    page = await context.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: dialogs.append(dialog.message))
+    try:
+        # Asked for the token once, then the fleet.
+        await page.goto(f"{base}/ui")
+        assert page.url.startswith(f"{base}/ui/login")
+        await page.fill("input[name=token]", TOKEN)
+        await page.click("button[type=submit]")
+        await page.wait_for_url(f"{base}/ui")
+        general = page.locator('#fleet tr[data-butler="general"]')
+        await general.wait_for()
+        assert "ok" in await general.locator("td.status").inner_text()
+        assert await general.locator("td.sessions").inner_text() == "1"
+        await page.screenshot(path=artifacts / "fleet.png", full_page=True)
+        cookies = {c["name"]: c for c in await context.cookies()}
+        assert cookies["butlers_ui"]["httpOnly"] and cookies["butlers_ui"]["sameSite"] == "Strict"
+        assert TOKEN not in cookies["butlers_ui"]["value"]
+
+        # The message: its hostile text shown as text, never run.
+        await page.click("nav >> text=Messages")
+        row = page.locator(f'#messages tr[data-id="{answered["inbox_id"]}"]')
+        await row.wait_for()
+        assert HOSTILE[:40] in await row.locator("td.text").inner_text()
+        assert "Thursday at 10" in await row.locator("td.reply").inner_text()
+        assert await page.title() != "pwned" and dialogs == []
+        await page.screenshot(path=artifacts / "messages.png", full_page=True)
+
+        # Its own page, then the Ask form through classify -> route -> reply.
+        await row.locator("a").first.click()
+        await page.locator("#message-text").wait_for()
+        assert await page.locator('section[data-butler="general"] details').count() == 1
+        await page.click("nav >> text=Ask")
+        await page.fill("#ask-text", "remind me to call the dentist")
+        await page.click("#ask-form button[type=submit]")
+        reply = page.locator("#answer-reply")
+        await reply.wait_for(timeout=60_000)
+        assert await reply.inner_text() == "Thursday at 10, I noted it."
+        await page.screenshot(path=artifacts / "ask.png", full_page=True)
+        assert await page.title() != "pwned" and dialogs == []
+    finally:
+        await context.close()
+    for name in ("fleet.png", "messages.png", "ask.png"):
+        assert (artifacts / name).stat().st_size > 5_000, name
