@@ -204,6 +204,11 @@ async def test_the_installed_butlers_is_the_wheel_with_its_migrations(installed:
     assert {p.name for p in (Path(migrations) / "versions").glob("*.py")} == shipped
     assert (Path(migrations) / "env.py").is_file()
     assert (Path(migrations) / "script.py.mako").is_file()
+    # The dashboard's templates and static files are package data too.
+    dashboard = installed.site_packages / "butlers" / "dashboard"
+    for kind in ("templates", "static"):
+        shipped_files = {p.name for p in (REPO / "butlers" / "dashboard" / kind).iterdir()}
+        assert {p.name for p in (dashboard / kind).iterdir()} == shipped_files, kind
     # The console script runs the installed interpreter, and its commands include `db upgrade`.
     assert installed.butlers.read_text().splitlines()[0] == f"#!{installed.python}"
     help_text = await _run(
