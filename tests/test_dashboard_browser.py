@@ -74,6 +74,7 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
     scripted_api: ScriptedMessagesAPI,
     browser,
     artifacts: Path,
+    db_conn,
 ) -> None:
     scripted_api.respond_with(model("general", {"general": "Thursday at 10, I noted it."}))
     switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",), auth_token=TOKEN)
@@ -109,6 +110,16 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
         assert "Thursday at 10" in await row.locator("td.reply").inner_text()
         assert await page.title() != "pwned" and dialogs == []
         await page.screenshot(path=artifacts / "messages.png", full_page=True)
+
+        # A message that arrives meanwhile appears without a reload (the page's own refresh,
+        # every 10 s, allowed by its Content-Security-Policy).
+        conn = await db_conn(switchboard.config.db_name)
+        arrived = await conn.fetchval(
+            """INSERT INTO inbox (channel, external_id, source_id, text)
+               VALUES ('telegram', 'late-1', '4242', 'arrived while you looked') RETURNING id"""
+        )
+        await page.locator(f'#messages tr[data-id="{arrived}"]').wait_for(timeout=25_000)
+        assert await page.evaluate("document.body.dataset.refreshed") is not None
 
         # Its own page, then the Ask form through classify -> route -> reply.
         await row.locator("a").first.click()
