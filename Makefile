@@ -37,7 +37,7 @@ test: $(STAMP)
 # spread over one pytest-xdist worker per core, by xdist group (tests sharing a server stay on
 # one worker).
 # More workers do not help: each one collects every test module first, ~1.6 s CPU, and the
-# tests start CPU-bound processes (measured on 2 cores: 2 workers 28-30 s, 3 workers 32 s,
+# tests start CPU-bound processes (measured on 2 cores: 2 workers 24-30 s, 3 workers 32 s,
 # 4 workers 31 s).
 TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
