@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator
 from html import unescape
@@ -179,6 +180,11 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
            VALUES ('telegram', 'health', 'trigger', false, 'connection refused', 12, $1)""",
         failed,
     )
+    # A butler that is registered but down (nothing listens on its port).
+    await conn.execute(
+        """INSERT INTO butler_registry (name, endpoint_url, description)
+           VALUES ('gone', 'http://127.0.0.1:9/sse', 'Down for good.')"""
+    )
     redactor = Redactor([SECRET])
 
     async with dashboard_client(pg_server, switchboard, redact=redactor) as client:
@@ -188,7 +194,8 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         fleet_rows = {
             re.search(r'data-butler="([^"]+)"', r)[1]: r for r in rows_of(page.text, "fleet")
         }
-        assert set(fleet_rows) == {"general", "switchboard"}
+        assert set(fleet_rows) == {"general", "gone", "switchboard"}
+        assert "unreachable" in text_of(fleet_rows["gone"])  # shown, holding up nobody
         general_row = text_of(fleet_rows["general"])
         assert " ok " in f" {general_row} " and general.sse_url in general_row
         assert re.search(r'class="sessions">1<', fleet_rows["general"]), fleet_rows["general"]
@@ -264,10 +271,24 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert "monday" not in page  # keys only: a value may be anything the person said
         assert (await client.get("/ui/butlers/nobody", headers=BEARER)).status_code == 404
 
+        # Paging: 50 a page, then a link to the older ones with the same filter.
+        await conn.execute(
+            """INSERT INTO inbox (channel, external_id, text, status)
+               SELECT 'email', 'bulk-' || n, 'bulk ' || n, 'done' FROM generate_series(1, 60) n"""
+        )
+        first = (await client.get("/ui/messages?channel=email", headers=BEARER)).text
+        shown = re.findall(r'<tr data-id="(\d+)"', first)
+        link = re.search(r'href="/ui/messages(\?[^"]+)" rel="next"', first)[1]
+        assert len(shown) == 50 and unescape(link) == f"?channel=email&before={shown[-1]}"
+        rest = (await client.get("/ui/messages" + unescape(link), headers=BEARER)).text
+        older_ids = re.findall(r'<tr data-id="(\d+)"', rest)
+        assert len(older_ids) == 11 and str(mail) in older_ids and 'rel="next"' not in rest
+
 
 async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_token(
-    fleet, pg_server, db_conn
+    fleet, pg_server, db_conn, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     switchboard, general = fleet
     answer = await answered_message(switchboard, general)
     conn = await db_conn(switchboard.config.db_name)
@@ -342,6 +363,10 @@ async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_to
         out = await client.post("/ui/logout", data={"csrf": csrf})
         assert out.status_code == 303 and 'butlers_ui=""' in out.headers["set-cookie"]
         assert (await client.get("/ui/messages")).status_code == 303  # signed out
+
+    # Neither the token nor a wrong guess reached any log, at DEBUG.
+    assert "dashboard_login_refused" in {getattr(r, "action", "") for r in caplog.records}
+    assert TOKEN not in caplog.text and "guess" not in caplog.text
 
     # A new token ends the sessions the old one opened.
     cookie = session_cookie.split(";", 1)[0].split("=", 1)[1]

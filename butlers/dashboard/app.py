@@ -43,7 +43,7 @@ from butlers.dashboard.auth import (
     keep_csrf,
 )
 from butlers.dashboard.fleet import Answer, FleetProbe
-from butlers.dashboard.store import DashboardStore
+from butlers.dashboard.store import PAGE_ROWS, DashboardStore
 from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
 from butlers.tool_errors import ToolRefusal
 
@@ -213,13 +213,17 @@ class Dashboard:
     def _problem(self, request: Request, status_code: int, problem: str) -> HTMLResponse:
         return self._render(request, "problem.html", status_code, problem=problem)
 
+    def _csrf_refused(self, request: Request) -> HTMLResponse:
+        problem = "the form's CSRF token is missing or wrong: reload the page and send it again"
+        return self._problem(request, 403, problem)
+
     # -- pages ------------------------------------------------------------------------------
 
     async def fleet(self, request: Request) -> Response:
         butlers = await self.parts.probe.fleet(await self.parts.store.registry())
         for butler in butlers:
             status: Answer = butler["status"]
-            butler["summary"] = (status.value or {}).get("sessions_24h") if status.value else None
+            butler["summary"] = status.value.get("sessions_24h") if status.value else None
         spent = [
             b["summary"]["cost_usd"] for b in butlers if b["summary"] and b["summary"]["cost_usd"]
         ]
@@ -239,12 +243,9 @@ class Dashboard:
         except BadFilter as exc:
             return self._problem(request, 400, str(exc))
         rows = await self.parts.store.messages(status=status, channel=channel, before=before)
-        older = None
-        if rows and len(rows) >= 50:
-            older = "?" + urlencode(
-                {k: v for k, v in (("status", status), ("channel", channel)) if v}
-                | {"before": rows[-1]["id"]}
-            )
+        older = _older(
+            rows, {"status": status, "channel": channel}, before=rows[-1]["id"] if rows else None
+        )
         return self._render(
             request,
             "messages.html",
@@ -288,12 +289,8 @@ class Dashboard:
             success=OUTCOMES[outcome] if outcome else None,
             before=before,
         )
-        older = None
-        if rows and len(rows) >= 50:
-            older = "?" + urlencode(
-                {k: v for k, v in (("butler", butler), ("outcome", outcome)) if v}
-                | {"before": rows[-1]["created_at"].isoformat()}
-            )
+        last = rows[-1]["created_at"].isoformat() if rows else None
+        older = _older(rows, {"butler": butler, "outcome": outcome}, before=last)
         butlers = [b["name"] for b in await self.parts.store.registry()]
         return self._render(
             request,
@@ -332,11 +329,7 @@ class Dashboard:
             return self._render(request, "ask.html", text="", answer=None, problem=None)
         form = await request.form()
         if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
-            return self._problem(
-                request,
-                403,
-                "the form's CSRF token is missing or wrong: reload the page and send it again",
-            )
+            return self._csrf_refused(request)
         text = _field(form, "text") or ""
         if len(text) > MAX_ASK_FORM_CHARS:
             problem = f"the text is {len(text)} characters; the form takes {MAX_ASK_FORM_CHARS}"
@@ -355,11 +348,7 @@ class Dashboard:
             return self._render(request, "login.html", problem=None, target=target)
         form = await request.form()
         if not csrf_matches(request, _field(form, CSRF_FIELD)):
-            return self._problem(
-                request,
-                403,
-                "the form's CSRF token is missing or wrong: reload the page and send it again",
-            )
+            return self._csrf_refused(request)
         if not self.auth.token_matches(_field(form, "token")):
             logger.warning(
                 "dashboard: a wrong token was typed", extra={"action": "dashboard_login_refused"}
@@ -374,14 +363,19 @@ class Dashboard:
     async def logout(self, request: Request) -> Response:
         form = await request.form()
         if not csrf_matches(request, _field(form, CSRF_FIELD)):
-            return self._problem(
-                request,
-                403,
-                "the form's CSRF token is missing or wrong: reload the page and send it again",
-            )
+            return self._csrf_refused(request)
         response = RedirectResponse("/ui/login", status_code=303)
         self.auth.end_session(response)
         return response
+
+
+def _older(
+    rows: list[dict[str, Any]], filters: dict[str, str | None], *, before: Any
+) -> str | None:
+    """The query string of the next, older page (the same filters), or None on a last page."""
+    if len(rows) < PAGE_ROWS:
+        return None
+    return "?" + urlencode({k: v for k, v in filters.items() if v} | {"before": before})
 
 
 def _field(form: Any, name: str) -> str | None:

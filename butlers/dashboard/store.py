@@ -15,12 +15,12 @@ from typing import Any
 
 import asyncpg
 
-from butlers.switchboard.operator import excerpt
+from butlers.switchboard.operator import TRACE_OF_CONTEXT, WITH_ROUTED_TRACE, excerpt
+from butlers.switchboard.routing_store import REGISTRY_COLUMNS
 
 PAGE_ROWS = 50
 EXCERPT_HEAD = 480  # characters read of a text to show one line of it
 MESSAGE_TEXT_CHARS = 20_000  # of one message, its reply and its error, on its own page
-TRACE_OF_CONTEXT = "substring(trace_context->>'traceparent' FROM '^[0-9a-f]{2}-([0-9a-f]{32})-')"
 
 
 def _where(conditions: Sequence[tuple[str, Any]]) -> tuple[str, list[Any]]:
@@ -44,15 +44,13 @@ class DashboardStore:
 
     async def registry(self) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
-            """SELECT name, endpoint_url, description, modules, last_seen_at, registered_at
-               FROM butler_registry ORDER BY name"""
+            f"SELECT {REGISTRY_COLUMNS} FROM butler_registry ORDER BY name"
         )
         return [dict(r) for r in rows]
 
     async def butler(self, name: str) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(
-            """SELECT name, endpoint_url, description, modules, last_seen_at, registered_at
-               FROM butler_registry WHERE name = $1""",
+            f"SELECT {REGISTRY_COLUMNS} FROM butler_registry WHERE name = $1",
             name,
         )
         return None if row is None else dict(row)
@@ -75,13 +73,7 @@ class DashboardStore:
                        {TRACE_OF_CONTEXT} AS traced
                 FROM inbox {where} ORDER BY id DESC LIMIT ${n + 1}
             )
-            SELECT page.*, coalesce(page.traced, routed.trace_id) AS trace_id
-            FROM page LEFT JOIN LATERAL (
-                SELECT r.trace_id FROM routing_log r
-                WHERE page.traced IS NULL AND r.inbox_id = page.id AND r.trace_id IS NOT NULL
-                ORDER BY r.created_at LIMIT 1
-            ) AS routed ON true
-            ORDER BY page.id DESC
+            {WITH_ROUTED_TRACE}
             """,
             *params,
             PAGE_ROWS,

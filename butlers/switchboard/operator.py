@@ -45,6 +45,21 @@ _WHITESPACE = re.compile(r"\s+")
 
 logger = logging.getLogger(__name__)
 
+# A message's trace id: its stored trace context's (W3C traceparent).
+TRACE_OF_CONTEXT = "substring(trace_context->>'traceparent' FROM '^[0-9a-f]{2}-([0-9a-f]{32})-')"
+# Over a CTE `page` of inbox rows with `traced`: each row with its trace_id, which for a row
+# without a stored context (an envelope kept by `record_failed`, a row from before tracing)
+# is its first route's. Newest first.
+WITH_ROUTED_TRACE = """
+    SELECT page.*, coalesce(page.traced, routed.trace_id) AS trace_id
+    FROM page LEFT JOIN LATERAL (
+        SELECT r.trace_id FROM routing_log r
+        WHERE page.traced IS NULL AND r.inbox_id = page.id AND r.trace_id IS NOT NULL
+        ORDER BY r.created_at LIMIT 1
+    ) AS routed ON true
+    ORDER BY page.id DESC
+"""
+
 
 def jaeger_url(trace_id: str, jaeger_ui_url: str = DEFAULT_JAEGER_UI_URL) -> str:
     """Where a trace is shown: `<jaeger_ui_url>/trace/<trace id>` (`Settings.jaeger_ui_url`,
@@ -95,24 +110,17 @@ class OperatorStore:
         """Newest first. The trace id is the stored trace context's; a row without one (an
         envelope kept by `record_failed`, a row from before tracing) takes its first route's."""
         rows = await self.pool.fetch(
-            """
+            f"""
             WITH page AS (
                 SELECT id, channel, source_id, sender_name, subject, conversation, status,
                        routed_to, classified_via, attempts, error, received_at, finished_at,
                        left(text, $3) AS text_head, length(text) AS text_chars,
-                       substring(trace_context->>'traceparent'
-                                 FROM '^[0-9a-f]{2}-([0-9a-f]{32})-') AS traced
+                       {TRACE_OF_CONTEXT} AS traced
                 FROM inbox
                 WHERE $1::text IS NULL OR status = $1
                 ORDER BY id DESC LIMIT $2
             )
-            SELECT page.*, coalesce(page.traced, routed.trace_id) AS trace_id
-            FROM page LEFT JOIN LATERAL (
-                SELECT r.trace_id FROM routing_log r
-                WHERE page.traced IS NULL AND r.inbox_id = page.id AND r.trace_id IS NOT NULL
-                ORDER BY r.created_at LIMIT 1
-            ) AS routed ON true
-            ORDER BY page.id DESC
+            {WITH_ROUTED_TRACE}
             """,
             status,
             limit,
