@@ -186,6 +186,7 @@ async def serve(
 
     server = server_for(settings)
     if isinstance(server, EmbeddedServer):
+        await server.locate()  # as root, the data may live elsewhere: say where it is
         first = not (server.pgdata / "PG_VERSION").exists()
         progress(
             f"Initialising PostgreSQL in {server.pgdata} (first start)..."
@@ -831,8 +832,16 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
         ("uninstall", "put the host's original config back, byte for byte"),
     ):
         step = actions.add_parser(action, help=text, description=text)
+        # --dir and --config are the gateway's own options too: `gateway --dir D install`
+        # must mean `gateway install --dir D`. argparse copies every attribute of a
+        # sub-parser's namespace over the parent's, defaults included, so a default here
+        # would replace the D given before `install`: without one (SUPPRESS), the value
+        # given after `install` wins, else the one given before, else the gateway's default.
         step.add_argument(
-            "--dir", type=Path, default=Path("."), help="the project (the gateway's --dir)"
+            "--dir",
+            type=Path,
+            default=argparse.SUPPRESS,
+            help="the project (the gateway's --dir; default .)",
         )
         step.add_argument(
             "--scope",
@@ -851,6 +860,7 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
             "--config",
             type=Path,
             metavar="FILE",
+            default=argparse.SUPPRESS,
             help="the host's file, if not where it keeps it (claude_desktop_config.json)",
         )
     trace = commands.add_parser(

@@ -4,6 +4,7 @@ the bundled `claude` binary; originals back byte for byte, never over the user's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.gateway.install import SKILL, SKILL_TEXT, claude_binary
+from tests.test_cli import BUTLERS
 from tests.test_cli_client import run_cli
 from tests.test_gateway import MOCK, text_of
 
@@ -137,3 +139,197 @@ async def test_user_scope_registers_through_claude_codes_own_command(tmp_path: P
     registered = json.loads((home / ".claude" / ".claude.json").read_text())
     assert "butlers" not in registered.get("mcpServers", {})
     assert not (home / SKILL).exists()
+
+
+async def _butlers_in(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """A real `butlers ...` run from `cwd` (so that `.` is a directory of the test's own);
+    its exit code and everything it printed."""
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *args,
+        cwd=cwd,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
+            **(env or {}),
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(60):
+        out, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for a directory): what a command left."""
+    return {
+        str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in root.rglob("*")
+    }
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ("gateway", "--dir", "{project}", "{action}"),
+        ("gateway", "{action}", "--dir", "{project}"),
+    ],
+    ids=["dir-before-action", "dir-after-action"],
+)
+async def test_dir_before_or_after_install_means_the_same(
+    tmp_path: Path, spelling: tuple[str, ...]
+) -> None:
+    """`butlers gateway --dir D install` installs into D, as `gateway install --dir D` does,
+    not into the directory it runs from; uninstall the same."""
+    project, cwd = tmp_path / "project", tmp_path / "cwd"
+    project.mkdir()
+    cwd.mkdir()
+    (project / ".mcp.json").write_text(ORIGINAL)
+    (cwd / ".mcp.json").write_text('{"mcpServers": {}}')
+    before = _tree(cwd)
+
+    def argv(action: str) -> list[str]:
+        return [a.format(project=project, action=action) for a in spelling]
+
+    code, out = await _butlers_in(cwd, *argv("install"))
+    assert code == 0, out
+    assert list(json.loads((project / ".mcp.json").read_text())["mcpServers"]) == ["butlers"]
+    assert _tree(cwd) == before  # nothing written where it ran
+    code, out = await _butlers_in(cwd, *argv("uninstall"))
+    assert code == 0, out
+    assert (project / ".mcp.json").read_text() == ORIGINAL
+    assert _tree(cwd) == before
+
+
+async def test_config_before_or_after_install_means_the_same(tmp_path: Path) -> None:
+    """`--config FILE` (Claude Desktop's file) given before `install` is the file rewritten."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    for n, place in enumerate(("before", "after")):
+        desktop = tmp_path / f"desktop-{place}.json"
+        desktop.write_text('{"mcpServers": {"notes": {"command": "npx"}}}')
+        project = tmp_path / f"project-{n}"
+        project.mkdir()
+        option = ["--config", str(desktop)]
+        args = [*option, "install"] if place == "before" else ["install", *option]
+        code, out = await _butlers_in(
+            cwd,
+            "gateway",
+            "--dir",
+            str(project),
+            *args,
+            "--host",
+            "claude-desktop",
+            env={"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")},
+        )
+        assert code == 0, out
+        assert list(json.loads(desktop.read_text())["mcpServers"]) == ["butlers"], place
+    assert not (home / ".config" / "Claude").exists()  # the default place was never used
+
+
+async def test_reinstall_over_an_edited_mcp_json_refuses_and_keeps_both(tmp_path: Path) -> None:
+    """Installing again after the user edited the installed `.mcp.json` would take their
+    edited file for the original (and lose the real original): it refuses, naming the file
+    and what to do, and changes nothing."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    mcp_json.write_text(ORIGINAL)
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    installed = json.loads(mcp_json.read_text())
+    installed["mcpServers"]["added-later"] = {"command": "npx", "args": ["server-x"]}
+    mcp_json.write_text(json.dumps(installed))
+    before = _tree(project)
+
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 1
+    assert f"error: {mcp_json} changed since `butlers gateway install`" in out
+    assert "run `butlers gateway uninstall` first" in out and "Traceback" not in out
+    assert _tree(project) == before  # the edit and the kept original both intact
+    original = project / ".butlers-gateway" / "claude-code" / "original.json"
+    assert original.read_text() == ORIGINAL
+
+
+async def test_a_project_without_mcp_json_gets_one_and_uninstall_removes_it(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    assert list(json.loads(mcp_json.read_text())["mcpServers"]) == ["butlers"]
+    servers = project / ".butlers-gateway" / "claude-code" / "servers.json"
+    assert json.loads(servers.read_text()) == {"mcpServers": {}}
+    assert "original.absent" in out
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code == 0, out
+    assert f"{mcp_json}: removed (there was none before install)" in out
+    # No file left (install's empty .claude/skills directories may stay).
+    assert [name for name, data in _tree(project).items() if data is not None] == []
+    assert not mcp_json.exists() and not (project / ".butlers-gateway").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"mcpServers": {"notes": {"command": "npx",}}}', b"\xff\xfe{not utf-8", b'["a list"]'],
+    ids=["trailing-comma", "not-utf-8", "not-an-object"],
+)
+async def test_unreadable_mcp_json_is_named_and_left_untouched(
+    tmp_path: Path, content: bytes
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    mcp_json.write_bytes(content)
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 1
+    assert out.startswith(f"error: {mcp_json}: ") and "Traceback" not in out
+    assert "not readable JSON" in out or "expected an object with an mcpServers object" in out
+    assert _tree(project) == {".mcp.json": content}  # untouched, no record, no skill
+
+
+async def test_uninstall_with_nothing_installed_says_so_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".mcp.json").write_text(ORIGINAL)
+    skill = project / SKILL  # the user's own skill of that name: not ours to remove
+    skill.parent.mkdir(parents=True)
+    skill.write_text(SKILL_TEXT)
+    before = _tree(project)
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code == 1
+    assert out == (
+        f"error: {project / '.mcp.json'}: the gateway is not installed there "
+        f"({project / '.butlers-gateway' / 'claude-code'})\n"
+    )
+    assert _tree(project) == before
+
+
+async def test_claude_desktop_uninstall_keeps_edits_made_after_install(tmp_path: Path) -> None:
+    """Claude Desktop rewrites its own file (settings, servers added in its UI): uninstall
+    then refuses to put the original back over those edits, and leaves everything as it is."""
+    home = tmp_path / "home"
+    home.mkdir()
+    desktop = tmp_path / "claude_desktop_config.json"
+    original = json.dumps({"globalShortcut": "Ctrl+Space", "mcpServers": {"a": {"command": "x"}}})
+    desktop.write_text(original)
+    args = ("--dir", str(tmp_path), "--host", "claude-desktop", "--config", str(desktop))
+    env = {"HOME": str(home)}
+    code, out = await _butlers_in(tmp_path, "gateway", "install", *args, env=env)
+    assert code == 0, out
+    edited = json.loads(desktop.read_text())
+    edited["globalShortcut"] = "Alt+Space"
+    desktop.write_text(json.dumps(edited, indent=2))
+    before = _tree(tmp_path)
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", *args, env=env)
+    assert code == 1
+    assert f"error: {desktop} was edited since `butlers gateway install`" in out
+    assert "not overwriting your edits" in out
+    assert _tree(tmp_path) == before  # the edit, the kept original, the skill: all there
+    kept = tmp_path / ".butlers-gateway" / "claude-desktop" / "original.json"
+    assert kept.read_text() == original
