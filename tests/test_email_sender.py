@@ -7,6 +7,7 @@ from __future__ import annotations
 import email.utils
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,12 @@ import pytest
 from butlers.errors import MailUnreadable
 from butlers.modules.mail_parse import dmarc_refusal, parse_mail, single_address
 from butlers.modules.mail_webhook import parse_webhook
-from tests.conftest import log_records
-from tests.fakes.mail import RecordingWorker, imap_append, pymap_server
+from tests.conftest import StartButler, log_records
+from tests.fakes.mail import RecordingWorker, SmtpServer, imap_append, pymap_server
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_email import start_mail_fleet
 from tests.test_email_tls import PASSWORD, USER, email_config, running, wait_until_seen
+from tests.test_inbox import model
 
 # Each is read by parseaddr as user@example.com, though a mail client shows (and a reply goes
 # to) someone else, or nobody in particular.
@@ -27,6 +31,7 @@ MISREAD = [
 ]
 
 MX = "mx.butler.example"  # our MTA's authserv-id
+ALLOWED = ("user@example.com",)
 
 
 def webhook(payload: dict[str, Any]) -> Any:
@@ -95,6 +100,64 @@ def test_two_from_headers_are_refused() -> None:
     ],
 )
 def test_one_well_formed_address_is_read_as_what_it_says(value, address, name) -> None:
+    assert single_address([value]) == (address, name)
+
+
+# -- RFC 2047 inside an address ----------------------------------------------------------------
+
+# Each decodes to user@example.com, the allowed sender, though what the sending provider's DMARC
+# check saw was the undecoded domain (one with no DMARC policy: nothing failed).
+ENCODED_ADDRESSES = [
+    "user@=?utf-8?b?ZXhhbXBsZS5jb20=?=",
+    "Ada <user@=?utf-8?b?ZXhhbXBsZS5jb20=?= >",
+    # The display name holds the decoded address verbatim: only the encoded-word check sees it.
+    '"user@example.com" <user@=?utf-8?q?example.com?= >',
+    "=?utf-8?b?dXNlcg==?=@example.com",
+    "<=?utf-8?q?user?=@example.com>",
+    "=?utf-8?q?user=40example.com?=",
+]
+
+
+@pytest.mark.parametrize("value", ENCODED_ADDRESSES)
+def test_an_encoded_word_inside_the_address_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match=r"encoded-word|malformed"):
+        single_address([value])
+    parsed = parse_mail(raw_mail(value, "<m@x>"))
+    assert parsed.sender == "" and parsed.refused
+    with pytest.raises(MailUnreadable, match="'from': From"):
+        webhook({"from": value, "text": "hi", "message_id": "<w@x>"})
+
+
+def test_the_reported_spoof_says_what_is_wrong() -> None:
+    """The case of the report: no defect was recorded, and user@example.com came out."""
+    with pytest.raises(ValueError, match="encoded-word inside the address"):
+        single_address(["user@=?utf-8?b?ZXhhbXBsZS5jb20=?="])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "user @ example.com",  # read as user@example.com
+        "user(a comment)@example.com",
+        "a.(c)b@example.com",  # obsolete CFWS inside the local part: read as a.b@example.com
+        '"user"@example.com',  # read as user@example.com: quoting it has no purpose
+    ],
+)
+def test_an_address_not_written_as_it_is_read_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="does not spell out its address"):
+        single_address([value])
+
+
+@pytest.mark.parametrize(
+    ("value", "address", "name"),
+    [
+        ("=?utf-8?q?J=C3=B6rg?= <jorg@example.com>", "jorg@example.com", "Jörg"),
+        ("=?utf-8?b?SsO2cmc=?= <Jorg@Example.com>", "jorg@example.com", "Jörg"),
+        ("jorg@example.com (=?utf-8?q?J=C3=B6rg?=)", "jorg@example.com", ""),  # not decoded
+        ('"J. R." <jorg@example.com>', "jorg@example.com", "J. R."),
+    ],
+)
+def test_an_encoded_display_name_is_still_read(value: str, address: str, name: str) -> None:
     assert single_address([value]) == (address, name)
 
 
@@ -168,6 +231,46 @@ async def test_refused_mail_is_logged_marked_seen_and_never_stored() -> None:
     assert "no DMARC result from mx.butler.example" in warnings[2]
     assert "no DMARC result from mx.butler.example" in warnings[3]
     assert not any("SECRET-BODY" in w for w in warnings)
+
+
+async def test_an_encoded_from_through_imap_is_refused_never_routed_nor_answered(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole switchboard, user@example.com allowed: mails whose From decodes to that
+    address only through an encoded-word are refused (a WARNING saying so), flagged seen,
+    never stored, routed or answered; the genuine mail after them is answered."""
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    spoofed = [
+        raw_mail(value, f"<spoof-{n}@x>", body=f"SPOOFED-{n}")
+        for n, value in enumerate(ENCODED_ADDRESSES[:3])
+    ]
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            switchboard = await start_mail_fleet(
+                start_butler, tmp_path, port, smtp, monkeypatch, allowed_senders=ALLOWED
+            )
+            with log_records("butlers.modules.email") as records:
+                for raw in spoofed:
+                    await imap_append(port, USER, PASSWORD, raw)
+                # The sentinel: mail is taken in order, so once this one is answered, the
+                # spoofed ones before it were dealt with.
+                await imap_append(port, USER, PASSWORD, raw_mail("user@example.com", "<ok@x>"))
+                [reply] = await smtp.wait_for(1)
+                await wait_until_seen(port)
+    assert (reply["To"], reply["In-Reply-To"]) == ("user@example.com", "<ok@x>")
+    assert smtp.recipients == [["user@example.com"]]
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(external_id) FROM inbox") == ["<ok@x>"]
+    assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
+    refusals = [r.getMessage() for r in records if getattr(r, "action", None) == "refused"]
+    assert len(refusals) == 3, refusals
+    for n, refusal in enumerate(refusals):
+        assert f"<spoof-{n}@x>" in refusal and "encoded-word inside the address" in refusal
+    assert not any("SPOOFED" in r.getMessage() for r in records)
 
 
 # -- the webhook ----------------------------------------------------------------------------------

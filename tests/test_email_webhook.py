@@ -98,6 +98,7 @@ async def test_webhook_token_and_sender_rules(
             "<user@example.com>attacker@evil.example",
             "a@example.com, user@example.com",
             "friends: user@example.com;",
+            "user@=?utf-8?b?ZXhhbXBsZS5jb20=?=",  # RFC 2047 in the domain: read as example.com
         ]:
             payload = good | {"from": sender, "message_id": f"<{len(sender)}@x>"}
             assert await post(url, payload, bearer) == 400, sender

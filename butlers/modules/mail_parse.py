@@ -18,6 +18,7 @@ not promise that, so the limits below are checked before it is asked:
 from __future__ import annotations
 
 import codecs
+import email._header_value_parser as header_syntax
 import email.errors
 import email.policy
 import re
@@ -375,7 +376,38 @@ def single_address(values: Sequence[str], header_name: str = "From") -> tuple[st
     address = header.addresses[0]
     if not address.username or not address.domain:
         raise ValueError(f"{what} is not a complete address")
+    if "=?" in raw and _encoded_word_in_address(raw):
+        raise ValueError(
+            f"{what} has an RFC 2047 encoded-word inside the address (only a display name "
+            "may be encoded)"
+        )
+    if address.addr_spec not in raw:
+        raise ValueError(
+            f"{what} does not spell out its address {address.addr_spec!r} as it is (comments, "
+            "spaces, quotes or encoding inside the address)"
+        )
     return address.addr_spec.lower(), address.display_name
+
+
+def _encoded_word_in_address(raw: str) -> bool:
+    """Whether an RFC 2047 encoded-word stands in the addr-spec of `raw` (an address header).
+
+    RFC 2047 section 5 forbids one there, yet the stdlib decodes it: `user@=?utf-8?b?
+    ZXhhbXBsZS5jb20=?=` reads as user@example.com. The sender's DMARC check saw the undecoded
+    domain, which has no policy (so nothing failed); our allowlist would see example.com. A
+    display name may be encoded (it is only shown); a comment's text is never decoded.
+    Walked with a stack: comments may nest a thousand deep."""
+    tree, _ = header_syntax.get_address_list(raw)
+    stack: list[tuple[header_syntax.TokenList, bool]] = [(tree, False)]
+    while stack:
+        tokens, in_address = stack.pop()
+        for token in tokens:
+            inside = in_address or token.token_type == "addr-spec"
+            if inside and token.token_type == "encoded-word":
+                return True
+            if isinstance(token, header_syntax.TokenList) and token.token_type != "comment":
+                stack.append((token, inside))
+    return False
 
 
 _header_factory = email.policy.default.header_factory
