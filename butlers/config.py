@@ -332,8 +332,9 @@ class SwitchboardConfig:
     )
     retention_days: Annotated[Int, Field(ge=1)] = Field(
         default=90,
-        description="Finished inbox rows, routing_log, sessions and sent outbox rows older "
-        "than this are deleted.",
+        description="Finished inbox rows, routing_log, finished sessions and sent or failed "
+        "outbox rows older than this are deleted; queued messages, replies not sent yet and "
+        "running sessions stay.",
     )
     max_request_bytes: Annotated[Int, Field(ge=1024)] = Field(
         default=1024 * 1024, description="Bigger request bodies get 413."

@@ -122,3 +122,77 @@ async def test_the_ticker_deletes_finished_rows_older_than_retention_days(
     assert await conn.fetchval("SELECT external_id FROM inbox") == "recent-done"
     assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
     assert await conn.fetchval("SELECT count(*) FROM sessions") == 1
+
+
+async def test_retention_keeps_what_is_not_finished_however_old(
+    start_butler: StartButler,
+    tmp_path: Path,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards the retention queries (inbox, outbox, sessions): only what is finished goes.
+    A message still queued or in flight, a reply not sent yet (pending, or `sending` when a
+    crash interrupted it) and a session still running stay, however old; sent and failed
+    outbox rows older than retention_days go, as docs/configuration.md says."""
+    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    switchboard = await start_butler(
+        butler_config(
+            "switchboard",
+            port=free_port(),
+            runtime=RuntimeConfig(tick_interval_s=0.1),
+            switchboard=replace(SwitchboardConfig(), retention_days=30),
+        ),
+        config_dir=config_dir,
+    )
+    conn = await db_conn(switchboard.config.database)
+    # The queued message waits behind one that another switchboard process holds (its lease
+    # runs for an hour): this process's worker takes neither, whatever the pruning does.
+    await conn.execute(
+        """
+        INSERT INTO inbox (channel, external_id, source_id, text, status, conversation,
+                           claimed_by, lease_until, received_at) VALUES
+          ('telegram', 'old-processing', '9', 'x', 'processing', 'telegram:9', 'elsewhere:8100',
+           now() + interval '1 hour', now() - interval '100 days');
+        INSERT INTO inbox (channel, external_id, source_id, text, status, conversation,
+                           received_at) VALUES
+          ('telegram', 'old-queued', '9', 'x', 'queued', 'telegram:9',
+           now() - interval '100 days');
+        INSERT INTO inbox (channel, external_id, text, status, received_at, finished_at) VALUES
+          ('telegram', 'old-done', 'x', 'done', now() - interval '100 days',
+                                                now() - interval '100 days');
+        INSERT INTO outbox (kind, channel, recipient, text, status, created_at, sent_at) VALUES
+          ('reply', 'telegram', '9', 'x', 'pending', now() - interval '100 days', NULL),
+          ('reply', 'telegram', '9', 'x', 'sending', now() - interval '100 days', NULL),
+          ('reply', 'telegram', '9', 'x', 'sent', now() - interval '100 days',
+                                              now() - interval '100 days'),
+          ('reply', 'telegram', '9', 'x', 'failed', now() - interval '100 days', NULL),
+          ('reply', 'telegram', '9', 'x', 'sent', now() - interval '1 day', now());
+        INSERT INTO sessions (trigger_source, prompt, started_at, finished_at) VALUES
+          ('classify:telegram', 'running', now() - interval '100 days', NULL),
+          ('classify:telegram', 'finished', now() - interval '100 days',
+                                            now() - interval '100 days');
+        """
+    )
+
+    async def pruned() -> bool:  # the finished old rows are gone: the ticker has pruned
+        return await conn.fetchval(
+            """SELECT NOT EXISTS (SELECT 1 FROM inbox WHERE external_id = 'old-done')
+                  AND NOT EXISTS (SELECT 1 FROM sessions WHERE prompt = 'finished')
+                  AND (SELECT count(*) FROM outbox) = 3"""
+        )
+
+    await eventually(pruned)
+    inbox = await conn.fetch("SELECT external_id, status FROM inbox ORDER BY id")
+    assert [tuple(r) for r in inbox] == [
+        ("old-processing", "processing"),
+        ("old-queued", "queued"),
+    ]
+    outbox = await conn.fetch("SELECT status, created_at > now() - interval '2 days' FROM outbox")
+    assert sorted(tuple(r) for r in outbox) == [
+        ("pending", False),
+        ("sending", False),
+        ("sent", True),
+    ]
+    assert await conn.fetchval("SELECT prompt FROM sessions") == "running"
