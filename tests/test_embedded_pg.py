@@ -203,23 +203,118 @@ async def test_no_parent_directory_changes_mode(pg_home: Path) -> None:
     assert _modes(watched) == before
 
 
-async def test_a_directory_the_server_cannot_pass_is_named_with_the_fix(pg_home: Path) -> None:
+def _forget_root_home_data(requested: Path) -> None:
+    """Remove what a test's server kept under /var/lib/butlers for `requested` (its server
+    stopped first): only that one directory, ours, named from the path as db.py names it."""
+    import hashlib
+
+    from butlers.pg_root_home import ROOT_HOME
+
+    place = ROOT_HOME / "data" / hashlib.sha256(os.fsencode(requested)).hexdigest()[:16]
+    stop_strays(place)
+    shutil.rmtree(place, ignore_errors=True)
+
+
+async def test_as_root_data_behind_a_private_directory_lives_in_a_place_of_its_own(
+    pg_home: Path,
+) -> None:
+    """Root in /root/project or a `mktemp -d` directory: the server's account cannot pass, and
+    opening the directory up would expose root's files. The data goes to /var/lib/butlers,
+    the same place on every start, and the private directory stays exactly as it was."""
     if not IS_ROOT:
         pytest.skip("as an ordinary user the server runs as us: it passes wherever we do")
+    from butlers.pg_root_home import ROOT_HOME
+
     private = pg_home / "private"
     private.mkdir(mode=0o700)
     os.chmod(private, 0o700)
-    server = EmbeddedServer(private / "data" / "pgdata", environ=os.environ)
-    with pytest.raises(DatabaseError) as refused:
+    requested = private / "data" / "pgdata"
+    try:
+        server = EmbeddedServer(requested, environ=os.environ)
         await server.start()
-    message = str(refused.value)
-    assert f"{private} (drwx------ root:root) does not let that user through" in message
-    assert "unprivileged user 'embedded_postgres'" in message
-    assert f"set BUTLERS_DATA_DIR to a directory outside {private}" in message
-    assert "set DATABASE_URL" in message
-    assert stat.S_IMODE(private.stat().st_mode) == 0o700
-    assert list(private.iterdir()) == []  # checked before creating anything
-    assert _postgres_on(server.pgdata) == []
+        try:
+            assert server.pgdata.is_relative_to(ROOT_HOME / "data")
+            assert server.requested_pgdata == requested
+            assert str(server.pgdata) in server.description  # what `up` prints
+            conn = await asyncpg.connect(server.dsn("postgres"))
+            try:
+                await conn.execute("CREATE TABLE kept (note text); INSERT INTO kept VALUES ('x')")
+            finally:
+                await conn.close()
+        finally:
+            await server.stop()
+        assert (server.pgdata.parent / "origin").read_text().strip() == str(requested)
+
+        again = EmbeddedServer(requested, environ=os.environ)
+        await again.start()
+        try:
+            assert again.pgdata == server.pgdata
+            conn = await asyncpg.connect(again.dsn("postgres"))
+            try:
+                assert await conn.fetchval("SELECT note FROM kept") == "x"
+            finally:
+                await conn.close()
+        finally:
+            await again.stop()
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert list(private.iterdir()) == []  # nothing of ours in the user's directory
+        assert _postgres_on(server.pgdata) == []
+    finally:
+        _forget_root_home_data(requested)
+
+
+async def test_data_the_server_can_reach_stays_where_it_was_asked(pg_home: Path) -> None:
+    """BUTLERS_DATA_DIR still wins wherever the server's account can reach it."""
+    requested = pg_home / "reachable" / "pgdata"
+    server = EmbeddedServer(requested, environ=os.environ)
+    await server.locate()
+    assert server.pgdata == requested.resolve()
+
+
+def test_the_programs_are_copied_once_for_many_at_once(pg_home: Path) -> None:
+    """Test workers and replicas start together: each copies into a scratch directory of
+    its own and renames it into place; one copy results, every caller gets it, no scratch is
+    left, and the copy runs (PostgreSQL finds its lib and share from where it lies)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from butlers import pg_root_home
+
+    if not IS_ROOT:
+        pytest.skip("the copy is root's (/var/lib/butlers must belong to root)")
+    root = pg_home / "home"
+    dirs = _pg_install_dirs(_embedded_postgres())
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: pg_root_home.installation(*dirs, "t-1", root), range(4)))
+    assert set(found) == {root / "postgresql-t-1" / "bin"}
+    assert sorted(p.name for p in root.iterdir()) == ["postgresql-t-1"]
+    assert stat.S_IMODE((root / "postgresql-t-1" / "bin" / "postgres").stat().st_mode) == 0o755
+    version = subprocess.run(
+        [str(found[0] / "postgres"), "--version"], capture_output=True, text=True, check=True
+    )
+    assert "PostgreSQL) 18" in version.stdout
+    sharedir = subprocess.run(
+        [str(found[0] / "pg_config"), "--sharedir"], capture_output=True, text=True, check=True
+    )
+    assert sharedir.stdout.strip() == str(root / "postgresql-t-1" / "share")
+
+
+def test_a_home_someone_else_could_write_is_refused(pg_home: Path) -> None:
+    from butlers import pg_root_home
+
+    if not IS_ROOT:
+        pytest.skip("the home must belong to root")
+    home = pg_home / "open"
+    home.mkdir()
+    os.chmod(home, 0o777)
+    with pytest.raises(DatabaseError, match="writable by root only"):
+        pg_root_home.installation(*_pg_install_dirs(_embedded_postgres()), "t-2", home)
+    os.chmod(home, 0o755)
+    (pg_home / "elsewhere").mkdir()
+    link = pg_home / "link"
+    link.symlink_to(pg_home / "elsewhere")
+    with pytest.raises(DatabaseError, match="not a directory"):
+        pg_root_home.installation(*_pg_install_dirs(_embedded_postgres()), "t-3", link)
+    assert list((pg_home / "elsewhere").iterdir()) == []
 
 
 # -- the environment ------------------------------------------------------------------------

