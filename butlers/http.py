@@ -1,14 +1,17 @@
-"""A butler's HTTP surface: MCP over SSE and streamable HTTP, /health, webhooks, a bearer
-token and a body limit.
+"""A butler's HTTP surface: MCP over SSE and streamable HTTP, /health (readiness), /livez
+(liveness), webhooks, a bearer token and a body limit.
 
 FastMCP builds one Starlette app per transport; a butler serves both on one port, so the SSE
 routes are merged into the streamable-HTTP app (whose lifespan runs the server's lifespan).
 
-Who may reach what: MCP endpoints need the bearer token when one is set, and their Host and
+Who may reach what: when a token is set, every path needs it except an explicit allowlist
+(`ButlerApp.is_public`): /health and /livez, the webhooks (each proves itself with its own
+secret) and the dashboard (its own sign-in). A list of protected paths instead failed open:
+any route FastMCP or a module added elsewhere was served to anyone. MCP endpoints' Host and
 Origin must name this machine (a web page in the user's browser must not drive a loopback
-butler through DNS rebinding). Webhooks arrive through reverse proxies that keep the public
-Host, so they skip that check and prove themselves with their own secrets instead. Listening
-beyond loopback without a token is refused at start. No request body may exceed the limit.
+butler through DNS rebinding); webhooks arrive through reverse proxies that keep the public
+Host, so they skip that check. Listening beyond loopback without a token, or with one shorter
+than MIN_TOKEN_CHARS, is refused at start. No request body may exceed the limit.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from butlers.errors import ButlersError
 SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
-HEALTH_PATH = "/health"
+HEALTH_PATH = "/health"  # readiness: 503 while the database is unreachable
+LIVEZ_PATH = "/livez"  # liveness: this process answers; never asks the database
 DASHBOARD_PATH = "/ui"
-_PROTECTED_PREFIXES = (SSE_PATH, MESSAGES_PATH, MCP_PATH)
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
+# A token that guards a port beyond this machine (and the dashboard's sign-in form) must not
+# be guessable: 24 characters of token_urlsafe are 144 bits.
+MIN_TOKEN_CHARS = 24
 
 
 def is_loopback(host: str) -> bool:
@@ -54,12 +60,21 @@ def is_loopback(host: str) -> bool:
 
 def require_token_beyond_loopback(what: str, host: str, auth_token: str | None) -> None:
     """Listening beyond this machine without a bearer token would hand every tool (state,
-    schedules, sessions, route) to anyone who can reach the port: refuse to start."""
-    if not is_loopback(host) and not auth_token:
+    schedules, sessions, route) to anyone who can reach the port, and a short token could be
+    guessed (through the dashboard's sign-in form too): refuse to start."""
+    if is_loopback(host):
+        return
+    if not auth_token:
         raise ButlersError(
             f"{what} is set to listen on {host}, beyond this machine, without a token: set "
             f"{AUTH_TOKEN_ENV} (every MCP endpoint then requires it as a bearer token), or "
             "listen on 127.0.0.1 behind a reverse proxy"
+        )
+    if len(auth_token) < MIN_TOKEN_CHARS:
+        raise ButlersError(
+            f"{what} is set to listen on {host}, beyond this machine, and {AUTH_TOKEN_ENV} is "
+            f"{len(auth_token)} characters: it needs at least {MIN_TOKEN_CHARS} (make one with "
+            "python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
         )
 
 
@@ -80,16 +95,24 @@ class EmbeddedUvicorn(uvicorn.Server):
 
 
 class BearerTokenMiddleware:
-    """Require `Authorization: Bearer <token>` on every MCP endpoint (not on /health)."""
+    """Require `Authorization: Bearer <token>` on every path but the public ones (`public`
+    says which; by default none, as for the gateway): an unknown path is 401 too, never the
+    app's 404 or whatever it serves there (FastMCP's paths move with FASTMCP_* settings)."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(
+        self, app: ASGIApp, token: str, public: Callable[[str], bool] = lambda path: False
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
+        self._public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+        if scope["type"] in ("http", "websocket") and not self._public(scope["path"]):
             supplied = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(supplied, self._expected):
+                if scope["type"] == "websocket":  # refused before the handshake: a 403
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
                 await _json(
                     send,
                     401,
@@ -215,6 +238,7 @@ class ButlerApp:
             if getattr(route, "path", "") in (SSE_PATH, MESSAGES_PATH)
         ]
         self._health = health
+        self._name = mcp.name
         # /health carries no data, yet its details (a database error, a module's host) are
         # for this machine: a page in the user's browser may not read them (DNS rebinding).
         self._guarded_health = HostOriginGuardMiddleware(
@@ -232,6 +256,26 @@ class ButlerApp:
         status, body = await self._health()
         await _json(send, status, body)
 
+    async def _serve_livez(self, send: Send) -> None:
+        """Liveness: the event loop runs and answers. Nothing else is asked (the database
+        least of all: a liveness probe that followed it would restart every pod during a
+        database blip). Only the name, so no Host guard: a probe may send any Host."""
+        await _json(send, 200, {"status": "alive", "name": self._name})
+
+    def _is_dashboard(self, path: str) -> bool:
+        return self._dashboard is not None and (
+            path == DASHBOARD_PATH or path.startswith(DASHBOARD_PATH + "/")
+        )
+
+    def is_public(self, path: str) -> bool:
+        """Whether `path` is served without the bearer token: the probes, the webhooks (their
+        own secrets) and the dashboard (its own sign-in). Everything else needs it."""
+        return (
+            path in (HEALTH_PATH, LIVEZ_PATH)
+            or path in self._webhook_paths
+            or self._is_dashboard(path)
+        )
+
     def drain(self) -> None:
         self._draining.set()
 
@@ -239,15 +283,16 @@ class ButlerApp:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        if scope["path"] == LIVEZ_PATH:
+            await self._serve_livez(send)
+            return
         if scope["path"] == HEALTH_PATH:
             await self._guarded_health(scope, receive, send)
             return
         if scope["path"] in self._webhook_paths:
             await self._webhooks(scope, receive, send)
             return
-        if self._dashboard is not None and (
-            scope["path"] == DASHBOARD_PATH or scope["path"].startswith(DASHBOARD_PATH + "/")
-        ):
+        if self._dashboard is not None and self._is_dashboard(scope["path"]):
             await self._dashboard(scope, receive, send)
             return
         if scope["method"] == "GET":  # long-lived streams: an MCP client's SSE stream
@@ -313,5 +358,7 @@ def build_app(
     app = ButlerApp(
         mcp, health, allowed_hosts=allowed_hosts, webhooks=webhooks, dashboard=dashboard
     )
-    served: ASGIApp = BearerTokenMiddleware(app, auth_token) if auth_token else app
+    served: ASGIApp = (
+        BearerTokenMiddleware(app, auth_token, public=app.is_public) if auth_token else app
+    )
     return BodyLimitMiddleware(served, max_request_bytes), app

@@ -236,7 +236,8 @@ def test_loopback_names() -> None:
         assert is_loopback(host), host
     for host in ("0.0.0.0", "::", "192.168.1.5", "butlers.lan", "", "::ffff:10.0.0.1"):
         assert not is_loopback(host), host
-    require_token_beyond_loopback("x", "0.0.0.0", "a-token")  # with a token: allowed
+    require_token_beyond_loopback("x", "0.0.0.0", "t" * 24)  # with a long enough token: allowed
+    require_token_beyond_loopback("x", "127.0.0.1", "short")  # on loopback: any token
 
 
 async def test_listening_beyond_loopback_needs_a_token(start_butler: StartButler) -> None:
@@ -248,3 +249,26 @@ async def test_listening_beyond_loopback_needs_a_token(start_butler: StartButler
     )
     assert code == 1 and "the gateway is set to listen on 0.0.0.0" in err
     assert "BUTLERS_AUTH_TOKEN" in err
+
+
+async def test_a_short_token_beyond_loopback_is_refused_at_start(start_butler: StartButler) -> None:
+    """A token that guards a port beyond this machine (and the dashboard's sign-in form) is
+    at least 24 characters: a short one is refused at start, naming the variable and the
+    length, and never shown."""
+    short = "23-characters-is-short!"
+    with pytest.raises(ButlersError) as refused:
+        await start_butler(butler_config(host="0.0.0.0"), auth_token=short)
+    assert str(refused.value).startswith(
+        "butler 'alpha' is set to listen on 0.0.0.0, beyond this machine, and "
+        "BUTLERS_AUTH_TOKEN is 23 characters: it needs at least 24"
+    )
+    assert short not in str(refused.value)
+    code, _, err = await run_cli(
+        "gateway", "--transport", "sse", "--host", "0.0.0.0", "--no-butlers", token=short
+    )
+    assert code == 1 and "BUTLERS_AUTH_TOKEN is 23 characters: it needs at least 24" in err
+    assert short not in err
+    # On loopback the same token is fine (nobody else reaches the port).
+    daemon = await start_butler(auth_token=short)
+    async with Client(daemon.sse_url, auth=short) as client:
+        assert (await client.call_tool("status", {})).data["name"] == "alpha"

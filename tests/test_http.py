@@ -1,15 +1,33 @@
-"""The HTTP surface: /health, both MCP transports, and the optional bearer token."""
+"""The HTTP surface: /health, both MCP transports, and the optional bearer token, required
+everywhere but an explicit allowlist."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
-from fastmcp import Client
+import uvicorn
+from fastmcp import Client, FastMCP
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from tests.conftest import StartButler, butler_config, log_records
+from butlers.http import EmbeddedUvicorn, build_app
+from tests.conftest import StartButler, butler_config, free_port, log_records
+from tests.fakes import wait_listening
+from tests.test_cli_client import BUTLERS
+
+TOKEN = "an-http-test-token-of-some-length"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def _get(url: str, headers: dict | None = None) -> tuple[int, dict | str]:
@@ -65,13 +83,15 @@ async def test_auth_token_accepted_and_refused(start_butler: StartButler, path: 
             async with Client(url, auth=auth) as client:
                 await client.call_tool("status", {})
 
-    # Plain HTTP: 401 with a clear body, on every MCP path; /health stays open.
-    for protected in ("/sse", "/messages/?session_id=x", "/mcp"):
+    # Plain HTTP: 401 with a clear body, on every MCP path and any other (the dashboard is
+    # the switchboard's only); /health and /livez stay open.
+    for protected in ("/sse", "/messages/?session_id=x", "/mcp", "/ui", "/api", "/favicon.ico"):
         status, body = await _get(f"{daemon.base_url}{protected}")
         assert status == 401, protected
         assert body == {"error": "missing or wrong bearer token"}
     status, _ = await _get(f"{daemon.base_url}/health")
     assert status == 200
+    assert await _get(f"{daemon.base_url}/livez") == (200, {"status": "alive", "name": "alpha"})
 
 
 @pytest.mark.parametrize("path", ["/sse", "/mcp", "/messages/?session_id=x"])
@@ -134,3 +154,127 @@ async def test_stop_ends_open_mcp_sessions_promptly_and_quietly(start_butler: St
     assert "Shutting down" in messages  # (the listener did hear uvicorn's shutdown)
     assert not [m for m in messages if "graceful shutdown exceeded" in m], messages
     assert [r.getMessage() for r in uvicorn_records if r.levelno >= logging.ERROR] == []
+
+
+@contextlib.asynccontextmanager
+async def serving(mcp: FastMCP, **options) -> AsyncIterator[str]:
+    """build_app's app (FastMCP's real transports) served by uvicorn on a loopback port; its
+    base URL."""
+    app, _ = build_app(mcp, _healthy, **options)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = EmbeddedUvicorn(uvicorn.Config(app, log_config=None, access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:  # the flag uvicorn sets once it listens
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def _healthy() -> tuple[int, dict]:
+    return 200, {"status": "ok"}
+
+
+async def _stub(scope: Scope, receive: Receive, send: Send) -> None:
+    """The dashboard's place: it checks its own sign-in (butlers.dashboard)."""
+    await PlainTextResponse("dashboard")(scope, receive, send)
+
+
+async def test_the_token_is_needed_everywhere_but_the_allowlist() -> None:
+    """Every path needs the token except /health, /livez, the webhooks (their own secrets) and
+    /ui (its own sign-in): a route FastMCP serves beyond the MCP endpoints, and any path that
+    names nothing, are 401 without it (a list of protected paths served them, or said 404)."""
+    mcp = FastMCP("alpha")
+
+    @mcp.custom_route("/api/extra", methods=["GET"])
+    async def extra(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("served")
+
+    async def webhook(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("hook")
+
+    async with (
+        serving(
+            mcp,
+            auth_token=TOKEN,
+            webhooks=[Route("/telegram/webhook", webhook, methods=["POST"])],
+            dashboard=_stub,
+        ) as base,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def status(method: str, path: str, **headers: str) -> int:
+            async with http.request(method, base + path, headers=headers) as response:
+                return response.status
+
+        for path in ("/api/extra", "/nothing", "/", "/mcp", "/sse", "/uix", "/health/x", "/LIVEZ"):
+            assert await status("GET", path) == 401, path
+        assert await status("POST", "/messages/?session_id=x") == 401
+        assert await status("POST", "/api/extra") == 401  # the method matters to nobody
+        assert await status("GET", "/api/extra", **BEARER) == 200  # the token opens it
+        assert await status("GET", "/nothing", **BEARER) == 404
+        # The allowlist, without the token.
+        for method, path in (
+            ("GET", "/health"),
+            ("GET", "/livez"),
+            ("POST", "/telegram/webhook"),
+            ("GET", "/ui"),
+            ("GET", "/ui/messages"),
+        ):
+            assert await status(method, path) == 200, path
+        # A WebSocket upgrade is refused too (before the handshake), whatever the path.
+        for path in ("/mcp", "/nothing"):
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(base + path)
+            assert refused.value.status == 403, path
+
+
+async def test_an_mcp_path_moved_by_fastmcp_settings_still_needs_the_token(
+    tmp_path: Path,
+) -> None:
+    """`butlers gateway --transport http` serves streamable HTTP where FastMCP's settings say:
+    FASTMCP_STREAMABLE_HTTP_PATH=/api moves it off /mcp, past any list of protected paths. An
+    MCP client without the token gets 401 there (it was served); with it, the tools."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "FASTMCP_"))}
+    env |= {"FASTMCP_STREAMABLE_HTTP_PATH": "/api", "BUTLERS_AUTH_TOKEN": TOKEN}
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *("gateway", "--no-butlers", "--dir", str(tmp_path), "--transport", "http"),
+        *("--port", str(port)),
+        env=env,
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await wait_listening(port)
+        base = f"http://127.0.0.1:{port}"
+        initialize = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "test", "version": "0"},
+            },
+        }
+        headers = {"Accept": "application/json, text/event-stream"}
+        async with aiohttp.ClientSession() as http:
+            for path in ("/api", "/mcp", "/nothing"):
+                async with http.post(
+                    base + path, data=json.dumps(initialize), headers=headers
+                ) as response:
+                    assert response.status == 401, path
+        async with Client(f"{base}/api", auth=TOKEN) as client:
+            assert "gateway_status" in {t.name for t in await client.list_tools()}
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            async with asyncio.timeout(15):
+                await process.wait()
