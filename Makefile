@@ -43,16 +43,26 @@ TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not pg and not claude and not npm" -n $(TEST_FAST_WORKERS) --dist loadgroup
 
-# Debian's Chromium for tests/test_dashboard_browser.py, which says it skipped without one.
-# Installs only as root on a machine with apt-get; never fails (the test then says why).
+# Debian's Chromium for tests/test_dashboard_browser.py (CI runs it before `make test`, where
+# that test fails without a browser: CI is set). Fails, saying why, when there is none and it
+# cannot install one (root with apt-get); apt-get's own output is shown then.
 browser:
-	@command -v chromium >/dev/null 2>&1 && exit 0; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -q chromium >/dev/null 2>&1 || \
-		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
-		echo "make browser: apt-get could not install chromium"; \
-	else echo "make browser: no Chromium, and not root with apt-get: the browser test will skip"; fi
+	@if [ -n "$$BUTLERS_TEST_CHROMIUM" ]; then \
+		[ -x "$$BUTLERS_TEST_CHROMIUM" ] && exit 0; \
+		echo "make browser: BUTLERS_TEST_CHROMIUM=$$BUTLERS_TEST_CHROMIUM is not an executable" >&2; exit 1; \
+	fi; \
+	command -v chromium >/dev/null 2>&1 && exit 0; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make browser: no Chromium, and not root with apt-get: install Debian's chromium" \
+			"or set BUTLERS_TEST_CHROMIUM to a Chromium binary" >&2; exit 1; \
+	fi; \
+	log=$$(mktemp) && trap 'rm -f "$$log"' EXIT; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get install -y -q chromium >"$$log" 2>&1 || \
+		{ apt-get update -q >"$$log" 2>&1 && apt-get install -y -q chromium >"$$log" 2>&1; } || \
+		{ tail -n 20 "$$log" >&2; echo "make browser: apt-get could not install chromium" >&2; exit 1; }; \
+	command -v chromium >/dev/null 2>&1 || \
+		{ echo "make browser: apt-get installed chromium, yet it is not on PATH" >&2; exit 1; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -3,15 +3,16 @@ browser download is never used), against a running switchboard that answered a m
 through the real Claude Code path. Screenshots go to $BUTLERS_TEST_ARTIFACTS (default
 .test-artifacts/ in the checkout), kept after the run.
 
-Skipped, saying so, only where no Chromium is installed (`make browser` installs Debian's, as
-root; BUTLERS_TEST_CHROMIUM names another binary).
+Without Chromium it fails where the environment variable CI is set (CI runs `make browser`
+first, which installs Debian's or fails), and is skipped, saying so, elsewhere (`make browser`
+installs Debian's, as root; BUTLERS_TEST_CHROMIUM names another binary).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,33 @@ HOSTILE = "<img src=x onerror=\"document.title='pwned'\"> when is the dentist?"
 def chromium_path() -> str | None:
     named = os.environ.get("BUTLERS_TEST_CHROMIUM")
     if named:
-        return named
+        return named if os.access(named, os.X_OK) else None
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_chromium() -> str:
+    """The Chromium to drive. Missing, a CI run fails (a browser test that skips there would
+    pass unseen forever) and any other run skips, saying how to get one."""
+    executable = chromium_path()
+    if executable is not None:
+        return executable
+    named = os.environ.get("BUTLERS_TEST_CHROMIUM")
+    problem = (
+        f"BUTLERS_TEST_CHROMIUM={named} is not an executable"
+        if named
+        else "no Chromium on this machine"
+    )
+    how = (
+        "install Debian's (`make browser`, as root: apt-get install chromium) or set "
+        "BUTLERS_TEST_CHROMIUM to a Chromium binary"
+    )
+    if in_ci():
+        pytest.fail(f"CI is set and {problem}: {how}", pytrace=False)
+    pytest.skip(f"{problem}: {how}")
 
 
 @pytest.fixture
@@ -52,12 +78,7 @@ def artifacts(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture
 async def browser() -> AsyncIterator[object]:
-    executable = chromium_path()
-    if executable is None:
-        pytest.skip(
-            "no Chromium on this machine: install Debian's (`make browser`, as root: apt-get "
-            "install chromium) or set BUTLERS_TEST_CHROMIUM to a Chromium binary"
-        )
+    executable = require_chromium()
     from playwright.async_api import async_playwright
 
     async with async_playwright() as playwright:
@@ -66,6 +87,35 @@ async def browser() -> AsyncIterator[object]:
             yield launched
         finally:
             await launched.close()
+
+
+@pytest.mark.parametrize(
+    ("ci", "outcome"),
+    [("true", pytest.fail.Exception), ("1", pytest.fail.Exception), ("", pytest.skip.Exception)],
+)
+def test_without_chromium_ci_fails_and_elsewhere_skips(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str, outcome: type[BaseException]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium on it
+    monkeypatch.delenv("BUTLERS_TEST_CHROMIUM", raising=False)
+    monkeypatch.setenv("CI", ci)
+    assert outcome_of(require_chromium) == (outcome, "no Chromium on this machine")
+    monkeypatch.setenv("BUTLERS_TEST_CHROMIUM", str(tmp_path / "missing"))
+    assert outcome_of(require_chromium) == (outcome, "is not an executable")
+
+
+PROBLEMS = ("no Chromium on this machine", "is not an executable")
+
+
+def outcome_of(check: Callable[[], object]) -> tuple[type[BaseException] | None, str]:
+    """What `check` raised (a skip is caught too: pytest.raises would let it skip this test)
+    and which of the two problems its message names."""
+    try:
+        check()
+    except BaseException as exc:  # Skipped and Failed are BaseExceptions
+        named = [p for p in PROBLEMS if p in str(exc)]
+        return type(exc), named[0] if named else str(exc)
+    return None, ""
 
 
 async def test_fleet_messages_and_the_ask_form_in_chromium(
