@@ -1,8 +1,9 @@
 """deploy/kubernetes: every manifest validates against the Kubernetes schemas (offline: the
 kubernetes-validate package bundles them), the generated ones are what config/butlers makes,
 and what no schema can say holds: a Deployment and a Service per butler on its port, two
-switchboard replicas with session affinity, probes on /health, no real secret, no database
-in the cluster."""
+switchboard replicas with session affinity and a disruption budget, readiness on /health and
+liveness on /livez (a database blip restarts no pod), no real secret, no database in the
+cluster."""
 
 from __future__ import annotations
 
@@ -102,10 +103,16 @@ def test_a_deployment_and_a_service_per_butler_on_its_port() -> None:
         [container] = pod["containers"]
         assert container["args"] == ["run", name]
         assert [p["containerPort"] for p in container["ports"]] == [port]
-        for probe in ("readinessProbe", "livenessProbe"):
+        # Readiness follows the database; liveness and start-up only the process.
+        ready = container["readinessProbe"]["httpGet"]
+        assert (ready["path"], ready["port"]) == ("/health", port)
+        assert {"name": "Host", "value": "localhost"} in ready["httpHeaders"]
+        for probe in ("livenessProbe", "startupProbe"):
             check = container[probe]["httpGet"]
-            assert (check["path"], check["port"]) == ("/health", port)
-            assert {"name": "Host", "value": "localhost"} in check["httpHeaders"]
+            assert (check["path"], check["port"]) == ("/livez", port), probe
+        startup = container["startupProbe"]
+        # Room for creating and migrating the database before the first answer.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert {"secretRef": {"name": "butlers-secrets"}} in container["envFrom"]
@@ -124,6 +131,16 @@ def test_two_switchboard_replicas_behind_a_service_with_affinity() -> None:
     for name, deployment in objects("Deployment").items():
         if name != switchboard:
             assert deployment["spec"]["replicas"] == 1
+
+
+def test_a_switchboard_replica_stays_up_through_a_drain() -> None:
+    [switchboard] = [name for name, toml in shipped().items() if "switchboard" in toml]
+    assert set(objects("PodDisruptionBudget")) == {switchboard}
+    budget = objects("PodDisruptionBudget")[switchboard]["spec"]
+    assert budget["minAvailable"] == 1
+    # It selects the switchboard's pods, as its Deployment labels them.
+    labels = objects("Deployment")[switchboard]["spec"]["template"]["metadata"]["labels"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_no_real_secret_and_no_database_in_the_cluster() -> None:

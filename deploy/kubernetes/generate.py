@@ -4,9 +4,10 @@
     .venv/bin/python deploy/kubernetes/generate.py --check  # exit 1 naming what is stale
 
 `config.yaml` is a ConfigMap holding every butler.toml of config/butlers; `butlers.yaml` a
-Deployment and a Service per butler, on the port its butler.toml says. Generated rather than
-written by hand so that a butler added to config/butlers, or a port changed there, cannot be
-forgotten here (tests/test_deploy_kubernetes.py runs `--check`). The switchboard runs two
+Deployment and a Service per butler, on the port its butler.toml says, and a
+PodDisruptionBudget that keeps one switchboard replica up through a node drain. Generated
+rather than written by hand so that a butler added to config/butlers, or a port changed there,
+cannot be forgotten here (tests/test_deploy_kubernetes.py runs `--check`). The switchboard runs two
 replicas (docs/scaling.md); PostgreSQL is outside the cluster's manifests: DATABASE_URL comes
 from the Secret (secret.example.yaml).
 """
@@ -60,9 +61,12 @@ def config_map(fleet: list[dict[str, Any]]) -> dict[str, Any]:
 def deployment(butler: dict[str, Any], fleet: list[dict[str, Any]]) -> dict[str, Any]:
     name, port = butler["name"], butler["port"]
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "butlers"}
-    # /health answers only a Host it knows (DNS rebinding guard, butlers/http.py): a probe
-    # sends the pod's IP by default, so it says "localhost", as a local client would.
-    probe = {
+    # Readiness follows the database (/health: 503 while it is unreachable), so a pod leaves
+    # the Service during a database blip; liveness only asks whether the process answers
+    # (/livez never touches the database), so that blip restarts no pod. /health answers
+    # only a Host it knows (DNS rebinding guard, butlers/http.py): a probe sends the pod's IP
+    # by default, so it says "localhost", as a local client would. /livez has no such guard.
+    readiness = {
         "httpGet": {
             "path": "/health",
             "port": port,
@@ -70,6 +74,20 @@ def deployment(butler: dict[str, Any], fleet: list[dict[str, Any]]) -> dict[str,
         },
         "periodSeconds": 10,
         "timeoutSeconds": 5,
+    }
+    liveness = {
+        "httpGet": {"path": "/livez", "port": port},
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+        "failureThreshold": 6,
+    }
+    # Start-up creates and migrates the butler's database before it listens: liveness waits
+    # until /livez first answers, for up to 5 minutes (60 x 5 s), then takes over.
+    startup = {
+        "httpGet": {"path": "/livez", "port": port},
+        "periodSeconds": 5,
+        "timeoutSeconds": 5,
+        "failureThreshold": 60,
     }
     return {
         "apiVersion": "apps/v1",
@@ -113,8 +131,9 @@ def deployment(butler: dict[str, Any], fleet: list[dict[str, Any]]) -> dict[str,
                             # DATABASE_URL, BUTLERS_AUTH_TOKEN (required: the butlers listen
                             # beyond loopback), ANTHROPIC_API_KEY, TELEGRAM_BOT_TOKEN, ...
                             "envFrom": [{"secretRef": {"name": SECRET}}],
-                            "readinessProbe": probe,
-                            "livenessProbe": probe | {"failureThreshold": 6},
+                            "startupProbe": startup,
+                            "readinessProbe": readiness,
+                            "livenessProbe": liveness,
                             "resources": {
                                 "requests": {"cpu": "250m", "memory": "256Mi"},
                                 # Claude Code sessions run in the container: room for a few.
@@ -179,6 +198,21 @@ def service(butler: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def disruption_budget(butler: dict[str, Any]) -> dict[str, Any]:
+    """One switchboard replica stays up while nodes are drained: the front door (webhooks,
+    MCP, the leader's pollers, which the other replica takes over) is never down on purpose."""
+    name = butler["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "butlers"}},
+        "spec": {
+            "minAvailable": 1,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+        },
+    }
+
+
 class _Dumper(yaml.SafeDumper):
     """Plain YAML: a mapping used twice is written twice, not as an &anchor."""
 
@@ -198,6 +232,7 @@ _Dumper.add_representer(str, _text)
 def render() -> dict[str, str]:
     fleet = butlers()
     documents = [doc for b in fleet for doc in (deployment(b, fleet), service(b))]
+    documents += [disruption_budget(b) for b in fleet if b["switchboard"]]
 
     def dump(*docs: dict[str, Any]) -> str:
         return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
