@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(VENV)/bin/pip check
 	touch $(STAMP)
 
+# UP_ARGS: flags for `butlers up`, e.g. UP_ARGS="--port-offset 50" beside a running fleet.
+UP_ARGS ?=
 up: $(STAMP)
-	$(VENV)/bin/butlers up
+	$(VENV)/bin/butlers up $(UP_ARGS)
 
 # The tests keep bytecode, outside the source tree (in the venv, rebuilt with it). Where
 # PYTHONDONTWRITEBYTECODE is set (the CI machine sets it), each pytest worker rewrote every test
