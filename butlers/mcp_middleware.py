@@ -1,17 +1,27 @@
-"""FastMCP middleware: every tool continues its caller's trace, without declaring it.
+"""FastMCP middleware: every tool continues its caller's trace, without declaring it; on the
+switchboard, a classification session sees and calls only its own two tools.
 
 A caller may put `_trace_context` (a W3C carrier) into any tool's arguments; it is removed
 before argument validation, so no tool has to declare it. Failing that, `_meta.traceparent`
 (what FastMCP clients send), then an HTTP `traceparent` header (what Claude Code sends when
 the spawner puts it in the MCP server's headers) name the parent.
+
+A classification session's Claude Code reads a stranger's text. Its allowlist is Claude
+Code's to enforce; `ClassificationFence` holds the same line on the server, so that a widened
+allowlist, a bug in the CLI or a caller speaking MCP directly with the header gets nothing
+more than `route` and `list_butlers`.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp.tools import Tool
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
@@ -22,6 +32,40 @@ TRACE_CONTEXT_ARG = "_trace_context"
 # In a call's `_meta`: the conversation a routed call serves (set by the switchboard), so that
 # the session it starts can `notify` that conversation.
 CONVERSATION_META = "butlers/conversation"
+# A classification session presents its message's credential in this header (its private MCP
+# config); the switchboard's `route` holds such a caller to what a classifier may route.
+CLASSIFICATION_HEADER = "X-Butlers-Classification"
+LEGACY_INBOX_HEADER = "X-Butlers-Inbox-Id"  # what sessions sent before credentials: refused
+# The same claim in a call's `_meta`: where a butler's `notify` forwards the credential of the
+# session that called it, so that the switchboard's `deliver` sees who is really asking.
+CLASSIFICATION_META = "butlers/classification"
+
+
+@dataclass(frozen=True)
+class ClassificationClaim:
+    """What a request presents to say it comes from a classification session."""
+
+    credential: str | None  # None: claimed by the legacy inbox header, which proves nothing
+    where: str  # the header or `_meta` key it came in, for error messages
+
+
+def classification_claim() -> ClassificationClaim | None:
+    """The classification credential the current request presents (its HTTP header, or
+    `_meta` as a butler's `notify` forwards it), or None for any other caller.
+
+    A claim only ever takes rights away: whether it names a message being classified is for
+    `route` to check; every other tool refuses a claimant either way.
+    """
+    headers = get_http_headers(include={CLASSIFICATION_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
+    credential = headers.get(CLASSIFICATION_HEADER.lower())
+    if credential is not None:
+        return ClassificationClaim(credential, CLASSIFICATION_HEADER)
+    forwarded = (_meta_carrier() or {}).get(CLASSIFICATION_META)
+    if forwarded is not None:
+        return ClassificationClaim(str(forwarded), f"_meta {CLASSIFICATION_META!r}")
+    if LEGACY_INBOX_HEADER.lower() in headers:
+        return ClassificationClaim(None, LEGACY_INBOX_HEADER)
+    return None
 
 
 def request_conversation() -> str | None:
@@ -68,3 +112,53 @@ class TraceContextMiddleware(Middleware):
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                 raise
+
+
+class ClassificationFence(Middleware):
+    """On the switchboard: a caller presenting a classification claim (see
+    `classification_claim`) is shown only `tools` and may call nothing else, nor read
+    resources or prompts. Every other caller is untouched."""
+
+    def __init__(self, tools: Collection[str]) -> None:
+        self.tools = frozenset(tools)
+
+    def _refusal(self, what: str) -> ToolRefusal:
+        # Someone tried what a classifier is never given: worth an operator's attention.
+        return ToolRefusal(
+            f"{what} is not available to a classification session: it may call only "
+            f"{', '.join(sorted(self.tools))}",
+            log_level=logging.WARNING,
+        )
+
+    async def on_list_tools(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        tools: Sequence[Tool] = await call_next(context)
+        if classification_claim() is None:
+            return tools
+        return [tool for tool in tools if tool.name in self.tools]
+
+    async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        name = context.message.name
+        if name not in self.tools and classification_claim() is not None:
+            raise self._refusal(f"tool {name!r}")
+        return await call_next(context)
+
+    async def on_read_resource(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        if classification_claim() is not None:
+            raise self._refusal("reading resources")
+        return await call_next(context)
+
+    async def on_get_prompt(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        if classification_claim() is not None:
+            raise self._refusal("getting prompts")
+        return await call_next(context)
+
+    async def on_list_resources(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        return [] if classification_claim() is not None else await call_next(context)
+
+    async def on_list_resource_templates(
+        self, context: MiddlewareContext, call_next: CallNext
+    ) -> Any:
+        return [] if classification_claim() is not None else await call_next(context)
+
+    async def on_list_prompts(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        return [] if classification_claim() is not None else await call_next(context)

@@ -4,7 +4,9 @@ A butler does not talk to Telegram or mail itself: the switchboard owns the chan
 owner's addresses, the outbox and the limits. The butler finds it through `[butler]
 switchboard_url`, else BUTLERS_SWITCHBOARD_URL, else the switchboard of its own config
 directory, and calls it over MCP (with the auth token when one is set), in the session's
-trace.
+trace. The call carries the identity of whoever called `notify`: a classification session
+(on the switchboard, whose own `notify` reaches its own `deliver`) stays one, and `deliver`
+refuses it as it would refuse the session calling it directly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.errors import CallTimedOut, NotifyFailed, RemoteError, TargetUnreachable
 from butlers.mcp_connection.core import unwrap
+from butlers.mcp_middleware import CLASSIFICATION_META, classification_claim
 from butlers.switchboard.connections import McpConnections
 from butlers.telemetry import current_carrier
 
@@ -70,9 +73,15 @@ class SwitchboardLink:
             "conversation": conversation,
             "_trace_context": carrier,
         }
+        meta = dict(carrier)
+        # Called from a tool call that claims a classification session: the claim goes on,
+        # or the session would reach `deliver` through `notify` as an ordinary butler.
+        claim = classification_claim()
+        if claim is not None:
+            meta[CLASSIFICATION_META] = claim.credential or ""
         try:
             result = await self._connections.call(
-                self.url, "deliver", arguments, meta=carrier, timeout_s=DELIVER_TIMEOUT_S
+                self.url, "deliver", arguments, meta=meta, timeout_s=DELIVER_TIMEOUT_S
             )
         except (TargetUnreachable, CallTimedOut) as exc:
             raise NotifyFailed(f"the switchboard at {self.url} did not answer: {exc}") from exc

@@ -280,23 +280,23 @@ async def test_routes_per_message_are_capped(
 
 
 @pytest.mark.parametrize(
-    ("tool", "arguments", "routable", "problem"),
+    ("tool", "arguments", "unroutable", "problem"),
     [
-        ("state_set", {"prompt": "x"}, True, "not 'state_set'"),
-        ("trigger", {"prompt": "x"}, False, "not a butler you can route to"),
-        ("trigger", {}, True, "exactly"),
-        ("trigger", {"prompt": 5}, True, "exactly"),
-        ("trigger", {"prompt": "x", "_trace_context": {}}, True, "exactly"),
-        ("trigger", {"prompt": "   "}, True, "must not be empty"),
-        ("trigger", {"prompt": "é" * (MAX_PROMPT_BYTES // 2 + 1)}, True, "bytes; the limit"),
+        ("state_set", {"prompt": "x"}, None, "not 'state_set'"),
+        ("trigger", {"prompt": "x"}, "it is stale", "not a butler you can route to (it is stale"),
+        ("trigger", {}, None, "exactly"),
+        ("trigger", {"prompt": 5}, None, "exactly"),
+        ("trigger", {"prompt": "x", "_trace_context": {}}, None, "exactly"),
+        ("trigger", {"prompt": "   "}, None, "must not be empty"),
+        ("trigger", {"prompt": "é" * (MAX_PROMPT_BYTES // 2 + 1)}, None, "bytes; the limit"),
     ],
 )
-def test_what_a_classifier_may_route(tool, arguments, routable, problem) -> None:
+def test_what_a_classifier_may_route(tool, arguments, unroutable, problem) -> None:
     with pytest.raises(RoutePolicyError, match=re.escape(problem)):
-        check_classifier_route(tool, arguments, routable=routable, butler_name="health")
+        check_classifier_route(tool, arguments, unroutable=unroutable, butler_name="health")
     assert (
         check_classifier_route(
-            "trigger", {"prompt": "x" * MAX_PROMPT_BYTES}, routable=True, butler_name="health"
+            "trigger", {"prompt": "x" * MAX_PROMPT_BYTES}, unroutable=None, butler_name="health"
         )
         == "x" * MAX_PROMPT_BYTES
     )
@@ -345,7 +345,7 @@ async def test_a_classification_session_cannot_deliver_or_read_the_inbox(
         switchboard.sse_url, headers={"X-Butlers-Classification": dispatch.credential}
     )
     async with Client(transport) as client:
-        with pytest.raises(Exception, match="not for classification sessions"):
+        with pytest.raises(Exception, match="'deliver' is not available to a classification"):
             await client.call_tool("deliver", {"text": "pwned", "butler": "general"})
         with pytest.raises(Exception, match="classification"):
             await client.call_tool("inbox_list", {})

@@ -29,15 +29,26 @@ def make_config_dir(root: Path, ports: dict[str, int]) -> Path:
     return root
 
 
-async def start_switchboard(start_butler: StartButler, config_dir: Path, **kwargs):
+def _butler_names(config_dir: Path) -> list[str]:
+    return sorted(d.name for d in config_dir.glob("*") if d.is_dir())
+
+
+async def start_switchboard(
+    start_butler: StartButler, config_dir: Path, *, default_butler: str | None = None, **kwargs
+):
+    """The switchboard of `config_dir`. Its butler.toml has a [switchboard] table (its
+    default_butler: `default_butler`, else the first butler there) and the channel modules;
+    with no other butler in the directory, neither (a default_butler must be one of them)."""
     port = free_port()
-    write_butler_dir(
-        config_dir,
-        "switchboard",
-        port,
-        description="Front door.",
-        extra="[modules.telegram]\n[modules.email]\n",
-    )
+    others = [name for name in _butler_names(config_dir) if name != "switchboard"]
+    default_butler = default_butler or (others[0] if others else None)
+    extra = ""
+    if default_butler is not None:
+        extra = (
+            f'[switchboard]\ndefault_butler = "{default_butler}"\n'
+            "[modules.telegram]\n[modules.email]\n"
+        )
+    write_butler_dir(config_dir, "switchboard", port, description="Front door.", extra=extra)
     return await start_butler(
         butler_config("switchboard", port=port), config_dir=config_dir, **kwargs
     )
@@ -71,6 +82,9 @@ async def test_fresh_switchboard_database_has_spec_tables_after_core(
         "modules": ("jsonb", "NO", "'[]'::jsonb"),
         "last_seen_at": ("timestamp with time zone", "YES", None),
         "registered_at": ("timestamp with time zone", "NO", "now()"),
+        # Beyond the spec: what route needs to refuse a stale row or a switchboard's.
+        "is_switchboard": ("boolean", "NO", "false"),
+        "missing_since": ("timestamp with time zone", "YES", None),
     }
     pk = await conn.fetchval(
         """SELECT a.attname FROM pg_index i JOIN pg_attribute a
@@ -126,7 +140,10 @@ async def test_startup_discovery_registers_every_butler(
             "modules",
             "last_seen_at",
             "registered_at",
+            "stale",  # beyond the spec's six: what route needs to know
+            "is_switchboard",
         }
+        assert (row["stale"], row["is_switchboard"]) == (False, False)
         assert row["endpoint_url"] == f"http://127.0.0.1:{port}/sse"
         assert row["description"] == DESCRIPTIONS[name]
         assert row["modules"] == []
@@ -134,13 +151,14 @@ async def test_startup_discovery_registers_every_butler(
         assert registered >= before.replace(microsecond=0)
         assert datetime.fromisoformat(row["last_seen_at"]) >= registered
     assert by_name["switchboard"]["modules"] == ["telegram", "email"]
+    assert by_name["switchboard"]["is_switchboard"] is True
 
 
 async def test_discover_at_runtime_adds_updates_and_keeps_stale(
     start_butler: StartButler, tmp_path: Path, db_conn
 ) -> None:
     config_dir = make_config_dir(tmp_path / "config", {"general": 18101, "health": 18103})
-    switchboard = await start_switchboard(start_butler, config_dir)
+    switchboard = await start_switchboard(start_butler, config_dir, default_butler="health")
     conn = await db_conn(switchboard.config.database)
     # Last seen an hour ago: whatever the clock's resolution, a discover that sees a butler
     # again must move its stamp forward.
@@ -148,13 +166,14 @@ async def test_discover_at_runtime_adds_updates_and_keeps_stale(
     original = {r["name"]: dict(r) for r in await conn.fetch("SELECT * FROM butler_registry")}
 
     write_butler_dir(config_dir, "relationship", 18102, description="People.")  # new
+    write_butler_dir(config_dir, "health", 18103, description="Health, now with sleep.")
     write_butler_dir(
         config_dir,
-        "health",
-        18103,
-        description="Health, now with sleep.",
-        extra="[modules.email]\n",
-    )  # changed description and modules
+        "switchboard",
+        switchboard.port,
+        description="Front door.",
+        extra='[switchboard]\ndefault_butler = "health"\n[modules.email]\n',
+    )  # no Telegram any more
     shutil.rmtree(config_dir / "general")  # gone
     (config_dir / "broken").mkdir()
     (config_dir / "broken" / "butler.toml").write_text("[butler]\nname = 'broken'\n")
@@ -164,15 +183,25 @@ async def test_discover_at_runtime_adds_updates_and_keeps_stale(
         rows = {r["name"]: r for r in await call(client, "list_butlers")}
 
     assert report["added"] == ["relationship"]
-    assert report["updated"] == [{"name": "health", "changed": ["description", "modules"]}]
+    assert report["updated"] == [
+        {"name": "health", "changed": ["description"]},
+        {"name": "switchboard", "changed": ["modules"]},
+    ]
     assert report["stale"] == ["general"]
-    assert report["unchanged"] == ["switchboard"]
+    assert report["unchanged"] == []
     [error] = report["errors"]
     assert error["path"].endswith("broken/butler.toml") and error["key"] == "butler.port"
 
     assert rows["relationship"]["description"] == "People."
     assert rows["health"]["description"] == "Health, now with sleep."
-    assert rows["health"]["modules"] == ["email"]
+    assert rows["switchboard"]["modules"] == ["email"]
+    # The vanished butler is listed as stale; those found are not.
+    assert {name: row["stale"] for name, row in rows.items()} == {
+        "general": True,
+        "health": False,
+        "relationship": False,
+        "switchboard": False,
+    }
     now = {r["name"]: dict(r) for r in await conn.fetch("SELECT * FROM butler_registry")}
     # Stale: kept, last_seen_at untouched. Present: seen again; registered_at never moves.
     assert now["general"]["last_seen_at"] == original["general"]["last_seen_at"]

@@ -24,6 +24,7 @@ from butlers.spawner import SessionOutcome, Spawner
 from butlers.switchboard.conversation import HISTORY_INTRO
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage
+from butlers.switchboard.route import OwnEndpoints, routable_rows
 
 CLASSIFIER_TOOLS = ("route", "list_butlers")
 
@@ -70,12 +71,13 @@ def classification_prompt(
 ) -> str:
     """The spec's prompt: `Classify this message and route it. Available butlers: [...].
     Message: ...` with the default-butler rule; the switchboard itself (`switchboard`: its
-    name) is never listed. The conversation so far, when there is one, follows in its own
-    block, as data too."""
+    name) is never listed, nor is a stale butler (`butlers` should hold only those route
+    accepts: `routable_rows`). The conversation so far, when there is one, follows in its
+    own block, as data too."""
     listed = ", ".join(
         f"{b['name']}: {b.get('description') or '(no description)'}"
         for b in butlers
-        if b["name"] != switchboard
+        if b["name"] != switchboard and not b.get("stale")
     )
     start, end = f"<<<MESSAGE {boundary}", f"MESSAGE {boundary}>>>"
     earlier = ""
@@ -130,6 +132,7 @@ async def classify_with_claude(
     slots: asyncio.Semaphore | None = None,
 ) -> SessionOutcome:
     """Run the classification session; its `route` calls are this message's dispatch.
+    `butlers`: the registry's rows, of which the prompt lists those route accepts.
     `slots`: the bound on classification sessions at once (the worker's)."""
     target = McpTarget(
         name="switchboard",  # the session's label for the MCP server (mcp__switchboard__route)
@@ -138,9 +141,14 @@ async def classify_with_claude(
         denied_tools=tuple(t for t in switchboard_tools if t not in CLASSIFIER_TOOLS),
         headers={CREDENTIAL_HEADER: credential},
     )
+    listed = routable_rows(
+        butlers,
+        switchboard_name=spawner.config.name,
+        own=OwnEndpoints.of_switchboard(spawner.config, switchboard_url),
+    )
     prompt = classification_prompt(
         message,
-        butlers,
+        listed,
         switchboard=spawner.config.name,  # the spawner runs the switchboard's sessions
         default_butler=default_butler,
         boundary=new_boundary(message_body(message) + history),

@@ -175,8 +175,10 @@ class FastMcpClientConnection:
     """Any other transport (streamable HTTP): FastMCP's client behind the same interface.
 
     Not butlers.mcp_connection.streamable.FastMcpConnection (which the CLI and the gateway
-    use): this one sends no `_meta`, and takes a connection closed mid-call for one that can
-    be called again (ConnectionClosed, not AnswerLost). Moving route to that one changes both.
+    use): this one takes a connection closed mid-call for one that can be called again
+    (ConnectionClosed, not AnswerLost). Moving route to that one changes that. `_meta` is
+    sent as over SSE: the conversation a routed call serves, and what a butler's `notify`
+    forwards of its caller (a classification claim), must reach a `/mcp` endpoint too.
     """
 
     def __init__(self, url: str, *, auth_token: str | None) -> None:
@@ -193,7 +195,9 @@ class FastMcpClientConnection:
         self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
     ) -> dict[str, Any]:
         try:
-            result = await self._client.call_tool_mcp(name, arguments, timeout=timeout_s)
+            result = await self._client.call_tool_mcp(
+                name, arguments, timeout=timeout_s, meta=meta or None
+            )
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
                 raise ConnectionClosed(str(exc.message)) from exc

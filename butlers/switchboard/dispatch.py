@@ -27,30 +27,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from butlers.errors import RouteError, RoutePolicyError
+from butlers.mcp_middleware import CLASSIFICATION_HEADER
+from butlers.mcp_middleware import LEGACY_INBOX_HEADER as LEGACY_INBOX_HEADER  # re-exported
 from butlers.switchboard.conversation import with_history
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.replies import Answer, reply_text
 from butlers.switchboard.route import Router, RouteSource
 
-CREDENTIAL_HEADER = "X-Butlers-Classification"
-LEGACY_INBOX_HEADER = "X-Butlers-Inbox-Id"  # what sessions sent before credentials: refused
+CREDENTIAL_HEADER = CLASSIFICATION_HEADER  # the session's header: this message's credential
 ROUTABLE_TOOL = "trigger"
 MAX_PROMPT_BYTES = 32 * 1024
 
 
 def check_classifier_route(
-    tool_name: str, arguments: dict[str, Any] | None, *, routable: bool, butler_name: str
+    tool_name: str, arguments: dict[str, Any] | None, *, unroutable: str | None, butler_name: str
 ) -> str:
-    """The prompt to forward, if this is a route a classification session may make."""
+    """The prompt to forward, if this is a route a classification session may make.
+    `unroutable`: why route would refuse the butler (Router.refusal_of), None if it would not."""
     if tool_name != ROUTABLE_TOOL:
         raise RoutePolicyError(
             f"refused: a message may only be handed to a butler's {ROUTABLE_TOOL!r} tool, "
             f"not {tool_name!r}"
         )
-    if not routable:
+    if unroutable is not None:
         raise RoutePolicyError(
-            f"refused: {butler_name!r} is not a butler you can route to "
-            "(see list_butlers; the switchboard itself is not one)"
+            f"refused: {butler_name!r} is not a butler you can route to ({unroutable}; "
+            "see list_butlers: the switchboard itself is not one)"
         )
     arguments = arguments or {}
     prompt = arguments.get("prompt")
@@ -106,7 +108,7 @@ class Dispatch:
                 prompt = check_classifier_route(
                     tool_name,
                     arguments,
-                    routable=await self.router.is_routable(butler_name),
+                    unroutable=await self.router.refusal_of(butler_name),
                     butler_name=butler_name,
                 )
             except BaseException:

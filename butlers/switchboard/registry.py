@@ -1,8 +1,9 @@
 """discover(): keep butler_registry in step with the config directory.
 
 New butlers are inserted, changed ones updated, and everything found is stamped as seen.
-Nothing is ever deleted: a butler whose directory vanished keeps its old `last_seen_at`, which
-is how a reader can tell it is stale. One broken butler.toml is reported, never fatal.
+Nothing is ever deleted: a butler whose directory vanished keeps its old `last_seen_at` and
+is marked stale (`missing_since`), which `route` refuses until a discover sees it again. One
+broken butler.toml is reported, never fatal (that butler is stale until it loads).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
         changed.append("description")
     if list(row["modules"] or []) != entry.modules:
         changed.append("modules")
+    if row["is_switchboard"] != entry.is_switchboard:
+        changed.append("is_switchboard")
     return changed
 
 
@@ -35,7 +38,8 @@ async def discover(store: RoutingStore, config_dir: Path, placement: Placement) 
     fleet = await asyncio.to_thread(load_config_dir, config_dir, placement)
     known = {row["name"]: row for row in await store.registry()}
     entries = [
-        RegistryEntry(b.name, b.endpoint_url, b.description, b.modules) for b in fleet.butlers
+        RegistryEntry(b.name, b.endpoint_url, b.description, b.modules, b.is_switchboard)
+        for b in fleet.butlers
     ]
     added: list[str] = []
     updated: list[dict[str, Any]] = []
@@ -48,7 +52,7 @@ async def discover(store: RoutingStore, config_dir: Path, placement: Placement) 
             updated.append({"name": entry.name, "changed": changed})
         else:
             unchanged.append(entry.name)
-    await store.mark_seen(entries)
+    await store.record_discovery(entries)
     found = {entry.name for entry in entries}
     stale = sorted(name for name in known if name not in found)
     report = {

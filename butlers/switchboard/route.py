@@ -1,23 +1,27 @@
 """route(): forward one tool call to a registered butler and log it.
 
-Unknown butlers and the switchboard itself are refused before any connection is made. Every
-call, whatever its outcome, leaves one routing_log row; a successful one also stamps the
-target's last_seen_at, in the same statement. The call runs inside a `switchboard.route` span
-whose context travels to the target as `_trace_context`.
+Refused before any connection is made: unknown butlers; the switchboard itself, by its name,
+by an endpoint that is its own (a stale row of its old name after its directory was renamed
+still points here) or by a row that says it had a [switchboard] table; a butler that runs a
+channel module (telegram, email: a front door, not a specialist); and a stale butler, which
+the last discover did not find. Every call, whatever its outcome, leaves one routing_log row;
+a successful one also stamps the target's last_seen_at, in the same statement. The call runs
+inside a `switchboard.route` span whose context travels to the target as `_trace_context`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from opentelemetry.trace import Status, StatusCode, Tracer
 
-from butlers.core_store import storable
 from butlers.errors import (
     CallTimedOut,
     RemoteError,
@@ -30,16 +34,20 @@ from butlers.errors import (
 from butlers.mcp_connection.core import unwrap
 from butlers.mcp_middleware import CONVERSATION_META
 from butlers.switchboard.connections import McpConnections
-from butlers.switchboard.routing_store import RouteRecord, RoutingStore
+from butlers.switchboard.routing_store import RegistryTarget, RouteRecord, RoutingStore
 from butlers.telemetry import current_carrier, current_trace_id
 
 if TYPE_CHECKING:
+    from butlers.config import ButlerConfig
     from butlers.switchboard.inbox import InboxMessage
 
 
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
 DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
+# A butler that runs one of these takes messages itself: routing to it is refused.
+CHANNEL_MODULES = ("telegram", "email")
+SELF_ROUTING = "routing to the Switchboard is not permitted"
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,94 @@ class RouteSource:
             inbox_id=message.id,
             conversation=message.conversation,
         )
+
+
+def _authority(url: str) -> tuple[str, int | None] | None:
+    """(host, port) of an endpoint URL, normalised: lower case, the scheme's default port,
+    and every name of this machine's loopback (localhost, 127.0.0.0/8, ::1, and 0.0.0.0 or
+    ::, which a connection reaches loopback through) as one. None: not a URL."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    host = (parts.hostname or "").lower().rstrip(".")
+    if not host:
+        return None
+    if port is None:
+        port = {"http": 80, "https": 443}.get(parts.scheme.lower())
+    if host == "localhost" or host.endswith(".localhost"):
+        return "loopback", port
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host, port
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback or ip.is_unspecified:
+        return "loopback", port
+    return ip.compressed, port
+
+
+class OwnEndpoints:
+    """The switchboard's own addresses: the endpoint_url the registry stores for it and the
+    URL it listens on. A target at one of them (whatever the path: /sse and /mcp are the same
+    server) is the switchboard itself."""
+
+    def __init__(self, urls: Iterable[str]) -> None:
+        self.urls = tuple(urls)
+        self._authorities = {a for a in map(_authority, self.urls) if a is not None}
+
+    @classmethod
+    def of_switchboard(cls, config: ButlerConfig, listening_url: str) -> OwnEndpoints:
+        """`config.endpoint_url` (what discover registers for it) and `listening_url` (where
+        this process serves: `--port` may move it off its butler.toml's port)."""
+        return cls([config.endpoint_url, listening_url])
+
+    def includes(self, url: str) -> bool:
+        return _authority(url) in self._authorities
+
+
+def unroutable(target: RegistryTarget, *, switchboard_name: str, own: OwnEndpoints) -> str | None:
+    """Why route must not call this registry row, or None when it may. Also what keeps a row
+    out of the classifier's list of butlers."""
+    name = target.name
+    if name == switchboard_name:
+        return SELF_ROUTING
+    if own.includes(target.endpoint_url):
+        return (
+            f"{SELF_ROUTING}: butler {name!r} is registered at {target.endpoint_url}, "
+            "the switchboard's own endpoint"
+        )
+    if target.is_switchboard:
+        return (
+            f"{SELF_ROUTING}: butler {name!r} had a [switchboard] table when it was last discovered"
+        )
+    if channels := [m for m in target.modules if m in CHANNEL_MODULES]:
+        return (
+            f"butler {name!r} runs the channel module(s) {', '.join(channels)}: it takes "
+            "messages itself and is not routed to"
+        )
+    if target.stale:
+        return (
+            f"butler {name!r} is stale: the last discover did not find it in the config "
+            "directory; restore its directory (or fix its butler.toml) and run "
+            "`butlers discover`"
+        )
+    return None
+
+
+def routable_rows(
+    rows: Iterable[dict[str, Any]], *, switchboard_name: str, own: OwnEndpoints
+) -> list[dict[str, Any]]:
+    """The registry rows (`RoutingStore.registry()`) route may call: what the classifier is
+    shown."""
+    return [
+        row
+        for row in rows
+        if unroutable(RegistryTarget.of_row(row), switchboard_name=switchboard_name, own=own)
+        is None
+    ]
 
 
 def summarize(arguments: dict[str, Any], redact: Callable[[str], str] = str) -> str | None:
@@ -85,29 +181,58 @@ class Router:
         timeout_s: float = DEFAULT_ROUTE_TIMEOUT_S,
         redact: Callable[[str], str] = str,
         switchboard_name: str,
+        own: OwnEndpoints,
     ) -> None:
         self.store = store
-        # The switchboard's own name (the registry lists it too): routing to it is refused.
+        # The switchboard's own name (the registry lists it too) and addresses: routing to
+        # either is refused.
         self.switchboard_name = switchboard_name
+        self.own = own
         # routing_log keeps a summary of the arguments and the error: no configured secret.
         self.redact = redact
         self.connections = connections
         self.tracer = tracer
         self.timeout_s = timeout_s
-        # name -> endpoint_url, filled on first use; discover() and failures clear it. Saves a
-        # database round trip per call; a row edited behind our back is picked up on a miss.
-        self._endpoints: dict[str, str] = {}
+        # name -> its registry row, filled on first use; discover() and failures clear it.
+        # Saves a database round trip per call; a row edited behind our back (another
+        # switchboard process's discover) is picked up on a miss.
+        self._targets: dict[str, RegistryTarget] = {}
 
     def forget_endpoints(self) -> None:
-        self._endpoints.clear()
+        self._targets.clear()
 
-    async def _endpoint_of(self, butler_name: str) -> str | None:
-        endpoint = self._endpoints.get(butler_name)
-        if endpoint is None:
-            endpoint = await self.store.endpoint_of(butler_name)
-            if endpoint is not None:
-                self._endpoints[butler_name] = endpoint
-        return endpoint
+    async def _target(self, butler_name: str) -> RegistryTarget | None:
+        target = self._targets.get(butler_name)
+        if target is None:
+            target = await self.store.target(butler_name)
+            if target is not None:
+                self._targets[butler_name] = target
+        return target
+
+    async def _routable_target(self, butler_name: str) -> RegistryTarget:
+        """The registry row route may call; RouteRefused saying why not (not registered, the
+        switchboard, a front door, stale)."""
+        if butler_name == self.switchboard_name:  # whatever the registry says
+            raise RouteRefused(SELF_ROUTING)
+        target = await self._target(butler_name)
+        if target is None:
+            raise RouteRefused(f"butler {butler_name!r} not found")
+        refusal = unroutable(target, switchboard_name=self.switchboard_name, own=self.own)
+        if refusal is not None:
+            raise RouteRefused(refusal)
+        return target
+
+    async def refusal_of(self, butler_name: str) -> str | None:
+        """Why `butler_name` cannot be routed to, or None when it can."""
+        try:
+            await self._routable_target(butler_name)
+        except RouteRefused as exc:
+            return str(exc)
+        return None
+
+    def routable(self, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Those of the registry's rows route may call."""
+        return routable_rows(rows, switchboard_name=self.switchboard_name, own=self.own)
 
     async def route(
         self,
@@ -183,30 +308,23 @@ class Router:
                 source_id=source.source_id,
                 routed_to=butler_name,
                 tool_name=tool_name,
-                prompt_summary=storable(summarize(arguments, self.redact)),
+                prompt_summary=summarize(arguments, self.redact),
                 trace_id=current_trace_id(),
                 success=error is None,
-                error=storable(truncate(self.redact(error), ERROR_CHARS)) if error else None,
+                error=truncate(self.redact(error), ERROR_CHARS) if error else None,
                 duration_ms=int((time.monotonic() - started) * 1000),
                 inbox_id=source.inbox_id,
             )
         )
 
     async def is_routable(self, butler_name: str) -> bool:
-        """A registered butler other than the switchboard."""
-        return (
-            butler_name != self.switchboard_name
-            and await self._endpoint_of(butler_name) is not None
-        )
+        """A registered butler route may call (see `refusal_of`)."""
+        return await self.refusal_of(butler_name) is None
 
     async def _forward(
         self, butler_name: str, tool_name: str, arguments: dict[str, Any], source: RouteSource
     ) -> Any:
-        if butler_name == self.switchboard_name:
-            raise RouteRefused("routing to the Switchboard is not permitted")
-        endpoint = await self._endpoint_of(butler_name)
-        if endpoint is None:
-            raise RouteRefused(f"butler {butler_name!r} not found")
+        endpoint = (await self._routable_target(butler_name)).endpoint_url
         carrier = current_carrier()
         forwarded = {**arguments, "_trace_context": carrier}
         meta: dict[str, str] = dict(carrier)
@@ -217,7 +335,7 @@ class Router:
                 endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
             )
         except TargetUnreachable as exc:
-            self._endpoints.pop(butler_name, None)  # re-read the registry next time
+            self._targets.pop(butler_name, None)  # re-read the registry next time
             raise TargetDown(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
         except CallTimedOut as exc:
             raise TargetSlow(

@@ -12,7 +12,12 @@ from typing import Any
 
 import asyncpg
 
+from butlers.core_store import storable
+
 REGISTRY_COLUMNS = "name, endpoint_url, description, modules, last_seen_at, registered_at"
+# Beyond the spec's six: whether the last discover missed the butler (route refuses it until
+# one sees it again) and whether it is a switchboard (route refuses it whatever its name).
+ROUTABILITY_COLUMNS = "missing_since IS NOT NULL AS stale, is_switchboard"
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,29 @@ class RegistryEntry:
     endpoint_url: str
     description: str
     modules: list[str]
+    is_switchboard: bool = False  # it has a [switchboard] table
+
+
+@dataclass(frozen=True)
+class RegistryTarget:
+    """What route needs of one registry row to decide whether it may call it, and where."""
+
+    name: str
+    endpoint_url: str
+    modules: tuple[str, ...]
+    is_switchboard: bool
+    stale: bool  # missing from the last discover
+
+    @classmethod
+    def of_row(cls, row: Any) -> RegistryTarget:
+        """From a registry row (`registry()`'s dicts, or the record `target()` reads)."""
+        return cls(
+            name=row["name"],
+            endpoint_url=row["endpoint_url"],
+            modules=tuple(row["modules"] or ()),
+            is_switchboard=bool(row["is_switchboard"]),
+            stale=bool(row["stale"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -48,8 +76,9 @@ class RoutingStore:
         self.pool = pool
 
     async def registry(self) -> list[dict[str, Any]]:
+        """Every row: the spec's six columns, `stale` and `is_switchboard`."""
         rows = await self.pool.fetch(
-            f"SELECT {REGISTRY_COLUMNS} FROM butler_registry ORDER BY name"
+            f"SELECT {REGISTRY_COLUMNS}, {ROUTABILITY_COLUMNS} FROM butler_registry ORDER BY name"
         )
         return [dict(r) for r in rows]
 
@@ -62,29 +91,51 @@ class RoutingStore:
         )
         return dict(row) if row is not None else None
 
-    async def endpoint_of(self, name: str) -> str | None:
-        return await self.pool.fetchval(
-            "SELECT endpoint_url FROM butler_registry WHERE name = $1", name
+    async def target(self, name: str) -> RegistryTarget | None:
+        """The registry's row of `name`, or None. A name PostgreSQL cannot hold (NUL) names
+        no row: None, without asking (the query itself would fail)."""
+        if storable(name) != name:
+            return None
+        row = await self.pool.fetchrow(
+            f"SELECT name, endpoint_url, modules, {ROUTABILITY_COLUMNS} "
+            "FROM butler_registry WHERE name = $1",
+            name,
         )
+        return RegistryTarget.of_row(row) if row is not None else None
 
-    async def mark_seen(self, entries: Sequence[RegistryEntry]) -> None:
-        """Insert new butlers, refresh changed ones, and stamp all of them as seen now."""
+    async def record_discovery(self, entries: Sequence[RegistryEntry]) -> None:
+        """Insert new butlers, refresh changed ones, stamp all of them as seen now; every
+        other row is stale from now on (`missing_since`, kept from its first miss)."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.executemany(
                 """
-                INSERT INTO butler_registry (name, endpoint_url, description, modules, last_seen_at)
-                VALUES ($1, $2, $3, $4, now())
+                INSERT INTO butler_registry
+                    (name, endpoint_url, description, modules, is_switchboard, last_seen_at)
+                VALUES ($1, $2, $3, $4, $5, now())
                 ON CONFLICT (name) DO UPDATE SET
                     endpoint_url = EXCLUDED.endpoint_url,
                     description = EXCLUDED.description,
                     modules = EXCLUDED.modules,
+                    is_switchboard = EXCLUDED.is_switchboard,
+                    missing_since = NULL,
                     last_seen_at = now()
                 """,
-                [(e.name, e.endpoint_url, e.description, e.modules) for e in entries],
+                [
+                    (e.name, e.endpoint_url, e.description, e.modules, e.is_switchboard)
+                    for e in entries
+                ],
+            )
+            await conn.execute(
+                """UPDATE butler_registry SET missing_since = coalesce(missing_since, now())
+                   WHERE NOT (name = ANY($1::text[]))""",
+                [e.name for e in entries],
             )
 
     async def record_route(self, record: RouteRecord) -> uuid.UUID:
         """Log one route, and on success stamp the target as seen: one round trip for both.
+
+        Every text goes through `storable`: a classifier (a stranger's text) names the butler
+        and the tool, and a NUL in either must not stop its refusal from being recorded.
 
         Committed asynchronously (for this statement only: `set_config(..., true)` ends with
         its transaction): the caller does not wait for the WAL flush, which was a sixth of a
@@ -105,14 +156,14 @@ class RoutingStore:
             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM async_commit
             RETURNING id
             """,
-            record.source_channel,
-            record.source_id,
-            record.routed_to,
-            record.tool_name,
-            record.prompt_summary,
-            record.trace_id,
+            storable(record.source_channel),
+            storable(record.source_id),
+            storable(record.routed_to),
+            storable(record.tool_name),
+            storable(record.prompt_summary),
+            storable(record.trace_id),
             record.success,
-            record.error,
+            storable(record.error),
             record.duration_ms,
             record.inbox_id,
         )

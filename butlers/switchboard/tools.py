@@ -13,26 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from fastmcp import FastMCP
-from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
 from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
+from butlers.mcp_middleware import ClassificationFence, classification_claim
 from butlers.spawner import Spawner
+from butlers.switchboard.classifier import CLASSIFIER_TOOLS
 from butlers.switchboard.connections import McpConnections
-from butlers.switchboard.dispatch import (
-    CREDENTIAL_HEADER,
-    LEGACY_INBOX_HEADER,
-    Dispatch,
-    Dispatcher,
-)
+from butlers.switchboard.dispatch import Dispatch, Dispatcher
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
 from butlers.switchboard.notify import Notifier
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.registry import discover
-from butlers.switchboard.route import Router
+from butlers.switchboard.route import OwnEndpoints, Router
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
 from butlers.switchboard.worker import InboxWorker
@@ -116,19 +112,18 @@ class Switchboard:
 def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
     """The message whose classification session is calling, or None for any other caller.
 
-    A session proves it is one by this message's credential; a header that claims to be one
-    without the right credential (or names an inbox id, as sessions once did) is refused
-    rather than treated as an ordinary caller.
+    A session proves it is one by this message's credential; a claim to be one without the
+    right credential (or naming an inbox id, as sessions once did) is refused rather than
+    treated as an ordinary caller.
     """
-    headers = get_http_headers(include={CREDENTIAL_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
-    credential = headers.get(CREDENTIAL_HEADER.lower())
-    if credential is None:
-        if LEGACY_INBOX_HEADER.lower() in headers:
-            raise ToolRefusal(f"{LEGACY_INBOX_HEADER} is not accepted: it proves nothing")
+    claim = classification_claim()
+    if claim is None:
         return None
-    dispatch = dispatcher.find(credential)
+    if claim.credential is None:
+        raise ToolRefusal(f"{claim.where} is not accepted: it proves nothing")
+    dispatch = dispatcher.find(claim.credential)
     if dispatch is None:
-        raise ToolRefusal(f"{CREDENTIAL_HEADER} names no message being classified")
+        raise ToolRefusal(f"{claim.where} names no message being classified")
     return dispatch
 
 
@@ -151,16 +146,20 @@ def attach_switchboard(
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
     routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
     routing_log_list and outbox_list."""
+    # Whatever Claude Code's allowlist says, a classification session sees and calls only
+    # route and list_butlers here (its `route` is then held to the classifier's policy).
+    mcp.add_middleware(ClassificationFence(CLASSIFIER_TOOLS))
     connections = McpConnections(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
-    # by its configured name.
+    # by its configured name and by its addresses (a stale row of an old name points here).
     router = Router(
         routing_store,
         connections,
         tracer=tracer,
         redact=redact,
         switchboard_name=spawner.config.name,
+        own=OwnEndpoints.of_switchboard(spawner.config, self_url),
     )
     outbox = OutboxSender(
         OutboxStore(routing_store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
@@ -226,7 +225,8 @@ def attach_switchboard(
     @mcp.tool
     async def list_butlers() -> list[dict[str, Any]]:
         """Every registered butler: name, endpoint_url, description, modules, last_seen_at,
-        registered_at."""
+        registered_at; `stale` when the last discover did not find it (not routed to until
+        one does) and `is_switchboard` when it had a [switchboard] table."""
         return await routing_store.registry()
 
     @mcp.tool
