@@ -1,0 +1,197 @@
+"""Root in a private directory: the README's two commands as a person on a fresh server
+runs them, in a `mktemp -d` clone (0700), and `butlers up` with its data behind a 0700
+directory. As root the embedded PostgreSQL runs as the unprivileged `embedded_postgres`,
+who cannot pass such a directory; butlers must neither fail nor open the directory up.
+
+Needs root (what it is about) and git; `make up` here installs the clone's .venv from
+requirements.lock like any first run (pip, from its cache once .ci/run has installed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from butlers.pg_root_home import ROOT_HOME
+from tests.test_cli import READY, Butlers, copy_shipped_config
+from tests.test_db import stop_strays
+
+REPO = Path(__file__).resolve().parent.parent
+IS_ROOT = os.geteuid() == 0
+
+pytestmark = [
+    pytest.mark.pg,
+    pytest.mark.skipif(not IS_ROOT, reason="about root: as anyone else the server runs as us"),
+]
+
+
+def _root_home_data(requested: Path) -> Path:
+    """Where butlers keeps, as root, the data asked for at `requested` (pg_root_home)."""
+    return ROOT_HOME / "data" / hashlib.sha256(os.fsencode(requested)).hexdigest()[:16]
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _exists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def _forget(requested: Path) -> None:
+    place = _root_home_data(requested)
+    stop_strays(place)
+    shutil.rmtree(place, ignore_errors=True)
+
+
+@pytest.fixture
+def private_dir() -> Iterator[Path]:
+    """What `mktemp -d` gives root: a 0700 directory under /tmp."""
+    path = Path(tempfile.mkdtemp())
+    assert _mode(path) == 0o700
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _user_env() -> dict[str, str]:
+    """A root shell's environment: nothing of this test run's venv, butlers or pytest."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("BUTLERS_", "PYTEST", "PYTHON", "VIRTUAL_ENV"))
+        and key not in ("DATABASE_URL", "COV_CORE_SOURCE")
+    }
+
+
+async def _health(port: int) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/health") as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+
+async def test_up_as_root_with_its_data_dir_inside_a_0700_directory(
+    tmp_path: Path, private_dir: Path
+) -> None:
+    ports = copy_shipped_config(tmp_path / "config")
+    data_dir = private_dir / "butlers-data"
+    env = {**_user_env(), "BUTLERS_DATA_DIR": str(data_dir)}
+    requested = data_dir / "pgdata"
+    up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=env)
+    try:
+        await up.start()
+        await up.wait_ready()
+        place = _root_home_data(requested)
+        # Printed on start: where the data is, and why it is not where it was asked to be.
+        assert f"embedded PostgreSQL in {place / 'pgdata'}" in up.stdout, up.stdout
+        assert f"Initialising PostgreSQL in {place / 'pgdata'}" in up.stderr, up.stderr
+        for port in ports.values():
+            assert (await _health(port))["database"]["ok"] is True
+        assert await up.stop(signal.SIGINT) == 0
+        assert "Traceback" not in up.stderr, up.stderr
+    finally:
+        await up.stop_quietly()
+        _forget(requested)
+    assert _mode(private_dir) == 0o700
+    # No data of the server's account in the user's directory.
+    assert not _exists(requested)
+
+
+async def _make(target: str, clone: Path, env: dict[str, str], *extra: str) -> str:
+    """`make TARGET` in the clone to completion; everything it printed, or a failure with it."""
+    process = await asyncio.create_subprocess_exec(
+        "make",
+        target,
+        *extra,
+        cwd=clone,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(900):
+        out, _ = await process.communicate()
+    text = out.decode(errors="replace")
+    assert process.returncode == 0, f"make {target} exited {process.returncode}:\n{text[-6000:]}"
+    return text
+
+
+async def test_the_readme_commands_as_root_in_a_mktemp_clone(private_dir: Path) -> None:
+    """`git clone ... && cd butlers && make up`, and `make test`, in a `mktemp -d` directory.
+
+    `make up` installs the clone's .venv (inside the 0700 directory, so the wheel's PostgreSQL
+    is out of the server's account's reach) and starts the shipped fleet, its ports moved by
+    UP_ARGS so a fleet already running here is no obstacle. `make test` runs, through
+    PYTEST_ADDOPTS, the tests that start PostgreSQL, Claude Code and `butlers up` themselves:
+    the whole suite again would double CI's time.
+    """
+    if shutil.which("git") is None or shutil.which("make") is None:
+        pytest.fail("git and make are needed (the README's commands)")
+    clone = private_dir / "butlers"
+    await asyncio.to_thread(
+        subprocess.run, ["git", "clone", "--quiet", str(REPO), str(clone)], check=True
+    )
+    env = _user_env()
+    requested = clone / ".butlers" / "pgdata"
+    offset = 5000 + os.getpid() % 1000
+    up = await asyncio.create_subprocess_exec(
+        "make",
+        "up",
+        f"UP_ARGS=--port-offset {offset}",
+        cwd=clone,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # make, then butlers: one group to signal, as Ctrl-C does
+    )
+    said = ""
+    try:
+        assert up.stdout is not None
+        async with asyncio.timeout(900):  # a first run installs the venv
+            while READY not in said:
+                line = await up.stdout.readline()
+                if not line:
+                    raise AssertionError(f"make up ended before ready:\n{said[-6000:]}")
+                said += line.decode(errors="replace")
+        place = _root_home_data(requested)
+        assert f"embedded PostgreSQL in {place / 'pgdata'}" in said, said[-3000:]
+        switchboard = re.search(r"switchboard\s+http://127\.0\.0\.1:(\d+)/sse", said)
+        assert switchboard is not None, said[-3000:]
+        assert int(switchboard.group(1)) == 8100 + offset
+        health = await _health(int(switchboard.group(1)))
+        assert health["database"]["ok"] is True
+        os.killpg(up.pid, signal.SIGINT)
+        async with asyncio.timeout(60):
+            rest = await up.stdout.read()
+            assert await up.wait() == 0, (said + rest.decode(errors="replace"))[-3000:]
+        assert "Traceback" not in said + rest.decode(errors="replace")
+
+        tests = await _make(
+            "test",
+            clone,
+            {
+                **env,
+                "PYTEST_ADDOPTS": "-q -p no:cacheprovider tests/test_db.py tests/test_trigger.py",
+            },
+        )
+        summary = tests.strip().splitlines()[-1]
+        assert re.search(r"\d+ passed", summary) and "failed" not in summary, tests[-3000:]
+        assert "error" not in summary, tests[-3000:]
+    finally:
+        if up.returncode is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            await up.wait()
+        _forget(requested)
+    assert _mode(private_dir) == 0o700
+    assert _mode(clone) == 0o755  # as git made it: not opened up
