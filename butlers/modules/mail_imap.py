@@ -163,11 +163,23 @@ class ImapIntake:
                 )
                 # A refusal (untrusted certificate, no STARTTLS, login refused) needs someone
                 # to act: "failed", though we keep trying in case they did.
-                state = "failed" if isinstance(exc, MailRefused) else "starting"
+                refused = isinstance(exc, MailRefused)
                 self.module.status = ModuleStatus(
-                    self.module.name, state, f"{why}; retrying in {delay}s"
+                    self.module.name,
+                    "failed" if refused else "starting",
+                    f"{why}; retrying in {delay}s",
                 )
-                logger.warning("email: IMAP connection ended (%s); reconnecting in %ss", why, delay)
+                if refused:
+                    logger.error(
+                        "email: IMAP refused: %s; trying again in %ss",
+                        why,
+                        delay,
+                        extra={"action": "mail_refused"},
+                    )
+                else:
+                    logger.warning(
+                        "email: IMAP connection ended (%s); reconnecting in %ss", why, delay
+                    )
                 await asyncio.sleep(delay)
 
     async def _connection(self) -> None:

@@ -46,6 +46,10 @@ REFUSAL = "Sorry, this is a private butler: I only answer the people it was set 
 TEXT_ONLY = "I can only read text messages for now: please write it out."
 # What Telegram accepts as a webhook's secret_token (Bot API, setWebhook).
 WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]{1,256}")
+# Telegram's descriptions of a token it refuses (python-telegram-bot raises InvalidToken for
+# both): 401 for a well-formed token that is not valid (revoked, mistyped), 404 for a
+# malformed one.
+TOKEN_REFUSALS = {"Unauthorized": "401 Unauthorized", "Not Found": "404 Not Found"}
 
 
 def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
@@ -314,9 +318,10 @@ class TelegramModule:
                 self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
                 self._connected.set()
                 return
-            except InvalidToken:
-                self.status = ModuleStatus(self.name, "failed", "Telegram rejected the token")
-                raise
+            except InvalidToken as exc:
+                # Retrying cannot help: the token is read once, at start.
+                self._token_rejected(exc)
+                return
             except Exception as exc:
                 delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
                 self.status = ModuleStatus(
@@ -325,8 +330,19 @@ class TelegramModule:
                 logger.warning("telegram: Bot API unreachable (%s); retry in %ss", exc, delay)
                 await asyncio.sleep(delay)
 
+    def _token_rejected(self, exc: Exception) -> None:
+        """The module is `failed`, saying so in /health and the log. Never with the
+        exception's own text: python-telegram-bot's names the token."""
+        described = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        said = TOKEN_REFUSALS.get(getattr(described, "message", ""), "refused")
+        why = (
+            f"Telegram rejected the bot token ({said}): check {self.config.token_env}, then restart"
+        )
+        self.status = ModuleStatus(self.name, "failed", why)
+        logger.error("telegram: %s", why, extra={"action": "telegram_token_rejected"})
+
     async def _poll(self) -> None:
-        from telegram.error import Conflict
+        from telegram.error import Conflict, InvalidToken
 
         offset: int | None = None
         failures = 0
@@ -338,6 +354,9 @@ class TelegramModule:
                     allowed_updates=["message", "edited_message"],
                 )
                 failures = 0
+            except InvalidToken as exc:  # revoked while running: polling cannot go on
+                self._token_rejected(exc)
+                return
             except Conflict as exc:
                 # Another process polls with this token: Telegram allows one poller per token.
                 self.status = ModuleStatus(self.name, "failed", f"another poller is running: {exc}")
