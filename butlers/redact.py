@@ -7,15 +7,25 @@ configured with (the environment variables that hold them, in `Settings.environ`
 moment it is created, so no handler, formatter or level ever sees the original text. Spans
 go through the same Redactor on their way out (`butlers.telemetry.RedactingSpanExporter`, kept
 there so that this module, which every command loads, does not import the tracing SDK).
+
+A secret is rarely written out as it is when it holds anything but letters and digits: `%r`
+escapes quotes and backslashes, `json.dumps` escapes `"` and `\\` and (by default) every
+non-ASCII character as `\\uXXXX`, Jinja's `tojson` also `<>&'`, HTML `&<>"'`, a URL
+percent-encodes. So each secret is looked for in every such form (`written_forms`), and in
+those forms escaped once more (a JSON string holding JSON, a `%r` of a JSON text). For a
+secret of letters, digits, `-`, `_` and `.` (most tokens) the forms are the secret itself:
+the cost is paid only for secrets that need it.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
@@ -38,24 +48,172 @@ SECRET_NAME_PATTERN = re.compile(
 HEADER_LIST_NAMES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
 
 
+def _json_ascii(text: str) -> str:
+    """As inside a `json.dumps` string (the default, ensure_ascii: `\\u00fc` for `ü`)."""
+    return json.dumps(text)[1:-1]
+
+
+def _json_utf8(text: str) -> str:
+    """As inside a `json.dumps(..., ensure_ascii=False)` string (JSON log lines, responses)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def _jinja_tojson(text: str) -> str:
+    """As Jinja's `tojson` writes it into a page: JSON, with `<>&'` as `\\u` escapes too."""
+    return (
+        _json_ascii(text)
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("'", "\\u0027")
+    )
+
+
+def _repr_forms(text: str) -> tuple[str, ...]:
+    """As inside `repr()` (`%r`, `{!r}`, a container or exception printed), `ascii()` and the
+    repr of its UTF-8 bytes. Which quote repr escapes depends on the whole string the secret
+    is part of, not on the secret: both ways, then. (Appending a `"` makes repr quote with
+    `'` and escape each `'`; appending a `'` to a text without `"` makes it quote with `"`
+    and escape none.)"""
+    forms = [repr(text + '"')[1:-2], ascii(text + '"')[1:-2], repr((text + '"').encode())[2:-2]]
+    if '"' not in text:
+        forms += [
+            repr(text + "'")[1:-2],
+            ascii(text + "'")[1:-2],
+            repr((text + "'").encode())[2:-2],
+        ]
+    return tuple(forms)
+
+
+def _html_forms(text: str) -> tuple[str, ...]:
+    """As HTML escapes it: markupsafe's (Jinja's autoescape: `&#39;`, `&#34;`) and the
+    standard library's (`&#x27;`, `&quot;`; and without quotes)."""
+    markupsafe = (
+        text.replace("&", "&amp;")
+        .replace(">", "&gt;")
+        .replace("<", "&lt;")
+        .replace("'", "&#39;")
+        .replace('"', "&#34;")
+    )
+    return markupsafe, html.escape(text), html.escape(text, quote=False)
+
+
+def _url_forms(text: str) -> tuple[str, ...]:
+    """As a URL carries it: percent-encoded in a path or query (`+` or `%20` for a space)."""
+    return quote(text, safe=""), quote(text), quote_plus(text), quote_plus(text, safe="/")
+
+
+# Escapings applied to each form once more: what a value passes through twice (a JSON text
+# inside JSON, a JSON or HTML text printed with %r).
+_NESTING: tuple[Callable[[str], Iterable[str]], ...] = (
+    lambda text: (_json_ascii(text), _json_utf8(text)),
+    _repr_forms,
+)
+
+
+def written_forms(secret: str) -> frozenset[str]:
+    """Every way `secret` may appear in a text that went through escaping: itself, as JSON
+    (with and without ensure_ascii; Jinja's `tojson`), as repr/ascii, HTML-escaped and
+    URL-encoded, and each of those through JSON or repr once more."""
+    forms = {
+        secret,
+        _json_ascii(secret),
+        _json_utf8(secret),
+        _jinja_tojson(secret),
+        *_repr_forms(secret),
+        *_html_forms(secret),
+        *_url_forms(secret),
+    }
+    for form in list(forms):
+        for escape in _NESTING:
+            forms.update(escape(form))
+    return frozenset(forms)
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """One regular expression matching any of `words`, longest first where one is a prefix of
+    another, written as a trie (`p(?:&amp;ss|%26ss|...)`): at each place in a text the regex
+    engine follows one branch per character instead of trying every word, so the cost stays
+    near that of one search however many forms the secrets have (measured: 50 forms, 0.75 µs
+    against 2 µs for 50 substring tests). Iterative along runs of single children: a long
+    secret (a private key) must not hit Python's recursion limit. Greedy: where a form ends
+    inside a longer one, the longer one is tried first."""
+    root: dict[str, Any] = {}
+    for word in words:
+        node = root
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        parts: list[str] = []
+        while True:
+            ends = "" in node
+            children = [(c, child) for c, child in node.items() if c != ""]
+            if not children:
+                return "".join(parts)
+            if len(children) == 1 and not ends:
+                char, node = children[0]
+                parts.append(re.escape(char))
+                continue
+            branches = "|".join(re.escape(c) + build(child) for c, child in sorted(children))
+            parts.append(f"(?:{branches}){'?' if ends else ''}")
+            return "".join(parts)
+
+    return build(root)
+
+
 class Redactor:
-    """Replaces each known secret in a text with `[redacted]`."""
+    """Replaces each known secret, in any of its written forms, with `[redacted]`.
+
+    Up to `LOOP_MAX_FORMS` forms (plain tokens: one form each) it tests each with `in`, the
+    fastest way for a few; past that (a password with quotes, `&`, `<`, non-ASCII: ~40 forms)
+    one trie-shaped regular expression finds any of them in about the time of 15 substring
+    tests. Measured on a 177-character log line: 5 plain tokens, 0.37 µs either way against
+    0.72 µs for the regex; with such a password too, 0.9 µs against 2 µs for the loop.
+    """
+
+    LOOP_MAX_FORMS = 16
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: tuple[str, ...] = ()
+        self._forms: tuple[str, ...] = ()
+        self._pattern: re.Pattern[str] | None = None
         self.add(secrets)
 
     def add(self, secrets: Iterable[str]) -> None:
         """More secrets (e.g. those the butler.toml files name, once they are loaded)."""
         known = {*self.secrets, *(s for s in secrets if len(s) >= MIN_SECRET_CHARS)}
-        # Longest first, so that a secret containing another is replaced whole.
         self.secrets = tuple(sorted(known, key=len, reverse=True))
+        # Longest first, so that a form containing another (a secret containing another, an
+        # escaped form containing the plain one) is replaced whole.
+        forms = sorted(
+            {f for secret in known for f in written_forms(secret)}, key=len, reverse=True
+        )
+        many = len(forms) > self.LOOP_MAX_FORMS
+        self._forms = () if many else tuple(forms)
+        self._pattern = re.compile(_trie_pattern(forms)) if many else None
 
     def __call__(self, text: str) -> str:
-        for secret in self.secrets:
-            if secret in text:
-                text = text.replace(secret, REDACTED)
-        return text
+        """`text` without any secret. Returned as it came (the same object) when it holds
+        none; a `Markup` (a Jinja filter's HTML-safe output, `tojson`) stays Markup, or
+        autoescape would escape that output a second time: `[redacted]` in place of a secret
+        adds no markup. It is searched as plain text, so that no Markup method is involved
+        (markupsafe 2's `replace` HTML-escaped what it looked for)."""
+        plain = text if type(text) is str else str.__str__(text)
+        redacted = plain
+        if self._pattern is not None:
+            if self._pattern.search(plain) is not None:
+                redacted = self._pattern.sub(REDACTED, plain)
+        else:
+            for form in self._forms:
+                if form in redacted:
+                    redacted = redacted.replace(form, REDACTED)
+        if redacted is plain:
+            return text
+        if hasattr(text, "__html__"):
+            return type(text)(redacted)
+        return redacted
 
     def __bool__(self) -> bool:
         return bool(self.secrets)
@@ -84,8 +242,8 @@ class Redactor:
                 password = urlsplit(database_url).password
             except ValueError:
                 password = None
-            if password:
-                values.append(password)
+            if password:  # as the URL writes it (percent-encoded), and as it is
+                values += [password, unquote(password)]
         return cls(values)
 
 
