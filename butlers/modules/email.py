@@ -51,7 +51,7 @@ from butlers.modules.mail_transport import (
 )
 from butlers.modules.mail_webhook import parse_webhook
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
-from butlers.switchboard.outbox import Delivery
+from butlers.switchboard.outbox import Delivery, RecipientDeferred
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
@@ -144,7 +144,18 @@ class EmailModule:
         except MailUnreadable as exc:
             logger.warning("email: webhook mail refused: %s", exc, extra={"action": "refused"})
             return JSONResponse({"error": f"bad inbound mail: {exc}"}, 400)
-        await self.accept(mail)
+        try:
+            await self.accept(mail)
+        except Exception as exc:  # the database refused or is down: the provider must retry
+            logger.error(
+                "email: webhook mail %r from %s could not be stored (%s); answered 503 so that "
+                "the provider sends it again",
+                mail.message_id[:200],
+                mail.sender,
+                describe(exc),
+                extra={"action": "mail_retry"},
+            )
+            return JSONResponse({"error": "the mail could not be stored; send it again later"}, 503)
         return JSONResponse({"ok": True})  # only now: the message is in the inbox
 
     # -- what comes in --------------------------------------------------------------------------
@@ -309,7 +320,9 @@ class EmailModule:
         """Send one row. A recipient that is no address, or a server refusing the mail itself
         (5xx to the recipient or the data) is final; a server down, refusing the connection,
         STARTTLS or the login (a password that changed: every queued mail would be lost), or
-        answering 4xx is tried again later."""
+        answering 4xx is tried again later. A 4xx to the recipient alone (a full mailbox,
+        greylisting) holds back only that recipient's mail (RecipientDeferred): one bad
+        address must not stop the replies to everyone else."""
         import aiosmtplib
 
         meta = delivery.meta
@@ -342,6 +355,13 @@ class EmailModule:
                 and refused_mail
                 and (not isinstance(code, int) or 500 <= code < 600)
             )
+            if (
+                isinstance(cause, aiosmtplib.SMTPRecipientsRefused)
+                and isinstance(code, int)
+                and 400 <= code < 500
+                and code != 421  # the server is closing: the channel's trouble, not the address's
+            ):
+                raise RecipientDeferred(str(exc)) from exc
             raise DeliveryError(str(exc), permanent=permanent) from exc
         return [message_id]
 

@@ -321,6 +321,11 @@ async def smtp_send(
         await smtp.send_message(message)
         with contextlib.suppress(aiosmtplib.SMTPException, OSError, TimeoutError):
             await smtp.quit()  # the mail is taken; a failed goodbye changes nothing
+    except aiosmtplib.SMTPRecipientsRefused as exc:
+        refused = "; ".join(f"{r.recipient}: {r.code} {r.message}" for r in exc.recipients)
+        raise MailError(f"{server.where} refused the recipient ({refused})") from exc
+    except aiosmtplib.SMTPResponseException as exc:  # the server's own reply, as it said it
+        raise MailError(f"{server.where} answered {exc.code} {exc.message}") from exc
     except (aiosmtplib.SMTPException, OSError, TimeoutError) as exc:
         raise _wrap(server, exc) from exc
     finally:

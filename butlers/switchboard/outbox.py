@@ -7,6 +7,12 @@ delivers the channel's rows strictly in order, retrying with backoff while the c
 down (Bot API 5xx or unreachable, SMTP refusing) for up to `reply_retry_hours`, and marks
 each row sent once the channel has taken it.
 
+One exception to the order: a refusal that concerns one recipient only (`RecipientDeferred`:
+a mail server's 4xx to RCPT TO, a full mailbox or greylisting) holds back that recipient's
+rows, not the channel's. The row is marked (HELD_KEY in its meta) and retried with the
+backoff; the channel's rows to others go out meanwhile, each recipient's still in order. Else
+one bad address would stop every reply for up to `reply_retry_hours`.
+
 The one window left: a crash after the channel took a message and before its row was marked
 sent. That row is sent again at the next start: at most one duplicate. Telegram has no
 idempotency key to prevent it; a mail is sent again with the same Message-ID, which mail
@@ -41,6 +47,25 @@ IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
 # channel's later messages queue behind the row (delivery is in order).
 MAX_INTERNAL_ERRORS = 3
 ERROR_CHARS = 1000
+# In a row's meta: its last attempt was refused for its recipient only (RecipientDeferred), so
+# it holds back only that recipient's later rows.
+HELD_KEY = "held_for_recipient"
+
+# The rows `o` that may go next (due or not): no unsent row of the channel before it, except
+# rows held for another recipient.
+_MAY_GO = f"""
+    o.channel = $1 AND o.status IN ('pending', 'sending')
+    AND NOT EXISTS (
+        SELECT 1 FROM outbox b
+        WHERE b.channel = $1 AND b.status IN ('pending', 'sending') AND b.id < o.id
+          AND (b.recipient = o.recipient OR NOT coalesce((b.meta ->> '{HELD_KEY}')::boolean, false))
+    )
+"""
+
+
+class RecipientDeferred(DeliveryError):
+    """The channel did not take a row, for its recipient only and for now (a mail server's
+    4xx to RCPT TO): tried again with the backoff, while the channel's rows to others go on."""
 
 
 @dataclass(frozen=True)
@@ -143,16 +168,17 @@ class OutboxStore:
 
     async def claim(self, channel: str) -> Delivery | None:
         """The channel's oldest unsent row, now `sending`, if it is due. Rows go out strictly
-        in order: while the oldest waits for its next attempt, the ones after it wait too."""
+        in order: while the oldest waits for its next attempt, the ones after it wait too,
+        unless it is held for its recipient only (HELD_KEY): then only that recipient's do."""
         row = await self.pool.fetchrow(
-            """
+            f"""
             WITH head AS (
-                SELECT id, next_attempt_at FROM outbox
-                WHERE channel = $1 AND status IN ('pending', 'sending')
-                ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
+                SELECT o.id FROM outbox o
+                WHERE {_MAY_GO} AND o.next_attempt_at <= now()
+                ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED
             )
             UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1
-            FROM head WHERE outbox.id = head.id AND head.next_attempt_at <= now()
+            FROM head WHERE outbox.id = head.id
             RETURNING outbox.*
             """,
             channel,
@@ -160,11 +186,10 @@ class OutboxStore:
         return None if row is None else Delivery.from_row(row)
 
     async def head_due_in_s(self, channel: str) -> float | None:
-        """Seconds until the channel's oldest unsent row is due; None when there is none."""
+        """Seconds until the next row `claim` may take is due; None when there is none."""
         return await self.pool.fetchval(
-            """SELECT greatest(0, extract(epoch FROM next_attempt_at - now()))::float8
-               FROM outbox WHERE channel = $1 AND status IN ('pending', 'sending')
-               ORDER BY id LIMIT 1""",
+            f"""SELECT greatest(0, extract(epoch FROM min(o.next_attempt_at) - now()))::float8
+                FROM outbox o WHERE {_MAY_GO}""",
             channel,
         )
 
@@ -176,14 +201,21 @@ class OutboxStore:
             [storable(str(i)) for i in sent_ids],
         )
 
-    async def later(self, delivery_id: int, error: str, delay_s: float) -> None:
+    async def later(
+        self, delivery_id: int, error: str, delay_s: float, *, held_for_recipient: bool = False
+    ) -> None:
+        """Try the row again in `delay_s`; `held_for_recipient`: only its recipient's later
+        rows wait for it (RecipientDeferred), not the channel's."""
         await self.pool.execute(
-            """UPDATE outbox SET status = 'pending', error = $2,
-                      next_attempt_at = now() + make_interval(secs => $3)
+            f"""UPDATE outbox SET status = 'pending', error = $2,
+                      next_attempt_at = now() + make_interval(secs => $3),
+                      meta = CASE WHEN $4 THEN coalesce(meta, '{{}}') || '{{"{HELD_KEY}": true}}'
+                                  ELSE meta - '{HELD_KEY}' END
                WHERE id = $1""",
             delivery_id,
             storable(error[:ERROR_CHARS]),
             delay_s,
+            held_for_recipient,
         )
 
     async def failed(self, delivery_id: int, error: str) -> None:
@@ -303,7 +335,12 @@ class OutboxSender:
                     sent_ids = await channel.deliver(delivery)
                 except DeliveryError as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-                    await self._not_taken(delivery, str(exc), permanent=exc.permanent)
+                    await self._not_taken(
+                        delivery,
+                        str(exc),
+                        permanent=exc.permanent,
+                        held_for_recipient=isinstance(exc, RecipientDeferred),
+                    )
                     return
                 except Exception as exc:  # a bug in a channel: retried a few times, logged
                     logger.exception("outbox: delivering row %s failed", delivery.id)
@@ -320,7 +357,14 @@ class OutboxSender:
             if token is not None:
                 otel_context.detach(token)
 
-    async def _not_taken(self, delivery: Delivery, error: str, *, permanent: bool = False) -> None:
+    async def _not_taken(
+        self,
+        delivery: Delivery,
+        error: str,
+        *,
+        permanent: bool = False,
+        held_for_recipient: bool = False,
+    ) -> None:
         age_s = (datetime.now(UTC) - delivery.created_at).total_seconds()
         if permanent or age_s >= self.retry_budget_s:
             why = "refused" if permanent else f"still failing after {age_s / 3600:.1f} h"
@@ -344,4 +388,4 @@ class OutboxSender:
             delay_s,
             extra={"action": "delivery_retry"},
         )
-        await self.store.later(delivery.id, error, delay_s)
+        await self.store.later(delivery.id, error, delay_s, held_for_recipient=held_for_recipient)

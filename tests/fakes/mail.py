@@ -10,7 +10,8 @@
   `transcript` file it logs every line of every connection there (`PymapTranscript` reads
   it): what the server got, decrypted, STARTTLS sessions included.
 - `SmtpServer`: aiosmtpd on a free port (its Controller cannot take port 0), recording the
-  mails it takes and the credentials it was given.
+  mails it takes and the credentials it was given; it answers RCPT TO of the addresses in its
+  `refuse` with the reply given there (a 550, a 451), as a real server refuses a recipient.
 - `RecordingWorker`: what the email module hands mail to, for tests of the connection rather
   than of the inbox: it keeps what it is given.
 - `record_threads()`: which thread each call of some functions ran on (the event loop's, or a
@@ -404,7 +405,9 @@ class SmtpServer:
     """aiosmtpd in its own thread: `messages` it took, `logins` (user, password) it was given.
 
     tls: "starttls" (AUTH only after STARTTLS), "implicit" (TLS from the first byte), or
-    "none"; auth: whether AUTH is offered at all (a local relay offers none)."""
+    "none"; auth: whether AUTH is offered at all (a local relay offers none). `refuse`:
+    address -> the reply to its RCPT TO (e.g. "550 5.1.1 No such user"); the test may change
+    it while the server runs. `refusals` lists (address, reply) of each refused RCPT TO."""
 
     def __init__(
         self,
@@ -413,8 +416,11 @@ class SmtpServer:
         auth: bool = True,
         ca: MailCA | None = None,
         users: dict[str, str] | None = None,
+        refuse: dict[str, str] | None = None,
     ) -> None:
         self.messages: list[EmailMessage] = []
+        self.refuse: dict[str, str] = dict(refuse or {})
+        self.refusals: list[tuple[str, str]] = []
         self.recipients: list[list[str]] = []  # each mail's envelope (RCPT TO)
         self.logins: list[tuple[str, str]] = []
         self.arrived = asyncio.Event()
@@ -446,6 +452,14 @@ class SmtpServer:
         self.logins.append((user, password))
         ok = self._users.get(user) == password
         return AuthResult(success=ok, handled=False)  # handled=True: no answer to a refusal
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
+        if (reply := self.refuse.get(address.lower())) is not None:
+            self.refusals.append((address, reply))
+            self._loop.call_soon_threadsafe(self.arrived.set)
+            return reply
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
 
     async def handle_DATA(self, server, session, envelope) -> str:
         message = email.message_from_bytes(envelope.content, policy=email.policy.default)

@@ -1,0 +1,97 @@
+"""SMTP refusing a recipient, against the real aiosmtpd of tests/fakes/mail.py and the whole
+switchboard (mail in through the webhook, answered by real butlers through Claude Code):
+
+- a 5xx to RCPT TO is final for that mail: `failed` with the server's reply, never retried;
+- a 4xx is tried again with the outbox's backoff, and sent once the server takes it;
+- neither holds back the replies to other addresses (delivery is in order per channel, so a
+  retried row at the head would have stopped every later reply for `reply_retry_hours`);
+  the replies to the address that is refused for now still go out in their order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tests.conftest import StartButler, eventually
+from tests.fakes.mail import SmtpServer
+from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_email import start_mail_fleet
+from tests.test_email_tls import PASSWORD, USER
+from tests.test_email_webhook import post
+from tests.test_inbox import model
+
+GONE, FULL, GOOD = "gone@example.com", "full@example.com", "user@example.com"
+NO_SUCH_USER = "550 5.1.1 No such user here"
+MAILBOX_FULL = "451 4.2.2 Mailbox full, try again later"
+
+
+async def rows_by_recipient(conn: asyncpg.Connection) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for row in await conn.fetch("SELECT * FROM outbox ORDER BY id"):
+        rows.setdefault(row["recipient"], []).append(dict(row))
+    return rows
+
+
+async def test_a_refused_recipient_never_holds_back_the_others(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "hook")
+    refuse = {GONE: NO_SUCH_USER, FULL: MAILBOX_FULL}
+    with SmtpServer(users={USER: PASSWORD}, refuse=refuse) as smtp:
+        switchboard = await start_mail_fleet(
+            start_butler,
+            tmp_path,
+            1,
+            smtp,
+            monkeypatch,
+            mode="webhook",
+            allowed_senders=(GONE, FULL, GOOD),
+        )
+        conn = await db_conn(switchboard.config.database)
+        # Answered in this order: the replies are queued in it.
+        for n, sender in enumerate([GONE, FULL, GOOD, FULL]):
+            payload = {"from": sender, "text": f"note {n}", "message_id": f"<n{n}@x>"}
+            assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+
+        # The reply to the good address goes out while the full mailbox is refused.
+        [sent] = await smtp.wait_for(1)
+        assert (sent["To"], sent["In-Reply-To"]) == (GOOD, "<n2@x>")
+
+        async def full_retried_and_all_queued() -> bool:
+            full = (await rows_by_recipient(conn)).get(FULL, [])
+            return len(full) == 2 and full[0]["attempts"] >= 2
+
+        await eventually(full_retried_and_all_queued, timeout_s=120)  # backoff: 1 s, then 2 s
+        rows = await rows_by_recipient(conn)
+        [gone] = rows[GONE]
+        assert (gone["status"], gone["attempts"]) == ("failed", 1)  # final: not retried
+        assert NO_SUCH_USER in gone["error"] and GONE in gone["error"]
+        full, later = rows[FULL]
+        assert full["status"] in ("pending", "sending") and MAILBOX_FULL in full["error"]
+        # The second reply to the full mailbox waits behind the first: never tried yet.
+        assert (later["status"], later["attempts"]) == ("pending", 0)
+        assert len(smtp.messages) == 1
+
+        del smtp.refuse[FULL]  # the mailbox has room again
+        sent_all = await smtp.wait_for(3)
+    assert [(m["To"], m["In-Reply-To"]) for m in sent_all[1:]] == [
+        (FULL, "<n1@x>"),
+        (FULL, "<n3@x>"),
+    ]
+
+    async def marked_sent() -> bool:
+        rows = await rows_by_recipient(conn)
+        return [r["status"] for r in rows[FULL] + rows[GOOD]] == ["sent"] * 3
+
+    await eventually(marked_sent)
+    rows = await rows_by_recipient(conn)
+    assert rows[GONE][0]["attempts"] == 1  # still: a 5xx is never tried again
+    assert [r for r, _ in smtp.refusals].count(GONE) == 1
