@@ -71,13 +71,13 @@ def classification_prompt(
 ) -> str:
     """The spec's prompt: `Classify this message and route it. Available butlers: [...].
     Message: ...` with the default-butler rule; the switchboard itself (`switchboard`: its
-    name) is never listed, nor is a stale butler (`butlers` should hold only those route
-    accepts: `routable_rows`). The conversation so far, when there is one, follows in its
+    name) is never listed; `butlers` should hold only those route accepts (`routable_rows`:
+    no stale butler either). The conversation so far, when there is one, follows in its
     own block, as data too."""
     listed = ", ".join(
         f"{b['name']}: {b.get('description') or '(no description)'}"
         for b in butlers
-        if b["name"] != switchboard and not b.get("stale")
+        if b["name"] != switchboard
     )
     start, end = f"<<<MESSAGE {boundary}", f"MESSAGE {boundary}>>>"
     earlier = ""
