@@ -5,6 +5,7 @@ own `default_butler`, and refuses to route to itself."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,48 @@ async def test_what_nobody_routes_goes_to_the_configured_default_butler(
     answer = await ask(frontdoor, "Something nobody claims")
     assert (answer["status"], answer["routed_to"]) == ("done", "health"), answer
     assert answer["reply"] == "Health took it."
+
+
+async def test_after_a_rename_the_switchboards_old_name_is_not_routable(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Registry rows are never deleted: once `config/switchboard` became `config/frontdoor`,
+    the row `switchboard` still points at this very process. It is stale, it had a
+    [switchboard] table and its endpoint is the switchboard's own: route refuses it, and the
+    classifier is not shown it."""
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"))
+    write_butler_dir(config_dir, "general", general.port, description="General things.")
+    port = free_port()
+    table = '[switchboard]\ndefault_butler = "general"\n'
+    write_butler_dir(config_dir, "switchboard", port, description="Front door.", extra=table)
+    before = await start_butler(butler_config("switchboard", port=port), config_dir=config_dir)
+    await before.stop()
+
+    shutil.rmtree(config_dir / "switchboard")
+    write_butler_dir(config_dir, "frontdoor", port, description="Front door.", extra=table)
+    frontdoor = await start_butler(
+        butler_config("frontdoor", port=port, switchboard=SwitchboardConfig()),
+        config_dir=config_dir,
+        database=before.config.database,
+    )
+    async with Client(frontdoor.sse_url) as client:
+        rows = {r["name"]: r for r in (await client.call_tool("list_butlers", {})).data}
+        old = rows["switchboard"]
+        assert (old["stale"], old["is_switchboard"]) == (True, True)
+        assert (rows["frontdoor"]["stale"], rows["general"]["stale"]) == (False, False)
+        with pytest.raises(ToolError, match="routing to the Switchboard is not permitted"):
+            await client.call_tool("route", {"butler_name": "switchboard", "tool_name": "status"})
+
+    answer = await ask(frontdoor, "Remember to buy milk")
+    assert (answer["status"], answer["routed_to"]) == ("done", "general")
+    [first] = [b for b in scripted_api.requests if is_classifier(b) and turn(b) == 0]
+    listed = classifier_prompt(first).split("Available butlers: [", 1)[1].split("]", 1)[0]
+    assert listed == "general: General things."
+    conn = await db_conn(frontdoor.config.database)
+    routed = await conn.fetch("SELECT routed_to, success FROM routing_log ORDER BY created_at")
+    assert [(r["routed_to"], r["success"]) for r in routed] == [
+        ("switchboard", False),
+        ("general", True),
+    ]
