@@ -96,9 +96,10 @@ class Settings(BaseSettings):
         "export theirs there too); unset: no export.",
     )
     otel_exporter_otlp_protocol: Literal["grpc", "http/protobuf", "http/json"] = Field(
-        default="grpc",
+        default="http/protobuf",
         validation_alias="OTEL_EXPORTER_OTLP_PROTOCOL",
-        description="OTLP protocol: grpc or http/protobuf (http/json is sent as protobuf).",
+        description="OTLP protocol: http/protobuf or grpc (http/json is sent as protobuf). "
+        "grpc needs the `otlp-grpc` extra (`pip install 'butlers[otlp-grpc]'`).",
     )
     otel_service_name: str | None = Field(
         default=None,

@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from butlers.errors import ButlersError
+
 if TYPE_CHECKING:
     from butlers.settings import Settings
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 TRACER_NAME = "butlers"
+GRPC_EXTRA = "otlp-grpc"  # pyproject.toml's extra holding the OTLP gRPC exporter
 
 
 def let_butlers_own_mcp_spans() -> None:
@@ -78,8 +81,9 @@ class Telemetry:
         cls, settings: Settings, redact: Callable[[str], str] | None = None
     ) -> Telemetry:
         """OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set (protocol per
-        OTEL_EXPORTER_OTLP_PROTOCOL: grpc, the default, or http/protobuf); otherwise none.
-        `redact`: applied to every exported span's texts (configured secrets).
+        OTEL_EXPORTER_OTLP_PROTOCOL: http/protobuf, the default, or grpc with the `otlp-grpc`
+        extra installed); otherwise none. `redact`: applied to every exported span's texts
+        (configured secrets).
 
         The exporter reads the rest of its OTEL_EXPORTER_OTLP_* configuration (headers,
         certificates, timeouts) itself, as the OpenTelemetry SDK documents."""
@@ -90,20 +94,10 @@ class Telemetry:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         protocol = settings.otel_exporter_otlp_protocol  # validated: grpc or http/...
+        exporter = otlp_exporter(protocol)
         logger.info(
             "exporting spans over OTLP (%s) to %s", protocol, endpoint, extra={"action": "otlp"}
         )
-        exporter: SpanExporter
-        if protocol.startswith("http"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter()
-        else:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                OTLPSpanExporter as GrpcSpanExporter,
-            )
-
-            exporter = GrpcSpanExporter()
         if redact is not None:
             exporter = RedactingSpanExporter(exporter, redact)
         return cls(
@@ -137,6 +131,29 @@ class Telemetry:
         if self.processor is not None:
             self.processor.force_flush()
             self.processor.shutdown()
+
+
+def otlp_exporter(protocol: str) -> SpanExporter:
+    """The OTLP span exporter for OTEL_EXPORTER_OTLP_PROTOCOL. Over HTTP (protobuf; http/json
+    is sent as protobuf too) by default: its exporter is a dependency. gRPC's exporter pulls
+    grpcio, a large native wheel most installs never use, so it is the `otlp-grpc` extra;
+    asked for without it, this says so instead of failing on an import deep in the SDK."""
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+    except ImportError as exc:
+        raise ButlersError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: the OTLP gRPC exporter is not installed "
+            f"({exc}). Install it with `pip install 'butlers[{GRPC_EXTRA}]'`, or export over "
+            "HTTP: OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf (the default; a collector's OTLP "
+            "HTTP port is usually 4318)"
+        ) from exc
+    return GrpcSpanExporter()
 
 
 def claude_code_telemetry_env(endpoint: str, protocol: str) -> dict[str, str]:

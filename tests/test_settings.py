@@ -102,7 +102,7 @@ def test_fields_defaults_and_lookups_by_name() -> None:
     assert (defaults.auth_token, defaults.database_url, defaults.switchboard_url) == (None,) * 3
     assert defaults.data_dir == Path(".butlers") and defaults.log_level == "WARNING"
     assert defaults.log_format == "text" and defaults.jaeger_ui_url == DEFAULT_JAEGER_UI_URL
-    assert defaults.otel_exporter_otlp_protocol == "grpc"
+    assert defaults.otel_exporter_otlp_protocol == "http/protobuf"
 
 
 def test_settings_read_the_process_environment_when_built(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -321,3 +322,59 @@ def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     with pytest.raises(ButlersError, match="OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"):
         Settings.from_environ()
+
+
+async def test_without_a_protocol_spans_go_over_http(
+    otlp: OtlpReceiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OTLP over HTTP is the default (its exporter is the one dependency; gRPC's is the
+    `otlp-grpc` extra): the real exporter's spans reach the receiver's HTTP endpoint, and
+    Claude Code sessions are told the same protocol."""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.url("http"))
+    telemetry = Telemetry.from_settings(Settings.from_environ())
+    assert telemetry.for_butler("general").cli_env["OTEL_EXPORTER_OTLP_PROTOCOL"] == (
+        "http/protobuf"
+    )
+    with telemetry.for_butler("general").tracer.start_as_current_span("over.http"):
+        pass
+    await asyncio.to_thread(telemetry.shutdown)  # flushes: the exporter's request is done
+    [span] = await otlp.wait_for(lambda got: any(s.name == "over.http" for s in got))
+    assert (span.service, span.protocol) == ("butler-general", "http")
+
+
+async def test_grpc_asked_for_without_the_extra_is_one_clear_error(tmp_path: Path) -> None:
+    """A real `butlers gateway` whose Python cannot import the OTLP gRPC exporter (as in an
+    install without the `otlp-grpc` extra): one line naming the variable and the extra,
+    exit 1, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "OTEL_"))}
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"
+    )
+    without_grpc = (
+        "import sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None; "
+        "from butlers.cli import main; main()"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        without_grpc,
+        *("gateway", "--no-butlers", "--dry-run", "--dir", str(tmp_path)),
+        env=env,
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode == 1, (out, err)
+    [line] = err.decode().splitlines()
+    assert line.startswith(
+        "error: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: the OTLP gRPC exporter is not installed ("
+    )
+    assert line.endswith(
+        "Install it with `pip install 'butlers[otlp-grpc]'`, or export over HTTP: "
+        "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf (the default; a collector's OTLP HTTP "
+        "port is usually 4318)"
+    )
