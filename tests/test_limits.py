@@ -71,6 +71,49 @@ async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
     assert (retried["status"], retried["reply"]) == ("done", "Done.")
 
 
+async def test_the_hourly_limit_counts_only_the_last_hour(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Guards the window of the per-sender count (inbox.claim_next): a sender's messages
+    from more than an hour ago no longer count, nor does a notice they were given then (they
+    are told again); one from within the hour still counts."""
+    scripted_api.respond_with(model("general", {"general": "Done."}))
+    switchboard, _ = await start_telegram_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        triage=[TriageRule(butler="general", channel="telegram")],
+        names=("general",),
+        chats=ALLOWED,
+        switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
+    )
+    sender = str(ALLOWED[0])
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO inbox (channel, external_id, source_id, text, status, received_at,
+                              finished_at)
+           SELECT 'telegram', 'earlier-' || n, $1, 'x', status, now() - age, now() - age
+           FROM (VALUES (1, 'skipped', interval '70 minutes'),
+                        (2, 'done', interval '61 minutes'),
+                        (3, 'done', interval '61 minutes'),
+                        (4, 'done', interval '61 minutes'),
+                        (5, 'done', interval '59 minutes')) AS earlier(n, status, age)""",
+        sender,
+    )
+    await bot_api.push_text(ALLOWED[0], "within the limit")  # one earlier message counts
+    await bot_api.push_text(ALLOWED[0], "over it")  # two do: the limit
+    sent = await bot_api.wait_sent(2, timeout_s=90)
+    assert [s["text"] for s in sent] == ["Done.", RATE_LIMITED]
+    rows = await conn.fetch(
+        "SELECT status FROM inbox WHERE external_id NOT LIKE 'earlier-%' ORDER BY id"
+    )
+    assert [r["status"] for r in rows] == ["done", "skipped"]
+
+
 async def test_the_ticker_deletes_finished_rows_older_than_retention_days(
     start_butler: StartButler,
     tmp_path: Path,
