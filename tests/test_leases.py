@@ -15,7 +15,7 @@ import pytest
 
 from butlers.config import TelegramConfig, TriageRule
 from butlers.db import create_pool
-from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.inbox import InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Leadership
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
 from tests.conftest import WEBHOOK_SECRET, butler_config, eventually, free_port
@@ -57,6 +57,16 @@ async def queue(store: InboxStore, conversation: str | None, text: str = "hi") -
     return inbox_id
 
 
+async def settled(conn: asyncpg.Connection) -> bool:
+    """Whether every message is finished and every outbox row sent or failed: from then on
+    nothing more can reach a channel, so what it received is final (a duplicate, had there
+    been one, is in it)."""
+    return await conn.fetchval(
+        """SELECT NOT EXISTS (SELECT 1 FROM inbox WHERE status IN ('queued', 'processing'))
+              AND NOT EXISTS (SELECT 1 FROM outbox WHERE status IN ('pending', 'sending'))"""
+    )
+
+
 async def finish(store: InboxStore, inbox_id: int, replica: str) -> bool:
     return await store.finish(
         inbox_id, replica=replica, status="done", routed_to=None, reply="ok", error=None
@@ -96,14 +106,11 @@ async def test_claims_racing_from_two_processes_never_break_a_conversation(store
     claimed: list[int] = []
 
     async def worker(store: InboxStore, replica: str) -> None:
-        idle = 0
-        while idle < 20:
+        while len(claimed) < 60:  # until every message has been claimed (by some worker)
             message = await store.claim_next(replica, 30)
-            if message is None:
-                idle += 1
+            if message is None:  # nothing claimable now: another worker holds what is left
                 await asyncio.sleep(0.005)
                 continue
-            idle = 0
             assert message.conversation not in in_flight, "two of one conversation at once"
             in_flight.add(message.conversation)
             claimed.append(message.id)
@@ -112,7 +119,8 @@ async def test_claims_racing_from_two_processes_never_break_a_conversation(store
             done[message.conversation].append(message.id)
             assert await finish(store, message.id, replica)
 
-    await asyncio.gather(*(worker(s, r) for s, r in [(a, "a"), (b, "b")] * 4))
+    async with asyncio.timeout(60):  # until all 60 are done (a message never claimed: fails)
+        await asyncio.gather(*(worker(s, r) for s, r in [(a, "a"), (b, "b")] * 4))
     assert sorted(claimed) == sorted(i for ids in expected.values() for i in ids)
     assert done == expected
 
@@ -125,9 +133,19 @@ async def test_a_lease_that_runs_out_is_taken_over_and_fences_the_old_owner(stor
     assert message is not None and message.attempts == 1
     assert await a.renew("a", [inbox_id], 1) == {inbox_id}
     assert await b.claim_next("b", 30) is None  # held, and its conversation's next waits
-    await asyncio.sleep(1.2)  # "a" died: nobody renews
-    taken = await b.claim_next("b", 30)
-    assert taken is not None and (taken.id, taken.attempts) == (inbox_id, 2)
+    # "a" died: nobody renews. "b" takes the message once the lease has run out (PostgreSQL's
+    # clock decides; the test polls until it has).
+    claims: list[InboxMessage] = []
+
+    async def taken_over() -> bool:
+        message = await b.claim_next("b", 30)
+        if message is not None:
+            claims.append(message)
+        return bool(claims)
+
+    await eventually(taken_over, timeout_s=30)
+    [taken] = claims
+    assert (taken.id, taken.attempts) == (inbox_id, 2)
     # The old owner hears it lost the message, and cannot finish it any more.
     assert await a.renew("a", [inbox_id], 1) == set()
     assert not await finish(a, inbox_id, "a")
@@ -176,7 +194,8 @@ async def test_one_leader_and_another_takes_over_when_it_dies(pg_server, databas
     await b.start()
     try:
         assert (a.is_leader, duty_a.leading) == (True, True)  # at once: a lone process leads
-        await asyncio.sleep(0.6)
+        tried = b.tries
+        await eventually(lambda: _async(b.tries >= tried + 2), timeout_s=10)  # asked, refused
         assert (b.is_leader, duty_b.leading) == (False, False)
         # The leader's connection dies (its process was killed, its host lost).
         admin = await connect()
@@ -194,8 +213,9 @@ async def test_one_leader_and_another_takes_over_when_it_dies(pg_server, databas
 
         await eventually(b_leads, timeout_s=10)
         await eventually(lambda: _async(not duty_a.leading), timeout_s=5)
-        # The old leader, back on a connection, waits as a follower now.
-        await asyncio.sleep(0.6)
+        # The old leader, back on a connection, waits as a follower now: it asks, is refused.
+        tried = a.tries
+        await eventually(lambda: _async(a.tries >= tried + 2), timeout_s=10)
         assert not a.is_leader and duty_a.terms == 1
         # The leader stops on purpose: the lock goes with it, the other leads again.
         await b.stop()
@@ -290,7 +310,7 @@ async def test_webhooks_work_on_every_replica_and_the_leader_sends(
             async with session.post(url, json=update, headers=headers) as response:
                 assert response.status == 200
     sent = await bot_api.wait_sent(2)
-    await asyncio.sleep(1)  # a duplicate would come now
-    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"] == [s["text"] for s in sent]
     conn = await db_conn(leader.config.database)
+    await eventually(lambda: settled(conn))  # nothing left that could still be sent
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"] == [s["text"] for s in sent]
     assert await conn.fetchval("SELECT count(*) FROM inbox") == 2

@@ -80,6 +80,9 @@ class Leadership:
         self.retry_s = retry_s
         self.check_s = check_s
         self.is_leader = False
+        # How many times this process has asked PostgreSQL for the lock: what a follower's
+        # "still not leading" is measured in (tests wait on it, not on the clock).
+        self.tries = 0
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -129,6 +132,7 @@ class Leadership:
         got = await asyncio.wait_for(
             self._conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY), self.retry_s * 5
         )
+        self.tries += 1
         if got:
             await self._lead()
 
