@@ -6,11 +6,13 @@ A mail is flagged \\Seen only once it is safely in the inbox (or deliberately re
 Bounces, auto-replies and our own mail are never answered: no mail loops.
 
 Safe to expose: a mail is accepted only from exactly one well-formed From address (what
-`email.utils.parseaddr` misreads is refused), optionally only with a DMARC pass from our own
-MTA (`require_authentication_results`); reading one costs bounded memory and time, off the
-event loop (limits in `mail_parse`); no single mail can block the mailbox or crash-loop the
-process (`mail_imap`); and nothing a sender writes reaches a header we write with a line
-break in it.
+`email.utils.parseaddr` misreads is refused, and so is an RFC 2047 encoded-word inside the
+address, which the stdlib decodes though the sender's DMARC check saw it undecoded), optionally
+only with a DMARC pass from our own MTA (`require_authentication_results`: the real defence; an
+allowlist of From addresses is only as good as it); reading one costs bounded memory and
+time, off the event loop (limits in `mail_parse`); no single mail can block the mailbox or
+crash-loop the process (`mail_imap`); and nothing a sender writes reaches a header we write
+with a line break in it.
 """
 
 from __future__ import annotations
