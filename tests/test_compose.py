@@ -1,15 +1,22 @@
-"""docker-compose.yml: valid Compose, and in step with config/butlers (no Docker needed here)."""
+"""docker-compose.yml: valid Compose, and in step with config/butlers; the Dockerfile's init
+and health check (no Docker needed here: the health check's command runs against a real
+butler)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from aiohttp import web
 
 from butlers.config import Placement, load_config_dir
+from tests.conftest import StartButler, free_port
+from tests.fakes import serve_on_loopback
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.schema.json"
@@ -51,7 +58,11 @@ def test_every_butler_has_a_service_running_it_on_its_port(compose: dict) -> Non
         assert (
             env["DATABASE_URL"].startswith("postgresql://") and "@postgres:" in env["DATABASE_URL"]
         )
-        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        # OTLP over HTTP (the gRPC exporter is an extra the image does not install).
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+        assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+        # An init reaps the orphans of Claude Code sessions.
+        assert service["init"] is True
         assert {"postgres", "jaeger"} <= set(service["depends_on"])
 
 
@@ -104,3 +115,74 @@ def test_the_replicas_profile_adds_a_switchboard_behind_the_same_name(compose: d
     assert replica["networks"]["default"]["aliases"] == ["switchboard"]
     assert "ports" not in replica
     assert all("profiles" not in s for name, s in services.items() if name != "switchboard-replica")
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions, (KEYWORD, rest), continuation lines joined."""
+    text = (REPO / "Dockerfile").read_text()
+    logical = text.replace("\\\n", " ")
+    found = []
+    for line in logical.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            found.append((keyword.upper(), rest.strip()))
+    return found
+
+
+def healthcheck_command() -> list[str]:
+    """The HEALTHCHECK's exec form: JSON, as Docker reads it."""
+    [rest] = [rest for keyword, rest in dockerfile() if keyword == "HEALTHCHECK"]
+    return json.loads(rest.partition("CMD ")[2])
+
+
+def test_the_image_runs_under_tini_and_checks_its_liveness() -> None:
+    instructions = dockerfile()
+    entrypoint = [json.loads(rest) for keyword, rest in instructions if keyword == "ENTRYPOINT"]
+    assert entrypoint == [["tini", "-s", "--", "butlers"]]
+    assert any(
+        keyword == "RUN" and "apt-get install" in rest and " tini" in rest
+        for keyword, rest in instructions
+    )
+    command = healthcheck_command()
+    assert command[:2] == ["python", "-c"] and "/livez" in command[2]
+    [exposed] = [rest.split() for keyword, rest in instructions if keyword == "EXPOSE"]
+    assert command[3:] == exposed  # every port a butler of the image may serve
+
+
+async def _health(*ports: int) -> int:
+    """The image's health check, as Docker runs it, against these ports on loopback."""
+    command = healthcheck_command()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, *command[1:3], *map(str, ports), stdout=asyncio.subprocess.DEVNULL
+    )
+    async with asyncio.timeout(60):
+        return await process.wait()
+
+
+async def test_the_images_health_check_asks_a_real_butlers_livez(
+    start_butler: StartButler,
+) -> None:
+    """Healthy: a butler answering /livez, the other ports refused (not served here);
+    unhealthy: nothing listening, a port answering 404 (not a butler), or one that hangs."""
+    butler = await start_butler()
+    assert await _health(butler.port, free_port()) == 0
+    assert await _health(free_port(), free_port()) == 1
+
+    release = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.router.add_get("/livez", hang)
+    hung_runner, hung_url = await serve_on_loopback(app)
+    empty_runner, empty_url = await serve_on_loopback(web.Application())
+    try:
+        assert await _health(butler.port, int(empty_url.rsplit(":", 1)[1])) == 1
+        assert await _health(butler.port, int(hung_url.rsplit(":", 1)[1])) == 1
+    finally:
+        release.set()
+        await hung_runner.cleanup()
+        await empty_runner.cleanup()
