@@ -38,6 +38,8 @@ from butlers.core_store import CoreStore
 from butlers.dashboard.auth import (
     CSRF_FIELD,
     DashboardAuth,
+    LoginThrottle,
+    client_of,
     csrf_matches,
     csrf_token,
     keep_csrf,
@@ -130,9 +132,11 @@ class Dashboard:
         auth_token: str | None,
         allowed_hosts: Sequence[str] | None = None,
         redact: Callable[[str], str] = str,
+        throttle: LoginThrottle | None = None,
     ) -> None:
         self.parts = parts
-        self.auth = DashboardAuth(auth_token)
+        self.auth = DashboardAuth(auth_token, parts.store)
+        self.throttle = throttle or LoginThrottle()
         self.templates = _environment(redact)
         routes = [
             Route("/ui", self.fleet),
@@ -160,7 +164,7 @@ class Dashboard:
                 await pages(scope, receive, send)
                 return
             request = Request(scope, receive)
-            if not self.auth.allows(request):
+            if not await self.auth.allows(request):
                 response: Response
                 if request.method == "GET" and "authorization" not in request.headers:
                     target = request.url.path + (
@@ -346,16 +350,27 @@ class Dashboard:
             return RedirectResponse(target, status_code=303)
         if request.method == "GET":
             return self._render(request, "login.html", problem=None, target=target)
+        client = client_of(request)
+        # Before anything is read or compared: a blocked client's guesses are not even tried.
+        retry_after = self.throttle.retry_after(client)
+        if retry_after is not None:
+            problem = f"too many wrong tokens from your address: try again in {retry_after} s"
+            refused = self._render(request, "login.html", 429, problem=problem, target=target)
+            refused.headers["retry-after"] = str(retry_after)
+            return refused
         form = await request.form()
         if not csrf_matches(request, _field(form, CSRF_FIELD)):
             return self._csrf_refused(request)
         if not self.auth.token_matches(_field(form, "token")):
-            logger.warning(
+            # DEBUG: one line per guess would be a flood; LoginThrottle warns once a burst.
+            logger.debug(
                 "dashboard: a wrong token was typed", extra={"action": "dashboard_login_refused"}
             )
+            self.throttle.failed(client)
             return self._render(
                 request, "login.html", 401, problem="that is not the token", target=target
             )
+        self.throttle.succeeded(client)
         response = RedirectResponse(_local_target(_field(form, "next")), status_code=303)
         self.auth.start_session(request, response)
         return response
@@ -365,7 +380,7 @@ class Dashboard:
         if not csrf_matches(request, _field(form, CSRF_FIELD)):
             return self._csrf_refused(request)
         response = RedirectResponse("/ui/login", status_code=303)
-        self.auth.end_session(response)
+        await self.auth.end_session(request, response)
         return response
 
 

@@ -1,4 +1,5 @@
-"""Every SQL statement of the dashboard, on the switchboard's database.
+"""Every SQL statement of the dashboard, on the switchboard's database (the sessions that were
+signed out too: migration switchboard_0008).
 
 Each page reads a bounded slice, newest first, through an index (migration switchboard_0006
 for the filters): a page costs the same with a hundred rows or a hundred thousand
@@ -138,3 +139,25 @@ class DashboardStore:
             PAGE_ROWS,
         )
         return [dict(r) for r in rows]
+
+    async def session_signed_out(self, session_id: str) -> bool:
+        """Whether the dashboard session `session_id` was signed out (in any switchboard
+        process on this database)."""
+        return bool(
+            await self.pool.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM dashboard_signed_out WHERE session_id = $1)",
+                session_id,
+            )
+        )
+
+    async def sign_out_session(self, session_id: str, expires_at: datetime) -> None:
+        """Record that `session_id` ended, until its cookie would have expired anyway; rows
+        past that are dropped on the way (a refused cookie's age refuses it from then on)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("DELETE FROM dashboard_signed_out WHERE expires_at < now()")
+            await conn.execute(
+                """INSERT INTO dashboard_signed_out (session_id, expires_at) VALUES ($1, $2)
+                   ON CONFLICT (session_id) DO NOTHING""",
+                session_id,
+                expires_at,
+            )
