@@ -18,8 +18,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from starlette.requests import Request
+from starlette.responses import Response
 
-from butlers.dashboard.auth import LoginThrottle, client_of
+from butlers.dashboard.auth import SESSION_MAX_AGE_S, DashboardAuth, LoginThrottle, client_of
 from tests.conftest import StartButler
 from tests.test_dashboard import BEARER, dashboard_client, rows_of, text_of
 from tests.test_inbox import start_fleet
@@ -191,6 +192,37 @@ def test_the_throttle_window_and_its_memory() -> None:
     assert throttle.retry_after("b") == throttle.retry_after("d") == 60
     throttle.failed("e")
     assert throttle.retry_after("b") is None and throttle.retry_after("d") == 60
+
+
+class SignedOut:
+    """The protocol DashboardAuth keeps signed-out ids through, in memory: the database's
+    side is tested above; here only the cookie's age is."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    async def session_signed_out(self, session_id: str) -> bool:
+        return session_id in self.ids
+
+    async def sign_out_session(self, session_id: str, expires_at) -> None:
+        self.ids.add(session_id)
+
+
+async def test_a_cookie_is_refused_past_its_age_whatever_the_browser_kept() -> None:
+    now = [1_800_000_000.0]
+    auth = DashboardAuth("a-token-for-the-cookie-age", SignedOut(), clock=lambda: now[0])
+    scope = {"type": "http", "scheme": "http", "path": "/ui/login", "query_string": b""}
+    response = Response()
+    auth.start_session(Request({**scope, "headers": []}), response)
+    cookie = response.headers["set-cookie"].split(";", 1)[0]
+    request = Request({**scope, "headers": [(b"cookie", cookie.encode())]})
+    assert await auth.allows(request)
+    now[0] += SESSION_MAX_AGE_S - 1
+    assert await auth.allows(request)
+    now[0] += 1
+    assert not await auth.allows(request)
+    now[0] -= SESSION_MAX_AGE_S + 3600  # an hour before it was issued: not from this key's past
+    assert not await auth.allows(request)
 
 
 def test_a_client_is_its_address_and_an_ipv6_client_its_64() -> None:
