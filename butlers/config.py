@@ -143,11 +143,26 @@ class RuntimeConfig:
         description="How often the daemon runs due schedules by itself; 0: only when `tick` "
         "is called.",
     )
+    min_schedule_interval_s: Annotated[Int, Field(ge=0)] = Field(
+        default=300,
+        description="`schedule_create` refuses a cron whose runs come closer together than "
+        "this (the shortest gap between two runs); 0: no minimum.",
+    )
+    max_scheduled_runs_per_hour: Annotated[Int, Field(ge=0)] = Field(
+        default=30,
+        description="Scheduled runs past this many in the last hour are skipped and logged, "
+        "and the owner is told once an hour; 0: no limit.",
+    )
+    max_spend_usd_per_day: Annotated[Float, Field(ge=0)] = Field(
+        default=0.0,
+        description="Once the sessions of the last 24 hours cost this much (Claude Code's "
+        "figures), new sessions are refused and the owner is told once a day; 0: no cap.",
+    )
 
 
 @dataclass(frozen=True, config=TABLE)
 class TelegramConfig:
-    """`[modules.telegram]`: the Telegram channel (the switchboard's, in the shipped config)."""
+    """`[modules.telegram]`: the Telegram channel; only the switchboard may have one."""
 
     mode: Literal["polling", "webhook"] = Field(
         default="polling",
@@ -199,7 +214,8 @@ _TLS_PAIRS = (
 
 @dataclass(frozen=True, config=TABLE)
 class EmailConfig:
-    """`[modules.email]`: the email channel (IMAP in, SMTP out)."""
+    """`[modules.email]`: the email channel (IMAP in, SMTP out); only the switchboard may
+    have one."""
 
     imap_host: Str = Field(default="", description="The IMAP server.")
     imap_port: Port = Field(default=993, description="Its port.")
@@ -367,9 +383,15 @@ class SwitchboardConfig:
     )
 
 
+# The channel modules: each sends to people on its channel.
+CHANNEL_MODULES = ("telegram", "email")
+
+
 @dataclass(frozen=True, config=TABLE)
 class ModulesTable:
-    """`[modules]`: the channel modules this butler runs."""
+    """`[modules]`: the channel modules this butler runs. Only the switchboard (the butler
+    with a `[switchboard]` table) may have them: their tools send to anyone; any other
+    butler reaches people with `notify`."""
 
     UNKNOWN_KEY_NOUN: ClassVar[str] = "module"
 
@@ -389,6 +411,22 @@ class ButlerFile:
     switchboard: SwitchboardConfig | None = Field(
         default=None, description="`[switchboard]`: only the switchboard has one."
     )
+
+    @model_validator(mode="after")
+    def _channels_on_the_switchboard(self) -> ButlerFile:
+        """A channel module's tools (`send_message`, `send_email`) send to anyone: only the
+        switchboard, which owns the channels, their allowlists and the outbox, may have one."""
+        if self.switchboard is None:
+            for name in CHANNEL_MODULES:
+                if getattr(self.modules, name) is not None:
+                    raise KeyProblem(
+                        f"modules.{name}",
+                        f"a channel module runs only on the switchboard (the butler with a "
+                        f"[switchboard] table): its tools send to anyone; move [modules.{name}] "
+                        "to the switchboard's butler.toml (other butlers reach people with "
+                        "`notify`)",
+                    )
+        return self
 
 
 BUTLER_FILE = TypeAdapter(ButlerFile)
@@ -440,7 +478,7 @@ class ButlerConfig:
     @property
     def modules(self) -> list[str]:
         """Names of the modules declared in butler.toml, in a stable order."""
-        return [name for name in ("telegram", "email") if getattr(self, name) is not None]
+        return [name for name in CHANNEL_MODULES if getattr(self, name) is not None]
 
 
 @dataclasses.dataclass(frozen=True)

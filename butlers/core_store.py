@@ -1,5 +1,5 @@
-"""Every SQL statement on the core tables (state, scheduled_tasks, sessions), run through the
-butler's asyncpg pool; and `storable`, which every store uses on what it writes."""
+"""Every SQL statement on the core tables (state, scheduled_tasks, sessions, limit_notices), run
+through the butler's asyncpg pool; and `storable`, which every store uses on what it writes."""
 
 from __future__ import annotations
 
@@ -235,6 +235,39 @@ class CoreStore:
         if summary["median_ms"] is not None:
             summary["median_ms"] = round(summary["median_ms"])
         return summary
+
+    async def scheduled_runs_since(self, hours: float) -> int:
+        """How many scheduled sessions (`schedule:<name>`) started in the last `hours`."""
+        return await self.pool.fetchval(
+            """SELECT count(*) FROM sessions
+               WHERE started_at > now() - make_interval(secs => $1)
+               AND starts_with(trigger_source, 'schedule:')""",
+            hours * 3600,
+        )
+
+    async def spend_since(self, hours: float) -> float:
+        """What the sessions started in the last `hours` cost, by Claude Code's figures."""
+        return await self.pool.fetchval(
+            """SELECT coalesce(sum(cost_usd), 0)::float8 FROM sessions
+               WHERE started_at > now() - make_interval(secs => $1)""",
+            hours * 3600,
+        )
+
+    async def claim_notice(self, kind: str, window: Literal["hour", "day"]) -> bool:
+        """True for the first claim of `kind` in the current (UTC) hour or day, False for
+        every later one: who gets True tells the owner. Notices of past days are dropped."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "DELETE FROM limit_notices WHERE window_start < now() - interval '2 days'"
+            )
+            claimed = await conn.fetchval(
+                """INSERT INTO limit_notices (kind, window_start)
+                   VALUES ($1, date_trunc($2, now(), 'UTC'))
+                   ON CONFLICT DO NOTHING RETURNING true""",
+                kind,
+                window,
+            )
+        return bool(claimed)
 
     async def session_get(self, session_id: uuid.UUID) -> dict[str, Any] | None:
         return _row(await self.pool.fetchrow("SELECT * FROM sessions WHERE id = $1", session_id))

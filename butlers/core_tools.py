@@ -6,22 +6,22 @@ else is masked by FastMCP (`mask_error_details=True`) and logged with its traceb
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from croniter import CroniterError, croniter
 from fastmcp import FastMCP
-from fastmcp.server.dependencies import get_http_headers
 from pydantic import Field, JsonValue
 
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
-from butlers.spawner import SESSION_HEADER
+from butlers.session_policy import session_token
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,13 @@ TRACE_ID_PATTERN = r"^[0-9a-f]{32}$"  # W3C: 16 bytes, lower-case hex
 MAX_SCHEDULES = 100
 MAX_SCHEDULE_PROMPT_BYTES = 32 * 1024
 CRON_NICKNAMES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+# How far ahead `schedule_create` looks for a cron's shortest gap between two runs: its next
+# runs, this many at most, within this time (the hour and minute fields are the same on every
+# day they run, so a few days show every gap; a year, what month ends and leap days add).
+GAP_WINDOW_RUNS = 1000
+GAP_WINDOW = timedelta(days=400)
+MIN_INTERVAL_KEY = "min_schedule_interval_s"
+RUNS_PER_HOUR_KEY = "max_scheduled_runs_per_hour"
 
 
 def next_run(cron: str, after: datetime) -> datetime:
@@ -57,6 +64,39 @@ def validate_cron(cron: str) -> None:
         raise ToolRefusal(f"cron expression {cron!r} never comes round (no such date)") from None
 
 
+def shortest_gap_s(cron: str, start: datetime, *, enough: float = 0) -> float | None:
+    """The shortest time between two consecutive runs of `cron` over the window after
+    `start` (None: fewer than two runs in it); it stops at the first gap under `enough`.
+    CPU-bound (about 0.1 s for a full window): run it off the event loop."""
+    runs = croniter(cron, start)
+    previous = runs.get_next(datetime)
+    shortest: float | None = None
+    for _ in range(GAP_WINDOW_RUNS):
+        following = runs.get_next(datetime)
+        if following - start > GAP_WINDOW:
+            break
+        gap = (following - previous).total_seconds()
+        shortest = gap if shortest is None else min(shortest, gap)
+        if gap < enough:
+            break
+        previous = following
+    return shortest
+
+
+async def check_schedule_interval(cron: str, minimum_s: int) -> None:
+    """Refuse a cron (already valid) whose runs come closer together than `minimum_s`
+    (`[runtime] min_schedule_interval_s`): each run is a Claude Code session."""
+    if minimum_s <= 0:
+        return
+    gap = await asyncio.to_thread(shortest_gap_s, cron, datetime.now(UTC), enough=minimum_s)
+    if gap is not None and gap < minimum_s:
+        raise ToolRefusal(
+            f"cron expression {cron!r} runs {gap:g} s apart at its closest; this butler "
+            f"allows one run per {minimum_s} s at most ([runtime] {MIN_INTERVAL_KEY}): "
+            "choose a less frequent schedule"
+        )
+
+
 def _check_key(key: str) -> None:
     if not key:
         raise ToolRefusal("state key must not be empty")
@@ -71,12 +111,28 @@ def _parse_session_id(session_id: str) -> uuid.UUID:
         raise ToolRefusal(f"session id {session_id!r} is not a UUID") from None
 
 
-async def run_due_tasks(ctx: ButlerContext) -> list[dict[str, Any]]:
-    """Claim every due scheduled task and run each as a Claude Code session, in order."""
+async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
+    """Claim every due scheduled task and run each as a Claude Code session, in order:
+    `ran`, and `skipped` (claimed, not run: past `[runtime] max_scheduled_runs_per_hour`,
+    each one logged; the owner is told once an hour)."""
     now = datetime.now(UTC)
     due = await ctx.store.claim_due_tasks(now, next_run)
-    ran = []
+    cap = ctx.config.runtime.max_scheduled_runs_per_hour
+    ran_in_hour = await ctx.store.scheduled_runs_since(1) if cap and due else 0
+    ran: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     for task in due:
+        if cap and ran_in_hour >= cap:
+            logger.warning(
+                "schedule %r skipped: %d scheduled runs in the last hour, the limit ([runtime] %s)",
+                task["name"],
+                ran_in_hour,
+                RUNS_PER_HOUR_KEY,
+                extra={"action": "schedule_skipped"},
+            )
+            skipped.append({"name": task["name"], "reason": f"over {RUNS_PER_HOUR_KEY}"})
+            continue
+        ran_in_hour += 1
         outcome = await ctx.spawner.run(
             task["prompt"], target=ctx.self_target(), trigger_source=f"schedule:{task['name']}"
         )
@@ -88,7 +144,16 @@ async def run_due_tasks(ctx: ButlerContext) -> list[dict[str, Any]]:
                 "error": outcome.error,
             }
         )
-    return ran
+    if skipped and ctx.spawner.notices is not None:
+        await ctx.spawner.notices.tell_once(
+            RUNS_PER_HOUR_KEY,
+            "hour",
+            f"{ctx.config.name} skipped scheduled runs ({', '.join(s['name'] for s in skipped)}"
+            f"): {cap} ran in the last hour, its limit ([runtime] {RUNS_PER_HOUR_KEY} in its "
+            "butler.toml). Further runs this hour are skipped without another message; "
+            "check its schedules (schedule_list).",
+        )
+    return {"ran": ran, "skipped": skipped}
 
 
 async def database_status(ctx: ButlerContext) -> dict[str, Any]:
@@ -149,6 +214,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
                 f"schedule prompt is {size} bytes; the limit is {MAX_SCHEDULE_PROMPT_BYTES}"
             )
         validate_cron(cron)
+        await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s)
         task = await store.schedule_create(
             name, cron, prompt, next_run(cron, datetime.now(UTC)), max_schedules=MAX_SCHEDULES
         )
@@ -195,11 +261,16 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         """Run a Claude Code session for this butler on `prompt` and return its answer."""
         if not prompt.strip():
             raise ToolRefusal("prompt must not be empty")
+        # A routed message's conversation (the switchboard names it in `_meta`): where its
+        # notify goes. Its session runs on a stranger's text, so it gets fewer tools
+        # (butlers.session_policy); a caller claiming a conversation only loses tools.
+        conversation = request_conversation()
         outcome = await ctx.spawner.run(
             prompt,
             target=ctx.self_target(),
             trigger_source="trigger",
-            conversation=request_conversation(),  # a routed message's: where notify goes
+            conversation=conversation,
+            routed=conversation is not None,
         )
         if not outcome.success:
             raise ToolRefusal(
@@ -219,18 +290,18 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         schedule, to the owner (`channel`: telegram or email, to choose)."""
         if ctx.switchboard is None:
             raise ToolRefusal("notify is not available on this butler")
-        token = get_http_headers(include={SESSION_HEADER.lower()}).get(SESSION_HEADER.lower())
         try:
             return await ctx.switchboard.deliver(
-                text, channel=channel, conversation=ctx.spawner.conversation_of(token)
+                text, channel=channel, conversation=ctx.spawner.conversation_of(session_token())
             )
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 
     @mcp.tool
     async def tick() -> dict[str, Any]:
-        """Run the scheduled tasks that are due now; returns what ran."""
-        return {"ran": await run_due_tasks(ctx)}
+        """Run the scheduled tasks that are due now; returns what ran, and what was skipped
+        (past the hourly limit of scheduled runs)."""
+        return await run_due_tasks(ctx)
 
     @mcp.tool
     async def status() -> dict[str, Any]:

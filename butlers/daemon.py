@@ -36,6 +36,7 @@ from butlers.mcp_middleware import TraceContextMiddleware
 from butlers.modules import Modules, build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
+from butlers.session_policy import OwnerNotices, SessionPolicyMiddleware
 from butlers.settings import Settings
 from butlers.spawner import Spawner
 from butlers.switchboard.inbox import InboxStore
@@ -148,6 +149,18 @@ class ButlerDaemon:
         store = CoreStore(self._pool)
         sock = self._bind()
         self.port = sock.getsockname()[1]
+        link = SwitchboardLink(
+            config.name,
+            await asyncio.to_thread(
+                switchboard_url,
+                config,
+                self.config_dir,
+                self.sse_url,
+                self.settings.switchboard_url,
+                self.placement,
+            ),
+            auth_token=self.auth_token,
+        )
         spawner = Spawner(
             config,
             store,
@@ -157,32 +170,22 @@ class ButlerDaemon:
             session_env=self.session_env,
             auth_token=self.auth_token,
             redact=self.redactor,
+            notices=OwnerNotices(config.name, store, link),
         )
         await spawner.remove_leftovers()
         ctx = ButlerContext(
-            config=config,
-            store=store,
-            spawner=spawner,
-            self_url=self.sse_url,
-            switchboard=SwitchboardLink(
-                config.name,
-                await asyncio.to_thread(
-                    switchboard_url,
-                    config,
-                    self.config_dir,
-                    self.sse_url,
-                    self.settings.switchboard_url,
-                    self.placement,
-                ),
-                auth_token=self.auth_token,
-            ),
+            config=config, store=store, spawner=spawner, self_url=self.sse_url, switchboard=link
         )
         self.context = ctx
         mcp = FastMCP(
             config.name,
             instructions=config.description or None,
             mask_error_details=True,
-            middleware=[TraceContextMiddleware(config.name, self.telemetry.tracer)],
+            middleware=[
+                TraceContextMiddleware(config.name, self.telemetry.tracer),
+                # Inside the tool's span: a refusal is traced like any other.
+                SessionPolicyMiddleware(spawner),
+            ],
         )
         register_core_tools(mcp, ctx)
         if config.is_switchboard:

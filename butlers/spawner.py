@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,12 +34,17 @@ from butlers.errors import SpawnError
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:
+    from butlers.session_policy import OwnerNotices
     from butlers.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 ERROR_TEXT_LIMIT = 2000
 SESSION_HEADER = "X-Butlers-Session"
+# What a session started by a routed message (a stranger's text) may not use: the sessions of
+# everyone else, and the channels' tools that send to anyone (butlers.session_policy).
+ROUTED_SESSION_WITHHELD = frozenset({"sessions_list", "session_get", "send_message", "send_email"})
+SPEND_CAP_KEY = "max_spend_usd_per_day"
 
 
 @dataclass
@@ -52,6 +57,23 @@ class SessionOutcome:
     duration_ms: int
     trace_id: str | None
     cost_usd: float | None = None  # Claude Code's own figure, when it gave one
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """A running session, as its credential makes it known to the butler's tools."""
+
+    conversation: str | None  # the conversation a routed message belongs to
+    withheld: frozenset[str]  # tools the butler refuses it
+
+
+def withhold(target: McpTarget, tools: Collection[str]) -> McpTarget:
+    """`target` without `tools`: not allowed, and not even shown to the session."""
+    return replace(
+        target,
+        allowed_tools=tuple(t for t in target.allowed_tools if t not in tools),
+        denied_tools=(*target.denied_tools, *sorted(set(tools) - set(target.denied_tools))),
+    )
 
 
 class Spawner:
@@ -73,8 +95,11 @@ class Spawner:
         session_env: Mapping[str, str] | None = None,
         auth_token: str | None = None,
         redact: Callable[[str], str] = str,
+        notices: OwnerNotices | None = None,
     ) -> None:
         self.config = config
+        # How the owner hears that the spend cap refused a session (None: not told).
+        self.notices = notices
         self.settings = settings
         self.redact = redact  # a session's error text may quote anything: no secret kept
         self.telemetry = telemetry
@@ -84,7 +109,7 @@ class Spawner:
         self.auth_token = auth_token
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
-        self._serving: dict[str, str | None] = {}  # session token -> its conversation
+        self._serving: dict[str, _Serving] = {}  # session token -> what it serves
 
     @property
     def mcp_config_dir(self) -> Path:
@@ -111,18 +136,26 @@ class Spawner:
         trigger_source: str,
         system_prompt: str | None = None,
         conversation: str | None = None,
+        routed: bool = False,
         slots: asyncio.Semaphore | None = None,
     ) -> SessionOutcome:
         """Run one session to completion; failures are recorded and returned, not raised.
         `conversation`: the one a routed message belongs to, where its `notify` goes.
+        `routed`: started by a routed message: the ROUTED_SESSION_WITHHELD tools are kept
+        out of its allowlist, and the butler refuses them to its credential.
         `slots`: what bounds this kind of session instead of `max_concurrent_sessions` (the
-        classifier's sessions: the switchboard's `max_concurrent_messages`)."""
+        classifier's sessions: the switchboard's `max_concurrent_messages`).
+        Past `[runtime] max_spend_usd_per_day` it is not started: a failed session saying so."""
+        withheld = ROUTED_SESSION_WITHHELD if routed else frozenset()
+        if withheld:
+            target = withhold(target, withheld)
         async with slots or self._slots:
             self.running += 1
             # The session names itself with this in its private MCP config: the butler's
-            # tools (notify) learn which conversation the call serves, and nobody else can.
+            # tools learn which conversation the call serves (notify) and what it may not
+            # use (butlers.session_policy), and nobody else can claim either.
             token = secrets.token_urlsafe(24)
-            self._serving[token] = conversation
+            self._serving[token] = _Serving(conversation, withheld)
             target = replace(target, headers={**target.headers, SESSION_HEADER: token})
             try:
                 with self.telemetry.tracer.start_as_current_span(
@@ -130,37 +163,84 @@ class Spawner:
                     attributes={"butler": self.config.name, "trigger_source": trigger_source},
                 ):
                     return await self._run_recorded(
-                        prompt, target, trigger_source, system_prompt or self.system_prompt()
+                        prompt,
+                        target,
+                        trigger_source,
+                        system_prompt or self.system_prompt(),
+                        refusal=await self._over_spend_cap(),
                     )
             finally:
                 self.running -= 1
                 self._serving.pop(token, None)
 
-    def conversation_of(self, session_token: str | None) -> str | None:
-        """The conversation the session presenting `session_token` serves, if any."""
-        if not session_token:
-            return None
-        for token, conversation in self._serving.items():
+    def _serving_of(self, session_token: str) -> _Serving | None:
+        for token, serving in self._serving.items():
             if hmac.compare_digest(token.encode(), session_token.encode()):
-                return conversation
+                return serving
         return None
 
+    def conversation_of(self, session_token: str | None) -> str | None:
+        """The conversation the session presenting `session_token` serves, if any."""
+        serving = self._serving_of(session_token) if session_token else None
+        return serving.conversation if serving is not None else None
+
+    def withheld_tools(self, session_token: str | None) -> frozenset[str]:
+        """The tools the butler refuses to the caller presenting `session_token`: none to a
+        caller that is not a session (no credential); a credential that names no running
+        session (forged, or of a session that ended) is refused what a routed one is."""
+        if not session_token:
+            return frozenset()
+        serving = self._serving_of(session_token)
+        return ROUTED_SESSION_WITHHELD if serving is None else serving.withheld
+
+    async def _over_spend_cap(self) -> str | None:
+        """Why no session may start now (the daily spend cap is reached), or None; the
+        owner is told once a day."""
+        cap = self.config.runtime.max_spend_usd_per_day
+        if cap <= 0:
+            return None
+        spent = await self.store.spend_since(24)
+        if spent < cap:
+            return None
+        reason = (
+            f"not started: the sessions of {self.config.name} cost ${spent:.2f} in the last 24 "
+            f"hours, its cap is ${cap:.2f} a day ([runtime] {SPEND_CAP_KEY})"
+        )
+        logger.warning(reason, extra={"action": "spend_cap"})
+        if self.notices is not None:
+            await self.notices.tell_once(
+                SPEND_CAP_KEY,
+                "day",
+                f"{self.config.name} has stopped starting sessions: they cost ${spent:.2f} in "
+                f"the last 24 hours, its cap is ${cap:.2f} a day ([runtime] {SPEND_CAP_KEY} in "
+                "its butler.toml). It starts again once the last 24 hours cost less.",
+            )
+        return reason
+
     async def _run_recorded(
-        self, prompt: str, target: McpTarget, trigger_source: str, system_prompt: str
+        self,
+        prompt: str,
+        target: McpTarget,
+        trigger_source: str,
+        system_prompt: str,
+        *,
+        refusal: str | None = None,
     ) -> SessionOutcome:
+        """Run and record one session; with a `refusal`, record it as failed, unrun."""
         trace_id = current_trace_id()
         session_id = await self.store.session_start(trigger_source, prompt, trace_id)
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []
         result: str | None = None
         cost_usd: float | None = None
-        error: str | None = None
+        error: str | None = refusal
         try:
-            answered = await asyncio.wait_for(
-                self._query(prompt, target, system_prompt, tool_calls),
-                timeout=self.config.runtime.timeout_s,
-            )
-            result, cost_usd = answered.text, answered.cost_usd
+            if refusal is None:
+                answered = await asyncio.wait_for(
+                    self._query(prompt, target, system_prompt, tool_calls),
+                    timeout=self.config.runtime.timeout_s,
+                )
+                result, cost_usd = answered.text, answered.cost_usd
         except TimeoutError:
             error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
         except SpawnError as exc:

@@ -470,3 +470,53 @@ def test_a_second_switchboard_in_one_config_dir_is_refused(tmp_path: Path) -> No
     [error] = fleet.errors
     assert (error.path, error.key) == (second, "switchboard")
     assert f"'alpha' is already the switchboard of {tmp_path}" in error.problem
+
+
+@pytest.mark.parametrize("module", ["telegram", "email"])
+def test_a_channel_module_outside_the_switchboard_is_refused(tmp_path: Path, module: str) -> None:
+    """Guards ButlerFile._channels_on_the_switchboard: send_message / send_email send to
+    anyone, so only the butler with a [switchboard] table may have a channel module; the
+    butler that declares one elsewhere is skipped, the others load."""
+    write(
+        tmp_path,
+        "frontdoor",
+        f'[butler]\nname = "frontdoor"\nport = 9100\n[switchboard]\n[modules.{module}]\n',
+    )
+    path = write(
+        tmp_path, "general", f'[butler]\nname = "general"\nport = 9101\n[modules.{module}]\n'
+    )
+    write(tmp_path, "health", '[butler]\nname = "health"\nport = 9102\n')
+    fleet = load_config_dir(tmp_path)
+    assert [b.name for b in fleet.butlers] == ["frontdoor", "health"]
+    assert fleet.get("frontdoor").modules == [module]
+    [error] = fleet.errors
+    assert (error.path, error.key) == (path, f"modules.{module}")
+    assert "runs only on the switchboard (the butler with a [switchboard] table)" in error.problem
+    assert str(error).startswith(f"{path}: modules.{module}: ")
+
+
+def test_flood_limits_are_runtime_keys(tmp_path: Path) -> None:
+    """[runtime] min_schedule_interval_s, max_scheduled_runs_per_hour, max_spend_usd_per_day:
+    their defaults, their values, and errors naming them."""
+    plain = load_butler_config(write(tmp_path, "x", '[butler]\nname = "x"\nport = 1\n'))
+    runtime = plain.runtime
+    assert (runtime.min_schedule_interval_s, runtime.max_scheduled_runs_per_hour) == (300, 30)
+    assert runtime.max_spend_usd_per_day == 0
+    path = write(
+        tmp_path,
+        "x",
+        '[butler]\nname = "x"\nport = 1\n[runtime]\nmin_schedule_interval_s = 60\n'
+        "max_scheduled_runs_per_hour = 0\nmax_spend_usd_per_day = 2\n",
+    )
+    runtime = load_butler_config(path).runtime
+    assert (runtime.min_schedule_interval_s, runtime.max_scheduled_runs_per_hour) == (60, 0)
+    assert runtime.max_spend_usd_per_day == 2.0
+    for key, value, problem in [
+        ("min_schedule_interval_s", "-1", "expected an integer >= 0, got -1"),
+        ("max_scheduled_runs_per_hour", "1.5", "expected an integer >= 0, got 1.5"),
+        ("max_spend_usd_per_day", '"5"', "expected a number >= 0, got '5'"),
+    ]:
+        path.write_text(f'[butler]\nname = "x"\nport = 1\n[runtime]\n{key} = {value}\n')
+        with pytest.raises(ConfigError) as excinfo:
+            load_butler_config(path)
+        assert (excinfo.value.key, excinfo.value.problem) == (f"runtime.{key}", problem)

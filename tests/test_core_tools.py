@@ -103,7 +103,7 @@ async def test_schedule_lifecycle(client: Client, db_conn) -> None:
 
     with pytest.raises(ToolError, match="already exists"):
         await client.call_tool(
-            "schedule_create", {"name": "weigh-in", "cron": "* * * * *", "prompt": "again"}
+            "schedule_create", {"name": "weigh-in", "cron": "0 8 * * *", "prompt": "again"}
         )
     assert (await call(client, "schedule_delete", name="weigh-in"))["deleted"] is True
     assert await call(client, "schedule_list") == []

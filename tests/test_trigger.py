@@ -179,7 +179,7 @@ async def test_tick_runs_due_schedule_as_a_session(
     )
     async with Client(daemon.sse_url) as client:
         await client.call_tool(
-            "schedule_create", {"name": "remind", "cron": "* * * * *", "prompt": "Remind me"}
+            "schedule_create", {"name": "remind", "cron": "*/5 * * * *", "prompt": "Remind me"}
         )
         conn = await db_conn(daemon.config.database)
         await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")

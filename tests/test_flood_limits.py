@@ -1,0 +1,219 @@
+"""One message must not plant a lasting flood: `[runtime] min_schedule_interval_s` refuses a
+cron that runs too often, `max_scheduled_runs_per_hour` skips scheduled runs past it (logged,
+the owner told once), `max_spend_usd_per_day` refuses new sessions once the last 24 hours
+cost that much (the owner told once). On real PostgreSQL, real butlers over MCP, the real
+Claude Code binary, the owner's chat on the fake Bot API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastmcp import Client
+from fastmcp.exceptions import ToolError
+
+from butlers.config import OwnerConfig, RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
+from butlers.daemon import ButlerDaemon
+from butlers.switchboard.replies import sorry
+from tests.conftest import StartButler, butler_config, free_port, log_records, write_butler_dir
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI, text
+
+OWNER = 777
+CHAT = 12345
+
+
+async def limited_fleet(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, runtime: RuntimeConfig
+) -> tuple[ButlerDaemon, ButlerDaemon]:
+    """`general` with these limits (its notices reach the switchboard), and a switchboard with
+    an owner on Telegram and a rule sending every Telegram message to general."""
+    port = free_port()
+    config_dir = tmp_path / "config"
+    general = await start_butler(
+        butler_config("general", switchboard_url=f"http://127.0.0.1:{port}/sse", runtime=runtime)
+    )
+    write_butler_dir(config_dir, "general", general.port)
+    write_butler_dir(config_dir, "switchboard", port, extra="[switchboard]\n")
+    switchboard = await start_butler(
+        butler_config(
+            "switchboard",
+            port=port,
+            telegram=TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url),
+            triage=(TriageRule(butler="general", channel="telegram"),),
+            switchboard=SwitchboardConfig(owner=OwnerConfig(telegram_chat_id=str(OWNER))),
+        ),
+        config_dir=config_dir,
+    )
+    return switchboard, general
+
+
+async def owner_notices(conn) -> list[str]:
+    """What general told the owner: the switchboard's routing_log rows of its `deliver`."""
+    rows = await conn.fetch(
+        "SELECT prompt_summary FROM routing_log WHERE source_channel = 'butler' ORDER BY id"
+    )
+    return [r["prompt_summary"] for r in rows]
+
+
+async def test_a_cron_that_runs_more_often_than_the_minimum_is_refused(
+    start_butler: StartButler, db_conn
+) -> None:
+    """Guards check_schedule_interval: the shortest gap between two runs, wherever in the
+    day it falls, against `min_schedule_interval_s` (default 300)."""
+    daemon = await start_butler()
+    refused = {
+        "* * * * *": 60,
+        "*/4 * * * *": 240,
+        "0,1 8 * * *": 60,  # once a day, but twice a minute apart
+        "0,59 0,23 * * *": 60,  # its closest runs straddle midnight
+    }
+    async with Client(daemon.sse_url) as client:
+        for cron, gap in refused.items():
+            with pytest.raises(ToolError) as excinfo:
+                await client.call_tool(
+                    "schedule_create", {"name": "x", "cron": cron, "prompt": "p"}
+                )
+            assert str(excinfo.value) == (
+                f"cron expression {cron!r} runs {gap} s apart at its closest; this butler "
+                "allows one run per 300 s at most ([runtime] min_schedule_interval_s): "
+                "choose a less frequent schedule"
+            )
+        for name, cron in [("five", "*/5 * * * *"), ("daily", "0 8 * * *"), ("hourly", "@hourly")]:
+            await client.call_tool("schedule_create", {"name": name, "cron": cron, "prompt": "p"})
+    conn = await db_conn(daemon.config.database)
+    names = await conn.fetch("SELECT name FROM scheduled_tasks ORDER BY name")
+    assert [r["name"] for r in names] == ["daily", "five", "hourly"]
+
+    # The key is the butler's: one that allows a run a minute takes one.
+    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, min_schedule_interval_s=60)
+    every_minute = await start_butler(butler_config("beta", runtime=runtime))
+    async with Client(every_minute.sse_url) as client:
+        created = await client.call_tool(
+            "schedule_create", {"name": "x", "cron": "* * * * *", "prompt": "p"}
+        )
+        assert created.structured_content["cron"] == "* * * * *"
+
+
+async def test_scheduled_runs_past_the_hourly_limit_are_skipped_and_the_owner_told_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Guards the cap in run_due_tasks and OwnerNotices: two runs an hour; the third and
+    later are claimed but not run, each logged; one message to the owner for the hour, not
+    one per skipped run nor per tick."""
+    scripted_api.script([text("Ran.")])
+    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_scheduled_runs_per_hour=2)
+    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
+    conn = await db_conn(general.config.database)
+    switchboard_db = await db_conn(switchboard.config.database)
+
+    async def make_due(*names: str) -> None:
+        await conn.execute(
+            """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
+               SELECT n, '0 8 * * *', 'Run ' || n, now() - interval '1 minute'
+               FROM unnest($1::text[]) AS n
+               ON CONFLICT (name) DO UPDATE SET next_run_at = EXCLUDED.next_run_at""",
+            list(names),
+        )
+
+    async def tick() -> dict[str, Any]:
+        async with Client(general.sse_url) as client:
+            return (await client.call_tool("tick", {})).structured_content
+
+    await make_due("a", "b", "c", "d")
+    with log_records("butlers.core_tools") as records:
+        first = await tick()
+        assert [(r["name"], r["success"]) for r in first["ran"]] == [("a", True), ("b", True)]
+        assert [s["name"] for s in first["skipped"]] == ["c", "d"]
+        [told] = await owner_notices(switchboard_db)
+        assert "general skipped scheduled runs (c, d)" in told
+        assert "[runtime] max_scheduled_runs_per_hour" in told
+        [sent] = await bot_api.wait_sent(1)
+        assert sent["chat_id"] == OWNER and "max_scheduled_runs_per_hour" in sent["text"]
+
+        await make_due("a", "c")
+        second = await tick()
+        assert second["ran"] == [] and [s["name"] for s in second["skipped"]] == ["a", "c"]
+    skipped = [r for r in records if getattr(r, "action", None) == "schedule_skipped"]
+    assert [r.args[0] for r in skipped] == ["c", "d", "a", "c"]
+    assert "max_scheduled_runs_per_hour" in skipped[0].getMessage()
+    # Still the one notice: the second tick's skips were not told again.
+    assert len(await owner_notices(switchboard_db)) == 1
+    sessions = await conn.fetch("SELECT trigger_source FROM sessions ORDER BY started_at")
+    assert [r["trigger_source"] for r in sessions] == ["schedule:a", "schedule:b"]
+
+
+async def test_past_the_daily_spend_cap_sessions_are_refused_and_the_owner_told_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Guards Spawner._over_spend_cap: the cost of the sessions of the last 24 hours (not
+    older ones) against `max_spend_usd_per_day`; past it a trigger (an operator's or a
+    routed message's) and a schedule are refused without running Claude Code, and the owner
+    hears it once."""
+    scripted_api.script([text("Hello.")])
+    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_spend_usd_per_day=1.0)
+    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
+    conn = await db_conn(general.config.database)
+    switchboard_db = await db_conn(switchboard.config.database)
+
+    async def spent(cost: float, hours_ago: float) -> None:
+        await conn.execute(
+            """INSERT INTO sessions (trigger_source, prompt, success, cost_usd, started_at,
+                                     finished_at)
+               VALUES ('trigger', 'earlier', true, $1, now() - make_interval(secs => $2),
+                       now() - make_interval(secs => $2))""",
+            cost,
+            hours_ago * 3600,
+        )
+
+    await spent(0.6, 1)
+    await spent(50.0, 25)  # yesterday's: outside the window
+    async with Client(general.sse_url) as client:
+        done = await client.call_tool("trigger", {"prompt": "hello"})
+        assert done.structured_content["result"] == "Hello."
+        requests = len(scripted_api.requests)
+        await spent(0.5, 2)
+        for _ in range(2):
+            with pytest.raises(ToolError) as excinfo:
+                await client.call_tool("trigger", {"prompt": "hello again"})
+            message = str(excinfo.value)
+            assert "not started: the sessions of general cost $1.10 in the last 24 hours" in message
+            assert "its cap is $1.00 a day ([runtime] max_spend_usd_per_day)" in message
+        await conn.execute(
+            """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
+               VALUES ('daily', '0 8 * * *', 'Report', now() - interval '1 minute')"""
+        )
+        [run] = (await client.call_tool("tick", {})).structured_content["ran"]
+        assert run["success"] is False and "max_spend_usd_per_day" in run["error"]
+
+    [told] = await owner_notices(switchboard_db)
+    assert "general has stopped starting sessions" in told
+    [sent] = await bot_api.wait_sent(1)
+    assert sent["chat_id"] == OWNER and "max_spend_usd_per_day" in sent["text"]
+
+    # A routed message is refused the same way: its sender gets the friendly failure.
+    await bot_api.push_text(CHAT, "Log my weight: 75kg")
+    _, reply = await bot_api.wait_sent(2)
+    assert reply == {"chat_id": CHAT, "text": sorry("failed", "general")}
+    assert len(await owner_notices(switchboard_db)) == 1
+    assert len(scripted_api.requests) == requests  # no refused session reached Claude Code
+    refused = await conn.fetch(
+        "SELECT trigger_source, success, error, cost_usd FROM sessions WHERE error IS NOT NULL"
+    )
+    assert len(refused) == 4
+    for row in refused:
+        assert row["success"] is False and row["cost_usd"] is None
+        assert "[runtime] max_spend_usd_per_day" in row["error"]
+    assert json.dumps(sorted(r["trigger_source"] for r in refused)) == json.dumps(
+        ["schedule:daily", "trigger", "trigger", "trigger"]
+    )
