@@ -13,15 +13,19 @@ import aiohttp
 import asyncpg
 import pytest
 
-from butlers.config import TelegramConfig, TriageRule
+from butlers.config import SwitchboardConfig, TelegramConfig, TriageRule
 from butlers.db import create_pool
 from butlers.switchboard.inbox import InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Leadership
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
-from tests.conftest import WEBHOOK_SECRET, butler_config, eventually, free_port
+from butlers.tasks import cancel_and_wait
+from tests.conftest import WEBHOOK_SECRET, butler_config, eventually, free_port, log_records
+from tests.fakes.messages_api import text
 from tests.test_inbox import ask, model, start_fleet
 from tests.test_telegram import CHAT as TELEGRAM_CHAT
 from tests.test_telegram import answer_notes, notes_fleet
+from tests.test_worker_failures import CHAT, TO_GENERAL
+from tests.test_worker_failures import start_fleet as telegram_fleet
 
 _ids = itertools.count(1)
 
@@ -314,3 +318,73 @@ async def test_webhooks_work_on_every_replica_and_the_leader_sends(
     await eventually(lambda: settled(conn))  # nothing left that could still be sent
     assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"] == [s["text"] for s in sent]
     assert await conn.fetchval("SELECT count(*) FROM inbox") == 2
+
+
+async def test_a_live_replica_that_lost_its_lease_answers_nothing(
+    start_butler, tmp_path, bot_api, scripted_api, db_conn
+) -> None:
+    """Guards the fenced finish (inbox.finish on claimed_by, and the worker's rollback on
+    LeaseLost): two switchboard processes on one database; the one working on a message stays
+    alive but stops renewing its lease (a long pause), the other takes the message over once
+    the lease has run out; then the first one finishes it (before the taker does). That
+    finish is refused and rolled back (no outbox row of its own), and the person gets one
+    answer, the taker's."""
+
+    def answer(body: dict) -> list[dict]:  # which session's request: the first, or the taker's
+        number = next(i for i, b in enumerate(scripted_api.requests) if b is body)
+        return [text(f"answer {number}")]
+
+    scripted_api.respond_with(answer)
+    scripted_api.delay_for = lambda body: 120.0  # every session waits for release_held()
+    # `general` runs one session at a time (the default): the taker's waits for the first's.
+    first, _ = await telegram_fleet(start_butler, tmp_path, bot_api, lease_s=2)
+    second = await start_butler(
+        butler_config(
+            "switchboard",
+            port=free_port(),
+            telegram=TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url),
+            triage=(TO_GENERAL,),
+            switchboard=SwitchboardConfig(message_lease_s=2),
+        ),
+        config_dir=tmp_path / "config",
+        database=first.config.database,
+    )
+    workers = {d.switchboard.worker.replica: d.switchboard.worker for d in (first, second)}
+    conn = await db_conn(first.config.database)
+    await bot_api.push_text(CHAT, "hello")
+    await scripted_api.wait_for_request(lambda body: True)  # whoever claimed it is routing it
+    inbox_id, holder = await conn.fetchrow("SELECT id, claimed_by FROM inbox")
+    loser = workers.pop(holder)
+    [taker] = workers.values()
+    with log_records("butlers.switchboard.worker") as records:
+        # Alive, but its renewals stop: the lease runs out and the other process takes over.
+        await cancel_and_wait(loser._renewer)
+
+        async def taken_over() -> bool:
+            owner = await conn.fetchval("SELECT claimed_by FROM inbox WHERE id = $1", inbox_id)
+            return owner == taker.replica
+
+        await eventually(taken_over)
+        # The first session answers: its process finishes the message, while the taker's
+        # session waits for general; that finish must be refused.
+        await scripted_api.release_held()
+
+        def dropped() -> bool:
+            return any(
+                r.getMessage().startswith(f"message {inbox_id} was taken over") for r in records
+            )
+
+        await eventually(lambda: _async(dropped()))
+        await scripted_api.wait_for_request(lambda _: len(scripted_api.requests) == 2)
+        await scripted_api.release_held()  # now the taker's session answers
+        await eventually(lambda: settled(conn))
+    assert bot_api.sent == [{"chat_id": CHAT, "text": "answer 1"}]
+    outbox = await conn.fetch("SELECT inbox_id, text, status FROM outbox")
+    assert [tuple(r) for r in outbox] == [(inbox_id, "answer 1", "sent")]
+    row = await conn.fetchrow("SELECT * FROM inbox WHERE id = $1", inbox_id)
+    assert (row["status"], row["reply"], row["claimed_by"], row["attempts"]) == (
+        "done",
+        "answer 1",
+        taker.replica,
+        2,
+    )
