@@ -11,7 +11,8 @@ secret that reached a message, a reply or an error is not shown either.
     /ui/routes            the routing log (?butler= ?outcome=ok|failed ?before=TIME)
     /ui/butlers/NAME      a butler: sessions, schedules (next run), state keys
     /ui/ask               a form that sends a message through classify -> route -> reply
-    /ui/login, /ui/logout the token, once (when BUTLERS_AUTH_TOKEN is set)
+    /ui/login, /ui/logout the token, once (when BUTLERS_AUTH_TOKEN is set); throttled, and
+                          a signed-out session ends for good (butlers.dashboard.auth)
 """
 
 from __future__ import annotations
@@ -132,11 +133,10 @@ class Dashboard:
         auth_token: str | None,
         allowed_hosts: Sequence[str] | None = None,
         redact: Callable[[str], str] = str,
-        throttle: LoginThrottle | None = None,
     ) -> None:
         self.parts = parts
         self.auth = DashboardAuth(auth_token, parts.store)
-        self.throttle = throttle or LoginThrottle()
+        self.throttle = LoginThrottle()  # this process's failed sign-ins, per client
         self.templates = _environment(redact)
         routes = [
             Route("/ui", self.fleet),
