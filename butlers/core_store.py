@@ -80,9 +80,17 @@ class CoreStore:
     # -- scheduled tasks -------------------------------------------------------------------
 
     async def schedule_create(
-        self, name: str, cron: str, prompt: str, next_run_at: datetime, *, max_schedules: int
+        self,
+        name: str,
+        cron: str,
+        prompt: str,
+        next_run_at: datetime,
+        *,
+        max_schedules: int,
+        routed: bool = False,
     ) -> dict[str, Any] | Literal["full"] | None:
         """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
+        `routed`: created by a session of a routed message (its runs are restricted alike).
 
         The count and the insert are one transaction under a lock on the table, so two
         concurrent creations cannot both pass the cap.
@@ -94,21 +102,23 @@ class CoreStore:
             return _row(
                 await conn.fetchrow(
                     """
-                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
-                    VALUES ($1, $2, $3, $4) ON CONFLICT (name) DO NOTHING
+                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed)
+                    VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name) DO NOTHING
                     RETURNING id, name, cron, prompt, enabled, next_run_at, last_run_at,
-                              created_at
+                              created_at, routed
                     """,
                     name,
                     cron,
                     prompt,
                     next_run_at,
+                    routed,
                 )
             )
 
     async def schedule_list(self) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
-            """SELECT id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at
+            """SELECT id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at,
+                      routed
                FROM scheduled_tasks ORDER BY name"""
         )
         return [dict(r) for r in rows]
@@ -128,7 +138,7 @@ class CoreStore:
         due = []
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                """SELECT id, name, cron, prompt FROM scheduled_tasks
+                """SELECT id, name, cron, prompt, routed FROM scheduled_tasks
                    WHERE enabled AND next_run_at <= $1
                    ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED""",
                 now,

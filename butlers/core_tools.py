@@ -134,7 +134,10 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             continue
         ran_in_hour += 1
         outcome = await ctx.spawner.run(
-            task["prompt"], target=ctx.self_target(), trigger_source=f"schedule:{task['name']}"
+            task["prompt"],
+            target=ctx.self_target(),
+            trigger_source=f"schedule:{task['name']}",
+            routed=task["routed"],  # planted by a routed message's session: restricted alike
         )
         ran.append(
             {
@@ -216,7 +219,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         validate_cron(cron)
         await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s)
         task = await store.schedule_create(
-            name, cron, prompt, next_run(cron, datetime.now(UTC)), max_schedules=MAX_SCHEDULES
+            name,
+            cron,
+            prompt,
+            next_run(cron, datetime.now(UTC)),
+            max_schedules=MAX_SCHEDULES,
+            # A session restricted as a routed message's plants a schedule restricted alike.
+            routed=bool(ctx.spawner.withheld_tools(session_token())),
         )
         if task == "full":
             raise ToolRefusal(

@@ -66,6 +66,7 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "next_run_at",
             "last_run_at",
             "created_at",
+            "routed",  # made by a routed message's session (core_0004)
         }
         assert set(await _columns(conn, "sessions")) == {
             "id",
