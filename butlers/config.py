@@ -399,7 +399,20 @@ class ModulesTable:
     email: EmailConfig | None = Field(default=None, description="`[modules.email]`.")
 
 
-@dataclass(frozen=True, config=TABLE)
+# What `ButlerFile._channels_on_the_switchboard` says, for editors: a channel module needs a
+# [switchboard] table beside it.
+_CHANNELS_NEED_SWITCHBOARD = {
+    "if": {
+        "required": ["modules"],
+        "properties": {"modules": {"anyOf": [{"required": [name]} for name in CHANNEL_MODULES]}},
+    },
+    "then": {"required": ["switchboard"]},
+}
+
+
+@dataclass(
+    frozen=True, config=ConfigDict(extra="forbid", json_schema_extra=_CHANNELS_NEED_SWITCHBOARD)
+)
 class ButlerFile:
     """A whole butler.toml."""
 

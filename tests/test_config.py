@@ -3,8 +3,11 @@ expected; a broken butler is skipped while the rest load."""
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from butlers.config import Placement, load_butler_config, load_config_dir
@@ -493,6 +496,11 @@ def test_a_channel_module_outside_the_switchboard_is_refused(tmp_path: Path, mod
     assert (error.path, error.key) == (path, f"modules.{module}")
     assert "runs only on the switchboard (the butler with a [switchboard] table)" in error.problem
     assert str(error).startswith(f"{path}: modules.{module}: ")
+    # The schema an editor checks the file with says so too.
+    schema = json.loads((SHIPPED.parent.parent / "schemas" / "butler.schema.json").read_text())
+    with pytest.raises(jsonschema.ValidationError, match="'switchboard' is a required property"):
+        jsonschema.validate(tomllib.loads(path.read_text()), schema)
+    jsonschema.validate(tomllib.loads((tmp_path / "frontdoor" / "butler.toml").read_text()), schema)
 
 
 def test_flood_limits_are_runtime_keys(tmp_path: Path) -> None:
