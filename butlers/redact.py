@@ -134,10 +134,9 @@ def _trie_pattern(words: Iterable[str]) -> str:
     """One regular expression matching any of `words`, longest first where one is a prefix of
     another, written as a trie (`p(?:&amp;ss|%26ss|...)`): at each place in a text the regex
     engine follows one branch per character instead of trying every word, so the cost stays
-    near that of one search however many forms the secrets have (measured: 50 forms, 0.75 µs
-    against 2 µs for 50 substring tests). Iterative along runs of single children: a long
-    secret (a private key) must not hit Python's recursion limit. Greedy: where a form ends
-    inside a longer one, the longer one is tried first."""
+    near that of one search however many forms the secrets have. Iterative along runs of
+    single children: a long secret (a private key) must not hit Python's recursion limit.
+    Greedy: where a form ends inside a longer one, the longer one is tried first."""
     root: dict[str, Any] = {}
     for word in words:
         node = root
@@ -166,33 +165,36 @@ def _trie_pattern(words: Iterable[str]) -> str:
 class Redactor:
     """Replaces each known secret, in any of its written forms, with `[redacted]`.
 
-    Up to `LOOP_MAX_FORMS` forms (plain tokens: one form each) it tests each with `in`, the
-    fastest way for a few; past that (a password with quotes, `&`, `<`, non-ASCII: ~40 forms)
-    one trie-shaped regular expression finds any of them in about the time of 15 substring
-    tests. Measured on a 177-character log line: 5 plain tokens, 0.37 µs either way against
-    0.72 µs for the regex; with such a password too, 0.9 µs against 2 µs for the loop.
+    Up to `LOOP_MAX_FORMS` forms (plain tokens: one form each, two with a `:`) it tests each
+    with `in`, the fastest way for a few; past that (a password with quotes, `&`, `<`,
+    non-ASCII: ~40 forms) one trie-shaped regular expression finds any of them. Measured on a
+    177-character log line without a secret: 5 plain tokens (8 forms), 0.37-0.54 µs with the
+    loop, 0.72 µs with the regex; with such a password too (50 forms), 0.75-0.9 µs with the
+    regex, 2 µs with the loop.
     """
 
     LOOP_MAX_FORMS = 16
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: tuple[str, ...] = ()
-        self._forms: tuple[str, ...] = ()
-        self._pattern: re.Pattern[str] | None = None
+        # (forms for the loop, or the regex): one attribute, replaced whole by add(), so a
+        # record logged by another thread meanwhile sees the old matcher or the new one.
+        self._matcher: tuple[tuple[str, ...], re.Pattern[str] | None] = ((), None)
         self.add(secrets)
 
     def add(self, secrets: Iterable[str]) -> None:
         """More secrets (e.g. those the butler.toml files name, once they are loaded)."""
         known = {*self.secrets, *(s for s in secrets if len(s) >= MIN_SECRET_CHARS)}
-        self.secrets = tuple(sorted(known, key=len, reverse=True))
         # Longest first, so that a form containing another (a secret containing another, an
         # escaped form containing the plain one) is replaced whole.
         forms = sorted(
             {f for secret in known for f in written_forms(secret)}, key=len, reverse=True
         )
-        many = len(forms) > self.LOOP_MAX_FORMS
-        self._forms = () if many else tuple(forms)
-        self._pattern = re.compile(_trie_pattern(forms)) if many else None
+        if len(forms) > self.LOOP_MAX_FORMS:
+            self._matcher = ((), re.compile(_trie_pattern(forms)))
+        else:
+            self._matcher = (tuple(forms), None)
+        self.secrets = tuple(sorted(known, key=len, reverse=True))
 
     def __call__(self, text: str) -> str:
         """`text` without any secret. Returned as it came (the same object) when it holds
@@ -200,13 +202,14 @@ class Redactor:
         autoescape would escape that output a second time: `[redacted]` in place of a secret
         adds no markup. It is searched as plain text, so that no Markup method is involved
         (markupsafe 2's `replace` HTML-escaped what it looked for)."""
+        forms, pattern = self._matcher
         plain = text if type(text) is str else str.__str__(text)
         redacted = plain
-        if self._pattern is not None:
-            if self._pattern.search(plain) is not None:
-                redacted = self._pattern.sub(REDACTED, plain)
+        if pattern is not None:
+            if pattern.search(plain) is not None:
+                redacted = pattern.sub(REDACTED, plain)
         else:
-            for form in self._forms:
+            for form in forms:
                 if form in redacted:
                     redacted = redacted.replace(form, REDACTED)
         if redacted is plain:

@@ -176,7 +176,7 @@ def test_the_dashboards_tojson_shows_no_form_of_the_secret() -> None:
     # A secret with few forms (searched with `in`, not the regex): the same.
     ampersand = f"a&b<{marker}"
     few = Redactor([ampersand])
-    assert few._pattern is None
+    assert few._matcher[1] is None  # the loop
     session["tool_calls"] = [{"name": "x", "input": {"v": ampersand}}]
     page = _environment(few).get_template("session.html").render(s=session)
     assert f'<code class="args">{{"v": "{REDACTED}"}}</code>' in page
@@ -245,9 +245,9 @@ def test_the_many_forms_regex_and_the_few_forms_loop_agree() -> None:
         f"prefix {awkward(other)[:-1]} suffix",  # all but its last character: no secret
     ]
     few, many, loop = Redactor([plain, longer]), Redactor(secrets), Redactor(secrets)
-    assert few._pattern is None and many._pattern is not None
-    loop._forms = tuple(sorted({f for s in secrets for f in written_forms(s)}, key=len)[::-1])
-    loop._pattern = None  # the same secrets, the loop's way
+    assert few._matcher[1] is None and many._matcher[1] is not None
+    forms = tuple(sorted({f for s in secrets for f in written_forms(s)}, key=len)[::-1])
+    loop._matcher = (forms, None)  # the same secrets, the loop's way
     for text in texts:
         assert many(text) == loop(text), text
     assert few(texts[0]) == many(texts[0]) == f"({REDACTED})"  # the longer one whole
