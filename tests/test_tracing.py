@@ -29,7 +29,7 @@ from tests.conftest import StartButler, butler_config, free_port, write_butler_d
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.fakes.otlp import OtlpReceiver, ReceivedSpan
-from tests.test_cli import Butlers
+from tests.test_cli import REPO, Butlers
 from tests.test_inbox import model
 from tests.test_registry import call
 
@@ -378,3 +378,43 @@ async def test_grpc_asked_for_without_the_extra_is_one_clear_error(tmp_path: Pat
         "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf (the default; a collector's OTLP HTTP "
         "port is usually 4318)"
     )
+
+
+def _pulled_in(requirements: list[str]) -> set[str]:
+    """Every distribution an install of `requirements` pulls in, by the installed packages'
+    own metadata (their requirements, extras and environment markers as pip reads them)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = [(Requirement(r), frozenset[str]()) for r in requirements]
+    while todo:
+        requirement, extras = todo.pop()
+        marker = requirement.marker
+        if marker is not None and not any(marker.evaluate({"extra": e}) for e in (extras or {""})):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            below = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [(Requirement(r), frozenset(requirement.extras)) for r in below]
+    return seen
+
+
+def test_an_install_pulls_no_grpc_unless_the_extra_asks() -> None:
+    """OTLP over HTTP is the dependency; grpcio (a large native wheel) comes only with the
+    `otlp-grpc` extra."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    installed = _pulled_in(project["dependencies"])
+    assert "opentelemetry-exporter-otlp-proto-http" in installed
+    assert not {name for name in installed if "grpc" in name}, sorted(installed)
+    with_extra = _pulled_in(project["dependencies"] + project["optional-dependencies"]["otlp-grpc"])
+    assert {"grpcio", "opentelemetry-exporter-otlp-proto-grpc"} <= with_extra
