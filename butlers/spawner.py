@@ -206,7 +206,7 @@ class Spawner:
             f"not started: the sessions of {self.config.name} cost ${spent:.2f} in the last 24 "
             f"hours, its cap is ${cap:.2f} a day ([runtime] {SPEND_CAP_KEY})"
         )
-        logger.warning(reason, extra={"action": "spend_cap"})
+        logger.warning("session refused: %s", reason, extra={"action": "spend_cap"})
         if self.notices is not None:
             await self.notices.tell_once(
                 SPEND_CAP_KEY,
