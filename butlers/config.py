@@ -32,6 +32,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic.config import JsonDict
 from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
@@ -401,7 +402,7 @@ class ModulesTable:
 
 # What `ButlerFile._channels_on_the_switchboard` says, for editors: a channel module needs a
 # [switchboard] table beside it.
-_CHANNELS_NEED_SWITCHBOARD = {
+_CHANNELS_NEED_SWITCHBOARD: JsonDict = {
     "if": {
         "required": ["modules"],
         "properties": {"modules": {"anyOf": [{"required": [name]} for name in CHANNEL_MODULES]}},
