@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.config import CHANNEL_MODULES
 from butlers.errors import (
     CallTimedOut,
     RemoteError,
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
 DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
-# A butler that runs one of these takes messages itself: routing to it is refused.
-CHANNEL_MODULES = ("telegram", "email")
 SELF_ROUTING = "routing to the Switchboard is not permitted"
 
 
@@ -130,6 +129,8 @@ def unroutable(target: RegistryTarget, *, switchboard_name: str, own: OwnEndpoin
         return (
             f"{SELF_ROUTING}: butler {name!r} had a [switchboard] table when it was last discovered"
         )
+    # A butler that runs a channel takes messages itself (the config allows that only on the
+    # switchboard now; an older row may still say it).
     if channels := [m for m in target.modules if m in CHANNEL_MODULES]:
         return (
             f"butler {name!r} runs the channel module(s) {', '.join(channels)}: it takes "
