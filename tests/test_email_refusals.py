@@ -57,13 +57,14 @@ async def test_a_refused_recipient_never_holds_back_the_others(
         )
         conn = await db_conn(switchboard.config.database)
         # Answered in this order: the replies are queued in it.
-        for n, sender in enumerate([GONE, FULL, GOOD, FULL]):
+        for n, sender in enumerate([GONE, FULL, GOOD, FULL, GOOD]):
             payload = {"from": sender, "text": f"note {n}", "message_id": f"<n{n}@x>"}
             assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
 
-        # The reply to the good address goes out while the full mailbox is refused.
-        [sent] = await smtp.wait_for(1)
-        assert (sent["To"], sent["In-Reply-To"]) == (GOOD, "<n2@x>")
+        # The replies to the good address go out while the full mailbox is refused, also the
+        # one queued after the full mailbox's second reply (which waits for its first).
+        sent = await smtp.wait_for(2, timeout_s=120)
+        assert [(m["To"], m["In-Reply-To"]) for m in sent] == [(GOOD, "<n2@x>"), (GOOD, "<n4@x>")]
 
         async def full_retried_and_all_queued() -> bool:
             full = (await rows_by_recipient(conn)).get(FULL, [])
@@ -78,20 +79,72 @@ async def test_a_refused_recipient_never_holds_back_the_others(
         assert full["status"] in ("pending", "sending") and MAILBOX_FULL in full["error"]
         # The second reply to the full mailbox waits behind the first: never tried yet.
         assert (later["status"], later["attempts"]) == ("pending", 0)
-        assert len(smtp.messages) == 1
+        assert len(smtp.messages) == 2
 
         del smtp.refuse[FULL]  # the mailbox has room again
-        sent_all = await smtp.wait_for(3)
-    assert [(m["To"], m["In-Reply-To"]) for m in sent_all[1:]] == [
+        sent_all = await smtp.wait_for(4)
+    assert [(m["To"], m["In-Reply-To"]) for m in sent_all[2:]] == [
         (FULL, "<n1@x>"),
         (FULL, "<n3@x>"),
     ]
 
     async def marked_sent() -> bool:
         rows = await rows_by_recipient(conn)
-        return [r["status"] for r in rows[FULL] + rows[GOOD]] == ["sent"] * 3
+        return [r["status"] for r in rows[FULL] + rows[GOOD]] == ["sent"] * 4
 
     await eventually(marked_sent)
     rows = await rows_by_recipient(conn)
     assert rows[GONE][0]["attempts"] == 1  # still: a 5xx is never tried again
     assert [r for r, _ in smtp.refusals].count(GONE) == 1
+
+
+async def test_the_outbox_holds_back_only_the_recipient_a_row_is_held_for(
+    pg_server, make_database, switchboard_template: str
+) -> None:
+    """OutboxStore on its own, row by row: a row held for its recipient (a 4xx to RCPT TO)
+    lets the channel's rows to others go, never that recipient's later ones; a row the
+    channel did not take (the server down) holds back everything after it, as before."""
+    from butlers.db import create_pool
+    from butlers.switchboard.outbox import OutboxStore, Outgoing
+
+    pool = await create_pool(pg_server, await make_database(switchboard_template))
+    store = OutboxStore(pool)
+    try:
+        async with pool.acquire() as conn:
+            await store.add(
+                conn,
+                [Outgoing("reply", "email", to, f"to {to}") for to in ("a@x", "b@x", "a@x", "c@x")],
+                None,
+            )
+        ids = [r["id"] for r in await pool.fetch("SELECT id FROM outbox ORDER BY id")]
+
+        async def claimed() -> int | None:
+            delivery = await store.claim("email")
+            return None if delivery is None else ids.index(delivery.id)
+
+        async def due_now(row: int) -> None:
+            await pool.execute("UPDATE outbox SET next_attempt_at = now() WHERE id = $1", ids[row])
+
+        assert await claimed() == 0
+        await store.later(ids[0], "451 mailbox full", 3600, held_for_recipient=True)
+        assert await claimed() == 1  # b@x goes while a@x's first row waits
+        await store.later(ids[1], "the server is down", 3600)  # not held: blocks the channel
+        assert await claimed() is None
+        assert 3000 < (await store.head_due_in_s("email") or 0) <= 3600
+        await due_now(1)
+        assert await claimed() == 1
+        await store.sent(ids[1], ["<b@x>"])
+        assert await claimed() == 3  # c@x; a@x's second row waits behind its first
+        await store.sent(ids[3], ["<c@x>"])
+        assert await claimed() is None
+        await due_now(0)
+        assert await claimed() == 0
+        await store.later(ids[0], "the server is down", 3600)  # no longer held: its mark goes
+        meta = await pool.fetchval("SELECT meta FROM outbox WHERE id = $1", ids[0])
+        assert "held_for_recipient" not in meta
+        await due_now(0)
+        assert await claimed() == 0
+        await store.sent(ids[0], ["<a1@x>"])
+        assert await claimed() == 2
+    finally:
+        await pool.close()

@@ -51,14 +51,22 @@ ERROR_CHARS = 1000
 # it holds back only that recipient's later rows.
 HELD_KEY = "held_for_recipient"
 
-# The rows `o` that may go next (due or not): no unsent row of the channel before it, except
-# rows held for another recipient.
+# Each recipient's first unsent row of the channel: the others wait for it (one pass over
+# the unsent rows, whatever their number).
+_RECIPIENT_HEADS = """
+    SELECT min(h.id) FROM outbox h
+    WHERE h.channel = $1 AND h.status IN ('pending', 'sending') GROUP BY h.recipient
+"""
+# The rows `o` that may go next (due or not): their recipient's first, and not after the
+# channel's first such row that waits for the channel (one not held for its recipient).
+# Both found once per query: asked row by row ("is any older row in the way"), finding the
+# next due time took 200-500 ms with 10,000 rows queued.
 _MAY_GO = f"""
-    o.channel = $1 AND o.status IN ('pending', 'sending')
-    AND NOT EXISTS (
-        SELECT 1 FROM outbox b
-        WHERE b.channel = $1 AND b.status IN ('pending', 'sending') AND b.id < o.id
-          AND (b.recipient = o.recipient OR NOT coalesce((b.meta ->> '{HELD_KEY}')::boolean, false))
+    o.id IN ({_RECIPIENT_HEADS})
+    AND o.id <= (
+        SELECT coalesce(min(f.id), 9223372036854775807) FROM outbox f
+        WHERE f.id IN ({_RECIPIENT_HEADS})
+          AND NOT coalesce((f.meta ->> '{HELD_KEY}')::boolean, false)
     )
 """
 
