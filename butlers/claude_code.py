@@ -278,6 +278,19 @@ def _transport_class() -> type[SubprocessCLITransport]:
             unset = [arg for name in dropped for arg in ("-u", name)]
             return [_ENV_BINARY, *unset, "--", *command]
 
+        async def close(self) -> None:
+            """The SDK's close, and the CLI killed if that was cut short: a plain asyncio
+            cancellation (a session's timeout, a butler stopping on SIGTERM) interrupts the
+            SDK's close at its first await, before it terminates the CLI, which then ran on
+            after the butler was gone (its model request still open)."""
+            process = self._process
+            try:
+                await super().close()
+            finally:
+                if process is not None and process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+
     return AllowlistedEnvironmentTransport
 
 

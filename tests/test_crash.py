@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import psutil
 import pytest
 from fastmcp import Client
@@ -23,6 +24,7 @@ from tests.conftest import eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
 from tests.test_cli import Butlers
+from tests.test_leases import settled
 
 CHAT = 777
 
@@ -91,12 +93,104 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         for process in (first, second):
             if process is not None:
                 process.kill()
-        import asyncpg
-
         admin = await asyncpg.connect(pg_server.dsn("postgres"))
         for name in ("general", "switchboard"):
             await admin.execute(f'DROP DATABASE IF EXISTS "crash_{name}_{suffix}" WITH (FORCE)')
         await admin.close()
+
+
+async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
+    tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
+) -> None:
+    """Guards InboxWorker.stop and InboxStore.release: `butlers up` stopped with SIGTERM while
+    a message is being processed (the general butler's session waits on the model) exits
+    cleanly and hands the message back: queued, unclaimed, its attempt not counted (a stop is
+    not a crash: MAX_ATTEMPTS must not give up on a message because of restarts), and the
+    session's Claude Code CLI ends with it (claude_code's transport: it used to run on, its
+    model request open, holding the stderr of the `butlers up` that was gone). The next
+    start answers it once."""
+    suffix = uuid.uuid4().hex[:8]
+    databases = {name: f"term_{name}_{suffix}" for name in ("general", "switchboard")}
+    config_dir = tmp_path / "config"
+    write_butler_dir(
+        config_dir, "general", free_port(), extra=f'[butler.db]\nname = "{databases["general"]}"\n'
+    )
+    write_butler_dir(
+        config_dir,
+        "switchboard",
+        free_port(),
+        extra=(
+            f'[butler.db]\nname = "{databases["switchboard"]}"\n'
+            f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
+            f'api_base_url = "{bot_api.url}"\n'
+            '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
+        ),
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
+    env.update(
+        DATABASE_URL=pg_server.dsn("postgres"),
+        TELEGRAM_BOT_TOKEN=bot_api.token,
+        BUTLERS_DATA_DIR=str(tmp_path / "data"),
+    )
+    scripted_api.script([text("Answered after the restart.")])
+    scripted_api.delay_for = lambda body: 600.0  # the model never answers this first run
+    first = Butlers("up", "--config-dir", str(config_dir), env=env)
+    second = None
+    sessions: list[psutil.Process] = []
+    try:
+        await first.start()
+        await first.wait_ready()
+        await bot_api.push_text(CHAT, "are you there?")
+        async with asyncio.timeout(60):  # the general butler's session began
+            await scripted_api.wait_for_request(lambda body: True)
+        conn = await db_conn(databases["switchboard"])
+        row = await conn.fetchrow("SELECT status, attempts FROM inbox")
+        assert (row["status"], row["attempts"]) == ("processing", 1)
+
+        sessions += [  # the general butler's session: a Claude Code CLI of its own
+            p
+            for p in psutil.Process(first.process.pid).children(recursive=True)
+            if "claude" in " ".join(p.cmdline())
+        ]
+        assert sessions
+        try:
+            code = await first.stop(timeout_s=30)  # SIGTERM
+        except TimeoutError:  # it exited, but something it started holds its stderr open
+            alive = [p.pid for p in sessions if not _ended(p)]
+            pytest.fail(f"Claude Code session(s) {alive} outlived the stopped `butlers up`")
+        assert code == 0 and all(_ended(p) for p in sessions)
+        assert "Traceback" not in first.stderr, first.stderr
+        row = await conn.fetchrow("SELECT status, attempts, claimed_by, finished_at FROM inbox")
+        assert tuple(row) == ("queued", 0, None, None)
+        assert bot_api.sent == []
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+
+        scripted_api.delay_for = None
+        second = Butlers("up", "--config-dir", str(config_dir), env=env)
+        await second.start()
+        await second.wait_ready()
+        await bot_api.wait_sent(1, timeout_s=60)
+        await eventually(lambda: settled(conn))
+        assert bot_api.sent == [{"chat_id": CHAT, "text": "Answered after the restart."}]
+        row = await conn.fetchrow("SELECT status, attempts FROM inbox")
+        assert (row["status"], row["attempts"]) == ("done", 1)
+        assert await second.stop() == 0
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+        for session in sessions:  # only if the test failed: started by our `butlers up`
+            if not _ended(session):
+                session.kill()
+        admin = await asyncpg.connect(pg_server.dsn("postgres"))
+        try:
+            for name in databases.values():
+                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
 
 
 # -- the embedded PostgreSQL after a SIGKILL --------------------------------------------------
