@@ -9,7 +9,6 @@ mail after it is still answered.
 from __future__ import annotations
 
 import secrets
-import time
 from email.message import EmailMessage
 from pathlib import Path
 
@@ -161,11 +160,10 @@ async def test_every_header_we_write_is_one_line() -> None:
 def test_one_line_is_linear_and_knows_every_line_break() -> None:
     """Its regex backtracked on runs of spaces (32 KiB of them: 5.8 s, on the event loop when
     replying); and the email package refuses a header with any character str.splitlines()
-    breaks at, U+2028 included: the reply to such a subject was lost."""
-    started = time.monotonic()
+    breaks at, U+2028 included: the reply to such a subject was lost. (Its time on 32 KiB
+    of spaces: bench/hostile_input.py.)"""
     assert one_line(" " * 32_768 + "x") == "x"
     assert one_line("a" + " " * 32_768 + "b") == "a" + " " * 32_768 + "b"  # plain spaces stay
-    assert time.monotonic() - started < 1
     for brk in ["\r\n ", "\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]:
         subject = one_line(f"Lunch {brk} Bcc: a@evil.example")
         assert subject == "Lunch Bcc: a@evil.example", repr(brk)
