@@ -194,31 +194,28 @@ class Router:
         self.connections = connections
         self.tracer = tracer
         self.timeout_s = timeout_s
-        # name -> its registry row, filled on first use; discover() and failures clear it.
-        # Saves a database round trip per call; a row edited behind our back (another
-        # switchboard process's discover) is picked up on a miss.
-        self._targets: dict[str, RegistryTarget] = {}
+        # name -> its registry row and why route refuses it (None: it does not), filled on
+        # first use; discover() and failures clear it. Saves a database round trip and the
+        # checks per call; a row edited behind our back (another switchboard process's
+        # discover) is picked up on a miss.
+        self._targets: dict[str, tuple[RegistryTarget, str | None]] = {}
 
     def forget_endpoints(self) -> None:
         self._targets.clear()
-
-    async def _target(self, butler_name: str) -> RegistryTarget | None:
-        target = self._targets.get(butler_name)
-        if target is None:
-            target = await self.store.target(butler_name)
-            if target is not None:
-                self._targets[butler_name] = target
-        return target
 
     async def _routable_target(self, butler_name: str) -> RegistryTarget:
         """The registry row route may call; RouteRefused saying why not (not registered, the
         switchboard, a front door, stale)."""
         if butler_name == self.switchboard_name:  # whatever the registry says
             raise RouteRefused(SELF_ROUTING)
-        target = await self._target(butler_name)
-        if target is None:
-            raise RouteRefused(f"butler {butler_name!r} not found")
-        refusal = unroutable(target, switchboard_name=self.switchboard_name, own=self.own)
+        known = self._targets.get(butler_name)
+        if known is None:
+            target = await self.store.target(butler_name)
+            if target is None:
+                raise RouteRefused(f"butler {butler_name!r} not found")
+            refusal = unroutable(target, switchboard_name=self.switchboard_name, own=self.own)
+            known = self._targets[butler_name] = (target, refusal)
+        target, refusal = known
         if refusal is not None:
             raise RouteRefused(refusal)
         return target
@@ -230,10 +227,6 @@ class Router:
         except RouteRefused as exc:
             return str(exc)
         return None
-
-    def routable(self, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Those of the registry's rows route may call."""
-        return routable_rows(rows, switchboard_name=self.switchboard_name, own=self.own)
 
     async def route(
         self,
