@@ -157,6 +157,32 @@ async def test_a_lease_that_runs_out_is_taken_over_and_fences_the_old_owner(stor
     assert (await b.claim_next("b", 30)).id == later
 
 
+async def test_a_message_finished_here_is_not_lost_to_the_renewal(stores) -> None:
+    """Guards InboxStore.renew: a message its process finished itself (its worker between
+    that commit and letting go of the message) is still held, not lost; only another
+    process's claim makes it lost, also once that process has finished it. Counted as lost,
+    the worker's renewer cancelled the finished message's task: a false "lease was lost"
+    in the log, and an `ask` waiting on it was never answered."""
+    a, b = await stores(), await stores()
+    mine = await queue(a, "telegram:1")
+    theirs = await queue(a, "telegram:2")
+    assert (await a.claim_next("a", 30)).id == mine
+    assert await finish(a, mine, "a")
+    assert await a.renew("a", [mine], 30) == {mine}
+    assert (await a.claim_next("a", 1)).id == theirs  # "a" stalls: its lease runs out
+    claims: list[InboxMessage] = []
+
+    async def taken_over() -> bool:
+        message = await b.claim_next("b", 30)
+        if message is not None:
+            claims.append(message)
+        return bool(claims)
+
+    await eventually(taken_over, timeout_s=30)
+    assert claims[0].id == theirs and await finish(b, theirs, "b")
+    assert await a.renew("a", [mine, theirs], 30) == {mine}
+
+
 async def test_a_restarted_process_resumes_its_own_messages_not_the_others(stores) -> None:
     a, b = await stores(), await stores()
     mine = await queue(a, "telegram:1")

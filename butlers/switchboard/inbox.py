@@ -178,11 +178,21 @@ class InboxStore:
 
     async def renew(self, replica: str, inbox_ids: Sequence[int], lease_s: float) -> set[int]:
         """Extend the leases of the messages `replica` is working on; returns the ids it
-        still holds (a message missing was taken over after its lease ran out)."""
+        still holds: a message missing was taken over after its lease ran out. One that
+        `replica` itself finished meanwhile (its worker is between that commit and letting
+        go of it) is still its own, not lost: counted as held, so that its worker is not
+        told to stop what has already succeeded."""
         rows = await self.pool.fetch(
-            """UPDATE inbox SET lease_until = now() + make_interval(secs => $3)
-               WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'
-               RETURNING id""",
+            """WITH renewed AS (
+                   UPDATE inbox SET lease_until = now() + make_interval(secs => $3)
+                   WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'
+                   RETURNING id
+               )
+               SELECT id FROM renewed
+               UNION
+               SELECT id FROM inbox
+               WHERE id = ANY($2::bigint[]) AND claimed_by = $1
+                 AND status IN ('done', 'failed', 'skipped')""",
             replica,
             list(inbox_ids),
             lease_s,
