@@ -23,7 +23,7 @@ from fastmcp.server.dependencies import get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 
 from butlers.errors import NotifyFailed
-from butlers.spawner import SESSION_HEADER
+from butlers.spawner import ROUTED_SESSION_WITHHELD, SESSION_HEADER
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -49,7 +49,9 @@ class SessionPolicyMiddleware(Middleware):
 
     async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         name = context.message.name
-        if name in self.spawner.withheld_tools(session_token()):
+        # Only these few are ever withheld: every other call (the hot path: state_get through
+        # route) is passed on without reading the request's headers.
+        if name in ROUTED_SESSION_WITHHELD and name in self.spawner.withheld_tools(session_token()):
             # A stranger's text asked for what such a session is never given: worth an
             # operator's attention.
             raise ToolRefusal(
