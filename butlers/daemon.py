@@ -32,13 +32,14 @@ from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
 from butlers.logs import butler_context
-from butlers.mcp_middleware import TraceContextMiddleware
+from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
 from butlers.modules import Modules, build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
-from butlers.session_policy import OwnerNotices, SessionPolicyMiddleware
+from butlers.session_policy import OwnerNotices, SessionPolicy
 from butlers.settings import Settings
 from butlers.spawner import Spawner
+from butlers.switchboard.classifier import CLASSIFIER_TOOLS
 from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.leadership import LeaderDuty
 from butlers.switchboard.routing_store import RoutingStore
@@ -177,19 +178,21 @@ class ButlerDaemon:
             config=config, store=store, spawner=spawner, self_url=self.sse_url, switchboard=link
         )
         self.context = ctx
+        middleware = ButlerMiddleware(config.name, self.telemetry.tracer)
+        middleware.add_guard(SessionPolicy(spawner))
         mcp = FastMCP(
             config.name,
             instructions=config.description or None,
             mask_error_details=True,
-            middleware=[
-                TraceContextMiddleware(config.name, self.telemetry.tracer),
-                # Inside the tool's span: a refusal is traced like any other.
-                SessionPolicyMiddleware(spawner),
-            ],
+            middleware=[middleware],
         )
         register_core_tools(mcp, ctx)
         if config.is_switchboard:
             await self._attach_switchboard(mcp)
+            # Whatever Claude Code's allowlist says, a classification session sees and calls
+            # only route and list_butlers here (its `route` is then held to the classifier's
+            # policy).
+            middleware.add_guard(ClassificationFence(CLASSIFIER_TOOLS))
         self._modules = build_modules(config, mcp, self.switchboard, self.settings)
         ctx.module_statuses = self._modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]

@@ -1,5 +1,12 @@
-"""FastMCP middleware: every tool continues its caller's trace, without declaring it; on the
-switchboard, a classification session sees and calls only its own two tools.
+"""A butler's one FastMCP middleware: every tool continues its caller's trace, without
+declaring it, and the butler's guards decide who may see and call what (on the switchboard a
+classification session sees and calls only its own two tools; on every butler a session of a
+routed message is refused other people's sessions).
+
+One middleware, not one per concern: FastMCP dispatches every layer for every call (twice:
+its outer and typed phases), and a second and third layer cost route about 0.1 M
+instructions a call (bench/route_instructions.py, measured). A guard is a plain object the
+middleware consults; its checks run inside the tool's span, so a refusal is traced.
 
 A caller may put `_trace_context` (a W3C carrier) into any tool's arguments; it is removed
 before argument validation, so no tool has to declare it. Failing that, `_meta.traceparent`
@@ -17,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
@@ -80,10 +87,35 @@ def _meta_carrier() -> dict[str, Any] | None:
     return request.meta if request is not None else None
 
 
-class TraceContextMiddleware(Middleware):
+class ToolGuard(Protocol):
+    """A policy on who may call a tool: `check_call` raises ToolRefusal to refuse."""
+
+    def check_call(self, tool_name: str) -> None: ...
+
+
+class ListingGuard(ToolGuard, Protocol):
+    """A guard that also decides what a caller is shown (tools, resources, prompts)."""
+
+    def visible_tools(self, tools: Sequence[Tool]) -> Sequence[Tool]: ...
+
+    def check_reading(self, what: str) -> None: ...
+
+    def hides_listings(self) -> bool: ...
+
+
+class ButlerMiddleware(Middleware):
+    """Trace context for every tool call, and the butler's guards (`add_guard`)."""
+
     def __init__(self, butler_name: str, tracer: Tracer) -> None:
         self.butler_name = butler_name
         self.tracer = tracer
+        self._guards: list[ToolGuard] = []
+        self._listing_guards: list[ListingGuard] = []
+
+    def add_guard(self, guard: ToolGuard | ListingGuard) -> None:
+        self._guards.append(guard)
+        if hasattr(guard, "visible_tools"):
+            self._listing_guards.append(guard)  # type: ignore[arg-type]
 
     async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         params = context.message
@@ -108,16 +140,49 @@ class TraceContextMiddleware(Middleware):
             attributes={"butler": self.butler_name, "tool_name": params.name},
         ) as span:
             try:
+                for guard in self._guards:
+                    guard.check_call(params.name)
                 return await call_next(context.copy(message=params))
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                 raise
 
+    async def on_list_tools(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        tools: Sequence[Tool] = await call_next(context)
+        for guard in self._listing_guards:
+            tools = guard.visible_tools(tools)
+        return tools
 
-class ClassificationFence(Middleware):
+    async def on_read_resource(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        for guard in self._listing_guards:
+            guard.check_reading("reading resources")
+        return await call_next(context)
+
+    async def on_get_prompt(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        for guard in self._listing_guards:
+            guard.check_reading("getting prompts")
+        return await call_next(context)
+
+    async def on_list_resources(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        return [] if self._hides_listings() else await call_next(context)
+
+    async def on_list_resource_templates(
+        self, context: MiddlewareContext, call_next: CallNext
+    ) -> Any:
+        return [] if self._hides_listings() else await call_next(context)
+
+    async def on_list_prompts(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        return [] if self._hides_listings() else await call_next(context)
+
+    def _hides_listings(self) -> bool:
+        return any(guard.hides_listings() for guard in self._listing_guards)
+
+
+class ClassificationFence:
     """On the switchboard: a caller presenting a classification claim (see
     `classification_claim`) is shown only `tools` and may call nothing else, nor read
-    resources or prompts. Every other caller is untouched."""
+    resources or prompts. Every other caller is untouched. (A ListingGuard of the butler's
+    middleware.)"""
 
     def __init__(self, tools: Collection[str]) -> None:
         self.tools = frozenset(tools)
@@ -130,35 +195,19 @@ class ClassificationFence(Middleware):
             log_level=logging.WARNING,
         )
 
-    async def on_list_tools(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        tools: Sequence[Tool] = await call_next(context)
+    def check_call(self, tool_name: str) -> None:
+        # `route` and `list_butlers` (the hot path) are decided without reading headers.
+        if tool_name not in self.tools and classification_claim() is not None:
+            raise self._refusal(f"tool {tool_name!r}")
+
+    def visible_tools(self, tools: Sequence[Tool]) -> Sequence[Tool]:
         if classification_claim() is None:
             return tools
         return [tool for tool in tools if tool.name in self.tools]
 
-    async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        name = context.message.name
-        if name not in self.tools and classification_claim() is not None:
-            raise self._refusal(f"tool {name!r}")
-        return await call_next(context)
-
-    async def on_read_resource(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+    def check_reading(self, what: str) -> None:
         if classification_claim() is not None:
-            raise self._refusal("reading resources")
-        return await call_next(context)
+            raise self._refusal(what)
 
-    async def on_get_prompt(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        if classification_claim() is not None:
-            raise self._refusal("getting prompts")
-        return await call_next(context)
-
-    async def on_list_resources(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        return [] if classification_claim() is not None else await call_next(context)
-
-    async def on_list_resource_templates(
-        self, context: MiddlewareContext, call_next: CallNext
-    ) -> Any:
-        return [] if classification_claim() is not None else await call_next(context)
-
-    async def on_list_prompts(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        return [] if classification_claim() is not None else await call_next(context)
+    def hides_listings(self) -> bool:
+        return classification_claim() is not None

@@ -3,10 +3,11 @@
 A session started by a routed message runs on a stranger's text: told to, it would read other
 people's sessions (`sessions_list(detail=True)`, `session_get`) and hand them back, or send to
 anyone (`send_message`, `send_email`). The spawner keeps such tools out of that session's
-allowlist; `SessionPolicyMiddleware` refuses them again on the server, to whoever presents that
-session's credential (its `X-Butlers-Session` header), so a widened allowlist or a session
-that reaches the server some other way gets nothing either. A caller without the header (an
-operator's MCP client, the CLI through the switchboard) is not a session and keeps them.
+allowlist; `SessionPolicy` (a guard of the butler's middleware) refuses them again on the
+server, to whoever presents that session's credential (its `X-Butlers-Session` header), so a
+widened allowlist or a session that reaches the server some other way gets nothing either. A
+caller without the header (an operator's MCP client, the CLI through the switchboard) is not a
+session and keeps them.
 
 `OwnerNotices` tells the owner, once per hour or day, that a flood limit stopped something
 (`[runtime] max_scheduled_runs_per_hour`, `max_spend_usd_per_day`): through the butler's
@@ -17,10 +18,9 @@ operator's MCP client, the CLI through the switchboard) is not a session and kee
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastmcp.server.dependencies import get_http_headers
-from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 
 from butlers.errors import NotifyFailed
 from butlers.spawner import ROUTED_SESSION_WITHHELD, SESSION_HEADER
@@ -40,15 +40,15 @@ def session_token() -> str | None:
     return get_http_headers(include={name}).get(name) or None
 
 
-class SessionPolicyMiddleware(Middleware):
+class SessionPolicy:
     """Refuses the tools a session may not use, by the credential it presents. (Hiding them
-    is the allowlist's job: Claude Code is told they are disallowed.)"""
+    is the allowlist's job: Claude Code is told they are disallowed.) A ToolGuard of the
+    butler's middleware."""
 
     def __init__(self, spawner: Spawner) -> None:
         self.spawner = spawner
 
-    async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
-        name = context.message.name
+    def check_call(self, name: str) -> None:
         # Only these few are ever withheld: every other call (the hot path: state_get through
         # route) is passed on without reading the request's headers.
         if name in ROUTED_SESSION_WITHHELD and name in self.spawner.withheld_tools(session_token()):
@@ -59,7 +59,6 @@ class SessionPolicyMiddleware(Middleware):
                 "reach other people's messages or send to anyone",
                 log_level=logging.WARNING,
             )
-        return await call_next(context)
 
 
 class OwnerNotices:

@@ -111,7 +111,7 @@ async def test_the_butler_refuses_them_even_when_the_allowlist_is_widened(
     db_conn,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Guards SessionPolicyMiddleware and the routed flag `trigger` gives the spawner: with
+    """Guards SessionPolicy and the routed flag `trigger` gives the spawner: with
     Claude Code's allowlist no longer narrowed (a regression, simulated here), the butler's
     own server still answers the routed session's calls with a refusal."""
     monkeypatch.setattr(butlers.spawner, "withhold", lambda target, tools: target)

@@ -17,9 +17,8 @@ from pydantic import JsonValue
 
 from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
-from butlers.mcp_middleware import ClassificationFence, classification_claim
+from butlers.mcp_middleware import classification_claim
 from butlers.spawner import Spawner
-from butlers.switchboard.classifier import CLASSIFIER_TOOLS
 from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.dispatch import Dispatch, Dispatcher
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
@@ -146,9 +145,6 @@ def attach_switchboard(
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
     routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
     routing_log_list and outbox_list."""
-    # Whatever Claude Code's allowlist says, a classification session sees and calls only
-    # route and list_butlers here (its `route` is then held to the classifier's policy).
-    mcp.add_middleware(ClassificationFence(CLASSIFIER_TOOLS))
     connections = McpConnections(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
