@@ -28,7 +28,7 @@ import pytest
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
     from butlers.daemon import ButlerDaemon
-    from butlers.db import PostgresServer
+    from butlers.db import EmbeddedServer, PostgresServer
     from butlers.settings import Settings
     from butlers.telemetry import Telemetry
     from tests.fakes.bot_api import FakeBotAPI
@@ -106,7 +106,7 @@ def _docker_answers() -> bool:
 
 @pytest.fixture(scope="session")
 async def pg_server() -> AsyncIterator[PostgresServer]:
-    from butlers.db import EmbeddedServer, ExternalServer
+    from butlers.db import ExternalServer
 
     url = os.environ.get("TEST_DATABASE_URL")
     if url:
@@ -121,10 +121,22 @@ async def pg_server() -> AsyncIterator[PostgresServer]:
         with PostgresContainer("postgres:18-alpine", driver=None) as container:
             yield ExternalServer(container.get_connection_url())
         return
-    # Not under pytest's basetemp: pytest makes /tmp/pytest-of-<user> 0700 again whenever a
-    # session starts, which would cut a root-run server (it runs as an unprivileged user) off
-    # its data directory mid-run. Our own directory, traversable (not readable) by others.
-    root = Path(tempfile.mkdtemp(prefix="butlers-test-pg-"))
+    async with embedded_server("butlers-test-pg-") as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def embedded_server(prefix: str) -> AsyncIterator[EmbeddedServer]:
+    """An embedded PostgreSQL in a directory of its own (named `prefix`...), stopped and
+    removed afterwards: the session's server, and a test's own one that it may stop.
+
+    Not under pytest's basetemp: pytest makes /tmp/pytest-of-<user> 0700 again whenever a
+    session starts, which would cut a root-run server (it runs as an unprivileged user) off
+    its data directory mid-run. Our own directory, traversable (not readable) by others.
+    """
+    from butlers.db import EmbeddedServer
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(root, 0o711)
     server = EmbeddedServer(root / "pgdata", environ=os.environ)
     await server.start()

@@ -4,9 +4,6 @@ pod during a database blip: here the butler's own PostgreSQL is really stopped."
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,24 +14,16 @@ import pytest
 from butlers.daemon import ButlerDaemon
 from butlers.db import EmbeddedServer, prepare_database
 from butlers.settings import Settings
-from tests.conftest import butler_config
+from tests.conftest import butler_config, embedded_server
 
 pytestmark = pytest.mark.pg
 
 
 @pytest.fixture
 async def own_server() -> AsyncIterator[EmbeddedServer]:
-    """An embedded PostgreSQL of this test's own, which it may stop (the session's is shared).
-    Outside pytest's basetemp and traversable by the server's account, as pg_server's is."""
-    root = Path(tempfile.mkdtemp(prefix="butlers-test-livez-"))
-    os.chmod(root, 0o711)
-    server = EmbeddedServer(root / "pgdata", environ=os.environ)
-    await server.start()
-    try:
+    """An embedded PostgreSQL of this test's own, which it may stop (the session's is shared)."""
+    async with embedded_server("butlers-test-livez-") as server:
         yield server
-    finally:
-        await server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _get(url: str, **headers: str) -> tuple[int, dict]:
