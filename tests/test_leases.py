@@ -129,6 +129,22 @@ async def test_claims_racing_from_two_processes_never_break_a_conversation(store
     assert done == expected
 
 
+async def taken_over(store: InboxStore, owner: str) -> InboxMessage:
+    """The message `owner` claims once another owner's lease has run out: polled, as
+    PostgreSQL's clock decides when that is (up to 30 s)."""
+    claims: list[InboxMessage] = []
+
+    async def claimed() -> bool:
+        message = await store.claim_next(owner, 30)
+        if message is not None:
+            claims.append(message)
+        return bool(claims)
+
+    await eventually(claimed, timeout_s=30)
+    [taken] = claims
+    return taken
+
+
 async def test_a_lease_that_runs_out_is_taken_over_and_fences_the_old_owner(stores) -> None:
     a, b = await stores(), await stores()
     inbox_id = await queue(a, "telegram:1")
@@ -139,16 +155,7 @@ async def test_a_lease_that_runs_out_is_taken_over_and_fences_the_old_owner(stor
     assert await b.claim_next("b", 30) is None  # held, and its conversation's next waits
     # "a" died: nobody renews. "b" takes the message once the lease has run out (PostgreSQL's
     # clock decides; the test polls until it has).
-    claims: list[InboxMessage] = []
-
-    async def taken_over() -> bool:
-        message = await b.claim_next("b", 30)
-        if message is not None:
-            claims.append(message)
-        return bool(claims)
-
-    await eventually(taken_over, timeout_s=30)
-    [taken] = claims
+    taken = await taken_over(b, "b")
     assert (taken.id, taken.attempts) == (inbox_id, 2)
     # The old owner hears it lost the message, and cannot finish it any more.
     assert await a.renew("a", [inbox_id], 1) == set()
@@ -170,16 +177,7 @@ async def test_a_message_finished_here_is_not_lost_to_the_renewal(stores) -> Non
     assert await finish(a, mine, "a")
     assert await a.renew("a", [mine], 30) == {mine}
     assert (await a.claim_next("a", 1)).id == theirs  # "a" stalls: its lease runs out
-    claims: list[InboxMessage] = []
-
-    async def taken_over() -> bool:
-        message = await b.claim_next("b", 30)
-        if message is not None:
-            claims.append(message)
-        return bool(claims)
-
-    await eventually(taken_over, timeout_s=30)
-    assert claims[0].id == theirs and await finish(b, theirs, "b")
+    assert (await taken_over(b, "b")).id == theirs and await finish(b, theirs, "b")
     assert await a.renew("a", [mine, theirs], 30) == {mine}
 
 
