@@ -11,6 +11,7 @@ from fastmcp import Client
 
 from butlers import daemon as daemon_module
 from butlers.config import RuntimeConfig, SwitchboardConfig, TriageRule
+from butlers.daemon import ButlerDaemon
 from butlers.switchboard.replies import RATE_LIMITED
 from tests.conftest import StartButler, butler_config, eventually, free_port
 from tests.fakes.bot_api import FakeBotAPI
@@ -21,15 +22,12 @@ from tests.test_telegram import start_telegram_fleet
 ALLOWED = (111, 222)
 
 
-async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
-    start_butler: StartButler,
-    tmp_path: Path,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
-    db_conn,
-) -> None:
-    scripted_api.respond_with(model("general", {"general": "Done."}))
-    switchboard, targets = await start_telegram_fleet(
+async def hourly_limited_fleet(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI
+) -> tuple[ButlerDaemon, dict[str, ButlerDaemon]]:
+    """`general` and a Telegram switchboard allowing ALLOWED, every message to general, and
+    at most two messages per sender per hour: the per-sender limit's tests share it."""
+    return await start_telegram_fleet(
         start_butler,
         tmp_path,
         bot_api,
@@ -38,6 +36,36 @@ async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
         chats=ALLOWED,
         switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
     )
+
+
+async def pruning_switchboard(
+    start_butler: StartButler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> ButlerDaemon:
+    """A switchboard keeping finished rows 30 days, whose ticker prunes every 0.1 s: the
+    retention tests share it, each with the rows it inserts."""
+    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    return await start_butler(
+        butler_config(
+            "switchboard",
+            port=free_port(),
+            runtime=RuntimeConfig(tick_interval_s=0.1),
+            switchboard=replace(SwitchboardConfig(), retention_days=30),
+        ),
+        config_dir=config_dir,
+    )
+
+
+async def test_a_sender_over_the_hourly_limit_is_told_once_and_not_classified(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(model("general", {"general": "Done."}))
+    switchboard, targets = await hourly_limited_fleet(start_butler, tmp_path, bot_api)
     general = targets["general"]
     flooder, other = ALLOWED
     for i in range(5):
@@ -82,15 +110,7 @@ async def test_the_hourly_limit_counts_only_the_last_hour(
     from more than an hour ago no longer count, nor does a notice they were given then (they
     are told again); one from within the hour still counts."""
     scripted_api.respond_with(model("general", {"general": "Done."}))
-    switchboard, _ = await start_telegram_fleet(
-        start_butler,
-        tmp_path,
-        bot_api,
-        triage=[TriageRule(butler="general", channel="telegram")],
-        names=("general",),
-        chats=ALLOWED,
-        switchboard=SwitchboardConfig(max_messages_per_sender_per_hour=2),
-    )
+    switchboard, _ = await hourly_limited_fleet(start_butler, tmp_path, bot_api)
     sender = str(ALLOWED[0])
     conn = await db_conn(switchboard.config.database)
     await conn.execute(
@@ -120,18 +140,7 @@ async def test_the_ticker_deletes_finished_rows_older_than_retention_days(
     db_conn,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
-    config_dir = tmp_path / "config"
-    config_dir.mkdir()
-    switchboard = await start_butler(
-        butler_config(
-            "switchboard",
-            port=free_port(),
-            runtime=RuntimeConfig(tick_interval_s=0.1),
-            switchboard=replace(SwitchboardConfig(), retention_days=30),
-        ),
-        config_dir=config_dir,
-    )
+    switchboard = await pruning_switchboard(start_butler, tmp_path, monkeypatch)
     conn = await db_conn(switchboard.config.database)
     await conn.execute(
         """
@@ -177,18 +186,7 @@ async def test_retention_keeps_what_is_not_finished_however_old(
     A message still queued or in flight, a reply not sent yet (pending, or `sending` when a
     crash interrupted it) and a session still running stay, however old; sent and failed
     outbox rows older than retention_days go, as docs/configuration.md says."""
-    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
-    config_dir = tmp_path / "config"
-    config_dir.mkdir()
-    switchboard = await start_butler(
-        butler_config(
-            "switchboard",
-            port=free_port(),
-            runtime=RuntimeConfig(tick_interval_s=0.1),
-            switchboard=replace(SwitchboardConfig(), retention_days=30),
-        ),
-        config_dir=config_dir,
-    )
+    switchboard = await pruning_switchboard(start_butler, tmp_path, monkeypatch)
     conn = await db_conn(switchboard.config.database)
     # The queued message waits behind one that another switchboard process holds (its lease
     # runs for an hour): this process's worker takes neither, whatever the pruning does.
