@@ -147,10 +147,13 @@ async def embedded_server(prefix: str) -> AsyncIterator[EmbeddedServer]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _drop(server: PostgresServer, name: str) -> None:
+async def drop_databases(server: PostgresServer, *names: str) -> None:
+    """Drop `names` where they exist, connections to them or not: the templates' and test
+    databases' cleanup, and that of tests whose `butlers` processes made their own."""
     conn = await asyncpg.connect(server.dsn("postgres"))
     try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for name in names:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     finally:
         await conn.close()
 
@@ -163,7 +166,7 @@ async def core_template(pg_server: PostgresServer) -> AsyncIterator[str]:
     name = f"tmpl_core_{uuid.uuid4().hex[:8]}"
     await prepare_database(pg_server, name, ("core",))
     yield name
-    await _drop(pg_server, name)
+    await drop_databases(pg_server, name)
 
 
 @pytest.fixture(scope="session")
@@ -174,7 +177,7 @@ async def switchboard_template(pg_server: PostgresServer) -> AsyncIterator[str]:
     name = f"tmpl_switchboard_{uuid.uuid4().hex[:8]}"
     await prepare_database(pg_server, name, ("core", "switchboard"))
     yield name
-    await _drop(pg_server, name)
+    await drop_databases(pg_server, name)
 
 
 @pytest.fixture
@@ -198,7 +201,7 @@ async def make_database(
     errors = [
         e
         for e in await asyncio.gather(
-            *(_drop(pg_server, name) for name in created), return_exceptions=True
+            *(drop_databases(pg_server, name) for name in created), return_exceptions=True
         )
         if isinstance(e, BaseException)
     ]

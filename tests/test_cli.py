@@ -16,13 +16,20 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import psutil
 import pytest
 from fastmcp import Client
 
+from butlers.claude_code import isolated_cli_env
 from tests.conftest import migration_heads
+
+if TYPE_CHECKING:
+    from butlers.db import PostgresServer
+    from tests.fakes.bot_api import FakeBotAPI
+    from tests.fakes.messages_api import ScriptedMessagesAPI
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "config" / "butlers"
@@ -170,6 +177,30 @@ def cli_env() -> Iterator[dict[str, str]]:
     env["BUTLERS_DATA_DIR"] = str(root / "data")
     yield env
     shutil.rmtree(root, ignore_errors=True)
+
+
+def fleet_env(
+    tmp_path: Path,
+    pg_server: PostgresServer,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    *,
+    left_out: tuple[str, ...] = ("BUTLERS_",),
+) -> dict[str, str]:
+    """The environment of `butlers` processes serving a Telegram fleet on the tests'
+    PostgreSQL: nothing inherited that starts with `left_out`, Claude Code isolated in
+    tmp_path/home against the scripted API, the fake Bot API's token, data in tmp_path/data.
+    The crash, replica and tracing tests start theirs with it, so each is set up alike."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(left_out)}
+    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
+    env.update(
+        DATABASE_URL=pg_server.dsn("postgres"),
+        TELEGRAM_BOT_TOKEN=bot_api.token,
+        BUTLERS_DATA_DIR=str(tmp_path / "data"),
+    )
+    return env
 
 
 @pytest.fixture

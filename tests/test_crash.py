@@ -14,49 +14,52 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import asyncpg
 import psutil
 import pytest
 from fastmcp import Client
 
-from butlers.claude_code import isolated_cli_env
-from tests.conftest import eventually, free_port, write_butler_dir
+from tests.conftest import drop_databases, eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
-from tests.test_cli import Butlers
+from tests.test_cli import Butlers, fleet_env
 from tests.test_leases import settled
 
 CHAT = 777
 
 
-async def test_sigkill_mid_message_then_restart_answers_it(
-    tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
-) -> None:
+def fleet_databases(prefix: str) -> dict[str, str]:
+    """Fresh database names for `general` and `switchboard`: `butlers up` creates them."""
     suffix = uuid.uuid4().hex[:8]
+    return {name: f"{prefix}_{name}_{suffix}" for name in ("general", "switchboard")}
+
+
+def write_fleet(tmp_path: Path, bot_api: FakeBotAPI, databases: dict[str, str]) -> Path:
+    """tmp_path/config for `butlers up`: `general`, and a switchboard polling `bot_api` that
+    allows CHAT and sends every Telegram message to general; each on its database."""
     config_dir = tmp_path / "config"
     write_butler_dir(
-        config_dir, "general", free_port(), extra=f'[butler.db]\nname = "crash_general_{suffix}"\n'
+        config_dir, "general", free_port(), extra=f'[butler.db]\nname = "{databases["general"]}"\n'
     )
     write_butler_dir(
         config_dir,
         "switchboard",
         free_port(),
         extra=(
-            f'[butler.db]\nname = "crash_switchboard_{suffix}"\n'
+            f'[butler.db]\nname = "{databases["switchboard"]}"\n'
             f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
             f'api_base_url = "{bot_api.url}"\n'
             '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
         ),
     )
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
-    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
-    env.update(
-        DATABASE_URL=pg_server.dsn("postgres"),
-        TELEGRAM_BOT_TOKEN=bot_api.token,
-        BUTLERS_DATA_DIR=str(tmp_path / "data"),
-    )
+    return config_dir
+
+
+async def test_sigkill_mid_message_then_restart_answers_it(
+    tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
+) -> None:
+    databases = fleet_databases("crash")
+    config_dir = write_fleet(tmp_path, bot_api, databases)
+    env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
 
     scripted_api.script([text("Survived the crash.")])
     scripted_api.delay_s = 30  # the model "thinks" long enough for us to pull the plug
@@ -70,7 +73,7 @@ async def test_sigkill_mid_message_then_restart_answers_it(
             await scripted_api.wait_for_request(lambda body: True)
         await first.crash()
 
-        conn = await db_conn(f"crash_switchboard_{suffix}")
+        conn = await db_conn(databases["switchboard"])
         row = await conn.fetchrow("SELECT status, attempts FROM inbox")
         assert (row["status"], row["attempts"]) == ("processing", 1)
         assert bot_api.sent == []
@@ -93,10 +96,7 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         for process in (first, second):
             if process is not None:
                 process.kill()
-        admin = await asyncpg.connect(pg_server.dsn("postgres"))
-        for name in ("general", "switchboard"):
-            await admin.execute(f'DROP DATABASE IF EXISTS "crash_{name}_{suffix}" WITH (FORCE)')
-        await admin.close()
+        await drop_databases(pg_server, *databases.values())
 
 
 async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
@@ -109,32 +109,9 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
     session's Claude Code CLI ends with it (claude_code's transport: it used to run on, its
     model request open, holding the stderr of the `butlers up` that was gone). The next
     start answers it once."""
-    suffix = uuid.uuid4().hex[:8]
-    databases = {name: f"term_{name}_{suffix}" for name in ("general", "switchboard")}
-    config_dir = tmp_path / "config"
-    write_butler_dir(
-        config_dir, "general", free_port(), extra=f'[butler.db]\nname = "{databases["general"]}"\n'
-    )
-    write_butler_dir(
-        config_dir,
-        "switchboard",
-        free_port(),
-        extra=(
-            f'[butler.db]\nname = "{databases["switchboard"]}"\n'
-            f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
-            f'api_base_url = "{bot_api.url}"\n'
-            '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
-        ),
-    )
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
-    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
-    env.update(
-        DATABASE_URL=pg_server.dsn("postgres"),
-        TELEGRAM_BOT_TOKEN=bot_api.token,
-        BUTLERS_DATA_DIR=str(tmp_path / "data"),
-    )
+    databases = fleet_databases("term")
+    config_dir = write_fleet(tmp_path, bot_api, databases)
+    env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
     scripted_api.script([text("Answered after the restart.")])
     scripted_api.delay_for = lambda body: 600.0  # the model never answers this first run
     first = Butlers("up", "--config-dir", str(config_dir), env=env)
@@ -185,12 +162,7 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
         for session in sessions:  # only if the test failed: started by our `butlers up`
             if not _ended(session):
                 session.kill()
-        admin = await asyncpg.connect(pg_server.dsn("postgres"))
-        try:
-            for name in databases.values():
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await drop_databases(pg_server, *databases.values())
 
 
 # -- the embedded PostgreSQL after a SIGKILL --------------------------------------------------

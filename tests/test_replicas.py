@@ -14,13 +14,11 @@ import uuid
 from pathlib import Path
 
 import aiohttp
-import asyncpg
 
-from butlers.claude_code import isolated_cli_env
-from tests.conftest import eventually, free_port, write_butler_dir
+from tests.conftest import drop_databases, eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
-from tests.test_cli import Butlers
+from tests.test_cli import Butlers, fleet_env
 from tests.test_leases import settled
 
 CHATS = (7101, 7102, 7103)
@@ -66,16 +64,8 @@ async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
             '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
         ),
     )
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
-    env.update(isolated_cli_env(home, scripted_api.url, inherited=env))
-    env.update(
-        DATABASE_URL=pg_server.dsn("postgres"),
-        TELEGRAM_BOT_TOKEN=bot_api.token,
-        BUTLERS_DATA_DIR=str(tmp_path / "data"),
-        BUTLERS_LOG_LEVEL="INFO",
-    )
+    env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
+    env["BUTLERS_LOG_LEVEL"] = "INFO"
     scripted_api.respond_with(answer)
     scripted_api.delay_s = 2.0  # the model takes its time: the burst is still going on
 
@@ -140,9 +130,4 @@ async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
     finally:
         for process in processes:
             process.kill()
-        admin = await asyncpg.connect(pg_server.dsn("postgres"))
-        try:
-            for name in databases:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await drop_databases(pg_server, *databases)

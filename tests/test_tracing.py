@@ -21,15 +21,20 @@ import asyncpg
 import pytest
 from fastmcp import Client
 
-from butlers.claude_code import isolated_cli_env
 from butlers.errors import ButlersError
 from butlers.settings import Settings
 from butlers.telemetry import Telemetry
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import (
+    StartButler,
+    butler_config,
+    drop_databases,
+    free_port,
+    write_butler_dir,
+)
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.fakes.otlp import OtlpReceiver, ReceivedSpan
-from tests.test_cli import REPO, Butlers
+from tests.test_cli import REPO, Butlers, fleet_env
 from tests.test_inbox import model
 from tests.test_registry import call
 
@@ -60,14 +65,8 @@ class Fleet:
                 "[switchboard]\n"  # what makes it the switchboard
             ),
         )
-        home = tmp_path / "home"
-        home.mkdir()
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "OTEL_"))}
-        self.env.update(isolated_cli_env(home, scripted_api.url, inherited=self.env))
-        self.env.update(
-            DATABASE_URL=pg_server.dsn("postgres"),
-            TELEGRAM_BOT_TOKEN=bot_api.token,
-            BUTLERS_DATA_DIR=str(tmp_path / "data"),
+        self.env = fleet_env(
+            tmp_path, pg_server, bot_api, scripted_api, left_out=("BUTLERS_", "OTEL_")
         )
 
     def database(self, name: str) -> str:
@@ -94,12 +93,9 @@ class Fleet:
             await conn.close()
 
     async def drop(self) -> None:
-        admin = await asyncpg.connect(self.pg_server.dsn("postgres"))
-        try:
-            for name in ("general", "switchboard"):
-                await admin.execute(f'DROP DATABASE IF EXISTS "{self.database(name)}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await drop_databases(
+            self.pg_server, *(self.database(name) for name in ("general", "switchboard"))
+        )
 
 
 @pytest.fixture
