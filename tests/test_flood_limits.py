@@ -14,40 +14,12 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-from butlers.config import OwnerConfig, RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
-from butlers.daemon import ButlerDaemon
+from butlers.config import RuntimeConfig
 from butlers.switchboard.replies import sorry
-from tests.conftest import StartButler, butler_config, free_port, log_records, write_butler_dir
+from tests.conftest import StartButler, butler_config, log_records
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
-
-OWNER = 777
-CHAT = 12345
-
-
-async def limited_fleet(
-    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, runtime: RuntimeConfig
-) -> tuple[ButlerDaemon, ButlerDaemon]:
-    """`general` with these limits (its notices reach the switchboard), and a switchboard with
-    an owner on Telegram and a rule sending every Telegram message to general."""
-    port = free_port()
-    config_dir = tmp_path / "config"
-    general = await start_butler(
-        butler_config("general", switchboard_url=f"http://127.0.0.1:{port}/sse", runtime=runtime)
-    )
-    write_butler_dir(config_dir, "general", general.port)
-    write_butler_dir(config_dir, "switchboard", port, extra="[switchboard]\n")
-    switchboard = await start_butler(
-        butler_config(
-            "switchboard",
-            port=port,
-            telegram=TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url),
-            triage=(TriageRule(butler="general", channel="telegram"),),
-            switchboard=SwitchboardConfig(owner=OwnerConfig(telegram_chat_id=str(OWNER))),
-        ),
-        config_dir=config_dir,
-    )
-    return switchboard, general
+from tests.test_notify import CHAT, OWNER, notify_fleet
 
 
 async def owner_notices(conn) -> list[str]:
@@ -109,7 +81,9 @@ async def test_scheduled_runs_past_the_hourly_limit_are_skipped_and_the_owner_to
     one per skipped run nor per tick."""
     scripted_api.script([text("Ran.")])
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_scheduled_runs_per_hour=2)
-    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
+    switchboard, general = await notify_fleet(
+        start_butler, tmp_path, bot_api, runtime=runtime, switchboard_extra="[switchboard]\n"
+    )
     conn = await db_conn(general.config.database)
     switchboard_db = await db_conn(switchboard.config.database)
 
@@ -162,7 +136,9 @@ async def test_past_the_daily_spend_cap_sessions_are_refused_and_the_owner_told_
     hears it once."""
     scripted_api.script([text("Hello.")])
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_spend_usd_per_day=1.0)
-    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
+    switchboard, general = await notify_fleet(
+        start_butler, tmp_path, bot_api, runtime=runtime, switchboard_extra="[switchboard]\n"
+    )
     conn = await db_conn(general.config.database)
     switchboard_db = await db_conn(switchboard.config.database)
 

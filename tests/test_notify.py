@@ -17,6 +17,7 @@ from butlers.config import (
     TelegramConfig,
     TriageRule,
 )
+from butlers.daemon import ButlerDaemon
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -43,20 +44,25 @@ async def notify_fleet(
     tmp_path: Path,
     bot_api: FakeBotAPI,
     limits: SwitchboardConfig | None = None,
-):
+    *,
+    runtime: RuntimeConfig | None = None,
+    switchboard_extra: str = "",
+) -> tuple[ButlerDaemon, ButlerDaemon]:
     """`general` (which knows the switchboard's URL) and a switchboard with Telegram, an
-    owner, and a triage rule sending every Telegram message to general."""
+    owner, and a triage rule sending every Telegram message to general. `runtime`: general's
+    (the flood limits' tests give theirs); `switchboard_extra`: added to the switchboard's
+    butler.toml in the config dir the switchboard discovers."""
     port = free_port()
     config_dir = tmp_path / "config"
     general = await start_butler(
         butler_config(
             "general",
             switchboard_url=f"http://127.0.0.1:{port}/sse",
-            runtime=RuntimeConfig(timeout_s=60, tick_interval_s=0),
+            runtime=runtime or RuntimeConfig(timeout_s=60, tick_interval_s=0),
         )
     )
     write_butler_dir(config_dir, "general", general.port)
-    write_butler_dir(config_dir, "switchboard", port)
+    write_butler_dir(config_dir, "switchboard", port, extra=switchboard_extra)
     switchboard = await start_butler(
         butler_config(
             "switchboard",
