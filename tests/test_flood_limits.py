@@ -15,11 +15,22 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 from butlers.config import RuntimeConfig
+from butlers.daemon import ButlerDaemon
 from butlers.switchboard.replies import sorry
 from tests.conftest import StartButler, butler_config, log_records
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
 from tests.test_notify import CHAT, OWNER, notify_fleet
+
+
+async def limited_fleet(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, runtime: RuntimeConfig
+) -> tuple[ButlerDaemon, ButlerDaemon]:
+    """test_notify's fleet, with general's limits in `runtime` (its notices reach the
+    switchboard, which tells the owner) and the switchboard marked as one in its config dir."""
+    return await notify_fleet(
+        start_butler, tmp_path, bot_api, runtime=runtime, switchboard_extra="[switchboard]\n"
+    )
 
 
 async def owner_notices(conn) -> list[str]:
@@ -81,9 +92,7 @@ async def test_scheduled_runs_past_the_hourly_limit_are_skipped_and_the_owner_to
     one per skipped run nor per tick."""
     scripted_api.script([text("Ran.")])
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_scheduled_runs_per_hour=2)
-    switchboard, general = await notify_fleet(
-        start_butler, tmp_path, bot_api, runtime=runtime, switchboard_extra="[switchboard]\n"
-    )
+    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
     conn = await db_conn(general.config.database)
     switchboard_db = await db_conn(switchboard.config.database)
 
@@ -136,9 +145,7 @@ async def test_past_the_daily_spend_cap_sessions_are_refused_and_the_owner_told_
     hears it once."""
     scripted_api.script([text("Hello.")])
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, max_spend_usd_per_day=1.0)
-    switchboard, general = await notify_fleet(
-        start_butler, tmp_path, bot_api, runtime=runtime, switchboard_extra="[switchboard]\n"
-    )
+    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
     conn = await db_conn(general.config.database)
     switchboard_db = await db_conn(switchboard.config.database)
 
