@@ -16,6 +16,7 @@ schemas/butler.schema.json (generated: `python -m butlers.schemas`) lets an edit
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 import tomllib
 from collections.abc import Mapping
@@ -123,6 +124,156 @@ class ButlerTable:
     db: DbTable = Field(default_factory=DbTable, description="`[butler.db]`.")
 
 
+# ---- Tool servers ([[mcp_servers]]) and Claude Code's own tools ([runtime] builtin_tools) ----
+# (butlers.tool_servers runs the servers; docs/tools.md says who can reach what.)
+
+# Claude Code built-ins a session may be given: none of them runs a program or touches a file.
+SAFE_BUILTIN_TOOLS = ("WebSearch", "WebFetch", "TodoWrite")
+# Those that would run or write anything without passing through the butler (so without the
+# owner's approval), or read any file the butler's user can (its data, its secrets).
+REFUSED_BUILTIN_TOOLS = {
+    **dict.fromkeys(("Bash", "BashOutput", "KillShell", "KillBash"), "runs shell commands"),
+    **dict.fromkeys(("Write", "Edit", "MultiEdit", "NotebookEdit"), "writes files"),
+    **dict.fromkeys(("Read", "Glob", "Grep", "LS", "NotebookRead"), "reads any file"),
+    **dict.fromkeys(("Task", "Agent"), "starts sub-agents"),
+}
+
+
+def _safe_builtin_tools(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Only built-ins that neither run, write nor read files on the butler's machine: every
+    such action must pass through the butler's own MCP server, where the owner's approval,
+    tracing and redaction are."""
+    for name in names:
+        why = REFUSED_BUILTIN_TOOLS.get(name)
+        if why is not None:
+            raise ValueError(
+                f"{name!r} {why}: it would bypass the owner's approval, which only sees calls "
+                "through the butler's MCP server; read files through an [[mcp_servers]] "
+                "filesystem server with an explicit root (and `approval` on what writes)"
+            )
+        if name not in SAFE_BUILTIN_TOOLS:
+            raise ValueError(
+                f"{name!r} is not a Claude Code built-in known to be safe here; "
+                f"expected some of {', '.join(SAFE_BUILTIN_TOOLS)}"
+            )
+    return names
+
+
+# `<server>__<tool>`: the separator must not occur in a server's name.
+PROXY_SEPARATOR = "__"
+
+
+def _server_name(value: str) -> str:
+    if PROXY_SEPARATOR in value:
+        raise ValueError(
+            f"{value!r} contains {PROXY_SEPARATOR!r}, which separates a server's name from its "
+            "tools' names (`files__read_text_file`)"
+        )
+    return value
+
+
+ServerName = Annotated[Name, AfterValidator(_server_name)]
+ToolGlob = Annotated[
+    str, Strict(), Field(min_length=1), Expect("a glob on tool names such as 'read_*'")
+]
+EnvName = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
+    Expect("an environment variable's name"),
+]
+
+
+# For editors: what `McpServerConfig._one_kind` says.
+_ONE_KIND_OF_SERVER: JsonDict = {"oneOf": [{"required": ["command"]}, {"required": ["url"]}]}
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", json_schema_extra=_ONE_KIND_OF_SERVER))
+class McpServerConfig:
+    """`[[mcp_servers]]`: an MCP server this butler's sessions may use, through the butler:
+    its own MCP server offers each allowed tool as `<name>__<tool>`. A stdio server
+    (`command`) or a remote one (`url`, streamable HTTP or SSE). In `args`, `env` and `cwd`,
+    `{data_dir}` is the butler's own data directory and `{butler_dir}` its config directory."""
+
+    name: Annotated[ServerName, Expect("a name such as 'files' ([a-z][a-z0-9_-]*, no '__')")] = (
+        Field(description="The server's name; its tools are `<name>__<tool>`.")
+    )
+    command: Str | None = Field(
+        default=None, description="stdio: the program (found on PATH, e.g. `npx`)."
+    )
+    args: tuple[Str, ...] = Field(default=(), description="stdio: its arguments.")
+    env: dict[EnvName, Str] = Field(
+        default_factory=dict,
+        description="stdio: variables it gets besides PATH, HOME, locale and TZ (nothing "
+        "else of the butler's). Not for secrets: see `pass_env`.",
+    )
+    pass_env: tuple[EnvName, ...] = Field(
+        default=(),
+        description="stdio: variables of the butler's environment it gets too (a token: "
+        "the value stays out of the file, and out of logs and answers).",
+    )
+    cwd: Str | None = Field(
+        default=None,
+        description="stdio: its working directory; unset: the butler's data directory.",
+    )
+    url: HttpUrl | None = Field(
+        default=None,
+        description="remote: its endpoint; a path ending in `/sse` is MCP over SSE, anything "
+        "else streamable HTTP.",
+    )
+    headers_env: dict[Str, EnvName] = Field(
+        default_factory=dict,
+        description="remote: headers sent with every request, each from an environment "
+        'variable: `{ Authorization = "NOTES_AUTH" }` sends `Authorization: <$NOTES_AUTH>` '
+        "(write the whole value, `Bearer ...`, into the variable).",
+    )
+    allow: tuple[ToolGlob, ...] = Field(
+        default=("*",), description="Globs on the server's tool names: the tools offered."
+    )
+    deny: tuple[ToolGlob, ...] = Field(
+        default=(), description="Globs of tools never offered nor callable; deny wins over allow."
+    )
+    approval: tuple[ToolGlob, ...] = Field(
+        default=(),
+        description="Globs of the offered tools whose calls wait for the owner's yes.",
+    )
+    timeout_s: Annotated[Float, Field(gt=0)] = Field(
+        default=60.0, description="Seconds one call may take; then the session gets an error."
+    )
+    start_timeout_s: Annotated[Float, Field(gt=0)] = Field(
+        default=30.0,
+        description="Seconds it may take to start and answer the handshake (in the "
+        "background: the butler does not wait).",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise KeyProblem(
+                "command",
+                "give exactly one of command (a stdio server) and url (a remote one)",
+            )
+        if self.url is not None:
+            for key in ("args", "env", "pass_env", "cwd"):
+                if getattr(self, key):
+                    raise KeyProblem(key, "is for a stdio server (command), not a url")
+        elif self.headers_env:
+            raise KeyProblem("headers_env", "is for a remote server (url), not a command")
+        return self
+
+    def offers(self, tool: str) -> bool:
+        """Whether the server's tool `tool` is offered: allowed and not denied."""
+        return _matches(tool, self.allow) and not _matches(tool, self.deny)
+
+    def needs_approval(self, tool: str) -> bool:
+        """Whether a call of the server's tool `tool` waits for the owner's yes."""
+        return _matches(tool, self.approval)
+
+
+def _matches(name: str, globs: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, glob) for glob in globs)
+
+
 @dataclass(frozen=True, config=TABLE)
 class RuntimeConfig:
     """`[runtime]`: how `trigger` runs Claude Code for this butler."""
@@ -158,6 +309,13 @@ class RuntimeConfig:
         default=0.0,
         description="Once the sessions of the last 24 hours cost this much (Claude Code's "
         "figures), new sessions are refused and the owner is told once a day; 0: no cap.",
+    )
+    builtin_tools: Annotated[tuple[Str, ...], AfterValidator(_safe_builtin_tools)] = Field(
+        default=(),
+        description="Claude Code's own tools a session may use (`WebSearch`, `WebFetch`, "
+        "`TodoWrite`); none by default. Shell, file reading, writing and editing tools are "
+        "refused: they would bypass the owner's approval (read files through an "
+        "`[[mcp_servers]]` filesystem server with an explicit root instead).",
     )
 
 
@@ -425,6 +583,22 @@ class ButlerFile:
     switchboard: SwitchboardConfig | None = Field(
         default=None, description="`[switchboard]`: only the switchboard has one."
     )
+    mcp_servers: tuple[McpServerConfig, ...] = Field(
+        default=(), description="`[[mcp_servers]]`: the tool servers its sessions may use."
+    )
+
+    @model_validator(mode="after")
+    def _unique_servers(self) -> ButlerFile:
+        seen: set[str] = set()
+        for index, server in enumerate(self.mcp_servers):
+            if server.name in seen:
+                raise KeyProblem(
+                    f"mcp_servers[{index}].name",
+                    f"a server named {server.name!r} is already declared: names must differ "
+                    "(they prefix the tools' names)",
+                )
+            seen.add(server.name)
+        return self
 
     @model_validator(mode="after")
     def _channels_on_the_switchboard(self) -> ButlerFile:
@@ -472,6 +646,24 @@ class ButlerConfig:
     switchboard: SwitchboardConfig | None = None
     config_dir: Path | None = None
     instructions: str | None = None
+    # [[mcp_servers]]: the tool servers the butler proxies (butlers.tool_servers).
+    mcp_servers: tuple[McpServerConfig, ...] = ()
+
+    def mcp_server_of(self, tool_name: str) -> tuple[McpServerConfig, str] | None:
+        """The server a proxied tool name (`<server>__<tool>`) belongs to, and the server's
+        own name for the tool; None for the butler's own tools."""
+        server, separator, tool = tool_name.partition(PROXY_SEPARATOR)
+        if not separator:
+            return None
+        found = next((s for s in self.mcp_servers if s.name == server), None)
+        return (found, tool) if found is not None else None
+
+    def needs_approval(self, tool_name: str) -> bool:
+        """Whether a call of `tool_name` on this butler's MCP server waits for the owner's
+        yes, by its server's `approval` globs (`files__write_file`). The butler's own tools
+        are `[approvals] tools`'s business."""
+        found = self.mcp_server_of(tool_name)
+        return found is not None and found[0].needs_approval(found[1])
 
     @property
     def is_switchboard(self) -> bool:
@@ -582,6 +774,7 @@ def parse_butler_config(
         switchboard=file.switchboard,
         config_dir=path.parent,
         instructions=instructions,
+        mcp_servers=file.mcp_servers,
     )
 
 

@@ -36,6 +36,7 @@ from butlers.config import (
     ButlerTable,
     DbTable,
     EmailConfig,
+    McpServerConfig,
     OwnerConfig,
     RuntimeConfig,
     SwitchboardConfig,
@@ -114,6 +115,7 @@ DOC_TABLES: dict[str, tuple[Table, ...]] = {
         Table("[switchboard]", SwitchboardConfig),
         Table("[switchboard.owner]", OwnerConfig),
         Table("[[switchboard.triage]]", TriageRule),
+        Table("[[mcp_servers]]", McpServerConfig),
     ),
     "gateway.toml": (
         Table("top level", GatewayConfig),
