@@ -43,6 +43,8 @@ from butlers.errors import ButlersError, ConfigError, KeyProblem
 CONFIG_FILENAME = "butler.toml"
 INSTRUCTIONS_FILENAME = "CLAUDE.md"
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]*")
+# The tool by which the switchboard has a butler run a call the owner approved: never gated.
+APPROVAL_EXECUTE_TOOL = "approval_execute"
 
 # Every table: unknown keys are errors; values are immutable once read.
 TABLE = ConfigDict(extra="forbid")
@@ -320,6 +322,28 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, config=TABLE)
+class ApprovalsConfig:
+    """`[approvals]`: which of this butler's own tools wait for the owner's yes (a tool
+    server's calls are named by its own `approval` list)."""
+
+    tools: tuple[Str, ...] = Field(
+        default=(),
+        description="Globs on this butler's own tool names (e.g. `notify`): a session's call "
+        "of one is not run but recorded, and the owner is asked; it runs once they approve.",
+    )
+    timeout_hours: Annotated[Float, Field(gt=0)] = Field(
+        default=24.0,
+        description="An approval not decided within this many hours is `expired`, and whoever "
+        "the session was answering is told.",
+    )
+    check_interval_s: Annotated[Float, Field(gt=0)] = Field(
+        default=60.0,
+        description="On the switchboard: how often it expires overdue approvals and runs "
+        "approved calls whose butler was down when they were approved.",
+    )
+
+
+@dataclass(frozen=True, config=TABLE)
 class TelegramConfig:
     """`[modules.telegram]`: the Telegram channel; only the switchboard may have one."""
 
@@ -579,6 +603,9 @@ class ButlerFile:
         description="`[butler]` (required)."
     )
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="`[runtime]`.")
+    approvals: ApprovalsConfig = Field(
+        default_factory=ApprovalsConfig, description="`[approvals]`."
+    )
     modules: ModulesTable = Field(default_factory=ModulesTable, description="`[modules]`.")
     switchboard: SwitchboardConfig | None = Field(
         default=None, description="`[switchboard]`: only the switchboard has one."
@@ -646,6 +673,8 @@ class ButlerConfig:
     switchboard: SwitchboardConfig | None = None
     config_dir: Path | None = None
     instructions: str | None = None
+    # [approvals]: which of its own tools wait for the owner's yes (butlers.approvals).
+    approvals: ApprovalsConfig = dataclasses.field(default_factory=ApprovalsConfig)
     # [[mcp_servers]]: the tool servers the butler proxies (butlers.tool_servers).
     mcp_servers: tuple[McpServerConfig, ...] = ()
 
@@ -659,11 +688,16 @@ class ButlerConfig:
         return (found, tool) if found is not None else None
 
     def needs_approval(self, tool_name: str) -> bool:
-        """Whether a call of `tool_name` on this butler's MCP server waits for the owner's
-        yes, by its server's `approval` globs (`files__write_file`). The butler's own tools
-        are `[approvals] tools`'s business."""
+        """Whether a session's call of `tool_name` on this butler's MCP server waits for the
+        owner's yes (butlers.approvals): a proxied tool (`files__write_file`) by its server's
+        `approval` globs, one of the butler's own by `[approvals] tools`. The tool that runs
+        an approved call is never gated (it runs only what the owner approved)."""
+        if tool_name == APPROVAL_EXECUTE_TOOL:
+            return False
         found = self.mcp_server_of(tool_name)
-        return found is not None and found[0].needs_approval(found[1])
+        if found is not None:
+            return found[0].needs_approval(found[1])
+        return _matches(tool_name, self.approvals.tools)
 
     @property
     def is_switchboard(self) -> bool:

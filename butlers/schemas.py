@@ -32,6 +32,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticUndefined
 
 from butlers.config import (
+    ApprovalsConfig,
     ButlerFile,
     ButlerTable,
     DbTable,
@@ -110,6 +111,7 @@ DOC_TABLES: dict[str, tuple[Table, ...]] = {
         Table("[butler]", ButlerTable),
         Table("[butler.db]", DbTable),
         Table("[runtime]", RuntimeConfig),
+        Table("[approvals]", ApprovalsConfig),
         Table("[modules.telegram]", TelegramConfig),
         Table("[modules.email]", EmailConfig),
         Table("[switchboard]", SwitchboardConfig),
