@@ -1,9 +1,10 @@
 """One Claude Code run through claude-agent-sdk, whoever asks for it: a butler's session
 (butlers.spawner) or the gateway's Claude wrapper (butlers.gateway.wrapper).
 
-A run sees exactly one MCP server (strict MCP config, no built-in tools, an explicit
-allow-list, the rest hidden), runs under `permission_mode="dontAsk"` with bounded turns, in an
-empty directory with no setting sources, and reports the tool calls it made.
+A run sees exactly one MCP server (strict MCP config, an explicit allow-list, the rest hidden)
+and no built-in tools but those its target names (a butler's `[runtime] builtin_tools`), runs
+under `permission_mode="dontAsk"` with bounded turns, in an empty directory with no setting
+sources, and reports the tool calls it made.
 
 Claude Code reads text written by strangers, so it gets nothing it does not need: its MCP
 config (auth tokens in headers, a stdio server's declared environment) goes through a private
@@ -61,6 +62,9 @@ class McpTarget:
     denied_tools: tuple[str, ...] = ()
     headers: Mapping[str, str] = field(default_factory=dict)
     stdio: StdioServer | None = None
+    # Claude Code's own tools the run may use besides the server's (`[runtime] builtin_tools`,
+    # none by default; the config refuses those that run, write or read files).
+    builtin_tools: tuple[str, ...] = ()
 
     @property
     def transport(self) -> str:
@@ -198,8 +202,8 @@ def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_
     return ClaudeAgentOptions(
         mcp_servers=mcp_config,  # a path: what is in it never shows in the command line
         strict_mcp_config=True,
-        tools=[],
-        allowed_tools=target.qualified(target.allowed_tools),
+        tools=list(target.builtin_tools),  # [] is none at all (`--tools ""`)
+        allowed_tools=[*target.qualified(target.allowed_tools), *target.builtin_tools],
         disallowed_tools=target.qualified(target.denied_tools),
         system_prompt=run.system_prompt,
         max_turns=run.max_turns,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from butlers.claude_code import McpTarget
 from butlers.config import ButlerConfig
@@ -35,6 +36,8 @@ class ButlerContext:
     tool_names: list[str] = field(default_factory=list)
     # Where `notify` goes: the switchboard's `deliver`.
     switchboard: SwitchboardLink | None = None
+    # Live statuses of its [[mcp_servers]] (butlers.tool_servers): name, state, reason.
+    tool_servers: Callable[[], list[dict[str, Any]]] = list
 
     def self_target(self) -> McpTarget:
         return McpTarget(
@@ -42,4 +45,5 @@ class ButlerContext:
             url=self.self_url,
             allowed_tools=default_allowed_tools(self.tool_names),
             denied_tools=tuple(t for t in self.tool_names if t in SESSION_STARTING_TOOLS),
+            builtin_tools=self.config.runtime.builtin_tools,
         )

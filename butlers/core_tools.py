@@ -314,8 +314,9 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
 
     @mcp.tool
     async def status() -> dict[str, Any]:
-        """Name, modules, uptime and database health of this butler, and its sessions of the
-        last 24 hours (count, failed, median duration, cost)."""
+        """Name, modules, uptime and database health of this butler, its sessions of the
+        last 24 hours (count, failed, median duration, cost), and its tool servers (name,
+        state, reason)."""
         return {
             "name": ctx.config.name,
             "description": ctx.config.description,
@@ -325,4 +326,5 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "database": await database_status(ctx),
             "sessions_running": ctx.spawner.running,
             "sessions_24h": await store.sessions_summary(24),
+            "tool_servers": ctx.tool_servers(),
         }

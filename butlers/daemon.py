@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import uvicorn
@@ -46,6 +46,9 @@ from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.tools import Switchboard, attach_switchboard
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import Telemetry
+
+if TYPE_CHECKING:  # loaded by a butler that has tool servers (the gateway's client code)
+    from butlers.tool_servers import ToolServers
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class ButlerDaemon:
         # The fleet's config directory: what the switchboard's discover() scans.
         self.config_dir = config_dir or (config.config_dir.parent if config.config_dir else None)
         self.switchboard: Switchboard | None = None
+        self.tool_servers: ToolServers | None = None  # its [[mcp_servers]], proxied
         self.dashboard: Dashboard | None = None  # the switchboard's /ui
         self.db_server = db_server
         self.data_dir = data_dir
@@ -196,6 +200,8 @@ class ButlerDaemon:
         self._modules = build_modules(config, mcp, self.switchboard, self.settings)
         ctx.module_statuses = self._modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
+        if config.mcp_servers:
+            self.tool_servers = self._tool_servers(mcp, ctx)
 
         if self.switchboard is not None:
             self.dashboard = self._dashboard(ctx)
@@ -229,6 +235,8 @@ class ButlerDaemon:
         if self.switchboard is not None:
             await self.switchboard.start_worker()
         await self._modules.start()
+        if self.tool_servers is not None:
+            await self.tool_servers.start()  # in the background: the butler does not wait
         if self.switchboard is not None:
             duties = [m for m in self._modules.running if isinstance(m, LeaderDuty)]
             await self.switchboard.start_leadership(self._connect, duties)
@@ -240,6 +248,28 @@ class ButlerDaemon:
             self.base_url,
             extra={"action": "butler_started"},
         )
+
+    def _tool_servers(self, mcp: FastMCP, ctx: ButlerContext) -> ToolServers:
+        """The `[[mcp_servers]]`, proxied on `mcp`; a session is allowed the butler's own
+        tools and the servers' offered ones, as they are when it starts."""
+        from butlers.tool_servers import ToolServers
+
+        own = list(ctx.tool_names)
+
+        def tools_changed() -> None:
+            ctx.tool_names = [*own, *(n for s in servers.servers for n in s.registered)]
+
+        servers = ToolServers(
+            self.config.mcp_servers,
+            mcp=mcp,
+            environ=self.settings.environ,
+            data_dir=self.data_dir / "data" / self.config.name,
+            butler_dir=self.config.config_dir,
+            redact=self.redactor,
+            on_tools_changed=tools_changed,
+        )
+        ctx.tool_servers = servers.statuses
+        return servers
 
     async def _attach_switchboard(self, mcp: FastMCP) -> None:
         if self.config_dir is None:
@@ -369,6 +399,8 @@ class ButlerDaemon:
             "database": database,
             "modules": module_report(self.context.module_statuses()),
         }
+        if self.tool_servers is not None:  # a server that is down does not make it unready
+            body["tool_servers"] = self.tool_servers.statuses()
         if self.switchboard is not None:  # which replica this is, and whether it leads
             leadership = self.switchboard.leadership
             body["switchboard"] = {
@@ -412,6 +444,9 @@ class ButlerDaemon:
             await self.switchboard.close()
             self.switchboard = None
         await self._modules.stop()
+        if self.tool_servers is not None:
+            await self.tool_servers.close()
+            self.tool_servers = None
         if self.context is not None and self.context.switchboard is not None:
             await self.context.switchboard.close()
         if self._pool is not None:

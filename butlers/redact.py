@@ -234,6 +234,8 @@ class Redactor:
                 names |= {config.telegram.token_env, config.telegram.webhook_secret_env}
             if config.email is not None:
                 names.add(config.email.password_env)
+            for server in config.mcp_servers:  # what its tool servers take from us
+                names |= {*server.pass_env, *server.headers_env.values()}
         names |= {name for name in environ if SECRET_NAME_PATTERN.search(name)}
         values = [environ[name] for name in names if environ.get(name)]
         for name in HEADER_LIST_NAMES:

@@ -12,7 +12,8 @@ called; `--silent` never answers anything;
 `--extras` adds the tools `progress` (reports progress and logs a message before it answers)
 and `grow` (adds the tool `extra` and says its tool list changed). Tools: echo, add, crash,
 long_description.
-Every spawn appends its pid to $MOCK_MCP_PIDS (a file), so tests can find the process.
+Every spawn appends its pid to $MOCK_MCP_PIDS (a file), so tests can find the process; every
+call appends its tool's name to $MOCK_MCP_CALLS, so tests know a call has reached it.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def main() -> None:
         elif method == "tools/call":
             name = request["params"]["name"]
             args = request["params"].get("arguments") or {}
+            if calls := os.environ.get("MOCK_MCP_CALLS"):
+                with open(calls, "a") as f:
+                    f.write(f"{name}\n")
             if name == "crash" or name == options.crash_on:
                 sys.exit(3)
             if name == options.hang_on:

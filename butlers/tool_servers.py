@@ -1,0 +1,365 @@
+"""A butler's tool servers (`[[mcp_servers]]`): started with the butler, proxied by its own
+MCP server as `<server>__<tool>`.
+
+Why through the butler and not handed to Claude Code: a session's MCP config names only the
+butler's own server (strict MCP config), so every call of a server's tool passes through the
+butler, where the rest of its policy already is: the one middleware's span (the call is in the
+message's trace) and guards, the session's tool-call record, and here: the server's allow and
+deny globs (a denied tool is never registered, so neither listed nor callable), its approval
+globs (such a call is not run without the owner's yes), a timeout per call, and the butler's
+Redactor over every answer (a server that echoes a configured secret does not hand it to a
+model reading a stranger's words).
+
+The process side is the gateway's (butlers.gateway.clients): a stdio server runs in a process
+group of its own with PATH, HOME, locale and TZ plus its declared `env` and `pass_env` (nothing
+else of ours), dies with the butler (PR_SET_PDEATHSIG, and the reaper's watchdog ends its
+group when the butler is SIGKILLed); a remote one is one kept-open connection.
+
+Servers start in the background when the butler starts (not lazily on first use: a session
+is told its tools when it starts, so a server that has not started has no tools to offer);
+the butler does not wait for them, so one that is slow or cannot start (npx offline) neither
+delays nor stops the butler: its tools are absent and `statuses()` says why. One that exits is
+started again after a backoff (1 s, doubling to 60 s; back to 1 s once it has run a minute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastmcp import FastMCP
+from fastmcp.tools.base import Tool, ToolResult
+
+from butlers.config import PROXY_SEPARATOR, McpServerConfig
+from butlers.errors import McpCallError
+from butlers.gateway.children import ChildSpec
+from butlers.gateway.clients import Child, RemoteChild, StdioChild
+from butlers.gateway.reaper import Watchdog
+from butlers.gateway.server import result_of
+from butlers.tool_errors import ToolRefusal
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+STABLE_AFTER_S = 60.0  # a server that ran this long starts its backoff over
+# What Claude Code and the Messages API take as a tool name (`mcp__<butler>__<server>__<tool>`).
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# The owner's yes for a call the server's `approval` globs name: given the proxied tool name
+# and its arguments, what the session is answered (the approvals module's, when there is one).
+ApprovalGate = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
+
+
+@dataclass
+class ServerStatus:
+    """What `status()` and /health say about one server."""
+
+    name: str
+    state: str = "starting"  # starting | running | restarting | failed | stopped
+    reason: str = ""  # why it is not running (its last failure), empty while it runs
+    tools: int = 0  # tools offered
+    starts: int = 0
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": self.state,
+            "reason": self.reason,
+            "tools": self.tools,
+            "starts": self.starts,
+        }
+
+
+class _ProxiedTool(Tool):
+    """One allowed tool of a server, on the butler's MCP server as `<server>__<tool>`."""
+
+    _server: ToolServer
+    _tool: str
+
+    async def run(self, arguments: dict[str, Any]) -> ToolResult:
+        return await self._server.call(self._tool, arguments)
+
+
+class ToolServer:
+    """One `[[mcp_servers]]` entry: its child, its registered tools and its supervisor."""
+
+    def __init__(
+        self,
+        config: McpServerConfig,
+        child: Child,
+        owner: ToolServers,
+    ) -> None:
+        self.config = config
+        self.child = child
+        self.owner = owner
+        self.status = ServerStatus(config.name)
+        self.registered: list[str] = []
+        self._exited = asyncio.Event()
+        self._exit_reason = ""
+        self._supervisor: asyncio.Task[None] | None = None
+        if isinstance(child, StdioChild):
+            child.on_exit = self._on_exit
+        child.on_tools_changed = self._on_tools_changed
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def start(self) -> None:
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(), name=f"tool-server:{self.name}"
+        )
+
+    async def _supervise(self) -> None:
+        """Start, wait for an exit, start again after the backoff; for good."""
+        loop = asyncio.get_running_loop()
+        backoff = BACKOFF_FIRST_S
+        while True:
+            self._exited.clear()
+            started_at = loop.time()
+            try:
+                await self._start_once()
+            except Exception as exc:  # whatever a server does, the butler goes on
+                self._failed(self._describe(exc))
+            else:
+                await self._exited.wait()
+                self._failed(self._exit_reason or "it exited")
+                if loop.time() - started_at >= STABLE_AFTER_S:
+                    backoff = BACKOFF_FIRST_S
+            self.status.state = "restarting"
+            logger.warning(
+                "tool server %r: %s; starting it again in %g s",
+                self.name,
+                self.status.reason,
+                backoff,
+                extra={"action": "tool_server_down"},
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _start_once(self) -> None:
+        self.status.state = "starting" if not self.status.starts else "restarting"
+        self.status.starts += 1
+        await self.child.start()
+        await self._register(await self.child.list_tools())
+        self.status.state, self.status.reason = "running", ""
+        logger.info(
+            "tool server %r running: %d tools offered",
+            self.name,
+            self.status.tools,
+            extra={"action": "tool_server_running"},
+        )
+        if isinstance(self.child, RemoteChild):
+            await asyncio.Event().wait()  # a remote one reconnects on its next call
+
+    def _failed(self, reason: str) -> None:
+        self.status.state, self.status.reason = "failed", self.owner.redact(reason)[:500]
+
+    def _describe(self, exc: BaseException) -> str:
+        return str(exc) or type(exc).__name__
+
+    def _on_exit(self, _child: StdioChild, reason: str) -> None:
+        self._exit_reason = reason
+        self._exited.set()
+
+    def _on_tools_changed(self, _name: str) -> None:
+        self.owner.spawn(self._refresh(), f"tool-server:{self.name}:refresh")
+
+    async def _refresh(self) -> None:
+        try:
+            await self._register(await self.child.list_tools())
+        except McpCallError as exc:
+            logger.warning("tool server %r: cannot list its tools again: %s", self.name, exc)
+
+    async def _register(self, tools: Sequence[Mapping[str, Any]]) -> None:
+        """The server's offered tools on the butler's server, replacing what was there."""
+        self._unregister()
+        mcp = self.owner.mcp
+        for tool in tools:
+            name = str(tool.get("name") or "")
+            if not self.config.offers(name):
+                continue  # denied, or not allowed: never offered
+            proxied = f"{self.name}{PROXY_SEPARATOR}{name}"
+            if not TOOL_NAME.match(proxied):
+                logger.warning(
+                    "tool server %r: tool %r skipped: %r is not a usable tool name",
+                    self.name,
+                    name,
+                    proxied,
+                )
+                continue
+            description = str(tool.get("description") or "")
+            if self.config.needs_approval(name):
+                description = f"(Needs the owner's approval.) {description}"
+            registered = _ProxiedTool(
+                name=proxied,
+                description=description,
+                parameters=tool.get("inputSchema") or {"type": "object"},
+            )
+            registered._server, registered._tool = self, name
+            mcp.add_tool(registered)
+            self.registered.append(proxied)
+        self.status.tools = len(self.registered)
+        self.owner.tools_changed()
+
+    def _unregister(self) -> None:
+        for name in self.registered:
+            with contextlib.suppress(Exception):
+                self.owner.mcp.local_provider.remove_tool(name)
+        had = bool(self.registered)
+        self.registered = []
+        self.status.tools = 0
+        if had:
+            self.owner.tools_changed()
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run the server's `tool` for a session: refused unless offered, held for the
+        owner's yes when its approval globs say so, bounded by `timeout_s`, redacted."""
+        proxied = f"{self.name}{PROXY_SEPARATOR}{tool}"
+        if not self.config.offers(tool):  # never registered; kept in case it ever is
+            raise ToolRefusal(f"{proxied} is not offered on this butler")
+        if self.config.needs_approval(tool):
+            gate = self.owner.approval_gate
+            if gate is None:
+                raise ToolRefusal(
+                    f"{proxied} needs the owner's approval, and this butler cannot ask for it: "
+                    "the call was not made",
+                    log_level=logging.WARNING,
+                )
+            return await gate(proxied, arguments)
+        if self.status.state != "running" and not self.child.running():
+            raise ToolRefusal(
+                f"tool server {self.name!r} is not running ({self.status.state}: "
+                f"{self.status.reason or 'starting'}); try again shortly",
+                log_level=logging.WARNING,
+            )
+        try:
+            raw = await self.child.call_tool(tool, arguments)
+        except McpCallError as exc:
+            raise ToolRefusal(
+                self.owner.redact(f"{proxied} failed: {exc}"), log_level=logging.WARNING
+            ) from exc
+        return result_of(self.owner.redact_json(raw))
+
+    async def close(self) -> None:
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
+        if isinstance(self.child, StdioChild):
+            self.child.on_exit = None  # a child we end did not crash
+        await self.child.close()
+        self.status.state = "stopped"
+
+
+class ToolServers:
+    """Every tool server of one butler (see the module's docstring)."""
+
+    def __init__(
+        self,
+        servers: Sequence[McpServerConfig],
+        *,
+        mcp: FastMCP,
+        environ: Mapping[str, str],
+        data_dir: Path,
+        butler_dir: Path | None,
+        redact: Callable[[str], str] = str,
+        on_tools_changed: Callable[[], None] | None = None,
+    ) -> None:
+        self.mcp = mcp
+        self.redact = redact
+        self.on_tools_changed = on_tools_changed
+        # None: calls that need the owner's yes are refused (never run without it).
+        self.approval_gate: ApprovalGate | None = None
+        self.data_dir = data_dir
+        self._watchdog = Watchdog()  # ends the servers' process groups if we are SIGKILLed
+        self._tasks: set[asyncio.Task[None]] = set()
+        places = {"{data_dir}": str(data_dir), "{butler_dir}": str(butler_dir or data_dir)}
+        self.servers = [
+            ToolServer(config, self._child(config, environ, places), self) for config in servers
+        ]
+
+    def _child(
+        self, config: McpServerConfig, environ: Mapping[str, str], places: Mapping[str, str]
+    ) -> Child:
+        def place(text: str) -> str:
+            for token, value in places.items():
+                text = text.replace(token, value)
+            return text
+
+        if config.url is not None:
+            headers = {
+                header: environ.get(variable, "") for header, variable in config.headers_env.items()
+            }
+            spec = ChildSpec(name=config.name, url=config.url, headers=headers)
+            return RemoteChild(
+                spec, spawn_timeout_s=config.start_timeout_s, rpc_timeout_s=config.timeout_s
+            )
+        assert config.command is not None, "a stdio server has a command"
+        env = {name: place(value) for name, value in config.env.items()}
+        env |= {name: environ[name] for name in config.pass_env if name in environ}
+        spec = ChildSpec(
+            name=config.name,
+            cmd=place(config.command),
+            args=tuple(place(a) for a in config.args),
+            env=env,
+            cwd=Path(place(config.cwd)) if config.cwd else self.data_dir,
+        )
+        return StdioChild(
+            spec,
+            environ=environ,
+            spawn_timeout_s=config.start_timeout_s,
+            rpc_timeout_s=config.timeout_s,
+            watchdog=self._watchdog,
+        )
+
+    @staticmethod
+    def secrets(servers: Sequence[McpServerConfig], environ: Mapping[str, str]) -> list[str]:
+        """The values the servers' config takes from the environment (`pass_env`,
+        `headers_env`): for the butler's Redactor."""
+        names = {n for s in servers for n in (*s.pass_env, *s.headers_env.values())}
+        return [environ[name] for name in sorted(names) if environ.get(name)]
+
+    def redact_json(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """A server's answer with every configured secret replaced, wherever it is."""
+        text = json.dumps(raw, ensure_ascii=False)
+        redacted = self.redact(text)
+        return raw if redacted is text else json.loads(redacted)
+
+    async def start(self) -> None:
+        """Start every server in the background; returns at once."""
+        await asyncio.to_thread(self.data_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
+        for server in self.servers:
+            server.start()
+
+    def tools_changed(self) -> None:
+        if self.on_tools_changed is not None:
+            self.on_tools_changed()
+
+    def spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return [server.status.report() for server in self.servers]
+
+    def get(self, name: str) -> ToolServer | None:
+        return next((s for s in self.servers if s.name == name), None)
+
+    async def close(self) -> None:
+        """Every server stopped with what it started; then the watchdog ends."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in self.servers), return_exceptions=True)
+        await self._watchdog.close()
