@@ -301,7 +301,18 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
 
 
 DEFAULT_SWITCHBOARD_URL = "http://127.0.0.1:8100/sse"
-CLIENT_COMMANDS = ("list", "discover", "route", "ask", "trace", "inbox", "log", "retry", "outbox")
+CLIENT_COMMANDS = (
+    "list",
+    "discover",
+    "route",
+    "ask",
+    "trace",
+    "inbox",
+    "log",
+    "retry",
+    "outbox",
+    "approvals",
+)
 
 
 @dataclass(frozen=True)
@@ -577,6 +588,41 @@ def _print_outbox(rows: list[dict[str, Any]], status: str | None) -> None:
     _print_rows_with_details(header, table)
 
 
+def _print_approvals(rows: list[dict[str, Any]], status: str | None) -> None:
+    if not rows:
+        print(_none_found("approvals", status))
+        return
+    table = []
+    for row in rows:
+        arguments = json.dumps(row.get("arguments"), ensure_ascii=False, sort_keys=True)
+        cells = (
+            str(row["id"]),
+            _when(row.get("requested_at")),
+            row["butler"],
+            row["tool"],
+            row["status"],
+            _when(row.get("decided_at")),
+            row.get("decided_by") or "-",
+            _cut(arguments),
+        )
+        details = [f"result: {_cut(row['result'], 200)}"] if row.get("result") else []
+        table.append((cells, details))
+    header = ("ID", "REQUESTED", "BUTLER", "TOOL", "STATUS", "DECIDED", "BY", "ARGUMENTS")
+    _print_rows_with_details(header, table)
+
+
+def _print_decision(answer: dict[str, Any]) -> None:
+    """What `approvals approve|deny` did: the decision, and for an approval, how it ran."""
+    if not answer.get("changed"):
+        raise CommandError(
+            f"approval {answer['id']} is {answer['status']} already: nothing changed"
+        )
+    said = f"approval {answer['id']} is {answer['status']}"
+    if answer.get("result"):
+        said += f": {_cut(answer['result'], 200)}"
+    print(said)
+
+
 def _next(row: dict[str, Any]) -> str:
     """When a row not sent yet is tried again (nothing for one that failed for good)."""
     return "-" if row["status"] == "failed" else _when(row.get("next_attempt_at"))
@@ -618,6 +664,17 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
             target, "outbox_list", {"status": args.status, "limit": args.limit}
         )
         show = functools.partial(_print_outbox, status=args.status)
+    elif args.command == "approvals" and args.action is None:
+        result = await _call_switchboard(
+            target, "approvals_list", {"status": args.status, "limit": args.limit}
+        )
+        show = functools.partial(_print_approvals, status=args.status)
+    elif args.command == "approvals":
+        if args.id is None:
+            raise CommandError(f"which approval? `butlers approvals {args.action} ID`")
+        decision = {"id": args.id, "decision": args.action}
+        result = await _call_switchboard(target, "approval_decide", decision)
+        show = _print_decision
     else:
         try:
             route_args = json.loads(args.args)
@@ -896,6 +953,18 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     client_args(outbox)
     outbox.add_argument("--status", help="only pending|sending|sent|failed ones")
     limit_arg(outbox)
+    approvals = commands.add_parser(
+        "approvals",
+        help="calls waiting for the owner's yes, and what became of them; "
+        "`approvals approve|deny ID` decides one",
+    )
+    client_args(approvals)
+    approvals.add_argument(
+        "action", nargs="?", choices=("approve", "deny"), help="decide approval ID"
+    )
+    approvals.add_argument("id", nargs="?", type=int, metavar="ID", help="the approval's id")
+    approvals.add_argument("--status", help="only pending|approved|denied|expired|done|failed ones")
+    limit_arg(approvals)
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
     for command in [*commands.choices.values(), *db_commands.choices.values()]:

@@ -18,6 +18,7 @@ from croniter import CroniterError, croniter
 from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
+from butlers.approvals import approved_conversation
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
@@ -300,9 +301,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if ctx.switchboard is None:
             raise ToolRefusal("notify is not available on this butler")
         try:
-            return await ctx.switchboard.deliver(
-                text, channel=channel, conversation=ctx.spawner.conversation_of(session_token())
-            )
+            # The session's conversation; for a call the owner approved later, the one
+            # its session served then.
+            conversation = ctx.spawner.conversation_of(session_token()) or approved_conversation()
+            return await ctx.switchboard.deliver(text, channel=channel, conversation=conversation)
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 

@@ -21,6 +21,7 @@ import asyncpg
 import uvicorn
 from fastmcp import FastMCP
 
+from butlers.approvals import ApprovalGate, has_approvals, register_approval_execute
 from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
@@ -191,6 +192,10 @@ class ButlerDaemon:
             middleware=[middleware],
         )
         register_core_tools(mcp, ctx)
+        if has_approvals(config):
+            # A session's call of a guarded tool waits for the owner (butlers.approvals).
+            middleware.add_guard(ApprovalGate(config, spawner, link, store))
+            register_approval_execute(mcp, link, self.redactor)
         if config.is_switchboard:
             await self._attach_switchboard(mcp)
             # Whatever Claude Code's allowlist says, a classification session sees and calls

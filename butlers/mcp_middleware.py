@@ -93,6 +93,15 @@ class ToolGuard(Protocol):
     def check_call(self, tool_name: str) -> None: ...
 
 
+class AnsweringGuard(ToolGuard, Protocol):
+    """A guard that may answer a call itself instead of the tool (the approval gate: the call
+    is recorded for the owner, not run). `answers` is asked on every call: keep it a lookup."""
+
+    def answers(self, tool_name: str) -> bool: ...
+
+    async def answer(self, tool_name: str, arguments: dict[str, Any]) -> Any: ...
+
+
 class ListingGuard(ToolGuard, Protocol):
     """A guard that also decides what a caller is shown (tools, resources, prompts)."""
 
@@ -104,18 +113,22 @@ class ListingGuard(ToolGuard, Protocol):
 
 
 class ButlerMiddleware(Middleware):
-    """Trace context for every tool call, and the butler's guards (`add_guard`)."""
+    """Trace context for every tool call, and the butler's guards (`add_guard`): each may
+    refuse a call (`check_call`), an AnsweringGuard may answer it instead of the tool."""
 
     def __init__(self, butler_name: str, tracer: Tracer) -> None:
         self.butler_name = butler_name
         self.tracer = tracer
         self._guards: list[ToolGuard] = []
         self._listing_guards: list[ListingGuard] = []
+        self._answering_guards: list[AnsweringGuard] = []  # none unless approvals are set
 
-    def add_guard(self, guard: ToolGuard | ListingGuard) -> None:
+    def add_guard(self, guard: ToolGuard | ListingGuard | AnsweringGuard) -> None:
         self._guards.append(guard)
         if hasattr(guard, "visible_tools"):
             self._listing_guards.append(guard)  # type: ignore[arg-type]
+        if hasattr(guard, "answer"):
+            self._answering_guards.append(guard)  # type: ignore[arg-type]
 
     async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         params = context.message
@@ -142,6 +155,9 @@ class ButlerMiddleware(Middleware):
             try:
                 for guard in self._guards:
                     guard.check_call(params.name)
+                for answering in self._answering_guards:
+                    if answering.answers(params.name):
+                        return await answering.answer(params.name, arguments)
                 return await call_next(context.copy(message=params))
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))

@@ -50,7 +50,8 @@ def switchboard_url(
 
 
 class SwitchboardLink:
-    """One butler's kept-open way to the switchboard's `deliver`; closed with the daemon."""
+    """One butler's kept-open way to the switchboard: `deliver`, and the approvals' request
+    and claim (butlers.approvals); closed with the daemon."""
 
     def __init__(self, butler: str, url: str | None, *, auth_token: str | None) -> None:
         self.butler = butler
@@ -60,19 +61,55 @@ class SwitchboardLink:
     async def deliver(
         self, text: str, *, channel: str | None, conversation: str | None
     ) -> dict[str, Any]:
+        arguments = {
+            "text": text,
+            "butler": self.butler,
+            "channel": channel,
+            "conversation": conversation,
+        }
+        return await self._call("deliver", arguments, refused="the switchboard refused")
+
+    async def request_approval(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        conversation: str | None,
+        session_id: str | None,
+        timeout_hours: float,
+    ) -> dict[str, Any]:
+        """Record a call that waits for the owner's yes (the switchboard asks them); its id."""
+        return await self._call(
+            "approval_request",
+            {
+                "butler": self.butler,
+                "tool": tool,
+                "arguments": arguments,
+                "conversation": conversation,
+                "session_id": session_id,
+                "timeout_hours": timeout_hours,
+            },
+            refused="the switchboard did not record it",
+        )
+
+    async def claim_approval(self, approval_id: int) -> dict[str, Any]:
+        """The call the owner approved as `approval_id` (tool, arguments, conversation),
+        handed to this butler once; NotifyFailed when it is not one to run."""
+        return await self._call(
+            "approval_claim",
+            {"id": approval_id, "butler": self.butler},
+            refused="the switchboard did not hand it over",
+        )
+
+    async def _call(self, tool: str, arguments: dict[str, Any], *, refused: str) -> dict[str, Any]:
+        """One of the switchboard's tools, in the current trace, as whoever called us: the
+        switchboard's failures and refusals are NotifyFailed."""
         if self.url is None:
             raise NotifyFailed(
                 f"{self.butler} does not know where the switchboard is: set [butler] "
                 f"switchboard_url or {SWITCHBOARD_URL_ENV}"
             )
         carrier = current_carrier()
-        arguments = {
-            "text": text,
-            "butler": self.butler,
-            "channel": channel,
-            "conversation": conversation,
-            "_trace_context": carrier,
-        }
         meta = dict(carrier)
         # Called from a tool call that claims a classification session: the claim goes on,
         # or the session would reach `deliver` through `notify` as an ordinary butler.
@@ -81,14 +118,20 @@ class SwitchboardLink:
             meta[CLASSIFICATION_META] = claim.credential or ""
         try:
             result = await self._connections.call(
-                self.url, "deliver", arguments, meta=meta, timeout_s=DELIVER_TIMEOUT_S
+                self.url,
+                tool,
+                {**arguments, "_trace_context": carrier},
+                meta=meta,
+                timeout_s=DELIVER_TIMEOUT_S,
             )
         except (TargetUnreachable, CallTimedOut) as exc:
             raise NotifyFailed(f"the switchboard at {self.url} did not answer: {exc}") from exc
         except RemoteError as exc:
-            raise NotifyFailed(f"the switchboard refused: {exc.message}") from exc
+            raise NotifyFailed(f"{refused}: {exc.message}") from exc
         if result.get("isError"):
-            raise NotifyFailed(f"not sent: {unwrap(result)}")
+            if tool == "deliver":
+                raise NotifyFailed(f"not sent: {unwrap(result)}")
+            raise NotifyFailed(f"{refused}: {unwrap(result)}")
         return unwrap(result)
 
     async def close(self) -> None:

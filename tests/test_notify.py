@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastmcp import Client
@@ -47,11 +48,14 @@ async def notify_fleet(
     *,
     runtime: RuntimeConfig | None = None,
     switchboard_extra: str = "",
+    general_overrides: dict[str, Any] | None = None,
+    switchboard_overrides: dict[str, Any] | None = None,
 ) -> tuple[ButlerDaemon, ButlerDaemon]:
     """`general` (which knows the switchboard's URL) and a switchboard with Telegram, an
     owner, and a triage rule sending every Telegram message to general. `runtime`: general's
     (the flood limits' tests give theirs); `switchboard_extra`: added to the switchboard's
-    butler.toml in the config dir the switchboard discovers."""
+    butler.toml in the config dir the switchboard discovers; `*_overrides`: more of either
+    one's ButlerConfig (the approvals' tests give their `approvals`)."""
     port = free_port()
     config_dir = tmp_path / "config"
     general = await start_butler(
@@ -59,6 +63,7 @@ async def notify_fleet(
             "general",
             switchboard_url=f"http://127.0.0.1:{port}/sse",
             runtime=runtime or RuntimeConfig(timeout_s=60, tick_interval_s=0),
+            **(general_overrides or {}),
         )
     )
     write_butler_dir(config_dir, "general", general.port)
@@ -70,6 +75,7 @@ async def notify_fleet(
             telegram=TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url),
             triage=(TriageRule(butler="general", channel="telegram"),),
             switchboard=limits or SwitchboardConfig(owner=OwnerConfig(telegram_chat_id=str(OWNER))),
+            **(switchboard_overrides or {}),
         ),
         config_dir=config_dir,
     )

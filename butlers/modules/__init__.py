@@ -82,6 +82,7 @@ def build_modules(
             modules.webhooks.extend(telegram.webhook_routes())
             if switchboard is not None:
                 switchboard.outbox.channels["telegram"] = telegram
+                telegram.approvals = switchboard.approvals  # the owner's button presses
             modules.running.append(telegram)
     if config.email is not None:
         names = [config.email.username_env, config.email.password_env]

@@ -30,9 +30,10 @@ from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
-    from telegram import Update
+    from telegram import CallbackQuery, Update
     from telegram.ext import ExtBot
 
+    from butlers.switchboard.approvals import ApprovalDesk
     from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]{1,256}")
 # both): 401 for a well-formed token that is not valid (revoked, mistyped), 404 for a
 # malformed one.
 TOKEN_REFUSALS = {"Unauthorized": "401 Unauthorized", "Not Found": "404 Not Found"}
+# What getUpdates and a webhook ask Telegram for: messages, and the presses of our approval
+# buttons (butlers.switchboard.approvals).
+ALLOWED_UPDATES = ["message", "edited_message", "callback_query"]
 
 
 def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
@@ -68,6 +72,18 @@ def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
     return chunks
 
 
+def _inline_keyboard(rows: list[list[dict[str, str]]]) -> Any:
+    """Buttons as stored in an outbox row's meta: rows of {"text", "callback_data"}."""
+    from telegram import InlineKeyboardButton, InlineKeyboardMarkup
+
+    return InlineKeyboardMarkup(
+        [
+            [InlineKeyboardButton(b["text"], callback_data=b["callback_data"]) for b in row]
+            for row in rows
+        ]
+    )
+
+
 class TelegramModule:
     name = "telegram"
 
@@ -84,6 +100,8 @@ class TelegramModule:
         self.config = config
         self.worker = worker
         self.webhook_secret = webhook_secret
+        # Where the owner's presses of approval buttons go (the switchboard's; None: ignored).
+        self.approvals: ApprovalDesk | None = None
         base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
         # A 429 would lose the reply without the rate limiter's retries.
         self.bot: ExtBot = ExtBot(
@@ -191,10 +209,12 @@ class TelegramModule:
         from telegram.error import BadRequest, ChatMigrated, Forbidden, TelegramError
 
         reply_to = delivery.meta.get("reply_to_message_id")
+        keyboard = delivery.meta.get("inline_keyboard")  # an approval's Approve / Deny
         try:
             message = await self.bot.send_message(
                 chat_id=delivery.recipient,
                 text=delivery.text,
+                reply_markup=_inline_keyboard(keyboard) if keyboard else None,
                 reply_parameters=(
                     ReplyParameters(int(reply_to), allow_sending_without_reply=True)
                     if reply_to
@@ -231,6 +251,9 @@ class TelegramModule:
             raise
 
     async def _handle_update(self, update: Update) -> None:
+        if update.callback_query is not None:
+            await self._press(update.callback_query)
+            return
         message = update.message  # edited messages, channel posts etc. are ignored on purpose
         if message is None or self.worker is None:
             return
@@ -262,6 +285,29 @@ class TelegramModule:
                 conversation=conversation,
             )
         )
+
+    async def _press(self, query: CallbackQuery) -> None:
+        """A press of an approval button: decided by the switchboard's approvals (only the
+        owner's chat, only data we signed, once), always answered, and the request message
+        shows the decision."""
+        message = query.message
+        chat_id = str(message.chat.id) if message is not None else ""
+        if self.approvals is None:
+            answer, line = "Nothing to decide here.", None
+        else:
+            decided = await self.approvals.press(
+                chat_id, query.data or "", by=f"telegram:{query.from_user.id}"
+            )
+            answer, line = decided.answer, decided.decision_line
+        await self.bot.answer_callback_query(query.id, text=answer)
+        text = getattr(message, "text", None)
+        if line is not None and message is not None and text:
+            try:  # the buttons go, the decision shows: best effort, the decision stands
+                await self.bot.edit_message_text(
+                    f"{text}\n\n{line}", chat_id=message.chat.id, message_id=message.message_id
+                )
+            except Exception as exc:
+                logger.warning("telegram: could not mark the request decided: %s", exc)
 
     async def _best_effort(self, chat_id: str, text: str) -> None:
         try:
@@ -313,7 +359,7 @@ class TelegramModule:
                     await self.bot.set_webhook(
                         url=self.config.webhook_url,
                         secret_token=self.webhook_secret,
-                        allowed_updates=["message", "edited_message"],
+                        allowed_updates=ALLOWED_UPDATES,
                     )
                 self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
                 self._connected.set()
@@ -351,7 +397,7 @@ class TelegramModule:
                 updates = await self.bot.get_updates(
                     offset=offset,
                     timeout=POLL_TIMEOUT_S,
-                    allowed_updates=["message", "edited_message"],
+                    allowed_updates=ALLOWED_UPDATES,
                 )
                 failures = 0
             except InvalidToken as exc:  # revoked while running: polling cannot go on

@@ -19,6 +19,7 @@ from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
 from butlers.mcp_middleware import classification_claim
 from butlers.spawner import Spawner
+from butlers.switchboard.approvals import ApprovalDesk, ApprovalStore, register_approval_tools
 from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.dispatch import Dispatch, Dispatcher
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
@@ -49,6 +50,7 @@ class Switchboard:
     placement: Placement  # what discover fills in for what a butler.toml leaves out
     leadership: Leadership | None = None  # once started: pollers and outbox on one process
     wakeups: Wakeups | None = None  # once started: the other processes' notifications
+    approvals: ApprovalDesk | None = None  # calls waiting for the owner's yes
 
     async def ask(self, text: str, *, source_id: str = "ask") -> dict[str, Any]:
         """`text` through the whole inbox -> classify -> route path as a message of the `mcp`
@@ -96,7 +98,10 @@ class Switchboard:
             ),
         )
         await self.wakeups.start()
-        self.leadership = Leadership(connect, [*duties, self.outbox], replica=self.worker.replica)
+        leader_only: list[LeaderDuty] = [*duties, self.outbox]
+        if self.approvals is not None:  # its sweep: expiry, calls whose butler was down
+            leader_only.append(self.approvals)
+        self.leadership = Leadership(connect, leader_only, replica=self.worker.replica)
         await self.leadership.start()
 
     async def close(self) -> None:
@@ -104,6 +109,8 @@ class Switchboard:
             await self.leadership.stop()
         if self.wakeups is not None:
             await self.wakeups.stop()
+        if self.approvals is not None:
+            await self.approvals.close()
         await self.worker.stop()
         await self.connections.close()
 
@@ -143,8 +150,8 @@ def attach_switchboard(
     redact: Callable[[str], str] = str,
 ) -> Switchboard:
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
-    routing_log_entry, discover, ask, and the operator's inbox_list, inbox_retry,
-    routing_log_list and outbox_list."""
+    routing_log_entry, discover, ask, the operator's inbox_list, inbox_retry,
+    routing_log_list and outbox_list, and the approvals' (butlers.switchboard.approvals)."""
     connections = McpConnections(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
@@ -251,4 +258,16 @@ def attach_switchboard(
         return await switchboard.ask(text)
 
     register_operator_tools(mcp, switchboard, jaeger_ui_url=spawner.settings.jaeger_ui_url)
+    switchboard.approvals = ApprovalDesk(
+        ApprovalStore(routing_store.pool),
+        router=router,
+        routing_store=routing_store,
+        notifier=notifier,
+        outbox=outbox,
+        owner=limits.owner,
+        tracer=tracer,
+        redact=redact,
+        check_interval_s=spawner.config.approvals.check_interval_s,
+    )
+    register_approval_tools(mcp, switchboard.approvals)
     return switchboard

@@ -6,7 +6,11 @@ As Telegram does, an update below the offset a getUpdates call was given is neve
 it, also when it was pushed while that call was waiting; an update pushed twice (a
 redelivery) is returned twice. And as Telegram does with two pollers of one token, a
 getUpdates arriving while another still waits ends the waiting one with 409 Conflict
-(counted in `conflicts`, unless the waiting one's client had gone: a poller that died)."""
+(counted in `conflicts`, unless the waiting one's client had gone: a poller that died).
+
+Inline keyboards: `push_press` queues a callback_query (a press of a button of one of the
+bot's messages); answerCallbackQuery and editMessageText are recorded (`press_answers`,
+`edits`)."""
 
 from __future__ import annotations
 
@@ -55,6 +59,10 @@ class FakeBotAPI:
         self._closing = False
         self.url = ""
         self.webhooks: list[dict[str, Any]] = []  # setWebhook calls, with their parameters
+        self.press_answers: list[dict[str, Any]] = []  # answerCallbackQuery calls
+        self.edits: list[dict[str, Any]] = []  # editMessageText calls
+        self._sent_by_id: dict[int, dict[str, Any]] = {}  # message id -> its sendMessage params
+        self._query_ids = itertools.count(5000)
 
     # -- what the test does -----------------------------------------------------------------
 
@@ -103,6 +111,42 @@ class FakeBotAPI:
     def sent_message_ids(self) -> list[int]:
         """The message ids the bot's sends were given, in order (a person may reply to one)."""
         return list(self._sent_ids)
+
+    def sent_with_buttons(self) -> list[tuple[int, dict[str, Any]]]:
+        """(message id, sendMessage params) of every sent message that had an inline keyboard."""
+        return [(i, p) for i, p in self._sent_by_id.items() if p.get("reply_markup")]
+
+    async def push_press(
+        self, chat_id: int, message_id: int, data: str, *, from_id: int | None = None
+    ) -> str:
+        """A press of a button with `data` under the bot's message `message_id`, in chat
+        `chat_id` (by `from_id`, default: that chat's person); the callback query's id."""
+        query_id = str(next(self._query_ids))
+        sent = self._sent_by_id.get(message_id, {})
+        message = {
+            "message_id": message_id,
+            "date": int(time.time()),
+            "chat": {"id": chat_id, "type": "private", "first_name": "Ada"},
+            "from": {"id": 1, "is_bot": True, "first_name": "Butler"},
+            "text": str(sent.get("text", "(a message)")),
+        }
+        presser = from_id if from_id is not None else chat_id
+        await self.push(
+            {
+                "callback_query": {
+                    "id": query_id,
+                    "from": {"id": presser, "is_bot": False, "first_name": "Ada"},
+                    "message": message,
+                    "chat_instance": "1",
+                    "data": data,
+                }
+            }
+        )
+        return query_id
+
+    def answer_to(self, query_id: str) -> dict[str, Any] | None:
+        """The answerCallbackQuery call for `query_id`, once it came."""
+        return next((a for a in self.press_answers if a["callback_query_id"] == query_id), None)
 
     async def push_photo(self, chat_id: int) -> int:
         photo = [{"file_id": "f1", "file_unique_id": "u1", "width": 1, "height": 1}]
@@ -196,6 +240,24 @@ class FakeBotAPI:
             self._changed.notify_all()
         return web.json_response({"ok": True, "result": True})
 
+    async def _api_answerCallbackQuery(self, params: dict[str, Any]) -> web.Response:
+        async with self._changed:
+            self.press_answers.append(
+                {**params, "callback_query_id": str(params["callback_query_id"])}
+            )
+            self._changed.notify_all()
+        return web.json_response({"ok": True, "result": True})
+
+    async def _api_editMessageText(self, params: dict[str, Any]) -> web.Response:
+        message_id = int(params["message_id"])
+        async with self._changed:
+            self.edits.append(params)
+            self._changed.notify_all()
+        message = self._message(int(params["chat_id"]), text=str(params["text"]))
+        message["message_id"] = message_id
+        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        return web.json_response({"ok": True, "result": message})
+
     async def _api_setWebhook(self, params: dict[str, Any]) -> web.Response:
         self.webhooks.append(params)
         return web.json_response({"ok": True, "result": True})
@@ -287,6 +349,7 @@ class FakeBotAPI:
         message = self._message(chat_id, text=str(params["text"]))
         message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
         self._sent_ids.append(message["message_id"])
+        self._sent_by_id[message["message_id"]] = params
         async with self._changed:
             self.sent.append({"chat_id": chat_id, "text": str(params["text"])})
             self.sent_params.append(params)

@@ -1,0 +1,207 @@
+"""The approval gate: a butler's session does not run a call the owner chose to guard.
+
+`ButlerConfig.needs_approval` names them (`[approvals] tools` for the butler's own tools, a
+tool server's `approval` globs for its proxied ones). `ApprovalGate`, an AnsweringGuard of
+the butler's one middleware, answers such a call from a session itself: the exact call is
+recorded on the switchboard (`approval_request`, which asks the owner), and the session is
+told at once "waiting for the owner's approval (#12)", so it ends normally instead of
+waiting hours. Calls that need no approval pay one dictionary lookup; a butler with nothing
+to approve has no gate at all.
+
+Only sessions are gated (they present their `X-Butlers-Session` header): they run on a
+stranger's text, which may carry an injection. A caller without one is the operator (the
+CLI through `route`, an MCP client with the fleet's token) acting for themselves.
+
+Once the owner approves, the switchboard calls `approval_execute(id)` here. It runs only
+what the switchboard hands over for that id (`approval_claim`: an approved call of this
+butler, once), so a caller of it can never choose what runs, nor run anything twice.
+Sessions are neither shown it nor allowed to call it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastmcp import FastMCP
+from fastmcp.tools import Tool
+from fastmcp.tools.base import ToolResult
+from mcp.types import TextContent
+
+from butlers.config import APPROVAL_EXECUTE_TOOL, ButlerConfig
+from butlers.errors import NotifyFailed
+from butlers.session_policy import session_token
+from butlers.telemetry import current_trace_id
+from butlers.tool_errors import ToolRefusal
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from butlers.core_store import CoreStore
+    from butlers.notify import SwitchboardLink
+    from butlers.spawner import Spawner
+
+logger = logging.getLogger(__name__)
+
+RESULT_CHARS = 2000
+_CACHED_NAMES = 4096  # tool names whose answer is kept (a caller may send any name)
+
+
+@dataclass(frozen=True)
+class ApprovedCall:
+    """The approved call `approval_execute` is running (for the tool it runs)."""
+
+    approval_id: int
+    conversation: str | None  # whom the session that asked was answering
+
+
+_RUNNING: contextvars.ContextVar[ApprovedCall | None] = contextvars.ContextVar(
+    "butlers_approved_call", default=None
+)
+
+
+def approved_conversation() -> str | None:
+    """Inside an approved call: the conversation its session served (where its `notify`
+    goes, as it would have gone then); None elsewhere."""
+    running = _RUNNING.get()
+    return running.conversation if running is not None else None
+
+
+def has_approvals(config: ButlerConfig) -> bool:
+    """Whether anything of this butler waits for the owner's yes (else it gets no gate)."""
+    return bool(config.approvals.tools) or any(server.approval for server in config.mcp_servers)
+
+
+class ApprovalGate:
+    """Answers a session's call of a guarded tool by asking the owner, and keeps
+    `approval_execute` from sessions (an AnsweringGuard and ListingGuard of the butler's
+    middleware)."""
+
+    def __init__(
+        self,
+        config: ButlerConfig,
+        spawner: Spawner,
+        link: SwitchboardLink,
+        store: CoreStore,
+    ) -> None:
+        self.config = config
+        self.spawner = spawner
+        self.link = link
+        self.store = store
+        self._needs: dict[str, bool] = {}
+
+    def _needs_approval(self, tool_name: str) -> bool:
+        needs = self._needs.get(tool_name)
+        if needs is None:
+            needs = self.config.needs_approval(tool_name)
+            if len(self._needs) < _CACHED_NAMES:
+                self._needs[tool_name] = needs
+        return needs
+
+    def check_call(self, tool_name: str) -> None:
+        if tool_name == APPROVAL_EXECUTE_TOOL and session_token() is not None:
+            raise ToolRefusal(
+                f"{APPROVAL_EXECUTE_TOOL} is not available to sessions: only the switchboard "
+                "runs what the owner approved",
+                log_level=logging.WARNING,
+            )
+
+    def answers(self, tool_name: str) -> bool:
+        return self._needs_approval(tool_name) and session_token() is not None
+
+    async def answer(self, tool_name: str, arguments: dict[str, Any]) -> ToolResult:
+        """Record the call on the switchboard (the owner is asked) and say so at once."""
+        conversation = self.spawner.conversation_of(session_token())
+        try:
+            recorded = await self.link.request_approval(
+                tool_name,
+                arguments,
+                conversation=conversation,
+                session_id=await self._session_id(),
+                timeout_hours=self.config.approvals.timeout_hours,
+            )
+        except NotifyFailed as exc:
+            raise ToolRefusal(
+                f"{tool_name} needs the owner's approval, and it could not be asked for: {exc}",
+                log_level=logging.WARNING,
+            ) from exc
+        approval_id = recorded["id"]
+        said = (
+            f"waiting for the owner's approval (#{approval_id}): {tool_name} has not run; it "
+            "runs once the owner approves it, and the person you are answering is told then. "
+            "Do not call it again."
+        )
+        logger.info(
+            "%s: %s waits for the owner's approval (#%s)",
+            self.config.name,
+            tool_name,
+            approval_id,
+            extra={"action": "approval_requested"},
+        )
+        return ToolResult(
+            content=[TextContent(type="text", text=said)],
+            structured_content={
+                "status": "waiting_for_approval",
+                "approval_id": approval_id,
+                "message": said,
+            },
+        )
+
+    async def _session_id(self) -> str | None:
+        """The butler's running session in this call's trace (the spawner's sessions row)."""
+        trace_id = current_trace_id()
+        if trace_id is None:
+            return None
+        value = await self.store.pool.fetchval(
+            """SELECT id::text FROM sessions WHERE trace_id = $1 AND finished_at IS NULL
+               ORDER BY started_at DESC LIMIT 1""",
+            trace_id,
+        )
+        return str(value) if value is not None else None
+
+    def visible_tools(self, tools: Sequence[Tool]) -> Sequence[Tool]:
+        if session_token() is None:
+            return tools
+        return [tool for tool in tools if tool.name != APPROVAL_EXECUTE_TOOL]
+
+    def check_reading(self, what: str) -> None:
+        return None
+
+    def hides_listings(self) -> bool:
+        return False
+
+
+def _text_of(result: ToolResult) -> str:
+    parts = [block.text for block in result.content if isinstance(block, TextContent)]
+    return "\n".join(parts)[:RESULT_CHARS]
+
+
+def register_approval_execute(
+    mcp: FastMCP, link: SwitchboardLink, redact: Callable[[str], str]
+) -> None:
+    """`approval_execute(id)`: how the switchboard has this butler run an approved call."""
+
+    @mcp.tool(name=APPROVAL_EXECUTE_TOOL)
+    async def approval_execute(id: int) -> dict[str, Any]:
+        """Run the call the owner approved as approval `id`, once. For the switchboard: the
+        call is the one it hands over for `id`, never one a caller names."""
+        if session_token() is not None:  # the gate refuses it too
+            raise ToolRefusal(f"{APPROVAL_EXECUTE_TOOL} is not available to sessions")
+        try:
+            claimed = await link.claim_approval(id)
+        except NotifyFailed as exc:
+            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        running = _RUNNING.set(ApprovedCall(id, claimed.get("conversation")))
+        try:
+            result = await mcp.call_tool(claimed["tool"], dict(claimed["arguments"]))
+        except Exception as exc:  # the tool's own failure is the approval's result
+            return {"id": id, "status": "failed", "result": redact(str(exc))[:RESULT_CHARS]}
+        finally:
+            _RUNNING.reset(running)
+        return {
+            "id": id,
+            "status": "failed" if result.is_error else "done",
+            "result": redact(_text_of(result)),
+        }

@@ -1,0 +1,635 @@
+"""Approvals on the switchboard: the owner's yes before a butler runs a call they chose to
+guard (`[approvals] tools`, a tool server's `approval` globs).
+
+A butler's gate (butlers.approvals) does not run such a call: it hands it here
+(`approval_request`), where it becomes an `approvals` row with its exact arguments, the
+butler, the session and the conversation it served, and the owner is asked on their
+preferred channel through the outbox (on Telegram with Approve / Deny buttons). The session
+gets "waiting for the owner's approval (#12)" at once and ends.
+
+A decision (a button, `butlers approvals approve|deny ID`) changes a `pending` row in one
+conditional UPDATE, so of two presses, two replicas or a press and the CLI exactly one
+decides. An approved call is then run by its butler (`approval_execute`), which takes the
+stored call with `approval_claim`: that sets `claimed_at` once, so the call runs at most
+once whoever asks, and a butler runs only what the owner approved, whatever a caller of
+`approval_execute` says. The result is recorded (`done` / `failed`) and sent, in a few words,
+to the conversation the request came from (else to the owner); a denial and an expiry are
+told there too.
+
+Buttons are trusted only when they are the owner's: a press counts only from the owner's
+chat, with callback data signed by HMAC-SHA256 under a secret kept in this database
+(`approval_keys`) and bound to the approval's id and the decision; anything else changes
+nothing and is answered as such.
+
+The leader sweeps every `check_interval_s`: overdue pending rows become `expired`, and
+approved calls nobody took (their butler was down when the owner pressed) are run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from fastmcp import FastMCP
+from opentelemetry.trace import Tracer
+
+from butlers.config import APPROVAL_EXECUTE_TOOL, OwnerConfig
+from butlers.core_store import storable, storable_json
+from butlers.errors import NotifyRefused, RouteError, TargetDown
+from butlers.mcp_middleware import classification_claim
+from butlers.spawner import SESSION_HEADER
+from butlers.switchboard.notify import Notifier
+from butlers.switchboard.operator import (
+    _check_limit,
+    _check_status,
+    _refuse_classification_sessions,
+)
+from butlers.switchboard.outbox import OutboxSender, Outgoing
+from butlers.switchboard.route import Router, RouteSource, summarize
+from butlers.switchboard.routing_store import RouteRecord, RoutingStore
+from butlers.tasks import cancel_and_wait
+from butlers.telemetry import context_from_carrier, current_carrier, current_trace_id
+from butlers.tool_errors import ToolRefusal
+
+logger = logging.getLogger(__name__)
+
+STATUSES = ("pending", "approved", "denied", "expired", "done", "failed")
+DECISIONS = {"approve": "approved", "deny": "denied"}
+# Telegram allows 64 bytes of callback data: a letter, the id, a dot and 16 bytes of MAC.
+_LETTER = {"approved": "a", "denied": "d"}
+_CALLBACK = re.compile(r"([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
+MAC_BYTES = 16
+RESULT_CHARS = 2000
+SHOWN_ARGUMENTS_CHARS = 3000
+MAX_ARGUMENTS_BYTES = 256 * 1024
+# An approved call its butler took but never answered for (it died mid-call) is `failed` after
+# this: whether it ran is unknown, and it is never run twice.
+CLAIM_LOST_S = 3600.0
+ROW = """id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
+         claimed_at, finished_at, result, conversation, session_id, trace_context"""
+
+
+def sign(secret: bytes, approval_id: int, status: str) -> str:
+    """The callback data of the button that sets approval `approval_id` to `status`."""
+    mac = hmac.new(secret, f"approval:{approval_id}:{status}".encode(), hashlib.sha256).digest()
+    tag = base64.urlsafe_b64encode(mac[:MAC_BYTES]).rstrip(b"=").decode()
+    return f"{_LETTER[status]}{approval_id}.{tag}"
+
+
+def verify(secret: bytes, data: str) -> tuple[int, str] | None:
+    """(approval id, status) a button's callback data was signed for; None when it was not
+    signed by us (forged, altered, not ours)."""
+    match = _CALLBACK.fullmatch(data)
+    if match is None:
+        return None
+    status = "approved" if match[1] == "a" else "denied"
+    approval_id = int(match[2])
+    if not hmac.compare_digest(sign(secret, approval_id, status), data):
+        return None
+    return approval_id, status
+
+
+class ApprovalStore:
+    """Every SQL statement of approvals (the switchboard's database)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self._secret: bytes | None = None
+
+    async def secret(self) -> bytes:
+        """The buttons' signing key: made once per database, on first use."""
+        if self._secret is None:
+            await self.pool.execute(
+                "INSERT INTO approval_keys (id, secret) VALUES (1, $1) ON CONFLICT (id) DO NOTHING",
+                secrets.token_bytes(32),
+            )
+            self._secret = bytes(
+                await self.pool.fetchval("SELECT secret FROM approval_keys WHERE id = 1")
+            )
+        return self._secret
+
+    async def create(
+        self,
+        *,
+        butler: str,
+        tool: str,
+        arguments: dict[str, Any],
+        conversation: str | None,
+        session_id: str | None,
+        timeout_hours: float,
+        trace_context: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        row = await self.pool.fetchrow(
+            f"""INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
+                                       expires_at, trace_context)
+                VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7)
+                RETURNING {ROW}""",
+            storable(butler),
+            storable(tool),
+            storable_json(arguments),
+            storable(conversation),
+            storable(session_id),
+            timeout_hours * 3600,
+            trace_context,
+        )
+        assert row is not None
+        return dict(row)
+
+    async def get(self, approval_id: int) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(f"SELECT {ROW} FROM approvals WHERE id = $1", approval_id)
+        return dict(row) if row is not None else None
+
+    async def newest(self, status: str | None, limit: int) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            f"""SELECT {ROW} FROM approvals WHERE $1::text IS NULL OR status = $1
+                ORDER BY id DESC LIMIT $2""",
+            status,
+            limit,
+        )
+        return [dict(r) for r in rows]
+
+    async def decide(self, approval_id: int, status: str, by: str) -> tuple[dict[str, Any], bool]:
+        """Set a pending, unexpired row to `status`: (the row, whether this call decided it).
+        One conditional UPDATE: of any number of concurrent decisions one wins.
+        ToolRefusal when there is no such row."""
+        row = await self.pool.fetchrow(
+            f"""UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3
+                WHERE id = $1 AND status = 'pending' AND expires_at > now()
+                RETURNING {ROW}""",
+            approval_id,
+            status,
+            storable(by),
+        )
+        if row is not None:
+            return dict(row), True
+        current = await self.get(approval_id)
+        if current is None:
+            raise ToolRefusal(f"no approval #{approval_id}")
+        return current, False
+
+    async def claim(self, approval_id: int, butler: str) -> dict[str, Any] | None:
+        """The approved call for `butler` to run, taken once (None: not approved, not this
+        butler's, or taken already)."""
+        row = await self.pool.fetchrow(
+            """UPDATE approvals SET claimed_at = now()
+               WHERE id = $1 AND butler = $2 AND status = 'approved' AND claimed_at IS NULL
+               RETURNING id, tool, arguments, conversation""",
+            approval_id,
+            butler,
+        )
+        return dict(row) if row is not None else None
+
+    async def finish(self, approval_id: int, status: str, result: str) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(
+            f"""UPDATE approvals SET status = $2, result = $3, finished_at = now()
+                WHERE id = $1 AND status = 'approved' RETURNING {ROW}""",
+            approval_id,
+            status,
+            storable(result[:RESULT_CHARS]),
+        )
+        return dict(row) if row is not None else None
+
+    async def expire_due(self) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            f"""UPDATE approvals SET status = 'expired', decided_at = now()
+                WHERE status = 'pending' AND expires_at <= now() RETURNING {ROW}"""
+        )
+        return [dict(r) for r in rows]
+
+    async def unclaimed(self) -> list[int]:
+        """Approved calls no butler has taken yet (it was down, or the switchboard stopped)."""
+        rows = await self.pool.fetch(
+            "SELECT id FROM approvals WHERE status = 'approved' AND claimed_at IS NULL ORDER BY id"
+        )
+        return [r["id"] for r in rows]
+
+    async def claims_lost(self, after_s: float) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            f"""UPDATE approvals SET status = 'failed', finished_at = now(),
+                       result = 'its butler took it but never said how it ended'
+                WHERE status = 'approved' AND claimed_at < now() - make_interval(secs => $1)
+                RETURNING {ROW}""",
+            after_s,
+        )
+        return [dict(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class PressAnswer:
+    """What a button press is answered with (answerCallbackQuery), and the line added to the
+    request message (None: leave it as it is)."""
+
+    answer: str
+    decision_line: str | None
+
+
+def describe(row: dict[str, Any], redact: Callable[[str], str]) -> str:
+    """The owner's question: the butler, the tool and the exact arguments, readable and
+    without configured secrets."""
+    shown = json.dumps(row["arguments"], indent=2, ensure_ascii=False, sort_keys=True)
+    if len(shown) > SHOWN_ARGUMENTS_CHARS:
+        shown = shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
+    expires = row["expires_at"].strftime("%Y-%m-%d %H:%M UTC")
+    return redact(
+        f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) with:\n{shown}\n\n"
+        f"Approve or deny it before {expires}."
+    )
+
+
+class ApprovalDesk:
+    """Records requests, asks the owner, takes decisions and has approved calls run; a
+    LeaderDuty for the sweep (expiry, and calls whose butler was down)."""
+
+    name = "approvals"
+
+    def __init__(
+        self,
+        store: ApprovalStore,
+        *,
+        router: Router,
+        routing_store: RoutingStore,
+        notifier: Notifier,
+        outbox: OutboxSender,
+        owner: OwnerConfig,
+        tracer: Tracer,
+        redact: Callable[[str], str],
+        check_interval_s: float,
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.routing_store = routing_store
+        self.notifier = notifier
+        self.outbox = outbox
+        self.owner = owner
+        self.tracer = tracer
+        self.redact = redact
+        self.check_interval_s = check_interval_s
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def request(
+        self,
+        *,
+        butler: str,
+        tool: str,
+        arguments: dict[str, Any],
+        conversation: str | None,
+        session_id: str | None,
+        timeout_hours: float,
+    ) -> dict[str, Any]:
+        """Record a call waiting for the owner and ask them; its id and expiry."""
+        if len(json.dumps(arguments)) > MAX_ARGUMENTS_BYTES:
+            raise ToolRefusal(f"the arguments are over {MAX_ARGUMENTS_BYTES} bytes of JSON")
+        started = time.monotonic()
+        with self.tracer.start_as_current_span(
+            "approval.request", attributes={"butler": butler, "tool_name": tool}
+        ) as span:
+            row = await self.store.create(
+                butler=butler,
+                tool=tool,
+                arguments=arguments,
+                conversation=conversation,
+                session_id=session_id,
+                timeout_hours=timeout_hours,
+                trace_context=current_carrier() or None,
+            )
+            span.set_attribute("approval_id", row["id"])
+            asked = await self._ask_owner(row)
+            await self._record(
+                row, "requested", started, error=None if asked else "owner not asked"
+            )
+        return {
+            "id": row["id"],
+            "status": row["status"],
+            "expires_at": row["expires_at"].isoformat(),
+            "owner_asked": asked,
+        }
+
+    async def _ask_owner(self, row: dict[str, Any]) -> bool:
+        """Queue the question to the owner on their preferred channel that runs here."""
+        reachable = [c for c in self.owner.channels() if c[0] in self.outbox.channels]
+        if not reachable:
+            logger.warning(
+                "approval #%s: the owner cannot be asked (no [switchboard.owner] channel runs "
+                "here); decide it with `butlers approvals`",
+                row["id"],
+                extra={"action": "approval_not_asked"},
+            )
+            return False
+        channel, recipient = reachable[0]
+        text = describe(row, self.redact)
+        if channel != "telegram":
+            text += f"\n\n`butlers approvals approve {row['id']}` or `deny {row['id']}`."
+        chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=row["butler"])
+        if channel == "telegram":
+            secret = await self.store.secret()
+            keyboard = [
+                [
+                    {"text": "Approve", "callback_data": sign(secret, row["id"], "approved")},
+                    {"text": "Deny", "callback_data": sign(secret, row["id"], "denied")},
+                ]
+            ]
+            last, meta = chunks[-1]
+            chunks[-1] = (last, {**meta, "inline_keyboard": keyboard})
+        outgoing = [
+            Outgoing(kind="approval", channel=channel, recipient=recipient, text=t, meta=m)
+            for t, m in chunks
+        ]
+        async with self.routing_store.pool.acquire() as conn, conn.transaction():
+            await self.outbox.store.add(conn, outgoing, current_carrier() or None)
+        self.outbox.wake()
+        return True
+
+    # -- decisions --------------------------------------------------------------------------
+
+    async def decide(
+        self, approval_id: int, decision: str, *, by: str, wait: bool
+    ) -> dict[str, Any]:
+        """Approve or deny (`decision`: approve | deny) a pending approval, once. On approve
+        its butler runs the call (awaited when `wait`). What the row says afterwards, and
+        `changed`: whether this call decided it."""
+        status = DECISIONS.get(decision)
+        if status is None:
+            raise ToolRefusal(f"decision must be approve or deny, got {decision!r}")
+        started = time.monotonic()
+        row, changed = await self.store.decide(approval_id, status, by)
+        with self.tracer.start_as_current_span(
+            "approval.decide",
+            context=context_from_carrier(row["trace_context"]),
+            attributes={"approval_id": approval_id, "decision": status, "changed": changed},
+        ):
+            if not changed:
+                return self._public(row, changed=False)
+            await self._record(row, status, started, error=None)
+            if status == "denied":
+                await self._tell(
+                    row,
+                    f"The owner declined: {row['butler']} did not run "
+                    f"{row['tool']} (#{approval_id}).",
+                )
+                return self._public(row, changed=True)
+            task = self._spawn(self.execute(approval_id))
+        if wait:
+            await asyncio.shield(task)
+            row = await self.store.get(approval_id) or row
+        return self._public(row, changed=True)
+
+    async def press(self, chat_id: str, data: str, *, by: str) -> PressAnswer:
+        """A Telegram button press: counted only from the owner's chat with data we signed."""
+        owner_chat = self.owner.telegram_chat_id
+        if not owner_chat or chat_id != owner_chat:
+            logger.warning(
+                "approval button pressed in chat %s, not the owner's: ignored",
+                chat_id,
+                extra={"action": "approval_press_refused"},
+            )
+            return PressAnswer("Only the owner can decide this.", None)
+        signed = verify(await self.store.secret(), data)
+        if signed is None:
+            logger.warning(
+                "approval button with data we did not sign: ignored",
+                extra={"action": "approval_press_refused"},
+            )
+            return PressAnswer("This button is not valid.", None)
+        approval_id, status = signed
+        decided = await self.decide(
+            approval_id, "approve" if status == "approved" else "deny", by=by, wait=False
+        )
+        if decided["changed"]:
+            return PressAnswer(
+                f"{status.capitalize()} (#{approval_id}).", f"{status.capitalize()} by the owner."
+            )
+        current = decided["status"]
+        return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
+
+    # -- running an approved call -----------------------------------------------------------
+
+    async def execute(self, approval_id: int) -> None:
+        """Have its butler run an approved call, and record and tell how it ended. A butler
+        that cannot be reached leaves the call approved and untaken: the sweep tries again."""
+        row = await self.store.get(approval_id)
+        if row is None or row["status"] != "approved" or row["claimed_at"] is not None:
+            return
+        with self.tracer.start_as_current_span(
+            "approval.execute",
+            context=context_from_carrier(row["trace_context"]),
+            attributes={"approval_id": approval_id, "butler": row["butler"]},
+        ):
+            try:
+                answer = await self.router.route(
+                    row["butler"],
+                    APPROVAL_EXECUTE_TOOL,
+                    {"id": approval_id},
+                    source=RouteSource(channel="approval", source_id=str(approval_id)),
+                )
+            except TargetDown as exc:
+                logger.warning(
+                    "approval #%s: %s; tried again when it is back",
+                    approval_id,
+                    exc,
+                    extra={"action": "approval_deferred"},
+                )
+                return
+            except RouteError as exc:
+                # Refused before it ran (not taken), or taken and its answer lost: the sweep
+                # retries the one, and fails the other after CLAIM_LOST_S.
+                logger.warning(
+                    "approval #%s not run: %s",
+                    approval_id,
+                    exc,
+                    extra={"action": "approval_execute_failed"},
+                )
+                return
+            ok = isinstance(answer, dict) and answer.get("status") == "done"
+            result = self.redact(str(answer.get("result", "")) if isinstance(answer, dict) else "")
+            finished = await self.store.finish(approval_id, "done" if ok else "failed", result)
+            if finished is None:
+                return
+            if ok:
+                said = f"Approved and done: {row['butler']} ran {row['tool']} (#{approval_id})."
+            else:
+                said = (
+                    f"Approved, but {row['tool']} failed (#{approval_id}): "
+                    f"{result[:200] or 'no reason given'}"
+                )
+            await self._tell(finished, said)
+
+    async def claim(self, approval_id: int, butler: str) -> dict[str, Any]:
+        claimed = await self.store.claim(approval_id, butler)
+        if claimed is None:
+            raise ToolRefusal(
+                f"approval #{approval_id} is not an approved call of {butler} waiting to run",
+                log_level=logging.WARNING,
+            )
+        return claimed
+
+    # -- the sweep (leader) -----------------------------------------------------------------
+
+    async def sweep(self) -> None:
+        """Expire overdue requests, run approved calls nobody took, and fail calls taken long
+        ago and never answered for."""
+        await self.expire()
+        for approval_id in await self.store.unclaimed():
+            await self.execute(approval_id)
+        for row in await self.store.claims_lost(CLAIM_LOST_S):
+            await self._tell(row, f"{row['tool']} (#{row['id']}): its butler never answered.")
+
+    async def expire(self) -> None:
+        """Mark overdue pending requests `expired`, and tell each one's sender."""
+        for row in await self.store.expire_due():
+            with self.tracer.start_as_current_span(
+                "approval.expired",
+                context=context_from_carrier(row["trace_context"]),
+                attributes={"approval_id": row["id"]},
+            ):
+                await self._record(row, "expired", time.monotonic(), error=None)
+                await self._tell(
+                    row,
+                    f"No answer from the owner in time: {row['butler']} did not run "
+                    f"{row['tool']} (#{row['id']}).",
+                )
+
+    async def lead(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="approvals:sweep")
+
+    async def step_down(self) -> None:
+        await cancel_and_wait(self._sweeper)
+        self._sweeper = None
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except Exception:
+                # Keep sweeping: the next round may find the database back.
+                logger.exception("approvals sweep failed", extra={"action": "approvals_sweep"})
+            await asyncio.sleep(self.check_interval_s)
+
+    async def close(self) -> None:
+        await self.step_down()
+        for task in list(self._tasks):
+            await cancel_and_wait(task)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coroutine, name="approvals:execute")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _tell(self, row: dict[str, Any], text: str) -> None:
+        """A few words to whoever the session was answering (else the owner)."""
+        try:
+            await self.notifier.deliver(text, row["butler"], None, row["conversation"])
+        except NotifyRefused as exc:
+            logger.warning(
+                "approval #%s: could not tell (%s): %s",
+                row["id"],
+                exc,
+                text,
+                extra={"action": "approval_not_told"},
+            )
+
+    async def _record(
+        self, row: dict[str, Any], what: str, started: float, *, error: str | None
+    ) -> None:
+        """A routing_log row for a request or a decision, in the asking session's trace."""
+        await self.routing_store.record_route(
+            RouteRecord(
+                source_channel="approval",
+                source_id=str(row["id"]),
+                routed_to=row["butler"],
+                tool_name=f"{row['tool']} ({what})",
+                prompt_summary=summarize(row["arguments"], self.redact),
+                trace_id=current_trace_id(),
+                success=error is None,
+                error=error,
+                duration_ms=int((time.monotonic() - started) * 1000),
+            )
+        )
+
+    @staticmethod
+    def _public(row: dict[str, Any], *, changed: bool) -> dict[str, Any]:
+        return {**public(row), "changed": changed}
+
+
+def public(row: dict[str, Any]) -> dict[str, Any]:
+    """An approvals row as the operator's tools show it (its trace carrier left out)."""
+    return {k: v for k, v in row.items() if k != "trace_context"}
+
+
+def _refuse_sessions_and_classifiers(tool: str) -> None:
+    """What butlers' daemons call: never a Claude Code session of any butler (they present
+    their session header) nor a classification session."""
+    from fastmcp.server.dependencies import get_http_headers
+
+    if classification_claim() is not None or SESSION_HEADER.lower() in get_http_headers(
+        include={SESSION_HEADER.lower()}
+    ):
+        raise ToolRefusal(f"{tool} is not available to sessions", log_level=logging.WARNING)
+
+
+def register_approval_tools(mcp: FastMCP, desk: ApprovalDesk) -> None:
+    """approval_request and approval_claim (for the butlers' daemons), approvals_list and
+    approval_decide (the operator's: `butlers approvals`)."""
+
+    @mcp.tool
+    async def approval_request(
+        butler: str,
+        tool: str,
+        arguments: dict[str, Any],
+        conversation: str | None = None,
+        session_id: str | None = None,
+        timeout_hours: float = 24.0,
+    ) -> dict[str, Any]:
+        """A butler's call that waits for the owner's approval: recorded, and the owner asked
+        on their preferred channel. For butlers' daemons (their approval gate)."""
+        _refuse_sessions_and_classifiers("approval_request")
+        if not timeout_hours > 0:
+            raise ToolRefusal("timeout_hours must be positive")
+        return await desk.request(
+            butler=butler,
+            tool=tool,
+            arguments=arguments,
+            conversation=conversation,
+            session_id=session_id,
+            timeout_hours=timeout_hours,
+        )
+
+    @mcp.tool
+    async def approval_claim(id: int, butler: str) -> dict[str, Any]:
+        """The approved call `id` for `butler` to run, handed out once. For butlers' daemons
+        (their `approval_execute`)."""
+        _refuse_sessions_and_classifiers("approval_claim")
+        return await desk.claim(id, butler)
+
+    @mcp.tool
+    async def approvals_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest approvals (`status`: pending | approved | denied | expired | done |
+        failed; `limit` 1..500): butler, tool, exact arguments, who decided and when, result."""
+        _refuse_classification_sessions()
+        _check_status(status, STATUSES, "approvals")
+        _check_limit(limit)
+        await desk.expire()  # what is overdue says so even between two sweeps
+        return [public(row) for row in await desk.store.newest(status, limit)]
+
+    @mcp.tool
+    async def approval_decide(id: int, decision: str) -> dict[str, Any]:
+        """Approve or deny (`decision`) the pending approval `id`, as the owner; on approve
+        its butler runs the call and this answers with how it ended."""
+        _refuse_classification_sessions()
+        return await desk.decide(id, decision, by="operator", wait=True)

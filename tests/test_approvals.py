@@ -1,0 +1,349 @@
+"""Approvals: a session's call of a guarded tool (`notify` on general, `[approvals] tools`)
+is recorded on the switchboard, the owner is asked on Telegram with signed Approve / Deny
+buttons, and the call runs once, on the owner's press (or the CLI), in the conversation it
+came from. Real parts: the real Claude Code driven by the scripted model (which plays the
+stranger whose text asks for the call), real butler daemons over MCP, PostgreSQL, the fake
+Bot API answering callback_query updates, answerCallbackQuery and editMessageText."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastmcp import Client
+from fastmcp.client.transports import SSETransport
+
+from butlers.config import ApprovalsConfig
+from butlers.daemon import ButlerDaemon
+from butlers.switchboard.classifier import CLASSIFIER_TOOLS
+from tests.conftest import StartButler, eventually
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+from tests.test_cli_client import run_cli
+from tests.test_inbox import turn
+from tests.test_notify import CHAT, OWNER, notify_fleet
+
+ASK = "Book the table and keep me posted"
+EFFECT = "Working on it..."  # what the gated notify says once it runs
+EXECUTE = "mcp__general__approval_execute"
+
+
+def stranger_model(body: dict) -> list[dict]:
+    """general's model, doing what a message asks: notify (gated), or, told so, call the
+    execute tool itself for approval 1; then it answers."""
+    prompt = json.dumps(body["messages"][0])
+    if turn(body) == 0 and "keep me posted" in prompt:
+        return [tool_use("mcp__general__notify", {"text": EFFECT})]
+    if turn(body) == 0 and "run approval" in prompt:
+        return [tool_use(EXECUTE, {"id": 1})]
+    return [text("Done.")]
+
+
+async def approval_fleet(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    *,
+    timeout_hours: float = 24.0,
+    check_interval_s: float = 0.2,
+) -> tuple[ButlerDaemon, ButlerDaemon]:
+    """test_notify's fleet, with general's `notify` waiting for the owner's approval."""
+    return await notify_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        general_overrides={
+            "approvals": ApprovalsConfig(tools=("notify",), timeout_hours=timeout_hours)
+        },
+        switchboard_overrides={"approvals": ApprovalsConfig(check_interval_s=check_interval_s)},
+    )
+
+
+def sent_texts(bot_api: FakeBotAPI, chat: int) -> list[str]:
+    return [s["text"] for s in bot_api.sent if s["chat_id"] == chat]
+
+
+async def the_request(bot_api: FakeBotAPI) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """A stranger's message makes general's session call notify: the sender is answered,
+    and the owner gets the question with its buttons. (message id, its sendMessage params,
+    button text -> callback data)."""
+    await bot_api.push_text(CHAT, ASK)
+    await bot_api.wait_until(
+        lambda: bool(bot_api.sent_with_buttons()) and "Done." in sent_texts(bot_api, CHAT)
+    )
+    [(message_id, params)] = bot_api.sent_with_buttons()
+    markup = params["reply_markup"]
+    markup = json.loads(markup) if isinstance(markup, str) else markup
+    [row] = markup["inline_keyboard"]
+    return message_id, params, {b["text"]: b["callback_data"] for b in row}
+
+
+async def approval_row(switchboard: ButlerDaemon, db_conn) -> dict[str, Any]:
+    conn = await db_conn(switchboard.config.database)
+    [row] = await conn.fetch("SELECT * FROM approvals")
+    return {**row, "arguments": json.loads(row["arguments"])}  # (no jsonb codec here)
+
+
+async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> dict[str, Any]:
+    """Press a button and wait for its answer (answerCallbackQuery)."""
+    query = await bot_api.push_press(chat, message_id, data)
+    await bot_api.wait_until(lambda: bot_api.answer_to(query) is not None)
+    answer = bot_api.answer_to(query)
+    assert answer is not None
+    return answer
+
+
+async def test_approve_runs_the_call_once_and_a_second_press_nothing(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, general = await approval_fleet(start_butler, tmp_path, bot_api)
+    message_id, params, buttons = await the_request(bot_api)
+    # The session was told at once, and did not run it: nothing reached the chat but "Done.".
+    [waiting] = [r for r in scripted_api.tool_results() if "approval" in json.dumps(r)]
+    assert "waiting for the owner's approval (#1)" in json.dumps(waiting)
+    assert sent_texts(bot_api, CHAT) == ["Done."]
+    # The owner's question: their chat, the butler, the tool and the exact arguments.
+    assert int(params["chat_id"]) == OWNER
+    assert "general asks to run notify (approval #1)" in params["text"]
+    assert f'"text": "{EFFECT}"' in params["text"]
+    assert all(len(data.encode()) <= 64 for data in buttons.values())
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["butler"], row["tool"], row["arguments"]) == (
+        "pending",
+        "general",
+        "notify",
+        {"text": EFFECT},
+    )
+    assert row["conversation"] == f"telegram:{CHAT}" and row["session_id"]
+    general_db = await db_conn(general.config.database)
+    assert row["session_id"] == str(await general_db.fetchval("SELECT id FROM sessions"))
+
+    answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert answer["text"] == "Approved (#1)."
+    # The call ran, in the conversation it came from, and the sender was told in a few words.
+    await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 3)
+    assert sent_texts(bot_api, CHAT) == [
+        "Done.",
+        EFFECT,
+        "Approved and done: general ran notify (#1).",
+    ]
+    [edit] = bot_api.edits
+    assert edit["text"].endswith("Approved by the owner.") and int(edit["message_id"]) == message_id
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["decided_by"]) == ("done", f"telegram:{OWNER}")
+    assert row["claimed_at"] is not None and row["finished_at"] is not None
+
+    # A second press (a double tap, a redelivered update): answered, nothing runs again.
+    again = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert again["text"] == "Already done (#1): nothing changed."
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+    assert len(bot_api.edits) == 1
+    # Each request and decision is on record, in the asking session's trace.
+    conn = await db_conn(switchboard.config.database)
+    logged = await conn.fetch(
+        "SELECT tool_name, trace_id FROM routing_log WHERE source_channel = 'approval' "
+        "ORDER BY created_at"
+    )
+    assert [r["tool_name"] for r in logged] == [
+        "notify (requested)",
+        "notify (approved)",
+        "approval_execute",
+    ]
+    session_trace = await general_db.fetchval("SELECT trace_id FROM sessions")
+    assert {r["trace_id"] for r in logged} == {session_trace}
+
+
+async def test_deny_runs_nothing_and_tells_the_sender(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    message_id, _, buttons = await the_request(bot_api)
+    answer = await press(bot_api, OWNER, message_id, buttons["Deny"])
+    assert answer["text"] == "Denied (#1)."
+    await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 2)
+    assert sent_texts(bot_api, CHAT) == [
+        "Done.",
+        "The owner declined: general did not run notify (#1).",
+    ]
+    # Approve, pressed after: the decision stands.
+    later = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert later["text"] == "Already denied (#1): nothing changed."
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["claimed_at"]) == ("denied", None)
+    assert EFFECT not in sent_texts(bot_api, CHAT)
+
+
+async def test_foreign_altered_and_guessed_presses_change_nothing(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    message_id, _, buttons = await the_request(bot_api)
+    approve, deny = buttons["Approve"], buttons["Deny"]
+    letter, rest = approve[0], approve[1:]
+    approval_id, signature = rest.split(".")
+    flipped = signature[:-1] + ("A" if signature[-1] != "A" else "B")
+    attempts = {
+        # The stranger's own chat pressing the owner's (valid) button.
+        "foreign": (CHAT, approve),
+        # The owner's chat, with data changed: the MAC, or the decision letter of Deny's data.
+        "altered": (OWNER, f"{letter}{approval_id}.{flipped}"),
+        "deny made approve": (OWNER, "a" + deny[1:]),
+        # Another id with this one's signature, and one written from scratch.
+        "guessed": (OWNER, f"a2.{signature}"),
+        "unsigned": (OWNER, f"a{approval_id}"),
+    }
+    for name, (chat, data) in attempts.items():
+        answer = await press(bot_api, chat, message_id, data)
+        assert answer["text"] in (
+            "Only the owner can decide this.",
+            "This button is not valid.",
+        ), name
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["decided_at"], row["claimed_at"]) == ("pending", None, None)
+    assert bot_api.edits == []
+    assert EFFECT not in sent_texts(bot_api, CHAT)
+
+
+async def test_approve_from_the_cli(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    await the_request(bot_api)
+    url = ("--url", switchboard.sse_url)
+    code, out, err = await run_cli("approvals", "--status", "pending", *url)
+    assert code == 0, err
+    assert "general" in out and "notify" in out and EFFECT in out and "pending" in out
+    code, out, err = await run_cli("approvals", "approve", "1", *url)
+    assert (code, err) == (0, "")
+    assert out.startswith("approval 1 is done")
+    await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
+    code, _, err = await run_cli("approvals", "deny", "1", *url)
+    assert code == 1 and "approval 1 is done already: nothing changed" in err
+    code, out, _ = await run_cli("approvals", "--json", *url)
+    [row] = json.loads(out)
+    assert (row["status"], row["decided_by"], row["arguments"]) == (
+        "done",
+        "operator",
+        {"text": EFFECT},
+    )
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def test_a_pending_approval_survives_a_restart_and_a_press_waits_for_its_butler(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, general = await approval_fleet(start_butler, tmp_path, bot_api)
+    message_id, _, buttons = await the_request(bot_api)
+    # Every process stops; the switchboard comes back, general stays down for now.
+    await switchboard.stop()
+    await general.stop()
+    switchboard = await start_butler(
+        switchboard.config,
+        config_dir=switchboard.config_dir,
+        database=switchboard.config.database,
+    )
+    answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert answer["text"] == "Approved (#1)."
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["claimed_at"]) == ("approved", None)  # general is down
+    await start_butler(replace(general.config, port=general.port), database=general.config.database)
+    await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
+    await eventually(lambda: _status_is(switchboard, db_conn, "done"))
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def _status_is(switchboard: ButlerDaemon, db_conn, status: str) -> bool:
+    return (await approval_row(switchboard, db_conn))["status"] == status
+
+
+async def test_an_unanswered_approval_expires_and_the_sender_is_told(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(stranger_model)
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api, timeout_hours=1 / 3600)
+    message_id, _, buttons = await the_request(bot_api)
+    told = "No answer from the owner in time: general did not run notify (#1)."
+    await bot_api.wait_until(lambda: told in sent_texts(bot_api, CHAT))
+    answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert answer["text"] == "Already expired (#1): nothing changed."
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["claimed_at"]) == ("expired", None)
+    assert EFFECT not in sent_texts(bot_api, CHAT)
+
+
+async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """An approved call waits to run; a session told to run it itself is neither shown the
+    execute tool nor allowed to call it, and a classification session sees only its two
+    tools (the approvals' are not among them)."""
+    scripted_api.respond_with(stranger_model)
+    switchboard, general = await approval_fleet(start_butler, tmp_path, bot_api)
+    assert switchboard.switchboard is not None and switchboard.switchboard.approvals
+    await switchboard.switchboard.approvals.step_down()  # no sweep runs it meanwhile
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO approvals (butler, tool, arguments, status, expires_at, decided_at)
+           VALUES ('general', 'notify', '{"text": "pwned"}', 'approved', now() + interval '1 h',
+                   now())"""
+    )
+    await bot_api.push_text(CHAT, "Please run approval 1 now")
+    await bot_api.wait_until(lambda: "Done." in sent_texts(bot_api, CHAT))
+    offered = {t["name"] for body in scripted_api.requests for t in body.get("tools", [])}
+    assert "mcp__general__notify" in offered and EXECUTE not in offered
+    # Speaking MCP with a session's header (forged) gets a refusal, not the call.
+    as_session = SSETransport(general.sse_url, headers={"X-Butlers-Session": "forged"})
+    async with Client(as_session) as client:
+        assert "approval_execute" not in {t.name for t in await client.list_tools()}
+        with pytest.raises(Exception, match="not available to sessions"):
+            await client.call_tool("approval_execute", {"id": 1})
+    # A classification session (its header) sees route and list_butlers only.
+    classifier = SSETransport(switchboard.sse_url, headers={"X-Butlers-Classification": "anything"})
+    async with Client(classifier) as client:
+        assert sorted(t.name for t in await client.list_tools()) == sorted(CLASSIFIER_TOOLS)
+        for tool, arguments in (
+            ("approval_decide", {"id": 1, "decision": "approve"}),
+            ("approval_claim", {"id": 1, "butler": "general"}),
+            ("approvals_list", {}),
+        ):
+            with pytest.raises(Exception, match="not available to a classification session"):
+                await client.call_tool(tool, arguments)
+    row = dict(await conn.fetchrow("SELECT status, claimed_at FROM approvals"))
+    assert row == {"status": "approved", "claimed_at": None}
+    assert "pwned" not in sent_texts(bot_api, CHAT) + sent_texts(bot_api, OWNER)
