@@ -8,7 +8,7 @@ Bot API answering callback_query updates, answerCallbackQuery and editMessageTex
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +96,35 @@ async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> d
     return answer
 
 
-async def test_approve_runs_the_call_once_and_a_second_press_nothing(
+@dataclass
+class Asked:
+    """A fleet in which a stranger's message made general's session call notify, and the
+    owner was asked: the request message's id, its sendMessage params and its buttons."""
+
+    switchboard: ButlerDaemon
+    general: ButlerDaemon
+    message_id: int
+    params: dict[str, Any]
+    buttons: dict[str, str]
+
+
+@pytest.fixture
+async def asked(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
-    db_conn,
-) -> None:
+) -> Asked:
     scripted_api.respond_with(stranger_model)
     switchboard, general = await approval_fleet(start_butler, tmp_path, bot_api)
-    message_id, params, buttons = await the_request(bot_api)
+    return Asked(switchboard, general, *await the_request(bot_api))
+
+
+async def test_approve_runs_the_call_once_and_a_second_press_nothing(
+    asked: Asked, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    switchboard, general = asked.switchboard, asked.general
+    message_id, params, buttons = asked.message_id, asked.params, asked.buttons
     # The session was told at once, and did not run it: nothing reached the chat but "Done.".
     [waiting] = [r for r in scripted_api.tool_results() if "approval" in json.dumps(r)]
     assert "waiting for the owner's approval (#1)" in json.dumps(waiting)
@@ -162,15 +181,9 @@ async def test_approve_runs_the_call_once_and_a_second_press_nothing(
 
 
 async def test_deny_runs_nothing_and_tells_the_sender(
-    start_butler: StartButler,
-    tmp_path: Path,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
-    db_conn,
+    asked: Asked, bot_api: FakeBotAPI, db_conn
 ) -> None:
-    scripted_api.respond_with(stranger_model)
-    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
-    message_id, _, buttons = await the_request(bot_api)
+    switchboard, message_id, buttons = asked.switchboard, asked.message_id, asked.buttons
     answer = await press(bot_api, OWNER, message_id, buttons["Deny"])
     assert answer["text"] == "Denied (#1)."
     await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 2)
@@ -187,15 +200,9 @@ async def test_deny_runs_nothing_and_tells_the_sender(
 
 
 async def test_foreign_altered_and_guessed_presses_change_nothing(
-    start_butler: StartButler,
-    tmp_path: Path,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
-    db_conn,
+    asked: Asked, bot_api: FakeBotAPI, db_conn
 ) -> None:
-    scripted_api.respond_with(stranger_model)
-    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
-    message_id, _, buttons = await the_request(bot_api)
+    switchboard, message_id, buttons = asked.switchboard, asked.message_id, asked.buttons
     approve, deny = buttons["Approve"], buttons["Deny"]
     letter, rest = approve[0], approve[1:]
     approval_id, signature = rest.split(".")
@@ -222,17 +229,8 @@ async def test_foreign_altered_and_guessed_presses_change_nothing(
     assert EFFECT not in sent_texts(bot_api, CHAT)
 
 
-async def test_approve_from_the_cli(
-    start_butler: StartButler,
-    tmp_path: Path,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
-    db_conn,
-) -> None:
-    scripted_api.respond_with(stranger_model)
-    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
-    await the_request(bot_api)
-    url = ("--url", switchboard.sse_url)
+async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
+    url = ("--url", asked.switchboard.sse_url)
     code, out, err = await run_cli("approvals", "--status", "pending", *url)
     assert code == 0, err
     assert "general" in out and "notify" in out and EFFECT in out and "pending" in out
@@ -253,15 +251,10 @@ async def test_approve_from_the_cli(
 
 
 async def test_a_pending_approval_survives_a_restart_and_a_press_waits_for_its_butler(
-    start_butler: StartButler,
-    tmp_path: Path,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
-    db_conn,
+    asked: Asked, start_butler: StartButler, bot_api: FakeBotAPI, db_conn
 ) -> None:
-    scripted_api.respond_with(stranger_model)
-    switchboard, general = await approval_fleet(start_butler, tmp_path, bot_api)
-    message_id, _, buttons = await the_request(bot_api)
+    switchboard, general = asked.switchboard, asked.general
+    message_id, buttons = asked.message_id, asked.buttons
     # Every process stops; the switchboard comes back, general stays down for now.
     await switchboard.stop()
     await general.stop()

@@ -100,6 +100,18 @@ def verify(secret: bytes, data: str) -> tuple[int, str] | None:
     return approval_id, status
 
 
+@dataclass(frozen=True)
+class RequestedCall:
+    """A butler's call waiting for the owner, as its gate hands it over."""
+
+    butler: str
+    tool: str
+    arguments: dict[str, Any]  # exactly as the session gave them
+    conversation: str | None  # whom the session was answering (None: the owner is told)
+    session_id: str | None  # the butler's sessions row
+    timeout_hours: float  # the butler's [approvals] timeout_hours
+
+
 class ApprovalStore:
     """Every SQL statement of approvals (the switchboard's database)."""
 
@@ -120,27 +132,19 @@ class ApprovalStore:
         return self._secret
 
     async def create(
-        self,
-        *,
-        butler: str,
-        tool: str,
-        arguments: dict[str, Any],
-        conversation: str | None,
-        session_id: str | None,
-        timeout_hours: float,
-        trace_context: dict[str, str] | None,
+        self, call: RequestedCall, trace_context: dict[str, str] | None
     ) -> dict[str, Any]:
         row = await self.pool.fetchrow(
             f"""INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
                                        expires_at, trace_context)
                 VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7)
                 RETURNING {ROW}""",
-            storable(butler),
-            storable(tool),
-            storable_json(arguments),
-            storable(conversation),
-            storable(session_id),
-            timeout_hours * 3600,
+            storable(call.butler),
+            storable(call.tool),
+            storable_json(call.arguments),
+            storable(call.conversation),
+            storable(call.session_id),
+            call.timeout_hours * 3600,
             trace_context,
         )
         assert row is not None
@@ -280,32 +284,15 @@ class ApprovalDesk:
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def request(
-        self,
-        *,
-        butler: str,
-        tool: str,
-        arguments: dict[str, Any],
-        conversation: str | None,
-        session_id: str | None,
-        timeout_hours: float,
-    ) -> dict[str, Any]:
+    async def request(self, call: RequestedCall) -> dict[str, Any]:
         """Record a call waiting for the owner and ask them; its id and expiry."""
-        if len(json.dumps(arguments)) > MAX_ARGUMENTS_BYTES:
+        if len(json.dumps(call.arguments)) > MAX_ARGUMENTS_BYTES:
             raise ToolRefusal(f"the arguments are over {MAX_ARGUMENTS_BYTES} bytes of JSON")
         started = time.monotonic()
         with self.tracer.start_as_current_span(
-            "approval.request", attributes={"butler": butler, "tool_name": tool}
+            "approval.request", attributes={"butler": call.butler, "tool_name": call.tool}
         ) as span:
-            row = await self.store.create(
-                butler=butler,
-                tool=tool,
-                arguments=arguments,
-                conversation=conversation,
-                session_id=session_id,
-                timeout_hours=timeout_hours,
-                trace_context=current_carrier() or None,
-            )
+            row = await self.store.create(call, current_carrier() or None)
             span.set_attribute("approval_id", row["id"])
             asked = await self._ask_owner(row)
             await self._record(
@@ -602,12 +589,7 @@ def register_approval_tools(mcp: FastMCP, desk: ApprovalDesk) -> None:
         if not timeout_hours > 0:
             raise ToolRefusal("timeout_hours must be positive")
         return await desk.request(
-            butler=butler,
-            tool=tool,
-            arguments=arguments,
-            conversation=conversation,
-            session_id=session_id,
-            timeout_hours=timeout_hours,
+            RequestedCall(butler, tool, arguments, conversation, session_id, timeout_hours)
         )
 
     @mcp.tool
