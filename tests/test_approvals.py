@@ -7,6 +7,7 @@ Bot API answering callback_query updates, answerCallbackQuery and editMessageTex
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -240,6 +241,9 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
     code, _, err = await run_cli("approvals", "deny", "1", *url)
     assert code == 1 and "approval 1 is done already: nothing changed" in err
+    # Run again by hand (the operator's route to the butler): the call was handed out once.
+    code, _, err = await run_cli("route", "general", "approval_execute", '{"id": 1}', *url)
+    assert code == 1 and "not an approved call of general waiting to run" in err
     code, out, _ = await run_cli("approvals", "--json", *url)
     [row] = json.loads(out)
     assert (row["status"], row["decided_by"], row["arguments"]) == (
@@ -247,6 +251,27 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
         "operator",
         {"text": EFFECT},
     )
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def test_concurrent_decisions_run_the_call_once(asked: Asked, bot_api: FakeBotAPI) -> None:
+    """Three approvals at once (the CLI, a second replica, a press): one decides and runs it."""
+    async with Client(asked.switchboard.sse_url) as client:
+        answers = await asyncio.gather(
+            *(
+                client.call_tool("approval_decide", {"id": 1, "decision": "approve"})
+                for _ in range(3)
+            ),
+            bot_api.push_press(OWNER, asked.message_id, asked.buttons["Approve"]),
+        )
+    decided = [a.structured_content for a in answers[:3]]
+    await bot_api.wait_until(lambda: len(bot_api.press_answers) == 1)
+    changed = [d["changed"] for d in decided] + [
+        bot_api.press_answers[0]["text"] == "Approved (#1)."
+    ]
+    assert changed.count(True) == 1, (decided, bot_api.press_answers)
+    await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
+    await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 3)
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
 
 
