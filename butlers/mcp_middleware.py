@@ -1,7 +1,8 @@
 """A butler's one FastMCP middleware: every tool continues its caller's trace, without
 declaring it, and the butler's guards decide who may see and call what (on the switchboard a
 classification session sees and calls only its own two tools; on every butler a session of a
-routed message is refused other people's sessions).
+routed message is refused other people's sessions), and an answering guard may take a call
+the owner must approve out of the tool's hands (butlers.approvals: recorded, not run).
 
 One middleware, not one per concern: FastMCP dispatches every layer for every call (twice:
 its outer and typed phases), and a second and third layer cost route about 0.1 M
