@@ -407,7 +407,8 @@ def _print_butlers(rows: list[dict[str, Any]]) -> None:
                 row["name"],
                 row["endpoint_url"],
                 ",".join(row.get("modules") or []) or "-",
-                (row.get("last_seen_at") or "never")[:19].replace("T", " "),
+                ("stale, " if row.get("stale") else "")
+                + (row.get("last_seen_at") or "never")[:19].replace("T", " "),
                 description if len(description) <= 60 else description[:59] + "…",
             )
         )

@@ -68,6 +68,24 @@ async def test_discover_reports_changes(fleet: Fleet) -> None:
     assert json.loads(out)["unchanged"] == ["general", "health", "switchboard"]
 
 
+async def test_list_marks_a_stale_butler(fleet: Fleet) -> None:
+    """A butler whose directory is gone is still a row (rows are never deleted): `list`
+    says it is stale, which is why route and the classifier pass it by."""
+    import shutil
+
+    url = fleet.switchboard.sse_url
+    write_butler_dir(fleet.config_dir, "health", 18999)
+    assert (await run_cli("discover", "--url", url, token="cli-token"))[0] == 0
+    shutil.rmtree(fleet.config_dir / "health")
+    assert (await run_cli("discover", "--url", url, token="cli-token"))[0] == 0
+    code, out, err = await run_cli("list", "--url", url, token="cli-token")
+    assert code == 0, err
+    (health,) = [line for line in out.splitlines() if line.startswith("health ")]
+    assert "stale, " in health
+    (general,) = [line for line in out.splitlines() if line.startswith("general ")]
+    assert "stale" not in general
+
+
 async def test_route_prints_the_targets_answer(fleet: Fleet) -> None:
     url = fleet.switchboard.sse_url
     code, out, err = await run_cli(

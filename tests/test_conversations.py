@@ -239,3 +239,19 @@ async def test_a_reply_to_a_butler_that_is_gone_is_classified_afresh(
         "general",
         "done",
     )
+
+
+def test_help_lists_only_the_butlers_a_message_can_reach() -> None:
+    """/help names neither the switchboard, nor a stale row (its directory is gone), nor a row
+    that was a switchboard (an old name of it): route refuses all three."""
+    from butlers.switchboard.conversation import help_text
+
+    rows = [
+        {"name": "switchboard", "description": "front door"},
+        {"name": "general", "description": "anything else", "stale": False},
+        {"name": "gone", "description": "removed", "stale": True},
+        {"name": "frontdoor", "description": "old name", "is_switchboard": True},
+    ]
+    text = help_text(rows, switchboard="switchboard")
+    assert "• general: anything else" in text
+    assert "gone" not in text and "frontdoor" not in text and "front door" not in text

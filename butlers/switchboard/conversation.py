@@ -61,11 +61,13 @@ def command_of(channel: str, text: str) -> str | None:
 
 
 def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str) -> str:
-    """/help's answer: the registry's butlers but the switchboard (`switchboard`: its name)."""
+    """/help's answer: the registry's butlers but the switchboard (`switchboard`: its name),
+    and but those no message can reach: stale rows (the last discover did not find them) and
+    rows that were a switchboard."""
     listed = "\n".join(
         f"• {b['name']}: {b.get('description') or ''}".rstrip(": ")
         for b in butlers
-        if b["name"] != switchboard
+        if b["name"] != switchboard and not b.get("stale") and not b.get("is_switchboard")
     )
     return (
         "Hello! Write to me in plain words and I pass your message to the butler it is for:\n"
