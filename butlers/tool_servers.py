@@ -6,9 +6,14 @@ butler's own server (strict MCP config), so every call of a server's tool passes
 butler, where the rest of its policy already is: the one middleware's span (the call is in the
 message's trace) and guards, the session's tool-call record, and here: the server's allow and
 deny globs (a denied tool is never registered, so neither listed nor callable), its approval
-globs (such a call is not run without the owner's yes), a timeout per call, and the butler's
-Redactor over every answer (a server that echoes a configured secret does not hand it to a
-model reading a stranger's words).
+globs, a timeout per call, and the butler's Redactor over every answer (a server that echoes
+a configured secret does not hand it to a model reading a stranger's words).
+
+Approval: a session's call that a server's `approval` globs name is answered by the approval
+gate in the butler's middleware (butlers.approvals: recorded, the owner asked) and never
+reaches the server. Should one get here all the same (no gate wired), it is refused, not run:
+a session runs on a stranger's text. A caller that is no session (the operator with the
+fleet's token, or `approval_execute` running what the owner approved) is obeyed.
 
 The process side is the gateway's (butlers.gateway.clients): a stdio server runs in a process
 group of its own with PATH, HOME, locale and TZ plus its declared `env` and `pass_env` (nothing
@@ -43,6 +48,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.server import result_of
+from butlers.session_policy import session_token
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -52,10 +58,6 @@ BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a server that ran this long starts its backoff over
 # What Claude Code and the Messages API take as a tool name (`mcp__<butler>__<server>__<tool>`).
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-# The owner's yes for a call the server's `approval` globs name: given the proxied tool name
-# and its arguments, what the session is answered (the approvals module's, when there is one).
-ApprovalGate = Callable[[str, dict[str, Any]], Awaitable[ToolResult]]
 
 
 @dataclass
@@ -226,15 +228,14 @@ class ToolServer:
         proxied = f"{self.name}{PROXY_SEPARATOR}{tool}"
         if not self.config.offers(tool):  # never registered; kept in case it ever is
             raise ToolRefusal(f"{proxied} is not offered on this butler")
-        if self.config.needs_approval(tool):
-            gate = self.owner.approval_gate
-            if gate is None:
-                raise ToolRefusal(
-                    f"{proxied} needs the owner's approval, and this butler cannot ask for it: "
-                    "the call was not made",
-                    log_level=logging.WARNING,
-                )
-            return await gate(proxied, arguments)
+        if self.config.needs_approval(tool) and session_token() is not None:
+            # The approval gate answers these before they get here: a session's call that
+            # did not pass it is never run without the owner's yes.
+            raise ToolRefusal(
+                f"{proxied} needs the owner's approval, and this butler cannot ask for it: "
+                "the call was not made",
+                log_level=logging.WARNING,
+            )
         if self.status.state != "running" and not self.child.running():
             raise ToolRefusal(
                 f"tool server {self.name!r} is not running ({self.status.state}: "
@@ -277,8 +278,6 @@ class ToolServers:
         self.mcp = mcp
         self.redact = redact
         self.on_tools_changed = on_tools_changed
-        # None: calls that need the owner's yes are refused (never run without it).
-        self.approval_gate: ApprovalGate | None = None
         self.data_dir = data_dir
         self._watchdog = Watchdog()  # ends the servers' process groups if we are SIGKILLed
         self._tasks: set[asyncio.Task[None]] = set()

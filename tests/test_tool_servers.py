@@ -21,10 +21,12 @@ import aiohttp
 import psutil
 import pytest
 from fastmcp import Client
+from fastmcp.client.transports import SSETransport
 from fastmcp.exceptions import ToolError
 
 from butlers.config import McpServerConfig, RuntimeConfig, SwitchboardConfig, TelegramConfig
 from butlers.settings import Settings
+from butlers.spawner import SESSION_HEADER
 from tests.conftest import (
     StartButler,
     butler_config,
@@ -104,8 +106,9 @@ async def test_only_allowed_tools_are_offered_denied_and_gated_calls_do_nothing(
     start_butler: StartButler, npm_servers: Path, tmp_path: Path
 ) -> None:
     """tools/list over MCP shows the allowed tools as files__<tool>, never a denied one; a
-    denied tool cannot be called, a call that needs the owner's yes is refused without being
-    made, an offered one reads the file, and a configured secret in it is redacted."""
+    denied tool cannot be called, an offered one reads the file, and a configured secret in
+    it is redacted; a session's call that needs the owner's yes is refused without being
+    made."""
     root = notes_dir(tmp_path)
     settings = Settings.from_environ({**os.environ, "NOTES_API_TOKEN": SECRET})
     general = await start_butler(
@@ -124,12 +127,15 @@ async def test_only_allowed_tools_are_offered_denied_and_gated_calls_do_nothing(
             with pytest.raises(ToolError):
                 await client.call_tool(denied, {"path": str(root / "note.txt")})
 
-        target = root / "written.txt"
+        read = await client.call_tool("files__read_text_file", {"path": str(root / "note.txt")})
+
+    # What a session's credential presents (here one that names no running session): a call
+    # that needs the owner's yes is not made.
+    target = root / "written.txt"
+    async with Client(SSETransport(general.sse_url, headers={SESSION_HEADER: "forged"})) as client:
         with pytest.raises(ToolError, match="needs the owner's approval"):
             await client.call_tool("files__write_file", {"path": str(target), "content": "pwned"})
-        assert not target.exists()
-
-        read = await client.call_tool("files__read_text_file", {"path": str(root / "note.txt")})
+    assert not target.exists()
     answer = read.content[0].text
     assert NOTE in answer
     assert SECRET not in answer and "[redacted]" in answer
@@ -385,18 +391,14 @@ async def test_a_stdio_server_gets_only_its_allowlisted_environment(
 
 
 async def test_no_descendant_survives_a_sigkill_of_butlers_run(
-    tmp_path: Path,
-    npm_servers: Path,
-    pg_server,
-    bot_api: FakeBotAPI,
-    scripted_api: ScriptedMessagesAPI,
+    tmp_path: Path, pg_server, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI
 ) -> None:
-    """`butlers run general` with a stdio server behind a shell (sh, then node: a
-    grandchild): after SIGKILL of the butler, every process it started ends."""
+    """`butlers run general` with a stdio server behind a shell (sh, then the server: a
+    grandchild) that does not stop when its input ends (`--linger`): after SIGKILL of the
+    butler, every process it started ends all the same."""
     databases = fleet_databases("toolsrv")
     port = free_port()
-    root = notes_dir(tmp_path)
-    command = f"{npm_servers / 'mcp-server-filesystem'} {root}; exit 0"
+    command = f"{sys.executable} {MOCK_MCP} --linger; exit 0"
     write_butler_dir(
         tmp_path / "config",
         "general",
@@ -423,16 +425,16 @@ async def test_no_descendant_survives_a_sigkill_of_butlers_run(
         assert run.process is not None
         descendants = psutil.Process(run.process.pid).children(recursive=True)
         commands = [" ".join(p.cmdline()) for p in descendants]
-        assert any("mcp-server-filesystem" in c and not c.startswith("sh") for c in commands), (
+        assert any("mock_mcp.py --linger" in c and not c.startswith("sh") for c in commands), (
             commands
         )
         run.process.send_signal(signal.SIGKILL)
-        await run.process.wait()
 
         async def all_ended() -> bool:
             return not any(_alive(p) for p in descendants)
 
         await eventually(all_ended, timeout_s=30)
+        await run.process.wait()  # (only once nothing of it holds its pipes)
     finally:
         for process in descendants:
             if _alive(process):
