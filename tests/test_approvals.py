@@ -22,10 +22,15 @@ from butlers.daemon import ButlerDaemon
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
 from tests.conftest import StartButler, eventually
 from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_cli_client import run_cli
+from tests.test_email_tls import PASSWORD, USER, email_config
+from tests.test_email_webhook import post
 from tests.test_inbox import turn
 from tests.test_notify import CHAT, OWNER, notify_fleet
+from tests.test_notify_email import OWNER as OWNER_MAIL
+from tests.test_notify_email import mail_notify_fleet
 
 ASK = "Book the table and keep me posted"
 EFFECT = "Working on it..."  # what the gated notify says once it runs
@@ -365,3 +370,61 @@ async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
     row = dict(await conn.fetchrow("SELECT status, claimed_at FROM approvals"))
     assert row == {"status": "approved", "claimed_at": None}
     assert "pwned" not in sent_texts(bot_api, CHAT) + sent_texts(bot_api, OWNER)
+
+
+async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner prefers email: the question is a mail; "yes 1" decides only from the owner's
+    address and in the thread of that mail. Anything else is an ordinary message."""
+    scripted_api.respond_with(stranger_model)
+    senders = ("user@example.com", OWNER_MAIL.email)
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        switchboard, _ = await mail_notify_fleet(
+            start_butler,
+            tmp_path,
+            smtp,
+            monkeypatch,
+            general_overrides={"approvals": ApprovalsConfig(tools=("notify",))},
+            switchboard_overrides={
+                "email": email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=senders)
+            },
+        )
+
+        async def mail(sender: str, text: str, message_id: str, thread: str | None) -> None:
+            payload: dict[str, Any] = {"from": sender, "subject": "Re", "text": text}
+            payload["message_id"] = message_id
+            if thread is not None:
+                payload["headers"] = {"In-Reply-To": thread, "References": thread}
+            assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+
+        def to(address: str) -> list[str]:
+            return [m.get_content().strip() for m in smtp.messages if m["To"] == address]
+
+        await mail("Ada <user@example.com>", ASK, "<t1@x>", None)
+        await eventually(lambda: _mails_arrived(smtp, 2))
+        [question] = [m for m in smtp.messages if m["To"] == OWNER_MAIL.email]
+        assert 'Reply to this mail with "yes 1"' in question.get_content()
+        assert f'"text": "{EFFECT}"' in question.get_content()
+        request_id = question["Message-ID"]
+        # The stranger answering in the thread, and the owner outside it: ordinary messages
+        # (each routed to general, which answers "Done."), nothing decided.
+        await mail("user@example.com", "yes 1", "<t2@x>", request_id)
+        await mail(OWNER_MAIL.email, "yes 1", "<o1@x>", None)
+        await eventually(lambda: _mails_arrived(smtp, 4))
+        assert to(OWNER_MAIL.email)[1:] == ["Done."] and to("user@example.com") == ["Done."] * 2
+        assert (await approval_row(switchboard, db_conn))["status"] == "pending"
+        # The owner, in the thread: decided, and the call runs in the stranger's thread.
+        await mail(OWNER_MAIL.email, "Yes 1\n\n> general asks to run notify", "<o2@x>", request_id)
+        await eventually(lambda: _mails_arrived(smtp, 6))
+    assert to("user@example.com")[2:] == [EFFECT, "Approved and done: general ran notify (#1)."]
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["decided_by"]) == ("done", f"email:{OWNER_MAIL.email}")
+
+
+async def _mails_arrived(smtp: SmtpServer, count: int) -> bool:
+    return len(smtp.messages) >= count

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastmcp import Client
@@ -24,12 +25,15 @@ PLANTS = """INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at)
             VALUES ('plants', '0 8 * * *', 'Remind me to water the plants.', now())"""
 
 
-async def start_general(start_butler: StartButler, config_dir: Path, switchboard_url: str):
+async def start_general(
+    start_butler: StartButler, config_dir: Path, switchboard_url: str, **overrides: Any
+):
     general = await start_butler(
         butler_config(
             "general",
             switchboard_url=switchboard_url,
             runtime=RuntimeConfig(timeout_s=60, tick_interval_s=0),
+            **overrides,
         )
     )
     write_butler_dir(config_dir, "general", general.port)
@@ -41,23 +45,30 @@ async def mail_notify_fleet(
     tmp_path: Path,
     smtp: SmtpServer,
     monkeypatch: pytest.MonkeyPatch,
+    *,
+    general_overrides: dict[str, Any] | None = None,
+    switchboard_overrides: dict[str, Any] | None = None,
 ):
     """`general` (which knows the switchboard's URL) and a switchboard with email (webhook
-    intake, SMTP out), OWNER, and a triage rule sending every mail to general."""
+    intake, SMTP out), OWNER, and a triage rule sending every mail to general; `*_overrides`:
+    more of either one's ButlerConfig (the approvals' test gives its own)."""
     monkeypatch.setenv("BUTLERS_EMAIL_USER", USER)
     monkeypatch.setenv("BUTLERS_EMAIL_PASSWORD", PASSWORD)
     monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "hook")
     port = free_port()
     config_dir = tmp_path / "config"
-    general = await start_general(start_butler, config_dir, f"http://127.0.0.1:{port}/sse")
+    general = await start_general(
+        start_butler, config_dir, f"http://127.0.0.1:{port}/sse", **(general_overrides or {})
+    )
     write_butler_dir(config_dir, "switchboard", port)
+    switchboard_config = {
+        "email": email_config(smtp_port=smtp.port, mode="webhook"),
+        "triage": (TriageRule(butler="general", channel="email"),),
+        "switchboard": SwitchboardConfig(owner=OWNER),
+    }
     switchboard = await start_butler(
         butler_config(
-            "switchboard",
-            port=port,
-            email=email_config(smtp_port=smtp.port, mode="webhook"),
-            triage=(TriageRule(butler="general", channel="email"),),
-            switchboard=SwitchboardConfig(owner=OWNER),
+            "switchboard", port=port, **switchboard_config | (switchboard_overrides or {})
         ),
         config_dir=config_dir,
     )

@@ -105,6 +105,7 @@ def build_modules(
             modules.webhooks.extend(mail.webhook_routes())
             if switchboard is not None:
                 switchboard.outbox.channels["email"] = mail
+                mail.approvals = switchboard.approvals  # the owner's "yes 12" replies
             modules.running.append(mail)
     for status in modules.skipped:
         logger.warning(

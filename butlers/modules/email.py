@@ -58,6 +58,7 @@ from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
+    from butlers.switchboard.approvals import ApprovalDesk
     from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class EmailModule:
         self.username = username
         self.password = password
         self.worker = worker
+        # Where the owner's answers to approval mails go (the switchboard's; None: none).
+        self.approvals: ApprovalDesk | None = None
         self.webhook_token = webhook_token
         self.address = (config.address or username).lower()
         self.status = ModuleStatus(self.name, "starting")
@@ -212,6 +215,10 @@ class EmailModule:
 
     async def store(self, mail: ParsedMail) -> None:
         assert self.worker is not None
+        if self.approvals is not None and await self.approvals.mail_answer(
+            mail.sender, mail.references.split(), mail.text or ""
+        ):
+            return  # the owner's "yes 12" in an approval's thread: decided, not routed
         await self.worker.accept(_incoming(mail))
 
     async def record_failed(self, mail: ParsedMail, error: str) -> None:

@@ -36,7 +36,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,8 @@ DECISIONS = {"approve": "approved", "deny": "denied"}
 _LETTER = {"approved": "a", "denied": "d"}
 _CALLBACK = re.compile(r"([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
 MAC_BYTES = 16
+# The owner's answer by mail, first thing in the reply: "yes 12", "no #12".
+_MAIL_ANSWER = re.compile(r"\s*(yes|no)\s+#?([1-9][0-9]{0,17})\b", re.IGNORECASE)
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
 MAX_ARGUMENTS_BYTES = 256 * 1024
@@ -77,7 +79,7 @@ MAX_ARGUMENTS_BYTES = 256 * 1024
 # this: whether it ran is unknown, and it is never run twice.
 CLAIM_LOST_S = 3600.0
 ROW = """id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
-         claimed_at, finished_at, result, conversation, session_id, trace_context"""
+         claimed_at, finished_at, result, conversation, session_id, trace_context, asked"""
 
 
 def sign(secret: bytes, approval_id: int, status: str) -> str:
@@ -318,8 +320,11 @@ class ApprovalDesk:
             return False
         channel, recipient = reachable[0]
         text = describe(row, self.redact)
-        if channel != "telegram":
-            text += f"\n\n`butlers approvals approve {row['id']}` or `deny {row['id']}`."
+        if channel == "email":
+            text += (
+                f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '
+                f"first line, or run `butlers approvals approve|deny {row['id']}`."
+            )
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=row["butler"])
         if channel == "telegram":
             secret = await self.store.secret()
@@ -335,8 +340,11 @@ class ApprovalDesk:
             Outgoing(kind="approval", channel=channel, recipient=recipient, text=t, meta=m)
             for t, m in chunks
         ]
+        # The request mail's Message-ID: an answer by mail counts only in its thread.
+        asked = {channel: chunks[0][1].get("message_id")} if channel == "email" else {}
         async with self.routing_store.pool.acquire() as conn, conn.transaction():
             await self.outbox.store.add(conn, outgoing, current_carrier() or None)
+            await conn.execute("UPDATE approvals SET asked = $2 WHERE id = $1", row["id"], asked)
         self.outbox.wake()
         return True
 
@@ -401,6 +409,29 @@ class ApprovalDesk:
             )
         current = decided["status"]
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
+
+    async def mail_answer(self, sender: str, thread: Sequence[str], text: str) -> bool:
+        """An allowed mail that may be the owner's answer ("yes 12" / "no 12" first): True
+        when it decided (or tried to decide) an approval, so it is not a message to route.
+        Taken only from the owner's address and in the thread of that approval's request
+        mail; anything else is an ordinary message."""
+        match = _MAIL_ANSWER.match(text)
+        owner = self.owner.email.lower()
+        if match is None or not owner or sender.lower() != owner:
+            return False
+        approval_id = int(match[2])
+        row = await self.store.get(approval_id)
+        asked = (row or {}).get("asked") or {}
+        if row is None or not asked.get("email") or asked["email"] not in thread:
+            logger.warning(
+                "an answer by mail to approval #%s outside its request's thread: not taken",
+                approval_id,
+                extra={"action": "approval_answer_refused"},
+            )
+            return False
+        decision = "approve" if match[1].lower() == "yes" else "deny"
+        await self.decide(approval_id, decision, by=f"email:{sender}", wait=False)
+        return True
 
     # -- running an approved call -----------------------------------------------------------
 
