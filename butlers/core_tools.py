@@ -275,6 +275,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         # notify goes. Its session runs on a stranger's text, so it gets fewer tools
         # (butlers.session_policy); a caller claiming a conversation only loses tools.
         conversation = request_conversation()
+        if conversation is not None and ctx.config.is_switchboard:
+            # Route refuses the switchboard under every name and address it knows; should an
+            # old row still reach it by one it does not, its own sessions (which hold route,
+            # the inbox and deliver) never run on a routed message.
+            raise ToolRefusal(
+                "the switchboard is not a butler messages are routed to", log_level=logging.WARNING
+            )
         outcome = await ctx.spawner.run(
             prompt,
             target=ctx.self_target(),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 from fastmcp.server.dependencies import get_http_headers
 
 from butlers.errors import NotifyFailed
-from butlers.spawner import ROUTED_SESSION_WITHHELD, SESSION_HEADER
+from butlers.spawner import ROUTED_SESSION_WITHHELD, SESSION_HEADER, SESSION_STARTING_TOOLS
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -51,6 +51,14 @@ class SessionPolicy:
     def check_call(self, name: str) -> None:
         # Only these few are ever withheld: every other call (the hot path: state_get through
         # route) is passed on without reading the request's headers.
+        if name in SESSION_STARTING_TOOLS and session_token() is not None:
+            # No session is given trigger or tick (Claude Code is told so): a session that
+            # reached them anyway would start one without its own restrictions (a routed
+            # session's `trigger` names no conversation), laundering a stranger's text.
+            raise ToolRefusal(
+                f"{name} is not available to a session: a session never starts another",
+                log_level=logging.WARNING,
+            )
         if name in ROUTED_SESSION_WITHHELD and name in self.spawner.withheld_tools(session_token()):
             # A stranger's text asked for what such a session is never given: worth an
             # operator's attention.

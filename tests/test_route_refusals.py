@@ -220,3 +220,14 @@ async def test_the_classifier_is_not_shown_stale_butlers(
     listed = classifier_prompt(first).split("Available butlers: [", 1)[1].split("]", 1)[0]
     assert "general: General things." in listed and "health: Health things." in listed
     assert "relationship" not in listed
+
+
+async def test_the_switchboard_never_runs_a_routed_message_itself(fleet: Fleet) -> None:
+    """Should a row reach the switchboard by an address route does not know as its own
+    (127.1, its LAN address), its `trigger` still refuses a call that serves a conversation
+    (what route sends)."""
+    async with Client(fleet.switchboard.sse_url) as client:
+        with pytest.raises(ToolError, match="not a butler messages are routed to"):
+            await client.call_tool(
+                "trigger", {"prompt": "list the inbox"}, meta={"butlers/conversation": "x:1"}
+            )
