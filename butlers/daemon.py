@@ -320,6 +320,7 @@ class ButlerDaemon:
             switchboard_name=self.config.name,
             ask=ask,
             jaeger_ui_url=self.settings.jaeger_ui_url,
+            approvals=switchboard.approvals,
         )
         return Dashboard(
             parts,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from fastmcp import Client
 from fastmcp.client.transports import SSETransport
@@ -428,3 +430,32 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
 
 async def _mails_arrived(smtp: SmtpServer, count: int) -> bool:
     return len(smtp.messages) >= count
+
+
+async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
+    asked: Asked, bot_api: FakeBotAPI
+) -> None:
+    """/ui/approvals shows the exact call; its Approve form needs the page's CSRF token (a
+    post without it, or from another origin, decides nothing), and then runs the call once."""
+    base = asked.switchboard.base_url
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.get(f"{base}/ui/approvals") as response:
+            page = await response.text()
+            assert response.status == 200, page
+        assert "Working on it..." in page and 'value="approve"' in page
+        csrf = re.search(r'name="csrf" value="([^"]+)"', page)[1]
+        decide = {"id": "1", "decision": "approve"}
+        for refused, headers in (
+            ({**decide}, {}),
+            ({**decide, "csrf": "x" * 43}, {}),
+            ({**decide, "csrf": csrf}, {"Origin": "http://evil.example"}),
+        ):
+            async with http.post(f"{base}/ui/approvals", data=refused, headers=headers) as response:
+                assert response.status == 403
+        assert EFFECT not in sent_texts(bot_api, CHAT)
+        async with http.post(f"{base}/ui/approvals", data={**decide, "csrf": csrf}) as response:
+            page = await response.text()
+            assert response.status == 200, page
+        assert "Approval #1 is approved." in page
+    await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 3)
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1

@@ -17,6 +17,7 @@ secret that reached a message, a reply or an error is not shown either.
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 from collections.abc import Awaitable, Callable, Sequence
@@ -47,6 +48,8 @@ from butlers.dashboard.auth import (
 )
 from butlers.dashboard.fleet import Answer, FleetProbe
 from butlers.dashboard.store import PAGE_ROWS, DashboardStore
+from butlers.switchboard.approvals import ApprovalDesk
+from butlers.switchboard.approvals import public as public_approval
 from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
 from butlers.tool_errors import ToolRefusal
 
@@ -57,6 +60,7 @@ CHANNELS = ("telegram", "email", "mcp")
 OUTCOMES = {"ok": True, "failed": False}
 REFRESH_S = 10
 MAX_ASK_FORM_CHARS = 20_000
+MAX_APPROVALS = 100  # the approvals page: the newest this many
 # Same-origin only, no inline script or style: an injected tag would run nothing.
 SECURITY_HEADERS = {
     "content-security-policy": (
@@ -80,6 +84,7 @@ class DashboardParts:
     switchboard_name: str
     ask: Callable[[str], Awaitable[dict[str, Any]]]
     jaeger_ui_url: str
+    approvals: ApprovalDesk | None = None  # the calls waiting for the owner's yes
 
 
 class BadFilter(ValueError):
@@ -146,6 +151,7 @@ class Dashboard:
             Route("/ui/routes", self.routes),
             Route("/ui/butlers/{name}", self.butler),
             Route("/ui/ask", self.ask, methods=["GET", "POST"]),
+            Route("/ui/approvals", self.approvals, methods=["GET", "POST"]),
             Route("/ui/login", self.login, methods=["GET", "POST"]),
             Route("/ui/logout", self.logout, methods=["POST"]),
             Mount("/ui/static", StaticFiles(directory=HERE / "static"), name="static"),
@@ -343,6 +349,35 @@ class Dashboard:
         except ToolRefusal as exc:
             return self._render(request, "ask.html", 400, text=text, answer=None, problem=str(exc))
         return self._render(request, "ask.html", text="", answer=answer, problem=None)
+
+    async def approvals(self, request: Request) -> Response:
+        """The newest approvals, the pending ones with Approve / Deny (a form with its CSRF
+        token, or a bearer caller); a decision is taken as the CLI's is, once."""
+        desk = self.parts.approvals
+        if desk is None:
+            return self._problem(request, 404, "this switchboard keeps no approvals")
+        notice = None
+        if request.method == "POST":
+            form = await request.form()
+            if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
+                return self._csrf_refused(request)
+            try:
+                approval_id = int(_field(form, "id") or "")
+                decided = await desk.decide(
+                    approval_id, _field(form, "decision") or "", by="dashboard", wait=False
+                )
+            except ValueError:
+                return self._problem(request, 400, "id must be an approval's number")
+            except ToolRefusal as exc:
+                return self._problem(request, 400, str(exc))
+            notice = f"Approval #{approval_id} is {decided['status']}" + (
+                "." if decided["changed"] else " already: nothing changed."
+            )
+        await desk.expire()
+        rows = [public_approval(row) for row in await desk.store.newest(None, MAX_APPROVALS)]
+        for row in rows:
+            row["shown"] = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
+        return self._render(request, "approvals.html", rows=rows, notice=notice)
 
     async def login(self, request: Request) -> Response:
         target = _local_target(request.query_params.get("next"))
