@@ -519,6 +519,9 @@ def _print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         details = [f"error: {row['error']}"] if row.get("error") else []
         if row.get("error") and row.get("trace_url"):
             details.append(f"trace: {row['trace_url']}")
+        details += [
+            f"approval #{a['id']}: {a['tool']} ({a['status']})" for a in row.get("approvals") or []
+        ]
         table.append((cells, details))
     header = ("ID", "RECEIVED", "CHANNEL", "FROM", "STATUS", "ROUTED TO", "VIA", "TEXT")
     _print_rows_with_details(header, table)

@@ -248,6 +248,9 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
     code, _, err = await run_cli("approvals", "deny", "1", *url)
     assert code == 1 and "approval 1 is done already: nothing changed" in err
+    # `butlers inbox` shows what the stranger's message asked for, and what became of it.
+    code, out, err = await run_cli("inbox", *url)
+    assert code == 0 and "approval #1: notify (done)" in out, err
     # Run again by hand (the operator's route to the butler): the call was handed out once.
     code, _, err = await run_cli("route", "general", "approval_execute", '{"id": 1}', *url)
     assert code == 1 and "not an approved call of general waiting to run" in err

@@ -128,6 +128,21 @@ class OperatorStore:
         )
         return [dict(r) for r in rows]
 
+    async def approvals_by_trace(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        """The approvals the sessions of these traces asked for (a message's trace is its
+        sessions'), by trace id, oldest first."""
+        rows = await self.pool.fetch(
+            f"""SELECT id, tool, status, {TRACE_OF_CONTEXT} AS trace_id FROM approvals
+                WHERE {TRACE_OF_CONTEXT} = ANY($1::text[]) ORDER BY id""",
+            list(trace_ids),
+        )
+        found: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            found.setdefault(row["trace_id"], []).append(
+                {"id": row["id"], "tool": row["tool"], "status": row["status"]}
+            )
+        return found
+
     async def routing_log(self, butler: str | None, limit: int) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
             """SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
@@ -215,15 +230,18 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
     async def inbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
         """The newest inbox messages (`status`: queued | processing | done | failed |
         skipped; `limit` 1..500): sender, conversation, what happened to it (status,
-        routed_to, classified_via, error), a text excerpt, times and its trace id."""
+        routed_to, classified_via, error), a text excerpt, times, its trace id, and the
+        approvals its sessions asked for (`approvals`: id, tool, status)."""
         _refuse_classification_sessions()
         _check_status(status, INBOX_STATUSES, "inbox")
         _check_limit(limit)
         rows = await store.inbox(status, limit)
+        asked = await store.approvals_by_trace([r["trace_id"] for r in rows if r["trace_id"]])
         for row in rows:
             _with_excerpt(row)
             row.pop("traced")
             row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
+            row["approvals"] = asked.get(row["trace_id"], [])  # what its sessions asked for
         return rows
 
     @mcp.tool
