@@ -183,16 +183,20 @@ async def run_claude_code(
                     result = message
     except ResultError as exc:
         # The run ended in an error result (max turns, an API error, no login): the SDK
-        # raises after yielding it. Say what the result said.
+        # raises after yielding it. Say what the result said, and what it cost.
         detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
-        raise SpawnError(describe_failure(detail, "Claude Code session failed")) from exc
+        cost = result.total_cost_usd if result is not None else exc.data.get("total_cost_usd")
+        raise SpawnError(
+            describe_failure(detail, "Claude Code session failed"),
+            cost_usd=cost if isinstance(cost, int | float) else None,
+        ) from exc
     finally:
         await asyncio.to_thread(config_path.unlink, missing_ok=True)
     if result is None:
         raise SpawnError("Claude Code ended without a result")
     if result.is_error:
         detail = "; ".join(result.errors or []) or result.result or result.subtype
-        raise SpawnError(f"Claude Code session failed: {detail}")
+        raise SpawnError(f"Claude Code session failed: {detail}", cost_usd=result.total_cost_usd)
     return ClaudeCodeResult(result.result or "", result.total_cost_usd)
 
 

@@ -61,7 +61,13 @@ class DatabaseError(ButlersError):
 
 
 class SpawnError(ButlersError):
-    """A Claude Code session could not run, or ran without its tools."""
+    """A Claude Code session could not run, or ran without its tools. `cost_usd`: what a
+    session that did run spent before it failed (Claude Code reports it in its error result):
+    a failed session costs money too, and the daily spend cap must count it."""
+
+    def __init__(self, message: str, *, cost_usd: float | None = None) -> None:
+        super().__init__(message)
+        self.cost_usd = cost_usd
 
 
 class McpCallError(ButlersError):

@@ -244,7 +244,7 @@ class Spawner:
         except TimeoutError:
             error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
         except SpawnError as exc:
-            error = str(exc)
+            error, cost_usd = str(exc), exc.cost_usd
         except Exception as exc:  # the SDK's and the CLI's own failures
             logger.exception("Claude Code session failed", extra={"action": "spawn_failed"})
             error = describe_sdk_error(exc)

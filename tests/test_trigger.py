@@ -105,6 +105,30 @@ async def test_mcp_server_that_does_not_connect_is_a_failed_session(
     assert row["success"] is False and "did not connect" in row["error"]
 
 
+async def test_a_failed_session_records_what_it_cost(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """A session that runs out of turns failed, and it still spent money: the daily spend
+    cap ([runtime] max_spend_usd_per_day) counts sessions.cost_usd, so a message that makes
+    every session fail must not run for free."""
+    from butlers.config import RuntimeConfig
+
+    daemon = await start_butler(
+        butler_config(runtime=RuntimeConfig(timeout_s=60, tick_interval_s=0, max_turns=1))
+    )
+    scripted_api.script(
+        [tool_use("mcp__alpha__state_list", {})],
+        [tool_use("mcp__alpha__state_list", {})],
+        [text("never reached")],
+    )
+    async with Client(daemon.sse_url) as client:
+        with pytest.raises(ToolError, match="failed"):
+            await client.call_tool("trigger", {"prompt": "keep listing"})
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["success"] is False and row["error"]
+    assert row["cost_usd"] is not None and row["cost_usd"] > 0
+
+
 async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
     start_butler: StartButler, db_conn, tmp_path: Path
 ) -> None:
@@ -117,7 +141,7 @@ async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
             await client.call_tool("trigger", {"prompt": "hello"})
     [row] = await _session_rows(db_conn, daemon)
     assert row["success"] is False and row["error"]
-    assert row["cost_usd"] is None  # no result, no figure
+    assert not row["cost_usd"]  # nothing spent (Claude Code reports $0 for it, or nothing)
 
 
 def _claude_children() -> list[psutil.Process]:
