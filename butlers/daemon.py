@@ -101,6 +101,9 @@ class ButlerDaemon:
         self.config_dir = config_dir or (config.config_dir.parent if config.config_dir else None)
         self.switchboard: Switchboard | None = None
         self.tool_servers: ToolServers | None = None  # its [[mcp_servers]], proxied
+        # Set by start_fleet: the servers start once every butler is up (starting `npx` and
+        # the like beside the other butlers' start made `butlers up` slower to be ready).
+        self.tool_servers_later = False
         self.dashboard: Dashboard | None = None  # the switchboard's /ui
         self.db_server = db_server
         self.data_dir = data_dir
@@ -240,8 +243,8 @@ class ButlerDaemon:
         if self.switchboard is not None:
             await self.switchboard.start_worker()
         await self._modules.start()
-        if self.tool_servers is not None:
-            await self.tool_servers.start()  # in the background: the butler does not wait
+        if self.tool_servers is not None and not self.tool_servers_later:
+            await self.start_tool_servers()
         if self.switchboard is not None:
             duties = [m for m in self._modules.running if isinstance(m, LeaderDuty)]
             await self.switchboard.start_leadership(self._connect, duties)
@@ -253,6 +256,12 @@ class ButlerDaemon:
             self.base_url,
             extra={"action": "butler_started"},
         )
+
+    async def start_tool_servers(self) -> None:
+        """Its tool servers, in the background: the butler does not wait for them."""
+        if self.tool_servers is not None:
+            with butler_context(self.config.name):
+                await self.tool_servers.start()
 
     def _tool_servers(self, mcp: FastMCP, ctx: ButlerContext) -> ToolServers:
         """The `[[mcp_servers]]`, proxied on `mcp`; a session is allowed the butler's own
@@ -507,6 +516,7 @@ async def start_fleet(
                 session_env=session_env,
                 telemetry=telemetry,
             )
+            daemon.tool_servers_later = True
             await daemon.start()
         except ButlersError as exc:
             logger.error(
@@ -515,6 +525,8 @@ async def start_fleet(
             failed[config.name] = str(exc)
             continue
         running.append(daemon)
+    for daemon in running:
+        await daemon.start_tool_servers()
     return FleetReport(running, failed)
 
 
