@@ -66,15 +66,17 @@ def validate_cron(cron: str) -> None:
 
 
 def shortest_gap_s(cron: str, start: datetime, *, enough: float = 0) -> float | None:
-    """The shortest time between two consecutive runs of `cron` over the window after
-    `start` (None: fewer than two runs in it); it stops at the first gap under `enough`.
-    CPU-bound (about 0.1 s for a full window): run it off the event loop."""
+    """The shortest time between two consecutive runs of `cron` over the window from its
+    first run after `start` (None: fewer than two runs in it); it stops at the first gap
+    under `enough`. CPU-bound (about 0.1 s for a full window): run it off the event loop."""
     runs = croniter(cron, start)
-    previous = runs.get_next(datetime)
+    first = previous = runs.get_next(datetime)
     shortest: float | None = None
     for _ in range(GAP_WINDOW_RUNS):
         following = runs.get_next(datetime)
-        if following - start > GAP_WINDOW:
+        # From the first run, not from now: `* * 29 2 *` first runs years away, then every
+        # minute that day.
+        if following - first > GAP_WINDOW:
             break
         gap = (following - previous).total_seconds()
         shortest = gap if shortest is None else min(shortest, gap)

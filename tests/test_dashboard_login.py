@@ -225,6 +225,18 @@ async def test_a_cookie_is_refused_past_its_age_whatever_the_browser_kept() -> N
     assert not await auth.allows(request)
 
 
+async def test_a_cookie_with_digits_int_refuses_is_no_session() -> None:
+    """`"²".isdigit()` is true and a cookie header is latin-1: such a cookie is no session,
+    not a 500 with a traceback for anyone who reaches /ui."""
+    auth = DashboardAuth("a-token-for-the-cookie-age", SignedOut())
+    for value in ("a.\u00b2.x", "a.1\u00b3.x", "a.\u0661\u0662.x"):
+        scope = {"type": "http", "scheme": "http", "path": "/ui", "query_string": b""}
+        cookie = f"butlers_ui={value}".encode("latin-1", "replace")
+        request = Request({**scope, "headers": [(b"cookie", cookie)]})
+        assert auth.session_of(request) is None
+        assert not await auth.allows(request)
+
+
 def test_a_client_is_its_address_and_an_ipv6_client_its_64() -> None:
     def client(host: str) -> str:
         return client_of(Request({"type": "http", "client": (host, 1234), "headers": []}))

@@ -52,6 +52,7 @@ async def test_a_cron_that_runs_more_often_than_the_minimum_is_refused(
         "*/4 * * * *": 240,
         "0,1 8 * * *": 60,  # once a day, but twice a minute apart
         "0,59 0,23 * * *": 60,  # its closest runs straddle midnight
+        "* * 29 2 *": 60,  # first runs on a leap day, years away: then every minute
     }
     async with Client(daemon.sse_url) as client:
         for cron, gap in refused.items():

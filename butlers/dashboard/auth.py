@@ -124,7 +124,14 @@ class DashboardAuth:
             return None
         session_id, _, rest = (request.cookies.get(SESSION_COOKIE) or "").partition(".")
         issued_text, _, mac = rest.partition(".")
-        if not (session_id and issued_text.isdigit() and len(issued_text) <= 12):
+        # isascii: isdigit() is true of ² and ³ too (latin-1, so a header can carry them),
+        # which int() refuses: an anonymous request would be a 500 and a logged traceback.
+        if not (
+            session_id
+            and issued_text.isascii()
+            and issued_text.isdigit()
+            and len(issued_text) <= 12
+        ):
             return None
         issued = int(issued_text)
         if not hmac.compare_digest(mac.encode(), self._mac(session_id, issued).encode()):
