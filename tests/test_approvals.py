@@ -462,3 +462,38 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
         assert "Approval #1 is approved." in page
     await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 3)
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def test_retention_deletes_old_decided_approvals_only(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, db_conn
+) -> None:
+    """Decided approvals older than retention_days go with the leader's sweep; a pending or
+    approved one (being run: taken by its butler) stays however old, as does a recent one."""
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    assert switchboard.switchboard is not None and switchboard.switchboard.approvals
+    desk = switchboard.switchboard.approvals
+    await desk.step_down()
+    conn = await db_conn(switchboard.config.database)
+    old = "now() - interval '400 days'"
+    for status, finished in (
+        ("done", old),
+        ("expired", None),
+        ("denied", "now() - interval '1 day'"),
+        ("pending", None),
+        ("approved", None),
+    ):
+        await conn.execute(
+            f"""INSERT INTO approvals (butler, tool, arguments, status, requested_at,
+                                       expires_at, decided_at, finished_at, claimed_at)
+                VALUES ('general', 'notify', '{{}}', '{status}', {old}, now() + interval '1 h',
+                        {old if status == "expired" else "NULL"}, {finished or "NULL"},
+                        {"now()" if status == "approved" else "NULL"})"""
+        )
+    await desk.lead()
+
+    async def pruned() -> bool:
+        return await conn.fetchval("SELECT count(*) FROM approvals") == 3
+
+    await eventually(pruned)
+    statuses = await conn.fetch("SELECT status FROM approvals ORDER BY id")
+    assert [r["status"] for r in statuses] == ["denied", "pending", "approved"]

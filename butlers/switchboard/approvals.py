@@ -78,6 +78,7 @@ MAX_ARGUMENTS_BYTES = 256 * 1024
 # An approved call its butler took but never answered for (it died mid-call) is `failed` after
 # this: whether it ran is unknown, and it is never run twice.
 CLAIM_LOST_S = 3600.0
+PRUNE_EVERY_S = 3600.0  # retention runs with the sweep, at most this often
 ROW = """id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
          claimed_at, finished_at, result, conversation, session_id, trace_context, asked"""
 
@@ -220,6 +221,18 @@ class ApprovalStore:
         )
         return [r["id"] for r in rows]
 
+    async def prune(self, older_than_days: int) -> int:
+        """Retention: decided approvals whose outcome is older than that (never a pending or
+        approved one: those still have something to do)."""
+        result = await self.pool.execute(
+            """DELETE FROM approvals
+               WHERE status IN ('denied', 'expired', 'done', 'failed')
+                 AND coalesce(finished_at, decided_at, requested_at)
+                     < now() - make_interval(days => $1)""",
+            older_than_days,
+        )
+        return int(result.split()[-1])
+
     async def claims_lost(self, after_s: float) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
             f"""UPDATE approvals SET status = 'failed', finished_at = now(),
@@ -271,6 +284,7 @@ class ApprovalDesk:
         tracer: Tracer,
         redact: Callable[[str], str],
         check_interval_s: float,
+        retention_days: int,
     ) -> None:
         self.store = store
         self.router = router
@@ -281,6 +295,8 @@ class ApprovalDesk:
         self.tracer = tracer
         self.redact = redact
         self.check_interval_s = check_interval_s
+        self.retention_days = retention_days  # [switchboard] retention_days
+        self._pruned_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -504,6 +520,15 @@ class ApprovalDesk:
             await self.execute(approval_id)
         for row in await self.store.claims_lost(CLAIM_LOST_S):
             await self._tell(row, f"{row['tool']} (#{row['id']}): its butler never answered.")
+        if self._pruned_at is None or time.monotonic() - self._pruned_at >= PRUNE_EVERY_S:
+            self._pruned_at = time.monotonic()
+            if deleted := await self.store.prune(self.retention_days):
+                logger.info(
+                    "retention (%d days): deleted %d approvals",
+                    self.retention_days,
+                    deleted,
+                    extra={"action": "retention"},
+                )
 
     async def expire(self) -> None:
         """Mark overdue pending requests `expired`, and tell each one's sender."""
@@ -521,6 +546,7 @@ class ApprovalDesk:
                 )
 
     async def lead(self) -> None:
+        self._pruned_at = None  # a new leader applies retention at once
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="approvals:sweep")
 
     async def step_down(self) -> None:

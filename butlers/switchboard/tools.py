@@ -268,6 +268,7 @@ def attach_switchboard(
         tracer=tracer,
         redact=redact,
         check_interval_s=spawner.config.approvals.check_interval_s,
+        retention_days=limits.retention_days,
     )
     register_approval_tools(mcp, switchboard.approvals)
     return switchboard
