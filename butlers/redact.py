@@ -226,18 +226,23 @@ class Redactor:
         cls, configs: Iterable[ButlerConfig] = (), *, environ: Mapping[str, str]
     ) -> Redactor:
         """The secrets in `environ` (`Settings.environ`): the variables butler.toml names for
-        tokens and passwords, the well-known ones, any *_TOKEN/*_PASSWORD/*_SECRET/*_API_KEY,
-        and the password in DATABASE_URL."""
+        tokens and passwords (a tool server's `pass_env` and `headers_env` too: a header's value
+        with and without its scheme), the well-known ones, any
+        *_TOKEN/*_PASSWORD/*_SECRET/*_API_KEY, and the password in DATABASE_URL."""
         names = set(SECRET_NAMES)
+        headers: set[str] = set()  # whole header values ("Bearer <token>")
         for config in configs:
             if config.telegram is not None:
                 names |= {config.telegram.token_env, config.telegram.webhook_secret_env}
             if config.email is not None:
                 names.add(config.email.password_env)
             for server in config.mcp_servers:  # what its tool servers take from us
-                names |= {*server.pass_env, *server.headers_env.values()}
+                names |= set(server.pass_env)
+                headers |= set(server.headers_env.values())
         names |= {name for name in environ if SECRET_NAME_PATTERN.search(name)}
-        values = [environ[name] for name in names if environ.get(name)]
+        values = [environ[name] for name in names | headers if environ.get(name)]
+        # A header's credential also without its scheme (what a server may echo).
+        values += [environ[name].partition(" ")[2] for name in headers if environ.get(name)]
         for name in HEADER_LIST_NAMES:
             for pair in (environ.get(name) or "").split(","):
                 values.append(pair.partition("=")[2].strip())

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -448,3 +449,44 @@ def _alive(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+async def test_a_remote_server_with_a_header_from_the_environment(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """A remote server (here another butler's MCP-over-SSE endpoint, which wants a bearer
+    token): its header comes from the variable `headers_env` names; its tools are offered
+    and called like a stdio server's, and the token never shows in an answer."""
+    token = "peer-token-5b1e0c7d9a2f4e68"
+    peer = await start_butler(butler_config("peer"), auth_token=token)
+    remote = McpServerConfig(
+        name="peer",
+        url=peer.sse_url,
+        headers_env={"Authorization": "PEER_AUTH"},
+        allow=("state_*",),
+    )
+    environ = {**os.environ, "PEER_AUTH": f"Bearer {token}"}
+    general = await start_butler(
+        butler_config("general", mcp_servers=(remote,)), settings=Settings.from_environ(environ)
+    )
+    await running(general, "peer")
+    async with Client(general.sse_url) as client:
+        names = {tool.name for tool in await client.list_tools()}
+        assert {"peer__state_set", "peer__state_get"} <= names
+        assert "peer__trigger" not in names  # not allowed
+        await client.call_tool("peer__state_set", {"key": "k", "value": f"said {token}"})
+        got = await client.call_tool("peer__state_get", {"key": "k"})
+    assert "[redacted]" in json.dumps(got.structured_content) and token not in str(got)
+
+
+async def test_a_call_past_its_timeout_is_an_error_and_the_server_goes_on(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    server = replace(mock_server("slow", "--hang-on", "add"), timeout_s=0.5)
+    general = await start_butler(butler_config("general", mcp_servers=(server,)))
+    await running(general, "slow")
+    async with Client(general.sse_url) as client:
+        with pytest.raises(ToolError, match="no answer to tools/call 'add' within 500 ms"):
+            await client.call_tool("slow__add", {"a": 1, "b": 2})
+        echoed = await client.call_tool("slow__echo", {"message": "still here"})
+    assert echoed.content[0].text == "still here"
