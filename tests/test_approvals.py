@@ -460,6 +460,10 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
             page = await response.text()
             assert response.status == 200, page
         assert "Approval #1 is approved." in page
+        # The stranger's message (inbox 1) shows what its session asked for.
+        async with http.get(f"{base}/ui/messages/1") as response:
+            page = await response.text()
+        assert 'id="message-approvals"' in page and "<td>notify</td>" in page
     await bot_api.wait_until(lambda: len(sent_texts(bot_api, CHAT)) >= 3)
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
 

@@ -120,6 +120,15 @@ class DashboardStore:
             message["trace_id"] = next(
                 (r["trace_id"] for r in message["routes"] if r["trace_id"]), None
             )
+        # What its sessions asked the owner for (butlers.switchboard.approvals).
+        message["approvals"] = [
+            dict(r)
+            for r in await self.pool.fetch(
+                f"""SELECT id, tool, status, requested_at, decided_by FROM approvals
+                    WHERE {TRACE_OF_CONTEXT} = $1 ORDER BY id LIMIT 20""",
+                message["trace_id"],
+            )
+        ]
         return message
 
     async def routes(
