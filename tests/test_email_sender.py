@@ -141,6 +141,11 @@ def test_the_reported_spoof_says_what_is_wrong() -> None:
         "user(a comment)@example.com",
         "a.(c)b@example.com",  # obsolete CFWS inside the local part: read as a.b@example.com
         '"user"@example.com',  # read as user@example.com: quoting it has no purpose
+        # The address as it reads written elsewhere in the header (a comment, the display
+        # name) must not vouch for the address itself:
+        "x (user@example.com) <user@example.(evil.example)com>",
+        '"x user@example.com" <user@example.(evil.example)com>',
+        '"user@example.com" <"user"@example.com>',
     ],
 )
 def test_an_address_not_written_as_it_is_read_is_refused(value: str) -> None:
@@ -155,6 +160,8 @@ def test_an_address_not_written_as_it_is_read_is_refused(value: str) -> None:
         ("=?utf-8?b?SsO2cmc=?= <Jorg@Example.com>", "jorg@example.com", "Jörg"),
         ("jorg@example.com (=?utf-8?q?J=C3=B6rg?=)", "jorg@example.com", ""),  # not decoded
         ('"J. R." <jorg@example.com>', "jorg@example.com", "J. R."),
+        ("jorg@example.com (Jorg)", "jorg@example.com", ""),  # old style: a comment after it
+        ("J <  jorg@example.com  >", "jorg@example.com", "J"),
     ],
 )
 def test_an_encoded_display_name_is_still_read(value: str, address: str, name: str) -> None:

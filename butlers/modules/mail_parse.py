@@ -381,7 +381,7 @@ def single_address(values: Sequence[str], header_name: str = "From") -> tuple[st
             f"{what} has an RFC 2047 encoded-word inside the address (only a display name "
             "may be encoded)"
         )
-    if address.addr_spec not in raw:
+    if _written_addr_spec(raw) != address.addr_spec:
         raise ValueError(
             f"{what} does not spell out its address {address.addr_spec!r} as it is (comments, "
             "spaces, quotes or encoding inside the address)"
@@ -408,6 +408,42 @@ def _encoded_word_in_address(raw: str) -> bool:
             if isinstance(token, header_syntax.TokenList) and token.token_type != "comment":
                 stack.append((token, inside))
     return False
+
+
+# A comment (without nested ones) at the start or the end of an addr-spec's text.
+_EDGE_COMMENT = re.compile(r"^\((?:[^()\\]|\\.)*\)|\((?:[^()\\]|\\.)*\)$")
+
+
+def _written_addr_spec(raw: str) -> str | None:
+    """The addr-spec as `raw` writes it (the first one; `single_address` has made sure there
+    is one), comments and spaces included, or None.
+
+    It must read exactly as the address the parser decodes: `x (ada@example.com)
+    <ada@example.(evil.com)com>` decodes to ada@example.com, and a search of the whole header
+    would find that text in the comment; an MTA's DMARC check may read the address otherwise.
+    Walked with a stack, as comments may nest deeply."""
+    tree, _ = header_syntax.get_address_list(raw)
+    stack: list[header_syntax.TokenList] = [tree]
+    while stack:
+        tokens = stack.pop()
+        for token in tokens:
+            if token.token_type == "addr-spec":
+                # A comment before or after the address is fine (`ada@example.com (Ada)`,
+                # old-style); inside it, not.
+                written = str(token).strip()
+                while (trimmed := _EDGE_COMMENT.sub("", written).strip()) != written:
+                    written = trimmed
+                return written
+        stack.extend(
+            reversed(
+                [
+                    t
+                    for t in tokens
+                    if isinstance(t, header_syntax.TokenList) and t.token_type != "comment"
+                ]
+            )
+        )
+    return None
 
 
 _header_factory = email.policy.default.header_factory
