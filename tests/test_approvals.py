@@ -246,6 +246,11 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     assert (code, err) == (0, "")
     assert out.startswith("approval 1 is done")
     await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
+    # The owner's Telegram question shows the decision, and its buttons are gone.
+    await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
+    [edit] = bot_api.edits
+    assert int(edit["message_id"]) == asked.message_id and "reply_markup" not in edit
+    assert edit["text"] == f"{asked.params['text']}\n\nApproved (operator)."
     code, _, err = await run_cli("approvals", "deny", "1", *url)
     assert code == 1 and "approval 1 is done already: nothing changed" in err
     # `butlers inbox` shows what the stranger's message asked for, and what became of it.
@@ -324,6 +329,8 @@ async def test_an_unanswered_approval_expires_and_the_sender_is_told(
     message_id, _, buttons = await the_request(bot_api)
     told = "No answer from the owner in time: general did not run notify (#1)."
     await bot_api.wait_until(lambda: told in sent_texts(bot_api, CHAT))
+    await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
+    assert bot_api.edits[0]["text"].endswith("\n\nExpired: nobody decided in time.")
     answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
     assert answer["text"] == "Already expired (#1): nothing changed."
     row = await approval_row(switchboard, db_conn)

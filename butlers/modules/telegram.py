@@ -302,12 +302,16 @@ class TelegramModule:
         await self.bot.answer_callback_query(query.id, text=answer)
         text = getattr(message, "text", None)
         if line is not None and message is not None and text:
-            try:  # the buttons go, the decision shows: best effort, the decision stands
-                await self.bot.edit_message_text(
-                    f"{text}\n\n{line}", chat_id=message.chat.id, message_id=message.message_id
-                )
+            try:  # the decision stands either way
+                await self.show_decided(message.chat.id, message.message_id, text, line)
             except Exception as exc:
                 logger.warning("telegram: could not mark the request decided: %s", exc)
+
+    async def show_decided(self, chat_id: str | int, message_id: int, text: str, line: str) -> None:
+        """An approval's question says how it was decided; its buttons go."""
+        await self.bot.edit_message_text(
+            f"{text}\n\n{line}", chat_id=chat_id, message_id=message_id
+        )
 
     async def _best_effort(self, chat_id: str, text: str) -> None:
         try:

@@ -221,6 +221,16 @@ class ApprovalStore:
         )
         return [r["id"] for r in rows]
 
+    async def telegram_questions(self, approval_id: int) -> list[dict[str, Any]]:
+        """The owner's Telegram question(s) with buttons for this approval, as sent."""
+        rows = await self.pool.fetch(
+            """SELECT recipient, text, sent_ids FROM outbox
+               WHERE kind = 'approval' AND channel = 'telegram' AND status = 'sent'
+                 AND meta->>'approval_id' = $1::bigint::text""",
+            approval_id,
+        )
+        return [dict(r) for r in rows]
+
     async def prune(self, older_than_days: int) -> int:
         """Retention: decided approvals whose outcome is older than that (never a pending or
         approved one: those still have something to do)."""
@@ -351,7 +361,7 @@ class ApprovalDesk:
                 ]
             ]
             last, meta = chunks[-1]
-            chunks[-1] = (last, {**meta, "inline_keyboard": keyboard})
+            chunks[-1] = (last, {**meta, "inline_keyboard": keyboard, "approval_id": row["id"]})
         outgoing = [
             Outgoing(kind="approval", channel=channel, recipient=recipient, text=t, meta=m)
             for t, m in chunks
@@ -367,11 +377,12 @@ class ApprovalDesk:
     # -- decisions --------------------------------------------------------------------------
 
     async def decide(
-        self, approval_id: int, decision: str, *, by: str, wait: bool
+        self, approval_id: int, decision: str, *, by: str, wait: bool, shown: bool = False
     ) -> dict[str, Any]:
         """Approve or deny (`decision`: approve | deny) a pending approval, once. On approve
-        its butler runs the call (awaited when `wait`). What the row says afterwards, and
-        `changed`: whether this call decided it."""
+        its butler runs the call (awaited when `wait`). The owner's Telegram question shows
+        the decision (unless `shown`: a press edits the message it was pressed on). What the
+        row says afterwards, and `changed`: whether this call decided it."""
         status = DECISIONS.get(decision)
         if status is None:
             raise ToolRefusal(f"decision must be approve or deny, got {decision!r}")
@@ -385,6 +396,8 @@ class ApprovalDesk:
             if not changed:
                 return self._public(row, changed=False)
             await self._record(row, status, started, error=None)
+            if not shown:
+                await self._show_decision(row, f"{status.capitalize()} ({by}).")
             if status == "denied":
                 await self._tell(
                     row,
@@ -417,7 +430,11 @@ class ApprovalDesk:
             return PressAnswer("This button is not valid.", None)
         approval_id, status = signed
         decided = await self.decide(
-            approval_id, "approve" if status == "approved" else "deny", by=by, wait=False
+            approval_id,
+            "approve" if status == "approved" else "deny",
+            by=by,
+            wait=False,
+            shown=True,
         )
         if decided["changed"]:
             return PressAnswer(
@@ -539,6 +556,7 @@ class ApprovalDesk:
                 attributes={"approval_id": row["id"]},
             ):
                 await self._record(row, "expired", time.monotonic(), error=None)
+                await self._show_decision(row, "Expired: nobody decided in time.")
                 await self._tell(
                     row,
                     f"No answer from the owner in time: {row['butler']} did not run "
@@ -566,6 +584,24 @@ class ApprovalDesk:
         await self.step_down()
         for task in list(self._tasks):
             await cancel_and_wait(task)
+
+    async def _show_decision(self, row: dict[str, Any], line: str) -> None:
+        """The owner's Telegram question, once sent, says how it was decided and loses its
+        buttons (best effort: the decision stands either way)."""
+        channel = self.outbox.channels.get("telegram")
+        edit = getattr(channel, "show_decided", None)
+        if edit is None:
+            return
+        for asked in await self.store.telegram_questions(row["id"]):
+            for message_id in asked["sent_ids"]:
+                try:
+                    await edit(asked["recipient"], int(message_id), asked["text"], line)
+                except Exception as exc:
+                    logger.warning(
+                        "approval #%s: the question could not be marked decided: %s",
+                        row["id"],
+                        exc,
+                    )
 
     # -- helpers ----------------------------------------------------------------------------
 
