@@ -104,6 +104,22 @@ async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> d
     return answer
 
 
+async def approve_pressed_after(
+    bot_api: FakeBotAPI,
+    switchboard: ButlerDaemon,
+    db_conn,
+    message_id: int,
+    buttons: dict[str, str],
+    status: str,
+) -> None:
+    """Approve, pressed once the approval is `status`: the decision stands, nothing runs."""
+    later = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert later["text"] == f"Already {status} (#1): nothing changed."
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["claimed_at"]) == (status, None)
+    assert EFFECT not in sent_texts(bot_api, CHAT)
+
+
 @dataclass
 class Asked:
     """A fleet in which a stranger's message made general's session call notify, and the
@@ -199,12 +215,7 @@ async def test_deny_runs_nothing_and_tells_the_sender(
         "Done.",
         "The owner declined: general did not run notify (#1).",
     ]
-    # Approve, pressed after: the decision stands.
-    later = await press(bot_api, OWNER, message_id, buttons["Approve"])
-    assert later["text"] == "Already denied (#1): nothing changed."
-    row = await approval_row(switchboard, db_conn)
-    assert (row["status"], row["claimed_at"]) == ("denied", None)
-    assert EFFECT not in sent_texts(bot_api, CHAT)
+    await approve_pressed_after(bot_api, switchboard, db_conn, message_id, buttons, "denied")
 
 
 async def test_foreign_altered_and_guessed_presses_change_nothing(
@@ -331,11 +342,7 @@ async def test_an_unanswered_approval_expires_and_the_sender_is_told(
     await bot_api.wait_until(lambda: told in sent_texts(bot_api, CHAT))
     await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
     assert bot_api.edits[0]["text"].endswith("\n\nExpired: nobody decided in time.")
-    answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
-    assert answer["text"] == "Already expired (#1): nothing changed."
-    row = await approval_row(switchboard, db_conn)
-    assert (row["status"], row["claimed_at"]) == ("expired", None)
-    assert EFFECT not in sent_texts(bot_api, CHAT)
+    await approve_pressed_after(bot_api, switchboard, db_conn, message_id, buttons, "expired")
 
 
 async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
