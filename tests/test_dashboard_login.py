@@ -237,6 +237,24 @@ async def test_a_cookie_with_digits_int_refuses_is_no_session() -> None:
         assert not await auth.allows(request)
 
 
+def test_a_form_post_from_another_origin_is_refused_even_with_the_cookie() -> None:
+    """Every port of 127.0.0.1 is one site: a page on another local port could plant the
+    CSRF cookie and post with it. The browser's Sec-Fetch-Site gives it away."""
+    from butlers.dashboard.auth import CSRF_COOKIE, csrf_matches
+
+    def post(site: str | None) -> Request:
+        headers = [(b"cookie", f"{CSRF_COOKIE}=planted-token".encode())]
+        if site is not None:
+            headers.append((b"sec-fetch-site", site.encode()))
+        return Request({"type": "http", "method": "POST", "path": "/ui/ask", "headers": headers})
+
+    assert csrf_matches(post(None), "planted-token")  # a client that says nothing (curl)
+    assert csrf_matches(post("same-origin"), "planted-token")
+    assert not csrf_matches(post("same-site"), "planted-token")
+    assert not csrf_matches(post("cross-site"), "planted-token")
+    assert not csrf_matches(post("same-origin"), "another-token")
+
+
 def test_a_client_is_its_address_and_an_ipv6_client_its_64() -> None:
     def client(host: str) -> str:
         return client_of(Request({"type": "http", "client": (host, 1234), "headers": []}))

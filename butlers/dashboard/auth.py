@@ -23,7 +23,8 @@ machine, so a web page in the user's browser cannot read them through DNS rebind
 
 Form posts carry a CSRF token (double submit): a random value in a cookie of its own, also
 SameSite=Strict, that the form repeats in a hidden field. A page on another site can send
-neither. A bearer-authenticated request needs none (a browser never adds that header itself).
+neither; a page on another port of this machine (the same site) is refused by the browser's
+Sec-Fetch-Site. A bearer-authenticated request needs none (a browser never adds that header itself).
 """
 
 from __future__ import annotations
@@ -269,5 +270,17 @@ def keep_csrf(request: Request, response: Response, token: str) -> None:
     )
 
 
+# What a browser says of a request's origin (Fetch Metadata) that a form of ours may have:
+# the same origin, or none (typed by the user). `same-site` is refused: every port of
+# 127.0.0.1 is one site, so a page served on another local port could otherwise plant the
+# CSRF cookie (it is not bound to a port) and post with it.
+_OUR_FETCH_SITES = ("same-origin", "none")
+
+
 def csrf_matches(request: Request, supplied: str | None) -> bool:
+    """Whether a form post is ours: its CSRF field repeats its cookie, and a browser that
+    says where the request comes from (Sec-Fetch-Site) says from this origin."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site.lower() not in _OUR_FETCH_SITES:
+        return False
     return secret_matches(supplied, request.cookies.get(CSRF_COOKIE))
