@@ -124,6 +124,7 @@ class ToolServer:
         """Start, wait for an exit, start again after the backoff; for good."""
         loop = asyncio.get_running_loop()
         backoff = BACKOFF_FIRST_S
+        told = ""  # the reason last logged at WARNING: the same again is only INFO
         while True:
             self._exited.clear()
             started_at = loop.time()
@@ -137,13 +138,15 @@ class ToolServer:
                 if loop.time() - started_at >= STABLE_AFTER_S:
                     backoff = BACKOFF_FIRST_S
             self.status.state = "restarting"
-            logger.warning(
+            logger.log(
+                logging.INFO if self.status.reason == told else logging.WARNING,
                 "tool server %r: %s; starting it again in %g s",
                 self.name,
                 self.status.reason,
                 backoff,
                 extra={"action": "tool_server_down"},
             )
+            told = self.status.reason
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
