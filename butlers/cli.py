@@ -212,7 +212,7 @@ async def serve(
         from butlers.redact import Redactor
 
         redactor.add(Redactor.from_environment(configs, environ=settings.environ).secrets)
-        telemetry = Telemetry.from_settings(settings, redact=redactor)
+        telemetry = Telemetry.from_settings(settings, redact=redactor.clipped)
         async with _flushed(telemetry):
             await _serve_fleet(
                 configs,
@@ -731,7 +731,7 @@ async def gateway_command(
     if settings.otel_exporter_otlp_endpoint:  # (the tracing SDK loads only then)
         from butlers.telemetry import Telemetry
 
-        telemetry = Telemetry.from_settings(settings, redact=redactor)
+        telemetry = Telemetry.from_settings(settings, redact=redactor.clipped)
     options = GatewayOptions(
         directory=args.dir,
         environ=settings.environ,

@@ -180,6 +180,7 @@ class Redactor:
         # (forms for the loop, or the regex): one attribute, replaced whole by add(), so a
         # record logged by another thread meanwhile sees the old matcher or the new one.
         self._matcher: tuple[tuple[str, ...], re.Pattern[str] | None] = ((), None)
+        self._forms: tuple[str, ...] = ()  # every form, longest first (for `clipped`)
         self.add(secrets)
 
     def add(self, secrets: Iterable[str]) -> None:
@@ -194,6 +195,7 @@ class Redactor:
             self._matcher = ((), re.compile(_trie_pattern(forms)))
         else:
             self._matcher = (tuple(forms), None)
+        self._forms = tuple(forms)
         self.secrets = tuple(sorted(known, key=len, reverse=True))
 
     def __call__(self, text: str) -> str:
@@ -216,6 +218,22 @@ class Redactor:
             return text
         if hasattr(text, "__html__"):
             return type(text)(redacted)
+        return redacted
+
+    # The shortest beginning of a secret `clipped` takes for one: shorter, and the ends of
+    # ordinary texts would be taken for secrets; a few characters of one give nothing away.
+    CLIPPED_MIN_CHARS = 6
+
+    def clipped(self, text: str) -> str:
+        """`text` without any secret, nor the beginning of one at its very end: what a text
+        cut at a length (a span's status, at 200 characters, before the exporter sees it)
+        shows of a secret that straddled the cut. A scan per form: for span texts at export,
+        not for every log record."""
+        redacted = self(text)
+        for form in self._forms:
+            for size in range(len(form) - 1, self.CLIPPED_MIN_CHARS - 1, -1):
+                if redacted.endswith(form[:size]):
+                    return redacted[:-size] + REDACTED
         return redacted
 
     def __bool__(self) -> bool:

@@ -277,3 +277,36 @@ async def test_the_message_page_shows_no_form_of_a_secret_in_a_routed_message(
     assert page.status_code == 200
     assert marker not in page.text
     assert f'"prompt": "remember my password {REDACTED}' in page.text  # tojson, not re-escaped
+
+
+def test_a_span_status_cut_through_a_secret_shows_none_of_it() -> None:
+    """A span's status is cut at 200 characters before the exporter redacts it: a secret
+    straddling the cut is no longer whole, so no form of it matches; `clipped` (what the
+    CLI gives the exporter) takes the beginning of one at the very end for it too."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Status, StatusCode
+
+    from butlers.redact import Redactor
+    from butlers.telemetry import RedactingSpanExporter
+
+    secret = "tok-" + "9f3a7c1e5b2d" * 3
+    redactor = Redactor([secret])
+    error = ("x" * 180 + f" token {secret} refused")[:200]
+    assert secret not in error and secret[:12] in error  # cut through the secret
+    assert secret[:12] in redactor(error)  # whole forms only: the beginning shows
+    assert redactor.clipped(error) == "x" * 180 + " token [redacted]"
+    assert redactor.clipped("ends in an ordinary tok-9") == "ends in an ordinary tok-9"
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(
+        SimpleSpanProcessor(RedactingSpanExporter(memory, redactor.clipped))
+    )
+    with provider.get_tracer("t").start_as_current_span("call") as span:
+        span.set_status(Status(StatusCode.ERROR, error))
+    provider.shutdown()
+    [exported] = memory.get_finished_spans()
+    assert exported.status.description.endswith(" token [redacted]")
+    assert secret[:6] not in exported.status.description
