@@ -731,7 +731,9 @@ async def gateway_command(
     if settings.otel_exporter_otlp_endpoint:  # (the tracing SDK loads only then)
         from butlers.telemetry import Telemetry
 
-        telemetry = Telemetry.from_settings(settings, redact=redactor.clipped)
+        telemetry = Telemetry.from_settings(
+            settings, redact=redactor.clipped if redactor is not None else None
+        )
     options = GatewayOptions(
         directory=args.dir,
         environ=settings.environ,
