@@ -33,6 +33,7 @@ from tests.test_inbox import turn
 from tests.test_notify import CHAT, OWNER, notify_fleet
 from tests.test_notify_email import OWNER as OWNER_MAIL
 from tests.test_notify_email import mail_notify_fleet
+from tests.test_tool_servers import files_server, notes_dir, running
 
 ASK = "Book the table and keep me posted"
 EFFECT = "Working on it..."  # what the gated notify says once it runs
@@ -515,3 +516,41 @@ async def test_retention_deletes_old_decided_approvals_only(
     await eventually(pruned)
     statuses = await conn.fetch("SELECT status FROM approvals ORDER BY id")
     assert [r["status"] for r in statuses] == ["denied", "pending", "approved"]
+
+
+async def test_an_approved_file_write_through_a_tool_server_happens_once(
+    start_butler: StartButler,
+    npm_servers: Path,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """general's files server (the real npm filesystem server) has `approval = ["write_file"]`:
+    a stranger's message makes the session write; nothing is written until the owner
+    approves, then the file is written once (a second press writes nothing)."""
+    root = notes_dir(tmp_path)
+    target = root / "todo.txt"
+    write = tool_use(
+        "mcp__general__files__write_file", {"path": str(target), "content": "buy milk\n"}
+    )
+    scripted_api.respond_with(lambda body: [write] if turn(body) == 0 else [text("Done.")])
+    _, general = await notify_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        general_overrides={"mcp_servers": (files_server(npm_servers, root),)},
+        switchboard_overrides={"approvals": ApprovalsConfig(check_interval_s=0.2)},
+    )
+    await running(general, "files")
+    message_id, params, buttons = await the_request(bot_api)
+    assert "general asks to run files__write_file (approval #1)" in params["text"]
+    assert not target.exists()
+    answer = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert answer["text"] == "Approved (#1)."
+    told = "Approved and done: general ran files__write_file (#1)."
+    await bot_api.wait_until(lambda: told in sent_texts(bot_api, CHAT))
+    assert target.read_text() == "buy milk\n"
+    target.write_text("changed since\n")
+    again = await press(bot_api, OWNER, message_id, buttons["Approve"])
+    assert again["text"] == "Already done (#1): nothing changed."
+    assert target.read_text() == "changed since\n"
