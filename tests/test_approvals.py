@@ -146,8 +146,8 @@ async def asked(
 
 
 async def test_approve_runs_the_call_once_and_a_second_press_nothing(
-    asked: Asked, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, db_conn
-) -> None:
+    spans, asked: Asked, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:  # (spans first: it clears what the fixtures before it recorded)
     switchboard, general = asked.switchboard, asked.general
     message_id, params, buttons = asked.message_id, asked.params, asked.buttons
     # The session was told at once, and did not run it: nothing reached the chat but "Done.".
@@ -203,6 +203,14 @@ async def test_approve_runs_the_call_once_and_a_second_press_nothing(
     ]
     session_trace = await general_db.fetchval("SELECT trace_id FROM sessions")
     assert {r["trace_id"] for r in logged} == {session_trace}
+    traced = {
+        s.name: f"{s.context.trace_id:032x}"
+        for s in spans.get_finished_spans()
+        if s.name.startswith("approval.")
+    }
+    assert traced == dict.fromkeys(
+        ("approval.request", "approval.decide", "approval.execute"), session_trace
+    )
 
 
 async def test_deny_runs_nothing_and_tells_the_sender(
