@@ -490,3 +490,21 @@ async def test_a_call_past_its_timeout_is_an_error_and_the_server_goes_on(
             await client.call_tool("slow__add", {"a": 1, "b": 2})
         echoed = await client.call_tool("slow__echo", {"message": "still here"})
     assert echoed.content[0].text == "still here"
+
+
+async def test_tools_a_server_adds_later_are_offered(start_butler: StartButler) -> None:
+    """A server that says its tool list changed (`grow` adds `extra`) has the new tool
+    offered on the butler, through the same filters."""
+    general = await start_butler(
+        butler_config("general", mcp_servers=(mock_server("m", "--extras"),))
+    )
+    await running(general, "m")
+    async with Client(general.sse_url) as client:
+        assert "m__extra" not in {tool.name for tool in await client.list_tools()}
+        await client.call_tool("m__grow", {})
+
+        async def offered() -> bool:
+            return "m__extra" in {tool.name for tool in await client.list_tools()}
+
+        await eventually(offered)
+        assert (await client.call_tool("m__extra", {})).content[0].text == "ok"
