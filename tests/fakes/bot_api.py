@@ -1,6 +1,7 @@
 """A fake Telegram Bot API on loopback, enough for python-telegram-bot: getMe, deleteWebhook,
 getUpdates (long poll, offsets acknowledge; every call's offset and the update ids it returned
-are recorded), sendMessage (recorded; can answer 429, or 400 for good).
+are recorded; only the kinds of update in its `allowed_updates` are returned, the others are
+dropped), sendMessage (recorded; can answer 429, or 400 for good).
 
 As Telegram does, an update below the offset a getUpdates call was given is never returned by
 it, also when it was pushed while that call was waiting; an update pushed twice (a
@@ -306,6 +307,11 @@ class FakeBotAPI:
                     },
                     status=409,
                 )
+            # As Telegram: only the kinds of update asked for (`allowed_updates`) come; the
+            # others are dropped.
+            allowed = params.get("allowed_updates")
+            if allowed is not None:
+                self.pending = [u for u in self.pending if any(k in u for k in allowed)]
             result = list(self.pending)
             poll["returned"] = [u["update_id"] for u in result]
             self._changed.notify_all()
