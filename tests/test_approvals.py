@@ -562,3 +562,25 @@ async def test_an_approved_file_write_through_a_tool_server_happens_once(
     again = await press(bot_api, OWNER, message_id, buttons["Approve"])
     assert again["text"] == "Already done (#1): nothing changed."
     assert target.read_text() == "changed since\n"
+
+
+async def test_the_owners_question_shows_no_configured_secret(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """A call whose arguments carry a configured secret (here the bot's token, which a
+    stranger's text talked the model into writing out) is recorded exactly, to run exactly;
+    the owner's question shows it redacted."""
+    leak = {"text": f"the token is {bot_api.token}"}
+    scripted_api.respond_with(
+        lambda body: (
+            [tool_use("mcp__general__notify", leak)] if turn(body) == 0 else [text("Done.")]
+        )
+    )
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    _, params, _ = await the_request(bot_api)
+    assert bot_api.token not in params["text"] and '"the token is [redacted]"' in params["text"]
+    assert (await approval_row(switchboard, db_conn))["arguments"] == leak
