@@ -18,7 +18,9 @@ fleet's token, or `approval_execute` running what the owner approved) is obeyed.
 The process side is the gateway's (butlers.gateway.clients): a stdio server runs in a process
 group of its own with PATH, HOME, locale and TZ plus its declared `env` and `pass_env` (nothing
 else of ours), dies with the butler (PR_SET_PDEATHSIG, and the reaper's watchdog ends its
-group when the butler is SIGKILLed); a remote one is one kept-open connection.
+group when the butler is SIGKILLed); a remote one is one kept-open connection. What a stdio
+server writes to its stderr becomes the butler's log records (INFO), so configured secrets
+are redacted there too.
 
 Servers start in the background when the butler starts (not lazily on first use: a session
 is told its tools when it starts, so a server that has not started has no tools to offer);
@@ -264,6 +266,13 @@ class ToolServer:
         self.status.state = "stopped"
 
 
+def _server_said(name: str, line: str) -> None:
+    """A line a stdio server wrote to its stderr: a log record of the butler's (INFO), so it
+    is redacted and formatted like every other line, and named."""
+    if line:
+        logger.info("tool server %r: %s", name, line, extra={"action": "tool_server_stderr"})
+
+
 class ToolServers:
     """Every tool server of one butler (see the module's docstring)."""
 
@@ -321,6 +330,7 @@ class ToolServers:
             spawn_timeout_s=config.start_timeout_s,
             rpc_timeout_s=config.timeout_s,
             watchdog=self._watchdog,
+            on_stderr=lambda line: _server_said(config.name, line),
         )
 
     @staticmethod

@@ -34,6 +34,7 @@ from tests.conftest import (
     drop_databases,
     eventually,
     free_port,
+    log_records,
     write_butler_dir,
 )
 from tests.fakes.bot_api import FakeBotAPI
@@ -346,11 +347,13 @@ async def test_a_stdio_server_gets_only_its_allowlisted_environment(
     start_butler: StartButler, tmp_path: Path
 ) -> None:
     """PATH, HOME and the like plus its own `env` and `pass_env`; none of the butler's other
-    variables (a bot token, the database URL)."""
+    variables (a bot token, the database URL). What it writes to stderr is a log record of
+    the butler's (so it is redacted and formatted like any other)."""
     dump = tmp_path / "env.json"
     program = tmp_path / "dump_env.py"
     program.write_text(
         "import json, os, runpy, sys\n"
+        "print('peek starting', file=sys.stderr, flush=True)\n"
         f"json.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n"
         f"sys.argv = [{str(MOCK_MCP)!r}]\n"
         f"runpy.run_path({str(MOCK_MCP)!r}, run_name='__main__')\n"
@@ -368,10 +371,14 @@ async def test_a_stdio_server_gets_only_its_allowlisted_environment(
         "DATABASE_URL": "postgresql://u:dbpassword@h/x",
         "PEEK_API_TOKEN": "passed-on-token",
     }
-    general = await start_butler(
-        butler_config("general", mcp_servers=(server,)), settings=Settings.from_environ(environ)
-    )
-    await running(general, "peek")
+    with log_records("butlers.tool_servers") as records:
+        general = await start_butler(
+            butler_config("general", mcp_servers=(server,)),
+            settings=Settings.from_environ(environ),
+        )
+        await running(general, "peek")
+        said = [r.getMessage() for r in records if r.__dict__.get("action") == "tool_server_stderr"]
+    assert said == ["tool server 'peek': peek starting"]
     seen = json.loads(dump.read_text())
     assert seen["MOCK_SETTING"] == "declared" and seen["PEEK_API_TOKEN"] == "passed-on-token"
     assert "TELEGRAM_BOT_TOKEN" not in seen and "DATABASE_URL" not in seen

@@ -181,6 +181,7 @@ class StdioChild(_Child):
         on_exit: Callable[[StdioChild, str], None] | None = None,
         on_tools_changed: Callable[[str], None] | None = None,
         watchdog: Watchdog | None = None,
+        on_stderr: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -189,6 +190,10 @@ class StdioChild(_Child):
             on_tools_changed=on_tools_changed,
         )
         self.on_exit = on_exit
+        # None: the child's stderr is ours (the gateway's host shows it); else each line goes
+        # here (a butler logs it, so that it is redacted like every other line).
+        self.on_stderr = on_stderr
+        self._stderr_reader: asyncio.Task[None] | None = None
         self.environ = environ
         self.watchdog = watchdog  # ends its process group if the gateway is killed
         self.spawns = 0
@@ -235,7 +240,8 @@ class StdioChild(_Child):
                 env=gateway_child_environment(spec.env, self.environ),  # not our secrets
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
-                stderr=None,  # the child's own diagnostics go where the gateway's go
+                # the child's own diagnostics go where the gateway's go, or to on_stderr
+                stderr=None if self.on_stderr is None else asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group: close() ends grandchildren too
                 preexec_fn=_die_with_parent,
             )
@@ -246,6 +252,11 @@ class StdioChild(_Child):
         self.spawns += 1
         if self.watchdog is not None:
             self.watchdog.watch(self._process.pid)
+        if self.on_stderr is not None and self._process.stderr is not None:
+            self._stderr_reader = asyncio.get_running_loop().create_task(
+                self._read_stderr(self._process.stderr, self.on_stderr),
+                name=f"child:{self.name}:stderr",
+            )
         connection = StdioConnection(
             self._process,
             label=f"child {self.name!r}",  # "child 'docs' exited (code 3)"
@@ -255,6 +266,11 @@ class StdioChild(_Child):
         connection.on_notification = self._notified
         self._connection = connection
         await self._ask("initialize", connection.open(CLIENT_INFO, timeout_s=None))
+
+    @staticmethod
+    async def _read_stderr(stream: asyncio.StreamReader, say: Callable[[str], None]) -> None:
+        while line := await stream.readline():
+            say(line.decode(errors="replace").rstrip())
 
     def _exited(self, reason: str) -> None:
         if self.on_exit is not None:
@@ -275,6 +291,10 @@ class StdioChild(_Child):
             await end_group(process, KILL_GRACE_S)
             if self.watchdog is not None:
                 self.watchdog.forget(process.pid)
+        reader, self._stderr_reader = self._stderr_reader, None
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def close(self) -> None:
         await self._kill()
