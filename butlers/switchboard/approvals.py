@@ -78,7 +78,11 @@ MAX_ARGUMENTS_BYTES = 256 * 1024
 # An approved call its butler took but never answered for (it died mid-call) is `failed` after
 # this: whether it ran is unknown, and it is never run twice.
 CLAIM_LOST_S = 3600.0
-PRUNE_EVERY_S = 3600.0  # retention runs with the sweep, at most this often
+PRUNE_EVERY_S = 3600.0
+# The sweep runs an approved call nobody took only this long after its decision: until then
+# it is the decider's (a second attempt would only be refused, and the CLI told "approved"
+# instead of how it ended).
+RETRY_AFTER_S = 10.0  # retention runs with the sweep, at most this often
 ROW = """id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
          claimed_at, finished_at, result, conversation, session_id, trace_context, asked"""
 
@@ -214,10 +218,15 @@ class ApprovalStore:
         )
         return [dict(r) for r in rows]
 
-    async def unclaimed(self) -> list[int]:
-        """Approved calls no butler has taken yet (it was down, or the switchboard stopped)."""
+    async def unclaimed(self, decided_before_s: float) -> list[int]:
+        """Approved calls no butler has taken yet (it was down, or the switchboard stopped),
+        decided at least `decided_before_s` ago: a fresh one is its decider's to run."""
         rows = await self.pool.fetch(
-            "SELECT id FROM approvals WHERE status = 'approved' AND claimed_at IS NULL ORDER BY id"
+            """SELECT id FROM approvals
+               WHERE status = 'approved' AND claimed_at IS NULL
+                 AND decided_at < now() - make_interval(secs => $1)
+               ORDER BY id""",
+            decided_before_s,
         )
         return [r["id"] for r in rows]
 
@@ -533,7 +542,7 @@ class ApprovalDesk:
         """Expire overdue requests, run approved calls nobody took, and fail calls taken long
         ago and never answered for."""
         await self.expire()
-        for approval_id in await self.store.unclaimed():
+        for approval_id in await self.store.unclaimed(RETRY_AFTER_S):
             await self.execute(approval_id)
         for row in await self.store.claims_lost(CLAIM_LOST_S):
             await self._tell(row, f"{row['tool']} (#{row['id']}): its butler never answered.")
