@@ -584,3 +584,29 @@ async def test_the_owners_question_shows_no_configured_secret(
     _, params, _ = await the_request(bot_api)
     assert bot_api.token not in params["text"] and '"the token is [redacted]"' in params["text"]
     assert (await approval_row(switchboard, db_conn))["arguments"] == leak
+
+
+async def test_an_approved_call_its_butler_cannot_take_fails_once_and_is_told(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, db_conn
+) -> None:
+    """An approved call of a butler that no longer runs approvals (its config changed since):
+    the sweep's attempt is refused before anyone took it, so it is `failed` at once, not
+    retried every minute, and the owner (no conversation) is told."""
+    switchboard, _ = await notify_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        switchboard_overrides={"approvals": ApprovalsConfig(check_interval_s=0.2)},
+    )
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO approvals (butler, tool, arguments, status, expires_at, decided_at)
+           VALUES ('general', 'notify', '{"text": "hi"}', 'approved', now() + interval '1 h',
+                   now() - interval '1 minute')"""
+    )
+    told = "Approved, but general could not run notify (#1)."
+    await bot_api.wait_until(lambda: told in sent_texts(bot_api, OWNER))
+    row = await approval_row(switchboard, db_conn)
+    assert (row["status"], row["claimed_at"]) == ("failed", None)
+    assert "approval_execute" in row["result"]
+    assert sent_texts(bot_api, OWNER).count(told) == 1

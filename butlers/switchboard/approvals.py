@@ -211,6 +211,16 @@ class ApprovalStore:
         )
         return dict(row) if row is not None else None
 
+    async def fail_untaken(self, approval_id: int, result: str) -> dict[str, Any] | None:
+        """`failed`, if no butler has taken it (one conditional UPDATE: never a running one)."""
+        row = await self.pool.fetchrow(
+            f"""UPDATE approvals SET status = 'failed', result = $2, finished_at = now()
+                WHERE id = $1 AND status = 'approved' AND claimed_at IS NULL RETURNING {ROW}""",
+            approval_id,
+            storable(result[:RESULT_CHARS]),
+        )
+        return dict(row) if row is not None else None
+
     async def expire_due(self) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
             f"""UPDATE approvals SET status = 'expired', decided_at = now()
@@ -504,14 +514,22 @@ class ApprovalDesk:
                 )
                 return
             except RouteError as exc:
-                # Refused before it ran (not taken), or taken and its answer lost: the sweep
-                # retries the one, and fails the other after CLAIM_LOST_S.
+                # Refused before anyone took it (the butler has no such tool, is no longer
+                # routable): it fails now, retrying would not help. Taken (by another run, or
+                # this one's answer was lost): left to its taker, or to CLAIM_LOST_S.
                 logger.warning(
                     "approval #%s not run: %s",
                     approval_id,
                     exc,
                     extra={"action": "approval_execute_failed"},
                 )
+                failed = await self.store.fail_untaken(approval_id, self.redact(str(exc)))
+                if failed is not None:
+                    await self._tell(
+                        failed,
+                        f"Approved, but {row['butler']} could not run {row['tool']} "
+                        f"(#{approval_id}).",
+                    )
                 return
             ok = isinstance(answer, dict) and answer.get("status") == "done"
             result = self.redact(str(answer.get("result", "")) if isinstance(answer, dict) else "")
