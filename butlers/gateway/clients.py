@@ -16,12 +16,13 @@ import itertools
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from butlers.environment import gateway_child_environment
 from butlers.errors import CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.reaper import Watchdog, end_group
+from butlers.mcp_connection.core import Connection
 from butlers.mcp_connection.stdio import StdioConnection
 
 if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote child starts
@@ -34,26 +35,6 @@ CLIENT_INFO = {"name": "butlers-gateway", "version": "0.1.0"}
 KILL_GRACE_S = 2.0
 T = TypeVar("T")
 _progress_tokens = itertools.count(1)
-
-
-class Connection(Protocol):
-    """What a child needs of its connection (StdioConnection, SseConnection, FastMcpConnection)."""
-
-    @property
-    def is_open(self) -> bool: ...
-
-    async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]: ...
-
-    async def call_tool(
-        self,
-        name: str,
-        arguments: dict[str, Any],
-        *,
-        meta: dict[str, str] | None = None,
-        timeout_s: float | None,
-    ) -> dict[str, Any]: ...
-
-    async def close(self) -> None: ...
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from mcp_types.jsonrpc import CONNECTION_CLOSED, JSONRPC_VERSION, METHOD_NOT_FOUND
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
@@ -43,6 +43,32 @@ TOOLS_CHANGED = "notifications/tools/list_changed"
 # How long close() lets replies and cancellations already on their way finish: the peer
 # should hear that we gave up on a request even when we close right after.
 CLOSE_GRACE_S = 1.0
+
+
+class Connection(Protocol):
+    """What an owner needs of one open connection, whatever its transport (McpConnection's
+    subclasses, and streamable.FastMcpConnection): the pool (route, notify, the dashboard) and
+    the gateway's children hold one of these. Opening is not in it: each transport takes
+    different things to open (a URL's timeout, a child's client info), and its owner knows
+    which transport it made."""
+
+    @property
+    def is_open(self) -> bool: ...  # read-only in every kind
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        *,
+        meta: dict[str, str] | None = None,
+        timeout_s: float | None,
+    ) -> Message: ...
+
+    async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]: ...
+
+    def retire(self) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class McpConnection:
