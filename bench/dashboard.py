@@ -36,7 +36,7 @@ from butlers.dashboard.app import Dashboard, DashboardParts  # noqa: E402
 from butlers.dashboard.fleet import FleetProbe  # noqa: E402
 from butlers.dashboard.store import DashboardStore  # noqa: E402
 from butlers.db import EmbeddedServer, create_pool, prepare_database  # noqa: E402
-from butlers.switchboard.connections import McpConnections  # noqa: E402
+from butlers.mcp_connection.pool import McpConnections  # noqa: E402
 
 TARGET_MS = 100
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -17,8 +17,8 @@ from typing import Any
 from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.errors import CallTimedOut, NotifyFailed, RemoteError, TargetUnreachable
 from butlers.mcp_connection.core import unwrap
+from butlers.mcp_connection.pool import McpConnections
 from butlers.mcp_middleware import CLASSIFICATION_META, classification_claim
-from butlers.switchboard.connections import McpConnections
 from butlers.telemetry import current_carrier
 
 SWITCHBOARD_URL_ENV = "BUTLERS_SWITCHBOARD_URL"

@@ -28,8 +28,8 @@ from butlers.dashboard.app import Dashboard, DashboardParts
 from butlers.dashboard.fleet import FleetProbe
 from butlers.dashboard.store import DashboardStore
 from butlers.db import create_pool
+from butlers.mcp_connection.pool import McpConnections
 from butlers.redact import Redactor
-from butlers.switchboard.connections import McpConnections
 from butlers.tool_errors import ToolRefusal
 from tests.conftest import StartButler
 from tests.fakes.messages_api import ScriptedMessagesAPI

@@ -34,9 +34,9 @@ from butlers.errors import (
     TargetUnreachable,
 )
 from butlers.mcp_connection.core import McpConnection
+from butlers.mcp_connection.pool import McpConnections
 from butlers.mcp_connection.sse import SseConnection
 from butlers.mcp_connection.stdio import StdioConnection
-from butlers.switchboard.connections import McpConnections
 from tests.conftest import free_port
 from tests.fakes import peer_mcp
 from tests.fakes.sse_mcp import SseMcpServer

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from butlers.mcp_connection.core import unwrap
-from butlers.switchboard.connections import McpConnections
+from butlers.mcp_connection.pool import McpConnections
 
 HEALTH_TIMEOUT_S = 1.5
 TOOL_TIMEOUT_S = 3.0

@@ -4,7 +4,10 @@ methods and errors as our own connections.
 Only `/sse` endpoints get our lean SseConnection (every butler serves one, and route's hot path
 runs over them); for the rest FastMCP's client is good enough, and the MCP SDK under it
 answers the server's pings itself. Its exceptions are turned into the McpCallError family
-here, where they enter, so no caller ever catches an MCPError.
+here, where they enter, so no caller ever catches an MCPError. The one FastMCP-client
+connection: the pool's (route, notify, the dashboard) for a `/mcp` target, the gateway's for
+a remote child, the CLI's for a `/mcp` switchboard. A connection that ends mid-call is
+AnswerLost as over SSE: the call was sent, so its tool may have run and it is not sent again.
 """
 
 from __future__ import annotations

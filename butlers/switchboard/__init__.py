@@ -7,7 +7,8 @@
     classifier      triage rules first, else a Claude Code session that calls `route`
     dispatch        what a classification session may route, and waiting for its routes
     route           one tool call forwarded to a butler, one routing_log row
-    connections     the kept-open MCP connections route calls through, one per butler
+    (connections)   butlers.mcp_connection.pool: the kept-open MCP connections route calls
+                    through, one per butler
     replies         what the person reads, built from the butlers' answers
     outbox          every reply and notification, until its channel has taken it
 

@@ -33,8 +33,8 @@ from butlers.errors import (
     TargetUnreachable,
 )
 from butlers.mcp_connection.core import unwrap
+from butlers.mcp_connection.pool import McpConnections
 from butlers.mcp_middleware import CONVERSATION_META
-from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.routing_store import RegistryTarget, RouteRecord, RoutingStore
 from butlers.telemetry import current_carrier, current_trace_id
 

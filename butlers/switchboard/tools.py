@@ -17,10 +17,10 @@ from pydantic import JsonValue
 
 from butlers.config import Placement, SwitchboardConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
+from butlers.mcp_connection.pool import McpConnections
 from butlers.mcp_middleware import classification_claim
 from butlers.spawner import Spawner
 from butlers.switchboard.approvals import ApprovalDesk, ApprovalStore, register_approval_tools
-from butlers.switchboard.connections import McpConnections
 from butlers.switchboard.dispatch import Dispatch, Dispatcher
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership

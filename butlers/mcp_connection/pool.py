@@ -3,9 +3,11 @@
 A fresh connect + initialize costs about ten times a call on an open connection, so
 connections are opened lazily, shared by every caller (MCP multiplexes concurrent requests on
 one connection), re-opened once when one turns out to be closed (the target restarted), and
-closed with their owner: the switchboard (route), or a butler (its `notify` to the
-switchboard). Endpoints ending in `/sse` (every butler's) get our lean `SseConnection`;
-anything else (`/mcp`, streamable HTTP) goes through FastMCP's client.
+closed with their owner: the switchboard (route, and the dashboard's fleet probe), or a butler
+(its `notify` to the switchboard). Endpoints ending in `/sse` (every butler's) get our lean
+`SseConnection`; anything else (`/mcp`, streamable HTTP) `FastMcpConnection`, FastMCP's
+client. Both raise the McpCallError family, so the pool reads their failures one way: only a
+call that was never sent (ConnectionClosed) is sent again.
 """
 
 from __future__ import annotations
@@ -14,43 +16,26 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from fastmcp import Client
-from mcp.shared.exceptions import MCPError
 
 from butlers.errors import (
     AnswerLost,
     ButlersError,
     CallTimedOut,
     ConnectionClosed,
-    RemoteError,
     TargetUnreachable,
 )
+from butlers.mcp_connection.core import Connection
 from butlers.mcp_connection.sse import IDLE_STREAM_S, SseConnection
+
+if TYPE_CHECKING:  # FastMCP's client loads when a non-`/sse` endpoint is first called
+    from butlers.mcp_connection.streamable import FastMcpConnection
 
 logger = logging.getLogger(__name__)
 
-CONNECTION_CLOSED = -32000
 CONNECT_TIMEOUT_S = 10.0
-
-
-class Connection(Protocol):
-    """What McpConnections needs of a connection (SseConnection, FastMcpClientConnection)."""
-
-    @property
-    def is_open(self) -> bool: ...  # read-only in both kinds
-
-    async def open(self, timeout_s: float) -> None: ...
-
-    def retire(self) -> None: ...
-
-    async def call_tool(
-        self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
-    ) -> dict[str, Any]: ...
-
-    async def close(self) -> None: ...
 
 
 class McpConnections:
@@ -127,17 +112,20 @@ class McpConnections:
             return connection
 
     async def _open(self, url: str) -> Connection:
+        connection: SseConnection | FastMcpConnection
         if url.rstrip("/").endswith("/sse"):
             if self._http is None:
                 self._http = aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),
                     cookie_jar=aiohttp.DummyCookieJar(),  # MCP does not use cookies
                 )
-            connection: Connection = SseConnection(
+            connection = SseConnection(
                 url, self._http, auth_token=self.auth_token, idle_stream_s=self.idle_stream_s
             )
         else:
-            connection = FastMcpClientConnection(url, auth_token=self.auth_token)
+            from butlers.mcp_connection.streamable import FastMcpConnection
+
+            connection = FastMcpConnection(url, auth_token=self.auth_token)
         try:
             await connection.open(CONNECT_TIMEOUT_S)
         except Exception as exc:
@@ -169,48 +157,6 @@ class McpConnections:
                 await connection.close()
         if self._http is not None:
             await self._http.close()
-
-
-class FastMcpClientConnection:
-    """Any other transport (streamable HTTP): FastMCP's client behind the same interface.
-
-    Not butlers.mcp_connection.streamable.FastMcpConnection (which the CLI and the gateway
-    use): this one takes a connection closed mid-call for one that can be called again
-    (ConnectionClosed, not AnswerLost). Moving route to that one changes that. `_meta` is
-    sent as over SSE: the conversation a routed call serves, and what a butler's `notify`
-    forwards of its caller (a classification claim), must reach a `/mcp` endpoint too.
-    """
-
-    def __init__(self, url: str, *, auth_token: str | None) -> None:
-        self._client = Client(url, auth=auth_token, init_timeout=CONNECT_TIMEOUT_S)
-
-    @property
-    def is_open(self) -> bool:
-        return self._client.is_connected()
-
-    async def open(self, timeout_s: float) -> None:
-        await asyncio.wait_for(self._client.__aenter__(), timeout_s)
-
-    async def call_tool(
-        self, name: str, arguments: dict[str, Any], *, meta: dict[str, str] | None, timeout_s: float
-    ) -> dict[str, Any]:
-        try:
-            result = await self._client.call_tool_mcp(
-                name, arguments, timeout=timeout_s, meta=meta or None
-            )
-        except MCPError as exc:
-            if exc.code == CONNECTION_CLOSED:
-                raise ConnectionClosed(str(exc.message)) from exc
-            if "timed out" in str(exc.message):
-                raise CallTimedOut(f"no answer within {timeout_s:g}s") from exc
-            raise RemoteError(exc.code, str(exc.message)) from exc
-        return result.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-    def retire(self) -> None:
-        self._closing = asyncio.get_running_loop().create_task(self._client.close())
-
-    async def close(self) -> None:
-        await self._client.close()
 
 
 def _reason(exc: BaseException) -> str:
