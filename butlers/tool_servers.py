@@ -290,6 +290,11 @@ class ToolServers:
         self.mcp = mcp
         self.redact = redact
         self.on_tools_changed = on_tools_changed
+        # Absolute: the default BUTLERS_DATA_DIR is relative (.butlers), and a server runs in
+        # the data directory, where `{data_dir}` written relative would name a directory
+        # inside itself.
+        data_dir = data_dir.absolute()
+        butler_dir = butler_dir.absolute() if butler_dir is not None else None
         self.data_dir = data_dir
         self._watchdog = Watchdog()  # ends the servers' process groups if we are SIGKILLed
         self._tasks: set[asyncio.Task[None]] = set()

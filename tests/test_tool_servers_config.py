@@ -151,3 +151,32 @@ def test_the_schema_wants_one_kind_of_server() -> None:
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(tomllib.loads(HEAD + bad), schema)
+
+
+def test_a_relative_data_dir_is_given_to_a_server_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default BUTLERS_DATA_DIR is relative (.butlers) and a server runs in its data
+    directory: `{data_dir}` written relative named a directory inside itself, so the shipped
+    `general`'s filesystem server found none and exited on every start."""
+    from fastmcp import FastMCP
+
+    from butlers.config import McpServerConfig
+    from butlers.tool_servers import ToolServers
+
+    monkeypatch.chdir(tmp_path)
+    config = McpServerConfig(
+        name="files", command="npx", args=("-y", "server", "{data_dir}", "{butler_dir}/x")
+    )
+    servers = ToolServers(
+        [config],
+        mcp=FastMCP("t"),
+        environ={},
+        data_dir=Path(".butlers/data/general"),
+        butler_dir=Path("config/butlers/general"),
+    )
+    [server] = servers.servers
+    spec = server.child.spec
+    assert spec.args[2] == str(tmp_path / ".butlers" / "data" / "general")
+    assert spec.args[3] == str(tmp_path / "config" / "butlers" / "general") + "/x"
+    assert spec.cwd == tmp_path / ".butlers" / "data" / "general"
