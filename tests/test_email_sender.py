@@ -53,7 +53,9 @@ def raw_mail(sender: str, message_id: str, *headers: str, body: str = "Hello.") 
 
 @pytest.mark.parametrize("value", MISREAD)
 def test_what_parseaddr_misreads_is_refused(value: str) -> None:
-    assert email.utils.parseaddr(value)[1] == "user@example.com"  # the misreading
+    # Unpatched Pythons (3.11.7 here) read these as user@example.com; Debian's 3.11.2 has the
+    # CVE-2023-27043 fix backported and reads nothing. Ours refuses them either way.
+    assert email.utils.parseaddr(value)[1] in ("user@example.com", "")
     with pytest.raises(ValueError, match="malformed"):
         single_address([value])
     parsed = parse_mail(raw_mail(value, "<m@x>"))
