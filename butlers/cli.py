@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from butlers import logs
+from butlers import __version__, logs
 from butlers.errors import ButlersError, CommandError
 
 if TYPE_CHECKING:
@@ -325,7 +325,7 @@ class SwitchboardTarget:
 
 
 CONNECT_TIMEOUT_S = 10.0
-CLIENT_INFO = {"name": "butlers-cli", "version": "1"}
+CLIENT_INFO = {"name": "butlers-cli", "version": __version__}
 
 
 async def _call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict[str, Any]) -> Any:
@@ -777,6 +777,7 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
         epilog="Environment: DATABASE_URL (else embedded PostgreSQL under $BUTLERS_DATA_DIR), "
         "BUTLERS_DATA_DIR (default .butlers), BUTLERS_AUTH_TOKEN, OTEL_EXPORTER_OTLP_ENDPOINT.",
     )
+    parser.add_argument("--version", action="version", version=f"butlers {__version__}")
     _log_options(
         parser,
         level=settings.log_level,
@@ -791,6 +792,25 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
             default=DEFAULT_CONFIG_DIR,
             help=f"butler config directory (default {DEFAULT_CONFIG_DIR})",
         )
+
+    from butlers import doctor, init_command
+
+    init_command.add_arguments(
+        commands.add_parser(
+            "init",
+            help="write a new config directory (switchboard, general, .env template)",
+            description="Write a new, working config directory; asks its questions unless "
+            "--non-interactive. Refuses a directory that already holds a config.",
+        )
+    )
+    doctor_parser = commands.add_parser(
+        "doctor",
+        help="check the configs, secrets, ports, database, Claude Code and exposure",
+        description="One line per check (ok, warn, fail) with what to do; exit 0 only when "
+        "nothing fails. --online also asks Telegram, the mail servers and the Messages API.",
+    )
+    config_dir_arg(doctor_parser)
+    doctor.add_arguments(doctor_parser)
 
     up = commands.add_parser("up", help="start PostgreSQL and every butler in one process")
     config_dir_arg(up)
@@ -1016,6 +1036,14 @@ async def cli(argv: Sequence[str], settings: Settings) -> int:
     """Run one command. `settings`: the process's environment, read once by main()."""
     args = _parse(argv, settings)
     redactor = _start_logging(args, settings)
+    if args.command == "init":
+        from butlers import init_command
+
+        return await init_command.run(args, settings)
+    if args.command == "doctor":
+        from butlers import doctor
+
+        return await doctor.run(args, settings)
     if args.command == "db":
         return await db_upgrade(args.config_dir, args.names, settings)
     if args.command == "gateway":

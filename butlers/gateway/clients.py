@@ -18,6 +18,7 @@ import signal
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from butlers import __version__
 from butlers.environment import gateway_child_environment
 from butlers.errors import CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.gateway.children import ChildSpec
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote c
 
 logger = logging.getLogger(__name__)
 
-CLIENT_INFO = {"name": "butlers-gateway", "version": "0.1.0"}
+CLIENT_INFO = {"name": "butlers-gateway", "version": __version__}
 KILL_GRACE_S = 2.0
 T = TypeVar("T")
 _progress_tokens = itertools.count(1)
