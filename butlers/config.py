@@ -86,6 +86,23 @@ def _regex(value: Any) -> Any:
 Regex = Annotated[re.Pattern[str], BeforeValidator(_regex)]
 
 
+def _timezone(value: str) -> str:
+    """An IANA zone the machine knows ("Europe/Berlin"), checked when the file is read rather
+    than when the first reminder is due."""
+    import zoneinfo
+
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(
+            f"unknown time zone {value!r}: an IANA name such as 'Europe/Berlin' or 'UTC'"
+        ) from None
+    return value
+
+
+TimeZone = Annotated[str, Strict(), AfterValidator(_timezone)]
+
+
 def _none_if_empty(value: str | None) -> str | None:
     return value or None
 
@@ -483,12 +500,37 @@ class OwnerConfig:
     prefer: Literal["telegram", "email"] = Field(
         default="telegram", description="The channel `notify` uses when it names none."
     )
+    timezone: TimeZone = Field(
+        default="UTC",
+        description="The owner's IANA time zone; a butler without `[butler] timezone` keeps "
+        "this one.",
+    )
 
     def channels(self) -> list[tuple[str, str]]:
         """(channel, recipient) the owner can be reached on, the preferred one first."""
         known = [("telegram", self.telegram_chat_id), ("email", self.email)]
         reachable = [(channel, who) for channel, who in known if who]
         return sorted(reachable, key=lambda c: c[0] != self.prefer)
+
+
+@dataclass(frozen=True, config=TABLE)
+class PairingConfig:
+    """`[switchboard.pairing]`: an unknown sender gets a one-time code the owner approves,
+    instead of silence (butlers.switchboard.pairing)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Answer an unknown Telegram chat or mail sender once with a code; the "
+        "owner approves it (`butlers pairing approve CODE`) and the sender is allowed.",
+    )
+    code_ttl_minutes: Annotated[Int, Field(ge=1, le=7 * 24 * 60)] = Field(
+        default=60, description="How long a code can be approved."
+    )
+    max_pending_per_channel: Annotated[Int, Field(ge=1, le=1000)] = Field(
+        default=20,
+        description="Pending codes kept per channel; strangers past it get no code (the "
+        "pending ones are never evicted).",
+    )
 
 
 @dataclass(frozen=True, config=TABLE)
@@ -561,6 +603,9 @@ class SwitchboardConfig:
         "renews it: the messages of a process that died are taken over after this.",
     )
     owner: OwnerConfig = Field(default_factory=OwnerConfig, description="`[switchboard.owner]`.")
+    pairing: PairingConfig = Field(
+        default_factory=PairingConfig, description="`[switchboard.pairing]`."
+    )
     triage: tuple[TriageRule, ...] = Field(
         default=(), description="`[[switchboard.triage]]` rules, tried in order."
     )
