@@ -129,8 +129,8 @@ class MemoryStore:
                 )
             )
             restemmed = await conn.execute(
-                "UPDATE memories SET language = $1::text, words = to_tsvector($1::text::regconfig, text) "
-                "WHERE language <> $1::text",
+                "UPDATE memories SET language = $1::text, "
+                "words = to_tsvector($1::text::regconfig, text) WHERE language <> $1::text",
                 self.language,
             )
             if restemmed != "UPDATE 0":
