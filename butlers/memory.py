@@ -154,6 +154,7 @@ class MemoryStore:
                 private,
                 self.language,
             )
+            assert row is not None  # INSERT ... RETURNING returns its row
             evicted = await conn.fetch(
                 """
                 DELETE FROM memories WHERE id IN (
