@@ -141,6 +141,12 @@ class ButlerTable:
         "`BUTLERS_SWITCHBOARD_URL`, else the switchboard of its config directory.",
     )
     db: DbTable = Field(default_factory=DbTable, description="`[butler.db]`.")
+    timezone: TimeZone | None = Field(
+        default=None,
+        description="Its IANA time zone: cron schedules, one-shot `at` times without an "
+        "offset and the local time a session is told are in it; unset: "
+        "`[switchboard.owner] timezone` of its config directory, else UTC.",
+    )
 
 
 # ---- Tool servers ([[mcp_servers]]) and Claude Code's own tools ([runtime] builtin_tools) ----
@@ -328,6 +334,23 @@ class RuntimeConfig:
         default=0.0,
         description="Once the sessions of the last 24 hours cost this much (Claude Code's "
         "figures), new sessions are refused and the owner is told once a day; 0: no cap.",
+    )
+    catch_up_hours: Annotated[Float, Field(ge=0)] = Field(
+        default=6.0,
+        description="A recurring schedule whose run was missed while the butler was down runs "
+        "once at start if that run was due this recently; older ones move on (logged).",
+    )
+    memory_context: Annotated[Int, Field(ge=0, le=50)] = Field(
+        default=5, description="Memories matching a session's prompt given to it; 0: none."
+    )
+    memory_language: Str = Field(
+        default="english",
+        description="PostgreSQL text search configuration memories are stemmed with "
+        "(`english`, `german`, ...); one the server does not know falls back to `simple`.",
+    )
+    max_memories: Annotated[Int, Field(ge=1)] = Field(
+        default=10_000,
+        description="Memories kept; past it the oldest unused one is evicted (logged).",
     )
     builtin_tools: Annotated[tuple[Str, ...], AfterValidator(_safe_builtin_tools)] = Field(
         default=(),
@@ -638,6 +661,34 @@ _CHANNELS_NEED_SWITCHBOARD: JsonDict = {
 }
 
 
+def _cron(value: str) -> str:
+    """Five fields (minute resolution) or a nickname such as @daily, as `schedule_create`."""
+    from croniter import croniter
+
+    if len(value.split()) not in (1, 5) or not croniter.is_valid(value):
+        raise ValueError(
+            f"{value!r} is not a cron expression: five fields such as '0 8 * * *' "
+            "(minute hour day month weekday), or @daily / @hourly / ..."
+        )
+    return value
+
+
+@dataclass(frozen=True, config=TABLE)
+class ScheduleConfig:
+    """`[[schedules]]`: a schedule the butler has because its file says so: created or updated
+    at start, removed when removed from the file (those its sessions made stay)."""
+
+    name: Annotated[Str, Field(min_length=1, max_length=200)] = Field(
+        description="Unique among the butler's schedules."
+    )
+    cron: Annotated[Str, AfterValidator(_cron)] = Field(
+        description="When, in the butler's time zone (5 fields, or @daily ...)."
+    )
+    prompt: Annotated[Str, Field(min_length=1, max_length=32 * 1024)] = Field(
+        description="What the session is asked."
+    )
+
+
 @dataclass(
     frozen=True, config=ConfigDict(extra="forbid", json_schema_extra=_CHANNELS_NEED_SWITCHBOARD)
 )
@@ -658,6 +709,21 @@ class ButlerFile:
     mcp_servers: tuple[McpServerConfig, ...] = Field(
         default=(), description="`[[mcp_servers]]`: the tool servers its sessions may use."
     )
+    schedules: tuple[ScheduleConfig, ...] = Field(
+        default=(), description="`[[schedules]]`: schedules declared in the file."
+    )
+
+    @model_validator(mode="after")
+    def _unique_schedules(self) -> ButlerFile:
+        seen: set[str] = set()
+        for index, schedule in enumerate(self.schedules):
+            if schedule.name in seen:
+                raise KeyProblem(
+                    f"schedules[{index}].name",
+                    f"a schedule named {schedule.name!r} is already declared: names must differ",
+                )
+            seen.add(schedule.name)
+        return self
 
     @model_validator(mode="after")
     def _unique_servers(self) -> ButlerFile:
@@ -722,6 +788,15 @@ class ButlerConfig:
     approvals: ApprovalsConfig = dataclasses.field(default_factory=ApprovalsConfig)
     # [[mcp_servers]]: the tool servers the butler proxies (butlers.tool_servers).
     mcp_servers: tuple[McpServerConfig, ...] = ()
+    # [butler] timezone, else (load_config_dir) the owner's; `zone` says which applies.
+    timezone: str | None = None
+    # [[schedules]]: declared schedules (created or updated at start).
+    schedules: tuple[ScheduleConfig, ...] = ()
+
+    @property
+    def zone(self) -> str:
+        """The IANA zone its schedules and sessions' local time are in."""
+        return self.timezone or "UTC"
 
     def mcp_server_of(self, tool_name: str) -> tuple[McpServerConfig, str] | None:
         """The server a proxied tool name (`<server>__<tool>`) belongs to, and the server's
@@ -853,7 +928,10 @@ def parse_butler_config(
         switchboard=file.switchboard,
         config_dir=path.parent,
         instructions=instructions,
+        approvals=file.approvals,
         mcp_servers=file.mcp_servers,
+        timezone=butler.timezone,
+        schedules=file.schedules,
     )
 
 
@@ -909,7 +987,18 @@ def load_config_dir(config_dir: Path, placement: Placement = Placement()) -> Fle
         if config.is_switchboard:
             switchboard = config.name
         butlers.append(config)
-    return FleetConfig(tuple(butlers), tuple(errors))
+    return FleetConfig(_owner_zone(butlers), tuple(errors))
+
+
+def _owner_zone(butlers: list[ButlerConfig]) -> tuple[ButlerConfig, ...]:
+    """A butler without `[butler] timezone` keeps the owner's (`[switchboard.owner]`)."""
+    owner = next((b.switchboard.owner for b in butlers if b.switchboard is not None), None)
+    if owner is None:
+        return tuple(butlers)
+    return tuple(
+        b if b.timezone is not None else dataclasses.replace(b, timezone=owner.timezone)
+        for b in butlers
+    )
 
 
 def _check_in_fleet(

@@ -41,6 +41,7 @@ from butlers.config import (
     OwnerConfig,
     PairingConfig,
     RuntimeConfig,
+    ScheduleConfig,
     SwitchboardConfig,
     TelegramConfig,
     TriageRule,
@@ -120,6 +121,7 @@ DOC_TABLES: dict[str, tuple[Table, ...]] = {
         Table("[switchboard.pairing]", PairingConfig),
         Table("[[switchboard.triage]]", TriageRule),
         Table("[[mcp_servers]]", McpServerConfig),
+        Table("[[schedules]]", ScheduleConfig),
     ),
     "gateway.toml": (
         Table("top level", GatewayConfig),

@@ -528,3 +528,89 @@ def test_flood_limits_are_runtime_keys(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as excinfo:
             load_butler_config(path)
         assert (excinfo.value.key, excinfo.value.problem) == (f"runtime.{key}", problem)
+
+
+def test_time_zones_schedules_memory_and_approvals_come_from_the_file(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "switchboard",
+        """
+[butler]
+name = "switchboard"
+port = 8100
+[switchboard]
+[switchboard.owner]
+timezone = "Asia/Tokyo"
+""",
+    )
+    write(
+        tmp_path,
+        "general",
+        """
+[butler]
+name = "general"
+port = 8101
+[runtime]
+catch_up_hours = 2
+memory_context = 3
+memory_language = "german"
+[approvals]
+tools = ["notify"]
+[[schedules]]
+name = "morning-brief"
+cron = "0 8 * * *"
+prompt = "Summarise today."
+""",
+    )
+    write(
+        tmp_path,
+        "health",
+        '[butler]\nname = "health"\nport = 8103\ntimezone = "Europe/Berlin"\n',
+    )
+    fleet = load_config_dir(tmp_path)
+    assert fleet.errors == ()
+    general, health = fleet.get("general"), fleet.get("health")
+    assert general is not None and health is not None
+    assert general.zone == "Asia/Tokyo"  # the owner's
+    assert health.zone == "Europe/Berlin"  # its own
+    assert fleet.switchboard is not None and fleet.switchboard.zone == "Asia/Tokyo"
+    assert [(s.name, s.cron) for s in general.schedules] == [("morning-brief", "0 8 * * *")]
+    assert general.runtime.catch_up_hours == 2 and general.runtime.memory_context == 3
+    assert general.approvals.tools == ("notify",)
+    assert general.needs_approval("notify") and not health.needs_approval("notify")
+    # Without a switchboard in the directory: UTC.
+    alone = load_butler_config(tmp_path / "general" / "butler.toml")
+    assert alone.zone == "UTC"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "problem"),
+    [
+        ('timezone = "Mars/Olympus"', "butler.timezone", "unknown time zone 'Mars/Olympus'"),
+        (
+            '[[schedules]]\nname = "a"\ncron = "every day"\nprompt = "x"',
+            "schedules[0].cron",
+            "is not a cron expression",
+        ),
+        (
+            '[[schedules]]\nname = "a"\ncron = "@daily"\nprompt = "x"\n'
+            '[[schedules]]\nname = "a"\ncron = "@hourly"\nprompt = "y"',
+            "schedules[1].name",
+            "already declared",
+        ),
+        (
+            '[[schedules]]\nname = "a"\ncron = "@daily"\nprompt = ""',
+            "schedules[0].prompt",
+            "",
+        ),
+    ],
+)
+def test_time_and_schedule_errors_name_the_key(
+    tmp_path: Path, text: str, key: str, problem: str
+) -> None:
+    head, _, tables = text.partition("[[")
+    body = f'[butler]\nname = "general"\nport = 8101\n{head}\n' + (f"[[{tables}" if tables else "")
+    path = write(tmp_path, "general", body)
+    with pytest.raises(ConfigError) as info:
+        load_butler_config(path)
+    assert key in str(info.value) and problem in str(info.value)
