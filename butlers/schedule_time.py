@@ -1,0 +1,108 @@
+"""When a schedule runs: cron read on the butler's wall clock, one-shot `at` times, and the
+run missed while the butler was down.
+
+Cron is evaluated in the butler's IANA zone, not in UTC, so "0 8 * * *" means 08:00 where
+the owner lives, in summer and in winter. croniter walks naive wall-clock times; each is then
+placed in the zone here, because the two days a year the clock jumps need a rule:
+- spring forward: a time that does not exist that day (02:30 in Europe/Berlin) runs once, at
+  the end of the gap (03:00);
+- fall back: a time that exists twice (02:30) runs once, at its first occurrence.
+Every time is returned timezone-aware, in UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from croniter import croniter
+
+# A wall-clock gap (spring forward) is an hour almost everywhere (30 minutes on Lord Howe
+# Island); `next_run` starts this far back so that a run placed at a gap's end is not missed.
+_LOOKBACK = timedelta(hours=3)
+
+
+class BadTime(ValueError):
+    """An `at` that is not an ISO 8601 date-time, or lies in the past."""
+
+
+def _exists(naive: datetime, zone: ZoneInfo) -> bool:
+    aware = naive.replace(tzinfo=zone)
+    return aware.astimezone(UTC).astimezone(zone).replace(tzinfo=None) == naive
+
+
+def place(naive: datetime, zone: ZoneInfo) -> datetime:
+    """A wall-clock time in `zone`, as an instant in UTC: a time skipped by the clock is moved
+    to the end of the gap, a time that happens twice is its first occurrence."""
+    if _exists(naive, zone):
+        return naive.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    # In a gap: the first minute after it. fold=1 reads the wall time with the offset after
+    # the jump, which lands before the jump: the jump itself lies between the two readings.
+    low = naive.replace(tzinfo=zone, fold=1).astimezone(UTC)
+    high = naive.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    if low > high:
+        low, high = high, low
+    while high - low > timedelta(seconds=1):
+        middle = low + (high - low) / 2
+        if middle.astimezone(zone).replace(tzinfo=None) < naive:
+            low = middle
+        else:
+            high = middle
+    # Within a second after the jump (clocks jump on whole minutes).
+    return high.replace(microsecond=0)
+
+
+def next_run(cron: str, after: datetime, zone: str = "UTC") -> datetime:
+    """The first run of `cron` (on the wall clock of `zone`) strictly after `after`."""
+    tz = ZoneInfo(zone)
+    wall = after.astimezone(tz).replace(tzinfo=None)
+    # From a little earlier: a run in a gap is placed at the gap's end, which may come after
+    # `after` while its wall time is before it.
+    runs = croniter(cron, wall - _LOOKBACK)
+    while True:
+        moment = place(runs.get_next(datetime), tz)
+        if moment > after:
+            return moment
+
+
+def last_due(cron: str, now: datetime, zone: str = "UTC") -> datetime | None:
+    """The latest run of `cron` at or before `now` (None when there is none within a year)."""
+    tz = ZoneInfo(zone)
+    wall = now.astimezone(tz).replace(tzinfo=None) + timedelta(minutes=1)
+    runs = croniter(cron, wall)
+    for _ in range(2000):
+        candidate = runs.get_prev(datetime)
+        moment = place(candidate, tz)
+        if moment <= now:
+            return moment
+        if now - moment > timedelta(days=366):
+            break
+    return None
+
+
+def parse_at(at: str, zone: str, now: datetime) -> datetime:
+    """An ISO 8601 date-time for a one-shot schedule, in UTC. Without an offset it is the
+    butler's local time (`zone`). Refused when it lies in the past (a minute's grace for the
+    time the request took)."""
+    try:
+        moment = datetime.fromisoformat(at.strip())
+    except ValueError:
+        raise BadTime(
+            f"at {at!r} is not an ISO 8601 date-time such as '2026-12-24T09:00' (local time) "
+            "or '2026-12-24T09:00+01:00'"
+        ) from None
+    if moment.tzinfo is None:
+        moment = place(moment, ZoneInfo(zone))
+    else:
+        moment = moment.astimezone(UTC)
+    if moment < now - timedelta(minutes=1):
+        local = now.astimezone(ZoneInfo(zone)).isoformat(timespec="minutes")
+        raise BadTime(f"at {at!r} is in the past (it is now {local} in {zone}): give a future time")
+    return moment
+
+
+def local_now(zone: str, now: datetime | None = None) -> str:
+    """What a session is told: 'Thursday 2026-11-26 14:05 (Europe/Berlin, UTC+01:00)'."""
+    moment = (now or datetime.now(UTC)).astimezone(ZoneInfo(zone))
+    offset = moment.strftime("%z")
+    return f"{moment:%A %Y-%m-%d %H:%M} ({zone}, UTC{offset[:3]}:{offset[3:]})"

@@ -1,0 +1,83 @@
+"""Cron on the butler's wall clock, daylight saving days, one-shot `at` times and the last
+due run (butlers.schedule_time): pure functions, checked against the zone database."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from butlers.schedule_time import BadTime, last_due, local_now, next_run, parse_at
+
+
+def runs(cron: str, start: datetime, end: datetime, zone: str) -> list[datetime]:
+    found, moment = [], start
+    while (moment := next_run(cron, moment, zone)) < end:
+        found.append(moment)
+    return found
+
+
+def test_eight_in_tokyo_is_twenty_three_utc() -> None:
+    after = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+    assert next_run("0 8 * * *", after, "Asia/Tokyo") == datetime(2026, 11, 26, 23, 0, tzinfo=UTC)
+    assert next_run("0 8 * * *", after, "UTC") == datetime(2026, 11, 27, 8, 0, tzinfo=UTC)
+
+
+def test_spring_forward_runs_a_skipped_time_once_at_the_end_of_the_gap() -> None:
+    # Europe/Berlin, 2026-03-29: 02:00 CET jumps to 03:00 CEST (01:00 UTC).
+    day = datetime(2026, 3, 28, 12, 0, tzinfo=UTC)
+    found = runs("30 2 * * *", day, day + timedelta(days=3), "Europe/Berlin")
+    assert found == [
+        datetime(2026, 3, 29, 1, 0, tzinfo=UTC),  # 03:00 CEST: the gap's end
+        datetime(2026, 3, 30, 0, 30, tzinfo=UTC),  # 02:30 CEST
+        datetime(2026, 3, 31, 0, 30, tzinfo=UTC),
+    ]
+    # Every 15 minutes: the four skipped times are one run at 03:00, not four.
+    quarter = runs(
+        "*/15 * * * *",
+        datetime(2026, 3, 29, 0, 40, tzinfo=UTC),
+        datetime(2026, 3, 29, 1, 20, tzinfo=UTC),
+        "Europe/Berlin",
+    )
+    assert quarter == [
+        datetime(2026, 3, 29, 0, 45, tzinfo=UTC),  # 01:45 CET
+        datetime(2026, 3, 29, 1, 0, tzinfo=UTC),  # 03:00 CEST
+        datetime(2026, 3, 29, 1, 15, tzinfo=UTC),
+    ]
+
+
+def test_fall_back_runs_a_repeated_time_once() -> None:
+    # Europe/Berlin, 2026-10-25: 03:00 CEST falls back to 02:00 CET; 02:30 happens twice.
+    day = datetime(2026, 10, 24, 12, 0, tzinfo=UTC)
+    found = runs("30 2 * * *", day, day + timedelta(days=2), "Europe/Berlin")
+    assert found == [
+        datetime(2026, 10, 25, 0, 30, tzinfo=UTC),  # its first occurrence, 02:30 CEST
+        datetime(2026, 10, 26, 1, 30, tzinfo=UTC),  # 02:30 CET
+    ]
+
+
+def test_at_without_an_offset_is_local_and_the_past_is_refused() -> None:
+    now = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+    assert parse_at("2026-11-27T09:00", "Europe/Berlin", now) == datetime(
+        2026, 11, 27, 8, 0, tzinfo=UTC
+    )
+    assert parse_at("2026-11-27T09:00+09:00", "Europe/Berlin", now) == datetime(
+        2026, 11, 27, 0, 0, tzinfo=UTC
+    )
+    with pytest.raises(BadTime, match="in the past"):
+        parse_at("2026-11-26T12:30", "Europe/Berlin", now)  # 11:30 UTC
+    with pytest.raises(BadTime, match="ISO 8601"):
+        parse_at("tomorrow at nine", "UTC", now)
+
+
+def test_last_due_is_the_latest_run_not_after_now() -> None:
+    now = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+    assert last_due("0 8 * * *", now, "Europe/Berlin") == datetime(2026, 11, 26, 7, 0, tzinfo=UTC)
+    assert last_due("0 12 * * *", now, "UTC") == now
+
+
+def test_a_session_is_told_the_local_time_and_zone() -> None:
+    now = datetime(2026, 7, 1, 12, 5, tzinfo=UTC)
+    assert (
+        local_now("Europe/Berlin", now) == "Wednesday 2026-07-01 14:05 (Europe/Berlin, UTC+02:00)"
+    )
