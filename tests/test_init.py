@@ -1,0 +1,498 @@
+"""`butlers init DIR`: a config directory that loads, starts and keeps its secrets out of TOML.
+
+The command runs as a user runs it (a real subprocess); the owner's chat is captured against
+the fake Bot API, with a stranger writing first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import stat
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import pytest
+
+from butlers.config import load_config_dir
+from butlers.errors import CommandError
+from butlers.init_command import (
+    CODE_ALPHABET,
+    CODE_LENGTH,
+    PAIRED_REPLY,
+    SPECIALISTS,
+    TEMPLATES,
+    toml_string,
+    write_config,
+)
+from tests.conftest import eventually
+from tests.test_cli import BUTLERS, REPO, Butlers, cli_env, processes  # noqa: F401 (fixtures)
+from tests.test_install import Installed, InstalledButlers, installed  # noqa: F401
+
+if TYPE_CHECKING:
+    from tests.fakes.bot_api import FakeBotAPI
+
+SHIPPED = REPO / "config" / "butlers"
+SECRET_TOKEN = "123456:AAE-secret_bot-token-of-the-test"
+MAIL_PASSWORD = "mail-Password-of-the-test"
+CODE = re.compile(rf"^\s+([{CODE_ALPHABET}]{{{CODE_LENGTH}}})$", re.M)
+EMAIL_FLAGS = (
+    "--imap-host",
+    "imap.example.com",
+    "--smtp-host",
+    "smtp.example.com",
+    "--mail-username",
+    "butler@example.com",
+    "--owner-email",
+    "owner@example.com",
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment of an init process: none of this machine's butlers, Telegram or
+    Anthropic variables (tests/conftest.py cleared them), plus `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("BUTLERS_", "TELEGRAM_", "ANTHROPIC_"))
+    }
+    return {**env, **extra}
+
+
+class Init(Butlers):
+    """A finished `butlers init` run: its exit code and output."""
+
+    code = -1
+
+
+async def _init(*args: str, env: dict[str, str] | None = None) -> Init:
+    init = Init("init", *args, env=env if env is not None else _env())
+    init.code = await init.run(timeout_s=60)
+    return init
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `root`: mode and content."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mode, p.read_bytes() if p.is_file() else b"")
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _env_file(path: Path) -> dict[str, str | None]:
+    """.env's variables: NAME -> value, or None for a `#NAME=` line (named, not set)."""
+    variables: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        if match := re.fullmatch(r"#([A-Z_][A-Z0-9_]*)=", line):
+            variables[match[1]] = None
+        elif match := re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", line):
+            value = match[2]
+            variables[match[1]] = value[1:-1] if value.startswith("'") else value
+    return variables
+
+
+def _referenced_variables(config_dir: Path) -> set[str]:
+    """The variables the loaded config refers to, and those every fleet reads."""
+    fleet = load_config_dir(config_dir)
+    names = {"BUTLERS_AUTH_TOKEN", "ANTHROPIC_API_KEY"}
+    for butler in fleet.butlers:
+        if butler.telegram is not None:
+            names.add(butler.telegram.token_env)
+        if butler.email is not None:
+            names |= {butler.email.username_env, butler.email.password_env}
+    return names
+
+
+async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only_in_env(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "mine"
+    init = await _init(
+        str(target),
+        "--non-interactive",
+        "--channels",
+        "telegram,email",
+        "--specialists",
+        "--pairing",
+        "--bot-token-env",
+        "MY_BOT_TOKEN",
+        "--owner-chat-id",
+        "4242",
+        "--imap-port",
+        "143",
+        "--timezone",
+        "Europe/Berlin",
+        *EMAIL_FLAGS,
+        env=_env(MY_BOT_TOKEN=SECRET_TOKEN, BUTLERS_EMAIL_PASSWORD=MAIL_PASSWORD),
+    )
+    assert init.code == 0, init.stderr
+
+    fleet = load_config_dir(target)
+    assert fleet.errors == ()
+    assert sorted(b.name for b in fleet.butlers) == sorted(["switchboard", "general", *SPECIALISTS])
+    assert all(b.instructions for b in fleet.butlers)  # every one has its CLAUDE.md
+    switchboard = fleet.switchboard
+    assert switchboard is not None and switchboard.switchboard is not None
+    assert switchboard.telegram is not None and switchboard.email is not None
+    assert switchboard.telegram.token_env == "MY_BOT_TOKEN"
+    assert switchboard.telegram.allowed_chat_ids == ("4242",)
+    assert (switchboard.email.imap_starttls, switchboard.email.imap_ssl) == (True, False)
+    assert switchboard.email.allowed_senders == ("owner@example.com",)
+    owner = switchboard.switchboard.owner
+    assert (owner.telegram_chat_id, owner.email, owner.timezone) == (
+        "4242",
+        "owner@example.com",
+        "Europe/Berlin",
+    )
+    assert switchboard.switchboard.pairing.enabled is True
+    assert {b.port for b in fleet.butlers} == {8100, 8101, 8102, 8103}  # the shipped ports
+
+    env_path = target / ".env"
+    assert stat.S_IMODE(env_path.stat().st_mode) == 0o600
+    variables = _env_file(env_path)
+    assert _referenced_variables(target) <= variables.keys(), variables.keys()
+    assert variables["MY_BOT_TOKEN"] == SECRET_TOKEN  # taken from the environment
+    assert variables["BUTLERS_EMAIL_PASSWORD"] == MAIL_PASSWORD
+    assert variables["BUTLERS_EMAIL_USER"] == "butler@example.com"
+    assert variables["ANTHROPIC_API_KEY"] is None  # named, for the owner to fill in
+    auth_token = variables["BUTLERS_AUTH_TOKEN"]
+    assert auth_token and len(auth_token) >= 32
+    secrets = [SECRET_TOKEN, MAIL_PASSWORD, auth_token]
+    for path in target.rglob("*"):
+        if path.is_file() and path != env_path:
+            text = path.read_text()
+            assert not any(s in text for s in secrets), path
+    assert not any(s in init.stdout + init.stderr for s in secrets)
+    # What to do next, with the one way `up` gets the secrets: the environment.
+    assert f"set -a; . {env_path}; set +a" in init.stdout
+    assert f"butlers doctor --config-dir {target}" in init.stdout
+    assert f"butlers up --config-dir {target}" in init.stdout
+
+
+async def test_env_is_private_even_under_a_permissive_umask(tmp_path: Path) -> None:
+    """.env is created 0600 (not written and then narrowed): under umask 000 too."""
+    target = tmp_path / "open"
+    previous = os.umask(0)
+    try:
+        init = await _init(str(target), "--non-interactive")
+    finally:
+        os.umask(previous)
+    assert init.code == 0, init.stderr
+    assert stat.S_IMODE((target / ".env").stat().st_mode) == 0o600
+
+
+async def test_a_second_init_refuses_and_changes_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "mine"
+    first = await _init(str(target), "--non-interactive", "--owner-chat-id", "1")
+    assert first.code == 0, first.stderr
+    before = _tree(tmp_path)
+
+    again = await _init(str(target), "--non-interactive", "--owner-chat-id", "2", "--specialists")
+    assert again.code == 1
+    assert f"{target} already holds a config" in again.stderr, again.stderr
+    assert "nothing was written" in again.stderr
+    assert "Traceback" not in again.stderr
+    assert _tree(tmp_path) == before  # no file changed, no scratch directory left
+
+    # A config below, or a .env with something in it, counts as a config too.
+    nested = tmp_path / "nested"
+    (nested / "deeper" / "x").mkdir(parents=True)
+    (nested / "deeper" / "x" / "butler.toml").write_text("")
+    only_env = tmp_path / "only-env"
+    only_env.mkdir()
+    (only_env / ".env").write_text("TELEGRAM_BOT_TOKEN=x\n")
+    for directory in (nested, only_env):
+        before = _tree(tmp_path)
+        refused = await _init(str(directory), "--non-interactive")
+        assert refused.code == 1, refused.stdout
+        assert "already holds a config" in refused.stderr
+        assert _tree(tmp_path) == before
+
+
+async def test_init_into_an_existing_empty_directory(tmp_path: Path) -> None:
+    target = tmp_path / "empty"
+    target.mkdir()
+    (target / "README").write_text("mine\n")
+    init = await _init(str(target), "--non-interactive")
+    assert init.code == 0, init.stderr
+    assert load_config_dir(target).errors == ()
+    assert (target / "README").read_text() == "mine\n"
+    assert _names(tmp_path) == ["empty"]  # no scratch left
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("--channels", "sms"), "--channels"),
+        (("--timezone", "Mars/Olympus_Mons"), "--timezone"),
+        (("--owner-chat-id", "12; rm -rf"), "--owner-chat-id"),
+        (("--bot-token-env", "MY TOKEN"), "--bot-token-env"),
+        (("--owner-email", 'a"b@example.com'), "--owner-email"),
+        (("--owner-email", "me@example.com"), "add email to --channels"),
+        (("--channels", "email"), "the email channel needs --imap-host"),
+    ],
+)
+async def test_bad_answers_are_named_and_nothing_is_written(
+    tmp_path: Path, args: tuple[str, ...], named: str
+) -> None:
+    target = tmp_path / "mine"
+    init = await _init(str(target), "--non-interactive", *args)
+    assert init.code == 1, init.stdout
+    assert named in init.stderr, init.stderr
+    assert "Traceback" not in init.stderr
+    assert _names(tmp_path) == []
+
+
+def test_a_config_that_would_not_load_is_not_written(tmp_path: Path) -> None:
+    """The last check before the rename: what init wrote loads, or nothing is in place."""
+    target = tmp_path / "mine"
+    broken = {"switchboard/butler.toml": '[butler]\nname = "switchboard"\nport = "x"\n'}
+    with pytest.raises(CommandError, match="does not load"):
+        write_config(target, broken, "")
+    assert _names(tmp_path) == []
+
+
+def test_toml_strings_survive_any_character() -> None:
+    """Answers end up in TOML: quotes, backslashes and control characters are escaped."""
+    hostile = 'a"b\\c\nd\te\x00f\x1b\x7fg"""\'h ü 😀 = [x]'
+    assert tomllib.loads(f"v = {toml_string(hostile)}")["v"] == hostile
+
+
+def test_the_templates_are_the_shipped_butlers() -> None:
+    """init writes the shipped butlers (config/butlers); the package carries copies."""
+    for template in sorted(TEMPLATES.glob("*/*")):
+        shipped = SHIPPED / template.parent.name / template.name
+        assert template.read_text() == shipped.read_text(), (
+            f"{template} differs from {shipped}: copy it (cp {shipped} {template})"
+        )
+    for name in ("general", *SPECIALISTS):
+        for filename in ("butler.toml", "CLAUDE.md"):
+            assert (TEMPLATES / name / filename).is_file()
+    assert (TEMPLATES / "switchboard" / "CLAUDE.md").is_file()
+
+
+def _port_offset(count: int) -> int:
+    """K such that the written ports 8100.. 8100+count-1, moved by K, are all free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base - 8100
+    raise AssertionError("no block of free ports")
+
+
+async def test_up_starts_what_init_wrote(
+    tmp_path: Path,
+    cli_env: dict[str, str],  # noqa: F811 (the fixture)
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    """init's output, its .env loaded as the printed line does, runs: the switchboard with
+    Telegram (against the fake Bot API) and general."""
+    target = tmp_path / "mine"
+    init = await _init(
+        str(target),
+        "--non-interactive",
+        "--owner-chat-id",
+        "777",
+        "--telegram-api-base-url",
+        bot_api.url,
+        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+    )
+    assert init.code == 0, init.stderr
+    env = {k: v for k, v in cli_env.items() if not k.startswith(("TELEGRAM_", "ANTHROPIC_"))}
+    env.update({k: v for k, v in _env_file(target / ".env").items() if v is not None})
+    offset = _port_offset(2)
+
+    up = Butlers("up", "--config-dir", str(target), "--port-offset", str(offset), "--json", env=env)
+    processes.append(up)
+    await up.start()
+    ready = await up.wait_json()
+    assert {b["name"]: b["status"] for b in ready["butlers"]} == {
+        "switchboard": "running",
+        "general": "running",
+    }, up.stderr
+    headers = {"Authorization": f"Bearer {env['BUTLERS_AUTH_TOKEN']}"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+
+        async def telegram_running() -> bool:
+            url = f"http://127.0.0.1:{8100 + offset}/health"
+            async with session.get(url) as response:
+                assert response.status == 200
+                modules = {m["name"]: m["status"] for m in (await response.json())["modules"]}
+            return modules.get("telegram") == "running"
+
+        await eventually(telegram_running)
+    await bot_api.wait_until(lambda: "getUpdates" in bot_api.calls)  # it polls the bot
+    assert await up.stop(signal.SIGTERM) == 0
+    assert "Traceback" not in up.stderr, up.stderr
+    assert bot_api.token not in up.stderr
+
+
+class Interactive(Butlers):
+    """`butlers init` answering questions on stdin, its stdout read as it comes."""
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            BUTLERS,
+            *self.args,
+            env=self.env,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+
+    def answer(self, *lines: str) -> None:
+        assert self.process and self.process.stdin
+        self.process.stdin.write("".join(f"{line}\n" for line in lines).encode())
+
+    async def wait_stdout(self, pattern: re.Pattern[str], timeout_s: float = 30) -> re.Match[str]:
+        assert self.process and self.process.stdout
+        async with asyncio.timeout(timeout_s):
+            while not (match := pattern.search(self.stdout)):
+                chunk = await self.process.stdout.read(4096)
+                if not chunk:
+                    await self.process.wait()
+                    await self._stderr_task
+                    raise AssertionError(f"init exited:\n{self.stdout}\n{self.stderr}")
+                self.stdout += chunk.decode()
+        return match
+
+    async def finish(self, timeout_s: float = 30) -> int:
+        assert self.process and self.process.stdout
+        async with asyncio.timeout(timeout_s):
+            self.stdout += (await self.process.stdout.read()).decode()
+            code = await self.process.wait()
+            await self._stderr_task
+        return code
+
+
+OWNER, STRANGER, GROUP = 5550001, 5550002, -100777
+
+
+async def test_interactive_init_captures_the_owner_chat_not_a_strangers(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    """The code shown on the terminal, sent by the owner in a private chat, names the owner;
+    a stranger's message first, and the code posted in a group, change nothing."""
+    target = tmp_path / "mine"
+    init = Interactive(
+        "init",
+        str(target),
+        "--telegram-api-base-url",
+        bot_api.url,
+        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+    )
+    processes.append(init)
+    await init.start()
+    # channels, specialists, token variable; then (after the code) pairing and time zone.
+    init.answer("", "n", "", "", "America/New_York")
+    code = (await init.wait_stdout(CODE))[1]
+    assert "@butler_bot" in init.stdout
+
+    stranger = await bot_api.push_text(STRANGER, "hello, let me in: AAAA2222")
+    await bot_api.wait_until(lambda: bot_api.deliveries(stranger) > 0)
+    group_update = bot_api.text_update(GROUP, f"the code is {code}")
+    group_update["message"]["chat"] = {"id": GROUP, "type": "supergroup", "title": "Chat"}
+    [in_group] = await bot_api.push_batch(group_update)
+    await bot_api.wait_until(lambda: bot_api.deliveries(in_group) > 0)
+    assert init.process is not None and init.process.returncode is None  # still waiting
+    owner = await bot_api.push_text(OWNER, f"{code.lower()[:4]} {code.lower()[4:]}")
+    later = await bot_api.push_text(OWNER, "my first real message")
+
+    assert await init.finish() == 0, init.stderr
+    written = tomllib.loads((target / "switchboard" / "butler.toml").read_text())
+    assert written["switchboard"]["owner"]["telegram_chat_id"] == str(OWNER)
+    assert written["modules"]["telegram"]["allowed_chat_ids"] == [str(OWNER)]
+    assert written["switchboard"]["owner"]["timezone"] == "America/New_York"
+    assert written["switchboard"]["pairing"]["enabled"] is False
+    assert _names(target) == [".env", "general", "switchboard"]
+    assert load_config_dir(target).errors == ()
+    assert _env_file(target / ".env")["TELEGRAM_BOT_TOKEN"] == bot_api.token
+    # The updates read up to the code are acknowledged; what came after is left for `up`.
+    assert bot_api.acknowledged(owner)
+    assert not bot_api.acknowledged(later)
+    assert {"chat_id": OWNER, "text": PAIRED_REPLY} in bot_api.sent
+    assert all(s["chat_id"] == OWNER for s in bot_api.sent)  # nothing to the others
+    assert bot_api.token not in init.stdout + init.stderr
+
+
+async def test_ctrl_c_while_waiting_for_the_code_writes_nothing(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    target = tmp_path / "mine"
+    init = Interactive(
+        "init",
+        str(target),
+        "--telegram-api-base-url",
+        bot_api.url,
+        "--specialists",
+        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+    )
+    processes.append(init)
+    await init.start()
+    init.answer("", "")
+    await init.wait_stdout(CODE)
+    await bot_api.wait_until(lambda: "getUpdates" in bot_api.calls)
+    assert init.process is not None
+    init.process.send_signal(signal.SIGINT)
+    assert await init.finish() == 130
+    assert "nothing was written" in init.stderr, init.stderr
+    assert "Traceback" not in init.stderr
+    assert _names(tmp_path) == []
+
+
+async def test_interactive_init_with_stdin_closed_says_so(tmp_path: Path) -> None:
+    init = Interactive("init", str(tmp_path / "mine"), env=_env())
+    await init.start()
+    assert init.process is not None and init.process.stdin is not None
+    init.process.stdin.close()
+    assert await init.finish() == 1
+    assert "stdin is closed" in init.stderr and "--non-interactive" in init.stderr
+    assert _names(tmp_path) == []
+
+
+async def test_an_installed_wheel_writes_the_shipped_butlers(
+    installed: Installed,  # noqa: F811 (the fixture)
+    tmp_path: Path,
+) -> None:
+    """The templates travel in the wheel as package data (pyproject.toml)."""
+    target = tmp_path / "mine"
+    init = InstalledButlers(
+        "init", str(target), "--non-interactive", "--specialists", installed=installed
+    )
+    assert await init.run() == 0, init.stderr
+    fleet = load_config_dir(target)
+    assert fleet.errors == ()
+    assert sorted(b.name for b in fleet.butlers) == sorted(["switchboard", "general", *SPECIALISTS])
+    for name in ("general", *SPECIALISTS):
+        assert (target / name / "CLAUDE.md").read_text() == (
+            SHIPPED / name / "CLAUDE.md"
+        ).read_text()
