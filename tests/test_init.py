@@ -496,3 +496,124 @@ async def test_an_installed_wheel_writes_the_shipped_butlers(
         assert (target / name / "CLAUDE.md").read_text() == (
             SHIPPED / name / "CLAUDE.md"
         ).read_text()
+
+
+async def test_interactive_init_with_a_typed_token_and_mail(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    """A token and a password typed in answer go into .env only; a wrong answer is asked
+    again, saying what was wrong."""
+    target = tmp_path / "mine"
+    init = Interactive("init", str(target), "--telegram-api-base-url", bot_api.url, env=_env())
+    processes.append(init)
+    await init.start()
+    init.answer("telegram,email", "n", "", bot_api.token)
+    code = (await init.wait_stdout(CODE))[1]
+    await bot_api.push_text(OWNER, code)
+    await init.wait_stdout(re.compile("Paired"))
+    init.answer(
+        "imap.example.com",
+        "",
+        "smtp.example.com",
+        "465",
+        "butler@example.com",
+        "",
+        MAIL_PASSWORD,
+        "",
+        "Owner@Example.com",
+        "y",
+        "Mars/Olympus_Mons",
+        "Asia/Tokyo",
+    )
+    assert await init.finish() == 0, init.stderr
+    assert "unknown time zone 'Mars/Olympus_Mons'" in init.stdout
+
+    fleet = load_config_dir(target)
+    assert fleet.errors == ()
+    switchboard = fleet.switchboard
+    assert switchboard is not None and switchboard.switchboard is not None
+    assert switchboard.email is not None and switchboard.telegram is not None
+    assert (switchboard.email.imap_host, switchboard.email.imap_port) == ("imap.example.com", 993)
+    assert (switchboard.email.smtp_port, switchboard.email.smtp_ssl) == (465, True)
+    assert switchboard.email.address == "butler@example.com"
+    assert switchboard.switchboard.owner.email == "owner@example.com"
+    assert switchboard.switchboard.owner.telegram_chat_id == str(OWNER)
+    assert switchboard.switchboard.owner.timezone == "Asia/Tokyo"
+    assert switchboard.switchboard.pairing.enabled is True
+    variables = _env_file(target / ".env")
+    assert variables["TELEGRAM_BOT_TOKEN"] == bot_api.token
+    assert variables["BUTLERS_EMAIL_PASSWORD"] == MAIL_PASSWORD
+    for path in target.rglob("*.toml"):
+        assert bot_api.token not in path.read_text() and MAIL_PASSWORD not in path.read_text()
+    assert bot_api.token not in init.stdout + init.stderr
+    assert MAIL_PASSWORD not in init.stdout + init.stderr
+
+
+async def test_a_token_typed_on_a_terminal_is_not_shown(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    """On a terminal the answers are read as typed (no thread in input()), and the token's
+    echo is off while it is typed."""
+    import pty
+
+    main_fd, terminal_fd = pty.openpty()
+    init = Butlers(
+        "init", str(tmp_path / "mine"), "--telegram-api-base-url", bot_api.url, env=_env()
+    )
+    processes.append(init)
+    init.process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *init.args,
+        env=init.env,
+        cwd=REPO,
+        stdin=terminal_fd,
+        stdout=terminal_fd,
+        stderr=terminal_fd,
+    )
+    os.close(terminal_fd)
+    seen = b""
+
+    async def until(text: bytes) -> None:
+        nonlocal seen
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(30):
+            while text not in seen:
+                readable = asyncio.Event()
+                loop.add_reader(main_fd, readable.set)
+                try:
+                    await readable.wait()
+                finally:
+                    loop.remove_reader(main_fd)
+                try:
+                    seen += os.read(main_fd, 4096)
+                except OSError:  # the terminal closed: the process ended
+                    raise AssertionError(seen.decode(errors="replace")) from None
+
+    try:
+        for prompt, answer in (
+            (b"Channels", b"telegram"),
+            (b"specialists", b"n"),
+            (b"bot token [", b""),
+        ):
+            await until(prompt)
+            os.write(main_fd, answer + b"\n")
+        await until(b"(not shown")
+        os.write(main_fd, bot_api.token.encode() + b"\n")
+        await until(b"@butler_bot")
+        await until(b"Waiting")
+        code = re.search(rb"^\s+([A-Z2-9]{8})\r?$", seen, re.M)
+        assert code, seen
+        await bot_api.push_text(OWNER, code[1].decode())
+        await until(b"Paired")
+        os.write(main_fd, b"n\nUTC\n")
+        async with asyncio.timeout(30):
+            assert await init.process.wait() == 0
+    finally:
+        os.close(main_fd)
+    assert bot_api.token.encode() not in seen, seen  # not echoed
+    assert b"telegram" in seen  # (other answers are)
+    assert _env_file(tmp_path / "mine" / ".env")["TELEGRAM_BOT_TOKEN"] == bot_api.token
