@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import asyncpg
@@ -30,6 +30,11 @@ def storable_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [storable_json(v) for v in value]
     return value
+
+
+SCHEDULE_COLUMNS = (
+    "id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at, routed, once, declared"
+)
 
 
 def _row(record: asyncpg.Record | None) -> dict[str, Any] | None:
@@ -82,7 +87,7 @@ class CoreStore:
     async def schedule_create(
         self,
         name: str,
-        cron: str,
+        cron: str | None,
         prompt: str,
         next_run_at: datetime,
         *,
@@ -90,7 +95,8 @@ class CoreStore:
         routed: bool = False,
     ) -> dict[str, Any] | Literal["full"] | None:
         """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
-        `routed`: created by a session of a routed message (its runs are restricted alike).
+        `cron` None: it runs once, at `next_run_at`, and is then deleted. `routed`: created by
+        a session of a routed message (its runs are restricted alike).
 
         The count and the insert are one transaction under a lock on the table, so two
         concurrent creations cannot both pass the cap.
@@ -101,11 +107,10 @@ class CoreStore:
                 return "full"
             return _row(
                 await conn.fetchrow(
-                    """
-                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed)
-                    VALUES ($1, $2, $3, $4, $5) ON CONFLICT (name) DO NOTHING
-                    RETURNING id, name, cron, prompt, enabled, next_run_at, last_run_at,
-                              created_at, routed
+                    f"""
+                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once)
+                    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL) ON CONFLICT (name) DO NOTHING
+                    RETURNING {SCHEDULE_COLUMNS}
                     """,
                     name,
                     cron,
@@ -117,9 +122,7 @@ class CoreStore:
 
     async def schedule_list(self) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
-            """SELECT id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at,
-                      routed
-               FROM scheduled_tasks ORDER BY name"""
+            f"SELECT {SCHEDULE_COLUMNS} FROM scheduled_tasks ORDER BY next_run_at NULLS LAST, name"
         )
         return [dict(r) for r in rows]
 
@@ -127,25 +130,106 @@ class CoreStore:
         result = await self.pool.execute("DELETE FROM scheduled_tasks WHERE name = $1", name)
         return result == "DELETE 1"
 
-    async def claim_due_tasks(self, now: datetime, next_runs: Any) -> list[dict[str, Any]]:
-        """Take the tasks due at `now` and move each one's next_run_at forward, atomically.
+    async def schedule_ran_once(self, task_id: uuid.UUID) -> None:
+        """A one-shot schedule is gone once its run finished (claimed, it is not due again)."""
+        await self.pool.execute("DELETE FROM scheduled_tasks WHERE id = $1 AND once", task_id)
 
-        `next_runs(cron, now)` computes the following run. Claiming and advancing in one
-        transaction (FOR UPDATE SKIP LOCKED) means two concurrent ticks never run a task twice.
-        A row whose cron cannot be read (written by hand, or by an older version) is disabled
-        and logged, rather than failing the claim of every other task on every tick.
+    async def schedules_declare(
+        self, declared: Sequence[tuple[str, str, str]], next_runs: Callable[[str], datetime]
+    ) -> dict[str, list[str]]:
+        """Make the declared schedules (`[[schedules]]`: name, cron, prompt) what the table
+        holds: new ones created, changed ones updated (a changed cron starts over from now;
+        an unchanged one keeps its next run, so a run missed while down is still seen),
+        declared ones no longer in the file deleted. A schedule a tool made under a declared
+        name becomes the declared one. Those tools made otherwise are left alone."""
+        report: dict[str, list[str]] = {"created": [], "updated": [], "removed": []}
+        names = [name for name, _, _ in declared]
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE")
+            current = {
+                r["name"]: r
+                for r in await conn.fetch(
+                    "SELECT name, cron, prompt, declared FROM scheduled_tasks "
+                    "WHERE declared OR name = ANY($1::text[])",
+                    names,
+                )
+            }
+            for name, cron, prompt in declared:
+                row = current.get(name)
+                if row is None:
+                    await conn.execute(
+                        "INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, declared) "
+                        "VALUES ($1, $2, $3, $4, true)",
+                        name,
+                        cron,
+                        prompt,
+                        next_runs(cron),
+                    )
+                    report["created"].append(name)
+                elif (row["cron"], row["prompt"], row["declared"]) != (cron, prompt, True):
+                    await conn.execute(
+                        """UPDATE scheduled_tasks SET prompt = $3, declared = true,
+                               once = false, routed = false, enabled = true,
+                               next_run_at = CASE WHEN cron IS DISTINCT FROM $2 THEN $4
+                                                  ELSE next_run_at END,
+                               cron = $2
+                           WHERE name = $1""",
+                        name,
+                        cron,
+                        prompt,
+                        next_runs(cron),
+                    )
+                    report["updated"].append(name)
+            gone = [n for n, r in current.items() if r["declared"] and n not in names]
+            if gone:
+                await conn.execute(
+                    "DELETE FROM scheduled_tasks WHERE declared AND name = ANY($1::text[])", gone
+                )
+                report["removed"] = gone
+        return report
+
+    async def claim_due_tasks(
+        self,
+        now: datetime,
+        next_runs: Callable[[str, datetime], datetime],
+        last_due: Callable[[str, datetime], datetime | None],
+        catch_up: timedelta,
+    ) -> list[dict[str, Any]]:
+        """Take the tasks due at `now` and move each one forward, atomically.
+
+        A recurring task runs once however many of its runs were missed, and only if its
+        latest due run (`last_due`) is within `catch_up` (`[runtime] catch_up_hours`: the
+        butler was down); an older one moves on to its next run, logged. A one-shot task
+        always runs, late if need be (`due_at` says when it was due), and is no longer due
+        (the caller deletes it once it ran).
+
+        Claiming and advancing in one transaction (FOR UPDATE SKIP LOCKED) means two
+        concurrent ticks never run a task twice. A row whose cron cannot be read (written by
+        hand, or by an older version) is disabled and logged, rather than failing the claim
+        of every other task on every tick.
         """
         due = []
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                """SELECT id, name, cron, prompt, routed FROM scheduled_tasks
+                """SELECT id, name, cron, prompt, routed, once, next_run_at AS due_at
+                   FROM scheduled_tasks
                    WHERE enabled AND next_run_at <= $1
                    ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED""",
                 now,
             )
             for row in rows:
+                if row["once"]:
+                    await conn.execute(
+                        "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = NULL "
+                        "WHERE id = $1",
+                        row["id"],
+                        now,
+                    )
+                    due.append(dict(row))
+                    continue
                 try:
                     following = next_runs(row["cron"], now)
+                    latest = last_due(row["cron"], now) or row["due_at"]
                 except Exception as exc:
                     logger.error(
                         "schedule %r: cron %r cannot be read (%s); disabled",
@@ -156,6 +240,23 @@ class CoreStore:
                     )
                     await conn.execute(
                         "UPDATE scheduled_tasks SET enabled = false WHERE id = $1", row["id"]
+                    )
+                    continue
+                late = now - max(latest, row["due_at"])
+                if late > catch_up:
+                    logger.warning(
+                        "schedule %r: its run due at %s was missed (%s ago, more than "
+                        "[runtime] catch_up_hours); not run, next run at %s",
+                        row["name"],
+                        latest.isoformat(timespec="minutes"),
+                        str(late).split(".")[0],
+                        following.isoformat(timespec="minutes"),
+                        extra={"action": "schedule_missed"},
+                    )
+                    await conn.execute(
+                        "UPDATE scheduled_tasks SET next_run_at = $2 WHERE id = $1",
+                        row["id"],
+                        following,
                     )
                     continue
                 await conn.execute(

@@ -18,7 +18,9 @@ from croniter import CroniterError, croniter
 from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
+from butlers import schedule_time
 from butlers.approvals import approved_conversation
+from butlers.config import RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
@@ -43,6 +45,8 @@ CRON_NICKNAMES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@mid
 GAP_WINDOW_RUNS = 1000
 GAP_WINDOW = timedelta(days=400)
 MIN_INTERVAL_KEY = "min_schedule_interval_s"
+# A one-time reminder run this long after it was due is told it runs late.
+LATE_AFTER = timedelta(minutes=2)
 RUNS_PER_HOUR_KEY = "max_scheduled_runs_per_hour"
 
 
@@ -119,7 +123,13 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     `ran`, and `skipped` (claimed, not run: past `[runtime] max_scheduled_runs_per_hour`,
     each one logged; the owner is told once an hour)."""
     now = datetime.now(UTC)
-    due = await ctx.store.claim_due_tasks(now, next_run)
+    zone = ctx.config.zone
+    due = await ctx.store.claim_due_tasks(
+        now,
+        lambda cron, after: schedule_time.next_run(cron, after, zone),
+        lambda cron, at: schedule_time.last_due(cron, at, zone),
+        catch_up_window(ctx.config.runtime),
+    )
     cap = ctx.config.runtime.max_scheduled_runs_per_hour
     ran_in_hour = await ctx.store.scheduled_runs_since(1) if cap and due else 0
     ran: list[dict[str, Any]] = []
@@ -137,11 +147,13 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             continue
         ran_in_hour += 1
         outcome = await ctx.spawner.run(
-            task["prompt"],
+            _late_note(task, now, zone) + task["prompt"],
             target=ctx.self_target(),
             trigger_source=f"schedule:{task['name']}",
             routed=task["routed"],  # planted by a routed message's session: restricted alike
         )
+        if task["once"]:
+            await ctx.store.schedule_ran_once(task["id"])
         ran.append(
             {
                 "name": task["name"],
@@ -160,6 +172,40 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             "check its schedules (schedule_list).",
         )
     return {"ran": ran, "skipped": skipped}
+
+
+def catch_up_window(runtime: RuntimeConfig) -> timedelta:
+    """How late a recurring run may still run: `[runtime] catch_up_hours`, but never less
+    than the ticker's own lateness (a tick comes up to `tick_interval_s` after a due time,
+    and catch_up_hours = 0 means "not after downtime", not "never")."""
+    return max(
+        timedelta(hours=runtime.catch_up_hours),
+        timedelta(seconds=2 * runtime.tick_interval_s + 60),
+    )
+
+
+def _late_note(task: dict[str, Any], now: datetime, zone: str) -> str:
+    """A one-shot reminder that runs late says so to its session (the butler was down)."""
+    due_at: datetime = task["due_at"]
+    if not task["once"] or now - due_at < LATE_AFTER:
+        return ""
+    return (
+        f"[This one-time reminder was due at {schedule_time.local_now(zone, due_at)} and "
+        "runs late: the butler was not running then. Say so if you tell anyone.]\n\n"
+    )
+
+
+def _schedule_row(row: dict[str, Any], zone: str) -> dict[str, Any]:
+    """A schedule as `schedule_list` shows it: times in UTC with their offset, and where it
+    came from (`config`: [[schedules]] in butler.toml; `tool`: schedule_create)."""
+    shown = dict(row)
+    shown["id"] = str(shown["id"])
+    shown["origin"] = "config" if row["declared"] else "tool"
+    shown["timezone"] = zone
+    for key in ("next_run_at", "last_run_at", "created_at"):
+        if isinstance(shown.get(key), datetime):
+            shown[key] = shown[key].isoformat()
+    return shown
 
 
 async def database_status(ctx: ButlerContext) -> dict[str, Any]:
@@ -208,8 +254,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return await store.state_list(prefix)
 
     @mcp.tool
-    async def schedule_create(name: str, cron: str, prompt: str) -> dict[str, Any]:
-        """Run `prompt` as a Claude Code session on a cron schedule (UTC, 5 fields)."""
+    async def schedule_create(
+        name: str, prompt: str, cron: str | None = None, at: str | None = None
+    ) -> dict[str, Any]:
+        """Run `prompt` as a Claude Code session on a schedule: `cron` (5 fields, in this
+        butler's time zone, e.g. '0 8 * * *' for 08:00 daily) for a recurring one, or `at`
+        (ISO 8601, e.g. '2026-12-24T09:00'; without an offset it is this butler's local
+        time) for a one-time reminder, deleted once it ran. Exactly one of the two."""
         if not name.strip():
             raise ToolRefusal("schedule name must not be empty")
         if not prompt.strip():
@@ -219,13 +270,27 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal(
                 f"schedule prompt is {size} bytes; the limit is {MAX_SCHEDULE_PROMPT_BYTES}"
             )
-        validate_cron(cron)
-        await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s)
+        if (cron is None) == (at is None):
+            raise ToolRefusal(
+                "give exactly one of cron (a recurring schedule) or at (a one-time reminder)"
+            )
+        zone = ctx.config.zone
+        now = datetime.now(UTC)
+        if cron is not None:
+            validate_cron(cron)
+            await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s)
+            first_run = schedule_time.next_run(cron, now, zone)
+        else:
+            assert at is not None
+            try:
+                first_run = schedule_time.parse_at(at, zone, now)
+            except schedule_time.BadTime as exc:
+                raise ToolRefusal(str(exc)) from None
         task = await store.schedule_create(
             name,
             cron,
             prompt,
-            next_run(cron, datetime.now(UTC)),
+            first_run,
             max_schedules=MAX_SCHEDULES,
             # A session restricted as a routed message's plants a schedule restricted alike.
             routed=bool(ctx.spawner.withheld_tools(session_token())),
@@ -236,12 +301,14 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             )
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
-        return task
+        return _schedule_row(task, zone)
 
     @mcp.tool
     async def schedule_list() -> list[dict[str, Any]]:
-        """Every scheduled task with its cron, prompt and next/last run times."""
-        return await store.schedule_list()
+        """Every scheduled task: its cron (or none: a one-time reminder), prompt, next and
+        last run (UTC, with offset), and origin (`config`: declared in butler.toml)."""
+        zone = ctx.config.zone
+        return [_schedule_row(row, zone) for row in await store.schedule_list()]
 
     @mcp.tool
     async def schedule_delete(name: str) -> dict[str, Any]:

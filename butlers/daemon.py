@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -248,6 +249,7 @@ class ButlerDaemon:
         if self.switchboard is not None:
             duties = [m for m in self._modules.running if isinstance(m, LeaderDuty)]
             await self.switchboard.start_leadership(self._connect, duties)
+        await self._declare_schedules()
         if config.runtime.tick_interval_s > 0:
             self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
         logger.info(
@@ -374,12 +376,53 @@ class ButlerDaemon:
         finally:
             sock.close()
 
+    async def _declare_schedules(self) -> None:
+        """`[[schedules]]` of butler.toml become the table's declared schedules (created,
+        updated, removed); what tools created stays. A declared cron is held to the same
+        `min_schedule_interval_s` as one a tool makes: refused (logged), not fatal."""
+        from butlers import schedule_time
+        from butlers.core_tools import check_schedule_interval
+        from butlers.tool_errors import ToolRefusal
+
+        assert self.context is not None
+        config = self.config
+        declared = []
+        for schedule in config.schedules:
+            try:
+                await check_schedule_interval(schedule.cron, config.runtime.min_schedule_interval_s)
+            except ToolRefusal as exc:
+                logger.error(
+                    "[[schedules]] %r not created: %s",
+                    schedule.name,
+                    exc,
+                    extra={"action": "schedule_refused"},
+                )
+                continue
+            declared.append((schedule.name, schedule.cron, schedule.prompt))
+        now = datetime.now(UTC)
+        report = await self.context.store.schedules_declare(
+            declared, lambda cron: schedule_time.next_run(cron, now, config.zone)
+        )
+        for change, names in report.items():
+            if names:
+                logger.info(
+                    "declared schedules %s: %s",
+                    change,
+                    ", ".join(names),
+                    extra={"action": "schedules_declared"},
+                )
+
     async def _tick_loop(self) -> None:
+        """Due schedules, first at start (runs missed while down: `catch_up_hours`), then
+        every `tick_interval_s`."""
         assert self.context is not None
         interval = self.config.runtime.tick_interval_s
         pruned_at: float | None = None
+        first = True
         while True:
-            await asyncio.sleep(interval)
+            if not first:
+                await asyncio.sleep(interval)
+            first = False
             try:
                 if pruned_at is None or time.monotonic() - pruned_at >= PRUNE_EVERY_S:
                     pruned_at = time.monotonic()
