@@ -617,3 +617,23 @@ async def test_a_token_typed_on_a_terminal_is_not_shown(
     assert bot_api.token.encode() not in seen, seen  # not echoed
     assert b"telegram" in seen  # (other answers are)
     assert _env_file(tmp_path / "mine" / ".env")["TELEGRAM_BOT_TOKEN"] == bot_api.token
+
+
+async def test_a_token_telegram_rejects_is_said_without_showing_it(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    wrong = "999999:not-the-bots-token_" + "x" * 10
+    init = Interactive(
+        "init", str(tmp_path / "mine"), "--telegram-api-base-url", bot_api.url, env=_env()
+    )
+    processes.append(init)
+    await init.start()
+    init.answer("", "n", "", wrong)
+    assert await init.finish() == 1
+    assert "Telegram rejected the bot token" in init.stderr, init.stderr
+    assert "nothing was written" in init.stderr
+    assert wrong not in init.stdout + init.stderr
+    assert "Traceback" not in init.stderr
+    assert _names(tmp_path) == []
