@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import re
 import ssl
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,6 +39,7 @@ from butlers.http import is_loopback
 
 if TYPE_CHECKING:
     import aioimaplib
+    import aiosmtplib
 
 Security = Literal["implicit", "starttls", "none"]
 TIMEOUT_S = 30.0
@@ -286,8 +287,20 @@ async def smtp_send(
     *,
     context: ssl.SSLContext,
 ) -> None:
-    """Send one message. Log in only when the server offers AUTH (the credentials are the
-    IMAP ones; a local relay has no use for them)."""
+    """Send one message over a new `smtp_session`."""
+    async with smtp_session(server, username, password, context=context) as smtp:
+        await smtp.send_message(message)
+
+
+@contextlib.asynccontextmanager
+async def smtp_session(
+    server: MailServer, username: str, password: str, *, context: ssl.SSLContext
+) -> AsyncIterator[aiosmtplib.SMTP]:
+    """A connection to `server`, EHLO read, TLS as configured, logged in only when the
+    server offers AUTH (the credentials are the IMAP ones; a local relay has no use for
+    them). What the block raises is wrapped as the session's own errors are (MailError);
+    QUIT follows a block that ended well. (`butlers doctor --online` opens one to check the
+    login without sending.)"""
     import aiosmtplib
 
     tls = server.security != "none"
@@ -318,7 +331,7 @@ async def smtp_send(
                 raise MailRefused(
                     f"{server.where} refused the login of {username!r}: {exc.message}"
                 ) from exc
-        await smtp.send_message(message)
+        yield smtp
         with contextlib.suppress(aiosmtplib.SMTPException, OSError, TimeoutError):
             await smtp.quit()  # the mail is taken; a failed goodbye changes nothing
     except aiosmtplib.SMTPRecipientsRefused as exc:

@@ -1,0 +1,296 @@
+"""Checks of what the configs and the environment say, without touching anything else:
+secrets named and set, who can reach the butlers, who can message the bot, mail security."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from butlers.config import CONFIG_FILENAME, ButlerConfig
+from butlers.doctor.report import Check, Subject, fail, ok, warn
+
+TOKEN_VARIABLE = "BUTLERS_AUTH_TOKEN"
+EMAIL_WEBHOOK_VARIABLE = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
+MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def checks(subject: Subject) -> list[Check]:
+    if not subject.butlers:
+        return []
+    found = [*secrets(subject), *exposure(subject)]
+    switchboard = subject.fleet.switchboard
+    if switchboard is not None:
+        found += allowlists(switchboard)
+        found += owner(subject, switchboard)
+        found += mail(switchboard)
+        found += telegram_webhook(subject, switchboard)
+    return found
+
+
+def _file(butler: ButlerConfig) -> str:
+    return str(butler.config_dir / CONFIG_FILENAME) if butler.config_dir else butler.name
+
+
+# -- secrets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Needed:
+    """A variable a config names, and who names it (for the sentence that says so)."""
+
+    name: str
+    why: str
+    required: bool = True  # False: a tool server's pass_env (it may do without)
+
+
+def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
+    """Every variable `butler`'s config needs set: the channel modules' secrets, its tool
+    servers' headers and passed variables, the transcription key."""
+    if butler.telegram is not None:
+        yield Needed(butler.telegram.token_env, f"{butler.name}: [modules.telegram] token_env")
+        if butler.telegram.mode == "webhook":
+            yield Needed(
+                butler.telegram.webhook_secret_env,
+                f"{butler.name}: [modules.telegram] webhook_secret_env (webhook mode)",
+            )
+    if butler.email is not None:
+        for key in ("username_env", "password_env"):
+            yield Needed(getattr(butler.email, key), f"{butler.name}: [modules.email] {key}")
+        if butler.email.mode == "webhook":
+            yield Needed(EMAIL_WEBHOOK_VARIABLE, f"{butler.name}: [modules.email] webhook mode")
+    for server in butler.mcp_servers:
+        for header, variable in server.headers_env.items():
+            yield Needed(variable, f"{butler.name}: [[mcp_servers]] {server.name} header {header}")
+        for variable in server.pass_env:
+            yield Needed(
+                variable, f"{butler.name}: [[mcp_servers]] {server.name} pass_env", required=False
+            )
+    # Voice notes (issue 27's [switchboard.transcription]), where this version has it.
+    transcription = getattr(butler.switchboard, "transcription", None)
+    api_key_env = getattr(transcription, "api_key_env", None)
+    if isinstance(api_key_env, str) and api_key_env:
+        yield Needed(api_key_env, f"{butler.name}: [switchboard.transcription] api_key_env")
+
+
+def secrets(subject: Subject) -> list[Check]:
+    needed = [n for b in subject.butlers for n in needed_variables(b)]
+    missing = [n for n in needed if n.required and subject.variable(n.name) is None]
+    optional = [n for n in needed if not n.required and subject.variable(n.name) is None]
+    found: list[Check] = []
+    if missing:
+        names = sorted({n.name for n in missing})
+        listed = "; ".join(f"{n.name} ({n.why})" for n in missing)
+        found.append(fail("secrets", f"not set: {listed}; {subject.where_to_set(*names)}"))
+    else:
+        names = sorted({n.name for n in needed if n.required})
+        found.append(
+            ok("secrets", f"set: {', '.join(names)}" if names else "no config names a secret")
+        )
+    if optional:
+        listed = "; ".join(f"{n.name} ({n.why})" for n in optional)
+        found.append(warn("pass-env", f"not set, so those tool servers run without them: {listed}"))
+    return found
+
+
+# -- exposure ---------------------------------------------------------------------------------
+
+
+def exposure(subject: Subject) -> list[Check]:
+    """A butler listening beyond this machine without a (long enough) token hands every tool
+    to whoever reaches the port: the daemon refuses to start so, and says it here first."""
+    from butlers.http import MIN_TOKEN_CHARS, is_loopback
+
+    token = subject.variable(TOKEN_VARIABLE)
+    exposed = [b for b in subject.butlers if not is_loopback(b.host)]
+    where = ", ".join(f"{b.name} on {b.host}:{b.port}" for b in exposed)
+    found: list[Check] = []
+    if not exposed:
+        found.append(ok("bind", "every butler listens on loopback only"))
+    elif token is None:
+        found.append(
+            fail(
+                "bind",
+                f"{where} (beyond this machine) without {TOKEN_VARIABLE}: anyone who reaches "
+                f"the port gets every tool, and the butler refuses to start; "
+                f"{subject.where_to_set(TOKEN_VARIABLE)} (make one with {MAKE_TOKEN}), or set "
+                'host = "127.0.0.1" and put a reverse proxy in front',
+            )
+        )
+    else:
+        found.append(ok("bind", f"{where}, guarded by {TOKEN_VARIABLE}"))
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        short = (
+            f"{TOKEN_VARIABLE} has {len(token)} characters, under {MIN_TOKEN_CHARS}: it could "
+            f"be guessed (make one with {MAKE_TOKEN})"
+        )
+        if exposed:
+            found.append(fail("auth-token", f"{short}; the butlers beyond loopback refuse it"))
+        else:
+            found.append(warn("auth-token", f"{short}; the dashboard's sign-in takes it"))
+    elif token is not None:
+        found.append(ok("auth-token", f"{TOKEN_VARIABLE} is set ({len(token)} characters)"))
+    return found
+
+
+# -- who can message the bot ------------------------------------------------------------------
+
+
+def allowlists(switchboard: ButlerConfig) -> list[Check]:
+    assert switchboard.switchboard is not None
+    pairing = switchboard.switchboard.pairing.enabled
+    found: list[Check] = []
+    channels = []
+    if switchboard.telegram is not None:
+        channels.append(
+            ("telegram-allowlist", "allowed_chat_ids", switchboard.telegram.allowed_chat_ids)
+        )
+    if switchboard.email is not None:
+        channels.append(("email-allowlist", "allowed_senders", switchboard.email.allowed_senders))
+    for name, key, allowed in channels:
+        module = "telegram" if key == "allowed_chat_ids" else "email"
+        if "*" in allowed:
+            found.append(
+                warn(
+                    name,
+                    f'{key} = ["*"]: anyone who finds the {module} address can use your '
+                    f"butlers (and your Anthropic account); list the senders instead, or "
+                    f"enable [switchboard.pairing] in {_file(switchboard)}",
+                )
+            )
+        elif not allowed and not pairing:
+            who = "bot" if module == "telegram" else "mailbox"
+            what = "chat id" if module == "telegram" else "address"
+            found.append(
+                warn(
+                    name,
+                    f"nobody can message the {who}; add your {what} to {key} under "
+                    f"[modules.{module}] in {_file(switchboard)}, or enable pairing "
+                    "([switchboard.pairing] enabled = true)",
+                )
+            )
+        elif not allowed:
+            found.append(ok(name, f"{key} is empty; unknown senders get a pairing code"))
+        else:
+            extra = " (pairing on for others)" if pairing else ""
+            found.append(ok(name, f"{len(allowed)} allowed in {key}{extra}"))
+    return found
+
+
+def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
+    """`notify` (reminders) and approval requests go to the owner when no conversation is
+    active: with no owner they reach nobody."""
+    assert switchboard.switchboard is not None
+    if switchboard.switchboard.owner.channels():
+        where = ", ".join(c for c, _ in switchboard.switchboard.owner.channels())
+        return [ok("owner", f"[switchboard.owner] reachable by {where}")]
+    users = [
+        b.name
+        for b in subject.butlers
+        if "notify" in (b.instructions or "")
+        or b.approvals.tools
+        or any(s.approval for s in b.mcp_servers)
+    ]
+    if not users:
+        return [ok("owner", "no [switchboard.owner]; no butler's instructions use notify")]
+    return [
+        warn(
+            "owner",
+            f"no [switchboard.owner] telegram_chat_id or email, while {', '.join(users)} "
+            f"notify the owner (reminders, approvals): they would reach nobody; set them in "
+            f"{_file(switchboard)}",
+        )
+    ]
+
+
+# -- mail -------------------------------------------------------------------------------------
+
+
+def mail(switchboard: ButlerConfig) -> list[Check]:
+    from butlers.modules.mail_transport import MailServer, plaintext_login_refusal, security
+
+    email = switchboard.email
+    if email is None:
+        return []
+    servers = [
+        MailServer(
+            "SMTP", email.smtp_host, email.smtp_port, security(email.smtp_ssl, email.smtp_starttls)
+        )
+    ]
+    if email.mode != "webhook":  # a webhook brings the mail: no IMAP
+        servers.insert(
+            0,
+            MailServer(
+                "IMAP",
+                email.imap_host,
+                email.imap_port,
+                security(email.imap_ssl, email.imap_starttls),
+            ),
+        )
+    found: list[Check] = []
+    problems = []
+    for server in servers:
+        if not server.host:
+            problems.append(
+                f"{server.protocol.lower()}_host is not set under [modules.email] in "
+                f"{_file(switchboard)}"
+            )
+        elif why := plaintext_login_refusal(server):
+            problems.append(why)
+    if problems:
+        found.append(fail("mail-tls", "; ".join(problems)))
+    else:
+        said = {"implicit": "implicit TLS", "starttls": "STARTTLS", "none": "no TLS (loopback)"}
+        found.append(
+            ok(
+                "mail-tls",
+                ", ".join(f"{s.where} over {said[s.security]}" for s in servers),
+            )
+        )
+    if email.require_authentication_results:
+        found.append(
+            ok(
+                "mail-authentication-results",
+                f"only mail with dmarc=pass from {email.require_authentication_results!r} counts",
+            )
+        )
+    else:
+        found.append(
+            warn(
+                "mail-authentication-results",
+                "require_authentication_results is unset: a forged From of an allowed address "
+                "gets in (the From header alone proves nothing); set it under [modules.email] "
+                f"in {_file(switchboard)} to your mail server's authserv-id (docs/security.md)",
+            )
+        )
+    return found
+
+
+def telegram_webhook(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
+    telegram = switchboard.telegram
+    if telegram is None or telegram.mode != "webhook":
+        return []
+    from butlers.modules.telegram import WEBHOOK_SECRET
+
+    secret = subject.variable(telegram.webhook_secret_env)
+    if secret is not None and not WEBHOOK_SECRET.fullmatch(secret):
+        return [
+            fail(
+                "telegram-webhook",
+                f"{telegram.webhook_secret_env} must be 1-256 characters of A-Z, a-z, 0-9, _ "
+                "and - (Telegram's rule): make a new one",
+            )
+        ]
+    if not telegram.webhook_url:
+        return [
+            warn(
+                "telegram-webhook",
+                "webhook mode without webhook_url: nothing registers the webhook with "
+                'Telegram; set webhook_url = "https://<your host>/telegram/webhook" under '
+                f"[modules.telegram] in {_file(switchboard)}, or register it yourself",
+            )
+        ]
+    if not telegram.webhook_url.startswith("https://"):  # the config refuses it; said anyway
+        return [
+            fail("telegram-webhook", f"{telegram.webhook_url} is not https: Telegram requires it")
+        ]
+    return [ok("telegram-webhook", f"registered at start: {telegram.webhook_url}")]

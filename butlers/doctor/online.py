@@ -1,0 +1,386 @@
+"""`--online`: ask the servers the fleet depends on whether they take our credentials.
+
+Every check runs at once, each within the subject's timeout: a server that never answers
+is a `fail` saying so, and holds up nothing else. Errors are described from what we know
+(the variable's name, the server's address, the HTTP status and the API's error type), never
+from a library's exception text alone where it could quote a credential (python-telegram-bot
+names the token; the report is redacted on top of that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from butlers.doctor.local import CREDENTIAL_VARIABLES, claude_binary, claude_login
+from butlers.doctor.report import ENV_FILE, Check, Subject, fail, ok, warn
+
+if TYPE_CHECKING:
+    from butlers.config import EmailConfig, TelegramConfig
+
+DEFAULT_ANTHROPIC_URL = "https://api.anthropic.com"
+ANTHROPIC_VERSION = "2023-06-01"
+# The smallest request that proves a key: one token of the cheapest model.
+PROBE_MODEL = "claude-haiku-4-5"
+
+
+async def checks(subject: Subject) -> list[Check]:
+    probes: list[tuple[str, Callable[[], Awaitable[list[Check]]]]] = []
+    switchboard = subject.fleet.switchboard
+    if switchboard is not None and switchboard.telegram is not None:
+        telegram = switchboard.telegram
+        if subject.variable(telegram.token_env) is not None:
+            probes.append(("telegram", lambda: _telegram(subject, telegram)))
+    if switchboard is not None and switchboard.email is not None:
+        email = switchboard.email
+        names = (email.username_env, email.password_env)
+        if all(subject.variable(n) for n in names):
+            if email.mode != "webhook":
+                probes.append(("imap", lambda: _imap(subject, email)))
+            probes.append(("smtp", lambda: _smtp(subject, email)))
+    probes.append(("anthropic", lambda: _anthropic(subject)))
+    endpoints = await _endpoints(subject)
+    for name, url in endpoints.items():
+        probes.append((f"health.{name}", functools.partial(_health, subject, name, url)))
+    results = await asyncio.gather(*(_bounded(subject, name, probe) for name, probe in probes))
+    return [check for found in results for check in found]
+
+
+async def _bounded(
+    subject: Subject, name: str, probe: Callable[[], Awaitable[list[Check]]]
+) -> list[Check]:
+    """One probe within the timeout; whatever it raises becomes its `fail`."""
+    try:
+        async with asyncio.timeout(subject.timeout_s):
+            return await probe()
+    except TimeoutError:
+        return [fail(name, f"no answer within {subject.timeout_s:g} s: is the server reachable?")]
+    except Exception as exc:
+        return [fail(name, f"{type(exc).__name__}: {exc}")]
+
+
+# -- Telegram ---------------------------------------------------------------------------------
+
+
+async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
+    """getMe proves the token; getWebhookInfo says whether Telegram's idea of the mode
+    matches ours."""
+    from telegram import Bot
+    from telegram.error import InvalidToken, TelegramError
+
+    from butlers.modules.telegram import TOKEN_REFUSALS
+
+    token = subject.variable(config.token_env)
+    assert token is not None
+    base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
+    bot = Bot(token, base_url=f"{base}/bot", base_file_url=f"{base}/file/bot")
+    try:
+        try:
+            me = await bot.get_me()
+        except InvalidToken as exc:
+            # Never the exception's own text: python-telegram-bot's names the token.
+            described = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            said = TOKEN_REFUSALS.get(getattr(described, "message", ""), "refused")
+            return [
+                fail(
+                    "telegram",
+                    f"Telegram rejected the bot token in {config.token_env} ({said}): copy the "
+                    "token from @BotFather again",
+                )
+            ]
+        except TelegramError as exc:
+            return [
+                fail(
+                    "telegram", f"the Bot API at {base} did not answer getMe: {type(exc).__name__}"
+                )
+            ]
+        found = [ok("telegram", f"the token in {config.token_env} is @{me.username}'s")]
+        try:
+            info = await bot.get_webhook_info()
+        except TelegramError as exc:
+            return [
+                *found,
+                warn("telegram-webhook-info", f"getWebhookInfo failed: {type(exc).__name__}"),
+            ]
+        found.append(_webhook_state(config, info.url or "", info.last_error_message))
+        return found
+    finally:
+        await bot.shutdown()
+
+
+def _webhook_state(config: TelegramConfig, registered: str, last_error: str | None) -> Check:
+    name = "telegram-webhook-info"
+    if config.mode == "polling":
+        if registered:
+            return warn(
+                name,
+                f'a webhook is registered ({registered}) though mode = "polling": Telegram '
+                "gives getUpdates nothing while it is set; `butlers up` deletes it at start, "
+                "but if another program set it, they will take turns: stop the other program",
+            )
+        return ok(name, "no webhook registered: polling works")
+    if config.webhook_url and registered != config.webhook_url:
+        return fail(
+            name,
+            f"Telegram sends updates to {registered or 'nowhere (no webhook)'}, not to "
+            f"webhook_url {config.webhook_url}: restart `butlers up`, which registers it, and "
+            "check that no other program sets this bot's webhook",
+        )
+    if not registered:
+        return fail(name, "webhook mode but no webhook registered: set webhook_url")
+    if last_error:
+        return warn(name, f"{registered}: Telegram's last delivery failed ({last_error})")
+    return ok(name, f"Telegram sends updates to {registered}")
+
+
+# -- mail -------------------------------------------------------------------------------------
+
+
+def _servers(config: EmailConfig) -> dict[str, Any]:
+    from butlers.modules.mail_transport import MailServer, security
+
+    return {
+        "IMAP": MailServer(
+            "IMAP",
+            config.imap_host,
+            config.imap_port,
+            security(config.imap_ssl, config.imap_starttls),
+        ),
+        "SMTP": MailServer(
+            "SMTP",
+            config.smtp_host,
+            config.smtp_port,
+            security(config.smtp_ssl, config.smtp_starttls),
+        ),
+    }
+
+
+def _mail_fix(config: EmailConfig) -> str:
+    return f"check {config.username_env} and {config.password_env}, and the host and port"
+
+
+async def _imap(subject: Subject, config: EmailConfig) -> list[Check]:
+    from butlers.errors import MailError
+    from butlers.modules.mail_transport import imap_close, imap_connect, tls_context
+
+    server = _servers(config)["IMAP"]
+    username, password = (
+        subject.variable(config.username_env),
+        subject.variable(config.password_env),
+    )
+    assert username is not None and password is not None
+    try:
+        client = await imap_connect(
+            server, username, password, context=tls_context(), on_lost=lambda _: None
+        )
+    except MailError as exc:
+        return [fail("imap", f"{exc}; {_mail_fix(config)}")]
+    await imap_close(client)
+    return [ok("imap", f"{server.where}: logged in as {username}")]
+
+
+async def _smtp(subject: Subject, config: EmailConfig) -> list[Check]:
+    from butlers.errors import MailError
+    from butlers.modules.mail_transport import smtp_session, tls_context
+
+    server = _servers(config)["SMTP"]
+    username, password = (
+        subject.variable(config.username_env),
+        subject.variable(config.password_env),
+    )
+    assert username is not None and password is not None
+    try:
+        async with smtp_session(server, username, password, context=tls_context()) as smtp:
+            logged_in = smtp.supports_extension("auth")
+    except MailError as exc:
+        return [fail("smtp", f"{exc}; {_mail_fix(config)}")]
+    how = f"logged in as {username}" if logged_in else "a relay without AUTH: no login"
+    return [ok("smtp", f"{server.where}: EHLO answered, {how}")]
+
+
+# -- Claude Code's credentials ----------------------------------------------------------------
+
+
+async def _anthropic(subject: Subject) -> list[Check]:
+    """One Messages API request of one token with the key sessions would use; without a key
+    but with a login, Claude Code's own `auth status`."""
+    key = subject.variable("ANTHROPIC_API_KEY")
+    bearer = subject.variable("ANTHROPIC_AUTH_TOKEN")
+    if key is None and bearer is None:
+        return [await _claude_auth_status(subject)]
+    import aiohttp
+
+    base = (subject.variable("ANTHROPIC_BASE_URL") or DEFAULT_ANTHROPIC_URL).rstrip("/")
+    url = f"{base}/v1/messages"
+    variable = "ANTHROPIC_API_KEY" if key is not None else "ANTHROPIC_AUTH_TOKEN"
+    headers = {"anthropic-version": ANTHROPIC_VERSION, "content-type": "application/json"}
+    if key is not None:
+        headers["x-api-key"] = key
+    else:
+        headers["authorization"] = f"Bearer {bearer}"
+    body = {
+        "model": PROBE_MODEL,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "ping"}],
+    }
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(url, json=body, headers=headers) as response,
+        ):
+            status = response.status
+            text = await response.text()
+    except aiohttp.ClientError as exc:
+        return [
+            fail(
+                "anthropic",
+                f"cannot reach {url}: {type(exc).__name__}; check the network "
+                "(and ANTHROPIC_BASE_URL, HTTPS_PROXY)",
+            )
+        ]
+    return [_judge(url, variable, status, text)]
+
+
+def _judge(url: str, variable: str, status: int, text: str) -> Check:
+    error: dict[str, Any] = {}
+    try:
+        answer = json.loads(text)
+        if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            error = answer["error"]
+    except ValueError:
+        pass
+    kind = str(error.get("type") or "")
+    message = str(error.get("message") or "")[:200]
+    said = f"{status} {kind}".strip()
+    if status == 200:
+        return ok("anthropic", f"{url} accepted {variable}")
+    if status == 401:
+        return fail("anthropic", f"invalid key: {url} refused {variable} ({said}); set a valid one")
+    if status == 403:
+        return fail(
+            "anthropic", f"{url} refused {variable} ({said}: {message}); check its permissions"
+        )
+    if "credit balance" in message.lower() or "quota" in message.lower():
+        return fail(
+            "anthropic",
+            f"quota exhausted: {url} said {said} to {variable}: {message}; add credits to that "
+            "account",
+        )
+    if status == 429:
+        return fail(
+            "anthropic",
+            f"rate limited or out of quota: {url} said {said} to {variable}: {message}; wait, "
+            "or raise the account's limits",
+        )
+    if status == 404 and kind == "not_found_error":
+        return ok("anthropic", f"{url} accepted {variable} (the probe's model is unknown there)")
+    if status in (500, 502, 503, 529):
+        return warn("anthropic", f"{url} is having trouble ({said}); try again later")
+    return fail("anthropic", f"{url} answered {said} to {variable}: {message}")
+
+
+async def _claude_auth_status(subject: Subject) -> Check:
+    """Claude Code's own `auth status` (no request is sent), in the environment a session
+    would have: who is logged in, or nobody."""
+    from butlers.environment import claude_code_keeps
+
+    binary = claude_binary(subject.environ)
+    if binary is None:
+        return fail("anthropic", "no Claude Code binary to ask (see claude-code)")
+    environ = {k: v for k, v in subject.environ.items() if claude_code_keeps(k, subject.environ)}
+    environ["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    process = await asyncio.create_subprocess_exec(
+        binary,
+        "auth",
+        "status",
+        "--json",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env=environ,
+    )
+    try:
+        output, _ = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    try:
+        status = json.loads(output)
+    except ValueError:
+        status = {}
+    if isinstance(status, dict) and status.get("loggedIn"):
+        method = status.get("authMethod") or "a login"
+        expires = status.get("loginExpiresAt")
+        until = f", until {expires}" if expires else ""
+        return ok("anthropic", f"Claude Code is logged in ({method}{until}); no key to try")
+    login = claude_login(subject.environ)
+    where = f" (found {login})" if login else ""
+    env_file = subject.env_file or subject.config_dir / ENV_FILE
+    return fail(
+        "anthropic",
+        f"Claude Code says it is not logged in{where}: set {CREDENTIAL_VARIABLES[0]} in "
+        f"{env_file}, or log in with {binary} /login",
+    )
+
+
+# -- the butlers ------------------------------------------------------------------------------
+
+
+async def _endpoints(subject: Subject) -> dict[str, str]:
+    """Each butler's MCP endpoint: the config directory's, then the registry's (when the
+    switchboard's database answered the database check)."""
+    endpoints = {b.name: b.endpoint_url for b in subject.butlers}
+    switchboard = subject.fleet.switchboard
+    dsn = subject.dsn.get(switchboard.database) if switchboard is not None else None
+    if dsn is None:
+        return endpoints
+    import asyncpg
+
+    try:
+        conn = await asyncio.wait_for(asyncpg.connect(dsn), subject.timeout_s)
+        try:
+            rows = await conn.fetch("SELECT name, endpoint_url FROM butler_registry")
+        finally:
+            await conn.close()
+    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return endpoints
+    for row in rows:
+        endpoints.setdefault(row["name"], row["endpoint_url"])
+    return endpoints
+
+
+async def _health(subject: Subject, name: str, endpoint_url: str) -> list[Check]:
+    import aiohttp
+
+    from butlers.dashboard.fleet import health_url
+
+    url = health_url(endpoint_url)
+    check = f"health.{name}"
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            status = response.status
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return [warn(check, f"nothing answers at {url}: start it with `butlers up`")]
+    if not isinstance(body, dict):
+        return [fail(check, f"{url} answered {status} without a butler's JSON: another program?")]
+    failed, skipped = [], []
+    for module in body.get("modules") or []:
+        if isinstance(module, dict):
+            said = f"{module.get('name')} ({module.get('detail') or module.get('status')})"
+            if module.get("status") == "failed":
+                failed.append(said)
+            elif module.get("status") == "skipped":
+                skipped.append(said)
+    if status != 200:
+        database = body.get("database")
+        return [fail(check, f"{url} answered {status}: not ready (database: {database})")]
+    if failed:
+        return [fail(check, f"{url}: modules failed: {'; '.join(failed)}")]
+    if skipped:
+        return [warn(check, f"{url}: modules skipped: {'; '.join(skipped)}")]
+    return [ok(check, f"{url}: ready")]

@@ -1,0 +1,526 @@
+"""`butlers doctor`: each check against the real thing it looks at (a subprocess of the real
+command for the CLI's shape, real ports, a real PostgreSQL, the bundled Claude Code, the fake
+Bot API, pymap and aiosmtpd on loopback), and never a secret in what it prints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from butlers.doctor.report import Check, examine
+from butlers.settings import Settings
+from tests.conftest import free_port, write_butler_dir
+from tests.fakes import serve_on_loopback
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.mail import SmtpServer, pymap_server
+from tests.test_cli import copy_shipped_config
+
+REPO = Path(__file__).resolve().parent.parent
+BUTLERS = str(Path(sys.executable).parent / "butlers")
+LINE = re.compile(r"^(ok|warn|fail) +(\S+) +(\S.*)$")
+TOKEN_OK = "x" * 32
+
+
+def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A user with an empty home, data of their own, and nothing of the host's setup."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "LC_ALL": "C.UTF-8",
+        "BUTLERS_DATA_DIR": str(tmp_path / "data"),
+        **extra,
+    }
+
+
+def fleet_dir(
+    root: Path,
+    *,
+    telegram: str | None = None,
+    email: str | None = None,
+    switchboard: str = "",
+    host: str | None = None,
+) -> Path:
+    """A config directory: `general` and a switchboard with the given module tables."""
+    config = root / "butlers"
+    host_line = f'host = "{host}"\n' if host else ""
+    write_butler_dir(config, "general", free_port(), extra=host_line)
+    extra = host_line
+    if telegram is not None:
+        extra += f"[modules.telegram]\n{telegram}\n"
+    if email is not None:
+        extra += f"[modules.email]\n{email}\n"
+    extra += f"[switchboard]\n{switchboard}\n"
+    write_butler_dir(config, "switchboard", free_port(), extra=extra)
+    return config
+
+
+async def doctor(
+    config_dir: Path, environ: dict[str, str], *, online: bool = False, timeout_s: float = 10
+) -> dict[str, Check]:
+    """doctor's checks, in process, by name."""
+    findings = await examine(
+        config_dir, Settings.from_environ(environ), online=online, timeout_s=timeout_s
+    )
+    return {check.name: check for check in findings.checks}
+
+
+async def doctor_cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """`butlers doctor ARGS` as a user runs it: exit code, stdout, stderr."""
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        "doctor",
+        *args,
+        env=env,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+async def test_the_shipped_config_passes_offline(tmp_path: Path) -> None:
+    """With its secrets set, the shipped config directory passes: warnings (nobody allowed
+    yet, no owner, the database not started) but no failure, so exit 0; one line per check."""
+    config = tmp_path / "butlers"
+    copy_shipped_config(config)
+    secrets = {
+        "TELEGRAM_BOT_TOKEN": f"123456:{uuid.uuid4().hex}",
+        "BUTLERS_EMAIL_USER": "butler@example.com",
+        "BUTLERS_EMAIL_PASSWORD": f"pw-{uuid.uuid4().hex}",
+        "ANTHROPIC_API_KEY": f"sk-ant-{uuid.uuid4().hex}",
+    }
+    code, out, err = await doctor_cli(
+        "--config-dir", str(config), env=base_env(tmp_path, **secrets)
+    )
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert all(LINE.match(line) for line in lines), out
+    statuses = {LINE.match(line).group(2): LINE.match(line).group(1) for line in lines}  # type: ignore[union-attr]
+    assert statuses["config"] == statuses["secrets"] == statuses["claude-credentials"] == "ok"
+    assert statuses["telegram-allowlist"] == "warn" and statuses["database"] == "warn"
+    assert "fail" not in statuses.values(), out
+    for secret in secrets.values():
+        assert secret not in out + err
+
+
+async def test_json_prints_exactly_the_checks(tmp_path: Path) -> None:
+    config = tmp_path / "butlers"
+    copy_shipped_config(config)
+    code, out, _ = await doctor_cli("--config-dir", str(config), "--json", env=base_env(tmp_path))
+    report = json.loads(out)
+    assert list(report) == ["checks"]
+    assert report["checks"], report
+    for check in report["checks"]:
+        assert list(check) == ["name", "status", "detail"]
+        assert check["status"] in ("ok", "warn", "fail") and check["detail"]
+    failed = {c["name"] for c in report["checks"] if c["status"] == "fail"}
+    # No secrets and no Claude credentials in this environment: those two fail, exit 1.
+    assert failed == {"secrets", "claude-credentials"}, report
+    assert code == 1
+
+
+async def test_a_missing_config_directory_fails_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "butlers"
+    code, out, err = await doctor_cli("--config-dir", str(missing), env=base_env(tmp_path))
+    assert code == 1
+    [line] = [line for line in out.splitlines() if line.split()[1] == "config"]
+    assert line.startswith("fail")
+    assert str(missing) in line and "does not exist" in line and "butlers init" in line
+    assert "Traceback" not in err, err
+
+
+async def test_a_broken_butler_toml_is_named_with_its_error(tmp_path: Path) -> None:
+    config = fleet_dir(tmp_path)
+    (config / "general" / "butler.toml").write_text(
+        '[butler]\nname = "general"\nport = 8101\nprot = 1\n'
+    )
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    broken = checks["config.general"]
+    assert broken.status == "fail"
+    assert str(config / "general" / "butler.toml") in broken.detail and "prot" in broken.detail
+
+
+# -- secrets and exposure ---------------------------------------------------------------------
+
+
+async def test_a_butler_beyond_loopback_without_a_token_fails(tmp_path: Path) -> None:
+    config = fleet_dir(tmp_path, host="0.0.0.0")
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
+    checks = await doctor(config, env)
+    assert checks["bind"].status == "fail"
+    assert "BUTLERS_AUTH_TOKEN" in checks["bind"].detail and "0.0.0.0" in checks["bind"].detail
+    # A short token: the butler would refuse it, so doctor fails it too.
+    checks = await doctor(config, {**env, "BUTLERS_AUTH_TOKEN": "short-token"})
+    assert checks["bind"].status == "ok" and checks["auth-token"].status == "fail"
+    assert "11 characters" in checks["auth-token"].detail
+    checks = await doctor(config, {**env, "BUTLERS_AUTH_TOKEN": TOKEN_OK})
+    assert checks["bind"].status == checks["auth-token"].status == "ok"
+    # Also when the host comes from BUTLERS_HOST (what docker compose sets).
+    checks = await doctor(fleet_dir(tmp_path / "b"), {**env, "BUTLERS_HOST": "0.0.0.0"})
+    assert checks["bind"].status == "fail"
+
+
+async def test_the_env_file_is_read_and_must_be_private(tmp_path: Path) -> None:
+    """The variables of <config dir>/.env count (the environment still wins); a .env others
+    can read fails, naming the fix."""
+    config = fleet_dir(tmp_path, telegram='allowed_chat_ids = ["1"]')
+    env_file = config / ".env"
+    env_file.write_text("TELEGRAM_BOT_TOKEN=123:from-the-file\nANTHROPIC_API_KEY=sk-from-file\n")
+    env_file.chmod(0o644)
+    checks = await doctor(config, base_env(tmp_path))
+    assert checks["secrets"].status == "ok", checks["secrets"]
+    assert checks["claude-credentials"].status == "ok"
+    assert str(env_file) in checks["claude-credentials"].detail
+    permissions = checks["env-file-permissions"]
+    assert permissions.status == "fail" and f"chmod 600 {env_file}" in permissions.detail
+    env_file.chmod(0o600)
+    checks = await doctor(config, base_env(tmp_path))
+    assert checks["env-file-permissions"].status == "ok"
+    # What only the file sets, `butlers up` does not see: said.
+    assert checks["env-file"].status == "warn" and "TELEGRAM_BOT_TOKEN" in checks["env-file"].detail
+    checks = await doctor(
+        config, base_env(tmp_path, TELEGRAM_BOT_TOKEN="1:env", ANTHROPIC_API_KEY="sk-env")
+    )
+    assert checks["env-file"].status == "ok"
+
+
+async def test_a_missing_secret_fails_naming_the_variable_and_who_needs_it(tmp_path: Path) -> None:
+    config = fleet_dir(tmp_path, telegram='token_env = "MY_BOT_TOKEN"\nallowed_chat_ids = ["1"]')
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["secrets"].status == "fail"
+    assert "MY_BOT_TOKEN (switchboard: [modules.telegram] token_env)" in checks["secrets"].detail
+    assert str(config / ".env") in checks["secrets"].detail
+
+
+async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
+    config = fleet_dir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["data-dir"].status == "warn" and f"chmod 700 {data}" in checks["data-dir"].detail
+    data.chmod(0o700)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["data-dir"].status == "ok"
+
+
+# -- who can write, and mail ------------------------------------------------------------------
+
+
+async def test_empty_allowlists_warn_unless_pairing_is_on(tmp_path: Path) -> None:
+    email = (
+        'imap_host = "127.0.0.1"\nsmtp_host = "127.0.0.1"\nrequire_authentication_results = "mx"'
+    )
+    env = base_env(
+        tmp_path,
+        ANTHROPIC_API_KEY="sk-x",
+        TELEGRAM_BOT_TOKEN="1:t",
+        BUTLERS_EMAIL_USER="u",
+        BUTLERS_EMAIL_PASSWORD="p",
+    )
+    checks = await doctor(fleet_dir(tmp_path / "off", telegram="", email=email), env)
+    assert checks["telegram-allowlist"].status == "warn"
+    assert "nobody can message the bot" in checks["telegram-allowlist"].detail
+    assert "add your chat id" in checks["telegram-allowlist"].detail
+    assert "pairing" in checks["telegram-allowlist"].detail
+    assert checks["email-allowlist"].status == "warn"
+    paired = fleet_dir(
+        tmp_path / "on",
+        telegram="",
+        email=email,
+        switchboard="[switchboard.pairing]\nenabled = true",
+    )
+    checks = await doctor(paired, env)
+    assert checks["telegram-allowlist"].status == checks["email-allowlist"].status == "ok"
+
+
+async def test_mail_without_tls_beyond_loopback_fails(tmp_path: Path) -> None:
+    email = (
+        'imap_host = "mail.example.com"\nimap_ssl = false\nsmtp_host = "127.0.0.1"\n'
+        "smtp_starttls = false\n"
+    )
+    checks = await doctor(fleet_dir(tmp_path, email=email), base_env(tmp_path))
+    tls = checks["mail-tls"]
+    assert tls.status == "fail" and "IMAP mail.example.com:993" in tls.detail
+    assert "SMTP" not in tls.detail  # a loopback relay without TLS is fine
+    assert checks["mail-authentication-results"].status == "warn"
+
+
+async def test_imap_and_smtp_logins_online(tmp_path: Path) -> None:
+    """A wrong password fails against a real IMAP server (pymap) and SMTP server (aiosmtpd),
+    naming the server and the variables; the right one passes."""
+    user, password = "butler@example.com", f"pw-{uuid.uuid4().hex}"
+    async with pymap_server(user, password, fast_login=True) as imap_port:
+        with SmtpServer(users={user: password}) as smtp:
+            email = (
+                f'imap_host = "127.0.0.1"\nimap_port = {imap_port}\nimap_ssl = false\n'
+                f'smtp_host = "127.0.0.1"\nsmtp_port = {smtp.port}\nsmtp_starttls = false\n'
+            )
+            config = fleet_dir(tmp_path, email=email)
+            wrong = f"wrong-{uuid.uuid4().hex}"
+            env = base_env(tmp_path, BUTLERS_EMAIL_USER=user, BUTLERS_EMAIL_PASSWORD=wrong)
+            checks = await doctor(config, env, online=True)
+            for name, protocol in (("imap", "IMAP"), ("smtp", "SMTP")):
+                assert checks[name].status == "fail", checks[name]
+                assert f"{protocol} 127.0.0.1" in checks[name].detail
+                assert "BUTLERS_EMAIL_PASSWORD" in checks[name].detail
+                assert wrong not in checks[name].detail
+            env["BUTLERS_EMAIL_PASSWORD"] = password
+            checks = await doctor(config, env, online=True)
+            assert checks["imap"].status == checks["smtp"].status == "ok", checks
+            assert smtp.messages == []  # a login, never a mail
+
+
+# -- Telegram ---------------------------------------------------------------------------------
+
+
+class BotApiWithWebhookInfo(FakeBotAPI):
+    """The fake Bot API, also answering getWebhookInfo with `webhook_url`."""
+
+    webhook_url = ""
+
+    async def _api_getWebhookInfo(self, params: dict[str, Any]) -> web.Response:
+        return web.json_response(
+            {
+                "ok": True,
+                "result": {
+                    "url": self.webhook_url,
+                    "has_custom_certificate": False,
+                    "pending_update_count": 0,
+                },
+            }
+        )
+
+
+@pytest.fixture
+async def telegram_api() -> AsyncIterator[BotApiWithWebhookInfo]:
+    api = BotApiWithWebhookInfo(token=f"123456:{uuid.uuid4().hex}")
+    await api.start()
+    yield api
+    await api.stop()
+
+
+async def test_a_wrong_bot_token_fails_online_without_printing_it(
+    tmp_path: Path, telegram_api: BotApiWithWebhookInfo
+) -> None:
+    """Against a Bot API that answers 401, doctor fails naming Telegram and the variable;
+    the token, read from the config directory's .env (which the command's own redactor
+    never saw), is nowhere in stdout or stderr, even at DEBUG where httpx logs every URL."""
+    config = fleet_dir(
+        tmp_path, telegram=f'api_base_url = "{telegram_api.url}"\nallowed_chat_ids = ["1"]'
+    )
+    wrong = f"987654:WRONG{uuid.uuid4().hex}"
+    env_file = config / ".env"
+    env_file.write_text(f"TELEGRAM_BOT_TOKEN={wrong}\n")
+    env_file.chmod(0o600)
+    code, out, err = await doctor_cli(
+        "--config-dir", str(config), "--online", "--log-level", "DEBUG", env=base_env(tmp_path)
+    )
+    assert code == 1
+    [line] = [line for line in out.splitlines() if LINE.match(line).group(2) == "telegram"]  # type: ignore[union-attr]
+    assert line.startswith("fail") and "Telegram" in line and "TELEGRAM_BOT_TOKEN" in line
+    assert "401" in line
+    assert wrong not in out and wrong not in err
+    assert wrong.split(":")[1] not in out + err
+    assert "HTTP Request" in err  # the DEBUG log did run: it was redacted, not silent
+
+
+async def test_the_bot_token_and_webhook_state_online(
+    tmp_path: Path, telegram_api: BotApiWithWebhookInfo
+) -> None:
+    config = fleet_dir(
+        tmp_path, telegram=f'api_base_url = "{telegram_api.url}"\nallowed_chat_ids = ["1"]'
+    )
+    env = base_env(tmp_path, TELEGRAM_BOT_TOKEN=telegram_api.token)
+    checks = await doctor(config, env, online=True)
+    assert checks["telegram"].status == "ok" and "@butler_bot" in checks["telegram"].detail
+    assert checks["telegram-webhook-info"].status == "ok"
+    # Polling, but Telegram has a webhook for this bot: getUpdates would get nothing.
+    telegram_api.webhook_url = "https://elsewhere.example/hook"
+    checks = await doctor(config, env, online=True)
+    assert checks["telegram-webhook-info"].status == "warn"
+    assert "https://elsewhere.example/hook" in checks["telegram-webhook-info"].detail
+    # Webhook mode, registered elsewhere: updates go to somebody else.
+    webhook = fleet_dir(
+        tmp_path / "w",
+        telegram=f'api_base_url = "{telegram_api.url}"\nallowed_chat_ids = ["1"]\n'
+        'mode = "webhook"\nwebhook_url = "https://mine.example/telegram/webhook"',
+    )
+    checks = await doctor(webhook, {**env, "TELEGRAM_WEBHOOK_SECRET": "s3cret_ok"}, online=True)
+    assert checks["telegram-webhook-info"].status == "fail"
+    assert "https://mine.example/telegram/webhook" in checks["telegram-webhook-info"].detail
+
+
+# -- Claude Code ------------------------------------------------------------------------------
+
+
+async def test_no_claude_credentials_fails_with_the_fix(tmp_path: Path) -> None:
+    """Empty HOME, no key: the fix names ANTHROPIC_API_KEY and the bundled claude's login."""
+    checks = await doctor(fleet_dir(tmp_path), base_env(tmp_path))
+    assert checks["claude-code"].status == "ok"
+    binary = checks["claude-code"].detail.split(" (")[0]
+    missing = checks["claude-credentials"]
+    assert missing.status == "fail"
+    assert (
+        "set ANTHROPIC_API_KEY in" in missing.detail
+        and f"log in with {binary} /login" in missing.detail
+    )
+    # A login of the CLI's own (the file `claude /login` writes) counts.
+    claude_dir = tmp_path / "home" / ".claude"
+    claude_dir.mkdir()
+    (claude_dir / ".credentials.json").write_text('{"claudeAiOauth": {"accessToken": "a"}}')
+    checks = await doctor(fleet_dir(tmp_path / "again"), base_env(tmp_path))
+    assert checks["claude-credentials"].status == "ok"
+
+
+async def test_without_a_key_online_asks_claude_code_itself(tmp_path: Path) -> None:
+    """No key and no login: Claude Code's own `auth status` says so (the real binary)."""
+    checks = await doctor(fleet_dir(tmp_path), base_env(tmp_path), online=True)
+    assert checks["anthropic"].status == "fail"
+    assert "not logged in" in checks["anthropic"].detail
+    assert "ANTHROPIC_API_KEY" in checks["anthropic"].detail
+
+
+async def _api(status: int, body: dict[str, Any]) -> tuple[web.AppRunner, str, list[dict]]:
+    seen: list[dict] = []
+
+    async def messages(request: web.Request) -> web.Response:
+        seen.append({"headers": dict(request.headers), "body": await request.json()})
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    runner, url = await serve_on_loopback(app)
+    return runner, url, seen
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "said"),
+    [
+        (401, {"type": "authentication_error", "message": "invalid x-api-key"}, "invalid key"),
+        (429, {"type": "rate_limit_error", "message": "slow down"}, "rate limited"),
+        (
+            400,
+            {"type": "invalid_request_error", "message": "Your credit balance is too low"},
+            "quota exhausted",
+        ),
+    ],
+)
+async def test_the_messages_api_refusing_the_key_fails(
+    tmp_path: Path, status: int, error: dict[str, str], said: str
+) -> None:
+    runner, url, seen = await _api(status, {"type": "error", "error": error})
+    key = f"sk-ant-{uuid.uuid4().hex}"
+    try:
+        env = base_env(tmp_path, ANTHROPIC_API_KEY=key, ANTHROPIC_BASE_URL=url)
+        checks = await doctor(fleet_dir(tmp_path), env, online=True)
+    finally:
+        await runner.cleanup()
+    assert checks["anthropic"].status == "fail"
+    assert said in checks["anthropic"].detail and "ANTHROPIC_API_KEY" in checks["anthropic"].detail
+    assert key not in checks["anthropic"].detail
+    [request] = seen
+    assert request["body"]["max_tokens"] == 1 and request["headers"]["x-api-key"] == key
+
+
+async def test_the_messages_api_taking_the_key_passes(tmp_path: Path, scripted_api: Any) -> None:
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-test", ANTHROPIC_BASE_URL=scripted_api.url)
+    checks = await doctor(fleet_dir(tmp_path), env, online=True)
+    assert checks["anthropic"].status == "ok", checks["anthropic"]
+    assert scripted_api.requests[-1]["max_tokens"] == 1
+
+
+async def test_a_server_that_never_answers_does_not_hang_doctor(tmp_path: Path) -> None:
+    """A Messages API that accepts and never answers: that check fails at the timeout, and
+    the others (run at the same time) are all there."""
+    hung = asyncio.Event()
+
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.set()
+        await asyncio.Event().wait()
+
+    server = await asyncio.start_server(never, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        env = base_env(
+            tmp_path, ANTHROPIC_API_KEY="sk-x", ANTHROPIC_BASE_URL=f"http://127.0.0.1:{port}"
+        )
+        checks = await doctor(fleet_dir(tmp_path), env, online=True, timeout_s=1)
+    finally:
+        server.close()
+    assert hung.is_set()
+    assert (
+        checks["anthropic"].status == "fail"
+        and "no answer within 1 s" in checks["anthropic"].detail
+    )
+    assert {"health.general", "health.switchboard"} <= set(checks)
+
+
+# -- this machine -----------------------------------------------------------------------------
+
+
+async def test_a_port_taken_by_another_program_fails(tmp_path: Path) -> None:
+    config = fleet_dir(tmp_path)
+    port = int(re.search(r"port = (\d+)", (config / "general" / "butler.toml").read_text())[1])  # type: ignore[index]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["ports"].status == "fail"
+    assert f"port {port} of general is taken by another program" in checks["ports"].detail
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["ports"].status == "ok"
+
+
+async def test_the_database_reachable_and_migrated(
+    tmp_path: Path,
+    pg_server: Any,
+    make_database: Callable[..., Awaitable[str]],
+    switchboard_template: str,
+) -> None:
+    general_db = await make_database()
+    switchboard_db = await make_database(switchboard_template)
+    config = fleet_dir(tmp_path)
+    for name, database in (("general", general_db), ("switchboard", switchboard_db)):
+        toml = config / name / "butler.toml"
+        toml.write_text(toml.read_text() + f'[butler.db]\nname = "{database}"\n')
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", DATABASE_URL=pg_server.dsn("postgres"))
+    checks = await doctor(config, env)
+    assert checks["database"].status == "ok", checks["database"]
+    # The switchboard's database with only the core migrations: behind; and one missing.
+    behind = await make_database()
+    toml = config / "switchboard" / "butler.toml"
+    toml.write_text(toml.read_text().replace(switchboard_db, behind))
+    toml = config / "general" / "butler.toml"
+    toml.write_text(toml.read_text().replace(general_db, "t_never_created"))
+    checks = await doctor(config, env)
+    assert checks["database"].status == "warn"
+    assert (
+        f"t_never_created do not exist yet and {behind} are not migrated"
+        in checks["database"].detail
+    )
+    assert "butlers up" in checks["database"].detail
+
+
+async def test_an_unreachable_database_fails(tmp_path: Path) -> None:
+    url = f"postgresql://u:pw-{uuid.uuid4().hex}@127.0.0.1:{free_port()}/x"
+    checks = await doctor(fleet_dir(tmp_path), base_env(tmp_path, DATABASE_URL=url))
+    assert checks["database"].status == "fail" and "127.0.0.1" in checks["database"].detail
