@@ -505,17 +505,23 @@ def env_entries(answers: Answers, environ: Mapping[str, str]) -> list[EnvEntry]:
 
 
 def env_text(target: Path, entries: list[EnvEntry]) -> str:
-    """.env as a shell (`set -a; . .env`) and docker compose (`env_file`) both read it."""
+    """.env as a shell (`set -a; . .env`), docker compose (`env_file`) and python-dotenv
+    all read it: a value is bare or in single quotes, where none of them interprets anything.
+    A value none of them would read back as it is (a quote, a line break) is refused."""
     lines = [
         "# Secrets of the butlers in this directory, written by `butlers init` (mode 0600: keep",
-        "# it so, and out of version control). butlers reads secrets from the environment only:",
-        "# load this file into the shell that runs butlers commands:",
+        "# it so, and out of version control). `butlers up` reads secrets from the environment",
+        "# only: load this file into the shell that runs butlers commands:",
         f"#   set -a; . {shlex.quote(str(target / '.env'))}; set +a",
         '# A line starting with "#NAME=" is not set yet: fill in its value and remove the "#".',
     ]
     for entry in entries:
-        if entry.value is not None and ("\n" in entry.value or "\r" in entry.value):
-            raise CommandError(f"the value of {entry.name} holds a line break: not written")
+        if entry.value is not None and any(c in entry.value for c in "'\n\r"):
+            raise CommandError(
+                f"the value of {entry.name} holds a quote or a line break, which .env cannot "
+                "carry as it is for every reader: set it in the environment instead (nothing "
+                "was written)"
+            )
         lines += ["", f"# {entry.comment}"]
         if entry.value is None:
             lines.append(f"#{entry.name}=")
@@ -642,8 +648,8 @@ def next_steps(target: Path, answers: Answers, entries: list[EnvEntry]) -> str:
         )
         step += 1
     lines += [
-        f"  {step}. Load the secrets into your shell (butlers reads them from the environment "
-        "only, never from .env itself):",
+        f"  {step}. Load the secrets into your shell (`butlers up` reads them from the "
+        "environment only, not from .env):",
         f"       set -a; . {shlex.quote(str(target / '.env'))}; set +a",
         f"  {step + 1}. butlers doctor --config-dir {d}",
         f"  {step + 2}. butlers up --config-dir {d}",
@@ -690,8 +696,9 @@ class Console:
         return os.read(self._fd, 65536)
 
     async def line(self, prompt: str, *, hidden: bool = False) -> str:
-        self.say(prompt, end="")
+        # Echo off before the prompt shows: an answer typed (pasted) at once is not shown.
         with self._echo_off() if hidden else contextlib.nullcontext():
+            self.say(prompt, end="")
             while b"\n" not in self._buffer and not self._eof:
                 chunk = await self._read()
                 if chunk:

@@ -26,6 +26,8 @@ from butlers.init_command import (
     PAIRED_REPLY,
     SPECIALISTS,
     TEMPLATES,
+    Answers,
+    switchboard_toml,
     toml_string,
     write_config,
 )
@@ -277,6 +279,11 @@ def test_the_templates_are_the_shipped_butlers() -> None:
         for filename in ("butler.toml", "CLAUDE.md"):
             assert (TEMPLATES / name / filename).is_file()
     assert (TEMPLATES / "switchboard" / "CLAUDE.md").is_file()
+    # The switchboard's file is written from the answers, around the shipped one's tables.
+    written = tomllib.loads(switchboard_toml(Answers()))
+    shipped = tomllib.loads((SHIPPED / "switchboard" / "butler.toml").read_text())
+    for table in ("butler", "runtime"):
+        assert written[table] == shipped[table], table
 
 
 def _port_offset(count: int) -> int:
@@ -637,3 +644,29 @@ async def test_a_token_telegram_rejects_is_said_without_showing_it(
     assert wrong not in init.stdout + init.stderr
     assert "Traceback" not in init.stderr
     assert _names(tmp_path) == []
+
+
+def test_env_values_read_back_the_same_in_a_shell_and_with_dotenv(tmp_path: Path) -> None:
+    """What init writes into .env is what `set -a; . .env` and python-dotenv (docker
+    compose's reading) both get back; a value they would not is refused, not mangled."""
+    import subprocess
+
+    from dotenv import dotenv_values
+
+    from butlers.init_command import EnvEntry, env_text
+
+    values = {"A": "plain-Token_1.2:3", "B": 'with $HOME `x` "q" \\ and spaces', "C": "a=b#c"}
+    path = tmp_path / ".env"
+    path.write_text(env_text(tmp_path, [EnvEntry(k, v, "x") for k, v in values.items()]))
+    assert {k: v for k, v in dotenv_values(path).items() if k in values} == values
+    shell = subprocess.run(
+        ["sh", "-c", f'set -a; . "{path}"; set +a; printf "%s\\0" "$A" "$B" "$C"'],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    )
+    assert shell.stdout.split("\0")[:3] == list(values.values())
+    for bad in ("it's", "two\nlines"):
+        with pytest.raises(CommandError, match="A holds a quote or a line break"):
+            env_text(tmp_path, [EnvEntry("A", bad, "x")])
