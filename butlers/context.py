@@ -10,6 +10,7 @@ from typing import Any
 from butlers.claude_code import McpTarget
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
+from butlers.memory import MemoryStore
 from butlers.notify import SwitchboardLink
 from butlers.spawner import SESSION_STARTING_TOOLS, Spawner, default_allowed_tools
 
@@ -38,6 +39,8 @@ class ButlerContext:
     switchboard: SwitchboardLink | None = None
     # Live statuses of its [[mcp_servers]] (butlers.tool_servers): name, state, reason.
     tool_servers: Callable[[], list[dict[str, Any]]] = list
+    # Its long-term memory (butlers.memory); None only in tests that build a bare context.
+    memory: MemoryStore | None = None
 
     def self_target(self) -> McpTarget:
         return McpTarget(

@@ -24,6 +24,7 @@ from butlers.config import RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
+from butlers.memory import NO_CONVERSATION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
 from butlers.tool_errors import ToolRefusal
 
@@ -316,6 +317,42 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if not await store.schedule_delete(name):
             raise ToolRefusal(f"no schedule named {name!r}")
         return {"name": name, "deleted": True}
+
+    def viewer() -> Viewer:
+        """A session started by a routed message sees public memories and those of its own
+        conversation (butlers.memory); every other caller sees them all."""
+        token = session_token()
+        if not ctx.spawner.withheld_tools(token):
+            return UNRESTRICTED
+        return Viewer(conversation=ctx.spawner.conversation_of(token) or NO_CONVERSATION)
+
+    def memory() -> MemoryStore:
+        if ctx.memory is None:
+            raise ToolRefusal("this butler has no memory store")
+        return ctx.memory
+
+    @mcp.tool
+    async def memory_remember(text: str, tags: list[str] | None = None) -> dict[str, Any]:
+        """Keep a fact the person stated for later (one fact per memory, at most 4 KiB), in
+        this butler's own memory. Tag it `private` to keep it to this conversation."""
+        token = session_token()
+        conversation = ctx.spawner.conversation_of(token) or request_conversation() or ""
+        return await memory().remember(text, tags or [], conversation=conversation)
+
+    @mcp.tool
+    async def memory_search(
+        query: str, limit: Annotated[int, Field(ge=1, le=100)] = 10
+    ) -> list[dict[str, Any]]:
+        """Memories matching `query` in plain words, best first, with a score; word forms
+        and small misspellings are found."""
+        return await memory().search(query, limit, viewer())
+
+    @mcp.tool
+    async def memory_forget(id: int) -> dict[str, Any]:
+        """Delete memory `id` (as memory_search shows it)."""
+        if not await memory().forget(id, viewer()):
+            raise ToolRefusal(f"no memory {id} (or not one this conversation may forget)")
+        return {"id": id, "forgotten": True}
 
     @mcp.tool
     async def sessions_list(

@@ -35,6 +35,7 @@ from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
 from butlers.logs import butler_context
 from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
+from butlers.memory import MemoryStore
 from butlers.modules import Modules, build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
@@ -183,8 +184,20 @@ class ButlerDaemon:
             notices=OwnerNotices(config.name, store, link),
         )
         await spawner.remove_leftovers()
+        memory = MemoryStore(
+            self._pool,
+            language=config.runtime.memory_language,
+            max_memories=config.runtime.max_memories,
+        )
+        await memory.open()
+        spawner.memory = memory
         ctx = ButlerContext(
-            config=config, store=store, spawner=spawner, self_url=self.sse_url, switchboard=link
+            config=config,
+            store=store,
+            spawner=spawner,
+            self_url=self.sse_url,
+            switchboard=link,
+            memory=memory,
         )
         self.context = ctx
         middleware = ButlerMiddleware(config.name, self.telemetry.tracer)

@@ -39,6 +39,11 @@ FALLBACK_LANGUAGE = "simple"
 TRIGRAM_THRESHOLD = 0.5
 # A memory marked with this tag is private to the conversation it came from.
 PRIVATE_TAG = "private"
+# The conversation of a routed session that names none: matches no stored conversation
+# (storable() takes NUL out of what is stored), so it sees public memories only.
+NO_CONVERSATION = "\x00none"
+# Memories given to a session with its prompt, at most this many bytes.
+MEMORY_CONTEXT_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -175,8 +180,11 @@ class MemoryStore:
     async def search(
         self, query: str, limit: int = 10, viewer: Viewer = UNRESTRICTED
     ) -> list[dict[str, Any]]:
-        """Best first: the word match's rank (cover density, normalised to 0..1), plus trigram
-        word similarity where pg_trgm is there. Found memories count as used (eviction)."""
+        """Best first. A memory with any of the query's words is found (a session's prompt
+        is a sentence, not keywords); one that matches the whole query as a web search
+        reads it ("quoted phrase", -word) scores 1 more, then the rank of its words (cover
+        density, 0..1), then trigram word similarity where pg_trgm is there (misspellings).
+        Found memories count as used (eviction)."""
         query = (storable(query) or "").strip()
         if not query:
             raise ToolRefusal("search query must not be empty")
@@ -185,7 +193,7 @@ class MemoryStore:
         if not 1 <= limit <= 100:
             raise ToolRefusal(f"limit must be between 1 and 100, got {limit}")
         similar = "word_similarity($1, text)" if self.trigrams else "0"
-        match = "words @@ q OR $1 <% text" if self.trigrams else "words @@ q"
+        match = "words @@ any_word OR $1 <% text" if self.trigrams else "words @@ any_word"
         async with self.pool.acquire() as conn, conn.transaction():
             if self.trigrams:
                 # pg_trgm's default (0.6) misses one wrong letter in a 6-letter name
@@ -195,10 +203,15 @@ class MemoryStore:
                 )
             rows = await conn.fetch(
                 f"""
-                WITH found AS (
+                WITH query AS (
+                    SELECT websearch_to_tsquery($2::regconfig, $1) AS every_word,
+                           replace(plainto_tsquery($2::regconfig, $1)::text, ' & ', ' | ')
+                               ::tsquery AS any_word
+                ), found AS (
                     SELECT id, text, tags, created_at,
-                           ts_rank_cd(words, q, 32) + 0.5 * {similar} AS score
-                    FROM memories, websearch_to_tsquery($2::regconfig, $1) AS q
+                           (words @@ every_word)::int + ts_rank_cd(words, any_word, 32)
+                               + 0.5 * {similar} AS score
+                    FROM memories, query
                     WHERE ({match})
                       AND ($4::text IS NULL OR NOT private OR conversation = $4)
                     ORDER BY score DESC, id DESC
