@@ -6,6 +6,7 @@ the fake Bot API, with a stranger writing first."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -670,3 +671,58 @@ def test_env_values_read_back_the_same_in_a_shell_and_with_dotenv(tmp_path: Path
     for bad in ("it's", "two\nlines"):
         with pytest.raises(CommandError, match="A holds a quote or a line break"):
             env_text(tmp_path, [EnvEntry("A", bad, "x")])
+
+
+async def test_doctor_passes_what_init_wrote(tmp_path: Path) -> None:
+    """`butlers doctor` (offline), with the .env init wrote loaded into its environment as the
+    printed line does, finds nothing that fails. The ports are moved to free ones first: the
+    written 8100.. may be taken on a machine running tests, which doctor rightly fails."""
+    from tests.test_doctor import base_env, doctor_cli
+
+    target = tmp_path / "mine"
+    secrets = {
+        "TELEGRAM_BOT_TOKEN": SECRET_TOKEN,
+        "BUTLERS_EMAIL_PASSWORD": MAIL_PASSWORD,
+        "ANTHROPIC_API_KEY": "sk-ant-test-key-of-the-owner",
+    }
+    init = await _init(
+        str(target),
+        "--non-interactive",
+        "--channels",
+        "telegram,email",
+        "--specialists",
+        "--owner-chat-id",
+        "4242",
+        *EMAIL_FLAGS,
+        env=_env(**secrets),
+    )
+    assert init.code == 0, init.stderr
+    for toml in target.glob("*/butler.toml"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        toml.write_text(re.sub(r"(?m)^port = \d+$", f"port = {port}", toml.read_text()))
+    loaded = {k: v for k, v in _env_file(target / ".env").items() if v is not None}
+    assert secrets.items() <= loaded.items()  # init took them from its environment
+
+    code, out, err = await doctor_cli(
+        "--config-dir", str(target), "--json", env=base_env(tmp_path, **loaded)
+    )
+    checks = {c["name"]: (c["status"], c["detail"]) for c in json.loads(out)["checks"]}
+    assert code == 0, checks
+    assert not [name for name, (status, _) in checks.items() if status == "fail"], checks
+    for name in (
+        "config",
+        "secrets",
+        "auth-token",
+        "env-file",
+        "env-file-permissions",
+        "owner",
+        "telegram-allowlist",
+        "email-allowlist",
+        "mail-tls",
+    ):
+        assert checks[name][0] == "ok", (name, checks[name])
+    assert checks["claude-credentials"][0] == "ok"
+    for value in [*secrets.values(), loaded["BUTLERS_AUTH_TOKEN"]]:
+        assert value not in out + err
