@@ -708,6 +708,7 @@ async def test_doctor_passes_what_init_wrote(tmp_path: Path) -> None:
     code, out, err = await doctor_cli(
         "--config-dir", str(target), "--json", env=base_env(tmp_path, **loaded)
     )
+    assert out.startswith("{"), out + err
     checks = {c["name"]: (c["status"], c["detail"]) for c in json.loads(out)["checks"]}
     assert code == 0, checks
     assert not [name for name, (status, _) in checks.items() if status == "fail"], checks
