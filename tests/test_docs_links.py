@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 DOC_GLOBS = ("README.md", "CONTRIBUTING.md", "CHANGELOG.md", "docs/*.md", "deploy/**/*.md")
 
 FENCE = re.compile(r"^ {0,3}(```|~~~)")
-CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
-# [text](target) or [text](target "title"); images ![alt](src) are links to files too.
+# A code span: a run of backticks up to the next run of the same length, within a paragraph
+# (it may cross a line break, never a blank line).
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(?:(?!\n\s*\n).)+?(?<!`)\1(?!`)", re.DOTALL)
+# [text](target) or [text](target "title"), the text possibly wrapped over lines; images
+# ![alt](src) are links to files too.
 INLINE_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, mailto:, ...
@@ -45,6 +48,18 @@ def outside_fences(text: str) -> list[tuple[int, str]]:
             continue
         lines.append((number, line))
     return lines
+
+
+def prose(text: str) -> str:
+    """The text outside fenced blocks and code spans, each removed part blanked but for its
+    line breaks, so an offset still falls on its line."""
+    kept = dict(outside_fences(text))
+    lines = [kept.get(number, "") for number in range(1, len(text.splitlines()) + 1)]
+
+    def blank(match: re.Match[str]) -> str:
+        return re.sub(r"[^\n]", " ", match.group(0))
+
+    return CODE_SPAN.sub(blank, "\n".join(lines))
 
 
 def github_anchor(heading: str) -> str:
@@ -74,25 +89,23 @@ def broken_links(doc: Path, root: Path) -> list[str]:
     """What is wrong with each relative link of `doc`: `file:line: target: why`."""
     problems: list[str] = []
     where = doc.relative_to(root)
-    for number, line in outside_fences(doc.read_text(encoding="utf-8")):
-        for match in INLINE_LINK.finditer(CODE_SPAN.sub("", line)):
-            target = match.group(1)
-            if EXTERNAL.match(target):
-                continue
-            path_part, _, fragment = target.partition("#")
-            resolved = (doc.parent / unquote(path_part)).resolve() if path_part else doc
-            if not resolved.exists():
-                problems.append(f"{where}:{number}: {target}: no such file {path_part}")
-                continue
-            if not fragment:
-                continue
-            if resolved.is_dir() or resolved.suffix != ".md":
-                problems.append(f"{where}:{number}: {target}: #{fragment} of a non-Markdown file")
-            elif unquote(fragment).lower() not in heading_anchors(resolved):
-                problems.append(
-                    f"{where}:{number}: {target}: no heading #{fragment} in "
-                    f"{resolved.relative_to(root) if resolved.is_relative_to(root) else resolved}"
-                )
+    text = prose(doc.read_text(encoding="utf-8"))
+    for match in INLINE_LINK.finditer(text):
+        target = match.group(1)
+        if EXTERNAL.match(target):
+            continue
+        said = f"{where}:{text.count(chr(10), 0, match.start(1)) + 1}: {target}"
+        path_part, _, fragment = target.partition("#")
+        resolved = (doc.parent / unquote(path_part)).resolve() if path_part else doc
+        if not resolved.exists():
+            problems.append(f"{said}: no such file {path_part}")
+        elif not fragment:
+            continue
+        elif resolved.is_dir() or resolved.suffix != ".md":
+            problems.append(f"{said}: #{fragment} of a non-Markdown file")
+        elif unquote(fragment).lower() not in heading_anchors(resolved):
+            shown = resolved.relative_to(root) if resolved.is_relative_to(root) else resolved
+            problems.append(f"{said}: no heading #{fragment} in {shown}")
     return problems
 
 
@@ -121,8 +134,9 @@ def test_every_relative_link_resolves(doc: Path) -> None:
 
 
 def test_a_broken_link_is_found(tmp_path: Path) -> None:
-    """The checker itself: a missing file, a missing heading, a link into code that is not a
-    link, a repeated heading's suffix and a directory link."""
+    """The checker itself: a missing file, a missing heading, a link in code that is not a
+    link (also in a code span across lines), a repeated heading's suffix, a directory link and
+    a link whose text is wrapped over two lines."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text(
         "# A page\n\n## Set `up`: now\n\n## Twice\n\n## Twice\n", encoding="utf-8"
@@ -140,6 +154,9 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
                 "[gone](docs/b.md)",
                 "[no heading](docs/a.md#setup)",
                 "[no third](docs/a.md#twice-2)",
+                "a `code span that",
+                "wraps [not a link](nowhere.md)` and [a link whose",
+                "text wraps](docs/c.md)",
             ]
         )
         + "\n",
@@ -149,4 +166,5 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
         "README.md:8: docs/b.md: no such file docs/b.md",
         "README.md:9: docs/a.md#setup: no heading #setup in docs/a.md",
         "README.md:10: docs/a.md#twice-2: no heading #twice-2 in docs/a.md",
+        "README.md:13: docs/c.md: no such file docs/c.md",
     ]
