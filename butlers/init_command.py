@@ -670,7 +670,10 @@ class Console:
     A regular file as stdin never makes anyone wait, so it is read in a worker thread."""
 
     def __init__(self) -> None:
-        self._fd = sys.stdin.fileno() if sys.stdin is not None else -1
+        try:
+            self._fd = sys.stdin.fileno()
+        except (AttributeError, OSError, ValueError):  # no stdin at all: every answer is EOF
+            self._fd = -1
         self._buffer = bytearray()
         self._eof = self._fd < 0
 
