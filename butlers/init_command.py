@@ -950,7 +950,9 @@ async def capture_owner_chat(
                 await _acknowledge(bot, offset)
                 with contextlib.suppress(TelegramError):
                     await bot.send_message(message.chat.id, PAIRED_REPLY)
+                # (a name is the sender's text: no control characters reach the terminal)
                 who = message.chat.full_name or message.chat.username or "you"
+                who = "".join(c for c in who if c.isprintable())
                 console.say(f"Paired: {who}, chat {message.chat.id}.")
                 return str(message.chat.id)
         raise CommandError(

@@ -519,8 +519,10 @@ async def test_interactive_init_with_a_typed_token_and_mail(
     await init.start()
     init.answer("telegram,email", "n", "", bot_api.token)
     code = (await init.wait_stdout(CODE))[1]
-    await bot_api.push_text(OWNER, code)
-    await init.wait_stdout(re.compile("Paired"))
+    update = bot_api.text_update(OWNER, code)
+    update["message"]["chat"]["first_name"] = "Ada\x1b]0;pwned\x07\x1b[2J"
+    await bot_api.push_batch(update)
+    await init.wait_stdout(re.compile("Paired: Ada"))
     init.answer(
         "imap.example.com",
         "",
@@ -537,6 +539,7 @@ async def test_interactive_init_with_a_typed_token_and_mail(
     )
     assert await init.finish() == 0, init.stderr
     assert "unknown time zone 'Mars/Olympus_Mons'" in init.stdout
+    assert "\x1b" not in init.stdout  # the sender's name is shown without its escapes
 
     fleet = load_config_dir(target)
     assert fleet.errors == ()
