@@ -521,6 +521,37 @@ async def test_the_database_reachable_and_migrated(
 
 
 async def test_an_unreachable_database_fails(tmp_path: Path) -> None:
-    url = f"postgresql://u:pw-{uuid.uuid4().hex}@127.0.0.1:{free_port()}/x"
+    password = f"pw-{uuid.uuid4().hex}"
+    url = f"postgresql://u:{password}@127.0.0.1:{free_port()}/x"
     checks = await doctor(fleet_dir(tmp_path), base_env(tmp_path, DATABASE_URL=url))
     assert checks["database"].status == "fail" and "127.0.0.1" in checks["database"].detail
+    assert password not in checks["database"].detail
+
+
+async def test_a_running_butler_holds_its_port_and_answers(
+    tmp_path: Path, start_butler: Any, pg_server: Any, scripted_api: Any
+) -> None:
+    """A port held by the butler itself (the fleet is up) is fine; online, its /health
+    answers, and a butler of the directory that is not running is said to be down."""
+    from tests.conftest import butler_config
+
+    port = free_port()
+    daemon = await start_butler(butler_config("general", port=port))
+    config = fleet_dir(tmp_path)
+    toml = config / "general" / "butler.toml"
+    toml.write_text(
+        re.sub(r"(?m)^port = \d+$", f"port = {port}", toml.read_text())
+        + f'[butler.db]\nname = "{daemon.config.database}"\n'
+    )
+    env = base_env(
+        tmp_path,
+        ANTHROPIC_API_KEY="sk-test",
+        ANTHROPIC_BASE_URL=scripted_api.url,
+        DATABASE_URL=pg_server.dsn("postgres"),
+    )
+    checks = await doctor(config, env, online=True, timeout_s=5)
+    assert checks["ports"].status == "ok", checks["ports"]
+    assert "held by the running butlers (general)" in checks["ports"].detail
+    assert checks["health.general"].status == "ok", checks["health.general"]
+    assert checks["health.switchboard"].status == "warn"
+    assert "butlers up" in checks["health.switchboard"].detail

@@ -195,8 +195,8 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     return [
         warn(
             "owner",
-            f"no [switchboard.owner] telegram_chat_id or email, while {', '.join(users)} "
-            f"notify the owner (reminders, approvals): they would reach nobody; set them in "
+            "no [switchboard.owner] telegram_chat_id or email: the reminders (notify) and "
+            f"approval requests of {', '.join(users)} would reach nobody; set them in "
             f"{_file(switchboard)}",
         )
     ]

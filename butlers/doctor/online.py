@@ -341,11 +341,12 @@ async def _endpoints(subject: Subject) -> dict[str, str]:
     import asyncpg
 
     try:
-        conn = await asyncio.wait_for(asyncpg.connect(dsn), subject.timeout_s)
-        try:
-            rows = await conn.fetch("SELECT name, endpoint_url FROM butler_registry")
-        finally:
-            await conn.close()
+        async with asyncio.timeout(subject.timeout_s):
+            conn = await asyncpg.connect(dsn)
+            try:
+                rows = await conn.fetch("SELECT name, endpoint_url FROM butler_registry")
+            finally:
+                await conn.close()
     except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
         return endpoints
     for row in rows:

@@ -130,7 +130,6 @@ def load_subject(
             if value and not environ.get(name):
                 environ[name] = value
                 from_file.add(name)
-        checks.append(_env_file_check(env_file, from_file))
     try:
         merged = SettingsClass.from_environ(environ)
     except ButlersError as exc:
@@ -165,6 +164,9 @@ def load_subject(
             )
         else:
             checks += _config_checks(config_dir, fleet)
+    if env_file.is_file() and not any(c.name == "env-file" for c in checks):
+        checks.append(_env_file_check(env_file, from_file))
+    checks.sort(key=lambda c: c.name.split(".")[0] != "config")  # first: the rest follows from it
     subject = Subject(
         config_dir=config_dir,
         fleet=fleet,
@@ -192,7 +194,7 @@ def _env_file_check(env_file: Path, from_file: set[str]) -> Check:
     names = ", ".join(sorted(from_file))
     return warn(
         "env-file",
-        f"{names} come only from {env_file}, which `butlers up` does not read: export them "
+        f"set only in {env_file}, which `butlers up` does not read: {names}; export them "
         f"before starting (set -a; . {env_file}; set +a) or put them in the service's "
         "environment",
     )
