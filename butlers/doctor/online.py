@@ -70,13 +70,23 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
     matches ours."""
     from telegram import Bot
     from telegram.error import InvalidToken, TelegramError
+    from telegram.request import HTTPXRequest
 
     from butlers.modules.telegram import TOKEN_REFUSALS
 
     token = subject.variable(config.token_env)
     assert token is not None
     base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
-    bot = Bot(token, base_url=f"{base}/bot", base_file_url=f"{base}/file/bot")
+    # Our own request objects, closed by us: Bot.shutdown() closes nothing of a bot whose
+    # initialize() (a getMe) failed, and a wrong token is what this check is for.
+    requests = (HTTPXRequest(), HTTPXRequest())
+    bot = Bot(
+        token,
+        base_url=f"{base}/bot",
+        base_file_url=f"{base}/file/bot",
+        request=requests[0],
+        get_updates_request=requests[1],
+    )
     try:
         try:
             me = await bot.get_me()
@@ -108,7 +118,8 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
         found.append(_webhook_state(config, info.url or "", info.last_error_message))
         return found
     finally:
-        await bot.shutdown()
+        for request in requests:
+            await request.shutdown()
 
 
 def _webhook_state(config: TelegramConfig, registered: str, last_error: str | None) -> Check:
