@@ -555,3 +555,23 @@ async def test_a_running_butler_holds_its_port_and_answers(
     assert checks["health.general"].status == "ok", checks["health.general"]
     assert checks["health.switchboard"].status == "warn"
     assert "butlers up" in checks["health.switchboard"].detail
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_report_is_redacted_whatever_a_check_wrote(
+    as_json: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last line of defence: a library's message that quoted a secret (a URL with the
+    bot token) is printed redacted, as text and as JSON, on one line per check."""
+    from butlers.doctor.report import print_report
+    from butlers.redact import Redactor
+
+    token = f"123456:{uuid.uuid4().hex}"
+    said = Check("telegram", "fail", f"GET https://api.telegram.org/bot{token}/getMe\nfailed")
+    print_report([said], Redactor([token]), as_json=as_json)
+    out = capsys.readouterr().out
+    assert token not in out and "[redacted]" in out
+    if as_json:
+        assert json.loads(out)["checks"][0]["name"] == "telegram"
+    else:
+        assert out.count("\n") == 1 and LINE.match(out.strip())

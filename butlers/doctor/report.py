@@ -245,5 +245,7 @@ def print_report(checks: list[Check], redactor: Redactor, *, as_json: bool) -> N
         return
     width = max((len(c.name) for c in clean), default=0)
     for check in clean:
-        print(f"{check.status:<4}  {check.name:<{width}}  {check.detail}")
+        # One line per check, whatever a library's message held (a server's log lines).
+        detail = "; ".join(part.strip() for part in check.detail.splitlines() if part.strip())
+        print(f"{check.status:<4}  {check.name:<{width}}  {detail}")
     sys.stdout.flush()
