@@ -575,3 +575,24 @@ def test_the_report_is_redacted_whatever_a_check_wrote(
         assert json.loads(out)["checks"][0]["name"] == "telegram"
     else:
         assert out.count("\n") == 1 and LINE.match(out.strip())
+
+
+async def test_the_running_embedded_postgresql_is_found_and_asked(
+    tmp_path: Path, pg_server: Any, make_database: Callable[..., Awaitable[str]]
+) -> None:
+    """Without DATABASE_URL, the embedded PostgreSQL of BUTLERS_DATA_DIR that `butlers up`
+    runs is asked through its socket (here: the session's own embedded server)."""
+    from butlers.db import EmbeddedServer
+
+    if not isinstance(pg_server, EmbeddedServer):
+        pytest.skip("the session's PostgreSQL is not an embedded one")
+    database = await make_database()
+    config = fleet_dir(tmp_path)
+    toml = config / "general" / "butler.toml"
+    toml.write_text(toml.read_text() + f'[butler.db]\nname = "{database}"\n')
+    data_dir = str(pg_server.requested_pgdata.parent)
+    checks = await doctor(config, base_env(tmp_path, BUTLERS_DATA_DIR=data_dir))
+    found = checks["database"]
+    assert found.status == "warn", found  # the switchboard's database is not there yet
+    assert f"embedded PostgreSQL in {pg_server.pgdata} answers" in found.detail
+    assert "butler_switchboard do not exist yet" in found.detail and database not in found.detail
