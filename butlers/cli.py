@@ -312,6 +312,7 @@ CLIENT_COMMANDS = (
     "retry",
     "outbox",
     "approvals",
+    "pairing",
 )
 
 
@@ -627,6 +628,58 @@ def _print_decision(answer: dict[str, Any]) -> None:
     print(said)
 
 
+def _print_pairing(listing: dict[str, Any]) -> None:
+    """Pending codes, then paired senders; names are the senders' own: cut (and cleaned
+    when they were stored)."""
+    if not listing.get("enabled"):
+        print("Pairing is off ([switchboard.pairing] enabled = false): strangers get no code.")
+    pending = listing.get("pending") or []
+    if pending:
+        rows: list[tuple[str, ...]] = [("CODE", "CHANNEL", "SENDER", "NAME", "ASKED", "EXPIRES")]
+        rows += [
+            (
+                p["code"],
+                p["channel"],
+                _cut(p["sender"], 40),
+                _cut(p.get("name"), 40) or "-",
+                _when(p.get("created_at")),
+                _when(p.get("expires_at")),
+            )
+            for p in pending
+        ]
+        _print_rows(rows)
+    else:
+        print("No pending pairing codes.")
+    paired = listing.get("paired") or []
+    if paired:
+        print()
+        rows = [("PAIRED", "SENDER", "NAME", "APPROVED", "BY")]
+        rows += [
+            (
+                p["channel"],
+                _cut(p["sender"], 40),
+                _cut(p.get("name"), 40) or "-",
+                _when(p.get("approved_at")),
+                p.get("approved_by") or "-",
+            )
+            for p in paired
+        ]
+        _print_rows(rows)
+
+
+def _print_paired(answer: dict[str, Any]) -> None:
+    """What `pairing approve|deny|revoke` did."""
+    who = f"{answer['channel']} {_cut(answer['sender'], 40)}"
+    if answer.get("name"):
+        who += f" ({_cut(answer['name'], 40)})"
+    if answer.get("revoked"):
+        print(f"{who} is no longer paired: a stranger again")
+    elif answer["status"] == "approved":
+        print(f"code {answer['code']} approved: {who} is paired; their next message is answered")
+    else:
+        print(f"code {answer['code']} denied: {who} is not let in")
+
+
 def _next(row: dict[str, Any]) -> str:
     """When a row not sent yet is tried again (nothing for one that failed for good)."""
     return "-" if row["status"] == "failed" else _when(row.get("next_attempt_at"))
@@ -679,6 +732,9 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
         decision = {"id": args.id, "decision": args.action}
         result = await _call_switchboard(target, "approval_decide", decision)
         show = _print_decision
+    elif args.command == "pairing":
+        result = await _pairing(target, args.action, args.values)
+        show = _print_pairing if args.action is None else _print_paired
     else:
         try:
             route_args = json.loads(args.args)
@@ -699,6 +755,24 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
     else:
         show(result)
     return 0
+
+
+async def _pairing(target: SwitchboardTarget, action: str | None, values: list[str]) -> Any:
+    """`butlers pairing [approve CODE | deny CODE | revoke CHANNEL SENDER]`."""
+    wanted = {None: [], "approve": ["CODE"], "deny": ["CODE"], "revoke": ["CHANNEL", "SENDER"]}
+    if len(values) != len(wanted[action]):
+        usage = " ".join(["butlers pairing", *([action] if action else []), *wanted[action]])
+        raise CommandError(f"`{usage}` takes {len(wanted[action]) or 'no'} value(s)")
+    if action is None:
+        return await _call_switchboard(target, "pairing_list", {})
+    if action == "revoke":
+        channel, sender = values
+        return await _call_switchboard(
+            target, "pairing_revoke", {"channel": channel, "sender": sender}
+        )
+    return await _call_switchboard(
+        target, "pairing_decide", {"code": values[0], "decision": action}
+    )
 
 
 async def gateway_command(
@@ -991,6 +1065,18 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     approvals.add_argument("id", nargs="?", type=int, metavar="ID", help="the approval's id")
     approvals.add_argument("--status", help="only pending|approved|denied|expired|done|failed ones")
     limit_arg(approvals)
+    pairing = commands.add_parser(
+        "pairing",
+        help="strangers' pending codes and paired senders; `pairing approve|deny CODE` "
+        "decides one, `pairing revoke CHANNEL SENDER` unpairs",
+    )
+    client_args(pairing)
+    pairing.add_argument(
+        "action", nargs="?", choices=("approve", "deny", "revoke"), help="what to do"
+    )
+    pairing.add_argument(
+        "values", nargs="*", metavar="VALUE", help="CODE, or CHANNEL SENDER for revoke"
+    )
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
     for command in [*commands.choices.values(), *db_commands.choices.values()]:

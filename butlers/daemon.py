@@ -345,6 +345,7 @@ class ButlerDaemon:
             ask=ask,
             jaeger_ui_url=self.settings.jaeger_ui_url,
             approvals=switchboard.approvals,
+            pairing=switchboard.pairing,
         )
         return Dashboard(
             parts,

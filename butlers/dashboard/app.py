@@ -11,6 +11,8 @@ secret that reached a message, a reply or an error is not shown either.
     /ui/routes            the routing log (?butler= ?outcome=ok|failed ?before=TIME)
     /ui/butlers/NAME      a butler: sessions, schedules (next run), state keys
     /ui/ask               a form that sends a message through classify -> route -> reply
+    /ui/approvals         calls waiting for the owner's yes, with Approve / Deny
+    /ui/pairing           strangers' pending codes (Approve / Deny) and paired senders (Revoke)
     /ui/login, /ui/logout the token, once (when BUTLERS_AUTH_TOKEN is set); throttled, and
                           a signed-out session ends for good (butlers.dashboard.auth)
 """
@@ -51,6 +53,7 @@ from butlers.dashboard.store import PAGE_ROWS, DashboardStore
 from butlers.switchboard.approvals import ApprovalDesk
 from butlers.switchboard.approvals import public as public_approval
 from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
+from butlers.switchboard.pairing import PairingDesk
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -85,6 +88,7 @@ class DashboardParts:
     ask: Callable[[str], Awaitable[dict[str, Any]]]
     jaeger_ui_url: str
     approvals: ApprovalDesk | None = None  # the calls waiting for the owner's yes
+    pairing: PairingDesk | None = None  # strangers' codes and paired senders
 
 
 class BadFilter(ValueError):
@@ -152,6 +156,7 @@ class Dashboard:
             Route("/ui/butlers/{name}", self.butler),
             Route("/ui/ask", self.ask, methods=["GET", "POST"]),
             Route("/ui/approvals", self.approvals, methods=["GET", "POST"]),
+            Route("/ui/pairing", self.pairing, methods=["GET", "POST"]),
             Route("/ui/login", self.login, methods=["GET", "POST"]),
             Route("/ui/logout", self.logout, methods=["POST"]),
             Mount("/ui/static", StaticFiles(directory=HERE / "static"), name="static"),
@@ -378,6 +383,33 @@ class Dashboard:
         for row in rows:
             row["shown"] = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
         return self._render(request, "approvals.html", rows=rows, notice=notice)
+
+    async def pairing(self, request: Request) -> Response:
+        """Pending codes with Approve / Deny, paired senders with Revoke (forms with the
+        page's CSRF token, or a bearer caller); taken as `butlers pairing` takes them (a code
+        once; wrong codes count against the same limit)."""
+        desk = self.parts.pairing
+        if desk is None:
+            return self._problem(request, 404, "this switchboard has no pairing")
+        notice = None
+        if request.method == "POST":
+            form = await request.form()
+            if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
+                return self._csrf_refused(request)
+            action = _field(form, "action") or ""
+            try:
+                if action == "revoke":
+                    revoked = await desk.revoke(
+                        _field(form, "channel") or "", _field(form, "sender") or ""
+                    )
+                    notice = f"{revoked['channel']} {revoked['sender']} is no longer paired."
+                else:
+                    decided = await desk.decide(_field(form, "code") or "", action, by="dashboard")
+                    notice = f"Code {decided['code']} is {decided['status']}."
+            except ToolRefusal as exc:
+                return self._problem(request, 400, str(exc))
+        listing = await desk.listing()
+        return self._render(request, "pairing.html", listing=listing, notice=notice)
 
     async def login(self, request: Request) -> Response:
         target = _local_target(request.query_params.get("next"))

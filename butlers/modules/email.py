@@ -59,6 +59,7 @@ from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from butlers.switchboard.approvals import ApprovalDesk
+    from butlers.switchboard.pairing import PairingDesk
     from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class EmailModule:
         self.worker = worker
         # Where the owner's answers to approval mails go (the switchboard's; None: none).
         self.approvals: ApprovalDesk | None = None
+        # Strangers' codes and the paired senders (the switchboard's; None: only
+        # allowed_senders).
+        self.pairing: PairingDesk | None = None
         self.webhook_token = webhook_token
         self.address = (config.address or username).lower()
         self.status = ModuleStatus(self.name, "starting")
@@ -182,11 +186,21 @@ class EmailModule:
         if mail.sender == self.address:
             logger.info("email: ignoring mail from our own address")
             return False
-        if not sender_allowed(mail.sender, self.config.allowed_senders):
-            logger.warning(
-                "email: sender %s is not allowed", mail.sender, extra={"action": "refused"}
-            )
+        if not sender_allowed(mail.sender, self.config.allowed_senders) and not (
+            self.pairing is not None and await self.pairing.is_paired(self.name, mail.sender)
+        ):
+            if self.pairing is not None and self.pairing.enabled:
+                await self._stranger(mail)
+            else:
+                logger.warning(
+                    "email: sender %s is not allowed", mail.sender, extra={"action": "refused"}
+                )
             return False
+        return await self._authenticated(mail)
+
+    async def _authenticated(self, mail: ParsedMail) -> bool:
+        """Whether our own MTA vouches for the From domain, if `require_authentication_results`
+        asks for that (else True)."""
         if authserv_id := self.config.require_authentication_results:
             domain = mail.sender.rsplit("@", 1)[-1]
             # In a worker thread: a sender may write 256 KiB of Authentication-Results.
@@ -202,6 +216,32 @@ class EmailModule:
                 )
                 return False
         return True
+
+    async def _stranger(self, mail: ParsedMail) -> None:
+        """Mail from a sender nobody allowed, with pairing on: a code once
+        (butlers.switchboard.pairing); the mail itself is not stored. Answering a forged From
+        is backscatter: with `require_authentication_results` only a sender our MTA vouches
+        for is answered; without it, an address at most once an hour and within the cap."""
+        from butlers.switchboard.pairing import Stranger
+
+        assert self.pairing is not None
+        if not await self._authenticated(mail):
+            return
+        answering = InboxMessage(
+            id=0,
+            channel=self.name,
+            external_id=mail.message_id,
+            source_id=mail.sender,
+            sender_name=None,
+            subject=mail.subject,
+            text="",
+            meta={"message_id": mail.message_id, "references": mail.references},
+            attempts=0,
+            trace_context=None,
+        )
+        await self.pairing.stranger(
+            Stranger(self.name, mail.sender, mail.sender_name, reply_to=answering)
+        )
 
     async def accept(self, mail: ParsedMail) -> bool:
         """Store the mail if it is wanted. True when it is settled (stored, or deliberately

@@ -30,10 +30,11 @@ from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
-    from telegram import CallbackQuery, Update
+    from telegram import CallbackQuery, Message, Update, User
     from telegram.ext import ExtBot
 
     from butlers.switchboard.approvals import ApprovalDesk
+    from butlers.switchboard.pairing import PairingDesk
     from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,29 @@ def _inline_keyboard(rows: list[list[dict[str, str]]]) -> Any:
     )
 
 
+def _name_of(user: User | None) -> str:
+    """What a Telegram user calls themselves (their choice: cleaned before it is shown)."""
+    if user is None:
+        return ""
+    return f"{user.full_name} (@{user.username})" if user.username else user.full_name
+
+
+def _answering(message: Message, chat_id: str) -> InboxMessage:
+    """What an answer to `message` replies to, as the outbox's channel reads it."""
+    return InboxMessage(
+        id=0,
+        channel="telegram",
+        external_id="",
+        source_id=chat_id,
+        sender_name=None,
+        subject=None,
+        text="",
+        meta={"message_id": message.message_id},
+        attempts=0,
+        trace_context=None,
+    )
+
+
 class TelegramModule:
     name = "telegram"
 
@@ -102,6 +126,9 @@ class TelegramModule:
         self.webhook_secret = webhook_secret
         # Where the owner's presses of approval buttons go (the switchboard's; None: ignored).
         self.approvals: ApprovalDesk | None = None
+        # Strangers' codes, the owner's pairing buttons, and the paired chats (the
+        # switchboard's; None: only allowed_chat_ids).
+        self.pairing: PairingDesk | None = None
         base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
         # A 429 would lose the reply without the rate limiter's retries.
         self.bot: ExtBot = ExtBot(
@@ -258,11 +285,8 @@ class TelegramModule:
         if message is None or self.worker is None:
             return
         chat_id = str(message.chat_id)
-        if not self.allowed(chat_id):
-            logger.warning("telegram: refused chat %s", chat_id, extra={"action": "refused"})
-            if chat_id not in self._refused:
-                self._refused.add(chat_id)
-                await self._best_effort(chat_id, REFUSAL)
+        if not self.allowed(chat_id) and not await self._paired(chat_id):
+            await self._stranger(message, chat_id)
             return
         if not message.text:
             await self._best_effort(chat_id, TEXT_ONLY)
@@ -286,18 +310,44 @@ class TelegramModule:
             )
         )
 
+    async def _paired(self, chat_id: str) -> bool:
+        """Whether the owner paired this chat (asked of the database each time)."""
+        return self.pairing is not None and await self.pairing.is_paired(self.name, chat_id)
+
+    async def _stranger(self, message: Message, chat_id: str) -> None:
+        """A chat nobody allowed: with pairing, a code once (butlers.switchboard.pairing);
+        without, one polite refusal per chat and process. Nothing of theirs is stored."""
+        if self.pairing is not None and self.pairing.enabled:
+            from butlers.switchboard.pairing import Stranger
+
+            await self.pairing.stranger(
+                Stranger(
+                    self.name,
+                    chat_id,
+                    _name_of(message.from_user) or message.chat.title or "",
+                    reply_to=_answering(message, chat_id),
+                )
+            )
+            return
+        logger.warning("telegram: refused chat %s", chat_id, extra={"action": "refused"})
+        if chat_id not in self._refused:
+            self._refused.add(chat_id)
+            await self._best_effort(chat_id, REFUSAL)
+
     async def _press(self, query: CallbackQuery) -> None:
-        """A press of an approval button: decided by the switchboard's approvals (only the
-        owner's chat, only data we signed, once), always answered, and the request message
-        shows the decision."""
+        """A press of an approval's or a pairing's button: decided by the switchboard's
+        approvals or pairing (only the owner's chat, only data we signed, once), always
+        answered, and the request message shows the decision."""
+        from butlers.switchboard.pairing import is_pairing_button
+
         message = query.message
         chat_id = str(message.chat.id) if message is not None else ""
-        if self.approvals is None:
+        data = query.data or ""
+        desk = self.pairing if is_pairing_button(data) else self.approvals
+        if desk is None:
             answer, line = "Nothing to decide here.", None
         else:
-            decided = await self.approvals.press(
-                chat_id, query.data or "", by=f"telegram:{query.from_user.id}"
-            )
+            decided = await desk.press(chat_id, data, by=f"telegram:{query.from_user.id}")
             answer, line = decided.answer, decided.decision_line
         await self.bot.answer_callback_query(query.id, text=answer)
         text = getattr(message, "text", None)

@@ -27,6 +27,7 @@ from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
 from butlers.switchboard.notify import Notifier
 from butlers.switchboard.operator import register_operator_tools
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
+from butlers.switchboard.pairing import PairingDesk, PairingStore, register_pairing_tools
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import OwnEndpoints, Router
 from butlers.switchboard.routing_store import RoutingStore
@@ -51,6 +52,7 @@ class Switchboard:
     leadership: Leadership | None = None  # once started: pollers and outbox on one process
     wakeups: Wakeups | None = None  # once started: the other processes' notifications
     approvals: ApprovalDesk | None = None  # calls waiting for the owner's yes
+    pairing: PairingDesk | None = None  # strangers' codes and paired senders
 
     async def ask(self, text: str, *, source_id: str = "ask") -> dict[str, Any]:
         """`text` through the whole inbox -> classify -> route path as a message of the `mcp`
@@ -151,7 +153,8 @@ def attach_switchboard(
 ) -> Switchboard:
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
     routing_log_entry, discover, ask, the operator's inbox_list, inbox_retry,
-    routing_log_list and outbox_list, and the approvals' (butlers.switchboard.approvals)."""
+    routing_log_list and outbox_list, the approvals' (butlers.switchboard.approvals) and
+    pairing's (butlers.switchboard.pairing)."""
     connections = McpConnections(auth_token=auth_token)
     tracer = spawner.telemetry.tracer
     # The switchboard is whichever butler has a [switchboard] table: routing to it is refused
@@ -271,4 +274,12 @@ def attach_switchboard(
         retention_days=limits.retention_days,
     )
     register_approval_tools(mcp, switchboard.approvals)
+    switchboard.pairing = PairingDesk(
+        PairingStore(routing_store.pool),
+        config=limits.pairing,
+        owner=limits.owner,
+        outbox=outbox,
+        secret=switchboard.approvals.store.secret,  # one key signs every button
+    )
+    register_pairing_tools(mcp, switchboard.pairing)
     return switchboard

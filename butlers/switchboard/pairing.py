@@ -1,0 +1,683 @@
+"""Pairing: an unknown sender gets a one-time code, and the owner decides (`[switchboard.pairing]`).
+
+With pairing enabled, a Telegram chat or mail sender that is neither in the TOML allowlist
+(`allowed_chat_ids`, `allowed_senders`) nor paired is answered once with a short code and a
+sentence saying the owner must approve it; nothing they write is stored or routed (the message
+that asked need not be: once paired, their next one is). The owner is told on their preferred
+channel (on Telegram with signed Approve / Deny buttons) and decides with a button,
+`butlers pairing approve|deny CODE` or the dashboard; an approved sender is a `paired_senders`
+row, and `butlers pairing revoke CHANNEL SENDER` makes them a stranger again.
+
+A flood of strangers (senders and their names are theirs to choose) is bounded:
+
+- a sender is answered at most once an hour (a denied one not for DENIED_QUIET_DAYS), whatever
+  they send meanwhile; a redelivered update or mail changes nothing;
+- each channel holds at most `max_pending_per_channel` pending codes: past it a stranger gets
+  no code and no answer, and a pending code is never evicted for a newcomer (it expires after
+  `code_ttl_minutes`, or the owner decides it); rows that can no longer matter are deleted as
+  new ones come, so the table stays small;
+- so the bot sends at most one message per stranger an hour, and the owner at most the cap of
+  questions in flight per channel.
+
+Codes come from `secrets` (8 characters of an alphabet without look-alikes: ~40 bits), are
+looked up by their SHA-256 (no comparison of the code itself to leak timing), expire, and are
+taken once (a conditional UPDATE). Wrong codes are limited across all switchboard processes:
+after MAX_WRONG_CODES_PER_HOUR in an hour every code is refused until the oldest is an hour
+old. Telegram buttons are HMAC-signed like the approvals' (the same key, another purpose
+string) and count only from the owner's chat. The operator's tools refuse classification
+sessions and every butler session (a stranger's text must not approve itself).
+
+Whether a sender is paired is asked of the database for each message from a sender the TOML
+does not allow (one primary-key lookup, no cache): a decision on one switchboard process holds
+on every other at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import unicodedata
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from fastmcp import FastMCP
+
+from butlers.config import OwnerConfig, PairingConfig
+from butlers.core_store import storable
+from butlers.switchboard.approvals import (
+    MAC_BYTES,
+    PressAnswer,
+    _refuse_sessions_and_classifiers,
+)
+from butlers.switchboard.inbox import InboxMessage
+from butlers.switchboard.outbox import OutboxSender, Outgoing
+from butlers.tool_errors import ToolRefusal
+
+logger = logging.getLogger(__name__)
+
+CHANNELS = ("telegram", "email")
+STATUSES = ("pending", "approved", "denied", "expired")
+DECISIONS = {"approve": "approved", "deny": "denied"}
+CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"  # no I, L, O, 0, 1: read aloud safely
+CODE_LENGTH = 8
+_CODE = re.compile(f"[{CODE_ALPHABET}]{{{CODE_LENGTH}}}")
+_CODE_SEPARATORS = re.compile(r"[\s-]+")
+ANSWER_EVERY_S = 3600  # a sender is answered at most this often
+DENIED_QUIET_DAYS = 7  # a denied sender gets no new code (nor the owner a question) this long
+MAX_WRONG_CODES_PER_HOUR = 10  # across the switchboard (every process), then all refused
+NAME_CHARS = 64  # of a sender's name, as shown to the owner
+SENDER_CHARS = 320  # an address's longest; a chat id is far shorter
+MAX_PAIRED_LISTED = 500
+# Telegram allows 64 bytes of callback data: "p", a letter, the id, a dot, 16 bytes of MAC.
+_LETTER = {"approved": "a", "denied": "d"}
+_CALLBACK = re.compile(r"p([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
+ROW = """id, channel, sender, name, code, status, created_at, expires_at, decided_at,
+         decided_by"""
+# Serialises, per channel, "is there room for one more pending code" with taking it; and all
+# decisions by code, with counting the wrong ones.
+_CHANNEL_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('butlers.pairing:' || $1, 0))"
+_ATTEMPTS_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('butlers.pairing.attempts', 0))"
+
+
+def new_code() -> str:
+    return "".join(secrets.choice(CODE_ALPHABET) for _ in range(CODE_LENGTH))
+
+
+def normal_code(typed: str) -> str:
+    """A code as typed (any case, with spaces or dashes) as it is stored; ToolRefusal when it
+    cannot be one."""
+    code = _CODE_SEPARATORS.sub("", typed[: CODE_LENGTH * 4]).upper()
+    if not _CODE.fullmatch(code):
+        raise ToolRefusal(
+            f"a pairing code is {CODE_LENGTH} letters and digits (as sent to the sender), "
+            f"got {clean_name(typed)!r}"
+        )
+    return code
+
+
+def digest(code: str) -> bytes:
+    return hashlib.sha256(f"pairing-code:{code}".encode()).digest()
+
+
+def clean_name(name: str | None, limit: int = NAME_CHARS) -> str:
+    """A name a stranger chose, safe to show: no control or format characters (line breaks,
+    terminal escapes, bidirectional overrides, zero-width ones), runs of white space made one,
+    cut to `limit` characters."""
+    if not name:
+        return ""
+    kept = []
+    for char in name[: limit * 4]:
+        category = unicodedata.category(char)
+        if category in ("Cc", "Zl", "Zp"):
+            kept.append(" ")
+        elif not category.startswith("C"):  # Cf, Cs, Co, Cn: invisible or not characters
+            kept.append(char)
+    line = " ".join("".join(kept).split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def sign(secret: bytes, pairing_id: int, status: str) -> str:
+    """The callback data of the owner's button that sets pairing `pairing_id` to `status`."""
+    message = f"pairing:{pairing_id}:{status}".encode()
+    mac = hmac.new(secret, message, hashlib.sha256).digest()
+    tag = base64.urlsafe_b64encode(mac[:MAC_BYTES]).rstrip(b"=").decode()
+    return f"p{_LETTER[status]}{pairing_id}.{tag}"
+
+
+def verify(secret: bytes, data: str) -> tuple[int, str] | None:
+    """(pairing id, status) a button's data was signed for; None when not signed by us."""
+    match = _CALLBACK.fullmatch(data)
+    if match is None:
+        return None
+    status = "approved" if match[1] == "a" else "denied"
+    pairing_id = int(match[2])
+    if not hmac.compare_digest(sign(secret, pairing_id, status), data):
+        return None
+    return pairing_id, status
+
+
+def is_pairing_button(data: str) -> bool:
+    """Whether a button press is for pairing (else it is an approval's)."""
+    return data.startswith("p")
+
+
+@dataclass(frozen=True)
+class Stranger:
+    """A sender neither the TOML nor the database allows, as their channel saw them."""
+
+    channel: str  # telegram | email
+    sender: str  # the chat id, the address (lower case)
+    name: str  # what they call themselves: hostile, cleaned before it is shown
+    reply_to: InboxMessage | None = None  # their message, for the channel to answer it
+
+
+def describe_sender(row: dict[str, Any]) -> str:
+    """Who a pairing row is about, in a few words: the cleaned name and the sender."""
+    name = row.get("name") or ""
+    if row["channel"] == "email":
+        return f"{name} <{row['sender']}>" if name else row["sender"]
+    return f"{name} (Telegram chat {row['sender']})" if name else f"Telegram chat {row['sender']}"
+
+
+class PairingStore:
+    """Every SQL statement of pairing (the switchboard's database)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def is_paired(self, channel: str, sender: str) -> bool:
+        found = await self.pool.fetchval(
+            "SELECT true FROM paired_senders WHERE channel = $1 AND sender = $2",
+            channel,
+            storable(sender),
+        )
+        return found is not None
+
+    async def expire(self, conn: Any, channel: str | None = None) -> None:
+        await conn.execute(
+            """UPDATE pairing_requests SET status = 'expired'
+               WHERE status = 'pending' AND expires_at <= now()
+                 AND ($1::text IS NULL OR channel = $1)""",
+            channel,
+        )
+
+    async def prune(self, conn: Any, channel: str) -> None:
+        """Rows that no longer decide anything: answered over an hour ago and not pending,
+        except a denial, which keeps its sender quiet for DENIED_QUIET_DAYS."""
+        await conn.execute(
+            """DELETE FROM pairing_requests
+               WHERE channel = $1 AND status <> 'pending'
+                 AND created_at < now() - make_interval(secs => $2)
+                 AND NOT (status = 'denied'
+                          AND decided_at > now() - make_interval(days => $3))""",
+            channel,
+            float(ANSWER_EVERY_S),
+            DENIED_QUIET_DAYS,
+        )
+
+    async def answered_recently(self, conn: Any, channel: str, sender: str) -> bool:
+        return bool(
+            await conn.fetchval(
+                """SELECT EXISTS (
+                       SELECT 1 FROM pairing_requests
+                       WHERE channel = $1 AND sender = $2
+                         AND (created_at > now() - make_interval(secs => $3)
+                              OR (status = 'denied'
+                                  AND decided_at > now() - make_interval(days => $4))))""",
+                channel,
+                sender,
+                float(ANSWER_EVERY_S),
+                DENIED_QUIET_DAYS,
+            )
+        )
+
+    async def pending_count(self, conn: Any, channel: str) -> int:
+        return int(
+            await conn.fetchval(
+                "SELECT count(*) FROM pairing_requests WHERE channel = $1 AND status = 'pending'",
+                channel,
+            )
+        )
+
+    async def create(
+        self, conn: Any, stranger: Stranger, name: str, ttl_minutes: int
+    ) -> dict[str, Any]:
+        """A new pending code for `stranger`. A code that collides with a kept one (one in
+        ~10^12 per pair) is drawn again."""
+        for attempt in range(3):
+            code = new_code()
+            try:
+                async with conn.transaction():  # a savepoint: a collision undoes only this
+                    row = await conn.fetchrow(
+                        f"""INSERT INTO pairing_requests
+                                (channel, sender, name, code, code_digest, expires_at)
+                            VALUES ($1, $2, $3, $4, $5, now() + make_interval(mins => $6))
+                            RETURNING {ROW}""",
+                        stranger.channel,
+                        stranger.sender,
+                        name,
+                        code,
+                        digest(code),
+                        ttl_minutes,
+                    )
+            except asyncpg.UniqueViolationError:
+                if attempt == 2:
+                    raise
+                continue
+            assert row is not None
+            return dict(row)
+        raise AssertionError("unreachable")
+
+    async def decide_code(
+        self, conn: Any, code_digest: bytes, status: str, by: str
+    ) -> dict[str, Any] | None:
+        row = await conn.fetchrow(
+            f"""UPDATE pairing_requests SET status = $2, decided_at = now(), decided_by = $3
+                WHERE code_digest = $1 AND status = 'pending' AND expires_at > now()
+                RETURNING {ROW}""",
+            code_digest,
+            status,
+            storable(by),
+        )
+        return dict(row) if row is not None else None
+
+    async def decide_id(
+        self, conn: Any, pairing_id: int, status: str, by: str
+    ) -> dict[str, Any] | None:
+        row = await conn.fetchrow(
+            f"""UPDATE pairing_requests SET status = $2, decided_at = now(), decided_by = $3
+                WHERE id = $1 AND status = 'pending' AND expires_at > now()
+                RETURNING {ROW}""",
+            pairing_id,
+            status,
+            storable(by),
+        )
+        return dict(row) if row is not None else None
+
+    async def by_digest(self, conn: Any, code_digest: bytes) -> dict[str, Any] | None:
+        row = await conn.fetchrow(
+            f"SELECT {ROW} FROM pairing_requests WHERE code_digest = $1", code_digest
+        )
+        return dict(row) if row is not None else None
+
+    async def get(self, pairing_id: int) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(
+            f"SELECT {ROW} FROM pairing_requests WHERE id = $1", pairing_id
+        )
+        return dict(row) if row is not None else None
+
+    async def pair(self, conn: Any, row: dict[str, Any], by: str) -> None:
+        await conn.execute(
+            """INSERT INTO paired_senders (channel, sender, name, approved_by)
+               VALUES ($1, $2, $3, $4)
+               ON CONFLICT (channel, sender) DO UPDATE
+               SET name = excluded.name, approved_at = now(), approved_by = excluded.approved_by""",
+            row["channel"],
+            row["sender"],
+            row["name"],
+            storable(by),
+        )
+
+    async def unpair(self, channel: str, sender: str) -> dict[str, Any] | None:
+        row = await self.pool.fetchrow(
+            """DELETE FROM paired_senders WHERE channel = $1 AND sender = $2
+               RETURNING channel, sender, name, approved_at, approved_by""",
+            channel,
+            storable(sender),
+        )
+        return dict(row) if row is not None else None
+
+    async def wrong_codes(self, conn: Any) -> tuple[int, Any]:
+        """The wrong codes of the last hour, and when the oldest of them stops counting."""
+        await conn.execute("DELETE FROM pairing_failures WHERE at <= now() - interval '1 hour'")
+        row = await conn.fetchrow(
+            "SELECT count(*) AS n, min(at) + interval '1 hour' AS until FROM pairing_failures"
+        )
+        return int(row["n"]), row["until"]
+
+    async def wrong_code(self, conn: Any, by: str) -> None:
+        await conn.execute("INSERT INTO pairing_failures (by) VALUES ($1)", storable(by))
+
+    async def pending(self) -> list[dict[str, Any]]:
+        async with self.pool.acquire() as conn:
+            await self.expire(conn)
+            rows = await conn.fetch(
+                f"SELECT {ROW} FROM pairing_requests WHERE status = 'pending' ORDER BY id"
+            )
+        return [dict(r) for r in rows]
+
+    async def paired(self) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            """SELECT channel, sender, name, approved_at, approved_by FROM paired_senders
+               ORDER BY approved_at DESC LIMIT $1""",
+            MAX_PAIRED_LISTED,
+        )
+        return [dict(r) for r in rows]
+
+    async def owner_questions(self, pairing_id: int) -> list[dict[str, Any]]:
+        """The owner's Telegram question(s) with buttons for this code, as sent."""
+        rows = await self.pool.fetch(
+            """SELECT recipient, text, sent_ids FROM outbox
+               WHERE kind = 'pairing' AND channel = 'telegram' AND status = 'sent'
+                 AND meta ? 'inline_keyboard'
+                 AND meta->>'pairing_id' = $1::bigint::text""",
+            pairing_id,
+        )
+        return [dict(r) for r in rows]
+
+
+class PairingDesk:
+    """Gives strangers codes, tells the owner, takes decisions; asked by the channel modules
+    whether a sender is paired."""
+
+    def __init__(
+        self,
+        store: PairingStore,
+        *,
+        config: PairingConfig,
+        owner: OwnerConfig,
+        outbox: OutboxSender,
+        secret: Callable[[], Awaitable[bytes]],
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.owner = owner
+        self.outbox = outbox
+        self.secret = secret  # the buttons' signing key (the approvals')
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    async def is_paired(self, channel: str, sender: str) -> bool:
+        """Whether the owner paired this sender (the TOML allowlists are the channel's to
+        check first). Asked of the database every time: every process sees a decision."""
+        return await self.store.is_paired(channel, sender)
+
+    # -- a stranger writes ------------------------------------------------------------------
+
+    async def stranger(self, stranger: Stranger) -> bool:
+        """A message from `stranger`: answered with a new code (and the owner asked) unless
+        they were answered within the hour or the channel's pending codes are at the cap.
+        True when a code was given. The answer and the question are queued in the transaction
+        that records the code: a crash leaves neither or both."""
+        if not self.enabled:
+            return False
+        name = clean_name(stranger.name)
+        sender = stranger.sender[:SENDER_CHARS]
+        stranger = Stranger(stranger.channel, storable(sender) or "", name, stranger.reply_to)
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_CHANNEL_LOCK, stranger.channel)
+            await self.store.expire(conn, stranger.channel)
+            await self.store.prune(conn, stranger.channel)
+            if await self.store.answered_recently(conn, stranger.channel, stranger.sender):
+                logger.info(
+                    "pairing: %s %s was answered within the hour: not again",
+                    stranger.channel,
+                    stranger.sender,
+                    extra={"action": "pairing_quiet"},
+                )
+                return False
+            cap = self.config.max_pending_per_channel
+            if await self.store.pending_count(conn, stranger.channel) >= cap:
+                logger.info(
+                    "pairing: %d codes pending on %s (max_pending_per_channel): %s gets none",
+                    cap,
+                    stranger.channel,
+                    stranger.sender,
+                    extra={"action": "pairing_full"},
+                )
+                return False
+            row = await self.store.create(conn, stranger, name, self.config.code_ttl_minutes)
+            outgoing = self._code_for(stranger, row) + await self._owner_question(row)
+            await self.outbox.store.add(conn, outgoing, None)
+        self.outbox.wake()
+        logger.info(
+            "pairing: a code went to %s %s; the owner decides",
+            stranger.channel,
+            stranger.sender,
+            extra={"action": "pairing_code"},
+        )
+        return True
+
+    def _code_for(self, stranger: Stranger, row: dict[str, Any]) -> list[Outgoing]:
+        channel = self.outbox.channels.get(stranger.channel)
+        if channel is None:
+            return []
+        text = (
+            "This is a private butler: it answers only people its owner approved. "
+            f"Your pairing code is {row['code']}. The owner must approve it (within "
+            f"{self.config.code_ttl_minutes} minutes); once they have, write again."
+        )
+        chunks = channel.prepare(text, reply_to=stranger.reply_to, butler=None)
+        return [
+            Outgoing(
+                kind="pairing",
+                channel=stranger.channel,
+                recipient=stranger.sender,
+                text=chunk,
+                meta={**meta, "pairing_id": row["id"]},
+            )
+            for chunk, meta in chunks
+        ]
+
+    async def _owner_question(self, row: dict[str, Any]) -> list[Outgoing]:
+        """The owner's question on their preferred channel that runs here (none: they use
+        `butlers pairing`)."""
+        reachable = [c for c in self.owner.channels() if c[0] in self.outbox.channels]
+        if not reachable:
+            logger.warning(
+                "pairing: the owner cannot be told of %s %s (no [switchboard.owner] channel "
+                "runs here); see `butlers pairing`",
+                row["channel"],
+                row["sender"],
+                extra={"action": "pairing_owner_not_told"},
+            )
+            return []
+        channel, recipient = reachable[0]
+        code = row["code"]
+        expires = row["expires_at"].strftime("%Y-%m-%d %H:%M UTC")
+        where = "Telegram" if row["channel"] == "telegram" else "email"
+        text = (
+            f"{describe_sender(row)} wants to talk to your butlers by {where}. "
+            f"Pairing code: {code} (until {expires}).\n\n"
+        )
+        if channel == "telegram":
+            text += (
+                "Approve or deny it here, or with "
+                f"`butlers pairing approve {code}` / `butlers pairing deny {code}`."
+            )
+        else:
+            text += f"To let them in, run `butlers pairing approve {code}` (or `deny {code}`)."
+        chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=None)
+        if channel == "telegram":
+            secret = await self.secret()
+            keyboard = [
+                [
+                    {"text": "Approve", "callback_data": sign(secret, row["id"], "approved")},
+                    {"text": "Deny", "callback_data": sign(secret, row["id"], "denied")},
+                ]
+            ]
+            last, meta = chunks[-1]
+            chunks[-1] = (last, {**meta, "inline_keyboard": keyboard})
+        return [
+            Outgoing(
+                kind="pairing",
+                channel=channel,
+                recipient=recipient,
+                text=t,
+                meta={**m, "pairing_id": row["id"]},
+            )
+            for t, m in chunks
+        ]
+
+    # -- the owner decides ------------------------------------------------------------------
+
+    async def decide(self, typed_code: str, decision: str, *, by: str) -> dict[str, Any]:
+        """Approve or deny the pending code `typed_code`, once. ToolRefusal for a code that is
+        wrong, expired or used (each counts against MAX_WRONG_CODES_PER_HOUR), and for any
+        code while that many wrong ones were tried within the hour."""
+        status = DECISIONS.get(decision)
+        if status is None:
+            raise ToolRefusal(f"decision must be approve or deny, got {clean_name(decision)!r}")
+        code = normal_code(typed_code)
+        code_digest = digest(code)
+        refusal: str | None = None
+        row: dict[str, Any] | None = None
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_ATTEMPTS_LOCK)
+            wrong, until = await self.store.wrong_codes(conn)
+            if wrong >= MAX_WRONG_CODES_PER_HOUR:
+                refusal = (
+                    f"{wrong} wrong pairing codes were tried within the hour, the limit: no "
+                    f"code is taken until {until:%Y-%m-%d %H:%M:%S} UTC"
+                )
+            else:
+                row = await self.store.decide_code(conn, code_digest, status, by)
+                if row is None:
+                    await self.store.wrong_code(conn, by)
+                    known = await self.store.by_digest(conn, code_digest)
+                    refusal = _why_not(code, known, wrong + 1)
+                else:
+                    await self._decided(conn, row, by)
+        if refusal is not None or row is None:
+            raise ToolRefusal(refusal or "not decided", log_level=logging.WARNING)
+        return await self._after(row, f"{status.capitalize()} ({by}).")
+
+    async def press(self, chat_id: str, data: str, *, by: str) -> PressAnswer:
+        """A Telegram button press: counted only from the owner's chat with data we signed."""
+        owner_chat = self.owner.telegram_chat_id
+        if not owner_chat or chat_id != owner_chat:
+            logger.warning(
+                "pairing button pressed in chat %s, not the owner's: ignored",
+                chat_id,
+                extra={"action": "pairing_press_refused"},
+            )
+            return PressAnswer("Only the owner can decide this.", None)
+        signed = verify(await self.secret(), data)
+        if signed is None:
+            logger.warning(
+                "pairing button with data we did not sign: ignored",
+                extra={"action": "pairing_press_refused"},
+            )
+            return PressAnswer("This button is not valid.", None)
+        pairing_id, status = signed
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            row = await self.store.decide_id(conn, pairing_id, status, by)
+            if row is not None:
+                await self._decided(conn, row, by)
+        if row is None:
+            current = await self.store.get(pairing_id)
+            said = current["status"] if current is not None else "gone"
+            if said == "pending":  # pending, but past its time: the sweep has not marked it
+                said = "expired"
+            return PressAnswer(f"Already {said}: nothing changed.", None)
+        await self._after(row, None)
+        verb = "Approved" if status == "approved" else "Denied"
+        return PressAnswer(f"{verb}: {describe_sender(row)}.", f"{verb} by the owner.")
+
+    async def _decided(self, conn: Any, row: dict[str, Any], by: str) -> None:
+        """In the deciding transaction: an approved sender is paired and told so."""
+        if row["status"] != "approved":
+            return
+        await self.store.pair(conn, row, by)
+        channel = self.outbox.channels.get(row["channel"])
+        if channel is None:
+            return
+        text = "The owner approved you: write again, and your butlers will answer."
+        chunks = channel.prepare(text, reply_to=None, butler=None)
+        await self.outbox.store.add(
+            conn,
+            [
+                Outgoing(
+                    kind="pairing",
+                    channel=row["channel"],
+                    recipient=row["sender"],
+                    text=chunk,
+                    meta={**meta, "pairing_id": row["id"]},
+                )
+                for chunk, meta in chunks
+            ],
+            None,
+        )
+
+    async def _after(self, row: dict[str, Any], line: str | None) -> dict[str, Any]:
+        """Once decided: the outbox woken, the owner's question marked (`line`; None: the
+        press edits its own message), the decision logged; what a tool answers."""
+        self.outbox.wake()
+        if line is not None:
+            await self._show_decision(row, line)
+        logger.info(
+            "pairing: %s %s %s by %s",
+            row["channel"],
+            row["sender"],
+            row["status"],
+            row["decided_by"],
+            extra={"action": "pairing_decided"},
+        )
+        return {**public(row), "changed": True}
+
+    async def _show_decision(self, row: dict[str, Any], line: str) -> None:
+        """The owner's Telegram question says how it was decided and loses its buttons (best
+        effort: the decision stands either way)."""
+        channel = self.outbox.channels.get("telegram")
+        edit = getattr(channel, "show_decided", None)
+        if edit is None:
+            return
+        for asked in await self.store.owner_questions(row["id"]):
+            for message_id in asked["sent_ids"]:
+                try:
+                    await edit(asked["recipient"], int(message_id), asked["text"], line)
+                except Exception as exc:
+                    logger.warning(
+                        "pairing #%s: the owner's question could not be marked: %s",
+                        row["id"],
+                        exc,
+                    )
+
+    async def revoke(self, channel: str, sender: str) -> dict[str, Any]:
+        """Remove a paired sender: a stranger again (those in the TOML stay allowed)."""
+        if channel not in CHANNELS:
+            raise ToolRefusal(
+                f"channel must be one of {', '.join(CHANNELS)}, got {clean_name(channel)!r}"
+            )
+        sender = sender.strip().lower() if channel == "email" else sender.strip()
+        removed = await self.store.unpair(channel, sender)
+        if removed is None:
+            raise ToolRefusal(
+                f"{clean_name(sender, SENDER_CHARS)!r} is not a paired {channel} sender (see "
+                "`butlers pairing`; the butler.toml's allowlists are changed there)"
+            )
+        logger.info("pairing: %s %s revoked", channel, sender, extra={"action": "pairing_revoked"})
+        return {**removed, "revoked": True}
+
+    async def listing(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "pending": [public(row) for row in await self.store.pending()],
+            "paired": await self.store.paired(),
+        }
+
+
+def _why_not(code: str, known: dict[str, Any] | None, wrong: int) -> str:
+    counted = f"({wrong} of {MAX_WRONG_CODES_PER_HOUR} wrong codes an hour)"
+    if known is None:
+        return f"no pairing code {code}: check it against `butlers pairing` {counted}"
+    if known["status"] in ("pending", "expired"):  # pending: past its time, not yet marked
+        return f"pairing code {code} expired: the sender gets a new one if they write again"
+    return f"pairing code {code} was {known['status']} already: nothing changed {counted}"
+
+
+def public(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "code_digest"}
+
+
+def register_pairing_tools(mcp: FastMCP, desk: PairingDesk) -> None:
+    """pairing_list, pairing_decide and pairing_revoke: the operator's (`butlers pairing`).
+    Never a classification session's nor any butler session's."""
+
+    @mcp.tool
+    async def pairing_list() -> dict[str, Any]:
+        """Pending pairing codes (channel, sender, name, code, expiry) and paired senders."""
+        _refuse_sessions_and_classifiers("pairing_list")
+        return await desk.listing()
+
+    @mcp.tool
+    async def pairing_decide(code: str, decision: str) -> dict[str, Any]:
+        """Approve or deny (`decision`) the pending pairing `code`, as the owner; approve
+        pairs its sender, whose next message is routed. Wrong codes are limited (10 an
+        hour)."""
+        _refuse_sessions_and_classifiers("pairing_decide")
+        return await desk.decide(code, decision, by="operator")
+
+    @mcp.tool
+    async def pairing_revoke(channel: str, sender: str) -> dict[str, Any]:
+        """Remove a paired sender (`channel`: telegram | email): unknown again."""
+        _refuse_sessions_and_classifiers("pairing_revoke")
+        return await desk.revoke(channel, sender)
