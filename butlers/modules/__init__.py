@@ -83,6 +83,7 @@ def build_modules(
             if switchboard is not None:
                 switchboard.outbox.channels["telegram"] = telegram
                 telegram.approvals = switchboard.approvals  # the owner's button presses
+                telegram.pairing = switchboard.pairing  # strangers' codes, paired chats
             modules.running.append(telegram)
     if config.email is not None:
         names = [config.email.username_env, config.email.password_env]
@@ -106,6 +107,7 @@ def build_modules(
             if switchboard is not None:
                 switchboard.outbox.channels["email"] = mail
                 mail.approvals = switchboard.approvals  # the owner's "yes 12" replies
+                mail.pairing = switchboard.pairing  # strangers' codes, paired senders
             modules.running.append(mail)
     for status in modules.skipped:
         logger.warning(
