@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from butlers.config import ButlerConfig, FleetConfig
+    from butlers.config import ButlerConfig, FleetConfig, Placement
     from butlers.redact import Redactor
     from butlers.settings import Settings
 
@@ -112,7 +112,7 @@ def load_subject(
 ) -> tuple[Subject, list[Check]]:
     """The configs and the environment; a directory that is missing or unreadable, a broken
     butler.toml or a bad .env are checks of their own (fail), never a traceback."""
-    from butlers.config import FleetConfig, Placement, load_config_dir
+    from butlers.config import Placement
     from butlers.errors import ButlersError
     from butlers.settings import Settings as SettingsClass
 
@@ -120,7 +120,8 @@ def load_subject(
     environ: dict[str, str] = dict(settings.environ)
     env_file = config_dir / ENV_FILE
     from_file: set[str] = set()
-    if env_file.is_file():
+    has_env_file = _is_file(env_file)
+    if has_env_file:
         try:
             file_values = _read_env_file(env_file)
         except (OSError, UnicodeDecodeError) as exc:
@@ -140,31 +141,9 @@ def load_subject(
     except ButlersError as exc:
         checks.append(fail("environment", f"{exc}"))
         placement = Placement()
-    fleet = FleetConfig((), ())
-    if not config_dir.exists():
-        checks.append(
-            fail(
-                "config",
-                f"the config directory {config_dir} does not exist: create one with "
-                f"`butlers init {config_dir}`, or name yours with --config-dir",
-            )
-        )
-    elif not config_dir.is_dir():
-        checks.append(fail("config", f"{config_dir} is not a directory: name a config directory"))
-    else:
-        try:
-            fleet = load_config_dir(config_dir, placement)
-        except OSError as exc:
-            checks.append(
-                fail(
-                    "config",
-                    f"cannot read the config directory {config_dir}: "
-                    f"{exc.strerror or exc}; fix its permissions",
-                )
-            )
-        else:
-            checks += _config_checks(config_dir, fleet)
-    if env_file.is_file() and not any(c.name == "env-file" for c in checks):
+    fleet, found = _load_fleet(config_dir, placement)
+    checks += found
+    if has_env_file and not any(c.name == "env-file" for c in checks):
         checks.append(_env_file_check(env_file, from_file))
     checks.sort(key=lambda c: c.name.split(".")[0] != "config")  # first: the rest follows from it
     subject = Subject(
@@ -172,11 +151,60 @@ def load_subject(
         fleet=fleet,
         environ=environ,
         settings=merged,
-        env_file=env_file if env_file.is_file() else None,
+        env_file=env_file if has_env_file else None,
         from_file=frozenset(from_file),
         timeout_s=timeout_s,
     )
     return subject, checks
+
+
+def _load_fleet(config_dir: Path, placement: Placement) -> tuple[FleetConfig, list[Check]]:
+    """The butlers of `config_dir`, and the checks of what did not load."""
+    from butlers.config import FleetConfig, load_config_dir
+
+    nothing = FleetConfig((), ())
+    try:
+        exists, is_dir = config_dir.exists(), config_dir.is_dir()
+    except OSError as exc:  # a directory above it we may not enter
+        return nothing, [
+            fail(
+                "config",
+                f"cannot look at the config directory {config_dir}: {exc.strerror or exc}; fix "
+                "the permissions of the directories above it",
+            )
+        ]
+    if not exists:
+        return nothing, [
+            fail(
+                "config",
+                f"the config directory {config_dir} does not exist: create one with "
+                f"`butlers init {config_dir}`, or name yours with --config-dir",
+            )
+        ]
+    if not is_dir:
+        return nothing, [
+            fail("config", f"{config_dir} is not a directory: name a config directory")
+        ]
+    try:
+        fleet = load_config_dir(config_dir, placement)
+    except OSError as exc:
+        return nothing, [
+            fail(
+                "config",
+                f"cannot read the config directory {config_dir}: {exc.strerror or exc}; fix its "
+                "permissions",
+            )
+        ]
+    return fleet, _config_checks(config_dir, fleet)
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; False also when a directory above it cannot be entered
+    (that is said of the config directory itself)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _read_env_file(path: Path) -> dict[str, str | None]:
