@@ -596,3 +596,21 @@ async def test_the_running_embedded_postgresql_is_found_and_asked(
     assert found.status == "warn", found  # the switchboard's database is not there yet
     assert f"embedded PostgreSQL in {pg_server.pgdata} answers" in found.detail
     assert "butler_switchboard do not exist yet" in found.detail and database not in found.detail
+
+
+async def test_a_webhook_url_that_is_not_https_fails(tmp_path: Path) -> None:
+    env = base_env(tmp_path, TELEGRAM_BOT_TOKEN="1:t", TELEGRAM_WEBHOOK_SECRET="s3cret")
+    plain = fleet_dir(
+        tmp_path / "http",
+        telegram='mode = "webhook"\nwebhook_url = "http://me.example/telegram/webhook"',
+    )
+    checks = await doctor(plain, env)
+    assert checks["config.switchboard"].status == "fail"
+    assert "https" in checks["config.switchboard"].detail
+    unset = fleet_dir(tmp_path / "unset", telegram='mode = "webhook"')
+    checks = await doctor(unset, env)
+    assert checks["telegram-webhook"].status == "warn"
+    assert "webhook_url" in checks["telegram-webhook"].detail
+    checks = await doctor(unset, {**env, "TELEGRAM_WEBHOOK_SECRET": "not a secret!"})
+    assert checks["telegram-webhook"].status == "fail"
+    assert "TELEGRAM_WEBHOOK_SECRET" in checks["telegram-webhook"].detail
