@@ -10,6 +10,12 @@ Claude Code reads text written by strangers, so it gets nothing it does not need
 config (auth tokens in headers, a stdio server's declared environment) goes through a private
 file, not the command line that `ps` shows every user; and of the caller's environment (bot
 token, mail password, DATABASE_URL) it keeps only an allowlist (butlers.environment).
+
+When a run fails, the operator is told why in words they can act on (`known_reason`): Claude
+Code says it in its error result, in the API error of its last turn, in the retries it is
+waiting on, or on its stderr, which is captured (`RunSigns`) rather than left to run into the
+butler's own stderr. Only the reason, or a short cleaned excerpt, leaves this module; the
+caller redacts it like every error text.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +43,8 @@ from butlers.errors import SpawnError
 if TYPE_CHECKING:
     from claude_agent_sdk import Message
     from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+
+logger = logging.getLogger(__name__)
 
 # Anything Claude Code needs that is not the caller's business stays out of its way.
 _CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
@@ -147,23 +159,28 @@ async def run_claude_code(
     target: McpTarget,
     run: ClaudeCodeRun,
     tool_calls: list[dict[str, Any]],
+    *,
+    signs: RunSigns | None = None,
 ) -> ClaudeCodeResult:
     """Run Claude Code to its result; each tool call it makes is appended to `tool_calls` as
-    it happens (so a caller that times out still has them). Raises SpawnError when the run
-    fails or its server does not connect; cancelling it ends the CLI."""
+    it happens (so a caller that times out still has them), and what may say why it fails
+    goes into `signs` (so a caller that times out can say what it was waiting on). Raises
+    SpawnError, saying why, when the run fails, Claude Code cannot start or its server does
+    not connect; cancelling it ends the CLI."""
     from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
-    from claude_agent_sdk._errors import ResultError
-    from claude_agent_sdk.types import ToolUseBlock
+    from claude_agent_sdk._errors import ClaudeSDKError, CLINotFoundError, ResultError
+    from claude_agent_sdk.types import TextBlock, ToolUseBlock
 
+    signs = signs if signs is not None else RunSigns()
     env = {**_CLI_ENV, **run.env}
     servers = {"mcpServers": {target.name: target.server_config()}}
     config_path = await asyncio.to_thread(
         write_private_file, run.mcp_config_dir, json.dumps(servers)
     )
+    result: ResultMessage | None = None
     try:
-        options = _options(target, run, env, config_path)
+        options = _options(target, run, env, config_path, signs.on_stderr)
         transport = _transport_class()(prompt, options, inherited=run.inherited)  # type: ignore[call-arg]
-        result: ResultMessage | None = None
         # aclosing: on timeout or failure the generator is closed, which ends the CLI.
         # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
         async with contextlib.aclosing(
@@ -175,11 +192,20 @@ async def run_claude_code(
             async for message in messages:
                 if isinstance(message, SystemMessage) and message.subtype == "init":
                     _check_connected(message.data, target)
+                elif isinstance(message, SystemMessage) and message.subtype == "api_retry":
+                    signs.retrying = message.data
                 elif isinstance(message, AssistantMessage):
+                    signs.retrying = None
+                    if message.error is not None:
+                        signs.api_error = message.error
+                        signs.api_text = " ".join(
+                            b.text for b in message.content if isinstance(b, TextBlock)
+                        )
                     for block in message.content:
                         if isinstance(block, ToolUseBlock):
                             tool_calls.append({"name": block.name, "input": block.input})
                 elif isinstance(message, ResultMessage):
+                    signs.retrying = None
                     result = message
     except ResultError as exc:
         # The run ended in an error result (max turns, an API error, no login): the SDK
@@ -187,20 +213,43 @@ async def run_claude_code(
         detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
         cost = result.total_cost_usd if result is not None else exc.data.get("total_cost_usd")
         raise SpawnError(
-            describe_failure(detail, "Claude Code session failed"),
+            signs.why(detail, "Claude Code session failed", status=exc.api_error_status),
             cost_usd=cost if isinstance(cost, int | float) else None,
+        ) from exc
+    except CLINotFoundError as exc:
+        raise SpawnError(binary_missing()) from exc
+    except ClaudeSDKError as exc:
+        # The CLI exited or broke off without an error result the SDK recognised (the bare
+        # "Command failed with exit code 1"): what it showed on the way says why.
+        said = _result_text(result) if result is not None and result.is_error else ""
+        raise SpawnError(
+            signs.why(said, "Claude Code could not run", fallback=str(exc)),
+            cost_usd=result.total_cost_usd if result is not None else None,
         ) from exc
     finally:
         await asyncio.to_thread(config_path.unlink, missing_ok=True)
     if result is None:
-        raise SpawnError("Claude Code ended without a result")
+        raise SpawnError(signs.why("", "Claude Code ended without a result"))
     if result.is_error:
-        detail = "; ".join(result.errors or []) or result.result or result.subtype
-        raise SpawnError(f"Claude Code session failed: {detail}", cost_usd=result.total_cost_usd)
+        raise SpawnError(
+            signs.why(_result_text(result), "Claude Code session failed"),
+            cost_usd=result.total_cost_usd,
+        )
     return ClaudeCodeResult(result.result or "", result.total_cost_usd)
 
 
-def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_config: Path):
+def _result_text(result: Any) -> str:
+    """What an error result says (a ResultMessage): its errors, else its text, else its kind."""
+    return "; ".join(result.errors or []) or result.result or result.subtype
+
+
+def _options(
+    target: McpTarget,
+    run: ClaudeCodeRun,
+    env: Mapping[str, str],
+    mcp_config: Path,
+    stderr: Callable[[str], None],
+):
     from claude_agent_sdk import ClaudeAgentOptions
 
     return ClaudeAgentOptions(
@@ -217,6 +266,8 @@ def _options(target: McpTarget, run: ClaudeCodeRun, env: Mapping[str, str], mcp_
         cwd=str(run.work_dir),
         setting_sources=[],
         env=dict(env),
+        # Piped to us, not to the butler's stderr: it may say why the run failed (RunSigns).
+        stderr=stderr,
     )
 
 
@@ -315,18 +366,166 @@ def _check_connected(init: Mapping[str, Any], target: McpTarget) -> None:
     raise SpawnError(f"MCP server {target.name!r} at {target.where} was not loaded by Claude Code")
 
 
-def describe_sdk_error(exc: BaseException) -> str:
-    return describe_failure(str(exc).strip() or type(exc).__name__, "Claude Code could not run")
+# -- saying why a run failed -----------------------------------------------------------------
+
+STDERR_TAIL_LINES = 20  # what is kept of Claude Code's stderr, for the excerpt
+_STDERR_LINE_CHARS = 500
+EXCERPT_CHARS = 300
+_API_STATUS = re.compile(r"\b(401|403|429|529)\b")  # the statuses a known reason names
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+
+RATE_LIMITED = (
+    "the Messages API is rate-limiting Claude Code (429): more requests or tokens a minute than "
+    "the account allows; run fewer sessions at once ([runtime] max_concurrent_sessions) or "
+    "raise the account's limit"
+)
+NO_CREDIT = (
+    "the Anthropic account Claude Code uses has no credit or usage left (credit balance too "
+    "low, or the plan's usage limit reached): add credit, or wait for the limit to reset"
+)
+OVERLOADED = "the Messages API is overloaded (529): usually temporary; try again in a while"
+INVALID_KEY = (
+    "the Messages API refused Claude Code's API key (401, invalid API key): check "
+    "ANTHROPIC_API_KEY (in the environment or .env)"
+)
 
 
-def describe_failure(text: str, what: str) -> str:
-    first_line = text.splitlines()[0] if text else what
-    if "not logged in" in text.lower() or "api key" in text.lower():
-        return (
-            "Claude Code has no credentials: set ANTHROPIC_API_KEY (or log in with `claude`) "
-            f"in the environment `butlers` runs with ({first_line})"
+@functools.cache
+def claude_binary() -> str:
+    """The Claude Code a run starts, as the SDK finds it: the binary bundled with
+    claude-agent-sdk, else `claude` on PATH. For the sentences that tell an operator to run
+    it; found without importing the SDK."""
+    spec = importlib.util.find_spec("claude_agent_sdk")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        bundled = Path(location) / "_bundled" / "claude"
+        if bundled.is_file():
+            return str(bundled)
+    return shutil.which("claude") or "claude"
+
+
+def not_logged_in() -> str:
+    return (
+        "Claude Code is not logged in: set ANTHROPIC_API_KEY (in the environment or .env), "
+        f"or log in with `{claude_binary()} /login`"
+    )
+
+
+def credentials_refused() -> str:
+    return (
+        "the Messages API refused Claude Code's credentials (authentication failed): check "
+        f"ANTHROPIC_API_KEY, or log in again with `{claude_binary()} /login`"
+    )
+
+
+def binary_missing() -> str:
+    return (
+        "the Claude Code binary is missing (neither bundled with claude-agent-sdk nor `claude` "
+        "on PATH): reinstall claude-agent-sdk (its wheel bundles it), or put `claude` on PATH"
+    )
+
+
+def known_reasons() -> tuple[str, ...]:
+    """Every reason `known_reason` gives: a text holding one of them holds that reason (the
+    switchboard says a reason that several sessions of one message gave once)."""
+    return (
+        not_logged_in(),
+        binary_missing(),
+        INVALID_KEY,
+        credentials_refused(),
+        NO_CREDIT,
+        RATE_LIMITED,
+        OVERLOADED,
+    )
+
+
+def known_reason(
+    text: str = "", *, status: int | None = None, kind: str | None = None
+) -> str | None:
+    """Why Claude Code could not do its work, when what it said (`text`: its error result,
+    its stderr), the HTTP status the Messages API answered it with (`status`) or the kind of
+    API error it named (`kind`: AssistantMessage.error, an api_retry's `error`) is one we
+    know; None otherwise. Each reason says what to do about it."""
+    said = text.lower()
+    if status is None and (code := _API_STATUS.search(said)):  # "API Error: 529 Overloaded"
+        status = int(code.group(1))
+    if "not logged in" in said:
+        return not_logged_in()
+    if status == 401 or "invalid api key" in said or "invalid x-api-key" in said:
+        return INVALID_KEY
+    if kind == "billing_error" or any(
+        words in said for words in ("credit balance", "usage limit", "quota")
+    ):
+        return NO_CREDIT
+    if status == 429 or kind == "rate_limit" or "rate limit" in said:
+        return RATE_LIMITED
+    if status == 529 or "overloaded" in said:
+        return OVERLOADED
+    if status == 403 or kind == "authentication_failed" or "failed to authenticate" in said:
+        return credentials_refused()
+    return None
+
+
+def excerpt(text: str) -> str:
+    """A short, clean line of what Claude Code said: terminal escapes and control
+    characters gone, whitespace collapsed, cut at EXCERPT_CHARS."""
+    clean = _ANSI_ESCAPE.sub("", text)
+    clean = " ".join("".join(c if c.isprintable() else " " for c in clean).split())
+    return clean if len(clean) <= EXCERPT_CHARS else clean[: EXCERPT_CHARS - 1] + "…"
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.strip()), "")
+
+
+@dataclass
+class RunSigns:
+    """What Claude Code showed during a run that can say why it failed: the last lines of
+    its stderr, the API error of a failed turn (its kind and Claude Code's words for it),
+    and the Messages API retry it is waiting on (an `api_retry` message: a run cut short by
+    its timeout meanwhile was waiting on the API, not working)."""
+
+    stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    api_error: str | None = None
+    api_text: str = ""
+    retrying: Mapping[str, Any] | None = None
+
+    def on_stderr(self, line: str) -> None:
+        """The SDK's stderr callback: each line kept (the last few) and logged at DEBUG."""
+        line = excerpt(line[: _STDERR_LINE_CHARS * 2])[:_STDERR_LINE_CHARS]
+        if line:
+            self.stderr.append(line)
+            logger.debug("Claude Code: %s", line, extra={"action": "claude_code_stderr"})
+
+    def why(self, said: str, what: str, *, status: int | None = None, fallback: str = "") -> str:
+        """Why the run failed: a known reason if Claude Code's words anywhere (`said`, the
+        failed turn, stderr) or the API's status give one, else `what` and a short excerpt
+        of the first of them that says anything (then `fallback`: the SDK's own exception
+        text)."""
+        said, turn = _first_line(said), _first_line(self.api_text)
+        for text in (said, turn, " ".join(self.stderr), ""):
+            if reason := known_reason(text, status=status, kind=self.api_error):
+                return reason
+        tail = " | ".join(list(self.stderr)[-3:])  # its last words
+        first = next((text for text in (said, turn, tail, _first_line(fallback)) if text), "")
+        return f"{what}: {excerpt(first)}" if first else what
+
+    def waiting_on(self) -> str | None:
+        """The Messages API retry the run is waiting on, in words, or None."""
+        if self.retrying is None:
+            return None
+        status = self.retrying.get("error_status")
+        kind = self.retrying.get("error")
+        reason = (
+            known_reason(
+                status=status if isinstance(status, int) else None,
+                kind=kind if isinstance(kind, str) else None,
+            )
+            or f"HTTP {status} ({kind})"
         )
-    return f"{what}: {first_line}"
+        attempt, retries = self.retrying.get("attempt"), self.retrying.get("max_retries")
+        return (
+            f"Claude Code was retrying the Messages API (attempt {attempt} of {retries}): {reason}"
+        )
 
 
 def isolated_cli_env(

@@ -24,7 +24,8 @@ from butlers.claude_code import (
     ClaudeCodeResult,
     ClaudeCodeRun,
     McpTarget,
-    describe_sdk_error,
+    RunSigns,
+    excerpt,
     mcp_config_dir,
     remove_private_files,
     run_claude_code,
@@ -284,23 +285,26 @@ class Spawner:
         session_id = await self.store.session_start(trigger_source, prompt, trace_id)
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []
+        signs = RunSigns()  # what may say why it fails, even when it is cut short
         result: str | None = None
         cost_usd: float | None = None
         error: str | None = refusal
         try:
             if refusal is None:
                 answered = await asyncio.wait_for(
-                    self._query(prompt, target, system_prompt, tool_calls),
+                    self._query(prompt, target, system_prompt, tool_calls, signs),
                     timeout=self.config.runtime.timeout_s,
                 )
                 result, cost_usd = answered.text, answered.cost_usd
         except TimeoutError:
             error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
-        except SpawnError as exc:
+            if waiting := signs.waiting_on():  # not working: waiting on the Messages API
+                error = f"{error}: {waiting}"
+        except SpawnError as exc:  # why, in words (butlers.claude_code)
             error, cost_usd = str(exc), exc.cost_usd
-        except Exception as exc:  # the SDK's and the CLI's own failures
+        except Exception as exc:  # a bug of ours or the SDK's: the traceback is logged
             logger.exception("Claude Code session failed", extra={"action": "spawn_failed"})
-            error = describe_sdk_error(exc)
+            error = f"Claude Code could not run: {excerpt(str(exc) or type(exc).__name__)}"
         duration_ms = int((time.monotonic() - started) * 1000)
         outcome = SessionOutcome(
             session_id=session_id,
@@ -355,9 +359,14 @@ class Spawner:
         target: McpTarget,
         system_prompt: str,
         tool_calls: list[dict[str, Any]],
+        signs: RunSigns,
     ) -> ClaudeCodeResult:
         return await run_claude_code(
-            prompt, self._with_credentials(target), self._run_settings(system_prompt), tool_calls
+            prompt,
+            self._with_credentials(target),
+            self._run_settings(system_prompt),
+            tool_calls,
+            signs=signs,
         )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from fastmcp import Client
 
+from butlers.claude_code import not_logged_in
 from butlers.config import TriageRule, load_butler_config
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.replies import sorry
@@ -184,7 +185,7 @@ async def test_classifier_without_credentials_still_answers_via_general(
         "general",
         "General here.",
     )
-    assert "no credentials" in answer["error"]
+    assert answer["error"] == f"classifier: {not_logged_in()}; routed to general"
     conn = await db_conn(switchboard.config.database)
     session = await conn.fetchrow("SELECT * FROM sessions")
     assert session["trigger_source"] == "classify:mcp" and session["success"] is False

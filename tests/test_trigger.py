@@ -13,7 +13,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
-from butlers.claude_code import McpTarget
+from butlers.claude_code import McpTarget, not_logged_in
 from butlers.config import RuntimeConfig
 from tests.conftest import StartButler, butler_config, no_credentials_env
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -135,12 +135,12 @@ async def test_missing_credentials_is_a_recorded_failure_with_a_clear_error(
     env = no_credentials_env(tmp_path / "no-login")
     daemon = await start_butler(session_env=env)
     async with Client(daemon.sse_url) as client:
-        with pytest.raises(
-            ToolError, match="Claude Code has no credentials: set ANTHROPIC_API_KEY"
-        ):
+        with pytest.raises(ToolError) as refused:
             await client.call_tool("trigger", {"prompt": "hello"})
+    assert str(refused.value).endswith(f"failed: {not_logged_in()}"), refused.value
+    assert "set ANTHROPIC_API_KEY" in not_logged_in()  # and how to fix it
     [row] = await _session_rows(db_conn, daemon)
-    assert row["success"] is False and row["error"]
+    assert row["success"] is False and row["error"] == not_logged_in()
     assert not row["cost_usd"]  # nothing spent (Claude Code reports $0 for it, or nothing)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.claude_code import known_reasons
 from butlers.config import SwitchboardConfig, TriageRule
 from butlers.errors import RouteError
 from butlers.spawner import Spawner
@@ -46,6 +47,20 @@ from butlers.telemetry import context_from_carrier, current_carrier
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
+
+
+def said_once(parts: Sequence[str | None]) -> str | None:
+    """A message's error from what went wrong on its way (the classifier's note, each failed
+    butler's error), joined with "; ". When Claude Code could not run for one known reason
+    (no credentials, say) in several of its sessions, that reason is said once, first, and
+    the parts say only where: "<reason> (classifier; routed to general; general: ... session
+    ... failed)", not the same sentence twice."""
+    said = [part for part in parts if part]
+    for reason in known_reasons():
+        if sum(reason in part for part in said) > 1:
+            where = [part.replace(f": {reason}", "").replace(reason, "") for part in said]
+            return f"{reason} ({'; '.join(where)})"
+    return "; ".join(said) or None
 
 
 class LeaseLost(Exception):
@@ -299,8 +314,8 @@ class InboxWorker:
                 message,
                 "done" if any(a.ok for a in answers) else "failed",
                 routed_to,
-                combine(answers),
-                "; ".join(filter(None, [note, *failures])) or None,
+                combine(answers),  # people get fixed sentences; the error is the operator's
+                said_once([note, *failures]),
                 via=via,
             )
         finally:

@@ -56,6 +56,10 @@ class ScriptedMessagesAPI:
         # Per request: how long to hold it (overrides delay_s), e.g. only a slow butler's.
         self.delay_for: Callable[[dict[str, Any]], float] | None = None
         self._releases = 0  # release_held() calls so far: a held request waits for the next
+        # Answer every request with this error instead: (HTTP status, error type, message), as
+        # the Messages API does (401 authentication_error, 429 rate_limit_error...). The
+        # message may hold "{key}": the request's x-api-key (an API that echoes it).
+        self.error: tuple[int, str, str] | None = None
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -88,6 +92,7 @@ class ScriptedMessagesAPI:
         self.delay_s = 0.0
         self.release_at_in_flight = 0
         self.delay_for = None
+        self.error = None
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -144,6 +149,12 @@ class ScriptedMessagesAPI:
             )
 
     async def _reply(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.error is not None:
+            status, kind, text = self.error
+            said = text.replace("{key}", request.headers.get("x-api-key", ""))
+            return web.json_response(
+                {"type": "error", "error": {"type": kind, "message": said}}, status=status
+            )
         blocks = self._answer(body)
         stop_reason = "tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn"
         message = {
