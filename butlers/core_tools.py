@@ -218,7 +218,12 @@ async def database_status(ctx: ButlerContext) -> dict[str, Any]:
 
 
 def module_report(modules: list[ModuleStatus]) -> list[dict[str, str]]:
-    return [{"name": m.name, "status": m.status, "detail": m.detail} for m in modules]
+    """Each module with its state (starting | running | standby | skipped | failed) and why,
+    as `status()` and /health show it: a name alone said nothing of a module that was
+    skipped. `status` is the state under its earlier name, kept for those who read it."""
+    return [
+        {"name": m.name, "state": m.status, "detail": m.detail, "status": m.status} for m in modules
+    ]
 
 
 def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:

@@ -246,9 +246,9 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
         health = await _health(port)
         assert health["name"] == name and health["database"]["ok"] is True
     switchboard = await _health(ports["switchboard"])
-    assert {m["name"]: m["status"] for m in switchboard["modules"]} == {
-        "telegram": "skipped",
-        "email": "skipped",
+    assert {m["name"]: (m["state"], m["detail"]) for m in switchboard["modules"]} == {
+        "telegram": ("skipped", "TELEGRAM_BOT_TOKEN not set"),
+        "email": ("skipped", "BUTLERS_EMAIL_USER, BUTLERS_EMAIL_PASSWORD not set"),
     }
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
         await client.call_tool("state_set", {"key": "survives", "value": {"restart": True}})

@@ -256,6 +256,6 @@ async def test_webhook_mode_without_a_token_is_reported_not_running(
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{switchboard.base_url}/health") as response:
                 modules = {m["name"]: m for m in (await response.json())["modules"]}
-        assert modules["email"]["status"] == "failed"
+        assert modules["email"]["state"] == "failed"
         assert "set BUTLERS_EMAIL_WEBHOOK_TOKEN" in modules["email"]["detail"]
         assert await post(switchboard.base_url, GOOD, b"Bearer ") == 401

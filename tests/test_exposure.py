@@ -215,10 +215,10 @@ async def test_webhook_mode_without_a_usable_secret_is_reported(
         for _ in range(100):
             status = (await client.call_tool("status", {})).data
             [telegram] = [m for m in status["modules"] if m["name"] == "telegram"]
-            if telegram["status"] != "starting":
+            if telegram["state"] != "starting":
                 break
             await asyncio.sleep(0.05)
-    assert telegram["status"] == "failed"
+    assert telegram["state"] == "failed"
     assert "TELEGRAM_WEBHOOK_SECRET must be 1-256 characters" in telegram["detail"]
     assert bot_api.webhooks == []
 

@@ -80,7 +80,7 @@ async def test_a_wrong_bot_token_and_imap_password_are_reported_without_the_secr
 
             async def both_failed() -> bool:
                 modules = await modules_of(port)
-                return all(modules[name]["status"] == "failed" for name in ("telegram", "email"))
+                return all(modules[name]["state"] == "failed" for name in ("telegram", "email"))
 
             await eventually(both_failed, timeout_s=60)
             modules = await modules_of(port)
@@ -118,13 +118,13 @@ async def test_a_bot_token_revoked_while_polling_fails_the_module(
         start_butler, tmp_path, bot_api, names=(), switchboard=SwitchboardConfig()
     )
     await bot_api.wait_until(lambda: bool(bot_api.polls))  # it polls with the good token
-    assert (await modules_of(switchboard.port))["telegram"]["status"] == "running"
+    assert (await modules_of(switchboard.port))["telegram"]["state"] == "running"
     with log_records("butlers.modules.telegram") as records:
         bot_api.token = "424242:REVOKED"  # the module's token is no longer the bot's
         await bot_api.push_edit(1, "ends the waiting poll")  # ignored by the module
 
         async def failed() -> bool:
-            return (await modules_of(switchboard.port))["telegram"]["status"] == "failed"
+            return (await modules_of(switchboard.port))["telegram"]["state"] == "failed"
 
         await eventually(failed)
     telegram = (await modules_of(switchboard.port))["telegram"]

@@ -117,7 +117,12 @@ async def test_message_is_classified_routed_and_answered_in_the_chat(
     health = await db_conn(targets["health"].config.database)
     assert await health.fetchval("SELECT trace_id FROM sessions") == row["trace_id"]
     status = (await _health(switchboard))["modules"]
-    assert {"name": "telegram", "status": "running", "detail": "@butler_bot"} in status
+    assert {
+        "name": "telegram",
+        "state": "running",
+        "status": "running",
+        "detail": "@butler_bot",
+    } in status
 
 
 async def _health(daemon) -> dict:
@@ -345,7 +350,7 @@ async def test_start_up_waits_for_an_unreachable_bot_api(
     # The Bot API is down: the switchboard still serves, and says why Telegram is not running.
     async def says_unreachable() -> bool:
         [module] = (await _health(switchboard))["modules"]
-        return module["status"] == "starting" and "unreachable" in module["detail"]
+        return module["state"] == "starting" and "unreachable" in module["detail"]
 
     await eventually(says_unreachable)
     await api.start_on(port)

@@ -1,7 +1,9 @@
 """Channel modules (telegram, email): each adds tools to its butler and may run an intake.
 
-A module that is declared but cannot run here (no credentials, not built yet) is reported in
-`status()` and /health and skipped; it never stops its butler from starting.
+A module that is declared but cannot run here (its credentials' variables not set) is
+`skipped`, one that tried and failed (a token or login refused) `failed`, each with why, in
+`status()`, /health and the dashboard (butlers.core_tools.module_report); neither stops its
+butler from starting.
 """
 
 from __future__ import annotations
@@ -122,4 +124,5 @@ def build_modules(
 
 
 def _not_configured(name: str, missing: list[str]) -> ModuleStatus:
-    return ModuleStatus(name, "skipped", f"not configured: {', '.join(missing)} not set")
+    """Skipped, not failed: nothing was tried. The detail names the variables to set."""
+    return ModuleStatus(name, "skipped", f"{', '.join(missing)} not set")
