@@ -280,6 +280,39 @@ async def test_wrong_codes_are_limited_across_the_switchboard(
     assert await conn.fetchval("SELECT count(*) FROM paired_senders") == 1
 
 
+async def test_an_expired_code_is_refused_and_a_new_one_comes_after_the_hour(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(answers_done)
+    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_text(STRANGER, "hi")
+    code = await code_sent_to(bot_api, STRANGER)
+    message_id, _, buttons = await owners_question(bot_api)
+    conn = await db_conn(switchboard.config.database)
+    # The code's time passes (code_ttl_minutes): neither the CLI nor the button takes it.
+    await conn.execute("UPDATE pairing_requests SET expires_at = now() - interval '1 s'")
+    rc, _, err = await run_cli("pairing", "approve", code, "--url", switchboard.sse_url)
+    assert rc == 1 and f"pairing code {code} expired" in err
+    assert await press(bot_api, OWNER, message_id, buttons["Approve"]) == (
+        "Already expired: nothing changed."
+    )
+    assert await conn.fetchval("SELECT count(*) FROM paired_senders") == 0
+    # Within the hour: no new code. An hour after it: a new one, and the old row is gone.
+    await bot_api.push_text(STRANGER, "still there?")
+    await settled(bot_api)
+    assert len(texts_to(bot_api, STRANGER)) == 1
+    await conn.execute("UPDATE pairing_requests SET created_at = now() - interval '61 min'")
+    await bot_api.push_text(STRANGER, "hello again")
+    await bot_api.wait_until(lambda: len(texts_to(bot_api, STRANGER)) == 2)
+    [new] = [m[1] for m in map(CODE_SENT.search, texts_to(bot_api, STRANGER)[1:]) if m]
+    rows = await conn.fetch("SELECT code, status FROM pairing_requests")
+    assert [tuple(r) for r in rows] == [(new, "pending")] and new != code
+
+
 async def test_a_flood_of_strangers_is_bounded(
     start_butler: StartButler,
     tmp_path: Path,
