@@ -502,9 +502,10 @@ class RunSigns:
         of the first of them that says anything (then `fallback`: the SDK's own exception
         text)."""
         said, turn = _first_line(said), _first_line(self.api_text)
-        for text in (said, turn, " ".join(self.stderr), ""):
-            if reason := known_reason(text, status=status, kind=self.api_error):
-                return reason
+        # All its words at once: what they say ("Not logged in") outweighs the kind of error.
+        everything = " | ".join([said, turn, *self.stderr])
+        if reason := known_reason(everything, status=status, kind=self.api_error):
+            return reason
         tail = " | ".join(list(self.stderr)[-3:])  # its last words
         first = next((text for text in (said, turn, tail, _first_line(fallback)) if text), "")
         return f"{what}: {excerpt(first)}" if first else what

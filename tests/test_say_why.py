@@ -248,6 +248,19 @@ def test_stderr_is_kept_clean_and_short_and_said_when_nothing_else_is() -> None:
     assert signs.why("", "Claude Code could not run") == not_logged_in()
 
 
+def test_a_bare_exit_code_is_explained_by_the_failed_turn() -> None:
+    """The issue's row: the SDK raised only "Command failed with exit code 1"; the turn
+    before it had said why (an AssistantMessage with error authentication_failed)."""
+    signs = RunSigns(
+        api_error="authentication_failed", api_text="Not logged in · Please run /login"
+    )
+    bare = "Command failed with exit code 1 (exit code: 1)\nError output: Check stderr output"
+    assert signs.why("", "Claude Code could not run", fallback=bare) == not_logged_in()
+    assert RunSigns().why("", "Claude Code could not run", fallback=bare) == (
+        "Claude Code could not run: Command failed with exit code 1 (exit code: 1)"
+    )
+
+
 def test_a_reason_several_sessions_gave_is_said_once() -> None:
     reason = not_logged_in()
     assert said_once(
