@@ -313,6 +313,27 @@ async def test_an_expired_code_is_refused_and_a_new_one_comes_after_the_hour(
     assert [tuple(r) for r in rows] == [(new, "pending")] and new != code
 
 
+async def test_a_code_that_outlives_the_hour_is_not_given_twice(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """code_ttl_minutes = 120: an hour on, the sender's code is still valid: no second one."""
+    scripted_api.respond_with(answers_done)
+    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, code_ttl_minutes=120)
+    await bot_api.push_text(STRANGER, "hi")
+    code = await code_sent_to(bot_api, STRANGER)
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute("UPDATE pairing_requests SET created_at = now() - interval '61 min'")
+    await bot_api.push_text(STRANGER, "anyone?")
+    await settled(bot_api)
+    assert len(texts_to(bot_api, STRANGER)) == 1
+    rows = await conn.fetch("SELECT code, status FROM pairing_requests")
+    assert [tuple(r) for r in rows] == [(code, "pending")]
+
+
 async def test_a_flood_of_strangers_is_bounded(
     start_butler: StartButler,
     tmp_path: Path,

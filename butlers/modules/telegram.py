@@ -358,7 +358,7 @@ class TelegramModule:
                 logger.warning("telegram: could not mark the request decided: %s", exc)
 
     async def show_decided(self, chat_id: str | int, message_id: int, text: str, line: str) -> None:
-        """An approval's question says how it was decided; its buttons go."""
+        """An approval's or a pairing's question says how it was decided; its buttons go."""
         await self.bot.edit_message_text(
             f"{text}\n\n{line}", chat_id=chat_id, message_id=message_id
         )

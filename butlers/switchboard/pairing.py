@@ -202,12 +202,15 @@ class PairingStore:
         )
 
     async def answered_recently(self, conn: Any, channel: str, sender: str) -> bool:
+        """Whether the sender holds a code still valid (`expire` ran first), got one within
+        the hour, or was denied within DENIED_QUIET_DAYS."""
         return bool(
             await conn.fetchval(
                 """SELECT EXISTS (
                        SELECT 1 FROM pairing_requests
                        WHERE channel = $1 AND sender = $2
                          AND (created_at > now() - make_interval(secs => $3)
+                              OR status = 'pending'
                               OR (status = 'denied'
                                   AND decided_at > now() - make_interval(days => $4))))""",
                 channel,
@@ -246,8 +249,8 @@ class PairingStore:
                         digest(code),
                         ttl_minutes,
                     )
-            except asyncpg.UniqueViolationError:
-                if attempt == 2:
+            except asyncpg.UniqueViolationError as exc:
+                if exc.constraint_name != "pairing_requests_code" or attempt == 2:
                     raise
                 continue
             assert row is not None
