@@ -51,6 +51,9 @@ async def test_tool_list_is_the_core_set(client: Client) -> None:
         "tick",
         "status",
         "notify",
+        "memory_remember",
+        "memory_search",
+        "memory_forget",
     }
 
 
