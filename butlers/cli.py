@@ -313,6 +313,8 @@ CLIENT_COMMANDS = (
     "outbox",
     "approvals",
     "pairing",
+    "schedules",
+    "memory",
 )
 
 
@@ -735,6 +737,12 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
     elif args.command == "pairing":
         result = await _pairing(target, args.action, args.values)
         show = _print_pairing if args.action is None else _print_paired
+    elif args.command == "schedules":
+        result = await _schedules(target, args.butler)
+        show = _print_schedules
+    elif args.command == "memory":
+        result = await _memory(target, args)
+        show = _print_memories if args.action is None else _print_result
     else:
         try:
             route_args = json.loads(args.args)
@@ -755,6 +763,117 @@ async def client_command(args: argparse.Namespace, settings: Settings) -> int:
     else:
         show(result)
     return 0
+
+
+async def _on_butler(
+    target: SwitchboardTarget,
+    butler: str,
+    tool: str,
+    arguments: dict[str, Any],
+    switchboard: str | None = None,
+) -> Any:
+    """A tool of butler `butler`: through the switchboard's `route`, or the switchboard's own
+    when it is the one named (route does not call itself). `switchboard`: its name, when
+    the caller knows it already."""
+    if butler == (switchboard or await _switchboard_name(target)):
+        return await _call_switchboard(target, tool, arguments)
+    return await _call_switchboard(
+        target, "route", {"butler_name": butler, "tool_name": tool, "args": arguments}
+    )
+
+
+async def _switchboard_name(target: SwitchboardTarget) -> str | None:
+    status = await _call_switchboard(target, "status", {})
+    return status.get("name") if isinstance(status, dict) else None
+
+
+async def _schedules(target: SwitchboardTarget, only: str | None) -> list[dict[str, Any]]:
+    """Every butler's schedules (or `only`'s), each row with its butler; a butler that cannot
+    be asked is a row saying why, not the end of the listing."""
+    registry = await _call_switchboard(target, "list_butlers", {})
+    own = await _switchboard_name(target)
+    names = [own or "switchboard"] + [
+        b["name"] for b in registry if b["name"] != own and not b.get("stale")
+    ]
+    if only is not None:
+        if only not in names:
+            raise CommandError(f"no butler named {only!r} (butlers list shows them)")
+        names = [only]
+
+    async def of(name: str) -> list[dict[str, Any]]:
+        try:
+            rows = await _on_butler(target, name, "schedule_list", {}, switchboard=own)
+        except CommandError as exc:
+            return [{"butler": name, "error": str(exc)}]
+        return [{"butler": name, **row} for row in rows]
+
+    found = await asyncio.gather(*(of(name) for name in names))
+    return [row for rows in found for row in rows]
+
+
+def _in_zone(value: str | None, zone: str | None) -> str:
+    """A UTC timestamp shown on the butler's own wall clock (its time zone)."""
+    if not value:
+        return "-"
+    moment = datetime.fromisoformat(value)
+    if zone:
+        from zoneinfo import ZoneInfo
+
+        moment = moment.astimezone(ZoneInfo(zone))
+    return moment.strftime("%Y-%m-%d %H:%M %Z")
+
+
+def _print_schedules(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("No schedules.")
+        return
+    table: list[tuple[tuple[str, ...], list[str]]] = []
+    for row in rows:
+        if "error" in row:
+            table.append(((row["butler"], "-", "-", "-", "-", "-", "-"), [row["error"]]))
+            continue
+        zone = row.get("timezone")
+        cells = (
+            row["butler"],
+            row["name"],
+            row.get("cron") or "once",
+            _in_zone(row.get("next_run_at"), zone),
+            _in_zone(row.get("last_run_at"), zone),
+            row.get("origin", "tool"),
+            _cut(row.get("prompt")),
+        )
+        table.append((cells, []))
+    header = ("BUTLER", "NAME", "WHEN", "NEXT (LOCAL)", "LAST (LOCAL)", "FROM", "PROMPT")
+    _print_rows_with_details(header, table)
+
+
+async def _memory(target: SwitchboardTarget, args: argparse.Namespace) -> Any:
+    if args.action == "forget":
+        if args.id is None:
+            raise CommandError(f"which memory? `butlers memory {args.butler} forget ID`")
+        return await _on_butler(target, args.butler, "memory_forget", {"id": args.id})
+    if args.search:
+        return await _on_butler(
+            target, args.butler, "memory_search", {"query": args.search, "limit": args.limit}
+        )
+    return await _on_butler(target, args.butler, "memory_list", {"limit": args.limit})
+
+
+def _print_memories(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("No memories.")
+        return
+    table: list[tuple[tuple[str, ...], list[str]]] = []
+    for row in rows:
+        cells = (
+            str(row["id"]),
+            _when(row.get("created_at")),
+            ",".join(row.get("tags") or []) or "-",
+            f"{row['score']:.3f}" if "score" in row else "-",
+            _cut(row["text"]),
+        )
+        table.append((cells, []))
+    _print_rows_with_details(("ID", "REMEMBERED", "TAGS", "SCORE", "TEXT"), table)
 
 
 async def _pairing(target: SwitchboardTarget, action: str | None, values: list[str]) -> Any:
@@ -1077,6 +1196,21 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     pairing.add_argument(
         "values", nargs="*", metavar="VALUE", help="CODE, or CHANNEL SENDER for revoke"
     )
+    schedules = commands.add_parser(
+        "schedules", help="every butler's schedules, next and last run in its local time"
+    )
+    client_args(schedules)
+    schedules.add_argument("--butler", metavar="NAME", help="only this butler's")
+    memory = commands.add_parser(
+        "memory",
+        help="a butler's long-term memory: the newest, `--search Q`, or `memory BUTLER forget ID`",
+    )
+    client_args(memory)
+    memory.add_argument("butler", metavar="BUTLER", help="whose memory")
+    memory.add_argument("action", nargs="?", choices=("forget",), help="forget memory ID")
+    memory.add_argument("id", nargs="?", type=int, metavar="ID", help="the memory's id")
+    memory.add_argument("--search", metavar="Q", help="memories matching Q, best first")
+    limit_arg(memory)
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
     for command in [*commands.choices.values(), *db_commands.choices.values()]:

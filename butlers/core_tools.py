@@ -360,6 +360,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return {"id": id, "forgotten": True}
 
     @mcp.tool
+    async def memory_list(
+        limit: Annotated[int, Field(ge=1, le=500)] = 50,
+    ) -> list[dict[str, Any]]:
+        """The newest memories first, with their tags and the conversation they came from."""
+        return await memory().list(limit, viewer())
+
+    @mcp.tool
     async def sessions_list(
         limit: Annotated[int, Field(ge=1, le=MAX_SESSIONS_LIMIT)] = 20,
         trace_id: Annotated[str | None, Field(pattern=TRACE_ID_PATTERN)] = None,

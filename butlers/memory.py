@@ -240,11 +240,14 @@ class MemoryStore:
         )
         return deleted is not None
 
-    async def list(self, limit: int = 50) -> list[dict[str, Any]]:
+    async def list(self, limit: int = 50, viewer: Viewer = UNRESTRICTED) -> list[dict[str, Any]]:
+        """The newest memories first."""
         rows = await self.pool.fetch(
             "SELECT id, text, tags, conversation, private, created_at FROM memories "
+            "WHERE ($2::text IS NULL OR NOT private OR conversation = $2) "
             "ORDER BY id DESC LIMIT $1",
             limit,
+            viewer.conversation,
         )
         return [_row(r) for r in rows]
 

@@ -54,6 +54,7 @@ async def test_tool_list_is_the_core_set(client: Client) -> None:
         "memory_remember",
         "memory_search",
         "memory_forget",
+        "memory_list",
     }
 
 

@@ -81,3 +81,44 @@ async def test_a_routed_session_does_not_find_another_conversations_private_memo
     assert "The door is green" in results and "4711" not in results
     # Unrestricted (the operator): both.
     assert len(await call(alpha.sse_url, "memory_search", {"query": "door"})) == 2
+
+
+async def test_butlers_memory_lists_searches_and_forgets(
+    start_butler: StartButler, tmp_path
+) -> None:
+    import json
+
+    from tests.test_cli_client import run_cli
+    from tests.test_route import make_fleet
+
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token="cli-token")
+    url = fleet.switchboard.sse_url
+    code, out, err = await run_cli(
+        "route",
+        "general",
+        "memory_remember",
+        '{"text": "Anna likes tulips"}',
+        "--url",
+        url,
+        "--json",
+        token="cli-token",
+    )
+    assert code == 0, err
+    memory_id = json.loads(out)["id"]
+    code, out, err = await run_cli("memory", "general", "--url", url, token="cli-token")
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["ID", "REMEMBERED", "TAGS", "SCORE", "TEXT"]
+    assert "Anna likes tulips" in out
+    code, out, err = await run_cli(
+        "memory", "general", "--search", "tulip", "--json", "--url", url, token="cli-token"
+    )
+    assert code == 0, err
+    assert [m["id"] for m in json.loads(out)] == [memory_id]
+    code, out, err = await run_cli(
+        "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
+    )
+    assert code == 0, err
+    code, out, err = await run_cli(
+        "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
+    )
+    assert code == 1 and f"no memory {memory_id}" in err

@@ -138,3 +138,39 @@ async def test_a_missed_run_is_caught_up_once_and_an_old_one_moves_on(
     stale_next = await conn.fetchval("SELECT next_run_at FROM scheduled_tasks WHERE name = 'stale'")
     assert stale_next > datetime.now(UTC)
     assert (await call(daemon.sse_url, "tick", {}))["ran"] == []
+
+
+async def test_butlers_schedules_lists_every_butler_in_its_local_time(
+    start_butler: StartButler, tmp_path
+) -> None:
+    from tests.test_cli_client import run_cli
+    from tests.test_route import make_fleet
+
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token="cli-token")
+    general = fleet.targets["general"]
+    await call_with_token(
+        general.sse_url,
+        "schedule_create",
+        {"name": "brief", "cron": "0 8 * * *", "prompt": "Summarise today."},
+    )
+    url = fleet.switchboard.sse_url
+    code, out, err = await run_cli("schedules", "--url", url, token="cli-token")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["BUTLER", "NAME", "WHEN"]
+    [row] = [line for line in lines if line.startswith("general ")]
+    assert "brief" in row and "0 8 * * *" in row and " 08:00 " in row and "tool" in row
+    code, out, err = await run_cli(
+        "schedules", "--butler", "general", "--json", "--url", url, token="cli-token"
+    )
+    assert code == 0, err
+    assert [(r["butler"], r["name"]) for r in json.loads(out)] == [("general", "brief")]
+    code, _, err = await run_cli("schedules", "--butler", "nobody", "--url", url, token="cli-token")
+    assert code == 1 and "no butler named 'nobody'" in err
+
+
+async def call_with_token(url: str, tool: str, arguments: dict[str, Any]) -> Any:
+    from fastmcp.client.transports import SSETransport
+
+    async with Client(SSETransport(url, headers={"Authorization": "Bearer cli-token"})) as client:
+        return (await client.call_tool(tool, arguments)).structured_content
