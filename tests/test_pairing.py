@@ -511,7 +511,9 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
             monkeypatch,
             switchboard_overrides={
                 "switchboard": SwitchboardConfig(
-                    owner=OwnerConfig(email="me@example.com", prefer="email"),
+                    owner=OwnerConfig(
+                        email="me@example.com", prefer="email", timezone="Asia/Tokyo"
+                    ),
                     pairing=PairingConfig(enabled=True),
                 )
             },
@@ -534,6 +536,7 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         body = question.get_content()
         assert f"Eve Stranger <{SOMEONE}> wants to talk to your butlers by email" in body
         assert f"run `butlers pairing approve {code}`" in body
+        assert re.search(r"valid until \d{4}-\d\d-\d\d \d\d:\d\d JST\)", body), body
         # A second mail within the hour: nothing (the allowed sender's mail is the sentinel).
         await mail(SOMEONE, "<s2@x>")
         await mail("user@example.com", "<u1@x>")

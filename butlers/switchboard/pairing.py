@@ -44,6 +44,7 @@ import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import asyncpg
 from fastmcp import FastMCP
@@ -465,11 +466,13 @@ class PairingDesk:
             return []
         channel, recipient = reachable[0]
         code = row["code"]
-        expires = row["expires_at"].strftime("%Y-%m-%d %H:%M UTC")
+        # In the owner's own time zone ([switchboard.owner] timezone, checked when read).
+        expires = row["expires_at"].astimezone(ZoneInfo(self.owner.timezone))
+        until = expires.strftime("%Y-%m-%d %H:%M %Z")
         where = "Telegram" if row["channel"] == "telegram" else "email"
         text = (
             f"{describe_sender(row)} wants to talk to your butlers by {where}. "
-            f"Pairing code: {code} (until {expires}).\n\n"
+            f"Pairing code: {code} (valid until {until}).\n\n"
         )
         if channel == "telegram":
             text += (
