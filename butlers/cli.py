@@ -881,7 +881,10 @@ async def _pairing(target: SwitchboardTarget, action: str | None, values: list[s
     wanted = {None: [], "approve": ["CODE"], "deny": ["CODE"], "revoke": ["CHANNEL", "SENDER"]}
     if len(values) != len(wanted[action]):
         usage = " ".join(["butlers pairing", *([action] if action else []), *wanted[action]])
-        raise CommandError(f"`{usage}` takes {len(wanted[action]) or 'no'} value(s)")
+        count = len(wanted[action])
+        raise CommandError(
+            f"`{usage}`: expected {count} value{'' if count == 1 else 's'}, got {len(values)}"
+        )
     if action is None:
         return await _call_switchboard(target, "pairing_list", {})
     if action == "revoke":

@@ -237,7 +237,7 @@ async def test_revoke_makes_the_sender_unknown_again(
     rc, _, err = await run_cli("pairing", "revoke", "sms", "1", *url)
     assert rc == 1 and "channel must be one of telegram, email, got 'sms'" in err
     rc, _, err = await run_cli("pairing", "revoke", "telegram", *url)
-    assert rc == 1 and "`butlers pairing revoke CHANNEL SENDER` takes 2 value(s)" in err
+    assert rc == 1 and "`butlers pairing revoke CHANNEL SENDER`: expected 2 values, got 1" in err
     # A stranger again: not routed, and no second code within the hour.
     sent = len(texts_to(bot_api, STRANGER))
     await bot_api.push_text(STRANGER, "second")
