@@ -174,3 +174,11 @@ async def call_with_token(url: str, tool: str, arguments: dict[str, Any]) -> Any
 
     async with Client(SSETransport(url, headers={"Authorization": "Bearer cli-token"})) as client:
         return (await client.call_tool(tool, arguments)).structured_content
+
+
+def test_the_dashboard_shows_a_schedule_on_its_butlers_wall_clock() -> None:
+    from butlers.dashboard.app import _local
+
+    assert _local("2026-11-26T23:00:00+00:00", "Asia/Tokyo") == "2026-11-27 08:00 JST"
+    assert _local("2026-11-26T23:00:00+00:00", None) == "2026-11-26 23:00:00 UTC"
+    assert _local(None, "Asia/Tokyo") == "-"

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import jinja2
 from fastmcp.server.http import HostOriginGuardMiddleware
@@ -95,6 +96,19 @@ class BadFilter(ValueError):
     """A query parameter that names nothing the page can filter by (400, named)."""
 
 
+def _local(value: str | None, zone: str | None) -> str:
+    """A butler's time on its own wall clock (a schedule's next run: 08:00 where the owner
+    lives), with the zone's abbreviation; UTC when the butler names no zone."""
+    if not value or not zone:
+        return _when(value)
+    try:
+        return (
+            datetime.fromisoformat(value).astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
+        )
+    except (ValueError, ZoneInfoNotFoundError):
+        return _when(value)
+
+
 def _when(value: datetime | str | None) -> str:
     if value is None:
         return "-"
@@ -128,7 +142,7 @@ def _environment(redact: Callable[[str], str]) -> jinja2.Environment:
         finalize=finalize,
         undefined=jinja2.ChainableUndefined,
     )
-    environment.filters.update(when=_when, duration=_duration, money=_money)
+    environment.filters.update(when=_when, local=_local, duration=_duration, money=_money)
     return environment
 
 
