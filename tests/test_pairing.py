@@ -26,9 +26,10 @@ from butlers.daemon import ButlerDaemon
 from butlers.switchboard import classifier
 from tests.conftest import StartButler, eventually
 from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.mail import SmtpServer
+from tests.fakes.mail import SmtpServer, imap_append, imap_unseen, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_cli_client import run_cli
+from tests.test_email import mail as imap_mail
 from tests.test_email_tls import PASSWORD, USER, email_config
 from tests.test_email_webhook import post
 from tests.test_hostile import attacker, result_text
@@ -526,7 +527,7 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         def to(address: str) -> list[Any]:
             return [m for m in smtp.messages if m["To"] == address]
 
-        await mail(f"Eve Stranger <{SOMEONE}>", "<s1@x>")
+        await mail(f"Eve Stranger <{SOMEONE}>", message_id="<s1@x>")
         await eventually(lambda: _mails(smtp, 2))
         [answer] = to(SOMEONE)
         code = CODE_SENT.search(answer.get_content())[1]
@@ -601,3 +602,50 @@ async def test_with_dmarc_required_only_a_vouched_for_stranger_is_answered(
 
 async def _mails(smtp: SmtpServer, count: int) -> bool:
     return len(smtp.messages) >= count
+
+
+async def test_over_imap_a_stranger_gets_a_code_but_bounces_and_auto_replies_none(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mailbox read over IMAP (pymap): a stranger's mail gets a code in its thread and is
+    flagged seen, never stored; an auto-reply and a bounce from unknown senders get nothing
+    (no mail loop, however pairing is set)."""
+    scripted_api.respond_with(answers_done)
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        with SmtpServer(users={USER: PASSWORD}) as smtp:
+            switchboard, _ = await mail_notify_fleet(
+                start_butler,
+                tmp_path,
+                smtp,
+                monkeypatch,
+                switchboard_overrides={
+                    "email": email_config(imap_port=port, smtp_port=smtp.port, mode="poll"),
+                    "switchboard": SwitchboardConfig(
+                        owner=OwnerConfig(email="me@example.com", prefer="email"),
+                        pairing=PairingConfig(enabled=True),
+                    ),
+                },
+            )
+            for message in (
+                imap_mail(f"Eve <{SOMEONE}>", message_id="<s1@x>"),
+                imap_mail(
+                    "robot@elsewhere.example", message_id="<a1@x>", Auto_Submitted="auto-replied"
+                ),
+                imap_mail("MAILER-DAEMON@elsewhere.example", message_id="<b1@x>"),
+                imap_mail("user@example.com", message_id="<last@x>"),  # the sentinel: answered
+            ):
+                await imap_append(port, USER, PASSWORD, message)
+            await eventually(lambda: _mails(smtp, 3))
+            assert await imap_unseen(port, USER, PASSWORD) == []
+    assert sorted(m["To"] for m in smtp.messages) == sorted(
+        [SOMEONE, "me@example.com", "user@example.com"]
+    )
+    [code_mail] = [m for m in smtp.messages if m["To"] == SOMEONE]
+    assert CODE_SENT.search(code_mail.get_content()) and code_mail["In-Reply-To"] == "<s1@x>"
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT array_agg(external_id) FROM inbox") == ["<last@x>"]
+    assert await conn.fetchval("SELECT array_agg(sender) FROM pairing_requests") == [SOMEONE]
