@@ -112,3 +112,28 @@ async def test_an_unknown_language_falls_back_to_simple(
         assert await english.search("tyres")
     finally:
         await pool.close()
+
+
+async def test_at_ten_thousand_memories_the_oldest_unused_is_evicted(
+    memory: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert memory.max_memories == 10_000  # the default
+    async with memory.pool.acquire() as conn:
+        await conn.execute(
+            """INSERT INTO memories (text, language, words, used_at)
+               SELECT 'fact ' || n, 'english', to_tsvector('english', 'fact ' || n),
+                      now() - (10000 - n) * interval '1 minute'
+               FROM generate_series(1, 10000) AS n"""
+        )
+        oldest = await conn.fetchval("SELECT id FROM memories WHERE text = 'fact 1'")
+    await memory.search("fact 1")  # 'fact 1' used now; 'fact 2' is the oldest unused
+    kept = await memory.remember("the newest fact", [])
+    assert await memory.count() == 10_000
+    async with memory.pool.acquire() as conn:
+        left = {
+            r["text"]
+            for r in await conn.fetch("SELECT text FROM memories WHERE id <= $1 + 2", oldest)
+        }
+    assert "fact 1" in left and "fact 2" not in left and "fact 3" in left
+    assert kept["text"] == "the newest fact"
+    assert "evicted the oldest unused" in caplog.text
