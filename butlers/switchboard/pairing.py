@@ -63,7 +63,6 @@ from butlers.tool_errors import ToolRefusal
 logger = logging.getLogger(__name__)
 
 CHANNELS = ("telegram", "email")
-STATUSES = ("pending", "approved", "denied", "expired")
 DECISIONS = {"approve": "approved", "deny": "denied"}
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"  # no I, L, O, 0, 1: read aloud safely
 CODE_LENGTH = 8
@@ -229,9 +228,7 @@ class PairingStore:
             )
         )
 
-    async def create(
-        self, conn: Any, stranger: Stranger, name: str, ttl_minutes: int
-    ) -> dict[str, Any]:
+    async def create(self, conn: Any, stranger: Stranger, ttl_minutes: int) -> dict[str, Any]:
         """A new pending code for `stranger`. A code that collides with a kept one (one in
         ~10^12 per pair) is drawn again."""
         for attempt in range(3):
@@ -245,7 +242,7 @@ class PairingStore:
                             RETURNING {ROW}""",
                         stranger.channel,
                         stranger.sender,
-                        name,
+                        stranger.name,
                         code,
                         digest(code),
                         ttl_minutes,
@@ -393,9 +390,8 @@ class PairingDesk:
         that records the code: a crash leaves neither or both."""
         if not self.enabled:
             return False
-        name = clean_name(stranger.name)
-        sender = stranger.sender[:SENDER_CHARS]
-        stranger = Stranger(stranger.channel, storable(sender) or "", name, stranger.reply_to)
+        sender = storable(stranger.sender[:SENDER_CHARS]) or ""
+        stranger = Stranger(stranger.channel, sender, clean_name(stranger.name), stranger.reply_to)
         async with self.store.pool.acquire() as conn, conn.transaction():
             await conn.execute(_CHANNEL_LOCK, stranger.channel)
             await self.store.expire(conn, stranger.channel)
@@ -418,7 +414,7 @@ class PairingDesk:
                     extra={"action": "pairing_full"},
                 )
                 return False
-            row = await self.store.create(conn, stranger, name, self.config.code_ttl_minutes)
+            row = await self.store.create(conn, stranger, self.config.code_ttl_minutes)
             outgoing = self._code_for(stranger, row) + await self._owner_question(row)
             await self.outbox.store.add(conn, outgoing, None)
         self.outbox.wake()
