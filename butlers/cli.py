@@ -1302,7 +1302,25 @@ def _install_fast_event_loop() -> None:
     uvloop.install()
 
 
+def _standard_streams_open() -> None:
+    """A command started with stdin, stdout or stderr closed (`butlers doctor <&-`, some
+    service managers) would have the event loop's own pipes take those numbers, and uvloop
+    aborts (`uv__close: Assertion 'fd > STDERR_FILENO'`, exit 134): each closed one is opened
+    on /dev/null first."""
+    import os
+
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:  # the lowest free number: fd itself, unless a lower one is free
+                os.dup2(opened, fd)
+                os.close(opened)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    _standard_streams_open()
     _install_fast_event_loop()
     try:
         with collector_paused():
@@ -1316,6 +1334,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:  # before the signal handlers were installed
         code = 130
+    except BrokenPipeError:  # `butlers log | head`: the reader left; nothing more to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141  # as a shell reports a command ended by SIGPIPE
     # Nothing is left to free: the interpreter's last collections at exit, over everything the
     # libraries built, took 0.3 s of a gateway's life (measured), so they see none of it.
     gc.freeze()

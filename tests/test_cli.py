@@ -448,3 +448,25 @@ def test_the_collector_is_paused_only_while_a_command_imports() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_version_and_a_command_started_with_stdin_closed() -> None:
+    """`butlers --version` prints the package's version; a command whose stdin is closed
+    (some service managers start it so) does not abort in the event loop (uvloop asserted
+    on its own pipe taking fd 0: exit 134)."""
+    import butlers
+
+    butlers_bin = str(Path(sys.executable).parent / "butlers")
+    version = subprocess.run([butlers_bin, "--version"], capture_output=True, text=True, timeout=60)
+    assert (version.returncode, version.stdout.strip()) == (0, f"butlers {butlers.__version__}")
+    closed = subprocess.run(
+        [butlers_bin, "doctor", "--config-dir", "/nonexistent", "--json"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(0),
+    )
+    assert closed.returncode == 1, closed.stderr
+    checks = {c["name"]: c["status"] for c in json.loads(closed.stdout)["checks"]}
+    assert checks["config"] == "fail"
