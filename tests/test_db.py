@@ -67,6 +67,19 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "last_run_at",
             "created_at",
             "routed",  # made by a routed message's session (core_0004)
+            "once",  # a one-time `at` reminder (core_0006)
+            "declared",  # from [[schedules]] in butler.toml (core_0006)
+        }
+        assert set(await _columns(conn, "memories")) == {
+            "id",
+            "text",
+            "tags",
+            "conversation",
+            "private",
+            "language",
+            "words",
+            "created_at",
+            "used_at",
         }
         assert set(await _columns(conn, "sessions")) == {
             "id",
