@@ -43,7 +43,7 @@ import secrets
 import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from zoneinfo import ZoneInfo
 
 import asyncpg
@@ -255,27 +255,23 @@ class PairingStore:
             return dict(row)
         raise AssertionError("unreachable")
 
-    async def decide_code(
-        self, conn: Any, code_digest: bytes, status: str, by: str
+    async def decide(
+        self,
+        conn: Any,
+        key: Literal["code_digest", "id"],
+        value: bytes | int,
+        status: str,
+        by: str,
     ) -> dict[str, Any] | None:
+        """Decide the request whose `key` (its code's digest, typed; its id, from a button) is
+        `value`, if it is still pending and valid: one conditional UPDATE, so a code is taken
+        once, however the owner decides and however often. `key` is one of the two column
+        names above, never input."""
         row = await conn.fetchrow(
             f"""UPDATE pairing_requests SET status = $2, decided_at = now(), decided_by = $3
-                WHERE code_digest = $1 AND status = 'pending' AND expires_at > now()
+                WHERE {key} = $1 AND status = 'pending' AND expires_at > now()
                 RETURNING {ROW}""",
-            code_digest,
-            status,
-            storable(by),
-        )
-        return dict(row) if row is not None else None
-
-    async def decide_id(
-        self, conn: Any, pairing_id: int, status: str, by: str
-    ) -> dict[str, Any] | None:
-        row = await conn.fetchrow(
-            f"""UPDATE pairing_requests SET status = $2, decided_at = now(), decided_by = $3
-                WHERE id = $1 AND status = 'pending' AND expires_at > now()
-                RETURNING {ROW}""",
-            pairing_id,
+            value,
             status,
             storable(by),
         )
@@ -521,7 +517,7 @@ class PairingDesk:
                     f"code is taken until {until:%Y-%m-%d %H:%M:%S} UTC"
                 )
             else:
-                row = await self.store.decide_code(conn, code_digest, status, by)
+                row = await self.store.decide(conn, "code_digest", code_digest, status, by)
                 if row is None:
                     await self.store.wrong_code(conn, by)
                     known = await self.store.by_digest(conn, code_digest)
@@ -551,7 +547,7 @@ class PairingDesk:
             return PressAnswer("This button is not valid.", None)
         pairing_id, status = signed
         async with self.store.pool.acquire() as conn, conn.transaction():
-            row = await self.store.decide_id(conn, pairing_id, status, by)
+            row = await self.store.decide(conn, "id", pairing_id, status, by)
             if row is not None:
                 await self._decided(conn, row, by)
         if row is None:
