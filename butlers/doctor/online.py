@@ -173,16 +173,20 @@ def _mail_fix(config: EmailConfig) -> str:
     return f"check {config.username_env} and {config.password_env}, and the host and port"
 
 
+def _account(subject: Subject, config: EmailConfig) -> tuple[str, str]:
+    """The mailbox's username and password: the mail probes are run only when both are set."""
+    username = subject.variable(config.username_env)
+    password = subject.variable(config.password_env)
+    assert username is not None and password is not None
+    return username, password
+
+
 async def _imap(subject: Subject, config: EmailConfig) -> list[Check]:
     from butlers.errors import MailError
     from butlers.modules.mail_transport import imap_close, imap_connect, tls_context
 
     server = _servers(config)["IMAP"]
-    username, password = (
-        subject.variable(config.username_env),
-        subject.variable(config.password_env),
-    )
-    assert username is not None and password is not None
+    username, password = _account(subject, config)
     try:
         client = await imap_connect(
             server, username, password, context=tls_context(), on_lost=lambda _: None
@@ -198,11 +202,7 @@ async def _smtp(subject: Subject, config: EmailConfig) -> list[Check]:
     from butlers.modules.mail_transport import smtp_session, tls_context
 
     server = _servers(config)["SMTP"]
-    username, password = (
-        subject.variable(config.username_env),
-        subject.variable(config.password_env),
-    )
-    assert username is not None and password is not None
+    username, password = _account(subject, config)
     try:
         async with smtp_session(server, username, password, context=tls_context()) as smtp:
             logged_in = smtp.supports_extension("auth")
