@@ -207,28 +207,27 @@ def check_channels(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(chosen))
 
 
-def check_env_name(text: str) -> str:
-    if not ENV_NAME.fullmatch(text):
-        raise ValueError(f"expected an environment variable name such as MY_TOKEN, got {text!r}")
+def _whole(pattern: re.Pattern[str], text: str, expected: str) -> str:
+    """`text` if all of it matches `pattern`; else a ValueError saying what was `expected`."""
+    if not pattern.fullmatch(text):
+        raise ValueError(f"expected {expected}, got {text!r}")
     return text
+
+
+def check_env_name(text: str) -> str:
+    return _whole(ENV_NAME, text, "an environment variable name such as MY_TOKEN")
 
 
 def check_chat_id(text: str) -> str:
-    if not CHAT_ID.fullmatch(text):
-        raise ValueError(f"expected a Telegram chat id (a number such as 123456789), got {text!r}")
-    return text
+    return _whole(CHAT_ID, text, "a Telegram chat id (a number such as 123456789)")
 
 
 def check_email(text: str) -> str:
-    if not EMAIL.fullmatch(text):
-        raise ValueError(f"expected an email address such as me@example.com, got {text!r}")
-    return text
+    return _whole(EMAIL, text, "an email address such as me@example.com")
 
 
 def check_host(text: str) -> str:
-    if not HOST.fullmatch(text):
-        raise ValueError(f"expected a host name such as imap.example.com, got {text!r}")
-    return text
+    return _whole(HOST, text, "a host name such as imap.example.com")
 
 
 def check_port(text: str) -> int:
@@ -239,9 +238,7 @@ def check_port(text: str) -> int:
 
 
 def check_url(text: str) -> str:
-    if not URL.fullmatch(text):
-        raise ValueError(f"expected an http(s) URL such as http://127.0.0.1:8081, got {text!r}")
-    return text.rstrip("/")
+    return _whole(URL, text, "an http(s) URL such as http://127.0.0.1:8081").rstrip("/")
 
 
 def check_timezone(text: str) -> str:
