@@ -78,6 +78,13 @@ async def _init(*args: str, env: dict[str, str] | None = None) -> Init:
     return init
 
 
+async def _init_everything(target: Path, *args: str, env: dict[str, str]) -> Init:
+    """A non-interactive init of all there is: both channels, the specialists, the owner's
+    chat (4242) and address, the mail servers; `args` add to it."""
+    everything = ("--channels", "telegram,email", "--specialists", "--owner-chat-id", "4242")
+    return await _init(str(target), "--non-interactive", *everything, *EMAIL_FLAGS, *args, env=env)
+
+
 def _names(directory: Path) -> list[str]:
     return sorted(os.listdir(directory))
 
@@ -118,22 +125,15 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     tmp_path: Path,
 ) -> None:
     target = tmp_path / "mine"
-    init = await _init(
-        str(target),
-        "--non-interactive",
-        "--channels",
-        "telegram,email",
-        "--specialists",
+    init = await _init_everything(
+        target,
         "--pairing",
         "--bot-token-env",
         "MY_BOT_TOKEN",
-        "--owner-chat-id",
-        "4242",
         "--imap-port",
         "143",
         "--timezone",
         "Europe/Berlin",
-        *EMAIL_FLAGS,
         env=_env(MY_BOT_TOKEN=SECRET_TOKEN, BUTLERS_EMAIL_PASSWORD=MAIL_PASSWORD),
     )
     assert init.code == 0, init.stderr
@@ -398,6 +398,28 @@ class Interactive(Butlers):
         return code
 
 
+async def _interactive(
+    started: list[Butlers],
+    target: Path,
+    bot_api: FakeBotAPI,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> Interactive:
+    """`butlers init target` against the fake Bot API, answering on stdin: started, and
+    killed at the test's end if it is still running (`started`: the processes fixture)."""
+    init = Interactive(
+        "init",
+        str(target),
+        "--telegram-api-base-url",
+        bot_api.url,
+        *args,
+        env=env if env is not None else _env(),
+    )
+    started.append(init)
+    await init.start()
+    return init
+
+
 OWNER, STRANGER, GROUP = 5550001, 5550002, -100777
 
 
@@ -409,15 +431,9 @@ async def test_interactive_init_captures_the_owner_chat_not_a_strangers(
     """The code shown on the terminal, sent by the owner in a private chat, names the owner;
     a stranger's message first, and the code posted in a group, change nothing."""
     target = tmp_path / "mine"
-    init = Interactive(
-        "init",
-        str(target),
-        "--telegram-api-base-url",
-        bot_api.url,
-        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+    init = await _interactive(
+        processes, target, bot_api, env=_env(TELEGRAM_BOT_TOKEN=bot_api.token)
     )
-    processes.append(init)
-    await init.start()
     # channels, specialists, token variable; then (after the code) pairing and time zone.
     init.answer("", "n", "", "", "America/New_York")
     code = (await init.wait_stdout(CODE))[1]
@@ -456,16 +472,9 @@ async def test_ctrl_c_while_waiting_for_the_code_writes_nothing(
     bot_api: FakeBotAPI,
 ) -> None:
     target = tmp_path / "mine"
-    init = Interactive(
-        "init",
-        str(target),
-        "--telegram-api-base-url",
-        bot_api.url,
-        "--specialists",
-        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+    init = await _interactive(
+        processes, target, bot_api, "--specialists", env=_env(TELEGRAM_BOT_TOKEN=bot_api.token)
     )
-    processes.append(init)
-    await init.start()
     init.answer("", "")
     await init.wait_stdout(CODE)
     await bot_api.wait_until(lambda: "getUpdates" in bot_api.calls)
@@ -514,9 +523,7 @@ async def test_interactive_init_with_a_typed_token_and_mail(
     """A token and a password typed in answer go into .env only; a wrong answer is asked
     again, saying what was wrong."""
     target = tmp_path / "mine"
-    init = Interactive("init", str(target), "--telegram-api-base-url", bot_api.url, env=_env())
-    processes.append(init)
-    await init.start()
+    init = await _interactive(processes, target, bot_api)
     init.answer("telegram,email", "n", "", bot_api.token)
     code = (await init.wait_stdout(CODE))[1]
     update = bot_api.text_update(OWNER, code)
@@ -636,11 +643,7 @@ async def test_a_token_telegram_rejects_is_said_without_showing_it(
     bot_api: FakeBotAPI,
 ) -> None:
     wrong = "999999:not-the-bots-token_" + "x" * 10
-    init = Interactive(
-        "init", str(tmp_path / "mine"), "--telegram-api-base-url", bot_api.url, env=_env()
-    )
-    processes.append(init)
-    await init.start()
+    init = await _interactive(processes, tmp_path / "mine", bot_api)
     init.answer("", "n", "", wrong)
     assert await init.finish() == 1
     assert "Telegram rejected the bot token" in init.stderr, init.stderr
@@ -688,17 +691,7 @@ async def test_doctor_passes_what_init_wrote(tmp_path: Path) -> None:
         "BUTLERS_EMAIL_PASSWORD": MAIL_PASSWORD,
         "ANTHROPIC_API_KEY": "sk-ant-test-key-of-the-owner",
     }
-    init = await _init(
-        str(target),
-        "--non-interactive",
-        "--channels",
-        "telegram,email",
-        "--specialists",
-        "--owner-chat-id",
-        "4242",
-        *EMAIL_FLAGS,
-        env=_env(**secrets),
-    )
+    init = await _init_everything(target, env=_env(**secrets))
     assert init.code == 0, init.stderr
     for toml in target.glob("*/butler.toml"):
         with socket.socket() as s:
