@@ -48,15 +48,58 @@ def answers_done(body: dict) -> list[dict]:
 
 
 async def pairing_fleet(
-    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, **pairing: Any
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    **pairing: Any,
 ) -> ButlerDaemon:
-    """test_notify's fleet (general answers every Telegram message, CHAT is allowed, OWNER is
-    the owner), with pairing on."""
+    """test_notify's fleet (general answers every Telegram message "Done.", CHAT is allowed,
+    OWNER is the owner), with pairing on."""
+    scripted_api.respond_with(answers_done)
     limits = SwitchboardConfig(
         owner=OwnerConfig(telegram_chat_id=str(OWNER)),
         pairing=PairingConfig(enabled=True, **pairing),
     )
     switchboard, _ = await notify_fleet(start_butler, tmp_path, bot_api, limits)
+    return switchboard
+
+
+async def stranger_with_a_code(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    says: str = "hi",
+    **pairing: Any,
+) -> tuple[ButlerDaemon, str]:
+    """pairing_fleet, and STRANGER's first message (`says`) answered with a code: the
+    switchboard and that code."""
+    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, scripted_api, **pairing)
+    await bot_api.push_text(STRANGER, says)
+    return switchboard, await code_sent_to(bot_api, STRANGER)
+
+
+async def mail_pairing_fleet(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    smtp: SmtpServer,
+    monkeypatch: pytest.MonkeyPatch,
+    owner: OwnerConfig | None = None,
+    **overrides: Any,
+) -> ButlerDaemon:
+    """test_notify_email's fleet (webhook intake, SMTP out; general answers every mail
+    "Done.") with pairing on and `owner`; `overrides`: more of the switchboard's ButlerConfig."""
+    scripted_api.respond_with(answers_done)
+    limits = SwitchboardConfig(owner=owner or OwnerConfig(), pairing=PairingConfig(enabled=True))
+    switchboard, _ = await mail_notify_fleet(
+        start_butler,
+        tmp_path,
+        smtp,
+        monkeypatch,
+        switchboard_overrides={"switchboard": limits, **overrides},
+    )
     return switchboard
 
 
@@ -89,6 +132,13 @@ async def settled(bot_api: FakeBotAPI) -> None:
     await bot_api.wait_until(lambda: len(texts_to(bot_api, CHAT)) > before)
 
 
+async def texts_after(bot_api: FakeBotAPI, chat: int, says: str) -> list[str]:
+    """What `chat` was sent, once its message `says` and all before it are handled."""
+    await bot_api.push_text(chat, says)
+    await settled(bot_api)
+    return texts_to(bot_api, chat)
+
+
 async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> str:
     query = await bot_api.push_press(chat, message_id, data)
     await bot_api.wait_until(lambda: bot_api.answer_to(query) is not None)
@@ -109,10 +159,9 @@ async def test_an_unknown_chat_gets_one_code_and_the_owner_approves_from_the_cli
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_text(STRANGER, "Hello, may I use this?")
-    code = await code_sent_to(bot_api, STRANGER)
+    switchboard, code = await stranger_with_a_code(
+        start_butler, tmp_path, bot_api, scripted_api, "Hello, may I use this?"
+    )
     # The owner is asked, with the sender, the code and Approve / Deny buttons.
     message_id, params, buttons = await owners_question(bot_api)
     assert int(params["chat_id"]) == OWNER
@@ -121,9 +170,7 @@ async def test_an_unknown_chat_gets_one_code_and_the_owner_approves_from_the_cli
     assert set(buttons) == {"Approve", "Deny"}
     assert all(len(data.encode()) <= 64 for data in buttons.values())
     # A second message within the code's lifetime: no second code, nothing routed.
-    await bot_api.push_text(STRANGER, "Hello??")
-    await settled(bot_api)
-    assert len(texts_to(bot_api, STRANGER)) == 1
+    assert len(await texts_after(bot_api, STRANGER, "Hello??")) == 1
     assert await routed_from(db_conn, switchboard, str(STRANGER)) == 0
 
     url = ("--url", switchboard.sse_url)
@@ -178,10 +225,7 @@ async def test_the_owners_button_approves_once_and_only_from_the_owner(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_text(STRANGER, "hi")
-    await code_sent_to(bot_api, STRANGER)
+    switchboard, _ = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
     message_id, _, buttons = await owners_question(bot_api)
     approve = buttons["Approve"]
     # The stranger pressing the owner's button, altered data, an approval's data: nothing.
@@ -221,10 +265,7 @@ async def test_revoke_makes_the_sender_unknown_again(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_text(STRANGER, "hi")
-    code = await code_sent_to(bot_api, STRANGER)
+    switchboard, code = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
     async with Client(switchboard.sse_url) as client:
         decided = await client.call_tool("pairing_decide", {"code": code, "decision": "approve"})
     assert decided.structured_content["status"] == "approved"
@@ -241,9 +282,7 @@ async def test_revoke_makes_the_sender_unknown_again(
     assert rc == 1 and "`butlers pairing revoke CHANNEL SENDER`: expected 2 values, got 1" in err
     # A stranger again: not routed, and no second code within the hour.
     sent = len(texts_to(bot_api, STRANGER))
-    await bot_api.push_text(STRANGER, "second")
-    await settled(bot_api)
-    assert len(texts_to(bot_api, STRANGER)) == sent
+    assert len(await texts_after(bot_api, STRANGER, "second")) == sent
     assert await routed_from(db_conn, switchboard, str(STRANGER)) == 1
 
 
@@ -256,10 +295,7 @@ async def test_wrong_codes_are_limited_across_the_switchboard(
 ) -> None:
     """Ten wrong codes within the hour, then every code is refused (the right one too) until
     the oldest wrong one is an hour old."""
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_text(STRANGER, "hi")
-    code = await code_sent_to(bot_api, STRANGER)
+    switchboard, code = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
     wrong = next(c for c in ("AAAAAAAA", "BBBBBBBB", "CCCCCCCC") if c != code)
     async with Client(switchboard.sse_url) as client:
 
@@ -288,10 +324,7 @@ async def test_an_expired_code_is_refused_and_a_new_one_comes_after_the_hour(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_text(STRANGER, "hi")
-    code = await code_sent_to(bot_api, STRANGER)
+    switchboard, code = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
     message_id, _, buttons = await owners_question(bot_api)
     conn = await db_conn(switchboard.config.database)
     # The code's time passes (code_ttl_minutes): neither the CLI nor the button takes it.
@@ -303,9 +336,7 @@ async def test_an_expired_code_is_refused_and_a_new_one_comes_after_the_hour(
     )
     assert await conn.fetchval("SELECT count(*) FROM paired_senders") == 0
     # Within the hour: no new code. An hour after it: a new one, and the old row is gone.
-    await bot_api.push_text(STRANGER, "still there?")
-    await settled(bot_api)
-    assert len(texts_to(bot_api, STRANGER)) == 1
+    assert len(await texts_after(bot_api, STRANGER, "still there?")) == 1
     await conn.execute("UPDATE pairing_requests SET created_at = now() - interval '61 min'")
     await bot_api.push_text(STRANGER, "hello again")
     await bot_api.wait_until(lambda: len(texts_to(bot_api, STRANGER)) == 2)
@@ -322,15 +353,12 @@ async def test_a_code_that_outlives_the_hour_is_not_given_twice(
     db_conn,
 ) -> None:
     """code_ttl_minutes = 120: an hour on, the sender's code is still valid: no second one."""
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, code_ttl_minutes=120)
-    await bot_api.push_text(STRANGER, "hi")
-    code = await code_sent_to(bot_api, STRANGER)
+    switchboard, code = await stranger_with_a_code(
+        start_butler, tmp_path, bot_api, scripted_api, code_ttl_minutes=120
+    )
     conn = await db_conn(switchboard.config.database)
     await conn.execute("UPDATE pairing_requests SET created_at = now() - interval '61 min'")
-    await bot_api.push_text(STRANGER, "anyone?")
-    await settled(bot_api)
-    assert len(texts_to(bot_api, STRANGER)) == 1
+    assert len(await texts_after(bot_api, STRANGER, "anyone?")) == 1
     rows = await conn.fetch("SELECT code, status FROM pairing_requests")
     assert [tuple(r) for r in rows] == [(code, "pending")]
 
@@ -345,9 +373,10 @@ async def test_a_flood_of_strangers_is_bounded(
     """1,000 unknown chats write (twice each): the first `max_pending_per_channel` get one
     code each, the rest nothing; the table holds the cap; a pending code is not evicted by
     the newcomers; the owner gets the cap of questions."""
-    scripted_api.respond_with(answers_done)
     cap = 5
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, max_pending_per_channel=cap)
+    switchboard = await pairing_fleet(
+        start_butler, tmp_path, bot_api, scripted_api, max_pending_per_channel=cap
+    )
     chats = list(range(100_000, 101_000))
     started = time.monotonic()
     for _ in range(2):
@@ -376,9 +405,7 @@ async def test_pairing_off_unknown_chats_are_refused_as_before(
     limits = SwitchboardConfig(owner=OwnerConfig(telegram_chat_id=str(OWNER)))
     switchboard, _ = await notify_fleet(start_butler, tmp_path, bot_api, limits)
     await bot_api.push_text(STRANGER, "hi")
-    await bot_api.push_text(STRANGER, "hi again")
-    await settled(bot_api)
-    assert texts_to(bot_api, STRANGER) == [
+    assert await texts_after(bot_api, STRANGER, "hi again") == [
         "Sorry, this is a private butler: I only answer the people it was set up for."
     ]
     assert texts_to(bot_api, OWNER) == []
@@ -452,8 +479,7 @@ async def test_the_dashboard_shows_hostile_names_escaped_and_decides_with_its_cs
     scripted_api: ScriptedMessagesAPI,
     db_conn,
 ) -> None:
-    scripted_api.respond_with(answers_done)
-    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api)
+    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, scripted_api)
     hostile = "<b>Mom</b>\n\u202eevil\x1b[31m" + "x" * 200
     update = bot_api.text_update(STRANGER, "hi")
     update["message"]["from"] = {"id": STRANGER, "is_bot": False, "first_name": hostile}
@@ -503,21 +529,10 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
     """By mail (webhook intake, real SMTP out; the owner prefers email): the code answers the
     stranger's mail in its thread, the owner's mail names the command; a second mail gets
     nothing; once approved, the next mail is routed and answered."""
-    scripted_api.respond_with(answers_done)
+    owner = OwnerConfig(email="me@example.com", prefer="email", timezone="Asia/Tokyo")
     with SmtpServer(users={USER: PASSWORD}) as smtp:
-        switchboard, _ = await mail_notify_fleet(
-            start_butler,
-            tmp_path,
-            smtp,
-            monkeypatch,
-            switchboard_overrides={
-                "switchboard": SwitchboardConfig(
-                    owner=OwnerConfig(
-                        email="me@example.com", prefer="email", timezone="Asia/Tokyo"
-                    ),
-                    pairing=PairingConfig(enabled=True),
-                )
-            },
+        switchboard = await mail_pairing_fleet(
+            start_butler, tmp_path, scripted_api, smtp, monkeypatch, owner
         )
 
         async def mail(sender: str, message_id: str, text: str = "Hello") -> None:
@@ -562,19 +577,12 @@ async def test_with_dmarc_required_only_a_vouched_for_stranger_is_answered(
 ) -> None:
     """A code to a forged From would be backscatter: with require_authentication_results a
     stranger is answered only when our MTA says DMARC passed for their domain."""
-    scripted_api.respond_with(answers_done)
     with SmtpServer(users={USER: PASSWORD}) as smtp:
-        switchboard, _ = await mail_notify_fleet(
-            start_butler,
-            tmp_path,
-            smtp,
-            monkeypatch,
-            switchboard_overrides={
-                "email": email_config(
-                    smtp_port=smtp.port, mode="webhook", require_authentication_results=AUTHSERV
-                ),
-                "switchboard": SwitchboardConfig(pairing=PairingConfig(enabled=True)),
-            },
+        email = email_config(
+            smtp_port=smtp.port, mode="webhook", require_authentication_results=AUTHSERV
+        )
+        switchboard = await mail_pairing_fleet(
+            start_butler, tmp_path, scripted_api, smtp, monkeypatch, email=email
         )
 
         async def mail(sender: str, message_id: str, dmarc: str | None) -> None:
@@ -614,21 +622,12 @@ async def test_over_imap_a_stranger_gets_a_code_but_bounces_and_auto_replies_non
     """The mailbox read over IMAP (pymap): a stranger's mail gets a code in its thread and is
     flagged seen, never stored; an auto-reply and a bounce from unknown senders get nothing
     (no mail loop, however pairing is set)."""
-    scripted_api.respond_with(answers_done)
+    owner = OwnerConfig(email="me@example.com", prefer="email")
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
-            switchboard, _ = await mail_notify_fleet(
-                start_butler,
-                tmp_path,
-                smtp,
-                monkeypatch,
-                switchboard_overrides={
-                    "email": email_config(imap_port=port, smtp_port=smtp.port, mode="poll"),
-                    "switchboard": SwitchboardConfig(
-                        owner=OwnerConfig(email="me@example.com", prefer="email"),
-                        pairing=PairingConfig(enabled=True),
-                    ),
-                },
+            email = email_config(imap_port=port, smtp_port=smtp.port, mode="poll")
+            switchboard = await mail_pairing_fleet(
+                start_butler, tmp_path, scripted_api, smtp, monkeypatch, owner, email=email
             )
             for message in (
                 imap_mail(f"Eve <{SOMEONE}>", message_id="<s1@x>"),
