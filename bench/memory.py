@@ -4,8 +4,8 @@ by hand.)
     .venv/bin/python bench/memory.py [--sizes 10000 100000] [--queries 300] [--write]
 
 An embedded PostgreSQL in a temporary directory; one database per size, filled with
-sentences drawn from a vocabulary of 2,500 made-up words (so at 100,000 a word is in ~400
-memories, like a person's facts that share "car", "doctor", "Anna"). Per size:
+sentences drawn from 20,000 made-up words by Zipf's law (a few words are in thousands of
+memories, most in a few, as in a language). Per size:
 
   search    `MemoryStore.search` of 1-3 keywords (what `memory_search` runs), limit 10
   context   the lookup a session's start adds (Spawner._context): the search of a 12-25 word
@@ -33,20 +33,29 @@ sys.path.insert(0, str(ROOT))
 
 from bench.route_overhead import write_docs_block  # noqa: E402
 from butlers.db import EmbeddedServer, create_pool, prepare_database  # noqa: E402
-from butlers.memory import MemoryStore  # noqa: E402
+from butlers.memory import UNRESTRICTED, MemoryStore  # noqa: E402
 
 RNG = random.Random(27)
-# Made-up words of 4-9 letters: no two share much (as words of a language mostly do not);
-# words built from a dozen syllables shared trigrams with a third of all memories, which no
-# language does, and measured trigram matching rather than memory search.
+# Made-up words of 4-9 letters (no two share much, as words of a language mostly do not),
+# drawn with Zipf's law over 20,000 of them, as words of a language are: a few are in many
+# memories ("car", "Anna"), most in a handful. Words built from a dozen syllables shared
+# trigrams with a third of all memories, which measured trigram matching, not memory search.
 LETTERS = "abcdefghijklmnoprstuvwyz"
 VOCABULARY = sorted(
-    {"".join(RNG.choice(LETTERS) for _ in range(RNG.randint(4, 9))) for _ in range(2500)}
+    {"".join(RNG.choice(LETTERS) for _ in range(RNG.randint(4, 9))) for _ in range(20_000)}
 )
+RNG.shuffle(VOCABULARY)
+# Ranks from 101: the hundred most frequent words of a language are its stop words ("the",
+# "is"), which full-text search drops before it indexes or searches anything.
+ZIPF = [1 / (rank + 101) ** 1.07 for rank in range(len(VOCABULARY))]
 
 
-def sentence(words: int) -> str:
-    return " ".join(RNG.choice(VOCABULARY) for _ in range(words)).capitalize() + "."
+def words(count: int) -> list[str]:
+    return RNG.choices(VOCABULARY, weights=ZIPF, k=count)
+
+
+def sentence(count: int) -> str:
+    return " ".join(words(count)).capitalize() + "."
 
 
 async def fill(pool, count: int) -> None:
@@ -82,15 +91,12 @@ async def measure(server: EmbeddedServer, size: int, queries: int) -> dict[str, 
         store = MemoryStore(pool, language="english", max_memories=size * 2)
         await store.open()
         await fill(pool, size)
-        keywords = [
-            " ".join(RNG.choice(VOCABULARY) for _ in range(RNG.randint(1, 3)))
-            for _ in range(queries)
-        ]
+        keywords = [" ".join(words(RNG.randint(1, 3))) for _ in range(queries)]
         prompts = [sentence(RNG.randint(12, 25)) for _ in range(queries)]
         await timed(keywords[:20], lambda q: store.search(q, 10))  # warm the caches
         return {
             "search": await timed(keywords, lambda q: store.search(q, 10)),
-            "context": await timed(prompts, lambda p: store.search(p, 5)),
+            "context": await timed(prompts, lambda p: store.context(p, 5, UNRESTRICTED)),
         }
     finally:
         await pool.close()

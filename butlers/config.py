@@ -543,8 +543,10 @@ class PairingConfig:
 
     enabled: bool = Field(
         default=False,
-        description="Answer an unknown Telegram chat or mail sender once with a code; the "
-        "owner approves it (`butlers pairing approve CODE`) and the sender is allowed.",
+        description="Answer an unknown private Telegram chat or mail sender once with a code; "
+        "the owner approves it (`butlers pairing approve CODE`) and the sender is allowed. "
+        "Turning it off stops new codes only: senders paired before stay allowed until "
+        "`butlers pairing revoke CHANNEL SENDER`.",
     )
     code_ttl_minutes: Annotated[Int, Field(ge=1, le=7 * 24 * 60)] = Field(
         default=60, description="How long a code can be approved."
@@ -792,6 +794,10 @@ class ButlerConfig:
     timezone: str | None = None
     # [[schedules]]: declared schedules (created or updated at start).
     schedules: tuple[ScheduleConfig, ...] = ()
+    # The owner's chat and address as conversations' persons (`telegram:<chat>`,
+    # `email:<address>`), from [switchboard.owner] of its config directory: whose memories
+    # are the owner's (butlers.memory).
+    owner_persons: tuple[str, ...] = ()
 
     @property
     def zone(self) -> str:
@@ -987,16 +993,18 @@ def load_config_dir(config_dir: Path, placement: Placement = Placement()) -> Fle
         if config.is_switchboard:
             switchboard = config.name
         butlers.append(config)
-    return FleetConfig(_owner_zone(butlers), tuple(errors))
+    return FleetConfig(_owner_defaults(butlers), tuple(errors))
 
 
-def _owner_zone(butlers: list[ButlerConfig]) -> tuple[ButlerConfig, ...]:
-    """A butler without `[butler] timezone` keeps the owner's (`[switchboard.owner]`)."""
+def _owner_defaults(butlers: list[ButlerConfig]) -> tuple[ButlerConfig, ...]:
+    """What every butler takes from `[switchboard.owner]`: its time zone when it names none,
+    and who the owner is."""
     owner = next((b.switchboard.owner for b in butlers if b.switchboard is not None), None)
     if owner is None:
         return tuple(butlers)
+    persons = tuple(f"{channel}:{who}" for channel, who in owner.channels())
     return tuple(
-        b if b.timezone is not None else dataclasses.replace(b, timezone=owner.timezone)
+        dataclasses.replace(b, timezone=b.timezone or owner.timezone, owner_persons=persons)
         for b in butlers
     )
 

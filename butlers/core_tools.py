@@ -24,7 +24,7 @@ from butlers.config import RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
-from butlers.memory import NO_CONVERSATION, UNRESTRICTED, MemoryStore, Viewer
+from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
 from butlers.tool_errors import ToolRefusal
 
@@ -324,12 +324,14 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return {"name": name, "deleted": True}
 
     def viewer() -> Viewer:
-        """A session started by a routed message sees public memories and those of its own
-        conversation (butlers.memory); every other caller sees them all."""
+        """Who asks (butlers.memory): a person's routed session, a session the owner started,
+        or the operator (no session)."""
         token = session_token()
-        if not ctx.spawner.withheld_tools(token):
+        if not token:
             return UNRESTRICTED
-        return Viewer(conversation=ctx.spawner.conversation_of(token) or NO_CONVERSATION)
+        if ctx.spawner.withheld_tools(token):
+            return Viewer.of_person(ctx.spawner.conversation_of(token))
+        return OWNER_SESSION
 
     def memory() -> MemoryStore:
         if ctx.memory is None:
@@ -339,10 +341,12 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @mcp.tool
     async def memory_remember(text: str, tags: list[str] | None = None) -> dict[str, Any]:
         """Keep a fact the person stated for later (one fact per memory, at most 4 KiB), in
-        this butler's own memory. Tag it `private` to keep it to this conversation."""
-        token = session_token()
-        conversation = ctx.spawner.conversation_of(token) or request_conversation() or ""
-        return await memory().remember(text, tags or [], conversation=conversation)
+        this butler's own memory. What someone's message makes you remember is theirs alone:
+        other people's sessions do not see it."""
+        conversation = ctx.spawner.conversation_of(session_token()) or request_conversation()
+        return await memory().remember(
+            text, tags or [], writer=viewer(), conversation=conversation or ""
+        )
 
     @mcp.tool
     async def memory_search(

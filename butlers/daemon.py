@@ -188,6 +188,7 @@ class ButlerDaemon:
             self._pool,
             language=config.runtime.memory_language,
             max_memories=config.runtime.max_memories,
+            owner_persons=config.owner_persons,
         )
         await memory.open()
         spawner.memory = memory

@@ -10,18 +10,29 @@ with the butler's language; `open()` re-stems rows written under another languag
 Bounds: a memory is at most MAX_MEMORY_BYTES; a butler keeps at most `max_memories`, and past
 that the oldest unused one (remembered or last found longest ago) is evicted, and logged.
 
-Visibility (the one rule): a session started by a routed message sees the memories that are
-not private, and the private ones of its own conversation. Every other caller (the operator,
-a schedule the owner made, a trigger) sees them all. Other butlers never see them: they live in
-this butler's database only.
+Whose a memory is decides who sees it (a stranger's words stored as a memory must not reach
+the owner's sessions, which hold tools no stranger may use, nor may the owner's facts reach a
+stranger's session):
+- a memory written by a session a person's message started belongs to that person
+  (`telegram:<chat>`, `email:<address>`): private to them, always. It is the owner's
+  (`from_owner`) when that person is the owner ([switchboard.owner]);
+- one written by the operator, a schedule or `trigger` is shared (unless tagged `private`)
+  and the owner's.
+Readers: a person's session finds the shared memories and their own; a session the owner
+started (a schedule, `trigger`) finds the shared ones and the owner's; the operator (the CLI,
+no session) finds all. A person's session may forget only their own. A person may keep at
+most PERSON_QUOTA memories, and when the butler is full the people's go before the owner's.
+Other butlers never see any: they live in this butler's database only.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 
@@ -37,30 +48,80 @@ MAX_QUERY_CHARS = 1000
 DEFAULT_MAX_MEMORIES = 10_000
 FALLBACK_LANGUAGE = "simple"
 TRIGRAM_THRESHOLD = 0.5
+# The query as tsqueries, written into the statement (not a CTE, which the planner cannot use
+# as an index condition: 270 ms a search at 100,000 memories, a scan): all of its words as a
+# web search reads them, and any of them.
+EVERY_WORD = "websearch_to_tsquery($2::regconfig, $1)"
+ANY_WORD = "replace(plainto_tsquery($2::regconfig, $1)::text, ' & ', ' | ')::tsquery"
+# One step of a word search: its band (`score`: 2 for all the words, 1 for any of them) plus
+# the rank of the words found (cover density, 0..1); those found by an earlier step ($5) left
+# out; the privacy rule ($4: a routed session's conversation, NULL for everyone else).
+_WORD_SEARCH = """
+    SELECT id, text, tags, created_at, {score} + ts_rank_cd(words, {query}, 32) AS score
+    FROM memories
+    WHERE words @@ {query}
+      AND NOT id = ANY($5::bigint[])
+      AND {visible}
+    ORDER BY score DESC, id DESC
+    LIMIT $3
+"""
+# A session's context: $1 a tsquery built here from the prompt's lexemes.
+_CONTEXT_SEARCH = """
+    SELECT id, text, tags, created_at, 1 + ts_rank_cd(words, $1::tsquery, 32) AS score
+    FROM memories
+    WHERE words @@ $1::tsquery
+      AND {visible}
+    ORDER BY score DESC, id DESC
+    LIMIT $2
+"""
+# A session's prompt is matched by this many of its longest words.
+CONTEXT_WORDS = 8
+WORD = re.compile(r"\w{3,40}")  # a longer "word" is cut: a query stays under MAX_QUERY_CHARS
 # Misspellings are looked for in a query of a few words, not in a session's whole prompt.
 TRIGRAM_QUERY_CHARS = 64
-# A memory marked with this tag is private to the conversation it came from.
+# A memory the operator, a schedule or trigger tags so is not shared with people's sessions.
 PRIVATE_TAG = "private"
-# The conversation of a routed session that names none: matches no stored conversation
-# (storable() takes NUL out of what is stored), so it sees public memories only.
-NO_CONVERSATION = "\x00none"
+# The person of a routed session that names no conversation: matches no stored person
+# (storable() takes NUL out of what is stored), so it sees the shared memories only.
+NO_PERSON = "\x00none"
+# Memories one person (not the owner) may keep; past it their oldest unused one goes.
+PERSON_QUOTA = 200
 # Memories given to a session with its prompt, at most this many bytes.
 MEMORY_CONTEXT_BYTES = 4096
 
 
 @dataclass(frozen=True)
 class Viewer:
-    """Who is asking: `conversation` of a routed session (it sees public memories and its own
-    conversation's private ones), or None for an unrestricted caller."""
+    """Who is asking (see the module's rules): the `operator` (no session), an `owner`
+    session (a schedule, trigger), or a `person`'s session (a routed message's)."""
 
-    conversation: str | None = None
+    kind: Literal["operator", "owner", "person"] = "operator"
+    person: str = ""
 
-    @property
-    def restricted(self) -> bool:
-        return self.conversation is not None
+    @classmethod
+    def of_person(cls, conversation: str | None) -> Viewer:
+        return cls("person", person_of(conversation) if conversation else NO_PERSON)
+
+    def visible(self, kind: int, person: int) -> str:
+        """The SQL condition on a memories row, with this viewer's kind and person as the
+        statement's parameters number `kind` and `person`."""
+        return (
+            f"(${kind}::text = 'operator'"
+            f" OR (${kind}::text = 'owner' AND (NOT private OR from_owner))"
+            f" OR (${kind}::text = 'person' AND (NOT private OR person = ${person}::text)))"
+        )
+
+
+def person_of(conversation: str) -> str:
+    """The person a conversation is with: `telegram:<chat>` (any topic), `email:<address>`
+    (any thread)."""
+    channel, _, rest = conversation.partition(":")
+    who = rest.split(":", 1)[0]
+    return f"{channel}:{who.lower() if channel == 'email' else who}"
 
 
 UNRESTRICTED = Viewer()
+OWNER_SESSION = Viewer("owner")
 
 
 def check_text(text: str) -> str:
@@ -91,6 +152,12 @@ def check_tags(tags: list[str]) -> list[str]:
     return cleaned
 
 
+def _tsquery_literal(lexeme: str) -> str:
+    """A lexeme as a tsquery operand: quoted, its quotes and backslashes escaped (a lexeme
+    is the person's own word)."""
+    return "'" + lexeme.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
 def _row(record: asyncpg.Record) -> dict[str, Any]:
     row = dict(record)
     if isinstance(row.get("created_at"), datetime):
@@ -109,8 +176,11 @@ class MemoryStore:
         *,
         language: str = "english",
         max_memories: int = DEFAULT_MAX_MEMORIES,
+        owner_persons: tuple[str, ...] = (),
     ) -> None:
         self.pool = pool
+        # The owner's chat and address as persons (`telegram:<chat>`, `email:<address>`).
+        self.owner_persons = frozenset(person_of(p) for p in owner_persons)
         self.wanted_language = language
         self.language = FALLBACK_LANGUAGE
         self.max_memories = max_memories
@@ -144,28 +214,56 @@ class MemoryStore:
                 logger.info("memory: re-stemmed for %s: %s", self.language, restemmed)
 
     async def remember(
-        self, text: str, tags: list[str], *, conversation: str = "", private: bool = False
+        self,
+        text: str,
+        tags: list[str],
+        *,
+        writer: Viewer = UNRESTRICTED,
+        conversation: str = "",
     ) -> dict[str, Any]:
+        """Keep one memory for `writer` (see the module's rules for whose it is), then make
+        room: past PERSON_QUOTA a person's oldest unused memory goes, past `max_memories` the
+        butler's (the people's before the owner's)."""
         text, tags = check_text(text), check_tags(tags)
-        private = private or PRIVATE_TAG in tags
+        if writer.kind == "person":
+            person, private = writer.person, True
+            from_owner = person in self.owner_persons
+        else:
+            person, private, from_owner = "", PRIVATE_TAG in tags, True
         async with self.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
                 """
-                INSERT INTO memories (text, tags, conversation, private, language, words)
-                VALUES ($1, $2, $3, $4, $5::text, to_tsvector($5::text::regconfig, $1))
+                INSERT INTO memories
+                    (text, tags, conversation, private, language, words, person, from_owner)
+                VALUES ($1, $2, $3, $4, $5::text, to_tsvector($5::text::regconfig, $1), $6, $7)
                 RETURNING id, text, tags, conversation, private, created_at
                 """,
                 text,
                 tags,
-                conversation,
+                storable(conversation) or "",
                 private,
                 self.language,
+                person,
+                from_owner,
             )
             assert row is not None  # INSERT ... RETURNING returns its row
-            evicted = await conn.fetch(
+            evicted = []
+            if person and not from_owner:
+                evicted += await conn.fetch(
+                    """
+                    DELETE FROM memories WHERE id IN (
+                        SELECT id FROM memories WHERE person = $1
+                        ORDER BY used_at DESC, id DESC OFFSET $2
+                    ) RETURNING id
+                    """,
+                    person,
+                    PERSON_QUOTA,
+                )
+            evicted += await conn.fetch(
                 """
                 DELETE FROM memories WHERE id IN (
-                    SELECT id FROM memories ORDER BY used_at DESC, id DESC OFFSET $1
+                    SELECT id FROM memories
+                    ORDER BY from_owner DESC, used_at DESC, id DESC OFFSET $1
                 ) RETURNING id
                 """,
                 self.max_memories,
@@ -179,15 +277,54 @@ class MemoryStore:
             )
         return _row(row)
 
+    async def context(self, prompt: str, limit: int, viewer: Viewer) -> list[dict[str, Any]]:
+        """The memories that bear on a session's prompt: those sharing at least two of its
+        CONTEXT_WORDS longest words (one, when it has one), best first. A prompt is a
+        sentence: any one of its words matched thousands of memories, and ranking them took
+        47 ms at 100,000 (bench/memory.py); a memory that shares a single word with it is a
+        weak hint anyway. No misspellings."""
+        found = sorted(set(WORD.findall(prompt.lower())), key=lambda w: (-len(w), w))
+        if not found:
+            return []
+        async with self.pool.acquire() as conn, conn.transaction():
+            lexemes: list[str] = await conn.fetchval(
+                "SELECT coalesce(array_agg(lexeme ORDER BY length(lexeme) DESC, lexeme), "
+                "'{}') FROM unnest(to_tsvector($2::regconfig, $1))",
+                " ".join(found[:CONTEXT_WORDS]),
+                self.language,
+            )
+            if not lexemes:
+                return []  # only stop words
+            quoted = [_tsquery_literal(lexeme) for lexeme in lexemes[:CONTEXT_WORDS]]
+            wanted = (
+                quoted[0]
+                if len(quoted) == 1
+                else " | ".join(f"{a} & {b}" for a, b in itertools.combinations(quoted, 2))
+            )
+            rows = await conn.fetch(
+                _CONTEXT_SEARCH.format(visible=viewer.visible(3, 4)),
+                wanted,
+                limit,
+                viewer.kind,
+                viewer.person,
+            )
+            await self._used(conn, rows)
+        return [_row(r) for r in rows]
+
     async def search(
-        self, query: str, limit: int = 10, viewer: Viewer = UNRESTRICTED
+        self,
+        query: str,
+        limit: int = 10,
+        viewer: Viewer = UNRESTRICTED,
+        *,
+        misspellings: bool = True,
     ) -> list[dict[str, Any]]:
-        """Best first, in two bands. Words: a memory with any of the query's words (a
-        session's prompt is a sentence, not keywords) scores 1 plus the rank of its words
-        (cover density, 0..1), plus 1 more when it matches the whole query as a web search
-        reads it ("quoted phrase", -word). Then, only when words found fewer than `limit`
-        and the query is a few words, misspellings: trigram word similarity (0..1) where
-        pg_trgm is there. Found memories count as used (eviction).
+        """Best first, in three bands, each asked only while fewer than `limit` are found:
+        memories with all the query's words as a web search reads them ("quoted phrase",
+        -word) score 2 plus the rank of their words (cover density, 0..1); those with any of
+        its words, 1 plus that rank; then, for a query of a few words, misspellings: trigram
+        word similarity (0..1) where pg_trgm is there. Found memories count as used
+        (eviction).
 
         Two steps rather than one OR: similarity computed for every candidate of a broad
         query cost 29 ms at 2,000 memories (bench/memory.py); words alone, a GIN lookup."""
@@ -199,27 +336,34 @@ class MemoryStore:
         if not 1 <= limit <= 100:
             raise ToolRefusal(f"limit must be between 1 and 100, got {limit}")
         async with self.pool.acquire() as conn, conn.transaction():
+            # All the words first (a web search's reading: "quoted phrase", -word): the
+            # narrowest, so the cheapest through the index; any of the words only to fill up.
+            visible = viewer.visible(4, 6)
             rows = await conn.fetch(
-                """
-                WITH query AS (
-                    SELECT websearch_to_tsquery($2::regconfig, $1) AS every_word,
-                           replace(plainto_tsquery($2::regconfig, $1)::text, ' & ', ' | ')
-                               ::tsquery AS any_word
-                )
-                SELECT id, text, tags, created_at,
-                       1 + (words @@ every_word)::int + ts_rank_cd(words, any_word, 32) AS score
-                FROM memories, query
-                WHERE words @@ any_word
-                  AND ($4::text IS NULL OR NOT private OR conversation = $4)
-                ORDER BY score DESC, id DESC
-                LIMIT $3
-                """,
+                _WORD_SEARCH.format(score=2, query=EVERY_WORD, visible=visible),
                 query,
                 self.language,
                 limit,
-                viewer.conversation,
+                viewer.kind,
+                [],
+                viewer.person,
             )
-            if self.trigrams and len(rows) < limit and len(query) <= TRIGRAM_QUERY_CHARS:
+            if len(rows) < limit:
+                rows += await conn.fetch(
+                    _WORD_SEARCH.format(score=1, query=ANY_WORD, visible=visible),
+                    query,
+                    self.language,
+                    limit - len(rows),
+                    viewer.kind,
+                    [r["id"] for r in rows],
+                    viewer.person,
+                )
+            if (
+                misspellings
+                and self.trigrams
+                and len(rows) < limit
+                and len(query) <= TRIGRAM_QUERY_CHARS
+            ):
                 # pg_trgm's default (0.6) misses one wrong letter in a 6-letter name
                 # ("Okafer" for "Okafor" is 0.57); `<%` reads the threshold from here. The
                 # planner prices word_similarity as cheap and scans a small table instead of
@@ -229,46 +373,61 @@ class MemoryStore:
                     "SET LOCAL enable_seqscan = off"
                 )
                 rows += await conn.fetch(
-                    """
+                    f"""
                     SELECT id, text, tags, created_at, word_similarity($1, text) AS score
                     FROM memories
                     WHERE $1 <% text AND NOT id = ANY($4::bigint[])
-                      AND ($3::text IS NULL OR NOT private OR conversation = $3)
+                      AND {viewer.visible(3, 5)}
                     ORDER BY score DESC, id DESC
                     LIMIT $2
                     """,
                     query,
                     limit - len(rows),
-                    viewer.conversation,
+                    viewer.kind,
                     [r["id"] for r in rows],
+                    viewer.person,
                 )
-            if rows:
-                await conn.execute(
-                    "UPDATE memories SET used_at = now() WHERE id = ANY($1::bigint[])",
-                    [r["id"] for r in rows],
-                )
+            await self._used(conn, rows)
         return [_row(r) for r in rows]
 
+    @staticmethod
+    async def _used(conn: asyncpg.pool.PoolConnectionProxy, rows: list[asyncpg.Record]) -> None:
+        """Found memories count as used: eviction takes the oldest unused."""
+        if rows:
+            # Not waited for on disk: a crash forgets that a memory was found, nothing else
+            # (a search otherwise waits for a WAL flush: the larger part of its time).
+            await conn.execute("SET LOCAL synchronous_commit = off")
+            await conn.execute(
+                "UPDATE memories SET used_at = now() WHERE id = ANY($1::bigint[])",
+                [r["id"] for r in rows],
+            )
+
     async def forget(self, memory_id: int, viewer: Viewer = UNRESTRICTED) -> bool:
+        """Delete one: a person's session only their own; others what they can see."""
+        own = (
+            "($2::text = 'person' AND person = $3::text)"
+            if viewer.kind == "person"
+            else viewer.visible(2, 3)
+        )
         deleted = await self.pool.fetchval(
-            """
-            DELETE FROM memories
-            WHERE id = $1 AND ($2::text IS NULL OR NOT private OR conversation = $2)
-            RETURNING id
-            """,
+            f"DELETE FROM memories WHERE id = $1 AND {own} RETURNING id",
             memory_id,
-            viewer.conversation,
+            viewer.kind,
+            viewer.person,
         )
         return deleted is not None
 
     async def list(self, limit: int = 50, viewer: Viewer = UNRESTRICTED) -> list[dict[str, Any]]:
-        """The newest memories first."""
+        """The newest memories first; where each came from only for the operator."""
+        columns = "id, text, tags, created_at" + (
+            ", conversation, person, private" if viewer.kind == "operator" else ""
+        )
         rows = await self.pool.fetch(
-            "SELECT id, text, tags, conversation, private, created_at FROM memories "
-            "WHERE ($2::text IS NULL OR NOT private OR conversation = $2) "
+            f"SELECT {columns} FROM memories WHERE {viewer.visible(2, 3)} "
             "ORDER BY id DESC LIMIT $1",
             limit,
-            viewer.conversation,
+            viewer.kind,
+            viewer.person,
         )
         return [_row(r) for r in rows]
 

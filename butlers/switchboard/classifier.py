@@ -160,4 +160,7 @@ async def classify_with_claude(
         trigger_source=f"classify:{message.channel}",
         system_prompt=SYSTEM_PROMPT,
         slots=slots,
+        # It writes the routed butler's prompt from a stranger's message: it must not be
+        # handed the switchboard's memories to copy into it.
+        memories=False,
     )
