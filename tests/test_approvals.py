@@ -96,9 +96,12 @@ async def approval_row(switchboard: ButlerDaemon, db_conn) -> dict[str, Any]:
     return {**row, "arguments": json.loads(row["arguments"])}  # (no jsonb codec here)
 
 
-async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> dict[str, Any]:
-    """Press a button and wait for its answer (answerCallbackQuery)."""
-    query = await bot_api.push_press(chat, message_id, data)
+async def press(
+    bot_api: FakeBotAPI, chat: int, message_id: int, data: str, *, from_id: int | None = None
+) -> dict[str, Any]:
+    """Press a button in `chat` (by `from_id`, default: that chat's person) and wait for its
+    answer (answerCallbackQuery)."""
+    query = await bot_api.push_press(chat, message_id, data, from_id=from_id)
     await bot_api.wait_until(lambda: bot_api.answer_to(query) is not None)
     answer = bot_api.answer_to(query)
     assert answer is not None
@@ -251,6 +254,9 @@ async def test_foreign_altered_and_guessed_presses_change_nothing(
             "Only the owner can decide this.",
             "This button is not valid.",
         ), name
+    # Someone else in the owner's chat (were it a group, any member could press it).
+    answer = await press(bot_api, OWNER, message_id, approve, from_id=CHAT)
+    assert answer["text"] == "Only the owner can decide this."
     row = await approval_row(switchboard, db_conn)
     assert (row["status"], row["decided_at"], row["claimed_at"]) == ("pending", None, None)
     assert bot_api.edits == []

@@ -23,8 +23,10 @@ from fastmcp.client.transports import SSETransport
 
 from butlers.config import OwnerConfig, PairingConfig, SwitchboardConfig, TelegramConfig
 from butlers.daemon import ButlerDaemon
+from butlers.modules.email import PAIRING_SUBJECT
 from butlers.switchboard import classifier
-from tests.conftest import StartButler, eventually
+from butlers.switchboard.pairing import describe_sender
+from tests.conftest import StartButler, eventually, log_records
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.mail import SmtpServer, imap_append, imap_unseen, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -139,8 +141,11 @@ async def texts_after(bot_api: FakeBotAPI, chat: int, says: str) -> list[str]:
     return texts_to(bot_api, chat)
 
 
-async def press(bot_api: FakeBotAPI, chat: int, message_id: int, data: str) -> str:
-    query = await bot_api.push_press(chat, message_id, data)
+async def press(
+    bot_api: FakeBotAPI, chat: int, message_id: int, data: str, *, from_id: int | None = None
+) -> str:
+    """Press a button in `chat` (by `from_id`, default: that chat's person); its answer."""
+    query = await bot_api.push_press(chat, message_id, data, from_id=from_id)
     await bot_api.wait_until(lambda: bot_api.answer_to(query) is not None)
     answer = bot_api.answer_to(query)
     assert answer is not None
@@ -165,7 +170,10 @@ async def test_an_unknown_chat_gets_one_code_and_the_owner_approves_from_the_cli
     # The owner is asked, with the sender, the code and Approve / Deny buttons.
     message_id, params, buttons = await owners_question(bot_api)
     assert int(params["chat_id"]) == OWNER
-    assert "Ada L (Telegram chat 4242) wants to talk to your butlers" in params["text"]
+    assert (
+        'Telegram chat 4242 (calls themselves "Ada L") wants to talk to your butlers'
+        in (params["text"])
+    )
     assert f"butlers pairing approve {code}" in params["text"]
     assert set(buttons) == {"Approve", "Deny"}
     assert all(len(data.encode()) <= 64 for data in buttons.values())
@@ -230,6 +238,10 @@ async def test_the_owners_button_approves_once_and_only_from_the_owner(
     approve = buttons["Approve"]
     # The stranger pressing the owner's button, altered data, an approval's data: nothing.
     assert await press(bot_api, STRANGER, message_id, approve) == "Only the owner can decide this."
+    # Someone else in the owner's chat (were it a group, any member could press): nothing.
+    assert await press(bot_api, OWNER, message_id, approve, from_id=STRANGER) == (
+        "Only the owner can decide this."
+    )
     flipped = approve[:-1] + ("A" if approve[-1] != "A" else "B")
     assert await press(bot_api, OWNER, message_id, flipped) == "This button is not valid."
     assert await press(bot_api, OWNER, message_id, "pa" + buttons["Deny"][2:]) == (
@@ -240,7 +252,7 @@ async def test_the_owners_button_approves_once_and_only_from_the_owner(
     assert await conn.fetchval("SELECT count(*) FROM paired_senders") == 0
 
     assert await press(bot_api, OWNER, message_id, approve) == (
-        "Approved: Ada L (Telegram chat 4242)."
+        'Approved: Telegram chat 4242 (calls themselves "Ada L").'
     )
     await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
     [edit] = bot_api.edits
@@ -386,12 +398,27 @@ async def test_a_flood_of_strangers_is_bounded(
     per_chat = {chat: len(texts_to(bot_api, chat)) for chat in chats}
     assert max(per_chat.values()) == 1
     assert [chat for chat, n in per_chat.items() if n] == chats[:cap]
-    assert len(texts_to(bot_api, OWNER)) == cap
+    # The owner: the cap of questions, and once (not 1,990 times) that the cap is full.
+    owners = texts_to(bot_api, OWNER)
+    assert len(owners) == cap + 1 and len(cap_full(bot_api)) == 1, owners
+    assert f"{cap} codes are pending (max_pending_per_channel)" in cap_full(bot_api)[0]
+    assert "`butlers pairing`" in cap_full(bot_api)[0]
     conn = await db_conn(switchboard.config.database)
     rows = await conn.fetch("SELECT sender, status FROM pairing_requests ORDER BY id")
     assert [(r["sender"], r["status"]) for r in rows] == [(str(c), "pending") for c in chats[:cap]]
     assert await conn.fetchval("SELECT count(*) FROM inbox WHERE channel = 'telegram'") == 1
     print(f"2,000 updates from 1,000 strangers handled and answered in {took_s:.1f} s")
+    # An hour later, the flood goes on: the owner is told again, once.
+    await conn.execute("UPDATE limit_notices SET window_start = window_start - interval '1 hour'")
+    await bot_api.push_batch(*(bot_api.text_update(chat, "still here") for chat in chats[-3:]))
+    await bot_api.wait_until(lambda: len(cap_full(bot_api)) == 2)
+    await settled(bot_api)
+    assert len(texts_to(bot_api, OWNER)) == cap + 2
+
+
+def cap_full(bot_api: FakeBotAPI) -> list[str]:
+    """The owner's messages that say the pending codes are at the cap."""
+    return [t for t in texts_to(bot_api, OWNER) if t.startswith("More strangers wrote by")]
 
 
 async def test_pairing_off_unknown_chats_are_refused_as_before(
@@ -487,7 +514,7 @@ async def test_the_dashboard_shows_hostile_names_escaped_and_decides_with_its_cs
     code = await code_sent_to(bot_api, STRANGER)
     _, params, _ = await owners_question(bot_api)
     # Shown to the owner: one line, no control or direction characters, cut.
-    shown = params["text"].split(" (Telegram chat 4242)")[0]
+    shown = params["text"].split('Telegram chat 4242 (calls themselves "')[1].split('")')[0]
     assert shown.startswith("<b>Mom</b> evil [31mxxx") and shown.endswith("…")
     assert len(shown) == 64 and "\n" not in shown and "\u202e" not in shown
     base = switchboard.base_url
@@ -546,11 +573,11 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         await eventually(lambda: _mails(smtp, 2))
         [answer] = to(SOMEONE)
         code = CODE_SENT.search(answer.get_content())[1]
-        assert answer["In-Reply-To"] == "<s1@x>" and answer["Subject"] == "Re: Hi"
+        assert answer["In-Reply-To"] == "<s1@x>" and answer["Subject"] == PAIRING_SUBJECT
         assert answer["Auto-Submitted"] == "auto-replied"
         [question] = to("me@example.com")
         body = question.get_content()
-        assert f"Eve Stranger <{SOMEONE}> wants to talk to your butlers by email" in body
+        assert f'{SOMEONE} (calls themselves "Eve Stranger") wants to talk to your' in body
         assert f"run `butlers pairing approve {code}`" in body
         assert re.search(r"valid until \d{4}-\d\d-\d\d \d\d:\d\d JST\)", body), body
         # A second mail within the hour: nothing (the allowed sender's mail is the sentinel).
@@ -647,4 +674,89 @@ async def test_over_imap_a_stranger_gets_a_code_but_bounces_and_auto_replies_non
     assert CODE_SENT.search(code_mail.get_content()) and code_mail["In-Reply-To"] == "<s1@x>"
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(external_id) FROM inbox") == ["<last@x>"]
+    assert await conn.fetchval("SELECT array_agg(sender) FROM pairing_requests") == [SOMEONE]
+
+
+async def test_a_group_chat_gets_no_code_and_is_logged_at_most_once_an_hour(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Pairing a group would let in every member (and every later one) while the owner is
+    shown one member's name: a group that writes gets no code, no answer, and the owner no
+    question; it is logged, once however often it writes. The member, in their private chat,
+    gets a code."""
+    switchboard = await pairing_fleet(start_butler, tmp_path, bot_api, scripted_api)
+    group = -1001234567
+
+    def in_group(text: str) -> dict[str, Any]:
+        update = bot_api.text_update(group, text)
+        update["message"]["chat"] = {"id": group, "type": "supergroup", "title": "Family"}
+        update["message"]["from"] = {"id": STRANGER, "is_bot": False, "first_name": "Ada"}
+        return update
+
+    with log_records("butlers.modules.telegram") as records:
+        await bot_api.push_batch(in_group("hi all"), in_group("anyone?"))
+        await settled(bot_api)
+    assert texts_to(bot_api, group) == [] and texts_to(bot_api, OWNER) == []
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM pairing_requests") == 0
+    assert await routed_from(db_conn, switchboard, str(group)) == 0
+    logged = [r for r in records if getattr(r, "action", "") == "pairing_group_refused"]
+    assert len(logged) == 1, [r.getMessage() for r in records]
+    assert f"supergroup chat {group} is not allowed and gets no pairing code" in (
+        logged[0].getMessage()
+    )
+    await bot_api.push_text(STRANGER, "hi, it's me")
+    await code_sent_to(bot_api, STRANGER)
+    assert await conn.fetchval("SELECT sender FROM pairing_requests") == str(STRANGER)
+
+
+def test_the_owner_reads_the_sender_first_and_the_name_quoted() -> None:
+    """A name chosen to look like a sender ("Mom <mom@...>", "Anna (@anna)") is shown after
+    the real one, in quotes it cannot close; the sender is cleaned like a name (a row from
+    before senders were checked, or from another path, cannot carry a direction override or a
+    line break to the owner)."""
+    mail = {"channel": "email", "sender": "x@evil.example\u202e\nCc", "name": 'Mom "<m@f.example>"'}
+    assert describe_sender(mail) == "x@evil.example Cc (calls themselves \"Mom '<m@f.example>'\")"
+    chat = {"channel": "telegram", "sender": "4242", "name": "Anna (@anna)"}
+    assert describe_sender(chat) == 'Telegram chat 4242 (calls themselves "Anna (@anna)")'
+    assert describe_sender({**chat, "name": ""}) == "Telegram chat 4242"
+
+
+async def test_a_strangers_mail_is_not_reflected_and_a_spoofed_sender_gets_no_code(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The code's mail has our subject, not the stranger's (a forged From would have us mail
+    their words to a third party); the owner's mail names the address first and the display
+    name, which mimics an address, quoted; a From whose address carries a direction override
+    (which the address parser accepts) gets no code and the owner no question."""
+    owner = OwnerConfig(email="me@example.com", prefer="email")
+    spam = "Cheap pills at http://spam.example"
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        switchboard = await mail_pairing_fleet(
+            start_butler, tmp_path, scripted_api, smtp, monkeypatch, owner
+        )
+        for sender, message_id in (
+            ("x@evil.example\u202e", "<r1@x>"),
+            (f'"Mom <mom@family.example>" <{SOMEONE}>', "<m1@x>"),
+        ):
+            payload = {"from": sender, "subject": spam, "text": spam, "message_id": message_id}
+            assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+        await eventually(lambda: _mails(smtp, 2))
+    assert sorted(m["To"] for m in smtp.messages) == ["me@example.com", SOMEONE]
+    [answer] = [m for m in smtp.messages if m["To"] == SOMEONE]
+    assert answer["Subject"] == PAIRING_SUBJECT and answer["In-Reply-To"] == "<m1@x>"
+    assert "pills" not in answer.as_string() and CODE_SENT.search(answer.get_content())
+    [question] = [m for m in smtp.messages if m["To"] == "me@example.com"]
+    assert question.get_content().startswith(
+        f'{SOMEONE} (calls themselves "Mom <mom@family.example>") wants to talk to your butlers'
+    )
+    conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(sender) FROM pairing_requests") == [SOMEONE]

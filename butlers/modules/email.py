@@ -70,6 +70,10 @@ MAX_CONVERSATION_ID_CHARS = 256  # a thread root longer than this is keyed by it
 # A Message-ID is our idempotency key, in a unique index: PostgreSQL's btree refuses entries
 # past ~2.7 kB, so a longer one (a broken or hostile mailer) is replaced by a digest.
 MAX_MESSAGE_ID_BYTES = 512
+# The subject of a pairing code's mail: fixed, never the stranger's own Subject (a forged From
+# would otherwise have us relay their words to a third party). "Re:" as it answers in the
+# thread (reply_subject keeps it as it is).
+PAIRING_SUBJECT = "Re: your message to a private butler: approval needed"
 
 
 class EmailModule:
@@ -221,7 +225,8 @@ class EmailModule:
         """Mail from a sender nobody allowed, with pairing on: a code once
         (butlers.switchboard.pairing); the mail itself is not stored. Answering a forged From
         is backscatter: with `require_authentication_results` only a sender our MTA vouches
-        for is answered; without it, an address at most once an hour and within the cap."""
+        for is answered; without it, an address at most once an hour and within the cap, and
+        what the code's mail says is ours alone (PAIRING_SUBJECT, not their Subject)."""
         from butlers.switchboard.pairing import Stranger
 
         assert self.pairing is not None
@@ -233,7 +238,7 @@ class EmailModule:
             external_id=mail.message_id,
             source_id=mail.sender,
             sender_name=None,
-            subject=mail.subject,
+            subject=PAIRING_SUBJECT,
             text="",
             meta={"message_id": mail.message_id, "references": mail.references},
             attempts=0,

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,10 @@ WEBHOOK_PATH = "/telegram/webhook"
 TYPING_EVERY_S = 4.5
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
 TEXT_ONLY = "I can only read text messages for now: please write it out."
+# A group that writes with pairing on gets no code (one approval would let in every member,
+# present and future, while the owner sees one name); it is logged at most this often.
+GROUP_LOGGED_EVERY_S = 3600.0
+MAX_GROUPS_REMEMBERED = 10_000  # past it, the groups logged over an hour ago are forgotten
 # What Telegram accepts as a webhook's secret_token (Bot API, setWebhook).
 WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]{1,256}")
 # Telegram's descriptions of a token it refuses (python-telegram-bot raises InvalidToken for
@@ -142,6 +147,8 @@ class TelegramModule:
         self._poll_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._refused: set[str] = set()
+        # Group chats refused a pairing code: chat id -> when it was last logged (monotonic).
+        self._groups_logged: dict[str, float] = {}
 
     # -- tools and routes -------------------------------------------------------------------
 
@@ -315,11 +322,15 @@ class TelegramModule:
         return self.pairing is not None and await self.pairing.is_paired(self.name, chat_id)
 
     async def _stranger(self, message: Message, chat_id: str) -> None:
-        """A chat nobody allowed: with pairing, a code once (butlers.switchboard.pairing);
-        without, one polite refusal per chat and process. Nothing of theirs is stored."""
+        """A chat nobody allowed: with pairing, a private chat gets a code once
+        (butlers.switchboard.pairing) and a group nothing; without pairing, one polite refusal
+        per chat and process. Nothing of theirs is stored."""
         if self.pairing is not None and self.pairing.enabled:
             from butlers.switchboard.pairing import Stranger
 
+            if message.chat.type != "private":
+                self._group_refused(chat_id, message.chat.type)
+                return
             await self.pairing.stranger(
                 Stranger(
                     self.name,
@@ -334,9 +345,33 @@ class TelegramModule:
             self._refused.add(chat_id)
             await self._best_effort(chat_id, REFUSAL)
 
+    def _group_refused(self, chat_id: str, chat_type: str) -> None:
+        """A group (or supergroup) chat wrote with pairing on: pairing it would let in every
+        member while the owner is shown one member's name, so it gets no code and no answer.
+        Logged at most once an hour per chat (a busy group must not flood the log)."""
+        now = time.monotonic()
+        last = self._groups_logged.get(chat_id)
+        if last is not None and now - last < GROUP_LOGGED_EVERY_S:
+            return
+        if len(self._groups_logged) >= MAX_GROUPS_REMEMBERED:
+            self._groups_logged = {
+                chat: at
+                for chat, at in self._groups_logged.items()
+                if now - at < GROUP_LOGGED_EVERY_S
+            }
+        self._groups_logged[chat_id] = now
+        logger.warning(
+            "telegram: %s chat %s is not allowed and gets no pairing code (only a private "
+            "chat can be paired; add a group to allowed_chat_ids to let it in); said at most "
+            "once an hour",
+            chat_type,
+            chat_id,
+            extra={"action": "pairing_group_refused"},
+        )
+
     async def _press(self, query: CallbackQuery) -> None:
         """A press of an approval's or a pairing's button: decided by the switchboard's
-        approvals or pairing (only the owner's chat, only data we signed, once), always
+        approvals or pairing (only the owner, in their chat; only data we signed; once), always
         answered, and the request message shows the decision."""
         from butlers.switchboard.pairing import is_pairing_button
 
@@ -347,7 +382,8 @@ class TelegramModule:
         if desk is None:
             answer, line = "Nothing to decide here.", None
         else:
-            decided = await desk.press(chat_id, data, by=f"telegram:{query.from_user.id}")
+            presser = str(query.from_user.id)
+            decided = await desk.press(chat_id, presser, data, by=f"telegram:{presser}")
             answer, line = decided.answer, decided.decision_line
         await self.bot.answer_callback_query(query.id, text=answer)
         text = getattr(message, "text", None)

@@ -16,10 +16,10 @@ once whoever asks, and a butler runs only what the owner approved, whatever a ca
 to the conversation the request came from (else to the owner); a denial and an expiry are
 told there too.
 
-Buttons are trusted only when they are the owner's: a press counts only from the owner's
-chat, with callback data signed by HMAC-SHA256 under a secret kept in this database
-(`approval_keys`) and bound to the approval's id and the decision; anything else changes
-nothing and is answered as such.
+Buttons are trusted only when they are the owner's: a press counts only in the owner's chat
+and by the owner (`owner_pressed`: a group's members share its chat), with callback data
+signed by HMAC-SHA256 under a secret kept in this database (`approval_keys`) and bound to the
+approval's id and the decision; anything else changes nothing and is answered as such.
 
 The leader sweeps every `check_interval_s`: overdue pending rows become `expired`, and
 approved calls nobody took (their butler was down when the owner pressed) are run again.
@@ -273,6 +273,15 @@ class ApprovalStore:
         return [dict(r) for r in rows]
 
 
+def owner_pressed(owner: OwnerConfig, chat_id: str, user_id: str) -> bool:
+    """Whether a button press is the owner's: in the owner's chat and by the owner. A
+    private chat's id is its person's user id, so both must be `telegram_chat_id`. Checking
+    the chat alone would let every member of a group decide, were the owner's chat a group;
+    with this, the buttons of a group count for nobody (the CLI still decides)."""
+    owner_chat = owner.telegram_chat_id
+    return bool(owner_chat) and chat_id == owner_chat and user_id == owner_chat
+
+
 @dataclass(frozen=True)
 class PressAnswer:
     """What a button press is answered with (answerCallbackQuery), and the line added to the
@@ -430,13 +439,14 @@ class ApprovalDesk:
             row = await self.store.get(approval_id) or row
         return self._public(row, changed=True)
 
-    async def press(self, chat_id: str, data: str, *, by: str) -> PressAnswer:
-        """A Telegram button press: counted only from the owner's chat with data we signed."""
-        owner_chat = self.owner.telegram_chat_id
-        if not owner_chat or chat_id != owner_chat:
+    async def press(self, chat_id: str, user_id: str, data: str, *, by: str) -> PressAnswer:
+        """A Telegram button press (in chat `chat_id`, by user `user_id`): counted only when
+        the owner pressed it in their chat (`owner_pressed`), with data we signed."""
+        if not owner_pressed(self.owner, chat_id, user_id):
             logger.warning(
-                "approval button pressed in chat %s, not the owner's: ignored",
+                "approval button pressed in chat %s by user %s, not the owner: ignored",
                 chat_id,
+                user_id,
                 extra={"action": "approval_press_refused"},
             )
             return PressAnswer("Only the owner can decide this.", None)

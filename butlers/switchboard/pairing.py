@@ -17,15 +17,23 @@ A flood of strangers (senders and their names are theirs to choose) is bounded:
   `code_ttl_minutes`, or the owner decides it); rows that can no longer matter are deleted as
   new ones come, so the table stays small;
 - so the bot sends at most one message per stranger an hour, and the owner at most the cap of
-  questions in flight per channel.
+  questions in flight per channel, and, while strangers find it full, one message an hour
+  saying so (a flood that keeps the cap full is not silent).
+
+Only a private Telegram chat gets a code: pairing a group would let in every member (and every
+later one) while the owner is shown one member's name. A sender is shown to the owner first,
+cleaned, and their self-chosen name after it, quoted ('calls themselves "..."'), so that a
+name cannot pass for an address or chat id; a sender that cleaning would change (control,
+invisible or direction characters) gets no code at all.
 
 Codes come from `secrets` (8 characters of an alphabet without look-alikes: ~40 bits), are
 looked up by their SHA-256 (no comparison of the code itself to leak timing), expire, and are
 taken once (a conditional UPDATE). Wrong codes are limited across all switchboard processes:
 after MAX_WRONG_CODES_PER_HOUR in an hour every code is refused until the oldest is an hour
 old. Telegram buttons are HMAC-signed like the approvals' (the same key, another purpose
-string) and count only from the owner's chat. The operator's tools refuse classification
-sessions and every butler session (a stranger's text must not approve itself).
+string) and count only when the owner presses them in their own chat (`owner_pressed`). The
+operator's tools refuse classification sessions and every butler session (a stranger's text
+must not approve itself).
 
 Whether a sender is paired is asked of the database for each message from a sender the TOML
 does not allow (one primary-key lookup, no cache): a decision on one switchboard process holds
@@ -50,11 +58,12 @@ import asyncpg
 from fastmcp import FastMCP
 
 from butlers.config import OwnerConfig, PairingConfig
-from butlers.core_store import storable
+from butlers.core_store import CoreStore, storable
 from butlers.switchboard.approvals import (
     MAC_BYTES,
     PressAnswer,
     _refuse_sessions_and_classifiers,
+    owner_pressed,
 )
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
@@ -158,11 +167,14 @@ class Stranger:
 
 
 def describe_sender(row: dict[str, Any]) -> str:
-    """Who a pairing row is about, in a few words: the cleaned name and the sender."""
-    name = row.get("name") or ""
-    if row["channel"] == "email":
-        return f"{name} <{row['sender']}>" if name else row["sender"]
-    return f"{name} (Telegram chat {row['sender']})" if name else f"Telegram chat {row['sender']}"
+    """Who a pairing row is about, as the owner reads it: first the sender (the address or
+    chat id), then what they call themselves, quoted. A name is the stranger's to choose and
+    could otherwise pass for a sender ("Mom <mom@family.example>", "Anna (@anna)"); both are
+    cleaned (`clean_name`), so neither brings line breaks or direction overrides."""
+    sender = clean_name(row["sender"], SENDER_CHARS)
+    who = sender if row["channel"] == "email" else f"Telegram chat {sender}"
+    name = clean_name(row.get("name")).replace('"', "'")  # it cannot close its own quotes
+    return f'{who} (calls themselves "{name}")' if name else who
 
 
 class PairingStore:
@@ -170,6 +182,8 @@ class PairingStore:
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
+        # "Told the owner this hour" (the core table limit_notices, in this database too).
+        self.notices = CoreStore(pool)
 
     async def is_paired(self, channel: str, sender: str) -> bool:
         found = await self.pool.fetchval(
@@ -387,7 +401,18 @@ class PairingDesk:
         if not self.enabled:
             return False
         sender = storable(stranger.sender[:SENDER_CHARS]) or ""
+        if not sender or clean_name(sender, SENDER_CHARS) != sender:
+            # Shown cleaned, it would not be the sender the owner approves; stored, it would
+            # reach every place a sender is shown. No address of a person looks like this.
+            logger.warning(
+                "pairing: %s sender %a has control, invisible or direction characters: no code",
+                stranger.channel,
+                sender,
+                extra={"action": "pairing_sender_refused"},
+            )
+            return False
         stranger = Stranger(stranger.channel, sender, clean_name(stranger.name), stranger.reply_to)
+        full = False
         async with self.store.pool.acquire() as conn, conn.transaction():
             await conn.execute(_CHANNEL_LOCK, stranger.channel)
             await self.store.expire(conn, stranger.channel)
@@ -401,7 +426,8 @@ class PairingDesk:
                 )
                 return False
             cap = self.config.max_pending_per_channel
-            if await self.store.pending_count(conn, stranger.channel) >= cap:
+            full = await self.store.pending_count(conn, stranger.channel) >= cap
+            if full:
                 logger.info(
                     "pairing: %d codes pending on %s (max_pending_per_channel): %s gets none",
                     cap,
@@ -409,10 +435,13 @@ class PairingDesk:
                     stranger.sender,
                     extra={"action": "pairing_full"},
                 )
-                return False
-            row = await self.store.create(conn, stranger, self.config.code_ttl_minutes)
-            outgoing = self._code_for(stranger, row) + await self._owner_question(row)
-            await self.outbox.store.add(conn, outgoing, None)
+            else:
+                row = await self.store.create(conn, stranger, self.config.code_ttl_minutes)
+                outgoing = self._code_for(stranger, row) + await self._owner_question(row)
+                await self.outbox.store.add(conn, outgoing, None)
+        if full:
+            await self._tell_owner_full(stranger.channel, cap)
+            return False
         self.outbox.wake()
         logger.info(
             "pairing: a code went to %s %s; the owner decides",
@@ -443,20 +472,61 @@ class PairingDesk:
             for chunk, meta in chunks
         ]
 
-    async def _owner_question(self, row: dict[str, Any]) -> list[Outgoing]:
-        """The owner's question on their preferred channel that runs here (none: they use
-        `butlers pairing`)."""
+    def _owner_channel(self, about: str) -> tuple[str, str] | None:
+        """(channel, recipient): the owner's preferred channel that runs here; None, logged
+        as what they were not told `about`, when none does (they use `butlers pairing`)."""
         reachable = [c for c in self.owner.channels() if c[0] in self.outbox.channels]
         if not reachable:
             logger.warning(
-                "pairing: the owner cannot be told of %s %s (no [switchboard.owner] channel "
-                "runs here); see `butlers pairing`",
-                row["channel"],
-                row["sender"],
+                "pairing: the owner cannot be told of %s (no [switchboard.owner] channel runs "
+                "here); see `butlers pairing`",
+                about,
                 extra={"action": "pairing_owner_not_told"},
             )
+            return None
+        return reachable[0]
+
+    async def _tell_owner_full(self, channel: str, cap: int) -> None:
+        """A stranger got no code because `channel`'s pending codes are at the cap: the owner
+        is told, at most once an hour (across processes: `limit_notices`), instead of a flood
+        passing in silence while it keeps the cap full. Best effort: the cap holds anyway."""
+        try:
+            if not await self.store.notices.claim_notice(f"pairing_full:{channel}", "hour"):
+                return
+            owner = self._owner_channel(f"the full pairing cap on {channel}")
+            if owner is None:
+                return
+            where = "Telegram" if channel == "telegram" else "email"
+            text = (
+                f"More strangers wrote by {where} than pairing takes: {cap} codes are pending "
+                f"(max_pending_per_channel), so newcomers get no code and you no question, "
+                f"until you approve or deny the pending ones (`butlers pairing`) or they "
+                "expire. You are told this at most once an hour."
+            )
+            chunks = self.outbox.channels[owner[0]].prepare(text, reply_to=None, butler=None)
+            outgoing = [
+                Outgoing(kind="pairing", channel=owner[0], recipient=owner[1], text=t, meta=m)
+                for t, m in chunks
+            ]
+            async with self.store.pool.acquire() as conn:
+                await self.outbox.store.add(conn, outgoing, None)
+        except Exception as exc:
+            logger.warning(
+                "pairing: the owner could not be told that %s is full: %s",
+                channel,
+                exc,
+                extra={"action": "pairing_owner_not_told"},
+            )
+            return
+        self.outbox.wake()
+
+    async def _owner_question(self, row: dict[str, Any]) -> list[Outgoing]:
+        """The owner's question on their preferred channel that runs here (none: they use
+        `butlers pairing`)."""
+        owner = self._owner_channel(f"{row['channel']} {row['sender']}")
+        if owner is None:
             return []
-        channel, recipient = reachable[0]
+        channel, recipient = owner
         code = row["code"]
         # In the owner's own time zone ([switchboard.owner] timezone, checked when read).
         expires = row["expires_at"].astimezone(ZoneInfo(self.owner.timezone))
@@ -528,13 +598,14 @@ class PairingDesk:
             raise ToolRefusal(refusal or "not decided", log_level=logging.WARNING)
         return await self._after(row, f"{status.capitalize()} ({by}).")
 
-    async def press(self, chat_id: str, data: str, *, by: str) -> PressAnswer:
-        """A Telegram button press: counted only from the owner's chat with data we signed."""
-        owner_chat = self.owner.telegram_chat_id
-        if not owner_chat or chat_id != owner_chat:
+    async def press(self, chat_id: str, user_id: str, data: str, *, by: str) -> PressAnswer:
+        """A Telegram button press (in chat `chat_id`, by user `user_id`): counted only when
+        the owner pressed it in their chat (`owner_pressed`), with data we signed."""
+        if not owner_pressed(self.owner, chat_id, user_id):
             logger.warning(
-                "pairing button pressed in chat %s, not the owner's: ignored",
+                "pairing button pressed in chat %s by user %s, not the owner: ignored",
                 chat_id,
+                user_id,
                 extra={"action": "pairing_press_refused"},
             )
             return PressAnswer("Only the owner can decide this.", None)
