@@ -252,6 +252,29 @@ async def test_empty_allowlists_warn_unless_pairing_is_on(tmp_path: Path) -> Non
     assert checks["telegram-allowlist"].status == checks["email-allowlist"].status == "ok"
 
 
+async def test_pairing_by_mail_without_dmarc_fails_and_a_group_as_the_owner_warns(
+    tmp_path: Path,
+) -> None:
+    """With pairing on, every unknown From is answered with a code: without
+    require_authentication_results, forged Froms make the butler mail strangers
+    (backscatter), a fail. An owner's chat that is a group: its buttons count for nobody."""
+    email = 'imap_host = "127.0.0.1"\nsmtp_host = "127.0.0.1"'
+    switchboard = (
+        '[switchboard.pairing]\nenabled = true\n[switchboard.owner]\ntelegram_chat_id = "-1001234"'
+    )
+    config = fleet_dir(tmp_path, telegram="", email=email, switchboard=switchboard)
+    checks = await doctor(config, base_env(tmp_path))
+    dmarc = checks["mail-authentication-results"]
+    assert dmarc.status == "fail", dmarc
+    assert "[switchboard.pairing] is enabled but require_authentication_results is unset" in (
+        dmarc.detail
+    )
+    assert "backscatter" in dmarc.detail and "authserv-id" in dmarc.detail
+    owner = checks["owner"]
+    assert owner.status == "warn" and "'-1001234' is not a private chat" in owner.detail
+    assert "set it to your own chat id" in owner.detail
+
+
 async def test_mail_without_tls_beyond_loopback_fails(tmp_path: Path) -> None:
     email = (
         'imap_host = "mail.example.com"\nimap_ssl = false\nsmtp_host = "127.0.0.1"\n'
@@ -451,11 +474,13 @@ async def test_the_messages_api_taking_the_key_passes(tmp_path: Path, scripted_a
 async def test_a_server_that_never_answers_does_not_hang_doctor(tmp_path: Path) -> None:
     """A Messages API that accepts and never answers: that check fails at the timeout, and
     the others (run at the same time) are all there."""
-    hung = asyncio.Event()
+    hung, done, closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hung.set()
-        await asyncio.Event().wait()
+        await done.wait()  # no answer until the test ends; then the socket is closed, not
+        writer.close()  # left to the garbage collector (a ResourceWarning in a later test)
+        closed.set()
 
     server = await asyncio.start_server(never, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -465,7 +490,10 @@ async def test_a_server_that_never_answers_does_not_hang_doctor(tmp_path: Path) 
         )
         checks = await doctor(fleet_dir(tmp_path), env, online=True, timeout_s=1)
     finally:
+        done.set()
         server.close()
+        if hung.is_set():
+            await closed.wait()
     assert hung.is_set()
     assert (
         checks["anthropic"].status == "fail"

@@ -180,6 +180,20 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     """`notify` (reminders) and approval requests go to the owner when no conversation is
     active: with no owner they reach nobody."""
     assert switchboard.switchboard is not None
+    chat = switchboard.switchboard.owner.telegram_chat_id
+    if chat and not chat.isdigit():
+        # A group's id is negative, a channel's a @name: only a private chat's id is its
+        # person's, and a button counts only when that person presses it in that chat.
+        return [
+            warn(
+                "owner",
+                f"[switchboard.owner] telegram_chat_id {chat!r} is not a private chat: the "
+                "Approve / Deny buttons of approvals and pairing count only when the owner "
+                "presses them in their own chat with the bot, so there they count for nobody "
+                "(and every member reads the questions); set it to your own chat id in "
+                f"{_file(switchboard)}",
+            )
+        ]
     if switchboard.switchboard.owner.channels():
         where = ", ".join(c for c, _ in switchboard.switchboard.owner.channels())
         return [ok("owner", f"[switchboard.owner] reachable by {where}")]
@@ -251,6 +265,21 @@ def mail(switchboard: ButlerConfig) -> list[Check]:
             ok(
                 "mail-authentication-results",
                 f"only mail with dmarc=pass from {email.require_authentication_results!r} counts",
+            )
+        )
+    elif switchboard.switchboard is not None and switchboard.switchboard.pairing.enabled:
+        # A code answers whatever From a mail claims: without DMARC, a spammer forging
+        # thousands of Froms has the butler mail each of them (backscatter), from its address.
+        found.append(
+            fail(
+                "mail-authentication-results",
+                "[switchboard.pairing] is enabled but require_authentication_results is unset: "
+                "every mail from an unknown sender is answered with a code, so mail with a "
+                "forged From makes the butler send mail to people who never wrote "
+                "(backscatter; your address ends up on blocklists), and a forged From of an "
+                "allowed address gets in; set require_authentication_results under "
+                f"[modules.email] in {_file(switchboard)} to your mail server's authserv-id "
+                "(docs/security.md), or set enabled = false under [switchboard.pairing]",
             )
         )
     else:
