@@ -384,7 +384,8 @@ async def test_a_flood_of_strangers_is_bounded(
 ) -> None:
     """1,000 unknown chats write (twice each): the first `max_pending_per_channel` get one
     code each, the rest nothing; the table holds the cap; a pending code is not evicted by
-    the newcomers; the owner gets the cap of questions."""
+    the newcomers; the owner gets the cap of questions, and is told once an hour (not once a
+    stranger) that the cap turns strangers away."""
     cap = 5
     switchboard = await pairing_fleet(
         start_butler, tmp_path, bot_api, scripted_api, max_pending_per_channel=cap
