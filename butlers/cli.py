@@ -489,8 +489,12 @@ def _when(value: str | None) -> str:
 
 
 def _cut(text: str | None, limit: int = TABLE_TEXT_CHARS) -> str:
-    text = text or ""
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+    """A cell of a table: other people's text (a memory, a prompt, a sender's name), so no
+    control characters (a terminal escape would rewrite the operator's screen), one line,
+    cut."""
+    from butlers.text import printable
+
+    return printable(text, limit)
 
 
 def _none_found(what: str, status: str | None) -> str:
@@ -815,12 +819,13 @@ def _in_zone(value: str | None, zone: str | None) -> str:
     """A UTC timestamp shown on the butler's own wall clock (its time zone)."""
     if not value:
         return "-"
-    moment = datetime.fromisoformat(value)
-    if zone:
-        from zoneinfo import ZoneInfo
+    from zoneinfo import ZoneInfo
 
-        moment = moment.astimezone(ZoneInfo(zone))
-    return moment.strftime("%Y-%m-%d %H:%M %Z")
+    try:
+        moment = datetime.fromisoformat(value)
+        return moment.astimezone(ZoneInfo(zone) if zone else None).strftime("%Y-%m-%d %H:%M %Z")
+    except (ValueError, OverflowError, KeyError):  # a row written by hand or an older version
+        return _cut(value)
 
 
 def _print_schedules(rows: list[dict[str, Any]]) -> None:

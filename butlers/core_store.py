@@ -93,10 +93,13 @@ class CoreStore:
         *,
         max_schedules: int,
         routed: bool = False,
-    ) -> dict[str, Any] | Literal["full"] | None:
+        conversation: str | None = None,
+        max_routed: int = 0,
+    ) -> dict[str, Any] | Literal["full", "routed_full"] | None:
         """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
         `cron` None: it runs once, at `next_run_at`, and is then deleted. `routed`: created by
-        a session of a routed message (its runs are restricted alike).
+        a session of a routed message (its runs are restricted alike, and answer in its
+        `conversation`); "routed_full" when that conversation has `max_routed` already.
 
         The count and the insert are one transaction under a lock on the table, so two
         concurrent creations cannot both pass the cap.
@@ -105,11 +108,21 @@ class CoreStore:
             await conn.execute("LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE")
             if await conn.fetchval("SELECT count(*) FROM scheduled_tasks") >= max_schedules:
                 return "full"
+            if routed and max_routed:
+                planted = await conn.fetchval(
+                    "SELECT count(*) FROM scheduled_tasks WHERE routed "
+                    "AND conversation IS NOT DISTINCT FROM $1",
+                    conversation,
+                )
+                if planted >= max_routed:
+                    return "routed_full"
             return _row(
                 await conn.fetchrow(
                     f"""
-                    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once)
-                    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL) ON CONFLICT (name) DO NOTHING
+                    INSERT INTO scheduled_tasks
+                        (name, cron, prompt, next_run_at, routed, once, conversation)
+                    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6)
+                    ON CONFLICT (name) DO NOTHING
                     RETURNING {SCHEDULE_COLUMNS}
                     """,
                     name,
@@ -117,6 +130,7 @@ class CoreStore:
                     prompt,
                     next_run_at,
                     routed,
+                    conversation,
                 )
             )
 
@@ -126,9 +140,25 @@ class CoreStore:
         )
         return [dict(r) for r in rows]
 
-    async def schedule_delete(self, name: str) -> bool:
-        result = await self.pool.execute("DELETE FROM scheduled_tasks WHERE name = $1", name)
+    async def schedule_delete(self, name: str, *, routed_only: bool = False) -> bool:
+        """`routed_only`: only one a routed message's session planted (not declared)."""
+        result = await self.pool.execute(
+            "DELETE FROM scheduled_tasks WHERE name = $1 AND (NOT $2 OR (routed AND NOT declared))",
+            name,
+            routed_only,
+        )
         return result == "DELETE 1"
+
+    async def schedule_once_again(self, task_id: uuid.UUID, at: datetime, counted: bool) -> None:
+        """A one-time reminder due again at `at` (its run failed, or was skipped: then not
+        `counted` as an attempt)."""
+        await self.pool.execute(
+            "UPDATE scheduled_tasks SET next_run_at = $2, "
+            "attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END WHERE id = $1 AND once",
+            task_id,
+            at,
+            counted,
+        )
 
     async def schedule_ran_once(self, task_id: uuid.UUID) -> None:
         """A one-shot schedule is gone once its run finished (claimed, it is not due again)."""
@@ -194,14 +224,16 @@ class CoreStore:
         next_runs: Callable[[str, datetime], datetime],
         last_due: Callable[[str, datetime], datetime | None],
         catch_up: timedelta,
+        once_lease: timedelta = timedelta(minutes=10),
     ) -> list[dict[str, Any]]:
         """Take the tasks due at `now` and move each one forward, atomically.
 
         A recurring task runs once however many of its runs were missed, and only if its
         latest due run (`last_due`) is within `catch_up` (`[runtime] catch_up_hours`: the
         butler was down); an older one moves on to its next run, logged. A one-shot task
-        always runs, late if need be (`due_at` says when it was due), and is no longer due
-        (the caller deletes it once it ran).
+        always runs, late if need be (`due_at` says when it was due): claimed for `once_lease`
+        (due again after it, should this process die in its run; the caller deletes it once
+        it ran, or sets it due again), its `attempts` counted.
 
         Claiming and advancing in one transaction (FOR UPDATE SKIP LOCKED) means two
         concurrent ticks never run a task twice. A row whose cron cannot be read (written by
@@ -211,7 +243,8 @@ class CoreStore:
         due = []
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                """SELECT id, name, cron, prompt, routed, once, next_run_at AS due_at
+                """SELECT id, name, cron, prompt, routed, once, conversation, attempts,
+                          next_run_at AS due_at
                    FROM scheduled_tasks
                    WHERE enabled AND next_run_at <= $1
                    ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED""",
@@ -220,12 +253,13 @@ class CoreStore:
             for row in rows:
                 if row["once"]:
                     await conn.execute(
-                        "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = NULL "
-                        "WHERE id = $1",
+                        "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3, "
+                        "attempts = attempts + 1 WHERE id = $1",
                         row["id"],
                         now,
+                        now + once_lease,
                     )
-                    due.append(dict(row))
+                    due.append({**row, "attempts": row["attempts"] + 1})
                     continue
                 try:
                     following = next_runs(row["cron"], now)

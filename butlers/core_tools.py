@@ -26,6 +26,7 @@ from butlers.errors import NotifyFailed
 from butlers.mcp_middleware import request_conversation
 from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,16 @@ GAP_WINDOW = timedelta(days=400)
 MIN_INTERVAL_KEY = "min_schedule_interval_s"
 # A one-time reminder run this long after it was due is told it runs late.
 LATE_AFTER = timedelta(minutes=2)
+# One-time reminders are not lost: a failed run is tried again (this many runs in all, this
+# far apart), one skipped by the hourly cap an hour later, one whose process died in its run
+# once its claim lapses (the session's timeout plus this margin).
+ONCE_ATTEMPTS = 3
+ONCE_RETRY_FAILED = timedelta(minutes=15)
+ONCE_RETRY_SKIPPED = timedelta(hours=1)
+ONCE_LEASE_MARGIN = timedelta(minutes=2)
+# Schedules a person's messages may plant, per person's conversation (each runs a session).
+MAX_ROUTED_SCHEDULES = 10
+MAX_SCHEDULE_NAME_CHARS = 100
 RUNS_PER_HOUR_KEY = "max_scheduled_runs_per_hour"
 
 
@@ -130,6 +141,9 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
         lambda cron, after: schedule_time.next_run(cron, after, zone),
         lambda cron, at: schedule_time.last_due(cron, at, zone),
         catch_up_window(ctx.config.runtime),
+        # A one-time reminder's claim lasts this long: past it (the process died in its run)
+        # it is due again, not lost.
+        once_lease=timedelta(seconds=ctx.config.runtime.timeout_s) + ONCE_LEASE_MARGIN,
     )
     cap = ctx.config.runtime.max_scheduled_runs_per_hour
     ran_in_hour = await ctx.store.scheduled_runs_since(1) if cap and due else 0
@@ -145,6 +159,8 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
                 extra={"action": "schedule_skipped"},
             )
             skipped.append({"name": task["name"], "reason": f"over {RUNS_PER_HOUR_KEY}"})
+            if task["once"]:  # not lost: due again in an hour, this try not counted
+                await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
             continue
         ran_in_hour += 1
         outcome = await ctx.spawner.run(
@@ -152,9 +168,11 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             target=ctx.self_target(),
             trigger_source=f"schedule:{task['name']}",
             routed=task["routed"],  # planted by a routed message's session: restricted alike
+            # ... and its notify answers the person who asked, not the owner.
+            conversation=task["conversation"],
         )
         if task["once"]:
-            await ctx.store.schedule_ran_once(task["id"])
+            await _once_finished(ctx, task, outcome.success, outcome.error)
         ran.append(
             {
                 "name": task["name"],
@@ -164,15 +182,46 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             }
         )
     if skipped and ctx.spawner.notices is not None:
+        names = ", ".join(printable(s["name"])[:40] for s in skipped[:5])
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         await ctx.spawner.notices.tell_once(
             RUNS_PER_HOUR_KEY,
             "hour",
-            f"{ctx.config.name} skipped scheduled runs ({', '.join(s['name'] for s in skipped)}"
+            f"{ctx.config.name} skipped scheduled runs ({names}{more}"
             f"): {cap} ran in the last hour, its limit ([runtime] {RUNS_PER_HOUR_KEY} in its "
             "butler.toml). Further runs this hour are skipped without another message; "
             "check its schedules (schedule_list).",
         )
     return {"ran": ran, "skipped": skipped}
+
+
+async def _once_finished(
+    ctx: ButlerContext, task: dict[str, Any], success: bool, error: str | None
+) -> None:
+    """A one-time reminder that ran is gone; one whose session failed (Claude Code could
+    not run, the spend cap) is tried again a little later, ONCE_ATTEMPTS times in all, then
+    given up, logged."""
+    if success:
+        await ctx.store.schedule_ran_once(task["id"])
+    elif task["attempts"] < ONCE_ATTEMPTS:
+        retry_at = datetime.now(UTC) + ONCE_RETRY_FAILED
+        await ctx.store.schedule_once_again(task["id"], retry_at, True)
+        logger.warning(
+            "one-time schedule %r failed (%s); tried again at %s",
+            task["name"],
+            error,
+            retry_at.isoformat(timespec="minutes"),
+            extra={"action": "schedule_retry"},
+        )
+    else:
+        await ctx.store.schedule_ran_once(task["id"])
+        logger.error(
+            "one-time schedule %r failed %d times (%s); given up",
+            task["name"],
+            task["attempts"],
+            error,
+            extra={"action": "schedule_given_up"},
+        )
 
 
 def catch_up_window(runtime: RuntimeConfig) -> timedelta:
@@ -200,6 +249,7 @@ def _schedule_row(row: dict[str, Any], zone: str) -> dict[str, Any]:
     """A schedule as `schedule_list` shows it: times in UTC with their offset, and where it
     came from (`config`: [[schedules]] in butler.toml; `tool`: schedule_create)."""
     shown = dict(row)
+    shown.pop("conversation", None)  # someone's chat or address: not for every session
     shown["id"] = str(shown["id"])
     shown["origin"] = "config" if row["declared"] else "tool"
     shown["timezone"] = zone
@@ -269,6 +319,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         time) for a one-time reminder, deleted once it ran. Exactly one of the two."""
         if not name.strip():
             raise ToolRefusal("schedule name must not be empty")
+        if len(name) > MAX_SCHEDULE_NAME_CHARS or printable(name) != name.strip():
+            raise ToolRefusal(
+                f"schedule name must be at most {MAX_SCHEDULE_NAME_CHARS} printable characters"
+            )
         if not prompt.strip():
             raise ToolRefusal("schedule prompt must not be empty")
         size = len(prompt.encode())
@@ -292,18 +346,28 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
                 first_run = schedule_time.parse_at(at, zone, now)
             except schedule_time.BadTime as exc:
                 raise ToolRefusal(str(exc)) from None
+        token = session_token()
+        routed = bool(ctx.spawner.withheld_tools(token))
         task = await store.schedule_create(
             name,
             cron,
             prompt,
             first_run,
             max_schedules=MAX_SCHEDULES,
-            # A session restricted as a routed message's plants a schedule restricted alike.
-            routed=bool(ctx.spawner.withheld_tools(session_token())),
+            # A session restricted as a routed message's plants a schedule restricted alike,
+            # answering in its conversation, and a person may plant only so many.
+            routed=routed,
+            conversation=ctx.spawner.conversation_of(token) if routed else None,
+            max_routed=MAX_ROUTED_SCHEDULES,
         )
         if task == "full":
             raise ToolRefusal(
                 f"this butler already has {MAX_SCHEDULES} schedules, the limit; delete one first"
+            )
+        if task == "routed_full":
+            raise ToolRefusal(
+                f"this conversation already has {MAX_ROUTED_SCHEDULES} schedules, the limit; "
+                "delete one first"
             )
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
@@ -319,8 +383,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @mcp.tool
     async def schedule_delete(name: str) -> dict[str, Any]:
         """Delete the scheduled task called `name`."""
-        if not await store.schedule_delete(name):
-            raise ToolRefusal(f"no schedule named {name!r}")
+        # A person's session may delete only what such sessions planted, never the owner's
+        # or those declared in butler.toml.
+        routed_only = bool(ctx.spawner.withheld_tools(session_token()))
+        if not await store.schedule_delete(name, routed_only=routed_only):
+            raise ToolRefusal(
+                f"no schedule named {name!r}" + (" that you may delete" if routed_only else "")
+            )
         return {"name": name, "deleted": True}
 
     def viewer() -> Viewer:

@@ -22,6 +22,11 @@ from croniter import croniter
 _LOOKBACK = timedelta(hours=3)
 
 
+# A one-time reminder further ahead is refused: nobody means it, and a time near year 9999
+# cannot be shown in a zone east of UTC.
+MAX_AHEAD_YEARS = 10
+
+
 class BadTime(ValueError):
     """An `at` that is not an ISO 8601 date-time, or lies in the past."""
 
@@ -86,18 +91,24 @@ def parse_at(at: str, zone: str, now: datetime) -> datetime:
     time the request took)."""
     try:
         moment = datetime.fromisoformat(at.strip())
+        if moment.tzinfo is None:
+            moment = place(moment, ZoneInfo(zone))
+        else:
+            moment = moment.astimezone(UTC)
     except ValueError:
         raise BadTime(
             f"at {at!r} is not an ISO 8601 date-time such as '2026-12-24T09:00' (local time) "
             "or '2026-12-24T09:00+01:00'"
         ) from None
-    if moment.tzinfo is None:
-        moment = place(moment, ZoneInfo(zone))
-    else:
-        moment = moment.astimezone(UTC)
+    except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
+        raise BadTime(
+            f"at {at!r} is out of range: give a time within {MAX_AHEAD_YEARS} years"
+        ) from None
     if moment < now - timedelta(minutes=1):
         local = now.astimezone(ZoneInfo(zone)).isoformat(timespec="minutes")
         raise BadTime(f"at {at!r} is in the past (it is now {local} in {zone}): give a future time")
+    if moment > now + timedelta(days=366 * MAX_AHEAD_YEARS):
+        raise BadTime(f"at {at!r} is more than {MAX_AHEAD_YEARS} years away")
     return moment
 
 

@@ -69,6 +69,8 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "routed",  # made by a routed message's session (core_0004)
             "once",  # a one-time `at` reminder (core_0006)
             "declared",  # from [[schedules]] in butler.toml (core_0006)
+            "conversation",  # a routed session's reminder answers there (core_0007)
+            "attempts",  # a one-time reminder's runs, tried again when one failed (core_0007)
         }
         assert set(await _columns(conn, "memories")) == {
             "id",
@@ -80,6 +82,8 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "words",
             "created_at",
             "used_at",
+            "person",  # whose it is (core_0007)
+            "from_owner",
         }
         assert set(await _columns(conn, "sessions")) == {
             "id",

@@ -81,3 +81,12 @@ def test_a_session_is_told_the_local_time_and_zone() -> None:
     assert (
         local_now("Europe/Berlin", now) == "Wednesday 2026-07-01 14:05 (Europe/Berlin, UTC+02:00)"
     )
+
+
+@pytest.mark.parametrize(
+    "at", ["9999-12-31T23:59+00:00", "9999-12-31T23:59-12:00", "0001-01-01T00:00+14:00"]
+)
+def test_an_at_out_of_range_is_refused_not_a_crash(at: str) -> None:
+    now = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+    with pytest.raises(BadTime, match="years|past|range"):
+        parse_at(at, "Europe/Berlin", now)

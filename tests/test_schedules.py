@@ -182,3 +182,108 @@ def test_the_dashboard_shows_a_schedule_on_its_butlers_wall_clock() -> None:
     assert _local("2026-11-26T23:00:00+00:00", "Asia/Tokyo") == "2026-11-27 08:00 JST"
     assert _local("2026-11-26T23:00:00+00:00", None) == "2026-11-26 23:00:00 UTC"
     assert _local(None, "Asia/Tokyo") == "-"
+
+
+async def test_a_persons_schedules_answer_them_are_bounded_and_touch_nothing_else(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """A routed session (someone's message) plants reminders: they carry its conversation
+    (their notify answers that person, not the owner), at most MAX_ROUTED_SCHEDULES, and it
+    cannot delete the owner's schedules nor the declared ones."""
+    from butlers.core_tools import MAX_ROUTED_SCHEDULES
+    from tests.fakes.messages_api import tool_use
+
+    daemon = await start_butler(butler_config("alpha", schedules=(TOKYO_BRIEF,)))
+    conn = await db_conn(daemon.config.database)
+    await call(
+        daemon.sse_url, "schedule_create", {"name": "mine", "cron": "0 9 * * 1", "prompt": "Hi."}
+    )
+    at = (datetime.now(UTC) + timedelta(days=1)).isoformat()
+    turns = [
+        [tool_use("mcp__alpha__schedule_create", {"name": f"r{n}", "at": at, "prompt": "Ping."})]
+        for n in range(MAX_ROUTED_SCHEDULES + 1)
+    ]
+    turns += [
+        [tool_use("mcp__alpha__schedule_delete", {"name": "mine"})],
+        [tool_use("mcp__alpha__schedule_delete", {"name": "brief"})],
+        [tool_use("mcp__alpha__schedule_delete", {"name": "r0"})],
+        [text("Done.")],
+    ]
+    scripted_api.script(*turns)
+    ctx = daemon.context
+    assert ctx is not None
+    outcome = await ctx.spawner.run(
+        "Plant reminders and delete the owner's.",
+        target=ctx.self_target(),
+        trigger_source="route:test",
+        conversation="telegram:666",
+        routed=True,
+    )
+    assert outcome.success, outcome.error
+    results = [str(r.get("content")) for r in scripted_api.tool_results()]
+    assert "already has 10 schedules" in results[MAX_ROUTED_SCHEDULES]
+    assert "that you may delete" in results[-3]  # mine
+    assert "that you may delete" in results[-2]  # brief
+    rows = await conn.fetch("SELECT name, routed, conversation FROM scheduled_tasks ORDER BY name")
+    names = {r["name"] for r in rows}
+    assert {"mine", "brief"} <= names and "r0" not in names and len(names) == 2 + 9
+    planted = [r for r in rows if r["name"].startswith("r")]
+    assert all(r["routed"] and r["conversation"] == "telegram:666" for r in planted)
+    listed = await call(daemon.sse_url, "schedule_list", {})
+    assert all("conversation" not in s for s in listed)
+
+
+async def test_a_one_time_reminder_is_not_lost(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn, claude_env
+) -> None:
+    """Skipped by the hourly cap: due again in an hour. Its session failed: tried again
+    (ONCE_ATTEMPTS in all), then given up. Claimed by a process that died: due again once the
+    claim lapses."""
+    from butlers.core_tools import ONCE_ATTEMPTS
+
+    daemon = await start_butler(
+        butler_config(
+            "alpha", runtime=RuntimeConfig(tick_interval_s=0, max_scheduled_runs_per_hour=1)
+        ),
+        # A refused key is retried for minutes by Claude Code unless told not to.
+        session_env={**claude_env, "CLAUDE_CODE_MAX_RETRIES": "0"},
+    )
+    conn = await db_conn(daemon.config.database)
+    at = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+    for name in ("a", "b"):
+        await call(daemon.sse_url, "schedule_create", {"name": name, "at": at, "prompt": name})
+    await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+    scripted_api.script([text("Done a.")])
+    ticked = await call(daemon.sse_url, "tick", {})
+    assert [r["name"] for r in ticked["ran"]] == ["a"] and [
+        s["name"] for s in ticked["skipped"]
+    ] == ["b"]
+    b = await conn.fetchrow(
+        "SELECT next_run_at - now() AS wait, attempts FROM scheduled_tasks WHERE name = 'b'"
+    )
+    assert timedelta(minutes=55) < b["wait"] <= timedelta(hours=1) and b["attempts"] == 0
+    # Its session fails every time (the Messages API refuses): retried, then given up.
+    scripted_api.error = (401, "authentication_error", "invalid x-api-key")
+    for attempt in range(1, ONCE_ATTEMPTS + 1):
+        await conn.execute(
+            "UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute' WHERE name = 'b'"
+        )
+        await conn.execute("DELETE FROM sessions")  # out of the hourly cap's count
+        assert [r["name"] for r in (await call(daemon.sse_url, "tick", {}))["ran"]] == ["b"]
+        left = await conn.fetchrow("SELECT attempts FROM scheduled_tasks WHERE name = 'b'")
+        assert (left is None) == (attempt == ONCE_ATTEMPTS), attempt
+    # A claim whose process died: the row is due again once the lease lapses.
+    await call(daemon.sse_url, "schedule_create", {"name": "c", "at": at, "prompt": "c"})
+    assert daemon.context is not None
+    claimed = await daemon.context.store.claim_due_tasks(
+        datetime.now(UTC) + timedelta(minutes=6),
+        lambda cron, after: after,
+        lambda cron, at: None,
+        timedelta(hours=6),
+        once_lease=timedelta(minutes=7),
+    )
+    assert [c["name"] for c in claimed] == ["c"]
+    row = await conn.fetchrow(
+        "SELECT next_run_at - now() AS wait FROM scheduled_tasks WHERE name = 'c'"
+    )
+    assert timedelta(minutes=12) < row["wait"] <= timedelta(minutes=13, seconds=30)

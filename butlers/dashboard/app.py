@@ -105,8 +105,8 @@ def _local(value: str | None, zone: str | None) -> str:
         return (
             datetime.fromisoformat(value).astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
         )
-    except (ValueError, ZoneInfoNotFoundError):
-        return _when(value)
+    except (ValueError, OverflowError, ZoneInfoNotFoundError):
+        return value
 
 
 def _when(value: datetime | str | None) -> str:

@@ -1,0 +1,26 @@
+"""Text that other people chose, made safe to show on a terminal, in a chat or a log line."""
+
+from __future__ import annotations
+
+import unicodedata
+
+
+def printable(text: str | None, limit: int | None = None) -> str:
+    """`text` with no control or format characters (line breaks, terminal escapes such as
+    ESC and OSC 52, bidirectional overrides, zero-width ones), runs of white space made one,
+    cut to `limit` characters (with "…") when given. A name, a memory or a schedule's prompt
+    printed by the CLI or sent to the owner cannot move the cursor, rewrite the screen or
+    reverse what follows it."""
+    if not text:
+        return ""
+    kept = []
+    for char in text if limit is None else text[: limit * 4]:
+        category = unicodedata.category(char)
+        if category in ("Cc", "Zl", "Zp"):
+            kept.append(" ")
+        elif not category.startswith("C"):  # Cf, Cs, Co, Cn: invisible or not characters
+            kept.append(char)
+    line = " ".join("".join(kept).split())
+    if limit is None or len(line) <= limit:
+        return line
+    return line[: limit - 1].rstrip() + "…"
