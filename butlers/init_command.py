@@ -144,6 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="the butler's own address, From of its replies (default: the user name)",
     )
+    mail.add_argument(
+        "--authserv-id",
+        metavar="ID",
+        help="your receiving server's authserv-id (the first word of its "
+        "Authentication-Results headers): only mail it says passed DMARC counts; needed "
+        "with --pairing (else codes go to forged senders)",
+    )
     parser.add_argument(
         "--timezone",
         metavar="ZONE",
@@ -190,6 +197,7 @@ class Answers:
     mail_username: str = ""
     mail_password_env: str = DEFAULT_MAIL_PASSWORD_ENV
     mail_address: str = ""
+    authserv_id: str = ""
     timezone: str = "UTC"
     pairing: bool = False
     # Secret values typed in answer to a question (variable -> value): written to .env only.
@@ -298,6 +306,7 @@ def answers_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         "mail_username": _flag(args.mail_username, _check_username, "--mail-username"),
         "mail_password_env": _flag(args.mail_password_env, check_env_name, "--mail-password-env"),
         "mail_address": _flag(args.mail_address, check_email, "--mail-address"),
+        "authserv_id": _flag(args.authserv_id, check_host, "--authserv-id"),
         "timezone": _flag(args.timezone, check_timezone, "--timezone"),
         "specialists": args.specialists,
         "pairing": args.pairing,
@@ -324,6 +333,7 @@ EMAIL_FLAGS = (
     "--mail-username",
     "--mail-password-env",
     "--mail-address",
+    "--authserv-id",
 )
 
 
@@ -362,6 +372,14 @@ def complete_mail(answers: Answers) -> None:
                 f"name {answers.mail_username!r} is not one"
             )
         answers.mail_address = answers.mail_username
+    if answers.pairing and not answers.authserv_id:
+        # Every mail from an unknown address would be answered with a code: without a
+        # verified sender, forged Froms make the butler mail people who never wrote.
+        raise CommandError(
+            "pairing by email needs --authserv-id (your receiving server's authserv-id, as "
+            "in its Authentication-Results headers): otherwise codes go to forged senders; "
+            "or pair by Telegram only (--channels telegram)"
+        )
 
 
 # ---- what is written -----------------------------------------------------------------------
@@ -425,8 +443,15 @@ def switchboard_toml(answers: Answers) -> str:
             f"address = {q(answers.mail_address)}",
             'mode = "idle"',
             f'allowed_senders = {senders}    # addresses or "@domain"; empty = nobody',
-            "# To accept only mail your server verified (DMARC pass), name its authserv-id:",
-            '# require_authentication_results = "mx.example.com"',
+            *(
+                [f"require_authentication_results = {q(answers.authserv_id)}"]
+                if answers.authserv_id
+                else [
+                    "# To accept only mail your server verified (DMARC pass), name its "
+                    "authserv-id:",
+                    '# require_authentication_results = "mx.example.com"',
+                ]
+            ),
         ]
     prefer = "email" if answers.owner_email and not answers.owner_chat_id else "telegram"
     lines += [
@@ -852,6 +877,12 @@ async def ask_mail(
         )
         if password:
             answers.typed_secrets[name] = password
+    if args.authserv_id is None:
+        answers.authserv_id = await console.ask(
+            "Your mail server's authserv-id, the first word of its Authentication-Results "
+            "headers (only mail it says passed DMARC counts; Enter: none)",
+            _optional(check_host),
+        )
     if args.mail_address is None:
         default = answers.mail_username if EMAIL.fullmatch(answers.mail_username) else ""
         answers.mail_address = await console.ask(

@@ -128,6 +128,8 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     init = await _init_everything(
         target,
         "--pairing",
+        "--authserv-id",
+        "mx.example.com",
         "--bot-token-env",
         "MY_BOT_TOKEN",
         "--imap-port",
@@ -156,6 +158,7 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
         "Europe/Berlin",
     )
     assert switchboard.switchboard.pairing.enabled is True
+    assert switchboard.email.require_authentication_results == "mx.example.com"
     assert {b.port for b in fleet.butlers} == {8100, 8101, 8102, 8103}  # the shipped ports
 
     env_path = target / ".env"
@@ -241,6 +244,10 @@ async def test_init_into_an_existing_empty_directory(tmp_path: Path) -> None:
         (("--owner-email", 'a"b@example.com'), "--owner-email"),
         (("--owner-email", "me@example.com"), "add email to --channels"),
         (("--channels", "email"), "the email channel needs --imap-host"),
+        (
+            ("--channels", "email", "--pairing", *EMAIL_FLAGS),
+            "pairing by email needs --authserv-id",
+        ),
     ],
 )
 async def test_bad_answers_are_named_and_nothing_is_written(
@@ -538,6 +545,7 @@ async def test_interactive_init_with_a_typed_token_and_mail(
         "butler@example.com",
         "",
         MAIL_PASSWORD,
+        "mx.example.com",
         "",
         "Owner@Example.com",
         "y",
@@ -556,6 +564,7 @@ async def test_interactive_init_with_a_typed_token_and_mail(
     assert (switchboard.email.imap_host, switchboard.email.imap_port) == ("imap.example.com", 993)
     assert (switchboard.email.smtp_port, switchboard.email.smtp_ssl) == (465, True)
     assert switchboard.email.address == "butler@example.com"
+    assert switchboard.email.require_authentication_results == "mx.example.com"
     assert switchboard.switchboard.owner.email == "owner@example.com"
     assert switchboard.switchboard.owner.telegram_chat_id == str(OWNER)
     assert switchboard.switchboard.owner.timezone == "Asia/Tokyo"
