@@ -322,9 +322,9 @@ class MemoryStore:
         """Best first, in three bands, each asked only while fewer than `limit` are found:
         memories with all the query's words as a web search reads them ("quoted phrase",
         -word) score 2 plus the rank of their words (cover density, 0..1); those with any of
-        its words, 1 plus that rank; then, for a query of a few words, misspellings: trigram
-        word similarity (0..1) where pg_trgm is there. Found memories count as used
-        (eviction).
+        its words, 1 plus that rank; then, when no word was found in a query of a few words,
+        misspellings: trigram word similarity (0..1) where pg_trgm is there. Found memories
+        count as used (eviction).
 
         Two steps rather than one OR: similarity computed for every candidate of a broad
         query cost 29 ms at 2,000 memories (bench/memory.py); words alone, a GIN lookup."""
@@ -348,7 +348,8 @@ class MemoryStore:
                 [],
                 viewer.person,
             )
-            if len(rows) < limit:
+            # Any of the words: only for a query of several (for one, the same memories again).
+            if len(rows) < limit and len(WORD.findall(query)) > 1:
                 rows += await conn.fetch(
                     _WORD_SEARCH.format(score=1, query=ANY_WORD, visible=visible),
                     query,
@@ -358,12 +359,9 @@ class MemoryStore:
                     [r["id"] for r in rows],
                     viewer.person,
                 )
-            if (
-                misspellings
-                and self.trigrams
-                and len(rows) < limit
-                and len(query) <= TRIGRAM_QUERY_CHARS
-            ):
+            # Misspellings only when no word was found: similarity is the costly step (most
+            # of a search's time at 100,000 when it ran whenever fewer than `limit` were).
+            if misspellings and self.trigrams and not rows and len(query) <= TRIGRAM_QUERY_CHARS:
                 # pg_trgm's default (0.6) misses one wrong letter in a 6-letter name
                 # ("Okafer" for "Okafor" is 0.57); `<%` reads the threshold from here. The
                 # planner prices word_similarity as cheap and scans a small table instead of
