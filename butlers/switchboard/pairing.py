@@ -48,7 +48,6 @@ import hmac
 import logging
 import re
 import secrets
-import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,6 +66,7 @@ from butlers.switchboard.approvals import (
 )
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -115,20 +115,8 @@ def digest(code: str) -> bytes:
 
 
 def clean_name(name: str | None, limit: int = NAME_CHARS) -> str:
-    """A name a stranger chose, safe to show: no control or format characters (line breaks,
-    terminal escapes, bidirectional overrides, zero-width ones), runs of white space made one,
-    cut to `limit` characters."""
-    if not name:
-        return ""
-    kept = []
-    for char in name[: limit * 4]:
-        category = unicodedata.category(char)
-        if category in ("Cc", "Zl", "Zp"):
-            kept.append(" ")
-        elif not category.startswith("C"):  # Cf, Cs, Co, Cn: invisible or not characters
-            kept.append(char)
-    line = " ".join("".join(kept).split())
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+    """A name a stranger chose, safe to show (butlers.text.printable), cut to `limit`."""
+    return printable(name, limit)
 
 
 def sign(secret: bytes, pairing_id: int, status: str) -> str:
