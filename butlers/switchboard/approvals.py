@@ -36,7 +36,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,28 @@ from butlers.telemetry import context_from_carrier, current_carrier, current_tra
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
+
+
+async def show_decided(
+    outbox: OutboxSender,
+    questions: Callable[[], Awaitable[list[dict[str, Any]]]],
+    line: str,
+    what: str,
+) -> None:
+    """The owner's Telegram questions about `what` (an approval, a pairing), once sent, say
+    how it was decided and lose their buttons (best effort: the decision stands either way).
+    `questions`: the outbox rows that asked, looked up only when Telegram can edit."""
+    channel = outbox.channels.get("telegram")
+    edit = getattr(channel, "show_decided", None)
+    if edit is None:
+        return
+    for asked in await questions():
+        for message_id in asked["sent_ids"]:
+            try:
+                await edit(asked["recipient"], int(message_id), asked["text"], line)
+            except Exception as exc:
+                logger.warning("%s: the owner's question could not be marked: %s", what, exc)
+
 
 STATUSES = ("pending", "approved", "denied", "expired", "done", "failed")
 DECISIONS = {"approve": "approved", "deny": "denied"}
@@ -623,22 +645,12 @@ class ApprovalDesk:
             await cancel_and_wait(task)
 
     async def _show_decision(self, row: dict[str, Any], line: str) -> None:
-        """The owner's Telegram question, once sent, says how it was decided and loses its
-        buttons (best effort: the decision stands either way)."""
-        channel = self.outbox.channels.get("telegram")
-        edit = getattr(channel, "show_decided", None)
-        if edit is None:
-            return
-        for asked in await self.store.telegram_questions(row["id"]):
-            for message_id in asked["sent_ids"]:
-                try:
-                    await edit(asked["recipient"], int(message_id), asked["text"], line)
-                except Exception as exc:
-                    logger.warning(
-                        "approval #%s: the question could not be marked decided: %s",
-                        row["id"],
-                        exc,
-                    )
+        await show_decided(
+            self.outbox,
+            lambda: self.store.telegram_questions(row["id"]),
+            line,
+            f"approval #{row['id']}",
+        )
 
     # -- helpers ----------------------------------------------------------------------------
 

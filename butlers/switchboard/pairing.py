@@ -63,6 +63,7 @@ from butlers.switchboard.approvals import (
     PressAnswer,
     _refuse_sessions_and_classifiers,
     owner_pressed,
+    show_decided,
 )
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
@@ -661,22 +662,12 @@ class PairingDesk:
         return {**public(row), "changed": True}
 
     async def _show_decision(self, row: dict[str, Any], line: str) -> None:
-        """The owner's Telegram question says how it was decided and loses its buttons (best
-        effort: the decision stands either way)."""
-        channel = self.outbox.channels.get("telegram")
-        edit = getattr(channel, "show_decided", None)
-        if edit is None:
-            return
-        for asked in await self.store.owner_questions(row["id"]):
-            for message_id in asked["sent_ids"]:
-                try:
-                    await edit(asked["recipient"], int(message_id), asked["text"], line)
-                except Exception as exc:
-                    logger.warning(
-                        "pairing #%s: the owner's question could not be marked: %s",
-                        row["id"],
-                        exc,
-                    )
+        await show_decided(
+            self.outbox,
+            lambda: self.store.owner_questions(row["id"]),
+            line,
+            f"pairing #{row['id']}",
+        )
 
     async def revoke(self, channel: str, sender: str) -> dict[str, Any]:
         """Remove a paired sender: a stranger again (those in the TOML stay allowed)."""
