@@ -147,8 +147,9 @@ def _install_stop_signals(stop: asyncio.Event) -> None:
 @dataclass(frozen=True)
 class PortChoice:
     """Ports other than the butler.toml's: `run --port P` (one butler) or `up --port-offset K`
-    (every butler). What the registry stores stays the butler.toml's: replicas sit behind
-    one address (docs/scaling.md)."""
+    (every butler). With `--port`, what the registry stores stays the butler.toml's:
+    replicas sit behind one address (docs/scaling.md). With `--port-offset` the whole fleet
+    moved, and is registered where it listens (Placement.port_offset)."""
 
     port: int | None = None
     offset: int = 0
@@ -224,6 +225,7 @@ async def serve(
                 stop=stop,
                 strict=strict,
                 as_json=as_json,
+                port_offset=(ports or PortChoice()).offset,
             )
     return 0
 
@@ -239,6 +241,7 @@ async def _serve_fleet(
     stop: asyncio.Event,
     strict: bool,
     as_json: bool,
+    port_offset: int = 0,
 ) -> None:
     from butlers.daemon import start_fleet, stop_fleet
 
@@ -251,6 +254,7 @@ async def _serve_fleet(
         config_dir=config_dir,
         telemetry=telemetry,
         progress=progress,
+        port_offset=port_offset,
     )
     try:
         for name, error in report.failed.items():

@@ -832,10 +832,7 @@ class ButlerConfig:
     @property
     def endpoint_url(self) -> str:
         """What the registry stores: the butler's MCP-over-SSE endpoint."""
-        if self.endpoint_url_override:
-            return self.endpoint_url_override
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}/sse"
+        return self.endpoint_url_override or loopback_sse_url(self.host, self.port)
 
     @property
     def database(self) -> str:
@@ -845,6 +842,13 @@ class ButlerConfig:
     def modules(self) -> list[str]:
         """Names of the modules declared in butler.toml, in a stable order."""
         return [name for name in CHANNEL_MODULES if getattr(self, name) is not None]
+
+
+def loopback_sse_url(host: str, port: int) -> str:
+    """The SSE endpoint of a butler listening on `host`: a wildcard bind is reached on
+    loopback."""
+    reached = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{reached}:{port}/sse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -872,6 +876,9 @@ class Placement:
 
     host: str = "127.0.0.1"
     endpoint_url_template: str | None = None
+    # `butlers up --port-offset K`: every butler listens K ports up, so the registry and
+    # notify must reach them there (not at the butler.toml's port: another fleet may be).
+    port_offset: int = 0
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str]) -> Placement:
@@ -924,7 +931,12 @@ def parse_butler_config(
         description=butler.description,
         host=butler.host if butler.host is not None else placement.host,
         endpoint_url_override=butler.endpoint_url
-        or placement.endpoint_url(butler.name, butler.port),
+        or placement.endpoint_url(butler.name, butler.port + placement.port_offset)
+        or (
+            loopback_sse_url(butler.host or placement.host, butler.port + placement.port_offset)
+            if placement.port_offset
+            else None
+        ),
         switchboard_url=butler.switchboard_url,
         db_name=butler.db.name or "",
         runtime=file.runtime,

@@ -13,7 +13,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +88,7 @@ class ButlerDaemon:
         session_env: Mapping[str, str] | None = None,
         config_dir: Path | None = None,
         telemetry: Telemetry | None = None,
+        port_offset: int = 0,
     ) -> None:
         self.config = config
         # The process's environment settings (butlers.settings): credentials by name, the
@@ -96,7 +97,9 @@ class ButlerDaemon:
         # Where the butlers of the config directory listen and are registered, for what their
         # butler.toml leaves out (BUTLERS_HOST, BUTLERS_ENDPOINT_URL_TEMPLATE): what discover
         # registers and where notify finds the switchboard.
-        self.placement = Placement.from_environment(settings.environ)
+        self.placement = replace(
+            Placement.from_environment(settings.environ), port_offset=port_offset
+        )
         # Spans are always real (trace ids are recorded); exported only if the Telemetry does.
         self.telemetry = (telemetry or Telemetry()).for_butler(config.name)
         # The fleet's config directory: what the switchboard's discover() scans.
@@ -108,7 +111,10 @@ class ButlerDaemon:
         self.tool_servers_later = False
         self.dashboard: Dashboard | None = None  # the switchboard's /ui
         self.db_server = db_server
-        self.data_dir = data_dir
+        # Absolute: a session's Claude Code runs in its work directory and is handed paths in
+        # it (its MCP config); a relative BUTLERS_DATA_DIR (the default, `.butlers`) was
+        # resolved twice, and every session of `make up` failed ("MCP config file not found").
+        self.data_dir = data_dir.absolute()
         self.auth_token = auth_token
         # Configured secrets never go into sessions or routing_log rows (nor logs and spans,
         # which the process entry point redacts).
@@ -544,6 +550,7 @@ async def start_fleet(
     config_dir: Path | None = None,
     telemetry: Telemetry | None = None,
     progress: Callable[[str], None] | None = None,
+    port_offset: int = 0,
 ) -> FleetReport:
     """Prepare every butler's database, then start the butlers; one failing butler never
     stops the others. `progress` is told each step (`butlers up` prints them)."""
@@ -573,6 +580,7 @@ async def start_fleet(
                 auth_token=auth_token,
                 session_env=session_env,
                 telemetry=telemetry,
+                port_offset=port_offset,
             )
             daemon.tool_servers_later = True
             await daemon.start()

@@ -315,6 +315,40 @@ async def test_a_second_fleet_with_a_port_offset_shares_postgresql_and_the_switc
     assert "would listen on port" in bad.stderr and "Traceback" not in bad.stderr
 
 
+async def test_a_fleet_moved_by_a_port_offset_is_registered_and_routed_where_it_listens(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """Alone on its own data (a second checkout, a new user's `make up UP_ARGS=...`): the
+    registry holds the moved ports, so `route` reaches its own butlers, not whatever listens
+    on the butler.toml's ports (it was refused there: "unreachable at ...:8101")."""
+    from tests.test_cli_client import run_cli
+
+    ports = copy_shipped_config(tmp_path / "config")
+    offset = 11
+    fleet = Butlers(
+        "up",
+        "--config-dir",
+        str(tmp_path / "config"),
+        "--port-offset",
+        str(offset),
+        "--json",
+        env=cli_env,
+    )
+    processes.append(fleet)
+    await fleet.start()
+    await fleet.wait_json()
+    url = f"http://127.0.0.1:{ports['switchboard'] + offset}/sse"
+    code, out, err = await run_cli("list", "--url", url, "--json", env=cli_env)
+    assert code == 0, err
+    assert {b["name"]: b["endpoint_url"] for b in json.loads(out)} == {
+        name: f"http://127.0.0.1:{port + offset}/sse" for name, port in ports.items()
+    }
+    code, out, err = await run_cli("route", "general", "status", "{}", "--url", url, env=cli_env)
+    assert code == 0, err
+    assert '"name": "general"' in out
+    assert await fleet.stop() == 0
+
+
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(
     tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers], pg_server
 ) -> None:

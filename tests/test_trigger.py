@@ -216,3 +216,42 @@ async def test_tick_runs_due_schedule_as_a_session(
     assert await conn.fetchval("SELECT value::text FROM state WHERE key='reminded'") == "true"
     [row] = await _session_rows(db_conn, daemon)
     assert row["trigger_source"] == "schedule:remind" and row["success"] is True
+
+
+async def test_a_session_runs_with_a_relative_data_dir(
+    pg_server,
+    make_database,
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+    claude_env: dict[str, str],
+    scripted_api: ScriptedMessagesAPI,
+    telemetry,
+) -> None:
+    """BUTLERS_DATA_DIR defaults to `.butlers`, relative: Claude Code runs in the session's
+    work directory and was handed its MCP config by a path relative to where the butler
+    started, so every session of `make up` failed ("MCP config file not found")."""
+    from dataclasses import replace
+
+    from butlers.daemon import ButlerDaemon
+    from butlers.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    scripted_api.script([text("Done.")])
+    config = replace(butler_config("alpha"), db_name=await make_database())
+    daemon = ButlerDaemon(
+        config,
+        pg_server,
+        data_dir=Path(".butlers"),
+        settings=Settings.from_environ(),
+        session_env=claude_env,
+        telemetry=telemetry,
+    )
+    await daemon.start()
+    try:
+        assert daemon.context is not None
+        outcome = await daemon.context.spawner.run(
+            "Say done.", target=daemon.context.self_target(), trigger_source="test"
+        )
+        assert outcome.success, outcome.error
+    finally:
+        await daemon.stop()
