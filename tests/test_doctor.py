@@ -618,12 +618,19 @@ async def test_the_running_embedded_postgresql_is_found_and_asked(
     config = fleet_dir(tmp_path)
     toml = config / "general" / "butler.toml"
     toml.write_text(toml.read_text() + f'[butler.db]\nname = "{database}"\n')
+    # A name no other test made (the shipped `butler_switchboard` may exist on this server:
+    # tests that run `butlers up` against it create it).
+    missing = f"t_missing_{uuid.uuid4().hex[:8]}"
+    toml = config / "switchboard" / "butler.toml"
+    text = toml.read_text()
+    switchboard_db = f'[butler.db]\nname = "{missing}"\n'
+    toml.write_text(text.replace("[switchboard]", switchboard_db + "\n[switchboard]", 1))
     data_dir = str(pg_server.requested_pgdata.parent)
     checks = await doctor(config, base_env(tmp_path, BUTLERS_DATA_DIR=data_dir))
     found = checks["database"]
     assert found.status == "warn", found  # the switchboard's database is not there yet
     assert f"embedded PostgreSQL in {pg_server.pgdata} answers" in found.detail
-    assert "butler_switchboard do not exist yet" in found.detail and database not in found.detail
+    assert f"{missing} do not exist yet" in found.detail and database not in found.detail
 
 
 async def test_a_webhook_url_that_is_not_https_fails(tmp_path: Path) -> None:

@@ -23,6 +23,13 @@ from tests.conftest import StartButler
 from tests.fakes.mail import SmtpServer, imap_append, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_email import mail, start_mail_fleet
+
+# MAILBOX_FIRST: the mails are appended before the module connects. Appended while its first
+# UID SEARCH was in flight, pymap's dict backend now and then closed the module's IDLE session
+# ("BYE [UNAVAILABLE] Server has closed the connection") and then greeted no new connection:
+# the module's reconnect waited out its timeout, past the test's (1 run in 6, measured). What
+# these tests check is what becomes of a mail, not how it arrives (tests/test_email_arrivals.py
+# covers arrivals while connected).
 from tests.test_email_tls import PASSWORD, USER, email_config, wait_until_seen
 from tests.test_inbox import model
 
@@ -52,9 +59,10 @@ async def test_nul_bytes_are_stored_and_answered_and_the_next_mail_too(
     nul = raw_mail(b"lunch\x00time", "<nul@example.com>", b"Soup\x00 at noon.")
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
-            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
+            # In the mailbox before the module connects (see MAILBOX_FIRST).
             await imap_append(port, USER, PASSWORD, nul)  # APPEND carries the NUL bytes as-is
             await imap_append(port, USER, PASSWORD, NEXT)
+            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             replies = await smtp.wait_for(2)
             await wait_until_seen(port)
     assert sorted(m["Subject"] for m in replies) == ["Re: lunchtime", "Re: next"]
@@ -73,8 +81,8 @@ async def test_a_subject_with_a_line_break_gets_its_reply_on_one_line(
     subject = b"=?utf-8?q?Lunch=0D=0ABcc:_attacker@evil.example?="
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
-            await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             await imap_append(port, USER, PASSWORD, raw_mail(subject, "<crlf@example.com>"))
+            await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             [reply] = await smtp.wait_for(1)
     assert reply["Subject"] == "Re: Lunch Bcc: attacker@evil.example"
     assert reply["Bcc"] is None and smtp.recipients == [["user@example.com"]]
@@ -88,9 +96,9 @@ async def test_a_message_id_too_long_for_the_index_is_answered(
     long_id = f"<{secrets.token_urlsafe(3000)}@example.com>"
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
         with SmtpServer(users={USER: PASSWORD}) as smtp:
-            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             await imap_append(port, USER, PASSWORD, raw_mail(b"long id", long_id))
             await imap_append(port, USER, PASSWORD, NEXT)
+            switchboard = await start_mail_fleet(start_butler, tmp_path, port, smtp, monkeypatch)
             replies = await smtp.wait_for(2)
             await wait_until_seen(port)
     assert sorted(m["Subject"] for m in replies) == ["Re: long id", "Re: next"]
