@@ -823,13 +823,9 @@ def _in_zone(value: str | None, zone: str | None) -> str:
     """A UTC timestamp shown on the butler's own wall clock (its time zone)."""
     if not value:
         return "-"
-    from zoneinfo import ZoneInfo
+    from butlers.schedule_time import wall_clock
 
-    try:
-        moment = datetime.fromisoformat(value)
-        return moment.astimezone(ZoneInfo(zone) if zone else None).strftime("%Y-%m-%d %H:%M %Z")
-    except (ValueError, OverflowError, KeyError):  # a row written by hand or an older version
-        return _cut(value)
+    return wall_clock(value, zone) or _cut(value)
 
 
 def _print_schedules(rows: list[dict[str, Any]]) -> None:

@@ -112,6 +112,17 @@ def parse_at(at: str, zone: str, now: datetime) -> datetime:
     return moment
 
 
+def wall_clock(value: str, zone: str | None) -> str | None:
+    """A stored time (ISO 8601, with its offset) as read on `zone`'s wall clock (this
+    machine's when None), with the zone's abbreviation: "2026-11-27 08:00 JST". None when it
+    cannot be read or shown (written by hand, an older version, a year out of range)."""
+    try:
+        moment = datetime.fromisoformat(value).astimezone(ZoneInfo(zone) if zone else None)
+        return moment.strftime("%Y-%m-%d %H:%M %Z")
+    except (ValueError, OverflowError, KeyError):  # ZoneInfoNotFoundError is a KeyError
+        return None
+
+
 def local_now(zone: str, now: datetime | None = None) -> str:
     """What a session is told: 'Thursday 2026-11-26 14:05 (Europe/Berlin, UTC+01:00)'."""
     moment = (now or datetime.now(UTC)).astimezone(ZoneInfo(zone))

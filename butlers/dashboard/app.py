@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import jinja2
 from fastmcp.server.http import HostOriginGuardMiddleware
@@ -51,6 +50,7 @@ from butlers.dashboard.auth import (
 )
 from butlers.dashboard.fleet import Answer, FleetProbe
 from butlers.dashboard.store import PAGE_ROWS, DashboardStore
+from butlers.schedule_time import wall_clock
 from butlers.switchboard.approvals import ApprovalDesk
 from butlers.switchboard.approvals import public as public_approval
 from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
@@ -101,12 +101,7 @@ def _local(value: str | None, zone: str | None) -> str:
     lives), with the zone's abbreviation; UTC when the butler names no zone."""
     if not value or not zone:
         return _when(value)
-    try:
-        return (
-            datetime.fromisoformat(value).astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
-        )
-    except (ValueError, OverflowError, ZoneInfoNotFoundError):
-        return value
+    return wall_clock(value, zone) or value
 
 
 def _when(value: datetime | str | None) -> str:
