@@ -61,6 +61,8 @@ Name = Annotated[
     Expect(f"a name such as 'health' ({NAME_PATTERN.pattern})"),
 ]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535), Expect("a port number between 1 and 65535")]
+# The most a channel's file may weigh: the Bot API lets a bot download 20 MiB.
+MAX_ATTACHMENT_BYTES = 20 * 1024 * 1024
 HttpUrl = Annotated[str, Strict(), Field(pattern="^https?://"), Expect("an http(s) URL")]
 
 
@@ -415,6 +417,16 @@ class TelegramConfig:
         default=30.0,
         description="Telegram's flood limit for a bot; 0: no limit (a local Bot API).",
     )
+    file_base_url: Str = Field(
+        default="",
+        description="Where files are downloaded from (`<this>/bot<token>/<file_path>`); empty: "
+        "`api_base_url` with `/file/bot`.",
+    )
+    max_attachment_bytes: Annotated[Int, Field(ge=1, le=MAX_ATTACHMENT_BYTES)] = Field(
+        default=MAX_ATTACHMENT_BYTES,
+        description="A voice note, photo or document bigger than this is refused with a reply "
+        "naming the limit (20 MiB is what the Bot API lets a bot download).",
+    )
 
     @model_validator(mode="after")
     def _webhook(self) -> TelegramConfig:
@@ -477,6 +489,11 @@ class EmailConfig:
         default="",
         description="When set: accept only mail whose Authentication-Results from this "
         "authserv-id says dmarc=pass (the From header alone is forgeable).",
+    )
+    max_attachment_bytes: Annotated[Int, Field(ge=1, le=MAX_ATTACHMENT_BYTES)] = Field(
+        default=10 * 1024 * 1024,
+        description="An image, PDF, text or audio attachment bigger than this is not read; "
+        "the sender is told the limit.",
     )
 
     @model_validator(mode="before")
@@ -559,6 +576,58 @@ class PairingConfig:
 
 
 @dataclass(frozen=True, config=TABLE)
+class TranscriptionConfig:
+    """`[switchboard.transcription]`: how voice notes become text
+    (butlers.switchboard.transcription). Without `url` and `model_path`, a voice note gets a
+    reply saying a transcription service is needed."""
+
+    url: Str = Field(
+        default="",
+        description="An OpenAI-compatible `/v1/audio/transcriptions` endpoint (OpenAI, Groq, a "
+        "local faster-whisper or whisper.cpp server); empty: none.",
+    )
+    model: Str = Field(default="whisper-1", description="The `model` sent with each file.")
+    api_key_env: Str = Field(
+        default="TRANSCRIPTION_API_KEY",
+        description="The environment variable holding its key (sent as a bearer token); unset: "
+        "no key (a local server).",
+    )
+    language: Str = Field(
+        default="", description="An ISO-639-1 hint such as `de`; empty: detected."
+    )
+    model_path: Str = Field(
+        default="",
+        description="Local transcription instead of `url`: a directory of faster-whisper "
+        "weights (the `faster-whisper` package must be installed; nothing is downloaded).",
+    )
+    timeout_s: Annotated[Float, Field(gt=0)] = Field(
+        default=120.0, description="One transcription's time limit."
+    )
+    retry_hours: Annotated[Float, Field(gt=0)] = Field(
+        default=6.0,
+        description="How long a voice note is retried while the service fails (5xx, timeouts); "
+        "then the sender is told it could not be transcribed.",
+    )
+    keep_audio: Bool = Field(
+        default=False,
+        description="Keep the audio with the message after it was transcribed (it is deleted "
+        "by default; the transcript stays).",
+    )
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.url or self.model_path)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> TranscriptionConfig:
+        if self.url and self.model_path:
+            raise KeyProblem("model_path", "choose one of url (a service) and model_path (local)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise KeyProblem("url", f"expected an http(s) URL, got {self.url!r}")
+        return self
+
+
+@dataclass(frozen=True, config=TABLE)
 class TriageRule:
     """`[[switchboard.triage]]`: a rule tried before Claude Code; the first match wins."""
 
@@ -633,6 +702,14 @@ class SwitchboardConfig:
     )
     triage: tuple[TriageRule, ...] = Field(
         default=(), description="`[[switchboard.triage]]` rules, tried in order."
+    )
+    transcription: TranscriptionConfig = Field(
+        default_factory=TranscriptionConfig, description="`[switchboard.transcription]`."
+    )
+    max_attachments_per_message: Annotated[Int, Field(ge=0, le=20)] = Field(
+        default=5,
+        description="Photos, documents and files read from one message; past it the sender is "
+        "told the limit. 0: attachments are not read.",
     )
 
 

@@ -45,6 +45,11 @@ class ButlersError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class AttachmentRefused(ButlersError):
+    """A file a message carried is not read (butlers.media): the text says why, in words for
+    the sender (which limit, which file); nothing of it is stored."""
+
+
 class ConfigError(ButlersError):
     """A butler.toml is malformed: names the file, the key and what was expected."""
 

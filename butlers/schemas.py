@@ -44,6 +44,7 @@ from butlers.config import (
     ScheduleConfig,
     SwitchboardConfig,
     TelegramConfig,
+    TranscriptionConfig,
     TriageRule,
 )
 from butlers.config_errors import expectation
@@ -119,6 +120,7 @@ DOC_TABLES: dict[str, tuple[Table, ...]] = {
         Table("[switchboard]", SwitchboardConfig),
         Table("[switchboard.owner]", OwnerConfig),
         Table("[switchboard.pairing]", PairingConfig),
+        Table("[switchboard.transcription]", TranscriptionConfig),
         Table("[[switchboard.triage]]", TriageRule),
         Table("[[mcp_servers]]", McpServerConfig),
         Table("[[schedules]]", ScheduleConfig),
