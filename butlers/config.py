@@ -21,7 +21,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -35,45 +35,29 @@ from pydantic import (
 )
 from pydantic.config import JsonDict
 from pydantic.dataclasses import dataclass
-from pydantic_core import ArgsKwargs
 
+from butlers.channels import CHANNELS, channel_names
+from butlers.channels.email import EmailConfig as EmailConfig
+from butlers.channels.telegram import TelegramConfig as TelegramConfig
 from butlers.config_errors import Expect, config_error
+from butlers.config_types import MAX_ATTACHMENT_BYTES as MAX_ATTACHMENT_BYTES
+from butlers.config_types import NAME_PATTERN as NAME_PATTERN
+from butlers.config_types import TABLE, Bool, ChatId, Float, Int, Name, Port, Str
 from butlers.errors import ButlersError, ConfigError, KeyProblem
 
 CONFIG_FILENAME = "butler.toml"
 INSTRUCTIONS_FILENAME = "CLAUDE.md"
-NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]*")
 # The tool by which the switchboard has a butler run a call the owner approved: never gated.
 APPROVAL_EXECUTE_TOOL = "approval_execute"
 
-# Every table: unknown keys are errors; values are immutable once read.
-TABLE = ConfigDict(extra="forbid")
-
-# TOML has real types: "80" is not a port and `true` is not 1, so scalars are strict.
-Str = Annotated[str, Strict()]
-Int = Annotated[int, Strict()]
-Bool = Annotated[bool, Strict()]
-Float = Annotated[float, Strict()]  # an integer is taken as a number
-Name = Annotated[
-    str,
-    Strict(),
-    Field(pattern=f"^{NAME_PATTERN.pattern}$"),
-    Expect(f"a name such as 'health' ({NAME_PATTERN.pattern})"),
-]
-Port = Annotated[int, Strict(), Field(ge=1, le=65535), Expect("a port number between 1 and 65535")]
-# The most a channel's file may weigh: the Bot API lets a bot download 20 MiB.
-MAX_ATTACHMENT_BYTES = 20 * 1024 * 1024
+# The channels' names as config values take them (a triage rule's `channel` also `mcp`).
+if TYPE_CHECKING:
+    ChannelName = str
+    OwnerChannel = str
+else:
+    ChannelName = Literal[(*channel_names(), "mcp")]
+    OwnerChannel = Literal[tuple(spec.name for spec in CHANNELS if spec.owner_key)]
 HttpUrl = Annotated[str, Strict(), Field(pattern="^https?://"), Expect("an http(s) URL")]
-
-
-def _chat_id(value: Any) -> Any:
-    """Telegram chat ids are numbers in the Bot API; both spellings are taken (not `true`)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-ChatId = Annotated[str, BeforeValidator(_chat_id), Strict(), Expect("a chat id (number or string)")]
 
 
 def _regex(value: Any) -> Any:
@@ -385,141 +369,6 @@ class ApprovalsConfig:
     )
 
 
-@dataclass(frozen=True, config=TABLE)
-class TelegramConfig:
-    """`[modules.telegram]`: the Telegram channel; only the switchboard may have one."""
-
-    mode: Literal["polling", "webhook"] = Field(
-        default="polling",
-        description="`polling` (long-poll getUpdates) or `webhook` (Telegram posts to "
-        "`/telegram/webhook`).",
-    )
-    token_env: Str = Field(
-        default="TELEGRAM_BOT_TOKEN",
-        description="The environment variable holding the bot token (never the file).",
-    )
-    allowed_chat_ids: tuple[ChatId, ...] = Field(
-        default=(),
-        description='Who may talk to the bot; empty: nobody, `["*"]`: anyone.',
-    )
-    api_base_url: Str = Field(
-        default="", description="Another Bot API server (a local one, tests); empty: Telegram's."
-    )
-    webhook_secret_env: Str = Field(
-        default="TELEGRAM_WEBHOOK_SECRET",
-        description="The environment variable holding the webhook's secret token.",
-    )
-    webhook_url: Str = Field(
-        default="",
-        description="Webhook mode: the public https URL registered with setWebhook at start.",
-    )
-    max_messages_per_s: Annotated[Float, Field(ge=0)] = Field(
-        default=30.0,
-        description="Telegram's flood limit for a bot; 0: no limit (a local Bot API).",
-    )
-    file_base_url: Str = Field(
-        default="",
-        description="Where files are downloaded from (`<this>/bot<token>/<file_path>`); empty: "
-        "`api_base_url` with `/file/bot`.",
-    )
-    max_attachment_bytes: Annotated[Int, Field(ge=1, le=MAX_ATTACHMENT_BYTES)] = Field(
-        default=MAX_ATTACHMENT_BYTES,
-        description="A voice note, photo or document bigger than this is refused with a reply "
-        "naming the limit (20 MiB is what the Bot API lets a bot download).",
-    )
-
-    @model_validator(mode="after")
-    def _webhook(self) -> TelegramConfig:
-        if self.webhook_url and not self.webhook_url.startswith("https://"):
-            raise KeyProblem(
-                "webhook_url",
-                f"expected an https:// URL (Telegram requires it), got {self.webhook_url!r}",
-            )
-        if self.webhook_url and self.mode != "webhook":
-            raise KeyProblem("webhook_url", 'is only used with mode = "webhook"')
-        return self
-
-
-# (implicit TLS key, STARTTLS key, their defaults) of IMAP and SMTP.
-_TLS_PAIRS = (
-    ("imap_ssl", "imap_starttls", True, False),
-    ("smtp_ssl", "smtp_starttls", False, True),
-)
-
-
-@dataclass(frozen=True, config=TABLE)
-class EmailConfig:
-    """`[modules.email]`: the email channel (IMAP in, SMTP out); only the switchboard may
-    have one."""
-
-    imap_host: Str = Field(default="", description="The IMAP server.")
-    imap_port: Port = Field(default=993, description="Its port.")
-    imap_ssl: Bool = Field(
-        default=True, description="Implicit TLS (port 993); setting `imap_starttls` turns it off."
-    )
-    imap_starttls: Bool = Field(default=False, description="STARTTLS on a plain port (143).")
-    smtp_host: Str = Field(default="", description="The SMTP server.")
-    smtp_port: Port = Field(default=587, description="Its port.")
-    smtp_starttls: Bool = Field(
-        default=True, description="STARTTLS (port 587); setting `smtp_ssl` turns it off."
-    )
-    smtp_ssl: Bool = Field(default=False, description="Implicit TLS (port 465).")
-    username_env: Str = Field(
-        default="BUTLERS_EMAIL_USER",
-        description="The environment variable holding the mailbox user name.",
-    )
-    password_env: Str = Field(
-        default="BUTLERS_EMAIL_PASSWORD",
-        description="The environment variable holding its password.",
-    )
-    address: Str = Field(default="", description="The butler's own address (From of replies).")
-    mode: Literal["idle", "poll", "webhook"] = Field(
-        default="idle",
-        description="`idle` (IMAP IDLE), `poll` (every `poll_interval_s`), or `webhook` "
-        "(`POST /email/inbound`, see *The email webhook*).",
-    )
-    poll_interval_s: Annotated[Float, Field(gt=0)] = Field(
-        default=60.0, description="Poll mode: seconds between looks at the mailbox."
-    )
-    allowed_senders: tuple[Str, ...] = Field(
-        default=(),
-        description="Who may write: addresses or `@domain`; empty: nobody.",
-    )
-    require_authentication_results: Annotated[Str, AfterValidator(str.strip)] = Field(
-        default="",
-        description="When set: accept only mail whose Authentication-Results from this "
-        "authserv-id says dmarc=pass (the From header alone is forgeable).",
-    )
-    max_attachment_bytes: Annotated[Int, Field(ge=1, le=MAX_ATTACHMENT_BYTES)] = Field(
-        default=10 * 1024 * 1024,
-        description="An image, PDF, text or audio attachment bigger than this is not read; "
-        "the sender is told the limit.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tls_choice(cls, data: Any) -> Any:
-        """Choosing one of a pair (implicit TLS or STARTTLS) on purpose turns the other's
-        default off; choosing both is an error: they are two ways to reach one port."""
-        given = data.kwargs if isinstance(data, ArgsKwargs) else data
-        if not isinstance(given, dict):
-            return data
-        chosen = dict(given)
-        for implicit, starttls, _, _ in _TLS_PAIRS:
-            said_implicit, said_starttls = chosen.get(implicit), chosen.get(starttls)
-            if said_implicit is True and said_starttls is True:
-                raise KeyProblem(
-                    starttls, f"choose one of {implicit} (implicit TLS) and {starttls}"
-                )
-            if said_implicit is True and starttls not in chosen:
-                chosen[starttls] = False
-            if said_starttls is True and implicit not in chosen:
-                chosen[implicit] = False
-        if isinstance(data, ArgsKwargs):
-            return ArgsKwargs(data.args, chosen)
-        return chosen
-
-
 def _email_address(value: str) -> str:
     value = value.strip().lower()  # as senders are compared
     if value and "@" not in value:
@@ -537,7 +386,7 @@ class OwnerConfig:
     email: Annotated[Str, AfterValidator(_email_address)] = Field(
         default="", description="The owner's address."
     )
-    prefer: Literal["telegram", "email"] = Field(
+    prefer: OwnerChannel = Field(
         default="telegram", description="The channel `notify` uses when it names none."
     )
     timezone: TimeZone = Field(
@@ -548,7 +397,7 @@ class OwnerConfig:
 
     def channels(self) -> list[tuple[str, str]]:
         """(channel, recipient) the owner can be reached on, the preferred one first."""
-        known = [("telegram", self.telegram_chat_id), ("email", self.email)]
+        known = [(spec.name, getattr(self, spec.owner_key)) for spec in CHANNELS if spec.owner_key]
         reachable = [(channel, who) for channel, who in known if who]
         return sorted(reachable, key=lambda c: c[0] != self.prefer)
 
@@ -632,7 +481,7 @@ class TriageRule:
     """`[[switchboard.triage]]`: a rule tried before Claude Code; the first match wins."""
 
     butler: Name = Field(description="Where a matching message goes.")
-    channel: Literal["telegram", "email", "mcp"] | None = Field(
+    channel: ChannelName | None = Field(
         default=None, description="Only messages from this channel."
     )
     sender: Str | None = Field(
@@ -713,20 +562,35 @@ class SwitchboardConfig:
     )
 
 
-# The channel modules: each sends to people on its channel.
-CHANNEL_MODULES = ("telegram", "email")
+# The channel modules: each sends to people on its channel (butlers.channels.CHANNELS).
+CHANNEL_MODULES = channel_names()
 
 
-@dataclass(frozen=True, config=TABLE)
-class ModulesTable:
-    """`[modules]`: the channel modules this butler runs. Only the switchboard (the butler
-    with a `[switchboard]` table) may have them: their tools send to anyone; any other
-    butler reaches people with `notify`."""
+def _modules_table() -> type:
+    """`[modules]`: one optional key per registered channel, its table its config model."""
+    namespace: dict[str, Any] = {
+        "__doc__": "`[modules]`: the channel modules this butler runs. Only the switchboard "
+        "(the butler\nwith a `[switchboard]` table) may have them: their tools send to "
+        "anyone; any other\nbutler reaches people with `notify`.",
+        "__module__": __name__,
+        "__qualname__": "ModulesTable",
+        "__annotations__": {spec.name: spec.config_model | None for spec in CHANNELS},
+        "UNKNOWN_KEY_NOUN": "module",
+    }
+    for spec in CHANNELS:
+        namespace[spec.name] = Field(default=None, description=f"`[modules.{spec.name}]`.")
+    return dataclass(frozen=True, config=TABLE)(type("ModulesTable", (), namespace))
 
-    UNKNOWN_KEY_NOUN: ClassVar[str] = "module"
 
-    telegram: TelegramConfig | None = Field(default=None, description="`[modules.telegram]`.")
-    email: EmailConfig | None = Field(default=None, description="`[modules.email]`.")
+if TYPE_CHECKING:
+
+    class ModulesTable:
+        UNKNOWN_KEY_NOUN: ClassVar[str]
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    ModulesTable = _modules_table()
 
 
 # What `ButlerFile._channels_on_the_switchboard` says, for editors: a channel module needs a
@@ -823,7 +687,7 @@ class ButlerFile:
         switchboard, which owns the channels, their allowlists and the outbox, may have one."""
         if self.switchboard is None:
             for name in CHANNEL_MODULES:
-                if getattr(self.modules, name) is not None:
+                if getattr(self.modules, name, None) is not None:
                     raise KeyProblem(
                         f"modules.{name}",
                         f"a channel module runs only on the switchboard (the butler with a "
@@ -855,8 +719,9 @@ class ButlerConfig:
     switchboard_url: str | None = None
     db_name: str = ""
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
-    telegram: TelegramConfig | None = None
-    email: EmailConfig | None = None
+    # Its channels' tables by channel name (`[modules.telegram]` under "telegram"): only
+    # the switchboard has any.
+    channels: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # The switchboard's [[switchboard.triage]] rules (as on `switchboard.triage`).
     triage: tuple[TriageRule, ...] = ()
     # Set on the switchboard only: its [switchboard] table is what makes it the switchboard.
@@ -918,7 +783,15 @@ class ButlerConfig:
     @property
     def modules(self) -> list[str]:
         """Names of the modules declared in butler.toml, in a stable order."""
-        return [name for name in CHANNEL_MODULES if getattr(self, name) is not None]
+        return [name for name in CHANNEL_MODULES if self.channels.get(name) is not None]
+
+    @property
+    def telegram(self) -> TelegramConfig | None:
+        return self.channels.get("telegram")
+
+    @property
+    def email(self) -> EmailConfig | None:
+        return self.channels.get("email")
 
 
 def loopback_sse_url(host: str, port: int) -> str:
@@ -1017,8 +890,11 @@ def parse_butler_config(
         switchboard_url=butler.switchboard_url,
         db_name=butler.db.name or "",
         runtime=file.runtime,
-        telegram=file.modules.telegram,
-        email=file.modules.email,
+        channels={
+            name: table
+            for name in CHANNEL_MODULES
+            if (table := getattr(file.modules, name, None)) is not None
+        },
         triage=file.switchboard.triage if file.switchboard else (),
         switchboard=file.switchboard,
         config_dir=path.parent,

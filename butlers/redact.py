@@ -247,13 +247,17 @@ class Redactor:
         tokens and passwords (a tool server's `pass_env` and `headers_env` too: a header's value
         with and without its scheme), the well-known ones, any
         *_TOKEN/*_PASSWORD/*_SECRET/*_API_KEY, and the password in DATABASE_URL."""
+        from butlers.channels import spec_of
+
         names = set(SECRET_NAMES)
         headers: set[str] = set()  # whole header values ("Bearer <token>")
         for config in configs:
-            if config.telegram is not None:
-                names |= {config.telegram.token_env, config.telegram.webhook_secret_env}
-            if config.email is not None:
-                names.add(config.email.password_env)
+            for channel, table in config.channels.items():  # each channel names its own
+                spec = spec_of(channel)
+                if spec is not None:
+                    names |= set(spec.secret_variables(table))
+            if config.switchboard is not None:  # the speech-to-text service's key
+                names.add(config.switchboard.transcription.api_key_env)
             for server in config.mcp_servers:  # what its tool servers take from us
                 names |= set(server.pass_env)
                 headers |= set(server.headers_env.values())

@@ -298,6 +298,14 @@ def butler_config(name: str = "alpha", **overrides) -> ButlerConfig:
     from butlers.config import ButlerConfig, RuntimeConfig, SwitchboardConfig
 
     runtime = overrides.pop("runtime", RuntimeConfig(timeout_s=60, tick_interval_s=0))
+    # A channel's table by its name (`telegram=TelegramConfig(...)`), as ButlerConfig.channels.
+    channels = {
+        channel: table
+        for channel in ("telegram", "email")
+        if (table := overrides.pop(channel, None)) is not None
+    }
+    if channels:
+        overrides["channels"] = channels
     if name == "switchboard":
         overrides.setdefault("switchboard", SwitchboardConfig())
     return replace(

@@ -38,6 +38,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from butlers.channels import MCP_CHANNEL, channel_names
 from butlers.core_store import CoreStore
 from butlers.dashboard.auth import (
     CSRF_FIELD,
@@ -60,7 +61,7 @@ from butlers.tool_errors import ToolRefusal
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-CHANNELS = ("telegram", "email", "mcp")
+CHANNELS = (*channel_names(), MCP_CHANNEL)
 OUTCOMES = {"ok": True, "failed": False}
 REFRESH_S = 10
 MAX_ASK_FORM_CHARS = 20_000

@@ -1,4 +1,5 @@
-"""Channel modules (telegram, email): each adds tools to its butler and may run an intake.
+"""Channel modules (butlers.channels: telegram, email): each adds tools to its butler and
+may run an intake.
 
 A module that is declared but cannot run here (its credentials' variables not set) is
 `skipped`, one that tried and failed (a token or login refused) `failed`, each with why, in
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 from fastmcp import FastMCP
 from starlette.routing import BaseRoute
 
+from butlers.channels import CHANNELS, ChannelContext
 from butlers.config import ButlerConfig
 from butlers.context import ModuleStatus
-from butlers.settings import reveal
 
 if TYPE_CHECKING:
     from butlers.settings import Settings
@@ -62,55 +63,32 @@ class Modules:
 def build_modules(
     config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard | None, settings: Settings
 ) -> Modules:
-    """Register each declared module's tools and routes; nothing connects until start().
+    """Open each channel the butler.toml declares (butlers.channels: the registry) and
+    register its tools and routes; nothing connects until start().
 
     Credentials come from the variables the butler.toml names, looked up in `settings`."""
     modules = Modules()
-    if config.telegram is not None:
-        token = settings.variable(config.telegram.token_env)
-        if token is None:
-            modules.skipped.append(_not_configured("telegram", [config.telegram.token_env]))
-        else:
-            from butlers.modules.telegram import TelegramModule
-
-            worker = switchboard.worker if switchboard is not None else None
-            telegram = TelegramModule(
-                config.telegram,
-                token,
-                worker,
-                webhook_secret=settings.variable(config.telegram.webhook_secret_env),
-            )
-            telegram.register(mcp)
-            modules.webhooks.extend(telegram.webhook_routes())
-            if switchboard is not None:
-                switchboard.outbox.channels["telegram"] = telegram
-                telegram.approvals = switchboard.approvals  # the owner's button presses
-                telegram.pairing = switchboard.pairing  # strangers' codes, paired chats
-            modules.running.append(telegram)
-    if config.email is not None:
-        names = [config.email.username_env, config.email.password_env]
-        username, password = (settings.variable(name) for name in names)
-        if username is None or password is None:
-            missing = [name for name in names if settings.variable(name) is None]
-            modules.skipped.append(_not_configured("email", missing))
-        else:
-            from butlers.modules.email import EmailModule
-
-            worker = switchboard.worker if switchboard is not None else None
-            mail = EmailModule(
-                config.email,
-                username,
-                password,
-                worker,
-                webhook_token=reveal(settings.email_webhook_token),
-            )
-            mail.register(mcp)
-            modules.webhooks.extend(mail.webhook_routes())
-            if switchboard is not None:
-                switchboard.outbox.channels["email"] = mail
-                mail.approvals = switchboard.approvals  # the owner's "yes 12" replies
-                mail.pairing = switchboard.pairing  # strangers' codes, paired senders
-            modules.running.append(mail)
+    context = ChannelContext(
+        settings=settings, worker=switchboard.worker if switchboard is not None else None
+    )
+    for spec in CHANNELS:
+        table = config.channels.get(spec.name)
+        if table is None:
+            continue
+        missing = [
+            name for name in spec.required_variables(table) if settings.variable(name) is None
+        ]
+        if missing:
+            modules.skipped.append(_not_configured(spec.name, missing))
+            continue
+        module = spec.open(table, context)
+        module.register(mcp)
+        modules.webhooks.extend(module.webhook_routes())
+        if switchboard is not None:
+            switchboard.outbox.channels[spec.name] = module
+            module.approvals = switchboard.approvals  # the owner's answers to approvals
+            module.pairing = switchboard.pairing  # strangers' codes, paired senders
+        modules.running.append(module)
     for status in modules.skipped:
         logger.warning(
             "butler %s: module %s %s: %s",

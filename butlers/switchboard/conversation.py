@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from butlers.channels import spec_of
+
 HISTORY_CHARS_PER_TEXT = 500  # each earlier message and answer, in prompts
 HISTORY_INTRO = "Earlier in this conversation, oldest first"
 
@@ -40,24 +42,16 @@ def with_history(prompt: str, history: str) -> str:
 
 
 def answered_ids(channel: str, meta: dict[str, Any]) -> list[str]:
-    """The channel's own ids of the messages of ours that this message answers: a Telegram
-    reply's message, a mail's References (its client lists the thread, ours included)."""
-    if channel == "telegram" and meta.get("reply_to_message_id"):
-        return [str(meta["reply_to_message_id"])]
-    if channel == "email":
-        return str(meta.get("references") or "").split()
-    return []
-
-
-COMMANDS = ("/start", "/help")
+    """The channel's own ids of the messages of ours that this message answers (a Telegram
+    reply's message, a mail's References): each channel knows its own (butlers.channels)."""
+    spec = spec_of(channel)
+    return spec.answered_ids(meta) if spec is not None else []
 
 
 def command_of(channel: str, text: str) -> str | None:
-    """A Telegram bot command answered without any butler (`/help@my_bot` included)."""
-    if channel != "telegram":
-        return None
-    first = (text.split() or [""])[0].split("@")[0].lower()
-    return first if first in COMMANDS else None
+    """A channel's command answered without any butler (Telegram's /help)."""
+    spec = spec_of(channel)
+    return spec.command_of(text) if spec is not None else None
 
 
 def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str) -> str:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from butlers.channels import CHANNELS, spec_of
 from butlers.config import SwitchboardConfig
 from butlers.core_store import storable
 from butlers.errors import NotifyRefused
@@ -25,6 +26,8 @@ from butlers.telemetry import current_carrier, current_trace_id
 
 MAX_NOTIFICATION_CHARS = 32_000
 NOTIFY_TOOL = "notify"
+# Where the owner is reached, one key per channel under [switchboard.owner].
+OWNER_KEYS = tuple(spec.owner_key for spec in CHANNELS if spec.owner_key)
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,16 @@ class Notifier:
         last = await self.inbox.last_of_conversation(conversation)
         if last is None or last.source_id is None:
             raise NotifyRefused(f"no conversation {conversation!r} to notify")
-        reply_to = last if last.channel == "email" else None  # mail continues its thread
+        spec = spec_of(last.channel)
+        # A mail continues its thread; a chat message stands on its own.
+        reply_to = last if spec is not None and spec.continues_thread else None
         return Destination(last.channel, last.source_id, conversation, reply_to)
 
     def _owner(self, channel: str | None) -> Destination:
         reachable = self.limits.owner.channels()
         if not reachable:
             raise NotifyRefused(
-                "no owner to notify: set telegram_chat_id or email under [switchboard.owner] "
+                f"no owner to notify: set {' or '.join(OWNER_KEYS)} under [switchboard.owner] "
                 "in the switchboard's butler.toml"
             )
         if channel is not None:

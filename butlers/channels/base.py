@@ -1,0 +1,124 @@
+"""What a channel is: the one protocol every way people reach the switchboard implements.
+
+A channel has two halves. Its `ChannelSpec` is light (pydantic only) and describes it: its
+name, its `[modules.<name>]` table, the variables holding its secrets (redaction, `doctor`),
+the one of them it cannot run without, how it recognises a reply to one of our messages
+(thread affinity), its commands, what files it carries, and how to open it. Its
+`ChannelModule` is what `open` returns inside a butler: it registers tools and webhook routes,
+receives (polling or webhooks, into the switchboard's inbox), and sends (the outbox's rows).
+
+Everything that used to name the channels one by one (the modules' builder, the config's
+table and its channel names, redaction, conversations, notifications, the dashboard) reads
+`butlers.channels.CHANNELS` instead; docs/architecture.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from fastmcp import FastMCP
+    from starlette.routing import BaseRoute
+
+    from butlers.context import ModuleStatus
+    from butlers.settings import Settings
+    from butlers.switchboard.approvals import ApprovalDesk
+    from butlers.switchboard.inbox import InboxMessage
+    from butlers.switchboard.outbox import Delivery
+    from butlers.switchboard.pairing import PairingDesk
+    from butlers.switchboard.worker import InboxWorker
+
+
+class ChannelModule(Protocol):
+    """A channel running inside the switchboard (or, with no worker, a butler that only sends).
+
+    Receiving: `start` connects; `lead` starts what only one switchboard process may do
+    (Telegram's getUpdates, the IMAP watch) and `step_down` stops it; each message is handed
+    to the worker's `accept` and acknowledged to its channel only once stored. Sending: the
+    outbox turns a reply into rows with `prepare` and sends each with `deliver`."""
+
+    name: str
+    status: ModuleStatus
+    # The switchboard's desks, set when it opens the channel (None: not asked).
+    approvals: ApprovalDesk | None
+    pairing: PairingDesk | None
+
+    def register(self, mcp: FastMCP) -> None:
+        """Add the channel's tools (`send_message`, `send_email`) to the butler's server."""
+        ...
+
+    def webhook_routes(self) -> list[BaseRoute]:
+        """HTTP routes its messages may arrive on (they carry their own secrets)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def lead(self) -> None: ...
+
+    async def step_down(self) -> None: ...
+
+    def prepare(
+        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The rows one message becomes (text over the channel's limit is split), each with
+        what `deliver` will need (`reply_to`: the message this answers, if any; `butler`:
+        who speaks, for a notification's subject)."""
+        ...
+
+    async def deliver(self, delivery: Delivery) -> list[str]:
+        """Send one row; the channel's own ids of what was sent. Raises DeliveryError."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChannelContext:
+    """What opening a channel may use: the butler's settings (its variables are looked up
+    there, never in os.environ) and the switchboard's worker (None on a butler that is not
+    the switchboard: a channel there could only send)."""
+
+    settings: Settings
+    worker: InboxWorker | None
+
+    def variable(self, name: str) -> str | None:
+        return self.settings.variable(name)
+
+
+class ChannelSpec:
+    """One channel, described. Subclasses set the class attributes and implement `open`,
+    `secret_variables` and `required_variables`; the rest have defaults for a channel with
+    no threads and no commands."""
+
+    name: ClassVar[str]
+    config_model: ClassVar[type]  # its `[modules.<name>]` table (a pydantic dataclass)
+    # Its key under [switchboard.owner]: where the owner is reached on it ("" : not there).
+    owner_key: ClassVar[str] = ""
+    commands: ClassVar[tuple[str, ...]] = ()
+    # What its people can send that is read (butlers.media kinds); the rest gets a reply
+    # saying what is read.
+    carries: ClassVar[frozenset[str]] = frozenset()
+    # A notification to one of its conversations continues the conversation's thread (mail's
+    # In-Reply-To); else it is sent on its own.
+    continues_thread: ClassVar[bool] = False
+
+    def secret_variables(self, config: Any) -> list[str]:
+        """Names of the variables holding its secrets: never logged (butlers.redact)."""
+        raise NotImplementedError
+
+    def required_variables(self, config: Any) -> list[str]:
+        """The variables it cannot run without: one unset makes it `skipped`, saying which."""
+        raise NotImplementedError
+
+    def open(self, config: Any, context: ChannelContext) -> ChannelModule:
+        """The running module (nothing connects before its `start`)."""
+        raise NotImplementedError
+
+    def answered_ids(self, meta: dict[str, Any]) -> list[str]:
+        """The channel's own ids of our messages that a message (its inbox meta) answers."""
+        return []
+
+    def command_of(self, text: str) -> str | None:
+        """The command `text` is, answered without any butler (/help), or None."""
+        return None
