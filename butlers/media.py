@@ -1,10 +1,11 @@
 """Attachments: the files a message carries (a voice note, a photo, a PDF, a text file).
 
 A channel downloads a file, checks it (`checked`: its type read from its bytes, never from its
-name; its size against the channel's cap) and hands it to the inbox with the message, in the
-same transaction. From there the same bytes go, on every attempt, to transcription (audio) or
-to the routed butler's Claude Code session (images, PDFs and text, as content blocks the model
-sees). The classifier sees only `describe()`: kind, size and name, never the bytes.
+name or the type the sender declared; its size against the channel's cap; `check_count`: how
+many a message may carry) and hands it to the inbox with the message, in the same transaction.
+From there the same bytes go, on every attempt, to transcription (audio) or to the routed
+butler's Claude Code session (images, PDFs and text, as content blocks the model sees). The
+classifier sees only `describe()`: kind, size and name, never the bytes.
 
 Between the switchboard and a butler an attachment travels inside `trigger`'s arguments in its
 wire form (`to_wire` / `from_wire`): base64, with its name and type.
@@ -18,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import puremagic
+
 from butlers.errors import AttachmentRefused
 from butlers.text import printable
 
@@ -27,6 +30,35 @@ MAX_NAME_CHARS = 120
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
 # Image types the Messages API reads.
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+# What the sender reads when a file is of none of the kinds above.
+NOT_READ = "is not a photo, PDF, text file or voice note, so I cannot read it"
+# puremagic's names (its MIME type, else its extension) for the types read here, each mapped
+# to the one type we store: the transcription services and the Messages API take these.
+_SNIFFED: dict[str, str] = {
+    "image/jpeg": "image/jpeg",
+    "image/png": "image/png",
+    "image/gif": "image/gif",
+    "image/webp": "image/webp",
+    "application/pdf": "application/pdf",
+    "application/ogg": "audio/ogg",  # checked further: an Ogg file may hold video
+    "audio/ogg": "audio/ogg",
+    "audio/x-opus+ogg": "audio/ogg",
+    "audio/mpeg": "audio/mpeg",
+    "audio/mp4": "audio/mp4",
+    "audio/x-m4a": "audio/mp4",
+    ".m4a": "audio/mp4",  # puremagic names the "M4A " brand by its extension only
+    "audio/wave": "audio/wav",
+    "audio/x-wav": "audio/wav",
+    "audio/wav": "audio/wav",
+    "audio/flac": "audio/flac",
+}
+# The first packet of an Ogg stream names its codec: these are audio (Opus: a Telegram voice
+# note); anything else (Theora video, an unknown codec) is not read.
+_OGG_AUDIO_CODECS = (b"OpusHead", b"\x01vorbis", b"\x7fFLAC", b"Speex   ")
+# After a PDF's "%PDF-" and its major version digit.
+_PDF_MINORS = tuple(f".{n}".encode() for n in range(10))
+# Text: at most this share of characters outside the printable ones, tab, CR, LF and FF.
+_TEXT_MAX_UNPRINTABLE = 0.05
 
 
 @dataclass(frozen=True)
@@ -96,6 +128,119 @@ def from_wire(items: Sequence[Mapping[str, Any]] | None) -> list[Attachment]:
             raise AttachmentRefused(f"{where}.data: not base64 ({exc})") from None
         attachments.append(Attachment(clean_name(str(name or "")), mime_type, raw))
     return attachments
+
+
+def sniff(data: bytes) -> str | None:
+    """The type of `data`, read from its bytes alone (never a name or a declared type): one
+    of the image, PDF, audio and text types read here, or None for anything else.
+
+    The magic numbers are puremagic's; of its best guesses (those of its highest confidence)
+    the first one read here counts. Where a signature says little, more is checked: an Ogg
+    file must be audio (its first packet names Opus, Vorbis, FLAC or Speex), a PDF must start
+    with a `%PDF-n.n` header, a JPEG with a marker after its start-of-image one. A file that
+    is readable text throughout is text even when it starts like an image or audio file
+    ("GIF89a is...", "ID3 tags..."): real images and audio always hold bytes no text has;
+    only a PDF can be plain ASCII, so its header wins.
+    """
+    if not data:
+        return None
+    sniffed = _magic(data)
+    if sniffed == "application/pdf":
+        return sniffed
+    if _is_text(data):
+        return "text/plain"
+    return sniffed
+
+
+def _magic(data: bytes) -> str | None:
+    """puremagic's best guess among the types read here, with the checks it lacks."""
+    try:
+        matches = puremagic.magic_string(data)
+    except (puremagic.PureError, ValueError):
+        return None
+    if not matches:
+        return None
+    best = matches[0].confidence
+    for match in matches:
+        if match.confidence < best:
+            break
+        mime_type = _SNIFFED.get(match.mime_type) or _SNIFFED.get(match.extension)
+        if mime_type is None:
+            continue
+        if mime_type == "audio/ogg":
+            return mime_type if _ogg_audio(data) else None
+        if mime_type == "application/pdf":
+            return mime_type if _pdf_header(data) else None
+        if mime_type == "image/jpeg":  # its start-of-image marker, then a segment's marker
+            return mime_type if data.startswith(b"\xff\xd8\xff") else None
+        return mime_type
+    return None
+
+
+def _ogg_audio(data: bytes) -> bool:
+    """Whether an Ogg stream's first page starts an audio codec's stream."""
+    # The page header: "OggS", version 0, flags (beginning of stream: 2), granule position,
+    # serial, sequence, CRC, then the number of segments and their lengths.
+    if len(data) < 27 or data[:5] != b"OggS\x00" or not data[5] & 0x02:
+        return False
+    start = 27 + data[26]
+    packet = data[start : start + sum(data[27:start])]
+    return packet.startswith(_OGG_AUDIO_CODECS)
+
+
+def _pdf_header(data: bytes) -> bool:
+    """`%PDF-` and a version such as 1.7 (a text merely starting with "%PDF" is not one)."""
+    version = data[5:8]
+    return data.startswith(b"%PDF-") and version[:1].isdigit() and version[1:] in _PDF_MINORS
+
+
+def _is_text(data: bytes) -> bool:
+    """Valid UTF-8, no NUL, and (almost) every character printable or a line or tab."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    if "\x00" in text:
+        return False
+    unprintable = sum(1 for c in text if not c.isprintable() and c not in "\t\r\n\f")
+    return unprintable <= len(text) * _TEXT_MAX_UNPRINTABLE
+
+
+def checked(data: bytes, name: str, *, max_bytes: int) -> Attachment:
+    """A file as received, made an Attachment once it may be read; else AttachmentRefused,
+    whose text tells the sender which file and which limit (nothing of the file is kept).
+
+    The type is the one its bytes show (`sniff`): a name or a declared type saying otherwise
+    does not matter, so an executable named photo.jpg is refused and a PNG named x.pdf is an
+    image. The size is checked first: an oversized file is not even read."""
+    name = clean_name(name)
+    if len(data) > max_bytes:
+        raise AttachmentRefused(f"{name!r} is {_sizes(len(data), max_bytes)}")
+    if not data:
+        raise AttachmentRefused(f"{name!r} is empty, so I cannot read it")
+    mime_type = sniff(data)
+    if mime_type is None:
+        raise AttachmentRefused(f"{name!r} {NOT_READ}")
+    if mime_type in IMAGE_TYPES and len(data) > MAX_IMAGE_BYTES:
+        raise AttachmentRefused(f"{name!r} is {_sizes(len(data), MAX_IMAGE_BYTES, 'a photo')}")
+    return Attachment(name, mime_type, data)
+
+
+def check_count(count: int, limit: int) -> None:
+    """AttachmentRefused when a message carries more files than `limit`."""
+    if count > limit:
+        files = "file" if limit == 1 else "files"
+        raise AttachmentRefused(
+            f"This message has {count} files; I read at most {limit} {files} a message"
+        )
+
+
+def _sizes(size: int, limit: int, of: str = "") -> str:
+    """'12.3 MB; the most I can read is 10.0 MB': in bytes when both would read the same."""
+    shown, most = human_size(size), human_size(limit)
+    if shown == most:
+        shown, most = f"{size:,} bytes", f"{limit:,} bytes"
+    return f"{shown}; the most I can read{' of ' + of if of else ''} is {most}"
 
 
 def kind_or_none(mime_type: str) -> Kind | None:
