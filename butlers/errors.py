@@ -21,6 +21,7 @@ Exception
 │   ├── NotifyFailed           a butler's `notify`: the switchboard did not take it
 │   ├── NotifyRefused          the switchboard's `deliver`: a notification it will not send
 │   ├── DeliveryError          a channel did not take an outbox row (`permanent` or not)
+│   ├── TranscriptionFailed    a voice note did not become text (`transient` or not)
 │   └── MailError              sending or fetching mail failed (host:port in the message)
 │       ├── MailRefused        will not work until someone acts (certificate, login)
 │       └── MailUnreadable     a mail or webhook body we will not read
@@ -168,6 +169,22 @@ class DeliveryError(ButlersError):
     def __init__(self, message: str, *, permanent: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+
+class TranscriptionFailed(ButlersError):
+    """A voice note did not become text (butlers.switchboard.transcription).
+
+    `transient`: the service may well take it later (it answered 5xx or 429, did not answer in
+    time, or could not be reached): the worker keeps the message and tries again. Otherwise
+    trying again changes nothing until someone acts (a refused key, a file the service will not
+    read, an answer without text, no local model). `status`: the HTTP status the service
+    answered, None when none came. The message names the service and what it said, never its
+    key: it is logged, and the key is in no log."""
+
+    def __init__(self, message: str, *, transient: bool, status: int | None = None) -> None:
+        super().__init__(message)
+        self.transient = transient
+        self.status = status
 
 
 class MailError(ButlersError):
