@@ -1,8 +1,10 @@
 """The durable inbox: a message is in PostgreSQL before its channel is told it was received.
 
 `accept()` is idempotent on the channel's own id (Telegram update_id, email Message-ID), so a
-redelivered message is stored once. Workers (in one or several switchboard processes) claim
-messages in arrival order, the messages of one conversation one at a time.
+redelivered message is stored once, with its files (`inbox_attachments`) in the same
+transaction. Workers (in one or several switchboard processes) claim messages in arrival
+order, the messages of one conversation one at a time; a message put back for a while
+(`defer`) is not claimed before its time, and its conversation waits behind it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from typing import Any
 import asyncpg
 
 from butlers.core_store import storable, storable_json
+from butlers.media import Attachment
 
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
+
+_ACCEPT = """
+    INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
+                       trace_context, conversation)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    ON CONFLICT (channel, external_id) DO NOTHING
+    RETURNING id
+"""
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,17 @@ class IncomingMessage:
     # telegram:<chat>[:<topic>] or email:<thread root Message-ID>: what history and replies
     # belong together.
     conversation: str | None = None
+    # The files it carries, checked (butlers.media.checked), in the sender's order.
+    attachments: tuple[Attachment, ...] = ()
+
+
+def described(attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
+    """What an inbox row's meta says of its files ("attachments"), so that its readers (the
+    worker, the dashboard) know what it carries without reading the files."""
+    return [
+        {"name": a.name, "mime_type": a.mime_type, "size": a.size, "kind": a.kind}
+        for a in attachments
+    ]
 
 
 @dataclass(frozen=True)
@@ -78,25 +100,116 @@ class InboxStore:
     async def accept(
         self, message: IncomingMessage, trace_context: dict[str, str] | None
     ) -> int | None:
-        """Store a message; returns its id, or None when it was already there (a duplicate)."""
-        return await self.pool.fetchval(
-            """
-            INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
-                               trace_context, conversation)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-            ON CONFLICT (channel, external_id) DO NOTHING
-            RETURNING id
-            """,
+        """Store a message; returns its id, or None when it was already there (a duplicate).
+
+        A message with files is stored with them in one transaction (a duplicate stores
+        nothing), its meta listing them ("attachments": name, type, size, kind). One without
+        (nearly all) is the one statement it always was: the intake's hot path."""
+        if not message.attachments:
+            return await self.pool.fetchval(_ACCEPT, *self._accept_args(message, trace_context))
+        meta = {**message.meta, "attachments": described(message.attachments)}
+        async with self.pool.acquire() as conn, conn.transaction():
+            inbox_id: int | None = await conn.fetchval(
+                _ACCEPT, *self._accept_args(message, trace_context, meta)
+            )
+            if inbox_id is None:
+                return None
+            # The digest and size are PostgreSQL's to work out: not our event loop's.
+            await conn.executemany(
+                """INSERT INTO inbox_attachments (inbox_id, position, name, mime_type, size,
+                                                  sha256, data)
+                   VALUES ($1, $2, $3, $4, octet_length($5::bytea),
+                           encode(sha256($5::bytea), 'hex'), $5::bytea)""",
+                [
+                    (inbox_id, position, storable(a.name), a.mime_type, a.data)
+                    for position, a in enumerate(message.attachments)
+                ],
+            )
+            return inbox_id
+
+    @staticmethod
+    def _accept_args(
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        meta: dict[str, Any] | None = None,
+    ) -> tuple[Any, ...]:
+        return (
             message.channel,
             storable(message.external_id),
             storable(message.source_id),
             storable(message.sender_name),
             storable(message.subject),
             storable(message.text),
-            storable_json(message.meta),
+            storable_json(message.meta if meta is None else meta),
             trace_context,
             storable(message.conversation),
         )
+
+    async def attachments(self, inbox_id: int) -> list[Attachment]:
+        """A message's files, in the sender's order: the same bytes on every attempt."""
+        rows = await self.pool.fetch(
+            """SELECT name, mime_type, data FROM inbox_attachments
+               WHERE inbox_id = $1 ORDER BY position""",
+            inbox_id,
+        )
+        return [Attachment(r["name"], r["mime_type"], r["data"]) for r in rows]
+
+    async def transcribed(
+        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool
+    ) -> bool:
+        """A voice note heard: `text` becomes the message's text (meta "voice": true), and its
+        audio files go (their rows, and their lines in meta "attachments") unless `keep_audio`.
+        Only while `replica` holds the claim; False when it does not (another process took the
+        message over: its work counts). One statement: the text and the audio go together."""
+        done = await self.pool.fetchval(
+            """
+            WITH message AS (
+                UPDATE inbox SET text = $2,
+                    meta = CASE
+                        WHEN $4 OR jsonb_typeof(meta -> 'attachments') IS DISTINCT FROM 'array'
+                        THEN meta || '{"voice": true}'
+                        ELSE meta || jsonb_build_object('voice', true, 'attachments', coalesce(
+                            (SELECT jsonb_agg(a ORDER BY n)
+                             FROM jsonb_array_elements(meta -> 'attachments')
+                                  WITH ORDINALITY AS listed (a, n)
+                             WHERE a ->> 'kind' IS DISTINCT FROM 'audio'),
+                            '[]'::jsonb))
+                    END
+                WHERE id = $1 AND claimed_by = $3 AND status = 'processing'
+                RETURNING id
+            ), audio AS (
+                DELETE FROM inbox_attachments
+                WHERE NOT $4 AND inbox_id = (SELECT id FROM message)
+                  AND mime_type LIKE 'audio/%'
+            )
+            SELECT count(*) = 1 FROM message
+            """,
+            inbox_id,
+            storable(text),
+            replica,
+            keep_audio,
+        )
+        return bool(done)
+
+    async def defer(self, inbox_id: int, *, replica: str, delay_s: float, error: str) -> bool:
+        """Put a message `replica` holds back in the queue until `delay_s` from now (its voice
+        note's transcription service is failing): not claimed before then, its conversation's
+        later messages waiting behind it. The attempt does not count (as in `release`: nothing
+        crashed); `error` says why it waits; meta "deferred_since" keeps the first deferral's
+        time, from which the worker gives up after `retry_hours`. False: not held."""
+        result = await self.pool.execute(
+            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL,
+                      attempts = greatest(attempts - 1, 0),
+                      not_before = now() + make_interval(secs => $3), error = $4,
+                      meta = CASE WHEN meta ? 'deferred_since' THEN meta
+                                  ELSE meta || jsonb_build_object('deferred_since', now()) END
+               WHERE id = $1 AND claimed_by = $2 AND status = 'processing'""",
+            inbox_id,
+            replica,
+            delay_s,
+            storable(error),
+        )
+        return result.split()[-1] == "1"
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
         """Keep a message that cannot be processed (a mail that failed to store N times) as a
@@ -133,18 +246,20 @@ class InboxStore:
         """The oldest message that may start now, `processing` for `replica` until its lease
         ends, with its sender's last hour (in the same round trip); None when none may.
 
-        A message may start when it is queued (or its claim's lease ran out: its process
-        died) and its conversation has nothing older pending and nothing in flight: the
-        messages of one conversation go one at a time, in order, whichever process takes
-        them. One statement: FOR UPDATE SKIP LOCKED makes two processes claiming at once
-        take different messages, and a conversation's next message is not claimable while
-        an older one is still queued, so neither can take it out of turn.
+        A message may start when it is queued and not deferred past now (`not_before`), or its
+        claim's lease ran out (its process died), and its conversation has nothing older
+        pending and nothing in flight: the messages of one conversation go one at a time, in
+        order, whichever process takes them (a deferred one, still queued, holds back the
+        later ones of its conversation). One statement: FOR UPDATE SKIP LOCKED makes two
+        processes claiming at once take different messages, and a conversation's next message
+        is not claimable while an older one is still queued, so neither can take it out of
+        turn.
         """
         row = await self.pool.fetchrow(
             """
             WITH candidate AS (
                 SELECT q.id FROM inbox q
-                WHERE (q.status = 'queued'
+                WHERE ((q.status = 'queued' AND (q.not_before IS NULL OR q.not_before <= now()))
                        OR (q.status = 'processing' AND q.lease_until < now()))
                   AND NOT EXISTS (
                       SELECT 1 FROM inbox o
@@ -267,7 +382,8 @@ class InboxStore:
         return None if row is None else InboxMessage.from_row(row)
 
     async def prune(self, older_than_days: int) -> int:
-        """Delete finished messages older than that; queued and processing ones stay."""
+        """Delete finished messages older than that, their files with them (the cascade of
+        inbox_attachments); queued and processing ones stay."""
         result = await self.pool.execute(
             """DELETE FROM inbox WHERE finished_at < now() - make_interval(days => $1)
                AND status IN ('done', 'failed', 'skipped')""",

@@ -13,6 +13,10 @@ rows, not the channel's. The row is marked (HELD_KEY in its meta) and retried wi
 backoff; the channel's rows to others go out meanwhile, each recipient's still in order. Else
 one bad address would stop every reply for up to `reply_retry_hours`.
 
+A row may carry files (a butler sending a photo or a document back): they are written with
+it, in `outbox_attachments`, and its meta counts them (FILES_KEY), so that only such a row
+costs the sender a second query.
+
 The one window left: a crash after the channel took a message and before its row was marked
 sent. That row is sent again at the next start: at most one duplicate. Telegram has no
 idempotency key to prevent it; a mail is sent again with the same Message-ID, which mail
@@ -35,6 +39,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.core_store import storable, storable_json
 from butlers.errors import DeliveryError
+from butlers.media import Attachment
 from butlers.switchboard.inbox import InboxMessage
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier
@@ -50,6 +55,13 @@ ERROR_CHARS = 1000
 # In a row's meta: its last attempt was refused for its recipient only (RecipientDeferred), so
 # it holds back only that recipient's later rows.
 HELD_KEY = "held_for_recipient"
+# In a row's meta: how many files it carries (none: the key is absent).
+FILES_KEY = "files"
+_ADD = """
+    INSERT INTO outbox (kind, inbox_id, butler, channel, recipient, conversation, text, meta,
+                        trace_context)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+"""
 
 # Each recipient's first unsent row of the channel: the others wait for it (one pass over
 # the unsent rows, whatever their number).
@@ -88,6 +100,8 @@ class Outgoing:
     inbox_id: int | None = None
     butler: str | None = None  # who answered or notified: a reply to it goes back there
     conversation: str | None = None
+    # Files sent with the text (a Telegram photo or document, a mail's attachments).
+    attachments: tuple[Attachment, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,9 +119,10 @@ class Delivery:
     trace_context: dict[str, str] | None
     inbox_id: int | None
     butler: str | None
+    attachments: tuple[Attachment, ...] = ()  # the files to send with the text, in order
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> Delivery:
+    def from_row(cls, row: asyncpg.Record, attachments: Sequence[Attachment] = ()) -> Delivery:
         return cls(
             id=row["id"],
             kind=row["kind"],
@@ -120,6 +135,7 @@ class Delivery:
             trace_context=row["trace_context"],
             inbox_id=row["inbox_id"],
             butler=row["butler"],
+            attachments=tuple(attachments),
         )
 
 
@@ -151,33 +167,53 @@ class OutboxStore:
         messages: Sequence[Outgoing],
         trace_context: dict[str, str] | None,
     ) -> None:
-        """Queue messages, in the caller's transaction (with the inbox row they answer)."""
-        await conn.executemany(
-            """
-            INSERT INTO outbox (kind, inbox_id, butler, channel, recipient, conversation, text,
-                                meta, trace_context)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-            """,
-            [
-                (
-                    m.kind,
-                    m.inbox_id,
-                    m.butler,
-                    m.channel,
-                    storable(m.recipient),
-                    storable(m.conversation),
-                    storable(m.text),
-                    storable_json(m.meta),
-                    trace_context,
+        """Queue messages, in the caller's transaction (with the inbox row they answer).
+
+        Messages with files are written row by row (their ids are needed for the files, and
+        row order is delivery order), all in one transaction (a savepoint inside the
+        caller's); without any, in one round trip as always."""
+        if not any(m.attachments for m in messages):
+            await conn.executemany(_ADD, [self._row_args(m, trace_context) for m in messages])
+            return
+        async with conn.transaction():
+            for m in messages:
+                if not m.attachments:
+                    await conn.execute(_ADD, *self._row_args(m, trace_context))
+                    continue
+                meta = {**m.meta, FILES_KEY: len(m.attachments)}
+                outbox_id = await conn.fetchval(
+                    _ADD + " RETURNING id", *self._row_args(m, trace_context, meta)
                 )
-                for m in messages
-            ],
+                await conn.executemany(
+                    """INSERT INTO outbox_attachments (outbox_id, position, name, mime_type, data)
+                       VALUES ($1, $2, $3, $4, $5)""",
+                    [
+                        (outbox_id, position, storable(a.name), a.mime_type, a.data)
+                        for position, a in enumerate(m.attachments)
+                    ],
+                )
+
+    @staticmethod
+    def _row_args(
+        m: Outgoing, trace_context: dict[str, str] | None, meta: dict[str, Any] | None = None
+    ) -> tuple[Any, ...]:
+        return (
+            m.kind,
+            m.inbox_id,
+            m.butler,
+            m.channel,
+            storable(m.recipient),
+            storable(m.conversation),
+            storable(m.text),
+            storable_json(m.meta if meta is None else meta),
+            trace_context,
         )
 
     async def claim(self, channel: str) -> Delivery | None:
         """The channel's oldest unsent row, now `sending`, if it is due. Rows go out strictly
         in order: while the oldest waits for its next attempt, the ones after it wait too,
-        unless it is held for its recipient only (HELD_KEY): then only that recipient's do."""
+        unless it is held for its recipient only (HELD_KEY): then only that recipient's do.
+        A row with files (FILES_KEY) comes with them."""
         row = await self.pool.fetchrow(
             f"""
             WITH head AS (
@@ -191,7 +227,18 @@ class OutboxStore:
             """,
             channel,
         )
-        return None if row is None else Delivery.from_row(row)
+        if row is None:
+            return None
+        if not (row["meta"] or {}).get(FILES_KEY):
+            return Delivery.from_row(row)
+        files = await self.pool.fetch(
+            """SELECT name, mime_type, data FROM outbox_attachments
+               WHERE outbox_id = $1 ORDER BY position""",
+            row["id"],
+        )
+        return Delivery.from_row(
+            row, [Attachment(f["name"], f["mime_type"], f["data"]) for f in files]
+        )
 
     async def head_due_in_s(self, channel: str) -> float | None:
         """Seconds until the next row `claim` may take is due; None when there is none."""
@@ -261,7 +308,8 @@ class OutboxStore:
         )
 
     async def prune(self, older_than_days: int) -> int:
-        """Delete sent and failed rows older than that; what is still to send stays."""
+        """Delete sent and failed rows older than that, their files with them (the cascade of
+        outbox_attachments); what is still to send stays."""
         result = await self.pool.execute(
             """DELETE FROM outbox WHERE created_at < now() - make_interval(days => $1)
                AND status IN ('sent', 'failed')""",
