@@ -649,3 +649,105 @@ async def test_a_webhook_url_that_is_not_https_fails(tmp_path: Path) -> None:
     checks = await doctor(unset, {**env, "TELEGRAM_WEBHOOK_SECRET": "not a secret!"})
     assert checks["telegram-webhook"].status == "fail"
     assert "TELEGRAM_WEBHOOK_SECRET" in checks["telegram-webhook"].detail
+
+
+# -- voice notes ----------------------------------------------------------------------------------
+
+
+def _transcription(url: str = "", **more: str) -> str:
+    lines = [f'url = "{url}"'] + [f'{key} = "{value}"' for key, value in more.items()]
+    return "[switchboard.transcription]\n" + "\n".join(lines)
+
+
+async def test_a_transcription_service_without_its_key_warns_naming_the_variable(
+    tmp_path: Path,
+) -> None:
+    """A local speech-to-text server needs no key, so an unset one is a warning (not a failed
+    `secrets`); with it set, ok. Not configured at all: ok, saying what a voice note gets."""
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
+    checks = await doctor(fleet_dir(tmp_path / "none"), env)
+    assert checks["transcription"].status == "ok", checks["transcription"]
+    assert "not configured" in checks["transcription"].detail
+    assert checks["secrets"].status == "ok", checks["secrets"]
+    url = "https://api.groq.com/openai/v1/audio/transcriptions"
+    config = fleet_dir(tmp_path / "groq", switchboard=_transcription(url, api_key_env="GROQ_KEY"))
+    checks = await doctor(config, env)
+    found = checks["transcription"]
+    assert found.status == "warn", found
+    assert "GROQ_KEY is not set" in found.detail and url in found.detail
+    assert str(config / ".env") in found.detail
+    assert checks["secrets"].status == "ok", checks["secrets"]
+    key = f"gsk_{uuid.uuid4().hex}"
+    checks = await doctor(config, {**env, "GROQ_KEY": key})
+    assert checks["transcription"].status == "ok", checks["transcription"]
+    assert "with the key in GROQ_KEY" in checks["transcription"].detail
+    assert all(key not in check.detail for check in checks.values())
+
+
+async def test_a_transcription_key_over_plain_http_beyond_this_machine_fails(
+    tmp_path: Path,
+) -> None:
+    url = "http://stt.example.com:8000/v1/audio/transcriptions"
+    config = fleet_dir(tmp_path, switchboard=_transcription(url))
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", TRANSCRIPTION_API_KEY="k-123")
+    found = (await doctor(config, env))["transcription"]
+    assert found.status == "fail", found
+    assert "refusing to send the key in TRANSCRIPTION_API_KEY" in found.detail
+    # Without a key, a server on the local network over http is the owner's choice.
+    env.pop("TRANSCRIPTION_API_KEY")
+    assert (await doctor(config, env))["transcription"].status == "warn"
+
+
+async def test_a_local_model_that_is_not_there_fails(tmp_path: Path) -> None:
+    """model_path without faster-whisper installed, or naming no model: every voice note
+    would fail, so doctor fails, naming the key and the fix."""
+    import importlib.util
+
+    missing = tmp_path / "no-model"
+    config = fleet_dir(tmp_path, switchboard=_transcription(model_path=str(missing)))
+    found = (await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")))["transcription"]
+    assert found.status == "fail", found
+    assert f"model_path {str(missing)!r} does not exist" in found.detail
+    assert "nothing is downloaded" in found.detail
+    if importlib.util.find_spec("faster_whisper") is None:
+        assert "pip install faster-whisper" in found.detail
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.bin").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    config = fleet_dir(tmp_path / "b", switchboard=_transcription(model_path=str(model)))
+    found = (await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")))["transcription"]
+    if importlib.util.find_spec("faster_whisper") is None:
+        assert found.status == "fail" and "pip install faster-whisper" in found.detail
+        assert "model_path" in found.detail and "does not exist" not in found.detail
+    else:
+        assert found.status == "ok", found
+
+
+async def test_the_transcription_service_online_takes_the_key_and_a_silent_clip(
+    tmp_path: Path,
+) -> None:
+    """--online sends half a second of silence (a WAV made in code) as a voice note would go:
+    a wrong key fails naming the variable, never showing the key; the right one passes."""
+    from tests.fakes.transcription_api import FakeTranscriptionAPI
+
+    async with FakeTranscriptionAPI() as api:
+        config = fleet_dir(tmp_path, switchboard=_transcription(api.url))
+        wrong = f"sk-{uuid.uuid4().hex}"
+        env = base_env(tmp_path, TRANSCRIPTION_API_KEY=wrong)
+        found = (await doctor(config, env, online=True))["transcription-service"]
+        assert found.status == "fail", found
+        assert "answered 401" in found.detail and "TRANSCRIPTION_API_KEY" in found.detail
+        assert wrong not in found.detail
+        assert api.key is not None
+        env["TRANSCRIPTION_API_KEY"] = api.key
+        found = (await doctor(config, env, online=True))["transcription-service"]
+        assert found.status == "ok", found
+        assert "the key in TRANSCRIPTION_API_KEY" in found.detail
+        refused, taken = api.requests
+        assert refused.status == 401 and taken.status == 200
+        assert taken.file is not None and taken.file.startswith(b"RIFF")
+        assert taken.filename == "audio.wav" and taken.model == "whisper-1"
+        api.fail_next(1, 503)
+        found = (await doctor(config, env, online=True))["transcription-service"]
+        assert found.status == "warn" and "answered 503" in found.detail, found

@@ -24,6 +24,7 @@ def checks(subject: Subject) -> list[Check]:
         found += owner(subject, switchboard)
         found += mail(switchboard)
         found += telegram_webhook(subject, switchboard)
+        found += transcription(subject, switchboard)
     return found
 
 
@@ -45,7 +46,8 @@ class Needed:
 
 def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
     """Every variable `butler`'s config needs set: the channel modules' secrets, its tool
-    servers' headers and passed variables, the transcription key."""
+    servers' headers and passed variables. (The transcription key is `transcription`'s: a
+    local service needs none, so its absence is no failure.)"""
     if butler.telegram is not None:
         yield Needed(butler.telegram.token_env, f"{butler.name}: [modules.telegram] token_env")
         if butler.telegram.mode == "webhook":
@@ -65,11 +67,6 @@ def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
             yield Needed(
                 variable, f"{butler.name}: [[mcp_servers]] {server.name} pass_env", required=False
             )
-    # Voice notes (issue 27's [switchboard.transcription]), where this version has it.
-    transcription = getattr(butler.switchboard, "transcription", None)
-    api_key_env = getattr(transcription, "api_key_env", None)
-    if isinstance(api_key_env, str) and api_key_env:
-        yield Needed(api_key_env, f"{butler.name}: [switchboard.transcription] api_key_env")
 
 
 def secrets(subject: Subject) -> list[Check]:
@@ -323,3 +320,52 @@ def telegram_webhook(subject: Subject, switchboard: ButlerConfig) -> list[Check]
             fail("telegram-webhook", f"{telegram.webhook_url} is not https: Telegram requires it")
         ]
     return [ok("telegram-webhook", f"registered at start: {telegram.webhook_url}")]
+
+
+# -- voice notes ------------------------------------------------------------------------------
+
+
+def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
+    """`[switchboard.transcription]`: a service's key (only a warning when unset: a local
+    faster-whisper or whisper.cpp server needs none), never over plain http beyond this
+    machine; or the local model, whose package and files must be there (nothing is
+    downloaded), or every voice note fails."""
+    from butlers.switchboard.transcription import (
+        model_path_problem,
+        package_problem,
+        plaintext_key_refusal,
+        where,
+    )
+
+    assert switchboard.switchboard is not None
+    config = switchboard.switchboard.transcription
+    name = "transcription"
+    if config.model_path:
+        problems = [p for p in (package_problem(), model_path_problem(config.model_path)) if p]
+        if problems:
+            return [fail(name, f"{'; '.join(problems)} (in {_file(switchboard)})")]
+        return [ok(name, f"voice notes are transcribed here, by the model in {config.model_path}")]
+    if not config.url:
+        return [
+            ok(
+                name,
+                "not configured: a voice note is answered that it needs a transcription "
+                "service ([switchboard.transcription] url, or model_path)",
+            )
+        ]
+    service = where(config.url)
+    key = subject.variable(config.api_key_env) if config.api_key_env else None
+    refusal = plaintext_key_refusal(config.url, key, config.api_key_env)
+    if refusal is not None:
+        return [fail(name, f"{refusal} ([switchboard.transcription] url in {_file(switchboard)})")]
+    if key is None and config.api_key_env:
+        return [
+            warn(
+                name,
+                f"{config.api_key_env} is not set, so voice notes go to {service} without a "
+                "key: fine for a server of your own, but OpenAI and Groq refuse them; "
+                f"{subject.where_to_set(config.api_key_env)}",
+            )
+        ]
+    said = f" with the key in {config.api_key_env}" if key is not None else ", without a key"
+    return [ok(name, f"voice notes go to {service} (model {config.model}){said}")]

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import json
+import wave
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from butlers.doctor.local import CREDENTIAL_VARIABLES, claude_binary, claude_log
 from butlers.doctor.report import ENV_FILE, Check, Subject, fail, ok, warn
 
 if TYPE_CHECKING:
-    from butlers.config import EmailConfig, TelegramConfig
+    from butlers.config import EmailConfig, TelegramConfig, TranscriptionConfig
 
 DEFAULT_ANTHROPIC_URL = "https://api.anthropic.com"
 ANTHROPIC_VERSION = "2023-06-01"
@@ -41,6 +43,10 @@ async def checks(subject: Subject) -> list[Check]:
             if email.mode != "webhook":
                 probes.append(("imap", lambda: _imap(subject, email)))
             probes.append(("smtp", lambda: _smtp(subject, email)))
+    if switchboard is not None and switchboard.switchboard is not None:
+        transcription = switchboard.switchboard.transcription
+        if transcription.url:  # a local model_path is checked offline: nothing to ask
+            probes.append(("transcription-service", lambda: _transcription(subject, transcription)))
     probes.append(("anthropic", lambda: _anthropic(subject)))
     endpoints = await _endpoints(subject)
     for name, url in endpoints.items():
@@ -210,6 +216,44 @@ async def _smtp(subject: Subject, config: EmailConfig) -> list[Check]:
         return [fail("smtp", f"{exc}; {_mail_fix(config)}")]
     how = f"logged in as {username}" if logged_in else "a relay without AUTH: no login"
     return [ok("smtp", f"{server.where}: EHLO answered, {how}")]
+
+
+# -- speech to text ---------------------------------------------------------------------------
+
+
+def silent_wav(seconds: float = 0.5, rate: int = 16_000) -> bytes:
+    """A short WAV of silence (16-bit mono): the smallest file every speech-to-text service
+    reads."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(b"\0\0" * int(rate * seconds))
+    return buffer.getvalue()
+
+
+async def _transcription(subject: Subject, config: TranscriptionConfig) -> list[Check]:
+    """Half a second of silence, sent as a voice note would be: the only request that proves
+    the URL, the key and the model together (the API has no cheaper one). It costs a fraction
+    of a cent where the service bills by the second (Groq bills at least 10 s). Any answer
+    with status 200 counts, whatever words the service heard in the silence."""
+    from butlers.errors import TranscriptionFailed
+    from butlers.media import Attachment
+    from butlers.switchboard.transcription import HttpTranscriber, where
+
+    name, service = "transcription-service", where(config.url)
+    key = subject.variable(config.api_key_env) if config.api_key_env else None
+    clip = Attachment("doctor.wav", "audio/wav", silent_wav())
+    async with HttpTranscriber(config, key) as transcriber:
+        try:
+            await transcriber.request(clip)
+        except TranscriptionFailed as exc:
+            if exc.transient and exc.status is not None:  # 5xx, 429: the service, not us
+                return [warn(name, f"{exc}; try again later")]
+            return [fail(name, str(exc))]
+    said = f"the key in {config.api_key_env}" if key is not None else "no key"
+    return [ok(name, f"{service} transcribed a test clip with {said} (model {config.model})")]
 
 
 # -- Claude Code's credentials ----------------------------------------------------------------
