@@ -215,6 +215,27 @@ async def test_the_key_never_goes_over_plain_http_beyond_this_machine() -> None:
     assert "use https" in str(failed)
 
 
+async def test_a_key_with_a_line_break_inside_is_refused_without_showing_it(
+    transcription_api: FakeTranscriptionAPI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trailing line break (a pasted .env value) is dropped; one inside the key cannot go
+    into a header (the HTTP library's own error would quote the key): refused, unsent."""
+    assert transcription_api.key is not None
+    async with HttpTranscriber(
+        config(transcription_api.url), transcription_api.key + "\n"
+    ) as transcriber:
+        assert await transcriber.transcribe(VOICE) == DEFAULT_TEXT
+    caplog.set_level(logging.DEBUG)
+    broken = "sk-half\nsk-other-half"
+    async with HttpTranscriber(config(transcription_api.url), broken) as transcriber:
+        failed = await failure(transcriber)
+    assert failed.transient is False
+    assert "the key in TRANSCRIPTION_API_KEY holds a space, a line break" in str(failed)
+    assert "sk-half" not in str(failed) and "other-half" not in str(failed)
+    assert all("sk-half" not in record.getMessage() for record in caplog.records)
+    assert len(transcription_api.requests) == 1  # the first one only
+
+
 # -- TLS ----------------------------------------------------------------------------------------
 
 

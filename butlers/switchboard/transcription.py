@@ -128,6 +128,17 @@ def plaintext_key_refusal(url: str, key: str | None, api_key_env: str) -> str | 
     )
 
 
+def unusable_key(key: str | None, api_key_env: str) -> str | None:
+    """Why `key` cannot go into a header, or None. Said without the key: the HTTP library's
+    own error would quote it (h11 names an illegal header value)."""
+    if key is None or (key.isascii() and key.isprintable() and " " not in key):
+        return None
+    return (
+        f"the key in {api_key_env} holds a space, a line break, a control or a non-ASCII "
+        "character: copy it again"
+    )
+
+
 class HttpTranscriber:
     """An OpenAI-compatible speech-to-text service. One HTTP client (kept-alive connections,
     one TLS context) for the transcriber's life: `aclose()` it."""
@@ -136,11 +147,16 @@ class HttpTranscriber:
         self.url = config.url
         self._model = config.model
         self._language = config.language
-        self._key = api_key or None
+        # A key pasted into a .env file often ends in a line break: not part of the key.
+        self._key = (api_key or "").strip() or None
         self._key_env = config.api_key_env
         self._timeout_s = config.timeout_s
-        self._refusal = plaintext_key_refusal(self.url, self._key, self._key_env)
-        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        self._refusal = unusable_key(self._key, self._key_env) or plaintext_key_refusal(
+            self.url, self._key, self._key_env
+        )
+        headers = (
+            {"Authorization": f"Bearer {self._key}"} if self._key and not self._refusal else {}
+        )
         # The system's trust store or SSL_CERT_FILE's, as for the mail servers (httpx's own
         # default would be certifi's bundle, which ignores the system's).
         self._client = httpx.AsyncClient(
