@@ -693,6 +693,8 @@ async def test_a_transcription_key_over_plain_http_beyond_this_machine_fails(
     found = (await doctor(config, env))["transcription"]
     assert found.status == "fail", found
     assert "refusing to send the key in TRANSCRIPTION_API_KEY" in found.detail
+    found = (await doctor(config, {**env, "TRANSCRIPTION_API_KEY": "k-1\nk-2"}))["transcription"]
+    assert found.status == "fail" and "holds a space, a line break" in found.detail, found
     # Without a key, a server on the local network over http is the owner's choice.
     env.pop("TRANSCRIPTION_API_KEY")
     assert (await doctor(config, env))["transcription"].status == "warn"

@@ -334,6 +334,7 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
         model_path_problem,
         package_problem,
         plaintext_key_refusal,
+        unusable_key,
         where,
     )
 
@@ -355,7 +356,10 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
         ]
     service = where(config.url)
     key = subject.variable(config.api_key_env) if config.api_key_env else None
-    refusal = plaintext_key_refusal(config.url, key, config.api_key_env)
+    key = key.strip() if key is not None else None  # as the transcriber takes it
+    refusal = unusable_key(key, config.api_key_env) or plaintext_key_refusal(
+        config.url, key, config.api_key_env
+    )
     if refusal is not None:
         return [fail(name, f"{refusal} ([switchboard.transcription] url in {_file(switchboard)})")]
     if key is None and config.api_key_env:
