@@ -50,6 +50,13 @@ async def transcriber(transcription_api: FakeTranscriptionAPI) -> AsyncIterator[
         yield client
 
 
+def debug_everywhere(caplog: pytest.LogCaptureFixture) -> None:
+    """Every record at every level, httpx's and httpcore's too, whatever an earlier test in
+    this process set their levels to (butlers.logs quietens httpx)."""
+    for name in (None, "httpx", "httpcore"):
+        caplog.set_level(logging.DEBUG, logger=name)
+
+
 async def failure(transcriber: HttpTranscriber, audio: Attachment = VOICE) -> TranscriptionFailed:
     with pytest.raises(TranscriptionFailed) as caught:
         await transcriber.transcribe(audio)
@@ -109,7 +116,7 @@ async def test_a_wrong_key_is_permanent_says_401_and_never_shows_the_key(
     """The service refuses the key and echoes it in its error (as a careless one does): the
     message says 401 and which variable to check, and neither it nor any log record, at any
     level, holds the key."""
-    caplog.set_level(logging.DEBUG)
+    debug_everywhere(caplog)
     wrong = "sk-wrong-5f0c1d2e3a4b5c6d7e8f"
     async with HttpTranscriber(config(transcription_api.url), wrong) as transcriber:
         failed = await failure(transcriber)
@@ -225,7 +232,7 @@ async def test_a_key_with_a_line_break_inside_is_refused_without_showing_it(
         config(transcription_api.url), transcription_api.key + "\n"
     ) as transcriber:
         assert await transcriber.transcribe(VOICE) == DEFAULT_TEXT
-    caplog.set_level(logging.DEBUG)
+    debug_everywhere(caplog)
     broken = "sk-half\nsk-other-half"
     async with HttpTranscriber(config(transcription_api.url), broken) as transcriber:
         failed = await failure(transcriber)
