@@ -47,7 +47,7 @@ class IncomingMessage:
     attachments: tuple[Attachment, ...] = ()
 
 
-def described(attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
+def meta_listing(attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
     """What an inbox row's meta says of its files ("attachments"), so that its readers (the
     worker, the dashboard) know what it carries without reading the files."""
     return [
@@ -107,7 +107,7 @@ class InboxStore:
         (nearly all) is the one statement it always was: the intake's hot path."""
         if not message.attachments:
             return await self.pool.fetchval(_ACCEPT, *self._accept_args(message, trace_context))
-        meta = {**message.meta, "attachments": described(message.attachments)}
+        meta = {**message.meta, "attachments": meta_listing(message.attachments)}
         async with self.pool.acquire() as conn, conn.transaction():
             inbox_id: int | None = await conn.fetchval(
                 _ACCEPT, *self._accept_args(message, trace_context, meta)
