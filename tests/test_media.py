@@ -195,6 +195,8 @@ def test_sniff_reads_the_type_from_the_bytes(data: bytes, expected: str) -> None
         pytest.param(b"\x01\x02\x03\x04\x05 mostly control characters", id="control-chars"),
         pytest.param("hello".encode("utf-16"), id="utf16-has-nul"),
         pytest.param(b"line one\x00line two", id="text-with-nul"),
+        pytest.param(b"a" * 200_000 + b"\x00", id="long-text-nul-at-the-end"),
+        pytest.param(b"a" * 200_000 + b"\xff", id="long-text-not-utf8-at-the-end"),
     ],
 )
 def test_sniff_reads_nothing_else(data: bytes) -> None:
