@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from butlers.config import TelegramConfig, TriageRule
+from butlers.modules.telegram import TEXT_ONLY
 from tests.conftest import (
     WEBHOOK_SECRET,
     StartButler,
@@ -151,7 +152,7 @@ async def test_strangers_are_refused_once_and_nothing_is_routed(
     assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
 
 
-async def test_photos_get_a_text_only_answer_and_edits_are_ignored(
+async def test_stickers_get_an_answer_saying_what_is_read_and_edits_are_ignored(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
@@ -160,14 +161,11 @@ async def test_photos_get_a_text_only_answer_and_edits_are_ignored(
 ) -> None:
     scripted_api.respond_with(model("general", {"general": "Got it."}))
     switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_photo(CHAT)
+    await bot_api.push_sticker(CHAT)
     await bot_api.push_edit(CHAT, "edited text")
     await bot_api.push_text(CHAT, "plain text")
     sent = await bot_api.wait_sent(2)
-    assert [s["text"] for s in sent] == [
-        "I can only read text messages for now: please write it out.",
-        "Got it.",
-    ]
+    assert [s["text"] for s in sent] == [TEXT_ONLY, "Got it."]
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["plain text"]
 

@@ -13,6 +13,14 @@ allowlist of From addresses is only as good as it); reading one costs bounded me
 time, off the event loop (limits in `mail_parse`); no single mail can block the mailbox or
 crash-loop the process (`mail_imap`); and nothing a sender writes reaches a header we write
 with a line break in it.
+
+Attachments: images, PDFs, audio and text files (their type read from their bytes) are stored
+with the mail, at most the switchboard's `max_attachments_per_message`, each at most
+`max_attachment_bytes`; the worker transcribes audio (the mail is marked `voice`) and hands
+the rest to the routed butler. A file refused by those limits does not cost the mail: the mail
+is stored with its text and the readable files, and its text says which file was not read
+and which limit refused it, so the butler's answer can tell the sender. Replies and
+notifications carry a butler's files as attachments (`send`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
 from butlers.errors import DeliveryError, MailError, MailRefused, MailUnreadable
 from butlers.http import secret_matches
+from butlers.media import Attachment
 from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
     ParsedMail,
@@ -43,9 +52,11 @@ from butlers.modules.mail_parse import (
     reply_subject,
     sender_allowed,
     single_address,
+    within_limits,
 )
 from butlers.modules.mail_transport import (
     MailServer,
+    attach,
     describe,
     security,
     smtp_send,
@@ -264,6 +275,14 @@ class EmailModule:
             mail.sender, mail.references.split(), mail.text or ""
         ):
             return  # the owner's "yes 12" in an approval's thread: decided, not routed
+        if mail.files:
+            # In a worker thread: reading a text file's type decodes all of it.
+            mail = await asyncio.to_thread(
+                within_limits,
+                mail,
+                max_bytes=self.config.max_attachment_bytes,
+                max_count=self.worker.limits.max_attachments_per_message,
+            )
         await self.worker.accept(_incoming(mail))
 
     async def record_failed(self, mail: ParsedMail, error: str) -> None:
@@ -325,8 +344,10 @@ class EmailModule:
         in_reply_to: str | None = None,
         references: str | None = None,
         message_id: str | None = None,
+        attachments: tuple[Attachment, ...] = (),
     ) -> str:
-        """Send a plain-text mail; its Message-ID (`message_id`, else a new one)."""
+        """Send a plain-text mail, with `attachments` as its files; its Message-ID
+        (`message_id`, else a new one)."""
         try:
             recipient, _ = single_address([to], "To")
         except ValueError as exc:
@@ -343,6 +364,7 @@ class EmailModule:
             message["In-Reply-To"] = one_line(in_reply_to)
             message["References"] = one_line(references or in_reply_to)
         message.set_content(body)
+        attach(message, attachments)
         try:
             await smtp_send(
                 self.smtp_server, message, self.username, self.password, context=self.tls_context
@@ -392,6 +414,7 @@ class EmailModule:
                 in_reply_to=meta.get("in_reply_to"),
                 references=meta.get("references"),
                 message_id=meta.get("message_id"),
+                attachments=delivery.attachments,
             )
         except MailError as exc:
             cause = exc.__cause__.__cause__ if exc.__cause__ is not None else None
@@ -421,19 +444,23 @@ class EmailModule:
 
 
 def _incoming(mail: ParsedMail) -> IncomingMessage:
+    """The mail as the inbox stores it, with its files (`within_limits` applied)."""
+    meta: dict[str, Any] = {"message_id": mail.message_id, "references": mail.references}
+    if mail.not_read:
+        meta["attachments_not_read"] = list(mail.not_read)
+    if any(file.kind == "audio" for file in mail.files):
+        # The worker transcribes it; the mail's own text stays beside the transcript.
+        meta["voice"] = True
     return IncomingMessage(
         channel="email",
         external_id=_external_id(mail),
-        text=mail.text or "(empty message)",
+        text=mail.text or ("" if mail.files else "(empty message)"),
         source_id=mail.sender or None,
         sender_name=mail.sender_name or None,
         subject=mail.subject or None,
-        meta={
-            "message_id": mail.message_id,
-            "references": mail.references,
-            "attachments": mail.attachments,
-        },
+        meta=meta,
         conversation=conversation_of(mail),
+        attachments=mail.files,
     )
 
 

@@ -13,6 +13,13 @@ not promise that, so the limits below are checked before it is asked:
 - a charset whose decoder is quadratic (punycode) is read as latin-1, like an unknown one;
 - an HTML body is converted only until there is text enough for MAX_TEXT_CHARS, and at most
   its first MAX_HTML_CHARS (converting takes ~0.6 s a MiB).
+
+Attachments: a part whose bytes are an image, a PDF, audio or text (butlers.media.sniff; a
+text file only when the sender also called it text: signatures, keys and other printable
+data sent as application/* are not the sender's words) is kept for the message (`files`);
+the others are listed by name in the text, as not read. The channel's own limits (bytes a
+file, files a message) are applied by `within_limits`, which says in the text what they
+refused.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from email.policy import EmailPolicy, compat32
 from html.parser import HTMLParser
 from typing import Any
 
-from butlers.errors import HeaderTooLong, MailUnreadable
+from butlers.errors import AttachmentRefused, HeaderTooLong, MailUnreadable
+from butlers.media import Attachment, check_count, checked, kind_or_none, sniff
 
 # A mail over this is not read (its envelope is kept as a failed inbox row): room for a long
 # text with a few photos attached (we keep at most MAX_TEXT_CHARS of text and the attachments'
@@ -63,12 +71,16 @@ class ParsedMail:
     sender_name: str
     subject: str
     text: str
-    attachments: list[str] = field(default_factory=list)
+    attachments: list[str] = field(default_factory=list)  # every attachment's name
     references: str = ""
     automated: str | None = None  # why this mail must not be answered, if it must not
     refused: str | None = None  # why its sender cannot be trusted (From), if it cannot
     authentication_results: tuple[str, ...] = ()  # Authentication-Results, topmost first
     unreadable: str | None = None  # why the rest cannot be read (a header too long, ...)
+    # The attachments of a kind read here (image, PDF, audio, text), their type read from
+    # their bytes; not yet checked against the channel's limits (`within_limits`).
+    files: tuple[Attachment, ...] = ()
+    not_read: tuple[str, ...] = ()  # the names of the attachments not read
 
 
 class _BoundedPolicy(EmailPolicy):
@@ -143,18 +155,79 @@ def parse_mail(raw: bytes) -> ParsedMail:
             raise MailUnreadable(mail.unreadable)
         body = message.get_body(preferencelist=("plain", "html"))
         text = _body_text(body) if body is not None else ""
-        attachments = [
-            one_line(str(part.get_filename() or "(unnamed)"))[:MAX_ATTACHMENT_NAME_CHARS]
-            for part in message.iter_attachments()
-        ]
+        attachments: list[str] = []
+        files: list[Attachment] = []
+        not_read: list[str] = []
+        for part in message.iter_attachments():
+            name = one_line(str(part.get_filename() or "(unnamed)"))[:MAX_ATTACHMENT_NAME_CHARS]
+            attachments.append(name)
+            file = _readable(part, name)
+            if file is None:
+                not_read.append(name)
+            else:
+                files.append(file)
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
     text = trim_quoted(text)[:MAX_TEXT_CHARS]
-    if attachments:
-        listed = ", ".join(attachments[:MAX_ATTACHMENTS_LISTED])
-        more = len(attachments) - MAX_ATTACHMENTS_LISTED
+    if not_read:
+        listed = ", ".join(not_read[:MAX_ATTACHMENTS_LISTED])
+        more = len(not_read) - MAX_ATTACHMENTS_LISTED
         text += f"\n\n[attachments not read: {listed}{f' and {more} more' if more > 0 else ''}]"
-    return replace(mail, text=text, attachments=attachments)
+    return replace(
+        mail,
+        text=text.strip(),
+        attachments=attachments,
+        files=tuple(files),
+        not_read=tuple(not_read),
+    )
+
+
+def _readable(part: MIMEPart, name: str) -> Attachment | None:
+    """The attachment `part` as a file we read, or None. Its type is read from its bytes (what
+    the sender declared never makes us read a part: an executable called image/jpeg is not
+    one); a text file also needs the sender to have called it text."""
+    payload = part.get_payload(decode=True)
+    if not isinstance(payload, bytes) or not payload:  # an attached mail, an empty part
+        return None
+    mime_type = sniff(payload)
+    kind = kind_or_none(mime_type) if mime_type is not None else None
+    if mime_type is None or kind is None:
+        return None
+    if kind == "text" and part.get_content_maintype() != "text":
+        return None
+    return Attachment(name, mime_type, payload)
+
+
+def within_limits(mail: ParsedMail, *, max_bytes: int, max_count: int) -> ParsedMail:
+    """The mail's files that its channel reads (at most `max_count`, each at most `max_bytes`:
+    butlers.media.checked); those refused are named in the text with why, in the words of
+    the refusal (which limit), so that the butler that answers can tell the sender. CPU-bound
+    on big text files: run it off the event loop."""
+    files: list[Attachment] = []
+    refusals: list[str] = []
+    refused: list[str] = []  # their names
+    for file in mail.files:
+        try:
+            files.append(checked(file.data, file.name, max_bytes=max_bytes))
+        except AttachmentRefused as exc:
+            refusals.append(str(exc))
+            refused.append(file.name)
+    try:
+        check_count(len(files), max_count)
+    except AttachmentRefused as exc:
+        left = [f.name for f in files[max_count:]]
+        refusals.append(f"{exc} (not read: {', '.join(map(repr, left))})")
+        refused += left
+        files = files[:max_count]
+    if not refusals:
+        return replace(mail, files=tuple(files))
+    notes = "\n".join(f"[not read: {why}]" for why in refusals)
+    return replace(
+        mail,
+        text=f"{mail.text}\n\n{notes}".strip(),
+        files=tuple(files),
+        not_read=(*mail.not_read, *refused),
+    )
 
 
 def _read_headers(message: Message) -> ParsedMail:

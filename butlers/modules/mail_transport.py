@@ -29,13 +29,14 @@ import asyncio
 import contextlib
 import re
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Any, Literal
 
 from butlers.errors import MailError, MailRefused
 from butlers.http import is_loopback
+from butlers.media import Attachment
 
 if TYPE_CHECKING:
     import aioimaplib
@@ -277,6 +278,20 @@ async def imap_close(client: aioimaplib.IMAP4) -> None:
 
 
 # -- SMTP -----------------------------------------------------------------------------------
+
+
+def attach(message: EmailMessage, attachments: Sequence[Attachment]) -> None:
+    """Add the files to a mail whose text is set: multipart/mixed, each file base64 with its
+    type and a Content-Disposition whose filename is encoded as RFC 2231 says when it is not
+    ASCII (the email package does that, and refuses a line break in it)."""
+    for attachment in attachments:
+        maintype, _, subtype = attachment.mime_type.partition("/")
+        message.add_attachment(
+            attachment.data,
+            maintype=maintype,
+            subtype=subtype or "octet-stream",
+            filename=attachment.name,
+        )
 
 
 async def smtp_send(

@@ -4,6 +4,16 @@ Polling is our own loop over python-telegram-bot's `Bot.get_updates`, not PTB's 
 Updater moves the offset on (acknowledging updates to Telegram) before handlers run, so a
 crash could lose a message. Here an update is stored in the inbox first, and only the next
 `get_updates` call, with the offset past it, acknowledges it.
+
+Files (a voice note, an audio file, a photo, a document) from a chat that may write are
+downloaded (getFile, then the file URL) and stored with the message, after
+`butlers.media.checked` read their type from their bytes: the worker transcribes audio and
+hands the rest to the routed butler. A file over `max_attachment_bytes` (by the size Telegram
+states, before downloading; by the bytes that came, after) or of a type not read gets one
+reply naming the limit, and nothing is stored: the update is settled. A download that fails
+for now (the Bot API's 5xx, the network) is an update not stored: not acknowledged, it comes
+again (polling), or the webhook answers 503 so that Telegram posts it again. Nothing is
+downloaded for a chat that may not write.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
@@ -23,15 +34,16 @@ from starlette.routing import BaseRoute, Route
 
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
-from butlers.errors import DeliveryError
+from butlers.errors import AttachmentRefused, DeliveryError
 from butlers.http import secret_matches
+from butlers.media import MAX_IMAGE_BYTES, Attachment, _sizes, check_count, checked
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
-    from telegram import CallbackQuery, Message, Update, User
+    from telegram import CallbackQuery, Message, PhotoSize, Update, User
     from telegram.ext import ExtBot
 
     from butlers.switchboard.approvals import ApprovalDesk
@@ -46,7 +58,12 @@ BACKOFF_S = (1, 2, 5, 10, 30, 60)
 WEBHOOK_PATH = "/telegram/webhook"
 TYPING_EVERY_S = 4.5
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
-TEXT_ONLY = "I can only read text messages for now: please write it out."
+TEXT_ONLY = (
+    "I can read text, voice notes, photos and documents, but not this kind of message: please "
+    "send it as one of those."
+)
+# A sendPhoto / sendDocument caption, in UTF-16 code units (as Telegram counts).
+MAX_CAPTION_CHARS = 1024
 # A group that writes with pairing on gets no code (one approval would let in every member,
 # present and future, while the owner sees one name); it is logged at most this often.
 GROUP_LOGGED_EVERY_S = 3600.0
@@ -97,6 +114,33 @@ def _name_of(user: User | None) -> str:
     return f"{user.full_name} (@{user.username})" if user.username else user.full_name
 
 
+@dataclass(frozen=True)
+class _File:
+    """A file a message carries, as Telegram describes it before we download it."""
+
+    file_id: str
+    name: str  # what the sender reads in a refusal: the file's name, else its kind
+    size: int | None  # what Telegram says its size is, if it says
+    limit: int  # the most bytes read of it
+
+
+def _largest_photo(sizes: tuple[PhotoSize, ...], limit: int) -> PhotoSize | None:
+    """Of a photo's sizes, the largest one within `limit` bytes (one whose size Telegram does
+    not state counts as within: its bytes are checked once downloaded); None when none is."""
+    within = [p for p in sizes if p.file_size is None or p.file_size <= limit]
+    return max(within, key=lambda p: (p.width * p.height, p.file_size or 0), default=None)
+
+
+def _too_big(name: str, size: int, limit: int) -> AttachmentRefused:
+    """The refusal of a file Telegram says is bigger than we read, before downloading it: in
+    the words `checked` uses for one that came bigger."""
+    return AttachmentRefused(f"{name!r} is {_sizes(size, limit)}")
+
+
+def _caption_fits(text: str) -> bool:
+    return len(text.encode("utf-16-le")) // 2 <= MAX_CAPTION_CHARS
+
+
 def _answering(message: Message, chat_id: str) -> InboxMessage:
     """What an answer to `message` replies to, as the outbox's channel reads it."""
     return InboxMessage(
@@ -135,11 +179,14 @@ class TelegramModule:
         # switchboard's; None: only allowed_chat_ids).
         self.pairing: PairingDesk | None = None
         base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
+        # Files come from <file base>/bot<token>/<file_path> (`file_base_url` names what comes
+        # before /bot; a value that already ends in it is taken as it is).
+        file_base = config.file_base_url.rstrip("/").removesuffix("/bot") or f"{base}/file"
         # A 429 would lose the reply without the rate limiter's retries.
         self.bot: ExtBot = ExtBot(
             token,
             base_url=f"{base}/bot",
-            base_file_url=f"{base}/file/bot",
+            base_file_url=f"{file_base}/bot",
             rate_limiter=AIORateLimiter(overall_max_rate=config.max_messages_per_s, max_retries=3),
         )
         self.status = ModuleStatus(self.name, "starting")
@@ -186,7 +233,12 @@ class TelegramModule:
             return JSONResponse({"error": "body is not JSON"}, status_code=400)
         if not isinstance(data, dict) or not isinstance(data.get("update_id"), int):
             return JSONResponse({"error": "body is not a Telegram update"}, status_code=400)
-        await self.handle_update_json(data)
+        try:
+            await self.handle_update_json(data)
+        except Exception:  # logged (handle_update): not stored, so Telegram must post it again
+            return JSONResponse(
+                {"error": "the update could not be taken; send it again later"}, status_code=503
+            )
         return JSONResponse({"ok": True})  # only now: the message is in the inbox
 
     def webhook_secret_problem(self) -> str | None:
@@ -244,22 +296,53 @@ class TelegramModule:
 
         reply_to = delivery.meta.get("reply_to_message_id")
         keyboard = delivery.meta.get("inline_keyboard")  # an approval's Approve / Deny
+        first: dict[str, Any] = {
+            "reply_markup": _inline_keyboard(keyboard) if keyboard else None,
+            "reply_parameters": (
+                ReplyParameters(int(reply_to), allow_sending_without_reply=True)
+                if reply_to
+                else None
+            ),
+        }
         try:
+            if delivery.attachments:
+                return await self._deliver_files(delivery, first)
             message = await self.bot.send_message(
-                chat_id=delivery.recipient,
-                text=delivery.text,
-                reply_markup=_inline_keyboard(keyboard) if keyboard else None,
-                reply_parameters=(
-                    ReplyParameters(int(reply_to), allow_sending_without_reply=True)
-                    if reply_to
-                    else None
-                ),
+                chat_id=delivery.recipient, text=delivery.text, **first
             )
         except (BadRequest, Forbidden, ChatMigrated) as exc:
             raise DeliveryError(f"Telegram refused it: {exc}", permanent=True) from exc
         except (TelegramError, OSError) as exc:
             raise DeliveryError(f"the Bot API did not take it: {exc}") from exc
         return [str(message.message_id)]
+
+    async def _deliver_files(self, delivery: Delivery, first: dict[str, Any]) -> list[str]:
+        """A row with files: each image with sendPhoto, anything else with sendDocument; the
+        text is the first file's caption when it fits one, else a message of its own before
+        them. `first` (the reply and the buttons) goes with the first message sent. Every
+        message's id comes back (a person may answer any of them: thread affinity)."""
+        from telegram import InputFile
+
+        ids: list[str] = []
+        chat = delivery.recipient
+        caption: str | None = None
+        if _caption_fits(delivery.text):
+            caption = delivery.text or None
+        else:
+            for chunk in split_text(delivery.text):
+                sent = await self.bot.send_message(chat_id=chat, text=chunk, **first)
+                ids.append(str(sent.message_id))
+                first = {}
+        for index, attachment in enumerate(delivery.attachments):
+            upload = InputFile(attachment.data, filename=attachment.name)
+            options = {**first, "caption": caption if index == 0 else None}
+            if attachment.kind == "image":
+                sent = await self.bot.send_photo(chat_id=chat, photo=upload, **options)
+            else:
+                sent = await self.bot.send_document(chat_id=chat, document=upload, **options)
+            ids.append(str(sent.message_id))
+            first = {}
+        return ids
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -273,7 +356,9 @@ class TelegramModule:
         await self.handle_update(Update.de_json(data, self.bot))
 
     async def handle_update(self, update: Update) -> None:
-        """Store a text message in the inbox; answer what will not be routed. Never raises."""
+        """Store a message (its text, caption and file) in the inbox; answer what will not be
+        routed. Raises when it could not be stored (or its file not downloaded, for now): the
+        update is then not acknowledged, and comes again."""
         try:
             await self._handle_update(update)
         except Exception:
@@ -295,11 +380,27 @@ class TelegramModule:
         if not self.allowed(chat_id) and not await self._paired(chat_id):
             await self._stranger(message, chat_id)
             return
+        attachments: tuple[Attachment, ...] = ()
         if not message.text:
-            await self._best_effort(chat_id, TEXT_ONLY)
-            return
+            try:
+                file = self._file_of(message)
+                if file is None:
+                    await self._best_effort(chat_id, TEXT_ONLY)
+                    return
+                attachments = (await self._download(file),)
+            except AttachmentRefused as exc:
+                logger.info(
+                    "telegram: chat %s: a file was not read: %s",
+                    chat_id,
+                    exc,
+                    extra={"action": "attachment_refused"},
+                )
+                await self._best_effort(chat_id, str(exc))
+                return
         user = message.from_user
         meta: dict[str, Any] = {"message_id": message.message_id}
+        if any(a.kind == "audio" for a in attachments):
+            meta["voice"] = True  # the worker transcribes it: the transcript is the message
         if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
             meta["reply_to_message_id"] = message.reply_to_message.message_id
         # A forum group's topics are separate conversations.
@@ -309,13 +410,80 @@ class TelegramModule:
             IncomingMessage(
                 channel="telegram",
                 external_id=str(update.update_id),
-                text=message.text,
+                text=message.text or message.caption or "",
                 source_id=chat_id,
                 sender_name=user.full_name if user else None,
                 meta=meta,
                 conversation=conversation,
+                attachments=attachments,
             )
         )
+
+    def _file_of(self, message: Message) -> _File | None:
+        """The file a message carries that we read (a voice note, an audio file, a photo: its
+        largest size within the limits, a document), or None (a sticker, a video, a
+        location...). AttachmentRefused when files are not read at all, or no photo size is
+        small enough."""
+        assert self.worker is not None
+        limit = self.config.max_attachment_bytes
+        file: _File | None = None
+        if message.voice is not None:
+            voice = message.voice
+            file = _File(voice.file_id, "voice note", voice.file_size, limit)
+        elif message.audio is not None:
+            audio = message.audio
+            file = _File(audio.file_id, audio.file_name or "audio", audio.file_size, limit)
+        elif message.photo:
+            # What the Messages API takes of an image, if that is less.
+            limit = min(limit, MAX_IMAGE_BYTES)
+            photo = _largest_photo(message.photo, limit)
+            if photo is None:
+                smallest = min(p.file_size or 0 for p in message.photo)
+                raise _too_big("photo", smallest, limit)
+            file = _File(photo.file_id, "photo", photo.file_size, limit)
+        elif message.document is not None:
+            document = message.document
+            name = document.file_name or "document"
+            file = _File(document.file_id, name, document.file_size, limit)
+        if file is not None:
+            check_count(1, self.worker.limits.max_attachments_per_message)
+        return file
+
+    async def _download(self, file: _File) -> Attachment:
+        """The file's bytes, checked (butlers.media.checked: its type read from them, its
+        size). AttachmentRefused when it is too big (by what Telegram states, before anything
+        is downloaded) or not read, or Telegram refuses it for good (a 400: an unknown or
+        too-big file); any other failure (5xx, network) raises as it is: tried again."""
+        from telegram.error import BadRequest, Forbidden, InvalidToken
+
+        if file.size is not None and file.size > file.limit:
+            raise _too_big(file.name, file.size, file.limit)
+        try:
+            remote = await self.bot.get_file(file.file_id)
+        except (BadRequest, Forbidden) as exc:
+            raise AttachmentRefused(
+                f"Telegram did not give me {file.name!r} ({exc.message}), so I cannot read it"
+            ) from exc
+        if remote.file_size is not None and remote.file_size > file.limit:
+            raise _too_big(file.name, remote.file_size, file.limit)
+        # python-telegram-bot reads a file_path that names a file on this machine from the
+        # disk (a Bot API server in --local mode): never ours to hand to a butler.
+        if not str(remote.file_path or "").startswith(self.bot.base_file_url + "/"):
+            logger.warning(
+                "telegram: getFile for %r answered no downloadable path (a Bot API server in "
+                "--local mode is not supported); refused",
+                file.name,
+                extra={"action": "attachment_refused"},
+            )
+            raise AttachmentRefused(f"Telegram did not give me {file.name!r} to download")
+        try:
+            data = bytes(await remote.download_as_bytearray())
+        except (BadRequest, Forbidden, InvalidToken) as exc:  # 4xx: the file is gone
+            raise AttachmentRefused(
+                f"Telegram did not give me {file.name!r} ({exc.message}), so I cannot read it"
+            ) from exc
+        # Reading the type may decode megabytes of text: off the event loop.
+        return await asyncio.to_thread(checked, data, file.name, max_bytes=file.limit)
 
     async def _paired(self, chat_id: str) -> bool:
         """Whether the owner paired this chat (asked of the database each time)."""

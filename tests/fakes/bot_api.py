@@ -11,7 +11,15 @@ getUpdates arriving while another still waits ends the waiting one with 409 Conf
 
 Inline keyboards: `push_press` queues a callback_query (a press of a button of one of the
 bot's messages); answerCallbackQuery and editMessageText are recorded (`press_answers`,
-`edits`)."""
+`edits`).
+
+Files: `push_voice`, `push_audio`, `push_photo` (several sizes), `push_document` and
+`push_sticker` queue a message carrying a file the fake keeps; getFile answers its file_path
+and file_size (the size it reports may be a lie, or left out: `reported_size`), and
+`/file/bot<token>/<file_path>` serves its bytes (`fail_downloads`: the next N downloads answer
+502). Each getFile and download is recorded (`file_requests`, `downloads`). sendPhoto and
+sendDocument (multipart) are recorded with the bytes, file name, caption and chat
+(`sent_files`)."""
 
 from __future__ import annotations
 
@@ -25,6 +33,12 @@ from typing import Any
 from aiohttp import web
 
 from tests.fakes import serve_on_loopback
+
+# A 1x1 PNG: a real image for the default photo.
+TINY_PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360000002000154a24f0a0000000049454e44ae426082"
+)
 
 
 class FakeBotAPI:
@@ -64,6 +78,13 @@ class FakeBotAPI:
         self.edits: list[dict[str, Any]] = []  # editMessageText calls
         self._sent_by_id: dict[int, dict[str, Any]] = {}  # message id -> its sendMessage params
         self._query_ids = itertools.count(5000)
+        # Files a pushed message carries: file_id -> {"data", "file_path", "reported_size"}.
+        self.files: dict[str, dict[str, Any]] = {}
+        self._file_ids = itertools.count(1)
+        self.file_requests: list[str] = []  # the file_id of every getFile call
+        self.downloads: list[str] = []  # the file_path of every download, answered or not
+        self.fail_downloads = 0  # the next N downloads answer 502 Bad Gateway
+        self.sent_files: list[dict[str, Any]] = []  # sendPhoto / sendDocument calls
 
     # -- what the test does -----------------------------------------------------------------
 
@@ -149,9 +170,114 @@ class FakeBotAPI:
         """The answerCallbackQuery call for `query_id`, once it came."""
         return next((a for a in self.press_answers if a["callback_query_id"] == query_id), None)
 
-    async def push_photo(self, chat_id: int) -> int:
-        photo = [{"file_id": "f1", "file_unique_id": "u1", "width": 1, "height": 1}]
-        return await self.push({"message": self._message(chat_id, photo=photo)})
+    def add_file(
+        self, data: bytes, file_path: str, *, reported_size: int | str | None = "true"
+    ) -> dict[str, Any]:
+        """Keep a file for getFile and download; its file_id, file_unique_id and file_size as
+        a message's file object carries them. `reported_size`: what getFile and the message
+        say its size is ("true": its real size; None: nothing)."""
+        number = next(self._file_ids)
+        file_id = f"file-{number}"
+        size = len(data) if reported_size == "true" else reported_size
+        self.files[file_id] = {
+            "data": data,
+            "file_path": f"{file_path.rsplit('.', 1)[0]}_{number}.{file_path.rsplit('.', 1)[-1]}",
+            "reported_size": size,
+        }
+        described: dict[str, Any] = {"file_id": file_id, "file_unique_id": f"u-{number}"}
+        if size is not None:
+            described["file_size"] = size
+        return described
+
+    def _with_caption(self, fields: dict[str, Any], caption: str | None) -> dict[str, Any]:
+        return {**fields, "caption": caption} if caption is not None else fields
+
+    async def push_voice(
+        self,
+        chat_id: int,
+        data: bytes,
+        *,
+        caption: str | None = None,
+        reported_size: int | str | None = "true",
+    ) -> int:
+        """A voice note (Telegram records them as OGG/Opus)."""
+        voice = {
+            **self.add_file(data, "voice/file.oga", reported_size=reported_size),
+            "duration": 3,
+            "mime_type": "audio/ogg",
+        }
+        return await self.push(
+            {"message": self._message(chat_id, **self._with_caption({"voice": voice}, caption))}
+        )
+
+    async def push_audio(
+        self, chat_id: int, data: bytes, file_name: str, mime_type: str = "audio/mpeg"
+    ) -> int:
+        """An audio file sent as music (message.audio)."""
+        audio = {
+            **self.add_file(data, "music/file.mp3"),
+            "duration": 3,
+            "file_name": file_name,
+            "mime_type": mime_type,
+        }
+        return await self.push({"message": self._message(chat_id, audio=audio)})
+
+    async def push_photo(
+        self,
+        chat_id: int,
+        sizes: list[tuple[bytes, int, int]] | None = None,
+        *,
+        caption: str | None = None,
+        reported_sizes: list[int | str | None] | None = None,
+    ) -> int:
+        """A photo, as Telegram sends one: the same picture in several sizes, smallest first
+        ((bytes, width, height) each; default: one 1x1 PNG). `reported_sizes`: the file_size
+        each size claims (default: the truth)."""
+        sizes = sizes if sizes is not None else [(TINY_PNG, 1, 1)]
+        reported = reported_sizes or ["true"] * len(sizes)
+        photo = [
+            {
+                **self.add_file(data, "photos/file.jpg", reported_size=claim),
+                "width": width,
+                "height": height,
+            }
+            for (data, width, height), claim in zip(sizes, reported, strict=True)
+        ]
+        return await self.push(
+            {"message": self._message(chat_id, **self._with_caption({"photo": photo}, caption))}
+        )
+
+    async def push_document(
+        self,
+        chat_id: int,
+        data: bytes,
+        file_name: str,
+        mime_type: str,
+        *,
+        caption: str | None = None,
+        reported_size: int | str | None = "true",
+    ) -> int:
+        """A file sent as a document: its name and type are the sender's word."""
+        document = {
+            **self.add_file(data, "documents/file.bin", reported_size=reported_size),
+            "file_name": file_name,
+            "mime_type": mime_type,
+        }
+        fields = self._with_caption({"document": document}, caption)
+        return await self.push({"message": self._message(chat_id, **fields)})
+
+    async def push_sticker(self, chat_id: int) -> int:
+        """A sticker: a file of a kind the bot does not read (nothing is served for it)."""
+        sticker = {
+            "file_id": "sticker-1",
+            "file_unique_id": "sticker-u1",
+            "type": "regular",
+            "width": 512,
+            "height": 512,
+            "is_animated": False,
+            "is_video": False,
+        }
+        return await self.push({"message": self._message(chat_id, sticker=sticker)})
 
     async def push_edit(self, chat_id: int, text: str) -> int:
         return await self.push(
@@ -257,6 +383,92 @@ class FakeBotAPI:
         message = self._message(int(params["chat_id"]), text=str(params["text"]))
         message["message_id"] = message_id
         message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        return web.json_response({"ok": True, "result": message})
+
+    async def _api_getFile(self, params: dict[str, Any]) -> web.Response:
+        file_id = str(params.get("file_id"))
+        async with self._changed:
+            self.file_requests.append(file_id)
+            self._changed.notify_all()
+        kept = self.files.get(file_id)
+        if kept is None:
+            return web.json_response(
+                {"ok": False, "error_code": 400, "description": "Bad Request: invalid file_id"},
+                status=400,
+            )
+        result: dict[str, Any] = {
+            "file_id": file_id,
+            "file_unique_id": f"u-{file_id}",
+            "file_path": kept["file_path"],
+        }
+        if kept["reported_size"] is not None:
+            result["file_size"] = kept["reported_size"]
+        return web.json_response({"ok": True, "result": result})
+
+    async def _download(self, request: web.Request) -> web.Response:
+        if request.match_info["token"] != self.token:
+            return web.Response(status=401, text="Unauthorized")
+        path = request.match_info["path"]
+        async with self._changed:
+            self.downloads.append(path)
+            self._changed.notify_all()
+        if self.fail_downloads:
+            self.fail_downloads -= 1
+            return web.json_response(
+                {"ok": False, "error_code": 502, "description": "Bad Gateway"}, status=502
+            )
+        kept = next((f for f in self.files.values() if f["file_path"] == path), None)
+        if kept is None:
+            return web.json_response(
+                {"ok": False, "error_code": 404, "description": "Not Found"}, status=404
+            )
+        return web.Response(body=kept["data"], content_type="application/octet-stream")
+
+    async def _api_sendPhoto(self, params: dict[str, Any]) -> web.Response:
+        return await self._send_file("photo", params)
+
+    async def _api_sendDocument(self, params: dict[str, Any]) -> web.Response:
+        return await self._send_file("document", params)
+
+    async def _send_file(self, kind: str, params: dict[str, Any]) -> web.Response:
+        """sendPhoto / sendDocument: the file is a multipart part named `kind` (or one that
+        `attach://<name>` names)."""
+        upload = params.get(kind)
+        if isinstance(upload, str) and upload.startswith("attach://"):
+            upload = params.get(upload.removeprefix("attach://"))
+        if not isinstance(upload, web.FileField):
+            return web.json_response(
+                {"ok": False, "error_code": 400, "description": f"Bad Request: no {kind} file"},
+                status=400,
+            )
+        if not str(params.get("chat_id", "")).lstrip("-").isdigit():
+            return web.json_response(
+                {"ok": False, "error_code": 400, "description": "Bad Request: chat not found"},
+                status=400,
+            )
+        chat_id = int(params["chat_id"])
+        caption = params.get("caption")
+        message = self._message(chat_id)
+        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        if kind == "photo":
+            message["photo"] = [{"file_id": "p", "file_unique_id": "p", "width": 1, "height": 1}]
+        else:
+            message["document"] = {"file_id": "d", "file_unique_id": "d"}
+        if caption is not None:
+            message["caption"] = str(caption)
+        record = {
+            "method": f"send{kind.title()}",
+            "chat_id": chat_id,
+            "data": upload.file.read(),
+            "filename": upload.filename,
+            "caption": None if caption is None else str(caption),
+            "message_id": message["message_id"],
+            "params": {k: v for k, v in params.items() if not isinstance(v, web.FileField)},
+        }
+        async with self._changed:
+            self._sent_ids.append(message["message_id"])
+            self.sent_files.append(record)
+            self._changed.notify_all()
         return web.json_response({"ok": True, "result": message})
 
     async def _api_setWebhook(self, params: dict[str, Any]) -> web.Response:
@@ -367,8 +579,9 @@ class FakeBotAPI:
         await self.start_on(0)
 
     async def start_on(self, port: int) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # sendPhoto/sendDocument
         app.router.add_route("*", "/bot{token}/{method}", self._method)
+        app.router.add_route("GET", "/file/bot{token}/{path:.+}", self._download)
         self._runner, self.url = await serve_on_loopback(app, port)
 
     async def stop(self) -> None:

@@ -47,6 +47,7 @@ import trustme
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
 
+from butlers.config import SwitchboardConfig
 from butlers.switchboard.inbox import IncomingMessage
 from tests.conftest import free_port
 
@@ -497,9 +498,15 @@ class _Inbox:
 class RecordingWorker:
     """Stands in for the switchboard's InboxWorker: keeps what the email module accepts.
 
-    `fail_when(message)`, if given, makes accept raise for the messages it picks."""
+    `fail_when(message)`, if given, makes accept raise for the messages it picks. `limits`:
+    the switchboard's config the channels read theirs from (files a message)."""
 
-    def __init__(self, fail_when: Callable[[IncomingMessage], bool] | None = None) -> None:
+    def __init__(
+        self,
+        fail_when: Callable[[IncomingMessage], bool] | None = None,
+        limits: SwitchboardConfig | None = None,
+    ) -> None:
+        self.limits = limits or SwitchboardConfig()
         self.accepted: list[IncomingMessage] = []
         self.inbox = _Inbox()
         self.fail_when = fail_when

@@ -1,0 +1,197 @@
+"""Mail carries files: images, PDFs, audio and text files in (their type read from their
+bytes, within the channel's limits), a butler's files out as attachments. Parsing on its
+own, then the email module against a real IMAP server (pymap) handing what it stores to a
+RecordingWorker, and against a real SMTP server (aiosmtpd) for what it sends.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from email.message import EmailMessage
+
+from butlers.config import SwitchboardConfig
+from butlers.media import Attachment
+from butlers.modules.email import EmailModule
+from butlers.modules.mail_parse import ParsedMail, parse_mail, within_limits
+from butlers.switchboard.outbox import Delivery
+from tests.fakes.mail import RecordingWorker, SmtpServer, imap_append, pymap_server
+from tests.test_email import mail
+from tests.test_email_tls import PASSWORD, USER, email_config, running, wait_until_seen
+from tests.test_telegram_media import EXE, PDF, ogg_opus, png
+
+PHOTO = png(3000)
+NOTES = "Dosis: 2 Tabletten täglich.\nMit Essen.\n".encode()
+
+
+def with_files(*files: tuple[bytes, str, str], body: str = "See attached.", **kw) -> EmailMessage:
+    """A mail from an allowed sender carrying `files`: (bytes, declared type, file name)."""
+    message = mail(body=body, **kw)
+    for data, declared, name in files:
+        maintype, subtype = declared.split("/")
+        message.add_attachment(data, maintype=maintype, subtype=subtype, filename=name)
+    return message
+
+
+# -- reading a mail -----------------------------------------------------------------------------
+
+
+def test_an_image_and_a_pdf_are_read_and_other_files_listed() -> None:
+    raw = with_files(
+        (PHOTO, "image/png", "receipt.png"),
+        (PDF, "application/pdf", "prescription.pdf"),
+        (b"PK\x03\x04" + bytes(100), "application/zip", "archive.zip"),
+    ).as_bytes()
+    parsed = parse_mail(raw)
+    assert [(f.name, f.mime_type, f.data) for f in parsed.files] == [
+        ("receipt.png", "image/png", PHOTO),
+        ("prescription.pdf", "application/pdf", PDF),
+    ]
+    assert parsed.text == "See attached.\n\n[attachments not read: archive.zip]"
+    assert parsed.not_read == ("archive.zip",)
+
+
+def test_the_type_is_read_from_the_bytes_and_text_needs_the_sender_to_call_it_text() -> None:
+    """An executable declared a JPEG is not read; a PNG declared a PDF is an image; printable
+    bytes are a text file only when sent as text (a PGP signature is not the sender's words)."""
+    raw = with_files(
+        (EXE, "image/jpeg", "photo.jpg"),
+        (PHOTO, "application/pdf", "scan.pdf"),
+        (b"-----BEGIN PGP SIGNATURE-----\nabc\n", "application/pgp-signature", "sig.asc"),
+        (NOTES, "text/plain", "notes.txt"),
+    ).as_bytes()
+    parsed = parse_mail(raw)
+    assert [(f.name, f.kind) for f in parsed.files] == [
+        ("scan.pdf", "image"),
+        ("notes.txt", "text"),
+    ]
+    assert parsed.not_read == ("photo.jpg", "sig.asc")
+
+
+def files_of(parsed: ParsedMail) -> list[str]:
+    return [f.name for f in parsed.files]
+
+
+def test_files_over_the_limits_are_named_in_the_text_with_the_limit() -> None:
+    raw = with_files(
+        (PDF + bytes(5000), "application/pdf", "big.pdf"),
+        (PHOTO, "image/png", "a.png"),
+        (PHOTO, "image/png", "b.png"),
+    ).as_bytes()
+    parsed = within_limits(parse_mail(raw), max_bytes=4000, max_count=1)
+    assert files_of(parsed) == ["a.png"]
+    assert parsed.text == (
+        "See attached.\n\n"
+        "[not read: 'big.pdf' is 5 KB; the most I can read is 4 KB]\n"
+        "[not read: This message has 2 files; I read at most 1 file a message (not read: "
+        "'b.png')]"
+    )
+    assert parsed.not_read == ("big.pdf", "b.png")
+    untouched = within_limits(parse_mail(raw), max_bytes=10_000, max_count=5)
+    assert files_of(untouched) == ["big.pdf", "a.png", "b.png"]
+    assert untouched.text == "See attached."
+
+
+# -- through IMAP -------------------------------------------------------------------------------
+
+
+async def test_a_mail_with_an_image_and_a_pdf_is_handed_on_with_both() -> None:
+    worker = RecordingWorker()
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        message = with_files(
+            (PHOTO, "image/png", "receipt.png"),
+            (PDF, "application/pdf", "prescription.pdf"),
+            message_id="<files@x>",
+        )
+        await imap_append(port, USER, PASSWORD, message)
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            accepted = await worker.wait_for("<files@x>")
+            await wait_until_seen(port)
+    assert accepted.text == "See attached."
+    assert [(a.name, a.mime_type, a.data) for a in accepted.attachments] == [
+        ("receipt.png", "image/png", PHOTO),
+        ("prescription.pdf", "application/pdf", PDF),
+    ]
+    assert "voice" not in accepted.meta and "attachments_not_read" not in accepted.meta
+
+
+async def test_the_limits_of_the_channel_and_the_switchboard_hold_through_imap() -> None:
+    """A file over [modules.email] max_attachment_bytes, and those past the switchboard's
+    max_attachments_per_message, are not stored: the mail is, saying which and why."""
+    worker = RecordingWorker(limits=SwitchboardConfig(max_attachments_per_message=1))
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        message = with_files(
+            (PDF + bytes(5000), "application/pdf", "big.pdf"),
+            (PHOTO, "image/png", "a.png"),
+            (PHOTO, "image/png", "b.png"),
+            message_id="<limits@x>",
+        )
+        await imap_append(port, USER, PASSWORD, message)
+        config = email_config(imap_port=port, mode="poll", max_attachment_bytes=4000)
+        async with running(config, worker):
+            accepted = await worker.wait_for("<limits@x>")
+    assert [a.name for a in accepted.attachments] == ["a.png"]
+    assert "'big.pdf' is 5 KB; the most I can read is 4 KB" in accepted.text
+    assert "I read at most 1 file a message (not read: 'b.png')" in accepted.text
+    assert accepted.meta["attachments_not_read"] == ["big.pdf", "b.png"]
+
+
+async def test_an_audio_attachment_is_marked_for_transcription_and_keeps_the_text() -> None:
+    worker = RecordingWorker()
+    voice = ogg_opus()
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        message = with_files(
+            (voice, "audio/ogg", "memo.ogg"), body="My memo.", message_id="<voice@x>"
+        )
+        await imap_append(port, USER, PASSWORD, message)
+        only_audio = with_files((voice, "audio/ogg", "memo.ogg"), body="", message_id="<v2@x>")
+        await imap_append(port, USER, PASSWORD, only_audio)
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            accepted = await worker.wait_for("<voice@x>")
+            bare = await worker.wait_for("<v2@x>")
+    assert (accepted.text, accepted.meta["voice"]) == ("My memo.", True)
+    assert [(a.kind, a.data) for a in accepted.attachments] == [("audio", voice)]
+    assert (bare.text, bare.meta["voice"]) == ("", True)  # not "(empty message)"
+
+
+# -- what goes out ------------------------------------------------------------------------------
+
+
+async def test_a_delivery_with_files_is_one_mail_with_them_attached() -> None:
+    files = (
+        Attachment("Überweisung März.pdf", "application/pdf", PDF),
+        Attachment("chart.png", "image/png", PHOTO),
+    )
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        module = EmailModule(email_config(smtp_port=smtp.port), USER, PASSWORD, None)
+        [prepared] = module.prepare("Here you are.", reply_to=None, butler="finance")
+        text, meta = prepared
+        delivery = Delivery(
+            id=1,
+            kind="notification",
+            channel="email",
+            recipient="user@example.com",
+            text=text,
+            meta=meta,
+            attempts=1,
+            created_at=datetime.now(UTC),
+            trace_context=None,
+            inbox_id=None,
+            butler="finance",
+            attachments=files,
+        )
+        [message_id] = await module.deliver(delivery)
+        [sent] = await smtp.wait_for(1)
+    assert sent["Message-ID"] == message_id and sent.get_content_type() == "multipart/mixed"
+    assert sent.get_body(("plain",)).get_content().strip() == "Here you are."  # type: ignore[union-attr]
+    attached = [
+        (part.get_filename(), part.get_content_type(), part.get_content())
+        for part in sent.iter_attachments()
+    ]
+    assert attached == [
+        ("Überweisung März.pdf", "application/pdf", PDF),
+        ("chart.png", "image/png", PHOTO),
+    ]
+    # On the wire, the name is encoded as RFC 2231 says (a header is ASCII).
+    first = next(sent.iter_attachments())
+    disposition = dict(first.raw_items())["Content-Disposition"]
+    assert "filename*=utf-8''%C3%9Cberweisung%20M%C3%A4rz.pdf" in disposition

@@ -1,0 +1,326 @@
+"""Telegram carries files: voice notes, audio, photos and documents in, photos and documents
+out. The Telegram module runs on its own against the fake Bot API (python-telegram-bot over
+loopback), handing what it stores to a RecordingWorker: what is tested is the channel (what
+is downloaded, checked, refused, acknowledged, sent), not the inbox or the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+
+from butlers.config import SwitchboardConfig, TelegramConfig
+from butlers.errors import DeliveryError
+from butlers.media import Attachment
+from butlers.modules.telegram import TEXT_ONLY, TelegramModule
+from butlers.switchboard.inbox import IncomingMessage
+from butlers.switchboard.outbox import Delivery
+from tests.conftest import WEBHOOK_SECRET
+from tests.fakes.bot_api import TINY_PNG, FakeBotAPI
+from tests.fakes.mail import RecordingWorker
+
+CHAT = 12345
+STRANGER = 999
+
+
+def ogg_opus(payload: int = 200) -> bytes:
+    """The start of an OGG/Opus stream, as Telegram records a voice note: a first page whose
+    packet is the Opus header, then `payload` bytes of sound."""
+    head = b"OpusHead" + bytes([1, 1]) + struct.pack("<HIhB", 312, 48000, 0, 0)
+    page = b"OggS" + bytes([0, 2]) + bytes(8) + struct.pack("<I", 7) + bytes(8)
+    return page + bytes([1, len(head)]) + head + bytes(range(256))[:payload]
+
+
+def png(size: int) -> bytes:
+    """A PNG's signature and header, padded to `size` bytes (its type is read from these)."""
+    return (TINY_PNG + b"\x00" * size)[:size] if size >= len(TINY_PNG) else TINY_PNG
+
+
+PDF = b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n%%EOF\n"
+EXE = b"MZ\x90\x00\x03\x00\x00\x00\x04\x00\x00\x00\xff\xff" + bytes(200)
+
+
+@asynccontextmanager
+async def telegram(
+    bot_api: FakeBotAPI,
+    worker: RecordingWorker,
+    *,
+    poll: bool = True,
+    **options: object,
+) -> AsyncIterator[TelegramModule]:
+    """The Telegram module, connected to the fake Bot API, allowing CHAT; polling (as the
+    switchboard's leader) unless `poll` is False. `options`: [modules.telegram] keys."""
+    config = TelegramConfig(
+        allowed_chat_ids=(str(CHAT),),
+        api_base_url=bot_api.url,
+        max_messages_per_s=0,
+        **options,  # type: ignore[arg-type]
+    )
+    module = TelegramModule(config, bot_api.token, worker, webhook_secret=WEBHOOK_SECRET)  # type: ignore[arg-type]
+    await module.start()
+    await module._connected.wait()
+    if poll:
+        await module.lead()
+    try:
+        yield module
+    finally:
+        await module.stop()
+
+
+async def settled(bot_api: FakeBotAPI, update_id: int) -> None:
+    """Until Telegram was told (by a getUpdates offset past it) that the update was taken."""
+    await bot_api.wait_until(lambda: bot_api.acknowledged(update_id))
+
+
+def only(worker: RecordingWorker) -> IncomingMessage:
+    [message] = worker.accepted
+    return message
+
+
+# -- what comes in --------------------------------------------------------------------------
+
+
+async def test_a_voice_note_is_handed_on_with_its_bytes_and_marked_voice(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    voice = ogg_opus()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_voice(CHAT, voice)
+        message = await worker.wait_for(str(update_id))
+    assert (message.text, message.meta["voice"], message.source_id) == ("", True, str(CHAT))
+    [attachment] = message.attachments
+    assert (attachment.data, attachment.mime_type, attachment.kind) == (voice, "audio/ogg", "audio")
+    assert bot_api.sent == []  # not transcribed here, not answered here
+
+
+async def test_an_audio_file_and_a_captioned_document_keep_their_words(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    mp3 = b"ID3\x04\x00\x00\x00\x00\x00\x00\xff\xfb\x90\x00" + bytes(300)
+    async with telegram(bot_api, worker):
+        audio_id = await bot_api.push_audio(CHAT, mp3, "memo.mp3")
+        document_id = await bot_api.push_document(
+            CHAT, PDF, "scan.pdf", "application/pdf", caption="my prescription"
+        )
+        audio = await worker.wait_for(str(audio_id))
+        document = await worker.wait_for(str(document_id))
+    assert audio.meta["voice"] is True and audio.attachments[0].data == mp3
+    assert audio.attachments[0].name == "memo.mp3"
+    assert document.text == "my prescription" and "voice" not in document.meta
+    [pdf] = document.attachments
+    assert (pdf.data, pdf.kind, pdf.name) == (PDF, "pdf", "scan.pdf")
+
+
+async def test_a_photo_is_its_largest_size_within_the_cap(bot_api: FakeBotAPI) -> None:
+    worker = RecordingWorker()
+    small, medium, large = png(100), png(1500), png(5000)
+    async with telegram(bot_api, worker, max_attachment_bytes=2000):
+        update_id = await bot_api.push_photo(
+            CHAT, [(small, 90, 90), (medium, 320, 320), (large, 1280, 1280)], caption="receipt"
+        )
+        message = await worker.wait_for(str(update_id))
+    [photo] = message.attachments
+    assert (message.text, photo.data, photo.mime_type) == ("receipt", medium, "image/png")
+    [downloaded] = bot_api.downloads  # the large one was never fetched
+    assert downloaded.startswith("photos/file_2")
+
+
+async def test_a_file_over_the_cap_is_refused_by_its_stated_size_before_downloading(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker, max_attachment_bytes=1000):
+        update_id = await bot_api.push_document(CHAT, PDF + bytes(2000), "big.pdf", "x/y")
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply == {
+        "chat_id": CHAT,
+        "text": "'big.pdf' is 2 KB; the most I can read is 1000 B",
+    }
+    assert worker.accepted == []
+    assert bot_api.file_requests == [] and bot_api.downloads == []  # nothing fetched
+
+
+@pytest.mark.parametrize("reported", [100, None], ids=["lying", "unstated"])
+async def test_a_file_over_the_cap_is_refused_by_its_bytes_when_its_size_was_not_told(
+    bot_api: FakeBotAPI, reported: int | None
+) -> None:
+    """A Bot API may state a smaller size, or none: the bytes that came are checked too."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker, max_attachment_bytes=1000):
+        update_id = await bot_api.push_document(
+            CHAT, PDF + bytes(2000), "big.pdf", "application/pdf", reported_size=reported
+        )
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "'big.pdf' is 2 KB; the most I can read is 1000 B"
+    assert worker.accepted == [] and len(bot_api.downloads) == 1
+
+
+async def test_a_program_called_a_photo_is_refused(bot_api: FakeBotAPI) -> None:
+    """The type is read from the bytes: the name and the type the sender declared say JPEG."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_document(CHAT, EXE, "photo.jpg", "image/jpeg")
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == (
+        "'photo.jpg' is not a photo, PDF, text file or voice note, so I cannot read it"
+    )
+    assert worker.accepted == []
+
+
+async def test_a_download_that_fails_is_not_acknowledged_and_is_taken_when_it_comes_again(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    bot_api.fail_downloads = 1  # the Bot API's 502, once
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_document(CHAT, PDF, "scan.pdf", "application/pdf")
+        message = await worker.wait_for(str(update_id))
+        await settled(bot_api, update_id)
+    assert message.attachments[0].data == PDF
+    assert len(bot_api.downloads) == 2  # the 502, then the bytes
+    assert bot_api.deliveries(update_id) >= 2  # not acknowledged after the 502: sent again
+    assert bot_api.sent == []  # nobody was told anything: nothing went wrong for them
+
+
+async def test_the_webhook_answers_503_when_a_download_fails_and_takes_the_update_again(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    bot_api.fail_downloads = 1
+    async with telegram(bot_api, worker, poll=False, mode="webhook") as module:
+        update = {
+            "update_id": 4242,
+            "message": bot_api._message(
+                CHAT,
+                document={
+                    **bot_api.add_file(PDF, "documents/file.pdf"),
+                    "file_name": "scan.pdf",
+                    "mime_type": "application/pdf",
+                },
+            ),
+        }
+        app = Starlette(routes=module.webhook_routes())
+        headers = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sb") as client:
+            first = await client.post("/telegram/webhook", json=update, headers=headers)
+            assert (first.status_code, worker.accepted) == (503, [])
+            again = await client.post("/telegram/webhook", json=update, headers=headers)
+            assert again.status_code == 200
+    assert only(worker).attachments[0].data == PDF
+
+
+async def test_nothing_is_downloaded_for_a_stranger(bot_api: FakeBotAPI) -> None:
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_voice(STRANGER, ogg_opus())
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["chat_id"] == STRANGER and "private butler" in reply["text"]
+    assert worker.accepted == [] and bot_api.file_requests == [] and bot_api.downloads == []
+
+
+async def test_what_is_not_read_gets_the_sentence_saying_what_is(bot_api: FakeBotAPI) -> None:
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_sticker(CHAT)
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == TEXT_ONLY
+    assert "voice notes, photos and documents" in TEXT_ONLY
+    assert worker.accepted == [] and bot_api.file_requests == []
+
+
+async def test_no_files_are_read_when_the_switchboard_reads_none(bot_api: FakeBotAPI) -> None:
+    worker = RecordingWorker(limits=SwitchboardConfig(max_attachments_per_message=0))
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_photo(CHAT)
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert "at most 0 files" in reply["text"]
+    assert worker.accepted == [] and bot_api.file_requests == []
+
+
+# -- what goes out --------------------------------------------------------------------------
+
+
+def delivery(text: str, *attachments: Attachment, **meta: object) -> Delivery:
+    return Delivery(
+        id=1,
+        kind="reply",
+        channel="telegram",
+        recipient=str(CHAT),
+        text=text,
+        meta=dict(meta),
+        attempts=1,
+        created_at=datetime.now(UTC),
+        trace_context=None,
+        inbox_id=None,
+        butler="general",
+        attachments=attachments,
+    )
+
+
+async def test_a_photo_and_a_document_are_sent_with_their_bytes_the_text_as_caption(
+    bot_api: FakeBotAPI,
+) -> None:
+    picture = Attachment("chart.png", "image/png", png(3000))
+    report = Attachment("Bericht für Mai.pdf", "application/pdf", PDF)
+    async with telegram(bot_api, RecordingWorker(), poll=False) as module:
+        ids = await module.deliver(delivery("Your week.", picture, report, reply_to_message_id=7))
+    photo, document = bot_api.sent_files
+    assert (photo["method"], photo["chat_id"], photo["data"], photo["caption"]) == (
+        "sendPhoto",
+        CHAT,
+        picture.data,
+        "Your week.",
+    )
+    assert (document["method"], document["data"], document["caption"]) == (
+        "sendDocument",
+        PDF,
+        None,
+    )
+    assert document["filename"] == "Bericht für Mai.pdf"
+    assert photo["params"]["reply_parameters"]["message_id"] == 7  # the first answers
+    assert "reply_parameters" not in document["params"]
+    assert ids == [str(photo["message_id"]), str(document["message_id"])]
+    assert bot_api.sent == []  # the text went as the caption
+
+
+async def test_a_text_too_long_for_a_caption_is_sent_first(bot_api: FakeBotAPI) -> None:
+    text = "x" * 1025
+    async with telegram(bot_api, RecordingWorker(), poll=False) as module:
+        ids = await module.deliver(delivery(text, Attachment("a.pdf", "application/pdf", PDF)))
+    [sent] = bot_api.sent
+    [document] = bot_api.sent_files
+    assert sent["text"] == text and document["caption"] is None
+    assert ids == [str(i) for i in bot_api.sent_message_ids()]
+    assert len(ids) == 2
+
+
+async def test_a_file_telegram_refuses_is_final_and_a_bot_api_down_is_tried_again(
+    bot_api: FakeBotAPI,
+) -> None:
+    """The same split as a text message's: a 400 is final, the network failing is not."""
+    report = Attachment("a.pdf", "application/pdf", PDF)
+    async with telegram(bot_api, RecordingWorker(), poll=False) as module:
+        refused = dataclasses.replace(delivery("hi", report), recipient="not-a-chat")
+        with pytest.raises(DeliveryError) as final:
+            await module.deliver(refused)
+        assert final.value.permanent
+        await bot_api.stop()
+        with pytest.raises(DeliveryError) as later:
+            await module.deliver(delivery("hi", report))
+        assert not later.value.permanent
