@@ -11,6 +11,7 @@ import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -220,6 +221,43 @@ async def test_the_webhook_answers_503_when_a_download_fails_and_takes_the_updat
             again = await client.post("/telegram/webhook", json=update, headers=headers)
             assert again.status_code == 200
     assert only(worker).attachments[0].data == PDF
+
+
+async def test_files_come_from_the_file_base_url(bot_api: FakeBotAPI) -> None:
+    """[modules.telegram] file_base_url: the bytes are fetched there, not from api_base_url."""
+    files = FakeBotAPI(token=bot_api.token)  # another server, holding the same file
+    await files.start()
+    try:
+        bot_api.fail_downloads = 10**6  # a download from the Bot API itself would fail
+        worker = RecordingWorker()
+        async with telegram(bot_api, worker, file_base_url=f"{files.url}/file"):
+            files.add_file(PDF, "documents/file.bin")
+            update_id = await bot_api.push_document(CHAT, PDF, "scan.pdf", "application/pdf")
+            message = await worker.wait_for(str(update_id))
+    finally:
+        await files.stop()
+    assert message.attachments[0].data == PDF
+    assert (bot_api.downloads, files.downloads) == ([], ["documents/file_1.bin"])
+
+
+async def test_a_file_path_on_this_machine_is_never_read(
+    bot_api: FakeBotAPI, tmp_path: Path
+) -> None:
+    """python-telegram-bot reads a getFile path that names a local file from the disk (a Bot
+    API server in --local mode): a Bot API answering one must not get us to hand our own
+    files to a butler."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("BUTLERS_AUTH_TOKEN=not-for-you\n")
+    worker = RecordingWorker()
+    described = bot_api.add_file(b"notes", "documents/file.txt")
+    bot_api.files[described["file_id"]]["file_path"] = str(secret)
+    document = {**described, "file_name": "notes.txt", "mime_type": "text/plain"}
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push({"message": bot_api._message(CHAT, document=document)})
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "Telegram did not give me 'notes.txt' to download"
+    assert worker.accepted == []
 
 
 async def test_nothing_is_downloaded_for_a_stranger(bot_api: FakeBotAPI) -> None:
