@@ -135,6 +135,20 @@ async def test_a_photo_is_its_largest_size_within_the_cap(bot_api: FakeBotAPI) -
     assert downloaded.startswith("photos/file_2")
 
 
+async def test_a_photo_size_over_what_the_model_takes_is_passed_over(bot_api: FakeBotAPI) -> None:
+    """The Messages API takes images of at most 5 MB: a larger size is not fetched (only to
+    be refused) when a smaller one fits, whatever max_attachment_bytes allows."""
+    worker = RecordingWorker()
+    small, large = png(100), png(200)
+    async with telegram(bot_api, worker):  # 20 MiB
+        update_id = await bot_api.push_photo(
+            CHAT, [(small, 90, 90), (large, 2560, 2560)], reported_sizes=[100, 6 * 1024 * 1024]
+        )
+        message = await worker.wait_for(str(update_id))
+    assert message.attachments[0].data == small
+    assert bot_api.downloads == ["photos/file_1.jpg"]
+
+
 async def test_a_file_over_the_cap_is_refused_by_its_stated_size_before_downloading(
     bot_api: FakeBotAPI,
 ) -> None:
