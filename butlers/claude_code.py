@@ -32,7 +32,7 @@ import shutil
 import sys
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +43,8 @@ from butlers.errors import SpawnError
 if TYPE_CHECKING:
     from claude_agent_sdk import Message
     from claude_agent_sdk._internal.transport.subprocess_cli import SubprocessCLITransport
+
+    from butlers.media import Attachment
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +163,16 @@ async def run_claude_code(
     tool_calls: list[dict[str, Any]],
     *,
     signs: RunSigns | None = None,
+    attachments: Sequence[Attachment] = (),
 ) -> ClaudeCodeResult:
     """Run Claude Code to its result; each tool call it makes is appended to `tool_calls` as
     it happens (so a caller that times out still has them), and what may say why it fails
     goes into `signs` (so a caller that times out can say what it was waiting on). Raises
     SpawnError, saying why, when the run fails, Claude Code cannot start or its server does
-    not connect; cancelling it ends the CLI."""
+    not connect; cancelling it ends the CLI.
+
+    `attachments` (images, PDFs, text files: never audio) go to the model as content blocks
+    beside the prompt, in the same user turn (`user_turn`)."""
     from claude_agent_sdk import AssistantMessage, ResultMessage, SystemMessage, query
     from claude_agent_sdk._errors import ClaudeSDKError, CLINotFoundError, ResultError
     from claude_agent_sdk.types import TextBlock, ToolUseBlock
@@ -178,15 +184,22 @@ async def run_claude_code(
         write_private_file, run.mcp_config_dir, json.dumps(servers)
     )
     result: ResultMessage | None = None
+    # The SDK always speaks stream-json to the CLI (`--input-format stream-json`, whatever
+    # the prompt): a plain string is written as one user turn of text, an async iterable's
+    # turns as they come, stdin closed after the result either way. A prompt without
+    # files keeps the string (the hot path); one with files is one turn of blocks.
+    sent: str | AsyncIterator[dict[str, Any]] = (
+        user_turn(prompt, attachments) if attachments else prompt
+    )
     try:
-        options = _options(target, run, env, config_path, signs.on_stderr)
-        transport = _transport_class()(prompt, options, inherited=run.inherited)  # type: ignore[call-arg]
+        options = _options(target, run, env, config_path, signs.on_stderr, bool(attachments))
+        transport = _transport_class()(sent, options, inherited=run.inherited)  # type: ignore[call-arg]
         # aclosing: on timeout or failure the generator is closed, which ends the CLI.
         # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
         async with contextlib.aclosing(
             cast(
                 "AsyncGenerator[Message, None]",
-                query(prompt=prompt, options=options, transport=transport),
+                query(prompt=sent, options=options, transport=transport),
             )
         ) as messages:
             async for message in messages:
@@ -238,6 +251,30 @@ async def run_claude_code(
     return ClaudeCodeResult(result.result or "", result.total_cost_usd)
 
 
+async def user_turn(
+    prompt: str, attachments: Sequence[Attachment]
+) -> AsyncIterator[dict[str, Any]]:
+    """The one user turn of a run with files, as the SDK's streaming input takes it: the
+    prompt's text block, then each file's block (`Attachment.content_block`: an image, a
+    PDF as a document, a text file's text). (An empty prompt, a photo without a caption:
+    Claude Code leaves the empty text block out of its request itself.) The blocks are
+    made off the event loop: base64 of 32 MB takes some 60 ms."""
+    content = await asyncio.to_thread(_turn_content, prompt, attachments)
+    yield {
+        "type": "user",
+        "message": {"role": "user", "content": content},
+        "parent_tool_use_id": None,
+        "session_id": "",
+    }
+
+
+def _turn_content(prompt: str, attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
+    return [
+        {"type": "text", "text": prompt},
+        *(attachment.content_block() for attachment in attachments),
+    ]
+
+
 def _result_text(result: Any) -> str:
     """What an error result says (a ResultMessage): its errors, else its text, else its kind."""
     return "; ".join(result.errors or []) or result.result or result.subtype
@@ -249,6 +286,7 @@ def _options(
     env: Mapping[str, str],
     mcp_config: Path,
     stderr: Callable[[str], None],
+    with_files: bool = False,
 ):
     from claude_agent_sdk import ClaudeAgentOptions
 
@@ -268,6 +306,11 @@ def _options(
         env=dict(env),
         # Piped to us, not to the butler's stderr: it may say why the run failed (RunSigns).
         stderr=stderr,
+        # Claude Code keeps a transcript of every run (under its config directory), and
+        # writes each image of a run's prompt to a file of its own in its temp directory
+        # (/tmp/claude-<uid>/...), never removed: a person's photo or PDF would outlive
+        # the message. A run with files keeps neither (seen with the bundled CLI 2.1.330).
+        extra_args={"no-session-persistence": None} if with_files else {},
     )
 
 

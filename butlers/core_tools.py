@@ -20,10 +20,11 @@ from pydantic import Field, JsonValue
 
 from butlers import schedule_time
 from butlers.approvals import approved_conversation
-from butlers.config import RuntimeConfig
+from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
-from butlers.errors import NotifyFailed
+from butlers.errors import AttachmentRefused, NotifyFailed
 from butlers.mcp_middleware import request_conversation
+from butlers.media import Attachment, check_count, checked, from_wire
 from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
 from butlers.text import printable
@@ -60,6 +61,15 @@ ONCE_LEASE_MARGIN = timedelta(minutes=2)
 MAX_ROUTED_SCHEDULES = 10
 MAX_SCHEDULE_NAME_CHARS = 100
 RUNS_PER_HOUR_KEY = "max_scheduled_runs_per_hour"
+# Files a `trigger` or `notify` call may carry (butlers.media's wire form: base64).
+MAX_TOOL_ATTACHMENTS = 20
+# Together, what one Messages API request may carry (its documented cap: 32 MB a request);
+# a butler's HTTP body limit lets this much through, base64 (butlers.daemon).
+MAX_TOOL_ATTACHMENT_BYTES = 32 * 1024 * 1024
+ATTACHMENTS_SCHEMA = (
+    "Files, each {name, mime_type, data}: data is the file's bytes in base64; images, PDFs "
+    "and text files (the type is read from the bytes)."
+)
 
 
 def next_run(cron: str, after: datetime) -> datetime:
@@ -114,6 +124,50 @@ async def check_schedule_interval(cron: str, minimum_s: int) -> None:
             f"allows one run per {minimum_s} s at most ([runtime] {MIN_INTERVAL_KEY}): "
             "choose a less frequent schedule"
         )
+
+
+async def read_files(items: list[Any] | None) -> list[Attachment]:
+    """`session_files`, off the event loop when there are any (decoding and checking 32 MB
+    of base64 takes some 80 ms)."""
+    return await asyncio.to_thread(session_files, items) if items else []
+
+
+def session_files(items: list[Any] | None) -> list[Attachment]:
+    """A tool call's `attachments` (butlers.media's wire form) as files a session may be
+    given or may send: each one's type read again from its bytes (a caller's word for it
+    does not count), within MAX_ATTACHMENT_BYTES a file (an image, within what the Messages
+    API reads), MAX_TOOL_ATTACHMENTS files and MAX_TOOL_ATTACHMENT_BYTES in all. No audio:
+    the switchboard turns a voice note into text before it routes it. ToolRefusal names
+    the item and what is wrong with it."""
+    if not items:
+        return []
+    files: list[Attachment] = []
+    try:
+        try:
+            check_count(len(items), MAX_TOOL_ATTACHMENTS)
+        except AttachmentRefused as exc:
+            raise AttachmentRefused(f"attachments: {exc}") from None
+        for index, sent in enumerate(from_wire(items)):
+            where = f"attachments[{index}]"
+            try:
+                file = checked(sent.data, sent.name, max_bytes=MAX_ATTACHMENT_BYTES)
+            except AttachmentRefused as exc:
+                raise AttachmentRefused(f"{where}: {exc}") from None
+            if file.kind == "audio":
+                raise AttachmentRefused(
+                    f"{where}: {file.describe()} is audio; a session is given no audio (the "
+                    "switchboard transcribes voice notes into the message's text)"
+                )
+            files.append(file)
+    except AttachmentRefused as exc:  # from_wire's names the item and key already
+        raise ToolRefusal(str(exc)) from None
+    total = sum(file.size for file in files)
+    if total > MAX_TOOL_ATTACHMENT_BYTES:
+        raise ToolRefusal(
+            f"attachments: {total} bytes in all; at most {MAX_TOOL_ATTACHMENT_BYTES} a call "
+            "(what one Messages API request may carry)"
+        )
+    return files
 
 
 def _check_key(key: str) -> None:
@@ -458,9 +512,16 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return row
 
     @mcp.tool
-    async def trigger(prompt: str) -> dict[str, Any]:
-        """Run a Claude Code session for this butler on `prompt` and return its answer."""
-        if not prompt.strip():
+    async def trigger(
+        prompt: str,
+        attachments: Annotated[
+            list[dict[str, Any]] | None, Field(description=ATTACHMENTS_SCHEMA)
+        ] = None,
+    ) -> dict[str, Any]:
+        """Run a Claude Code session for this butler on `prompt` and return its answer;
+        `attachments` are files its model sees beside the prompt (images, PDFs, text)."""
+        files = await read_files(attachments)
+        if not prompt.strip() and not files:
             raise ToolRefusal("prompt must not be empty")
         # A routed message's conversation (the switchboard names it in `_meta`): where its
         # notify goes. Its session runs on a stranger's text, so it gets fewer tools
@@ -479,6 +540,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             trigger_source="trigger",
             conversation=conversation,
             routed=conversation is not None,
+            attachments=files,
         )
         if not outcome.success:
             raise ToolRefusal(
@@ -492,17 +554,29 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         }
 
     @mcp.tool
-    async def notify(text: str, channel: str | None = None) -> dict[str, Any]:
+    async def notify(
+        text: str,
+        channel: str | None = None,
+        attachments: Annotated[
+            list[dict[str, Any]] | None, Field(description=ATTACHMENTS_SCHEMA)
+        ] = None,
+    ) -> dict[str, Any]:
         """Send your person a message now: a reminder, an alert, something they asked to be
         told. From a session answering their message it goes to that conversation; from a
-        schedule, to the owner (`channel`: telegram or email, to choose)."""
+        schedule, to the owner (`channel`: telegram or email, to choose). `attachments`:
+        files sent with it (a photo, a PDF, a text file)."""
         if ctx.switchboard is None:
             raise ToolRefusal("notify is not available on this butler")
+        # Checked here, as trigger checks them: a session hears what is wrong at once, not
+        # from the switchboard (which checks them again).
+        files = await read_files(attachments)
         try:
             # The session's conversation; for a call the owner approved later, the one
             # its session served then.
             conversation = ctx.spawner.conversation_of(session_token()) or approved_conversation()
-            return await ctx.switchboard.deliver(text, channel=channel, conversation=conversation)
+            return await ctx.switchboard.deliver(
+                text, channel=channel, conversation=conversation, attachments=files
+            )
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 

@@ -26,7 +26,13 @@ from butlers.approvals import ApprovalGate, has_approvals, register_approval_exe
 from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
-from butlers.core_tools import database_status, module_report, register_core_tools, run_due_tasks
+from butlers.core_tools import (
+    MAX_TOOL_ATTACHMENT_BYTES,
+    database_status,
+    module_report,
+    register_core_tools,
+    run_due_tasks,
+)
 from butlers.dashboard.app import Dashboard, DashboardParts
 from butlers.dashboard.fleet import FleetProbe
 from butlers.dashboard.store import DashboardStore
@@ -68,6 +74,24 @@ def migration_branches(config: ButlerConfig) -> tuple[str, ...]:
     """Alembic branches a butler's database gets, in order: core for all, then the
     switchboard's for the butler whose butler.toml has a [switchboard] table."""
     return ("core", SWITCHBOARD_BRANCH) if config.is_switchboard else ("core",)
+
+
+# What a request carrying the most files a `trigger` may carry adds around them: the prompt
+# and the JSON.
+ATTACHMENT_BODY_MARGIN = 1024 * 1024
+
+
+def request_body_limit(config: ButlerConfig) -> int:
+    """The largest request body this butler takes (bigger ones get 413): `[switchboard]
+    max_request_bytes` (1 MiB by default). A butler messages are routed to takes more: a
+    `trigger` carrying a message's photos and PDFs, base64 (4 bytes for 3), as much as one
+    Messages API request may carry (MAX_TOOL_ATTACHMENT_BYTES), and a margin for the prompt.
+    The switchboard keeps its own limit: its requests come from outside (webhooks, MCP
+    clients), and the files of its messages come from the channels, not through it."""
+    limit = (config.switchboard or SwitchboardConfig()).max_request_bytes
+    if config.is_switchboard:
+        return limit
+    return max(limit, MAX_TOOL_ATTACHMENT_BYTES * 4 // 3 + ATTACHMENT_BODY_MARGIN)
 
 
 def _loopback(host: str) -> str:
@@ -241,7 +265,7 @@ class ButlerDaemon:
             allowed_hosts=self._allowed_hosts(),
             webhooks=self._modules.webhooks,
             dashboard=self.dashboard.app if self.dashboard is not None else None,
-            max_request_bytes=(config.switchboard or SwitchboardConfig()).max_request_bytes,
+            max_request_bytes=request_body_limit(config),
         )
         uv_config = uvicorn.Config(
             app,

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 import uvicorn
 from fastmcp import FastMCP
 from fastmcp.server.http import HostOriginGuardMiddleware
+from mcp.server.transport_security import RequestBodyLimitMiddleware
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -205,6 +206,18 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _lift_sdk_body_limit(route: BaseRoute, max_bytes: int) -> None:
+    """The MCP SDK answers 413 to an SSE message over 4 MiB (mcp 2.3: SseServerTransport's
+    RequestBodyLimitMiddleware), and FastMCP offers no way to say otherwise: a `trigger`
+    carrying a message's PDF, routed over SSE, would never arrive. BodyLimitMiddleware, in
+    front of the whole app, is the limit (`max_request_bytes`): the SDK's is raised to it.
+    (The streamable-HTTP endpoint's session manager is made at start-up: it keeps 4 MiB.)"""
+    transport = getattr(getattr(route, "app", None), "__self__", None)
+    limit = getattr(transport, "_post_message_app", None)
+    if isinstance(limit, RequestBodyLimitMiddleware):
+        limit.max_body_size = max(limit.max_body_size, max_bytes)
+
+
 class ButlerApp:
     """The ASGI app of one butler, able to end its open streams when the butler stops.
 
@@ -221,6 +234,7 @@ class ButlerApp:
         allowed_hosts: list[str] | None = None,
         webhooks: Sequence[BaseRoute] = (),
         dashboard: ASGIApp | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
@@ -232,11 +246,14 @@ class ButlerApp:
         sse_app = mcp.http_app(
             transport="sse", path=SSE_PATH, allowed_hosts=hosts, host_origin_protection=True
         )
-        self._app.router.routes[0:0] = [
+        sse_routes = [
             route
             for route in sse_app.router.routes
             if getattr(route, "path", "") in (SSE_PATH, MESSAGES_PATH)
         ]
+        for route in sse_routes:
+            _lift_sdk_body_limit(route, max_request_bytes)
+        self._app.router.routes[0:0] = sse_routes
         self._health = health
         self._name = mcp.name
         # /health carries no data, yet its details (a database error, a module's host) are
@@ -356,7 +373,12 @@ def build_app(
     """The served app (body limit, then the bearer check when a token is set) and the app
     itself."""
     app = ButlerApp(
-        mcp, health, allowed_hosts=allowed_hosts, webhooks=webhooks, dashboard=dashboard
+        mcp,
+        health,
+        allowed_hosts=allowed_hosts,
+        webhooks=webhooks,
+        dashboard=dashboard,
+        max_request_bytes=max_request_bytes,
     )
     served: ASGIApp = (
         BearerTokenMiddleware(app, auth_token, public=app.is_public) if auth_token else app

@@ -11,8 +11,10 @@ refuses it as it would refuse the session calling it directly.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.errors import CallTimedOut, NotifyFailed, RemoteError, TargetUnreachable
@@ -20,6 +22,9 @@ from butlers.mcp_connection.core import unwrap
 from butlers.mcp_connection.pool import McpConnections
 from butlers.mcp_middleware import CLASSIFICATION_META, classification_claim
 from butlers.telemetry import current_carrier
+
+if TYPE_CHECKING:
+    from butlers.media import Attachment
 
 SWITCHBOARD_URL_ENV = "BUTLERS_SWITCHBOARD_URL"
 DELIVER_TIMEOUT_S = 30.0
@@ -59,14 +64,28 @@ class SwitchboardLink:
         self._connections = McpConnections(auth_token=auth_token)
 
     async def deliver(
-        self, text: str, *, channel: str | None, conversation: str | None
+        self,
+        text: str,
+        *,
+        channel: str | None,
+        conversation: str | None,
+        attachments: Sequence[Attachment] = (),
     ) -> dict[str, Any]:
-        arguments = {
+        """The switchboard's `deliver`: `text` (and files, in their wire form) to the
+        conversation, or to the owner on `channel`."""
+        arguments: dict[str, Any] = {
             "text": text,
             "butler": self.butler,
             "channel": channel,
             "conversation": conversation,
         }
+        if attachments:
+            # Only when there are any: a switchboard whose `deliver` takes no files yet
+            # (an older one) still takes every notification without.
+            # (Off the event loop: base64 of megabytes.)
+            arguments["attachments"] = await asyncio.to_thread(
+                lambda: [attachment.to_wire() for attachment in attachments]
+            )
         return await self._call("deliver", arguments, refused="the switchboard refused")
 
     async def request_approval(

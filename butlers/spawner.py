@@ -38,6 +38,7 @@ from butlers.schedule_time import local_now
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:
+    from butlers.media import Attachment
     from butlers.session_policy import OwnerNotices
     from butlers.settings import Settings
 
@@ -146,6 +147,7 @@ class Spawner:
         routed: bool = False,
         slots: asyncio.Semaphore | None = None,
         memories: bool = True,
+        attachments: Sequence[Attachment] = (),
     ) -> SessionOutcome:
         """Run one session to completion; failures are recorded and returned, not raised.
         `conversation`: the one a routed message belongs to, where its `notify` goes.
@@ -155,6 +157,8 @@ class Spawner:
         classifier's sessions: the switchboard's `max_concurrent_messages`).
         `memories`: give it the memories its prompt matches (not the classifier: it writes
         other butlers' prompts from a stranger's message).
+        `attachments`: files the model sees beside the prompt (images, PDFs, text files);
+        the session's row records one line for each (`Attachment.describe`), not the bytes.
         Past `[runtime] max_spend_usd_per_day` it is not started: a failed session saying so."""
         withheld = ROUTED_SESSION_WITHHELD if routed else frozenset()
         if withheld:
@@ -185,6 +189,7 @@ class Spawner:
                         (system_prompt or self.system_prompt()) + self._now_line(),
                         refusal=refusal,
                         preamble=preamble,
+                        attachments=attachments,
                     )
             finally:
                 self.running -= 1
@@ -285,11 +290,14 @@ class Spawner:
         *,
         refusal: str | None = None,
         preamble: str = "",
+        attachments: Sequence[Attachment] = (),
     ) -> SessionOutcome:
         """Run and record one session; with a `refusal`, record it as failed, unrun.
         `preamble`: what Claude Code is given before the prompt (memories), not recorded."""
         trace_id = current_trace_id()
-        session_id = await self.store.session_start(trigger_source, prompt, trace_id)
+        session_id = await self.store.session_start(
+            trigger_source, recorded_prompt(prompt, attachments), trace_id
+        )
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []
         signs = RunSigns()  # what may say why it fails, even when it is cut short
@@ -299,7 +307,9 @@ class Spawner:
         try:
             if refusal is None:
                 answered = await asyncio.wait_for(
-                    self._query(preamble + prompt, target, system_prompt, tool_calls, signs),
+                    self._query(
+                        preamble + prompt, target, system_prompt, tool_calls, signs, attachments
+                    ),
                     timeout=self.config.runtime.timeout_s,
                 )
                 result, cost_usd = answered.text, answered.cost_usd
@@ -367,6 +377,7 @@ class Spawner:
         system_prompt: str,
         tool_calls: list[dict[str, Any]],
         signs: RunSigns,
+        attachments: Sequence[Attachment] = (),
     ) -> ClaudeCodeResult:
         return await run_claude_code(
             prompt,
@@ -374,7 +385,18 @@ class Spawner:
             self._run_settings(system_prompt),
             tool_calls,
             signs=signs,
+            attachments=attachments,
         )
+
+
+def recorded_prompt(prompt: str, attachments: Sequence[Attachment]) -> str:
+    """A session's prompt as its row keeps it: the text, then one line per file it was
+    given (kind, type, size, name). The bytes stay with the message that brought them
+    (the switchboard's inbox, pruned with retention_days), not in every butler's sessions."""
+    if not attachments:
+        return prompt
+    lines = [f"[attached: {attachment.describe()}]" for attachment in attachments]
+    return "\n".join([prompt, *lines]) if prompt else "\n".join(lines)
 
 
 def _inert_json(text: str) -> str:

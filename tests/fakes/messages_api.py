@@ -20,6 +20,7 @@ from aiohttp import web
 from tests.fakes import serve_on_loopback
 
 Block = dict[str, Any]
+MAX_REQUEST_BYTES = 32 * 1000 * 1000
 Responder = Callable[[dict[str, Any]], list[Block]]
 
 
@@ -32,6 +33,13 @@ _ids = itertools.count(1)
 
 def tool_use(name: str, arguments: dict[str, Any]) -> Block:
     return {"type": "tool_use", "id": f"toolu_{next(_ids):08d}", "name": name, "input": arguments}
+
+
+def prompt_blocks(body: dict[str, Any]) -> list[Block]:
+    """The content blocks of a recorded request's first user message (the prompt's turn); a
+    plain string content as one text block."""
+    content = body["messages"][0]["content"]
+    return [text(content)] if isinstance(content, str) else list(content)
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -217,7 +225,9 @@ class ScriptedMessagesAPI:
         )
 
     async def start(self) -> None:
-        app = web.Application()
+        # The real API's request cap (32 MB), not aiohttp's default 1 MiB: a prompt carrying
+        # a PDF or photos is bigger than that.
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_route("*", "/{tail:.*}", self._other)
         # A held request whose Claude Code gave up on it (and retried) must stop counting as

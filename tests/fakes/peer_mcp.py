@@ -92,14 +92,17 @@ def build_peer() -> FastMCP:
 
 
 @contextlib.asynccontextmanager
-async def serve_peer_over_sse() -> AsyncIterator[tuple[str, asyncio.Event]]:
-    """The peer on 127.0.0.1 (an ephemeral port): its `/sse` URL, and an event that stops
-    the server (open event streams are cut after a moment) when set."""
+async def serve_peer_over_sse(
+    peer: FastMCP | None = None,
+) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """The peer (or another FastMCP server: a stand-in) on 127.0.0.1 (an ephemeral port): its
+    `/sse` URL, and an event that stops the server (open event streams are cut after a
+    moment) when set."""
     import uvicorn
 
     from butlers.http import EmbeddedUvicorn
 
-    app = build_peer().http_app(transport="sse")
+    app = (peer or build_peer()).http_app(transport="sse")
     config = uvicorn.Config(
         app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=0.2
     )
