@@ -24,7 +24,7 @@ from fastmcp.exceptions import ToolError
 from opentelemetry import trace
 
 from butlers.config import RuntimeConfig, SwitchboardConfig
-from butlers.core_tools import MAX_TOOL_ATTACHMENTS
+from butlers.core_tools import MAX_TOOL_ATTACHMENT_BYTES, MAX_TOOL_ATTACHMENTS, session_files
 from butlers.daemon import request_body_limit
 from butlers.mcp_middleware import CONVERSATION_META, ButlerMiddleware
 from butlers.spawner import ROUTED_SESSION_WITHHELD
@@ -277,6 +277,16 @@ async def test_a_refused_file_names_itself_and_starts_no_session(
     assert named in str(refused.value)
     assert await _sessions(db_conn, daemon) == []
     assert scripted_api.requests == []
+
+
+def test_files_that_together_overflow_one_model_request_are_refused() -> None:
+    """Each file within its cap, together more than one Messages API request carries."""
+    half = pdf("x" * (MAX_TOOL_ATTACHMENT_BYTES // 2 + 1024))
+    with pytest.raises(ToolError, match=f"bytes in all; at most {MAX_TOOL_ATTACHMENT_BYTES}"):
+        session_files(
+            [wire("a.pdf", half, "application/pdf"), wire("b.pdf", half, "application/pdf")]
+        )
+    assert len(session_files([wire("a.pdf", half, "application/pdf")])) == 1
 
 
 def test_only_a_butler_messages_are_routed_to_takes_big_requests() -> None:
