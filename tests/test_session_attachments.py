@@ -13,11 +13,13 @@ import asyncio
 import base64
 import json
 import struct
+import uuid
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from fastmcp import Client, FastMCP
 from fastmcp.exceptions import ToolError
@@ -295,6 +297,21 @@ def test_only_a_butler_messages_are_routed_to_takes_big_requests() -> None:
     default = SwitchboardConfig().max_request_bytes
     assert request_body_limit(butler_config("switchboard")) == default
     assert request_body_limit(butler_config("alpha")) >= 32 * MB * 4 // 3
+
+
+async def test_a_big_mcp_message_reaches_the_mcp_server(start_butler: StartButler) -> None:
+    """Past our limit, the MCP SDK's own: it answers 413 to an SSE message over 4 MiB (and
+    the SDK's client then waits out its timeout). Raised to ours, a 5 MiB message reaches
+    the SSE handler, which looks for its session (unknown here: 404)."""
+    daemon = await start_butler()
+    body = b"{" + b" " * (5 * MB) + b"}"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{daemon.base_url}/messages/?session_id={uuid.uuid4().hex}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            assert response.status == 404, await response.text()
 
 
 # -- the attacker --------------------------------------------------------------------------------
