@@ -53,6 +53,7 @@ from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.leadership import LeaderDuty
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.tools import Switchboard, attach_switchboard
+from butlers.switchboard.transcription import transcriber_from
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import Telemetry
 
@@ -354,6 +355,9 @@ class ButlerDaemon:
             # Its name among switchboard processes on one database: the same after a restart.
             replica=f"{socket.gethostname()}:{self.port}",
             redact=self.redactor,
+            # Voice notes to text ([switchboard.transcription]); None: they get a reply that
+            # says a transcription service is needed.
+            transcriber=transcriber_from(limits.transcription, self.settings.variable),
         )
         report = await self.switchboard.discover()
         for error in report["errors"]:

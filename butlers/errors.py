@@ -46,6 +46,11 @@ class ButlersError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class LeaseLost(ButlersError):
+    """This switchboard process's claim on a message ended: another process took it over
+    (butlers.switchboard.worker), and its outcome is the one that counts."""
+
+
 class AttachmentRefused(ButlersError):
     """A file a message carried is not read (butlers.media): the text says why, in words for
     the sender (which limit, which file); nothing of it is stored."""

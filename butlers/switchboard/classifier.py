@@ -21,6 +21,7 @@ from typing import Any
 from butlers.claude_code import McpTarget
 from butlers.config import TriageRule
 from butlers.spawner import SessionOutcome, Spawner
+from butlers.switchboard.attachments import described
 from butlers.switchboard.conversation import HISTORY_INTRO
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage
@@ -47,9 +48,17 @@ class Classification:
 
 
 def message_body(message: InboxMessage) -> str:
+    """What the classifier and the routed butler read of a message: its subject, its text
+    (a voice note's transcript, said to be one), and one line per file it carries."""
+    text = (
+        f"(A voice note, transcribed.) {message.text}"
+        if message.meta.get("voice")
+        else message.text
+    )
     if message.subject:
-        return f"Subject: {message.subject}\n\n{message.text}"
-    return message.text
+        text = f"Subject: {message.subject}\n\n{text}"
+    files = described(message.meta)
+    return f"{text}\n\n{files}" if files else text
 
 
 def new_boundary(body: str) -> str:

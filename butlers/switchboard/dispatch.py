@@ -22,13 +22,14 @@ import asyncio
 import contextlib
 import hmac
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from butlers.errors import RouteError, RoutePolicyError
 from butlers.mcp_middleware import CLASSIFICATION_HEADER
 from butlers.mcp_middleware import LEGACY_INBOX_HEADER as LEGACY_INBOX_HEADER  # re-exported
+from butlers.media import Attachment
 from butlers.switchboard.conversation import with_history
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.replies import Answer, reply_text
@@ -71,6 +72,14 @@ def check_classifier_route(
     return prompt
 
 
+def trigger_arguments(prompt: str, files: Sequence[Attachment] = ()) -> dict[str, Any]:
+    """A routed message's `trigger` arguments: the prompt, and the files its session sees
+    (added here, by the switchboard: a classification session can only name the prompt)."""
+    if not files:
+        return {"prompt": prompt}
+    return {"prompt": prompt, "attachments": [file.to_wire() for file in files]}
+
+
 @dataclass
 class Dispatch:
     """One message's classification: its credential and the routes its session asked for."""
@@ -79,6 +88,7 @@ class Dispatch:
     router: Router
     max_routes: int
     history: str = ""  # the conversation so far, added to each forwarded prompt
+    files: Sequence[Attachment] = ()  # what the message carries, forwarded with each route
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
     _claimed: int = 0  # routes accepted or being checked: counted before any await
@@ -125,7 +135,7 @@ class Dispatch:
             self.router.route(
                 butler_name,
                 ROUTABLE_TOOL,
-                {"prompt": with_history(prompt, self.history)},
+                trigger_arguments(with_history(prompt, self.history), self.files),
                 source=self.source,
             ),
             name=f"switchboard:dispatch:{self.message.id}:{butler_name}",
@@ -169,10 +179,12 @@ class Dispatcher:
         self._open: list[Dispatch] = []
 
     @contextlib.asynccontextmanager
-    async def open(self, message: InboxMessage, history: str = "") -> AsyncIterator[Dispatch]:
+    async def open(
+        self, message: InboxMessage, history: str = "", files: Sequence[Attachment] = ()
+    ) -> AsyncIterator[Dispatch]:
         """A dispatch for `message`, valid until the block ends; routes still running then
         (the worker is stopping) are cancelled."""
-        dispatch = Dispatch(message, self.router, self.max_routes, history)
+        dispatch = Dispatch(message, self.router, self.max_routes, history, files)
         self._open.append(dispatch)
         try:
             yield dispatch

@@ -157,7 +157,8 @@ class InboxStore:
     async def transcribed(
         self, inbox_id: int, *, replica: str, text: str, keep_audio: bool
     ) -> bool:
-        """A voice note heard: `text` becomes the message's text (meta "voice": true), and its
+        """A voice note heard: `text` becomes the message's text (meta "voice" and
+        "transcribed": true, so that a resumed attempt does not transcribe it again), and its
         audio files go (their rows, and their lines in meta "attachments") unless `keep_audio`.
         Only while `replica` holds the claim; False when it does not (another process took the
         message over: its work counts). One statement: the text and the audio go together."""
@@ -167,8 +168,9 @@ class InboxStore:
                 UPDATE inbox SET text = $2,
                     meta = CASE
                         WHEN $4 OR jsonb_typeof(meta -> 'attachments') IS DISTINCT FROM 'array'
-                        THEN meta || '{"voice": true}'
-                        ELSE meta || jsonb_build_object('voice', true, 'attachments', coalesce(
+                        THEN meta || '{"voice": true, "transcribed": true}'
+                        ELSE meta || jsonb_build_object(
+                            'voice', true, 'transcribed', true, 'attachments', coalesce(
                             (SELECT jsonb_agg(a ORDER BY n)
                              FROM jsonb_array_elements(meta -> 'attachments')
                                   WITH ORDINALITY AS listed (a, n)

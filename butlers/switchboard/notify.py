@@ -10,14 +10,17 @@ Each notification is a `routing_log` row (`source_channel = 'butler'`, `tool_nam
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from butlers.channels import CHANNELS, spec_of
-from butlers.config import SwitchboardConfig
+from butlers.config import MAX_ATTACHMENT_BYTES, SwitchboardConfig
 from butlers.core_store import storable
-from butlers.errors import NotifyRefused
+from butlers.errors import AttachmentRefused, NotifyRefused
+from butlers.media import Attachment, check_count, checked, from_wire
 from butlers.switchboard.inbox import InboxMessage, InboxStore
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.route import summarize
@@ -53,13 +56,20 @@ class Notifier:
         self.outbox = outbox
 
     async def deliver(
-        self, text: str, butler: str, channel: str | None, conversation: str | None
+        self,
+        text: str,
+        butler: str,
+        channel: str | None,
+        conversation: str | None,
+        attachments: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """Queue a notification; what it was queued for. Raises NotifyRefused."""
+        """Queue a notification, with the files it carries (`attachments`: the wire form,
+        butlers.media); what it was queued for. Raises NotifyRefused."""
         started = time.monotonic()
         destination: Destination | None = None
         error: str | None = None
         try:
+            files = self._files(attachments)
             destination = await self._check(text, butler, channel, conversation)
             chunks = self.outbox.channels[destination.channel].prepare(
                 text, reply_to=destination.reply_to, butler=butler
@@ -76,11 +86,14 @@ class Notifier:
                 )
                 for chunk, meta in chunks
             ]
+            if files:  # after the text's last part (or as its caption, if the channel can)
+                outgoing[-1] = dataclasses.replace(outgoing[-1], attachments=files)
             async with self.routing_store.pool.acquire() as conn, conn.transaction():
                 await self.outbox.store.add(conn, outgoing, current_carrier() or None)
             self.outbox.wake()
             return {
                 "queued": len(outgoing),
+                "files": len(files),
                 "channel": destination.channel,
                 "to": "conversation" if destination.conversation else "owner",
             }
@@ -101,6 +114,23 @@ class Notifier:
                     duration_ms=int((time.monotonic() - started) * 1000),
                 )
             )
+
+    def _files(self, attachments: Sequence[Mapping[str, Any]] | None) -> tuple[Attachment, ...]:
+        """The files checked as an incoming one is: the type read from the bytes, the size
+        within MAX_ATTACHMENT_BYTES, at most `max_attachments_per_message`. A butler's session
+        may have been talked into sending a file, but only to the person it serves (or the
+        owner), and only what a person could have sent us."""
+        if not attachments:
+            return ()
+        try:
+            check_count(len(attachments), self.limits.max_attachments_per_message)
+            files = tuple(
+                checked(file.data, file.name, max_bytes=MAX_ATTACHMENT_BYTES)
+                for file in from_wire(attachments)
+            )
+        except AttachmentRefused as exc:
+            raise NotifyRefused(f"attachments: {exc}") from None
+        return files
 
     async def _check(
         self, text: str, butler: str, channel: str | None, conversation: str | None

@@ -31,6 +31,7 @@ from butlers.switchboard.pairing import PairingDesk, PairingStore, register_pair
 from butlers.switchboard.registry import discover
 from butlers.switchboard.route import OwnEndpoints, Router
 from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.transcription import Transcriber
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
 from butlers.switchboard.worker import InboxWorker
 from butlers.tool_errors import ToolRefusal
@@ -150,6 +151,7 @@ def attach_switchboard(
     auth_token: str | None,
     replica: str,
     redact: Callable[[str], str] = str,
+    transcriber: Transcriber | None = None,
 ) -> Switchboard:
     """Create the switchboard's parts and register its tools: route, deliver, list_butlers,
     routing_log_entry, discover, ask, the operator's inbox_list, inbox_retry,
@@ -182,6 +184,7 @@ def attach_switchboard(
         tracer=tracer,
         outbox=outbox,
         replica=replica,
+        transcriber=transcriber,
     )
     switchboard = Switchboard(
         routing_store, router, connections, worker, outbox, config_dir, placement
@@ -212,19 +215,24 @@ def attach_switchboard(
 
     @mcp.tool
     async def deliver(
-        text: str, butler: str, channel: str | None = None, conversation: str | None = None
+        text: str,
+        butler: str,
+        channel: str | None = None,
+        conversation: str | None = None,
+        attachments: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Send a butler's notification to its person: to `conversation` (a routed message's,
         e.g. "telegram:12345"), else to the owner ([switchboard.owner]) on `channel`
-        (telegram | email) or the owner's preferred one. Through the outbox: it waits out a
-        channel that is down."""
+        (telegram | email) or the owner's preferred one; with `attachments` (images, PDFs,
+        text files: [{name, mime_type, data (base64)}]) as photos, documents or mail
+        attachments. Through the outbox: it waits out a channel that is down."""
         if _classification_of_caller(worker.dispatcher) is not None:
             # A message's classifier may only route it (it is not shown this tool either).
             raise ToolRefusal(
                 "deliver is not for classification sessions", log_level=logging.WARNING
             )
         try:
-            return await notifier.deliver(text, butler, channel, conversation)
+            return await notifier.deliver(text, butler, channel, conversation, attachments)
         except NotifyRefused as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 

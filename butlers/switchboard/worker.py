@@ -18,15 +18,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.claude_code import known_reasons
 from butlers.config import SwitchboardConfig, TriageRule
-from butlers.errors import RouteError
+from butlers.errors import LeaseLost, RouteError
+from butlers.media import Attachment
 from butlers.spawner import Spawner
+from butlers.switchboard.attachments import AttachmentStep, Carried, NotNow, quoted
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
 from butlers.switchboard.conversation import (
     answered_ids,
@@ -35,7 +37,7 @@ from butlers.switchboard.conversation import (
     history_text,
     with_history,
 )
-from butlers.switchboard.dispatch import Dispatcher
+from butlers.switchboard.dispatch import Dispatcher, trigger_arguments
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
@@ -43,6 +45,9 @@ from butlers.switchboard.route import Router, RouteSource
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier
+
+if TYPE_CHECKING:
+    from butlers.switchboard.transcription import Transcriber
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +68,6 @@ def said_once(parts: Sequence[str | None]) -> str | None:
     return "; ".join(said) or None
 
 
-class LeaseLost(Exception):
-    """This process's claim on a message ended (another process took it over)."""
-
-
 class InboxWorker:
     def __init__(
         self,
@@ -82,6 +83,7 @@ class InboxWorker:
         tracer: Tracer,
         outbox: OutboxSender,
         replica: str,
+        transcriber: Transcriber | None = None,
     ) -> None:
         self.tracer = tracer
         self.inbox = inbox
@@ -99,6 +101,10 @@ class InboxWorker:
         # port), so that it resumes what it was doing when it crashed.
         self.replica = replica
         self.max_concurrent = limits.max_concurrent_messages
+        # Voice notes to text, files loaded (butlers.switchboard.attachments); the worker owns
+        # the transcriber and closes it when it stops.
+        self.transcriber = transcriber
+        self.attachments = AttachmentStep(inbox, transcriber, limits.transcription, replica=replica)
         self.lease_s = limits.message_lease_s
         # The classifier's sessions are bounded by the messages in flight, not by the
         # switchboard's own max_concurrent_sessions.
@@ -205,6 +211,8 @@ class InboxWorker:
             if not future.done():
                 future.set_exception(RuntimeError("the switchboard is stopping"))
         self._waiters.clear()
+        if self.transcriber is not None:
+            await self.transcriber.aclose()
 
     @property
     def in_flight(self) -> int:
@@ -305,16 +313,24 @@ class InboxWorker:
                 )
                 await self._finish(message, "done", None, reply, None, via="command")
                 return
-            history = history_text(await self.inbox.history(message, self.limits.context_messages))
             async with self._working(message):
-                answers, note, via = await self._classify_and_route(message, history)
+                carried = await self.attachments.prepare(message)
+                if isinstance(carried, NotNow):
+                    await self._not_now(message, carried)
+                    return
+                message = carried.message  # a voice note's text is its transcript
+                history = history_text(
+                    await self.inbox.history(message, self.limits.context_messages)
+                )
+                answers, note, via = await self._classify_and_route(carried, history)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
+            reply = combine(answers)  # people get fixed sentences; the error is the operator's
             await self._finish(
                 message,
                 "done" if any(a.ok for a in answers) else "failed",
                 routed_to,
-                combine(answers),  # people get fixed sentences; the error is the operator's
+                quoted(carried.heard, reply) if carried.heard else reply,
                 said_once([note, *failures]),
                 via=via,
             )
@@ -346,6 +362,20 @@ class InboxWorker:
         await self._finish(message, "skipped", None, reply, error, via="limit")
         return True
 
+    async def _not_now(self, message: InboxMessage, outcome: NotNow) -> None:
+        """A message its attachments stop for now: back in the queue until the transcription
+        service may answer, or finished saying why."""
+        if outcome.retry_in_s is None:
+            await self._finish(
+                message, outcome.status, None, outcome.reply, outcome.error, via="attachments"
+            )
+            return
+        deferred = await self.inbox.defer(
+            message.id, replica=self.replica, delay_s=outcome.retry_in_s, error=outcome.error
+        )
+        if not deferred:
+            raise LeaseLost(message.id)
+
     def _working(self, message: InboxMessage) -> contextlib.AbstractAsyncContextManager[None]:
         """While a message is processed, its channel may show it (Telegram: "typing...")."""
         channel = self.outbox.channels.get(message.channel)
@@ -355,11 +385,12 @@ class InboxWorker:
         return working(message.source_id)
 
     async def _classify_and_route(
-        self, message: InboxMessage, history: str = ""
+        self, carried: Carried, history: str = ""
     ) -> tuple[list[Answer], str | None, str]:
         """The answers of every butler the message went to, a note on how it got there (why
         it went to the default butler, what went wrong in classification), and how it was
         classified: triage | thread | claude | default."""
+        message, files = carried.message, carried.files
         with self.tracer.start_as_current_span(
             "switchboard.classify", attributes={"channel": message.channel}
         ) as span:
@@ -369,7 +400,7 @@ class InboxWorker:
             if butler is not None:
                 span.set_attribute("via", via)
                 span.set_attribute("butler", butler)
-                answer = await self._route_one(butler, message, history)
+                answer = await self._route_one(butler, message, history, files)
                 gone = answer.failure in ("unreachable", "refused")
                 if not (via == "thread" and gone):
                     if not answer.ok:
@@ -379,7 +410,7 @@ class InboxWorker:
                 span.set_attribute("thread_butler_gone", butler)
 
             span.set_attribute("via", "claude")
-            async with self.dispatcher.open(message, history) as dispatch:
+            async with self.dispatcher.open(message, history, files) as dispatch:
                 outcome = await classify_with_claude(
                     self.spawner,
                     message,
@@ -407,7 +438,7 @@ class InboxWorker:
             default,
             extra={"action": "classify_fallback"},
         )
-        answer = await self._route_one(default, message, history)
+        answer = await self._route_one(default, message, history, files)
         return [answer], f"classifier: {why}; routed to {default}", "default"
 
     async def _answering_butler(self, message: InboxMessage) -> str | None:
@@ -425,12 +456,18 @@ class InboxWorker:
             return None
         return butler
 
-    async def _route_one(self, butler: str, message: InboxMessage, history: str = "") -> Answer:
+    async def _route_one(
+        self,
+        butler: str,
+        message: InboxMessage,
+        history: str = "",
+        files: Sequence[Attachment] = (),
+    ) -> Answer:
         try:
             result = await self.router.route(
                 butler,
                 "trigger",
-                {"prompt": with_history(message_body(message), history)},
+                trigger_arguments(with_history(message_body(message), history), files),
                 source=RouteSource.of_message(message),
             )
         except RouteError as exc:

@@ -1,0 +1,165 @@
+"""attachments: what a message carries, made ready before it is classified.
+
+A voice note (or an audio file) becomes the message's text through the transcription
+service (`[switchboard.transcription]`, butlers.switchboard.transcription): the transcript is
+written to the inbox row, and the reply will quote it, so that a misheard note shows. Images,
+PDFs and text files are loaded from the inbox (the same bytes on every attempt, after a crash
+too) to go with the route to the butler's session; the classifier sees only their one-line
+descriptions (`message_body`).
+
+When the service fails for a while (5xx, a timeout), the message waits in the queue
+(`InboxStore.defer`) and is tried again with a growing delay, like a reply while its channel
+is down; its sender hears only when `retry_hours` have passed without a transcript.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from butlers.errors import LeaseLost, TranscriptionFailed
+from butlers.media import Attachment
+from butlers.text import printable
+
+if TYPE_CHECKING:
+    from butlers.config import TranscriptionConfig
+    from butlers.switchboard.inbox import InboxMessage, InboxStore
+    from butlers.switchboard.transcription import Transcriber
+
+logger = logging.getLogger(__name__)
+
+NO_TRANSCRIBER = (
+    "I got your voice note, but voice notes need a transcription service and none is set up "
+    'here yet (see the docs, "Voice notes"). Please write your message out.'
+)
+NOT_HEARD = "Sorry, I could not make out your voice note. Please try again, or write it out."
+QUOTE_CHARS = 300  # of the transcript, quoted in the reply
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 300.0
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A message ready for classification: its text (a voice note's transcript), the files
+    its routed session sees, and what was heard (quoted in the reply), if anything."""
+
+    message: InboxMessage
+    files: list[Attachment]
+    heard: str | None = None
+
+
+@dataclass(frozen=True)
+class NotNow:
+    """The message is not classified now: finished with `status` and `reply` (None: nothing
+    said), or, with `retry_in_s`, back in the queue until then."""
+
+    status: str
+    reply: str | None
+    error: str
+    retry_in_s: float | None = None
+
+
+def descriptions(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The files an inbox row's meta lists (InboxStore.accept writes them)."""
+    listed = meta.get("attachments")
+    return [item for item in listed if isinstance(item, dict)] if isinstance(listed, list) else []
+
+
+def described(meta: dict[str, Any]) -> str:
+    """The files as the classifier and the butler's prompt read them: one line each (kind,
+    type, size, name; never the bytes)."""
+    from butlers.media import clean_name, human_size
+
+    lines = [
+        f"[attached: {item.get('kind')} ({item.get('mime_type')}, "
+        f"{human_size(int(item.get('size') or 0))}) {clean_name(str(item.get('name') or ''))!r}]"
+        for item in descriptions(meta)
+    ]
+    return "\n".join(lines)
+
+
+def quoted(heard: str, reply: str) -> str:
+    """The reply to a voice note, starting with one line of what was understood."""
+    return f"🎤 “{printable(heard, QUOTE_CHARS)}”\n\n{reply}"
+
+
+class AttachmentStep:
+    """Turns a claimed message's voice notes into text and loads its files."""
+
+    def __init__(
+        self,
+        inbox: InboxStore,
+        transcriber: Transcriber | None,
+        config: TranscriptionConfig,
+        *,
+        replica: str,
+    ) -> None:
+        self.inbox = inbox
+        self.transcriber = transcriber
+        self.config = config
+        self.replica = replica
+
+    async def prepare(self, message: InboxMessage) -> Carried | NotNow:
+        if not descriptions(message.meta):  # most messages: no query, no work
+            return Carried(message, [])
+        files = await self.inbox.attachments(message.id)
+        audio = [file for file in files if file.kind == "audio"]
+        others = [file for file in files if file.kind != "audio"]
+        if not audio:
+            return Carried(message, others)
+        if message.meta.get("transcribed"):  # an attempt before a crash heard it (keep_audio)
+            return Carried(message, others, message.text)
+        if self.transcriber is None:
+            return NotNow("skipped", NO_TRANSCRIBER, "a voice note, and no transcription service")
+        try:
+            heard = [await self.transcriber.transcribe(file) for file in audio]
+        except TranscriptionFailed as exc:
+            return self._failed(message, exc)
+        transcript = "\n".join(text.strip() for text in heard if text.strip())
+        if not transcript:
+            return NotNow("failed", NOT_HEARD, "transcription: the service heard no words")
+        text = f"{message.text}\n\n{transcript}" if message.text.strip() else transcript
+        if not await self.inbox.transcribed(
+            message.id, replica=self.replica, text=text, keep_audio=self.config.keep_audio
+        ):
+            raise LeaseLost(message.id)
+        meta = {
+            **message.meta,
+            "voice": True,
+            "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
+        }
+        return Carried(dataclasses.replace(message, text=text, meta=meta), others, transcript)
+
+    def _failed(self, message: InboxMessage, exc: TranscriptionFailed) -> NotNow:
+        """A service that fails for now is tried again later (the delay doubles with the time
+        already waited), until `retry_hours`; anything else, or past that, fails the message."""
+        error = f"transcription: {exc}"
+        if not exc.transient:
+            return NotNow("failed", NOT_HEARD, error)
+        since = _deferred_since(message.meta)
+        waited = (datetime.now(UTC) - since).total_seconds() if since is not None else 0.0
+        if waited >= self.config.retry_hours * 3600:
+            return NotNow("failed", NOT_HEARD, f"{error} (gave up after {waited / 3600:.1f} h)")
+        delay = min(RETRY_MAX_S, max(RETRY_MIN_S, waited))
+        logger.warning(
+            "message %s: %s; trying again in %.0f s",
+            message.id,
+            error,
+            delay,
+            extra={"action": "transcription_deferred"},
+        )
+        return NotNow("queued", None, error, retry_in_s=delay)
+
+
+def _deferred_since(meta: dict[str, Any]) -> datetime | None:
+    value = meta.get("deferred_since")
+    if not isinstance(value, str):
+        return None
+    try:
+        since = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return since if since.tzinfo is not None else since.replace(tzinfo=UTC)

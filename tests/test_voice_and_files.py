@@ -1,0 +1,369 @@
+"""Voice notes, photos and documents end to end (issue 28): the real switchboard and butlers,
+the real Claude Code driven by the scripted Messages API, python-telegram-bot against the fake
+Bot API (getFile, downloads, sendPhoto), a fake OpenAI-compatible transcription service, and
+real IMAP and SMTP servers for mail.
+
+- a voice note is transcribed, routed by its words, answered with a quote of what was heard,
+  and its transcript is the inbox row's text (the audio is not kept);
+- a photo with a caption reaches the routed butler's model request as an image block, a PDF
+  as a document block, and a mail's image the same way; the classifier reads one line about
+  each file, never its bytes;
+- without a transcription service: a clear reply and a `skipped` row;
+- the service failing for a while: the message waits, is tried again, answered once;
+- a file over the cap: a reply naming the limit, and nothing stored;
+- a crash after the download: the next start routes the same bytes;
+- a butler's notify with a file: a photo in the chat.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from email.message import EmailMessage
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastmcp import Client
+
+from butlers.config import SwitchboardConfig, TranscriptionConfig
+from butlers.switchboard.attachments import NO_TRANSCRIBER
+from tests.conftest import StartButler, eventually
+from tests.fakes.bot_api import FakeBotAPI
+from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+from tests.fakes.transcription_api import FakeTranscriptionAPI, transcription_api_fixture
+from tests.test_email import append, imap_server, smtp_server, start_mail_fleet  # noqa: F401
+from tests.test_inbox import delimited_message, is_classifier, turn
+from tests.test_media import ogg_opus, pdf, png
+from tests.test_telegram import CHAT, start_telegram_fleet
+
+ROUTE_TOOL = "mcp__switchboard__route"
+HEARD = "Log my weight: 75 kilograms."
+transcription_api = transcription_api_fixture(text=HEARD)
+
+
+def by_words(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scripted model: as the classifier it routes by the message's words (weight ->
+    health, anything else -> general); as a butler it answers with its name."""
+    if is_classifier(body):
+        if turn(body) > 0:
+            return [text("done")]
+        message = delimited_message(body) or ""
+        butler = "health" if "weight" in message.lower() else "general"
+        return [
+            tool_use(
+                ROUTE_TOOL,
+                {"butler_name": butler, "tool_name": "trigger", "args": {"prompt": message}},
+            )
+        ]
+    names = [t["name"] for t in body.get("tools", []) if t["name"].startswith("mcp__")]
+    butler = names[0].split("__")[1] if names else "?"
+    return [text(f"{butler} answered")]
+
+
+def butler_requests(api: ScriptedMessagesAPI, butler: str) -> list[dict[str, Any]]:
+    """The first request of each session `butler` ran."""
+    return [
+        body
+        for body in api.requests
+        if not is_classifier(body)
+        and turn(body) == 0
+        and any(t["name"].startswith(f"mcp__{butler}__") for t in body.get("tools", []))
+    ]
+
+
+def blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
+    content = body["messages"][0]["content"]
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+def classifier_texts(api: ScriptedMessagesAPI) -> list[str]:
+    return [json.dumps(b["messages"][0]) for b in api.requests if is_classifier(b) and turn(b) == 0]
+
+
+def with_transcription(api: FakeTranscriptionAPI, **keys: Any) -> SwitchboardConfig:
+    return SwitchboardConfig(transcription=TranscriptionConfig(url=api.url, **keys))
+
+
+async def rows(conn) -> list[dict[str, Any]]:
+    return [dict(r) for r in await conn.fetch("SELECT * FROM inbox ORDER BY id")]
+
+
+async def test_a_voice_note_is_transcribed_routed_by_its_words_and_answered_with_a_quote(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    monkeypatch: pytest.MonkeyPatch,
+    db_conn,
+) -> None:
+    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
+    scripted_api.respond_with(by_words)
+    voice = ogg_opus()
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, switchboard=with_transcription(transcription_api)
+    )
+    await bot_api.push_voice(CHAT, voice)
+    [reply] = await bot_api.wait_sent(1)
+    [request] = await transcription_api.wait_for_requests(1)
+    assert request.file == voice and request.status == 200
+    assert reply["text"].startswith(f"🎤 “{HEARD}”")
+    assert "health answered" in reply["text"]  # routed by the words it heard
+    conn = await db_conn(switchboard.config.database)
+    [row] = await rows(conn)
+    assert (row["status"], row["text"], row["routed_to"]) == ("done", HEARD, "health")
+    meta = row["meta"] if isinstance(row["meta"], dict) else json.loads(row["meta"])
+    assert meta["voice"] is True
+    assert await conn.fetchval("SELECT count(*) FROM inbox_attachments") == 0  # not kept
+    [routed] = butler_requests(scripted_api, "health")
+    assert HEARD in json.dumps(blocks(routed))
+
+
+async def test_a_photo_reaches_the_butler_as_an_image_and_the_classifier_as_one_line(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    scripted_api.respond_with(by_words)
+    small, large = png(2, 2), png(64, 64)
+    await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_photo(
+        CHAT, [(small, 2, 2), (large, 64, 64)], caption="What is on this receipt?"
+    )
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "general answered"
+    [routed] = butler_requests(scripted_api, "general")
+    images = [b for b in blocks(routed) if b["type"] == "image"]
+    assert [base64.b64decode(b["source"]["data"]) for b in images] == [large]
+    assert images[0]["source"]["media_type"] == "image/png"
+    assert "What is on this receipt?" in json.dumps(blocks(routed))
+    [classified] = classifier_texts(scripted_api)
+    assert "What is on this receipt?" in classified and "[attached: image (image/png" in classified
+    assert base64.b64encode(large).decode() not in classified  # a line, never the bytes
+
+
+async def test_a_pdf_reaches_the_butler_as_a_document(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    scripted_api.respond_with(by_words)
+    document = pdf("Prescription: ibuprofen 400 mg")
+    await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_document(CHAT, document, "prescription.pdf", "application/pdf")
+    await bot_api.wait_sent(1)
+    [routed] = butler_requests(scripted_api, "general")
+    documents = [b for b in blocks(routed) if b["type"] == "document"]
+    assert len(documents) == 1
+    assert documents[0]["source"]["media_type"] == "application/pdf"
+    assert base64.b64decode(documents[0]["source"]["data"]) == document
+
+
+async def test_a_mail_with_an_image_reaches_the_butler_as_an_image(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    imap_server: int,  # noqa: F811
+    smtp_server,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scripted_api.respond_with(by_words)
+    picture = png(8, 8)
+    await start_mail_fleet(start_butler, tmp_path, imap_server, smtp_server, monkeypatch)
+    mail = EmailMessage()
+    mail["From"], mail["To"], mail["Subject"] = "user@example.com", "butler@example.com", "Look"
+    mail["Message-ID"] = "<photo-1@example.com>"
+    mail.set_content("Which plant is this?")
+    mail.add_attachment(picture, maintype="image", subtype="png", filename="plant.png")
+    await append(imap_server, mail)
+    await smtp_server.arrived.wait()
+    [routed] = butler_requests(scripted_api, "general")
+    images = [b for b in blocks(routed) if b["type"] == "image"]
+    assert [base64.b64decode(b["source"]["data"]) for b in images] == [picture]
+    assert "Which plant is this?" in json.dumps(blocks(routed))
+
+
+async def test_without_a_transcriber_a_voice_note_gets_a_clear_reply_and_is_skipped(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(by_words)
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_voice(CHAT, ogg_opus())
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == NO_TRANSCRIBER
+    [row] = await rows(await db_conn(switchboard.config.database))
+    assert row["status"] == "skipped" and "transcription" in row["error"]
+    assert scripted_api.requests == []  # nothing was classified
+
+
+async def test_a_failing_transcription_service_is_waited_out_and_answered_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    monkeypatch: pytest.MonkeyPatch,
+    db_conn,
+) -> None:
+    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
+    scripted_api.respond_with(by_words)
+    transcription_api.fail_next(3, 503)
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, switchboard=with_transcription(transcription_api)
+    )
+    await bot_api.push_voice(CHAT, ogg_opus())
+    requests = await transcription_api.wait_for_requests(4)
+    assert [r.status for r in requests] == [503, 503, 503, 200]
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"].startswith(f"🎤 “{HEARD}”")
+    conn = await db_conn(switchboard.config.database)
+
+    async def done() -> bool:
+        return (await rows(conn))[0]["status"] == "done"
+
+    await eventually(done)
+    assert len(bot_api.sent) == 1  # told once: no "please wait", no second answer
+
+
+async def test_an_oversized_file_is_refused_naming_the_limit_and_nothing_is_stored(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    scripted_api.respond_with(by_words)
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, telegram={"max_attachment_bytes": 1000}
+    )
+    update = await bot_api.push_document(CHAT, pdf("x" * 4000), "big.pdf", "application/pdf")
+    [reply] = await bot_api.wait_sent(1)
+    assert "big.pdf" in reply["text"] and "1000 B" in reply["text"]
+    await eventually(lambda: _true(bot_api.acknowledged(update)))
+    conn = await db_conn(switchboard.config.database)
+    assert await rows(conn) == []
+    assert await conn.fetchval("SELECT count(*) FROM inbox_attachments") == 0
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_crash_after_the_download_routes_the_same_bytes_at_the_next_start(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """The switchboard stops while the photo's classification is under way (stored and
+    acknowledged, nothing answered); a new one on the same database routes it with the same
+    bytes, without fetching the file again."""
+    picture = png(16, 16)
+    scripted_api.respond_with(by_words)
+    scripted_api.delay_for = lambda body: 3600.0 if is_classifier(body) else 0.0  # held
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    await bot_api.push_photo(CHAT, [(picture, 16, 16)], caption="keep this")
+    await scripted_api.wait_for_request(is_classifier)
+    await switchboard.stop()  # mid-flight: handed back to the queue, nothing answered
+    assert bot_api.sent == []
+    [row] = await rows(conn)
+    assert row["status"] == "queued"
+    downloads = len(bot_api.downloads)
+    scripted_api.delay_for = None
+    await scripted_api.release_held()
+    await start_butler(
+        switchboard.config, config_dir=switchboard.config_dir, database=switchboard.config.database
+    )
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "general answered"
+    assert len(bot_api.downloads) == downloads  # not fetched again: the stored bytes
+    routed = butler_requests(scripted_api, "general")
+    images = [b for b in blocks(routed[-1]) if b["type"] == "image"]
+    assert [base64.b64decode(b["source"]["data"]) for b in images] == [picture]
+
+
+async def test_a_butler_sends_a_picture_back_to_the_chat(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    switchboard, _ = await start_telegram_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        switchboard=SwitchboardConfig(owner=_owner()),
+    )
+    chart = png(32, 32)
+    async with Client(switchboard.sse_url) as client:
+        result = await client.call_tool(
+            "deliver",
+            {
+                "text": "Your weight this month",
+                "butler": "health",
+                "attachments": [
+                    {
+                        "name": "chart.png",
+                        "mime_type": "image/png",
+                        "data": base64.b64encode(chart).decode(),
+                    }
+                ],
+            },
+        )
+    assert result.structured_content["files"] == 1
+    await bot_api.wait_until(lambda: len(bot_api.sent_files) == 1)
+    [sent] = bot_api.sent_files
+    assert (sent["method"], sent["data"], sent["chat_id"]) == ("sendPhoto", chart, CHAT)
+    assert sent["caption"] == "Your weight this month"
+
+
+def _owner():
+    from butlers.config import OwnerConfig
+
+    return OwnerConfig(telegram_chat_id=str(CHAT))
+
+
+async def test_a_voice_note_kept_and_resumed_after_a_crash_is_not_transcribed_twice(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    monkeypatch: pytest.MonkeyPatch,
+    db_conn,
+) -> None:
+    """With keep_audio the audio stays after it was heard; a restart before the answer
+    classifies the transcript it has, without asking the service again (or doubling it)."""
+    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
+    scripted_api.respond_with(by_words)
+    scripted_api.delay_for = lambda body: 3600.0 if is_classifier(body) else 0.0  # held
+    switchboard, _ = await start_telegram_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        switchboard=with_transcription(transcription_api, keep_audio=True),
+    )
+    conn = await db_conn(switchboard.config.database)
+    await bot_api.push_voice(CHAT, ogg_opus())
+    await scripted_api.wait_for_request(is_classifier)
+    await switchboard.stop()
+    scripted_api.delay_for = None
+    await scripted_api.release_held()
+    await start_butler(
+        switchboard.config, config_dir=switchboard.config_dir, database=switchboard.config.database
+    )
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"].startswith(f"🎤 “{HEARD}”")
+    assert len(transcription_api.requests) == 1
+    [row] = await rows(conn)
+    assert row["text"] == HEARD
+    assert await conn.fetchval("SELECT count(*) FROM inbox_attachments") == 1  # kept
