@@ -24,7 +24,14 @@ from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import AttachmentRefused, NotifyFailed
 from butlers.mcp_middleware import request_conversation
-from butlers.media import Attachment, check_count, checked, from_wire
+from butlers.media import (
+    MAX_TOOL_ATTACHMENT_BYTES,
+    MAX_TOOL_ATTACHMENTS,
+    Attachment,
+    check_count,
+    checked,
+    from_wire,
+)
 from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
 from butlers.text import printable
@@ -61,11 +68,6 @@ ONCE_LEASE_MARGIN = timedelta(minutes=2)
 MAX_ROUTED_SCHEDULES = 10
 MAX_SCHEDULE_NAME_CHARS = 100
 RUNS_PER_HOUR_KEY = "max_scheduled_runs_per_hour"
-# Files a `trigger` or `notify` call may carry (butlers.media's wire form: base64).
-MAX_TOOL_ATTACHMENTS = 20
-# Together, what one Messages API request may carry (its documented cap: 32 MB a request);
-# a butler's HTTP body limit lets this much through, base64 (butlers.daemon).
-MAX_TOOL_ATTACHMENT_BYTES = 32 * 1024 * 1024
 ATTACHMENTS_SCHEMA = (
     "Files, each {name, mime_type, data}: data is the file's bytes in base64; images, PDFs "
     "and text files (the type is read from the bytes)."

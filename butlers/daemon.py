@@ -27,7 +27,6 @@ from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
 from butlers.core_tools import (
-    MAX_TOOL_ATTACHMENT_BYTES,
     database_status,
     module_report,
     register_core_tools,
@@ -41,6 +40,7 @@ from butlers.errors import ButlersError
 from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
 from butlers.logs import butler_context
 from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
+from butlers.media import MAX_TOOL_ATTACHMENT_BYTES
 from butlers.memory import MemoryStore
 from butlers.modules import Modules, build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
@@ -92,7 +92,13 @@ def request_body_limit(config: ButlerConfig) -> int:
     limit = (config.switchboard or SwitchboardConfig()).max_request_bytes
     if config.is_switchboard:
         return limit
-    return max(limit, MAX_TOOL_ATTACHMENT_BYTES * 4 // 3 + ATTACHMENT_BODY_MARGIN)
+    return max(limit, FILES_REQUEST_BYTES)
+
+
+# A request carrying the most files a `trigger` or a `notify` may carry: base64 (4 bytes for
+# 3) of MAX_TOOL_ATTACHMENT_BYTES, and a margin for the text and the JSON around them. The
+# switchboard takes it only from a caller with the bearer token (a butler's `deliver`).
+FILES_REQUEST_BYTES = MAX_TOOL_ATTACHMENT_BYTES * 4 // 3 + ATTACHMENT_BODY_MARGIN
 
 
 def _loopback(host: str) -> str:
@@ -267,6 +273,8 @@ class ButlerDaemon:
             webhooks=self._modules.webhooks,
             dashboard=self.dashboard.app if self.dashboard is not None else None,
             max_request_bytes=request_body_limit(config),
+            # A butler's notify with files comes to the switchboard's `deliver`.
+            token_request_bytes=FILES_REQUEST_BYTES if config.is_switchboard else None,
         )
         uv_config = uvicorn.Config(
             app,

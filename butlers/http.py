@@ -144,14 +144,28 @@ class BodyLimitMiddleware:
     handed on whole: the app never sees a partial body it could answer 500 to.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        *,
+        trusted_bytes: int | None = None,
+        trusted: Callable[[Scope], bool] = lambda scope: False,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # A bigger limit for requests `trusted` says carry the bearer token (a butler's
+        # notify with files, to the switchboard): a stranger's body stays small.
+        self.trusted_bytes = trusted_bytes
+        self.trusted = trusted
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_bytes
+        if self.trusted_bytes is not None and self.trusted(scope):
+            limit = self.trusted_bytes
         length: bytes | None = None
         encoded = False
         for name, value in scope["headers"]:
@@ -162,21 +176,21 @@ class BodyLimitMiddleware:
         if length is not None and not encoded:
             if not length.isdigit():
                 await _json(send, 400, {"error": "bad Content-Length"})
-            elif int(length) > self.max_bytes:
-                await self._too_large(send)
+            elif int(length) > limit:
+                await self._too_large(send, limit)
             else:
                 await self.app(scope, receive, send)
             return
         if not encoded and scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)  # no body (an SSE stream's GET)
             return
-        body = await self._read_body(receive)
+        body = await self._read_body(receive, limit)
         if body is None:
-            await self._too_large(send)
+            await self._too_large(send, limit)
             return
         await self.app(scope, _replaying(body, receive), send)
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or None when it is over the limit (or the client went away)."""
         parts: list[bytes] = []
         size = 0
@@ -186,14 +200,14 @@ class BodyLimitMiddleware:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 return None
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
 
-    async def _too_large(self, send: Send) -> None:
-        await _json(send, 413, {"error": f"request body over {self.max_bytes} bytes"})
+    async def _too_large(self, send: Send, limit: int) -> None:
+        await _json(send, 413, {"error": f"request body over {limit} bytes"})
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
@@ -369,18 +383,32 @@ def build_app(
     webhooks: Sequence[BaseRoute] = (),
     dashboard: ASGIApp | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    token_request_bytes: int | None = None,
 ) -> tuple[ASGIApp, ButlerApp]:
     """The served app (body limit, then the bearer check when a token is set) and the app
-    itself."""
+    itself. `token_request_bytes`: the limit for a request to a path that is not public and
+    carries the token (with no token set, every such request: the butler is on loopback)."""
     app = ButlerApp(
         mcp,
         health,
         allowed_hosts=allowed_hosts,
         webhooks=webhooks,
         dashboard=dashboard,
-        max_request_bytes=max_request_bytes,
+        max_request_bytes=max(max_request_bytes, token_request_bytes or 0),
     )
     served: ASGIApp = (
         BearerTokenMiddleware(app, auth_token, public=app.is_public) if auth_token else app
     )
-    return BodyLimitMiddleware(served, max_request_bytes), app
+    expected = f"Bearer {auth_token}".encode() if auth_token else None
+
+    def carries_token(scope: Scope) -> bool:
+        if app.is_public(scope["path"]):
+            return False
+        if expected is None:
+            return True
+        return hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), expected)
+
+    limited = BodyLimitMiddleware(
+        served, max_request_bytes, trusted_bytes=token_request_bytes, trusted=carries_token
+    )
+    return limited, app

@@ -28,6 +28,12 @@ Kind = Literal["image", "pdf", "text", "audio"]
 MAX_NAME_CHARS = 120
 # What the Messages API takes as an image block (its documented limit: 5 MB an image).
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
+# Files a `trigger` or `notify` call may carry (the wire form: base64).
+MAX_TOOL_ATTACHMENTS = 20
+# Together, what one Messages API request may carry (its documented cap: 32 MB a request);
+# a butler's HTTP body limit lets this much through, base64 (butlers.daemon), and the
+# switchboard forwards no more with one message (butlers.switchboard.attachments).
+MAX_TOOL_ATTACHMENT_BYTES = 32 * 1024 * 1024
 # Image types the Messages API reads.
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 # What the sender reads when a file is of none of the kinds above.

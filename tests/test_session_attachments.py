@@ -26,9 +26,10 @@ from fastmcp.exceptions import ToolError
 from opentelemetry import trace
 
 from butlers.config import RuntimeConfig, SwitchboardConfig
-from butlers.core_tools import MAX_TOOL_ATTACHMENT_BYTES, MAX_TOOL_ATTACHMENTS, session_files
+from butlers.core_tools import session_files
 from butlers.daemon import request_body_limit
 from butlers.mcp_middleware import CONVERSATION_META, ButlerMiddleware
+from butlers.media import MAX_TOOL_ATTACHMENT_BYTES, MAX_TOOL_ATTACHMENTS
 from butlers.spawner import ROUTED_SESSION_WITHHELD
 from tests.conftest import StartButler, butler_config
 from tests.fakes.messages_api import ScriptedMessagesAPI, prompt_blocks, text, tool_use

@@ -367,3 +367,101 @@ async def test_a_voice_note_kept_and_resumed_after_a_crash_is_not_transcribed_tw
     [row] = await rows(conn)
     assert row["text"] == HEARD
     assert await conn.fetchval("SELECT count(*) FROM inbox_attachments") == 1  # kept
+
+
+async def test_a_butler_sends_a_document_bigger_than_the_front_door_s_request_limit(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """A notify's files come to the switchboard's `deliver` in one request, far over its
+    `max_request_bytes` (1 MiB, for what strangers send): the bearer's requests may carry
+    files."""
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, switchboard=SwitchboardConfig(owner=_owner())
+    )
+    report = pdf("x" * (3 * 1024 * 1024))
+    async with Client(switchboard.sse_url) as client:
+        await client.call_tool(
+            "deliver",
+            {
+                "text": "The report",
+                "butler": "general",
+                "attachments": [
+                    {
+                        "name": "report.pdf",
+                        "mime_type": "application/pdf",
+                        "data": base64.b64encode(report).decode(),
+                    }
+                ],
+            },
+            timeout=60,
+        )
+    await bot_api.wait_until(lambda: len(bot_api.sent_files) == 1)
+    [sent] = bot_api.sent_files
+    assert (sent["method"], sent["data"]) == ("sendDocument", report)
+
+
+async def test_only_the_token_s_requests_may_be_big_on_the_switchboard(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    import httpx
+
+    from tests.conftest import butler_config, free_port, write_butler_dir
+
+    config_dir = tmp_path / "config"
+    general = await start_butler(butler_config("general"), auth_token="the-token")
+    write_butler_dir(config_dir, "general", general.port)
+    port = free_port()
+    write_butler_dir(config_dir, "switchboard", port)
+    switchboard = await start_butler(
+        butler_config("switchboard", port=port), config_dir=config_dir, auth_token="the-token"
+    )
+    body = b"{" + b" " * (2 * 1024 * 1024) + b"}"
+    url = f"{switchboard.base_url}/messages/?session_id=0123456789abcdef0123456789abcdef"
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        stranger = await http.post(url, content=body, headers=headers)
+        wrong = await http.post(
+            url, content=body, headers={**headers, "authorization": "Bearer nope"}
+        )
+        owner = await http.post(
+            url, content=body, headers={**headers, "authorization": "Bearer the-token"}
+        )
+        # The dashboard signs in its own way: its forms keep the small limit, token or not.
+        dashboard = await http.post(
+            f"{switchboard.base_url}/ui/login",
+            content=body,
+            headers={**headers, "authorization": "Bearer the-token"},
+        )
+    assert (stranger.status_code, wrong.status_code, dashboard.status_code) == (413, 413, 413)
+    assert owner.status_code not in (401, 413)  # through the limit (an unknown session here)
+
+
+def test_files_past_one_request_are_named_not_forwarded() -> None:
+    """A mail may carry five files of 10 MB; a butler's trigger takes 32 MB of files (one
+    Messages API request). The first that fit go, in order; the rest are named in the text."""
+    from butlers.media import MAX_TOOL_ATTACHMENT_BYTES, Attachment
+    from butlers.switchboard.attachments import _within_one_request
+    from butlers.switchboard.inbox import InboxMessage
+
+    third = MAX_TOOL_ATTACHMENT_BYTES // 3 + 1
+    files = [Attachment(f"{n}.pdf", "application/pdf", b"x" * third) for n in "abc"]
+    files.append(Attachment("small.png", "image/png", b"x" * 10))
+    message = InboxMessage(
+        id=1,
+        channel="email",
+        external_id="<m@x>",
+        source_id="user@example.com",
+        sender_name=None,
+        subject="Scans",
+        text="Here are the scans.",
+        meta={},
+        attempts=1,
+        trace_context=None,
+    )
+    kept, told = _within_one_request(files, message)
+    assert [f.name for f in kept] == ["a.pdf", "b.pdf", "small.png"]
+    assert told.text.startswith("Here are the scans.\n\n[not read: 'c.pdf':")
+    assert _within_one_request(files[:2], message) == (files[:2], message)

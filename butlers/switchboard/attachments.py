@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from butlers.errors import LeaseLost, TranscriptionFailed
-from butlers.media import Attachment
+from butlers.media import MAX_TOOL_ATTACHMENT_BYTES, Attachment, human_size
 from butlers.text import printable
 
 if TYPE_CHECKING:
@@ -107,7 +107,9 @@ class AttachmentStep:
             return Carried(message, [])
         files = await self.inbox.attachments(message.id)
         audio = [file for file in files if file.kind == "audio"]
-        others = [file for file in files if file.kind != "audio"]
+        others, message = _within_one_request(
+            [file for file in files if file.kind != "audio"], message
+        )
         if not audio:
             return Carried(message, others)
         if message.meta.get("transcribed"):  # an attempt before a crash heard it (keep_audio)
@@ -152,6 +154,32 @@ class AttachmentStep:
             extra={"action": "transcription_deferred"},
         )
         return NotNow("queued", None, error, retry_in_s=delay)
+
+
+def _within_one_request(
+    files: list[Attachment], message: InboxMessage
+) -> tuple[list[Attachment], InboxMessage]:
+    """The files that fit in one Messages API request together (MAX_TOOL_ATTACHMENT_BYTES:
+    what a butler's `trigger` takes), in the sender's order; the rest are named in the text,
+    so that the butler can say which it did not see (a mail may carry 5 files of 10 MB)."""
+    kept: list[Attachment] = []
+    left_out: list[str] = []
+    total = 0
+    for file in files:
+        if total + file.size > MAX_TOOL_ATTACHMENT_BYTES:
+            left_out.append(file.name)
+            continue
+        kept.append(file)
+        total += file.size
+    if not left_out:
+        return files, message
+    names = ", ".join(repr(name) for name in left_out)
+    note = (
+        f"[not read: {names}: the files of one message are read up to "
+        f"{human_size(MAX_TOOL_ATTACHMENT_BYTES)} together]"
+    )
+    text = f"{message.text}\n\n{note}" if message.text else note
+    return kept, dataclasses.replace(message, text=text)
 
 
 def _deferred_since(meta: dict[str, Any]) -> datetime | None:

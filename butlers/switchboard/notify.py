@@ -71,6 +71,12 @@ class Notifier:
         try:
             files = self._files(attachments)
             destination = await self._check(text, butler, channel, conversation)
+            spec = spec_of(destination.channel)
+            carried = spec.carries if spec is not None else frozenset()
+            if refused := [f.name for f in files if f.kind not in carried]:
+                raise NotifyRefused(
+                    f"attachments: the {destination.channel} channel cannot carry {refused}"
+                )
             chunks = self.outbox.channels[destination.channel].prepare(
                 text, reply_to=destination.reply_to, butler=butler
             )

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from opentelemetry import context as otel_context
@@ -40,9 +40,11 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from butlers.core_store import storable, storable_json
 from butlers.errors import DeliveryError
 from butlers.media import Attachment
-from butlers.switchboard.inbox import InboxMessage
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier
+
+if TYPE_CHECKING:
+    from butlers.channels.base import ChannelModule
 
 logger = logging.getLogger(__name__)
 
@@ -137,22 +139,6 @@ class Delivery:
             butler=row["butler"],
             attachments=tuple(attachments),
         )
-
-
-class Channel(Protocol):
-    """What a channel module offers the outbox."""
-
-    def prepare(
-        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
-    ) -> list[tuple[str, dict[str, Any]]]:
-        """The rows one message becomes (text over the channel's limit is split), each with
-        what `deliver` will need (`reply_to`: the message this answers, if any; `butler`:
-        who speaks, for a notification's subject)."""
-        ...
-
-    async def deliver(self, delivery: Delivery) -> list[str]:
-        """Send one row; the channel's own ids of what was sent. Raises DeliveryError."""
-        ...
 
 
 class OutboxStore:
@@ -329,7 +315,7 @@ class OutboxSender:
         self.store = store
         self.tracer = tracer
         self.retry_budget_s = retry_hours * 3600
-        self.channels: dict[str, Channel] = {}
+        self.channels: dict[str, ChannelModule] = {}  # their sending half
         self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -357,7 +343,7 @@ class OutboxSender:
     async def step_down(self) -> None:
         await self.stop()
 
-    async def _run(self, name: str, channel: Channel) -> None:
+    async def _run(self, name: str, channel: ChannelModule) -> None:
         wake = self._wakes[name]
         while True:
             wake.clear()
@@ -375,7 +361,7 @@ class OutboxSender:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), wait_s)
 
-    async def _deliver(self, channel: Channel, delivery: Delivery) -> None:
+    async def _deliver(self, channel: ChannelModule, delivery: Delivery) -> None:
         parent = context_from_carrier(delivery.trace_context)
         token = otel_context.attach(parent) if parent is not None else None
         try:
