@@ -111,6 +111,11 @@ class ChannelSpec:
         """The variables it cannot run without: one unset makes it `skipped`, saying which."""
         raise NotImplementedError
 
+    def needed_variables(self, config: Any) -> list[tuple[str, str]]:
+        """Every variable the channel needs set as configured, with the key that names it
+        (`butlers doctor` reports the unset ones): by default the required ones."""
+        return [(name, "") for name in self.required_variables(config)]
+
     def open(self, config: Any, context: ChannelContext) -> ChannelModule:
         """The running module (nothing connects before its `start`)."""
         raise NotImplementedError

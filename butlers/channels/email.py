@@ -22,6 +22,9 @@ from butlers.config_types import (
 )
 from butlers.errors import KeyProblem
 
+# The email webhook's bearer token (butlers.settings: BUTLERS_EMAIL_WEBHOOK_TOKEN).
+EMAIL_WEBHOOK_VARIABLE = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
+
 if TYPE_CHECKING:
     from butlers.channels.base import ChannelContext, ChannelModule
 
@@ -118,6 +121,12 @@ class EmailChannel(ChannelSpec):
 
     def required_variables(self, config: Any) -> list[str]:
         return [config.username_env, config.password_env]
+
+    def needed_variables(self, config: Any) -> list[tuple[str, str]]:
+        needed = [(config.username_env, "username_env"), (config.password_env, "password_env")]
+        if config.mode == "webhook":
+            needed.append((EMAIL_WEBHOOK_VARIABLE, "webhook mode"))
+        return needed
 
     def open(self, config: Any, context: ChannelContext) -> ChannelModule:
         from butlers.modules.email import EmailModule

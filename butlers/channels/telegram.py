@@ -92,6 +92,12 @@ class TelegramChannel(ChannelSpec):
     def required_variables(self, config: Any) -> list[str]:
         return [config.token_env]
 
+    def needed_variables(self, config: Any) -> list[tuple[str, str]]:
+        needed = [(config.token_env, "token_env")]
+        if config.mode == "webhook":
+            needed.append((config.webhook_secret_env, "webhook_secret_env (webhook mode)"))
+        return needed
+
     def open(self, config: Any, context: ChannelContext) -> ChannelModule:
         from butlers.modules.telegram import TelegramModule
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from butlers.channels import spec_of
 from butlers.config import CONFIG_FILENAME, ButlerConfig
 from butlers.doctor.report import Check, Subject, fail, ok, warn
 
 TOKEN_VARIABLE = "BUTLERS_AUTH_TOKEN"
-EMAIL_WEBHOOK_VARIABLE = "BUTLERS_EMAIL_WEBHOOK_TOKEN"
 MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -45,21 +45,13 @@ class Needed:
 
 
 def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
-    """Every variable `butler`'s config needs set: the channel modules' secrets, its tool
+    """Every variable `butler`'s config needs set: each channel's (butlers.channels), its tool
     servers' headers and passed variables. (The transcription key is `transcription`'s: a
     local service needs none, so its absence is no failure.)"""
-    if butler.telegram is not None:
-        yield Needed(butler.telegram.token_env, f"{butler.name}: [modules.telegram] token_env")
-        if butler.telegram.mode == "webhook":
-            yield Needed(
-                butler.telegram.webhook_secret_env,
-                f"{butler.name}: [modules.telegram] webhook_secret_env (webhook mode)",
-            )
-    if butler.email is not None:
-        for key in ("username_env", "password_env"):
-            yield Needed(getattr(butler.email, key), f"{butler.name}: [modules.email] {key}")
-        if butler.email.mode == "webhook":
-            yield Needed(EMAIL_WEBHOOK_VARIABLE, f"{butler.name}: [modules.email] webhook mode")
+    for channel, table in butler.channels.items():
+        spec = spec_of(channel)
+        for variable, key in spec.needed_variables(table) if spec is not None else ():
+            yield Needed(variable, f"{butler.name}: [modules.{channel}] {key}".rstrip())
     for server in butler.mcp_servers:
         for header, variable in server.headers_env.items():
             yield Needed(variable, f"{butler.name}: [[mcp_servers]] {server.name} header {header}")
