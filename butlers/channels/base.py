@@ -92,6 +92,7 @@ class ChannelSpec:
     no threads and no commands."""
 
     name: ClassVar[str]
+    title: ClassVar[str]  # as a sentence names it: "by Telegram", "by email"
     config_model: ClassVar[type]  # its `[modules.<name>]` table (a pydantic dataclass)
     # Its key under [switchboard.owner]: where the owner is reached on it ("" : not there).
     owner_key: ClassVar[str] = ""
@@ -102,6 +103,9 @@ class ChannelSpec:
     # A notification to one of its conversations continues the conversation's thread (mail's
     # In-Reply-To); else it is sent on its own.
     continues_thread: ClassVar[bool] = False
+    # It can show the owner buttons to press (approvals, pairing); else the owner answers by
+    # the CLI, the dashboard or (mail) a reply.
+    buttons: ClassVar[bool] = False
 
     def secret_variables(self, config: Any) -> list[str]:
         """Names of the variables holding its secrets: never logged (butlers.redact)."""
@@ -127,3 +131,11 @@ class ChannelSpec:
     def command_of(self, text: str) -> str | None:
         """The command `text` is, answered without any butler (/help), or None."""
         return None
+
+    def same_sender(self, sender: str) -> str:
+        """A sender as the channel compares them (an address's case does not matter)."""
+        return sender.strip()
+
+    def sender_label(self, sender: str) -> str:
+        """A sender as a sentence to the owner names them."""
+        return f"{self.title} sender {sender}"

@@ -111,6 +111,7 @@ class EmailConfig:
 
 class EmailChannel(ChannelSpec):
     name = "email"
+    title = "email"
     config_model = EmailConfig
     owner_key = "email"
     continues_thread = True
@@ -139,6 +140,12 @@ class EmailChannel(ChannelSpec):
             context.worker,
             webhook_token=reveal(context.settings.email_webhook_token),
         )
+
+    def same_sender(self, sender: str) -> str:
+        return sender.strip().lower()
+
+    def sender_label(self, sender: str) -> str:
+        return sender  # an address says what it is
 
     def answered_ids(self, meta: dict[str, Any]) -> list[str]:
         """A mail's References: its client lists the thread, ours included."""

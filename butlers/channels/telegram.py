@@ -81,6 +81,8 @@ class TelegramConfig:
 
 class TelegramChannel(ChannelSpec):
     name = "telegram"
+    title = "Telegram"
+    buttons = True
     config_model = TelegramConfig
     owner_key = "telegram_chat_id"
     commands = ("/start", "/help")
@@ -112,6 +114,9 @@ class TelegramChannel(ChannelSpec):
         """A reply's `reply_to_message_id`: the message of ours it answers."""
         said = meta.get("reply_to_message_id")
         return [str(said)] if said else []
+
+    def sender_label(self, sender: str) -> str:
+        return f"Telegram chat {sender}"
 
     def command_of(self, text: str) -> str | None:
         """A bot command answered without any butler (`/help@my_bot` included)."""

@@ -56,6 +56,7 @@ from zoneinfo import ZoneInfo
 import asyncpg
 from fastmcp import FastMCP
 
+from butlers.channels import channel_names, spec_of
 from butlers.config import OwnerConfig, PairingConfig
 from butlers.core_store import CoreStore, storable
 from butlers.switchboard.approvals import (
@@ -72,7 +73,17 @@ from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
-CHANNELS = ("telegram", "email")
+
+def _title(channel: str) -> str:
+    spec = spec_of(channel)
+    return spec.title if spec is not None else channel
+
+
+def _has_buttons(channel: str) -> bool:
+    spec = spec_of(channel)
+    return spec is not None and spec.buttons
+
+
 DECISIONS = {"approve": "approved", "deny": "denied"}
 CODE_ALPHABET = "ABCDEFGHJKMNPQRSTUVWXYZ23456789"  # no I, L, O, 0, 1: read aloud safely
 CODE_LENGTH = 8
@@ -161,7 +172,8 @@ def describe_sender(row: dict[str, Any]) -> str:
     could otherwise pass for a sender ("Mom <mom@family.example>", "Anna (@anna)"); both are
     cleaned (`clean_name`), so neither brings line breaks or direction overrides."""
     sender = clean_name(row["sender"], SENDER_CHARS)
-    who = sender if row["channel"] == "email" else f"Telegram chat {sender}"
+    spec = spec_of(row["channel"])
+    who = spec.sender_label(sender) if spec is not None else sender
     name = clean_name(row.get("name")).replace('"', "'")  # it cannot close its own quotes
     return f'{who} (calls themselves "{name}")' if name else who
 
@@ -485,7 +497,7 @@ class PairingDesk:
             owner = self._owner_channel(f"the full pairing cap on {channel}")
             if owner is None:
                 return
-            where = "Telegram" if channel == "telegram" else "email"
+            where = _title(channel)
             text = (
                 f"More strangers wrote by {where} than pairing takes: {cap} codes are pending "
                 f"(max_pending_per_channel), so newcomers get no code and you no question, "
@@ -520,12 +532,13 @@ class PairingDesk:
         # In the owner's own time zone ([switchboard.owner] timezone, checked when read).
         expires = row["expires_at"].astimezone(ZoneInfo(self.owner.timezone))
         until = expires.strftime("%Y-%m-%d %H:%M %Z")
-        where = "Telegram" if row["channel"] == "telegram" else "email"
+        where = _title(row["channel"])
+        buttons = _has_buttons(channel)
         text = (
             f"{describe_sender(row)} wants to talk to your butlers by {where}. "
             f"Pairing code: {code} (valid until {until}).\n\n"
         )
-        if channel == "telegram":
+        if buttons:
             text += (
                 "Approve or deny it here, or with "
                 f"`butlers pairing approve {code}` / `butlers pairing deny {code}`."
@@ -533,7 +546,7 @@ class PairingDesk:
         else:
             text += f"To let them in, run `butlers pairing approve {code}` (or `deny {code}`)."
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=None)
-        if channel == "telegram":
+        if buttons:
             secret = await self.secret()
             keyboard = [
                 [
@@ -671,11 +684,12 @@ class PairingDesk:
 
     async def revoke(self, channel: str, sender: str) -> dict[str, Any]:
         """Remove a paired sender: a stranger again (those in the TOML stay allowed)."""
-        if channel not in CHANNELS:
+        spec = spec_of(channel)
+        if spec is None:
             raise ToolRefusal(
-                f"channel must be one of {', '.join(CHANNELS)}, got {clean_name(channel)!r}"
+                f"channel must be one of {', '.join(channel_names())}, got {clean_name(channel)!r}"
             )
-        sender = sender.strip().lower() if channel == "email" else sender.strip()
+        sender = spec.same_sender(sender)
         removed = await self.store.unpair(channel, sender)
         if removed is None:
             raise ToolRefusal(
