@@ -83,16 +83,12 @@ ATTACHMENT_BODY_MARGIN = 1024 * 1024
 
 
 def request_body_limit(config: ButlerConfig) -> int:
-    """The largest request body this butler takes (bigger ones get 413): `[switchboard]
-    max_request_bytes` (1 MiB by default). A butler messages are routed to takes more: a
-    `trigger` carrying a message's photos and PDFs, base64 (4 bytes for 3), as much as one
-    Messages API request may carry (MAX_TOOL_ATTACHMENT_BYTES), and a margin for the prompt.
-    The switchboard keeps its own limit: its requests come from outside (webhooks, MCP
-    clients), and the files of its messages come from the channels, not through it."""
-    limit = (config.switchboard or SwitchboardConfig()).max_request_bytes
-    if config.is_switchboard:
-        return limit
-    return max(limit, FILES_REQUEST_BYTES)
+    """The largest request body this butler takes from anyone (bigger ones get 413):
+    `[switchboard] max_request_bytes` (1 MiB by default). A request with the bearer token may
+    carry files (FILES_REQUEST_BYTES: a routed `trigger` with a message's photos and PDFs, a
+    butler's `notify` to the switchboard's `deliver`); one without it never holds more than
+    this in memory before it is refused."""
+    return (config.switchboard or SwitchboardConfig()).max_request_bytes
 
 
 # A request carrying the most files a `trigger` or a `notify` may carry: base64 (4 bytes for
@@ -273,8 +269,8 @@ class ButlerDaemon:
             webhooks=self._modules.webhooks,
             dashboard=self.dashboard.app if self.dashboard is not None else None,
             max_request_bytes=request_body_limit(config),
-            # A butler's notify with files comes to the switchboard's `deliver`.
-            token_request_bytes=FILES_REQUEST_BYTES if config.is_switchboard else None,
+            # Files come with the token: a routed trigger, a notify to `deliver`.
+            token_request_bytes=FILES_REQUEST_BYTES,
         )
         uv_config = uvicorn.Config(
             app,

@@ -44,6 +44,7 @@ import asyncpg
 from fastmcp import FastMCP
 from opentelemetry.trace import Tracer
 
+from butlers.channels import spec_of
 from butlers.config import APPROVAL_EXECUTE_TOOL, OwnerConfig
 from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
@@ -74,8 +75,12 @@ async def show_decided(
     """The owner's Telegram questions about `what` (an approval, a pairing), once sent, say
     how it was decided and lose their buttons (best effort: the decision stands either way).
     `questions`: the outbox rows that asked, looked up only when Telegram can edit."""
-    channel = outbox.channels.get("telegram")
-    edit = getattr(channel, "show_decided", None)
+    with_buttons = [
+        module
+        for name, module in outbox.channels.items()
+        if (spec := spec_of(name)) and spec.buttons
+    ]
+    edit = getattr(with_buttons[0], "show_decided", None) if with_buttons else None
     if edit is None:
         return
     for asked in await questions():
@@ -395,14 +400,17 @@ class ApprovalDesk:
             )
             return False
         channel, recipient = reachable[0]
+        spec = spec_of(channel)
+        buttons = spec is not None and spec.buttons
+        by_reply = spec is not None and spec.continues_thread  # a mail's answer in its thread
         text = describe(row, self.redact)
-        if channel == "email":
+        if by_reply:
             text += (
                 f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '
                 f"first line, or run `butlers approvals approve|deny {row['id']}`."
             )
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=row["butler"])
-        if channel == "telegram":
+        if buttons:
             secret = await self.store.secret()
             keyboard = [
                 [
@@ -417,7 +425,7 @@ class ApprovalDesk:
             for t, m in chunks
         ]
         # The request mail's Message-ID: an answer by mail counts only in its thread.
-        asked = {channel: chunks[0][1].get("message_id")} if channel == "email" else {}
+        asked = {channel: chunks[0][1].get("message_id")} if by_reply else {}
         async with self.routing_store.pool.acquire() as conn, conn.transaction():
             await self.outbox.store.add(conn, outgoing, current_carrier() or None)
             await conn.execute("UPDATE approvals SET asked = $2 WHERE id = $1", row["id"], asked)
