@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -97,7 +99,10 @@ class Attachment:
             return {"type": "document", "source": self._base64_source(), "title": self.name}
         if self.kind == "text":
             text = self.data.decode("utf-8", errors="replace")
-            return {"type": "text", "text": f"<file name={self.name!r}>\n{text}\n</file>"}
+            # A boundary the file cannot know (drawn now), as the classifier's: a `</file>`
+            # in the text closes nothing.
+            tag = f"file-{secrets.token_hex(8)}"
+            return {"type": "text", "text": f"<{tag} name={self.name!r}>\n{text}\n</{tag}>"}
         raise ValueError(f"{self.describe()} has no content block (audio is transcribed)")
 
     def _base64_source(self) -> dict[str, str]:
@@ -252,6 +257,32 @@ def _sizes(size: int, limit: int, of: str = "") -> str:
     if shown == most:
         shown, most = f"{size:,} bytes", f"{limit:,} bytes"
     return f"{shown}; the most I can read{' of ' + of if of else ''} is {most}"
+
+
+# The file name endings each type read here goes out with (the first: the one added).
+EXTENSIONS = {
+    "image/jpeg": (".jpg", ".jpeg"),
+    "image/png": (".png",),
+    "image/gif": (".gif",),
+    "image/webp": (".webp",),
+    "application/pdf": (".pdf",),
+    "text/plain": (".txt", ".md", ".csv", ".log"),
+    "audio/ogg": (".ogg", ".oga", ".opus"),
+    "audio/mpeg": (".mp3",),
+    "audio/mp4": (".m4a",),
+    "audio/wav": (".wav",),
+    "audio/flac": (".flac",),
+}
+
+
+def as_its_type(file: Attachment) -> Attachment:
+    """`file` under a name whose ending says what its bytes are: a text a session named
+    `invoice.html` or `update.bat` goes out as `invoice.html.txt`, so that no mail client
+    or phone opens it as a page or a program."""
+    endings = EXTENSIONS.get(file.mime_type)
+    if not endings or file.name.lower().endswith(endings):
+        return file
+    return dataclasses.replace(file, name=clean_name(file.name + endings[0]))
 
 
 def kind_or_none(mime_type: str) -> Kind | None:

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from fastmcp import FastMCP
     from starlette.routing import BaseRoute
 
     from butlers.context import ModuleStatus
+    from butlers.media import Attachment
     from butlers.settings import Settings
     from butlers.switchboard.approvals import ApprovalDesk
     from butlers.switchboard.inbox import InboxMessage
@@ -131,6 +134,21 @@ class ChannelSpec:
     def command_of(self, text: str) -> str | None:
         """The command `text` is, answered without any butler (/help), or None."""
         return None
+
+    def with_files(
+        self, rows: list[tuple[str, dict[str, Any]]], files: Sequence[Attachment]
+    ) -> list[tuple[str, dict[str, Any], tuple[Attachment, ...]]]:
+        """Where a message's files go among its rows (from the module's `prepare`). A row is
+        what the outbox sends in one go, and sends again whole when it fails, so a channel
+        that sends each file as a message of its own gives each file a row of its own (else a
+        retry would send the parts before the one that failed again). By default every file
+        goes with the last row (a mail: one message with its attachments)."""
+        empty: tuple[Attachment, ...] = ()
+        placed = [(text, meta, empty) for text, meta in rows]
+        if files and placed:
+            text, meta, _ = placed[-1]
+            placed[-1] = (text, meta, tuple(files))
+        return placed
 
     def same_sender(self, sender: str) -> str:
         """A sender as the channel compares them (an address's case does not matter)."""

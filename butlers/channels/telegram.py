@@ -21,7 +21,10 @@ from butlers.config_types import (
 from butlers.errors import KeyProblem
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from butlers.channels.base import ChannelContext, ChannelModule
+    from butlers.media import Attachment
 
 
 @dataclass(frozen=True, config=TABLE)
@@ -117,6 +120,23 @@ class TelegramChannel(ChannelSpec):
 
     def sender_label(self, sender: str) -> str:
         return f"Telegram chat {sender}"
+
+    def with_files(
+        self, rows: list[tuple[str, dict[str, Any]]], files: Sequence[Attachment]
+    ) -> list[tuple[str, dict[str, Any], tuple[Attachment, ...]]]:
+        """One Telegram message per row: each file a row of its own, the text the first
+        one's caption when it is one short message, else its own rows before them."""
+        from butlers.modules.telegram import caption_fits
+
+        if not files:
+            return [(text, meta, ()) for text, meta in rows]
+        if len(rows) == 1 and caption_fits(rows[0][0]):
+            text, meta = rows[0]
+            return [(text, meta, (files[0],)), *(("", {}, (file,)) for file in files[1:])]
+        return [
+            *((text, meta, ()) for text, meta in rows),
+            *(("", {}, (file,)) for file in files),
+        ]
 
     def command_of(self, text: str) -> str | None:
         """A bot command answered without any butler (`/help@my_bot` included)."""

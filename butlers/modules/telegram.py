@@ -137,7 +137,8 @@ def _too_big(name: str, size: int, limit: int) -> AttachmentRefused:
     return AttachmentRefused(f"{name!r} is {_sizes(size, limit)}")
 
 
-def _caption_fits(text: str) -> bool:
+def caption_fits(text: str) -> bool:
+    """Whether `text` fits a photo's or document's caption (Telegram counts UTF-16 units)."""
     return len(text.encode("utf-16-le")) // 2 <= MAX_CAPTION_CHARS
 
 
@@ -322,11 +323,12 @@ class TelegramModule:
         them. `first` (the reply and the buttons) goes with the first message sent. Every
         message's id comes back (a person may answer any of them: thread affinity)."""
         from telegram import InputFile
+        from telegram.error import BadRequest
 
         ids: list[str] = []
         chat = delivery.recipient
         caption: str | None = None
-        if _caption_fits(delivery.text):
+        if caption_fits(delivery.text):
             caption = delivery.text or None
         else:
             for chunk in split_text(delivery.text):
@@ -337,7 +339,14 @@ class TelegramModule:
             upload = InputFile(attachment.data, filename=attachment.name)
             options = {**first, "caption": caption if index == 0 else None}
             if attachment.kind == "image":
-                sent = await self.bot.send_photo(chat_id=chat, photo=upload, **options)
+                try:
+                    sent = await self.bot.send_photo(chat_id=chat, photo=upload, **options)
+                except BadRequest as exc:  # a picture Telegram will not show as a photo
+                    logger.info(
+                        "telegram: sendPhoto refused %r (%s); as a document", attachment.name, exc
+                    )
+                    upload = InputFile(attachment.data, filename=attachment.name)
+                    sent = await self.bot.send_document(chat_id=chat, document=upload, **options)
             else:
                 sent = await self.bot.send_document(chat_id=chat, document=upload, **options)
             ids.append(str(sent.message_id))

@@ -10,7 +10,6 @@ Each notification is a `routing_log` row (`source_channel = 'butler'`, `tool_nam
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from butlers.channels import CHANNELS, spec_of
 from butlers.config import MAX_ATTACHMENT_BYTES, SwitchboardConfig
 from butlers.core_store import storable
 from butlers.errors import AttachmentRefused, NotifyRefused
-from butlers.media import Attachment, check_count, checked, from_wire
+from butlers.media import Attachment, as_its_type, check_count, checked, from_wire
 from butlers.switchboard.inbox import InboxMessage, InboxStore
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.route import summarize
@@ -80,6 +79,11 @@ class Notifier:
             chunks = self.outbox.channels[destination.channel].prepare(
                 text, reply_to=destination.reply_to, butler=butler
             )
+            placed = (
+                spec.with_files(chunks, files)
+                if spec is not None
+                else [(chunk, meta, ()) for chunk, meta in chunks]
+            )
             outgoing = [
                 Outgoing(
                     kind="notification",
@@ -89,11 +93,10 @@ class Notifier:
                     meta=meta,
                     butler=butler,
                     conversation=destination.conversation,
+                    attachments=row_files,
                 )
-                for chunk, meta in chunks
+                for chunk, meta, row_files in placed
             ]
-            if files:  # after the text's last part (or as its caption, if the channel can)
-                outgoing[-1] = dataclasses.replace(outgoing[-1], attachments=files)
             async with self.routing_store.pool.acquire() as conn, conn.transaction():
                 await self.outbox.store.add(conn, outgoing, current_carrier() or None)
             self.outbox.wake()
@@ -131,7 +134,7 @@ class Notifier:
         try:
             check_count(len(attachments), self.limits.max_attachments_per_message)
             files = tuple(
-                checked(file.data, file.name, max_bytes=MAX_ATTACHMENT_BYTES)
+                as_its_type(checked(file.data, file.name, max_bytes=MAX_ATTACHMENT_BYTES))
                 for file in from_wire(attachments)
             )
         except AttachmentRefused as exc:

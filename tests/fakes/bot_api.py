@@ -54,6 +54,10 @@ class FakeBotAPI:
         self.refused_sends: list[dict[str, Any]] = []  # what a 400 refused
         # The Bot API "down": sendMessage answers 502 Bad Gateway while this is set.
         self.sends_down = False
+        # sendDocument answers the next N calls 502; sendPhoto refuses every photo with 400
+        # (what Telegram says of a picture it will not show, e.g. 1x5000) while this is set.
+        self.fail_next_documents = 0
+        self.refuse_photos = False
         self.down_sends = 0  # sendMessage calls answered 502
         # Hold every sendMessage (after recording it in send_attempts) until release_sends().
         self.hold_sends = False
@@ -433,6 +437,20 @@ class FakeBotAPI:
     async def _send_file(self, kind: str, params: dict[str, Any]) -> web.Response:
         """sendPhoto / sendDocument: the file is a multipart part named `kind` (or one that
         `attach://<name>` names)."""
+        if kind == "document" and self.fail_next_documents:
+            self.fail_next_documents -= 1
+            return web.json_response(
+                {"ok": False, "error_code": 502, "description": "Bad Gateway"}, status=502
+            )
+        if kind == "photo" and self.refuse_photos:
+            return web.json_response(
+                {
+                    "ok": False,
+                    "error_code": 400,
+                    "description": "Bad Request: PHOTO_INVALID_DIMENSIONS",
+                },
+                status=400,
+            )
         upload = params.get(kind)
         if isinstance(upload, str) and upload.startswith("attach://"):
             upload = params.get(upload.removeprefix("attach://"))
