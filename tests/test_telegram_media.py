@@ -209,6 +209,27 @@ async def test_a_download_that_fails_is_not_acknowledged_and_is_taken_when_it_co
     assert bot_api.sent == []  # nobody was told anything: nothing went wrong for them
 
 
+async def test_a_file_that_never_downloads_is_given_up_and_the_chat_goes_on(
+    bot_api: FakeBotAPI,
+) -> None:
+    """Telegram hands updates over in order: a file whose download keeps failing would hold
+    every later message of every chat. After `give_up_on_file_after_s` its sender is asked
+    to send it again and the update is acknowledged; the next message is taken (review L2)."""
+    worker = RecordingWorker()
+    bot_api.fail_downloads = 10**6  # the file server stays down
+    async with telegram(bot_api, worker) as module:
+        module.give_up_on_file_after_s = 0.5
+        update_id = await bot_api.push_document(CHAT, PDF, "scan.pdf", "application/pdf")
+        [asked] = await bot_api.wait_sent(1)
+        await settled(bot_api, update_id)
+        later = await bot_api.push_text(CHAT, "did you get it?")
+        message = await worker.wait_for(str(later))
+    assert "scan.pdf" in asked["text"] and "send it again" in asked["text"]
+    assert len(bot_api.downloads) >= 2  # tried again before giving up
+    assert message.text == "did you get it?"
+    assert [m.text for m in worker.accepted] == ["did you get it?"]
+
+
 async def test_the_webhook_answers_503_when_a_download_fails_and_takes_the_update_again(
     bot_api: FakeBotAPI,
 ) -> None:

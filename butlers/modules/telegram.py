@@ -74,6 +74,9 @@ WEBHOOK_SECRET = re.compile(r"[A-Za-z0-9_-]{1,256}")
 # both): 401 for a well-formed token that is not valid (revoked, mistyped), 404 for a
 # malformed one.
 TOKEN_REFUSALS = {"Unauthorized": "401 Unauthorized", "Not Found": "404 Not Found"}
+# A file Telegram keeps failing to hand over (5xx) is given up after this, its sender asked to
+# send it again: the messages behind it must not wait for ever.
+GIVE_UP_ON_FILE_AFTER_S = 30 * 60.0
 # What getUpdates and a webhook ask Telegram for: messages, and the presses of our approval
 # buttons (butlers.switchboard.approvals).
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query"]
@@ -197,6 +200,9 @@ class TelegramModule:
         self._refused: set[str] = set()
         # Group chats refused a pairing code: chat id -> when it was last logged (monotonic).
         self._groups_logged: dict[str, float] = {}
+        # Files whose download keeps failing: file_id -> when it first failed (monotonic).
+        self._failing_files: dict[str, float] = {}
+        self.give_up_on_file_after_s = GIVE_UP_ON_FILE_AFTER_S
 
     # -- tools and routes -------------------------------------------------------------------
 
@@ -473,6 +479,9 @@ class TelegramModule:
             raise AttachmentRefused(
                 f"Telegram did not give me {file.name!r} ({exc.message}), so I cannot read it"
             ) from exc
+        except Exception:
+            self._still_failing(file)
+            raise
         if remote.file_size is not None and remote.file_size > file.limit:
             raise _too_big(file.name, remote.file_size, file.limit)
         # python-telegram-bot reads a file_path that names a file on this machine from the
@@ -491,8 +500,34 @@ class TelegramModule:
             raise AttachmentRefused(
                 f"Telegram did not give me {file.name!r} ({exc.message}), so I cannot read it"
             ) from exc
+        except Exception:
+            self._still_failing(file)
+            raise
+        self._failing_files.pop(file.file_id, None)
         # Reading the type may decode megabytes of text: off the event loop.
         return await asyncio.to_thread(checked, data, file.name, max_bytes=file.limit)
+
+    def _still_failing(self, file: _File) -> None:
+        """A file Telegram has not handed over for `give_up_on_file_after_s` is refused (its
+        sender asked to send it again), so that the update is acknowledged: until then every
+        later message, of every chat, waits behind it (Telegram hands updates over in order).
+        Before that the update is tried again, with a growing delay (`_poll`)."""
+        now = time.monotonic()
+        if len(self._failing_files) >= MAX_GROUPS_REMEMBERED:
+            self._failing_files.clear()
+        first = self._failing_files.setdefault(file.file_id, now)
+        if now - first >= self.give_up_on_file_after_s:
+            self._failing_files.pop(file.file_id, None)
+            logger.warning(
+                "telegram: %r could not be downloaded for %.0f s; the sender is asked again",
+                file.name,
+                now - first,
+                extra={"action": "attachment_given_up"},
+            )
+            raise AttachmentRefused(
+                f"I could not fetch {file.name!r} from Telegram for a while: please send it "
+                "again"
+            )
 
     async def _paired(self, chat_id: str) -> bool:
         """Whether the owner paired this chat (asked of the database each time)."""
@@ -659,6 +694,7 @@ class TelegramModule:
 
         offset: int | None = None
         failures = 0
+        retried: dict[int, int] = {}  # the update that failed to be stored: its tries
         while True:
             try:
                 updates = await self.bot.get_updates(
@@ -686,7 +722,10 @@ class TelegramModule:
                 try:
                     await self.handle_update(update)
                 except Exception:
-                    # Not stored: do not acknowledge it; the next poll fetches it again.
-                    await asyncio.sleep(BACKOFF_S[0])
+                    # Not stored: do not acknowledge it; the next poll fetches it again, after
+                    # a delay that grows while the same update keeps failing.
+                    tries = retried.get(update.update_id, 0)
+                    retried = {update.update_id: tries + 1}
+                    await asyncio.sleep(BACKOFF_S[min(tries, len(BACKOFF_S) - 1)])
                     break
                 offset = update.update_id + 1
