@@ -186,10 +186,15 @@ class TranscriptionFailed(ButlersError):
     answered, None when none came. The message names the service and what it said, never its
     key: it is logged, and the key is in no log."""
 
-    def __init__(self, message: str, *, transient: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, transient: bool, status: int | None = None, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
         self.transient = transient
         self.status = status
+        # The service did not answer in time: for one file, again and again, it is too long
+        # for `timeout_s` rather than a service that is down (butlers.switchboard.attachments).
+        self.timed_out = timed_out
 
 
 class MailError(ButlersError):

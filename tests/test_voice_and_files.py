@@ -558,3 +558,32 @@ def test_a_text_file_cannot_close_its_own_frame() -> None:
     assert rest.endswith(f"\n</{tag}>") and rest.count(f"</{tag}>") == 1
     second = Attachment("notes.txt", "text/plain", hostile).content_block()["text"]
     assert second.split(" ")[0] != opening.split(" ")[0]  # drawn afresh each time
+
+
+async def test_a_voice_note_that_times_out_again_and_again_is_given_up(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    monkeypatch: pytest.MonkeyPatch,
+    db_conn,
+) -> None:
+    """Each try holds a worker for timeout_s: a note the service never finishes in time is
+    given up after three timeouts in a row, not retried for retry_hours (review L3)."""
+    from butlers.switchboard.attachments import TOO_LONG
+
+    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
+    transcription_api.hang_next(10)
+    switchboard, _ = await start_telegram_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        switchboard=with_transcription(transcription_api, timeout_s=0.5),
+    )
+    await bot_api.push_voice(CHAT, ogg_opus())
+    [reply] = await bot_api.wait_sent(1, timeout_s=90)
+    assert reply["text"] == TOO_LONG
+    assert len(transcription_api.requests) == 3
+    [row] = await rows(await db_conn(switchboard.config.database))
+    assert row["status"] == "failed" and "did not answer within" in row["error"]

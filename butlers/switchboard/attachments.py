@@ -36,6 +36,12 @@ NO_TRANSCRIBER = (
     'here yet (see the docs, "Voice notes"). Please write your message out.'
 )
 NOT_HEARD = "Sorry, I could not make out your voice note. Please try again, or write it out."
+TOO_LONG = (
+    "Sorry, your voice note took too long to transcribe. Please send a shorter one, or write "
+    "it out."
+)
+# Tries that end in a timeout before a voice note is given up (see AttachmentStep._failed).
+MAX_TIMEOUTS = 3
 QUOTE_CHARS = 300  # of the transcript, quoted in the reply
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 300.0
@@ -60,6 +66,7 @@ class NotNow:
     reply: str | None
     error: str
     retry_in_s: float | None = None
+    timed_out: bool = False  # the service did not answer in time (counted: MAX_TIMEOUTS)
 
 
 def descriptions(meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -141,6 +148,11 @@ class AttachmentStep:
         error = f"transcription: {exc}"
         if not exc.transient:
             return NotNow("failed", NOT_HEARD, error)
+        timeouts = message.meta.get("timeouts")
+        if exc.timed_out and isinstance(timeouts, int) and timeouts >= MAX_TIMEOUTS - 1:
+            # Each try holds a worker for timeout_s: a note too long for it is not retried
+            # for hours (the service answers other notes meanwhile, or it would be 5xx).
+            return NotNow("failed", TOO_LONG, f"{error} ({MAX_TIMEOUTS} times: too long?)")
         since = _deferred_since(message.meta)
         waited = (datetime.now(UTC) - since).total_seconds() if since is not None else 0.0
         if waited >= self.config.retry_hours * 3600:
@@ -153,7 +165,7 @@ class AttachmentStep:
             delay,
             extra={"action": "transcription_deferred"},
         )
-        return NotNow("queued", None, error, retry_in_s=delay)
+        return NotNow("queued", None, error, retry_in_s=delay, timed_out=exc.timed_out)
 
 
 def _within_one_request(

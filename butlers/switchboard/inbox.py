@@ -193,23 +193,32 @@ class InboxStore:
         )
         return bool(done)
 
-    async def defer(self, inbox_id: int, *, replica: str, delay_s: float, error: str) -> bool:
+    async def defer(
+        self, inbox_id: int, *, replica: str, delay_s: float, error: str, timed_out: bool = False
+    ) -> bool:
         """Put a message `replica` holds back in the queue until `delay_s` from now (its voice
         note's transcription service is failing): not claimed before then, its conversation's
         later messages waiting behind it. The attempt does not count (as in `release`: nothing
         crashed); `error` says why it waits; meta "deferred_since" keeps the first deferral's
-        time, from which the worker gives up after `retry_hours`. False: not held."""
+        time, from which the worker gives up after `retry_hours`; "timeouts" counts the
+        deferrals in a row that `timed_out` (the service did not answer in time). False: not
+        held."""
         result = await self.pool.execute(
             """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL,
                       attempts = greatest(attempts - 1, 0),
                       not_before = now() + make_interval(secs => $3), error = $4,
-                      meta = CASE WHEN meta ? 'deferred_since' THEN meta
-                                  ELSE meta || jsonb_build_object('deferred_since', now()) END
+                      meta = jsonb_set(
+                          CASE WHEN meta ? 'deferred_since' THEN meta
+                               ELSE meta || jsonb_build_object('deferred_since', now()) END,
+                          '{timeouts}',
+                          to_jsonb(CASE WHEN $5 THEN coalesce((meta ->> 'timeouts')::int, 0) + 1
+                                        ELSE 0 END))
                WHERE id = $1 AND claimed_by = $2 AND status = 'processing'""",
             inbox_id,
             replica,
             delay_s,
             storable(error),
+            timed_out,
         )
         return result.split()[-1] == "1"
 

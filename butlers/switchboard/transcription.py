@@ -202,7 +202,9 @@ class HttpTranscriber:
                 response = await self._client.post(self.url, data=fields, files=files)
         except (TimeoutError, httpx.TimeoutException):
             raise TranscriptionFailed(
-                f"{service} did not answer within {self._timeout_s:g} s", transient=True
+                f"{service} did not answer within {self._timeout_s:g} s",
+                transient=True,
+                timed_out=True,
             ) from None
         except httpx.TransportError as exc:
             # A certificate we do not trust stays untrusted until someone acts.

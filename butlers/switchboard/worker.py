@@ -371,7 +371,11 @@ class InboxWorker:
             )
             return
         deferred = await self.inbox.defer(
-            message.id, replica=self.replica, delay_s=outcome.retry_in_s, error=outcome.error
+            message.id,
+            replica=self.replica,
+            delay_s=outcome.retry_in_s,
+            error=outcome.error,
+            timed_out=outcome.timed_out,
         )
         if not deferred:
             raise LeaseLost(message.id)
