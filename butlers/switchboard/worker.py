@@ -379,6 +379,8 @@ class InboxWorker:
         )
         if not deferred:
             raise LeaseLost(message.id)
+        # Looked at again when it is due, not at the next idle poll (IDLE_POLL_S later).
+        asyncio.get_running_loop().call_later(outcome.retry_in_s, self._wake.set)
 
     def _working(self, message: InboxMessage) -> contextlib.AbstractAsyncContextManager[None]:
         """While a message is processed, its channel may show it (Telegram: "typing...")."""
