@@ -163,9 +163,6 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_bytes
-        if self.trusted_bytes is not None and self.trusted(scope):
-            limit = self.trusted_bytes
         length: bytes | None = None
         encoded = False
         for name, value in scope["headers"]:
@@ -176,24 +173,32 @@ class BodyLimitMiddleware:
         if length is not None and not encoded:
             if not length.isdigit():
                 await _json(send, 400, {"error": "bad Content-Length"})
-            elif int(length) > limit:
-                await self._too_large(send, limit)
+            elif int(length) > self.max_bytes and int(length) > self._limit_of(scope):
+                await self._too_large(send, self._limit_of(scope))
             else:
                 await self.app(scope, receive, send)
             return
         if not encoded and scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)  # no body (an SSE stream's GET)
             return
-        body = await self._read_body(receive, limit)
+        body = await self._read_body(receive, scope)
         if body is None:
-            await self._too_large(send, limit)
+            await self._too_large(send, self._limit_of(scope))
             return
         await self.app(scope, _replaying(body, receive), send)
 
-    async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
+    def _limit_of(self, scope: Scope) -> int:
+        """The request's limit: asked only of a body over `max_bytes` (the common request
+        pays nothing for the token's limit)."""
+        if self.trusted_bytes is not None and self.trusted(scope):
+            return max(self.max_bytes, self.trusted_bytes)
+        return self.max_bytes
+
+    async def _read_body(self, receive: Receive, scope: Scope) -> bytes | None:
         """The whole body, or None when it is over the limit (or the client went away)."""
         parts: list[bytes] = []
         size = 0
+        limit = self.max_bytes
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -201,7 +206,8 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return None
+                if limit != self.max_bytes or (limit := self._limit_of(scope)) < size:
+                    return None
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
