@@ -525,8 +525,7 @@ class TelegramModule:
                 extra={"action": "attachment_given_up"},
             )
             raise AttachmentRefused(
-                f"I could not fetch {file.name!r} from Telegram for a while: please send it "
-                "again"
+                f"I could not fetch {file.name!r} from Telegram for a while: please send it again"
             )
 
     async def _paired(self, chat_id: str) -> bool:
