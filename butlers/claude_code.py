@@ -192,7 +192,7 @@ async def run_claude_code(
         user_turn(prompt, attachments) if attachments else prompt
     )
     try:
-        options = _options(target, run, env, config_path, signs.on_stderr, bool(attachments))
+        options = _options(target, run, env, config_path, signs.on_stderr)
         transport = _transport_class()(sent, options, inherited=run.inherited)  # type: ignore[call-arg]
         # aclosing: on timeout or failure the generator is closed, which ends the CLI.
         # (query is an async generator; the SDK annotates it as a plain AsyncIterator.)
@@ -286,7 +286,6 @@ def _options(
     env: Mapping[str, str],
     mcp_config: Path,
     stderr: Callable[[str], None],
-    with_files: bool = False,
 ):
     from claude_agent_sdk import ClaudeAgentOptions
 
@@ -308,9 +307,10 @@ def _options(
         stderr=stderr,
         # Claude Code keeps a transcript of every run (under its config directory), and
         # writes each image of a run's prompt to a file of its own in its temp directory
-        # (/tmp/claude-<uid>/...), never removed: a person's photo or PDF would outlive
-        # the message. A run with files keeps neither (seen with the bundled CLI 2.1.330).
-        extra_args={"no-session-persistence": None} if with_files else {},
+        # (/tmp/claude-<uid>/...), never removed: a person's words, photo or PDF would
+        # outlive the message and its retention_days. No run keeps either (seen with the
+        # bundled CLI 2.1.330); nothing of ours resumes a session.
+        extra_args={"no-session-persistence": None},
     )
 
 

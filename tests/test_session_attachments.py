@@ -179,7 +179,7 @@ async def test_the_memories_still_go_before_the_text(
     assert "<memories>" not in row["prompt"]  # recorded as given, not as sent
 
 
-async def test_a_session_with_files_leaves_no_copy_of_them_on_disk(
+async def test_a_session_leaves_no_copy_of_its_files_or_words_on_disk(
     start_butler: StartButler,
     scripted_api: ScriptedMessagesAPI,
     claude_env: dict[str, str],
@@ -187,7 +187,8 @@ async def test_a_session_with_files_leaves_no_copy_of_them_on_disk(
 ) -> None:
     """Claude Code writes each image of a prompt to a file in its temp directory and keeps a
     transcript of the run, neither ever removed: a person's photo would outlive the message
-    (and its pruning). A run with files keeps neither (`--no-session-persistence`)."""
+    (and its pruning), and so would a stranger's words. No run keeps either
+    (`--no-session-persistence`), with files or without."""
     cli_tmp = tmp_path / "cli-tmp"
     cli_tmp.mkdir(mode=0o700)
     daemon = await start_butler(session_env={**claude_env, "CLAUDE_CODE_TMPDIR": str(cli_tmp)})
@@ -195,12 +196,20 @@ async def test_a_session_with_files_leaves_no_copy_of_them_on_disk(
     photo = png(3, 3)
 
     await _trigger(daemon, CAPTION, [wire("receipt.png", photo, "image/png")])
+    scripted_api.script([text("Noted.")])
+    words = "my neighbour's door code is 4471"
+    await _trigger(daemon, words, [])
 
     kept = [
         path
         for root in (cli_tmp, Path(claude_env["CLAUDE_CONFIG_DIR"]))
         for path in root.rglob("*")
-        if path.is_file() and (path.suffix in (".png", ".jsonl") or photo in path.read_bytes())
+        if path.is_file()
+        and (
+            path.suffix in (".png", ".jsonl")
+            or photo in path.read_bytes()
+            or words.encode() in path.read_bytes()
+        )
     ]
     assert kept == []
 
