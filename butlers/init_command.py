@@ -467,6 +467,12 @@ def switchboard_toml(answers: Answers) -> str:
         "",
         "[switchboard.pairing]          # unknown senders get a one-time code you approve",
         f"enabled = {'true' if answers.pairing else 'false'}",
+        "",
+        "# Voice notes need a speech-to-text service (docs/voice-and-files.md), e.g.:",
+        "# [switchboard.transcription]",
+        '# url = "https://api.openai.com/v1/audio/transcriptions"',
+        '# model = "whisper-1"',
+        '# api_key_env = "TRANSCRIPTION_API_KEY"   # set it in .env',
     ]
     return "\n".join(lines) + "\n"
 
