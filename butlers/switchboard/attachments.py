@@ -113,14 +113,21 @@ class AttachmentStep:
         if not descriptions(message.meta):  # most messages: no query, no work
             return Carried(message, [])
         files = await self.inbox.attachments(message.id)
-        audio = [file for file in files if file.kind == "audio"]
-        others, message = _within_one_request(
-            [file for file in files if file.kind != "audio"], message
+        ready = await self._heard(message, [file for file in files if file.kind == "audio"])
+        if isinstance(ready, NotNow):
+            return ready
+        others, told = _within_one_request(
+            [file for file in files if file.kind != "audio"], ready.message
         )
+        return dataclasses.replace(ready, message=told, files=others)
+
+    async def _heard(self, message: InboxMessage, audio: list[Attachment]) -> Carried | NotNow:
+        """The message with its voice notes' transcript as its text (written to its inbox
+        row too), or why not now."""
         if not audio:
-            return Carried(message, others)
+            return Carried(message, [])
         if message.meta.get("transcribed"):  # an attempt before a crash heard it (keep_audio)
-            return Carried(message, others, message.text)
+            return Carried(message, [], message.text)
         if self.transcriber is None:
             return NotNow("skipped", NO_TRANSCRIBER, "a voice note, and no transcription service")
         try:
@@ -138,9 +145,10 @@ class AttachmentStep:
         meta = {
             **message.meta,
             "voice": True,
+            "transcribed": True,
             "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
         }
-        return Carried(dataclasses.replace(message, text=text, meta=meta), others, transcript)
+        return Carried(dataclasses.replace(message, text=text, meta=meta), [], transcript)
 
     def _failed(self, message: InboxMessage, exc: TranscriptionFailed) -> NotNow:
         """A service that fails for now is tried again later (the delay doubles with the time
