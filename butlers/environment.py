@@ -10,7 +10,7 @@ library starts, `Settings.inherited_environ()`): this module reads none of its o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 # What any program needs to find its tools, its home, its time zone and its language.
 BASE_NAMES = frozenset(
@@ -67,7 +67,11 @@ def claude_code_keeps(name: str, environ: Mapping[str, str]) -> bool:
     )
 
 
-def gateway_child_environment(own: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+def gateway_child_environment(
+    own: Mapping[str, str], environ: Mapping[str, str], pass_env: Iterable[str] = ()
+) -> dict[str, str]:
     """A gateway child (an MCP server from a .mcp.json): the base of `environ` (the gateway's
-    Settings.environ) plus its declared `env`."""
-    return {**base_environment(environ), **own}
+    Settings.environ), the variables its config names in `pass_env` (a proxy, a CA file:
+    named one by one, so that no other of ours leaks), then its declared `env`."""
+    passed = {name: environ[name] for name in pass_env if name in environ}
+    return {**base_environment(environ), **passed, **own}

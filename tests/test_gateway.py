@@ -389,14 +389,15 @@ async def test_child_env_and_allow_deny(workdir: Path) -> None:
 async def test_a_child_that_never_initializes_is_reported_by_name_and_step(
     tmp_path: Path,
 ) -> None:
-    """It never answers, so any spawn timeout runs out, however fast the machine."""
+    """It never answers, so the call timeout its initialize is held to runs out, however
+    fast the machine."""
     mcp_json(tmp_path, "mute", "--silent")
-    (tmp_path / "gateway.toml").write_text("[timeouts]\nchild_spawn_ms = 300\n")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nrpc_ms = 300\n")
     async with stdio_host(tmp_path, "--lazy") as host:
         result = await host.suite("mute_suite", "introspect")
         assert result.is_error
         assert text_of(result) == (
-            "child 'mute': no answer to initialize within 300 ms (timeouts.child_spawn_ms)"
+            "child 'mute': no answer to initialize within 300 ms (timeouts.rpc_ms)"
         )
         status = await host.status()
         assert status["mute"]["state"] == "error" and "initialize" in status["mute"]["error"]

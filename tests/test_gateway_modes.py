@@ -89,7 +89,7 @@ async def test_dry_run_lists_children_states_and_subtools_and_fails_on_a_broken_
     mcp_json(tmp_path, "plain")
     mcp_json(tmp_path, "mute", "--silent")
     (tmp_path / "gateway.toml").write_text(
-        '[timeouts]\nchild_spawn_ms = 300\n[suites.plain.expose]\ndeny = ["crash"]\n'
+        '[timeouts]\nrpc_ms = 300\n[suites.plain.expose]\ndeny = ["crash"]\n'
     )
     code, out, err = await run_cli("gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path))
     assert code == 1, (out, err)  # mute never answers
@@ -99,8 +99,7 @@ async def test_dry_run_lists_children_states_and_subtools_and_fails_on_a_broken_
     assert any(line.split() == ["add", "Add", "two", "numbers", "together."] for line in lines)
     assert not any(line.split()[:1] == ["crash"] for line in lines)  # denied
     assert (
-        "mute (mcp, error): child 'mute': no answer to initialize within 300 ms "
-        "(timeouts.child_spawn_ms)"
+        "mute (mcp, error): child 'mute': no answer to initialize within 300 ms (timeouts.rpc_ms)"
     ) in lines
 
     (tmp_path / "mcps" / "mute" / ".mcp.json").unlink()

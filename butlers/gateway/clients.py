@@ -164,6 +164,8 @@ class StdioChild(_Child):
         on_tools_changed: Callable[[str], None] | None = None,
         watchdog: Watchdog | None = None,
         on_stderr: Callable[[str], None] | None = None,
+        pass_env: tuple[str, ...] = (),
+        initialize_timeout_s: float | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -171,6 +173,11 @@ class StdioChild(_Child):
             rpc_timeout_s=rpc_timeout_s,
             on_tools_changed=on_tools_changed,
         )
+        # Variables of `environ` this child gets by name (`[suites.<child>] pass_env`).
+        self.pass_env = pass_env
+        # None: `initialize` counts against the spawn timeout. The gateway gives it the call
+        # timeout instead: `npx -y pkg` downloads the package before it can answer at all.
+        self.initialize_timeout_s = initialize_timeout_s
         self.on_exit = on_exit
         # None: the child's stderr is ours (the gateway's host shows it); else each line goes
         # here (a butler logs it, so that it is redacted like every other line).
@@ -199,19 +206,33 @@ class StdioChild(_Child):
             if self.running():
                 return
             await self._kill()
-            try:
-                await asyncio.wait_for(self._spawn_and_initialize(), self.spawn_timeout_s)
-            except TimeoutError:
-                await self._kill()
-                raise CallTimedOut(
-                    f"child {self.name!r}: no answer to initialize within "
-                    f"{_ms(self.spawn_timeout_s)} (timeouts.child_spawn_ms)"
-                ) from None
-            except McpCallError:
-                await self._kill()
-                raise
+            if self.initialize_timeout_s is None:
+                spawn, initialize = self._spawn_and_initialize, self.spawn_timeout_s
+                steps = [(spawn, initialize, "timeouts.child_spawn_ms")]
+            else:
+                steps = [
+                    (self._spawn, self.spawn_timeout_s, "timeouts.child_spawn_ms"),
+                    (self._initialize, self.initialize_timeout_s, "timeouts.rpc_ms"),
+                ]
+            for step, timeout_s, setting in steps:
+                try:
+                    await asyncio.wait_for(step(), timeout_s)
+                except TimeoutError:
+                    await self._kill()
+                    raise CallTimedOut(
+                        f"child {self.name!r}: no answer to initialize within "
+                        f"{_ms(timeout_s)} ({setting})"
+                    ) from None
+                except McpCallError:
+                    await self._kill()
+                    raise
 
     async def _spawn_and_initialize(self) -> None:
+        await self._spawn()
+        await self._initialize()
+
+    async def _spawn(self) -> None:
+        """Start the process and its connection; nothing is asked of it yet."""
         spec = self.spec
         assert spec.cmd is not None, "a stdio child has a command"
         try:
@@ -219,7 +240,8 @@ class StdioChild(_Child):
                 spec.cmd,
                 *spec.args,
                 cwd=spec.cwd,
-                env=gateway_child_environment(spec.env, self.environ),  # not our secrets
+                # not our secrets: only what pass_env names
+                env=gateway_child_environment(spec.env, self.environ, self.pass_env),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 # the child's own diagnostics go where the gateway's go, or to on_stderr
@@ -247,7 +269,10 @@ class StdioChild(_Child):
         )
         connection.on_notification = self._notified
         self._connection = connection
-        await self._ask("initialize", connection.open(CLIENT_INFO, timeout_s=None))
+
+    async def _initialize(self) -> None:
+        assert isinstance(self._connection, StdioConnection), "spawned first"
+        await self._ask("initialize", self._connection.open(CLIENT_INFO, timeout_s=None))
 
     @staticmethod
     async def _read_stderr(stream: asyncio.StreamReader, say: Callable[[str], None]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -56,6 +57,23 @@ Positive = Annotated[int, Strict(), Field(gt=0)]
 Strings = tuple[Annotated[str, Strict()], ...]
 
 
+# A variable of the gateway's environment a child may be given (`pass_env`). The gateway's own
+# settings (BUTLERS_*: the auth token among them) are never a child's.
+def _not_ours(name: str) -> str:
+    if name.startswith("BUTLERS_"):
+        raise ValueError(f"{name!r} is the gateway's own setting, never a child's")
+    return name
+
+
+EnvName = Annotated[
+    str,
+    Strict(),
+    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"),
+    AfterValidator(_not_ours),
+    Expect("an environment variable's name such as 'HTTPS_PROXY'"),
+]
+
+
 class Expose(_Table):
     """`[suites.<child>.expose]`: which of a child's tools its suite offers."""
 
@@ -89,6 +107,15 @@ class SuiteConfig(_Table):
         description="Argument keys masked in the gateway's logs and spans (never in what is "
         'sent to the child), e.g. `["password", "token"]`.',
     )
+    pass_env: Annotated[
+        tuple[EnvName, ...], Expect("a list of variable names such as 'HTTPS_PROXY'")
+    ] = Field(
+        default=(),
+        description="Variables of the gateway's environment this child gets too, and only "
+        "these, besides PATH, HOME, locale, TZ and its own `env` (a stdio child; e.g. "
+        '`["HTTPS_PROXY", "NO_PROXY", "SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "DISPLAY"]`). '
+        "One that is not set is left out.",
+    )
 
     @property
     def allow(self) -> tuple[str, ...] | None:
@@ -108,9 +135,14 @@ class Timeouts(_Table):
     """`[timeouts]`: how long the gateway waits for its children."""
 
     child_spawn_ms: Positive = Field(
-        default=8000, description="Starting a stdio child and its `initialize`, in ms."
+        default=8000,
+        description="Starting a stdio child's process, in ms (its `initialize` is a call: "
+        "`rpc_ms`, so a cold `npx -y` download can finish); a remote child's connection and "
+        "`initialize`.",
     )
-    rpc_ms: Positive = Field(default=60000, description="Each call to a child, in ms.")
+    rpc_ms: Positive = Field(
+        default=60000, description="Each call to a child, its `initialize` included, in ms."
+    )
 
 
 class Wrapper(_Table):

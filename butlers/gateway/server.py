@@ -205,6 +205,8 @@ class Gateway:
                 on_exit=self._child_exited,
                 on_tools_changed=self._child_tools_changed,
                 watchdog=self.watchdog,
+                pass_env=self.config.suite(spec.name).pass_env,
+                initialize_timeout_s=rpc_s,  # a cold `npx -y` download is not a hung child
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
