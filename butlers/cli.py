@@ -1136,16 +1136,17 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
         step.add_argument(
             "--host",
             dest="target_host",
-            choices=("claude-code", "claude-desktop"),
+            choices=("claude-code", "claude-desktop", "cursor", "vscode"),
             default="claude-code",
-            help="whose config (default claude-code)",
+            help="whose config (default claude-code): DIR/.mcp.json, claude_desktop_config.json, "
+            "DIR/.cursor/mcp.json or DIR/.vscode/mcp.json",
         )
         step.add_argument(
             "--config",
             type=Path,
             metavar="FILE",
             default=argparse.SUPPRESS,
-            help="the host's file, if not where it keeps it (claude_desktop_config.json)",
+            help="the host's file, if not where it keeps it",
         )
     trace = commands.add_parser(
         "trace",

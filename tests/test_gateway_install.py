@@ -287,7 +287,7 @@ async def test_unreadable_mcp_json_is_named_and_left_untouched(
     code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
     assert code == 1
     assert out.startswith(f"error: {mcp_json}: ") and "Traceback" not in out
-    assert "not readable JSON" in out or "expected an object with an mcpServers object" in out
+    assert "not readable JSON" in out or 'expected an object with a "mcpServers" object' in out
     assert _tree(project) == {".mcp.json": content}  # untouched, no record, no skill
 
 

@@ -11,6 +11,11 @@ same with `claude_desktop_config.json` (its other settings kept). `--scope user`
 gateway with Claude Code's own `claude mcp add -s user` (or prints that command when there is
 no `claude` binary). Each also writes the `/butlers-gateway` skill. Installing twice changes
 nothing.
+
+`--host cursor` (`D/.cursor/mcp.json`, `mcpServers`) and `--host vscode` (`D/.vscode/mcp.json`,
+`servers`, each entry with a `type`) go through the very same take-over and give-back: a host
+differs only in where its file is, which key holds the servers and what one entry looks like
+(`HOSTS`). They get no skill: it is a Claude Code skill.
 """
 
 from __future__ import annotations
@@ -28,10 +33,30 @@ from typing import Any, Literal
 from butlers.errors import CommandError
 from butlers.gateway.sources import INSTALL_DIR, PROJECT_FILE, runs_this_gateway
 
-Host = Literal["claude-code", "claude-desktop"]
+Host = Literal["claude-code", "claude-desktop", "cursor", "vscode"]
 Scope = Literal["project", "user"]
 SERVER_NAME = "butlers"
 SKILL = Path(".claude") / "skills" / "butlers-gateway" / "SKILL.md"
+
+
+@dataclass(frozen=True)
+class HostFile:
+    """What differs between hosts: where the file is, which key holds its servers, and
+    whether an entry names its `type` (VS Code's does: `stdio` for a command, `http` for a
+    URL); the rest of the install is the same for all."""
+
+    key: str  # the object of servers in the host's file
+    project_file: Path | None  # relative to --dir; None: the user's own (Claude Desktop)
+    typed: bool  # each entry carries "type"
+    skill: Literal["project", "home"] | None  # where the /butlers-gateway skill goes
+
+
+HOSTS: dict[str, HostFile] = {
+    "claude-code": HostFile("mcpServers", Path(PROJECT_FILE), typed=False, skill="project"),
+    "claude-desktop": HostFile("mcpServers", None, typed=False, skill="home"),
+    "cursor": HostFile("mcpServers", Path(".cursor") / "mcp.json", typed=False, skill=None),
+    "vscode": HostFile("servers", Path(".vscode") / "mcp.json", typed=True, skill=None),
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,10 @@ class Install:
     directory: Path  # the gateway's --dir
     host: Host
     config: Path  # the host's file we rewrite
+
+    @property
+    def shape(self) -> HostFile:
+        return HOSTS[self.host]
 
     @property
     def record(self) -> Path:
@@ -97,14 +126,11 @@ def install(
         raise CommandError(f"--dir {directory}: not a directory")
     if scope == "user":
         if host != "claude-code":
-            raise CommandError("--scope user is Claude Code's; Claude Desktop has one config")
+            raise CommandError(f"--scope user is Claude Code's; --host {host} has no such scope")
         return [*_register_user(directory, environ), *_write_skill(_user_home(environ))]
-    target = config or (
-        directory / PROJECT_FILE if host == "claude-code" else desktop_config_path(environ)
-    )
-    done = _take_over(Install(directory, host, target))
-    skill_root = directory if host == "claude-code" else _user_home(environ)
-    return done + _write_skill(skill_root)
+    done = _take_over(_place(directory, host, config, environ))
+    root = _skill_root(directory, host, environ)
+    return done + (_write_skill(root) if root is not None else [])
 
 
 def uninstall(
@@ -116,13 +142,26 @@ def uninstall(
     environ: Mapping[str, str],
 ) -> list[str]:
     if scope == "user":
+        if host != "claude-code":
+            raise CommandError(f"--scope user is Claude Code's; --host {host} has no such scope")
         return [*_unregister_user(environ), *_remove_skill(_user_home(environ))]
-    target = config or (
-        directory / PROJECT_FILE if host == "claude-code" else desktop_config_path(environ)
-    )
-    done = _give_back(Install(directory, host, target))
-    skill_root = directory if host == "claude-code" else _user_home(environ)
-    return done + _remove_skill(skill_root)
+    done = _give_back(_place(directory, host, config, environ))
+    root = _skill_root(directory, host, environ)
+    return done + (_remove_skill(root) if root is not None else [])
+
+
+def _place(directory: Path, host: Host, config: Path | None, environ: Mapping[str, str]) -> Install:
+    """The host's file: `--config FILE`, else where that host keeps it."""
+    relative = HOSTS[host].project_file
+    default = directory / relative if relative is not None else desktop_config_path(environ)
+    return Install(directory, host, config or default)
+
+
+def _skill_root(directory: Path, host: Host, environ: Mapping[str, str]) -> Path | None:
+    where = HOSTS[host].skill
+    if where is None:
+        return None
+    return directory if where == "project" else _user_home(environ)
 
 
 # -- one host file ------------------------------------------------------------------------
@@ -144,23 +183,31 @@ def _take_over(place: Install) -> list[str]:
             data = json.loads(current)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CommandError(f"{place.config}: not readable JSON: {exc}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("mcpServers", {}), dict):
-            raise CommandError(f"{place.config}: expected an object with an mcpServers object")
+        key = place.shape.key
+        if not isinstance(data, dict) or not isinstance(data.get(key, {}), dict):
+            raise CommandError(f'{place.config}: expected an object with a "{key}" object')
     servers = {
         name: entry
-        for name, entry in data.get("mcpServers", {}).items()
+        for name, entry in data.get(place.shape.key, {}).items()
         if not _is_gateway_entry(entry)
     }
     command, args = gateway_command(place.directory)
-    data["mcpServers"] = {SERVER_NAME: {"command": command, "args": args}}
+    entry: dict[str, Any] = {"command": command, "args": args}
+    if place.shape.typed:
+        entry = {"type": "stdio", **entry}
+    data[place.shape.key] = {SERVER_NAME: entry}
     written = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode()
 
     # The servers' env may hold API keys: the record is the user's alone, whatever the
     # host's file allowed.
     place.record.mkdir(mode=0o700, parents=True, exist_ok=True)
     place.record.chmod(0o700)
+    # The directories we create for the file (`.cursor/`, `.vscode/`), one a line in the
+    # absent marker: uninstall removes them again when they are still empty.
+    folder = place.config.parent.absolute()
+    created = [d for d in (folder, *folder.parents) if not d.exists()]
     if current is None:
-        _write_private(place.absent, b"")
+        _write_private(place.absent, "".join(f"{d}\n" for d in created).encode())
     else:
         _write_private(place.original, current)
     _write_private(place.servers, (json.dumps({"mcpServers": servers}, indent=2) + "\n").encode())
@@ -188,6 +235,10 @@ def _give_back(place: Install) -> list[str]:
         )
     if place.absent.is_file():
         place.config.unlink()
+        for created in place.absent.read_text(encoding="utf-8").splitlines():
+            folder = Path(created)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         done = f"{place.config}: removed (there was none before install)"
     else:
         _replace(place.config, place.original.read_bytes())

@@ -34,7 +34,8 @@ PROJECT_FILE = ".mcp.json"
 INSTALL_DIR = ".butlers-gateway"
 # What install moved behind the gateway, per host (butlers.gateway.install).
 INSTALLED_SERVERS = tuple(
-    f"{INSTALL_DIR}/{host}/servers.json" for host in ("claude-code", "claude-desktop")
+    f"{INSTALL_DIR}/{host}/servers.json"
+    for host in ("claude-code", "claude-desktop", "cursor", "vscode")
 )
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
