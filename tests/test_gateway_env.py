@@ -2,7 +2,8 @@
 variables it names (a proxy, a CA file, DISPLAY) and no others, checked against the real npm
 `server-everything` (its `get-env` tool prints the environment it got); and a child's
 `initialize` is held to the call timeout, not the spawn timeout, so a slow first start (a cold
-`npx -y` download) is not taken for a hung child."""
+`npx -y` download) is not taken for a hung child; and `idle_timeout_s` stops an idle child,
+started again by its next call, never in the middle of one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from butlers.errors import ConfigError
 from butlers.gateway.config import load_gateway_config
-from tests.test_gateway import MOCK, stdio_host, text_of
+from tests.test_gateway import MOCK, _alive, child_pids, mcp_json, stdio_host, survivors, text_of
 
 NAMED = "http://127.0.0.1:9/named-proxy"  # values no host environment holds by chance
 UNNAMED = "unnamed.example.invalid"
@@ -103,3 +104,38 @@ async def test_a_slow_initialize_within_the_call_timeout_is_waited_for(tmp_path:
         result = await host.suite("slow_suite", "call", "echo", message="after a cold start")
         assert not result.is_error, text_of(result)
         assert "after a cold start" in text_of(result)
+
+
+async def test_an_idle_child_is_stopped_and_started_again_by_its_next_call(
+    tmp_path: Path,
+) -> None:
+    mcp_json(tmp_path, "plain")  # the mock writes each spawn's pid to tmp_path/pids
+    (tmp_path / "gateway.toml").write_text("[suites.plain]\nidle_timeout_s = 1\n")
+    async with stdio_host(tmp_path, "--lazy") as host:
+        result = await host.suite("plain_suite", "call", "echo", message="first")
+        assert not result.is_error, text_of(result)
+        [first] = child_pids(tmp_path)
+        assert await survivors([first], timeout_s=30) == []  # idle: stopped
+        result = await host.suite("plain_suite", "call", "echo", message="second")
+        assert not result.is_error, text_of(result)
+        assert "second" in text_of(result)
+        [_, second] = child_pids(tmp_path)  # started again, transparently
+        assert _alive(second)
+        assert (await host.status())["plain"]["state"] != "error"
+
+
+async def test_an_idle_stop_never_cuts_a_call_short(tmp_path: Path, npm_servers: Path) -> None:
+    """A quick call starts the idle countdown; a call of three seconds right after it must
+    hold the child, though the countdown is one second."""
+    servers = {
+        "everything": {"command": str(npm_servers / "mcp-server-everything"), "args": ["stdio"]}
+    }
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (tmp_path / "gateway.toml").write_text("[suites.everything]\nidle_timeout_s = 1\n")
+    async with stdio_host(tmp_path, "--lazy") as host:
+        result = await host.suite("everything_suite", "call", "echo", message="quick")
+        assert not result.is_error, text_of(result)
+        result = await host.suite(
+            "everything_suite", "call", "trigger-long-running-operation", duration=3, steps=3
+        )
+        assert not result.is_error, text_of(result)

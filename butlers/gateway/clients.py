@@ -15,7 +15,7 @@ import ctypes
 import itertools
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from butlers import __version__
@@ -166,6 +166,7 @@ class StdioChild(_Child):
         on_stderr: Callable[[str], None] | None = None,
         pass_env: tuple[str, ...] = (),
         initialize_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         super().__init__(
             spec,
@@ -178,6 +179,11 @@ class StdioChild(_Child):
         # None: `initialize` counts against the spawn timeout. The gateway gives it the call
         # timeout instead: `npx -y pkg` downloads the package before it can answer at all.
         self.initialize_timeout_s = initialize_timeout_s
+        # Stopped after this long without a request (`[suites.<child>] idle_timeout_s`), and
+        # started again by the next one; None: it runs until the gateway ends.
+        self.idle_timeout_s = idle_timeout_s
+        self._in_use = 0  # requests in flight: an idle stop never cuts one short
+        self._idle_stop: asyncio.Task[None] | None = None
         self.on_exit = on_exit
         # None: the child's stderr is ours (the gateway's host shows it); else each line goes
         # here (a butler logs it, so that it is redacted like every other line).
@@ -192,6 +198,53 @@ class StdioChild(_Child):
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        async with self._using():
+            return await super().list_tools()
+
+    async def call_tool(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        *,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        async with self._using():
+            return await super().call_tool(tool, arguments, progress=progress)
+
+    @contextlib.asynccontextmanager
+    async def _using(self) -> AsyncIterator[None]:
+        """Counts a request in flight; the last one to end starts the idle countdown."""
+        self._cancel_idle_stop()
+        self._in_use += 1
+        try:
+            yield
+        finally:
+            self._in_use -= 1
+            if self._in_use == 0 and self.idle_timeout_s is not None:
+                self._idle_stop = asyncio.get_running_loop().create_task(
+                    self._stop_when_idle(self.idle_timeout_s), name=f"child:{self.name}:idle"
+                )
+
+    def _cancel_idle_stop(self) -> None:
+        task, self._idle_stop = self._idle_stop, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _stop_when_idle(self, idle_timeout_s: float) -> None:
+        await asyncio.sleep(idle_timeout_s)
+        async with self._start_lock:  # not while a request is starting it again
+            if self._in_use or not self.running():
+                return
+            self._idle_stop = None  # ending it now: close() must not cancel this very task
+            logger.info(
+                "child %r idle for %g s: stopped, started again by its next request",
+                self.name,
+                idle_timeout_s,
+                extra={"action": "child_idle_stop"},
+            )
+            await self._kill()
 
     def running(self) -> bool:
         return (
@@ -304,6 +357,7 @@ class StdioChild(_Child):
             await asyncio.gather(reader, return_exceptions=True)
 
     async def close(self) -> None:
+        self._cancel_idle_stop()
         await self._kill()
 
 

@@ -116,6 +116,11 @@ class SuiteConfig(_Table):
         '`["HTTPS_PROXY", "NO_PROXY", "SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "DISPLAY"]`). '
         "One that is not set is left out.",
     )
+    idle_timeout_s: Positive | None = Field(
+        default=None,
+        description="A stdio child without a request for this many seconds is stopped, and "
+        "started again by its next request; unset: it runs until the gateway ends.",
+    )
 
     @property
     def allow(self) -> tuple[str, ...] | None:

@@ -206,6 +206,7 @@ class Gateway:
                 on_tools_changed=self._child_tools_changed,
                 watchdog=self.watchdog,
                 pass_env=self.config.suite(spec.name).pass_env,
+                idle_timeout_s=self.config.suite(spec.name).idle_timeout_s,
                 initialize_timeout_s=rpc_s,  # a cold `npx -y` download is not a hung child
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
