@@ -1093,8 +1093,8 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
         "--config",
         type=Path,
         metavar="FILE",
-        help="MCP servers from a claude_desktop_config.json or an mcpflip servers.json too "
-        "(.mcp.json at --dir is read anyway)",
+        help="MCP servers from a claude_desktop_config.json, an mcpflip servers.json, Gemini "
+        "CLI's settings.json or Codex's config.toml too (.mcp.json at --dir is read anyway)",
     )
     gateway.add_argument(
         "--mode",

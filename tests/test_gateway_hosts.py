@@ -14,6 +14,8 @@ import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from butlers.errors import ConfigError
+from butlers.gateway.sources import read_config_file
 from tests.test_gateway import MOCK, text_of
 from tests.test_gateway_install import _butlers_in, _tree
 
@@ -204,3 +206,114 @@ async def test_a_vscode_file_it_cannot_rewrite_is_named_and_left_untouched(
     )
     assert code == 1 and out.startswith(f"error: {config}: {complaint}"), out
     assert _tree(project) == {".vscode": None, ".vscode/mcp.json": content}
+
+
+def _codex_toml(tmp_path: Path) -> Path:
+    """A Codex config.toml as Codex writes it: a stdio server, a remote one with its token
+    and a header from the environment, one switched off, and settings of Codex's own."""
+    config = tmp_path / ".codex" / "config.toml"
+    config.parent.mkdir()
+    config.write_text(
+        'model = "gpt-5"\n\n'
+        "[mcp_servers.notes]\n"
+        f"command = {json.dumps(sys.executable)}\n"
+        f"args = [{json.dumps(MOCK)}]\n"
+        'env = { "MOCK_SETTING" = "from codex" }\n\n'
+        "[mcp_servers.docs]\n"
+        'url = "http://127.0.0.1:9/mcp"\n'
+        'bearer_token_env_var = "DOCS_TOKEN"\n'
+        'http_headers = { "X-Client" = "butlers" }\n'
+        'env_http_headers = { "X-Team" = "DOCS_TEAM" }\n\n'
+        "[mcp_servers.off]\n"
+        'command = "npx"\n'
+        "enabled = false\n"
+    )
+    return config
+
+
+def test_codex_config_toml_is_a_source(tmp_path: Path) -> None:
+    config = _codex_toml(tmp_path)
+    environ = {"DOCS_TOKEN": "t0k", "DOCS_TEAM": "blue"}
+    notes, docs = read_config_file(config, environ)
+    assert (notes.name, notes.cmd, notes.args) == ("notes", sys.executable, (MOCK,))
+    assert notes.env == {"MOCK_SETTING": "from codex"}
+    assert (docs.name, docs.url, docs.cmd) == ("docs", "http://127.0.0.1:9/mcp", None)
+    assert docs.headers == {"X-Client": "butlers", "X-Team": "blue", "Authorization": "Bearer t0k"}
+    # Without its token the remote server is left out, the others stay.
+    assert [s.name for s in read_config_file(config, {"DOCS_TEAM": "blue"})] == ["notes"]
+
+
+@pytest.mark.parametrize(
+    ("table", "complaint"),
+    [
+        ('url = "http://x/mcp"\nbearer_token_env_var = "NOT A NAME"', "expected variable names"),
+        ('url = "http://x/mcp"\nenv_http_headers = "DOCS"', "expected variable names"),
+        ('url = "http://x/mcp"\nhttp_headers = ["a"]', "http_headers: expected a table"),
+        ('command = ["npx"]', "command: Input should be a valid string"),
+    ],
+)
+def test_a_broken_codex_server_is_skipped_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, table: str, complaint: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'[mcp_servers.bad]\n{table}\n\n[mcp_servers.good]\ncommand = "npx"\n')
+    assert [s.name for s in read_config_file(config, {})] == ["good"]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"skipping {config}: mcp_servers.bad: ") and complaint in warning
+
+
+def test_unreadable_codex_toml_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[mcp_servers.x\n")
+    with pytest.raises(ConfigError, match=r"config\.toml: not readable TOML"):
+        read_config_file(config, {})
+    config.write_text('model = "gpt-5"\n')
+    with pytest.raises(ConfigError, match=r"mcp_servers: expected \[mcp_servers.<name>\] tables"):
+        read_config_file(config, {})
+
+
+def test_gemini_settings_json_is_a_source(tmp_path: Path) -> None:
+    settings = tmp_path / ".gemini" / "settings.json"
+    settings.parent.mkdir()
+    settings.write_text(
+        json.dumps(
+            {
+                "theme": "Dracula",
+                "mcpServers": {
+                    "notes": {"command": sys.executable, "args": [MOCK], "trust": False},
+                    "github": {"httpUrl": "http://127.0.0.1:9/mcp", "headers": {"X": "${T}"}},
+                    "events": {"url": "http://127.0.0.1:9/sse", "timeout": 5000},
+                },
+            }
+        )
+    )
+    specs = read_config_file(settings, {"T": "v"})
+    assert [(s.name, s.cmd or s.url, dict(s.headers)) for s in specs] == [
+        ("notes", sys.executable, {}),
+        ("github", "http://127.0.0.1:9/mcp", {"X": "v"}),
+        ("events", "http://127.0.0.1:9/sse", {}),
+    ]
+
+
+async def test_the_gateway_serves_a_codex_config(tmp_path: Path) -> None:
+    """`butlers gateway --config ~/.codex/config.toml`: the real gateway starts Codex's
+    stdio server; the remote one, whose header's variable is not set, is left out with a
+    warning that names it."""
+    config = _codex_toml(tmp_path)
+    code, out = await _butlers_in(
+        tmp_path,
+        "gateway",
+        "--dry-run",
+        "--json",
+        "--no-butlers",
+        "--dir",
+        str(tmp_path),
+        "--config",
+        str(config),
+    )
+    assert code == 0, out
+    warning, listing = out.split("\n", 1)
+    assert f"skipping {config}: mcp_servers.docs: ${{DOCS_TEAM}} is not set" in warning
+    [notes] = json.loads(listing)["children"]
+    assert (notes["name"], notes["state"]) == ("notes", "ready")
+    assert [t["name"] for t in notes["subtools"]][:2] == ["echo", "add"]

@@ -4,6 +4,14 @@
   `claude_desktop_config.json` (`--config FILE`): `{"mcpServers": {"<name>": {"command",
   "args", "env"} | {"type": "http" | "sse", "url", "headers"}}}`.
 - mcpflip's `servers.json` (`--config FILE`): `{"<alias>": {"command", "args", "env"}}`.
+- Gemini CLI's `.gemini/settings.json` (`--config FILE`): `mcpServers` as above, where a
+  streamable HTTP server's URL is `httpUrl`.
+- Codex's `~/.codex/config.toml` (`--config FILE`, any `.toml`): `[mcp_servers.<name>]` tables
+  with `command`, `args`, `env`, or `url` with `http_headers`, `env_http_headers` (header ->
+  variable) and `bearer_token_env_var`; `enabled = false` leaves a server out. Its variables
+  are read from the gateway's environment as `${VAR}`s are.
+- Cursor's `.cursor/mcp.json` and VS Code's `.vscode/mcp.json` (`servers`) reach the gateway
+  through `install`, which moves their servers into the record below.
 - What `butlers gateway install` moved out of a host's file:
   `.butlers-gateway/<host>/servers.json` at `--dir`, in Claude Code's shape.
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +47,7 @@ INSTALLED_SERVERS = tuple(
     for host in ("claude-code", "claude-desktop", "cursor", "vscode")
 )
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _Entry(BaseModel):
@@ -54,14 +64,19 @@ class StdioServer(_Entry):
 
 
 class RemoteServer(_Entry):
-    type: Literal["http", "sse", "streamable-http"]
+    # Cursor and Gemini CLI write a bare `url`; which transport is the URL's business (an
+    # `/sse` endpoint is SSE, butlers.gateway.clients).
+    type: Literal["http", "sse", "streamable-http"] = "http"
     url: str = Field(min_length=1)
     headers: dict[str, str] = Field(default_factory=dict)
 
 
 def read_config_file(path: Path, environ: Mapping[str, str]) -> list[ChildSpec]:
-    """`--config FILE`: a claude_desktop_config.json (it has `mcpServers`) or an mcpflip
-    servers.json. ConfigError when the file is not JSON or not either shape."""
+    """`--config FILE`: a claude_desktop_config.json or Gemini CLI settings.json (they have
+    `mcpServers`), an mcpflip servers.json, or Codex's config.toml. ConfigError when the
+    file is not JSON (TOML) or not one of these shapes."""
+    if path.suffix == ".toml":
+        return _servers(path, _codex_servers(path), environ, cwd=None, key="mcp_servers")
     data = _read_json(path)
     if "mcpServers" in data:
         return _servers(path, data["mcpServers"], environ, cwd=None)
@@ -87,6 +102,53 @@ def project_servers(directory: Path, environ: Mapping[str, str]) -> list[ChildSp
             continue  # a seed-000 file of one child (name, command): the globs' business
         specs += _servers(path, servers, environ, cwd=cwd)
     return specs
+
+
+def _codex_servers(path: Path) -> dict[str, Any]:
+    """Codex's `[mcp_servers.<name>]` tables in Claude Code's shape, its variable names
+    turned into `${VAR}`s: the values stay in the environment until the gateway needs them,
+    and an unset one skips that server with a warning naming it."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(path, None, f"not readable TOML: {exc}") from exc
+    tables = data.get("mcp_servers")
+    if not isinstance(tables, dict):
+        raise ConfigError(path, "mcp_servers", "expected [mcp_servers.<name>] tables")
+    servers: dict[str, Any] = {}
+    for name, table in tables.items():
+        if isinstance(table, dict) and table.get("enabled") is False:
+            continue
+        if not isinstance(table, dict) or "url" not in table:
+            servers[name] = table  # stdio: the same keys (or wrong: _spec says what)
+            continue
+        literal = table.get("http_headers") or {}
+        env_headers = table.get("env_http_headers") or {}
+        from_env = dict(env_headers) if isinstance(env_headers, dict) else {"": None}
+        bearer = table.get("bearer_token_env_var")
+        names = [*from_env.values(), *([bearer] if bearer is not None else [])]
+        problem = (
+            "http_headers: expected a table of strings"
+            if not isinstance(literal, dict)
+            or not all(isinstance(v, str) for v in literal.values())
+            else "env_http_headers / bearer_token_env_var: expected variable names"
+            if not all(isinstance(v, str) and _NAME.fullmatch(v) for v in names)
+            else None
+        )
+        if problem is not None:
+            logger.warning(
+                "skipping %s: mcp_servers.%s: %s",
+                path,
+                name,
+                problem,
+                extra={"action": "child_invalid"},
+            )
+            continue
+        headers = {**literal, **{k: f"${{{v}}}" for k, v in from_env.items()}}
+        if bearer is not None:
+            headers["Authorization"] = f"Bearer ${{{bearer}}}"
+        servers[name] = {"type": "http", "url": table["url"], "headers": headers}
+    return servers
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -131,6 +193,8 @@ def _spec(
         raise InvalidChild("a server name is letters, digits, '_' and '-'")
     if not isinstance(entry, dict):
         raise InvalidChild(f"expected an object, got {type(entry).__name__}")
+    if "httpUrl" in entry and "url" not in entry:  # Gemini CLI's streamable HTTP
+        entry = {**entry, "url": entry["httpUrl"], "type": "http"}
     try:
         if "url" in entry or entry.get("type") in ("http", "sse", "streamable-http"):
             remote = RemoteServer.model_validate(entry)
