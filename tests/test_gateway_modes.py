@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.conftest import free_port
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
 from tests.test_cli_client import run_cli
 from tests.test_gateway import mcp_json, stdio_host, text_of
@@ -119,3 +120,20 @@ async def test_dry_run_lists_children_states_and_subtools_and_fails_on_a_broken_
     [plain] = listing["children"]
     assert (plain["state"], plain["suite"]) == ("ready", None)
     assert [t["name"] for t in plain["subtools"]] == ["echo", "add", "long_description"]
+
+
+async def test_dry_run_shows_an_unreachable_remote_child_in_error(tmp_path: Path) -> None:
+    """A remote child nobody listens on is a child in error, not a traceback (FastMCP's
+    client raised the transport's error again when the failed connection was closed)."""
+    (tmp_path / ".mcp.json").write_text(
+        json.dumps(
+            {"mcpServers": {"dead": {"type": "http", "url": f"http://127.0.0.1:{free_port()}/mcp"}}}
+        )
+    )
+    code, out, err = await run_cli("gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path))
+    assert code == 1, (out, err)
+    assert "Traceback" not in err
+    assert any(
+        line.startswith("dead (mcp, error): child 'dead': cannot connect to")
+        for line in out.splitlines()
+    )

@@ -398,13 +398,13 @@ class RemoteChild(_Child):
             try:
                 await connection.open(self.spawn_timeout_s)
             except TimeoutError:
-                await connection.close()
+                await _close_quietly(connection)
                 raise CallTimedOut(
                     f"child {self.name!r}: no answer from {url} within "
                     f"{_ms(self.spawn_timeout_s)} (timeouts.child_spawn_ms)"
                 ) from None
             except Exception as exc:  # FastMCP's client raises what its transport raised
-                await connection.close()
+                await _close_quietly(connection)
                 raise ConnectionClosed(
                     f"child {self.name!r}: cannot connect to {url}: {exc}"
                 ) from exc
@@ -440,3 +440,11 @@ class RemoteChild(_Child):
 
 
 Child = StdioChild | RemoteChild
+
+
+async def _close_quietly(connection: SseConnection | FastMcpConnection) -> None:
+    """Close a connection that failed to open: FastMCP's client raises the transport's error
+    again from `close` (an unreachable remote child ended `butlers gateway` in a traceback
+    instead of showing the child in error)."""
+    with contextlib.suppress(Exception):
+        await connection.close()
