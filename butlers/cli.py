@@ -1098,9 +1098,9 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
     )
     gateway.add_argument(
         "--mode",
-        choices=("suite", "activate", "both"),
-        help="suite tools, only gateway_* until activation, or both (default: gateway.toml's "
-        "mode, else suite)",
+        choices=("suite", "activate", "both", "search"),
+        help="suite tools, only gateway_* until activation, both, or search (gateway_search, "
+        "gateway_describe, gateway_call) (default: gateway.toml's mode, else suite)",
     )
     gateway.add_argument(
         "--dry-run",

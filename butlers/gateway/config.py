@@ -174,14 +174,16 @@ class Introspection(_Table):
 class GatewayConfig(_Table):
     """A whole gateway.toml (or switchboard.config.json); the defaults when there is none."""
 
-    mode: Literal["suite", "activate", "both"] = Field(
+    mode: Literal["suite", "activate", "both", "search"] = Field(
         default="suite",
         description="What a host's tool list holds. `suite`: a suite tool per child plus the "
         "three `gateway_*` tools; activating a child adds its own tools next to its suite. "
         "`activate` (mcpflip's way): only the `gateway_*` tools until a child is activated, "
         "then its own tools; no suite tools. `both`: suite tools and `gateway_*` tools, and an "
         "activated child is listed by its own tools instead of its suite (one way at a time). "
-        "`--mode` overrides it.",
+        "`search`: only `gateway_search`, `gateway_describe`, `gateway_call` and "
+        "`gateway_status`: tools are found across every child in plain words and called "
+        "by name. `--mode` overrides it.",
     )
     discover_globs: Strings = Field(
         default=DEFAULT_GLOBS,

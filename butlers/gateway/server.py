@@ -9,7 +9,10 @@ them out again while the child stays warm.
 The mode (gateway.toml `mode`, `--mode`) says what the list holds: `suite` (suite tools, and an
 activated child's tools beside its suite), `activate` (mcpflip's promise: only the three
 `gateway_*` tools until something is activated, no suite tools) or `both` (suite tools, and an
-activated child's own tools instead of its suite).
+activated child's own tools instead of its suite). `search` lists no suite and no child
+tool: `gateway_search` finds tools across every child (BM25, butlers.gateway.search),
+`gateway_describe` gives one's schema and `gateway_call` runs it through the suite call's very
+path (allow/deny, timeouts, redaction, tracing).
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.config import GatewayConfig
 from butlers.gateway.control import (
+    CALL_SCHEMA,
     CONTROL_DESCRIPTIONS,
     CONTROL_TOOLS,
     INSTRUCTIONS,
     NAME_SCHEMA,
+    SEARCH_LIMIT_MAX,
+    SEARCH_SCHEMA,
+    SEARCH_TOOLS,
+    TOOL_NAME_SCHEMA,
     ControlTool,
     Mode,
     name_argument,
@@ -45,6 +53,7 @@ from butlers.gateway.control import (
 from butlers.gateway.hosts import HostCall, HostTracker, current_host
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.redaction import redact_arguments
+from butlers.gateway.search import Entry, SearchIndex
 from butlers.gateway.summary import summarize
 from butlers.gateway.wrapper import (
     NATURAL_LANGUAGE,
@@ -169,11 +178,14 @@ class Gateway:
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         self._warming: list[asyncio.Task[None]] = []
         self._notify_tasks: set[asyncio.Task[None]] = set()
+        self._search_index: SearchIndex | None = None  # search mode; rebuilt when stale
         for spec in specs:
             self._add(spec, auth_token)
         self._register_control_tools()
         # Suite and control tools: an injected tool of the same name gets the child's prefix.
-        self._fixed_names = {s.suite_name for s in self.slots.values()} | set(CONTROL_TOOLS)
+        self._fixed_names = (
+            {s.suite_name for s in self.slots.values()} | set(CONTROL_TOOLS) | set(SEARCH_TOOLS)
+        )
 
     # -- children -------------------------------------------------------------------------
 
@@ -217,7 +229,7 @@ class Gateway:
         tool = _SuiteTool(name=suite_name, description=slot.description, parameters=SUITE_SCHEMA)
         tool._gateway, tool._slot = self, slot
         slot.suite_tool = tool
-        if self.mode != "activate":
+        if self.mode not in ("activate", "search"):
             self.mcp.add_tool(tool)
 
     async def warm_all(self) -> None:
@@ -294,7 +306,7 @@ class Gateway:
     ) -> list[dict[str, Any]]:
         """The child's exposed tools, as `verbosity` (else `[introspection] mode`) says."""
         mode = verbosity or self.config.introspection_mode
-        limit = self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
+        limit = self._summary_limit(slot)
         listed = []
         for tool in self._exposed(slot, await self._tools(slot)):
             entry: dict[str, Any] = {"name": tool["name"]}
@@ -311,6 +323,9 @@ class Gateway:
                 entry["summary"] = wrapper["description"]
             listed.append(entry | {"inputSchema": wrapper["inputSchema"]})
         return listed
+
+    def _summary_limit(self, slot: Slot) -> int:
+        return self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
 
     def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         suite = self.config.suite(slot.spec.name)
@@ -502,11 +517,20 @@ class Gateway:
 
     def _register_control_tools(self) -> None:
         described = CONTROL_DESCRIPTIONS[self.mode]
-        for name, handler, parameters in (
+        status = ("gateway_status", self._status, {"type": "object", "properties": {}})
+        tools: tuple[tuple[str, Any, dict[str, Any]], ...] = (
             ("gateway_activate", self._activate, NAME_SCHEMA),
             ("gateway_deactivate", self._deactivate, NAME_SCHEMA),
-            ("gateway_status", self._status, {"type": "object", "properties": {}}),
-        ):
+            status,
+        )
+        if self.mode == "search":
+            tools = (
+                ("gateway_search", self._search, SEARCH_SCHEMA),
+                ("gateway_describe", self._describe, TOOL_NAME_SCHEMA),
+                ("gateway_call", self._call, CALL_SCHEMA),
+                status,
+            )
+        for name, handler, parameters in tools:
             tool = ControlTool(name=name, description=described[name], parameters=parameters)
             tool._handler = handler
             self.mcp.add_tool(tool)
@@ -555,10 +579,108 @@ class Gateway:
                 "active": slot.state == "active",
                 "error": slot.error,
                 "tools": len(slot.tools),
-                "suite": None if self.mode == "activate" else slot.suite_name,
+                "suite": None if self.mode in ("activate", "search") else slot.suite_name,
             }
             for slot in self.slots.values()
         ]
+
+    # -- search mode ----------------------------------------------------------------------
+
+    async def search_index(self) -> SearchIndex:
+        """Every child's exposed tools, indexed; built again when a child's tool list was
+        read again (start, restart, list_changed: see butlers.gateway.search). A child not
+        started yet (`--lazy`, or still warming) is started first: a search covers them all.
+        A child in error keeps the tools it last listed (a call restarts it)."""
+        pending = [s for s in self.slots.values() if s.state in ("idle", "warming")]
+        if pending:
+            await asyncio.gather(*(self.warm(slot) for slot in pending))
+        sources = [(name, slot.tools) for name, slot in self.slots.items()]
+        index = self._search_index
+        if index is None or not index.fresh(sources):
+            entries = [
+                Entry(slot.spec.name, tool)
+                for slot in self.slots.values()
+                for tool in self._exposed(slot, self._with_wrapper(slot))
+            ]
+            index = self._search_index = SearchIndex.build(entries, sources)
+        return index
+
+    def _with_wrapper(self, slot: Slot) -> list[dict[str, Any]]:
+        wrapper = self._wrapper_tool(slot)
+        return [*slot.tools, *([wrapper] if wrapper else [])]
+
+    async def _search(self, arguments: dict[str, Any]) -> list[dict[str, str]]:
+        query = arguments.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise ToolRefusal("gateway_search: 'query' must be a non-empty string")
+        limit = arguments.get("limit", 5)
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not (1 <= limit <= SEARCH_LIMIT_MAX)
+        ):
+            raise ToolRefusal(
+                f"gateway_search: 'limit' must be a whole number from 1 to {SEARCH_LIMIT_MAX}, "
+                f"got {limit!r}"
+            )
+        index = await self.search_index()
+        return [
+            {
+                "name": index.callable_name(entry),
+                "server": entry.server,
+                "summary": summarize(
+                    entry.tool.get("description"), self._summary_limit(self.slots[entry.server])
+                ),
+            }
+            for entry in index.search(query, limit)
+        ]
+
+    async def _describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        entry = await self._search_entry(arguments, "gateway_describe")
+        described = {
+            "name": entry.name,
+            "server": entry.server,
+            "description": entry.tool.get("description") or "",
+            "inputSchema": entry.tool.get("inputSchema") or {"type": "object"},
+        }
+        if entry.tool.get("outputSchema"):
+            described["outputSchema"] = entry.tool["outputSchema"]
+        return described
+
+    async def _call(self, arguments: dict[str, Any]) -> ToolResult:
+        entry = await self._search_entry(arguments, "gateway_call")
+        args = arguments.get("arguments") or {}
+        if not isinstance(args, dict):
+            raise ToolRefusal("gateway_call: 'arguments' must be an object")
+        slot = self.slots[entry.server]
+        # A suite call in all but name: the same checks, timeouts, span and redaction.
+        call = {"action": "call", "subtool": entry.name, "args": args}
+        with self.span("gateway.suite_call", slot, call, {"via": "gateway_call"}):
+            return await self.suite_call(slot, call)
+
+    async def _search_entry(self, arguments: dict[str, Any], tool: str) -> Entry:
+        """The exposed tool `arguments["name"]` names; refused, saying why, when it names
+        none, one a server's `expose` keeps back, or several."""
+        name = arguments.get("name")
+        if not isinstance(name, str) or not name:
+            raise ToolRefusal(f"{tool}: 'name' must be a tool's name from gateway_search")
+        index = await self.search_index()
+        found = index.resolve(name)
+        if len(found) == 1:
+            return found[0]
+        if found:
+            options = ", ".join(f"{e.server}/{e.name}" for e in found)
+            raise ToolRefusal(f"{tool}: more than one server has a tool {name!r}: say {options}")
+        for slot in self.slots.values():
+            for listed in slot.tools:
+                if name in (listed["name"], f"{slot.spec.name}/{listed['name']}"):
+                    raise ToolRefusal(
+                        f"{tool}: tool {listed['name']!r} of server {slot.spec.name!r} is not "
+                        f"allowed (expose in [suites.{slot.spec.name}])"
+                    )
+        raise ToolRefusal(
+            f"{tool}: no tool named {name!r} behind the gateway (gateway_search finds tools)"
+        )
 
     def _slot(self, name: str) -> Slot:
         slot = self.slots.get(name)
@@ -569,8 +691,7 @@ class Gateway:
 
     def _inject_tools(self, slot: Slot) -> None:
         taken = self._fixed_names | {n for other in self.slots.values() for n in other.injected}
-        wrapper = self._wrapper_tool(slot)
-        for tool in self._exposed(slot, [*slot.tools, *([wrapper] if wrapper else [])]):
+        for tool in self._exposed(slot, self._with_wrapper(slot)):
             name = tool["name"]
             if name in taken:
                 name = f"{slot.spec.name}_{name}"

@@ -1,0 +1,162 @@
+"""`butlers gateway --mode search` with the real MCP servers from npm (filesystem, memory,
+everything): the host sees only the gateway's own four tools, finds the children's tools in
+plain words, reads one's schema and calls it through the suite call's path (expose, timeouts,
+redaction, tracing); and the index follows a child whose tools change."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from butlers.gateway.search import Entry, SearchIndex, words
+from tests.test_gateway import Host, mcp_json, stdio_host, text_of
+from tests.test_gateway_npm import project_with_npm_servers
+
+SEARCH_TOOLS = ["gateway_call", "gateway_describe", "gateway_search", "gateway_status"]
+# Plain requests and the tool each must find among the first three (written before tuning).
+REQUESTS = [
+    ("write a file", "files", "write_file"),
+    ("add two numbers", "everything", "get-sum"),
+    ("read a text file", "files", "read_text_file"),
+    ("list the files in a directory", "files", "list_directory"),
+    ("show the environment variables", "everything", "get-env"),
+    ("search the knowledge graph", "memory", "search_nodes"),
+    ("echo back a message", "everything", "echo"),
+    ("compress a file with gzip", "everything", "gzip-file-as-resource"),
+    ("find files matching a pattern", "files", "search_files"),
+    ("get a file's size and modification time", "files", "get_file_info"),
+]
+
+
+def search_project(root: Path, bin_dir: Path, toml: str) -> Path:
+    project = project_with_npm_servers(root, bin_dir)
+    (project / "gateway.toml").write_text(toml)
+    return project
+
+
+async def search(host: Host, query: str, limit: int = 3) -> list[dict[str, str]]:
+    result = await host.call("gateway_search", query=query, limit=limit)
+    assert not result.is_error, text_of(result)
+    found: list[dict[str, str]] = result.structured_content["result"]
+    return found
+
+
+async def test_search_mode_lists_four_tools_and_finds_tools_in_plain_words(
+    tmp_path: Path, npm_servers: Path
+) -> None:
+    toml = 'mode = "search"\n[suites.files]\nexpose.deny = ["move_file"]\n'
+    project = search_project(tmp_path, npm_servers, toml)
+    async with stdio_host(project, env={"MEMORY_FILE": str(tmp_path / "m.jsonl")}) as host:
+        assert sorted(await host.tools()) == SEARCH_TOOLS
+        for query, server, name in REQUESTS:
+            found = await search(host, query)
+            assert {"name": name, "server": server} in [
+                {"name": f["name"], "server": f["server"]} for f in found
+            ], (query, found)
+            assert all(set(f) == {"name", "server", "summary"} for f in found)
+            assert all(len(f["summary"]) <= 160 for f in found), found
+        # A tool its server's expose keeps back is never found.
+        found = await search(host, "move or rename a file", limit=20)
+        assert found and "move_file" not in [f["name"] for f in found], found
+        # Bad input: refused, naming the argument.
+        result = await host.call("gateway_search", query="a file", limit=0)
+        assert result.is_error and "'limit' must be a whole number from 1 to 50" in text_of(result)
+        result = await host.call("gateway_search", query="  ")
+        assert result.is_error and "'query' must be a non-empty string" in text_of(result)
+
+
+async def test_describe_and_call_through_the_suite_path(tmp_path: Path, npm_servers: Path) -> None:
+    toml = '[suites.files]\nexpose.deny = ["move_file"]\n'
+    project = search_project(tmp_path, npm_servers, toml)
+    env = {"MEMORY_FILE": str(tmp_path / "m.jsonl")}
+    async with stdio_host(project, "--mode", "search", "--lazy", env=env) as host:
+        [first, *_] = await search(host, "write a file")
+        assert (first["name"], first["server"]) == ("write_file", "files")
+
+        result = await host.call("gateway_describe", name=first["name"])
+        assert not result.is_error, text_of(result)
+        described = result.structured_content
+        assert described["server"] == "files"
+        assert set(described["inputSchema"]["required"]) == {"path", "content"}
+        assert described["description"].startswith("Create a new file or completely overwrite")
+
+        target = project / "files" / "written.txt"
+        arguments = {"path": str(target), "content": "through gateway_call\n"}
+        result = await host.call("gateway_call", name=first["name"], arguments=arguments)
+        assert not result.is_error, text_of(result)
+        assert target.read_text() == "through gateway_call\n"
+
+        result = await host.call("gateway_call", name="get-sum", arguments={"a": 2, "b": 3})
+        assert not result.is_error and "5" in text_of(result), text_of(result)
+        result = await host.call("gateway_call", name="everything/echo", arguments={"message": "x"})
+        assert not result.is_error and "x" in text_of(result), text_of(result)
+
+        moved = {"source": str(target), "destination": str(target.with_suffix(".moved"))}
+        for tool in ("gateway_call", "gateway_describe"):
+            result = await host.call(tool, name="move_file", arguments=moved)
+            assert result.is_error and text_of(result) == (
+                f"{tool}: tool 'move_file' of server 'files' is not allowed "
+                "(expose in [suites.files])"
+            )
+        assert target.exists() and not target.with_suffix(".moved").exists()
+
+        result = await host.call("gateway_call", name="launch_rockets", arguments={})
+        assert result.is_error and text_of(result) == (
+            "gateway_call: no tool named 'launch_rockets' behind the gateway "
+            "(gateway_search finds tools)"
+        )
+        result = await host.call("gateway_call", name="files/write_file", arguments=[1])
+        assert result.is_error and "'arguments' must be an object" in text_of(result)
+        status = await host.status()
+        assert status["files"]["suite"] is None and status["files"]["state"] == "ready"
+
+
+async def test_the_index_follows_a_child_whose_tools_change(tmp_path: Path) -> None:
+    """The mock child's `grow` adds a tool and sends tools/list_changed: the next searches
+    find it (the gateway reads the list again; the index sees a new list)."""
+    mcp_json(tmp_path, "plain", "--extras")  # `grow` among its tools
+    async with stdio_host(tmp_path, "--mode", "search") as host:
+        assert [f["name"] for f in await search(host, "added later")] == []
+        result = await host.call("gateway_call", name="grow", arguments={})
+        assert text_of(result) == "grown", text_of(result)
+        async with asyncio.timeout(10):
+            # The sentinel is the gateway's own answer: found once it has read the list again.
+            while not await search(host, "added later"):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        [found] = await search(host, "added later")
+        assert found == {"name": "extra", "server": "plain", "summary": "Added later."}
+        result = await host.call("gateway_call", name="extra", arguments={})
+        assert text_of(result) == "ok", text_of(result)
+
+
+def test_a_name_two_servers_share_is_qualified() -> None:
+    """`echo` of two servers: each result names what gateway_call takes, `server/echo`;
+    the bare name means both."""
+    tools: dict[str, list[dict[str, Any]]] = {
+        "one": [{"name": "echo", "description": "Echo a message."}],
+        "two": [{"name": "echo", "description": "Echo it back."}, {"name": "getSum"}],
+    }
+    entries = [Entry(server, tool) for server, listed in tools.items() for tool in listed]
+    index = SearchIndex.build(entries, list(tools.items()))
+    assert [index.callable_name(e) for e in index.search("echo", 5)] == ["one/echo", "two/echo"]
+    assert [e.server for e in index.resolve("echo")] == ["one", "two"]
+    assert [e.server for e in index.resolve("two/echo")] == ["two"]
+    assert index.callable_name(entries[2]) == "getSum"
+    assert index.fresh(list(tools.items()))
+    assert not index.fresh([("one", tools["one"]), ("two", [*tools["two"]])])  # a new list
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("list_directory_with_sizes", ["list", "directory", "size"]),
+        ("get-sum", ["get", "sum"]),
+        ("readMultipleFiles", ["read", "multiple", "file"]),
+        ("Entries of the graph", ["entry", "graph"]),
+    ],
+)
+def test_words_split_names_and_fold_plurals(text: str, expected: list[str]) -> None:
+    assert words(text) == expected
