@@ -6,14 +6,17 @@ redaction, tracing); and the index follows a child whose tools change."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from butlers.gateway.search import Entry, SearchIndex, words
+from tests.fakes.otlp import OtlpReceiver
 from tests.test_gateway import Host, mcp_json, stdio_host, text_of
 from tests.test_gateway_npm import project_with_npm_servers
+from tests.test_gateway_tracing import PARENT_ID, SECRET, TRACE_ID
 
 SEARCH_TOOLS = ["gateway_call", "gateway_describe", "gateway_search", "gateway_status"]
 # Plain requests and the tool each must find among the first three (written before tuning).
@@ -160,3 +163,35 @@ def test_a_name_two_servers_share_is_qualified() -> None:
 )
 def test_words_split_names_and_fold_plurals(text: str, expected: list[str]) -> None:
     assert words(text) == expected
+
+
+async def test_gateway_call_is_a_suite_call_span_with_arguments_redacted(
+    tmp_path: Path, otlp: OtlpReceiver
+) -> None:
+    """gateway_call takes the suite call's path: its `gateway.suite_call` span is in the
+    host's trace, and the suite's `redact` keys are masked there and in the debug log (where
+    FastMCP logs the gateway_call arguments, the child's nested inside) while the child gets
+    them unchanged."""
+    mcp_json(tmp_path, "plain")
+    (tmp_path / "gateway.toml").write_text(
+        'mode = "search"\n[suites.plain]\nredact = ["message"]\n'
+    )
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url("http"),
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "BUTLERS_LOG_LEVEL": "debug",
+    }
+    async with stdio_host(tmp_path, env=env) as host:
+        call = {"name": "echo", "arguments": {"message": SECRET}}
+        meta: Any = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+        result = await host.client.call_tool("gateway_call", call, meta=meta)
+        assert text_of(result) == SECRET  # the child got it unchanged
+    spans = await otlp.wait_for(lambda spans: "gateway.suite_call" in {s.name for s in spans})
+    [span] = [s for s in spans if s.name == "gateway.suite_call"]
+    assert (span.trace_id, span.parent_span_id) == (TRACE_ID, PARENT_ID)
+    assert (span.attributes["child"], span.attributes["subtool"]) == ("plain", "echo")
+    assert span.attributes["via"] == "gateway_call"
+    assert json.loads(span.attributes["arguments"])["args"] == {"message": "[redacted]"}
+    log = (tmp_path / "gateway.stderr").read_text()
+    assert "Handler called: call_tool gateway_call" in log
+    assert SECRET not in log and SECRET not in json.dumps([s.attributes for s in spans])
