@@ -864,3 +864,25 @@ async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdi
     finally:
         if process.returncode is None:
             process.kill()
+
+
+async def test_token_report_in_search_mode_counts_its_four_tools(workdir: Path) -> None:
+    """In search mode the host lists only the gateway's own four tools: the report's gateway
+    side is those, nothing per child, and it names them."""
+    code, out, err = await run_cli(
+        "gateway", "--report", "--json", "--mode", "search", "--no-butlers", "--dir", str(workdir)
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["control_tools"] == [
+        "gateway_search",
+        "gateway_describe",
+        "gateway_call",
+        "gateway_status",
+    ]
+    assert all(child["gateway_chars"] == 0 for child in report["children"])
+    assert report["total"]["gateway_chars"] == report["control_chars"] > 0
+    code, out, err = await run_cli(
+        "gateway", "--dry-run", "--mode", "search", "--no-butlers", "--dir", str(workdir)
+    )
+    assert "suite " not in out  # no suite tool is listed in search mode

@@ -19,7 +19,7 @@ from starlette.middleware import Middleware
 from butlers.errors import ButlersError
 from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
 from butlers.gateway.config import load_gateway_config
-from butlers.gateway.control import CONTROL_TOOLS, Mode
+from butlers.gateway.control import Mode, control_tools
 from butlers.gateway.redaction import install_argument_redaction
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import project_servers, read_config_file
@@ -165,7 +165,8 @@ async def dry_run(
                     "source": slot.spec.source,
                     "state": slot.state,
                     "error": slot.error,
-                    "suite": None if gateway.mode == "activate" else slot.suite_name,
+                    # Activate and search mode list no suite tool.
+                    "suite": slot.suite_name if gateway.mode in ("suite", "both") else None,
                     "subtools": [
                         {"name": t["name"], "summary": t.get("summary", "")} for t in subtools
                     ],
@@ -223,11 +224,13 @@ async def token_report(
             )
             for slot in gateway.slots.values()
         ]
-        control = sum(listed.get(name, 0) for name in CONTROL_TOOLS)
+        # The gateway's own tools the host lists in this mode (search: its four).
+        own = control_tools(gateway.mode)
+        control = sum(listed.get(name, 0) for name in own)
     finally:
         await gateway.close()
     if as_json:
-        return json.dumps(_report_data(rows, control))
+        return json.dumps(_report_data(rows, control, own))
     lines = [
         "| child | state | tools | native chars | native tokens | gateway chars | gateway tokens "
         "| wrapper tokens |",
@@ -241,7 +244,7 @@ async def token_report(
     native_total = sum(r[3] for r in rows)
     gateway_total = sum(r[4] for r in rows) + control
     lines.append(
-        f"| **total** (gateway incl. {len(CONTROL_TOOLS)} gateway_* tools) | | "
+        f"| **total** (gateway incl. {len(own)} gateway_* tools) | | "
         f"{sum(r[2] for r in rows)} | {native_total} | {_tokens(native_total)} | "
         f"{gateway_total} | {_tokens(gateway_total)} | |"
     )
@@ -260,7 +263,7 @@ async def token_report(
 ReportRow = tuple[str, str, int, int, int, int | None]
 
 
-def _report_data(rows: Sequence[ReportRow], control: int) -> dict[str, Any]:
+def _report_data(rows: Sequence[ReportRow], control: int, own: Sequence[str]) -> dict[str, Any]:
     """The token report as data: per child, and the totals (the gateway's including its
     control tools)."""
     native_total = sum(r[3] for r in rows)
@@ -280,7 +283,7 @@ def _report_data(rows: Sequence[ReportRow], control: int) -> dict[str, Any]:
             }
             for name, state, count, native, suite, wrapper in rows
         ],
-        "control_tools": list(CONTROL_TOOLS),
+        "control_tools": list(own),
         "control_chars": control,
         "total": {
             "tools": sum(r[2] for r in rows),
