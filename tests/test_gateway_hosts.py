@@ -6,18 +6,15 @@ back byte for byte, and removes the file and folder install created."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from mcp import ClientSession
-from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.errors import ConfigError
 from butlers.gateway.sources import read_config_file
 from tests.test_gateway import MOCK, text_of
-from tests.test_gateway_install import _butlers_in, _tree
+from tests.test_gateway_install import _butlers_in, _tree, as_the_host_starts
 
 # Hand-written, as people write them: odd spacing, keys of the host's own, a remote server,
 # no final newline.
@@ -102,17 +99,7 @@ async def test_the_hosts_command_serves_the_servers_install_moved(
     )
     assert code == 0, out
     server = json.loads((project / relative).read_text())[key]["butlers"]
-    params = StdioServerParameters(
-        command=server["command"],
-        args=[*server["args"], "--no-butlers"],
-        env={k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
-        cwd=str(project),
-    )
-    async with (
-        stdio_client(params) as (read, write),
-        ClientSession(read, write) as client,
-    ):
-        await client.initialize()
+    async with as_the_host_starts(server, project) as client:
         tools = {t.name for t in (await client.list_tools()).tools}
         assert "notes_suite" in tools and "butlers_suite" not in tools
         result = await client.call_tool(

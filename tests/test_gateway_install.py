@@ -5,9 +5,11 @@ the bundled `claude` binary; originals back byte for byte, never over the user's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,21 @@ ORIGINAL = (
     '"content-length"], "env": {"MOCK_SETTING": "${SETTING:-from default}"}}\n'
     '    },\n    "x-team-note": "keep me"\n}'
 )
+
+
+@contextlib.asynccontextmanager
+async def as_the_host_starts(server: dict, project: Path) -> AsyncIterator[ClientSession]:
+    """An MCP session with the command an installed host file names, started from the
+    project as the host starts it (no butlers behind it, none of our BUTLERS_* settings)."""
+    params = StdioServerParameters(
+        command=server["command"],
+        args=[*server["args"], "--no-butlers"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
+        cwd=str(project),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        yield client
 
 
 async def test_install_runs_the_servers_behind_the_gateway_and_uninstall_restores_them(
@@ -54,17 +71,7 @@ async def test_install_runs_the_servers_behind_the_gateway_and_uninstall_restore
     assert "already installed, nothing changed" in out and mcp_json.read_bytes() == written
 
     # What Claude Code does with the file: start that command from the project.
-    params = StdioServerParameters(
-        command=server["command"],
-        args=[*server["args"], "--no-butlers"],
-        env={k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
-        cwd=str(project),
-    )
-    async with (
-        stdio_client(params) as (read, write),
-        ClientSession(read, write) as client,
-    ):
-        await client.initialize()
+    async with as_the_host_starts(server, project) as client:
         tools = {t.name for t in (await client.list_tools()).tools}
         assert {"notes_suite", "framed_suite"} <= tools and "butlers_suite" not in tools
         call = {"action": "call", "subtool": "echo", "args": {"message": "via install"}}

@@ -5,15 +5,12 @@ suite tools, uninstalled byte for byte; and `--mode activate` with the memory se
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from mcp import ClientSession
-from mcp.client.stdio import StdioServerParameters, stdio_client
-
 from tests.test_cli_client import run_cli
 from tests.test_gateway import Host, stdio_host, text_of
+from tests.test_gateway_install import as_the_host_starts
 
 
 def project_with_npm_servers(root: Path, bin_dir: Path) -> Path:
@@ -48,17 +45,7 @@ async def test_install_in_front_of_real_servers_then_uninstall(
     assert code == 0, err
     [server] = json.loads((project / ".mcp.json").read_text())["mcpServers"].values()
 
-    params = StdioServerParameters(
-        command=server["command"],
-        args=[*server["args"], "--no-butlers"],
-        env={k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
-        cwd=str(project),
-    )
-    async with (
-        stdio_client(params) as (read, write),
-        ClientSession(read, write) as client,
-    ):
-        await client.initialize()
+    async with as_the_host_starts(server, project) as client:
         host = Host(client, [])
         assert {"files_suite", "memory_suite", "everything_suite"} <= set(await host.tools())
 
