@@ -43,6 +43,15 @@ HEARD = "Log my weight: 75 kilograms."
 transcription_api = transcription_api_fixture(text=HEARD)
 
 
+@pytest.fixture(autouse=True)
+def _transcription_key(
+    transcription_api: FakeTranscriptionAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fake service's key where the switchboard reads it (used only where a test
+    configures [switchboard.transcription])."""
+    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
+
+
 def by_words(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The scripted model: as the classifier it routes by the message's words (weight ->
     health, anything else -> general); as a butler it answers with its name."""
@@ -96,10 +105,8 @@ async def test_a_voice_note_is_transcribed_routed_by_its_words_and_answered_with
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     transcription_api: FakeTranscriptionAPI,
-    monkeypatch: pytest.MonkeyPatch,
     db_conn,
 ) -> None:
-    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
     scripted_api.respond_with(by_words)
     voice = ogg_opus()
     switchboard, _ = await start_telegram_fleet(
@@ -210,10 +217,8 @@ async def test_a_failing_transcription_service_is_waited_out_and_answered_once(
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     transcription_api: FakeTranscriptionAPI,
-    monkeypatch: pytest.MonkeyPatch,
     db_conn,
 ) -> None:
-    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
     scripted_api.respond_with(by_words)
     transcription_api.fail_next(3, 503)
     switchboard, _ = await start_telegram_fleet(
@@ -339,12 +344,10 @@ async def test_a_voice_note_kept_and_resumed_after_a_crash_is_not_transcribed_tw
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     transcription_api: FakeTranscriptionAPI,
-    monkeypatch: pytest.MonkeyPatch,
     db_conn,
 ) -> None:
     """With keep_audio the audio stays after it was heard; a restart before the answer
     classifies the transcript it has, without asking the service again (or doubling it)."""
-    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
     scripted_api.respond_with(by_words)
     scripted_api.delay_for = lambda body: 3600.0 if is_classifier(body) else 0.0  # held
     switchboard, _ = await start_telegram_fleet(
@@ -566,14 +569,12 @@ async def test_a_voice_note_that_times_out_again_and_again_is_given_up(
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     transcription_api: FakeTranscriptionAPI,
-    monkeypatch: pytest.MonkeyPatch,
     db_conn,
 ) -> None:
     """Each try holds a worker for timeout_s: a note the service never finishes in time is
     given up after three timeouts in a row, not retried for retry_hours (review L3)."""
     from butlers.switchboard.attachments import TOO_LONG
 
-    monkeypatch.setenv("TRANSCRIPTION_API_KEY", transcription_api.key or "")
     transcription_api.hang_next(10)
     switchboard, _ = await start_telegram_fleet(
         start_butler,
