@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import StartButler, free_port, write_butler_dir
+from tests.conftest import StartButler, write_butler_dir
 from tests.test_route import Fleet, make_fleet
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
@@ -159,7 +160,15 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
 
 
 async def test_every_client_command_says_what_to_check_when_the_switchboard_is_down() -> None:
-    url = f"http://127.0.0.1:{free_port()}/sse"  # nothing listens there
+    # A port held bound and never listened on: nothing can take it meanwhile (a free port let
+    # go could be taken by another test's butler, which then answered 401: seen in CI).
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        await _all_say_what_to_check(f"http://127.0.0.1:{closed.getsockname()[1]}/sse")
+
+
+async def _all_say_what_to_check(url: str) -> None:
+    # nothing listens at `url`
     commands = [
         ("list",),
         ("discover",),
