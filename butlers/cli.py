@@ -919,12 +919,8 @@ async def gateway_command(
             print(line)
         return 0
     with collector_paused():
-        from butlers.gateway.run import (
-            GatewayOptions,
-            dry_run,
-            serve_gateway,
-            token_report,
-        )
+        from butlers.gateway.report import dry_run, token_report
+        from butlers.gateway.run import GatewayOptions, serve_gateway
         from butlers.settings import reveal
 
         logs.adopt_fastmcp_logging()

@@ -183,7 +183,7 @@ class Gateway:
             self._add(spec, auth_token)
         self._register_control_tools()
         # Suite and control tools: an injected tool of the same name gets the child's prefix.
-        self._fixed_names = (
+        self._fixed_names: set[str] = (
             {s.suite_name for s in self.slots.values()} | set(CONTROL_TOOLS) | set(SEARCH_TOOLS)
         )
 
@@ -231,6 +231,39 @@ class Gateway:
         slot.suite_tool = tool
         if self.mode not in ("activate", "search"):
             self.mcp.add_tool(tool)
+
+    async def add_child(self, spec: ChildSpec, *, warm: bool = True) -> None:
+        """A child declared while the gateway runs (hot reload): added as at start, started
+        unless the gateway is lazy (`warm=False`), and the hosts told."""
+        if spec.name in self.slots:
+            raise ValueError(f"child {spec.name!r} is already behind the gateway")
+        self._add(spec, self.auth_token)
+        slot = self.slots[spec.name]
+        self._fixed_names.add(slot.suite_name)
+        if warm:
+            self._warming.append(
+                asyncio.create_task(self.warm(slot), name=f"gateway:warm:{spec.name}")
+            )
+        if self.mode not in ("activate", "search"):
+            await self.notify_tools_changed()
+
+    async def remove_child(self, name: str) -> None:
+        """A child no longer declared (hot reload): its tools leave the hosts' lists (and the
+        hosts are told), then the child is stopped. A call on it that is running ends with
+        the child's connection."""
+        slot = self.slots.pop(name, None)
+        if slot is None:
+            return
+        listed = bool(slot.injected) or self.mode not in ("activate", "search")
+        for tool in slot.injected:
+            with contextlib.suppress(Exception):
+                self.mcp.local_provider.remove_tool(tool)
+        slot.injected.clear()
+        self._hide_suite(slot)
+        self._fixed_names.discard(slot.suite_name)
+        if listed:
+            await self.notify_tools_changed()
+        await slot.child.close()
 
     async def warm_all(self) -> None:
         """Start every child at once; one broken or slow child never holds up the others."""
