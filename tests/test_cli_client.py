@@ -235,10 +235,12 @@ async def test_gateway_report_as_json(fleet: Fleet, tmp_path: Path) -> None:
     children = {child["name"]: child for child in report["children"]}
     assert set(children) == {"general", "switchboard"}
     assert all(c["state"] == "ready" and c["tools"] > 0 for c in children.values())
-    assert report["control_tools"] == ["gateway_activate", "gateway_deactivate", "gateway_status"]
-    total = report["total"]
-    assert total["native_chars"] == sum(c["native_chars"] for c in children.values())
-    assert total["gateway_chars"] == (
-        sum(c["gateway_chars"] for c in children.values()) + report["control_chars"]
-    )
-    assert 0 < total["saved_percent"] < 100
+    listings = report["listings"]
+    assert listings["activate"]["names"] == [
+        "gateway_activate",
+        "gateway_deactivate",
+        "gateway_status",
+    ]
+    assert listings["direct"]["bytes"] == sum(c["direct_bytes"] for c in children.values())
+    assert listings["suite"]["bytes"] > sum(c["suite_bytes"] for c in children.values())
+    assert 0 < listings["suite"]["percent_of_direct"] < 100

@@ -31,7 +31,6 @@ from tests.fakes import wait_listening
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
 from tests.fakes.sse_mcp import TOOLS as SCRIPTED_TOOLS
 from tests.fakes.sse_mcp import SseMcpServer
-from tests.test_cli_client import run_cli
 from tests.test_route import make_fleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -817,23 +816,6 @@ async def test_remote_mcp_json_children_through_the_gateway(
     }
 
 
-async def test_token_report(workdir: Path) -> None:
-    (workdir / "mcps" / "plain" / "CLAUDE.md").write_text("You run plain things.")  # wrapped
-    code, out, err = await run_cli("gateway", "--report", "--no-butlers", "--dir", str(workdir))
-    assert code == 0, err
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("|")}
-    assert {"plain", "framed", "chatty", "brittle"} <= set(rows)
-    cells = [c.strip() for c in rows["plain"].split("|")[1:-1]]
-    assert cells[1:3] == ["ready", "4"]
-    native, gateway = int(cells[3]), int(cells[5])
-    assert native > gateway > 0 and int(cells[4]) == -(-native // 4)
-    assert "% smaller" in out
-    # A wrapped child's natural_language sessions load its tools and instructions.
-    wrapper = len("You run plain things.") + sum(len(json.dumps(t)) for t in MOCK_TOOLS)
-    assert int(cells[7]) == -(-wrapper // 4)
-    assert rows["framed"].split("|")[8].strip() == "-"
-
-
 async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdir: Path) -> None:
     from fastmcp import Client
 
@@ -864,25 +846,3 @@ async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdi
     finally:
         if process.returncode is None:
             process.kill()
-
-
-async def test_token_report_in_search_mode_counts_its_four_tools(workdir: Path) -> None:
-    """In search mode the host lists only the gateway's own four tools: the report's gateway
-    side is those, nothing per child, and it names them."""
-    code, out, err = await run_cli(
-        "gateway", "--report", "--json", "--mode", "search", "--no-butlers", "--dir", str(workdir)
-    )
-    assert code == 0, err
-    report = json.loads(out)
-    assert report["control_tools"] == [
-        "gateway_search",
-        "gateway_describe",
-        "gateway_call",
-        "gateway_status",
-    ]
-    assert all(child["gateway_chars"] == 0 for child in report["children"])
-    assert report["total"]["gateway_chars"] == report["control_chars"] > 0
-    code, out, err = await run_cli(
-        "gateway", "--dry-run", "--mode", "search", "--no-butlers", "--dir", str(workdir)
-    )
-    assert "suite " not in out  # no suite tool is listed in search mode
