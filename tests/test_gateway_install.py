@@ -1,6 +1,8 @@
 """`butlers gateway install` / `uninstall`: Claude Code's project `.mcp.json` (then the very
 command Claude Code would run), Claude Desktop's config, and Claude Code's user scope through
-the bundled `claude` binary; originals back byte for byte, never over the user's edits."""
+the bundled `claude` binary (re-registered when the project or venv it named moved, never over
+a `butlers` server we did not register); originals back byte for byte, never over the user's
+edits."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from butlers.gateway.install import SKILL, SKILL_TEXT, claude_binary
+from butlers.gateway.install import SKILL, SKILL_TEXT, claude_binary, stale_user_registration
 from tests.test_cli import BUTLERS
 from tests.test_cli_client import run_cli
 from tests.test_gateway import MOCK, text_of
@@ -121,38 +123,266 @@ async def test_claude_desktop_config_with_a_backup(tmp_path: Path) -> None:
     assert desktop.read_text() == original and not (home / SKILL).exists()
 
 
-@pytest.mark.claude  # runs the real Claude Code binary (its `mcp add`), 2-3 s each
-async def test_user_scope_registers_through_claude_codes_own_command(tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
+# Claude Code's user config as a person's looks after a while: keys of its own, another
+# server, two-space and four-space indents, no final newline.
+USER_CONFIG = (
+    '{\n  "numStartups": 7,\n    "theme": "dark",\n  "mcpServers": {"other": '
+    '{"command": "npx", "args": ["-y", "other-server"]}},\n  "projects": {}\n}'
+)
+
+
+def _claude_user_env(home: Path) -> dict[str, str]:
+    """Claude Code's user scope inside `home` (never the machine's own ~/.claude.json)."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
         "HOME": str(home),
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
+
+
+def _registered(config: Path) -> dict:
+    """The `butlers` entry of Claude Code's user config (KeyError: none)."""
+    return json.loads(config.read_text())["mcpServers"]["butlers"]
+
+
+def _project_with_notes(project: Path) -> Path:
+    """A project whose .mcp.json has one server, `notes`, for the gateway to serve."""
+    project.mkdir()
+    (project / ".mcp.json").write_text(
+        json.dumps({"mcpServers": {"notes": {"command": sys.executable, "args": [MOCK]}}})
+    )
+    return project
+
+
+async def _notes_tools(server: dict, project: Path) -> set[str]:
+    async with as_the_host_starts(server, project) as client:
+        return {t.name for t in (await client.list_tools()).tools}
+
+
+@pytest.mark.claude  # runs the real Claude Code binary (its `mcp add` / `mcp remove`)
+async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_first_original(
+    tmp_path: Path,
+) -> None:
+    """Installed at user scope from A; A is renamed B, so the registered command no longer
+    starts. Installing from B re-registers it (saying so), and the command then serves B's
+    servers; uninstall from B gives back the user config as it was before the FIRST install,
+    byte for byte. Installing twice from one place changes nothing."""
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(USER_CONFIG)
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    _project_with_notes(first)
     assert claude_binary(os.environ) is not None  # the SDK bundles one
+
     code, out, err = await run_cli(
-        "gateway", "install", "--scope", "user", "--dir", str(tmp_path), env=env
+        "gateway", "install", "--scope", "user", "--dir", str(first), env=env
     )
     assert code == 0, err
     assert "`claude mcp add -s user butlers -- " in out
-    registered = json.loads((home / ".claude" / ".claude.json").read_text())["mcpServers"]
-    assert registered["butlers"]["args"] == ["gateway", "--dir", str(tmp_path)]
+    assert _registered(config)["args"] == ["gateway", "--dir", str(first)]
     assert (home / SKILL).is_file()
+    registered = config.read_bytes()
     code, out, err = await run_cli(
-        "gateway", "uninstall", "--scope", "user", "--dir", str(tmp_path), env=env
+        "gateway", "install", "--scope", "user", "--dir", str(first), env=env
     )
     assert code == 0, err
-    registered = json.loads((home / ".claude" / ".claude.json").read_text())
-    assert "butlers" not in registered.get("mcpServers", {})
+    assert out == f"{config}: `butlers` already registered, nothing changed\n"
+    assert config.read_bytes() == registered  # no second entry, nothing rewritten
+
+    assert stale_user_registration(env) is None
+    os.rename(first, moved)
+    stale = stale_user_registration(env)  # what a health check can ask, without a `claude` run
+    assert stale is not None and (stale.config, stale.gone) == (config, [str(first)])
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(moved), env=env
+    )
+    assert code == 0, err
+    assert out.splitlines()[0] == (
+        f"re-registered: the gateway was installed from {first}, which moved; now {moved}"
+    )
+    server = _registered(config)
+    assert server["args"] == ["gateway", "--dir", str(moved)]
+    assert list(json.loads(config.read_text())["mcpServers"]) == ["other", "butlers"]
+    assert stale_user_registration(env) is None
+    # What Claude Code does with it in any project: start that command.
+    assert "notes_suite" in await _notes_tools(server, moved)
+
+    code, out, err = await run_cli(
+        "gateway", "uninstall", "--scope", "user", "--dir", str(moved), env=env
+    )
+    assert code == 0, err
+    assert f"{config}: the original is back" in out
+    assert config.read_text() == USER_CONFIG  # byte for byte, as before the first install
+    assert not (home / ".claude" / ".butlers-gateway").exists()
     assert not (home / SKILL).exists()
 
 
-async def _butlers_in(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """A real `butlers ...` run from `cwd` (so that `.` is a directory of the test's own);
-    its exit code and everything it printed."""
+@pytest.mark.claude
+async def test_user_scope_follows_a_venv_rebuilt_elsewhere(tmp_path: Path) -> None:
+    """The program the registration runs is gone (the venv was moved or rebuilt elsewhere):
+    installing with the new one re-registers the gateway with it. Here a venv made of links to
+    this one, so that it can be moved; its `python -m butlers` is what install registers."""
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    project = _project_with_notes(tmp_path / "project")
+    old, new = tmp_path / "old-venv", tmp_path / "new-venv"
+    (old / "bin").mkdir(parents=True)
+    venv = Path(sys.prefix)
+    (old / "pyvenv.cfg").write_bytes((venv / "pyvenv.cfg").read_bytes())
+    (old / "bin" / "python").symlink_to(sys.executable)
+    (old / "lib").symlink_to(venv / "lib")
+
+    async def install(python: Path) -> tuple[int, str]:
+        return await _butlers_in(
+            tmp_path,
+            "gateway",
+            "install",
+            "--scope",
+            "user",
+            "--dir",
+            str(project),
+            env=env,
+            program=[str(python), "-m", "butlers"],
+        )
+
+    code, out = await install(old / "bin" / "python")
+    assert code == 0, out
+    assert _registered(config)["command"] == str(old / "bin" / "python")
+    os.rename(old, new)
+    code, out = await install(new / "bin" / "python")
+    assert code == 0, out
+    assert out.splitlines()[0] == (
+        f"re-registered: the gateway was installed from {old / 'bin' / 'python'}, which "
+        f"moved; now {new / 'bin' / 'python'}"
+    )
+    server = _registered(config)
+    assert server["command"] == str(new / "bin" / "python")
+    assert "notes_suite" in await _notes_tools(server, project)
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, out
+    assert f"{config}: removed (there was none before install)" in out
+    assert not config.exists()
+
+
+@pytest.mark.claude
+async def test_user_scope_keeps_a_live_registration_and_the_owners_later_changes(
+    tmp_path: Path,
+) -> None:
+    """Installing from a second project while the first is still there refuses (the
+    registration is the first one's, and it still starts). Once Claude Code has changed its
+    user config (it keeps its own state there), uninstall removes only our entry."""
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(USER_CONFIG)
+    first = _project_with_notes(tmp_path / "first")
+    second = _project_with_notes(tmp_path / "second")
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(first), env=env
+    )
+    assert code == 0, err
+    registered = config.read_bytes()
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(second), env=env
+    )
+    assert code == 1
+    assert err.startswith(f"error: {config}: the gateway is registered from {first} ("), err
+    assert "run `butlers gateway uninstall --scope user` first" in err
+    assert config.read_bytes() == registered
+
+    changed = json.loads(config.read_text())
+    changed["numStartups"] = 8  # what Claude Code does each time it starts
+    config.write_text(json.dumps(changed, indent=2))
+    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, err
+    assert "changed since install" in out and "only `butlers` was removed" in out
+    left = json.loads(config.read_text())
+    assert left["numStartups"] == 8 and list(left["mcpServers"]) == ["other"]
+    assert not (home / ".claude" / ".butlers-gateway").exists()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"command": "/opt/tools/bin/butlers-mcp", "args": ["--stdio"]},
+        # A gateway's, but not one this install registered (no record of it): its paths are
+        # gone, yet it is not ours to replace.
+        {"command": "/gone/venv/bin/butlers", "args": ["gateway", "--dir", "/gone/project"]},
+    ],
+    ids=["another-server", "a-gateway-without-our-record"],
+)
+async def test_user_scope_never_replaces_a_butlers_server_it_did_not_register(
+    tmp_path: Path, entry: dict
+) -> None:
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"mcpServers": {"butlers": entry}}))
+    project = _project_with_notes(tmp_path / "project")
+    before = _tree(home)
+    code, _, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    )
+    assert code == 1
+    assert err.startswith(
+        f"error: {config}: Claude Code's user scope already has an MCP server `butlers` ("
+    ), err
+    assert "that `butlers gateway install` did not register" in err and "Traceback" not in err
+    assert _tree(home) == before
+    if entry["args"][0] != "gateway":
+        code, _, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+        assert code == 1
+        assert (
+            err.startswith(f"error: {config}: its `butlers` server (") and "not removing it" in err
+        )
+        assert _tree(home) == before
+
+
+@pytest.mark.claude
+@pytest.mark.parametrize("claude_config_dir", [None, ""], ids=["unset", "empty"])
+async def test_user_scope_uses_the_file_claude_code_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, claude_config_dir: str | None
+) -> None:
+    """Claude Code's user config is `~/.claude/.config.json` when that older file is there,
+    `~/.claude.json` is not and CLAUDE_CONFIG_DIR is unset; with CLAUDE_CONFIG_DIR set, even
+    empty, it is `.claude.json` (measured: the bundled binary). Install reads, keeps and
+    gives back the very file Claude Code wrote."""
+    monkeypatch.delenv("CLAUDE_CONFIG_DIR", raising=False)
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    del env["CLAUDE_CONFIG_DIR"]
+    if claude_config_dir is not None:
+        env["CLAUDE_CONFIG_DIR"] = claude_config_dir
+    legacy = home / ".claude" / ".config.json"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(USER_CONFIG)
+    written = legacy if claude_config_dir is None else home / ".claude.json"
+    project = _project_with_notes(tmp_path / "project")
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    )
+    assert code == 0, err
+    assert _registered(written)["args"] == ["gateway", "--dir", str(project)]
+    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, err
+    given_back = "the original is back" if written == legacy else "removed (there was none"
+    assert f"{written}: {given_back}" in out
+    assert legacy.read_text() == USER_CONFIG and not (home / ".claude.json").exists()
+
+
+async def _butlers_in(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, program: list[str] | None = None
+) -> tuple[int, str]:
+    """A real `butlers ...` (or `program ...`) run from `cwd` (so that `.` is a directory of
+    the test's own); its exit code and everything it printed."""
     process = await asyncio.create_subprocess_exec(
-        BUTLERS,
+        *(program or [BUTLERS]),
         *args,
         cwd=cwd,
         env={

@@ -7,10 +7,18 @@ and `D/.mcp.json` is rewritten so that its only server is `butlers`, this instal
 `butlers gateway --dir D` by absolute path. The original file is kept byte for byte beside it,
 and so is what we wrote: uninstalling puts the original back only while `.mcp.json` is still
 what we wrote (an edit of the user's is never overwritten). `--host claude-desktop` does the
-same with `claude_desktop_config.json` (its other settings kept). `--scope user` registers the
-gateway with Claude Code's own `claude mcp add -s user` (or prints that command when there is
-no `claude` binary). Each also writes the `/butlers-gateway` skill. Installing twice changes
-nothing.
+same with `claude_desktop_config.json` (its other settings kept). Each also writes the
+`/butlers-gateway` skill. Installing twice changes nothing.
+
+`--scope user` registers the gateway with Claude Code's own `claude mcp add -s user` (or prints
+that command when there is no `claude` binary: Claude Code locks and rewrites its user config
+as it runs, so it writes it, not us). The config as it was before (or that there was none) and
+as the registration left it are kept beside it (`UserScope`): uninstall puts the original back
+byte for byte while the file is still what we left, else removes only our entry; and a
+`butlers` entry we did not register is never replaced or removed. When the project or the
+program a registration of ours names has moved away (a renamed checkout, a venv rebuilt
+elsewhere), installing again re-registers it from here and says so; while both are still
+there, install refuses rather than take the registration away from the other project.
 
 `--host cursor` (`D/.cursor/mcp.json`, `mcpServers`) and `--host vscode` (`D/.vscode/mcp.json`,
 `servers`, each entry with a `type`) go through the very same take-over and give-back: a host
@@ -20,6 +28,7 @@ differs only in where its file is, which key holds the servers and what one entr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -291,30 +300,273 @@ def claude_binary(environ: Mapping[str, str]) -> str | None:
     return str(bundled) if bundled.is_file() else None
 
 
+def user_config_path(environ: Mapping[str, str]) -> Path:
+    """The file `claude mcp add -s user` writes, found the way Claude Code finds it (measured
+    with its 2.1 binary): with CLAUDE_CONFIG_DIR in the environment, `.claude.json` in it (in
+    the home directory when it is empty); else `~/.claude.json`, unless only the older
+    `~/.claude/.config.json` (not empty) is there."""
+    home = _user_home(environ)
+    if "CLAUDE_CONFIG_DIR" in environ:
+        return Path(environ["CLAUDE_CONFIG_DIR"] or home) / ".claude.json"
+    current, legacy = home / ".claude.json", home / ".claude" / ".config.json"
+    if not current.exists() and legacy.is_file() and legacy.stat().st_size > 0:
+        return legacy
+    return current
+
+
+@dataclass(frozen=True)
+class UserScope:
+    """Claude Code's user config and what `install --scope user` keeps beside it: the file as
+    it was before the first registration (or that there was none) and as the last
+    registration left it, so that uninstall can give it back byte for byte, and so that a
+    `butlers` entry can be told ours (the one we registered) from someone else's."""
+
+    config: Path
+
+    @property
+    def record(self) -> Path:
+        return self.config.parent / INSTALL_DIR / "claude-code-user"
+
+    @property
+    def original(self) -> Path:
+        return self.record / "original.json"
+
+    @property
+    def absent(self) -> Path:
+        return self.record / "original.absent"
+
+    @property
+    def written(self) -> Path:
+        return self.record / "installed.json"
+
+    def read(self) -> tuple[bytes | None, dict[str, Any] | None]:
+        """The file's bytes (None: no file) and its `butlers` entry (None: not registered)."""
+        return _user_entry(self.config, self.config.read_bytes() if self.config.is_file() else None)
+
+    def recorded_entry(self) -> dict[str, Any] | None:
+        """The entry our last registration wrote; None without a record of one."""
+        if not self.written.is_file():
+            return None
+        return _user_entry(self.written, self.written.read_bytes())[1]
+
+    def ours(self, entry: Mapping[str, Any]) -> bool:
+        recorded = self.recorded_entry()
+        return recorded is not None and _command_of(recorded) == _command_of(entry)
+
+    def keep(self, before: bytes | None, after: bytes) -> None:
+        """Record a first registration: the file before it (or its absence), and after."""
+        self.drop()
+        self.record.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.record.chmod(0o700)  # the user config holds API keys (servers' env, accounts)
+        if before is None:
+            _write_private(self.absent, b"")
+        else:
+            _write_private(self.original, before)
+        _write_private(self.written, after)
+
+    def drop(self) -> None:
+        for path in (self.original, self.absent, self.written):
+            path.unlink(missing_ok=True)
+        for empty in (self.record, self.record.parent):
+            if empty.is_dir() and not any(empty.iterdir()):
+                empty.rmdir()
+
+
+@dataclass(frozen=True)
+class StaleRegistration:
+    """A user-scope `butlers` registration of ours whose command can no longer start: the
+    project it serves or the program it runs was moved or removed."""
+
+    config: Path
+    directory: str | None  # the registered --dir
+    gone: list[str]  # the registered paths that no longer exist
+
+
+def stale_user_registration(environ: Mapping[str, str]) -> StaleRegistration | None:
+    """Our user-scope registration, if its paths are gone: reads one file and looks at two
+    paths (no `claude` run, no server started), so a health check can afford it."""
+    scope = UserScope(user_config_path(environ))
+    try:
+        _, entry = scope.read()
+    except CommandError:
+        return None
+    if entry is None or not _is_gateway_entry(entry):
+        return None
+    gone = _gone(entry)
+    return StaleRegistration(scope.config, _registered_dir(entry), gone) if gone else None
+
+
+def _user_entry(path: Path, data: bytes | None) -> tuple[bytes | None, dict[str, Any] | None]:
+    if data is None:
+        return None, None
+    try:
+        parsed = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CommandError(f"{path}: not readable JSON: {exc}") from exc
+    servers = parsed.get("mcpServers", {}) if isinstance(parsed, dict) else None
+    if not isinstance(servers, dict):
+        raise CommandError(f'{path}: expected an object with a "mcpServers" object')
+    entry = servers.get(SERVER_NAME)
+    if entry is not None and not isinstance(entry, dict):
+        raise CommandError(f"{path}: mcpServers.{SERVER_NAME}: expected an object")
+    return data, entry
+
+
+def _command_of(entry: Mapping[str, Any]) -> tuple[Any, Any]:
+    return entry.get("command"), entry.get("args") or []
+
+
+def _registered_dir(entry: Mapping[str, Any]) -> str | None:
+    args = [str(a) for a in entry.get("args") or []]
+    if "--dir" in args[:-1]:
+        return args[args.index("--dir") + 1]
+    return None
+
+
+def _gone(entry: Mapping[str, Any]) -> list[str]:
+    """The paths a registered gateway command needs that are not there any more: the program
+    (a venv rebuilt elsewhere) and the project (`--dir`, moved or renamed)."""
+    gone = []
+    command = entry.get("command")
+    if isinstance(command, str) and not Path(command).is_file():
+        gone.append(command)
+    directory = _registered_dir(entry)
+    if directory is not None and not Path(directory).is_dir():
+        gone.append(directory)
+    return gone
+
+
 def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
+    scope = UserScope(user_config_path(environ))
     command, args = gateway_command(directory)
+    wanted = {"command": command, "args": args}
     add = ["mcp", "add", "-s", "user", SERVER_NAME, "--", command, *args]
-    return _run_claude(add, environ, already="already exists")
+    before, entry = scope.read()
+    if entry is None:
+        if _run_claude(add, environ) is None:
+            return [_yourself(add)]
+        after = _check_registered(scope, wanted, environ)
+        scope.keep(before, after)
+        return [
+            f"`{_shown(add)}`: done",
+            f"{scope.record}: the original {scope.config}, for "
+            "`butlers gateway uninstall --scope user`",
+        ]
+    if _command_of(entry) == _command_of(wanted):
+        return [f"{scope.config}: `{SERVER_NAME}` already registered, nothing changed"]
+    if not scope.ours(entry):
+        raise CommandError(
+            f"{scope.config}: Claude Code's user scope already has an MCP server "
+            f"`{SERVER_NAME}` ({_entry_line(entry)}) "
+            f"that `butlers gateway install` did not register (no record of it in "
+            f"{scope.record}): not replacing it. Remove it with `claude mcp remove -s user "
+            f"{SERVER_NAME}` if it is not needed, then install again"
+        )
+    gone = _gone(entry)
+    old_dir = _registered_dir(entry)
+    if not gone:
+        raise CommandError(
+            f"{scope.config}: the gateway is registered from {old_dir} "
+            f"({entry.get('command')}), which is still there: run `butlers gateway uninstall "
+            "--scope user` first to register it from here instead"
+        )
+    remove = ["mcp", "remove", "-s", "user", SERVER_NAME]
+    if _run_claude(remove, environ) is None:
+        return [
+            f"the gateway was installed from {old_dir}, which moved: "
+            f"{_yourself(remove)}, then `{_shown(add)}`"
+        ]
+    _run_claude(add, environ)
+    _write_private(scope.written, _check_registered(scope, wanted, environ))
+    old, new = old_dir, str(directory.resolve())
+    if old in (None, new):  # the same project, another program (a venv rebuilt elsewhere)
+        old, new = str(entry.get("command")), command
+    return [f"re-registered: the gateway was installed from {old}, which moved; now {new}"]
+
+
+def _check_registered(
+    scope: UserScope, wanted: Mapping[str, Any], environ: Mapping[str, str]
+) -> bytes:
+    """The user config after `claude mcp add`, which must be the file we read and hold the
+    entry we asked for: else Claude Code keeps it elsewhere (a CLAUDE_CONFIG_DIR or a file
+    name of a newer release), the registration is undone and install refuses, so that no
+    record describes a file Claude Code does not use."""
+    after, entry = scope.read()
+    if after is None or entry is None or _command_of(entry) != _command_of(wanted):
+        with contextlib.suppress(CommandError):
+            _run_claude(["mcp", "remove", "-s", "user", SERVER_NAME], environ)
+        raise CommandError(
+            f"`claude mcp add -s user` did not write {scope.config}, where butlers looks for "
+            "Claude Code's user config: registration undone (is CLAUDE_CONFIG_DIR set "
+            "differently for Claude Code?)"
+        )
+    return after
 
 
 def _unregister_user(environ: Mapping[str, str]) -> list[str]:
-    return _run_claude(["mcp", "remove", "-s", "user", SERVER_NAME], environ, already="not found")
+    scope = UserScope(user_config_path(environ))
+    remove = ["mcp", "remove", "-s", "user", SERVER_NAME]
+    current, entry = scope.read()
+    if entry is None:
+        scope.drop()  # a record of a registration someone else removed since
+        return [f"{scope.config}: no `{SERVER_NAME}` server registered, nothing to do"]
+    if not scope.ours(entry):
+        if scope.written.is_file() or not _is_gateway_entry(entry):
+            raise CommandError(
+                f"{scope.config}: its `{SERVER_NAME}` server "
+                f"({_entry_line(entry)}) is not the "
+                f"one `butlers gateway install` registered (recorded in {scope.record}): not "
+                "removing it"
+            )
+        # A gateway registered before install kept records (an older butlers): only the
+        # entry goes, as it always did.
+        return [f"`{_shown(remove)}`: done" if _run_claude(remove, environ) else _yourself(remove)]
+    if current == scope.written.read_bytes():
+        if scope.absent.is_file():
+            scope.config.unlink()
+            done = f"{scope.config}: removed (there was none before install)"
+        else:
+            _replace(scope.config, scope.original.read_bytes())
+            done = f"{scope.config}: the original is back"
+    elif _run_claude(remove, environ) is None:
+        return [_yourself(remove)]
+    else:
+        # Claude Code keeps its own state in that file and rewrites it as it runs: putting
+        # the original back would undo that. Only our entry leaves.
+        done = (
+            f"{scope.config}: changed since install (Claude Code keeps its state there), so "
+            f"only `{SERVER_NAME}` was removed (`{_shown(remove)}`), the rest left as it is"
+        )
+    scope.drop()
+    return [done]
 
 
-def _run_claude(args: list[str], environ: Mapping[str, str], *, already: str) -> list[str]:
+def _run_claude(args: list[str], environ: Mapping[str, str]) -> str | None:
+    """Run Claude Code's own `claude ARGS`: its output, or None when there is no `claude`."""
     claude = claude_binary(environ)
-    shown = " ".join(["claude", *args])
     if claude is None:
-        return [f"no `claude` binary here: run `{shown}` yourself"]
+        return None
     result = subprocess.run(
         [claude, *args], env=dict(environ), capture_output=True, text=True, timeout=60
     )
     output = (result.stdout + result.stderr).strip()
     if result.returncode != 0:
-        if already in output:
-            return [f"`{shown}`: nothing to do ({output.splitlines()[0]})"]
-        raise CommandError(f"`{shown}` failed: {output or f'exit {result.returncode}'}")
-    return [f"`{shown}`: done"]
+        raise CommandError(f"`{_shown(args)}` failed: {output or f'exit {result.returncode}'}")
+    return output
+
+
+def _shown(args: list[str]) -> str:
+    """A `claude` command as the user would type it."""
+    return " ".join(["claude", *args])
+
+
+def _entry_line(entry: Mapping[str, Any]) -> str:
+    """A registered server's command line, to name it in a message."""
+    return " ".join(str(part) for part in (entry.get("command"), *(entry.get("args") or [])))
+
+
+def _yourself(args: list[str]) -> str:
+    return f"no `claude` binary here: run `{_shown(args)}` yourself"
 
 
 def _user_home(environ: Mapping[str, str]) -> Path:
