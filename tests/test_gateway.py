@@ -430,8 +430,8 @@ async def test_a_call_that_times_out_is_reported_and_costs_the_child_nothing(
 
 async def test_a_child_that_pings_and_asks_the_gateway_gets_answers(tmp_path: Path) -> None:
     """A real FastMCP server as a stdio child, turning to the gateway in the middle of a call:
-    its ping is answered (its call waited for ever before), its roots/list refused as a
-    method we do not offer, its tools/list_changed taken."""
+    its ping is answered (its call waited for ever before), its roots/list answered with the
+    gateway's --dir, its tools/list_changed taken."""
     (tmp_path / "mcps" / "peer").mkdir(parents=True)
     (tmp_path / "mcps" / "peer" / ".mcp.json").write_text(
         json.dumps(
@@ -450,7 +450,7 @@ async def test_a_child_that_pings_and_asks_the_gateway_gets_answers(tmp_path: Pa
         result = await host.suite("peer_suite", "call", "ping_client")
         assert not result.is_error and text_of(result) == "pong", text_of(result)
         result = await host.suite("peer_suite", "call", "ask_roots")
-        assert text_of(result) == "error -32601: Method not found: roots/list"
+        assert f"FileUrl('{tmp_path.as_uri()}')" in text_of(result), text_of(result)
         result = await host.suite("peer_suite", "call", "change_tools")
         assert text_of(result) == "sent"
         assert (await host.status())["peer"]["state"] == "ready"

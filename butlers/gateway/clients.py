@@ -23,7 +23,7 @@ from butlers.environment import gateway_child_environment
 from butlers.errors import CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.reaper import Watchdog, end_group
-from butlers.mcp_connection.core import Connection
+from butlers.mcp_connection.core import Connection, McpConnection
 from butlers.mcp_connection.stdio import StdioConnection
 
 if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote child starts
@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote c
 logger = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "butlers-gateway", "version": __version__}
+# A child's word that its prompts or resources changed: the kind the gateway passes on.
+LISTS_CHANGED = {
+    "notifications/prompts/list_changed": "prompts",
+    "notifications/resources/list_changed": "resources",
+}
 KILL_GRACE_S = 2.0
 T = TypeVar("T")
 _progress_tokens = itertools.count(1)
@@ -58,11 +63,23 @@ class _Child:
         spawn_timeout_s: float,
         rpc_timeout_s: float,
         on_tools_changed: Callable[[str], None] | None = None,
+        on_lists_changed: Callable[[str, str], None] | None = None,
+        roots: list[dict[str, str]] | None = None,
     ) -> None:
         self.spec = spec
         self.spawn_timeout_s = spawn_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.on_tools_changed = on_tools_changed
+        # (name, "prompts" | "resources"): the child said that list changed.
+        self.on_lists_changed = on_lists_changed
+        # What a child asking `roots/list` is told (the gateway's --dir); None: we offer no
+        # roots, and the child's request is "method not found".
+        self.roots = roots
+        # Counts the connections made: what was read from the child before a restart is stale.
+        self.generation = 0
+        # What the child offered in its last handshake (prompts, resources...); kept while an
+        # idle child is stopped.
+        self.server_capabilities: dict[str, Any] = {}
         self._connection: Connection | None = None
         # Calls in flight that asked for their progress: our progress token -> where it goes.
         self._progress: dict[str, Callable[[dict[str, Any]], None]] = {}
@@ -110,14 +127,49 @@ class _Child:
         finally:
             self._progress.pop(token, None)
 
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Any other request of the child's (prompts, resources), its result as JSON; starts
+        it first if need be. Held to the call timeout."""
+        await self.start()
+        connection = self._connection
+        if not isinstance(connection, McpConnection):  # streamable HTTP: FastMCP's client
+            raise ConnectionClosed(f"child {self.name!r}: {method} is not passed on over /mcp")
+        return await self._ask(
+            method, connection.request(method, params, timeout_s=self.rpc_timeout_s)
+        )
+
+    def _connected(self, connection: McpConnection) -> None:
+        """A new connection of ours, before its handshake: the roots we offer, and how the
+        child's requests and notifications reach us."""
+        if self.roots is not None:
+            connection.capabilities = {"roots": {"listChanged": False}}
+        connection.on_request = self._answer
+        connection.on_notification = self._notified
+
+    def _opened(self) -> None:
+        """The handshake completed: a new generation, and what the child offers."""
+        self.generation += 1
+        connection = self._connection
+        if isinstance(connection, McpConnection):
+            self.server_capabilities = connection.server_capabilities
+
+    def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The child asks us (its client): `roots/list` is the gateway's directory."""
+        if method == "roots/list" and self.roots is not None:
+            return {"roots": [dict(root) for root in self.roots]}
+        return None
+
     def _notified(self, method: str, params: dict[str, Any]) -> None:
-        """A call's progress goes to whoever asked for it; log messages to `on_log`."""
+        """A call's progress goes to whoever asked for it; log messages to `on_log`; a
+        changed prompt or resource list to `on_lists_changed`."""
         if method == "notifications/progress":
             forward = self._progress.get(str(params.get("progressToken")))
             if forward is not None:
                 forward(params)
         elif method == "notifications/message" and self.on_log is not None:
             self.on_log(params)
+        elif method in LISTS_CHANGED and self.on_lists_changed is not None:
+            self.on_lists_changed(self.name, LISTS_CHANGED[method])
 
     def _tools_changed(self) -> None:
         """The child says its tool list changed. The gateway may act on it; we log it."""
@@ -162,6 +214,8 @@ class StdioChild(_Child):
         rpc_timeout_s: float,
         on_exit: Callable[[StdioChild, str], None] | None = None,
         on_tools_changed: Callable[[str], None] | None = None,
+        on_lists_changed: Callable[[str, str], None] | None = None,
+        roots: list[dict[str, str]] | None = None,
         watchdog: Watchdog | None = None,
         on_stderr: Callable[[str], None] | None = None,
         pass_env: tuple[str, ...] = (),
@@ -173,6 +227,8 @@ class StdioChild(_Child):
             spawn_timeout_s=spawn_timeout_s,
             rpc_timeout_s=rpc_timeout_s,
             on_tools_changed=on_tools_changed,
+            on_lists_changed=on_lists_changed,
+            roots=roots,
         )
         # Variables of `environ` this child gets by name (`[suites.<child>] pass_env`).
         self.pass_env = pass_env
@@ -212,6 +268,10 @@ class StdioChild(_Child):
     ) -> dict[str, Any]:
         async with self._using():
             return await super().call_tool(tool, arguments, progress=progress)
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        async with self._using():
+            return await super().request(method, params)
 
     @contextlib.asynccontextmanager
     async def _using(self) -> AsyncIterator[None]:
@@ -279,6 +339,7 @@ class StdioChild(_Child):
                 except McpCallError:
                     await self._kill()
                     raise
+            self._opened()
 
     async def _spawn_and_initialize(self) -> None:
         await self._spawn()
@@ -320,7 +381,7 @@ class StdioChild(_Child):
             on_tools_changed=self._tools_changed,
             on_closed=self._exited,
         )
-        connection.on_notification = self._notified
+        self._connected(connection)
         self._connection = connection
 
     async def _initialize(self) -> None:
@@ -373,12 +434,16 @@ class RemoteChild(_Child):
         rpc_timeout_s: float,
         auth_token: str | None = None,
         on_tools_changed: Callable[[str], None] | None = None,
+        on_lists_changed: Callable[[str, str], None] | None = None,
+        roots: list[dict[str, str]] | None = None,
     ) -> None:
         super().__init__(
             spec,
             spawn_timeout_s=spawn_timeout_s,
             rpc_timeout_s=rpc_timeout_s,
             on_tools_changed=on_tools_changed,
+            on_lists_changed=on_lists_changed,
+            roots=roots,
         )
         self.auth_token = auth_token
         self.on_exit = None
@@ -409,6 +474,7 @@ class RemoteChild(_Child):
                     f"child {self.name!r}: cannot connect to {url}: {exc}"
                 ) from exc
             self._connection = connection
+            self._opened()
 
     def _connect(self, url: str) -> SseConnection | FastMcpConnection:
         if url.rstrip("/").endswith("/sse"):
@@ -421,7 +487,7 @@ class RemoteChild(_Child):
                 client_info=CLIENT_INFO,
                 on_tools_changed=self._tools_changed,
             )
-            sse.on_notification = self._notified
+            self._connected(sse)
             return sse
         from butlers.mcp_connection.streamable import FastMcpConnection
 

@@ -12,7 +12,9 @@ activated child's tools beside its suite), `activate` (mcpflip's promise: only t
 activated child's own tools instead of its suite). `search` lists no suite and no child
 tool: `gateway_search` finds tools across every child (BM25, butlers.gateway.search),
 `gateway_describe` gives one's schema and `gateway_call` runs it through the suite call's very
-path (allow/deny, timeouts, redaction, tracing).
+path (allow/deny, timeouts, redaction, tracing). In every mode the children's prompts and
+resources pass through (butlers.gateway.passthrough), and a child asking for roots is given
+the gateway's directory.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import mcp_types
@@ -51,6 +54,7 @@ from butlers.gateway.control import (
     name_argument,
 )
 from butlers.gateway.hosts import HostCall, HostTracker, current_host
+from butlers.gateway.passthrough import Kind, PassThrough
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.redaction import redact_arguments
 from butlers.gateway.search import Entry, SearchIndex
@@ -163,8 +167,15 @@ class Gateway:
         mode: Mode | None = None,
         tracer: Tracer | None = None,
         cli_env: Mapping[str, str] | None = None,
+        directory: Path | None = None,
     ) -> None:
         self.config = config
+        # The one root a child asking `roots/list` is given (`--dir`); None: no roots offered.
+        self.roots = (
+            None
+            if directory is None
+            else [{"uri": directory.resolve().as_uri(), "name": directory.resolve().name}]
+        )
         self.mode: Mode = mode or config.mode
         self.environ = environ  # stdio children get its base variables, never our secrets
         self.auth_token = auth_token  # for butlers only
@@ -174,6 +185,8 @@ class Gateway:
         self.mcp = FastMCP("butlers-gateway", instructions=INSTRUCTIONS[self.mode])
         self._tracker = HostTracker()
         self.mcp.add_middleware(self._tracker)
+        self.passthrough = PassThrough(self)
+        self.mcp.add_provider(self.passthrough)
         self.slots: dict[str, Slot] = {}
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         self._warming: list[asyncio.Task[None]] = []
@@ -207,6 +220,8 @@ class Gateway:
                 rpc_timeout_s=rpc_s,
                 auth_token=auth_token if spec.kind == "butler" else None,
                 on_tools_changed=self._child_tools_changed,
+                on_lists_changed=self._child_lists_changed,
+                roots=self.roots,
             )
         else:
             child = StdioChild(
@@ -216,6 +231,8 @@ class Gateway:
                 rpc_timeout_s=rpc_s,
                 on_exit=self._child_exited,
                 on_tools_changed=self._child_tools_changed,
+                on_lists_changed=self._child_lists_changed,
+                roots=self.roots,
                 watchdog=self.watchdog,
                 pass_env=self.config.suite(spec.name).pass_env,
                 idle_timeout_s=self.config.suite(spec.name).idle_timeout_s,
@@ -261,8 +278,9 @@ class Gateway:
         slot.injected.clear()
         self._hide_suite(slot)
         self._fixed_names.discard(slot.suite_name)
-        if listed:
-            await self.notify_tools_changed()
+        self.passthrough.drop(name)
+        offered = self.passthrough.offers(slot) if slot.state in ("ready", "active") else ()
+        await self.notify_changed(tools=listed, kinds=offered)
         await slot.child.close()
 
     async def warm_all(self) -> None:
@@ -278,6 +296,7 @@ class Gateway:
     async def warm(self, slot: Slot) -> None:
         if slot.state in ("ready", "active") and slot.child.running():
             return
+        was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "warming", None
         try:
             slot.tools = await slot.child.list_tools()
@@ -286,6 +305,14 @@ class Gateway:
             logger.warning("%s", exc, extra={"action": "child_failed"})
             return
         slot.state = "active" if slot.injected else "ready"
+        if not was_up:
+            self._came_up(slot)
+
+    def _came_up(self, slot: Slot) -> None:
+        """A child started (or is back): its prompts and resources join the hosts' lists."""
+        offered = self.passthrough.offers(slot)
+        if offered:
+            self._spawn(self.notify_changed(kinds=offered))
 
     def _child_exited(self, child: StdioChild, reason: str) -> None:
         slot = self.slots.get(child.name)
@@ -294,11 +321,15 @@ class Gateway:
 
     def _lost(self, slot: Slot, reason: str) -> None:
         """A child died: it is in error until it restarts, and its injected tools go."""
+        was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "error", reason
         logger.warning("%s", reason, extra={"action": "child_lost"})
-        if slot.injected:
+        offered = self.passthrough.offers(slot) if was_up else ()
+        had_tools = bool(slot.injected)
+        if had_tools:
             self._remove_tools(slot)
-            self._notify_soon()
+        if had_tools or offered:
+            self._spawn(self.notify_changed(tools=had_tools, kinds=offered))
 
     # -- suite tools ----------------------------------------------------------------------
 
@@ -394,6 +425,7 @@ class Gateway:
                 slot.callers.pop(id(host), None)
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
+            self._came_up(slot)
         return result_of(raw)
 
     # -- spans ----------------------------------------------------------------------------
@@ -458,6 +490,17 @@ class Gateway:
         slot = self.slots.get(name)
         if slot is not None and slot.state in ("ready", "active"):
             self._spawn(self._refresh_tools(slot))
+
+    def _child_lists_changed(self, name: str, kind: str) -> None:
+        """A child's prompts or resources changed: read again when next asked, and every
+        host told (FastMCP does not send list_changed by itself)."""
+        slot = self.slots.get(name)
+        if slot is None or kind not in ("prompts", "resources"):
+            return
+        changed: Kind = "prompts" if kind == "prompts" else "resources"
+        self.passthrough.forget(name, changed)
+        if slot.state in ("ready", "active"):
+            self._spawn(self.notify_changed(kinds=(changed,)))
 
     async def _refresh_tools(self, slot: Slot) -> None:
         """The child's tool list changed: read it again; if the child is active, its tools in
@@ -755,14 +798,20 @@ class Gateway:
             self.mcp.add_tool(slot.suite_tool)
 
     async def notify_tools_changed(self) -> None:
+        await self.notify_changed(tools=True)
+
+    async def notify_changed(self, *, tools: bool = False, kinds: Sequence[Kind] = ()) -> None:
+        """Tell every connected host which of its lists changed (tools, prompts, resources)."""
         for host in self._tracker.hosts:
             try:
-                await host.send_tool_list_changed()
+                if tools:
+                    await host.send_tool_list_changed()
+                if "prompts" in kinds:
+                    await host.send_prompt_list_changed()
+                if "resources" in kinds:
+                    await host.send_resource_list_changed()
             except Exception:  # a host that went away: forget it
                 self._tracker.forget(host)
-
-    def _notify_soon(self) -> None:
-        self._spawn(self.notify_tools_changed())
 
     async def close(self) -> None:
         for task in self._warming:

@@ -8,8 +8,9 @@ A transport subclass sends one message (`_send`), hands over each message it rec
   peer can stop working on it (not `initialize`: the protocol forbids cancelling that).
 - **The handshake**: `initialize` offers the newest revision the MCP types package reaches by
   handshake and refuses an answer that package does not list: no version literals here.
-- **The peer's requests**: `ping` is answered with `{}`; anything else gets "method not found"
-  (we declare no client capabilities). Its `notifications/tools/list_changed` goes to the
+- **The peer's requests**: `ping` is answered with `{}`; an owner that declared client
+  `capabilities` answers what they promise through `on_request` (the gateway: `roots/list`);
+  anything else gets "method not found". Its `notifications/tools/list_changed` goes to the
   owner's `on_tools_changed`; any other notification (a call's progress, log messages) to
   `on_notification(method, params)` when the owner set one (the gateway passes them on).
 - **The end**: when the connection closes, every request still waiting fails at once with
@@ -91,6 +92,11 @@ class McpConnection:
         self.on_closed = on_closed
         # Set by an owner that wants the peer's other notifications (progress, log messages).
         self.on_notification: Callable[[str, dict[str, Any]], None] | None = None
+        # Client capabilities offered in the handshake, and the owner's answers to the peer's
+        # requests they promise (a result, or None: "method not found"). Default: none.
+        self.capabilities: dict[str, Any] = {}
+        self.on_request: Callable[[str, dict[str, Any]], Message | None] | None = None
+        self.server_capabilities: dict[str, Any] = {}  # what the peer offered (prompts...)
         self.protocol_version: str | None = None  # agreed in the handshake
         self.server_info: dict[str, Any] = {}
         self._ids = itertools.count(1)
@@ -130,7 +136,7 @@ class McpConnection:
             "initialize",
             {
                 "protocolVersion": LATEST_HANDSHAKE_VERSION,
-                "capabilities": {},
+                "capabilities": self.capabilities,
                 "clientInfo": client_info,
             },
             timeout_s=timeout_s,
@@ -140,6 +146,7 @@ class McpConnection:
             raise ConnectionClosed(f"{self.label} offered unsupported protocol version {version!r}")
         self.protocol_version = version
         self.server_info = result.get("serverInfo") or {}
+        self.server_capabilities = result.get("capabilities") or {}
         await self.notify("notifications/initialized")
         self._ready = True
         return result
@@ -240,8 +247,10 @@ class McpConnection:
                 answer.set_result(message)
         elif "id" in message:  # the peer's request: it waits for our answer
             reply: Message = {"jsonrpc": JSONRPC_VERSION, "id": message["id"]}
-            if method == "ping":
-                reply["result"] = {}
+            params = message.get("params")
+            result = self._answer(method, params if isinstance(params, dict) else {})
+            if result is not None:
+                reply["result"] = result
             else:
                 reply["error"] = {
                     "code": METHOD_NOT_FOUND,
@@ -259,6 +268,18 @@ class McpConnection:
                 self.on_notification(method, params if isinstance(params, dict) else {})
             except Exception:
                 logger.exception("on_notification of %s failed", self.label)
+
+    def _answer(self, method: str, params: dict[str, Any]) -> Message | None:
+        """Our result for a request of the peer's, or None when we do not offer the method."""
+        if method == "ping":
+            return {}
+        if self.on_request is None:
+            return None
+        try:
+            return self.on_request(method, params)
+        except Exception:  # the owner's bug must not end our reader
+            logger.exception("on_request of %s failed", self.label)
+            return None
 
     def _lost(self, reason: str) -> None:
         """The connection ended (or is being closed): fail every waiting request, refuse new

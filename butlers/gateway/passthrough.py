@@ -1,0 +1,337 @@
+"""The children's prompts and resources, passed through the gateway in every mode.
+
+A FastMCP provider whose lists are built from the gateway's children at request time: each
+child's `prompts/list`, `resources/list` and `resources/templates/list` are read once per
+connection (a restart is a new one) and again after the child's `list_changed`, only from a
+child that runs and offers them (its capabilities); a child not started yet, warming or in
+error is simply absent, never a failure of the whole list.
+
+Names. A prompt is `<server>_<prompt>`: Claude Code shows an MCP prompt as the slash command
+`/mcp__<gateway>__<prompt>`, and hosts accept `[A-Za-z0-9_-]` there; `_` is also what the
+gateway already puts between a server and a tool whose name is taken. `__` would read as one
+more level of Claude Code's own `mcp__server__name`, and `:` or `/` are not safe in a slash
+command. A resource keeps its URI exactly (a host reads the URI it was given); its name gets
+the same `<server>_` prefix and its `_meta` records the server (`butlers/server`).
+
+Reads. `prompts/get` goes to the child that listed the prefixed name, `resources/read` to the
+child that listed the URI (a URI two children list: the first by the config's order, warned
+once), else to the first child whose template matches it. Results come back as the child
+gave them. The suite's `expose` filter is about tools and is not applied here: a prompt or a
+resource does nothing by itself, and hiding one would silently take a server's slash command
+away, which is what this pass-through exists to stop.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import mcp_types
+from fastmcp.exceptions import PromptError, ResourceError
+from fastmcp.prompts.base import Message, Prompt, PromptArgument, PromptResult
+from fastmcp.resources.base import Resource, ResourceContent, ResourceResult
+from fastmcp.resources.template import ResourceTemplate, match_uri_template
+from fastmcp.server.providers.base import Provider
+from fastmcp.utilities.versions import VersionSpec
+from pydantic import ValidationError
+
+from butlers.errors import McpCallError
+
+if TYPE_CHECKING:
+    from butlers.gateway.server import Gateway, Slot
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["prompts", "resources"]
+SERVER_META = "butlers/server"  # the child a prompt, resource or template comes from
+
+
+def prompt_name(server: str, prompt: str) -> str:
+    return f"{server}_{prompt}"
+
+
+@dataclass
+class _Lists:
+    """What one child listed on one connection (None: not read yet, or changed since)."""
+
+    generation: int
+    prompts: list[dict[str, Any]] | None = None
+    resources: list[dict[str, Any]] | None = None
+    templates: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class _Listed:
+    """Every running child's prompts, resources and templates, in the config's order."""
+
+    prompts: dict[str, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
+    resources: dict[str, tuple[Slot, dict[str, Any]]] = field(default_factory=dict)
+    templates: list[tuple[Slot, dict[str, Any]]] = field(default_factory=list)
+
+
+class PassThrough(Provider):
+    """The gateway's children's prompts and resources, for FastMCP's handlers."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self._lists: dict[str, _Lists] = {}
+        self._warned: set[tuple[str, str]] = set()  # (what, name) said once
+
+    def forget(self, name: str, kind: Kind | None = None) -> None:
+        """A child's lists (or one kind of them) are stale: read again when next asked."""
+        lists = self._lists.get(name)
+        if lists is None:
+            return
+        if kind in (None, "prompts"):
+            lists.prompts = None
+        if kind in (None, "resources"):
+            lists.resources = lists.templates = None
+
+    def drop(self, name: str) -> None:
+        """A child that left the gateway."""
+        self._lists.pop(name, None)
+
+    @staticmethod
+    def offers(slot: Slot) -> tuple[Kind, ...]:
+        """The kinds of list the child offers (from its last handshake)."""
+        capabilities = slot.child.server_capabilities
+        return tuple(k for k in ("prompts", "resources") if capabilities.get(k) is not None)
+
+    # -- reading the children ---------------------------------------------------------------
+
+    async def _listed(self) -> _Listed:
+        listed = _Listed()
+        for slot in list(self.gateway.slots.values()):
+            lists = await self._read(slot)
+            if lists is None:
+                continue
+            for prompt in _named(lists.prompts, "name"):
+                name = prompt_name(slot.spec.name, prompt["name"])
+                if self._first(listed.prompts, name, slot, "prompt"):
+                    listed.prompts[name] = (slot, prompt)
+            for resource in _named(lists.resources, "uri"):
+                if self._first(listed.resources, resource["uri"], slot, "resource URI"):
+                    listed.resources[resource["uri"]] = (slot, resource)
+            listed.templates += [(slot, t) for t in _named(lists.templates, "uriTemplate")]
+        return listed
+
+    def _first(
+        self, taken: dict[str, tuple[Slot, dict[str, Any]]], key: str, slot: Slot, what: str
+    ) -> bool:
+        """Whether `key` is new; if another child listed it first, that one keeps it (the
+        config's order) and this is said once."""
+        first = taken.get(key)
+        if first is None:
+            return True
+        if (what, key) not in self._warned:
+            self._warned.add((what, key))
+            logger.warning(
+                "%s %r is listed by %r and %r: %r's is used",
+                what,
+                key,
+                first[0].spec.name,
+                slot.spec.name,
+                first[0].spec.name,
+                extra={"action": "passthrough_duplicate"},
+            )
+        return False
+
+    async def _read(self, slot: Slot) -> _Lists | None:
+        """The child's lists, read again when stale; None while it is not running (an idle
+        child stopped by `idle_timeout_s` keeps what it listed: still there, started on use)."""
+        if slot.state not in ("ready", "active"):
+            return None
+        child, name = slot.child, slot.spec.name
+        lists = self._lists.get(name)
+        if child.running() and (lists is None or lists.generation != child.generation):
+            lists = self._lists[name] = _Lists(child.generation)
+        if lists is None:
+            return None
+        offered = self.offers(slot)
+        if child.running() and "prompts" in offered and lists.prompts is None:
+            lists.prompts = await self._page(slot, "prompts/list", "prompts")
+        if child.running() and "resources" in offered and lists.resources is None:
+            lists.resources = await self._page(slot, "resources/list", "resources")
+            lists.templates = await self._page(
+                slot, "resources/templates/list", "resourceTemplates"
+            )
+        return lists
+
+    async def _page(self, slot: Slot, method: str, key: str) -> list[dict[str, Any]] | None:
+        """Every item of a paginated list; None (absent, asked again next time) when the
+        child fails to answer."""
+        items: list[dict[str, Any]] = []
+        cursor = None
+        try:
+            while True:
+                result = await slot.child.request(method, {"cursor": cursor} if cursor else {})
+                items += [i for i in result.get(key) or [] if isinstance(i, dict)]
+                cursor = result.get("nextCursor")
+                if not cursor:
+                    return items
+        except McpCallError as exc:
+            logger.warning("%s", exc, extra={"action": "passthrough_list_failed"})
+            return None
+
+    # -- what FastMCP asks ------------------------------------------------------------------
+
+    async def _list_prompts(self) -> Sequence[Prompt]:
+        listed = await self._listed()
+        return [_prompt(self.gateway, slot, name, p) for name, (slot, p) in listed.prompts.items()]
+
+    async def _get_prompt(self, name: str, version: VersionSpec | None = None) -> Prompt | None:
+        found = (await self._listed()).prompts.get(name)
+        return None if found is None else _prompt(self.gateway, found[0], name, found[1])
+
+    async def _list_resources(self) -> Sequence[Resource]:
+        listed = await self._listed()
+        resources = (_resource(self.gateway, s, r) for s, r in listed.resources.values())
+        return [r for r in resources if r is not None]
+
+    async def _get_resource(self, uri: str, version: VersionSpec | None = None) -> Resource | None:
+        listed = await self._listed()
+        found = listed.resources.get(uri)
+        if found is not None:
+            return _resource(self.gateway, *found)
+        for slot, template in listed.templates:
+            pattern = template.get("uriTemplate")
+            if isinstance(pattern, str) and match_uri_template(uri, pattern) is not None:
+                return _resource(self.gateway, slot, {**template, "uri": uri})
+        return None
+
+    async def _list_resource_templates(self) -> Sequence[ResourceTemplate]:
+        listed = await self._listed()
+        templates = (_template(slot, t) for slot, t in listed.templates)
+        return [t for t in templates if t is not None]
+
+    async def _get_resource_template(
+        self, uri: str, version: VersionSpec | None = None
+    ) -> ResourceTemplate | None:
+        return None  # a URI a template matches is found by _get_resource, with its child
+
+
+def _named(items: list[dict[str, Any]] | None, key: str) -> list[dict[str, Any]]:
+    """The items that carry `key` as a non-empty string (what a host needs to ask for them)."""
+    return [i for i in items or [] if isinstance(i.get(key), str) and i[key]]
+
+
+def _meta(slot: Slot, listed: dict[str, Any]) -> dict[str, Any]:
+    meta = listed.get("_meta")
+    return {**(meta if isinstance(meta, dict) else {}), SERVER_META: slot.spec.name}
+
+
+def _warn_unusable(slot: Slot, what: str, listed: dict[str, Any], exc: ValidationError) -> None:
+    logger.warning(
+        "child %r lists a %s the gateway cannot pass on (%s): %s",
+        slot.spec.name,
+        what,
+        listed.get("uri") or listed.get("uriTemplate") or listed.get("name"),
+        exc.errors()[0].get("msg") if exc.errors() else exc,
+        extra={"action": "passthrough_unusable"},
+    )
+
+
+class _ChildPrompt(Prompt):
+    _gateway: Gateway
+    _slot: Slot
+    _child_prompt: str
+
+    async def render(self, arguments: dict[str, Any] | None = None) -> PromptResult:
+        """The child's `prompts/get` with the host's arguments; its answer unchanged."""
+        slot, name = self._slot, self._child_prompt
+        params = {"name": name, "arguments": arguments or {}}
+        with self._gateway.span("gateway.prompt", slot, arguments or {}, {"prompt": name}):
+            try:
+                raw = await slot.child.request("prompts/get", params)
+            except McpCallError as exc:
+                raise PromptError(str(exc)) from exc
+        result = mcp_types.GetPromptResult.model_validate(raw)
+        return PromptResult(
+            [Message(m.content, role=m.role) for m in result.messages],
+            description=result.description,
+            meta=result.meta,
+        )
+
+
+def _prompt(gateway: Gateway, slot: Slot, name: str, listed: dict[str, Any]) -> Prompt:
+    parsed = mcp_types.Prompt.model_validate(listed)
+    prompt = _ChildPrompt(
+        name=name,
+        title=parsed.title,
+        description=parsed.description,
+        arguments=[
+            PromptArgument(name=a.name, description=a.description, required=bool(a.required))
+            for a in parsed.arguments or []
+        ],
+        icons=parsed.icons,
+        meta=_meta(slot, listed),
+    )
+    prompt._gateway, prompt._slot, prompt._child_prompt = gateway, slot, parsed.name
+    return prompt
+
+
+class _ChildResource(Resource):
+    _gateway: Gateway
+    _slot: Slot
+
+    async def read(self) -> ResourceResult:
+        """The child's `resources/read` of this URI; its contents unchanged (never logged
+        or put in a span: only the URI is)."""
+        slot, uri = self._slot, str(self.uri)
+        with self._gateway.span("gateway.resource", slot, None, {"uri": uri}):
+            try:
+                raw = await slot.child.request("resources/read", {"uri": uri})
+            except McpCallError as exc:
+                raise ResourceError(str(exc)) from exc
+        result = mcp_types.ReadResourceResult.model_validate(raw)
+        contents = [
+            ResourceContent(
+                item.text
+                if isinstance(item, mcp_types.TextResourceContents)
+                else base64.b64decode(item.blob),
+                mime_type=item.mime_type,
+                meta=item.meta,
+            )
+            for item in result.contents
+        ]
+        return ResourceResult(contents, meta=result.meta)
+
+
+def _resource(gateway: Gateway, slot: Slot, listed: dict[str, Any]) -> Resource | None:
+    """A child's resource (or a URI one of its templates matches), None if FastMCP cannot
+    carry it (a URI that is not one)."""
+    try:
+        resource = _ChildResource(
+            uri=listed["uri"],
+            name=prompt_name(slot.spec.name, str(listed.get("name") or listed["uri"])),
+            title=listed.get("title"),
+            description=listed.get("description"),
+            mime_type=listed.get("mimeType") or "text/plain",
+            meta=_meta(slot, listed),
+        )
+    except ValidationError as exc:
+        _warn_unusable(slot, "resource", listed, exc)
+        return None
+    resource._gateway, resource._slot = gateway, slot
+    return resource
+
+
+def _template(slot: Slot, listed: dict[str, Any]) -> ResourceTemplate | None:
+    """A child's template, for the list only (reads go through _get_resource)."""
+    try:
+        return ResourceTemplate(
+            uri_template=listed["uriTemplate"],
+            name=prompt_name(slot.spec.name, str(listed.get("name") or listed["uriTemplate"])),
+            title=listed.get("title"),
+            description=listed.get("description"),
+            mime_type=listed.get("mimeType") or "text/plain",
+            parameters={},
+            meta=_meta(slot, listed),
+        )
+    except ValidationError as exc:
+        _warn_unusable(slot, "resource template", listed, exc)
+        return None

@@ -1,0 +1,268 @@
+"""The children's prompts and resources through the gateway, in every mode: the real npm
+`server-everything` behind the real `butlers gateway` over stdio (prompts with arguments, static
+resources, templates, a blob, roots answered with `--dir`), a FastMCP child whose lists change
+at run time (tests/fakes/lists_mcp.py), children added and removed while a host is connected
+over SSE, and the spans of prompts/get and resources/read."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import ClientSession
+from mcp.client.sse import sse_client
+from mcp.shared.exceptions import MCPError
+
+from butlers.gateway.children import ChildSpec
+from butlers.gateway.config import load_gateway_config
+from butlers.gateway.passthrough import SERVER_META
+from butlers.gateway.server import Gateway
+from tests.fakes.otlp import OtlpReceiver
+from tests.fakes.peer_mcp import serve_peer_over_sse
+from tests.npm_servers import PREFIX
+from tests.test_gateway import Host, stdio_host, text_of
+
+LISTS = str(Path(__file__).resolve().parent / "fakes" / "lists_mcp.py")
+EVERYTHING_DOCS = PREFIX / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist"
+STATIC = "demo://resource/static/document/architecture.md"
+PROMPTS_CHANGED = "notifications/prompts/list_changed"
+RESOURCES_CHANGED = "notifications/resources/list_changed"
+
+
+def everything_project(root: Path, bin_dir: Path) -> Path:
+    project = root / "project"
+    project.mkdir()
+    servers = {"everything": {"command": str(bin_dir / "mcp-server-everything"), "args": ["stdio"]}}
+    (project / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    return project
+
+
+def lists_child(directory: Path, name: str, secret: str = "") -> None:
+    """The FastMCP child of tests/fakes/lists_mcp.py, declared in an `mcps/<name>/.mcp.json`."""
+    child = directory / "mcps" / name
+    child.mkdir(parents=True)
+    env = {"LISTS_MCP_TAG": name, "LISTS_MCP_SECRET": secret, "FASTMCP_LOG_LEVEL": "WARNING"}
+    command = {"cmd": sys.executable, "args": [LISTS], "env": env}
+    (child / ".mcp.json").write_text(json.dumps({"name": name, "command": command}))
+
+
+async def ready(host: Host, name: str, timeout_s: float = 60) -> None:
+    """Until the gateway says the child runs (a cold npm start takes a while)."""
+    async with asyncio.timeout(timeout_s):
+        while (await host.status())[name]["state"] != "ready":  # noqa: ASYNC110 - its answer
+            await asyncio.sleep(0.05)
+
+
+def told(notifications: list[Any], method: str) -> int:
+    return sum(1 for n in notifications if getattr(n, "method", "") == method)
+
+
+async def wait_told(notifications: list[Any], method: str, count: int) -> None:
+    async with asyncio.timeout(10):
+        while told(notifications, method) < count:  # noqa: ASYNC110 - the client's handler fills it
+            await asyncio.sleep(0.02)
+
+
+async def prompt_names(client: ClientSession) -> set[str]:
+    return {p.name for p in (await client.list_prompts()).prompts}
+
+
+async def resource_uris(client: ClientSession) -> set[str]:
+    return {str(r.uri) for r in (await client.list_resources()).resources}
+
+
+async def everything_call(host: Host, mode: str, tool: str) -> str:
+    """One of the everything server's tools, called the way `mode` offers it."""
+    if mode == "search":
+        return text_of(await host.call("gateway_call", name=tool, arguments={}))
+    if mode == "activate":
+        await host.call("gateway_activate", name="everything")
+        return text_of(await host.call(tool))
+    return text_of(await host.suite("everything_suite", "call", tool))
+
+
+@pytest.mark.parametrize("mode", ["suite", "activate", "both", "search"])
+async def test_the_everything_servers_prompts_resources_and_roots_in_every_mode(
+    mode: str, tmp_path: Path, npm_servers: Path
+) -> None:
+    project = everything_project(tmp_path, npm_servers)
+    async with stdio_host(project, "--mode", mode) as host:
+        client = host.client
+        await ready(host, "everything")
+
+        prompts = {p.name: p for p in (await client.list_prompts()).prompts}
+        assert {"everything_simple-prompt", "everything_args-prompt"} <= set(prompts)
+        args_prompt = prompts["everything_args-prompt"]
+        assert (args_prompt.meta or {})[SERVER_META] == "everything"
+        assert [(a.name, a.required) for a in args_prompt.arguments or []] == [
+            ("city", True),
+            ("state", False),
+        ]
+        got = await client.get_prompt("everything_args-prompt", {"city": "Oslo", "state": "Ohio"})
+        [message] = got.messages
+        assert (message.role, getattr(message.content, "text", None)) == (
+            "user",
+            "What's weather in Oslo, Ohio?",
+        )
+
+        resources = {str(r.uri): r for r in (await client.list_resources()).resources}
+        assert STATIC in resources  # the URI exactly as the server gave it
+        assert (resources[STATIC].meta or {})[SERVER_META] == "everything"
+        assert resources[STATIC].name == "everything_architecture.md"
+        [content] = (await client.read_resource(STATIC)).contents
+        assert (
+            getattr(content, "text", None)
+            == (EVERYTHING_DOCS / "docs" / "architecture.md").read_text()
+        )
+        templates = {
+            t.uri_template for t in (await client.list_resource_templates()).resource_templates
+        }
+        assert "demo://resource/dynamic/text/{resourceId}" in templates
+        [content] = (await client.read_resource("demo://resource/dynamic/text/7")).contents
+        assert getattr(content, "text", "").startswith("Resource 7: ")  # only a template has it
+        [content] = (await client.read_resource("demo://resource/dynamic/blob/8")).contents
+        assert base64.b64decode(getattr(content, "blob", "")).startswith(b"Resource 8: ")
+
+        with pytest.raises(MCPError, match="'everything_no-such-prompt'"):
+            await client.get_prompt("everything_no-such-prompt", {})
+        with pytest.raises(MCPError, match="'demo://nowhere/x'"):
+            await client.read_resource("demo://nowhere/x")
+        assert "everything_simple-prompt" in await prompt_names(client)  # still serving
+
+        # The server offers get-roots-list only to a client with roots; it got --dir.
+        roots = await everything_call(host, mode, "get-roots-list")
+        assert f"URI: {project.as_uri()}" in roots, roots
+
+
+async def test_a_child_that_adds_a_prompt_and_a_resource_tells_the_host(tmp_path: Path) -> None:
+    lists_child(tmp_path, "notes")
+    async with stdio_host(tmp_path) as host:
+        client = host.client
+        await ready(host, "notes")
+        assert await prompt_names(client) == {"notes_greet"}
+        got = await client.get_prompt("notes_greet", {"name": "Ann"})
+        assert getattr(got.messages[0].content, "text", None) == "Hello, Ann, from notes!"
+        prompts_told = told(host.notifications, PROMPTS_CHANGED)
+        resources_told = told(host.notifications, RESOURCES_CHANGED)
+
+        result = await host.suite("notes_suite", "call", "add_prompt", name="bye", text="Bye!")
+        assert text_of(result) == "added"
+        await wait_told(host.notifications, PROMPTS_CHANGED, prompts_told + 1)
+        assert await prompt_names(client) == {"notes_greet", "notes_bye"}
+        got = await client.get_prompt("notes_bye", {})
+        assert getattr(got.messages[0].content, "text", None) == "Bye!"
+
+        result = await host.suite(
+            "notes_suite", "call", "add_resource", uri="note://notes/new", text="fresh"
+        )
+        assert text_of(result) == "added"
+        await wait_told(host.notifications, RESOURCES_CHANGED, resources_told + 1)
+        assert "note://notes/new" in await resource_uris(client)
+        [content] = (await client.read_resource("note://notes/new")).contents
+        assert getattr(content, "text", None) == "fresh"
+
+
+@contextlib.asynccontextmanager
+async def sse_host(url: str) -> AsyncIterator[Host]:
+    notifications: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        notifications.append(message)
+
+    async with (
+        sse_client(url) as (read, write),
+        ClientSession(read, write, message_handler=handler) as client,
+    ):
+        await client.initialize()
+        yield Host(client, notifications)
+
+
+def lists_spec(directory: Path, name: str) -> ChildSpec:
+    env = {"LISTS_MCP_TAG": name, "FASTMCP_LOG_LEVEL": "WARNING"}
+    return ChildSpec(name, cmd=sys.executable, args=(LISTS,), env=env, cwd=directory)
+
+
+async def text_at(client: ClientSession, uri: str) -> str | None:
+    [content] = (await client.read_resource(uri)).contents
+    return getattr(content, "text", None)
+
+
+async def test_children_added_and_removed_while_running_join_and_leave_the_lists(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gateway.add_child / remove_child (hot reload's half), a host over SSE: the lists follow
+    and the host is told; a URI two children list is the first's (config order), said once."""
+    config = load_gateway_config(tmp_path)
+    gateway = Gateway(config, [lists_spec(tmp_path, "first")], environ=dict(os.environ))
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    try:
+        await gateway.warm_all()
+        async with serve_peer_over_sse(gateway.mcp) as (url, _), sse_host(url) as host:
+            client, notes = host.client, host.notifications
+            assert await prompt_names(client) == {"first_greet"}
+            assert await text_at(client, "note://shared") == "shared note of first"
+
+            await gateway.add_child(lists_spec(tmp_path, "second"))
+            await wait_told(notes, PROMPTS_CHANGED, 1)
+            await wait_told(notes, RESOURCES_CHANGED, 1)
+            assert await prompt_names(client) == {"first_greet", "second_greet"}
+            assert {"note://first/secret", "note://second/secret"} <= await resource_uris(client)
+            assert await text_at(client, "note://shared") == "shared note of first"
+            assert await text_at(client, "note://second/page/4") == "page 4 of second"
+            await resource_uris(client)  # listed again: still said once
+            duplicates = [r for r in caplog.records if "note://shared" in r.getMessage()]
+            assert len(duplicates) == 1, [r.getMessage() for r in duplicates]
+            assert "'first'" in duplicates[0].getMessage()
+
+            await gateway.remove_child("first")
+            await wait_told(notes, PROMPTS_CHANGED, 2)
+            await wait_told(notes, RESOURCES_CHANGED, 2)
+            assert await prompt_names(client) == {"second_greet"}
+            assert "note://first/secret" not in await resource_uris(client)
+            assert await text_at(client, "note://shared") == "shared note of second"
+            with pytest.raises(MCPError, match="'note://first/page/1'"):
+                await client.read_resource("note://first/page/1")
+    finally:
+        await gateway.close()
+
+
+SECRET = "s3cret-note-7781"
+PROMPT_SECRET = "tok-prompt-4242"
+
+
+async def test_prompts_get_and_resources_read_are_spans_without_the_contents(
+    tmp_path: Path, otlp: OtlpReceiver
+) -> None:
+    lists_child(tmp_path, "notes", secret=SECRET)
+    (tmp_path / "gateway.toml").write_text('[suites.notes]\nredact = ["name"]\n')
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url("http"),
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "BUTLERS_LOG_LEVEL": "debug",
+    }
+    async with stdio_host(tmp_path, env=env) as host:
+        await ready(host, "notes")
+        got = await host.client.get_prompt("notes_greet", {"name": PROMPT_SECRET})
+        assert PROMPT_SECRET in getattr(got.messages[0].content, "text", "")  # unchanged
+        assert await text_at(host.client, "note://notes/secret") == SECRET
+    spans = await otlp.wait_for(
+        lambda spans: {"gateway.prompt", "gateway.resource"} <= {s.name for s in spans}
+    )
+    [prompt] = [s for s in spans if s.name == "gateway.prompt"]
+    assert (prompt.attributes["child"], prompt.attributes["prompt"]) == ("notes", "greet")
+    assert json.loads(prompt.attributes["arguments"]) == {"name": "[redacted]"}
+    [resource] = [s for s in spans if s.name == "gateway.resource"]
+    assert resource.attributes["child"] == "notes"
+    assert resource.attributes["uri"] == "note://notes/secret"
+    recorded = json.dumps([s.attributes for s in spans])
+    assert SECRET not in recorded and PROMPT_SECRET not in recorded
+    assert SECRET not in (tmp_path / "gateway.stderr").read_text()
