@@ -345,24 +345,39 @@ async def test_user_scope_never_replaces_a_butlers_server_it_did_not_register(
 
 
 @pytest.mark.claude
-@pytest.mark.parametrize("claude_config_dir", [None, ""], ids=["unset", "empty"])
+@pytest.mark.parametrize(
+    ("variables", "claude_writes"),
+    [
+        ({}, ".claude/.config.json"),
+        ({"CLAUDE_CONFIG_DIR": ""}, ".claude.json"),
+        (
+            {
+                "CLAUDE_CONFIG_DIR": "{home}/cc",
+                "CLAUDE_CODE_CUSTOM_OAUTH_URL": "http://127.0.0.1:9",
+            },
+            "cc/.claude-custom-oauth.json",
+        ),
+    ],
+    ids=["older-file", "config-dir-empty", "custom-oauth"],
+)
 async def test_user_scope_uses_the_file_claude_code_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, claude_config_dir: str | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variables: dict, claude_writes: str
 ) -> None:
-    """Claude Code's user config is `~/.claude/.config.json` when that older file is there,
-    `~/.claude.json` is not and CLAUDE_CONFIG_DIR is unset; with CLAUDE_CONFIG_DIR set, even
-    empty, it is `.claude.json` (measured: the bundled binary). Install reads, keeps and
-    gives back the very file Claude Code wrote."""
-    monkeypatch.delenv("CLAUDE_CONFIG_DIR", raising=False)
+    """Which file is Claude Code's user config (measured with the bundled binary): the older
+    `~/.claude/.config.json` when it is there, `~/.claude.json` is not and CLAUDE_CONFIG_DIR
+    is unset; with CLAUDE_CONFIG_DIR set, even empty, `.claude.json` in it (or in the home);
+    `.claude-custom-oauth.json` with a custom OAuth URL. Install reads, keeps and gives back
+    the very file Claude Code wrote."""
+    for name in ("CLAUDE_CONFIG_DIR", "CLAUDE_CODE_CUSTOM_OAUTH_URL"):
+        monkeypatch.delenv(name, raising=False)
     home = tmp_path / "home"
     env = _claude_user_env(home)
     del env["CLAUDE_CONFIG_DIR"]
-    if claude_config_dir is not None:
-        env["CLAUDE_CONFIG_DIR"] = claude_config_dir
+    env.update({k: v.format(home=home) for k, v in variables.items()})
     legacy = home / ".claude" / ".config.json"
     legacy.parent.mkdir(parents=True)
     legacy.write_text(USER_CONFIG)
-    written = legacy if claude_config_dir is None else home / ".claude.json"
+    written = home / claude_writes
     project = _project_with_notes(tmp_path / "project")
     code, out, err = await run_cli(
         "gateway", "install", "--scope", "user", "--dir", str(project), env=env
@@ -373,7 +388,8 @@ async def test_user_scope_uses_the_file_claude_code_writes(
     assert code == 0, err
     given_back = "the original is back" if written == legacy else "removed (there was none"
     assert f"{written}: {given_back}" in out
-    assert legacy.read_text() == USER_CONFIG and not (home / ".claude.json").exists()
+    assert legacy.read_text() == USER_CONFIG
+    assert [p for p in home.rglob("*.json") if p != legacy] == []
 
 
 async def _butlers_in(

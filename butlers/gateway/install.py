@@ -304,13 +304,18 @@ def user_config_path(environ: Mapping[str, str]) -> Path:
     """The file `claude mcp add -s user` writes, found the way Claude Code finds it (measured
     with its 2.1 binary): with CLAUDE_CONFIG_DIR in the environment, `.claude.json` in it (in
     the home directory when it is empty); else `~/.claude.json`, unless only the older
-    `~/.claude/.config.json` (not empty) is there."""
+    `~/.claude/.config.json` is there (not empty, or writable). CLAUDE_CODE_CUSTOM_OAUTH_URL
+    makes it `.claude-custom-oauth.json`. What it misses, `_check_registered` catches."""
     home = _user_home(environ)
+    custom = bool(environ.get("CLAUDE_CODE_CUSTOM_OAUTH_URL"))
+    name = ".claude-custom-oauth.json" if custom else ".claude.json"
     if "CLAUDE_CONFIG_DIR" in environ:
-        return Path(environ["CLAUDE_CONFIG_DIR"] or home) / ".claude.json"
-    current, legacy = home / ".claude.json", home / ".claude" / ".config.json"
-    if not current.exists() and legacy.is_file() and legacy.stat().st_size > 0:
-        return legacy
+        return Path(environ["CLAUDE_CONFIG_DIR"] or home) / name
+    current, legacy = home / name, home / ".claude" / ".config.json"
+    if not current.exists() and legacy.is_file():
+        stat = legacy.stat()
+        if stat.st_size > 0 or stat.st_mode & 0o222:
+            return legacy
     return current
 
 
