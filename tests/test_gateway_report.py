@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -228,8 +229,11 @@ def _tiktoken_installed() -> bool:
 async def test_tiktoken_without_its_cached_file_is_not_used_and_fetches_nothing(
     project: Path,
 ) -> None:
-    """tiktoken downloads a BPE file it does not find in its cache: the report must not. Any
-    request for it would go to this proxy on loopback, which sees none."""
+    """tiktoken downloads a BPE file it does not find in its cache, or finds there damaged
+    (o200k_base's here: its hash is wrong; cl100k_base's is missing): the report must not.
+    Any request for one would go to this proxy on loopback, which sees none."""
+    from butlers.gateway.report import _tiktoken_bpe_file
+
     requests: list[bytes] = []
 
     async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -240,6 +244,10 @@ async def test_tiktoken_without_its_cached_file_is_not_used_and_fetches_nothing(
     port = server.sockets[0].getsockname()[1]
     cache = project / "tiktoken-cache"
     cache.mkdir()
+    bpe = _tiktoken_bpe_file("o200k_base")  # where tiktoken fetches it from, and its hash
+    assert bpe is not None
+    damaged = cache / hashlib.sha1(bpe[0].encode()).hexdigest()  # tiktoken's file name
+    damaged.write_bytes(b"not the BPE file\n")
     env = {
         "TIKTOKEN_CACHE_DIR": str(cache),
         **{name: f"http://127.0.0.1:{port}" for name in ("HTTPS_PROXY", "HTTP_PROXY")},
@@ -255,7 +263,7 @@ async def test_tiktoken_without_its_cached_file_is_not_used_and_fetches_nothing(
         "encoding": None,
         "label": "tokens: estimate, chars/4",
     }
-    assert requests == [] and list(cache.iterdir()) == []
+    assert requests == [] and list(cache.iterdir()) == [damaged]  # tiktoken would delete it
 
 
 def _cached_tiktoken_encoding() -> str | None:
