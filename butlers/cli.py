@@ -1083,7 +1083,10 @@ def _parser(settings: Settings) -> argparse.ArgumentParser:
         "--lazy", action="store_true", help="start children on first use, not all at start"
     )
     gateway.add_argument(
-        "--report", action="store_true", help="print the token sizes of native vs gateway tools"
+        "--report",
+        action="store_true",
+        help="print what a host loads (bytes, tokens): every server directly vs the gateway's "
+        "suite, activate and search modes",
     )
     gateway.add_argument(
         "--config",
