@@ -29,7 +29,7 @@ from butlers.gateway.server import Gateway
 from tests.fakes.otlp import OtlpReceiver
 from tests.fakes.peer_mcp import serve_peer_over_sse
 from tests.npm_servers import PREFIX
-from tests.test_gateway import Host, stdio_host, text_of
+from tests.test_gateway import Host, mcp_json, stdio_host, text_of
 
 LISTS = str(Path(__file__).resolve().parent / "fakes" / "lists_mcp.py")
 EVERYTHING_DOCS = PREFIX / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist"
@@ -147,6 +147,11 @@ async def test_a_child_that_adds_a_prompt_and_a_resource_tells_the_host(tmp_path
     lists_child(tmp_path, "notes")
     async with stdio_host(tmp_path) as host:
         client = host.client
+        initialized = client.initialize_result
+        assert initialized is not None
+        capabilities = initialized.capabilities  # what the gateway announces
+        assert capabilities.prompts is not None and capabilities.prompts.list_changed
+        assert capabilities.resources is not None and capabilities.resources.list_changed
         await ready(host, "notes")
         assert await prompt_names(client) == {"notes_greet"}
         got = await client.get_prompt("notes_greet", {"name": "Ann"})
@@ -169,6 +174,40 @@ async def test_a_child_that_adds_a_prompt_and_a_resource_tells_the_host(tmp_path
         assert "note://notes/new" in await resource_uris(client)
         [content] = (await client.read_resource("note://notes/new")).contents
         assert getattr(content, "text", None) == "fresh"
+
+
+async def test_a_child_without_prompts_or_not_running_is_left_out_never_a_failure(
+    tmp_path: Path,
+) -> None:
+    """A tools-only child (its capabilities offer no prompts or resources) is never asked
+    for them; a child in error is absent (one that crashes leaves, and the host is told); the
+    others' lists come through."""
+    lists_child(tmp_path, "notes")
+    lists_child(tmp_path, "fragile")
+    mcp_json(tmp_path, "plain")  # tests/fakes/mock_mcp.py: {"tools": {}} only
+    (tmp_path / "mcps" / "gone").mkdir()
+    missing = {"cmd": str(tmp_path / "no-such-server")}
+    (tmp_path / "mcps" / "gone" / ".mcp.json").write_text(
+        json.dumps({"name": "gone", "command": missing})
+    )
+    async with stdio_host(tmp_path) as host:
+        client = host.client
+        for name in ("notes", "plain", "fragile"):
+            await ready(host, name)
+        assert (await host.status())["gone"]["state"] == "error"
+        assert await prompt_names(client) == {"notes_greet", "fragile_greet"}
+        prompts_told = told(host.notifications, PROMPTS_CHANGED)
+        resources_told = told(host.notifications, RESOURCES_CHANGED)
+        assert (await host.suite("fragile_suite", "call", "exit")).is_error
+        await wait_told(host.notifications, PROMPTS_CHANGED, prompts_told + 1)
+        await wait_told(host.notifications, RESOURCES_CHANGED, resources_told + 1)
+        assert await prompt_names(client) == {"notes_greet"}
+        assert "note://fragile/secret" not in await resource_uris(client)
+        assert await text_at(client, "note://shared") == "shared note of notes"
+        templates = (await client.list_resource_templates()).resource_templates
+        assert [t.uri_template for t in templates] == ["note://notes/page/{n}"]
+    log = (tmp_path / "gateway.stderr").read_text()
+    assert "child 'plain'" not in log, log  # not asked: no "prompts/list failed" about it
 
 
 @contextlib.asynccontextmanager

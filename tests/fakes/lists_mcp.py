@@ -8,6 +8,7 @@ change while it runs, for the gateway's pass-through tests. Its tag (`LISTS_MCP_
   template note://<tag>/page/{n} "page <n> of <tag>"
   tool     add_prompt(name, text)    adds a prompt and sends prompts/list_changed
   tool     add_resource(uri, text)   adds a resource and sends resources/list_changed
+  tool     exit()                    the process ends at once (a crashed child)
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def build_lists(tag: str, secret: str) -> FastMCP:
         mcp.add_resource(TextResource(uri=uri, name=uri, text=text))  # type: ignore[arg-type]
         await ctx.session.send_resource_list_changed()
         return "added"
+
+    @mcp.tool
+    def exit() -> str:
+        os._exit(3)
 
     return mcp
 
