@@ -12,9 +12,11 @@ Over the official `@modelcontextprotocol/server-filesystem`, `server-memory` and
 - latency: p50/p90 of one `gateway_search` call through the real gateway over MCP stdio (the
   host's view: JSON-RPC, the gateway's checks, the index), and of `SearchIndex.search` alone
   in-process; the index's build time over the same 36 tools;
-- size: the JSON of `tools/list` a host loads, every server loaded directly vs the gateway in
-  `suite`, `activate` and `search` mode. Tokens are chars/4, an estimate, unless `tiktoken` is
-  importable (then cl100k_base, which is not Claude's tokenizer either: still an estimate).
+- size: what `butlers gateway --report --json` measures: the `tools/list` a host loads, every
+  server loaded directly vs the gateway in `suite`, `activate` and `search` mode, in bytes as
+  the gateway writes it, and tokens (tiktoken only when its BPE file is already cached, never
+  a download: not Claude's tokenizer either; else chars/4; the table says which).
+  `bench/gateway_host_load.py` measures what Claude Code itself then sends.
 
 It runs in well under a minute on 2 cores.
 """
@@ -36,6 +38,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import mcp_types
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
@@ -120,12 +123,21 @@ def servers(project: Path, bin_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 @asynccontextmanager
-async def session(params: StdioServerParameters, errlog: Path) -> AsyncIterator[ClientSession]:
-    """An initialized MCP client session over stdio; the child's stderr goes to `errlog`."""
+async def session(
+    params: StdioServerParameters, errlog: Path, root: Path
+) -> AsyncIterator[ClientSession]:
+    """An initialized MCP client session over stdio; the child's stderr goes to `errlog`. It
+    offers roots (`root`), as the gateway does to its children: server-everything lists one
+    tool more (get-roots-list) to a client that does, and the in-process index must see the
+    same tools as the gateway's."""
+
+    async def roots(context: Any) -> mcp_types.ListRootsResult:
+        return mcp_types.ListRootsResult(roots=[mcp_types.Root(uri=root.as_uri())])
+
     with errlog.open("a") as err:
         async with (
             stdio_client(params, errlog=err) as (read, write),
-            ClientSession(read, write) as client,
+            ClientSession(read, write, list_roots_callback=roots) as client,
         ):
             await client.initialize()
             yield client
@@ -136,30 +148,33 @@ def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True, mode="json") for t in tools]
 
 
-def size(tools: list[dict[str, Any]]) -> int:
-    """Characters of the tools' JSON, compact: what a host has to carry."""
-    return len(json.dumps(tools, separators=(",", ":")))
-
-
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def tokens_of(tools: list[dict[str, Any]]) -> tuple[int, str]:
-    """Tokens of the tools' JSON and how they were counted."""
-    text = json.dumps(tools, separators=(",", ":"))
-    try:
-        import tiktoken  # type: ignore[import-not-found]
-    except ImportError:
-        return len(text) // 4, "estimate: chars/4"
-    return len(tiktoken.get_encoding("cl100k_base").encode(text)), "estimate: cl100k_base"
 
 
 def gateway_params(project: Path, mode: str) -> StdioServerParameters:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
     args = ["gateway", "--dir", str(project), "--no-butlers", "--mode", mode]
     return StdioServerParameters(command=BUTLERS, args=args, env=env, cwd=str(project))
+
+
+async def gateway_report(project: Path, errlog: Path) -> dict[str, Any]:
+    """`butlers gateway --report --json` over the project: the sizes of every way of loading."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
+    with errlog.open("a") as err:
+        process = await asyncio.create_subprocess_exec(
+            BUTLERS,
+            *("gateway", "--report", "--json", "--no-butlers", "--dir", str(project)),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+        out, _ = await process.communicate()
+    if process.returncode != 0:
+        sys.exit(f"gateway --report failed ({process.returncode}): see {errlog}")
+    report: dict[str, Any] = json.loads(out)
+    return report
 
 
 def judge(found: list[str], expected: str, also: tuple[str, ...]) -> tuple[bool, bool]:
@@ -178,7 +193,7 @@ async def measure(project: Path, rounds: int) -> dict[str, Any]:
             args=spec.get("args", []),
             env={"PATH": os.environ["PATH"], **spec.get("env", {})},
         )
-        async with session(params, errlog) as client:
+        async with session(params, errlog, project) as client:
             direct[name] = tool_dicts((await client.list_tools()).tools)
 
     # The index alone, in-process, over the same tools the gateway indexes.
@@ -197,14 +212,10 @@ async def measure(project: Path, rounds: int) -> dict[str, Any]:
             local.append(time.perf_counter() - start)
     in_process = {r: [e.name for e in index.search(r, LIMIT)] for r, _, _ in REQUESTS}
 
-    listed: dict[str, list[dict[str, Any]]] = {}
-    for mode in ("suite", "activate"):
-        async with session(gateway_params(project, mode), errlog) as client:
-            listed[mode] = tool_dicts((await client.list_tools()).tools)
+    sizes = await gateway_report(project, errlog)
     remote: list[float] = []
     ranked: dict[str, list[str]] = {}
-    async with session(gateway_params(project, "search"), errlog) as client:
-        listed["search"] = tool_dicts((await client.list_tools()).tools)
+    async with session(gateway_params(project, "search"), errlog, project) as client:
         await client.call_tool("gateway_search", {"query": "warm up", "limit": LIMIT})
         for _ in range(rounds):
             for request, _expected, _also in REQUESTS:
@@ -219,7 +230,7 @@ async def measure(project: Path, rounds: int) -> dict[str, Any]:
                 ranked[request] = [f["name"] for f in found]
     return {
         "direct": direct,
-        "listed": listed,
+        "sizes": sizes,
         "ranked": ranked,
         "in_process": in_process,
         "builds": builds,
@@ -243,11 +254,11 @@ def report(m: dict[str, Any], rounds: int) -> str:
     n = len(REQUESTS)
     same = sum(m["in_process"][r] == ranked[r] for r, _, _ in REQUESTS)
     direct_tools = [t for tools in m["direct"].values() for t in tools]
-    rows = [("all 3 servers loaded directly", direct_tools)] + [
-        (f"gateway `--mode {mode}`", m["listed"][mode]) for mode in ("suite", "activate", "search")
+    sizes = m["sizes"]
+    rows = [("all 3 servers loaded directly", sizes["listings"]["direct"])] + [
+        (f"gateway `--mode {mode}`", sizes["listings"][mode])
+        for mode in ("suite", "activate", "search")
     ]
-    _, how = tokens_of(direct_tools)
-    base = size(direct_tools)
     ms = 1000.0
     lines = [
         f"## gateway search: accuracy, latency, size ({time.strftime('%Y-%m-%d')})",
@@ -271,16 +282,16 @@ def report(m: dict[str, Any], rounds: int) -> str:
         f"| index build, {len(direct_tools)} tools, p50 ({len(m['builds'])} builds) | "
         f"{statistics.median(m['builds']) * ms:.3f} ms |",
         "",
-        f"What a host loads (compact JSON of `tools/list`; tokens: {how}):",
+        "What a host loads at start (`butlers gateway --report`: the `tools/list` JSON as a host "
+        f"receives it, one per server when loaded directly; {sizes['tokens']['label']}):",
         "",
-        "| tool list | tools | chars | tokens | vs direct |",
+        "| tool list | tools | bytes | tokens | of direct |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for label, tools in rows:
-        chars = size(tools)
+    for label, listing in rows:
         lines.append(
-            f"| {label} | {len(tools)} | {chars} | {tokens_of(tools)[0]} | "
-            f"{100 * chars / base:.1f}% |"
+            f"| {label} | {listing['tools']} | {listing['bytes']} | {listing['tokens']} | "
+            f"{listing['percent_of_direct']:.1f}% |"
         )
     lines += ["", "Requests whose first answer was not the expected tool:", ""]
     if misses:
