@@ -184,6 +184,11 @@ async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_fir
     assert "`claude mcp add -s user butlers -- " in out
     assert _registered(config)["args"] == ["gateway", "--dir", str(first)]
     assert (home / SKILL).is_file()
+    record = home / ".claude" / ".butlers-gateway" / "claude-code-user"
+    assert (record / "original.json").read_text() == USER_CONFIG
+    # Claude Code's user config may hold API keys (servers' env, the account): so may its copy.
+    assert record.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in record.iterdir()} == {0o600}
     registered = config.read_bytes()
     code, out, err = await run_cli(
         "gateway", "install", "--scope", "user", "--dir", str(first), env=env
@@ -304,6 +309,11 @@ async def test_user_scope_keeps_a_live_registration_and_the_owners_later_changes
     left = json.loads(config.read_text())
     assert left["numStartups"] == 8 and list(left["mcpServers"]) == ["other"]
     assert not (home / ".claude" / ".butlers-gateway").exists()
+    left_bytes = config.read_bytes()
+    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, err
+    assert out == f"{config}: no `butlers` server registered, nothing to do\n"
+    assert config.read_bytes() == left_bytes
 
 
 @pytest.mark.parametrize(
