@@ -11,10 +11,11 @@ same with `claude_desktop_config.json` (its other settings kept). Each also writ
 `/butlers-gateway` skill. Installing twice changes nothing.
 
 `--scope user` registers the gateway with Claude Code's own `claude mcp add -s user` (or prints
-that command when there is no `claude` binary: Claude Code locks and rewrites its user config
-as it runs, so it writes it, not us). The config as it was before (or that there was none) and
-as the registration left it are kept beside it (`UserScope`): uninstall puts the original back
-byte for byte while the file is still what we left, else removes only our entry; and a
+that command when there is no `claude` binary: Claude Code rewrites its user config as it
+runs, so adding and removing entries is left to it). The config as it was before (or that
+there was none) and as the registration left it are kept beside it (`UserScope`): uninstall
+puts the original back byte for byte while the file is still what we left, else has Claude
+Code remove only our entry; and a
 `butlers` entry we did not register is never replaced or removed. When the project or the
 program a registration of ours names has moved away (a renamed checkout, a venv rebuilt
 elsewhere), installing again re-registers it from here and says so; while both are still
