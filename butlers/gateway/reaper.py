@@ -114,19 +114,22 @@ async def end_group(process: asyncio.subprocess.Process, grace_s: float) -> None
 def group_alive(group: int) -> bool:
     """Whether a process of `group` still runs. An orphaned grandchild that has exited stays a
     zombie until init reaps it (here up to a second: measured), which kill(0) still finds; so
-    on Linux the group's members are read from /proc, zombies left out."""
+    the group's members are looked for among psutil's processes, zombies left out.
+
+    Blocking (it reads the process table): called in a worker thread. psutil has no process
+    group of its own, so os.getpgid names each process's. psutil is imported on first use: a
+    gateway that never ends a child does not pay for it at start-up.
+    """
     try:
         os.killpg(group, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
+    import psutil
+
+    for pid in psutil.pids():
         try:
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
+            if os.getpgid(pid) == group and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
             continue  # gone meanwhile
-        if pgrp == str(group) and state != "Z":
-            return True
     return False
