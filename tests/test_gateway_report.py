@@ -120,7 +120,8 @@ async def wire_listing(project: Path, mode: str) -> str:
 
 
 async def test_report_compares_direct_suite_activate_and_search(project: Path) -> None:
-    data = await report(project, env={"TIKTOKEN_CACHE_DIR": str(project / "no-cache")})
+    no_tokenizer = {"TIKTOKEN_CACHE_DIR": str(project / "no-cache")}  # should tiktoken be here
+    data = await report(project, env=no_tokenizer)
     assert set(data) == {"mode", "tokens", "listings", "children"}
     assert data["mode"] == "suite"
     assert list(data["listings"]) == ["direct", "suite", "activate", "search"]
@@ -169,7 +170,9 @@ async def test_report_compares_direct_suite_activate_and_search(project: Path) -
     )
     assert children["framed"]["wrapper_chars"] is None
 
-    code, out, err = await run_cli("gateway", "--report", "--no-butlers", "--dir", str(project))
+    code, out, err = await run_cli(
+        "gateway", "--report", "--no-butlers", "--dir", str(project), env=no_tokenizer
+    )
     assert code == 0, err
     assert out.splitlines()[0].startswith("tokens: estimate, chars/4")
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("|")}
