@@ -8,7 +8,6 @@ entry point (cli) owns the event loop and the signals; uvicorn is told not to to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -16,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncpg
 import uvicorn
@@ -32,29 +31,26 @@ from butlers.core_tools import (
     register_core_tools,
     run_due_tasks,
 )
-from butlers.dashboard.app import Dashboard, DashboardParts
-from butlers.dashboard.fleet import FleetProbe
-from butlers.dashboard.store import DashboardStore
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
-from butlers.http import ButlerApp, EmbeddedUvicorn, build_app, require_token_beyond_loopback
+from butlers.http import ButlerApp, Listener, build_app, require_token_beyond_loopback
+from butlers.lifecycle import Background, Components
 from butlers.logs import butler_context
 from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
 from butlers.media import MAX_TOOL_ATTACHMENT_BYTES
 from butlers.memory import MemoryStore
-from butlers.modules import Modules, build_modules
+from butlers.modules import build_modules
 from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
 from butlers.session_policy import OwnerNotices, SessionPolicy
 from butlers.settings import Settings
 from butlers.spawner import Spawner
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
+from butlers.switchboard.component import Switchboard
 from butlers.switchboard.inbox import InboxStore
-from butlers.switchboard.leadership import LeaderDuty
 from butlers.switchboard.routing_store import RoutingStore
-from butlers.switchboard.tools import Switchboard, attach_switchboard
+from butlers.switchboard.tools import register_switchboard_tools
 from butlers.switchboard.transcription import transcriber_from
-from butlers.tasks import cancel_and_wait
 from butlers.telemetry import Telemetry
 
 if TYPE_CHECKING:  # loaded by a butler that has tool servers (the gateway's client code)
@@ -136,7 +132,6 @@ class ButlerDaemon:
         # Set by start_fleet: the servers start once every butler is up (starting `npx` and
         # the like beside the other butlers' start made `butlers up` slower to be ready).
         self.tool_servers_later = False
-        self.dashboard: Dashboard | None = None  # the switchboard's /ui
         self.db_server = db_server
         # Absolute: a session's Claude Code runs in its work directory and is handed paths in
         # it (its MCP config); a relative BUTLERS_DATA_DIR (the default, `.butlers`) was
@@ -151,11 +146,9 @@ class ButlerDaemon:
         self.port: int | None = None
         self.context: ButlerContext | None = None
         self._pool: asyncpg.Pool | None = None
-        self._uvicorn: EmbeddedUvicorn | None = None
         self._app: ButlerApp | None = None
-        self._modules = Modules()
-        self._serve_task: asyncio.Task[None] | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        # What start opened, in order; stop closes it in reverse (butlers.lifecycle).
+        self._components = Components(f"butler {config.name!r}")
         self._state = "new"
 
     @property
@@ -184,26 +177,35 @@ class ButlerDaemon:
         self._state = "running"
 
     async def _start(self) -> None:
+        """Build the parts and open them in order (butlers.lifecycle): each one added to
+        `self._components` is closed, in reverse, by `stop` or by a start that failed."""
         config = self.config
+        parts = self._components
         require_token_beyond_loopback(f"butler {config.name!r}", config.host, self.auth_token)
         limits = config.switchboard
         # The switchboard's messages in flight each hold a connection now and then.
         pool_size = max(5, limits.max_concurrent_messages + 4) if limits else 5
-        self._pool = await create_pool(self.db_server, config.database, max_size=pool_size)
+        self._pool = parts.adopt(
+            "pool", await create_pool(self.db_server, config.database, max_size=pool_size)
+        )
         store = CoreStore(self._pool)
         sock = self._bind()
+        parts.on_close("socket", sock.close)  # the listener's own, once it serves
         self.port = sock.getsockname()[1]
-        link = SwitchboardLink(
-            config.name,
-            await asyncio.to_thread(
-                switchboard_url,
-                config,
-                self.config_dir,
-                self.sse_url,
-                self.settings.switchboard_url,
-                self.placement,
+        link = parts.adopt(
+            "switchboard link",
+            SwitchboardLink(
+                config.name,
+                await asyncio.to_thread(
+                    switchboard_url,
+                    config,
+                    self.config_dir,
+                    self.sse_url,
+                    self.settings.switchboard_url,
+                    self.placement,
+                ),
+                auth_token=self.auth_token,
             ),
-            auth_token=self.auth_token,
         )
         spawner = Spawner(
             config,
@@ -248,26 +250,36 @@ class ButlerDaemon:
             middleware.add_guard(ApprovalGate(config, spawner, link, store))
             register_approval_execute(mcp, link, self.redactor)
         if config.is_switchboard:
-            await self._attach_switchboard(mcp)
+            self.switchboard = await self._build_switchboard(mcp, ctx)
             # Whatever Claude Code's allowlist says, a classification session sees and calls
             # only route and list_butlers here (its `route` is then held to the classifier's
             # policy).
             middleware.add_guard(ClassificationFence(CLASSIFIER_TOOLS))
-        self._modules = build_modules(config, mcp, self.switchboard, self.settings)
-        ctx.module_statuses = self._modules.statuses
+        switchboard = self.switchboard
+        modules = build_modules(
+            config, mcp, switchboard.worker if switchboard else None, self.settings
+        )
+        ctx.module_statuses = modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
         if config.mcp_servers:
-            self.tool_servers = self._tool_servers(mcp, ctx)
-
-        if self.switchboard is not None:
-            self.dashboard = self._dashboard(ctx)
+            self.tool_servers = parts.adopt("tool servers", self._tool_servers(mcp, ctx))
+        dashboard = None
+        if switchboard is not None:
+            switchboard.use_channels(modules)
+            dashboard = switchboard.build_dashboard(
+                sessions=store,
+                auth_token=self.auth_token,
+                allowed_hosts=self._allowed_hosts(),
+                jaeger_ui_url=self.settings.jaeger_ui_url,
+                redact=self.redactor,
+            )
         app, self._app = build_app(
             mcp,
             self._health,
             auth_token=self.auth_token,
             allowed_hosts=self._allowed_hosts(),
-            webhooks=self._modules.webhooks,
-            dashboard=self.dashboard.app if self.dashboard is not None else None,
+            webhooks=modules.webhooks,
+            dashboard=dashboard.app if dashboard is not None else None,
             max_request_bytes=request_body_limit(config),
             # Files come with the token: a routed trigger, a notify to `deliver`.
             token_request_bytes=FILES_REQUEST_BYTES,
@@ -283,24 +295,25 @@ class ButlerDaemon:
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        self._uvicorn = EmbeddedUvicorn(uv_config)
-        self._serve_task = asyncio.create_task(self._serve(sock), name=f"butler:{config.name}:http")
-        while not self._uvicorn.started:
-            if self._serve_task.done():
-                self._serve_task.result()  # raises what went wrong
-                raise ButlersError(f"butler {config.name!r} stopped while starting")
-            await asyncio.sleep(0.01)
-        if self.switchboard is not None:
-            await self.switchboard.start_worker()
-        await self._modules.start()
+        listener = Listener(
+            uv_config,
+            sock,
+            name=config.name,
+            drain=self._app.drain,
+            stop_timeout_s=STOP_TIMEOUT_S,
+        )
+        await parts.open("http", listener)
+        # The switchboard opens the channels between its worker and its leadership; another
+        # butler's channels only send.
+        if switchboard is not None:
+            await parts.open("switchboard", switchboard)
+        else:
+            await parts.open("modules", modules)
         if self.tool_servers is not None and not self.tool_servers_later:
-            await self.start_tool_servers()
-        if self.switchboard is not None:
-            duties = [m for m in self._modules.running if isinstance(m, LeaderDuty)]
-            await self.switchboard.start_leadership(self._connect, duties)
+            await self.tool_servers.open()
         await self._declare_schedules()
         if config.runtime.tick_interval_s > 0:
-            self._ticker = asyncio.create_task(self._tick_loop(), name=f"butler:{config.name}:tick")
+            await parts.open("ticker", Background(f"butler:{config.name}:tick", self._tick_loop))
         logger.info(
             "butler %s serving on %s",
             config.name,
@@ -312,7 +325,7 @@ class ButlerDaemon:
         """Its tool servers, in the background: the butler does not wait for them."""
         if self.tool_servers is not None:
             with butler_context(self.config.name):
-                await self.tool_servers.start()
+                await self.tool_servers.open()
 
     def _tool_servers(self, mcp: FastMCP, ctx: ButlerContext) -> ToolServers:
         """The `[[mcp_servers]]`, proxied on `mcp`; a session is allowed the butler's own
@@ -336,62 +349,40 @@ class ButlerDaemon:
         ctx.tool_servers = servers.statuses
         return servers
 
-    async def _attach_switchboard(self, mcp: FastMCP) -> None:
+    async def _build_switchboard(self, mcp: FastMCP, ctx: ButlerContext) -> Switchboard:
+        """The switchboard's parts, its tools on `mcp`, and the registry brought in step with
+        the config directory."""
         if self.config_dir is None:
             raise ButlersError("the switchboard needs the config directory to discover butlers")
         assert self._pool is not None
-        assert self.context is not None
         limits = self.config.switchboard
         assert limits is not None
-        context = self.context
-        self.switchboard = attach_switchboard(
-            mcp,
+        switchboard = Switchboard(
             RoutingStore(self._pool),
             InboxStore(self._pool),
-            context.spawner,
+            ctx.spawner,
             config_dir=self.config_dir,
             placement=self.placement,
             self_url=self.sse_url,
-            tool_names=lambda: context.tool_names,
+            tool_names=lambda: ctx.tool_names,
             triage_rules=self.config.triage,
             limits=limits,
             auth_token=self.auth_token,
             # Its name among switchboard processes on one database: the same after a restart.
             replica=f"{socket.gethostname()}:{self.port}",
+            connect=self._connect,
             redact=self.redactor,
             # Voice notes to text ([switchboard.transcription]); None: they get a reply that
             # says a transcription service is needed.
             transcriber=transcriber_from(limits.transcription, self.settings.variable),
         )
-        report = await self.switchboard.discover()
+        register_switchboard_tools(mcp, switchboard, jaeger_ui_url=self.settings.jaeger_ui_url)
+        report = await switchboard.discover()
         for error in report["errors"]:
             # INFO: `butlers up` / `run` loaded the same directory and printed each of these
             # already; a later `discover` call returns them to whoever asked.
             logger.info("discover: %s: %s: %s", error["path"], error["key"], error["problem"])
-
-    def _dashboard(self, ctx: ButlerContext) -> Dashboard:
-        switchboard = self.switchboard
-        assert switchboard is not None and self._pool is not None
-
-        async def ask(text: str) -> dict[str, Any]:
-            return await switchboard.ask(text, source_id="dashboard")
-
-        parts = DashboardParts(
-            store=DashboardStore(self._pool),
-            probe=FleetProbe(switchboard.connections),
-            sessions=ctx.store,
-            switchboard_name=self.config.name,
-            ask=ask,
-            jaeger_ui_url=self.settings.jaeger_ui_url,
-            approvals=switchboard.approvals,
-            pairing=switchboard.pairing,
-        )
-        return Dashboard(
-            parts,
-            auth_token=self.auth_token,
-            allowed_hosts=self._allowed_hosts(),
-            redact=self.redactor,
-        )
+        return switchboard
 
     async def _connect(self) -> asyncpg.Connection:
         """A connection outside the pool, for what holds one for good (the leader's lock,
@@ -419,15 +410,6 @@ class ButlerDaemon:
         # delayed ACK (Nagle): measured 44 ms per call instead of 4 ms.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
-
-    async def _serve(self, sock: socket.socket) -> None:
-        assert self._uvicorn is not None
-        try:
-            await self._uvicorn.serve(sockets=[sock])
-        except SystemExit as exc:  # uvicorn's way of reporting a failed lifespan start-up
-            raise ButlersError(f"butler {self.config.name!r} failed to start its app") from exc
-        finally:
-            sock.close()
 
     async def _declare_schedules(self) -> None:
         """`[[schedules]]` of butler.toml become the table's declared schedules (created,
@@ -492,7 +474,7 @@ class ButlerDaemon:
         days = (self.config.switchboard or SwitchboardConfig()).retention_days
         deleted = {"sessions": await self.context.store.prune_sessions(days)}
         if self.switchboard is not None:
-            deleted.update(await self.switchboard.worker.prune(days))
+            deleted.update(await self.switchboard.prune(days))
         if any(deleted.values()):
             logger.info(
                 "retention (%d days): deleted %s",
@@ -513,12 +495,7 @@ class ButlerDaemon:
         if self.tool_servers is not None:  # a server that is down does not make it unready
             body["tool_servers"] = self.tool_servers.statuses()
         if self.switchboard is not None:  # which replica this is, and whether it leads
-            leadership = self.switchboard.leadership
-            body["switchboard"] = {
-                "replica": self.switchboard.worker.replica,
-                "leader": bool(leadership and leadership.is_leader),
-                "messages_in_flight": self.switchboard.worker.in_flight,
-            }
+            body["switchboard"] = self.switchboard.health()
         return (200 if database["ok"] else 503), body
 
     async def stop(self) -> None:
@@ -532,37 +509,10 @@ class ButlerDaemon:
         logger.info("butler %s stopped", self.config.name, extra={"action": "butler_stopped"})
 
     async def _close_resources(self) -> None:
-        await cancel_and_wait(self._ticker)
-        self._ticker = None
-        if self._uvicorn is not None and self._serve_task is not None:
-            if self._app is not None:
-                self._app.drain()  # end open MCP streams so shutdown does not wait for them
-            self._uvicorn.should_exit = True
-            try:
-                await asyncio.wait_for(asyncio.shield(self._serve_task), STOP_TIMEOUT_S)
-            except TimeoutError:
-                self._serve_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._serve_task
-            except Exception:
-                logger.exception("butler %s: server ended with an error", self.config.name)
-            self._serve_task = None
-        if self.dashboard is not None:
-            await self.dashboard.parts.probe.close()
-            self.dashboard = None
-        # The switchboard first: its outbox sends through the modules' channels.
-        if self.switchboard is not None:
-            await self.switchboard.close()
-            self.switchboard = None
-        await self._modules.stop()
-        if self.tool_servers is not None:
-            await self.tool_servers.close()
-            self.tool_servers = None
-        if self.context is not None and self.context.switchboard is not None:
-            await self.context.switchboard.close()
-        if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+        await self._components.close()
+        self.switchboard = None
+        self.tool_servers = None
+        self._pool = None
 
 
 @dataclass

@@ -21,6 +21,8 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
+import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
@@ -32,6 +34,8 @@ from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from butlers.errors import ButlersError
+
+logger = logging.getLogger(__name__)
 
 SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
@@ -93,6 +97,60 @@ class EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class Listener:
+    """A butler's HTTP server as a component (butlers.lifecycle): `open` serves `app` on the
+    bound socket and returns once uvicorn listens; `close` ends the open MCP streams
+    (`drain`), then serving, within `stop_timeout_s`, else cancels it."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        sock: socket.socket,
+        *,
+        name: str,
+        drain: Callable[[], None],
+        stop_timeout_s: float,
+    ) -> None:
+        self.server = EmbeddedUvicorn(config)
+        self._sock = sock
+        self._name = name
+        self._drain = drain
+        self._stop_timeout_s = stop_timeout_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        self._task = asyncio.create_task(self._serve(), name=f"butler:{self._name}:http")
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises what went wrong
+                raise ButlersError(f"butler {self._name!r} stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve(sockets=[self._sock])
+        except SystemExit as exc:  # uvicorn's way of reporting a failed lifespan start-up
+            raise ButlersError(f"butler {self._name!r} failed to start its app") from exc
+        finally:
+            self._sock.close()
+
+    async def close(self) -> None:
+        if self._task is None:
+            self._sock.close()
+            return
+        self._drain()  # end open MCP streams so shutdown does not wait for them
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), self._stop_timeout_s)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        except Exception:
+            logger.exception("butler %s: server ended with an error", self._name)
+        self._task = None
 
 
 class BearerTokenMiddleware:

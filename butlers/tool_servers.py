@@ -351,7 +351,7 @@ class ToolServers:
         redacted = self.redact(text)
         return raw if redacted is text else json.loads(redacted)
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Start every server in the background; returns at once."""
         await asyncio.to_thread(self.data_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
         for server in self.servers:

@@ -85,12 +85,12 @@ async def running(
     """The email module's IMAP intake, running until the block ends (the module as the
     leader of the switchboard processes, which is what reads the mailbox)."""
     module = EmailModule(config, USER, password, worker)  # type: ignore[arg-type]
-    await module.start()
+    await module.open()
     await module.lead()
     try:
         yield module
     finally:
-        await module.stop()
+        await module.close()
 
 
 async def wait_until_seen(port: int, password: str = PASSWORD) -> None:

@@ -218,8 +218,8 @@ async def test_one_leader_and_another_takes_over_when_it_dies(pg_server, databas
     duty_a, duty_b = Duty("poller-a"), Duty("poller-b")
     a = Leadership(connect, [duty_a], replica="a", retry_s=0.2, check_s=0.2)
     b = Leadership(connect, [duty_b], replica="b", retry_s=0.2, check_s=0.2)
-    await a.start()
-    await b.start()
+    await a.open()
+    await b.open()
     try:
         assert (a.is_leader, duty_a.leading) == (True, True)  # at once: a lone process leads
         tried = b.tries
@@ -246,12 +246,12 @@ async def test_one_leader_and_another_takes_over_when_it_dies(pg_server, databas
         await eventually(lambda: _async(a.tries >= tried + 2), timeout_s=10)
         assert not a.is_leader and duty_a.terms == 1
         # The leader stops on purpose: the lock goes with it, the other leads again.
-        await b.stop()
+        await b.close()
         await eventually(lambda: _async(a.is_leader and duty_a.leading), timeout_s=10)
         assert duty_a.terms == 2 and not duty_b.leading
     finally:
-        await a.stop()
-        await b.stop()
+        await a.close()
+        await b.close()
 
 
 async def _async(value: bool) -> bool:
@@ -267,7 +267,7 @@ async def test_notifications_wake_the_other_processes(stores, pg_server, databas
         lambda: asyncpg.connect(pg_server.dsn(database)),
         WakeupHandlers(queued=queued.set, finished=finished.append, outbox=outbox.append),
     )
-    await wakeups.start()
+    await wakeups.open()
     try:
         await eventually(lambda: _async(wakeups.listening))
         queued.clear()
@@ -283,7 +283,7 @@ async def test_notifications_wake_the_other_processes(stores, pg_server, databas
             )
         await eventually(lambda: _async(outbox == ["telegram"]), timeout_s=5)
     finally:
-        await wakeups.stop()
+        await wakeups.close()
 
 
 async def test_an_ask_answered_by_another_process_reaches_its_caller(
@@ -300,7 +300,7 @@ async def test_an_ask_answered_by_another_process_reaches_its_caller(
         config_dir=tmp_path / "config",
         database=first.config.database,
     )
-    await other.switchboard.worker.stop()  # it takes nothing: the first one must
+    await other.switchboard.worker.close()  # it takes nothing: the first one must
     result = await ask(other, "hello there")
     assert (result["status"], result["reply"]) == ("done", "From the other one.")
     row = await first.switchboard.worker.inbox.get(result["inbox_id"])

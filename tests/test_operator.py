@@ -402,7 +402,7 @@ async def test_retry_of_skipped_and_given_up_messages_and_what_cannot_be_retried
     )
 
     # With the worker stopped, what a retry leaves: the message as if it had just come in.
-    await worker.stop()
+    await worker.close()
     answer = await call(switchboard, "inbox_retry", id=skipped)
     assert (answer["id"], answer["status"]) == (skipped, "queued")
     assert answer["retries"][0]["classified_via"] == "limit"
@@ -416,7 +416,7 @@ async def test_retry_of_skipped_and_given_up_messages_and_what_cannot_be_retried
     )
     assert [tuple(r) for r in queued] == [("queued", 0, None, None, None, None, None)] * 2
 
-    await worker.start()
+    await worker.open()
     rows = {i: await worker.wait_for(i) for i in (skipped, gave_up)}
     assert {i: (r["status"], r["reply"], r["attempts"]) for i, r in rows.items()} == {
         skipped: ("done", "General here.", 1),

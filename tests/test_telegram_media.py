@@ -65,14 +65,14 @@ async def telegram(
         **options,  # type: ignore[arg-type]
     )
     module = TelegramModule(config, bot_api.token, worker, webhook_secret=WEBHOOK_SECRET)  # type: ignore[arg-type]
-    await module.start()
+    await module.open()
     await module._connected.wait()
     if poll:
         await module.lead()
     try:
         yield module
     finally:
-        await module.stop()
+        await module.close()
 
 
 async def settled(bot_api: FakeBotAPI, update_id: int) -> None:

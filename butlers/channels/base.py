@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class ChannelModule(Protocol):
     """A channel running inside the switchboard (or, with no worker, a butler that only sends).
 
-    Receiving: `start` connects; `lead` starts what only one switchboard process may do
+    Receiving: `open` connects; `lead` starts what only one switchboard process may do
     (Telegram's getUpdates, the IMAP watch) and `step_down` stops it; each message is handed
     to the worker's `accept` and acknowledged to its channel only once stored. Sending: the
     outbox turns a reply into rows with `prepare` and sends each with `deliver`."""
@@ -55,9 +55,9 @@ class ChannelModule(Protocol):
         """HTTP routes its messages may arrive on (they carry their own secrets)."""
         ...
 
-    async def start(self) -> None: ...
+    async def open(self) -> None: ...
 
-    async def stop(self) -> None: ...
+    async def close(self) -> None: ...
 
     async def lead(self) -> None: ...
 
@@ -124,7 +124,7 @@ class ChannelSpec:
         return [(name, "") for name in self.required_variables(config)]
 
     def open(self, config: Any, context: ChannelContext) -> ChannelModule:
-        """The running module (nothing connects before its `start`)."""
+        """The running module (nothing connects before its `open`)."""
         raise NotImplementedError
 
     def answered_ids(self, meta: dict[str, Any]) -> list[str]:

@@ -11,66 +11,61 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from fastmcp import FastMCP
 from starlette.routing import BaseRoute
 
 from butlers.channels import CHANNELS, ChannelContext
+from butlers.channels.base import ChannelModule
 from butlers.config import ButlerConfig
 from butlers.context import ModuleStatus
 
 if TYPE_CHECKING:
     from butlers.settings import Settings
-    from butlers.switchboard.tools import Switchboard
+    from butlers.switchboard.worker import InboxWorker
 
 logger = logging.getLogger(__name__)
 
 
-class RunningModule(Protocol):
-    name: str
-    status: ModuleStatus
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
 @dataclass
 class Modules:
-    """The modules of one butler: those that run, and the status of every declared one."""
+    """The channel modules of one butler, and the status of every declared one: `channels`
+    are those built (each says in its status whether it runs, waits or failed), `skipped`
+    those that could not be tried here. One component (butlers.lifecycle): the switchboard
+    opens them between its worker and its leadership, another butler with the daemon."""
 
-    running: list[RunningModule] = field(default_factory=list)
+    channels: list[ChannelModule] = field(default_factory=list)
     skipped: list[ModuleStatus] = field(default_factory=list)
     # Routes that arrive through reverse proxies and carry their own secrets (see butlers.http).
     webhooks: list[BaseRoute] = field(default_factory=list)
 
     def statuses(self) -> list[ModuleStatus]:
-        return [m.status for m in self.running] + self.skipped
+        return [m.status for m in self.channels] + self.skipped
 
-    async def start(self) -> None:
-        for module in self.running:
-            await module.start()
+    async def open(self) -> None:
+        for module in self.channels:
+            await module.open()
 
-    async def stop(self) -> None:
-        for module in reversed(self.running):
+    async def close(self) -> None:
+        for module in reversed(self.channels):
             try:
-                await module.stop()
+                await module.close()
             except Exception:
                 logger.exception("module %s did not stop cleanly", module.name)
 
 
 def build_modules(
-    config: ButlerConfig, mcp: FastMCP, switchboard: Switchboard | None, settings: Settings
+    config: ButlerConfig, mcp: FastMCP, worker: InboxWorker | None, settings: Settings
 ) -> Modules:
-    """Open each channel the butler.toml declares (butlers.channels: the registry) and
-    register its tools and routes; nothing connects until start().
+    """Build each channel the butler.toml declares (butlers.channels: the registry) and
+    register its tools and routes; nothing connects until open(). `worker`: the
+    switchboard's inbox, which their messages go to (None: a butler that only sends); the
+    switchboard hands them its desks (Switchboard.use_channels).
 
     Credentials come from the variables the butler.toml names, looked up in `settings`."""
     modules = Modules()
-    context = ChannelContext(
-        settings=settings, worker=switchboard.worker if switchboard is not None else None
-    )
+    context = ChannelContext(settings=settings, worker=worker)
     for spec in CHANNELS:
         table = config.channels.get(spec.name)
         if table is None:
@@ -84,11 +79,7 @@ def build_modules(
         module = spec.open(table, context)
         module.register(mcp)
         modules.webhooks.extend(module.webhook_routes())
-        if switchboard is not None:
-            switchboard.outbox.channels[spec.name] = module
-            module.approvals = switchboard.approvals  # the owner's answers to approvals
-            module.pairing = switchboard.pairing  # strangers' codes, paired senders
-        modules.running.append(module)
+        modules.channels.append(module)
     for status in modules.skipped:
         logger.warning(
             "butler %s: module %s %s: %s",

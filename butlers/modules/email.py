@@ -304,7 +304,7 @@ class EmailModule:
             extra={"action": "mail_failed"},
         )
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Reading the mailbox is the leader's (`lead`); sending, and the webhook, every
         switchboard process's."""
         if self.worker is not None and self.config.mode in ("idle", "poll"):
@@ -317,7 +317,7 @@ class EmailModule:
         else:
             self.status = ModuleStatus(self.name, "running", f"{self.config.mode} mode")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         await self.step_down()
 
     async def lead(self) -> None:

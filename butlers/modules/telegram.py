@@ -618,12 +618,12 @@ class TelegramModule:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Connect (getMe, the webhook set or deleted): every switchboard process sends, and
         takes webhooks. Polling is the leader's (`lead`)."""
         self._task = asyncio.create_task(self._connect(), name="telegram:connect")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         await self.step_down()
         await cancel_and_wait(self._task)
         self._task = None

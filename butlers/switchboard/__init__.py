@@ -20,7 +20,8 @@ Beside the path:
     operator        inbox_list, routing_log_list, inbox_retry, outbox_list
     leadership      which of several switchboard processes runs the pollers and the outbox
     wakeups         LISTEN/NOTIFY between switchboard processes
-    tools           the switchboard's MCP tools; attach_switchboard assembles it all
+    component       the Switchboard: builds these parts, opens and closes them in order
+    tools           the switchboard's MCP tools, registered on the component's parts
 
 Nothing is imported here: a module of the path costs only what it uses.
 """

@@ -86,14 +86,14 @@ class Leadership:
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         """Try the lock once now (a lone switchboard leads from its first moment), then keep
         trying, or keep checking it, in the background."""
         with contextlib.suppress(*CONNECTION_ERRORS):
             await self._try_lock()
         self._task = asyncio.create_task(self._run(), name="switchboard:leadership")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         """Step down and let the lock go, so that another process takes over at once."""
         await cancel_and_wait(self._task)
         self._task = None

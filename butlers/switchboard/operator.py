@@ -28,7 +28,7 @@ from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
-    from butlers.switchboard.tools import Switchboard
+    from butlers.switchboard.component import Switchboard
 
 INBOX_STATUSES = ("queued", "processing", "done", "failed", "skipped")
 OUTBOX_STATUSES = ("pending", "sending", "sent", "failed")

@@ -306,7 +306,7 @@ class OutboxStore:
 
 class OutboxSender:
     """One task per channel, delivering its outbox rows in order. Channels are registered by
-    their modules before `start()`. Of several switchboard processes, only the leader sends
+    their modules before it leads. Of several switchboard processes, only the leader sends
     (butlers.switchboard.leadership): `lead()` and `step_down()` start and stop it."""
 
     name = "outbox"
@@ -323,25 +323,20 @@ class OutboxSender:
         for event in self._wakes.values():
             event.set()
 
-    async def start(self) -> None:
+    async def lead(self) -> None:
+        """This process leads: a task per channel sends its rows."""
         for name, channel in self.channels.items():
             self._wakes[name] = asyncio.Event()
             self._tasks.append(
                 asyncio.create_task(self._run(name, channel), name=f"switchboard:outbox:{name}")
             )
 
-    async def stop(self) -> None:
-        """A row being sent stays `sending` and is sent again at the next start."""
+    async def step_down(self) -> None:
+        """A row being sent stays `sending` and is sent again by the next leader."""
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks.clear()
         self._wakes.clear()
-
-    async def lead(self) -> None:
-        await self.start()
-
-    async def step_down(self) -> None:
-        await self.stop()
 
     async def _run(self, name: str, channel: ChannelModule) -> None:
         wake = self._wakes[name]

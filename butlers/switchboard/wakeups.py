@@ -48,10 +48,10 @@ class Wakeups:
         self.listening = False
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         self._task = asyncio.create_task(self._run(), name="switchboard:wakeups")
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
 

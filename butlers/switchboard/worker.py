@@ -174,7 +174,7 @@ class InboxWorker:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def open(self) -> None:
         resumed = await self.inbox.requeue_interrupted(self.replica)
         if resumed:
             logger.warning(
@@ -193,7 +193,7 @@ class InboxWorker:
             "outbox": await self.outbox_store.prune(older_than_days),
         }
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         """Stop now; the messages being processed go back to the queue, for another process
         (or this one, started again) to take."""
         await cancel_and_wait(self._task)

@@ -1,0 +1,252 @@
+"""The switchboard as one component of its butler's daemon (butlers.lifecycle).
+
+`Switchboard(...)` builds every part (router, worker, outbox, notifier, approvals, pairing,
+wakeups, leadership, dashboard) and registers nothing; butlers.switchboard.tools registers the
+MCP tools on them. `use_channels` hands it the butler's channel modules, which it opens
+between its worker and its leadership. `open()` runs them in that order, once; `close()`
+stops them in reverse.
+
+Why this order: the worker resumes what a crash left before anything new comes in; the
+channels then take messages (their intake writes to the inbox and wakes the worker); only
+then may this process lead, since leading starts the channels' pollers and the outbox, which
+sends through them. Closing goes back: the lock is let go first, so another process takes
+over the pollers at once, and the worker hands its messages back last.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from butlers.config import Placement, SwitchboardConfig, TriageRule
+from butlers.dashboard.app import Dashboard, DashboardParts
+from butlers.dashboard.fleet import FleetProbe
+from butlers.dashboard.store import DashboardStore
+from butlers.lifecycle import Once
+from butlers.mcp_connection.pool import McpConnections
+from butlers.switchboard.approvals import ApprovalDesk, ApprovalStore
+from butlers.switchboard.inbox import InboxStore, IncomingMessage
+from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
+from butlers.switchboard.notify import Notifier
+from butlers.switchboard.outbox import OutboxSender, OutboxStore
+from butlers.switchboard.pairing import PairingDesk, PairingStore
+from butlers.switchboard.registry import discover
+from butlers.switchboard.route import OwnEndpoints, Router
+from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.transcription import Transcriber
+from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
+from butlers.switchboard.worker import InboxWorker
+from butlers.tool_errors import ToolRefusal
+
+if TYPE_CHECKING:
+    from butlers.core_store import CoreStore
+    from butlers.modules import Modules
+    from butlers.spawner import Spawner
+
+MAX_ASK_CHARS = 200_000
+
+
+class Switchboard:
+    """What the switchboard has beyond a plain butler: built whole, opened and closed with
+    its daemon (see the module docstring for the order)."""
+
+    def __init__(
+        self,
+        routing_store: RoutingStore,
+        inbox: InboxStore,
+        spawner: Spawner,
+        *,
+        config_dir: Path,
+        placement: Placement,
+        self_url: str,
+        tool_names: Callable[[], Sequence[str]],
+        triage_rules: Sequence[TriageRule] = (),
+        limits: SwitchboardConfig,
+        auth_token: str | None,
+        replica: str,
+        connect: Connect,
+        redact: Callable[[str], str] = str,
+        transcriber: Transcriber | None = None,
+    ) -> None:
+        self._once = Once(f"switchboard {spawner.config.name!r}")
+        self.name = spawner.config.name
+        self.config_dir = config_dir
+        self.placement = placement  # what discover fills in for what a butler.toml leaves out
+        self.routing_store = routing_store
+        self.connections = McpConnections(auth_token=auth_token)  # to the other butlers
+        tracer = spawner.telemetry.tracer
+        # The switchboard is whichever butler has a [switchboard] table: routing to it is
+        # refused by its configured name and by its addresses (a stale row of an old name
+        # points here).
+        self.router = Router(
+            routing_store,
+            self.connections,
+            tracer=tracer,
+            redact=redact,
+            switchboard_name=self.name,
+            own=OwnEndpoints.of_switchboard(spawner.config, self_url),
+        )
+        self.outbox = OutboxSender(
+            OutboxStore(routing_store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
+        )
+        self.worker = InboxWorker(
+            inbox=inbox,
+            routing_store=routing_store,
+            router=self.router,
+            spawner=spawner,
+            triage_rules=triage_rules,
+            limits=limits,
+            switchboard_url=self_url,
+            switchboard_tools=tool_names,
+            tracer=tracer,
+            outbox=self.outbox,
+            replica=replica,
+            transcriber=transcriber,
+        )
+        self.notifier = Notifier(
+            limits=limits, inbox=inbox, routing_store=routing_store, outbox=self.outbox
+        )
+        self.approvals = ApprovalDesk(  # calls waiting for the owner's yes
+            ApprovalStore(routing_store.pool),
+            router=self.router,
+            routing_store=routing_store,
+            notifier=self.notifier,
+            outbox=self.outbox,
+            owner=limits.owner,
+            tracer=tracer,
+            redact=redact,
+            check_interval_s=spawner.config.approvals.check_interval_s,
+            retention_days=limits.retention_days,
+        )
+        self.pairing = PairingDesk(  # strangers' codes and paired senders
+            PairingStore(routing_store.pool),
+            config=limits.pairing,
+            owner=limits.owner,
+            outbox=self.outbox,
+            secret=self.approvals.store.secret,  # one key signs every button
+        )
+        # The other switchboard processes' notifications; the leader's lock (pollers, outbox).
+        self.wakeups = Wakeups(
+            connect,
+            WakeupHandlers(
+                queued=self.worker.wake,
+                finished=self.worker.finished_elsewhere,
+                outbox=lambda _channel: self.outbox.wake(),
+            ),
+        )
+        self.leadership = Leadership(connect, self._leader_duties(()), replica=replica)
+        self.modules: Modules | None = None
+        self.dashboard: Dashboard | None = None
+
+    def _leader_duties(self, channel_duties: Sequence[LeaderDuty]) -> list[LeaderDuty]:
+        # The approvals' sweep: expiry, calls whose butler was down.
+        return [*channel_duties, self.outbox, self.approvals]
+
+    def use_channels(self, modules: Modules) -> None:
+        """The butler's channel modules: replies go out through them, the owner's answers to
+        approvals and strangers' pairing codes come in through them, and their pollers run
+        on the leader only."""
+        self.modules = modules
+        for module in modules.channels:
+            self.outbox.channels[module.name] = module
+            module.approvals = self.approvals
+            module.pairing = self.pairing
+        duties = [m for m in modules.channels if isinstance(m, LeaderDuty)]
+        self.leadership.duties = tuple(self._leader_duties(duties))
+
+    def build_dashboard(
+        self,
+        *,
+        sessions: CoreStore,
+        auth_token: str | None,
+        allowed_hosts: Sequence[str],
+        jaeger_ui_url: str,
+        redact: Callable[[str], str],
+    ) -> Dashboard:
+        """The operator's /ui on this switchboard's data (served by the daemon's app)."""
+
+        async def ask(text: str) -> dict[str, Any]:
+            return await self.ask(text, source_id="dashboard")
+
+        parts = DashboardParts(
+            store=DashboardStore(self.routing_store.pool),
+            probe=FleetProbe(self.connections),
+            sessions=sessions,
+            switchboard_name=self.name,
+            ask=ask,
+            jaeger_ui_url=jaeger_ui_url,
+            approvals=self.approvals,
+            pairing=self.pairing,
+        )
+        self.dashboard = Dashboard(
+            parts, auth_token=auth_token, allowed_hosts=list(allowed_hosts), redact=redact
+        )
+        return self.dashboard
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Once the butler serves (a classification session connects back to it)."""
+        self._once.opening()
+        await self.worker.open()
+        if self.modules is not None:
+            await self.modules.open()
+        await self.wakeups.open()
+        await self.leadership.open()
+
+    async def close(self) -> None:
+        if not self._once.closing():
+            return
+        if self.dashboard is not None:
+            await self.dashboard.parts.probe.close()
+        await self.leadership.close()  # the pollers and the outbox stop; the lock is let go
+        await self.wakeups.close()
+        if self.modules is not None:
+            await self.modules.close()
+        await self.approvals.close()
+        await self.worker.close()
+        await self.connections.close()
+
+    # -- what the daemon and the tools ask of it ----------------------------------------
+
+    async def ask(self, text: str, *, source_id: str = "ask") -> dict[str, Any]:
+        """`text` through the whole inbox -> classify -> route path as a message of the `mcp`
+        channel from `source_id` (`ask`, the dashboard's form), and what came of it.
+        ToolRefusal for an empty or oversized text."""
+        if not text.strip():
+            raise ToolRefusal("text must not be empty")
+        if len(text) > MAX_ASK_CHARS:
+            raise ToolRefusal(f"text is {len(text)} characters; the limit is {MAX_ASK_CHARS}")
+        inbox_id = await self.worker.accept(
+            IncomingMessage(
+                channel="mcp", external_id=str(uuid.uuid4()), text=text, source_id=source_id
+            )
+        )
+        assert inbox_id is not None  # a fresh uuid is never a duplicate
+        row = await self.worker.wait_for(inbox_id)
+        return {
+            "inbox_id": inbox_id,
+            "status": row.get("status"),
+            "routed_to": row.get("routed_to"),
+            "reply": row.get("reply"),
+            "error": row.get("error"),
+        }
+
+    async def discover(self) -> dict[str, Any]:
+        report = await discover(self.routing_store, self.config_dir, self.placement)
+        self.router.forget_endpoints()
+        return report
+
+    def health(self) -> dict[str, Any]:
+        """Which replica this is, and whether it leads (the butler's /health)."""
+        return {
+            "replica": self.worker.replica,
+            "leader": self.leadership.is_leader,
+            "messages_in_flight": self.worker.in_flight,
+        }
+
+    async def prune(self, older_than_days: int) -> dict[str, int]:
+        """Retention: its finished inbox rows, routing_log and sent outbox rows."""
+        return await self.worker.prune(older_than_days)
