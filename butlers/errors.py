@@ -5,6 +5,7 @@ Exception
 │   ├── ConfigError            a config file is malformed: file, key, what was expected
 │   ├── DatabaseError          PostgreSQL could not be started, reached, created, migrated
 │   ├── SpawnError             a Claude Code session could not run, or ran without its tools
+│   │   └── WrapperFailed      a gateway `natural_language` session did not answer
 │   ├── CommandError           a `butlers` command cannot go on (exit 1, no traceback)
 │   ├── InvalidChild           (also a ValueError) a `.mcp.json` the gateway skips
 │   ├── McpCallError           a request to another MCP server got no result
@@ -21,13 +22,20 @@ Exception
 │   ├── NotifyFailed           a butler's `notify`: the switchboard did not take it
 │   ├── NotifyRefused          the switchboard's `deliver`: a notification it will not send
 │   ├── DeliveryError          a channel did not take an outbox row (`permanent` or not)
+│   │   └── RecipientDeferred  not now, for this recipient only (a mail server's 4xx)
 │   ├── TranscriptionFailed    a voice note did not become text (`transient` or not)
+│   ├── AttachmentRefused      a file a message carried is not read (the text says why)
+│   ├── LeaseLost              another switchboard process took over a message
 │   └── MailError              sending or fetching mail failed (host:port in the message)
 │       ├── MailRefused        will not work until someone acts (certificate, login)
 │       └── MailUnreadable     a mail or webhook body we will not read
 │           └── HeaderTooLong  one header over the limit, refused unparsed
 └── KeyProblem (ValueError)    a config model's validator names one key; pydantic makes it
                                part of a ValidationError, config_errors a ConfigError
+
+Two ValueErrors stay beside the parser that raises them and the one caller that catches
+them, never crossing a module: BadTime (butlers.schedule_time: a schedule's `at`) and
+BadFilter (butlers.dashboard.app: a query string the dashboard answers with 400).
 
 fastmcp.exceptions.ToolError
 └── ToolRefusal                the tool-answer class: a message for the caller instead of
@@ -228,3 +236,14 @@ class KeyProblem(ValueError):
         super().__init__(problem)
         self.key = key
         self.problem = problem
+
+
+class WrapperFailed(SpawnError):
+    """A gateway `natural_language` session that did not answer (butlers.gateway.wrapper):
+    the message says which child and why (no credentials, a timeout, the child did not
+    connect)."""
+
+
+class RecipientDeferred(DeliveryError):
+    """The channel did not take a row, for its recipient only and for now (a mail server's
+    4xx to RCPT TO): tried again with the backoff, while the channel's rows to others go on."""

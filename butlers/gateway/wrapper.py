@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers.claude_code import ClaudeCodeRun, McpTarget, StdioServer, run_claude_code
-from butlers.errors import SpawnError
+from butlers.errors import SpawnError, WrapperFailed
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.config import GatewayConfig
 
@@ -98,11 +98,6 @@ class WrapperAnswer:
 
     def structured(self) -> dict[str, Any]:
         return {"answer": self.answer, "tool_calls": self.tool_calls}
-
-
-class WrapperFailed(SpawnError):
-    """A `natural_language` session that did not answer: the message says which child and
-    why (no credentials, a timeout, the child did not connect)."""
 
 
 class ClaudeWrapper:

@@ -41,7 +41,13 @@ from starlette.routing import BaseRoute, Route
 
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.errors import DeliveryError, MailError, MailRefused, MailUnreadable
+from butlers.errors import (
+    DeliveryError,
+    MailError,
+    MailRefused,
+    MailUnreadable,
+    RecipientDeferred,
+)
 from butlers.http import secret_matches
 from butlers.media import Attachment
 from butlers.modules.mail_imap import ImapIntake
@@ -64,7 +70,7 @@ from butlers.modules.mail_transport import (
 )
 from butlers.modules.mail_webhook import parse_webhook
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
-from butlers.switchboard.outbox import Delivery, RecipientDeferred
+from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 

@@ -38,7 +38,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.core_store import storable, storable_json
-from butlers.errors import DeliveryError
+from butlers.errors import DeliveryError, RecipientDeferred
 from butlers.media import Attachment
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier
@@ -83,11 +83,6 @@ _MAY_GO = f"""
           AND NOT coalesce((f.meta ->> '{HELD_KEY}')::boolean, false)
     )
 """
-
-
-class RecipientDeferred(DeliveryError):
-    """The channel did not take a row, for its recipient only and for now (a mail server's
-    4xx to RCPT TO): tried again with the backoff, while the channel's rows to others go on."""
 
 
 @dataclass(frozen=True)
