@@ -26,6 +26,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.passthrough import SERVER_META
 from butlers.gateway.server import Gateway
+from tests.fakes.lists_mcp import build_lists
 from tests.fakes.otlp import OtlpReceiver
 from tests.fakes.peer_mcp import serve_peer_over_sse
 from tests.npm_servers import PREFIX
@@ -272,6 +273,29 @@ async def test_children_added_and_removed_while_running_join_and_leave_the_lists
                 await client.read_resource("note://first/page/1")
     finally:
         await gateway.close()
+
+
+async def test_a_remote_child_over_streamable_http_passes_through_too(tmp_path: Path) -> None:
+    """A `/mcp` child (FastMCP's client under the gateway): its prompts, resources and
+    templates pass through as a stdio child's do. (A FastMCP server on the 2026-07-28 revision
+    announces no list changes and cannot ask its client for roots: neither is tried here.)"""
+    config = load_gateway_config(tmp_path)
+    async with serve_peer_over_sse(build_lists("far", ""), transport="http") as (far, _):
+        spec = ChildSpec("far", url=far)
+        gateway = Gateway(config, [spec], environ=dict(os.environ), directory=tmp_path)
+        try:
+            await gateway.warm_all()
+            async with serve_peer_over_sse(gateway.mcp) as (url, _), sse_host(url) as host:
+                client = host.client
+                assert await prompt_names(client) == {"far_greet"}
+                got = await client.get_prompt("far_greet", {"name": "Bo"})
+                assert getattr(got.messages[0].content, "text", None) == "Hello, Bo, from far!"
+                assert await text_at(client, "note://far/page/2") == "page 2 of far"
+                resources = {str(r.uri): r for r in (await client.list_resources()).resources}
+                assert (resources["note://shared"].meta or {})[SERVER_META] == "far"
+                assert await text_at(client, "note://shared") == "shared note of far"
+        finally:
+            await gateway.close()
 
 
 SECRET = "s3cret-note-7781"

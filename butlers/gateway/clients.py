@@ -132,15 +132,16 @@ class _Child:
         it first if need be. Held to the call timeout."""
         await self.start()
         connection = self._connection
-        if not isinstance(connection, McpConnection):  # streamable HTTP: FastMCP's client
-            raise ConnectionClosed(f"child {self.name!r}: {method} is not passed on over /mcp")
+        assert connection is not None, "start() connected it"
         return await self._ask(
             method, connection.request(method, params, timeout_s=self.rpc_timeout_s)
         )
 
     def _connected(self, connection: McpConnection) -> None:
         """A new connection of ours, before its handshake: the roots we offer, and how the
-        child's requests and notifications reach us."""
+        child's requests and notifications reach us. (A /mcp child, through FastMCP's client,
+        is offered no roots and its prompt or resource list changes are not heard: a FastMCP
+        server on the 2026-07-28 revision sends neither.)"""
         if self.roots is not None:
             connection.capabilities = {"roots": {"listChanged": False}}
         connection.on_request = self._answer
@@ -149,9 +150,8 @@ class _Child:
     def _opened(self) -> None:
         """The handshake completed: a new generation, and what the child offers."""
         self.generation += 1
-        connection = self._connection
-        if isinstance(connection, McpConnection):
-            self.server_capabilities = connection.server_capabilities
+        if self._connection is not None:
+            self.server_capabilities = self._connection.server_capabilities
 
     def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """The child asks us (its client): `roots/list` is the gateway's directory."""

@@ -67,6 +67,13 @@ class Connection(Protocol):
 
     async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]: ...
 
+    async def request(
+        self, method: str, params: dict[str, Any], *, timeout_s: float | None
+    ) -> Message: ...
+
+    @property
+    def server_capabilities(self) -> dict[str, Any]: ...  # offered in the handshake
+
     def retire(self) -> None: ...
 
     async def close(self) -> None: ...

@@ -13,7 +13,7 @@ AnswerLost as over SSE: the call was sent, so its tool may have run and it is no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import mcp_types
@@ -21,7 +21,8 @@ from fastmcp import Client
 from fastmcp.client.messages import MessageHandler
 from fastmcp.client.transports import StreamableHttpTransport
 from mcp.shared.exceptions import MCPError
-from mcp_types.jsonrpc import CONNECTION_CLOSED
+from mcp_types.jsonrpc import CONNECTION_CLOSED, METHOD_NOT_FOUND
+from pydantic import BaseModel
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.mcp_connection.core import no_answer_within
@@ -55,6 +56,12 @@ class FastMcpConnection:
     @property
     def is_open(self) -> bool:
         return self._client.is_connected()
+
+    @property
+    def server_capabilities(self) -> dict[str, Any]:
+        """What the server offered (prompts, resources...), as JSON."""
+        offered = self._client.server_capabilities
+        return {} if offered is None else offered.model_dump(by_alias=True, exclude_none=True)
 
     async def open(self, timeout_s: float) -> None:
         """Connect and complete the handshake; raises TimeoutError, or the client's own error
@@ -98,6 +105,32 @@ class FastMcpConnection:
             raise CallTimedOut(no_answer_within(timeout_s)) from None
         except MCPError as exc:
             raise _mapped(exc, timeout_s) from exc
+
+    async def request(
+        self, method: str, params: dict[str, Any], *, timeout_s: float | None
+    ) -> dict[str, Any]:
+        """The prompt and resource requests the gateway passes on, their results as JSON;
+        any other method is refused as the server would refuse one it does not know."""
+        self._check_open()
+        client, cursor = self._client, params.get("cursor")
+        requests: dict[str, Callable[[], Awaitable[BaseModel]]] = {
+            "prompts/list": lambda: client.list_prompts_mcp(cursor=cursor),
+            "prompts/get": lambda: client.get_prompt_mcp(params["name"], params.get("arguments")),
+            "resources/list": lambda: client.list_resources_mcp(cursor=cursor),
+            "resources/templates/list": lambda: client.list_resource_templates_mcp(cursor=cursor),
+            "resources/read": lambda: client.read_resource_mcp(params["uri"]),
+        }
+        send = requests.get(method)
+        if send is None:
+            raise RemoteError(METHOD_NOT_FOUND, f"Method not found: {method}")
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await send()
+        except TimeoutError:
+            raise CallTimedOut(no_answer_within(timeout_s)) from None
+        except MCPError as exc:
+            raise _mapped(exc, timeout_s) from exc
+        return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     def _check_open(self) -> None:
         if not self.is_open:

@@ -22,6 +22,7 @@ import os
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastmcp import Context, FastMCP
 from mcp.shared.exceptions import MCPError
@@ -93,16 +94,16 @@ def build_peer() -> FastMCP:
 
 @contextlib.asynccontextmanager
 async def serve_peer_over_sse(
-    peer: FastMCP | None = None,
+    peer: FastMCP | None = None, transport: Literal["sse", "http"] = "sse"
 ) -> AsyncIterator[tuple[str, asyncio.Event]]:
     """The peer (or another FastMCP server: a stand-in) on 127.0.0.1 (an ephemeral port): its
-    `/sse` URL, and an event that stops the server (open event streams are cut after a
-    moment) when set."""
+    `/sse` URL (`/mcp` for transport "http": streamable HTTP), and an event that stops the
+    server (open event streams are cut after a moment) when set."""
     import uvicorn
 
     from butlers.http import EmbeddedUvicorn
 
-    app = (peer or build_peer()).http_app(transport="sse")
+    app = (peer or build_peer()).http_app(transport=transport)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=0.2
     )
@@ -117,7 +118,7 @@ async def serve_peer_over_sse(
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         stopper.add_done_callback(lambda _: setattr(server, "should_exit", True))
-        yield f"http://127.0.0.1:{port}/sse", stop
+        yield f"http://127.0.0.1:{port}/{'sse' if transport == 'sse' else 'mcp'}", stop
     finally:
         stop.set()
         server.should_exit = True
