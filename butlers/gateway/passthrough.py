@@ -23,6 +23,7 @@ away, which is what this pass-through exists to stop.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 from collections.abc import Sequence
@@ -105,8 +106,9 @@ class PassThrough(Provider):
 
     async def _listed(self) -> _Listed:
         listed = _Listed()
-        for slot in list(self.gateway.slots.values()):
-            lists = await self._read(slot)
+        slots = list(self.gateway.slots.values())
+        # Read at once (a child slow to answer holds up no other), taken in the config's order.
+        for slot, lists in zip(slots, await asyncio.gather(*map(self._read, slots)), strict=True):
             if lists is None:
                 continue
             for prompt in _named(lists.prompts, "name"):

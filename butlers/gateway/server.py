@@ -438,9 +438,10 @@ class Gateway:
         arguments: dict[str, Any] | None = None,
         attributes: dict[str, str] | None = None,
     ) -> Iterator[None]:
-        """A span around one suite call, call or (de)activation when tracing is on: in the
-        host's trace when its request carried one (FastMCP puts `_meta.traceparent` in the
-        context). Arguments go in with the suite's `redact` keys masked."""
+        """A span around one suite call, call, (de)activation, prompts/get or resources/read
+        when tracing is on: in the host's trace when its request carried one (FastMCP puts
+        `_meta.traceparent` in the context). Arguments go in with the suite's `redact` keys
+        masked; a resource's contents never do (only its URI)."""
         if self.tracer is None:
             yield
             return
