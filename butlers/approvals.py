@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from butlers.core_store import CoreStore
-    from butlers.notify import SwitchboardLink
     from butlers.spawner import Spawner
+    from butlers.switchboard_link import SwitchboardLink
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from butlers.claude_code import McpTarget
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
 from butlers.memory import MemoryStore
-from butlers.notify import SwitchboardLink
 from butlers.spawner import SESSION_STARTING_TOOLS, Spawner, default_allowed_tools
+from butlers.switchboard_link import SwitchboardLink
 
 
 @dataclass

@@ -40,7 +40,6 @@ from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
 from butlers.media import MAX_TOOL_ATTACHMENT_BYTES
 from butlers.memory import MemoryStore
 from butlers.modules import build_modules
-from butlers.notify import SwitchboardLink, switchboard_url
 from butlers.redact import Redactor
 from butlers.session_policy import OwnerNotices, SessionPolicy
 from butlers.settings import Settings
@@ -51,6 +50,7 @@ from butlers.switchboard.inbox import InboxStore
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.tools import register_switchboard_tools
 from butlers.switchboard.transcription import transcriber_from
+from butlers.switchboard_link import SwitchboardLink, switchboard_url
 from butlers.telemetry import Telemetry
 
 if TYPE_CHECKING:  # loaded by a butler that has tool servers (the gateway's client code)

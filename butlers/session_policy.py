@@ -28,8 +28,8 @@ from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from butlers.core_store import CoreStore
-    from butlers.notify import SwitchboardLink
     from butlers.spawner import Spawner
+    from butlers.switchboard_link import SwitchboardLink
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Beside the path:
 
     registry        discover(): butler_registry in step with the config directory
     routing_store   the SQL of butler_registry and routing_log
-    notify          deliver: a butler's notification, through the outbox
+    deliver         a butler's notification (its `notify`), through the outbox
     operator        inbox_list, routing_log_list, inbox_retry, outbox_list
     leadership      which of several switchboard processes runs the pollers and the outbox
     wakeups         LISTEN/NOTIFY between switchboard processes

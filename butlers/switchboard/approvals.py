@@ -50,7 +50,7 @@ from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
 from butlers.mcp_middleware import classification_claim
 from butlers.spawner import SESSION_HEADER
-from butlers.switchboard.notify import Notifier
+from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.operator import (
     _check_limit,
     _check_status,
@@ -343,7 +343,7 @@ class ApprovalDesk:
         *,
         router: Router,
         routing_store: RoutingStore,
-        notifier: Notifier,
+        notifier: NotificationDesk,
         outbox: OutboxSender,
         owner: OwnerConfig,
         tracer: Tracer,

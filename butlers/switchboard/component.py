@@ -27,9 +27,9 @@ from butlers.dashboard.store import DashboardStore
 from butlers.lifecycle import Once
 from butlers.mcp_connection.pool import McpConnections
 from butlers.switchboard.approvals import ApprovalDesk, ApprovalStore
+from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
-from butlers.switchboard.notify import Notifier
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pairing import PairingDesk, PairingStore
 from butlers.switchboard.registry import discover
@@ -105,7 +105,7 @@ class Switchboard:
             replica=replica,
             transcriber=transcriber,
         )
-        self.notifier = Notifier(
+        self.notifier = NotificationDesk(
             limits=limits, inbox=inbox, routing_store=routing_store, outbox=self.outbox
         )
         self.approvals = ApprovalDesk(  # calls waiting for the owner's yes

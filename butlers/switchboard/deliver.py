@@ -40,7 +40,7 @@ class Destination:
     reply_to: InboxMessage | None  # a mail conversation: continue its thread
 
 
-class Notifier:
+class NotificationDesk:
     def __init__(
         self,
         *,
