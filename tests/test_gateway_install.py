@@ -389,13 +389,15 @@ async def test_user_scope_uses_the_file_claude_code_writes(
     legacy.write_text(USER_CONFIG)
     written = home / claude_writes
     project = _project_with_notes(tmp_path / "project")
-    code, out, err = await run_cli(
-        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    # Run from a directory of the test's own: with CLAUDE_CONFIG_DIR empty Claude Code writes
+    # its backups to `./backups` (seen in the checkout).
+    code, out = await _butlers_in(
+        tmp_path, "gateway", "install", "--scope", "user", "--dir", str(project), env=env
     )
-    assert code == 0, err
+    assert code == 0, out
     assert _registered(written)["args"] == ["gateway", "--dir", str(project)]
-    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
-    assert code == 0, err
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, out
     given_back = "the original is back" if written == legacy else "removed (there was none"
     assert f"{written}: {given_back}" in out
     assert legacy.read_text() == USER_CONFIG
