@@ -144,6 +144,7 @@ async def test_the_everything_servers_prompts_resources_and_roots_in_every_mode(
         assert f"URI: {project.as_uri()}" in roots, roots
 
 
+@pytest.mark.proc  # its children are processes
 async def test_a_child_that_adds_a_prompt_and_a_resource_tells_the_host(tmp_path: Path) -> None:
     lists_child(tmp_path, "notes")
     async with stdio_host(tmp_path) as host:
@@ -177,6 +178,7 @@ async def test_a_child_that_adds_a_prompt_and_a_resource_tells_the_host(tmp_path
         assert getattr(content, "text", None) == "fresh"
 
 
+@pytest.mark.proc  # its children are processes
 async def test_a_child_without_prompts_or_not_running_is_left_out_never_a_failure(
     tmp_path: Path,
 ) -> None:
@@ -236,6 +238,7 @@ async def text_at(client: ClientSession, uri: str) -> str | None:
     return getattr(content, "text", None)
 
 
+@pytest.mark.proc  # its children are processes
 async def test_children_added_and_removed_while_running_join_and_leave_the_lists(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -302,6 +305,7 @@ SECRET = "s3cret-note-7781"
 PROMPT_SECRET = "tok-prompt-4242"
 
 
+@pytest.mark.proc  # its children are processes
 async def test_prompts_get_and_resources_read_are_spans_without_the_contents(
     tmp_path: Path, otlp: OtlpReceiver
 ) -> None:
