@@ -278,6 +278,34 @@ async def test_children_added_and_removed_while_running_join_and_leave_the_lists
         await gateway.close()
 
 
+@pytest.mark.proc  # its child is a process
+async def test_an_idle_child_keeps_its_prompts_listed_and_is_started_by_a_get(
+    tmp_path: Path,
+) -> None:
+    """`idle_timeout_s` stops a child, not its prompts: they stay listed (listing does not
+    start it again), and a prompts/get starts it."""
+    (tmp_path / "gateway.toml").write_text("[suites.notes]\nidle_timeout_s = 1\n")
+    config = load_gateway_config(tmp_path)
+    gateway = Gateway(config, [lists_spec(tmp_path, "notes")], environ=dict(os.environ))
+    child = gateway.slots["notes"].child
+    try:
+        await gateway.warm_all()
+        async with serve_peer_over_sse(gateway.mcp) as (url, _), sse_host(url) as host:
+            client = host.client
+            assert await prompt_names(client) == {"notes_greet"}
+            async with asyncio.timeout(30):
+                while child.running():  # noqa: ASYNC110 - the idle stop has no event of its own
+                    await asyncio.sleep(0.05)
+            assert await prompt_names(client) == {"notes_greet"}
+            assert "note://shared" in await resource_uris(client)
+            assert not child.running()  # listing did not start it
+            got = await client.get_prompt("notes_greet", {"name": "Cy"})
+            assert getattr(got.messages[0].content, "text", None) == "Hello, Cy, from notes!"
+            assert await prompt_names(client) == {"notes_greet"}
+    finally:
+        await gateway.close()
+
+
 async def test_a_remote_child_over_streamable_http_passes_through_too(tmp_path: Path) -> None:
     """A `/mcp` child (FastMCP's client under the gateway): its prompts, resources and
     templates pass through as a stdio child's do. (A FastMCP server on the 2026-07-28 revision
