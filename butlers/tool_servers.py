@@ -44,6 +44,7 @@ from typing import Any
 from fastmcp import FastMCP
 from fastmcp.tools.base import Tool, ToolResult
 
+from butlers.backoff import Backoff
 from butlers.config import PROXY_SEPARATOR, McpServerConfig
 from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
@@ -55,8 +56,7 @@ from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_FIRST_S = 1.0
-BACKOFF_MAX_S = 60.0
+RESTART_BACKOFF = Backoff.doubling(1.0, 60.0)
 STABLE_AFTER_S = 60.0  # a server that ran this long starts its backoff over
 # What Claude Code and the Messages API take as a tool name (`mcp__<butler>__<server>__<tool>`).
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -125,7 +125,7 @@ class ToolServer:
     async def _supervise(self) -> None:
         """Start, wait for an exit, start again after the backoff; for good."""
         loop = asyncio.get_running_loop()
-        backoff = BACKOFF_FIRST_S
+        failures = 0
         told = ""  # the reason last logged at WARNING: the same again is only INFO
         while True:
             self._exited.clear()
@@ -138,8 +138,10 @@ class ToolServer:
                 await self._exited.wait()
                 self._failed(self._exit_reason or "it exited")
                 if loop.time() - started_at >= STABLE_AFTER_S:
-                    backoff = BACKOFF_FIRST_S
+                    failures = 0
             self.status.state = "restarting"
+            backoff = RESTART_BACKOFF.delay(failures)
+            failures += 1
             logger.log(
                 logging.INFO if self.status.reason == told else logging.WARNING,
                 "tool server %r: %s; starting it again in %g s",
@@ -150,7 +152,6 @@ class ToolServer:
             )
             told = self.status.reason
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _start_once(self) -> None:
         self.status.state = "starting" if not self.status.starts else "restarting"

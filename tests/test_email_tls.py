@@ -18,6 +18,7 @@ import pytest
 
 import butlers.modules.email as email_module
 import butlers.modules.mail_imap as mail_imap
+from butlers.backoff import Backoff
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
 from butlers.errors import MailRefused
@@ -141,7 +142,7 @@ async def test_imap_reads_mail_and_notices_a_dropped_connection(
 
     monkeypatch.setattr(email_module, "tls_context", counting_tls_context)
     # Reconnect after 0.05 s rather than 1 s: the test is of noticing the drop, not of waiting.
-    monkeypatch.setattr(mail_imap, "BACKOFF_S", (0.05,))
+    monkeypatch.setattr(mail_imap, "RECONNECT", Backoff((0.05,)))
     worker = RecordingWorker()
     transcript = PymapTranscript(tmp_path / "pymap.log")
     async with imap_stack(variant, trust, transcript=transcript.path) as (port, front):

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from butlers.backoff import RECONNECT
 from butlers.context import ModuleStatus
 from butlers.errors import MailError, MailRefused
 from butlers.modules.mail_parse import (
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("butlers.modules.email")
 
 IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
-BACKOFF_S = (1, 2, 5, 10, 30, 60)
 HEALTHY_CONNECTION_S = 60  # a connection that lasted this long was a working one
 MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
@@ -154,7 +154,7 @@ class ImapIntake:
                 # off, or it would reconnect every second for as long as that lasts.
                 if time.monotonic() - started >= HEALTHY_CONNECTION_S:
                     failures = 0
-                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                delay = RECONNECT.delay(failures)
                 failures += 1
                 why = (
                     str(exc)

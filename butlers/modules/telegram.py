@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from butlers.backoff import RECONNECT
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
 from butlers.errors import AttachmentRefused, DeliveryError
@@ -54,7 +55,6 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 4096
 POLL_TIMEOUT_S = 25
-BACKOFF_S = (1, 2, 5, 10, 30, 60)
 WEBHOOK_PATH = "/telegram/webhook"
 TYPING_EVERY_S = 4.5
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
@@ -670,7 +670,7 @@ class TelegramModule:
                 self._token_rejected(exc)
                 return
             except Exception as exc:
-                delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                delay = RECONNECT.delay(attempt)
                 self.status = ModuleStatus(
                     self.name, "starting", f"Bot API unreachable ({exc}); retrying"
                 )
@@ -709,10 +709,10 @@ class TelegramModule:
                 # Another process polls with this token: Telegram allows one poller per token.
                 self.status = ModuleStatus(self.name, "failed", f"another poller is running: {exc}")
                 logger.error("telegram: %s", self.status.detail)
-                await asyncio.sleep(BACKOFF_S[-1])
+                await asyncio.sleep(RECONNECT.steps[-1])
                 continue
             except Exception as exc:
-                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                delay = RECONNECT.delay(failures)
                 failures += 1
                 logger.warning("telegram: getUpdates failed (%s); retry in %ss", exc, delay)
                 await asyncio.sleep(delay)
@@ -725,6 +725,6 @@ class TelegramModule:
                     # a delay that grows while the same update keeps failing.
                     tries = retried.get(update.update_id, 0)
                     retried = {update.update_id: tries + 1}
-                    await asyncio.sleep(BACKOFF_S[min(tries, len(BACKOFF_S) - 1)])
+                    await asyncio.sleep(RECONNECT.delay(tries))
                     break
                 offset = update.update_id + 1
