@@ -6,12 +6,14 @@ connection (a restart is a new one) and again after the child's `list_changed`, 
 child that runs and offers them (its capabilities); a child not started yet, warming or in
 error is simply absent, never a failure of the whole list.
 
-Names. A prompt is `<server>_<prompt>`: Claude Code shows an MCP prompt as the slash command
-`/mcp__<gateway>__<prompt>`, and hosts accept `[A-Za-z0-9_-]` there; `_` is also what the
-gateway already puts between a server and a tool whose name is taken. `__` would read as one
-more level of Claude Code's own `mcp__server__name`, and `:` or `/` are not safe in a slash
-command. A resource keeps its URI exactly (a host reads the URI it was given); its name gets
-the same `<server>_` prefix and its `_meta` records the server (`butlers/server`).
+Names. A prompt is `<server>_<prompt>`. Claude Code (the bundled CLI 2.1.330, read in its
+source) takes a prompt's name as it is: the command is `mcp__<gateway>__<prompt>`, shown to the
+user as `/<gateway>:<prompt> (MCP)`. So `:` would read as one more server level there, `__` as
+one more level of `mcp__server__name`, and `/` is a path; `_` stays inside the `[A-Za-z0-9_-]`
+every host accepts in a command, and is what the gateway already puts between a server and a
+tool whose name is taken. A resource keeps its URI exactly (a host reads the URI it was
+given); its name gets the same `<server>_` prefix and its `_meta` records the server
+(`butlers/server`).
 
 Reads. `prompts/get` goes to the child that listed the prefixed name, `resources/read` to the
 child that listed the URI (a URI two children list: the first by the config's order, warned
