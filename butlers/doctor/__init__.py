@@ -18,6 +18,9 @@ environment, the .env file and the configs name.
 
 The checks live in `butlers.doctor.offline` (what the files say), `.local` (this machine:
 ports, database, Claude Code) and `.online`; this module gathers them and prints.
+
+Where this package sits among the others, and a message's path through them:
+docs/architecture.md.
 """
 
 from __future__ import annotations

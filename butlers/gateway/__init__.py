@@ -12,4 +12,7 @@ the switchboard's registry over MCP and imports nothing of butlers.switchboard.
 
 Nothing is imported here: a caller pays only for the modules it uses (the schema generator
 reads config alone, without FastMCP).
+
+Where this package sits among the others, and a message's path through them:
+docs/architecture.md.
 """

@@ -12,4 +12,7 @@ Every one raises the same errors (butlers.errors.McpCallError and its subclasses
 gateway's children (and through them a butler's tool servers) and the CLI's one-shot call
 hold a single connection of their own instead of the pool: each reconnects, or not, its own
 way. Nothing is imported here, so a caller pays only for the transport it uses.
+
+Where this package sits among the others, and a message's path through them:
+docs/architecture.md.
 """

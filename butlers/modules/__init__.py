@@ -5,6 +5,9 @@ A module that is declared but cannot run here (its credentials' variables not se
 `skipped`, one that tried and failed (a token or login refused) `failed`, each with why, in
 `status()`, /health and the dashboard (butlers.core_tools.module_report); neither stops its
 butler from starting.
+
+Where this package sits among the others, and a message's path through them:
+docs/architecture.md.
 """
 
 from __future__ import annotations

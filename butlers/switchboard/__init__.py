@@ -24,4 +24,7 @@ Beside the path:
     tools           the switchboard's MCP tools, registered on the component's parts
 
 Nothing is imported here: a module of the path costs only what it uses.
+
+Where this package sits among the others, and a message's path through them:
+docs/architecture.md.
 """
