@@ -254,13 +254,17 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert (await client.get("/ui/messages/999999", headers=BEARER)).status_code == 404
 
         # Routing log: by butler and by outcome.
-        page = (await client.get("/ui/routes?butler=general&outcome=ok", headers=BEARER)).text
+        page = (await client.get("/ui/routing-log?butler=general&outcome=ok", headers=BEARER)).text
         assert [cells(r)[2] for r in rows_of(page, "routing-log")] == ["general"]
-        page = (await client.get("/ui/routes?outcome=failed", headers=BEARER)).text
+        page = (await client.get("/ui/routing-log?outcome=failed", headers=BEARER)).text
         [row] = rows_of(page, "routing-log")
         assert "health" in row and "connection refused" in row and f"/ui/messages/{failed}" in row
-        refused = await client.get("/ui/routes?before=yesterday", headers=BEARER)
+        refused = await client.get("/ui/routing-log?before=yesterday", headers=BEARER)
         assert refused.status_code == 400 and "before must be an ISO 8601 time" in refused.text
+        # Its old address (a bookmark) leads to the same page, query kept.
+        moved = await client.get("/ui/routes?outcome=failed", headers=BEARER)
+        assert moved.status_code == 301
+        assert moved.headers["location"] == "/ui/routing-log?outcome=failed"
 
         # A butler's page: its session (prompt, result, tool calls), schedule, state keys.
         page = (await client.get("/ui/butlers/general", headers=BEARER)).text
@@ -299,7 +303,7 @@ async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_to
             "/ui",
             "/ui/messages",
             f"/ui/messages/{answer['inbox_id']}",
-            "/ui/routes",
+            "/ui/routing-log",
             "/ui/butlers/general",
             "/ui/ask",
         ):

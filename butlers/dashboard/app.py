@@ -8,7 +8,9 @@ secret that reached a message, a reply or an error is not shown either.
     /ui                   Fleet: each butler's health, sessions of the last 24 h, spend
     /ui/messages          the inbox, newest first (?status= ?channel= ?before=ID)
     /ui/messages/ID       one message: its routes, sessions with tool calls, reply, outbox
-    /ui/routes            the routing log (?butler= ?outcome=ok|failed ?before=TIME)
+    /ui/routing-log       the routing log (?butler= ?outcome=ok|failed ?before=TIME; the
+                          old /ui/routes redirects here: `butlers log` and routing_log_list
+                          show the same rows)
     /ui/butlers/NAME      a butler: sessions, schedules (next run), state keys
     /ui/ask               a form that sends a message through classify -> route -> reply
     /ui/approvals         calls waiting for the owner's yes, with Approve / Deny
@@ -162,7 +164,8 @@ class Dashboard:
             Route("/ui/", self.fleet),
             Route("/ui/messages", self.messages),
             Route("/ui/messages/{inbox_id:int}", self.message),
-            Route("/ui/routes", self.routes),
+            Route("/ui/routing-log", self.routing_log),
+            Route("/ui/routes", self.old_routing_log),
             Route("/ui/butlers/{name}", self.butler),
             Route("/ui/ask", self.ask, methods=["GET", "POST"]),
             Route("/ui/approvals", self.approvals, methods=["GET", "POST"]),
@@ -302,7 +305,12 @@ class Dashboard:
                 sessions[name] = Answer(error="no longer registered")
         return self._render(request, "message.html", message=message, sessions=sessions)
 
-    async def routes(self, request: Request) -> Response:
+    async def old_routing_log(self, request: Request) -> Response:
+        """A bookmark of the page's old address (/ui/routes): the same query, its new name."""
+        query = f"?{request.url.query}" if request.url.query else ""
+        return RedirectResponse(f"/ui/routing-log{query}", status_code=301)
+
+    async def routing_log(self, request: Request) -> Response:
         try:
             butler = request.query_params.get("butler") or None
             outcome = _choice(request, "outcome", tuple(OUTCOMES))
@@ -319,7 +327,7 @@ class Dashboard:
         butlers = [b["name"] for b in await self.parts.store.registry()]
         return self._render(
             request,
-            "routes.html",
+            "routing_log.html",
             refresh=before is None,
             rows=rows,
             butler=butler,
