@@ -7,7 +7,8 @@ servers declared as `.mcp.json` files found by the configured globs:
      "command": {"cmd": "node", "args": ["server.js"], "env": {"K": "v"}}}   # a stdio child
     {"name": "search", "url": "http://127.0.0.1:9000/sse"}                  # a remote one
 
-An invalid file is skipped with a warning naming it; it never stops the others.
+An invalid file is skipped with a warning naming it; it never stops the others. (A reload,
+butlers.gateway.reload, keeps the child of such a file running as it was instead.)
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class ChildSpec:
     source: str = ""  # where it was declared, for messages
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A file, or one server in it, that could not be read. At start it is left out with a
+    warning; a reload keeps what it declared running as it was (a file caught half-written,
+    or saved with a typo, must not stop servers that are in use)."""
+
+    error: ConfigError  # names the file, the key and what is wrong
+    server: str | None = None  # the server's name; None: the whole file
+
+
+def log_skipped(skipped: Iterable[Skipped]) -> None:
+    for problem in skipped:
+        logger.warning("skipping %s", problem.error, extra={"action": "child_invalid"})
+
+
 def parse_mcp_json(path: Path) -> ChildSpec:
     """One `.mcp.json` (the gateway.config.McpJson model); raises InvalidChild saying which
     key is wrong and how."""
@@ -63,7 +79,11 @@ def parse_mcp_json(path: Path) -> ChildSpec:
     )
 
 
-def discover_mcp_files(globs: Iterable[str], base_dir: Path) -> list[ChildSpec]:
+def discover_mcp_files(
+    globs: Iterable[str], base_dir: Path, skipped: list[Skipped]
+) -> list[ChildSpec]:
+    """The seed-000 files the globs match (one child each); one that is not valid goes to
+    `skipped`."""
     found: dict[str, ChildSpec] = {}
     for pattern in globs:
         for match in sorted(glob.glob(str(base_dir / pattern), include_hidden=True)):
@@ -71,7 +91,7 @@ def discover_mcp_files(globs: Iterable[str], base_dir: Path) -> list[ChildSpec]:
             try:
                 spec = parse_mcp_json(path)
             except InvalidChild as exc:
-                logger.warning("skipping %s: %s", path, exc, extra={"action": "child_invalid"})
+                skipped.append(Skipped(ConfigError(path, None, str(exc))))
                 continue
             if spec.name in found:
                 logger.warning(

@@ -1,4 +1,5 @@
-"""`butlers gateway`: assemble the children, serve the gateway (or print the token report)."""
+"""`butlers gateway`: assemble the children, serve the gateway, and reload the servers' files
+when they change while it serves (butlers.gateway.reload)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from mcp.shared.exceptions import MCPDeprecationWarning
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
-from butlers.gateway.children import ChildSpec, butler_children, discover_mcp_files
-from butlers.gateway.config import load_gateway_config
+from butlers.gateway.children import ChildSpec, butler_children, log_skipped
+from butlers.gateway.config import GatewayConfig, load_gateway_config
 from butlers.gateway.control import Mode
 from butlers.gateway.redaction import install_argument_redaction
+from butlers.gateway.reload import watch_server_files
 from butlers.gateway.server import Gateway
-from butlers.gateway.sources import project_servers, read_config_file
+from butlers.gateway.sources import ServerFiles
 from butlers.gateway.stdio import serve_stdio
 from butlers.http import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -64,10 +66,12 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
             logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
     # Where a name comes twice, the first wins and the gateway warns, naming both files:
     # the butlers, --config, .mcp.json, what install moved, then the seed-000 globs.
-    if options.config_file is not None:
-        specs += read_config_file(options.config_file, options.environ)
-    specs += project_servers(options.directory, options.environ)
-    specs += discover_mcp_files(config.discover_globs, config.base_dir)
+    declared, skipped = server_files(options, config).read()
+    for problem in skipped:
+        if problem.server is None and problem.error.path == options.config_file:
+            raise problem.error  # the file --config names must be readable (a reload: keeps)
+    log_skipped(skipped)
+    specs += declared
     telemetry = options.telemetry
     return Gateway(
         config,
@@ -77,6 +81,18 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
         mode=options.mode,
         tracer=telemetry.tracer if telemetry is not None else None,
         cli_env=telemetry.cli_env if telemetry is not None else None,
+        directory=options.directory,  # roots/list: a child asking is given --dir
+    )
+
+
+def server_files(options: GatewayOptions, config: GatewayConfig) -> ServerFiles:
+    """The files the servers behind the gateway are declared in, for its start and reloads."""
+    return ServerFiles(
+        directory=options.directory,
+        environ=options.environ,
+        config_file=options.config_file,
+        discover_globs=config.discover_globs,
+        base_dir=config.base_dir,
     )
 
 
@@ -93,9 +109,16 @@ async def serve_gateway(
     warnings.filterwarnings("ignore", category=MCPDeprecationWarning, module="fastmcp")
     gateway = await build_gateway(options, fetch_registry)
     install_argument_redaction(k for s in gateway.config.suites.values() for k in s.redact)
+    reloading: asyncio.Task[None] | None = None
     try:
         if options.prewarm:
             gateway.start_warming()
+        # Editing .mcp.json or the --config file while the host runs us changes only the
+        # servers that changed (gateway.toml is read once, at start).
+        files = server_files(options, gateway.config)
+        reloading = asyncio.create_task(
+            watch_server_files(gateway, files, warm=options.prewarm), name="gateway:reload"
+        )
         if options.transport == "stdio":
             serving = asyncio.create_task(serve_stdio(gateway.mcp))
             await _until(serving, stop)
@@ -124,6 +147,7 @@ async def serve_gateway(
             server.should_exit = True
             await serving
     finally:
+        await cancel_and_wait(reloading)  # before the children it would change are closed
         await gateway.close()
     return 0
 

@@ -20,24 +20,25 @@ headers, as Claude Code does, from the gateway's environment; a variable that is
 has no default makes that server unusable (skipped, with a warning naming the file, the server
 and the variable), never the others. An entry that runs this very gateway (`butlers gateway`,
 which `install` writes into `.mcp.json`) is left out: the gateway does not start itself.
+
+`ServerFiles` reads them all, in the order that decides a name declared twice, for the
+gateway's start and again for each hot reload (butlers.gateway.reload).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from butlers.errors import ConfigError, InvalidChild
-from butlers.gateway.children import ChildSpec
-
-logger = logging.getLogger(__name__)
+from butlers.gateway.children import ChildSpec, Skipped, discover_mcp_files, log_skipped
 
 PROJECT_FILE = ".mcp.json"
 INSTALL_DIR = ".butlers-gateway"
@@ -71,21 +72,75 @@ class RemoteServer(_Entry):
     headers: dict[str, str] = Field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ServerFiles:
+    """Every file the gateway's MCP servers are declared in (the butlers come from the
+    registry instead): `--config`, the project's `.mcp.json` and what install moved, and
+    the seed-000 files `discover_globs` match under `base_dir`."""
+
+    directory: Path  # --dir: .mcp.json and .butlers-gateway/ are here
+    environ: Mapping[str, str]  # where ${VAR}s are read
+    config_file: Path | None = None  # --config
+    discover_globs: tuple[str, ...] = ()
+    base_dir: Path = Path(".")
+
+    def read(self) -> tuple[list[ChildSpec], list[Skipped]]:
+        """The servers, in the order that decides a name declared twice (the first wins):
+        --config, .mcp.json, what install moved, then the globs; and what could not be
+        read, a whole file or one server in it, for the caller to report."""
+        skipped: list[Skipped] = []
+        specs: list[ChildSpec] = []
+        if self.config_file is not None:
+            try:
+                specs += _config_servers(self.config_file, self.environ, skipped)
+            except ConfigError as exc:
+                skipped.append(Skipped(exc))
+        specs += _project_servers(self.directory, self.environ, skipped)
+        specs += discover_mcp_files(self.discover_globs, self.base_dir, skipped)
+        return specs, skipped
+
+    def named_files(self) -> list[Path]:
+        """The files read by name (whether they exist or not); the globs' are found."""
+        named = [self.directory / name for name in (PROJECT_FILE, *INSTALLED_SERVERS)]
+        return [self.config_file, *named] if self.config_file is not None else named
+
+
 def read_config_file(path: Path, environ: Mapping[str, str]) -> list[ChildSpec]:
     """`--config FILE`: a claude_desktop_config.json or Gemini CLI settings.json (they have
     `mcpServers`), an mcpflip servers.json, or Codex's config.toml. ConfigError when the
-    file is not JSON (TOML) or not one of these shapes."""
-    if path.suffix == ".toml":
-        return _servers(path, _codex_servers(path), environ, cwd=None, key="mcp_servers")
-    data = _read_json(path)
-    if "mcpServers" in data:
-        return _servers(path, data["mcpServers"], environ, cwd=None)
-    return _servers(path, data, environ, cwd=path.parent.resolve(), key="")
+    file is not JSON (TOML) or not one of these shapes; a server that is not valid is
+    skipped with a warning naming it."""
+    skipped: list[Skipped] = []
+    specs = _config_servers(path, environ, skipped)
+    log_skipped(skipped)
+    return specs
 
 
 def project_servers(directory: Path, environ: Mapping[str, str]) -> list[ChildSpec]:
     """Claude Code's `.mcp.json` at `directory` (the servers beside `butlers gateway`, if
-    install put it there), then the servers install moved behind the gateway."""
+    install put it there), then the servers install moved behind the gateway. A file or
+    server that is not valid is skipped with a warning naming it."""
+    skipped: list[Skipped] = []
+    specs = _project_servers(directory, environ, skipped)
+    log_skipped(skipped)
+    return specs
+
+
+def _config_servers(
+    path: Path, environ: Mapping[str, str], skipped: list[Skipped]
+) -> list[ChildSpec]:
+    if path.suffix == ".toml":
+        servers = _codex_servers(path, skipped)
+        return _servers(path, servers, environ, skipped, cwd=None, key="mcp_servers")
+    data = _read_json(path)
+    if "mcpServers" in data:
+        return _servers(path, data["mcpServers"], environ, skipped, cwd=None)
+    return _servers(path, data, environ, skipped, cwd=path.parent.resolve(), key="")
+
+
+def _project_servers(
+    directory: Path, environ: Mapping[str, str], skipped: list[Skipped]
+) -> list[ChildSpec]:
     specs: list[ChildSpec] = []
     cwd = directory.resolve()
     for name in (PROJECT_FILE, *INSTALLED_SERVERS):
@@ -94,17 +149,16 @@ def project_servers(directory: Path, environ: Mapping[str, str]) -> list[ChildSp
             continue
         try:
             data = _read_json(path)
+            servers = data.get("mcpServers")
+            if servers is None:
+                continue  # a seed-000 file of one child (name, command): the globs' business
+            specs += _servers(path, servers, environ, skipped, cwd=cwd)
         except ConfigError as exc:
-            logger.warning("skipping %s", exc, extra={"action": "child_invalid"})
-            continue
-        servers = data.get("mcpServers")
-        if servers is None:
-            continue  # a seed-000 file of one child (name, command): the globs' business
-        specs += _servers(path, servers, environ, cwd=cwd)
+            skipped.append(Skipped(exc))
     return specs
 
 
-def _codex_servers(path: Path) -> dict[str, Any]:
+def _codex_servers(path: Path, skipped: list[Skipped]) -> dict[str, Any]:
     """Codex's `[mcp_servers.<name>]` tables in Claude Code's shape, its variable names
     turned into `${VAR}`s: the values stay in the environment until the gateway needs them,
     and an unset one skips that server with a warning naming it."""
@@ -136,13 +190,7 @@ def _codex_servers(path: Path) -> dict[str, Any]:
             else None
         )
         if problem is not None:
-            logger.warning(
-                "skipping %s: mcp_servers.%s: %s",
-                path,
-                name,
-                problem,
-                extra={"action": "child_invalid"},
-            )
+            skipped.append(Skipped(ConfigError(path, f"mcp_servers.{name}", problem), name))
             continue
         headers = {**literal, **{k: f"${{{v}}}" for k, v in from_env.items()}}
         if bearer is not None:
@@ -165,6 +213,7 @@ def _servers(
     path: Path,
     servers: Any,
     environ: Mapping[str, str],
+    skipped: list[Skipped],
     *,
     cwd: Path | None,
     key: str = "mcpServers",
@@ -177,9 +226,7 @@ def _servers(
         try:
             spec = _spec(path, name, entry, environ, cwd)
         except InvalidChild as exc:
-            logger.warning(
-                "skipping %s: %s: %s", path, where, exc, extra={"action": "child_invalid"}
-            )
+            skipped.append(Skipped(ConfigError(path, where, str(exc)), name))
             continue
         if spec is not None:
             specs.append(spec)

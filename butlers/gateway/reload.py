@@ -1,0 +1,267 @@
+"""Hot reload: the servers' files edited while the gateway serves change only what changed.
+
+The gateway watches the files its MCP servers were declared in (butlers.gateway.sources:
+`--config`, the project's `.mcp.json` and what install moved, the seed-000 files the globs
+match, and new matches of the globs). When one changes, all are read again exactly as at start
+and compared by name with the children the gateway runs:
+
+- a new name is added (and started, unless the gateway is `--lazy`);
+- a name no file declares any more is removed: its tools leave the hosts' lists, its process
+  ends;
+- a name declared differently (command, arguments, env, URL, headers...) is restarted: removed,
+  then added again;
+- every other child is untouched: its process and its connection stay.
+
+The gateway's own add/remove tell the hosts (`notifications/tools/list_changed`; search mode
+reindexes by itself). The butlers from the registry are never read again here.
+
+A file that cannot be read now (not JSON, not the shape it should have, a server entry that is
+not valid) changes nothing of what it declared: one warning names the file and what is wrong,
+its running children stay, and the next good version is applied. An editor that saves by
+writing a new file and renaming it over the old one is seen too: the watches are on the
+directories, and the events are matched against the files' paths. `gateway.toml` is read once,
+at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import glob
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from watchfiles import Change, awatch
+
+from butlers.gateway.children import ChildSpec, Skipped
+from butlers.gateway.server import Gateway
+from butlers.gateway.sources import ServerFiles
+
+logger = logging.getLogger(__name__)
+
+# Watches that could not be set because a directory went away meanwhile: look again this often
+# in a row, then give up (reload is off; the gateway serves on).
+WATCH_RETRIES = 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one reload changes, by name."""
+
+    added: tuple[ChildSpec, ...] = ()
+    removed: tuple[str, ...] = ()
+    restarted: tuple[ChildSpec, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.restarted)
+
+    def describe(self) -> str:
+        """Names only: a spec's env and headers may hold secrets."""
+        parts = [
+            f"{verb} {', '.join(names)}"
+            for verb, names in (
+                ("added", [s.name for s in self.added]),
+                ("removed", list(self.removed)),
+                ("restarted", [s.name for s in self.restarted]),
+            )
+            if names
+        ]
+        return "; ".join(parts)
+
+
+def plan(
+    running: Mapping[str, ChildSpec], declared: Sequence[ChildSpec], skipped: Iterable[Skipped]
+) -> Plan:
+    """Compare what the files declare now with what runs. The butlers stay as they are (and
+    keep their names, as at start); where a name comes twice the first wins, as at start; a
+    child whose file or entry cannot be read now stays as it runs."""
+    wanted: dict[str, ChildSpec] = {}
+    for spec in [s for s in running.values() if s.kind == "butler"] + list(declared):
+        taken = wanted.get(spec.name)
+        if taken is None:
+            wanted[spec.name] = spec
+        elif taken.source != spec.source:
+            logger.warning(
+                "child %r from %s ignored: the name is taken by %s",
+                spec.name,
+                spec.source,
+                taken.source,
+            )
+    for problem in skipped:
+        source = str(problem.error.path)
+        for name, spec in running.items():
+            if spec.source == source and problem.server in (None, name):
+                wanted[name] = spec
+    return Plan(
+        added=tuple(s for n, s in wanted.items() if n not in running),
+        removed=tuple(n for n in running if n not in wanted),
+        restarted=tuple(s for n, s in wanted.items() if n in running and not _same(running[n], s)),
+    )
+
+
+def _same(running: ChildSpec, declared: ChildSpec) -> bool:
+    """Declared the same way. Where it is declared (`source`) is only for messages: a server
+    moved from one file to another (as `install` does) keeps running."""
+    return dataclasses.replace(declared, source=running.source) == running
+
+
+async def reload(gateway: Gateway, files: ServerFiles, *, warm: bool) -> Plan:
+    """Read the files again and change the gateway's children to match (see the module)."""
+    declared, skipped = await asyncio.to_thread(files.read)
+    for problem in skipped:
+        logger.warning(
+            "gateway reload: %s; what it declared runs on unchanged until it is fixed",
+            problem.error,
+            extra={"action": "reload_invalid"},
+        )
+    changes = plan({n: s.spec for n, s in gateway.slots.items()}, declared, skipped)
+    if not changes:
+        logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
+        return changes
+    # Started, it runs to the end even if the gateway is closing: a child taken out of the
+    # gateway's list but not yet stopped would outlive it.
+    applying = asyncio.create_task(_apply(gateway, changes, warm=warm))
+    try:
+        await asyncio.shield(applying)
+    except asyncio.CancelledError:
+        await applying
+        raise
+    logger.info("gateway reload: %s", changes.describe(), extra={"action": "reload"})
+    return changes
+
+
+async def _apply(gateway: Gateway, changes: Plan, *, warm: bool) -> None:
+    for name in changes.removed:
+        await gateway.remove_child(name)
+    for spec in changes.restarted:
+        await gateway.remove_child(spec.name)
+        await gateway.add_child(spec, warm=warm)
+    for spec in changes.added:
+        await gateway.add_child(spec, warm=warm)
+
+
+@dataclass(frozen=True)
+class Watches:
+    """Which directories to watch (not recursively), and which changes in them matter: the
+    files named outright and the directories on their way, and whatever a glob could match
+    (a new server's directory, its file)."""
+
+    directories: frozenset[Path]
+    files: frozenset[Path]
+    patterns: tuple[tuple[str, ...], ...]  # each glob, absolute, split into its parts
+
+    def relevant(self, change: Change, path: str) -> bool:
+        changed = Path(path)
+        if changed in self.files or any(changed in f.parents for f in self.files):
+            return True
+        parts = changed.parts
+        return any(
+            len(parts) <= len(pattern) and all(map(fnmatchcase, parts, pattern))
+            for pattern in self.patterns
+        )
+
+
+def watches(files: ServerFiles) -> Watches:
+    """The watches for `files` as they are now (blocking: it looks at the file system)."""
+    named = frozenset(_absolute(p) for p in files.named_files())
+    directories = {_existing(p.parent) for p in named}
+    patterns = []
+    for pattern in files.discover_globs:
+        parts = _absolute(files.base_dir / pattern).parts
+        fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+        directories.add(_existing(Path(*parts[:fixed])))
+        for depth in range(fixed + 1, len(parts)):
+            found = glob.glob(str(Path(*parts[:depth])), include_hidden=True)
+            directories.update(Path(d) for d in found if os.path.isdir(d))
+        patterns.append(parts)
+    return Watches(frozenset(directories), named, tuple(patterns))
+
+
+def _absolute(path: Path) -> Path:
+    """Absolute and normalised, symbolic links kept: the paths the watcher reports are the
+    watched directory's as given, joined with the name that changed."""
+    return Path(os.path.abspath(path))
+
+
+def _existing(directory: Path) -> Path:
+    """`directory`, or the nearest one above it that exists (whose events show it appear)."""
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+async def watch_server_files(gateway: Gateway, files: ServerFiles, *, warm: bool) -> None:
+    """Reload whenever the files change, until cancelled. Each set of watches, once in
+    place, starts with one reading of the files (what changed before it was set is not
+    missed); after each reading the watches are set again if the directories to watch
+    changed (a new server's directory, `.butlers-gateway/` made by install). If the file
+    system cannot be watched, the gateway serves on without reload."""
+    failures = 0
+    while True:
+        watching = await asyncio.to_thread(watches, files)
+        batches = awatch(
+            *sorted(watching.directories), watch_filter=watching.relevant, recursive=False
+        )
+        # The generator's first step sets the watches (watchfiles' RustNotify, made before
+        # its first wait); the new task takes that step before this one goes on (the loop's
+        # ready queue is first in, first out), so the reading below comes after the watches.
+        waiting = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0)
+        try:
+            what = "the watches were set"
+            while True:
+                await _reload_logged(gateway, files, warm=warm, what=what)
+                now = await asyncio.to_thread(watches, files)
+                if now != watching:
+                    break
+                if what == "the watches were set":
+                    logger.info(
+                        "gateway reload: watching the servers' files (%d directories)",
+                        len(watching.directories),
+                        extra={"action": "reload_watching"},
+                    )
+                changed = await waiting
+                failures = 0
+                waiting = asyncio.ensure_future(anext(batches))
+                what = ", ".join(sorted(path for _, path in changed))
+        except FileNotFoundError as exc:  # a directory went away as the watches were set
+            failures += 1
+            if failures >= WATCH_RETRIES:
+                _reload_off(exc)
+                return
+        except (OSError, RuntimeError) as exc:  # e.g. no inotify watches left
+            _reload_off(exc)
+            return
+        finally:
+            await _settle(waiting)
+            await batches.aclose()
+
+
+async def _settle(waiting: asyncio.Future[set[tuple[Change, str]]]) -> None:
+    """Stop waiting for the watcher (it stops watching), whatever became of it: a failure
+    of its own was handled above, or no longer matters."""
+    waiting.cancel()
+    await asyncio.wait({waiting})
+    if not waiting.cancelled():
+        waiting.exception()  # retrieved: not reported again when it is collected
+
+
+async def _reload_logged(gateway: Gateway, files: ServerFiles, *, warm: bool, what: str) -> None:
+    logger.debug("gateway reload: reading the files again (%s)", what)
+    try:
+        await reload(gateway, files, warm=warm)
+    except Exception:  # a bug of ours must not end reloading, nor the gateway
+        logger.exception("gateway reload failed", extra={"action": "reload_failed"})
+
+
+def _reload_off(exc: BaseException) -> None:
+    logger.warning(
+        "gateway reload is off: the servers' files cannot be watched (%s); restart the "
+        "gateway to apply their changes",
+        exc,
+        extra={"action": "reload_off"},
+    )

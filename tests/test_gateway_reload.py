@@ -1,0 +1,261 @@
+"""Hot reload: editing `.mcp.json`, the `--config` file or a globbed server's file while the
+gateway runs adds, removes or restarts only the servers that changed, and tells the host.
+
+The gateway runs as a host starts it (the `butlers gateway` command over stdio, the SDK's
+client); its children are real processes (the small stdio mock, and the real npm
+`server-everything`). Every wait ends on something the gateway does (the host's
+`notifications/tools/list_changed`, a log line, a pid written by a new child) and is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from butlers.errors import ConfigError
+from butlers.gateway.children import ChildSpec, Skipped
+from butlers.gateway.reload import plan
+from tests.conftest import eventually
+from tests.test_gateway import MOCK, Host, _alive, mcp_json, stdio_host, survivors, text_of
+
+WAIT_S = 30  # bound of every wait: a bug fails the test instead of hanging it
+INFO = ("--log-level", "info")  # what a reload changed is logged at info
+WATCHING = "gateway reload: watching the servers' files"  # (re)set, and the files read
+
+
+def mock(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+    """A stdio mock server in Claude Code's shape; each of its starts appends its pid to
+    `<name>.pids`."""
+    return {
+        "command": sys.executable,
+        "args": [MOCK, *args],
+        "env": {"MOCK_MCP_PIDS": str(tmp_path / f"{name}.pids")},
+    }
+
+
+def pids(tmp_path: Path, name: str) -> list[int]:
+    path = tmp_path / f"{name}.pids"
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def save(path: Path, content: str) -> None:
+    """As editors save: a new file renamed over the old one (the old inode is gone)."""
+    temporary = path.with_name(f".{path.name}.swp")
+    temporary.write_text(content)
+    os.replace(temporary, path)
+
+
+def save_servers(path: Path, servers: dict[str, Any]) -> None:
+    save(path, json.dumps({"mcpServers": servers}, indent=2))
+
+
+async def started(tmp_path: Path, *names: str) -> dict[str, int]:
+    """The pid of each named server, once each has started (the gateway starts them all)."""
+
+    async def all_up() -> bool:
+        return all(pids(tmp_path, name) for name in names)
+
+    await eventually(all_up, WAIT_S)
+    return {name: pids(tmp_path, name)[-1] for name in names}
+
+
+async def logged(tmp_path: Path, text: str) -> str:
+    """The gateway's log (its stderr), once it holds `text`."""
+    log = tmp_path / "gateway.stderr"
+
+    async def found() -> bool:
+        return log.exists() and text in log.read_text()
+
+    await eventually(found, WAIT_S)
+    return log.read_text()
+
+
+async def echo(host: Host, suite: str, message: str) -> str:
+    result = await host.suite(suite, "call", "echo", message=message)
+    assert not result.is_error, text_of(result)
+    return text_of(result)
+
+
+@pytest.mark.proc
+async def test_adding_a_server_starts_it_and_leaves_the_others_running(
+    tmp_path: Path, npm_servers: Path
+) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, *INFO) as host:
+        assert "plain_suite" in await host.tools()
+        before = await started(tmp_path, "plain")
+
+        servers["everything"] = {
+            "command": str(npm_servers / "mcp-server-everything"),
+            "args": ["stdio"],
+        }
+        save_servers(project, servers)
+        await host.wait_list_changed(1, WAIT_S)
+        assert {"plain_suite", "everything_suite"} <= set(await host.tools())
+        assert "through the reload" in await echo(host, "everything_suite", "through the reload")
+        assert await echo(host, "plain_suite", "still here") == "still here"
+
+        assert pids(tmp_path, "plain") == [before["plain"]]  # never restarted
+        assert _alive(before["plain"])
+        log = await logged(tmp_path, "gateway reload: added everything")
+        assert "restarted" not in log and "removed" not in log
+
+
+@pytest.mark.proc
+async def test_a_removed_server_leaves_the_list_and_its_process_ends(tmp_path: Path) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain"), "gone": mock(tmp_path, "gone")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, *INFO) as host:
+        before = await started(tmp_path, "plain", "gone")
+
+        del servers["gone"]
+        save_servers(project, servers)
+        await host.wait_list_changed(1, WAIT_S)
+        tools = await host.tools()
+        assert "gone_suite" not in tools and "plain_suite" in tools
+        assert await survivors([before["gone"]], timeout_s=WAIT_S) == []
+        assert "gone" not in await host.status()
+
+        assert await echo(host, "plain_suite", "untouched") == "untouched"
+        assert pids(tmp_path, "plain") == [before["plain"]] and _alive(before["plain"])
+        await logged(tmp_path, "gateway reload: removed gone")
+
+
+@pytest.mark.proc
+async def test_a_changed_server_is_restarted_and_only_that_one(tmp_path: Path) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain"), "tuned": mock(tmp_path, "tuned")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, *INFO) as host:
+        before = await started(tmp_path, "plain", "tuned")
+
+        servers["tuned"] = mock(tmp_path, "tuned", "--framing", "content-length")
+        save_servers(project, servers)
+        await host.wait_list_changed(2, WAIT_S)  # taken out, put back
+
+        async def restarted() -> bool:
+            return len(pids(tmp_path, "tuned")) == 2
+
+        await eventually(restarted, WAIT_S)
+        assert await echo(host, "tuned_suite", "after the restart") == "after the restart"
+        _, new = pids(tmp_path, "tuned")
+        assert await survivors([before["tuned"]], timeout_s=WAIT_S) == []  # the old one ended
+        assert _alive(new)
+        assert pids(tmp_path, "plain") == [before["plain"]] and _alive(before["plain"])
+        assert "tuned_suite" in await host.tools()
+        await logged(tmp_path, "gateway reload: restarted tuned")
+
+
+@pytest.mark.proc
+async def test_a_broken_file_changes_nothing_until_a_good_version_comes(tmp_path: Path) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, *INFO) as host:
+        before = await started(tmp_path, "plain")
+
+        save(project, '{"mcpServers": {"plain": ')  # saved half-way through an edit
+        await logged(tmp_path, f"gateway reload: {project}: not readable JSON")
+        # An entry that is not valid: that server stays as it runs, too.
+        save_servers(project, {"plain": {"args": ["no command"]}})
+        await logged(tmp_path, f"gateway reload: {project}: mcpServers.plain: command: Field")
+
+        assert await echo(host, "plain_suite", "still served") == "still served"
+        assert host.list_changed == 0
+        assert pids(tmp_path, "plain") == [before["plain"]]
+
+        servers["extra"] = mock(tmp_path, "extra")
+        save_servers(project, servers)
+        await host.wait_list_changed(1, WAIT_S)
+        assert {"plain_suite", "extra_suite"} <= set(await host.tools())
+        assert await echo(host, "extra_suite", "the good version") == "the good version"
+        assert pids(tmp_path, "plain") == [before["plain"]] and _alive(before["plain"])
+        log = await logged(tmp_path, "gateway reload: added extra")
+        assert "removed" not in log and "restarted" not in log
+
+
+@pytest.mark.proc
+async def test_the_config_file_is_watched_too(tmp_path: Path) -> None:
+    """--config claude_desktop_config.json, in a directory of its own: edited in place (the
+    file truncated and written again), then saved twice by rename (each save a new file: a
+    watch on the file itself would have lost it after the first)."""
+    desktop = tmp_path / "desktop" / "claude_desktop_config.json"
+    desktop.parent.mkdir()
+    servers = {"plain": mock(tmp_path, "plain")}
+    desktop.write_text(json.dumps({"globalShortcut": "Ctrl+Space", "mcpServers": servers}))
+    project = tmp_path / "project"
+    project.mkdir()
+    async with stdio_host(project, "--config", str(desktop), *INFO) as host:
+        before = await started(tmp_path, "plain")
+        # Each new set of watches reads the files once (for what changed before they were in
+        # place): past that, only the watch on the config file's directory can see the edits.
+        await logged(project, WATCHING)
+
+        servers["second"] = mock(tmp_path, "second")
+        desktop.write_text(json.dumps({"globalShortcut": "Ctrl+Space", "mcpServers": servers}))
+        await host.wait_list_changed(1, WAIT_S)
+        assert {"plain_suite", "second_suite"} <= set(await host.tools())
+        assert await echo(host, "second_suite", "from the config") == "from the config"
+
+        servers["third"] = mock(tmp_path, "third")
+        save(desktop, json.dumps({"mcpServers": servers}))
+        await host.wait_list_changed(2, WAIT_S)
+        del servers["second"]
+        save(desktop, json.dumps({"mcpServers": servers}))
+        await host.wait_list_changed(3, WAIT_S)
+        assert {"plain_suite", "third_suite"} <= set(await host.tools())
+        assert "second_suite" not in await host.tools()
+        assert pids(tmp_path, "plain") == [before["plain"]] and _alive(before["plain"])
+
+
+@pytest.mark.proc
+async def test_a_new_server_directory_the_globs_match_is_found(tmp_path: Path) -> None:
+    """`mcps/*/.mcp.json`: a directory made while the gateway runs is watched from then on,
+    so its file, written after the gateway has seen the directory, is found."""
+    mcp_json(tmp_path, "first")  # its pid goes to tmp_path/pids
+    async with stdio_host(tmp_path, *INFO) as host:
+        assert "first_suite" in await host.tools()
+        await logged(tmp_path, WATCHING)
+        (tmp_path / "mcps" / "late").mkdir()
+
+        async def watched_again() -> bool:
+            return (tmp_path / "gateway.stderr").read_text().count(WATCHING) == 2
+
+        await eventually(watched_again, WAIT_S)
+        mcp_json(tmp_path, "late")
+        await host.wait_list_changed(1, WAIT_S)
+        assert "late_suite" in await host.tools()
+        assert await echo(host, "late_suite", "found") == "found"
+
+
+def test_a_server_moved_to_another_file_keeps_running() -> None:
+    """Only what a server is (command, arguments, env, URL...) counts, not where it is
+    declared: `install` moves servers from .mcp.json to its record. And the registry's
+    butlers are never taken out by a file's change."""
+    moved = ChildSpec(name="notes", cmd="node", args=("a.js",), source="/p/.mcp.json")
+    butler = ChildSpec(name="health", url="http://127.0.0.1:1/sse", kind="butler")
+    running = {"notes": moved, "health": butler}
+    declared = [ChildSpec(name="notes", cmd="node", args=("a.js",), source="/p/servers.json")]
+    assert not plan(running, declared, [])
+    changed = [ChildSpec(name="notes", cmd="node", args=("b.js",), source="/p/.mcp.json")]
+    assert plan(running, changed, []).restarted == tuple(changed)
+    # A file that cannot be read keeps what it declared, and only that.
+    broken = Skipped(ConfigError("/p/.mcp.json", None, "not readable JSON"))
+    assert not plan(running, [], [broken])
+    assert plan(running, [], [Skipped(ConfigError("/p/other.json", None, "x"))]).removed == (
+        "notes",
+    )
+    # An entry that is not valid keeps that server, and only that one.
+    docs = ChildSpec(name="docs", url="http://127.0.0.1:2/mcp", source="/p/.mcp.json")
+    bad_docs = Skipped(
+        ConfigError("/p/.mcp.json", "mcpServers.docs", "url: Field required"), "docs"
+    )
+    assert plan(running | {"docs": docs}, [], [bad_docs]).removed == ("notes",)
