@@ -26,7 +26,8 @@ from butlers.text import printable
 
 if TYPE_CHECKING:
     from butlers.config import TranscriptionConfig
-    from butlers.switchboard.inbox import InboxMessage, InboxStore
+    from butlers.switchboard.inbox import InboxMessage
+    from butlers.switchboard.store import InboxQueue
     from butlers.switchboard.transcription import Transcriber
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class AttachmentStep:
 
     def __init__(
         self,
-        inbox: InboxStore,
+        inbox: InboxQueue,
         transcriber: Transcriber | None,
         config: TranscriptionConfig,
         *,

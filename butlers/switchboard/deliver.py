@@ -20,10 +20,11 @@ from butlers.config import MAX_ATTACHMENT_BYTES, SwitchboardConfig
 from butlers.core_store import storable
 from butlers.errors import AttachmentRefused, NotifyRefused
 from butlers.media import Attachment, as_its_type, check_count, checked, from_wire
-from butlers.switchboard.inbox import InboxMessage, InboxStore
+from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.route import summarize
-from butlers.switchboard.routing_store import RouteRecord, RoutingStore
+from butlers.switchboard.routing_store import RouteRecord
+from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.telemetry import current_carrier, current_trace_id
 
 MAX_NOTIFICATION_CHARS = 32_000
@@ -45,8 +46,8 @@ class NotificationDesk:
         self,
         *,
         limits: SwitchboardConfig,
-        inbox: InboxStore,
-        routing_store: RoutingStore,
+        inbox: InboxQueue,
+        routing_store: RoutingLog,
         outbox: OutboxSender,
     ) -> None:
         self.limits = limits
@@ -97,7 +98,7 @@ class NotificationDesk:
                 )
                 for chunk, meta, row_files in placed
             ]
-            async with self.routing_store.pool.acquire() as conn, conn.transaction():
+            async with self.outbox.store.pool.acquire() as conn, conn.transaction():
                 await self.outbox.store.add(conn, outgoing, current_carrier() or None)
             self.outbox.wake()
             return {

@@ -10,6 +10,9 @@ answers it). Whatever a crash of this process interrupted is requeued when it st
 A message is finished when every route its classification asked for has answered.
 Finishing a message writes its reply to the outbox in the same transaction
 (butlers.switchboard.outbox): from then on delivering it is the outbox's job.
+
+Its stores are what butlers.switchboard.store says it asks of them: PostgreSQL's in a
+switchboard, the in-memory ones (butlers.switchboard.memory_store) in tests/test_worker_logic.py.
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ from butlers.switchboard.conversation import (
     with_history,
 )
 from butlers.switchboard.dispatch import Dispatcher, trigger_arguments
-from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, InboxStore, IncomingMessage
+from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
 from butlers.switchboard.route import Router, RouteSource
-from butlers.switchboard.routing_store import RoutingStore
+from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier
 
@@ -72,8 +75,8 @@ class InboxWorker:
     def __init__(
         self,
         *,
-        inbox: InboxStore,
-        routing_store: RoutingStore,
+        inbox: InboxQueue,
+        routing_store: RoutingLog,
         router: Router,
         spawner: Spawner,
         triage_rules: Sequence[TriageRule],
