@@ -45,6 +45,7 @@ from butlers.telemetry import context_from_carrier
 
 if TYPE_CHECKING:
     from butlers.channels.base import ChannelModule
+    from butlers.switchboard.store import OutboxQueue
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class OutboxSender:
 
     name = "outbox"
 
-    def __init__(self, store: OutboxStore, *, tracer: Tracer, retry_hours: float) -> None:
+    def __init__(self, store: OutboxQueue, *, tracer: Tracer, retry_hours: float) -> None:
         self.store = store
         self.tracer = tracer
         self.retry_budget_s = retry_hours * 3600
