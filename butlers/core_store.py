@@ -1,5 +1,6 @@
-"""Every SQL statement on the core tables (state, scheduled_tasks, sessions, limit_notices), run
-through the butler's asyncpg pool; and `storable`, which every store uses on what it writes."""
+"""The store of the core tables (state, scheduled_tasks, sessions, limit_notices), through the
+butler's asyncpg pool: its statements are named in butlers.queries. And `storable`, which every
+store uses on what it writes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import asyncpg
+
+from butlers import queries as sql
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +35,6 @@ def storable_json(value: Any) -> Any:
     return value
 
 
-SCHEDULE_COLUMNS = (
-    "id, name, cron, prompt, enabled, next_run_at, last_run_at, created_at, routed, once, declared"
-)
-
-
 def _row(record: asyncpg.Record | None) -> dict[str, Any] | None:
     return None if record is None else dict(record)
 
@@ -51,35 +49,21 @@ class CoreStore:
 
     async def ping(self) -> None:
         async with self.pool.acquire(timeout=5) as conn:
-            await conn.fetchval("SELECT 1")
+            await conn.fetchval(sql.PING)
 
     # -- state ------------------------------------------------------------------------------
 
     async def state_get(self, key: str) -> dict[str, Any] | None:
-        return _row(
-            await self.pool.fetchrow("SELECT key, value, updated_at FROM state WHERE key = $1", key)
-        )
+        return _row(await self.pool.fetchrow(sql.STATE_GET, key))
 
     async def state_set(self, key: str, value: Any) -> datetime:
-        return await self.pool.fetchval(
-            """
-            INSERT INTO state (key, value, updated_at) VALUES ($1, $2, now())
-            ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()
-            RETURNING updated_at
-            """,
-            key,
-            value,
-        )
+        return await self.pool.fetchval(sql.STATE_SET, key, value)
 
     async def state_delete(self, key: str) -> bool:
-        return (await self.pool.execute("DELETE FROM state WHERE key = $1", key)) == "DELETE 1"
+        return (await self.pool.execute(sql.STATE_DELETE, key)) == "DELETE 1"
 
     async def state_list(self, prefix: str) -> list[dict[str, Any]]:
-        # starts_with() avoids LIKE's wildcard escaping for prefixes containing % or _.
-        rows = await self.pool.fetch(
-            "SELECT key, value, updated_at FROM state WHERE starts_with(key, $1) ORDER BY key",
-            prefix,
-        )
+        rows = await self.pool.fetch(sql.STATE_LIST, prefix)
         return [dict(r) for r in rows]
 
     # -- scheduled tasks -------------------------------------------------------------------
@@ -105,26 +89,16 @@ class CoreStore:
         concurrent creations cannot both pass the cap.
         """
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute("LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE")
-            if await conn.fetchval("SELECT count(*) FROM scheduled_tasks") >= max_schedules:
+            await conn.execute(sql.SCHEDULE_LOCK)
+            if await conn.fetchval(sql.SCHEDULE_COUNT) >= max_schedules:
                 return "full"
             if routed and max_routed:
-                planted = await conn.fetchval(
-                    "SELECT count(*) FROM scheduled_tasks WHERE routed "
-                    "AND conversation IS NOT DISTINCT FROM $1",
-                    conversation,
-                )
+                planted = await conn.fetchval(sql.SCHEDULE_COUNT_ROUTED, conversation)
                 if planted >= max_routed:
                     return "routed_full"
             return _row(
                 await conn.fetchrow(
-                    f"""
-                    INSERT INTO scheduled_tasks
-                        (name, cron, prompt, next_run_at, routed, once, conversation)
-                    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6)
-                    ON CONFLICT (name) DO NOTHING
-                    RETURNING {SCHEDULE_COLUMNS}
-                    """,
+                    sql.SCHEDULE_CREATE,
                     name,
                     cron,
                     prompt,
@@ -135,34 +109,22 @@ class CoreStore:
             )
 
     async def schedule_list(self) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            f"SELECT {SCHEDULE_COLUMNS} FROM scheduled_tasks ORDER BY next_run_at NULLS LAST, name"
-        )
+        rows = await self.pool.fetch(sql.SCHEDULE_LIST)
         return [dict(r) for r in rows]
 
     async def schedule_delete(self, name: str, *, routed_only: bool = False) -> bool:
         """`routed_only`: only one a routed message's session planted (not declared)."""
-        result = await self.pool.execute(
-            "DELETE FROM scheduled_tasks WHERE name = $1 AND (NOT $2 OR (routed AND NOT declared))",
-            name,
-            routed_only,
-        )
+        result = await self.pool.execute(sql.SCHEDULE_DELETE, name, routed_only)
         return result == "DELETE 1"
 
     async def schedule_once_again(self, task_id: uuid.UUID, at: datetime, counted: bool) -> None:
         """A one-time reminder due again at `at` (its run failed, or was skipped: then not
         `counted` as an attempt)."""
-        await self.pool.execute(
-            "UPDATE scheduled_tasks SET next_run_at = $2, "
-            "attempts = attempts - CASE WHEN $3 THEN 0 ELSE 1 END WHERE id = $1 AND once",
-            task_id,
-            at,
-            counted,
-        )
+        await self.pool.execute(sql.SCHEDULE_ONCE_AGAIN, task_id, at, counted)
 
     async def schedule_ran_once(self, task_id: uuid.UUID) -> None:
         """A one-shot schedule is gone once its run finished (claimed, it is not due again)."""
-        await self.pool.execute("DELETE FROM scheduled_tasks WHERE id = $1 AND once", task_id)
+        await self.pool.execute(sql.SCHEDULE_RAN_ONCE, task_id)
 
     async def schedules_declare(
         self, declared: Sequence[tuple[str, str, str]], next_runs: Callable[[str], datetime]
@@ -175,21 +137,13 @@ class CoreStore:
         report: dict[str, list[str]] = {"created": [], "updated": [], "removed": []}
         names = [name for name, _, _ in declared]
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute("LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE")
-            current = {
-                r["name"]: r
-                for r in await conn.fetch(
-                    "SELECT name, cron, prompt, declared FROM scheduled_tasks "
-                    "WHERE declared OR name = ANY($1::text[])",
-                    names,
-                )
-            }
+            await conn.execute(sql.SCHEDULE_LOCK)
+            current = {r["name"]: r for r in await conn.fetch(sql.SCHEDULE_DECLARED, names)}
             for name, cron, prompt in declared:
                 row = current.get(name)
                 if row is None:
                     await conn.execute(
-                        "INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, declared) "
-                        "VALUES ($1, $2, $3, $4, true)",
+                        sql.SCHEDULE_DECLARE_NEW,
                         name,
                         cron,
                         prompt,
@@ -198,12 +152,7 @@ class CoreStore:
                     report["created"].append(name)
                 elif (row["cron"], row["prompt"], row["declared"]) != (cron, prompt, True):
                     await conn.execute(
-                        """UPDATE scheduled_tasks SET prompt = $3, declared = true,
-                               once = false, routed = false, enabled = true,
-                               next_run_at = CASE WHEN cron IS DISTINCT FROM $2 THEN $4
-                                                  ELSE next_run_at END,
-                               cron = $2
-                           WHERE name = $1""",
+                        sql.SCHEDULE_DECLARE_CHANGED,
                         name,
                         cron,
                         prompt,
@@ -212,9 +161,7 @@ class CoreStore:
                     report["updated"].append(name)
             gone = [n for n, r in current.items() if r["declared"] and n not in names]
             if gone:
-                await conn.execute(
-                    "DELETE FROM scheduled_tasks WHERE declared AND name = ANY($1::text[])", gone
-                )
+                await conn.execute(sql.SCHEDULE_DECLARE_GONE, gone)
                 report["removed"] = gone
         return report
 
@@ -242,19 +189,11 @@ class CoreStore:
         """
         due = []
         async with self.pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(
-                """SELECT id, name, cron, prompt, routed, once, conversation, attempts,
-                          next_run_at AS due_at
-                   FROM scheduled_tasks
-                   WHERE enabled AND next_run_at <= $1
-                   ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED""",
-                now,
-            )
+            rows = await conn.fetch(sql.SCHEDULE_DUE, now)
             for row in rows:
                 if row["once"]:
                     await conn.execute(
-                        "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3, "
-                        "attempts = attempts + 1 WHERE id = $1",
+                        sql.SCHEDULE_CLAIM_ONCE,
                         row["id"],
                         now,
                         now + once_lease,
@@ -272,9 +211,7 @@ class CoreStore:
                         exc,
                         extra={"action": "schedule_disabled"},
                     )
-                    await conn.execute(
-                        "UPDATE scheduled_tasks SET enabled = false WHERE id = $1", row["id"]
-                    )
+                    await conn.execute(sql.SCHEDULE_DISABLE, row["id"])
                     continue
                 late = now - max(latest, row["due_at"])
                 if late > catch_up:
@@ -287,18 +224,9 @@ class CoreStore:
                         following.isoformat(timespec="minutes"),
                         extra={"action": "schedule_missed"},
                     )
-                    await conn.execute(
-                        "UPDATE scheduled_tasks SET next_run_at = $2 WHERE id = $1",
-                        row["id"],
-                        following,
-                    )
+                    await conn.execute(sql.SCHEDULE_SKIP_TO, row["id"], following)
                     continue
-                await conn.execute(
-                    "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WHERE id = $1",
-                    row["id"],
-                    now,
-                    following,
-                )
+                await conn.execute(sql.SCHEDULE_RAN, row["id"], now, following)
                 due.append(dict(row))
         return due
 
@@ -308,8 +236,7 @@ class CoreStore:
         self, trigger_source: str, prompt: str, trace_id: str | None
     ) -> uuid.UUID:
         return await self.pool.fetchval(
-            """INSERT INTO sessions (trigger_source, prompt, trace_id)
-               VALUES ($1, $2, $3) RETURNING id""",
+            sql.SESSION_START,
             trigger_source,
             storable(prompt),
             trace_id,
@@ -327,9 +254,7 @@ class CoreStore:
         cost_usd: float | None = None,
     ) -> None:
         await self.pool.execute(
-            """UPDATE sessions SET result = $2, success = $3, error = $4, tool_calls = $5,
-                      duration_ms = $6, cost_usd = $7, finished_at = now()
-               WHERE id = $1""",
+            sql.SESSION_FINISH,
             session_id,
             storable(result),
             success,
@@ -341,11 +266,7 @@ class CoreStore:
 
     async def prune_sessions(self, older_than_days: int) -> int:
         """Delete finished sessions that started longer ago than that."""
-        result = await self.pool.execute(
-            """DELETE FROM sessions WHERE started_at < now() - make_interval(days => $1)
-               AND finished_at IS NOT NULL""",
-            older_than_days,
-        )
+        result = await self.pool.execute(sql.SESSIONS_PRUNE, older_than_days)
         return int(result.split()[-1])
 
     async def sessions_list(
@@ -353,28 +274,15 @@ class CoreStore:
     ) -> list[dict[str, Any]]:
         """Newest first; only one trace's when `trace_id` is given; with `detail`, each one's
         result and tool calls too."""
-        more = ", result, tool_calls" if detail else ""
         rows = await self.pool.fetch(
-            f"""SELECT id, trigger_source, prompt, success, error, duration_ms, cost_usd,
-                       trace_id, started_at, finished_at{more}
-                FROM sessions WHERE $2::text IS NULL OR trace_id = $2
-                ORDER BY started_at DESC LIMIT $1""",
-            limit,
-            trace_id,
+            sql.SESSIONS_LIST_DETAIL if detail else sql.SESSIONS_LIST, limit, trace_id
         )
         return [dict(r) for r in rows]
 
     async def sessions_summary(self, hours: int) -> dict[str, Any]:
         """The sessions started in the last `hours`: how many, how many failed, their median
         duration and what they cost (Claude Code's figures, where it gave one)."""
-        row = await self.pool.fetchrow(
-            """SELECT count(*) AS count,
-                      count(*) FILTER (WHERE success IS FALSE) AS failed,
-                      percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms) AS median_ms,
-                      sum(cost_usd) AS cost_usd
-               FROM sessions WHERE started_at > now() - make_interval(hours => $1)""",
-            hours,
-        )
+        row = await self.pool.fetchrow(sql.SESSIONS_SUMMARY, hours)
         assert row is not None  # an aggregate always has a row
         summary = dict(row)
         if summary["median_ms"] is not None:
@@ -383,36 +291,19 @@ class CoreStore:
 
     async def scheduled_runs_since(self, hours: float) -> int:
         """How many scheduled sessions (`schedule:<name>`) started in the last `hours`."""
-        return await self.pool.fetchval(
-            """SELECT count(*) FROM sessions
-               WHERE started_at > now() - make_interval(secs => $1)
-               AND starts_with(trigger_source, 'schedule:')""",
-            hours * 3600,
-        )
+        return await self.pool.fetchval(sql.SCHEDULED_RUNS_SINCE, hours * 3600)
 
     async def spend_since(self, hours: float) -> float:
         """What the sessions started in the last `hours` cost, by Claude Code's figures."""
-        return await self.pool.fetchval(
-            """SELECT coalesce(sum(cost_usd), 0)::float8 FROM sessions
-               WHERE started_at > now() - make_interval(secs => $1)""",
-            hours * 3600,
-        )
+        return await self.pool.fetchval(sql.SPEND_SINCE, hours * 3600)
 
     async def claim_notice(self, kind: str, window: Literal["hour", "day"]) -> bool:
         """True for the first claim of `kind` in the current (UTC) hour or day, False for
         every later one: who gets True tells the owner. Notices of past days are dropped."""
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
-                "DELETE FROM limit_notices WHERE window_start < now() - interval '2 days'"
-            )
-            claimed = await conn.fetchval(
-                """INSERT INTO limit_notices (kind, window_start)
-                   VALUES ($1, date_trunc($2, now(), 'UTC'))
-                   ON CONFLICT DO NOTHING RETURNING true""",
-                kind,
-                window,
-            )
+            await conn.execute(sql.NOTICES_FORGET)
+            claimed = await conn.fetchval(sql.NOTICE_CLAIM, kind, window)
         return bool(claimed)
 
     async def session_get(self, session_id: uuid.UUID) -> dict[str, Any] | None:
-        return _row(await self.pool.fetchrow("SELECT * FROM sessions WHERE id = $1", session_id))
+        return _row(await self.pool.fetchrow(sql.SESSION_GET, session_id))

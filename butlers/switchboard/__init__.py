@@ -15,7 +15,8 @@
 Beside the path:
 
     registry        discover(): butler_registry in step with the config directory
-    routing_store   the SQL of butler_registry and routing_log
+    routing_store   the store of butler_registry and routing_log
+    queries         every SQL statement of the stores (and the dashboard's), by name
     deliver         a butler's notification (its `notify`), through the outbox
     operator        inbox_list, routing_log_list, inbox_retry, outbox_list
     leadership      which of several switchboard processes runs the pollers and the outbox

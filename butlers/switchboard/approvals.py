@@ -50,6 +50,7 @@ from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
 from butlers.mcp_middleware import classification_claim
 from butlers.spawner import SESSION_HEADER
+from butlers.switchboard import queries as sql
 from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.operator import (
     _check_limit,
@@ -110,8 +111,6 @@ PRUNE_EVERY_S = 3600.0
 # it is the decider's (a second attempt would only be refused, and the CLI told "approved"
 # instead of how it ended).
 RETRY_AFTER_S = 10.0  # retention runs with the sweep, at most this often
-ROW = """id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
-         claimed_at, finished_at, result, conversation, session_id, trace_context, asked"""
 
 
 def sign(secret: bytes, approval_id: int, status: str) -> str:
@@ -147,7 +146,8 @@ class RequestedCall:
 
 
 class ApprovalStore:
-    """Every SQL statement of approvals (the switchboard's database)."""
+    """Approvals in the switchboard's database (its statements: butlers.switchboard.queries,
+    APPROVAL_*)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
@@ -156,23 +156,15 @@ class ApprovalStore:
     async def secret(self) -> bytes:
         """The buttons' signing key: made once per database, on first use."""
         if self._secret is None:
-            await self.pool.execute(
-                "INSERT INTO approval_keys (id, secret) VALUES (1, $1) ON CONFLICT (id) DO NOTHING",
-                secrets.token_bytes(32),
-            )
-            self._secret = bytes(
-                await self.pool.fetchval("SELECT secret FROM approval_keys WHERE id = 1")
-            )
+            await self.pool.execute(sql.APPROVAL_KEY_ADD, secrets.token_bytes(32))
+            self._secret = bytes(await self.pool.fetchval(sql.APPROVAL_KEY))
         return self._secret
 
     async def create(
         self, call: RequestedCall, trace_context: dict[str, str] | None
     ) -> dict[str, Any]:
         row = await self.pool.fetchrow(
-            f"""INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
-                                       expires_at, trace_context)
-                VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7)
-                RETURNING {ROW}""",
+            sql.APPROVAL_CREATE,
             storable(call.butler),
             storable(call.tool),
             storable_json(call.arguments),
@@ -185,16 +177,11 @@ class ApprovalStore:
         return dict(row)
 
     async def get(self, approval_id: int) -> dict[str, Any] | None:
-        row = await self.pool.fetchrow(f"SELECT {ROW} FROM approvals WHERE id = $1", approval_id)
+        row = await self.pool.fetchrow(sql.APPROVAL_GET, approval_id)
         return dict(row) if row is not None else None
 
     async def newest(self, status: str | None, limit: int) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            f"""SELECT {ROW} FROM approvals WHERE $1::text IS NULL OR status = $1
-                ORDER BY id DESC LIMIT $2""",
-            status,
-            limit,
-        )
+        rows = await self.pool.fetch(sql.APPROVAL_NEWEST, status, limit)
         return [dict(r) for r in rows]
 
     async def decide(self, approval_id: int, status: str, by: str) -> tuple[dict[str, Any], bool]:
@@ -202,9 +189,7 @@ class ApprovalStore:
         One conditional UPDATE: of any number of concurrent decisions one wins.
         ToolRefusal when there is no such row."""
         row = await self.pool.fetchrow(
-            f"""UPDATE approvals SET status = $2, decided_at = now(), decided_by = $3
-                WHERE id = $1 AND status = 'pending' AND expires_at > now()
-                RETURNING {ROW}""",
+            sql.APPROVAL_DECIDE,
             approval_id,
             status,
             storable(by),
@@ -219,19 +204,12 @@ class ApprovalStore:
     async def claim(self, approval_id: int, butler: str) -> dict[str, Any] | None:
         """The approved call for `butler` to run, taken once (None: not approved, not this
         butler's, or taken already)."""
-        row = await self.pool.fetchrow(
-            """UPDATE approvals SET claimed_at = now()
-               WHERE id = $1 AND butler = $2 AND status = 'approved' AND claimed_at IS NULL
-               RETURNING id, tool, arguments, conversation""",
-            approval_id,
-            butler,
-        )
+        row = await self.pool.fetchrow(sql.APPROVAL_CLAIM, approval_id, butler)
         return dict(row) if row is not None else None
 
     async def finish(self, approval_id: int, status: str, result: str) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(
-            f"""UPDATE approvals SET status = $2, result = $3, finished_at = now()
-                WHERE id = $1 AND status = 'approved' RETURNING {ROW}""",
+            sql.APPROVAL_FINISH,
             approval_id,
             status,
             storable(result[:RESULT_CHARS]),
@@ -241,62 +219,35 @@ class ApprovalStore:
     async def fail_untaken(self, approval_id: int, result: str) -> dict[str, Any] | None:
         """`failed`, if no butler has taken it (one conditional UPDATE: never a running one)."""
         row = await self.pool.fetchrow(
-            f"""UPDATE approvals SET status = 'failed', result = $2, finished_at = now()
-                WHERE id = $1 AND status = 'approved' AND claimed_at IS NULL RETURNING {ROW}""",
+            sql.APPROVAL_FAIL_UNTAKEN,
             approval_id,
             storable(result[:RESULT_CHARS]),
         )
         return dict(row) if row is not None else None
 
     async def expire_due(self) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            f"""UPDATE approvals SET status = 'expired', decided_at = now()
-                WHERE status = 'pending' AND expires_at <= now() RETURNING {ROW}"""
-        )
+        rows = await self.pool.fetch(sql.APPROVAL_EXPIRE_DUE)
         return [dict(r) for r in rows]
 
     async def unclaimed(self, decided_before_s: float) -> list[int]:
         """Approved calls no butler has taken yet (it was down, or the switchboard stopped),
         decided at least `decided_before_s` ago: a fresh one is its decider's to run."""
-        rows = await self.pool.fetch(
-            """SELECT id FROM approvals
-               WHERE status = 'approved' AND claimed_at IS NULL
-                 AND decided_at < now() - make_interval(secs => $1)
-               ORDER BY id""",
-            decided_before_s,
-        )
+        rows = await self.pool.fetch(sql.APPROVAL_UNCLAIMED, decided_before_s)
         return [r["id"] for r in rows]
 
     async def telegram_questions(self, approval_id: int) -> list[dict[str, Any]]:
         """The owner's Telegram question(s) with buttons for this approval, as sent."""
-        rows = await self.pool.fetch(
-            """SELECT recipient, text, sent_ids FROM outbox
-               WHERE kind = 'approval' AND channel = 'telegram' AND status = 'sent'
-                 AND meta->>'approval_id' = $1::bigint::text""",
-            approval_id,
-        )
+        rows = await self.pool.fetch(sql.APPROVAL_TELEGRAM_QUESTIONS, approval_id)
         return [dict(r) for r in rows]
 
     async def prune(self, older_than_days: int) -> int:
         """Retention: decided approvals whose outcome is older than that (never a pending or
         approved one: those still have something to do)."""
-        result = await self.pool.execute(
-            """DELETE FROM approvals
-               WHERE status IN ('denied', 'expired', 'done', 'failed')
-                 AND coalesce(finished_at, decided_at, requested_at)
-                     < now() - make_interval(days => $1)""",
-            older_than_days,
-        )
+        result = await self.pool.execute(sql.APPROVAL_PRUNE, older_than_days)
         return int(result.split()[-1])
 
     async def claims_lost(self, after_s: float) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            f"""UPDATE approvals SET status = 'failed', finished_at = now(),
-                       result = 'its butler took it but never said how it ended'
-                WHERE status = 'approved' AND claimed_at < now() - make_interval(secs => $1)
-                RETURNING {ROW}""",
-            after_s,
-        )
+        rows = await self.pool.fetch(sql.APPROVAL_CLAIMS_LOST, after_s)
         return [dict(r) for r in rows]
 
 
@@ -428,7 +379,7 @@ class ApprovalDesk:
         asked = {channel: chunks[0][1].get("message_id")} if by_reply else {}
         async with self.routing_store.pool.acquire() as conn, conn.transaction():
             await self.outbox.store.add(conn, outgoing, current_carrier() or None)
-            await conn.execute("UPDATE approvals SET asked = $2 WHERE id = $1", row["id"], asked)
+            await conn.execute(sql.APPROVAL_ASKED, row["id"], asked)
         self.outbox.wake()
         return True
 

@@ -17,16 +17,9 @@ import asyncpg
 
 from butlers.core_store import storable, storable_json
 from butlers.media import Attachment
+from butlers.switchboard import queries as sql
 
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
-
-_ACCEPT = """
-    INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
-                       trace_context, conversation)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-    ON CONFLICT (channel, external_id) DO NOTHING
-    RETURNING id
-"""
 
 
 @dataclass(frozen=True)
@@ -106,20 +99,18 @@ class InboxStore:
         nothing), its meta listing them ("attachments": name, type, size, kind). One without
         (nearly all) is the one statement it always was: the intake's hot path."""
         if not message.attachments:
-            return await self.pool.fetchval(_ACCEPT, *self._accept_args(message, trace_context))
+            return await self.pool.fetchval(
+                sql.INBOX_ACCEPT, *self._accept_args(message, trace_context)
+            )
         meta = {**message.meta, "attachments": meta_listing(message.attachments)}
         async with self.pool.acquire() as conn, conn.transaction():
             inbox_id: int | None = await conn.fetchval(
-                _ACCEPT, *self._accept_args(message, trace_context, meta)
+                sql.INBOX_ACCEPT, *self._accept_args(message, trace_context, meta)
             )
             if inbox_id is None:
                 return None
-            # The digest and size are PostgreSQL's to work out: not our event loop's.
             await conn.executemany(
-                """INSERT INTO inbox_attachments (inbox_id, position, name, mime_type, size,
-                                                  sha256, data)
-                   VALUES ($1, $2, $3, $4, octet_length($5::bytea),
-                           encode(sha256($5::bytea), 'hex'), $5::bytea)""",
+                sql.INBOX_ATTACHMENT_ADD,
                 [
                     (inbox_id, position, storable(a.name), a.mime_type, a.data)
                     for position, a in enumerate(message.attachments)
@@ -147,11 +138,7 @@ class InboxStore:
 
     async def attachments(self, inbox_id: int) -> list[Attachment]:
         """A message's files, in the sender's order: the same bytes on every attempt."""
-        rows = await self.pool.fetch(
-            """SELECT name, mime_type, data FROM inbox_attachments
-               WHERE inbox_id = $1 ORDER BY position""",
-            inbox_id,
-        )
+        rows = await self.pool.fetch(sql.INBOX_ATTACHMENTS, inbox_id)
         return [Attachment(r["name"], r["mime_type"], r["data"]) for r in rows]
 
     async def transcribed(
@@ -163,29 +150,7 @@ class InboxStore:
         Only while `replica` holds the claim; False when it does not (another process took the
         message over: its work counts). One statement: the text and the audio go together."""
         done = await self.pool.fetchval(
-            """
-            WITH message AS (
-                UPDATE inbox SET text = $2,
-                    meta = CASE
-                        WHEN $4 OR jsonb_typeof(meta -> 'attachments') IS DISTINCT FROM 'array'
-                        THEN meta || '{"voice": true, "transcribed": true}'
-                        ELSE meta || jsonb_build_object(
-                            'voice', true, 'transcribed', true, 'attachments', coalesce(
-                            (SELECT jsonb_agg(a ORDER BY n)
-                             FROM jsonb_array_elements(meta -> 'attachments')
-                                  WITH ORDINALITY AS listed (a, n)
-                             WHERE a ->> 'kind' IS DISTINCT FROM 'audio'),
-                            '[]'::jsonb))
-                    END
-                WHERE id = $1 AND claimed_by = $3 AND status = 'processing'
-                RETURNING id
-            ), audio AS (
-                DELETE FROM inbox_attachments
-                WHERE NOT $4 AND inbox_id = (SELECT id FROM message)
-                  AND mime_type LIKE 'audio/%'
-            )
-            SELECT count(*) = 1 FROM message
-            """,
+            sql.INBOX_TRANSCRIBED,
             inbox_id,
             storable(text),
             replica,
@@ -204,16 +169,7 @@ class InboxStore:
         deferrals in a row that `timed_out` (the service did not answer in time). False: not
         held."""
         result = await self.pool.execute(
-            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL,
-                      attempts = greatest(attempts - 1, 0),
-                      not_before = now() + make_interval(secs => $3), error = $4,
-                      meta = jsonb_set(
-                          CASE WHEN meta ? 'deferred_since' THEN meta
-                               ELSE meta || jsonb_build_object('deferred_since', now()) END,
-                          '{timeouts}',
-                          to_jsonb(CASE WHEN $5 THEN coalesce((meta ->> 'timeouts')::int, 0) + 1
-                                        ELSE 0 END))
-               WHERE id = $1 AND claimed_by = $2 AND status = 'processing'""",
+            sql.INBOX_DEFER,
             inbox_id,
             replica,
             delay_s,
@@ -227,13 +183,7 @@ class InboxStore:
         `failed` row, so that its channel may let it go and an operator still sees it. Only
         the envelope is kept: the content is what failed. None when the row already exists."""
         return await self.pool.fetchval(
-            """
-            INSERT INTO inbox (channel, external_id, source_id, subject, text, status, error,
-                               finished_at)
-            VALUES ($1, $2, $3, $4, '', 'failed', $5, now())
-            ON CONFLICT (channel, external_id) DO NOTHING
-            RETURNING id
-            """,
+            sql.INBOX_RECORD_FAILED,
             message.channel,
             storable(message.external_id),
             storable(message.source_id),
@@ -246,11 +196,7 @@ class InboxStore:
         left `processing` when it crashed goes back to the queue, in its place. A row claimed
         by nobody in particular is from before leases: requeued too. Another process's rows
         are its own until their lease runs out."""
-        result = await self.pool.execute(
-            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL
-               WHERE status = 'processing' AND (claimed_by = $1 OR claimed_by IS NULL)""",
-            replica,
-        )
+        result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, replica)
         return int(result.split()[-1])
 
     async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
@@ -266,40 +212,7 @@ class InboxStore:
         is not claimable while an older one is still queued, so neither can take it out of
         turn.
         """
-        row = await self.pool.fetchrow(
-            """
-            WITH candidate AS (
-                SELECT q.id FROM inbox q
-                WHERE ((q.status = 'queued' AND (q.not_before IS NULL OR q.not_before <= now()))
-                       OR (q.status = 'processing' AND q.lease_until < now()))
-                  AND NOT EXISTS (
-                      SELECT 1 FROM inbox o
-                      WHERE o.conversation = q.conversation AND o.id <> q.id
-                        AND o.status IN ('queued', 'processing')
-                        AND (o.id < q.id OR o.lease_until >= now())
-                  )
-                ORDER BY q.id LIMIT 1
-                FOR UPDATE SKIP LOCKED
-            ), claimed AS (
-                UPDATE inbox SET status = 'processing', attempts = attempts + 1,
-                                 claimed_by = $1,
-                                 lease_until = now() + make_interval(secs => $2)
-                WHERE id = (SELECT id FROM candidate)
-                RETURNING *
-            )
-            SELECT claimed.*, sender.earlier AS earlier_from_sender, sender.told AS sender_told
-            FROM claimed CROSS JOIN LATERAL (
-                SELECT count(*) AS earlier,
-                       coalesce(bool_or(i.status = 'skipped'), false) AS told
-                FROM inbox i
-                WHERE i.channel = claimed.channel AND i.source_id = claimed.source_id
-                  AND i.received_at > claimed.received_at - interval '1 hour'
-                  AND i.id < claimed.id
-            ) AS sender
-            """,
-            replica,
-            lease_s,
-        )
+        row = await self.pool.fetchrow(sql.INBOX_CLAIM_NEXT, replica, lease_s)
         return None if row is None else InboxMessage.from_row(row)
 
     async def renew(self, replica: str, inbox_ids: Sequence[int], lease_s: float) -> set[int]:
@@ -309,16 +222,7 @@ class InboxStore:
         go of it) is still its own, not lost: counted as held, so that its worker is not
         told to stop what has already succeeded."""
         rows = await self.pool.fetch(
-            """WITH renewed AS (
-                   UPDATE inbox SET lease_until = now() + make_interval(secs => $3)
-                   WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'
-                   RETURNING id
-               )
-               SELECT id FROM renewed
-               UNION
-               SELECT id FROM inbox
-               WHERE id = ANY($2::bigint[]) AND claimed_by = $1
-                 AND status IN ('done', 'failed', 'skipped')""",
+            sql.INBOX_RENEW,
             replica,
             list(inbox_ids),
             lease_s,
@@ -329,13 +233,7 @@ class InboxStore:
         """A process stopping on purpose hands its messages back to the queue, in their
         place, for another process (or itself, restarted) to start afresh: that attempt
         does not count as one a crash interrupted."""
-        result = await self.pool.execute(
-            """UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL,
-                      attempts = greatest(attempts - 1, 0)
-               WHERE id = ANY($2::bigint[]) AND claimed_by = $1 AND status = 'processing'""",
-            replica,
-            list(inbox_ids),
-        )
+        result = await self.pool.execute(sql.INBOX_RELEASE, replica, list(inbox_ids))
         return int(result.split()[-1])
 
     async def finish(
@@ -354,10 +252,7 @@ class InboxStore:
         took it over; its outcome is the one that counts). `conn`: in the caller's
         transaction (with its outbox rows)."""
         result = await (conn or self.pool).execute(
-            """UPDATE inbox SET status = $2, routed_to = coalesce($3, routed_to), reply = $4,
-                      error = $5, classified_via = coalesce($6, classified_via),
-                      finished_at = now(), lease_until = NULL
-               WHERE id = $1 AND claimed_by = $7 AND status = 'processing'""",
+            sql.INBOX_FINISH,
             inbox_id,
             status,
             routed_to,
@@ -373,35 +268,20 @@ class InboxStore:
         oldest first: who said what, and which butler answered what."""
         if not message.conversation or exchanges <= 0:
             return []
-        rows = await self.pool.fetch(
-            """SELECT sender_name, source_id, subject, text, routed_to, reply FROM inbox
-               WHERE conversation = $1 AND id < $2 AND status = 'done'
-               ORDER BY id DESC LIMIT $3""",
-            message.conversation,
-            message.id,
-            exchanges,
-        )
+        rows = await self.pool.fetch(sql.INBOX_HISTORY, message.conversation, message.id, exchanges)
         return [dict(r) for r in reversed(rows)]
 
     async def last_of_conversation(self, conversation: str) -> InboxMessage | None:
         """The newest message of a conversation (whom a notification to it goes to)."""
-        row = await self.pool.fetchrow(
-            """SELECT *, 0 AS earlier_from_sender, false AS sender_told FROM inbox
-               WHERE conversation = $1 ORDER BY id DESC LIMIT 1""",
-            conversation,
-        )
+        row = await self.pool.fetchrow(sql.INBOX_LAST_OF_CONVERSATION, conversation)
         return None if row is None else InboxMessage.from_row(row)
 
     async def prune(self, older_than_days: int) -> int:
         """Delete finished messages older than that, their files with them (the cascade of
         inbox_attachments); queued and processing ones stay."""
-        result = await self.pool.execute(
-            """DELETE FROM inbox WHERE finished_at < now() - make_interval(days => $1)
-               AND status IN ('done', 'failed', 'skipped')""",
-            older_than_days,
-        )
+        result = await self.pool.execute(sql.INBOX_PRUNE, older_than_days)
         return int(result.split()[-1])
 
     async def get(self, inbox_id: int) -> dict[str, Any] | None:
-        row = await self.pool.fetchrow("SELECT * FROM inbox WHERE id = $1", inbox_id)
+        row = await self.pool.fetchrow(sql.INBOX_GET, inbox_id)
         return None if row is None else dict(row)

@@ -25,6 +25,7 @@ from fastmcp.server.dependencies import get_http_headers
 
 from butlers.settings import DEFAULT_JAEGER_UI_URL
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
+from butlers.switchboard.queries import TRACE_OF_CONTEXT, WITH_ROUTED_TRACE
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -44,21 +45,6 @@ _HEAD_CHARS = EXCERPT_CHARS * 4
 _WHITESPACE = re.compile(r"\s+")
 
 logger = logging.getLogger(__name__)
-
-# A message's trace id: its stored trace context's (W3C traceparent).
-TRACE_OF_CONTEXT = "substring(trace_context->>'traceparent' FROM '^[0-9a-f]{2}-([0-9a-f]{32})-')"
-# Over a CTE `page` of inbox rows with `traced`: each row with its trace_id, which for a row
-# without a stored context (an envelope kept by `record_failed`, a row from before tracing)
-# is its first route's. Newest first.
-WITH_ROUTED_TRACE = """
-    SELECT page.*, coalesce(page.traced, routed.trace_id) AS trace_id
-    FROM page LEFT JOIN LATERAL (
-        SELECT r.trace_id FROM routing_log r
-        WHERE page.traced IS NULL AND r.inbox_id = page.id AND r.trace_id IS NOT NULL
-        ORDER BY r.created_at LIMIT 1
-    ) AS routed ON true
-    ORDER BY page.id DESC
-"""
 
 
 def jaeger_url(trace_id: str, jaeger_ui_url: str = DEFAULT_JAEGER_UI_URL) -> str:

@@ -40,6 +40,8 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from butlers.core_store import storable, storable_json
 from butlers.errors import DeliveryError, RecipientDeferred
 from butlers.media import Attachment
+from butlers.switchboard import queries as sql
+from butlers.switchboard.queries import HELD_KEY as HELD_KEY
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier
 
@@ -55,35 +57,8 @@ IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
 # channel's later messages queue behind the row (delivery is in order).
 MAX_INTERNAL_ERRORS = 3
 ERROR_CHARS = 1000
-# In a row's meta: its last attempt was refused for its recipient only (RecipientDeferred), so
-# it holds back only that recipient's later rows.
-HELD_KEY = "held_for_recipient"
 # In a row's meta: how many files it carries (none: the key is absent).
 FILES_KEY = "files"
-_ADD = """
-    INSERT INTO outbox (kind, inbox_id, butler, channel, recipient, conversation, text, meta,
-                        trace_context)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-"""
-
-# Each recipient's first unsent row of the channel: the others wait for it (one pass over
-# the unsent rows, whatever their number).
-_RECIPIENT_HEADS = """
-    SELECT min(h.id) FROM outbox h
-    WHERE h.channel = $1 AND h.status IN ('pending', 'sending') GROUP BY h.recipient
-"""
-# The rows `o` that may go next (due or not): their recipient's first, and not after the
-# channel's first such row that waits for the channel (one not held for its recipient).
-# Both found once per query: asked row by row ("is any older row in the way"), finding the
-# next due time took 200-500 ms with 10,000 rows queued.
-_MAY_GO = f"""
-    o.id IN ({_RECIPIENT_HEADS})
-    AND o.id <= (
-        SELECT coalesce(min(f.id), 9223372036854775807) FROM outbox f
-        WHERE f.id IN ({_RECIPIENT_HEADS})
-          AND NOT coalesce((f.meta ->> '{HELD_KEY}')::boolean, false)
-    )
-"""
 
 
 @dataclass(frozen=True)
@@ -155,20 +130,21 @@ class OutboxStore:
         row order is delivery order), all in one transaction (a savepoint inside the
         caller's); without any, in one round trip as always."""
         if not any(m.attachments for m in messages):
-            await conn.executemany(_ADD, [self._row_args(m, trace_context) for m in messages])
+            await conn.executemany(
+                sql.OUTBOX_ADD, [self._row_args(m, trace_context) for m in messages]
+            )
             return
         async with conn.transaction():
             for m in messages:
                 if not m.attachments:
-                    await conn.execute(_ADD, *self._row_args(m, trace_context))
+                    await conn.execute(sql.OUTBOX_ADD, *self._row_args(m, trace_context))
                     continue
                 meta = {**m.meta, FILES_KEY: len(m.attachments)}
                 outbox_id = await conn.fetchval(
-                    _ADD + " RETURNING id", *self._row_args(m, trace_context, meta)
+                    sql.OUTBOX_ADD_RETURNING_ID, *self._row_args(m, trace_context, meta)
                 )
                 await conn.executemany(
-                    """INSERT INTO outbox_attachments (outbox_id, position, name, mime_type, data)
-                       VALUES ($1, $2, $3, $4, $5)""",
+                    sql.OUTBOX_ATTACHMENT_ADD,
                     [
                         (outbox_id, position, storable(a.name), a.mime_type, a.data)
                         for position, a in enumerate(m.attachments)
@@ -196,44 +172,23 @@ class OutboxStore:
         in order: while the oldest waits for its next attempt, the ones after it wait too,
         unless it is held for its recipient only (HELD_KEY): then only that recipient's do.
         A row with files (FILES_KEY) comes with them."""
-        row = await self.pool.fetchrow(
-            f"""
-            WITH head AS (
-                SELECT o.id FROM outbox o
-                WHERE {_MAY_GO} AND o.next_attempt_at <= now()
-                ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED
-            )
-            UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1
-            FROM head WHERE outbox.id = head.id
-            RETURNING outbox.*
-            """,
-            channel,
-        )
+        row = await self.pool.fetchrow(sql.OUTBOX_CLAIM, channel)
         if row is None:
             return None
         if not (row["meta"] or {}).get(FILES_KEY):
             return Delivery.from_row(row)
-        files = await self.pool.fetch(
-            """SELECT name, mime_type, data FROM outbox_attachments
-               WHERE outbox_id = $1 ORDER BY position""",
-            row["id"],
-        )
+        files = await self.pool.fetch(sql.OUTBOX_ATTACHMENTS, row["id"])
         return Delivery.from_row(
             row, [Attachment(f["name"], f["mime_type"], f["data"]) for f in files]
         )
 
     async def head_due_in_s(self, channel: str) -> float | None:
         """Seconds until the next row `claim` may take is due; None when there is none."""
-        return await self.pool.fetchval(
-            f"""SELECT greatest(0, extract(epoch FROM min(o.next_attempt_at) - now()))::float8
-                FROM outbox o WHERE {_MAY_GO}""",
-            channel,
-        )
+        return await self.pool.fetchval(sql.OUTBOX_HEAD_DUE_IN_S, channel)
 
     async def sent(self, delivery_id: int, sent_ids: Sequence[str]) -> None:
         await self.pool.execute(
-            """UPDATE outbox SET status = 'sent', sent_at = now(), sent_ids = $2, error = NULL
-               WHERE id = $1""",
+            sql.OUTBOX_SENT,
             delivery_id,
             [storable(str(i)) for i in sent_ids],
         )
@@ -244,11 +199,7 @@ class OutboxStore:
         """Try the row again in `delay_s`; `held_for_recipient`: only its recipient's later
         rows wait for it (RecipientDeferred), not the channel's."""
         await self.pool.execute(
-            f"""UPDATE outbox SET status = 'pending', error = $2,
-                      next_attempt_at = now() + make_interval(secs => $3),
-                      meta = CASE WHEN $4 THEN coalesce(meta, '{{}}') || '{{"{HELD_KEY}": true}}'
-                                  ELSE meta - '{HELD_KEY}' END
-               WHERE id = $1""",
+            sql.OUTBOX_LATER,
             delivery_id,
             storable(error[:ERROR_CHARS]),
             delay_s,
@@ -257,7 +208,7 @@ class OutboxStore:
 
     async def failed(self, delivery_id: int, error: str) -> None:
         await self.pool.execute(
-            "UPDATE outbox SET status = 'failed', error = $2 WHERE id = $1",
+            sql.OUTBOX_FAILED,
             delivery_id,
             storable(error[:ERROR_CHARS]),
         )
@@ -270,11 +221,7 @@ class OutboxStore:
         if not sent_ids or within_days <= 0:
             return None
         return await self.pool.fetchval(
-            """SELECT butler FROM outbox
-               WHERE channel = $1 AND recipient = $2 AND sent_ids && $3::text[]
-                 AND butler IS NOT NULL AND status = 'sent'
-                 AND created_at > now() - make_interval(days => $4)
-               ORDER BY id DESC LIMIT 1""",
+            sql.OUTBOX_BUTLER_ANSWERING,
             channel,
             recipient,
             [str(i) for i in sent_ids],
@@ -282,21 +229,12 @@ class OutboxStore:
         )
 
     async def notifications_last_hour(self, butler: str) -> int:
-        return await self.pool.fetchval(
-            """SELECT count(DISTINCT (conversation, created_at)) FROM outbox
-               WHERE kind = 'notification' AND butler = $1
-                 AND created_at > now() - interval '1 hour'""",
-            butler,
-        )
+        return await self.pool.fetchval(sql.OUTBOX_NOTIFICATIONS_LAST_HOUR, butler)
 
     async def prune(self, older_than_days: int) -> int:
         """Delete sent and failed rows older than that, their files with them (the cascade of
         outbox_attachments); what is still to send stays."""
-        result = await self.pool.execute(
-            """DELETE FROM outbox WHERE created_at < now() - make_interval(days => $1)
-               AND status IN ('sent', 'failed')""",
-            older_than_days,
-        )
+        result = await self.pool.execute(sql.OUTBOX_PRUNE, older_than_days)
         return int(result.split()[-1])
 
 

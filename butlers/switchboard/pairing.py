@@ -59,6 +59,7 @@ from fastmcp import FastMCP
 from butlers.channels import channel_names, spec_of
 from butlers.config import OwnerConfig, PairingConfig
 from butlers.core_store import CoreStore, storable
+from butlers.switchboard import queries as sql
 from butlers.switchboard.approvals import (
     MAC_BYTES,
     PressAnswer,
@@ -98,12 +99,6 @@ MAX_PAIRED_LISTED = 500
 # Telegram allows 64 bytes of callback data: "p", a letter, the id, a dot, 16 bytes of MAC.
 _LETTER = {"approved": "a", "denied": "d"}
 _CALLBACK = re.compile(r"p([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
-ROW = """id, channel, sender, name, code, status, created_at, expires_at, decided_at,
-         decided_by"""
-# Serialises, per channel, "is there room for one more pending code" with taking it; and all
-# decisions by code, with counting the wrong ones.
-_CHANNEL_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('butlers.pairing:' || $1, 0))"
-_ATTEMPTS_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('butlers.pairing.attempts', 0))"
 
 
 def new_code() -> str:
@@ -179,7 +174,8 @@ def describe_sender(row: dict[str, Any]) -> str:
 
 
 class PairingStore:
-    """Every SQL statement of pairing (the switchboard's database)."""
+    """Pairing in the switchboard's database (its statements: butlers.switchboard.queries,
+    PAIRING_*)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
@@ -187,30 +183,17 @@ class PairingStore:
         self.notices = CoreStore(pool)
 
     async def is_paired(self, channel: str, sender: str) -> bool:
-        found = await self.pool.fetchval(
-            "SELECT true FROM paired_senders WHERE channel = $1 AND sender = $2",
-            channel,
-            storable(sender),
-        )
+        found = await self.pool.fetchval(sql.PAIRING_IS_PAIRED, channel, storable(sender))
         return found is not None
 
     async def expire(self, conn: Any, channel: str | None = None) -> None:
-        await conn.execute(
-            """UPDATE pairing_requests SET status = 'expired'
-               WHERE status = 'pending' AND expires_at <= now()
-                 AND ($1::text IS NULL OR channel = $1)""",
-            channel,
-        )
+        await conn.execute(sql.PAIRING_EXPIRE, channel)
 
     async def prune(self, conn: Any, channel: str) -> None:
         """Rows that no longer decide anything: answered over an hour ago and not pending,
         except a denial, which keeps its sender quiet for DENIED_QUIET_DAYS."""
         await conn.execute(
-            """DELETE FROM pairing_requests
-               WHERE channel = $1 AND status <> 'pending'
-                 AND created_at < now() - make_interval(secs => $2)
-                 AND NOT (status = 'denied'
-                          AND decided_at > now() - make_interval(days => $3))""",
+            sql.PAIRING_PRUNE,
             channel,
             float(ANSWER_EVERY_S),
             DENIED_QUIET_DAYS,
@@ -221,13 +204,7 @@ class PairingStore:
         the hour, or was denied within DENIED_QUIET_DAYS."""
         return bool(
             await conn.fetchval(
-                """SELECT EXISTS (
-                       SELECT 1 FROM pairing_requests
-                       WHERE channel = $1 AND sender = $2
-                         AND (created_at > now() - make_interval(secs => $3)
-                              OR status = 'pending'
-                              OR (status = 'denied'
-                                  AND decided_at > now() - make_interval(days => $4))))""",
+                sql.PAIRING_ANSWERED_RECENTLY,
                 channel,
                 sender,
                 float(ANSWER_EVERY_S),
@@ -236,12 +213,7 @@ class PairingStore:
         )
 
     async def pending_count(self, conn: Any, channel: str) -> int:
-        return int(
-            await conn.fetchval(
-                "SELECT count(*) FROM pairing_requests WHERE channel = $1 AND status = 'pending'",
-                channel,
-            )
-        )
+        return int(await conn.fetchval(sql.PAIRING_PENDING_COUNT, channel))
 
     async def create(self, conn: Any, stranger: Stranger, ttl_minutes: int) -> dict[str, Any]:
         """A new pending code for `stranger`. A code that collides with a kept one (one in
@@ -251,10 +223,7 @@ class PairingStore:
             try:
                 async with conn.transaction():  # a savepoint: a collision undoes only this
                     row = await conn.fetchrow(
-                        f"""INSERT INTO pairing_requests
-                                (channel, sender, name, code, code_digest, expires_at)
-                            VALUES ($1, $2, $3, $4, $5, now() + make_interval(mins => $6))
-                            RETURNING {ROW}""",
+                        sql.PAIRING_CREATE,
                         stranger.channel,
                         stranger.sender,
                         stranger.name,
@@ -280,12 +249,9 @@ class PairingStore:
     ) -> dict[str, Any] | None:
         """Decide the request whose `key` (its code's digest, typed; its id, from a button) is
         `value`, if it is still pending and valid: one conditional UPDATE, so a code is taken
-        once, however the owner decides and however often. `key` is one of the two column
-        names above, never input."""
+        once, however the owner decides and however often."""
         row = await conn.fetchrow(
-            f"""UPDATE pairing_requests SET status = $2, decided_at = now(), decided_by = $3
-                WHERE {key} = $1 AND status = 'pending' AND expires_at > now()
-                RETURNING {ROW}""",
+            sql.PAIRING_DECIDE_BY_ID if key == "id" else sql.PAIRING_DECIDE_BY_DIGEST,
             value,
             status,
             storable(by),
@@ -293,23 +259,16 @@ class PairingStore:
         return dict(row) if row is not None else None
 
     async def by_digest(self, conn: Any, code_digest: bytes) -> dict[str, Any] | None:
-        row = await conn.fetchrow(
-            f"SELECT {ROW} FROM pairing_requests WHERE code_digest = $1", code_digest
-        )
+        row = await conn.fetchrow(sql.PAIRING_BY_DIGEST, code_digest)
         return dict(row) if row is not None else None
 
     async def get(self, pairing_id: int) -> dict[str, Any] | None:
-        row = await self.pool.fetchrow(
-            f"SELECT {ROW} FROM pairing_requests WHERE id = $1", pairing_id
-        )
+        row = await self.pool.fetchrow(sql.PAIRING_GET, pairing_id)
         return dict(row) if row is not None else None
 
     async def pair(self, conn: Any, row: dict[str, Any], by: str) -> None:
         await conn.execute(
-            """INSERT INTO paired_senders (channel, sender, name, approved_by)
-               VALUES ($1, $2, $3, $4)
-               ON CONFLICT (channel, sender) DO UPDATE
-               SET name = excluded.name, approved_at = now(), approved_by = excluded.approved_by""",
+            sql.PAIRING_PAIR,
             row["channel"],
             row["sender"],
             row["name"],
@@ -317,50 +276,31 @@ class PairingStore:
         )
 
     async def unpair(self, channel: str, sender: str) -> dict[str, Any] | None:
-        row = await self.pool.fetchrow(
-            """DELETE FROM paired_senders WHERE channel = $1 AND sender = $2
-               RETURNING channel, sender, name, approved_at, approved_by""",
-            channel,
-            storable(sender),
-        )
+        row = await self.pool.fetchrow(sql.PAIRING_UNPAIR, channel, storable(sender))
         return dict(row) if row is not None else None
 
     async def wrong_codes(self, conn: Any) -> tuple[int, Any]:
         """The wrong codes of the last hour, and when the oldest of them stops counting."""
-        await conn.execute("DELETE FROM pairing_failures WHERE at <= now() - interval '1 hour'")
-        row = await conn.fetchrow(
-            "SELECT count(*) AS n, min(at) + interval '1 hour' AS until FROM pairing_failures"
-        )
+        await conn.execute(sql.PAIRING_FORGET_WRONG_CODES)
+        row = await conn.fetchrow(sql.PAIRING_WRONG_CODES)
         return int(row["n"]), row["until"]
 
     async def wrong_code(self, conn: Any, by: str) -> None:
-        await conn.execute("INSERT INTO pairing_failures (by) VALUES ($1)", storable(by))
+        await conn.execute(sql.PAIRING_WRONG_CODE, storable(by))
 
     async def pending(self) -> list[dict[str, Any]]:
         async with self.pool.acquire() as conn:
             await self.expire(conn)
-            rows = await conn.fetch(
-                f"SELECT {ROW} FROM pairing_requests WHERE status = 'pending' ORDER BY id"
-            )
+            rows = await conn.fetch(sql.PAIRING_PENDING)
         return [dict(r) for r in rows]
 
     async def paired(self) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            """SELECT channel, sender, name, approved_at, approved_by FROM paired_senders
-               ORDER BY approved_at DESC LIMIT $1""",
-            MAX_PAIRED_LISTED,
-        )
+        rows = await self.pool.fetch(sql.PAIRING_PAIRED, MAX_PAIRED_LISTED)
         return [dict(r) for r in rows]
 
     async def owner_questions(self, pairing_id: int) -> list[dict[str, Any]]:
         """The owner's Telegram question(s) with buttons for this code, as sent."""
-        rows = await self.pool.fetch(
-            """SELECT recipient, text, sent_ids FROM outbox
-               WHERE kind = 'pairing' AND channel = 'telegram' AND status = 'sent'
-                 AND meta ? 'inline_keyboard'
-                 AND meta->>'pairing_id' = $1::bigint::text""",
-            pairing_id,
-        )
+        rows = await self.pool.fetch(sql.PAIRING_OWNER_QUESTIONS, pairing_id)
         return [dict(r) for r in rows]
 
 
@@ -415,7 +355,7 @@ class PairingDesk:
         stranger = Stranger(stranger.channel, sender, clean_name(stranger.name), stranger.reply_to)
         full = False
         async with self.store.pool.acquire() as conn, conn.transaction():
-            await conn.execute(_CHANNEL_LOCK, stranger.channel)
+            await conn.execute(sql.PAIRING_CHANNEL_LOCK, stranger.channel)
             await self.store.expire(conn, stranger.channel)
             await self.store.prune(conn, stranger.channel)
             if await self.store.answered_recently(conn, stranger.channel, stranger.sender):
@@ -581,7 +521,7 @@ class PairingDesk:
         refusal: str | None = None
         row: dict[str, Any] | None = None
         async with self.store.pool.acquire() as conn, conn.transaction():
-            await conn.execute(_ATTEMPTS_LOCK)
+            await conn.execute(sql.PAIRING_ATTEMPTS_LOCK)
             wrong, until = await self.store.wrong_codes(conn)
             if wrong >= MAX_WRONG_CODES_PER_HOUR:
                 refusal = (

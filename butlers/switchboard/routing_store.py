@@ -1,7 +1,7 @@
-"""Every SQL statement on the tables of where a call can go and where it went: butler_registry
-(written by discover, read by route, list_butlers and the classifier's list) and routing_log
-(a row per route and notification). The inbox and the outbox have their stores next to their
-logic (butlers.switchboard.inbox, .outbox), the operator's read queries theirs (.operator)."""
+"""The store of where a call can go and where it went: butler_registry (written by discover,
+read by route, list_butlers and the classifier's list) and routing_log (a row per route and
+notification). Its statements are named in butlers.switchboard.queries (REGISTRY_*,
+ROUTING_LOG_*), with every other store's of the switchboard."""
 
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ from typing import Any
 import asyncpg
 
 from butlers.core_store import storable
-
-REGISTRY_COLUMNS = "name, endpoint_url, description, modules, last_seen_at, registered_at"
-# Beyond the spec's six: whether the last discover missed the butler (route refuses it until
-# one sees it again) and whether it is a switchboard (route refuses it whatever its name).
-ROUTABILITY_COLUMNS = "missing_since IS NOT NULL AS stale, is_switchboard"
+from butlers.switchboard import queries as sql
 
 
 @dataclass(frozen=True)
@@ -77,18 +73,11 @@ class RoutingStore:
 
     async def registry(self) -> list[dict[str, Any]]:
         """Every row: the spec's six columns, `stale` and `is_switchboard`."""
-        rows = await self.pool.fetch(
-            f"SELECT {REGISTRY_COLUMNS}, {ROUTABILITY_COLUMNS} FROM butler_registry ORDER BY name"
-        )
+        rows = await self.pool.fetch(sql.REGISTRY)
         return [dict(r) for r in rows]
 
     async def routing_entry(self, entry_id: uuid.UUID) -> dict[str, Any] | None:
-        row = await self.pool.fetchrow(
-            """SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
-                      tool_name, prompt_summary, success, error, duration_ms, trace_id
-               FROM routing_log WHERE id = $1""",
-            entry_id,
-        )
+        row = await self.pool.fetchrow(sql.ROUTING_LOG_ENTRY, entry_id)
         return dict(row) if row is not None else None
 
     async def target(self, name: str) -> RegistryTarget | None:
@@ -96,11 +85,7 @@ class RoutingStore:
         no row: None, without asking (the query itself would fail)."""
         if storable(name) != name:
             return None
-        row = await self.pool.fetchrow(
-            f"SELECT name, endpoint_url, modules, {ROUTABILITY_COLUMNS} "
-            "FROM butler_registry WHERE name = $1",
-            name,
-        )
+        row = await self.pool.fetchrow(sql.REGISTRY_TARGET, name)
         return RegistryTarget.of_row(row) if row is not None else None
 
     async def record_discovery(self, entries: Sequence[RegistryEntry]) -> None:
@@ -108,28 +93,13 @@ class RoutingStore:
         other row is stale from now on (`missing_since`, kept from its first miss)."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.executemany(
-                """
-                INSERT INTO butler_registry
-                    (name, endpoint_url, description, modules, is_switchboard, last_seen_at)
-                VALUES ($1, $2, $3, $4, $5, now())
-                ON CONFLICT (name) DO UPDATE SET
-                    endpoint_url = EXCLUDED.endpoint_url,
-                    description = EXCLUDED.description,
-                    modules = EXCLUDED.modules,
-                    is_switchboard = EXCLUDED.is_switchboard,
-                    missing_since = NULL,
-                    last_seen_at = now()
-                """,
+                sql.REGISTRY_UPSERT,
                 [
                     (e.name, e.endpoint_url, e.description, e.modules, e.is_switchboard)
                     for e in entries
                 ],
             )
-            await conn.execute(
-                """UPDATE butler_registry SET missing_since = coalesce(missing_since, now())
-                   WHERE NOT (name = ANY($1::text[]))""",
-                [e.name for e in entries],
-            )
+            await conn.execute(sql.REGISTRY_MARK_MISSING, [e.name for e in entries])
 
     async def record_route(self, record: RouteRecord) -> uuid.UUID:
         """Log one route, and on success stamp the target as seen: one round trip for both.
@@ -143,19 +113,7 @@ class RoutingStore:
         a second of log rows, never half a row; inbox writes keep durable commits.
         """
         return await self.pool.fetchval(
-            """
-            WITH async_commit AS (
-                SELECT set_config('synchronous_commit', 'off', true)
-            ), seen AS (
-                UPDATE butler_registry SET last_seen_at = now()
-                WHERE name = $3 AND $7::boolean
-            )
-            INSERT INTO routing_log (source_channel, source_id, routed_to, tool_name,
-                                     prompt_summary, trace_id, success, error, duration_ms,
-                                     inbox_id)
-            SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM async_commit
-            RETURNING id
-            """,
+            sql.ROUTING_LOG_RECORD,
             storable(record.source_channel),
             storable(record.source_id),
             storable(record.routed_to),
@@ -170,8 +128,5 @@ class RoutingStore:
 
     async def prune(self, older_than_days: int) -> int:
         """Delete routing_log rows older than that."""
-        result = await self.pool.execute(
-            "DELETE FROM routing_log WHERE created_at < now() - make_interval(days => $1)",
-            older_than_days,
-        )
+        result = await self.pool.execute(sql.ROUTING_LOG_PRUNE, older_than_days)
         return int(result.split()[-1])
