@@ -1,0 +1,311 @@
+"""The inbox worker's logic on the in-memory stores (butlers.switchboard.memory_store): no
+database, no process, no socket. The stores keep PostgreSQL's promises (tests/
+test_store_contract.py); the butlers are a stand-in router (what they answer is not under test
+here), and the classifier is the triage rules (no Claude Code session).
+
+What is under test: one message of a conversation at a time and in order, at most
+`max_concurrent_messages` at once, the attempts limit, resuming what a crash left, a deferred
+message woken when it is due, the reply queued to the outbox with the message's outcome, and a
+failed route's reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+
+from butlers.config import SwitchboardConfig, TranscriptionConfig, TriageRule
+from butlers.errors import RouteError, TranscriptionFailed
+from butlers.media import Attachment
+from butlers.switchboard import attachments as attachment_step
+from butlers.switchboard import worker as worker_module
+from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, IncomingMessage
+from butlers.switchboard.memory_store import (
+    MemoryDatabase,
+    MemoryInboxStore,
+    MemoryOutboxStore,
+    MemoryRoutingStore,
+)
+from butlers.switchboard.outbox import OutboxSender
+from butlers.switchboard.replies import sorry
+from butlers.switchboard.worker import InboxWorker
+
+REPLICA = "sb-1"
+_ids = itertools.count(1)
+
+
+class Unreachable(RouteError):
+    kind = "unreachable"
+
+
+@dataclass
+class StandInRouter:
+    """The butlers, as the worker reaches them: each route is recorded, held until `gate` is
+    open, and answered "<butler> did: <text>" (or raises what `fail` says for that butler)."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    fail: dict[str, RouteError] = field(default_factory=dict)
+    routed: list[tuple[str, str]] = field(default_factory=list)  # (butler, text), in order
+    active: list[str] = field(default_factory=list)  # the texts being routed now
+    most_at_once: int = 0
+    overlapping: list[tuple[str, str]] = field(default_factory=list)  # same conversation
+    entered: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def route(self, butler: str, tool: str, args: dict[str, Any], *, source: Any) -> Any:
+        text = args["prompt"]
+        conversation = text.split("#")[0]
+        self.overlapping += [
+            (other, text) for other in self.active if other.split("#")[0] == conversation
+        ]
+        self.active.append(text)
+        self.most_at_once = max(self.most_at_once, len(self.active))
+        self.routed.append((butler, text))
+        async with self.entered:
+            self.entered.notify_all()
+        try:
+            await self.gate.wait()
+            for _ in range(3):  # a butler's answer takes a while: others may run meanwhile
+                await asyncio.sleep(0)
+            if butler in self.fail:
+                raise self.fail[butler]
+            return {"result": f"{butler} did: {text}"}
+        finally:
+            self.active.remove(text)
+
+    async def is_routable(self, butler: str) -> bool:
+        return True
+
+    async def until_active(self, count: int) -> None:
+        async with self.entered:
+            await self.entered.wait_for(lambda: len(self.active) >= count)
+
+
+class StandInChannel:
+    """A channel's sending half as the worker uses it: one row per reply."""
+
+    def prepare(
+        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        return [(text, {"reply_to": reply_to.external_id if reply_to else None})]
+
+
+@dataclass
+class Parts:
+    database: MemoryDatabase
+    inbox: MemoryInboxStore
+    outbox: MemoryOutboxStore
+    router: StandInRouter
+    make: Callable[..., InboxWorker]
+
+
+@pytest.fixture
+async def parts() -> AsyncIterator[Parts]:
+    database = MemoryDatabase()
+    inbox, outbox = MemoryInboxStore(database), MemoryOutboxStore(database)
+    router = StandInRouter()
+    workers: list[InboxWorker] = []
+
+    def make(max_concurrent: int = 2, transcriber: Any = None, **limits: Any) -> InboxWorker:
+        sender = OutboxSender(outbox, tracer=trace.get_tracer("test"), retry_hours=1)
+        sender.channels["telegram"] = StandInChannel()
+        worker = InboxWorker(
+            inbox=inbox,
+            routing_store=MemoryRoutingStore(database),
+            router=router,
+            spawner=SimpleNamespace(config=SimpleNamespace(name="switchboard")),
+            # Every telegram message goes to `general`, one "to:health" to health: triage only.
+            triage_rules=[
+                TriageRule(butler="health", pattern="to:health"),
+                TriageRule(butler="general", channel="telegram"),
+            ],
+            # No history in the prompts: the stand-in router reads the message's text alone.
+            limits=SwitchboardConfig(
+                max_concurrent_messages=max_concurrent, context_messages=0, **limits
+            ),
+            switchboard_url="http://127.0.0.1:9/sse",  # never used: no classification session
+            switchboard_tools=lambda: [],
+            tracer=trace.get_tracer("test"),
+            outbox=sender,
+            replica=REPLICA,
+            transcriber=transcriber,
+        )
+        workers.append(worker)
+        return worker
+
+    yield Parts(database, inbox, outbox, router, make)
+    for worker in workers:
+        await worker.close()
+
+
+def message(conversation: str, n: int, **kw: Any) -> IncomingMessage:
+    """Text "<conversation>#<n>": the stand-in router tells conversations apart by it."""
+    return IncomingMessage(
+        "telegram",
+        f"m{next(_ids)}",
+        f"{conversation}#{n}",
+        source_id=conversation,
+        conversation=f"telegram:{conversation}",
+        **kw,
+    )
+
+
+async def done(worker: InboxWorker, ids: list[int]) -> list[dict[str, Any]]:
+    async with asyncio.timeout(10):
+        return [await worker.wait_for(inbox_id) for inbox_id in ids]
+
+
+async def test_a_conversation_goes_one_at_a_time_in_order(parts: Parts) -> None:
+    parts.router.gate.set()  # every butler answers at once (after giving the loop up)
+    worker = parts.make(max_concurrent=3)
+    await worker.open()
+    ids = [
+        await worker.accept(message(conversation, n))
+        for n in range(3)
+        for conversation in ("a", "b")
+    ]
+    rows = await done(worker, [i for i in ids if i is not None])
+    assert {row["status"] for row in rows} == {"done"}
+    assert parts.router.overlapping == []
+    for conversation in ("a", "b"):
+        assert [text for _, text in parts.router.routed if text.startswith(conversation)] == [
+            f"{conversation}#{n}" for n in range(3)
+        ]
+
+
+async def test_no_more_than_max_concurrent_messages_at_once(parts: Parts) -> None:
+    worker = parts.make(max_concurrent=2)
+    await worker.open()
+    ids = [await worker.accept(message(c, 0)) for c in "abcde"]
+    await parts.router.until_active(2)
+    # The worker claims in one go, without giving the loop up: had it taken a third, the
+    # third would be in flight by now.
+    assert worker.in_flight == 2
+    assert [(await parts.inbox.get(i) or {})["status"] for i in ids].count("processing") == 2
+    parts.router.gate.set()
+    await done(worker, [i for i in ids if i is not None])
+    assert parts.router.most_at_once == 2
+
+
+async def test_the_reply_is_queued_to_the_outbox_with_the_outcome(parts: Parts) -> None:
+    parts.router.gate.set()
+    worker = parts.make()
+    await worker.open()
+    inbox_id = await worker.accept(message("a", 0, meta={"k": 1}))
+    assert inbox_id is not None
+    (row,) = await done(worker, [inbox_id])
+    assert (row["status"], row["routed_to"], row["classified_via"]) == ("done", "general", "triage")
+    assert row["reply"] == "general did: a#0"
+    delivery = await parts.outbox.claim("telegram")
+    assert delivery is not None
+    assert (delivery.kind, delivery.recipient, delivery.text, delivery.inbox_id) == (
+        "reply",
+        "a",
+        "general did: a#0",
+        inbox_id,
+    )
+    assert delivery.butler == "general"  # a reply to it goes back there
+
+
+async def test_a_failed_route_is_answered_with_a_sorry_and_the_error_kept(parts: Parts) -> None:
+    parts.router.gate.set()
+    parts.router.fail["health"] = Unreachable("health: connection refused at 127.0.0.1:1")
+    worker = parts.make()
+    await worker.open()
+    inbox_id = await worker.accept(
+        IncomingMessage("telegram", "m-fail", "to:health", source_id="a", conversation="c:a")
+    )
+    assert inbox_id is not None
+    (row,) = await done(worker, [inbox_id])
+    assert row["status"] == "failed"
+    assert row["reply"] == sorry("unreachable", "health")
+    assert "health: connection refused" in row["error"]
+    delivery = await parts.outbox.claim("telegram")
+    assert delivery is not None and delivery.text == sorry("unreachable", "health")
+    # The person's text never reaches the reply.
+    assert "127.0.0.1" not in delivery.text
+
+
+async def test_a_crash_is_resumed_and_a_message_that_keeps_crashing_is_given_up(
+    parts: Parts,
+) -> None:
+    parts.router.gate.set()
+    crashing = await parts.inbox.accept(message("b", 0), None)
+    resumed = await parts.inbox.accept(message("a", 0), None)
+    # `crashing` took this replica down each time it was tried...
+    for _ in range(MAX_ATTEMPTS):
+        claimed = await parts.inbox.claim_next(REPLICA, 60)
+        assert claimed is not None and claimed.id == crashing
+        await parts.inbox.requeue_interrupted(REPLICA)
+    # ...and both were in flight when it last died.
+    for expected in (crashing, resumed):
+        claimed = await parts.inbox.claim_next(REPLICA, 60)
+        assert claimed is not None and claimed.id == expected
+    worker = parts.make()
+    await worker.open()  # requeues both: they are this replica's
+    first, second = await done(worker, [resumed, crashing])
+    assert (first["status"], first["reply"]) == ("done", "general did: a#0")
+    assert (second["status"], second["reply"]) == ("failed", sorry("gave_up"))
+    assert second["error"] == f"gave up after {MAX_ATTEMPTS} interrupted attempts"
+    assert [text for _, text in parts.router.routed] == ["a#0"]  # the given-up one: never
+
+
+async def test_close_hands_the_messages_in_flight_back(parts: Parts) -> None:
+    worker = parts.make()
+    await worker.open()
+    inbox_id = await worker.accept(message("a", 0))
+    assert inbox_id is not None
+    await parts.router.until_active(1)
+    await worker.close()
+    row = await parts.inbox.get(inbox_id)
+    assert row is not None and (row["status"], row["attempts"]) == ("queued", 0)
+
+
+class FlakyTranscriber:
+    """A transcription service that is down for its first call, then hears "to:health"."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def transcribe(self, file: Attachment) -> str:
+        self.calls += 1
+        if self.calls == 1:
+            raise TranscriptionFailed("503 from the service", transient=True)
+        return "to:health heard"
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_deferred_message_is_taken_up_when_it_is_due(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker wakes itself when the deferral ends: no message arriving, no idle poll."""
+    monkeypatch.setattr(worker_module, "IDLE_POLL_S", 3600.0)
+    monkeypatch.setattr(attachment_step, "RETRY_MIN_S", 0.05)
+    # The stores' clock is the event loop's: the worker's timer and the deferral's end agree.
+    loop = asyncio.get_running_loop()
+    base = datetime.now(UTC) - timedelta(seconds=loop.time())
+    parts.database.clock = lambda: base + timedelta(seconds=loop.time())
+    parts.router.gate.set()
+    transcriber = FlakyTranscriber()
+    worker = parts.make(transcriber=transcriber, transcription=TranscriptionConfig())
+    await worker.open()
+    voice = Attachment("v.ogg", "audio/ogg", b"OggS\x00\x02" + b"\x00" * 24)
+    inbox_id = await worker.accept(message("a", 0, attachments=(voice,)))
+    later = await worker.accept(message("a", 1))  # waits behind the deferred one
+    assert inbox_id is not None and later is not None
+    first, second = await done(worker, [inbox_id, later])
+    assert transcriber.calls == 2
+    assert (
+        first["status"] == "done" and "health did: (A voice note, transcribed.)" in first["reply"]
+    )
+    assert second["status"] == "done"
+    assert [butler for butler, _ in parts.router.routed] == ["health", "general"]
