@@ -161,9 +161,11 @@ async def test_a_broken_file_changes_nothing_until_a_good_version_comes(tmp_path
     project.write_text(json.dumps({"mcpServers": servers}))
     async with stdio_host(tmp_path, *INFO) as host:
         before = await started(tmp_path, "plain")
+        await logged(tmp_path, WATCHING)  # (its first reading reports nothing: start did)
 
         save(project, '{"mcpServers": {"plain": ')  # saved half-way through an edit
-        await logged(tmp_path, f"gateway reload: {project}: not readable JSON")
+        log = await logged(tmp_path, f"gateway reload: {project}: not readable JSON")
+        assert "(left as it runs until fixed: plain)" in log
         # An entry that is not valid: that server stays as it runs, too.
         save_servers(project, {"plain": {"args": ["no command"]}})
         await logged(tmp_path, f"gateway reload: {project}: mcpServers.plain: command: Field")

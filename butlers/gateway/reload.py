@@ -92,10 +92,8 @@ def plan(
                 taken.source,
             )
     for problem in skipped:
-        source = str(problem.error.path)
-        for name, spec in running.items():
-            if spec.source == source and problem.server in (None, name):
-                wanted[name] = spec
+        for name in kept(problem, running):
+            wanted[name] = running[name]
     return Plan(
         added=tuple(s for n, s in wanted.items() if n not in running),
         removed=tuple(n for n in running if n not in wanted),
@@ -103,45 +101,20 @@ def plan(
     )
 
 
+def kept(problem: Skipped, running: Mapping[str, ChildSpec]) -> list[str]:
+    """The running children a file or entry that cannot be read now keeps as they are."""
+    source = str(problem.error.path)
+    return [
+        name
+        for name, spec in running.items()
+        if spec.source == source and problem.server in (None, name)
+    ]
+
+
 def _same(running: ChildSpec, declared: ChildSpec) -> bool:
     """Declared the same way. Where it is declared (`source`) is only for messages: a server
     moved from one file to another (as `install` does) keeps running."""
     return dataclasses.replace(declared, source=running.source) == running
-
-
-async def reload(gateway: Gateway, files: ServerFiles, *, warm: bool) -> Plan:
-    """Read the files again and change the gateway's children to match (see the module)."""
-    declared, skipped = await asyncio.to_thread(files.read)
-    for problem in skipped:
-        logger.warning(
-            "gateway reload: %s; what it declared runs on unchanged until it is fixed",
-            problem.error,
-            extra={"action": "reload_invalid"},
-        )
-    changes = plan({n: s.spec for n, s in gateway.slots.items()}, declared, skipped)
-    if not changes:
-        logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
-        return changes
-    # Started, it runs to the end even if the gateway is closing: a child taken out of the
-    # gateway's list but not yet stopped would outlive it.
-    applying = asyncio.create_task(_apply(gateway, changes, warm=warm))
-    try:
-        await asyncio.shield(applying)
-    except asyncio.CancelledError:
-        await applying
-        raise
-    logger.info("gateway reload: %s", changes.describe(), extra={"action": "reload"})
-    return changes
-
-
-async def _apply(gateway: Gateway, changes: Plan, *, warm: bool) -> None:
-    for name in changes.removed:
-        await gateway.remove_child(name)
-    for spec in changes.restarted:
-        await gateway.remove_child(spec.name)
-        await gateway.add_child(spec, warm=warm)
-    for spec in changes.added:
-        await gateway.add_child(spec, warm=warm)
 
 
 @dataclass(frozen=True)
@@ -194,51 +167,117 @@ def _existing(directory: Path) -> Path:
     return directory
 
 
-async def watch_server_files(gateway: Gateway, files: ServerFiles, *, warm: bool) -> None:
-    """Reload whenever the files change, until cancelled. Each set of watches, once in
-    place, starts with one reading of the files (what changed before it was set is not
-    missed); after each reading the watches are set again if the directories to watch
-    changed (a new server's directory, `.butlers-gateway/` made by install). If the file
-    system cannot be watched, the gateway serves on without reload."""
-    failures = 0
-    while True:
-        watching = await asyncio.to_thread(watches, files)
-        batches = awatch(
-            *sorted(watching.directories), watch_filter=watching.relevant, recursive=False
-        )
-        # The generator's first step sets the watches (watchfiles' RustNotify, made before
-        # its first wait); the new task takes that step before this one goes on (the loop's
-        # ready queue is first in, first out), so the reading below comes after the watches.
-        waiting = asyncio.ensure_future(anext(batches))
-        await asyncio.sleep(0)
+class Reloader:
+    """Reads the servers' files again when they change, and changes the gateway's children
+    to match (see the module). A task of `serve_gateway`'s runs `watch()`."""
+
+    def __init__(self, gateway: Gateway, files: ServerFiles, *, warm: bool) -> None:
+        self.gateway = gateway
+        self.files = files
+        self.warm = warm  # start added children at once (not `--lazy`)
+        # What the last reading could not read, as reported; None: no reading yet (the
+        # gateway's start has just reported them).
+        self._reported: set[str] | None = None
+
+    async def reload(self) -> Plan:
+        """Read the files again and apply what changed."""
+        declared, skipped = await asyncio.to_thread(self.files.read)
+        running = {name: slot.spec for name, slot in self.gateway.slots.items()}
+        changes = plan(running, declared, skipped)
+        self._report(skipped, running)
+        if not changes:
+            logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
+            return changes
+        # Once started it runs to the end, even if the gateway is closing meanwhile: a child
+        # taken out of the gateway's list but not yet stopped would outlive it.
+        applying = asyncio.create_task(self._apply(changes))
         try:
-            what = "the watches were set"
-            while True:
-                await _reload_logged(gateway, files, warm=warm, what=what)
-                now = await asyncio.to_thread(watches, files)
-                if now != watching:
-                    break
-                if what == "the watches were set":
-                    logger.info(
-                        "gateway reload: watching the servers' files (%d directories)",
-                        len(watching.directories),
-                        extra={"action": "reload_watching"},
-                    )
-                changed = await waiting
-                failures = 0
-                waiting = asyncio.ensure_future(anext(batches))
-                what = ", ".join(sorted(path for _, path in changed))
-        except FileNotFoundError as exc:  # a directory went away as the watches were set
-            failures += 1
-            if failures >= WATCH_RETRIES:
+            await asyncio.shield(applying)
+        except asyncio.CancelledError:
+            await applying
+            raise
+        logger.info("gateway reload: %s", changes.describe(), extra={"action": "reload"})
+        return changes
+
+    def _report(self, skipped: Sequence[Skipped], running: Mapping[str, ChildSpec]) -> None:
+        """One warning per problem, when it appears (a file saved again with the same
+        mistake is not reported again), saying which servers run on as they were."""
+        problems = {str(p.error): p for p in skipped}
+        reported, self._reported = self._reported, set(problems)
+        if reported is None:
+            return
+        for text, problem in problems.items():
+            if text in reported:
+                continue
+            names = kept(problem, running)
+            logger.warning(
+                "gateway reload: %s (%s)",
+                text,
+                f"left as it runs until fixed: {', '.join(names)}" if names else "skipped",
+                extra={"action": "reload_invalid"},
+            )
+
+    async def _apply(self, changes: Plan) -> None:
+        gateway, warm = self.gateway, self.warm
+        for name in changes.removed:
+            await gateway.remove_child(name)
+        for spec in changes.restarted:
+            await gateway.remove_child(spec.name)
+            await gateway.add_child(spec, warm=warm)
+        for spec in changes.added:
+            await gateway.add_child(spec, warm=warm)
+
+    async def watch(self) -> None:
+        """Reload whenever the files change, until cancelled. Each set of watches, once in
+        place, starts with one reading of the files (what changed before it was set is not
+        missed); after each reading the watches are set again if the directories to watch
+        changed (a new server's directory, `.butlers-gateway/` made by install). If the file
+        system cannot be watched, the gateway serves on without reload."""
+        failures = 0
+        while True:
+            watching = await asyncio.to_thread(watches, self.files)
+            batches = awatch(
+                *sorted(watching.directories), watch_filter=watching.relevant, recursive=False
+            )
+            # The generator's first step sets the watches (watchfiles' RustNotify, made
+            # before its first wait); the new task takes that step before this one goes on
+            # (the loop's ready queue is first in, first out): the reading comes after them.
+            waiting = asyncio.ensure_future(anext(batches))
+            await asyncio.sleep(0)
+            try:
+                what, first = "the watches were set", True
+                while True:
+                    await self._reload_logged(what)
+                    if await asyncio.to_thread(watches, self.files) != watching:
+                        break
+                    if first:
+                        logger.info(
+                            "gateway reload: watching the servers' files (%d directories)",
+                            len(watching.directories),
+                            extra={"action": "reload_watching"},
+                        )
+                    changed = await waiting
+                    failures = 0
+                    waiting = asyncio.ensure_future(anext(batches))
+                    what, first = ", ".join(sorted(path for _, path in changed)), False
+            except FileNotFoundError as exc:  # a directory went away as the watches were set
+                failures += 1
+                if failures >= WATCH_RETRIES:
+                    _reload_off(exc)
+                    return
+            except (OSError, RuntimeError) as exc:  # e.g. no inotify watches left
                 _reload_off(exc)
                 return
-        except (OSError, RuntimeError) as exc:  # e.g. no inotify watches left
-            _reload_off(exc)
-            return
-        finally:
-            await _settle(waiting)
-            await batches.aclose()
+            finally:
+                await _settle(waiting)
+                await batches.aclose()
+
+    async def _reload_logged(self, what: str) -> None:
+        logger.debug("gateway reload: reading the files again (%s)", what)
+        try:
+            await self.reload()
+        except Exception:  # a bug of ours must not end reloading, nor the gateway
+            logger.exception("gateway reload failed", extra={"action": "reload_failed"})
 
 
 async def _settle(waiting: asyncio.Future[set[tuple[Change, str]]]) -> None:
@@ -248,14 +287,6 @@ async def _settle(waiting: asyncio.Future[set[tuple[Change, str]]]) -> None:
     await asyncio.wait({waiting})
     if not waiting.cancelled():
         waiting.exception()  # retrieved: not reported again when it is collected
-
-
-async def _reload_logged(gateway: Gateway, files: ServerFiles, *, warm: bool, what: str) -> None:
-    logger.debug("gateway reload: reading the files again (%s)", what)
-    try:
-        await reload(gateway, files, warm=warm)
-    except Exception:  # a bug of ours must not end reloading, nor the gateway
-        logger.exception("gateway reload failed", extra={"action": "reload_failed"})
 
 
 def _reload_off(exc: BaseException) -> None:

@@ -20,7 +20,7 @@ from butlers.gateway.children import ChildSpec, butler_children, log_skipped
 from butlers.gateway.config import GatewayConfig, load_gateway_config
 from butlers.gateway.control import Mode
 from butlers.gateway.redaction import install_argument_redaction
-from butlers.gateway.reload import watch_server_files
+from butlers.gateway.reload import Reloader
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
 from butlers.gateway.stdio import serve_stdio
@@ -116,9 +116,8 @@ async def serve_gateway(
         # Editing .mcp.json or the --config file while the host runs us changes only the
         # servers that changed (gateway.toml is read once, at start).
         files = server_files(options, gateway.config)
-        reloading = asyncio.create_task(
-            watch_server_files(gateway, files, warm=options.prewarm), name="gateway:reload"
-        )
+        reloader = Reloader(gateway, files, warm=options.prewarm)
+        reloading = asyncio.create_task(reloader.watch(), name="gateway:reload")
         if options.transport == "stdio":
             serving = asyncio.create_task(serve_stdio(gateway.mcp))
             await _until(serving, stop)
