@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools import Tool
+from mcp_types import CallToolRequestParams
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
@@ -131,16 +132,29 @@ class ButlerMiddleware(Middleware):
         if hasattr(guard, "answer"):
             self._answering_guards.append(guard)  # type: ignore[arg-type]
 
+    async def __call__(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        """A tool call goes straight to `on_call_tool`; everything else through FastMCP's
+        dispatch. That dispatch builds a chain of three wrappers (on_message, on_request, the
+        typed hook) for every message, which this middleware leaves as they are for a call:
+        every routed call crosses it twice (the switchboard's, then the target's)."""
+        if isinstance(context.message, CallToolRequestParams):
+            return await self.on_call_tool(context, call_next)
+        return await super().__call__(context, call_next)
+
     async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
         params = context.message
-        arguments = dict(params.arguments or {})
-        carrier = arguments.pop(TRACE_CONTEXT_ARG, None)
-        if carrier is not None and not isinstance(carrier, dict):
-            raise ToolRefusal(
-                f"{TRACE_CONTEXT_ARG} must be an object such as "
-                '{"traceparent": "00-<trace id>-<span id>-01"}'
-            )
-        params = params.model_copy(update={"arguments": arguments})
+        arguments = params.arguments or {}
+        carrier = None
+        if TRACE_CONTEXT_ARG in arguments:  # else the call goes on as it came: no copies
+            arguments = dict(arguments)
+            carrier = arguments.pop(TRACE_CONTEXT_ARG)
+            if carrier is not None and not isinstance(carrier, dict):
+                raise ToolRefusal(
+                    f"{TRACE_CONTEXT_ARG} must be an object such as "
+                    '{"traceparent": "00-<trace id>-<span id>-01"}'
+                )
+            params = params.model_copy(update={"arguments": arguments})
+            context = context.copy(message=params)
         parent = (
             context_from_carrier(carrier)
             or context_from_carrier(_meta_carrier())
@@ -159,7 +173,7 @@ class ButlerMiddleware(Middleware):
                 for answering in self._answering_guards:
                     if answering.answers(params.name):
                         return await answering.answer(params.name, arguments)
-                return await call_next(context.copy(message=params))
+                return await call_next(context)
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                 raise
