@@ -34,16 +34,17 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/
 test: $(STAMP)
 	$(PYTEST)
 
-# The tests that need neither PostgreSQL, Claude Code nor npm's servers (markers `pg`, `claude`,
-# `npm`, set in tests/conftest.py from the fixtures a test uses): the loop to run while editing,
-# spread over one pytest-xdist worker per core, by xdist group (tests sharing a server stay on
-# one worker).
-# More workers do not help: each one collects every test module first, ~1.6 s CPU, and the
-# tests start CPU-bound processes (measured on 2 cores: 2 workers 24-30 s, 3 workers 32 s,
-# 4 workers 31 s).
+# The fast lane: the tests that start no process and need neither PostgreSQL, Claude Code nor
+# npm's servers (markers `pg`, `claude`, `npm`, `proc`, set in tests/conftest.py from the
+# fixtures a test uses or its name; a test left unmarked that starts a process fails, saying
+# to mark it). The loop to run while editing, spread over one pytest-xdist worker per core, by
+# xdist group (tests sharing a server stay on one worker). Measured on 2 cores with the
+# machine busy (load 4-5): 505 tests, 15-22 s; the lane started processes before and took
+# ~85 s for 639 tests. More workers do not help: each collects every test module first.
 TEST_FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
-	$(PYTEST) -m "not pg and not claude and not npm" -n $(TEST_FAST_WORKERS) --dist loadgroup
+	$(PYTEST) -m "not pg and not claude and not npm and not proc" -n $(TEST_FAST_WORKERS) \
+		--dist loadgroup
 
 # Debian's Chromium for tests/test_dashboard_browser.py (CI runs it before `make test`, where
 # that test fails without a browser: CI is set). Fails, saying why, when there is none and it

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -51,6 +52,88 @@ _MARKER_FIXTURES = {
     "claude": {"messages_api"},
     "npm": {"npm_servers"},
 }
+# Tests that start a process themselves (a `butlers` command, `claude --version`, a stdio MCP
+# peer, pip): `proc`, by module ("*": all of its tests) or by name (with its parameters, or
+# without: all of them). A new one is found by _ProcessGuard, which says to mark it; a mark in
+# the test's own file (@pytest.mark.proc) does as well as a line here.
+_PROC_TESTS: dict[str, frozenset[str]] = {
+    module: frozenset(names.split())
+    for module, names in {
+        "test_cli.py": "test_help_imports_no_heavy_library "
+        "test_version_and_a_command_started_with_stdin_closed",
+        "test_cli_client.py": "*",
+        "test_config_cli.py": "*",
+        "test_deploy_kubernetes.py": "test_the_generated_manifests_are_what_config_butlers_makes",
+        "test_doctor.py": "*",
+        "test_email_arrivals.py": "*",
+        "test_email_durability.py": "*",
+        "test_email_limits.py": "test_a_big_mail_is_parsed_without_blocking_the_event_loop "
+        "test_a_mail_being_read_when_the_process_died_is_not_read_again "
+        "test_a_mail_carrying_the_keyword_at_start_is_not_parsed "
+        "test_a_mail_over_the_size_limit_is_recorded_as_failed_unread "
+        "test_a_mail_that_cannot_be_parsed_is_kept_as_a_failed_row "
+        "test_a_mail_whose_reading_a_clean_stop_interrupted_is_read_at_the_next_start "
+        "test_a_server_that_keeps_no_keywords_is_used_and_said_so "
+        "test_through_imap_a_quadratic_header_is_recorded_as_failed",
+        "test_email_media.py": "test_a_mail_with_an_image_and_a_pdf_is_handed_on_with_both "
+        "test_an_audio_attachment_is_marked_for_transcription_and_keeps_the_text "
+        "test_the_limits_of_the_channel_and_the_switchboard_hold_through_imap",
+        "test_email_secrets.py": "*",
+        "test_email_sender.py": "test_refused_mail_is_logged_marked_seen_and_never_stored",
+        "test_email_tls.py": "test_imap_reads_mail_and_notices_a_dropped_connection "
+        "test_imap_refuses_a_certificate_for_another_host "
+        "test_imap_refuses_a_plaintext_login_beyond_loopback "
+        "test_imap_refuses_an_untrusted_certificate "
+        "test_imap_refuses_to_log_in_when_starttls_is_not_offered",
+        "test_gateway.py": "test_a_call_that_times_out_is_reported_and_costs_the_child_nothing "
+        "test_a_child_that_never_initializes_is_reported_by_name_and_step "
+        "test_a_child_that_pings_and_asks_the_gateway_gets_answers "
+        "test_a_crashed_child_is_reported_restarted_and_loses_its_active_tools "
+        "test_a_gateway_whose_input_is_not_a_pipe_ends_cleanly "
+        "test_a_host_sees_suites_introspects_calls_and_closing_stdin_ends_every_child "
+        "test_a_signal_stops_a_stdio_gateway_and_everything_it_started "
+        "test_activate_injects_tools_with_list_changed_and_deactivate_removes_them "
+        "test_an_existing_switchboard_config_json_is_honoured test_child_env_and_allow_deny "
+        "test_gateway_over_streamable_http_and_sigterm_ends_its_children "
+        "test_introspection_full_from_the_config_and_redacted_for_one_call "
+        "test_killing_the_gateway_leaves_no_descendant_behind",
+        "test_gateway_configs.py": "test_a_gateway_on_every_source_at_once",
+        "test_gateway_env.py": "test_a_slow_initialize_within_the_call_timeout_is_waited_for "
+        "test_an_idle_child_is_stopped_and_started_again_by_its_next_call",
+        "test_gateway_hosts.py": "*",
+        "test_gateway_install.py": "*",
+        "test_gateway_modes.py": "*",
+        "test_gateway_protocol.py": "*",
+        "test_gateway_reaper.py": "*",
+        "test_gateway_report.py": "test_each_modes_bytes_are_what_the_gateway_writes_on_the_wire "
+        "test_report_compares_direct_suite_activate_and_search test_search_mode_report_and_dry_run",
+        "test_gateway_search.py": "test_gateway_call_is_a_suite_call_span_with_arguments_redacted "
+        "test_the_index_follows_a_child_whose_tools_change",
+        "test_gateway_tracing.py": "*",
+        "test_gateway_wrapper.py": "test_a_stdio_server_of_claude_code_gets_no_credentials_and_"
+        "no_values_in_argv",
+        "test_http.py": "test_an_mcp_path_moved_by_fastmcp_settings_still_needs_the_token",
+        "test_init.py": "*",
+        "test_install.py": "*",
+        "test_logs.py": "*",
+        "test_mcp_connection.py": "test_a_dropped_connection_fails_every_waiting_call_with_its_"
+        "reason[stdio] test_a_timed_out_request_is_cancelled_at_the_peer[stdio] "
+        "test_the_handshake_agrees_on_the_newest_revision_of_the_types_package[stdio] "
+        "test_the_peers_other_requests_get_method_not_found[stdio] "
+        "test_the_peers_ping_is_answered[stdio] test_tools_list_changed_reaches_the_owner[stdio]",
+        "test_redaction_escaped.py": "test_an_awkward_secret_from_the_environment_never_shows_"
+        "in_the_log",
+        "test_schemas.py": "test_the_generator_writes_them_and_check_names_what_is_stale",
+        "test_secrets.py": "test_redaction_survives_bad_logging_calls_and_covers_warnings",
+        "test_settings.py": "test_the_command_line_reports_a_bad_variable_once_without_a_traceback",
+        "test_tracing.py": "test_grpc_asked_for_without_the_extra_is_one_clear_error",
+    }.items()
+}
+# The markers `make test-fast` deselects. A test carrying none of them is in the fast lane and
+# may start no process: one that does (a `butlers` subprocess, a mock MCP server, a program's
+# --version) marks itself `proc`, and a test in the lane that starts one anyway fails, naming
+# the program (`_ProcessGuard`), so that the lane stays fast as tests are added.
+_SLOW_MARKERS = frozenset({*_MARKER_FIXTURES, "proc"})
 
 
 @pytest.hookimpl(wrapper=True)
@@ -70,6 +153,91 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for marker, fixtures in _MARKER_FIXTURES.items():
             if used & fixtures:
                 item.add_marker(marker)
+        proc = _PROC_TESTS.get(item.path.name, frozenset())
+        if proc & {"*", item.name, getattr(item, "originalname", item.name)}:
+            item.add_marker("proc")
+
+
+class _ProcessGuard:
+    """Notes every process started while a fast-lane test sets up and runs (not in its
+    teardown, where the session's fixtures may end and stop their servers):
+    `subprocess.Popen` (asyncio's subprocesses and `subprocess.run` go through it),
+    `_posixsubprocess.fork_exec` (multiprocessing's too), `os.fork`, `os.posix_spawn` /
+    `posix_spawnp`, `os.system`, and a pymap server asked of tests/fakes/mail's forker. The
+    process still starts, so the test's own cleanup runs as it would; the test then fails,
+    naming it."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, None] = {}  # in order, once each
+        self._undo: list[Callable[[], None]] = []
+
+    def _note(self, owner: object, name: str, argv_of: Callable[..., object]) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+
+        def noted(*args: object, **kwargs: object) -> object:
+            self.started[_command(argv_of(*args, **kwargs))] = None
+            return original(*args, **kwargs)
+
+        setattr(owner, name, noted)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def __enter__(self) -> _ProcessGuard:
+        import _posixsubprocess
+        import subprocess
+
+        self._note(subprocess.Popen, "__init__", lambda popen, args, *_, **__: args)
+        self._note(_posixsubprocess, "fork_exec", lambda args, *_, **__: args)
+        self._note(os, "fork", lambda: "os.fork()")
+        self._note(os, "system", lambda command: command)
+        self._note(os, "posix_spawn", lambda path, argv, *_, **__: argv)
+        self._note(os, "posix_spawnp", lambda path, argv, *_, **__: argv)
+        # A pymap server is a process of its own, forked by a helper process (tests/fakes/mail).
+        if (mail := sys.modules.get("tests.fakes.mail")) is not None:
+            self._note(mail._PymapForker, "start", lambda _, argv, *__: ["pymap", *argv])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _command(args: object) -> str:
+    """A started process's command line, as the guard names it."""
+    if isinstance(args, str | bytes | os.PathLike):
+        return os.fsdecode(args)
+    if isinstance(args, list | tuple):
+        return " ".join(os.fsdecode(a) if isinstance(a, str | bytes) else str(a) for a in args)
+    return repr(args)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _guarded(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _guarded(item, "call"))
+
+
+def _guarded(item: pytest.Item, phase: str) -> Iterator[None]:
+    """The fast lane's rule (_SLOW_MARKERS), checked for every test without those markers,
+    in every run: `make test` fails such a test as `make test-fast` would."""
+    if any(next(item.iter_markers(name), None) for name in _SLOW_MARKERS):
+        return (yield)
+    with _ProcessGuard() as guard:
+        result = yield
+    if guard.started:
+        pytest.fail(
+            f"this test starts a process (in its {phase}: {'; '.join(guard.started)}): "
+            "mark it proc (@pytest.mark.proc, or add the fixture that starts it to "
+            "_MARKER_FIXTURES in tests/conftest.py); the fast lane runs no process",
+            pytrace=False,
+        )
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
