@@ -6,7 +6,7 @@ here), and the classifier is the triage rules (no Claude Code session).
 What is under test: one message of a conversation at a time and in order, at most
 `max_concurrent_messages` at once, the attempts limit, resuming what a crash left, a deferred
 message woken when it is due, the reply queued to the outbox with the message's outcome, and a
-failed route's reply.
+failed route's reply; and the notification desk on the same stores.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import pytest
 from opentelemetry import trace
 
 from butlers.config import SwitchboardConfig, TranscriptionConfig, TriageRule
-from butlers.errors import RouteError, TranscriptionFailed
+from butlers.errors import NotifyRefused, RouteError, TranscriptionFailed
 from butlers.media import Attachment
 from butlers.switchboard import attachments as attachment_step
 from butlers.switchboard import worker as worker_module
+from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, IncomingMessage
 from butlers.switchboard.memory_store import (
     MemoryDatabase,
@@ -309,3 +310,35 @@ async def test_a_deferred_message_is_taken_up_when_it_is_due(
     )
     assert second["status"] == "done"
     assert [butler for butler, _ in parts.router.routed] == ["health", "general"]
+
+
+async def test_a_notification_reaches_the_conversations_person_within_the_hourly_limit(
+    parts: Parts,
+) -> None:
+    """The notification desk on the same stores: to the conversation's person through the
+    outbox, logged, and refused past max_notifications_per_hour."""
+    sender = parts.make().outbox
+    await parts.inbox.accept(message("a", 0), None)
+    routing = MemoryRoutingStore(parts.database)
+    desk = NotificationDesk(
+        limits=SwitchboardConfig(max_notifications_per_hour=1),
+        inbox=parts.inbox,
+        routing_store=routing,
+        outbox=sender,
+    )
+    queued = await desk.deliver("your reminder", "health", None, "telegram:a")
+    assert queued == {"queued": 1, "files": 0, "channel": "telegram", "to": "conversation"}
+    delivery = await parts.outbox.claim("telegram")
+    assert delivery is not None
+    assert (delivery.kind, delivery.recipient, delivery.text, delivery.butler) == (
+        "notification",
+        "a",
+        "your reminder",
+        "health",
+    )
+    with pytest.raises(NotifyRefused, match="max_notifications_per_hour"):
+        await desk.deliver("and again", "health", None, "telegram:a")
+    assert [(row["tool_name"], row["success"]) for row in routing.log] == [
+        ("notify", True),
+        ("notify", False),
+    ]
