@@ -238,6 +238,28 @@ async def test_a_new_server_directory_the_globs_match_is_found(tmp_path: Path) -
         assert await echo(host, "late_suite", "found") == "found"
 
 
+@pytest.mark.proc
+async def test_in_search_mode_an_added_server_is_found(tmp_path: Path) -> None:
+    """Search mode lists no server's tools (the list does not change): the added server's
+    tools are searched, and called, as soon as the reload has added it."""
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, "--mode", "search", *INFO) as host:
+        await logged(tmp_path, WATCHING)
+        servers["extra"] = mock(tmp_path, "extra")
+        save_servers(project, servers)
+        await logged(tmp_path, "gateway reload: added extra")
+        result = await host.call("gateway_search", query="echo the message back", limit=10)
+        found = result.structured_content["result"]
+        assert {"plain", "extra"} <= {f["server"] for f in found}, found
+        result = await host.call(
+            "gateway_call", name="extra/echo", arguments={"message": "searched"}
+        )
+        assert text_of(result) == "searched", text_of(result)
+        assert host.list_changed == 0  # search mode's four tools stay as they were
+
+
 def test_a_server_moved_to_another_file_keeps_running() -> None:
     """Only what a server is (command, arguments, env, URL...) counts, not where it is
     declared: `install` moves servers from .mcp.json to its record. And the registry's
