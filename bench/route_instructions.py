@@ -1,6 +1,6 @@
 """CPU instructions per call in `butlers up`, counted by callgrind. (Not a test: run it by hand.)
 
-    .venv/bin/python bench/route_instructions.py [--calls 160] [--write]
+    .venv/bin/python bench/route_instructions.py [--calls 160] [--base DIR] [--write]
 
 Wall-clock figures on a shared 2-core host move by 1.5x from one run to the next; instruction
 counts do not (the same code counts the same to three digits). This runs `butlers up` (a
@@ -8,6 +8,9 @@ target and a switchboard) under `valgrind --tool=callgrind` (Debian's `valgrind`
 expect a few minutes) and counts what the butlers' process executes per `state_get`, called
 directly on the target and through `route`, one caller at a time and 16 at once. Use it to
 see whether a change to the call path costs or saves work.
+
+--base DIR counts a checkout of the code before the change first (its `butlers` package
+imported from DIR: `git worktree add /tmp/base <commit>`), then this one, in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from fastmcp import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from route_overhead import BUTLERS, ROOT, bench_fleet, write_docs_block
+from route_overhead import BUTLERS, ROOT, _describe, bench_fleet, write_docs_block
 
 READY = b"Press Ctrl-C to stop."
 
@@ -54,8 +57,9 @@ async def count(pid: int, out: Path, call, calls: int, callers: int) -> float:
     return int(totals.group(1)) / (calls // callers * callers) / 1e6
 
 
-async def main(calls: int, write: bool) -> None:
-    workdir, ports, env = bench_fleet()
+async def count_fleet(calls: int, base: Path | None) -> dict[tuple[str, int], float]:
+    """Instructions per call of one `butlers up` (this checkout's, or `base`'s)."""
+    workdir, ports, env = bench_fleet(base)
     out = workdir / "callgrind.out"
     process = await asyncio.create_subprocess_exec(
         "valgrind",
@@ -98,24 +102,43 @@ async def main(calls: int, write: bool) -> None:
             process.send_signal(signal.SIGTERM)
             await process.wait()
 
-    table = render(results, calls)
+    return results
+
+
+async def main(calls: int, write: bool, base: Path | None) -> None:
+    before = await count_fleet(calls, base) if base is not None else None
+    table = render(await count_fleet(calls, None), calls, before, _describe(base))
     print(table)
     if write:
         write_docs_block("route_instructions", table)
 
 
-def render(results: dict[tuple[str, int], float], calls: int) -> str:
+def render(
+    results: dict[tuple[str, int], float],
+    calls: int,
+    before: dict[tuple[str, int], float] | None = None,
+    base: str | None = None,
+) -> str:
     lines = [
         f"## instructions per call ({time.strftime('%Y-%m-%d')}, callgrind, `butlers up`)",
         "",
         f"`bench/route_instructions.py`: {calls} `state_get` calls per row, counted in the "
-        "butlers' process (target + switchboard); the client and PostgreSQL are not counted.",
+        "butlers' process (target + switchboard); the client and PostgreSQL are not counted."
+        + (
+            f" The rows marked (base) are the code at {base}, counted in the same run."
+            if base
+            else ""
+        ),
         "",
         "| way | 1 caller: M instructions/call | 16 callers: M instructions/call |",
         "| --- | ---: | ---: |",
     ]
-    for way in ("direct", "route"):
-        lines.append(f"| {way} | {results[way, 1]:.2f} | {results[way, 16]:.2f} |")
+    for label, counts in (("(base)", before), ("", results)):
+        if counts is None:
+            continue
+        for way in ("direct", "route"):
+            name = f"{way} {label}".strip()
+            lines.append(f"| {name} | {counts[way, 1]:.2f} | {counts[way, 16]:.2f} |")
     return "\n".join(lines)
 
 
@@ -123,5 +146,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=160)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument(
+        "--base", type=Path, help="a checkout of the code before: counted first, in this run"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.write))
+    asyncio.run(main(args.calls, args.write, args.base))
