@@ -155,6 +155,29 @@ async def test_a_changed_server_is_restarted_and_only_that_one(tmp_path: Path) -
 
 
 @pytest.mark.proc
+async def test_a_restarted_server_the_host_had_activated_comes_back_active(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"tuned": mock(tmp_path, "tuned")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with stdio_host(tmp_path, *INFO) as host:
+        await started(tmp_path, "tuned")
+        activated = await host.call("gateway_activate", name="tuned")
+        assert not activated.is_error, text_of(activated)
+        assert "echo" in await host.tools()
+        seen = host.list_changed
+
+        servers["tuned"] = mock(tmp_path, "tuned", "--framing", "content-length")
+        save_servers(project, servers)
+        # Taken out, put back, activated again.
+        await host.wait_list_changed(seen + 3, WAIT_S)
+        assert "echo" in await host.tools()
+        assert (await host.status())["tuned"]["state"] == "active"
+        assert len(pids(tmp_path, "tuned")) == 2  # it did restart
+
+
+@pytest.mark.proc
 async def test_a_broken_file_changes_nothing_until_a_good_version_comes(tmp_path: Path) -> None:
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain")}

@@ -222,8 +222,7 @@ class Reloader:
         for name in changes.removed:
             await gateway.remove_child(name)
         for spec in changes.restarted:
-            await gateway.remove_child(spec.name)
-            await gateway.add_child(spec, warm=warm)
+            await gateway.restart_child(spec, warm=warm)
         for spec in changes.added:
             await gateway.add_child(spec, warm=warm)
 

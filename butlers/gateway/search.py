@@ -80,7 +80,9 @@ class SearchIndex:
     """BM25 over `entries`; `snapshot` is what it was built from (see the module's doc)."""
 
     entries: list[Entry]
-    snapshot: tuple[tuple[str, int], ...] = ()
+    # The lists themselves, not their ids: a list freed by a restart could lend its id to
+    # the next one.
+    snapshot: tuple[tuple[str, list[dict[str, Any]]], ...] = ()
     _docs: list[Counter[str]] = field(default_factory=list)
     _lengths: list[int] = field(default_factory=list)
     _idf: dict[str, float] = field(default_factory=dict)
@@ -91,7 +93,7 @@ class SearchIndex:
     def build(
         cls, entries: list[Entry], sources: Sequence[tuple[str, list[dict[str, Any]]]]
     ) -> SearchIndex:
-        index = cls(entries, snapshot=tuple((name, id(tools)) for name, tools in sources))
+        index = cls(entries, snapshot=tuple((name, tools) for name, tools in sources))
         index._held = [tools for _, tools in sources]
         docs = [Counter(document(e.tool)) for e in entries]
         index._docs = docs
@@ -103,7 +105,10 @@ class SearchIndex:
         return index
 
     def fresh(self, sources: Sequence[tuple[str, list[dict[str, Any]]]]) -> bool:
-        return self.snapshot == tuple((name, id(tools)) for name, tools in sources)
+        return len(self.snapshot) == len(sources) and all(
+            name == was_name and tools is was
+            for (name, tools), (was_name, was) in zip(sources, self.snapshot, strict=True)
+        )
 
     def search(self, query: str, limit: int) -> list[Entry]:
         """The best `limit` entries for `query`, best first; none that share no word with it.

@@ -264,6 +264,22 @@ class Gateway:
         if self.mode not in ("activate", "search"):
             await self.notify_tools_changed()
 
+    async def restart_child(self, spec: ChildSpec, *, warm: bool = True) -> None:
+        """A child declared differently (hot reload): stopped, then started as `spec`. One
+        the host had activated is activated again once it runs (its tools come back into the
+        list), rather than coming back deactivated."""
+        was_active = bool(self.slots[spec.name].injected) if spec.name in self.slots else False
+        await self.remove_child(spec.name)
+        await self.add_child(spec, warm=warm and not was_active)
+        if was_active:
+            self._spawn(self._activate_again(self.slots[spec.name]))
+
+    async def _activate_again(self, slot: Slot) -> None:
+        try:
+            await self._activate_slot(slot)
+        except ToolRefusal as exc:  # it does not start now: the host activates it when it does
+            logger.warning("%s", exc, extra={"action": "child_reactivate_failed"})
+
     async def remove_child(self, name: str) -> None:
         """A child no longer declared (hot reload): its tools leave the hosts' lists (and the
         hosts are told), then the child is stopped. A call on it that is running ends with
