@@ -480,19 +480,10 @@ async def test_the_outbox_sends_in_order_and_waits_for_a_row_not_taken(stores: S
     await stores.outbox.sent(again.id, ["102"])
 
 
-async def test_nothing_to_send_is_no_due_time(
-    stores: Stores, request: pytest.FixtureRequest
-) -> None:
+async def test_nothing_to_send_is_no_due_time(stores: Stores) -> None:
     """The outbox sender waits IDLE_POLL_S (or a wake-up) when there is nothing to send; a
-    due time of 0 would make it ask again at once, for ever."""
-    if isinstance(stores.outbox, OutboxStore):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PostgreSQL's greatest(0, NULL) is 0: OutboxStore.head_due_in_s says 0, "
-                "not None, for an empty outbox (its sender then polls without a pause)",
-            )
-        )
+    due time of 0 made it ask again at once, for ever (PostgreSQL's greatest(0, NULL) is 0:
+    an idle leader's sender ran ~6,000 claims a second, measured)."""
     assert await stores.outbox.head_due_in_s("telegram") is None
     await add(stores, reply("x"))
     delivery = await stores.outbox.claim("telegram")

@@ -315,6 +315,7 @@ OUTBOX_ATTACHMENTS = """
 OUTBOX_HEAD_DUE_IN_S = f"""
     SELECT greatest(0, extract(epoch FROM min(o.next_attempt_at) - now()))::float8
     FROM outbox o WHERE {_MAY_GO}
+    HAVING count(*) > 0
 """
 # The channel took it: its own ids ($2) are kept for thread affinity.
 OUTBOX_SENT = """
