@@ -1,6 +1,6 @@
 """The named queries (butlers.queries: the core tables; butlers.switchboard.queries: the
-switchboard's): every statement PREPAREs against a migrated database, and every one is some
-store's.
+switchboard's): every statement PREPAREs against a migrated database, every one is some
+store's, and the dashboard reads the registry with the switchboard's own statements.
 
 PREPARE parses and plans a statement without running it: a typo in a column, a table or a
 parameter's type fails here even for a statement no other test runs (a retention prune, a
@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 
 from butlers import queries as core_queries
+from butlers.dashboard.store import DashboardStore
+from butlers.db import create_pool
 from butlers.queries import Filtered, Fragment
 from butlers.switchboard import queries as switchboard_queries
+from butlers.switchboard.routing_store import RegistryEntry, RoutingStore
 
 BUTLERS = Path(core_queries.__file__).parent
 # Each module, with the database its statements run on: the core branch's tables are in
@@ -108,3 +111,33 @@ async def test_a_filtered_statement_prepares_with_none_and_with_all_its_filters(
         prepared = await conn.prepare(text)
         # The store passes the fixed parameters, then the filters' values.
         assert len(prepared.get_parameters()) == query.fixed + len(values), text
+
+
+async def test_the_dashboard_reads_the_registry_as_the_switchboard_does(
+    pg_server: Any, make_database: Any, switchboard_template: str
+) -> None:
+    """The fleet page and a butler's page read what list_butlers reads (one statement, not a
+    copy of it): the same rows, a stale butler and the switchboard marked as such."""
+    pool = await create_pool(pg_server, await make_database(switchboard_template))
+    try:
+        routing = RoutingStore(pool)
+        await routing.record_discovery(
+            [
+                RegistryEntry("switchboard", "http://127.0.0.1:1/sse", "front door", [], True),
+                RegistryEntry("gone", "http://127.0.0.1:2/sse", "will go", ["email"]),
+            ]
+        )
+        await routing.record_discovery(
+            [RegistryEntry("switchboard", "http://127.0.0.1:1/sse", "front door", [], True)]
+        )
+        dashboard = DashboardStore(pool)
+        rows = await routing.registry()
+        assert [(r["name"], r["stale"], r["is_switchboard"]) for r in rows] == [
+            ("gone", True, False),
+            ("switchboard", False, True),
+        ]
+        assert await dashboard.registry() == rows
+        assert await dashboard.butler("gone") == rows[0]
+        assert await dashboard.butler("nobody") is None
+    finally:
+        await pool.close()

@@ -36,10 +36,13 @@ class DashboardStore:
         self.pool = pool
 
     async def registry(self) -> list[dict[str, Any]]:
+        """Every butler, as list_butlers reads it (RoutingStore.registry's statement): the
+        spec's six columns, `stale` and `is_switchboard`."""
         rows = await self.pool.fetch(sql.REGISTRY)
         return [dict(r) for r in rows]
 
     async def butler(self, name: str) -> dict[str, Any] | None:
+        """One butler's registry row, the same columns; None when there is none."""
         row = await self.pool.fetchrow(sql.REGISTRY_BUTLER, name)
         return None if row is None else dict(row)
 

@@ -24,8 +24,8 @@ from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 
 from butlers.settings import DEFAULT_JAEGER_UI_URL
+from butlers.switchboard import queries as sql
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER, LEGACY_INBOX_HEADER
-from butlers.switchboard.queries import TRACE_OF_CONTEXT, WITH_ROUTED_TRACE
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ def _refuse_classification_sessions() -> None:
 
 
 class OperatorStore:
-    """Every SQL statement of the operator tools (read-mostly; the inbox's own writes stay in
-    butlers.switchboard.inbox)."""
+    """The operator tools' reads, and a retry (their statements: butlers.switchboard.queries,
+    OPERATOR_*)."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
@@ -96,18 +96,7 @@ class OperatorStore:
         """Newest first. The trace id is the stored trace context's; a row without one (an
         envelope kept by `record_failed`, a row from before tracing) takes its first route's."""
         rows = await self.pool.fetch(
-            f"""
-            WITH page AS (
-                SELECT id, channel, source_id, sender_name, subject, conversation, status,
-                       routed_to, classified_via, attempts, error, received_at, finished_at,
-                       left(text, $3) AS text_head, length(text) AS text_chars,
-                       {TRACE_OF_CONTEXT} AS traced
-                FROM inbox
-                WHERE $1::text IS NULL OR status = $1
-                ORDER BY id DESC LIMIT $2
-            )
-            {WITH_ROUTED_TRACE}
-            """,
+            sql.OPERATOR_INBOX,
             status,
             limit,
             _HEAD_CHARS,
@@ -117,11 +106,7 @@ class OperatorStore:
     async def approvals_by_trace(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
         """The approvals the sessions of these traces asked for (a message's trace is its
         sessions'), by trace id, oldest first."""
-        rows = await self.pool.fetch(
-            f"""SELECT id, tool, status, {TRACE_OF_CONTEXT} AS trace_id FROM approvals
-                WHERE {TRACE_OF_CONTEXT} = ANY($1::text[]) ORDER BY id""",
-            list(trace_ids),
-        )
+        rows = await self.pool.fetch(sql.OPERATOR_APPROVALS_BY_TRACE, list(trace_ids))
         found: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             found.setdefault(row["trace_id"], []).append(
@@ -130,25 +115,12 @@ class OperatorStore:
         return found
 
     async def routing_log(self, butler: str | None, limit: int) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(
-            """SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
-                      tool_name, prompt_summary, success, error, duration_ms, inbox_id,
-                      trace_id
-               FROM routing_log
-               WHERE $1::text IS NULL OR routed_to = $1
-               ORDER BY created_at DESC, id LIMIT $2""",
-            butler,
-            limit,
-        )
+        rows = await self.pool.fetch(sql.OPERATOR_ROUTING_LOG, butler, limit)
         return [dict(r) for r in rows]
 
     async def outbox(self, statuses: Sequence[str], limit: int) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
-            """SELECT id, kind, inbox_id, butler, channel, recipient, conversation, status,
-                      attempts, next_attempt_at, created_at, sent_at, error,
-                      left(text, $3) AS text_head, length(text) AS text_chars
-               FROM outbox WHERE status = ANY($1::text[])
-               ORDER BY id DESC LIMIT $2""",
+            sql.OPERATOR_OUTBOX,
             list(statuses),
             limit,
             _HEAD_CHARS,
@@ -160,9 +132,7 @@ class OperatorStore:
         (attempts 0, no outcome); its earlier outcome is appended to `meta.retries` for the
         record. ToolRefusal when there is no such message or it is not retryable."""
         async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(
-                "SELECT status, attempts, error FROM inbox WHERE id = $1 FOR UPDATE", inbox_id
-            )
+            row = await conn.fetchrow(sql.OPERATOR_RETRY_LOCK, inbox_id)
             if row is None:
                 raise ToolRefusal(f"no inbox message with id {inbox_id}")
             if row["status"] not in RETRYABLE:
@@ -178,20 +148,7 @@ class OperatorStore:
                     f"its envelope was kept: {row['error']}); there is nothing to retry"
                 )
             updated = await conn.fetchrow(
-                """
-                UPDATE inbox SET
-                    status = 'queued', attempts = 0, error = NULL, reply = NULL,
-                    routed_to = NULL, classified_via = NULL, finished_at = NULL,
-                    meta = jsonb_set(
-                        meta, '{retries}',
-                        coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
-                            jsonb_build_object(
-                                'retried_at', now(), 'status', status, 'error', error,
-                                'routed_to', routed_to, 'classified_via', classified_via,
-                                'attempts', attempts, 'finished_at', finished_at)))
-                WHERE id = $1
-                RETURNING id, status, meta->'retries' AS retries
-                """,
+                sql.OPERATOR_REQUEUE,
                 inbox_id,
             )
             assert updated is not None  # the row is locked FOR UPDATE above

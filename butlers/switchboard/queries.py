@@ -2,9 +2,8 @@
 touches a table of the switchboard's database, like procrastinate's `sql/queries.sql`.
 
 Its stores run these and nothing else: butlers.switchboard.routing_store (butler_registry,
-routing_log), .inbox, .outbox, .approvals, .pairing, and the dashboard's pages
+routing_log), .inbox, .outbox, .approvals, .pairing, .operator, and the dashboard's pages
 (butlers.dashboard.store), which reuse the registry's statements rather than copying them.
-The operator's read queries share the trace fragments below.
 
 Written as butlers.queries (the core tables') is, and for the same reasons: a statement is an
 upper-case `str` with a comment saying what it does, a `Fragment` a piece composed into
@@ -531,6 +530,62 @@ PAIRING_OWNER_QUESTIONS = """
     WHERE kind = 'pairing' AND channel = 'telegram' AND status = 'sent'
       AND meta ? 'inline_keyboard'
       AND meta->>'pairing_id' = $1::bigint::text
+"""
+
+# -- the operator's tools (OperatorStore: inbox_list, routing_log_list, outbox_list, retry) -----
+
+# The newest $2 inbox rows (of status $1; NULL: any), $3 characters of each text for its
+# excerpt, each with its trace.
+OPERATOR_INBOX = f"""
+    WITH page AS (
+        SELECT id, channel, source_id, sender_name, subject, conversation, status,
+               routed_to, classified_via, attempts, error, received_at, finished_at,
+               left(text, $3) AS text_head, length(text) AS text_chars,
+               {TRACE_OF_CONTEXT} AS traced
+        FROM inbox
+        WHERE $1::text IS NULL OR status = $1
+        ORDER BY id DESC LIMIT $2
+    )
+    {WITH_ROUTED_TRACE}
+"""
+# The approvals the sessions of traces $1 asked for (a message's trace is its sessions').
+OPERATOR_APPROVALS_BY_TRACE = f"""
+    SELECT id, tool, status, {TRACE_OF_CONTEXT} AS trace_id FROM approvals
+    WHERE {TRACE_OF_CONTEXT} = ANY($1::text[]) ORDER BY id
+"""
+# The newest $2 routes (to butler $1; NULL: any).
+OPERATOR_ROUTING_LOG = """
+    SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
+           tool_name, prompt_summary, success, error, duration_ms, inbox_id,
+           trace_id
+    FROM routing_log
+    WHERE $1::text IS NULL OR routed_to = $1
+    ORDER BY created_at DESC, id LIMIT $2
+"""
+# The newest $2 outbox rows of statuses $1, $3 characters of each text for its excerpt.
+OPERATOR_OUTBOX = """
+    SELECT id, kind, inbox_id, butler, channel, recipient, conversation, status,
+           attempts, next_attempt_at, created_at, sent_at, error,
+           left(text, $3) AS text_head, length(text) AS text_chars
+    FROM outbox WHERE status = ANY($1::text[])
+    ORDER BY id DESC LIMIT $2
+"""
+# A message to retry, locked until it is queued again (or refused).
+OPERATOR_RETRY_LOCK = "SELECT status, attempts, error FROM inbox WHERE id = $1 FOR UPDATE"
+# Queued again as if just received; its earlier outcome appended to meta "retries".
+OPERATOR_REQUEUE = """
+    UPDATE inbox SET
+        status = 'queued', attempts = 0, error = NULL, reply = NULL,
+        routed_to = NULL, classified_via = NULL, finished_at = NULL,
+        meta = jsonb_set(
+            meta, '{retries}',
+            coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
+                jsonb_build_object(
+                    'retried_at', now(), 'status', status, 'error', error,
+                    'routed_to', routed_to, 'classified_via', classified_via,
+                    'attempts', attempts, 'finished_at', finished_at)))
+    WHERE id = $1
+    RETURNING id, status, meta->'retries' AS retries
 """
 
 # -- the dashboard's pages (DashboardStore; its registry is REGISTRY, REGISTRY_BUTLER) ------
