@@ -31,18 +31,18 @@ from tests.test_operator import call
 AWKWARD = "p&ss'w{marker}\"rd<>\\ü€"
 
 # What the child process logs, with the process's own logging set up as every `butlers`
-# command sets it up (butlers.cli._start_logging), the secrets read from its environment.
+# command sets it up (butlers.cli.start_logging), the secrets read from its environment.
 LOGGING_CHILD = r"""
 import argparse, html, json, logging, sys, warnings
 from urllib.parse import quote
 
 import markupsafe
 
-from butlers.cli import _start_logging
+from butlers.cli import start_logging
 from butlers.settings import Settings
 
 settings = Settings.from_environ()
-_start_logging(argparse.Namespace(log_level="DEBUG", log_format=sys.argv[1]), settings)
+start_logging(argparse.Namespace(log_level="DEBUG", log_format=sys.argv[1]), settings)
 log = logging.getLogger("butlers.test")
 token = settings.variable("TELEGRAM_BOT_TOKEN")
 password = settings.variable("BUTLERS_EMAIL_PASSWORD")

@@ -1,0 +1,276 @@
+"""`butlers up`, `butlers run NAME` and `butlers db upgrade`: the fleet in this process.
+
+PostgreSQL (embedded unless DATABASE_URL) starts in a thread while the butlers' libraries
+import; then every butler starts (butlers.daemon), the ready table is printed, and SIGINT or
+SIGTERM stops them in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from butlers import logs
+from butlers.cli.process import collector_paused, install_stop_signals
+from butlers.cli.render import print_rows
+from butlers.errors import ButlersError, CommandError
+
+if TYPE_CHECKING:
+    from butlers.config import ButlerConfig
+    from butlers.daemon import ButlerDaemon
+    from butlers.redact import Redactor
+    from butlers.settings import Settings
+    from butlers.telemetry import Telemetry
+
+DEFAULT_CONFIG_DIR = Path("config/butlers")
+
+
+def select_configs(
+    config_dir: Path, only: Sequence[str] | None, settings: Settings
+) -> list[ButlerConfig]:
+    from butlers.config import Placement, load_config_dir
+
+    fleet = load_config_dir(config_dir, Placement.from_environment(settings.environ))
+    for error in fleet.errors:
+        print(f"error: {error} (butler skipped)", file=sys.stderr)
+    if only:
+        unknown = [name for name in only if fleet.get(name) is None]
+        if unknown:
+            known = ", ".join(b.name for b in fleet.butlers) or "none"
+            raise CommandError(
+                f"no loadable butler named {', '.join(map(repr, unknown))} in {config_dir} "
+                f"(loadable: {known})"
+            )
+        return [b for b in fleet.butlers if b.name in only]
+    if not fleet.butlers:
+        raise CommandError(f"no loadable butler in {config_dir}")
+    return list(fleet.butlers)
+
+
+def print_ready_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
+    rows = [("NAME", "MCP (SSE)", "STREAMABLE HTTP", "HEALTH")]
+    rows += [
+        (d.config.name, d.sse_url, f"{d.base_url}/mcp", f"{d.base_url}/health") for d in daemons
+    ]
+    print(f"Butlers ready ({db_description}):")
+    print_rows(rows, indent="  ")
+    print("Press Ctrl-C to stop.", flush=True)
+
+
+def ready_report(
+    daemons: Sequence[ButlerDaemon], failed: dict[str, str], db_description: str
+) -> dict[str, Any]:
+    """The ready table as data (`butlers up --json`): every butler asked for, running or not."""
+    butlers: list[dict[str, Any]] = [
+        {
+            "name": d.config.name,
+            "status": "running",
+            "url": d.sse_url,
+            "mcp_url": f"{d.base_url}/mcp",
+            "health_url": f"{d.base_url}/health",
+        }
+        for d in daemons
+    ]
+    butlers += [{"name": n, "status": "failed", "error": error} for n, error in failed.items()]
+    return {"database": db_description, "butlers": sorted(butlers, key=lambda b: b["name"])}
+
+
+def progress(text: str) -> None:
+    """A start-up step, for the person waiting (stderr: stdout stays the ready table or JSON)."""
+    logs.progress(text)
+
+
+@dataclass(frozen=True)
+class PortChoice:
+    """Ports other than the butler.toml's: `run --port P` (one butler) or `up --port-offset K`
+    (every butler). With `--port`, what the registry stores stays the butler.toml's:
+    replicas sit behind one address (docs/scaling.md). With `--port-offset` the whole fleet
+    moved, and is registered where it listens (Placement.port_offset)."""
+
+    port: int | None = None
+    offset: int = 0
+
+    def apply(self, configs: Sequence[ButlerConfig]) -> list[ButlerConfig]:
+        chosen = []
+        for config in configs:
+            port = self.port if self.port is not None else config.port + self.offset
+            if not 1 <= port <= 65535:
+                option = "--port" if self.port is not None else f"--port-offset {self.offset}"
+                raise CommandError(
+                    f"{option}: butler {config.name!r} would listen on port {port}; "
+                    "expected a port number between 1 and 65535"
+                )
+            chosen.append(replace(config, port=port))
+        return chosen
+
+
+async def serve(
+    config_dir: Path,
+    only: Sequence[str] | None,
+    *,
+    strict: bool,
+    redactor: Redactor,
+    settings: Settings,
+    as_json: bool = False,
+    ports: PortChoice | None = None,
+) -> int:
+    """Run butlers until SIGINT/SIGTERM. `strict`: any butler failing to start is fatal.
+    `redactor`: the process's log redaction, told the secrets the configs name."""
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    configs = (ports or PortChoice()).apply(select_configs(config_dir, only, settings))
+    from butlers.db import EmbeddedServer, running, server_for
+
+    server = server_for(settings)
+    if isinstance(server, EmbeddedServer):
+        await server.locate()  # as root, the data may live elsewhere: say where it is
+        first = not (server.pgdata / "PG_VERSION").exists()
+        progress(
+            f"Initialising PostgreSQL in {server.pgdata} (first start)..."
+            if first
+            else f"Starting PostgreSQL in {server.pgdata}..."
+        )
+    async with contextlib.AsyncExitStack() as stack:
+        # PostgreSQL starts in a worker thread (initdb alone takes most of a second) while this
+        # one imports what the butlers need: on a cold start the two overlap.
+        starting = asyncio.create_task(
+            stack.enter_async_context(running(server)), name="postgres:start"
+        )
+        await asyncio.sleep(0)  # let it hand the start to its thread before the imports
+        try:
+            with collector_paused():
+                import butlers.daemon  # noqa: F401 - loaded here, with the collector paused
+                from butlers.settings import reveal
+                from butlers.telemetry import Telemetry
+
+                logs.adopt_fastmcp_logging()
+        finally:
+            await starting
+        from butlers.redact import Redactor
+
+        redactor.add(Redactor.from_environment(configs, environ=settings.environ).secrets)
+        telemetry = Telemetry.from_settings(settings, redact=redactor.clipped)
+        async with _flushed(telemetry):
+            await _serve_fleet(
+                configs,
+                server,
+                config_dir,
+                telemetry,
+                settings=settings,
+                auth_token=reveal(settings.auth_token),
+                stop=stop,
+                strict=strict,
+                as_json=as_json,
+                port_offset=(ports or PortChoice()).offset,
+            )
+    return 0
+
+
+async def _serve_fleet(
+    configs: Sequence[ButlerConfig],
+    server: Any,
+    config_dir: Path,
+    telemetry: Telemetry,
+    *,
+    settings: Settings,
+    auth_token: str | None,
+    stop: asyncio.Event,
+    strict: bool,
+    as_json: bool,
+    port_offset: int = 0,
+) -> None:
+    from butlers.daemon import start_fleet, stop_fleet
+
+    report = await start_fleet(
+        configs,
+        server,
+        data_dir=settings.data_dir,
+        settings=settings,
+        auth_token=auth_token,
+        config_dir=config_dir,
+        telemetry=telemetry,
+        progress=progress,
+        port_offset=port_offset,
+    )
+    try:
+        for name, error in report.failed.items():
+            print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
+        if not report.running or (strict and report.failed):
+            raise CommandError(
+                "no butler is running" if not report.running else "a butler failed to start"
+            )
+        if as_json:
+            ready = ready_report(report.running, report.failed, server.description)
+            print(json.dumps(ready, ensure_ascii=False), flush=True)
+        else:
+            print_ready_table(report.running, server.description)
+        await stop.wait()
+        progress("Stopping...")
+    finally:
+        await stop_fleet(report.running)
+
+
+@contextlib.asynccontextmanager
+async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
+    """The last spans of a run are exported before the process ends (in a thread: a flush
+    blocks for as long as the collector takes to answer)."""
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)
+
+
+async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings) -> int:
+    configs = select_configs(config_dir, names, settings)  # a config error before the imports
+    with collector_paused():
+        from butlers.daemon import migration_branches
+        from butlers.db import prepare_database, running, server_for
+
+    server = server_for(settings)
+    failed = False
+    async with running(server):
+        for config in configs:
+            try:
+                await prepare_database(server, config.database, migration_branches(config))
+            except ButlersError as exc:
+                print(f"error: {config.name}: {exc}", file=sys.stderr)
+                failed = True
+                continue
+            print(f"{config.name}: database {config.database} is up to date")
+    return 1 if failed else 0
+
+
+async def run_up(args: argparse.Namespace, settings: Settings, redactor: Redactor) -> int:
+    """`butlers up`: every butler of the config directory (or `--only` these), one process."""
+    return await serve(
+        args.config_dir,
+        args.only,
+        strict=False,
+        redactor=redactor,
+        settings=settings,
+        as_json=args.json,
+        ports=PortChoice(offset=args.port_offset),
+    )
+
+
+async def run_butler(args: argparse.Namespace, settings: Settings, redactor: Redactor) -> int:
+    """`butlers run NAME`: one butler in the foreground; its failing to start is fatal."""
+    return await serve(
+        args.config_dir,
+        [args.name],
+        strict=True,
+        redactor=redactor,
+        settings=settings,
+        ports=PortChoice(port=args.port),
+    )
+
+
+async def run_db_upgrade(args: argparse.Namespace, settings: Settings, _redactor: object) -> int:
+    return await db_upgrade(args.config_dir, args.names, settings)
