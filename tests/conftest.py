@@ -51,6 +51,9 @@ _MARKER_FIXTURES = {
     "pg": {"pg_server", "pg_home", "embedded_env", "cli_env"},
     "claude": {"messages_api"},
     "npm": {"npm_servers"},
+    # A fixture that starts a process for its tests (none shared yet: the tests that start
+    # one themselves are named in _PROC_TESTS).
+    "proc": set(),
 }
 # Tests that start a process themselves (a `butlers` command, `claude --version`, a stdio MCP
 # peer, pip): `proc`, by module ("*": all of its tests) or by name (with its parameters, or
@@ -233,8 +236,9 @@ def _guarded(item: pytest.Item, phase: str) -> Iterator[None]:
     if guard.started:
         pytest.fail(
             f"this test starts a process (in its {phase}: {'; '.join(guard.started)}): "
-            "mark it proc (@pytest.mark.proc, or add the fixture that starts it to "
-            "_MARKER_FIXTURES in tests/conftest.py); the fast lane runs no process",
+            "mark it proc (@pytest.mark.proc in its file, its name in _PROC_TESTS in "
+            "tests/conftest.py, or the fixture that starts it in _MARKER_FIXTURES there); "
+            "the fast lane runs no process",
             pytrace=False,
         )
     return result
