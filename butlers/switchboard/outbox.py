@@ -37,6 +37,7 @@ import asyncpg
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.backoff import Backoff
 from butlers.core_store import storable, storable_json
 from butlers.errors import DeliveryError, RecipientDeferred
 from butlers.media import Attachment
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_S = (1, 2, 5, 10, 30, 60, 120, 300)  # between attempts while a channel is down
+DELIVERY_BACKOFF = Backoff((1, 2, 5, 10, 30, 60, 120, 300))  # while a channel is down
 IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
 # A channel failing in a way it does not explain (a bug) is not waited out for a day: the
 # channel's later messages queue behind the row (delivery is in order).
@@ -285,7 +286,7 @@ class OutboxSender:
             except Exception:
                 # Keep delivering on purpose: a database hiccup must not end the outbox.
                 logger.exception("outbox %s: cannot read the outbox", name)
-                due_s = BACKOFF_S[2]
+                due_s = DELIVERY_BACKOFF.delay(2)
             wait_s = IDLE_POLL_S if due_s is None else min(due_s, IDLE_POLL_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), wait_s)
@@ -350,7 +351,7 @@ class OutboxSender:
             )
             await self.store.failed(delivery.id, error)
             return
-        delay_s = BACKOFF_S[min(delivery.attempts, len(BACKOFF_S)) - 1]
+        delay_s = DELIVERY_BACKOFF.delay(delivery.attempts - 1)  # attempts counts this one
         logger.warning(
             "outbox: %s channel did not take row %s (%s); again in %ss",
             delivery.channel,
