@@ -5,6 +5,10 @@ timeouts, cancellation, answers to the child's pings, and errors (the McpCallErr
 What is the gateway's own is here: starting a child on first use and again after it died,
 killing it with everything it started, and messages that name the child and the setting
 (`timeouts.rpc_ms`, `timeouts.child_spawn_ms`) a person would change.
+
+`close()` is final: a child removed by a reload, or closed with the gateway, never starts
+again, whoever asks (a host's call in flight, a warm-up, a re-activation); a start already
+under way when it is closed ends what it spawned, and `close()` returns only after it has.
 """
 
 from __future__ import annotations
@@ -85,10 +89,22 @@ class _Child:
         self._progress: dict[str, Callable[[dict[str, Any]], None]] = {}
         # Where the child's log messages go while calls run (the gateway's hosts).
         self.on_log: Callable[[dict[str, Any]], None] | None = None
+        # Set by close(), never cleared: start() refuses from then on.
+        self._closed = False
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def closed(self) -> bool:
+        """Closed for good (removed from the gateway, or the gateway closing)."""
+        return self._closed
+
+    def _removed(self) -> ConnectionClosed:
+        """What a start of a closed child raises: a request still waiting to start it must not
+        bring back a child the gateway let go (nothing would ever end it)."""
+        return ConnectionClosed(f"child {self.name!r} was removed: it is not started again")
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -282,7 +298,7 @@ class StdioChild(_Child):
             yield
         finally:
             self._in_use -= 1
-            if self._in_use == 0 and self.idle_timeout_s is not None:
+            if self._in_use == 0 and self.idle_timeout_s is not None and not self._closed:
                 self._idle_stop = asyncio.get_running_loop().create_task(
                     self._stop_when_idle(self.idle_timeout_s), name=f"child:{self.name}:idle"
                 )
@@ -315,7 +331,13 @@ class StdioChild(_Child):
         )
 
     async def start(self) -> None:
+        """Spawn and initialize it unless it runs. Raises ConnectionClosed once it is closed;
+        closed while starting, it ends what it spawned before raising, at whichever step."""
+        if self._closed:
+            raise self._removed()
         async with self._start_lock:
+            if self._closed:  # closed while this request waited for another's start
+                raise self._removed()
             if self.running():
                 return
             await self._kill()
@@ -328,6 +350,7 @@ class StdioChild(_Child):
                     (self._initialize, self.initialize_timeout_s, "timeouts.rpc_ms"),
                 ]
             for step, timeout_s, setting in steps:
+                await self._unless_closed()
                 try:
                     await asyncio.wait_for(step(), timeout_s)
                 except TimeoutError:
@@ -336,10 +359,20 @@ class StdioChild(_Child):
                         f"child {self.name!r}: no answer to initialize within "
                         f"{_ms(timeout_s)} ({setting})"
                     ) from None
-                except McpCallError:
+                except McpCallError as exc:
                     await self._kill()
+                    if self._closed:  # close() ended it under us: say so, not "exited"
+                        raise self._removed() from exc
                     raise
+            await self._unless_closed()
             self._opened()
+
+    async def _unless_closed(self) -> None:
+        """Within start(): a child closed meanwhile has what this start spawned ended (close()
+        could not reach a process not spawned yet) and the start refused."""
+        if self._closed:
+            await self._kill()
+            raise self._removed()
 
     async def _spawn_and_initialize(self) -> None:
         await self._spawn()
@@ -383,8 +416,12 @@ class StdioChild(_Child):
         )
         self._connected(connection)
         self._connection = connection
+        if self._closed:  # closed while it was being spawned: start() ends it
+            raise self._removed()
 
     async def _initialize(self) -> None:
+        if self._closed:  # closed since it spawned (wait_for runs this step as a new task)
+            raise self._removed()
         assert isinstance(self._connection, StdioConnection), "spawned first"
         await self._ask("initialize", self._connection.open(CLIENT_INFO, timeout_s=None))
 
@@ -418,8 +455,14 @@ class StdioChild(_Child):
             await asyncio.gather(reader, return_exceptions=True)
 
     async def close(self) -> None:
+        """For good. What runs now ends at once (a start waiting on its `initialize` fails
+        with it); then, under the start lock, after any start in progress has ended what it
+        spawned: no process of this child outlives the call."""
+        self._closed = True
         self._cancel_idle_stop()
         await self._kill()
+        async with self._start_lock:
+            await self._kill()
 
 
 class RemoteChild(_Child):
@@ -453,10 +496,16 @@ class RemoteChild(_Child):
         return self._connection is not None and self._connection.is_open
 
     async def start(self) -> None:
+        """Connect unless connected. Raises ConnectionClosed once it is closed; closed while
+        connecting, it closes what it opened before raising."""
+        if self._closed:
+            raise self._removed()
         async with self._lock:
+            if self._closed:
+                raise self._removed()
             if self.running():
                 return
-            await self.close()
+            await self._disconnect()
             url = self.spec.url
             assert url is not None, "a remote child has a URL"
             connection = self._connect(url)
@@ -473,6 +522,9 @@ class RemoteChild(_Child):
                 raise ConnectionClosed(
                     f"child {self.name!r}: cannot connect to {url}: {exc}"
                 ) from exc
+            if self._closed:  # closed while connecting: close() could not reach it
+                await _close_quietly(connection)
+                raise self._removed()
             self._connection = connection
             self._opened()
 
@@ -499,6 +551,14 @@ class RemoteChild(_Child):
         )
 
     async def close(self) -> None:
+        """For good: the open connection ends now; then, after a connect in progress has
+        closed what it opened (bounded by `timeouts.child_spawn_ms`)."""
+        self._closed = True
+        await self._disconnect()
+        async with self._lock:
+            await self._disconnect()
+
+    async def _disconnect(self) -> None:
         connection, self._connection = self._connection, None
         if connection is not None:
             with contextlib.suppress(Exception):
