@@ -13,6 +13,8 @@ schemas/mcp.schema.json are generated from these models (`python -m butlers.sche
 from __future__ import annotations
 
 import json
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,6 +39,9 @@ JSON_NAME = "switchboard.config.json"
 DEFAULT_GLOBS = (".switchboard/mcps/*/.mcp.json", "mcps/*/.mcp.json")
 # An editor's key for the file's JSON Schema; taken (and ignored) at the top of either file.
 SCHEMA_KEY = "$schema"
+# The most a server file (.mcp.json, --config, what install moved, the approvals store) may
+# hold: a declaration is a few hundred bytes; more is a mistake or a trap.
+MAX_FILE_BYTES = 1024 * 1024
 
 
 class _Table(BaseModel):
@@ -198,6 +203,16 @@ class GatewayConfig(_Table):
         default_factory=Introspection, description="`[introspection]`."
     )
     wrapper: Wrapper = Field(default_factory=Wrapper, description="`[wrapper]`.")
+    reload: Literal["approve", "apply", "off"] = Field(
+        default="approve",
+        description="What an edit of the servers' files does while the gateway runs. "
+        "`approve`: a removed server goes at once; a new or changed one (command, args, env, "
+        "cwd, URL, headers) waits, listed as `pending` by `gateway_status`, until a person "
+        "runs `butlers gateway approve` (or the gateway starts again). `apply`: new and "
+        "changed servers start at once (only if you trust every writer of those files, the "
+        "host's model included). `off`: the files are not watched; changes count at the next "
+        "start.",
+    )
 
     # Not in the file: where it was read from (None: the defaults) and what its globs are
     # relative to.
@@ -306,11 +321,52 @@ class McpJson(_Table):
         return self
 
 
-def load_mcp_json(path: Path) -> McpJson:
-    """One `.mcp.json`; ConfigError naming the file and the key when it is not usable."""
+def read_server_file(path: Path) -> str:
+    """The text of a file that declares servers, read without ever blocking: anything but a
+    regular file (a FIFO would stall the reader, and the gateway's exit with it; a device such
+    as /dev/zero never ends) and anything over MAX_FILE_BYTES is refused with a ConfigError
+    naming the file, before a byte is read. Symbolic links are followed: it is what they lead
+    to that is checked."""
     try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(path, None, f"not readable: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(path, None, f"is {_kind(mode)}, not a regular file: not read")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(
+            path, None, f"larger than {MAX_FILE_BYTES} bytes (1 MiB), the limit: not read"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, None, f"not UTF-8 text: {exc}") from exc
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "a special file"
+
+
+def load_mcp_json(path: Path) -> McpJson:
+    """One `.mcp.json`; ConfigError naming the file and the key when it is not usable (not a
+    regular file, too big: read_server_file)."""
+    text = read_server_file(path)
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ConfigError(path, None, f"not readable JSON: {exc}") from exc
     if isinstance(data, dict):
         data.pop(SCHEMA_KEY, None)

@@ -18,7 +18,11 @@
 `${VAR}` and `${VAR:-default}` are expanded in commands, arguments, env values, URLs and
 headers, as Claude Code does, from the gateway's environment; a variable that is not set and
 has no default makes that server unusable (skipped, with a warning naming the file, the server
-and the variable), never the others. An entry that runs this very gateway (`butlers gateway`,
+and the variable), never the others. `${BUTLERS_*}` is never expanded: those are the gateway's
+own settings (its auth token among them), as `pass_env` refuses them; an entry that names one
+is skipped the same way (the variable's value is never shown). Each file is read as
+butlers.gateway.config.read_server_file reads it: a regular file of at most 1 MiB, else
+skipped with a warning naming it. An entry that runs this very gateway (`butlers gateway`,
 which `install` writes into `.mcp.json`) is left out: the gateway does not start itself.
 
 `ServerFiles` reads them all, in the order that decides a name declared twice, for the
@@ -28,6 +32,7 @@ gateway's start and again for each hot reload (butlers.gateway.reload).
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -39,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from butlers.errors import ConfigError, InvalidChild
 from butlers.gateway.children import ChildSpec, Skipped, discover_mcp_files, log_skipped
+from butlers.gateway.config import read_server_file
 
 PROJECT_FILE = ".mcp.json"
 INSTALL_DIR = ".butlers-gateway"
@@ -49,6 +55,8 @@ INSTALLED_SERVERS = tuple(
 )
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The gateway's own settings: never expanded into a server's declaration.
+OWN_PREFIX = "BUTLERS_"
 
 
 class _Entry(BaseModel):
@@ -145,8 +153,8 @@ def _project_servers(
     cwd = directory.resolve()
     for name in (PROJECT_FILE, *INSTALLED_SERVERS):
         path = directory / name
-        if not path.is_file():
-            continue
+        if not os.path.lexists(path):
+            continue  # (a FIFO or a directory there is read, refused and reported)
         try:
             data = _read_json(path)
             servers = data.get("mcpServers")
@@ -162,9 +170,10 @@ def _codex_servers(path: Path, skipped: list[Skipped]) -> dict[str, Any]:
     """Codex's `[mcp_servers.<name>]` tables in Claude Code's shape, its variable names
     turned into `${VAR}`s: the values stay in the environment until the gateway needs them,
     and an unset one skips that server with a warning naming it."""
+    text = read_server_file(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(path, None, f"not readable TOML: {exc}") from exc
     tables = data.get("mcp_servers")
     if not isinstance(tables, dict):
@@ -200,9 +209,10 @@ def _codex_servers(path: Path, skipped: list[Skipped]) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    text = read_server_file(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ConfigError(path, None, f"not readable JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(path, None, f"expected an object, got {type(data).__name__}")
@@ -273,6 +283,11 @@ def _spec(
 def _expand(text: str, environ: Mapping[str, str]) -> str:
     def value(match: re.Match[str]) -> str:
         variable, default = match.group(1), match.group(2)
+        if variable.startswith(OWN_PREFIX):
+            raise InvalidChild(
+                f"${{{variable}}} is the gateway's own setting ({OWN_PREFIX}*), never expanded "
+                "into a server's declaration"
+            )
         if variable in environ:
             return environ[variable]
         if default is not None:
