@@ -68,7 +68,6 @@ from butlers.gateway.wrapper import (
     instructions_for,
     load_descriptions,
 )
-from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -189,7 +188,8 @@ class Gateway:
         self.mcp.add_provider(self.passthrough)
         self.slots: dict[str, Slot] = {}
         self.watchdog = Watchdog()  # the children's groups, should we be killed
-        self._warming: list[asyncio.Task[None]] = []
+        # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
+        self._warming: set[asyncio.Task[None]] = set()
         self._notify_tasks: set[asyncio.Task[None]] = set()
         self._search_index: SearchIndex | None = None  # search mode; rebuilt when stale
         for spec in specs:
@@ -258,9 +258,7 @@ class Gateway:
         slot = self.slots[spec.name]
         self._fixed_names.add(slot.suite_name)
         if warm:
-            self._warming.append(
-                asyncio.create_task(self.warm(slot), name=f"gateway:warm:{spec.name}")
-            )
+            self._start_warm(slot)
         if self.mode not in ("activate", "search"):
             await self.notify_tools_changed()
 
@@ -304,10 +302,19 @@ class Gateway:
         await asyncio.gather(*(self.warm(slot) for slot in self.slots.values()))
 
     def start_warming(self) -> None:
-        self._warming = [
-            asyncio.create_task(self.warm(slot), name=f"gateway:warm:{slot.spec.name}")
-            for slot in self.slots.values()
-        ]
+        for slot in self.slots.values():
+            self._start_warm(slot)
+
+    def _start_warm(self, slot: Slot) -> None:
+        """Warm `slot` in the background; the task leaves `_warming` when it ends, its
+        failure logged as any gateway task's (close() cancels those still running)."""
+        task = asyncio.create_task(self.warm(slot), name=f"gateway:warm:{slot.spec.name}")
+        self._warming.add(task)
+        task.add_done_callback(self._warmed)
+
+    def _warmed(self, task: asyncio.Task[None]) -> None:
+        self._warming.discard(task)
+        self._done(task)
 
     async def warm(self, slot: Slot) -> None:
         if slot.state in ("ready", "active") and slot.child.running():
@@ -318,7 +325,10 @@ class Gateway:
             slot.tools = await slot.child.list_tools()
         except McpCallError as exc:
             slot.state, slot.error = "error", str(exc)
-            logger.warning("%s", exc, extra={"action": "child_failed"})
+            if slot.child.closed:  # removed (reload) or the gateway closing: not a failure
+                logger.debug("%s", exc, extra={"action": "child_removed"})
+            else:
+                logger.warning("%s", exc, extra={"action": "child_failed"})
             return
         slot.state = "active" if slot.injected else "ready"
         if not was_up:
@@ -831,10 +841,20 @@ class Gateway:
                 self._tracker.forget(host)
 
     async def close(self) -> None:
-        for task in self._warming:
-            await cancel_and_wait(task)
-        await asyncio.gather(
-            *(slot.child.close() for slot in self.slots.values()), return_exceptions=True
-        )
-        await self.watchdog.close()
-        self.wrapper.close()
+        """Warm-ups cancelled, then every child closed (for good: none starts again), the
+        watchdog and the wrapper: all of them, whatever a warm-up or a child's close raised
+        (one that raised used to leave the rest running)."""
+        warming = list(self._warming)
+        for task in warming:
+            task.cancel()
+        try:  # a warm-up's own failure is logged as it ends (_warmed); not raised here
+            await asyncio.gather(*warming, return_exceptions=True)
+        finally:
+            try:
+                await asyncio.gather(
+                    *(slot.child.close() for slot in self.slots.values()),
+                    return_exceptions=True,
+                )
+                await self.watchdog.close()
+            finally:
+                self.wrapper.close()
