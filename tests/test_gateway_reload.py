@@ -1,27 +1,45 @@
 """Hot reload: editing `.mcp.json`, the `--config` file or a globbed server's file while the
-gateway runs adds, removes or restarts only the servers that changed, and tells the host.
+gateway runs adds, removes or restarts only the servers that changed, and tells the host. A
+new or changed server waits for a person's `butlers gateway approve` (gateway.toml `reload =
+"approve"`, the default); a removed one goes at once.
 
 The gateway runs as a host starts it (the `butlers gateway` command over stdio, the SDK's
 client); its children are real processes (the small stdio mock, and the real npm
-`server-everything`). Every wait ends on something the gateway does (the host's
-`notifications/tools/list_changed`, a log line, a pid written by a new child) and is bounded.
+`server-everything`); `approve` is the real command, its store in the test's own
+XDG_STATE_HOME. Every wait ends on something the gateway does (the host's
+`notifications/tools/list_changed`, a log line, a pid written by a new child, the gateway's
+exit) and is bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from butlers.errors import ConfigError
+from butlers.gateway.approvals import fingerprint
 from butlers.gateway.children import ChildSpec, Skipped
-from butlers.gateway.reload import plan
+from butlers.gateway.reload import hold, plan
 from tests.conftest import eventually
-from tests.test_gateway import MOCK, Host, _alive, mcp_json, stdio_host, survivors, text_of
+from tests.test_gateway import (
+    BUTLERS,
+    MOCK,
+    Host,
+    _alive,
+    _env,
+    mcp_json,
+    stdio_host,
+    survivors,
+    text_of,
+)
 
 WAIT_S = 30  # bound of every wait: a bug fails the test instead of hanging it
 INFO = ("--log-level", "info")  # what a reload changed is logged at info
@@ -75,6 +93,54 @@ async def logged(tmp_path: Path, text: str) -> str:
     return log.read_text()
 
 
+def state(tmp_path: Path) -> dict[str, str]:
+    """The approvals store of the test's own (never the user's): XDG_STATE_HOME in tmp_path."""
+    return {"XDG_STATE_HOME": str(tmp_path / "state")}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    tmp_path: Path, directory: Path, *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[Host]:
+    """`butlers gateway --dir directory` over stdio, its approvals store in tmp_path."""
+    async with stdio_host(directory, *args, *INFO, env=state(tmp_path) | (env or {})) as host:
+        yield host
+
+
+async def approve(tmp_path: Path, directory: Path, *args: str) -> str:
+    """The real `butlers gateway approve ARGS --dir directory`; what it printed."""
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        "gateway",
+        "approve",
+        *args,
+        "--dir",
+        str(directory),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=_env(directory, state(tmp_path)),
+        cwd=directory,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def pending(host: Host, name: str) -> dict[str, Any]:
+    """gateway_status's pending entry for `name`, once there is one."""
+    found: dict[str, Any] = {}
+
+    async def listed() -> bool:
+        result = await host.call("gateway_status")
+        for entry in result.structured_content["result"]:
+            if entry["name"] == name and entry["state"] == "pending":
+                found.update(entry)
+        return bool(found)
+
+    await eventually(listed, WAIT_S)
+    return found
+
+
 async def echo(host: Host, suite: str, message: str) -> str:
     result = await host.suite(suite, "call", "echo", message=message)
     assert not result.is_error, text_of(result)
@@ -88,7 +154,7 @@ async def test_adding_a_server_starts_it_and_leaves_the_others_running(
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         assert "plain_suite" in await host.tools()
         before = await started(tmp_path, "plain")
 
@@ -97,6 +163,8 @@ async def test_adding_a_server_starts_it_and_leaves_the_others_running(
             "args": ["stdio"],
         }
         save_servers(project, servers)
+        await pending(host, "everything")
+        assert "approved everything: " in await approve(tmp_path, tmp_path, "everything")
         await host.wait_list_changed(1, WAIT_S)
         assert {"plain_suite", "everything_suite"} <= set(await host.tools())
         assert "through the reload" in await echo(host, "everything_suite", "through the reload")
@@ -113,10 +181,10 @@ async def test_a_removed_server_leaves_the_list_and_its_process_ends(tmp_path: P
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain"), "gone": mock(tmp_path, "gone")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         before = await started(tmp_path, "plain", "gone")
 
-        del servers["gone"]
+        del servers["gone"]  # a removal needs no one's yes: it applies at once
         save_servers(project, servers)
         await host.wait_list_changed(1, WAIT_S)
         tools = await host.tools()
@@ -134,11 +202,14 @@ async def test_a_changed_server_is_restarted_and_only_that_one(tmp_path: Path) -
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain"), "tuned": mock(tmp_path, "tuned")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         before = await started(tmp_path, "plain", "tuned")
 
         servers["tuned"] = mock(tmp_path, "tuned", "--framing", "content-length")
         save_servers(project, servers)
+        await pending(host, "tuned")
+        assert pids(tmp_path, "tuned") == [before["tuned"]]  # runs on as it was until approved
+        await approve(tmp_path, tmp_path, "tuned")
         await host.wait_list_changed(2, WAIT_S)  # taken out, put back
 
         async def restarted() -> bool:
@@ -161,7 +232,7 @@ async def test_a_restarted_server_the_host_had_activated_comes_back_active(
     project = tmp_path / ".mcp.json"
     servers = {"tuned": mock(tmp_path, "tuned")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         await started(tmp_path, "tuned")
         activated = await host.call("gateway_activate", name="tuned")
         assert not activated.is_error, text_of(activated)
@@ -170,6 +241,8 @@ async def test_a_restarted_server_the_host_had_activated_comes_back_active(
 
         servers["tuned"] = mock(tmp_path, "tuned", "--framing", "content-length")
         save_servers(project, servers)
+        await pending(host, "tuned")
+        await approve(tmp_path, tmp_path)  # every declared server: tuned's new declaration
         # Taken out, put back, activated again.
         await host.wait_list_changed(seen + 3, WAIT_S)
         assert "echo" in await host.tools()
@@ -182,7 +255,7 @@ async def test_a_broken_file_changes_nothing_until_a_good_version_comes(tmp_path
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         before = await started(tmp_path, "plain")
         await logged(tmp_path, WATCHING)  # (its first reading reports nothing: start did)
 
@@ -199,6 +272,8 @@ async def test_a_broken_file_changes_nothing_until_a_good_version_comes(tmp_path
 
         servers["extra"] = mock(tmp_path, "extra")
         save_servers(project, servers)
+        await pending(host, "extra")
+        await approve(tmp_path, tmp_path, "extra")
         await host.wait_list_changed(1, WAIT_S)
         assert {"plain_suite", "extra_suite"} <= set(await host.tools())
         assert await echo(host, "extra_suite", "the good version") == "the good version"
@@ -218,7 +293,7 @@ async def test_the_config_file_is_watched_too(tmp_path: Path) -> None:
     desktop.write_text(json.dumps({"globalShortcut": "Ctrl+Space", "mcpServers": servers}))
     project = tmp_path / "project"
     project.mkdir()
-    async with stdio_host(project, "--config", str(desktop), *INFO) as host:
+    async with gateway(tmp_path, project, "--config", str(desktop)) as host:
         before = await started(tmp_path, "plain")
         # Each new set of watches reads the files once (for what changed before they were in
         # place): past that, only the watch on the config file's directory can see the edits.
@@ -226,12 +301,16 @@ async def test_the_config_file_is_watched_too(tmp_path: Path) -> None:
 
         servers["second"] = mock(tmp_path, "second")
         desktop.write_text(json.dumps({"globalShortcut": "Ctrl+Space", "mcpServers": servers}))
+        await pending(host, "second")
+        await approve(tmp_path, project, "second", "--config", str(desktop))
         await host.wait_list_changed(1, WAIT_S)
         assert {"plain_suite", "second_suite"} <= set(await host.tools())
         assert await echo(host, "second_suite", "from the config") == "from the config"
 
         servers["third"] = mock(tmp_path, "third")
         save(desktop, json.dumps({"mcpServers": servers}))
+        await pending(host, "third")
+        await approve(tmp_path, project, "third", "--config", str(desktop))
         await host.wait_list_changed(2, WAIT_S)
         del servers["second"]
         save(desktop, json.dumps({"mcpServers": servers}))
@@ -246,7 +325,7 @@ async def test_a_new_server_directory_the_globs_match_is_found(tmp_path: Path) -
     """`mcps/*/.mcp.json`: a directory made while the gateway runs is watched from then on,
     so its file, written after the gateway has seen the directory, is found."""
     mcp_json(tmp_path, "first")  # its pid goes to tmp_path/pids
-    async with stdio_host(tmp_path, *INFO) as host:
+    async with gateway(tmp_path, tmp_path) as host:
         assert "first_suite" in await host.tools()
         await logged(tmp_path, WATCHING)
         (tmp_path / "mcps" / "late").mkdir()
@@ -256,6 +335,8 @@ async def test_a_new_server_directory_the_globs_match_is_found(tmp_path: Path) -
 
         await eventually(watched_again, WAIT_S)
         mcp_json(tmp_path, "late")
+        await pending(host, "late")
+        await approve(tmp_path, tmp_path, "late")
         await host.wait_list_changed(1, WAIT_S)
         assert "late_suite" in await host.tools()
         assert await echo(host, "late_suite", "found") == "found"
@@ -268,10 +349,12 @@ async def test_in_search_mode_an_added_server_is_found(tmp_path: Path) -> None:
     project = tmp_path / ".mcp.json"
     servers = {"plain": mock(tmp_path, "plain")}
     project.write_text(json.dumps({"mcpServers": servers}))
-    async with stdio_host(tmp_path, "--mode", "search", *INFO) as host:
+    async with gateway(tmp_path, tmp_path, "--mode", "search") as host:
         await logged(tmp_path, WATCHING)
         servers["extra"] = mock(tmp_path, "extra")
         save_servers(project, servers)
+        await pending(host, "extra")
+        await approve(tmp_path, tmp_path, "extra")
         await logged(tmp_path, "gateway reload: added extra")
         result = await host.call("gateway_search", query="echo the message back", limit=10)
         found = result.structured_content["result"]
@@ -306,3 +389,219 @@ def test_a_server_moved_to_another_file_keeps_running() -> None:
         ConfigError("/p/.mcp.json", "mcpServers.docs", "url: Field required"), "docs"
     )
     assert plan(running | {"docs": docs}, [], [bad_docs]).removed == ("notes",)
+
+
+# -- what needs a person's yes (review finding M1) ----------------------------------------
+
+
+def resolved(path: Path) -> Path:
+    """As the gateway names its --dir in messages: symbolic links resolved."""
+    return path.resolve()
+
+
+async def pending_names(host: Host) -> list[str]:
+    result = await host.call("gateway_status")
+    return [e["name"] for e in result.structured_content["result"] if e["state"] == "pending"]
+
+
+@pytest.mark.proc
+async def test_a_server_added_by_a_reload_is_pending_until_approved_then_starts_alone(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    real = resolved(tmp_path)
+    async with gateway(tmp_path, tmp_path) as host:
+        before = await started(tmp_path, "plain")
+        await logged(tmp_path, WATCHING)
+
+        servers["newcomer"] = mock(tmp_path, "newcomer")
+        save_servers(project, servers)
+        entry = await pending(host, "newcomer")
+        assert str(project) in entry["detail"], entry
+        assert f"butlers gateway approve newcomer --dir {real}" in entry["detail"]
+        assert entry["ready"] is False and entry["tools"] == 0
+        assert "newcomer_suite" not in await host.tools() and host.list_changed == 0
+        assert pids(tmp_path, "newcomer") == []  # never started: no process, no pid
+        warning = "gateway reload: server 'newcomer' new in"
+        await logged(tmp_path, warning)
+
+        printed = await approve(tmp_path, tmp_path, "newcomer")
+        shown = f"{sys.executable} {MOCK} (env: MOCK_MCP_PIDS; in {real})"
+        assert f"approved newcomer: {shown}" in printed, printed
+        await host.wait_list_changed(1, WAIT_S)
+        await started(tmp_path, "newcomer")
+        assert await echo(host, "newcomer_suite", "let in") == "let in"
+        assert await pending_names(host) == []
+        assert pids(tmp_path, "plain") == [before["plain"]] and _alive(before["plain"])
+        log = await logged(tmp_path, "gateway reload: added newcomer")
+        assert log.count(warning) == 1  # once per pending declaration
+
+        # Approving what already runs changes nothing, and says so.
+        assert "nothing new to approve" in await approve(tmp_path, tmp_path, "newcomer")
+
+
+@pytest.mark.proc
+async def test_a_declaration_approved_once_is_pending_again_when_changed_again(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / ".mcp.json"
+    servers = {"tuned": mock(tmp_path, "tuned")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with gateway(tmp_path, tmp_path) as host:
+        first = await started(tmp_path, "tuned")
+        await logged(tmp_path, WATCHING)
+
+        servers["tuned"] = mock(tmp_path, "tuned", "--framing", "content-length")
+        save_servers(project, servers)
+        await pending(host, "tuned")
+        await approve(tmp_path, tmp_path, "tuned")
+
+        async def restarted() -> bool:
+            return len(pids(tmp_path, "tuned")) == 2
+
+        await eventually(restarted, WAIT_S)
+        approved = pids(tmp_path, "tuned")[-1]
+        assert await survivors([first["tuned"]], timeout_s=WAIT_S) == []
+
+        servers["tuned"]["env"]["MOCK_SETTING"] = "changed behind the approval"
+        save_servers(project, servers)
+        entry = await pending(host, "tuned")
+        assert "the running one stays as it was" in entry["detail"]
+        assert pids(tmp_path, "tuned") == [first["tuned"], approved] and _alive(approved)
+        assert await echo(host, "tuned_suite", "the approved one") == "the approved one"
+
+
+@pytest.mark.proc
+async def test_reload_apply_starts_new_servers_at_once_as_before(tmp_path: Path) -> None:
+    (tmp_path / "gateway.toml").write_text('reload = "apply"\n')
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with gateway(tmp_path, tmp_path) as host:
+        await started(tmp_path, "plain")
+        await logged(tmp_path, WATCHING)
+        servers["trusted"] = mock(tmp_path, "trusted")
+        save_servers(project, servers)
+        await host.wait_list_changed(1, WAIT_S)
+        assert await echo(host, "trusted_suite", "no approval") == "no approval"
+        assert "pending" not in await logged(tmp_path, "gateway reload: added trusted")
+
+
+@pytest.mark.proc
+async def test_a_butlers_variable_in_an_http_entry_is_never_sent_and_nothing_connects(
+    tmp_path: Path,
+) -> None:
+    """Even where reloads apply at once: an entry naming ${BUTLERS_AUTH_TOKEN} is skipped, with
+    a warning naming the file, the server and the variable, never its value; a loopback
+    listener at its URL sees no connection. Another server added in the same save starts
+    (so the reload was applied)."""
+    token = "gateway-own-token-do-not-send"
+    seen: list[bytes] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.read(65536))
+        writer.close()
+
+    listener = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    (tmp_path / "gateway.toml").write_text('reload = "apply"\n')
+    project = tmp_path / ".mcp.json"
+    servers: dict[str, Any] = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with listener, gateway(tmp_path, tmp_path, env={"BUTLERS_AUTH_TOKEN": token}) as host:
+        await started(tmp_path, "plain")
+        await logged(tmp_path, WATCHING)
+        servers["leak"] = {
+            "type": "http",
+            "url": f"http://127.0.0.1:{port}/mcp",
+            "headers": {"Authorization": "Bearer ${BUTLERS_AUTH_TOKEN}"},
+        }
+        servers["other"] = mock(tmp_path, "other")
+        save_servers(project, servers)
+        await started(tmp_path, "other")
+        log = await logged(
+            tmp_path,
+            f"{project}: mcpServers.leak: ${{BUTLERS_AUTH_TOKEN}} is the gateway's own setting",
+        )
+        assert "leak" not in await host.status()
+        assert seen == []
+        assert token not in log
+
+
+@pytest.mark.proc
+async def test_a_fifo_where_a_server_file_is_globbed_is_refused_and_the_gateway_still_ends(
+    tmp_path: Path,
+) -> None:
+    """A FIFO matched by `mcps/*/.mcp.json` while the gateway serves: refused with a warning
+    naming it (it used to block the reload's reading for good, and with it the gateway's exit);
+    the gateway answers its host and ends at the end of its input."""
+    mcp_json(tmp_path, "first")
+    with (tmp_path / "gateway.stderr").open("a") as errlog:
+        process = await asyncio.create_subprocess_exec(
+            *(BUTLERS, "gateway", "--dir", str(tmp_path), "--no-butlers", *INFO),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=errlog,
+            env=_env(tmp_path, state(tmp_path)),
+            cwd=tmp_path,
+        )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        await logged(tmp_path, WATCHING)
+        trap = tmp_path / "mcps" / "trap"
+        trap.mkdir()
+
+        async def watched_again() -> bool:
+            return (tmp_path / "gateway.stderr").read_text().count(WATCHING) == 2
+
+        await eventually(watched_again, WAIT_S)
+        os.mkfifo(trap / ".mcp.json")
+        await logged(tmp_path, f"{trap / '.mcp.json'}: is a FIFO, not a regular file")
+
+        initialize = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "test", "version": "0"},
+            },
+        }
+        process.stdin.write(json.dumps(initialize).encode() + b"\n")
+        await process.stdin.drain()
+        answer = json.loads(await asyncio.wait_for(process.stdout.readline(), WAIT_S))
+        assert answer["id"] == 1 and "result" in answer, answer
+        process.stdin.close()
+        assert await asyncio.wait_for(process.wait(), WAIT_S) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_hold_keeps_back_what_was_not_approved_and_never_a_removal() -> None:
+    running = {
+        "kept": ChildSpec(name="kept", cmd="node", args=("a.js",)),
+        "gone": ChildSpec(name="gone", cmd="node"),
+    }
+    new = ChildSpec(name="new", cmd="node", args=("new.js",))
+    changed = ChildSpec(name="kept", cmd="node", args=("evil.js",))
+    changes = plan(running, [new, changed], [])
+    assert changes.removed == ("gone",)
+    applied, held = hold(changes, running, {})
+    assert held == (new, changed) and applied.removed == ("gone",)
+    assert not applied.added and not applied.restarted
+    # Approved: exactly these declarations.
+    approved = {"new": fingerprint(new), "kept": fingerprint(changed)}
+    applied, held = hold(changes, running, approved)
+    assert held == () and applied.added == (new,) and applied.restarted == (changed,)
+    # An approval of another declaration of the same name is not this one's.
+    other = ChildSpec(name="new", cmd="node", args=("other.js",))
+    assert hold(plan(running, [other], []), running, approved)[1] == (other,)
+    # A changed description alone runs nothing new: restarted at once.
+    described = ChildSpec(name="kept", cmd="node", args=("a.js",), description="new words")
+    applied, held = hold(plan(running, [described], []), running, {})
+    assert held == () and applied.restarted == (described,)

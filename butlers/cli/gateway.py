@@ -1,5 +1,5 @@
 """`butlers gateway`: the gateway's options to GatewayOptions, then serve, `--dry-run`,
-`--report`, or `install` / `uninstall` (butlers.gateway).
+`--report`, or `install` / `uninstall` / `approve` (butlers.gateway).
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ async def gateway_command(
             scope=args.scope,
             config=args.config,
             environ=settings.environ,
+        ):
+            print(line)
+        return 0
+    if args.action == "approve":
+        from butlers.gateway.approvals import approve
+
+        for line in await asyncio.to_thread(
+            approve, args.dir, args.config, args.names, settings.environ
         ):
             print(line)
         return 0

@@ -165,7 +165,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     gateway.add_argument(
         "--json", action="store_true", help="--report / --dry-run as JSON, for scripts"
     )
-    actions = gateway.add_subparsers(dest="action", metavar="{install,uninstall}")
+    actions = gateway.add_subparsers(dest="action", metavar="{install,uninstall,approve}")
     for action, text in (
         ("install", "put the gateway in front of a host's MCP servers, with a backup"),
         ("uninstall", "put the host's original config back, byte for byte"),
@@ -203,6 +203,31 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help="the host's file, if not where it keeps it",
         )
+    text = (
+        "let in servers declared while the gateway runs (held pending by gateway.toml's "
+        'reload = "approve"): records their current declarations; the running gateway '
+        "starts them"
+    )
+    approve = actions.add_parser("approve", help=text, description=text)
+    approve.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="the servers to approve (default: every declared server)",
+    )
+    approve.add_argument(
+        "--dir",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="the gateway's --dir (default .)",
+    )
+    approve.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="the gateway's --config, if it was started with one",
+    )
     trace = commands.add_parser(
         "trace",
         # (the default is butlers.switchboard.operator's, not imported for a --help)

@@ -15,6 +15,13 @@ and compared by name with the children the gateway runs:
 The gateway's own add/remove tell the hosts (`notifications/tools/list_changed`; search mode
 reindexes by itself). The butlers from the registry are never read again here.
 
+gateway.toml's `reload` says how much a reload may do. `approve` (the default): removals
+apply at once, but a new server, or one whose command, args, env, cwd, URL or headers changed,
+is held pending (not started; a changed one runs on as it was) until a person approves that
+very declaration with `butlers gateway approve` (butlers.gateway.approvals, whose store is
+watched too), or the gateway starts again; `gateway_status` lists it as "pending" and the log
+warns once per pending declaration. `apply`: everything applies at once. `off`: no watching.
+
 A file that cannot be read now (not JSON, not the shape it should have, a server entry that is
 not valid) changes nothing of what it declared: one warning names the file and what is wrong,
 its running children stay, and the next good version is applied. An editor that saves by
@@ -30,6 +37,7 @@ import dataclasses
 import glob
 import logging
 import os
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -37,6 +45,8 @@ from pathlib import Path
 
 from watchfiles import Change, awatch
 
+from butlers.errors import ConfigError
+from butlers.gateway.approvals import ApprovalStore, approve_command, fingerprint, project_key
 from butlers.gateway.children import ChildSpec, Skipped
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
@@ -111,6 +121,29 @@ def kept(problem: Skipped, running: Mapping[str, ChildSpec]) -> list[str]:
     ]
 
 
+def hold(
+    changes: Plan, running: Mapping[str, ChildSpec], approved: Mapping[str, str]
+) -> tuple[Plan, tuple[ChildSpec, ...]]:
+    """`changes` without what needs a person's yes first, and that, held: an added server
+    whose declaration is not the one approved for its name, and a restarted one whose command,
+    args, env, cwd, URL or headers changed and are not approved (a changed description alone
+    restarts it at once). Removals are never held."""
+    held: list[ChildSpec] = []
+
+    def allowed(spec: ChildSpec) -> bool:
+        known = running.get(spec.name)
+        ok = approved.get(spec.name) == fingerprint(spec) or (
+            known is not None and fingerprint(known) == fingerprint(spec)
+        )
+        if not ok:
+            held.append(spec)
+        return ok
+
+    added = tuple(s for s in changes.added if allowed(s))
+    restarted = tuple(s for s in changes.restarted if allowed(s))
+    return Plan(added=added, removed=changes.removed, restarted=restarted), tuple(held)
+
+
 def _same(running: ChildSpec, declared: ChildSpec) -> bool:
     """Declared the same way. Where it is declared (`source`) is only for messages: a server
     moved from one file to another (as `install` does) keeps running."""
@@ -138,9 +171,10 @@ class Watches:
         )
 
 
-def watches(files: ServerFiles) -> Watches:
-    """The watches for `files` as they are now (blocking: it looks at the file system)."""
-    named = frozenset(_absolute(p) for p in files.named_files())
+def watches(files: ServerFiles, also: Iterable[Path] = ()) -> Watches:
+    """The watches for `files` (and the files `also`: the approvals store) as they are now
+    (blocking: it looks at the file system)."""
+    named = frozenset(_absolute(p) for p in [*files.named_files(), *also])
     directories = {_existing(p.parent) for p in named}
     patterns = []
     for pattern in files.discover_globs:
@@ -171,20 +205,37 @@ class Reloader:
     """Reads the servers' files again when they change, and changes the gateway's children
     to match (see the module). A task of `serve_gateway`'s runs `watch()`."""
 
-    def __init__(self, gateway: Gateway, files: ServerFiles, *, warm: bool) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        files: ServerFiles,
+        *,
+        warm: bool,
+        approvals: ApprovalStore | None = None,
+    ) -> None:
         self.gateway = gateway
         self.files = files
         self.warm = warm  # start added children at once (not `--lazy`)
+        self.mode = gateway.config.reload  # approve | apply | off
+        # Where a person's yes is recorded (default: from the gateway's environment).
+        self.approvals = approvals or ApprovalStore.for_environ(files.environ)
+        self._project = project_key(files.directory, files.config_file)
         # What the last reading could not read, as reported; None: no reading yet (the
         # gateway's start has just reported them).
         self._reported: set[str] | None = None
+        self._warned: set[tuple[str, str]] = set()  # pending declarations warned about
+        self._store_problem: str | None = None  # the store's, as last warned
 
     async def reload(self) -> Plan:
-        """Read the files again and apply what changed."""
+        """Read the files again and apply what changed (what needs a yes first: held)."""
         declared, skipped = await asyncio.to_thread(self.files.read)
         running = {name: slot.spec for name, slot in self.gateway.slots.items()}
         changes = plan(running, declared, skipped)
         self._report(skipped, running)
+        if self.mode == "approve":
+            approved = await asyncio.to_thread(self._approved)
+            changes, held = hold(changes, running, approved)
+            self._hold(held, running)
         if not changes:
             logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
             return changes
@@ -217,6 +268,46 @@ class Reloader:
                 extra={"action": "reload_invalid"},
             )
 
+    def _approved(self) -> dict[str, str]:
+        """This project's approved declarations; none when the store cannot be trusted or
+        read (warned once per problem)."""
+        try:
+            approved = self.approvals.approved(self._project)
+        except ConfigError as exc:
+            if str(exc) != self._store_problem:
+                logger.warning(
+                    "gateway reload: approvals %s: nothing is approved until it is fixed",
+                    exc,
+                    extra={"action": "reload_approvals_invalid"},
+                )
+            self._store_problem = str(exc)
+            return {}
+        self._store_problem = None
+        return approved
+
+    def _hold(self, held: Sequence[ChildSpec], running: Mapping[str, ChildSpec]) -> None:
+        """The held servers become the gateway's pending ones (gateway_status), each with
+        where it was declared and the command that lets it in; one warning per declaration."""
+        command = approve_command((), self.files.directory, self.files.config_file)
+        pending: dict[str, str] = {}
+        for spec in held:
+            changed = spec.name in running
+            let_in = shlex.join([*command[:3], spec.name, *command[3:]])
+            pending[spec.name] = (
+                f"{'changed' if changed else 'new'} in {spec.source} while the gateway runs: "
+                f"not started until a person runs `{let_in}` (or the gateway starts again)"
+                + ("; the running one stays as it was" if changed else "")
+            )
+            if (spec.name, fingerprint(spec)) not in self._warned:
+                self._warned.add((spec.name, fingerprint(spec)))
+                logger.warning(
+                    "gateway reload: server %r %s",
+                    spec.name,
+                    pending[spec.name],
+                    extra={"action": "reload_pending"},
+                )
+        self.gateway.pending = pending
+
     async def _apply(self, changes: Plan) -> None:
         gateway, warm = self.gateway, self.warm
         for name in changes.removed:
@@ -231,10 +322,18 @@ class Reloader:
         place, starts with one reading of the files (what changed before it was set is not
         missed); after each reading the watches are set again if the directories to watch
         changed (a new server's directory, `.butlers-gateway/` made by install). If the file
-        system cannot be watched, the gateway serves on without reload."""
+        system cannot be watched, the gateway serves on without reload. With `reload =
+        "approve"` the approvals store is watched too; with "off", nothing."""
+        if self.mode == "off":
+            logger.info(
+                'gateway reload is off (gateway.toml reload = "off"): the servers\' files '
+                "count at the next start",
+                extra={"action": "reload_off"},
+            )
+            return
         failures = 0
         while True:
-            watching = await asyncio.to_thread(watches, self.files)
+            watching = await asyncio.to_thread(self._watches)
             batches = awatch(
                 *sorted(watching.directories), watch_filter=watching.relevant, recursive=False
             )
@@ -247,7 +346,7 @@ class Reloader:
                 what, first = "the watches were set", True
                 while True:
                     await self._reload_logged(what)
-                    if await asyncio.to_thread(watches, self.files) != watching:
+                    if await asyncio.to_thread(self._watches) != watching:
                         break
                     if first:
                         logger.info(
@@ -270,6 +369,10 @@ class Reloader:
             finally:
                 await _settle(waiting)
                 await batches.aclose()
+
+    def _watches(self) -> Watches:
+        store = (self.approvals.path,) if self.mode == "approve" else ()
+        return watches(self.files, store)
 
     async def _reload_logged(self, what: str) -> None:
         logger.debug("gateway reload: reading the files again (%s)", what)

@@ -187,6 +187,9 @@ class Gateway:
         self.passthrough = PassThrough(self)
         self.mcp.add_provider(self.passthrough)
         self.slots: dict[str, Slot] = {}
+        # Servers a reload holds until a person approves them (butlers.gateway.reload): name
+        # -> where declared and how to let it in. Listed by gateway_status; never started.
+        self.pending: dict[str, str] = {}
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
@@ -685,6 +688,19 @@ class Gateway:
                 "suite": None if self.mode in ("activate", "search") else slot.suite_name,
             }
             for slot in self.slots.values()
+        ] + [
+            {
+                "name": name,
+                "kind": "mcp",
+                "state": "pending",
+                "ready": False,
+                "active": False,
+                "error": None,
+                "tools": 0,
+                "suite": None,
+                "detail": detail,
+            }
+            for name, detail in self.pending.items()
         ]
 
     # -- search mode ----------------------------------------------------------------------
