@@ -1,0 +1,115 @@
+"""`butlers gateway approve`'s store (butlers.gateway.approvals): what it records, where, with
+which modes, and what it refuses. The running gateway's side (pending servers started once
+approved) is in tests/test_gateway_reload.py, through the real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from butlers.errors import CommandError, ConfigError
+from butlers.gateway.approvals import (
+    ApprovalStore,
+    approve,
+    fingerprint,
+    project_key,
+    store_path,
+)
+from butlers.gateway.sources import project_servers
+
+
+def environ(tmp_path: Path) -> dict[str, str]:
+    return {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+
+
+def declare(directory: Path, servers: dict[str, object]) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+
+
+def test_the_store_is_outside_the_project_and_xdg_state_home_must_be_absolute(
+    tmp_path: Path,
+) -> None:
+    env = environ(tmp_path)
+    assert store_path(env) == tmp_path / "state" / "butlers" / "gateway-approvals.json"
+    relative = env | {"XDG_STATE_HOME": "state"}
+    assert store_path(relative) == tmp_path / "home/.local/state/butlers/gateway-approvals.json"
+
+
+def test_approve_records_each_declaration_privately_and_says_what_it_approved(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    declare(
+        project,
+        {
+            "notes": {"command": "node", "args": ["s.js", "a b; rm -rf ~"], "env": {"KEY": "v1"}},
+            "web": {
+                "url": "http://127.0.0.1:9/mcp?key=sk-secret",
+                "headers": {"Authorization": "Bearer sk-secret"},
+            },
+        },
+    )
+    env = environ(tmp_path)
+    printed = "\n".join(approve(project, None, [], env))
+    assert (
+        f"approved notes: node s.js 'a b; rm -rf ~' (env: KEY; in {project.resolve()})" in printed
+    )
+    assert (
+        "approved web: http://127.0.0.1:9/mcp (query parameters: key; headers: Authorization)"
+        in printed
+    )
+    assert "sk-secret" not in printed and "v1" not in printed  # values never shown
+    store = store_path(env)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
+    assert "sk-secret" not in store.read_text()  # only hashes
+    key = project_key(project, None)
+    specs = {s.name: s for s in project_servers(project, env)}
+    assert ApprovalStore(store).approved(key) == {n: fingerprint(s) for n, s in specs.items()}
+    assert [p.name for p in store.parent.iterdir()] == [store.name]  # no temporary left
+
+    # Nothing new: said so. A name not declared: an error naming it.
+    nothing = approve(project, None, ["notes"], env)
+    assert nothing[-1] == "nothing new to approve: notes already approved"
+    with pytest.raises(CommandError, match=r"not declared in the files of --dir .*: ghost"):
+        approve(project, None, ["ghost"], env)
+
+
+def test_an_approval_is_for_one_declaration_of_one_project(tmp_path: Path) -> None:
+    env = environ(tmp_path)
+    first, second = tmp_path / "first", tmp_path / "second"
+    declare(first, {"notes": {"command": "node", "args": ["a.js"]}})
+    declare(second, {"notes": {"command": "node", "args": ["a.js"]}})
+    approve(first, None, ["notes"], env)
+    store = ApprovalStore(store_path(env))
+    assert set(store.approved(project_key(first, None))) == {"notes"}
+    assert store.approved(project_key(second, None)) == {}  # another project: not approved
+    before = store.approved(project_key(first, None))["notes"]
+    declare(first, {"notes": {"command": "node", "args": ["b.js"]}})
+    assert store.approved(project_key(first, None))["notes"] == before  # b.js: not approved
+    approve(first, None, ["notes"], env)
+    assert store.approved(project_key(first, None))["notes"] != before
+
+
+def test_a_store_others_may_write_is_not_trusted(tmp_path: Path) -> None:
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}})
+    approve(project, None, [], env)
+    store = store_path(env)
+    store.chmod(0o666)
+    with pytest.raises(ConfigError, match=r"writable by others: not trusted"):
+        ApprovalStore(store).approved(project_key(project, None))
+    store.chmod(0o600)
+    store.write_text('{"approved": []}')
+    with pytest.raises(ConfigError, match=r"approved: expected an object of projects"):
+        ApprovalStore(store).approved(project_key(project, None))
+    store.unlink()
+    os.mkfifo(store)  # never blocks the gateway's reading
+    with pytest.raises(ConfigError, match=r"is a FIFO"):
+        ApprovalStore(store).approved(project_key(project, None))
