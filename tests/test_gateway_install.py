@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -161,18 +162,23 @@ async def _notes_tools(server: dict, project: Path) -> set[str]:
 
 
 @pytest.mark.claude  # runs the real Claude Code binary (its `mcp add` / `mcp remove`)
-async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_first_original(
+async def test_user_scope_follows_a_moved_project_and_uninstall_keeps_what_changed_between(
     tmp_path: Path,
 ) -> None:
-    """Installed at user scope from A; A is renamed B, so the registered command no longer
-    starts. Installing from B re-registers it (saying so), and the command then serves B's
-    servers; uninstall from B gives back the user config as it was before the FIRST install,
-    byte for byte. Installing twice from one place changes nothing."""
+    """Installed at user scope from A; the user then removes a server holding an old key with
+    `claude mcp remove`; A is renamed B, so the registered command no longer starts.
+    Installing from B re-registers it (saying so), and the command then serves B's servers.
+    Uninstall from B gives back the config as it was just before the re-registration (our
+    entry removed), not the copy from the first install: the removed server and its key do
+    not come back (review M3). Installing twice from one place changes nothing."""
     home = tmp_path / "home"
     env = _claude_user_env(home)
     config = home / ".claude" / ".claude.json"
     config.parent.mkdir(parents=True)
-    config.write_text(USER_CONFIG)
+    with_leaky = json.loads(USER_CONFIG)
+    with_leaky["mcpServers"]["leaky"] = {"command": "npx", "env": {"API_KEY": "sk-OLD-key"}}
+    config.write_text(json.dumps(with_leaky, indent=2))
+    first_original = config.read_text()
     first, moved = tmp_path / "first", tmp_path / "moved"
     _project_with_notes(first)
     assert claude_binary(os.environ) is not None  # the SDK bundles one
@@ -185,7 +191,7 @@ async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_fir
     assert _registered(config)["args"] == ["gateway", "--dir", str(first)]
     assert (home / SKILL).is_file()
     record = home / ".claude" / ".butlers-gateway" / "claude-code-user"
-    assert (record / "original.json").read_text() == USER_CONFIG
+    assert (record / "original.json").read_text() == first_original
     # Claude Code's user config may hold API keys (servers' env, the account): so may its copy.
     assert record.stat().st_mode & 0o777 == 0o700
     assert {p.stat().st_mode & 0o777 for p in record.iterdir()} == {0o600}
@@ -198,6 +204,13 @@ async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_fir
     assert config.read_bytes() == registered  # no second entry, nothing rewritten
 
     assert stale_user_registration(env) is None
+    claude = claude_binary(os.environ)
+    assert claude is not None
+    removed = await _butlers_in(
+        tmp_path, "mcp", "remove", "-s", "user", "leaky", env=env, program=[claude]
+    )
+    assert removed[0] == 0, removed[1]
+    assert "sk-OLD-key" not in config.read_text()
     os.rename(first, moved)
     stale = stale_user_registration(env)  # what a health check can ask, without a `claude` run
     assert stale is not None and (stale.config, stale.gone) == (config, [str(first)])
@@ -215,12 +228,16 @@ async def test_user_scope_follows_a_moved_project_and_uninstall_restores_the_fir
     # What Claude Code does with it in any project: start that command.
     assert "notes_suite" in await _notes_tools(server, moved)
 
+    assert "sk-OLD-key" not in (record / "original.json").read_text()
     code, out, err = await run_cli(
         "gateway", "uninstall", "--scope", "user", "--dir", str(moved), env=env
     )
     assert code == 0, err
     assert f"{config}: the original is back" in out
-    assert config.read_text() == USER_CONFIG  # byte for byte, as before the first install
+    given_back = json.loads(config.read_text())
+    assert "sk-OLD-key" not in config.read_text()  # the removed server stays removed
+    assert given_back["mcpServers"] == json.loads(USER_CONFIG)["mcpServers"]
+    assert given_back["numStartups"] == 7  # Claude Code's own keys, as it left them
     assert not (home / ".claude" / ".butlers-gateway").exists()
     assert not (home / SKILL).exists()
 
@@ -269,8 +286,10 @@ async def test_user_scope_follows_a_venv_rebuilt_elsewhere(tmp_path: Path) -> No
     assert "notes_suite" in await _notes_tools(server, project)
     code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--scope", "user", env=env)
     assert code == 0, out
-    assert f"{config}: removed (there was none before install)" in out
-    assert not config.exists()
+    # Given back as it was just before the re-registration: Claude Code's own state, which it
+    # wrote at the first `claude mcp add`, stays; no `butlers` server.
+    assert f"{config}: the original is back" in out
+    assert json.loads(config.read_text()).get("mcpServers", {}) == {}
 
 
 @pytest.mark.claude
@@ -319,7 +338,7 @@ async def test_user_scope_keeps_a_live_registration_and_the_owners_later_changes
 @pytest.mark.parametrize(
     "entry",
     [
-        {"command": "/opt/tools/bin/butlers-mcp", "args": ["--stdio"]},
+        {"command": "/opt/tools/bin/butlers-mcp", "args": ["--stdio", "--token", "sk-live-1"]},
         # A gateway's, but not one this install registered (no record of it): its paths are
         # gone, yet it is not ours to replace.
         {"command": "/gone/venv/bin/butlers", "args": ["gateway", "--dir", "/gone/project"]},
@@ -344,6 +363,8 @@ async def test_user_scope_never_replaces_a_butlers_server_it_did_not_register(
         f"error: {config}: Claude Code's user scope already has an MCP server `butlers` ("
     ), err
     assert "that `butlers gateway install` did not register" in err and "Traceback" not in err
+    # Named by its command alone: its arguments may hold a key (review L8).
+    assert f"(command {entry['command']})" in err and entry["args"][-1] not in err
     assert _tree(home) == before
     if entry["args"][0] != "gateway":
         code, _, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
@@ -351,6 +372,7 @@ async def test_user_scope_never_replaces_a_butlers_server_it_did_not_register(
         assert (
             err.startswith(f"error: {config}: its `butlers` server (") and "not removing it" in err
         )
+        assert "sk-live-1" not in err
         assert _tree(home) == before
 
 
@@ -598,3 +620,159 @@ async def test_claude_desktop_uninstall_keeps_edits_made_after_install(tmp_path:
     assert _tree(tmp_path) == before  # the edit, the kept original, the skill: all there
     kept = tmp_path / ".butlers-gateway" / "claude-desktop" / "original.json"
     assert kept.read_text() == original
+
+
+@pytest.mark.claude
+@pytest.mark.parametrize("planted", ["record-is-a-link", "folder-of-another-user"])
+async def test_user_scope_refuses_a_record_directory_not_its_own_before_registering(
+    tmp_path: Path, planted: str
+) -> None:
+    """The record (copies of the user config, API keys in them) goes only into a directory
+    that is really ours: a link there, or a `.butlers-gateway` someone else owns, is refused
+    with its path named BEFORE `claude mcp add`, so no registration is left without a record
+    and nothing is written where the link points (review L5)."""
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(USER_CONFIG)
+    record = home / ".claude" / ".butlers-gateway" / "claude-code-user"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    record.parent.mkdir()
+    if planted == "record-is-a-link":
+        record.symlink_to(elsewhere)
+        named = record
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(record.parent, 65534, 65534)
+        named = record.parent
+    project = _project_with_notes(tmp_path / "project")
+    before = _tree(home)
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    )
+    assert code == 1, out
+    assert err.startswith(f"error: {named}: ") and "remove it and run again" in err, err
+    assert "Traceback" not in err
+    assert config.read_text() == USER_CONFIG  # not registered
+    assert _tree(home) == before and list(elsewhere.iterdir()) == []
+
+
+async def test_links_planted_where_install_writes_are_not_written_through(
+    tmp_path: Path,
+) -> None:
+    """A project (a cloned repository) can carry links at the names install writes: its
+    temporary `.mcp.json` and the record's files. The servers' env (keys) never goes where they
+    point; the links are replaced by files of the user's own, mode 0600 (review L5)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    mcp_json.write_text(ORIGINAL.replace("from default", "sk-secret-default"))
+    mcp_json.chmod(0o600)
+    record = project / ".butlers-gateway" / "claude-code"
+    record.mkdir(parents=True)
+    bait = tmp_path / "bait"
+    bait.mkdir()
+    planted = {
+        project / "..mcp.json.butlers-tmp": bait / "tmp",
+        record / "servers.json": bait / "servers",
+        record / "original.json": bait / "original",
+    }
+    for link, target in planted.items():
+        target.write_text("bait")
+        target.chmod(0o644)
+        link.symlink_to(target)
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    for target in planted.values():
+        assert target.read_text() == "bait" and target.stat().st_mode & 0o777 == 0o644
+    assert not (project / "..mcp.json.butlers-tmp").exists()
+    assert not mcp_json.is_symlink() and mcp_json.stat().st_mode & 0o777 == 0o600
+    for name in ("servers.json", "original.json"):
+        assert not (record / name).is_symlink()
+        assert (record / name).stat().st_mode & 0o777 == 0o600
+    assert "sk-secret-default" in (record / "servers.json").read_text()
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code == 0, out
+    assert mcp_json.read_text() == ORIGINAL.replace("from default", "sk-secret-default")
+
+
+# Run inside `python -c`: Python's audit events fire just before each open, chmod and
+# rename, so at each of them every file install may have put a key into is looked at.
+_WATCH = """
+import json, os, stat, sys
+from pathlib import Path
+project = Path(sys.argv[1])
+os.umask(0o022)  # the usual one: a file created without a mode of its own is 0644
+loose = []
+
+def look(event, args):
+    if event not in ("open", "os.chmod", "os.rename"):
+        return
+    for path in [*project.glob(".*.butlers-tmp"), *project.glob(".butlers-gateway/*/*")]:
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode) and info.st_size and info.st_mode & 0o077:
+            loose.append(f"{path.name} {oct(stat.S_IMODE(info.st_mode))} at {event}")
+
+sys.addaudithook(look)
+from butlers.cli.main import main
+for action in ("install", "uninstall"):
+    try:
+        main(["gateway", action, "--dir", str(project)])
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+print(json.dumps(sorted(set(loose))))
+"""
+
+
+async def test_a_copy_holding_keys_is_never_readable_by_others_while_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """`.mcp.json` is 0600 (its servers' env holds a key): the temporary file that replaces it
+    and the record's copies are 0600 from the moment they hold a byte, under the usual umask
+    022, not only once complete (review L5: the temporary was 0644 until copymode)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    mcp_json.write_text(ORIGINAL.replace("from default", "sk-secret-default"))
+    mcp_json.chmod(0o600)
+    code, out = await _butlers_in(tmp_path, "-c", _WATCH, str(project), program=[sys.executable])
+    assert code == 0, out
+    assert json.loads(out.splitlines()[-1]) == []
+    assert mcp_json.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.claude
+async def test_user_scope_through_a_linked_config_and_commands_to_paste(tmp_path: Path) -> None:
+    """A dotfile manager's `~/.claude.json` is a link: Claude Code writes through it, and so
+    does uninstall (the link stays a link, the file it points to gets the original back).
+    And the command install shows is quoted for a shell: pasted, it runs exactly what was
+    run, for a project directory named with a space and `;` (review L5, L8)."""
+    home = tmp_path / "home"
+    env = _claude_user_env(home)
+    config = home / ".claude" / ".claude.json"
+    config.parent.mkdir(parents=True)
+    dotfiles = tmp_path / "dotfiles" / "claude.json"
+    dotfiles.parent.mkdir()
+    dotfiles.write_text(USER_CONFIG)
+    config.symlink_to(dotfiles)
+    project = _project_with_notes(tmp_path / "my project; touch pwned")
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    )
+    assert code == 0, err
+    shown = out.splitlines()[0]
+    assert shown.startswith("`") and shown.endswith("`: done"), shown
+    server = _registered(config)
+    assert shlex.split(shown[1 : -len("`: done")]) == [
+        "claude", "mcp", "add", "-s", "user", "butlers", "--", server["command"], *server["args"]
+    ]  # fmt: skip
+    assert server["args"] == ["gateway", "--dir", str(project)]
+    assert config.is_symlink()
+    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, err
+    assert f"{config}: the original is back" in out
+    assert config.is_symlink() and config.readlink() == dotfiles
+    assert dotfiles.read_text() == USER_CONFIG

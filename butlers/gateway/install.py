@@ -13,13 +13,16 @@ same with `claude_desktop_config.json` (its other settings kept). Each also writ
 `--scope user` registers the gateway with Claude Code's own `claude mcp add -s user` (or prints
 that command when there is no `claude` binary: Claude Code rewrites its user config as it
 runs, so adding and removing entries is left to it). The config as it was before (or that
-there was none) and as the registration left it are kept beside it (`UserScope`): uninstall
+there was none) and as the registration left it are kept beside it (`UserScope`), in a
+directory that must be the user's own (checked before anything is registered): uninstall
 puts the original back byte for byte while the file is still what we left, else has Claude
 Code remove only our entry; and a
 `butlers` entry we did not register is never replaced or removed. When the project or the
 program a registration of ours names has moved away (a renamed checkout, a venv rebuilt
-elsewhere), installing again re-registers it from here and says so; while both are still
-there, install refuses rather than take the registration away from the other project.
+elsewhere), installing again re-registers it from here and says so, and from then on "the
+original" is the config as it was just before that (our old entry removed): what the user
+changed in between stays changed. While both are still there, install refuses rather than
+take the registration away from the other project.
 
 `--host cursor` (`D/.cursor/mcp.json`, `mcpServers`) and `--host vscode` (`D/.vscode/mcp.json`,
 `servers`, each entry with a `type`) go through the very same take-over and give-back: a host
@@ -32,7 +35,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -210,8 +215,7 @@ def _take_over(place: Install) -> list[str]:
 
     # The servers' env may hold API keys: the record is the user's alone, whatever the
     # host's file allowed.
-    place.record.mkdir(mode=0o700, parents=True, exist_ok=True)
-    place.record.chmod(0o700)
+    _private_dir(place.record)
     # The directories we create for the file (`.cursor/`, `.vscode/`), one a line in the
     # absent marker: uninstall removes them again when they are still empty.
     folder = place.config.parent.absolute()
@@ -226,7 +230,7 @@ def _take_over(place: Install) -> list[str]:
     _replace(place.config, written)
     moved = ", ".join(servers) or "none"
     return [
-        f"{place.config}: its one server is now `butlers` ({command} {' '.join(args)})",
+        f"{place.config}: its one server is now `butlers` ({shlex.join([command, *args])})",
         f"{place.servers}: the servers behind the gateway ({moved})",
         f"{place.original if current is not None else place.absent}: the original, for "
         "`butlers gateway uninstall`",
@@ -261,21 +265,63 @@ def _give_back(place: Install) -> list[str]:
     return [done]
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _private_dir(record: Path) -> None:
+    """Make the record directory (and `.butlers-gateway` above it) ours alone, or refuse:
+    it gets copies of host configs that hold API keys. A directory someone else owns could
+    be emptied or swapped under us, and a link would put the copies wherever it points; so
+    each must be a real directory owned by us (then made 0700). Runs before anything is
+    registered or rewritten, so a refusal leaves nothing half done."""
+    record.parent.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (record.parent, record):  # each checked before anything goes into it
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        info = folder.lstat()
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            raise CommandError(
+                f"{folder}: a symbolic link or not a directory; butlers keeps copies of your "
+                "host config there (they may hold API keys): remove it and run again"
+            )
+        if info.st_uid != os.getuid():
+            raise CommandError(
+                f"{folder}: owned by user id {info.st_uid}, not by you; butlers keeps copies "
+                "of your host config there (they may hold API keys): remove it and run again"
+            )
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            folder.chmod(0o700)
+
+
+def _create(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write `data` into a new file `path`, mode 0600 from its first byte (`mode` applied only
+    once the data is in). O_EXCL|O_NOFOLLOW: never through a link left at that name, never
+    into a file someone else already holds open."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as file:
         file.write(data)
-    path.chmod(0o600)
+        if mode is not None:
+            os.fchmod(file.fileno(), mode)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A file of the record (0600). Whatever was at that name goes first, a link as a link."""
+    path.unlink(missing_ok=True)
+    _create(path, data)
 
 
 def _replace(path: Path, data: bytes) -> None:
     """Write `data` to `path` all at once (a host reading it never sees half a file), keeping
-    the file's permissions."""
+    the file's permissions. The data goes into a temporary file that only the user can read
+    until it is complete; a leftover of an interrupted run (or a link planted at that name)
+    is removed first, not written through, and a failed write leaves no temporary behind."""
     temporary = path.with_name(f".{path.name}.butlers-tmp")
-    temporary.write_bytes(data)
-    if path.exists():
-        shutil.copymode(path, temporary)
-    os.replace(temporary, path)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+        temporary.unlink(missing_ok=True)
+        _create(temporary, data, mode)
+        os.replace(temporary, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise CommandError(f"{path}: could not write it: {exc}") from exc
 
 
 def _is_gateway_entry(entry: Any) -> bool:
@@ -323,9 +369,10 @@ def user_config_path(environ: Mapping[str, str]) -> Path:
 @dataclass(frozen=True)
 class UserScope:
     """Claude Code's user config and what `install --scope user` keeps beside it: the file as
-    it was before the first registration (or that there was none) and as the last
-    registration left it, so that uninstall can give it back byte for byte, and so that a
-    `butlers` entry can be told ours (the one we registered) from someone else's."""
+    it was before the last registration (a re-registration: without our old entry; or that
+    there was none) and as that registration left it, so that uninstall can give it back
+    byte for byte, and so that a `butlers` entry can be told ours (the one we registered)
+    from someone else's."""
 
     config: Path
 
@@ -360,10 +407,10 @@ class UserScope:
         return recorded is not None and _command_of(recorded) == _command_of(entry)
 
     def keep(self, before: bytes | None, after: bytes) -> None:
-        """Record a first registration: the file before it (or its absence), and after."""
-        self.drop()
-        self.record.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.record.chmod(0o700)  # the user config holds API keys (servers' env, accounts)
+        """Record a registration: the file before it (or its absence), and after."""
+        for path in (self.original, self.absent, self.written):
+            path.unlink(missing_ok=True)
+        _private_dir(self.record)  # the user config holds API keys (servers' env, accounts)
         if before is None:
             _write_private(self.absent, b"")
         else:
@@ -449,9 +496,15 @@ def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
     add = ["mcp", "add", "-s", "user", SERVER_NAME, "--", command, *args]
     before, entry = scope.read()
     if entry is None:
-        if _run_claude(add, environ) is None:
+        if claude_binary(environ) is None:
             return [_yourself(add)]
-        after = _check_registered(scope, wanted, environ)
+        _private_dir(scope.record)  # before `claude mcp add`: no registration without a record
+        try:
+            _run_claude(add, environ)
+            after = _check_registered(scope, wanted, environ)
+        except CommandError:
+            scope.drop()
+            raise
         scope.keep(before, after)
         return [
             f"`{_shown(add)}`: done",
@@ -463,7 +516,7 @@ def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
     if not scope.ours(entry):
         raise CommandError(
             f"{scope.config}: Claude Code's user scope already has an MCP server "
-            f"`{SERVER_NAME}` ({_entry_line(entry)}) "
+            f"`{SERVER_NAME}` (command {_entry_line(entry)}) "
             f"that `butlers gateway install` did not register (no record of it in "
             f"{scope.record}): not replacing it. Remove it with `claude mcp remove -s user "
             f"{SERVER_NAME}` if it is not needed, then install again"
@@ -477,13 +530,18 @@ def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
             "--scope user` first to register it from here instead"
         )
     remove = ["mcp", "remove", "-s", "user", SERVER_NAME]
-    if _run_claude(remove, environ) is None:
+    if claude_binary(environ) is None:
         return [
             f"the gateway was installed from {old_dir}, which moved: "
             f"{_yourself(remove)}, then `{_shown(add)}`"
         ]
+    _private_dir(scope.record)
+    _run_claude(remove, environ)
+    # What uninstall gives back from now on: the config as it is without our old entry, not
+    # the copy from the first install (servers removed and keys rotated since stay so).
+    without_ours, _ = scope.read()
     _run_claude(add, environ)
-    _write_private(scope.written, _check_registered(scope, wanted, environ))
+    scope.keep(without_ours, _check_registered(scope, wanted, environ))
     old, new = old_dir, str(directory.resolve())
     if old in (None, new):  # the same project, another program (a venv rebuilt elsewhere)
         old, new = str(entry.get("command")), command
@@ -520,7 +578,7 @@ def _unregister_user(environ: Mapping[str, str]) -> list[str]:
         if scope.written.is_file() or not _is_gateway_entry(entry):
             raise CommandError(
                 f"{scope.config}: its `{SERVER_NAME}` server "
-                f"({_entry_line(entry)}) is not the "
+                f"(command {_entry_line(entry)}) is not the "
                 f"one `butlers gateway install` registered (recorded in {scope.record}): not "
                 "removing it"
             )
@@ -532,7 +590,9 @@ def _unregister_user(environ: Mapping[str, str]) -> list[str]:
             scope.config.unlink()
             done = f"{scope.config}: removed (there was none before install)"
         else:
-            _replace(scope.config, scope.original.read_bytes())
+            # Through a symbolic link (a dotfile manager's), as Claude Code writes it: the
+            # link stays a link.
+            _replace(scope.config.resolve(), scope.original.read_bytes())
             done = f"{scope.config}: the original is back"
     elif _run_claude(remove, environ) is None:
         return [_yourself(remove)]
@@ -562,13 +622,15 @@ def _run_claude(args: list[str], environ: Mapping[str, str]) -> str | None:
 
 
 def _shown(args: list[str]) -> str:
-    """A `claude` command as the user would type it."""
-    return " ".join(["claude", *args])
+    """A `claude` command as the user would type it, quoted so that pasting it into a shell
+    runs exactly that (a directory with spaces or `;` in its name included)."""
+    return shlex.join(["claude", *args])
 
 
 def _entry_line(entry: Mapping[str, Any]) -> str:
-    """A registered server's command line, to name it in a message."""
-    return " ".join(str(part) for part in (entry.get("command"), *(entry.get("args") or [])))
+    """A server entry that is not ours, named by its command only: its arguments may hold a
+    key (`--token ...`), and a refusal message ends up in terminals and logs."""
+    return shlex.quote(str(entry.get("command")))
 
 
 def _yourself(args: list[str]) -> str:
