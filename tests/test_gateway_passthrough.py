@@ -26,6 +26,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.passthrough import SERVER_META
 from butlers.gateway.server import Gateway
+from butlers.logs import TextFormatter
 from tests.fakes.lists_mcp import build_lists
 from tests.fakes.otlp import OtlpReceiver
 from tests.fakes.peer_mcp import serve_peer_over_sse
@@ -361,3 +362,180 @@ async def test_prompts_get_and_resources_read_are_spans_without_the_contents(
     recorded = json.dumps([s.attributes for s in spans])
     assert SECRET not in recorded and PROMPT_SECRET not in recorded
     assert SECRET not in (tmp_path / "gateway.stderr").read_text()
+
+
+# -- hostile children (tests/fakes/hostile_mcp.py) ------------------------------------------
+
+HOSTILE = str(Path(__file__).resolve().parent / "fakes" / "hostile_mcp.py")
+
+
+def hostile_spec(
+    directory: Path, name: str, mode: str, *, seen: Path | None = None, prompt: str = "hello"
+) -> ChildSpec:
+    env = {"HOSTILE_MODE": mode, "HOSTILE_TAG": name, "HOSTILE_PROMPT": prompt}
+    if seen is not None:
+        env["HOSTILE_SEEN"] = str(seen)
+    return ChildSpec(name, cmd=sys.executable, args=(HOSTILE,), env=env, cwd=directory)
+
+
+def asked(seen: Path, method: str) -> int:
+    """How many `method` requests the hostile child received."""
+    return seen.read_text().splitlines().count(method) if seen.exists() else 0
+
+
+def warned(caplog: pytest.LogCaptureFixture, action: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if getattr(r, "action", None) == action]
+
+
+@contextlib.asynccontextmanager
+async def gateway_host(
+    directory: Path, specs: list[ChildSpec], rpc_ms: int | None = None
+) -> AsyncIterator[Host]:
+    """An in-process Gateway over `specs`, warmed, and a host connected to it over SSE."""
+    if rpc_ms is not None:
+        (directory / "gateway.toml").write_text(f"[timeouts]\nrpc_ms = {rpc_ms}\n")
+    config = load_gateway_config(directory)
+    gateway = Gateway(config, specs, environ=dict(os.environ), directory=directory)
+    try:
+        await gateway.warm_all()
+        async with serve_peer_over_sse(gateway.mcp) as (url, _), sse_host(url) as host:
+            yield host
+    finally:
+        await gateway.close()
+
+
+@pytest.mark.proc  # its children are processes
+@pytest.mark.parametrize(
+    ("mode", "asks", "why"),
+    [
+        ("same_cursor", 2, "a cursor it gave before"),
+        ("endless", 100, "more than 100 pages"),
+        ("many", 11, "more than 10000 items"),
+        ("slow_pages", None, "(timeouts.rpc_ms)"),
+    ],
+)
+async def test_a_child_whose_prompt_list_never_ends_has_none_listed_and_the_others_do(
+    mode: str, asks: int | None, why: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review M2: paging stops at a repeated cursor, at 100 pages, at 10,000 items, and when
+    the whole list has not come within timeouts.rpc_ms (each page in time). Past any of these
+    the child's prompts are absent, said once, not asked again; the other child's are listed.
+    (The fake ends its list after 300, 300, 12 or 80 pages: unbounded paging would list it.)"""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    seen = tmp_path / "seen"
+    specs = [
+        hostile_spec(tmp_path, "evil", mode, seen=seen),
+        hostile_spec(tmp_path, "good", "plain"),
+    ]
+    async with gateway_host(tmp_path, specs, rpc_ms=2000 if mode == "slow_pages" else None) as host:
+        assert await prompt_names(host.client) == {"good_hello"}
+        first_asks = asked(seen, "prompts/list")
+        if asks is not None:
+            assert first_asks == asks
+        assert await prompt_names(host.client) == {"good_hello"}
+        assert asked(seen, "prompts/list") == first_asks  # not asked again
+    [refused] = warned(caplog, "passthrough_list_refused")
+    assert "'evil'" in refused and why in refused, refused
+
+
+@pytest.mark.proc  # its children are processes
+async def test_a_child_that_never_answers_its_list_is_waited_for_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review L1: a child silent on prompts/list is asked once per connection (hosts listing
+    at once share the one request), not again by every list, prompts/get and resources/read
+    of the other children's; the failure is said once."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    seen = tmp_path / "seen"
+    specs = [
+        hostile_spec(tmp_path, "silent", "silent", seen=seen),
+        hostile_spec(tmp_path, "good", "plain"),
+    ]
+    async with gateway_host(tmp_path, specs, rpc_ms=1000) as host:
+        client = host.client
+        both = await asyncio.gather(prompt_names(client), prompt_names(client))
+        assert both == [{"good_hello"}, {"good_hello"}]
+        for _ in range(2):
+            got = await client.get_prompt("good_hello", {})
+            assert getattr(got.messages[0].content, "text", None) == "hello from good"
+        assert await prompt_names(client) == {"good_hello"}
+        assert asked(seen, "prompts/list") == 1
+    # Its own request's timeout or the whole list's, whichever ends first: said once.
+    failed = warned(caplog, "passthrough_list_failed") + warned(caplog, "passthrough_list_refused")
+    assert len(failed) == 1 and "'silent'" in failed[0], failed
+
+
+@pytest.mark.proc  # its children are processes
+async def test_one_childs_invalid_prompt_leaves_out_only_that_prompt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review L2: a prompt whose `arguments` is not a list is left out, with a warning naming
+    the child; its other prompt and the other child's prompts are listed and served."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    specs = [hostile_spec(tmp_path, "evil", "bad_prompt"), hostile_spec(tmp_path, "good", "plain")]
+    async with gateway_host(tmp_path, specs) as host:
+        assert await prompt_names(host.client) == {"evil_fine", "good_hello"}
+        got = await host.client.get_prompt("good_hello", {})
+        assert getattr(got.messages[0].content, "text", None) == "hello from good"
+        with pytest.raises(MCPError, match="'evil_broken'"):
+            await host.client.get_prompt("evil_broken", {})
+    unusable = warned(caplog, "passthrough_unusable")
+    assert unusable and all("'evil'" in u and "'broken'" in u for u in unusable), unusable
+
+
+@pytest.mark.proc  # its child is a process
+async def test_a_childs_line_breaks_cannot_forge_a_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review L4: a child's error text and a URI holding a line break are logged on one line
+    (TextFormatter, the gateway's stderr format): no forged line of their own."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    async with gateway_host(tmp_path, [hostile_spec(tmp_path, "evil", "forge")]) as host:
+        assert await prompt_names(host.client) == set()
+        assert await resource_uris(host.client) == set()
+    records = [r for r in caplog.records if r.name == "butlers.gateway.passthrough"]
+    actions = {getattr(r, "action", None) for r in records}
+    assert {"passthrough_list_failed", "passthrough_unusable"} <= actions, actions
+    lines = [TextFormatter().format(r) for r in records]
+    assert all("FORGED" in line for line in lines if "evil" in line), lines
+    assert not [line for line in lines if "\n" in line or "\r" in line], lines
+
+
+@pytest.mark.proc  # its children are processes
+async def test_a_catch_all_template_cannot_take_another_childs_uris(tmp_path: Path) -> None:
+    """Review L3: an earlier child's template `{scheme}://{rest*}` matches every URI. A URI a
+    later child's template matches too is refused, the error naming both, and the earlier
+    child never sees it; a URI the later child lists outright is its; a URI only the
+    catch-all matches is the earlier child's."""
+    seen = tmp_path / "seen"
+    specs = [hostile_spec(tmp_path, "evil", "catchall", seen=seen), lists_spec(tmp_path, "good")]
+    async with gateway_host(tmp_path, specs) as host:
+        client = host.client
+        with pytest.raises(MCPError, match="'evil', 'good'") as refused:
+            await client.read_resource("note://good/page/7")
+        assert "note://good/page/7" in str(refused.value)
+        assert asked(seen, "resources/read") == 0
+        assert await text_at(client, "note://shared") == "shared note of good"
+        assert await text_at(client, "other://x") == "other://x from evil"
+        assert asked(seen, "resources/read") == 1
+
+
+@pytest.mark.proc  # its children are processes
+async def test_two_prompts_with_the_same_prefixed_name_list_the_first_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review L3: server `my`'s prompt `docs_search` and server `my_docs`'s `search` are both
+    `my_docs_search`: the first by the config's order is listed and served, the other left
+    out, and one warning names both servers (listing again says nothing more)."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    specs = [
+        hostile_spec(tmp_path, "my", "plain", prompt="docs_search"),
+        hostile_spec(tmp_path, "my_docs", "plain", prompt="search"),
+    ]
+    async with gateway_host(tmp_path, specs) as host:
+        assert await prompt_names(host.client) == {"my_docs_search"}
+        got = await host.client.get_prompt("my_docs_search", {})
+        assert getattr(got.messages[0].content, "text", None) == "docs_search from my"
+        assert await prompt_names(host.client) == {"my_docs_search"}
+    [duplicate] = warned(caplog, "passthrough_duplicate")
+    assert "'my'" in duplicate and "'my_docs'" in duplicate, duplicate

@@ -15,12 +15,26 @@ tool whose name is taken. A resource keeps its URI exactly (a host reads the URI
 given); its name gets the same `<server>_` prefix and its `_meta` records the server
 (`butlers/server`).
 
-Reads. `prompts/get` goes to the child that listed the prefixed name, `resources/read` to the
-child that listed the URI (a URI two children list: the first by the config's order, warned
-once), else to the first child whose template matches it. Results come back as the child
-gave them. The suite's `expose` filter is about tools and is not applied here: a prompt or a
-resource does nothing by itself, and hiding one would silently take a server's slash command
-away, which is what this pass-through exists to stop.
+Reads. `prompts/get` goes to the child that listed the prefixed name (two prompts that end up
+with the same prefixed name, `my`'s `docs_search` and `my_docs`'s `search`: the first by the
+config's order, the other left out, warned once), `resources/read` to the child that listed
+the URI (a URI two children list: the first by the config's order, warned once), else to the
+child whose templates match it. A URI that templates of two different children match, and
+that no child lists outright, is refused with an error naming both: a catch-all template
+(`{scheme}://{rest*}`) must not let an earlier child take the reads meant for a later one's
+templates and answer them with its own text. Results come back as the child gave them. The
+suite's `expose` filter is about tools and is not applied here: a prompt or a resource does
+nothing by itself, and hiding one would silently take a server's slash command away, which is
+what this pass-through exists to stop.
+
+A child's lists are its input, never trusted. Paging stops at a cursor the child gave before,
+at MAX_PAGES pages or MAX_ITEMS items, and all of one list must come within `timeouts.rpc_ms`:
+past any of these, or when the child fails to answer, that list of that child is absent (said
+once) until the child says it changed or is connected again, so a child that never answers
+delays the others' lists once, not every prompts/get and resources/read. An item the gateway
+cannot carry (a prompt whose arguments are not a list, a URI that is not one) is left out
+alone. What a child chose (names, URIs, its error text) is logged quoted or made printable,
+never as raw lines.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from fastmcp.utilities.versions import VersionSpec
 from pydantic import ValidationError
 
 from butlers.errors import McpCallError
+from butlers.text import printable
 
 if TYPE_CHECKING:
     from butlers.gateway.server import Gateway, Slot
@@ -50,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 Kind = Literal["prompts", "resources"]
 SERVER_META = "butlers/server"  # the child a prompt, resource or template comes from
+MAX_PAGES = 100  # pages of one list of one child; past it the list is absent
+MAX_ITEMS = 10_000  # items of one list of one child (prompts, resources or templates)
 
 
 def prompt_name(server: str, prompt: str) -> str:
@@ -64,6 +81,8 @@ class _Lists:
     prompts: list[dict[str, Any]] | None = None
     resources: list[dict[str, Any]] | None = None
     templates: list[dict[str, Any]] | None = None
+    # One reader at a time: hosts listing at once send the child one request, not one each.
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass
@@ -134,12 +153,13 @@ class PassThrough(Provider):
         if (what, key) not in self._warned:
             self._warned.add((what, key))
             logger.warning(
-                "%s %r is listed by %r and %r: %r's is used",
+                "%s %r is listed by %r and %r: %r's is used, %r's left out",
                 what,
                 key,
                 first[0].spec.name,
                 slot.spec.name,
                 first[0].spec.name,
+                slot.spec.name,
                 extra={"action": "passthrough_duplicate"},
             )
         return False
@@ -156,36 +176,74 @@ class PassThrough(Provider):
         if lists is None:
             return None
         offered = self.offers(slot)
-        if child.running() and "prompts" in offered and lists.prompts is None:
-            lists.prompts = await self._page(slot, "prompts/list", "prompts")
-        if child.running() and "resources" in offered and lists.resources is None:
-            lists.resources = await self._page(slot, "resources/list", "resources")
-            lists.templates = await self._page(
-                slot, "resources/templates/list", "resourceTemplates"
-            )
+        async with lists.reading:  # another host's read of this child may have done it
+            if child.running() and "prompts" in offered and lists.prompts is None:
+                lists.prompts = await self._page(slot, "prompts/list", "prompts")
+            if child.running() and "resources" in offered and lists.resources is None:
+                lists.resources = await self._page(slot, "resources/list", "resources")
+                lists.templates = await self._page(
+                    slot, "resources/templates/list", "resourceTemplates"
+                )
         return lists
 
-    async def _page(self, slot: Slot, method: str, key: str) -> list[dict[str, Any]] | None:
-        """Every item of a paginated list; None (absent, asked again next time) when the
-        child fails to answer."""
+    async def _page(self, slot: Slot, method: str, key: str) -> list[dict[str, Any]]:
+        """Every item of a paginated list. Empty, and kept so until the child says the list
+        changed or is connected again, when the child fails to answer or the list is not one
+        to hold: a cursor given before (it would never end), more than MAX_PAGES pages or
+        MAX_ITEMS items, or not all of it within `timeouts.rpc_ms` (a hostile or broken
+        child must not grow the gateway's memory, hold its loop, or make every other
+        child's read wait for it again and again)."""
         items: list[dict[str, Any]] = []
-        cursor = None
+        seen: set[str] = set()
+        cursor: str | None = None
+        timeout_s = slot.child.rpc_timeout_s
         try:
-            while True:
-                result = await slot.child.request(method, {"cursor": cursor} if cursor else {})
-                items += [i for i in result.get(key) or [] if isinstance(i, dict)]
-                cursor = result.get("nextCursor")
-                if not cursor:
-                    return items
+            async with asyncio.timeout(timeout_s):
+                for _ in range(MAX_PAGES):
+                    result = await slot.child.request(method, {"cursor": cursor} if cursor else {})
+                    page = result.get(key)
+                    items += (
+                        [i for i in page if isinstance(i, dict)] if isinstance(page, list) else []
+                    )
+                    if len(items) > MAX_ITEMS:
+                        return self._unheld(slot, method, f"more than {MAX_ITEMS} items")
+                    next_cursor = result.get("nextCursor")
+                    if not next_cursor:
+                        return items
+                    if not isinstance(next_cursor, str) or next_cursor in seen:
+                        return self._unheld(slot, method, "a cursor it gave before")
+                    seen.add(cursor := next_cursor)
+                return self._unheld(slot, method, f"more than {MAX_PAGES} pages")
+        except TimeoutError:
+            return self._unheld(
+                slot, method, f"not all of it within {timeout_s * 1000:g} ms (timeouts.rpc_ms)"
+            )
         except McpCallError as exc:
-            logger.warning("%s", exc, extra={"action": "passthrough_list_failed"})
-            return None
+            logger.warning(
+                "%s", printable(str(exc), 500), extra={"action": "passthrough_list_failed"}
+            )
+            return []
+
+    @staticmethod
+    def _unheld(slot: Slot, method: str, why: str) -> list[dict[str, Any]]:
+        """A list the gateway will not hold: absent, said (once: it is not asked again)."""
+        logger.warning(
+            "child %r: its %s is left out: %s",
+            slot.spec.name,
+            method,
+            why,
+            extra={"action": "passthrough_list_refused"},
+        )
+        return []
 
     # -- what FastMCP asks ------------------------------------------------------------------
 
     async def _list_prompts(self) -> Sequence[Prompt]:
         listed = await self._listed()
-        return [_prompt(self.gateway, slot, name, p) for name, (slot, p) in listed.prompts.items()]
+        prompts = (
+            _prompt(self.gateway, slot, name, p) for name, (slot, p) in listed.prompts.items()
+        )
+        return [p for p in prompts if p is not None]
 
     async def _get_prompt(self, name: str, version: VersionSpec | None = None) -> Prompt | None:
         found = (await self._listed()).prompts.get(name)
@@ -201,11 +259,37 @@ class PassThrough(Provider):
         found = listed.resources.get(uri)
         if found is not None:
             return _resource(self.gateway, *found)
-        for slot, template in listed.templates:
-            pattern = template.get("uriTemplate")
-            if isinstance(pattern, str) and match_uri_template(uri, pattern) is not None:
-                return _resource(self.gateway, slot, {**template, "uri": uri})
-        return None
+        matched = [
+            (slot, template)
+            for slot, template in listed.templates
+            if match_uri_template(uri, template["uriTemplate"]) is not None
+        ]
+        servers = list(dict.fromkeys(slot.spec.name for slot, _ in matched))
+        if len(servers) > 1:
+            return self._refused(uri, servers)
+        return (
+            _resource(self.gateway, matched[0][0], {**matched[0][1], "uri": uri})
+            if matched
+            else None
+        )
+
+    def _refused(self, uri: str, servers: list[str]) -> Resource | None:
+        """A URI no child lists and templates of several children match: read by none (each
+        could be the one meant, and each would see the URI), said once in the log."""
+        why = (
+            f"resource {uri!r} is matched by templates of servers "
+            f"{', '.join(map(repr, servers))} and listed by none of them: not read "
+            "(a URI two servers' templates match goes to neither)"
+        )
+        if ("refused URI", uri) not in self._warned:
+            self._warned.add(("refused URI", uri))
+            logger.warning("%s", why, extra={"action": "passthrough_uri_refused"})
+        try:
+            refused = _RefusedResource(uri=uri, name=uri)
+        except ValidationError:
+            return None  # not a URI FastMCP can carry: "not found" says as much
+        refused._why = why
+        return refused
 
     async def _list_resource_templates(self) -> Sequence[ResourceTemplate]:
         listed = await self._listed()
@@ -229,8 +313,10 @@ def _meta(slot: Slot, listed: dict[str, Any]) -> dict[str, Any]:
 
 
 def _warn_unusable(slot: Slot, what: str, listed: dict[str, Any], exc: ValidationError) -> None:
+    """Said for an item left out; the child's words quoted (%r): a URI or a name holding a
+    line break must not forge a log line of its own."""
     logger.warning(
-        "child %r lists a %s the gateway cannot pass on (%s): %s",
+        "child %r lists a %s the gateway cannot pass on (%r): %r",
         slot.spec.name,
         what,
         listed.get("uri") or listed.get("uriTemplate") or listed.get("name"),
@@ -261,19 +347,25 @@ class _ChildPrompt(Prompt):
         )
 
 
-def _prompt(gateway: Gateway, slot: Slot, name: str, listed: dict[str, Any]) -> Prompt:
-    parsed = mcp_types.Prompt.model_validate(listed)
-    prompt = _ChildPrompt(
-        name=name,
-        title=parsed.title,
-        description=parsed.description,
-        arguments=[
-            PromptArgument(name=a.name, description=a.description, required=bool(a.required))
-            for a in parsed.arguments or []
-        ],
-        icons=parsed.icons,
-        meta=_meta(slot, listed),
-    )
+def _prompt(gateway: Gateway, slot: Slot, name: str, listed: dict[str, Any]) -> Prompt | None:
+    """A child's prompt, None if it is not one (left out alone: one child's bad prompt must
+    not take every child's prompts out of the host's list)."""
+    try:
+        parsed = mcp_types.Prompt.model_validate(listed)
+        prompt = _ChildPrompt(
+            name=name,
+            title=parsed.title,
+            description=parsed.description,
+            arguments=[
+                PromptArgument(name=a.name, description=a.description, required=bool(a.required))
+                for a in parsed.arguments or []
+            ],
+            icons=parsed.icons,
+            meta=_meta(slot, listed),
+        )
+    except ValidationError as exc:
+        _warn_unusable(slot, "prompt", listed, exc)
+        return None
     prompt._gateway, prompt._slot, prompt._child_prompt = gateway, slot, parsed.name
     return prompt
 
@@ -303,6 +395,15 @@ class _ChildResource(Resource):
             for item in result.contents
         ]
         return ResourceResult(contents, meta=result.meta)
+
+
+class _RefusedResource(Resource):
+    """A URI the gateway will not send to any child; reading it is the error that says why."""
+
+    _why: str
+
+    async def read(self) -> ResourceResult:
+        raise ResourceError(self._why)
 
 
 def _resource(gateway: Gateway, slot: Slot, listed: dict[str, Any]) -> Resource | None:
