@@ -664,8 +664,9 @@ async def test_links_planted_where_install_writes_are_not_written_through(
     tmp_path: Path,
 ) -> None:
     """A project (a cloned repository) can carry links at the names install writes: its
-    temporary `.mcp.json` and the record's files. The servers' env (keys) never goes where they
-    point; the links are replaced by files of the user's own, mode 0600 (review L5)."""
+    temporary `.mcp.json`, the record's files and the skill. Nothing goes where they point
+    (not the servers' env with its keys, not the skill over a file of yours); the links are
+    replaced by files of the user's own, the record's mode 0600 (review L5)."""
     project = tmp_path / "project"
     project.mkdir()
     mcp_json = project / ".mcp.json"
@@ -679,10 +680,12 @@ async def test_links_planted_where_install_writes_are_not_written_through(
         project / "..mcp.json.butlers-tmp": bait / "tmp",
         record / "servers.json": bait / "servers",
         record / "original.json": bait / "original",
+        project / SKILL: bait / "skill",
     }
     for link, target in planted.items():
         target.write_text("bait")
         target.chmod(0o644)
+        link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(target)
     code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
     assert code == 0, out
@@ -690,6 +693,7 @@ async def test_links_planted_where_install_writes_are_not_written_through(
         assert target.read_text() == "bait" and target.stat().st_mode & 0o777 == 0o644
     assert not (project / "..mcp.json.butlers-tmp").exists()
     assert not mcp_json.is_symlink() and mcp_json.stat().st_mode & 0o777 == 0o600
+    assert (project / SKILL).read_text() == SKILL_TEXT and not (project / SKILL).is_symlink()
     for name in ("servers.json", "original.json"):
         assert not (record / name).is_symlink()
         assert (record / name).stat().st_mode & 0o777 == 0o600

@@ -307,14 +307,16 @@ def _write_private(path: Path, data: bytes) -> None:
     _create(path, data)
 
 
-def _replace(path: Path, data: bytes) -> None:
+def _replace(path: Path, data: bytes, new_mode: int | None = None) -> None:
     """Write `data` to `path` all at once (a host reading it never sees half a file), keeping
     the file's permissions. The data goes into a temporary file that only the user can read
     until it is complete; a leftover of an interrupted run (or a link planted at that name)
-    is removed first, not written through, and a failed write leaves no temporary behind."""
+    is removed first, not written through, and a failed write leaves no temporary behind.
+    A link at `path` itself is replaced by the file (its target left alone); `new_mode` is
+    the mode of a file that was not there (default: 0600)."""
     temporary = path.with_name(f".{path.name}.butlers-tmp")
     try:
-        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else new_mode
         temporary.unlink(missing_ok=True)
         _create(temporary, data, mode)
         os.replace(temporary, path)
@@ -649,7 +651,8 @@ def _write_skill(root: Path) -> list[str]:
     if path.is_file() and path.read_text(encoding="utf-8") == SKILL_TEXT:
         return []
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(SKILL_TEXT, encoding="utf-8")
+    # Not write_text: a cloned project may carry a link at that name, to a file of yours.
+    _replace(path, SKILL_TEXT.encode(), new_mode=0o644)
     return [f"{path}: the /butlers-gateway skill"]
 
 
