@@ -469,18 +469,20 @@ async def test_a_child_that_never_answers_its_list_is_waited_for_once(
 async def test_one_childs_invalid_prompt_leaves_out_only_that_prompt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Review L2: a prompt whose `arguments` is not a list is left out, with a warning naming
-    the child; its other prompt and the other child's prompts are listed and served."""
+    """Review L2: a prompt whose `arguments` is not a list is left out, with one warning
+    naming the child and the prompt; its other prompt and the other child's prompts are
+    listed and served."""
     caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
     specs = [hostile_spec(tmp_path, "evil", "bad_prompt"), hostile_spec(tmp_path, "good", "plain")]
     async with gateway_host(tmp_path, specs) as host:
+        assert await prompt_names(host.client) == {"evil_fine", "good_hello"}
         assert await prompt_names(host.client) == {"evil_fine", "good_hello"}
         got = await host.client.get_prompt("good_hello", {})
         assert getattr(got.messages[0].content, "text", None) == "hello from good"
         with pytest.raises(MCPError, match="'evil_broken'"):
             await host.client.get_prompt("evil_broken", {})
-    unusable = warned(caplog, "passthrough_unusable")
-    assert unusable and all("'evil'" in u and "'broken'" in u for u in unusable), unusable
+    [unusable] = warned(caplog, "passthrough_unusable")  # listed twice, got once: said once
+    assert "'evil'" in unusable and "'broken'" in unusable, unusable
 
 
 @pytest.mark.proc  # its child is a process

@@ -293,7 +293,7 @@ class PassThrough(Provider):
 
     async def _list_resource_templates(self) -> Sequence[ResourceTemplate]:
         listed = await self._listed()
-        templates = (_template(slot, t) for slot, t in listed.templates)
+        templates = (_template(self._warned, slot, t) for slot, t in listed.templates)
         return [t for t in templates if t is not None]
 
     async def _get_resource_template(
@@ -312,14 +312,26 @@ def _meta(slot: Slot, listed: dict[str, Any]) -> dict[str, Any]:
     return {**(meta if isinstance(meta, dict) else {}), SERVER_META: slot.spec.name}
 
 
-def _warn_unusable(slot: Slot, what: str, listed: dict[str, Any], exc: ValidationError) -> None:
-    """Said for an item left out; the child's words quoted (%r): a URI or a name holding a
-    line break must not forge a log line of its own."""
+def _warn_unusable(
+    warned: set[tuple[str, str]],
+    slot: Slot,
+    what: str,
+    listed: dict[str, Any],
+    exc: ValidationError,
+) -> None:
+    """Said once for an item left out (the lists are built again for every request); the
+    child's words quoted (%r): a URI or a name holding a line break must not forge a log
+    line of its own."""
+    item = listed.get("uri") or listed.get("uriTemplate") or listed.get("name")
+    said = (f"unusable {what} of {slot.spec.name}", repr(item))
+    if said in warned:
+        return
+    warned.add(said)
     logger.warning(
         "child %r lists a %s the gateway cannot pass on (%r): %r",
         slot.spec.name,
         what,
-        listed.get("uri") or listed.get("uriTemplate") or listed.get("name"),
+        item,
         exc.errors()[0].get("msg") if exc.errors() else exc,
         extra={"action": "passthrough_unusable"},
     )
@@ -364,7 +376,7 @@ def _prompt(gateway: Gateway, slot: Slot, name: str, listed: dict[str, Any]) -> 
             meta=_meta(slot, listed),
         )
     except ValidationError as exc:
-        _warn_unusable(slot, "prompt", listed, exc)
+        _warn_unusable(gateway.passthrough._warned, slot, "prompt", listed, exc)
         return None
     prompt._gateway, prompt._slot, prompt._child_prompt = gateway, slot, parsed.name
     return prompt
@@ -419,13 +431,15 @@ def _resource(gateway: Gateway, slot: Slot, listed: dict[str, Any]) -> Resource 
             meta=_meta(slot, listed),
         )
     except ValidationError as exc:
-        _warn_unusable(slot, "resource", listed, exc)
+        _warn_unusable(gateway.passthrough._warned, slot, "resource", listed, exc)
         return None
     resource._gateway, resource._slot = gateway, slot
     return resource
 
 
-def _template(slot: Slot, listed: dict[str, Any]) -> ResourceTemplate | None:
+def _template(
+    warned: set[tuple[str, str]], slot: Slot, listed: dict[str, Any]
+) -> ResourceTemplate | None:
     """A child's template, for the list only (reads go through _get_resource)."""
     try:
         return ResourceTemplate(
@@ -438,5 +452,5 @@ def _template(slot: Slot, listed: dict[str, Any]) -> ResourceTemplate | None:
             meta=_meta(slot, listed),
         )
     except ValidationError as exc:
-        _warn_unusable(slot, "resource template", listed, exc)
+        _warn_unusable(warned, slot, "resource template", listed, exc)
         return None
