@@ -2,7 +2,9 @@
 `server-everything` behind the real `butlers gateway` over stdio (prompts with arguments, static
 resources, templates, a blob, roots answered with `--dir`), a FastMCP child whose lists change
 at run time (tests/fakes/lists_mcp.py), children added and removed while a host is connected
-over SSE, and the spans of prompts/get and resources/read."""
+over SSE, the spans of prompts/get and resources/read, and a hostile raw JSON-RPC child
+(tests/fakes/hostile_mcp.py): endless paging, a list never answered, an invalid prompt, line
+breaks in what it logs, a catch-all template, a prompt name that collides."""
 
 from __future__ import annotations
 
