@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -101,10 +102,14 @@ async def gateway(tmp_path: Path, *specs: ChildSpec) -> AsyncIterator[Gateway]:
                 psutil.Process(pid).kill()
 
 
-async def test_a_child_removed_while_it_starts_leaves_no_process(tmp_path: Path) -> None:
+async def test_a_child_removed_while_it_starts_leaves_no_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Added (its warm-up starts it) and removed at once, at every point of the start: once
-    remove_child has returned nothing of it runs, and nothing starts it again."""
+    remove_child has returned nothing of it runs, and nothing starts it again. Its warm-ups
+    end quietly: a child removed did not fail (no warning, no failed task)."""
     tag = "lifecycle-added-and-removed"
+    caplog.set_level(logging.DEBUG, logger="butlers.gateway")
     async with gateway(tmp_path) as gw:
         for yields in range(40):  # the removal lands at another step of the start each time
             await gw.add_child(plain(tmp_path, "x", tag), warm=True)
@@ -118,6 +123,9 @@ async def test_a_child_removed_while_it_starts_leaves_no_process(tmp_path: Path)
             await asyncio.wait(running, timeout=WAIT_S)
         await asyncio.sleep(0)  # their done callbacks run
         assert not gw._warming
+        loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert loud == []
+        assert any("child 'x' was removed" in r.getMessage() for r in caplog.records)
         await gw.close()
         assert tagged(tag) == []
 
