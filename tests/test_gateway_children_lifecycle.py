@@ -207,6 +207,32 @@ async def test_gateway_close_after_the_races_ends_every_child_and_the_watchdog(
         assert await survivors(list(watchdog)) == []
 
 
+async def test_a_start_cancelled_half_way_leaves_no_half_started_child(tmp_path: Path) -> None:
+    """The request starting a child is cancelled while the child is spawned but has not
+    answered `initialize` (a host cancelled its call): that process ends, and the next
+    request starts the child afresh instead of talking to one never initialized."""
+    gate = tmp_path / "go"
+    spec = gated(tmp_path, "x", "lifecycle-cancelled", gate)
+    async with gateway(tmp_path, spec) as gw:
+        child = gw.slots["x"].child
+        call = asyncio.create_task(child.call_tool("echo", {"message": "first"}))
+
+        async def spawned() -> bool:
+            return child.pid is not None
+
+        await eventually(spawned, WAIT_S)  # waiting at the gate, in initialize
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert not child.running()
+        assert tagged("lifecycle-cancelled") == []
+
+        gate.touch()
+        result = await child.call_tool("echo", {"message": "second"})
+        assert result["structuredContent"]["echo"] == "second"
+        assert child.spawns == 2 and child.generation == 1
+
+
 async def test_a_closed_remote_child_never_connects_again(tmp_path: Path) -> None:
     """A remote child closed while connecting, or after: its start refuses, naming it as
     removed, and no connection of it stays open."""

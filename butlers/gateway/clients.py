@@ -364,6 +364,11 @@ class StdioChild(_Child):
                     if self._closed:  # close() ended it under us: say so, not "exited"
                         raise self._removed() from exc
                     raise
+                except asyncio.CancelledError:
+                    # The request that was starting it went away (a host cancelled its
+                    # call): a child spawned but not initialized must not pass for running.
+                    await self._kill()
+                    raise
             await self._unless_closed()
             self._opened()
 
