@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -27,7 +28,10 @@ import pytest
 from butlers.errors import ConfigError
 from butlers.gateway.approvals import fingerprint
 from butlers.gateway.children import ChildSpec, Skipped
-from butlers.gateway.reload import hold, plan
+from butlers.gateway.config import load_gateway_config
+from butlers.gateway.reload import Reloader, hold, plan
+from butlers.gateway.server import Gateway
+from butlers.gateway.sources import ServerFiles
 from tests.conftest import eventually
 from tests.test_gateway import (
     BUTLERS,
@@ -520,12 +524,12 @@ async def test_a_butlers_variable_in_an_http_entry_is_never_sent_and_nothing_con
         }
         servers["other"] = mock(tmp_path, "other")
         save_servers(project, servers)
-        await started(tmp_path, "other")
+        await started(tmp_path, "other")  # the save was applied
+        assert "leak" not in await host.status()
         log = await logged(
             tmp_path,
             f"{project}: mcpServers.leak: ${{BUTLERS_AUTH_TOKEN}} is the gateway's own setting",
         )
-        assert "leak" not in await host.status()
         assert seen == []
         assert token not in log
 
@@ -605,3 +609,17 @@ def test_hold_keeps_back_what_was_not_approved_and_never_a_removal() -> None:
     described = ChildSpec(name="kept", cmd="node", args=("a.js",), description="new words")
     applied, held = hold(plan(running, [described], []), running, {})
     assert held == () and applied.restarted == (described,)
+
+
+async def test_reload_off_watches_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "gateway.toml").write_text('reload = "off"\n')
+    config = load_gateway_config(tmp_path)
+    server = Gateway(config, [], environ={})
+    files = ServerFiles(directory=tmp_path, environ={})
+    try:
+        with caplog.at_level(logging.INFO):
+            # It returns at once (a watcher would run until cancelled).
+            await asyncio.wait_for(Reloader(server, files, warm=False).watch(), WAIT_S)
+    finally:
+        await server.close()
+    assert 'gateway reload is off (gateway.toml reload = "off")' in caplog.text
