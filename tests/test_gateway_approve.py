@@ -78,6 +78,8 @@ def test_approve_records_each_declaration_privately_and_says_what_it_approved(
     assert nothing[-1] == "nothing new to approve: notes already approved"
     with pytest.raises(CommandError, match=r"not declared in the files of --dir .*: ghost"):
         approve(project, None, ["ghost"], env)
+    with pytest.raises(CommandError, match=r"--dir .*nowhere: not a directory"):
+        approve(tmp_path / "nowhere", None, [], env)
 
 
 def test_an_approval_is_for_one_declaration_of_one_project(tmp_path: Path) -> None:

@@ -185,6 +185,8 @@ def approve(
     gateway of --dir `directory` (and --config), and say what was approved: each server's
     command line or URL, env and header names only. CommandError when a name is not declared
     or the --config file cannot be read (blocking: run it in a thread)."""
+    if not directory.is_dir():
+        raise CommandError(f"--dir {directory}: not a directory")
     config = load_gateway_config(directory)
     files = ServerFiles(
         directory=directory,
