@@ -49,25 +49,26 @@ def test_approve_records_each_declaration_privately_and_says_what_it_approved(
         {
             "notes": {"command": "node", "args": ["s.js", "a b; rm -rf ~"], "env": {"KEY": "v1"}},
             "web": {
-                "url": "http://127.0.0.1:9/mcp?key=sk-secret",
-                "headers": {"Authorization": "Bearer sk-secret"},
+                "url": "http://127.0.0.1:9/mcp?key=sk-literal&k=${API_KEY}",
+                "headers": {"Authorization": "Bearer ${TOKEN}", "X-Literal": "sk-literal"},
             },
         },
     )
-    env = environ(tmp_path)
+    env = environ(tmp_path) | {"API_KEY": "sk-from-env", "TOKEN": "sk-token-value"}
     printed = "\n".join(approve(project, None, [], env))
     assert (
         f"approved notes: node s.js 'a b; rm -rf ~' (env: KEY; in {project.resolve()})" in printed
     )
+    # As written: what a variable sends is seen; no value is shown.
     assert (
-        "approved web: http://127.0.0.1:9/mcp (query parameters: key; headers: Authorization)"
-        in printed
-    )
-    assert "sk-secret" not in printed and "v1" not in printed  # values never shown
+        "approved web: http://127.0.0.1:9/mcp?key=...&k=${API_KEY} "
+        "(headers: Authorization (from ${TOKEN}), X-Literal)"
+    ) in printed
+    assert "sk-" not in printed and "v1" not in printed
     store = store_path(env)
     assert stat.S_IMODE(store.stat().st_mode) == 0o600
     assert stat.S_IMODE(store.parent.stat().st_mode) == 0o700
-    assert "sk-secret" not in store.read_text()  # only hashes
+    assert "sk-" not in store.read_text()  # only hashes
     key = project_key(project, None)
     specs = {s.name: s for s in project_servers(project, env)}
     assert ApprovalStore(store).approved(key) == {n: fingerprint(s) for n, s in specs.items()}

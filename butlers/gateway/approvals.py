@@ -34,10 +34,12 @@ themselves are never stored nor printed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import stat
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +54,7 @@ from butlers.gateway.config import load_gateway_config, read_server_file
 from butlers.gateway.sources import ServerFiles
 
 STORE_NAME = "gateway-approvals.json"
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 _VERSION = 1
 
 
@@ -182,8 +185,8 @@ def approve(
     environ: Mapping[str, str],
 ) -> list[str]:
     """Approve the current declarations of `names` (every declared server when empty) for the
-    gateway of --dir `directory` (and --config), and say what was approved: each server's
-    command line or URL, env and header names only. CommandError when a name is not declared
+    gateway of --dir `directory` (and --config), and say what was approved: each server as
+    written in its file (`described`), no value shown. CommandError when a name is not declared
     or the --config file cannot be read (blocking: run it in a thread)."""
     if not directory.is_dir():
         raise CommandError(f"--dir {directory}: not a directory")
@@ -224,33 +227,48 @@ def approve(
     if not fresh:
         return [*lines, "nothing new to approve: " + ", ".join(new) + " already approved"]
     store.approve(key, {spec.name: new[spec.name] for spec in fresh})
-    lines += [f"approved {_shown(spec.name)}: {described(spec)}" for spec in fresh]
+    # The same files read again with each variable standing for itself: what is shown.
+    written = {name: f"${{{name}}}" for name in environ}
+    shown: dict[str, ChildSpec] = {}
+    for spec in dataclasses.replace(files, environ=written).read()[0]:
+        shown.setdefault(spec.name, spec)
+    lines += [
+        f"approved {_shown(spec.name)}: {described(shown.get(spec.name, spec))}" for spec in fresh
+    ]
     lines += [f"already approved: {_shown(spec.name)}" for spec in chosen if spec not in fresh]
     lines.append(f"(recorded in {store.path}; a running gateway starts them now)")
     return lines
 
 
 def described(spec: ChildSpec) -> str:
-    """What a server runs or reaches, for a person to judge: the command line (quoted as a
-    shell would take it), the env's names, a URL without its query's values, the headers'
-    names. Values may be secrets: never shown."""
+    """What a server runs or reaches, for a person to judge, from its declaration as written
+    (`${VAR}`s not expanded, so that `?k=${ANTHROPIC_API_KEY}` is seen for what it sends): the
+    command line (quoted as a shell would take it), the URL, the env's and headers' names and
+    the variables they take. A value written out in the file may be a secret: never shown
+    (a URL's literal query values as `...`)."""
     if spec.url is not None:
         url = urlsplit(spec.url)
-        shown = url._replace(query="", fragment="").geturl()
-        query = [k for k, _ in parse_qsl(url.query, keep_blank_values=True)]
-        parts = [shown]
-        if query:
-            parts.append(f"query parameters: {', '.join(query)}")
-        if spec.headers:
-            parts.append(f"headers: {', '.join(spec.headers)}")
+        query = "&".join(
+            f"{k}={v if '${' in v else '...'}"
+            for k, v in parse_qsl(url.query, keep_blank_values=True)
+        )
+        first = url._replace(query=query, fragment="").geturl()
+        rest = [f"headers: {_names(spec.headers)}"] if spec.headers else []
     else:
-        parts = [shlex.join([spec.cmd or "", *spec.args])]
-        if spec.env:
-            parts.append(f"env: {', '.join(spec.env)}")
+        first = shlex.join([spec.cmd or "", *spec.args])
+        rest = [f"env: {_names(spec.env)}"] if spec.env else []
         if spec.cwd is not None:
-            parts.append(f"in {spec.cwd}")
-    first, rest = parts[0], parts[1:]
+            rest.append(f"in {spec.cwd}")
     return _shown(f"{first} ({'; '.join(rest)})" if rest else first)
+
+
+def _names(values: Mapping[str, str]) -> str:
+    """`KEY` for each entry, `KEY (from ${VAR})` when its value takes a variable."""
+    shown = []
+    for key, value in values.items():
+        used = sorted(set(_VARIABLE.findall(value)))
+        shown.append(f"{key} (from {', '.join(f'${{{v}}}' for v in used)})" if used else key)
+    return ", ".join(shown)
 
 
 def _shown(text: str) -> str:
