@@ -253,3 +253,32 @@ async def test_a_closed_remote_child_never_connects_again(tmp_path: Path) -> Non
         with pytest.raises(ConnectionClosed, match=r"child 'far' was removed"):
             await connecting
         assert not racing.running()
+
+
+async def test_a_call_cut_short_by_removal_is_not_a_lost_child(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call running when a reload removes its child fails (the child is gone), but the
+    child was removed, not lost: no `child_lost` warning, and the gateway keeps no trace of
+    it."""
+    tag = "lifecycle-removed-mid-call"
+    spec = ChildSpec(
+        "x", cmd=sys.executable, args=(MOCK, "--name", tag, "--hang-on", "echo"), cwd=tmp_path
+    )
+    caplog.set_level(logging.DEBUG, logger="butlers.gateway")
+    async with gateway(tmp_path, spec) as gw:
+        await gw.warm(gw.slots["x"])
+        slot = gw.slots["x"]
+        call = asyncio.create_task(gw.direct_call(slot, "echo", {"message": "hi"}))
+
+        async def running() -> bool:
+            return bool(tagged(tag))
+
+        await eventually(running, WAIT_S)
+        await asyncio.sleep(0.1)  # the call is sent and hangs in the child
+        await gw.remove_child("x")
+        with pytest.raises(Exception):  # noqa: B017 - whichever refusal: the child went away
+            await asyncio.wait_for(call, WAIT_S)
+        lost = [r for r in caplog.records if getattr(r, "action", "") == "child_lost"]
+        assert lost == []
+        assert "x" not in gw.slots

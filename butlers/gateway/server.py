@@ -349,7 +349,10 @@ class Gateway:
             self._lost(slot, reason)
 
     def _lost(self, slot: Slot, reason: str) -> None:
-        """A child died: it is in error until it restarts, and its injected tools go."""
+        """A child died: it is in error until it restarts, and its injected tools go. A child
+        the gateway removed (a reload) is not lost: its call failing is what removal does."""
+        if self.slots.get(slot.spec.name) is not slot:
+            return
         was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "error", reason
         logger.warning("%s", reason, extra={"action": "child_lost"})
