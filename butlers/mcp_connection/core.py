@@ -36,6 +36,7 @@ from mcp_types.jsonrpc import CONNECTION_CLOSED, JSONRPC_VERSION, METHOD_NOT_FOU
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
+from butlers.mcp_connection.paging import PageGuard
 
 logger = logging.getLogger(__name__)
 
@@ -173,17 +174,27 @@ class McpConnection:
         return await self.request("tools/call", params, timeout_s=timeout_s)
 
     async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]:
-        """Every tool, as JSON, following `nextCursor` (each page gets `timeout_s`)."""
+        """Every tool, as JSON, following `nextCursor` within the bounds of
+        butlers.mcp_connection.paging (`timeout_s` for the whole list, as for each page)."""
         tools: list[dict[str, Any]] = []
         cursor = None
-        while True:
-            result = await self.request(
-                "tools/list", {"cursor": cursor} if cursor else {}, timeout_s=timeout_s
-            )
-            tools.extend(result.get("tools") or [])
-            cursor = result.get("nextCursor")
-            if not cursor:
-                return tools
+        guard = PageGuard(self.label, "tools/list")
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    result = await self.request(
+                        "tools/list", {"cursor": cursor} if cursor else {}, timeout_s=timeout_s
+                    )
+                    tools.extend(result.get("tools") or [])
+                    cursor = result.get("nextCursor")
+                    guard.check(cursor, len(tools))
+                    if not cursor:
+                        return tools
+        except TimeoutError:
+            raise CallTimedOut(
+                f"{self.label}: its tools/list did not end within {timeout_s:g} s "
+                f"({guard.pages} pages)"
+            ) from None
 
     async def request(
         self, method: str, params: dict[str, Any] | None = None, *, timeout_s: float | None

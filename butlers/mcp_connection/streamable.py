@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.mcp_connection.core import no_answer_within
+from butlers.mcp_connection.paging import PageGuard
 
 
 class _ToolsChanged(MessageHandler):
@@ -87,20 +88,24 @@ class FastMcpConnection:
         return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     async def list_tools(self, *, timeout_s: float | None) -> list[dict[str, Any]]:
-        """Every tool, as JSON, following `nextCursor`."""
+        """Every tool, as JSON, following `nextCursor` within the bounds of
+        butlers.mcp_connection.paging (`timeout_s` for the whole list)."""
         self._check_open()
         tools: list[dict[str, Any]] = []
         cursor = None
+        guard = PageGuard(self.url, "tools/list")
         try:
-            while True:
-                async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s):
+                while True:
                     page = await self._client.list_tools_mcp(cursor=cursor)
-                tools += [
-                    t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in page.tools
-                ]
-                cursor = page.next_cursor
-                if not cursor:
-                    return tools
+                    tools += [
+                        t.model_dump(mode="json", by_alias=True, exclude_none=True)
+                        for t in page.tools
+                    ]
+                    cursor = page.next_cursor
+                    guard.check(cursor, len(tools))
+                    if not cursor:
+                        return tools
         except TimeoutError:
             raise CallTimedOut(no_answer_within(timeout_s)) from None
         except MCPError as exc:

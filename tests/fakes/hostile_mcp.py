@@ -15,6 +15,8 @@ line to the file `HOSTILE_SEEN` (when set), so a test can count what the gateway
   forge        child-chosen text with line breaks: prompts/list fails with one in its message,
                resources/list has a URI holding one
   catchall     a template `{scheme}://{rest*}` (it matches every URI), no resources
+  tools_same_cursor  tools/list: a page and the same nextCursor "again", 300 times, then the end
+  tools_endless      tools/list: a page and a new cursor each time, 300 pages, then the end
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def prompts_page(cursor: str | None) -> dict[str, Any] | None:
     return {"prompts": [{"name": PROMPT}]}
 
 
+def tools_page(cursor: str | None) -> dict[str, Any]:
+    """The result of tools/list at `cursor`."""
+    tool = {"type": "object"}
+    if MODE == "tools_same_cursor":
+        more = {"nextCursor": "again"} if _asked.get("tools/list", 0) < 300 else {}
+        return {"tools": [{"name": f"t{i}", "inputSchema": tool} for i in range(10)], **more}
+    if MODE == "tools_endless":
+        page = int(cursor or "0")
+        more = {"nextCursor": str(page + 1)} if page + 1 < 300 else {}
+        return {"tools": [{"name": f"t{page}_{i}", "inputSchema": tool} for i in range(10)], **more}
+    return {"tools": []}
+
+
 _asked: dict[str, int] = {}
 
 
@@ -72,7 +87,7 @@ def answer(method: str, params: dict[str, Any]) -> dict[str, Any] | None:
             "serverInfo": {"name": TAG, "version": "1"},
         }
     if method == "tools/list":
-        return {"tools": []}
+        return tools_page(params.get("cursor"))
     if method == "prompts/list":
         if MODE == "forge":
             return {"error": {"code": -32603, "message": f"no prompts{FORGED}"}}
