@@ -46,7 +46,7 @@ from bench.route_overhead import write_docs_block  # noqa: E402
 from butlers.claude_code import claude_binary, isolated_cli_env  # noqa: E402
 from butlers.gateway.report import TokenCounter, find_token_counter, wire_json  # noqa: E402
 from tests.fakes.messages_api import ScriptedMessagesAPI, text  # noqa: E402
-from tests.npm_servers import PACKAGES, PREFIX, SERVERS  # noqa: E402
+from tests.npm_servers import PREFIX, install_npm_servers  # noqa: E402
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 PROMPT = "Which MCP tools do you have? Answer in one line."
@@ -177,12 +177,9 @@ async def measure(project: Path, work: Path) -> list[dict[str, Any]]:
 
 
 def main(write: bool, keep: Path | None) -> None:
-    npm = shutil.which("npm")
-    if npm is None:
+    bin_dir = install_npm_servers()
+    if bin_dir is None:
         sys.exit("npm is not installed")
-    bin_dir = PREFIX / "node_modules" / ".bin"
-    if not all((bin_dir / name).exists() for name in SERVERS):
-        subprocess.run([npm, "install", "--prefix", str(PREFIX), *PACKAGES], check=True)
     work = Path(tempfile.mkdtemp(prefix="butlers-host-load-"))
     try:
         project = work / "project"

@@ -24,33 +24,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.gateway_search import servers  # noqa: E402
 from bench.route_overhead import write_docs_block  # noqa: E402
-from tests.npm_servers import PACKAGES, PREFIX, SERVERS  # noqa: E402
+from tests.npm_servers import install_npm_servers  # noqa: E402
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
 
 def main(write: bool) -> None:
-    npm = shutil.which("npm")
-    if npm is None:
+    bin_dir = install_npm_servers()
+    if bin_dir is None:
         sys.exit("npm is not installed")
-    bin_dir = PREFIX / "node_modules" / ".bin"
-    if not all((bin_dir / name).exists() for name in SERVERS):
-        subprocess.run([npm, "install", "--prefix", str(PREFIX), *PACKAGES], check=True)
     project = Path(tempfile.mkdtemp(prefix="butlers-npm-tokens-"))
     (project / "files").mkdir()
-    servers = {
-        "filesystem": {
-            "command": str(bin_dir / "mcp-server-filesystem"),
-            "args": [str(project / "files")],
-        },
-        "memory": {
-            "command": str(bin_dir / "mcp-server-memory"),
-            "env": {"MEMORY_FILE_PATH": str(project / "memory.jsonl")},
-        },
-        "everything": {"command": str(bin_dir / "mcp-server-everything"), "args": ["stdio"]},
-    }
-    (project / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (project / ".mcp.json").write_text(json.dumps({"mcpServers": servers(project, bin_dir)}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")}
     report = subprocess.run(
         [BUTLERS, "gateway", "--report", "--no-butlers", "--dir", str(project)],

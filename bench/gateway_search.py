@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.route_overhead import write_docs_block  # noqa: E402
 from butlers.gateway.search import Entry, SearchIndex  # noqa: E402
-from tests.npm_servers import PACKAGES, PREFIX, SERVERS  # noqa: E402
+from tests.npm_servers import PREFIX, install_npm_servers  # noqa: E402
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
@@ -302,12 +301,9 @@ def report(m: dict[str, Any], rounds: int) -> str:
 
 
 def main(rounds: int, write: bool) -> None:
-    npm = shutil.which("npm")
-    if npm is None:
+    bin_dir = install_npm_servers()
+    if bin_dir is None:
         sys.exit("npm is not installed")
-    bin_dir = PREFIX / "node_modules" / ".bin"
-    if not all((bin_dir / name).exists() for name in SERVERS):
-        subprocess.run([npm, "install", "--prefix", str(PREFIX), *PACKAGES], check=True)
     project = Path(tempfile.mkdtemp(prefix="butlers-gateway-search-"))
     try:
         (project / "files").mkdir()

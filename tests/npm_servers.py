@@ -22,12 +22,13 @@ PREFIX = Path.home() / ".cache" / "butlers-tests" / "npm"
 SERVERS = ("mcp-server-filesystem", "mcp-server-memory", "mcp-server-everything")
 
 
-@pytest.fixture(scope="session")
-def npm_servers() -> Path:
-    """The directory holding the three servers' executables (node_modules/.bin)."""
+def install_npm_servers() -> Path | None:
+    """The directory holding the three servers' executables (node_modules/.bin), installed
+    there first if they are not (one process at a time); None when npm is not installed.
+    The fixture below and the gateway benches use it."""
     npm = shutil.which("npm")
     if npm is None:
-        pytest.skip("npm is not installed: the real MCP servers from npm cannot be installed")
+        return None
     bin_dir = PREFIX / "node_modules" / ".bin"
     PREFIX.mkdir(parents=True, exist_ok=True)
     with (PREFIX / ".install.lock").open("w") as lock:  # one xdist worker installs
@@ -39,4 +40,13 @@ def npm_servers() -> Path:
                 capture_output=True,
                 timeout=600,
             )
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def npm_servers() -> Path:
+    """The directory holding the three servers' executables (node_modules/.bin)."""
+    bin_dir = install_npm_servers()
+    if bin_dir is None:
+        pytest.skip("npm is not installed: the real MCP servers from npm cannot be installed")
     return bin_dir
