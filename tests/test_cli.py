@@ -37,22 +37,34 @@ BUTLERS = str(Path(sys.executable).parent / "butlers")
 READY = "Press Ctrl-C to stop."
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
+def _free_ports(count: int, offset: int = 0) -> list[int]:
+    """`count` ports free now, each also free when moved by `offset` (`--port-offset`): a port
+    picked free with its moved twin unchecked once collided with another test's listener."""
+    ports: list[int] = []
+    for _ in range(200):
+        if len(ports) == count:
+            return ports
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+            port = s.getsockname()[1]
+        if port in ports or not 0 < port + offset <= 65535 or port + offset in ports:
+            continue
+        if offset:
+            try:
+                with socket.socket() as moved:
+                    moved.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        ports.append(port)
+    raise AssertionError(f"no {count} free ports with free twins at +{offset}")
 
 
-def copy_shipped_config(target: Path) -> dict[str, int]:
-    """The shipped config, with its ports moved to free ones so tests never collide."""
+def copy_shipped_config(target: Path, offset: int = 0) -> dict[str, int]:
+    """The shipped config, with its ports moved to free ones so tests never collide (and free
+    again at `port + offset`, for a fleet moved by `--port-offset`)."""
     shutil.copytree(SHIPPED, target)
     ports = {}
-    for directory, port in zip(sorted(target.iterdir()), _free_ports(4), strict=True):
+    for directory, port in zip(sorted(target.iterdir()), _free_ports(4, offset), strict=True):
         toml = directory / "butler.toml"
         toml.write_text(re.sub(r"(?m)^port = \d+$", f"port = {port}", toml.read_text()))
         ports[directory.name] = port
@@ -282,8 +294,8 @@ async def test_a_second_fleet_with_a_port_offset_shares_postgresql_and_the_switc
     """`butlers up --port-offset K` beside a running `butlers up`, on the same embedded
     PostgreSQL: every butler again on its port + K, the switchboard a replica on the same
     database; stopping the second fleet leaves the first one's PostgreSQL running."""
-    ports = copy_shipped_config(tmp_path / "config")
     offset = 7
+    ports = copy_shipped_config(tmp_path / "config", offset)
     args = ("up", "--config-dir", str(tmp_path / "config"))
     first = Butlers(*args, env=cli_env)
     second = Butlers(*args, "--port-offset", str(offset), "--json", env=cli_env)
@@ -323,8 +335,8 @@ async def test_a_fleet_moved_by_a_port_offset_is_registered_and_routed_where_it_
     on the butler.toml's ports (it was refused there: "unreachable at ...:8101")."""
     from tests.test_cli_client import run_cli
 
-    ports = copy_shipped_config(tmp_path / "config")
     offset = 11
+    ports = copy_shipped_config(tmp_path / "config", offset)
     fleet = Butlers(
         "up",
         "--config-dir",
@@ -336,7 +348,8 @@ async def test_a_fleet_moved_by_a_port_offset_is_registered_and_routed_where_it_
     )
     processes.append(fleet)
     await fleet.start()
-    await fleet.wait_json()
+    ready = await fleet.wait_json()
+    assert {b["name"]: b["status"] for b in ready["butlers"]} == dict.fromkeys(ports, "running")
     url = f"http://127.0.0.1:{ports['switchboard'] + offset}/sse"
     code, out, err = await run_cli("list", "--url", url, "--json", env=cli_env)
     assert code == 0, err
