@@ -147,6 +147,7 @@ class ButlerDaemon:
         self.context: ButlerContext | None = None
         self._pool: asyncpg.Pool | None = None
         self._app: ButlerApp | None = None
+        self.mcp: FastMCP | None = None  # its server, while it runs
         # What start opened, in order; stop closes it in reverse (butlers.lifecycle).
         self._components = Components(f"butler {config.name!r}")
         self._state = "new"
@@ -244,6 +245,7 @@ class ButlerDaemon:
             mask_error_details=True,
             middleware=[middleware],
         )
+        self.mcp = mcp
         register_core_tools(mcp, ctx)
         if has_approvals(config):
             # A session's call of a guarded tool waits for the owner (butlers.approvals).
@@ -510,6 +512,7 @@ class ButlerDaemon:
 
     async def _close_resources(self) -> None:
         await self._components.close()
+        self.mcp = None
         self.switchboard = None
         self.tool_servers = None
         self._pool = None
@@ -575,7 +578,22 @@ async def start_fleet(
         running.append(daemon)
     for daemon in running:
         await daemon.start_tool_servers()
+    route_within_the_process(running)
     return FleetReport(running, failed)
+
+
+def route_within_the_process(daemons: Sequence[ButlerDaemon]) -> None:
+    """A switchboard reaches the butlers of its own process without HTTP, at the URLs they
+    listen on (butlers.mcp_connection.local: route's second hop cost as much as a direct
+    call). A registry row that points elsewhere (a proxy, another host) still goes there."""
+    for front in daemons:
+        if front.switchboard is None:
+            continue
+        for daemon in daemons:
+            if daemon is not front and daemon.mcp is not None:
+                front.switchboard.connections.serve_locally(
+                    [daemon.sse_url, f"{daemon.base_url}/mcp"], daemon.mcp
+                )
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:

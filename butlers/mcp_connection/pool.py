@@ -4,10 +4,12 @@ A fresh connect + initialize costs about ten times a call on an open connection,
 connections are opened lazily, shared by every caller (MCP multiplexes concurrent requests on
 one connection), re-opened once when one turns out to be closed (the target restarted), and
 closed with their owner: the switchboard (route, and the dashboard's fleet probe), or a butler
-(its `notify` to the switchboard). Endpoints ending in `/sse` (every butler's) get our lean
-`SseConnection`; anything else (`/mcp`, streamable HTTP) `FastMcpConnection`, FastMCP's
-client. Both raise the McpCallError family, so the pool reads their failures one way: only a
-call that was never sent (ConnectionClosed) is sent again.
+(its `notify` to the switchboard). An endpoint served by this same process (`serve_locally`:
+`butlers up` runs the fleet in one) gets a `LocalConnection`, without HTTP; other endpoints
+ending in `/sse` (every butler's) our lean `SseConnection`; anything else (`/mcp`, streamable
+HTTP) `FastMcpConnection`, FastMCP's client. All raise the McpCallError family, so the pool
+reads their failures one way: only a call that was never sent (ConnectionClosed) is sent
+again.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from butlers.errors import (
     TargetUnreachable,
 )
 from butlers.mcp_connection.core import Connection
+from butlers.mcp_connection.local import LocalConnection
 from butlers.mcp_connection.sse import IDLE_STREAM_S, SseConnection
 
 if TYPE_CHECKING:  # FastMCP's client loads when a non-`/sse` endpoint is first called
+    from fastmcp import FastMCP
+
     from butlers.mcp_connection.streamable import FastMcpConnection
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ class McpConnections:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
+        self._local: dict[str, FastMCP[Any]] = {}  # endpoint URL -> the server of this process
         self.connects = 0  # how many connections were opened, for tests and benchmarks
 
     async def call(
@@ -94,6 +100,11 @@ class McpConnections:
                 )
         raise AssertionError("unreachable")
 
+    def serve_locally(self, urls: list[str], server: FastMCP[Any]) -> None:
+        """Calls to these endpoint URLs go to `server` in this process, not over HTTP."""
+        for url in urls:
+            self._local[url] = server
+
     async def _connection(self, url: str) -> Connection:
         if self._closed:
             raise ButlersError("the switchboard's MCP connections are closed")
@@ -112,8 +123,10 @@ class McpConnections:
             return connection
 
     async def _open(self, url: str) -> Connection:
-        connection: SseConnection | FastMcpConnection
-        if url.rstrip("/").endswith("/sse"):
+        connection: LocalConnection | SseConnection | FastMcpConnection
+        if (server := self._local.get(url)) is not None:
+            connection = LocalConnection(server, label=url)
+        elif url.rstrip("/").endswith("/sse"):
             if self._http is None:
                 self._http = aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),

@@ -80,22 +80,33 @@ ROUTING_LOG_ENTRY = """
            tool_name, prompt_summary, success, error, duration_ms, trace_id
     FROM routing_log WHERE id = $1
 """
-# Log one route and, on success ($7), stamp its target as seen: one round trip. Committed
+# Log routes (one row per element of the arrays: RoutingStore writes the routes that waited
+# for one write together) and stamp the targets of the successful ones as seen: one round
+# trip. Each row's created_at is the moment it was written, in the order given. Committed
 # asynchronously for this statement only (`set_config(..., true)` ends with its transaction):
 # the WAL flush was a sixth of a routed call's latency; a crash of the server may lose the
 # last fraction of a second of log rows, never half a row.
 ROUTING_LOG_RECORD = """
     WITH async_commit AS (
         SELECT set_config('synchronous_commit', 'off', true)
+    ), batch AS (
+        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                             $6::text[], $7::text[], $8::boolean[], $9::text[], $10::integer[],
+                             $11::bigint[])
+            WITH ORDINALITY
+            AS r(id, source_channel, source_id, routed_to, tool_name, prompt_summary,
+                 trace_id, success, error, duration_ms, inbox_id, n)
     ), seen AS (
         UPDATE butler_registry SET last_seen_at = now()
-        WHERE name = $3 AND $7::boolean
+        WHERE name IN (SELECT routed_to FROM batch WHERE success)
     )
-    INSERT INTO routing_log (source_channel, source_id, routed_to, tool_name,
+    INSERT INTO routing_log (id, source_channel, source_id, routed_to, tool_name,
                              prompt_summary, trace_id, success, error, duration_ms,
-                             inbox_id)
-    SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10 FROM async_commit
-    RETURNING id
+                             inbox_id, created_at)
+    SELECT id, source_channel, source_id, routed_to, tool_name, prompt_summary, trace_id,
+           success, error, duration_ms, inbox_id, clock_timestamp()
+    FROM batch, async_commit
+    ORDER BY n
 """
 # Retention: routing_log rows older than $1 days.
 ROUTING_LOG_PRUNE = "DELETE FROM routing_log WHERE created_at < now() - make_interval(days => $1)"

@@ -1,0 +1,204 @@
+"""Route to a butler of the same process (`butlers up`): no HTTP, the same answers and guards.
+
+The switchboard reaches the butlers its process serves through `LocalConnection`
+(butlers.mcp_connection.local): the target's own MCP session and FastMCP dispatch, with its
+middleware, over memory streams. These tests wire a fleet of real daemons the way
+`start_fleet` does (`route_within_the_process`) and call `route` over SSE, as any client does.
+What they hold it to: nothing of the caller's request reaches the target (its headers, its
+`_meta`: the caller is a stranger's client), trace context does; a slow target times out and
+hears the cancellation; a registry row that points anywhere else still goes over the wire;
+closing the switchboard ends the in-process sessions. And the routing_log rows of routes in
+flight together are written by one statement (group commit), a refused row failing only its
+own route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastmcp import Client
+from fastmcp.client.transports import SSETransport
+from fastmcp.exceptions import ToolError
+from fastmcp.server.dependencies import get_http_headers
+
+from butlers.daemon import route_within_the_process
+from butlers.mcp_middleware import request_conversation
+from butlers.switchboard.routing_store import RouteRecord, RoutingStore
+from tests.conftest import StartButler, write_butler_dir
+from tests.test_registry import call
+from tests.test_route import Fleet, make_fleet
+
+
+@pytest.fixture
+async def fleet(start_butler: StartButler, tmp_path: Path) -> Fleet:
+    fleet = await make_fleet(start_butler, tmp_path)
+    route_within_the_process([fleet.switchboard, *fleet.targets.values()])
+    general = fleet.targets["general"]
+    assert general.mcp is not None
+
+    @general.mcp.tool
+    def what_i_see() -> dict[str, Any]:
+        """What a routed call brings the target: its request's headers and conversation."""
+        return {
+            "headers": sorted(get_http_headers(include_all=True)),
+            "conversation": request_conversation(),
+        }
+
+    return fleet
+
+
+def _stranger(url: str) -> Client:
+    """A client that sends what a stranger would like a target to believe."""
+    return Client(
+        SSETransport(
+            url,
+            headers={
+                "X-Butlers-Session": "someone-elses-session",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            },
+        )
+    )
+
+
+async def test_a_routed_call_in_the_process_brings_the_target_nothing_of_the_callers_request(
+    fleet: Fleet, spans
+) -> None:
+    async with _stranger(fleet.switchboard.sse_url) as client:
+        result = await client.call_tool_mcp(
+            "route",
+            {"butler_name": "general", "tool_name": "what_i_see"},
+            meta={"butlers/conversation": "telegram:victim"},
+        )
+        status = await call(client, "route", butler_name="general", tool_name="status")
+    seen = result.structured_content["result"]
+    # No HTTP request at the target (over the wire it has host, authorization...), and the
+    # caller's headers and `_meta` stayed with the switchboard.
+    assert seen == {"headers": [], "conversation": None}, seen
+    assert status["name"] == "general"
+    # The target's span continues route's, inside the caller's trace.
+    [route_span] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "switchboard.route" and s.attributes["tool_name"] == "what_i_see"
+    ]
+    [target_span] = [s for s in spans.get_finished_spans() if s.name == "general/what_i_see"]
+    assert target_span.parent is not None
+    assert target_span.parent.span_id == route_span.context.span_id
+    assert target_span.context.trace_id == route_span.context.trace_id
+    assert f"{route_span.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+
+
+async def test_a_registry_row_that_points_elsewhere_still_goes_over_the_wire(
+    fleet: Fleet,
+) -> None:
+    """Only the URLs the butlers of this process listen on are served in it: the same
+    target spelled `localhost` (a proxy, another host) is called over HTTP."""
+    general = fleet.targets["general"]
+    write_butler_dir(
+        fleet.config_dir,
+        "general",
+        general.port,
+        extra=f'endpoint_url = "http://localhost:{general.port}/sse"\n',
+    )
+    async with Client(fleet.switchboard.sse_url) as client:
+        await call(client, "discover")
+        seen = await call(client, "route", butler_name="general", tool_name="what_i_see")
+    assert "host" in seen["headers"], seen
+
+
+async def test_a_slow_target_in_the_process_times_out_and_hears_the_cancellation(
+    fleet: Fleet,
+) -> None:
+    general = fleet.targets["general"]
+    assert general.mcp is not None
+    cancelled = asyncio.Event()
+
+    @general.mcp.tool
+    async def dawdle() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "late"
+
+    fleet.switchboard.switchboard.router.timeout_s = 0.5
+    async with Client(fleet.switchboard.sse_url) as client:
+        with pytest.raises(ToolError, match="did not answer 'dawdle'"):
+            await call(client, "route", butler_name="general", tool_name="dawdle")
+        await asyncio.wait_for(cancelled.wait(), 5)
+        # The connection is still good for the next call.
+        assert (await call(client, "route", butler_name="general", tool_name="status"))[
+            "name"
+        ] == "general"
+
+
+async def test_closing_the_switchboard_ends_its_in_process_sessions(fleet: Fleet) -> None:
+    async with Client(fleet.switchboard.sse_url) as client:
+        await call(client, "route", butler_name="general", tool_name="status")
+        await call(client, "route", butler_name="health", tool_name="status")
+
+    def serving() -> list[str]:
+        return sorted(
+            name
+            for task in asyncio.all_tasks()
+            if (name := task.get_name()).startswith("mcp:") and name.endswith(":serve")
+        )
+
+    assert len(serving()) == 2, serving()
+    await fleet.switchboard.stop()
+    assert serving() == []
+    # The targets serve on: their own clients are untouched.
+    async with Client(fleet.targets["general"].sse_url) as client:
+        assert (await call(client, "status"))["name"] == "general"
+
+
+def _record(n: int, duration_ms: int = 3) -> RouteRecord:
+    return RouteRecord(
+        source_channel="mcp",
+        source_id=None,
+        routed_to="general",
+        tool_name=f"tool_{n}",
+        prompt_summary=None,
+        trace_id=None,
+        success=True,
+        error=None,
+        duration_ms=duration_ms,
+    )
+
+
+async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails_alone(
+    fleet: Fleet, db_conn
+) -> None:
+    store = RoutingStore(fleet.switchboard._pool)
+    conn = await db_conn(fleet.switchboard.config.database)
+
+    async def rows(ids: list[uuid.UUID]) -> list[dict]:
+        return [
+            dict(r)
+            for r in await conn.fetch(
+                "SELECT id, tool_name, xmin::text AS tx FROM routing_log WHERE id = ANY($1)"
+                " ORDER BY created_at",
+                ids,
+            )
+        ]
+
+    # Ten routes logged at once: one statement (its transaction is each row's xmin).
+    ids = await asyncio.gather(*(store.record_route(_record(n)) for n in range(10)))
+    written = await rows(list(ids))
+    assert [r["tool_name"] for r in written] == [f"tool_{n}" for n in range(10)]
+    assert len({r["tx"] for r in written}) == 1, written
+
+    # duration_ms beyond PostgreSQL's integer: that row is refused, the others are written.
+    results = await asyncio.gather(
+        *(store.record_route(_record(n, 2**40 if n == 13 else 3)) for n in range(10, 16)),
+        return_exceptions=True,
+    )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert len(failed) == 1 and results[3] is failed[0], results
+    kept = await rows([r for r in results if isinstance(r, uuid.UUID)])
+    assert [r["tool_name"] for r in kept] == ["tool_10", "tool_11", "tool_12", "tool_14", "tool_15"]
