@@ -105,6 +105,61 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
         await admin.close()
 
 
+def test_the_heads_a_start_trusts_are_the_scripts_heads() -> None:
+    """`migrate` leaves a database at AT_HEADS to itself, without alembic: those must be what
+    the migration scripts end at (a new migration is named there, or it would never run)."""
+    from butlers.db.migrations import AT_HEADS
+
+    for branches, heads in AT_HEADS.items():
+        assert heads == migration_heads(*branches), (
+            f"butlers/db/migrations.py AT_HEADS[{branches!r}] is {sorted(heads)}, the scripts "
+            f"end at {sorted(migration_heads(*branches))}: name the new migration there"
+        )
+
+
+async def test_a_database_at_its_heads_is_not_handed_to_alembic(
+    pg_server, db_conn, monkeypatch
+) -> None:
+    """A warm start checks one row and goes on; a database behind its heads is migrated."""
+    from butlers.db import migrations
+
+    name = f"t_heads_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await ensure_database(pg_server, name)
+        await migrate(pg_server, name, ("core",))
+        upgrades: list[tuple[str, ...]] = []
+        real = migrations._upgrade_blocking
+
+        def counted(dsn: str, branches: tuple[str, ...]) -> None:
+            upgrades.append(branches)
+            real(dsn, branches)
+
+        monkeypatch.setattr(migrations, "_upgrade_blocking", counted)
+        await migrate(pg_server, name, ("core",))
+        assert upgrades == []
+        # One step back: alembic is asked again, and brings it to the heads.
+        from alembic import command
+
+        await asyncio.to_thread(
+            command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core@-1"
+        )
+        conn = await db_conn(name)
+        assert "person" not in await _columns(conn, "memories")
+        await migrate(pg_server, name, ("core",))
+        assert upgrades == [("core",)]
+        versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
+        assert versions == migration_heads("core")
+        assert "person" in await _columns(conn, "memories")
+        # The switchboard's branches on a database that has only core's: migrated too.
+        await migrate(pg_server, name, ("core", "switchboard"))
+        assert upgrades == [("core",), ("core", "switchboard")]
+        await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
 async def test_replicas_starting_together_migrate_one_after_the_other(pg_server, db_conn) -> None:
     """Two switchboard replicas (a Kubernetes Deployment) prepare one new database at once:
     both succeed, and it is migrated once."""

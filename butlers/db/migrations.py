@@ -96,14 +96,39 @@ def _upgrade_blocking(dsn: str, branches: Sequence[str]) -> None:
 MIGRATION_LOCK_KEY = 0x6275746C657274
 
 
+# What `alembic_version` holds once a butler's branches are at their heads (core; core then
+# switchboard). A database found there is not handed to alembic at all: a start of `butlers
+# up` on existing databases imported alembic and SQLAlchemy and ran an upgrade per branch that
+# had nothing to do (bench/startup.py, docs/benchmarks.md). tests/test_db.py checks these
+# against the scripts: a new migration fails it until it is named here.
+AT_HEADS: dict[tuple[str, ...], frozenset[str]] = {
+    ("core",): frozenset({"core_0007"}),
+    ("core", "switchboard"): frozenset({"core_0007", "switchboard_0011"}),
+}
+
+
+async def _at_heads(conn: asyncpg.Connection, branches: Sequence[str]) -> bool:
+    """The database is exactly at the heads of `branches` (AT_HEADS): nothing to migrate."""
+    expected = AT_HEADS.get(tuple(branches))
+    if expected is None:
+        return False
+    try:
+        rows = await conn.fetch("SELECT version_num FROM alembic_version")
+    except asyncpg.UndefinedTableError:  # never migrated
+        return False
+    return frozenset(row[0] for row in rows) == expected
+
+
 async def migrate(server: PostgresServer, database: str, branches: Sequence[str]) -> None:
     """Apply alembic branches in order (e.g. core, then switchboard) to one database; one
-    process at a time."""
+    process at a time. A database already at their heads is left as it is, without alembic."""
     try:
         lock = await asyncpg.connect(server.dsn(database), timeout=10)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise DatabaseError(f"cannot reach {database!r} to migrate it: {exc}") from exc
     try:
+        if await _at_heads(lock, branches):
+            return  # nothing to wait for: a migration under way never moves it past the heads
         await lock.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
         await asyncio.to_thread(_upgrade_blocking, server.dsn(database), tuple(branches))
     except DatabaseError:
