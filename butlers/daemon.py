@@ -11,11 +11,11 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import uvicorn
@@ -132,6 +132,10 @@ class ButlerDaemon:
         # Set by start_fleet: the servers start once every butler is up (starting `npx` and
         # the like beside the other butlers' start made `butlers up` slower to be ready).
         self.tool_servers_later = False
+        # What the running parts add to /health (by key) and to retention (rows deleted per
+        # table): the switchboard, the tool servers. Filled as they are built.
+        self._health_reports: dict[str, Callable[[], Any]] = {}
+        self._retention: list[Callable[[int], Awaitable[dict[str, int]]]] = []
         self.db_server = db_server
         # Absolute: a session's Claude Code runs in its work directory and is handed paths in
         # it (its MCP config); a relative BUTLERS_DATA_DIR (the default, `.butlers`) was
@@ -253,6 +257,9 @@ class ButlerDaemon:
             register_approval_execute(mcp, link, self.redactor)
         if config.is_switchboard:
             self.switchboard = await self._build_switchboard(mcp, ctx)
+            # Which replica this is, and whether it leads; its inbox and routing_log age out.
+            self._health_reports["switchboard"] = self.switchboard.health
+            self._retention.append(self.switchboard.prune)
             # Whatever Claude Code's allowlist says, a classification session sees and calls
             # only route and list_butlers here (its `route` is then held to the classifier's
             # policy).
@@ -265,6 +272,8 @@ class ButlerDaemon:
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
         if config.mcp_servers:
             self.tool_servers = parts.adopt("tool servers", self._tool_servers(mcp, ctx))
+            # A server that is down does not make the butler unready: shown, not counted.
+            self._health_reports["tool_servers"] = self.tool_servers.statuses
         dashboard = None
         if switchboard is not None:
             switchboard.use_channels(modules)
@@ -475,8 +484,8 @@ class ButlerDaemon:
         assert self.context is not None
         days = (self.config.switchboard or SwitchboardConfig()).retention_days
         deleted = {"sessions": await self.context.store.prune_sessions(days)}
-        if self.switchboard is not None:
-            deleted.update(await self.switchboard.prune(days))
+        for prune in self._retention:
+            deleted.update(await prune(days))
         if any(deleted.values()):
             logger.info(
                 "retention (%d days): deleted %s",
@@ -494,10 +503,8 @@ class ButlerDaemon:
             "database": database,
             "modules": module_report(self.context.module_statuses()),
         }
-        if self.tool_servers is not None:  # a server that is down does not make it unready
-            body["tool_servers"] = self.tool_servers.statuses()
-        if self.switchboard is not None:  # which replica this is, and whether it leads
-            body["switchboard"] = self.switchboard.health()
+        for key, report in self._health_reports.items():
+            body[key] = report()
         return (200 if database["ok"] else 503), body
 
     async def stop(self) -> None:
@@ -513,6 +520,8 @@ class ButlerDaemon:
     async def _close_resources(self) -> None:
         await self._components.close()
         self.mcp = None
+        self._health_reports.clear()
+        self._retention.clear()
         self.switchboard = None
         self.tool_servers = None
         self._pool = None
