@@ -18,10 +18,19 @@ logger = logging.getLogger(__name__)
 
 
 def storable(text: str | None) -> str | None:
-    """PostgreSQL's text and jsonb refuse NUL (\\x00). Channels, models and other butlers may
-    hand us anything, and a row that can never be written would be retried forever (a mail
-    blocking its mailbox) or lost (a session's outcome)."""
-    return None if text is None else text.replace("\x00", "")
+    """PostgreSQL's text and jsonb refuse NUL (\\x00), and a lone UTF-16 surrogate cannot be
+    encoded to send them (it becomes "?"). Channels, models and other butlers may hand us
+    anything, and a row that can never be written would be retried forever (a mail blocking
+    its mailbox) or lost (a session's outcome, a refused route's log row)."""
+    if text is None:
+        return None
+    text = text.replace("\x00", "")
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            text = text.encode(errors="replace").decode()
+    return text
 
 
 def storable_json(value: Any) -> Any:

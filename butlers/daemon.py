@@ -54,6 +54,7 @@ from butlers.switchboard_link import SwitchboardLink, switchboard_url
 from butlers.telemetry import Telemetry
 
 if TYPE_CHECKING:  # loaded by a butler that has tool servers (the gateway's client code)
+    from butlers.mcp_connection.pool import McpConnections
     from butlers.tool_servers import ToolServers
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,9 @@ class ButlerDaemon:
         self._pool: asyncpg.Pool | None = None
         self._app: ButlerApp | None = None
         self.mcp: FastMCP | None = None  # its server, while it runs
+        # The switchboards' connection pools that reach `mcp` in this process (see
+        # route_within_the_process): told first when it stops.
+        self.served_locally_by: list[McpConnections] = []
         # What start opened, in order; stop closes it in reverse (butlers.lifecycle).
         self._components = Components(f"butler {config.name!r}")
         self._state = "new"
@@ -518,6 +522,10 @@ class ButlerDaemon:
         logger.info("butler %s stopped", self.config.name, extra={"action": "butler_stopped"})
 
     async def _close_resources(self) -> None:
+        if self.mcp is not None:
+            for connections in self.served_locally_by:
+                await connections.stop_serving_locally(self.mcp)
+        self.served_locally_by.clear()
         await self._components.close()
         self.mcp = None
         self._health_reports.clear()
@@ -603,6 +611,7 @@ def route_within_the_process(daemons: Sequence[ButlerDaemon]) -> None:
                 front.switchboard.connections.serve_locally(
                     [daemon.sse_url, f"{daemon.base_url}/mcp"], daemon.mcp
                 )
+                daemon.served_locally_by.append(front.switchboard.connections)
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:

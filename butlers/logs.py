@@ -23,7 +23,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import Context, ContextVar
 from typing import Any, Literal, TextIO
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -52,6 +52,14 @@ def butler_context(name: str) -> Iterator[None]:
         yield
     finally:
         _BUTLER.reset(token)
+
+
+def context_of_butler(name: str) -> Context:
+    """A fresh context, with nothing of the current one, whose records name `name`: for work
+    done for a butler from another butler's task (butlers.mcp_connection.local)."""
+    context = Context()
+    context.run(_BUTLER.set, name)
+    return context
 
 
 def parse_level(value: str) -> str:

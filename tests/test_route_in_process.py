@@ -15,7 +15,11 @@ own route.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +29,12 @@ from fastmcp.client.transports import SSETransport
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_http_headers
 
+from butlers import approvals
 from butlers.daemon import route_within_the_process
+from butlers.errors import ButlersError, RouteRefused
+from butlers.logs import _BUTLER
 from butlers.mcp_middleware import request_conversation
+from butlers.switchboard.route import RouteSource
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from tests.conftest import StartButler, write_butler_dir
 from tests.test_registry import call
@@ -46,6 +54,8 @@ async def fleet(start_butler: StartButler, tmp_path: Path) -> Fleet:
         return {
             "headers": sorted(get_http_headers(include_all=True)),
             "conversation": request_conversation(),
+            "approved_conversation": approvals.approved_conversation(),
+            "log_butler": _BUTLER.get(),
         }
 
     return fleet
@@ -77,7 +87,12 @@ async def test_a_routed_call_in_the_process_brings_the_target_nothing_of_the_cal
     seen = result.structured_content["result"]
     # No HTTP request at the target (over the wire it has host, authorization...), and the
     # caller's headers and `_meta` stayed with the switchboard.
-    assert seen == {"headers": [], "conversation": None}, seen
+    assert seen == {
+        "headers": [],
+        "conversation": None,
+        "approved_conversation": None,
+        "log_butler": "general",  # its own records name it
+    }, seen
     assert status["name"] == "general"
     # The target's span continues route's, inside the caller's trace.
     [route_span] = [
@@ -90,6 +105,32 @@ async def test_a_routed_call_in_the_process_brings_the_target_nothing_of_the_cal
     assert target_span.parent.span_id == route_span.context.span_id
     assert target_span.context.trace_id == route_span.context.trace_id
     assert f"{route_span.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+
+
+async def test_what_route_itself_passes_on_does_cross(fleet: Fleet) -> None:
+    """The conversation a routed message serves reaches the target (its session's `notify`
+    goes there: without it a stranger's routed trigger would run as an owner's session);
+    an approved call running in the caller's task does not."""
+    router = fleet.switchboard.switchboard.router
+    token = approvals._RUNNING.set(approvals.ApprovedCall("a1", "telegram:owner"))
+    try:
+        seen = await router.route(
+            "general", "what_i_see", {}, source=RouteSource(conversation="telegram:1")
+        )
+    finally:
+        approvals._RUNNING.reset(token)
+    assert (seen["conversation"], seen["approved_conversation"]) == ("telegram:1", None), seen
+    assert seen["headers"] == []  # in the process, not over the wire
+
+
+async def test_a_stopped_target_is_down_not_answering_with_errors(fleet: Fleet) -> None:
+    """A target stopped while the switchboard runs on is no longer served in the process:
+    route says it is unreachable, as for any target that went down."""
+    async with Client(fleet.switchboard.sse_url) as client:
+        await call(client, "route", butler_name="health", tool_name="status")
+        await fleet.targets["health"].stop()
+        with pytest.raises(ToolError, match="butler 'health' is unreachable"):
+            await call(client, "route", butler_name="health", tool_name="status")
 
 
 async def test_a_registry_row_that_points_elsewhere_still_goes_over_the_wire(
@@ -157,6 +198,34 @@ async def test_closing_the_switchboard_ends_its_in_process_sessions(fleet: Fleet
         assert (await call(client, "status"))["name"] == "general"
 
 
+async def test_a_tool_no_cancel_stops_does_not_hold_the_switchboards_stop(
+    fleet: Fleet, caplog
+) -> None:
+    """A sync tool runs in a thread, which no cancel stops: closing the in-process session
+    leaves it to finish (and says so) instead of waiting for it, as over the wire."""
+    general = fleet.targets["general"]
+    assert general.mcp is not None
+    started = threading.Event()
+
+    @general.mcp.tool
+    def block() -> str:
+        started.set()
+        time.sleep(4)
+        return "done"
+
+    client = Client(fleet.switchboard.sse_url)
+    async with client:
+        call_task = asyncio.ensure_future(
+            call(client, "route", butler_name="general", tool_name="block")
+        )
+        await asyncio.to_thread(started.wait, 10)
+        with caplog.at_level(logging.WARNING, logger="butlers.mcp_connection.local"):
+            await fleet.switchboard.switchboard.connections.close()
+        call_task.cancel()
+        await asyncio.gather(call_task, return_exceptions=True)
+    assert any("left to finish" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def _record(n: int, duration_ms: int = 3) -> RouteRecord:
     return RouteRecord(
         source_channel="mcp",
@@ -202,3 +271,66 @@ async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails
     assert len(failed) == 1 and results[3] is failed[0], results
     kept = await rows([r for r in results if isinstance(r, uuid.UUID)])
     assert [r["tool_name"] for r in kept] == ["tool_10", "tool_11", "tool_12", "tool_14", "tool_15"]
+
+
+async def test_a_locked_registry_row_holds_up_no_routes_log_row(fleet: Fleet, db_conn) -> None:
+    """A discover under way (or an operator's open transaction) holds a registry row: the
+    routes' log rows are written anyway, that target's last_seen_at left as it was."""
+    store = RoutingStore(fleet.switchboard._pool)
+    conn = await db_conn(fleet.switchboard.config.database)
+    locker = await db_conn(fleet.switchboard.config.database)
+    before = await conn.fetchval("SELECT last_seen_at FROM butler_registry WHERE name = 'general'")
+    async with locker.transaction():
+        await locker.execute("SELECT 1 FROM butler_registry WHERE name = 'general' FOR UPDATE")
+        # Bounded only so that a hang fails the test instead of stalling it.
+        ids = await asyncio.wait_for(
+            asyncio.gather(
+                store.record_route(_record(1)),
+                store.record_route(replace(_record(2), routed_to="health")),
+            ),
+            10,
+        )
+        assert len(await rows_with(conn, list(ids))) == 2
+    assert (
+        await conn.fetchval("SELECT last_seen_at FROM butler_registry WHERE name = 'general'")
+        == before
+    )
+    await store.record_route(_record(3))  # unlocked: stamped again
+    assert (
+        await conn.fetchval("SELECT last_seen_at FROM butler_registry WHERE name = 'general'")
+        > before
+    )
+
+
+async def test_a_route_named_with_a_lone_surrogate_is_still_recorded(fleet: Fleet, db_conn) -> None:
+    """A name PostgreSQL cannot take (a lone UTF-16 surrogate, which a JSON `\\ud800`
+    escape decodes to): the refusal is recorded all the same, the bad character replaced."""
+    router = fleet.switchboard.switchboard.router
+    with pytest.raises(RouteRefused, match="not found"):
+        await router.route("gen\ud800eral", "st\udfffatus", {})
+    conn = await db_conn(fleet.switchboard.config.database)
+    row = await conn.fetchrow("SELECT routed_to, tool_name, success FROM routing_log")
+    assert dict(row) == {"routed_to": "gen?eral", "tool_name": "st?atus", "success": False}
+
+
+async def test_a_writer_stopped_mid_write_tells_every_waiting_caller(fleet: Fleet, db_conn) -> None:
+    """The writer task ended from outside (its loop closing) while a batch is in flight and
+    more wait: every caller hears why, none waits for ever."""
+    store = RoutingStore(fleet.switchboard._pool)
+    locker = await db_conn(fleet.switchboard.config.database)
+    async with locker.transaction():
+        # Hold the table so that the first write waits inside PostgreSQL.
+        await locker.execute("LOCK TABLE routing_log IN ACCESS EXCLUSIVE MODE")
+        first = [asyncio.ensure_future(store.record_route(_record(n))) for n in range(3)]
+        await asyncio.sleep(0.3)  # the writer took them and waits on the lock
+        later = [asyncio.ensure_future(store.record_route(_record(n))) for n in range(3, 5)]
+        await asyncio.sleep(0)
+        assert store._writer is not None
+        store._writer.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*first, *later, return_exceptions=True), 10)
+    assert all(isinstance(r, ButlersError) for r in results), results
+    assert all("writer stopped" in str(r) for r in results), results
+
+
+async def rows_with(conn, ids: list[uuid.UUID]) -> list[dict]:
+    return [dict(r) for r in await conn.fetch("SELECT id FROM routing_log WHERE id = ANY($1)", ids)]

@@ -59,9 +59,15 @@ class FleetProbe:
 
     async def call(self, endpoint_url: str, tool: str, arguments: dict[str, Any]) -> Answer:
         try:
-            result = await self.connections.call(
-                endpoint_url, tool, arguments, timeout_s=TOOL_TIMEOUT_S
-            )
+            # The whole question, connecting and waiting for the other questions' connect to
+            # the same butler included: a butler page asks four at once, and a butler that
+            # accepts and never answers held it 4 x 10 s.
+            async with asyncio.timeout(TOOL_TIMEOUT_S):
+                result = await self.connections.call(
+                    endpoint_url, tool, arguments, timeout_s=TOOL_TIMEOUT_S
+                )
+        except TimeoutError:
+            return Answer(error=f"{tool}: no answer within {TOOL_TIMEOUT_S:g} s")
         except Exception as exc:  # unreachable, timed out, refused: shown, never raised
             return Answer(error=f"{tool}: {exc}"[:300] or type(exc).__name__)
         answer = unwrap(result)

@@ -13,16 +13,19 @@ streams), so a call through here is answered as the same call over the wire woul
 What the wire had and this has not: the request's HTTP headers. A caller route forwards for
 sends none that a butler reads (no session credential, no classification claim), and the
 bearer token proves a network caller is one of ours: a call from inside the process already
-is. The server runs in an empty `contextvars.Context`, so nothing of the task that opened the
-connection (the inbound request to the switchboard, its headers, its span) reaches the
-target's handlers; trace context travels in `_trace_context` and `_meta`, as over the wire.
+is. The server runs in a fresh `contextvars.Context` (only the target's name for its log
+records), so nothing of the task that opened the connection (the inbound request to the
+switchboard, its headers, its span, an approved call's conversation) reaches the target's
+handlers; trace context travels in `_trace_context` and `_meta`, as over the wire. The streams
+must stay plain anyio ones: the SDK runs each handler in the context a message was sent from
+when the stream carries one (its own memory transport's does), which would hand every
+caller's context to the target (tests/test_route_in_process.py sends a stranger's headers and
+`_meta`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ from mcp.shared.message import SessionMessage
 
 from butlers import __version__
 from butlers.errors import ConnectionClosed
+from butlers.logs import context_of_butler
 from butlers.mcp_connection.core import McpConnection, Message
 
 if TYPE_CHECKING:
@@ -43,6 +47,10 @@ logger = logging.getLogger(__name__)
 CLIENT_INFO = {"name": "butlers-switchboard-local", "version": __version__}
 # Messages in flight each way before a sender waits (the SDK's own memory transport: 1).
 STREAM_BUFFER = 64
+# How long close() waits for the target's session to end, then for its cancelled handlers: a
+# sync tool runs in a thread, which no cancel stops, and the switchboard's stop must not wait
+# on it (over the wire it never did).
+CLOSE_WAIT_S = 1.0
 
 
 class LocalConnection(McpConnection):
@@ -69,7 +77,7 @@ class LocalConnection(McpConnection):
         self._serving = asyncio.get_running_loop().create_task(
             lowlevel.run(server_reads, server_writes, lowlevel.create_initialization_options()),
             name=f"mcp:{self.label}:serve",
-            context=contextvars.Context(),  # nothing of the opener's request reaches the target
+            context=context_of_butler(self.server.name),  # nothing of the opener's request
         )
         self._serving.add_done_callback(self._served)
         self._reading = asyncio.get_running_loop().create_task(
@@ -105,10 +113,17 @@ class LocalConnection(McpConnection):
             self._to_server.close()  # the server's loop ends at the end of its stream
         tasks = [t for t in (self._serving, self._reading) if t is not None]
         if tasks:
-            _, late = await asyncio.wait(tasks, timeout=1.0)
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
             for task in late:
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                _, stuck = await asyncio.wait(late, timeout=CLOSE_WAIT_S)
+                if stuck:
+                    logger.warning(
+                        "%s: the in-process session did not end within %g s of its close "
+                        "(a tool still running); left to finish",
+                        self.label,
+                        2 * CLOSE_WAIT_S,
+                    )
         if self._from_server is not None:
             self._from_server.close()

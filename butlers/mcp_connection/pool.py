@@ -74,8 +74,11 @@ class McpConnections:
         sent again: it never reached the target. A call whose connection broke after it was
         delivered is not repeated; its tool may have run.
         """
+        # Opening a connection counts against a short call's own timeout too: a target that
+        # accepts and never answers held a 3 s dashboard probe for the 10 s connect timeout.
+        connect_timeout_s = min(CONNECT_TIMEOUT_S, timeout_s)
         for attempt in (1, 2):
-            connection = await self._connection(url)
+            connection = await self._connection(url, connect_timeout_s)
             try:
                 return await connection.call_tool(tool, arguments, meta=meta, timeout_s=timeout_s)
             except CallTimedOut:
@@ -105,7 +108,16 @@ class McpConnections:
         for url in urls:
             self._local[url] = server
 
-    async def _connection(self, url: str) -> Connection:
+    async def stop_serving_locally(self, server: FastMCP[Any]) -> None:
+        """`server` is stopping: its URLs are reached over the network again (where nothing
+        answers now: the target is down), and a connection open to it in this process is
+        closed; its calls still waiting fail as for a target that went down."""
+        for url in [url for url, local in self._local.items() if local is server]:
+            del self._local[url]
+            if (connection := self._connections.get(url)) is not None:
+                await self._discard(url, connection)
+
+    async def _connection(self, url: str, connect_timeout_s: float) -> Connection:
         if self._closed:
             raise ButlersError("the switchboard's MCP connections are closed")
         connection = self._connections.get(url)
@@ -117,12 +129,12 @@ class McpConnections:
                 return connection
             if connection is not None:
                 await self._discard(url, connection)
-            connection = await self._open(url)
+            connection = await self._open(url, connect_timeout_s)
             self.connects += 1
             self._connections[url] = connection
             return connection
 
-    async def _open(self, url: str) -> Connection:
+    async def _open(self, url: str, timeout_s: float) -> Connection:
         connection: LocalConnection | SseConnection | FastMcpConnection
         if (server := self._local.get(url)) is not None:
             connection = LocalConnection(server, label=url)
@@ -140,14 +152,17 @@ class McpConnections:
 
             connection = FastMcpConnection(url, auth_token=self.auth_token)
         try:
-            await connection.open(CONNECT_TIMEOUT_S)
-        except Exception as exc:
+            await connection.open(timeout_s)
+        except BaseException as exc:
             # FastMCP's client raises its connect error again when closed after failing to
-            # open: the reason to report is the first one.
+            # open: the reason to report is the first one. A caller that gave up (cancelled)
+            # leaves no half-open connection behind either.
             with contextlib.suppress(Exception):
-                await connection.close()
+                await asyncio.shield(connection.close())
+            if not isinstance(exc, Exception):
+                raise
             if isinstance(exc, TimeoutError):
-                raise TargetUnreachable(f"no answer within {CONNECT_TIMEOUT_S:g}s") from exc
+                raise TargetUnreachable(f"no answer within {timeout_s:g}s") from exc
             raise TargetUnreachable(_reason(exc)) from exc
         return connection
 

@@ -82,7 +82,10 @@ ROUTING_LOG_ENTRY = """
 """
 # Log routes (one row per element of the arrays: RoutingStore writes the routes that waited
 # for one write together) and stamp the targets of the successful ones as seen: one round
-# trip. Each row's created_at is the moment it was written, in the order given. Committed
+# trip. Each row's created_at is the moment it was written, in the order given. The stamp is
+# best effort: a registry row locked elsewhere (a discover under way, an operator's open
+# transaction) keeps its older stamp rather than hold up every route's log row behind it, and
+# the rows are locked in name order (no deadlock with another writer). Committed
 # asynchronously for this statement only (`set_config(..., true)` ends with its transaction):
 # the WAL flush was a sixth of a routed call's latency; a crash of the server may lose the
 # last fraction of a second of log rows, never half a row.
@@ -98,7 +101,11 @@ ROUTING_LOG_RECORD = """
                  trace_id, success, error, duration_ms, inbox_id, n)
     ), seen AS (
         UPDATE butler_registry SET last_seen_at = now()
-        WHERE name IN (SELECT routed_to FROM batch WHERE success)
+        WHERE name IN (
+            SELECT name FROM butler_registry
+            WHERE name IN (SELECT routed_to FROM batch WHERE success)
+            ORDER BY name FOR UPDATE SKIP LOCKED
+        )
     )
     INSERT INTO routing_log (id, source_channel, source_id, routed_to, tool_name,
                              prompt_summary, trace_id, success, error, duration_ms,

@@ -15,6 +15,7 @@ from typing import Any
 import asyncpg
 
 from butlers.core_store import storable
+from butlers.errors import ButlersError
 from butlers.switchboard import queries as sql
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class RoutingStore:
         return row_id
 
     async def _write_unwritten(self) -> None:
+        batch: list[_Unwritten] = []
         try:
             while self._unwritten:
                 batch = self._unwritten[:MAX_ROWS_PER_WRITE]
@@ -158,6 +160,12 @@ class RoutingStore:
                     if len(batch) == 1:
                         _settle(batch, exc)
                         continue
+                    logger.warning(
+                        "routing_log: a write of %d rows failed (%s); writing them one by one",
+                        len(batch),
+                        type(exc).__name__,
+                        extra={"action": "routing_log_retry"},
+                    )
                     for one in batch:  # the others are not held back by a row it refuses
                         try:
                             await self._write([one])
@@ -169,9 +177,11 @@ class RoutingStore:
                     _settle(batch, None)
         finally:
             self._writer = None
-            if self._unwritten:  # cancelled with rows waiting: they are told, not left
-                _settle(self._unwritten, asyncio.CancelledError())
-                self._unwritten.clear()
+            # Stopped (its loop closing) with rows in hand or waiting: each caller is told,
+            # none left waiting for a write that will not come (done ones are skipped).
+            left = batch + self._unwritten
+            self._unwritten.clear()
+            _settle(left, ButlersError("the routing_log writer stopped before this row"))
 
     async def _write(self, batch: list[_Unwritten]) -> None:
         records = [record for _, record, _ in batch]
