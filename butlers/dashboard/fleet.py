@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
-
-import aiohttp
 
 from butlers.mcp_connection.core import unwrap
 from butlers.mcp_connection.pool import McpConnections
+
+if TYPE_CHECKING:  # loaded at the first /health asked (not when the switchboard starts)
+    import aiohttp
 
 HEALTH_TIMEOUT_S = 1.5
 TOOL_TIMEOUT_S = 3.0
@@ -44,6 +45,8 @@ class FleetProbe:
         self._http: aiohttp.ClientSession | None = None
 
     async def health(self, endpoint_url: str) -> Answer:
+        import aiohttp
+
         if self._http is None:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)

@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 TOOLS_CHANGED = "notifications/tools/list_changed"
+# Servers ping an idle event stream (the MCP SDK's every 15 s). A stream silent for longer
+# than this is a connection that died without a word (a NAT or proxy dropped it, the host
+# went away): every call on it would wait out its whole timeout. (Here, not in sse.py: the
+# pool reads it without loading aiohttp until it first calls over the network.)
+IDLE_STREAM_S = 45.0
 # How long close() lets replies and cancellations already on their way finish: the peer
 # should hear that we gave up on a request even when we close right after.
 CLOSE_GRACE_S = 1.0

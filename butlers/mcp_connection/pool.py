@@ -20,8 +20,6 @@ import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from butlers.errors import (
     AnswerLost,
     ButlersError,
@@ -29,13 +27,17 @@ from butlers.errors import (
     ConnectionClosed,
     TargetUnreachable,
 )
-from butlers.mcp_connection.core import Connection
+from butlers.mcp_connection.core import IDLE_STREAM_S, Connection
 from butlers.mcp_connection.local import LocalConnection
-from butlers.mcp_connection.sse import IDLE_STREAM_S, SseConnection
 
+# aiohttp (and with it the SSE transport) loads when a butler is first called over the network,
+# not when a butler starts: ~70 ms of a warm `butlers up` (bench/startup.py), which every
+# butler's notify link and the switchboard build a pool for.
 if TYPE_CHECKING:  # FastMCP's client loads when a non-`/sse` endpoint is first called
+    import aiohttp
     from fastmcp import FastMCP
 
+    from butlers.mcp_connection.sse import SseConnection
     from butlers.mcp_connection.streamable import FastMcpConnection
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,10 @@ class McpConnections:
         if (server := self._local.get(url)) is not None:
             connection = LocalConnection(server, label=url)
         elif url.rstrip("/").endswith("/sse"):
+            import aiohttp
+
+            from butlers.mcp_connection.sse import SseConnection
+
             if self._http is None:
                 self._http = aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S),

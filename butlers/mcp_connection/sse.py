@@ -23,15 +23,11 @@ import aiohttp
 
 from butlers import __version__
 from butlers.errors import ConnectionClosed, RemoteError
-from butlers.mcp_connection.core import McpConnection, Message, quiet_future
+from butlers.mcp_connection.core import IDLE_STREAM_S, McpConnection, Message, quiet_future
 
 logger = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "butlers-switchboard", "version": __version__}
-# Servers ping an idle event stream (the MCP SDK's every 15 s). A stream silent for longer
-# than this is a connection that died without a word (a NAT or proxy dropped it, the host
-# went away): every call on it would wait out its whole timeout.
-IDLE_STREAM_S = 45.0
 
 
 class SseConnection(McpConnection):
