@@ -246,19 +246,9 @@ async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails
     store = RoutingStore(fleet.switchboard._pool)
     conn = await db_conn(fleet.switchboard.config.database)
 
-    async def rows(ids: list[uuid.UUID]) -> list[dict]:
-        return [
-            dict(r)
-            for r in await conn.fetch(
-                "SELECT id, tool_name, xmin::text AS tx FROM routing_log WHERE id = ANY($1)"
-                " ORDER BY created_at",
-                ids,
-            )
-        ]
-
     # Ten routes logged at once: one statement (its transaction is each row's xmin).
     ids = await asyncio.gather(*(store.record_route(_record(n)) for n in range(10)))
-    written = await rows(list(ids))
+    written = await logged(conn, list(ids))
     assert [r["tool_name"] for r in written] == [f"tool_{n}" for n in range(10)]
     assert len({r["tx"] for r in written}) == 1, written
 
@@ -269,7 +259,7 @@ async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails
     )
     failed = [r for r in results if isinstance(r, BaseException)]
     assert len(failed) == 1 and results[3] is failed[0], results
-    kept = await rows([r for r in results if isinstance(r, uuid.UUID)])
+    kept = await logged(conn, [r for r in results if isinstance(r, uuid.UUID)])
     assert [r["tool_name"] for r in kept] == ["tool_10", "tool_11", "tool_12", "tool_14", "tool_15"]
 
 
@@ -290,7 +280,7 @@ async def test_a_locked_registry_row_holds_up_no_routes_log_row(fleet: Fleet, db
             ),
             10,
         )
-        assert len(await rows_with(conn, list(ids))) == 2
+        assert len(await logged(conn, list(ids))) == 2
     assert (
         await conn.fetchval("SELECT last_seen_at FROM butler_registry WHERE name = 'general'")
         == before
@@ -332,5 +322,13 @@ async def test_a_writer_stopped_mid_write_tells_every_waiting_caller(fleet: Flee
     assert all("writer stopped" in str(r) for r in results), results
 
 
-async def rows_with(conn, ids: list[uuid.UUID]) -> list[dict]:
-    return [dict(r) for r in await conn.fetch("SELECT id FROM routing_log WHERE id = ANY($1)", ids)]
+async def logged(conn, ids: list[uuid.UUID]) -> list[dict]:
+    """The routing_log rows of `ids`, in the order written, with the transaction of each."""
+    return [
+        dict(r)
+        for r in await conn.fetch(
+            "SELECT id, tool_name, xmin::text AS tx FROM routing_log WHERE id = ANY($1)"
+            " ORDER BY created_at",
+            ids,
+        )
+    ]
