@@ -277,6 +277,10 @@ def test_log_redaction_covers_messages_arguments_and_tracebacks() -> None:
 def test_redaction_survives_bad_logging_calls_and_covers_warnings() -> None:
     redactor = Redactor(["w4rning-secret"])
     saved = logging.getLogRecordFactory()
+    # From a known state: a test before this one in the same process may have left warnings
+    # captured inside a `catch_warnings` that has since put `showwarning` back, and then
+    # captureWarnings(True) would think it already captures (seen under pytest-xdist).
+    logging.captureWarnings(False)
     install_log_redaction(redactor)
     try:
         logger = logging.getLogger("tests.redaction.bad")
