@@ -36,7 +36,7 @@ from butlers.errors import ButlersError
 from butlers.http import ButlerApp, Listener, build_app, require_token_beyond_loopback
 from butlers.lifecycle import Background, Components
 from butlers.logs import butler_context
-from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence
+from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence, butler_server
 from butlers.media import MAX_TOOL_ATTACHMENT_BYTES
 from butlers.memory import MemoryStore
 from butlers.modules import build_modules
@@ -247,12 +247,7 @@ class ButlerDaemon:
         self.context = ctx
         middleware = ButlerMiddleware(config.name, self.telemetry.tracer)
         middleware.add_guard(SessionPolicy(spawner))
-        mcp = FastMCP(
-            config.name,
-            instructions=config.description or None,
-            mask_error_details=True,
-            middleware=[middleware],
-        )
+        mcp = butler_server(config.name, middleware, instructions=config.description or None)
         self.mcp = mcp
         register_core_tools(mcp, ctx)
         if has_approvals(config):

@@ -27,8 +27,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fastmcp import FastMCP
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp.server.middleware.dereference import DereferenceRefsMiddleware
 from fastmcp.tools import Tool
 from mcp_types import CallToolRequestParams
 from opentelemetry import context as otel_context
@@ -207,6 +209,30 @@ class ButlerMiddleware(Middleware):
 
     def _hides_listings(self) -> bool:
         return any(guard.hides_listings() for guard in self._listing_guards)
+
+
+class ListingDereference(DereferenceRefsMiddleware):
+    """FastMCP's own `$ref` inlining of listed schemas (what `dereference_schemas=True` adds),
+    without its pass-through layers on a tool call: FastMCP runs a middleware's on_message,
+    on_request and typed hook for every message, and this one only changes listings. See
+    `butler_server`."""
+
+    async def __call__(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        if isinstance(context.message, CallToolRequestParams):
+            return await call_next(context)
+        return await super().__call__(context, call_next)
+
+
+def butler_server(name: str, middleware: ButlerMiddleware, *, instructions: str | None) -> FastMCP:
+    """The FastMCP server of a butler: `middleware` outermost, error details masked, `$ref`s
+    inlined in what it lists (ListingDereference, not FastMCP's per-message layer)."""
+    return FastMCP(
+        name,
+        instructions=instructions,
+        mask_error_details=True,
+        middleware=[middleware, ListingDereference()],
+        dereference_schemas=False,
+    )
 
 
 class ClassificationFence:
