@@ -34,6 +34,7 @@ from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from butlers.errors import ButlersError
+from butlers.tasks import within
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Listener:
         self._drain()  # end open MCP streams so shutdown does not wait for them
         self.server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), self._stop_timeout_s)
+            await within(asyncio.shield(self._task), self._stop_timeout_s)
         except TimeoutError:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -35,6 +35,7 @@ from butlers.core_store import CoreStore
 from butlers.errors import SpawnError
 from butlers.memory import MEMORY_CONTEXT_BYTES, OWNER_SESSION, MemoryStore, Viewer
 from butlers.schedule_time import local_now
+from butlers.tasks import within
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
 
 if TYPE_CHECKING:
@@ -306,11 +307,11 @@ class Spawner:
         error: str | None = refusal
         try:
             if refusal is None:
-                answered = await asyncio.wait_for(
+                answered = await within(
                     self._query(
                         preamble + prompt, target, system_prompt, tool_calls, signs, attachments
                     ),
-                    timeout=self.config.runtime.timeout_s,
+                    self.config.runtime.timeout_s,
                 )
                 result, cost_usd = answered.text, answered.cost_usd
         except TimeoutError:

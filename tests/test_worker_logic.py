@@ -342,3 +342,17 @@ async def test_a_notification_reaches_the_conversations_person_within_the_hourly
         ("notify", True),
         ("notify", False),
     ]
+
+
+async def test_a_worker_woken_as_it_is_closed_still_stops(parts: Parts) -> None:
+    """Woken in the same turn of the event loop as it is cancelled, the worker still stops:
+    Python 3.11's `asyncio.wait_for` handed back the wake instead of the cancellation, and the
+    worker looked at the queue again and waited on, so `close()` (and `butlers up`'s stop)
+    never returned (seen as a fleet that ignored SIGTERM)."""
+    worker = parts.make()
+    await worker.open()
+    for _ in range(5):
+        await asyncio.sleep(0)  # idle: waiting for a wake
+    worker.wake()
+    async with asyncio.timeout(5):
+        await worker.close()

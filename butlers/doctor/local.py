@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers.doctor.report import ENV_FILE, Check, Subject, fail, ok, warn
+from butlers.tasks import within
 
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
@@ -357,7 +358,7 @@ async def claude_code(binary: str | None, environ: Mapping[str, str]) -> Check:
     except OSError as exc:
         return fail("claude-code", f"{binary} cannot run ({exc.strerror}): reinstall it")
     try:
-        output, _ = await asyncio.wait_for(process.communicate(), LOCAL_TIMEOUT_S)
+        output, _ = await within(process.communicate(), LOCAL_TIMEOUT_S)
     except TimeoutError:
         process.kill()
         await process.wait()

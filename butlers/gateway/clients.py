@@ -29,6 +29,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.reaper import Watchdog, end_group
 from butlers.mcp_connection.core import Connection, McpConnection
 from butlers.mcp_connection.stdio import StdioConnection
+from butlers.tasks import within
 
 if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote child starts
     from butlers.mcp_connection.sse import SseConnection
@@ -352,7 +353,7 @@ class StdioChild(_Child):
             for step, timeout_s, setting in steps:
                 await self._unless_closed()
                 try:
-                    await asyncio.wait_for(step(), timeout_s)
+                    await within(step(), timeout_s)
                 except TimeoutError:
                     await self._kill()
                     raise CallTimedOut(

@@ -101,7 +101,8 @@ async def end_group(process: asyncio.subprocess.Process, grace_s: float) -> None
     while loop.time() < deadline:
         if process.returncode is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):  # not wait_for: butlers.tasks.within
+                    await process.wait()
         elif await asyncio.to_thread(group_alive, group):
             await asyncio.sleep(0.05)
         else:

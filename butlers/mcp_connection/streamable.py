@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
 from butlers.mcp_connection.core import no_answer_within
 from butlers.mcp_connection.paging import PageGuard
+from butlers.tasks import within
 
 
 class _ToolsChanged(MessageHandler):
@@ -67,7 +68,7 @@ class FastMcpConnection:
     async def open(self, timeout_s: float) -> None:
         """Connect and complete the handshake; raises TimeoutError, or the client's own error
         (the caller closes either way)."""
-        await asyncio.wait_for(self._client.__aenter__(), timeout_s)
+        await within(self._client.__aenter__(), timeout_s)
 
     async def call_tool(
         self,

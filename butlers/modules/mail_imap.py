@@ -47,6 +47,7 @@ from butlers.modules.mail_transport import (
     imap_connect,
     watch_arrivals,
 )
+from butlers.tasks import within
 
 if TYPE_CHECKING:
     import aioimaplib
@@ -285,7 +286,7 @@ class ImapIntake:
         with contextlib.suppress(TimeoutError):  # a timeout: renew the IDLE before it is dropped
             await self._until_lost(client.wait_server_push(timeout=IDLE_RENEW_S))
         client.idle_done()
-        await self._until_lost(asyncio.wait_for(idle, 30))
+        await self._until_lost(within(idle, 30))
 
     async def _ok(self, awaitable: Any, what: str) -> Any:
         response = await self._until_lost(awaitable)
@@ -361,7 +362,7 @@ class ImapIntake:
         except asyncio.CancelledError:
             if marked:  # stopping, not crashing: the next start may read it
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._unmark(client, uid), UNMARK_TIMEOUT_S)
+                    await within(self._unmark(client, uid), UNMARK_TIMEOUT_S)
             raise
         except Exception:
             # Not the mail's doing (the database is down, the connection went): the mark
@@ -369,7 +370,7 @@ class ImapIntake:
             # mail. Best effort: a connection that is gone cannot remove it.
             if marked:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._unmark(client, uid), UNMARK_TIMEOUT_S)
+                    await within(self._unmark(client, uid), UNMARK_TIMEOUT_S)
             raise
 
     async def _fetch(self, client: aioimaplib.IMAP4, uid: str, items: str) -> Fetched | None:

@@ -25,7 +25,6 @@ such as Proton Mail Bridge): `plaintext_login_refusal`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import ssl
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from butlers.errors import MailError, MailRefused
 from butlers.http import is_loopback
 from butlers.media import Attachment
+from butlers.tasks import within
 
 if TYPE_CHECKING:
     import aioimaplib
@@ -155,7 +155,7 @@ async def imap_connect(
         if response.result != "OK":
             raise MailRefused(f"{server.where} refused the login of {username!r}")
         # What a server offers may change once we are logged in (IDLE often appears only now).
-        await asyncio.wait_for(client.protocol.capability(), server.timeout_s)
+        await within(client.protocol.capability(), server.timeout_s)
     except BaseException as exc:
         imap_abort(client)
         if isinstance(exc, Exception):
@@ -173,7 +173,7 @@ async def _starttls(client: aioimaplib.IMAP4, server: MailServer, context: ssl.S
         raise MailRefused(
             f"{server.where} does not offer STARTTLS; refusing to log in over plaintext"
         )
-    response = await asyncio.wait_for(
+    response = await within(
         protocol.execute(Command("STARTTLS", protocol.new_tag(), loop=protocol.loop)),
         server.timeout_s,
     )
@@ -189,7 +189,7 @@ async def _starttls(client: aioimaplib.IMAP4, server: MailServer, context: ssl.S
         ssl_handshake_timeout=server.timeout_s,
     )
     # RFC 3501: what the server said before TLS may have been forged; ask again.
-    await asyncio.wait_for(protocol.capability(), server.timeout_s)
+    await within(protocol.capability(), server.timeout_s)
 
 
 async def _login(client: aioimaplib.IMAP4, username: str, password: str) -> aioimaplib.Response:
@@ -204,7 +204,7 @@ async def _login(client: aioimaplib.IMAP4, username: str, password: str) -> aioi
     except ValueError as exc:  # says which command, never the value
         raise MailRefused(f"the IMAP user name or password cannot be sent: {exc}") from None
     async with protocol.state_condition:
-        response = await asyncio.wait_for(protocol.execute(command, scrub=wire), client.timeout)
+        response = await within(protocol.execute(command, scrub=wire), client.timeout)
         if response.result == "OK":
             protocol.state = AUTH
         protocol.state_condition.notify_all()
@@ -273,7 +273,7 @@ async def imap_close(client: aioimaplib.IMAP4) -> None:
         with contextlib.suppress(Exception):
             if client.has_pending_idle():  # else LOGOUT waits behind the IDLE until timeout
                 client.idle_done()
-            await asyncio.wait_for(client.logout(), 5)
+            await within(client.logout(), 5)
     imap_abort(client)
 
 

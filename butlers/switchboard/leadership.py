@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 import asyncpg
 
 from butlers.db import CONNECTION_ERRORS
-from butlers.tasks import cancel_and_wait
+from butlers.tasks import cancel_and_wait, within
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ class Leadership:
 
     async def _try_lock(self) -> None:
         if self._conn is None or self._conn.is_closed():
-            self._conn = await asyncio.wait_for(self._connect(), self.retry_s * 5)
+            self._conn = await within(self._connect(), self.retry_s * 5)
             for name, value in KEEPALIVE_SETTINGS.items():
                 with contextlib.suppress(asyncpg.PostgresError):  # a pooler may refuse them
                     await self._conn.execute(f"SET {name} = {value}")
-        got = await asyncio.wait_for(
+        got = await within(
             self._conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY), self.retry_s * 5
         )
         self.tries += 1
@@ -141,7 +141,7 @@ class Leadership:
         assert self._conn is not None
         while True:
             await asyncio.sleep(self.check_s)
-            await asyncio.wait_for(self._conn.fetchval("SELECT 1"), self.check_s)
+            await within(self._conn.fetchval("SELECT 1"), self.check_s)
 
     async def _lead(self) -> None:
         self.is_leader = True
@@ -174,6 +174,6 @@ class Leadership:
         conn, self._conn = self._conn, None
         if conn is not None and not conn.is_closed():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 5)
+                await within(conn.close(), 5)
             if not conn.is_closed():
                 conn.terminate()

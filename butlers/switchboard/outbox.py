@@ -43,7 +43,7 @@ from butlers.errors import DeliveryError, RecipientDeferred
 from butlers.media import Attachment
 from butlers.switchboard import queries as sql
 from butlers.switchboard.queries import HELD_KEY as HELD_KEY
-from butlers.tasks import cancel_and_wait
+from butlers.tasks import cancel_and_wait, within
 from butlers.telemetry import context_from_carrier
 
 if TYPE_CHECKING:
@@ -289,7 +289,7 @@ class OutboxSender:
                 due_s = DELIVERY_BACKOFF.delay(2)
             wait_s = IDLE_POLL_S if due_s is None else min(due_s, IDLE_POLL_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), wait_s)
+                await within(wake.wait(), wait_s)
 
     async def _deliver(self, channel: ChannelModule, delivery: Delivery) -> None:
         parent = context_from_carrier(delivery.trace_context)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from butlers.db import CONNECTION_ERRORS
-from butlers.tasks import cancel_and_wait
+from butlers.tasks import cancel_and_wait, within
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Wakeups:
         while True:
             conn: asyncpg.Connection | None = None
             try:
-                conn = await asyncio.wait_for(self._connect(), RECONNECT_S * 5)
+                conn = await within(self._connect(), RECONNECT_S * 5)
                 await conn.add_listener(INBOX_QUEUED, self._on_notification)
                 await conn.add_listener(INBOX_FINISHED, self._on_notification)
                 await conn.add_listener(OUTBOX_QUEUED, self._on_notification)
@@ -68,14 +68,14 @@ class Wakeups:
                 self.handlers.queued()
                 while True:
                     await asyncio.sleep(CHECK_S)
-                    await asyncio.wait_for(conn.fetchval("SELECT 1"), CHECK_S)
+                    await within(conn.fetchval("SELECT 1"), CHECK_S)
             except CONNECTION_ERRORS as exc:
                 logger.info("switchboard: not listening for wake-ups (%s); again soon", exc)
             finally:
                 self.listening = False
                 if conn is not None:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(conn.close(), 5)
+                        await within(conn.close(), 5)
                     if not conn.is_closed():
                         conn.terminate()
             await asyncio.sleep(RECONNECT_S)

@@ -46,7 +46,7 @@ from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
 from butlers.switchboard.route import Router, RouteSource
 from butlers.switchboard.store import InboxQueue, RoutingLog
-from butlers.tasks import cancel_and_wait
+from butlers.tasks import cancel_and_wait, within
 from butlers.telemetry import context_from_carrier, current_carrier
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ class InboxWorker:
             # A message finishing, one arriving (here or in another process) or a lease
             # ending elsewhere: look again.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), IDLE_POLL_S)
+                await within(self._wake.wait(), IDLE_POLL_S)
 
     async def _work_on(self, message: InboxMessage) -> None:
         try:
