@@ -96,6 +96,6 @@ def test_no_code_waits_with_asyncio_wait_for() -> None:
         f"{path.relative_to(PACKAGE.parent)}:{n}"
         for path in sorted(PACKAGE.rglob("*.py"))
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if re.search(r"\basyncio\.wait_for\(", line)
+        if re.search(r"\basyncio\.wait_for\(|^\s*from asyncio import .*\bwait_for\b", line)
     ]
     assert offenders == [], f"use butlers.tasks.within instead of asyncio.wait_for: {offenders}"

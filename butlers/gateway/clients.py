@@ -426,7 +426,7 @@ class StdioChild(_Child):
             raise self._removed()
 
     async def _initialize(self) -> None:
-        if self._closed:  # closed since it spawned (wait_for runs this step as a new task)
+        if self._closed:  # closed since it spawned
             raise self._removed()
         assert isinstance(self._connection, StdioConnection), "spawned first"
         await self._ask("initialize", self._connection.open(CLIENT_INFO, timeout_s=None))

@@ -100,9 +100,14 @@ async def end_group(process: asyncio.subprocess.Process, grace_s: float) -> None
     deadline = loop.time() + grace_s
     while loop.time() < deadline:
         if process.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):  # not wait_for: butlers.tasks.within
-                    await process.wait()
+            # asyncio.wait, not a timeout: this runs in a task being cancelled (a call cut
+            # short ends its child), where some 3.11 releases take a timeout's expiry for the
+            # task's own cancellation and would skip the SIGKILL below.
+            exiting = asyncio.ensure_future(process.wait())
+            try:
+                await asyncio.wait({exiting}, timeout=max(0.0, deadline - loop.time()))
+            finally:
+                exiting.cancel()
         elif await asyncio.to_thread(group_alive, group):
             await asyncio.sleep(0.05)
         else:
