@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import shutil
 import signal
 import sys
 import time
@@ -101,6 +102,7 @@ async def count_fleet(calls: int, base: Path | None) -> dict[tuple[str, int], fl
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
             await process.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
 
     return results
 

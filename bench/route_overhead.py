@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -179,6 +180,8 @@ async def main(calls: int, callers: int, write: bool, base: Path | None) -> None
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
                 await process.wait()
+        for workdir, _, _ in fleets.values():
+            shutil.rmtree(workdir, ignore_errors=True)
 
     table = render(results, calls, callers, base=_describe(base))
     print(table)

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Annotated, Any
 
 from croniter import CroniterError, croniter
@@ -36,6 +37,7 @@ from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
 from butlers.session_policy import session_token
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
+from butlers.tool_templates import add_tool
 
 logger = logging.getLogger(__name__)
 
@@ -334,15 +336,17 @@ def module_report(modules: list[ModuleStatus]) -> list[dict[str, str]]:
 
 def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     store = ctx.store
+    # Every butler registers these closures: their schemas are parsed for the first only.
+    tool = partial(add_tool, mcp)
 
-    @mcp.tool
+    @tool
     async def state_get(key: str) -> JsonValue:
         """Return the JSON value stored under `key`, or null when there is none."""
         _check_key(key)
         row = await store.state_get(key)
         return None if row is None else row["value"]
 
-    @mcp.tool
+    @tool
     async def state_set(key: str, value: JsonValue) -> dict[str, Any]:
         """Store any JSON value under `key` (replacing what was there)."""
         _check_key(key)
@@ -354,18 +358,18 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         updated_at = await store.state_set(key, value)
         return {"key": key, "updated_at": updated_at}
 
-    @mcp.tool
+    @tool
     async def state_delete(key: str) -> dict[str, Any]:
         """Delete `key`; `deleted` says whether it existed."""
         _check_key(key)
         return {"key": key, "deleted": await store.state_delete(key)}
 
-    @mcp.tool
+    @tool
     async def state_list(prefix: str = "") -> list[dict[str, Any]]:
         """Every key starting with `prefix`, with its value and when it was last set."""
         return await store.state_list(prefix)
 
-    @mcp.tool
+    @tool
     async def schedule_create(
         name: str, prompt: str, cron: str | None = None, at: str | None = None
     ) -> dict[str, Any]:
@@ -429,14 +433,14 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
         return _schedule_row(task, zone)
 
-    @mcp.tool
+    @tool
     async def schedule_list() -> list[dict[str, Any]]:
         """Every scheduled task: its cron (or none: a one-time reminder), prompt, next and
         last run (UTC, with offset), and origin (`config`: declared in butler.toml)."""
         zone = ctx.config.zone
         return [_schedule_row(row, zone) for row in await store.schedule_list()]
 
-    @mcp.tool
+    @tool
     async def schedule_delete(name: str) -> dict[str, Any]:
         """Delete the scheduled task called `name`."""
         # A person's session may delete only what such sessions planted, never the owner's
@@ -463,7 +467,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal("this butler has no memory store")
         return ctx.memory
 
-    @mcp.tool
+    @tool
     async def memory_remember(text: str, tags: list[str] | None = None) -> dict[str, Any]:
         """Keep a fact the person stated for later (one fact per memory, at most 4 KiB), in
         this butler's own memory. What someone's message makes you remember is theirs alone:
@@ -473,7 +477,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             text, tags or [], writer=viewer(), conversation=conversation or ""
         )
 
-    @mcp.tool
+    @tool
     async def memory_search(
         query: str, limit: Annotated[int, Field(ge=1, le=100)] = 10
     ) -> list[dict[str, Any]]:
@@ -481,21 +485,21 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         and small misspellings are found."""
         return await memory().search(query, limit, viewer())
 
-    @mcp.tool
+    @tool
     async def memory_forget(id: int) -> dict[str, Any]:
         """Delete memory `id` (as memory_search shows it)."""
         if not await memory().forget(id, viewer()):
             raise ToolRefusal(f"no memory {id} (or not one this conversation may forget)")
         return {"id": id, "forgotten": True}
 
-    @mcp.tool
+    @tool
     async def memory_list(
         limit: Annotated[int, Field(ge=1, le=500)] = 50,
     ) -> list[dict[str, Any]]:
         """The newest memories first, with their tags and the conversation they came from."""
         return await memory().list(limit, viewer())
 
-    @mcp.tool
+    @tool
     async def sessions_list(
         limit: Annotated[int, Field(ge=1, le=MAX_SESSIONS_LIMIT)] = 20,
         trace_id: Annotated[str | None, Field(pattern=TRACE_ID_PATTERN)] = None,
@@ -505,7 +509,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         one trace when `trace_id` is given; `detail` adds each one's result and tool calls."""
         return await store.sessions_list(limit, trace_id=trace_id, detail=detail)
 
-    @mcp.tool
+    @tool
     async def session_get(id: str) -> dict[str, Any]:
         """One session in full: prompt, result, error, tool calls, duration, trace id."""
         row = await store.session_get(_parse_session_id(id))
@@ -513,7 +517,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal(f"session {id!r} not found")
         return row
 
-    @mcp.tool
+    @tool
     async def trigger(
         prompt: str,
         attachments: Annotated[
@@ -555,7 +559,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "trace_id": outcome.trace_id,
         }
 
-    @mcp.tool
+    @tool
     async def notify(
         text: str,
         channel: str | None = None,
@@ -582,13 +586,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 
-    @mcp.tool
+    @tool
     async def tick() -> dict[str, Any]:
         """Run the scheduled tasks that are due now; returns what ran, and what was skipped
         (past the hourly limit of scheduled runs)."""
         return await run_due_tasks(ctx)
 
-    @mcp.tool
+    @tool
     async def status() -> dict[str, Any]:
         """Name, modules, uptime and database health of this butler, its sessions of the
         last 24 hours (count, failed, median duration, cost), and its tool servers (name,

@@ -555,17 +555,27 @@ async def start_fleet(
     failed: dict[str, str] = {}
     say = progress or (lambda _text: None)
     say(f"Migrating {len(configs)} database{'s' if len(configs) != 1 else ''}...")
-    prepared = []
-    for config in configs:
+
+    async def prepare(config: ButlerConfig) -> str | None:
         try:
             await prepare_database(db_server, config.database, migration_branches(config))
         except ButlersError as exc:
+            return str(exc)
+        return None
+
+    # All at once: on a warm start each only connects twice and finds its database at its
+    # heads, round trips that overlap (alembic itself runs one database at a time).
+    async with asyncio.TaskGroup() as group:
+        preparing = [group.create_task(prepare(config)) for config in configs]
+    prepared = []
+    for config, task in zip(configs, preparing, strict=True):
+        if (error := task.result()) is not None:
             logger.error(
-                "butler %s not started: %s", config.name, exc, extra={"action": "butler_failed"}
+                "butler %s not started: %s", config.name, error, extra={"action": "butler_failed"}
             )
-            failed[config.name] = str(exc)
-            continue
-        prepared.append(config)
+            failed[config.name] = error
+        else:
+            prepared.append(config)
     say(f"Starting {len(prepared)} butler{'s' if len(prepared) != 1 else ''}...")
     for config in prepared:
         try:

@@ -180,6 +180,30 @@ async def test_replicas_starting_together_migrate_one_after_the_other(pg_server,
         await admin.close()
 
 
+async def test_new_databases_prepared_at_once_in_one_process(pg_server, db_conn) -> None:
+    """`butlers up` prepares its butlers' databases at once: on a first start each is created
+    and migrated while the others are (alembic, whose context is module state, one at a time),
+    and every one ends at its heads."""
+    from butlers.db import prepare_database
+
+    names = [f"t_fleet_{i}_{uuid.uuid4().hex[:8]}" for i in range(4)]
+    branches = [("core", "switchboard")] + [("core",)] * 3
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await asyncio.gather(
+            *(prepare_database(pg_server, n, b) for n, b in zip(names, branches, strict=True))
+        )
+        for name, wanted in zip(names, branches, strict=True):
+            conn = await db_conn(name)
+            versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
+            assert versions == migration_heads(*wanted), name
+            await conn.close()
+    finally:
+        for name in names:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
 async def test_a_pooled_statement_is_one_round_trip(pg_server, make_database, db_conn) -> None:
     """asyncpg's default release sends `RESET ALL; ...` after every pooled statement."""
     name = await make_database()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,12 +83,18 @@ def _alembic_config(dsn: str):
     return config
 
 
+# alembic keeps the migration being run in module-level state (`alembic.context`, `op`):
+# two upgrades in two threads of one process would run each other's scripts.
+_alembic_running = threading.Lock()
+
+
 def _upgrade_blocking(dsn: str, branches: Sequence[str]) -> None:
     from alembic import command
 
     config = _alembic_config(dsn)
-    for branch in branches:
-        command.upgrade(config, f"{branch}@head")
+    with _alembic_running:
+        for branch in branches:
+            command.upgrade(config, f"{branch}@head")
 
 
 # An advisory lock held while a database is migrated ("butlers" in ASCII, + 1): replicas
