@@ -194,6 +194,7 @@ class Gateway:
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
         self._notify_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False  # close() began: no task of the gateway's starts any more
         self._search_index: SearchIndex | None = None  # search mode; rebuilt when stale
         for spec in specs:
             self._add(spec, auth_token)
@@ -555,7 +556,11 @@ class Gateway:
         self, coro: Coroutine[Any, Any, None], variables: contextvars.Context | None = None
     ) -> None:
         """A task of the gateway's (closed with it); `variables`: a host request's context
-        variables, where FastMCP finds the request a progress or log message belongs to."""
+        variables, where FastMCP finds the request a progress or log message belongs to.
+        Once the gateway is closing, `coro` is dropped unrun (a child's notification late)."""
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.create_task(coro, context=variables)
         self._notify_tasks.add(task)
         task.add_done_callback(self._done)
@@ -860,14 +865,16 @@ class Gateway:
                 self._tracker.forget(host)
 
     async def close(self) -> None:
-        """Warm-ups cancelled, then every child closed (for good: none starts again), the
+        """Warm-ups and the gateway's own tasks (notifications to hosts, a child's tool list
+        read again) cancelled, then every child closed (for good: none starts again), the
         watchdog and the wrapper: all of them, whatever a warm-up or a child's close raised
         (one that raised used to leave the rest running)."""
-        warming = list(self._warming)
-        for task in warming:
+        self._closed = True
+        tasks = [*self._warming, *self._notify_tasks]
+        for task in tasks:
             task.cancel()
-        try:  # a warm-up's own failure is logged as it ends (_warmed); not raised here
-            await asyncio.gather(*warming, return_exceptions=True)
+        try:  # a task's own failure is logged as it ends (_warmed, _done); not raised here
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             try:
                 await asyncio.gather(
