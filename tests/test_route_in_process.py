@@ -36,7 +36,7 @@ from butlers.logs import _BUTLER
 from butlers.mcp_middleware import request_conversation
 from butlers.switchboard.route import RouteSource
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
-from tests.conftest import StartButler, write_butler_dir
+from tests.conftest import StartButler, eventually, write_butler_dir
 from tests.test_registry import call
 from tests.test_route import Fleet, make_fleet
 
@@ -332,3 +332,40 @@ async def logged(conn, ids: list[uuid.UUID]) -> list[dict]:
             ids,
         )
     ]
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_a_route_cancelled_before_the_target_answered_still_leaves_its_row(
+    fleet: Fleet, db_conn, cancels: int
+) -> None:
+    """Every call leaves one routing_log row, a caller that gave up too (a classification
+    session that ended, a client that went away): the row says it was cancelled. With two
+    cancels the second lands while the row is being written, and is not what stops it."""
+    general = fleet.targets["general"]
+    assert general.mcp is not None
+    started = asyncio.Event()
+
+    @general.mcp.tool
+    async def linger() -> str:
+        started.set()
+        await asyncio.sleep(30)
+        return "late"
+
+    router = fleet.switchboard.switchboard.router
+    routing = asyncio.create_task(router.route("general", "linger", {}))
+    await asyncio.wait_for(started.wait(), 10)
+    for _ in range(cancels):
+        routing.cancel()
+        await asyncio.sleep(0)
+    with pytest.raises(asyncio.CancelledError):
+        await routing
+    conn = await db_conn(fleet.switchboard.config.database)
+
+    async def written() -> bool:
+        return (
+            await conn.fetchval("SELECT count(*) FROM routing_log WHERE tool_name = 'linger'") > 0
+        )
+
+    await eventually(written, 10)
+    found = await conn.fetchrow("SELECT success, error FROM routing_log WHERE tool_name = 'linger'")
+    assert (found["success"], found["error"]) == (False, "cancelled before the target answered")

@@ -255,10 +255,10 @@ class Router:
                 span.set_status(Status(StatusCode.ERROR, error))
                 raise
             finally:
-                # The log row must be written even if our caller is cancelled meanwhile.
-                await asyncio.shield(
-                    self._record(butler_name, tool_name, arguments, source, started, error)
-                )
+                # The log row is written even if our caller is cancelled meanwhile: the store
+                # takes it before its first await (RoutingLog.record_route), so no shield (a
+                # task a call) is needed.
+                await self._record(butler_name, tool_name, arguments, source, started, error)
 
     async def refuse(
         self,

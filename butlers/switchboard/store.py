@@ -238,7 +238,9 @@ class RoutingLog(Protocol):
         ...
 
     async def record_route(self, record: RouteRecord) -> object:
-        """Log one route or notification."""
+        """Log one route or notification. The row is taken before the first await: a caller
+        cancelled while it waits for the write still has its row written (route relies on
+        it)."""
         ...
 
     async def prune(self, older_than_days: int) -> int:
