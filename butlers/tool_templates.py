@@ -9,7 +9,8 @@ as `@mcp.tool` parses it, and the others get a copy of that tool with their own 
 
 A later closure reuses the parse only when everything the schema is made of is the same: the
 code object, the name, the docstring, the defaults and the annotations. Anything else (a
-function of its own, defaults that cannot be compared) is parsed as FastMCP always did.
+function of its own, defaults that cannot be compared, a wrapper) is parsed as FastMCP always
+did.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ _templates: dict[CodeType, tuple[_Signature, FunctionTool]] = {}
 
 def _signature(fn: Callable[..., Any]) -> _Signature | None:
     """The parts of `fn` its tool is built from; None when they cannot be compared (such a
-    function is parsed every time)."""
+    function is parsed every time): defaults that do not hash, FastMCP metadata set on the
+    function, or a wrapper (`functools.wraps`: one wrapper's code serves many functions, and
+    the signature FastMCP reads is the wrapped one's)."""
+    if hasattr(fn, "__wrapped__") or hasattr(fn, "__fastmcp__"):
+        return None
     try:
         signature = _Signature(
             name=fn.__name__,

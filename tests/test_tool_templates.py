@@ -3,6 +3,7 @@ and each butler's copy is exactly what FastMCP's own parse gives, running its ow
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,6 +102,28 @@ def _described(description: str):
 
     probe.__doc__ = description
     return probe
+
+
+def _wrapped(default: int):
+    """A decorated function: the decorator's one wrapper code serves every function it wraps."""
+
+    async def probe(count: int = default) -> int:
+        return count
+
+    @functools.wraps(probe)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return await probe(*args, **kwargs)
+
+    return wrapper
+
+
+async def test_a_wrapper_is_parsed_for_what_it_wraps(parses: list[str]) -> None:
+    servers = [FastMCP(f"s{i}") for i in range(2)]
+    add_tool(servers[0], _wrapped(1))
+    add_tool(servers[1], _wrapped(2))
+    assert parses == ["probe"] * 2
+    tools = [await server.get_tool("probe") for server in servers]
+    assert [t.parameters["properties"]["count"]["default"] for t in tools] == [1, 2]
 
 
 async def test_a_closure_with_other_defaults_or_docs_is_parsed_anew(parses: list[str]) -> None:
