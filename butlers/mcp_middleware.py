@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,9 +87,17 @@ def request_conversation() -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+# The `_meta` of a tool call made within the process without MCP's session (a switchboard's
+# LocalConnection calls the butlers of its process with FastMCP's own `call_tool`, in a fresh
+# context that holds this): read where FastMCP has no request of its own.
+LOCAL_CALL_META: ContextVar[dict[str, Any] | None] = ContextVar(
+    "butlers_local_call_meta", default=None
+)
+
+
 def _meta_carrier() -> dict[str, Any] | None:
     request = fastmcp_request_ctx.get()
-    return request.meta if request is not None else None
+    return request.meta if request is not None else LOCAL_CALL_META.get()
 
 
 class ToolGuard(Protocol):

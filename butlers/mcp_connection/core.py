@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from mcp_types.jsonrpc import CONNECTION_CLOSED, JSONRPC_VERSION, METHOD_NOT_FOUND
@@ -209,21 +209,40 @@ class McpConnection:
         Raises ConnectionClosed (not sent: safe to send again elsewhere), AnswerLost (sent,
         then the connection ended), CallTimedOut, or RemoteError (the peer's JSON-RPC error).
         """
+
+        async def send(request_id: int) -> None:
+            message: Message = {"jsonrpc": JSONRPC_VERSION, "id": request_id, "method": method}
+            if params is not None:
+                message["params"] = params
+            await self._send(message)
+
+        def withdraw(request_id: int, reason: str) -> None:
+            self._withdraw(request_id, method, reason)
+
+        return await self._exchange(send, withdraw, timeout_s=timeout_s)
+
+    async def _exchange(
+        self,
+        start: Callable[[int], Awaitable[None]],
+        give_up: Callable[[int, str], None],
+        *,
+        timeout_s: float | None,
+    ) -> Message:
+        """One request's life, however it travels: `start(id)` sets it off, its answer comes
+        to `_received` under that id, and `give_up(id, why)` is told when its caller stops
+        waiting (timed out, cancelled). Raises what `request` raises."""
         if self._closed_reason is not None:
             raise ConnectionClosed(self._closed_reason)
         request_id = next(self._ids)
         answer: asyncio.Future[Message] = quiet_future()
         self._pending[request_id] = answer
-        message: Message = {"jsonrpc": JSONRPC_VERSION, "id": request_id, "method": method}
-        if params is not None:
-            message["params"] = params
         try:
             async with asyncio.timeout(timeout_s):
-                await self._send(message)
+                await start(request_id)
                 reply = await answer
         except (TimeoutError, asyncio.CancelledError) as exc:
             timed_out = isinstance(exc, TimeoutError)
-            self._withdraw(request_id, method, "timed out" if timed_out else "cancelled")
+            give_up(request_id, "timed out" if timed_out else "cancelled")
             if timed_out:
                 raise CallTimedOut(no_answer_within(timeout_s)) from None
             raise

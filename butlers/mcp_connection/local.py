@@ -5,22 +5,33 @@ Why: a routed call crosses two full MCP servers, and the target's HTTP half (aio
 uvicorn, Starlette, the bearer check, the SDK's SSE transport and its framing) cost as much
 CPU as the rest of the hop (bench/route_overhead.py, docs/benchmarks.md). In one process
 those layers carry a message from one object to another. What stays is what a butler's
-server decides: the SDK's session (the handshake, JSON-RPC validation, cancellation) and
-FastMCP's dispatch with the butler's middleware, i.e. its guards, approvals and trace span.
-The target is served exactly as FastMCP serves one SSE connection (`Server.run` on a pair of
-streams), so a call through here is answered as the same call over the wire would be.
+server decides: FastMCP's dispatch with the butler's middleware, i.e. its guards, approvals
+and trace span.
+
+A tool call (what route sends) is FastMCP's own `call_tool`, its public API: the middleware,
+the tool lookup, argument validation, error masking. It runs in a task of its own, and its
+outcome is made into the `CallToolResult` the wire carries as FastMCP's handler and the SDK
+make it (`_outcome`, then the SDK's own shaping for the connection's protocol revision);
+tests/test_local_connection.py holds every kind of answer to what the same call through an
+MCP session gets. Why not through the session as well: the session cost 215 us of CPU a
+call on top of FastMCP's 128 us (eleven turns of the event loop: memory streams, a task per
+request, the request's validation, the answer's serialization), a third of what route added
+to a direct call (docs/benchmarks.md). Everything else (the handshake, listing tools) goes
+through the target's MCP session, served exactly as FastMCP serves one SSE connection
+(`Server.run` on a pair of memory streams).
 
 What the wire had and this has not: the request's HTTP headers. A caller route forwards for
 sends none that a butler reads (no session credential, no classification claim), and the
 bearer token proves a network caller is one of ours: a call from inside the process already
-is. The server runs in a fresh `contextvars.Context` (only the target's name for its log
-records), so nothing of the task that opened the connection (the inbound request to the
+is. A call and the session each run in a fresh `contextvars.Context` (only the target's name
+for its log records), so nothing of the task that made the call (the inbound request to the
 switchboard, its headers, its span, an approved call's conversation) reaches the target's
-handlers; trace context travels in `_trace_context` and `_meta`, as over the wire. The streams
-must stay plain anyio ones: the SDK runs each handler in the context a message was sent from
-when the stream carries one (its own memory transport's does), which would hand every
-caller's context to the target (tests/test_route_in_process.py sends a stranger's headers and
-`_meta`).
+handlers; trace context travels in `_trace_context` and `_meta`, as over the wire, the
+call's `_meta` in `LOCAL_CALL_META` (butlers.mcp_middleware), where the butler's middleware
+reads it when FastMCP has no request of its own. The session's streams must stay plain
+anyio ones: the SDK runs each handler in the context a message was sent from when the stream
+carries one (its own memory transport's does), which would hand every caller's context to
+the target (tests/test_route_in_process.py sends a stranger's headers and `_meta`).
 """
 
 from __future__ import annotations
@@ -31,12 +42,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import mcp_types
+from fastmcp.exceptions import DisabledError, FastMCPError, NotFoundError
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from mcp_types.methods import serialize_server_result
 
 from butlers import __version__
 from butlers.errors import ConnectionClosed
 from butlers.logs import context_of_butler
 from butlers.mcp_connection.core import McpConnection, Message
+from butlers.mcp_middleware import LOCAL_CALL_META
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -55,7 +70,8 @@ CLOSE_WAIT_S = 1.0
 
 class LocalConnection(McpConnection):
     """A connection to `server`, a FastMCP server of this process: `open()` starts serving
-    it one session (in a task of its own, in an empty context), `close()` ends that session."""
+    it one session (in a task of its own, in an empty context), `call_tool` calls it without
+    that session, `close()` ends the session and the calls still running."""
 
     def __init__(self, server: FastMCP[Any], *, label: str) -> None:
         super().__init__(label=label)
@@ -64,6 +80,7 @@ class LocalConnection(McpConnection):
         self._from_server: MemoryObjectReceiveStream[SessionMessage] | None = None
         self._serving: asyncio.Task[None] | None = None
         self._reading: asyncio.Task[None] | None = None
+        self._calls: dict[int, asyncio.Task[None]] = {}  # tool calls running, by request id
 
     async def open(self, timeout_s: float) -> None:
         to_server, server_reads = anyio.create_memory_object_stream[SessionMessage | Exception](
@@ -84,6 +101,57 @@ class LocalConnection(McpConnection):
             self._read(from_server), name=f"mcp:{self.label}:read"
         )
         await self.initialize(CLIENT_INFO, timeout_s=timeout_s)
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any],
+        *,
+        meta: dict[str, str] | None = None,
+        timeout_s: float | None,
+    ) -> Message:
+        """The `CallToolResult` as JSON, from FastMCP's `call_tool` (see the module's
+        docstring); a caller that stops waiting cancels the call, as over the wire."""
+        if self.protocol_version is None:  # the result is shaped for the agreed revision
+            raise ConnectionClosed(f"{self.label}: not open")
+        version = self.protocol_version
+
+        async def start(request_id: int) -> None:
+            context = context_of_butler(self.server.name)  # nothing of the caller's request
+            context.run(LOCAL_CALL_META.set, dict(meta) if meta else None)
+            call = asyncio.get_running_loop().create_task(
+                self._call(request_id, name, arguments, version),
+                name=f"mcp:{self.label}:call",
+                context=context,
+            )
+            self._calls[request_id] = call
+            call.add_done_callback(lambda _: self._calls.pop(request_id, None))
+
+        def give_up(request_id: int, _reason: str) -> None:
+            if (call := self._calls.get(request_id)) is not None:
+                call.cancel()
+
+        return await self._exchange(start, give_up, timeout_s=timeout_s)
+
+    async def _call(
+        self, request_id: int, name: str, arguments: dict[str, Any], version: str
+    ) -> None:
+        answer: Message = {"jsonrpc": "2.0", "id": request_id}
+        try:
+            try:
+                result = _outcome(await self.server.call_tool(name, arguments))
+            except (DisabledError, NotFoundError):
+                result = _error_result(f"Unknown tool: {name!r}")
+            except FastMCPError as exc:  # masked by FastMCP already, as for the wire
+                result = _error_result(str(exc))
+            # What the SDK sends on a connection of this protocol revision.
+            answer["result"] = serialize_server_result("tools/call", version, result)
+        except MCPError as exc:
+            answer["error"] = {"code": exc.error.code, "message": exc.error.message}
+        except Exception as exc:  # what the SDK answers for a handler that raised
+            logger.exception("%s: tools/call of %r raised", self.label, name)
+            answer["error"] = {"code": 0, "message": str(exc)}
+        self._received(answer)
 
     async def _send(self, message: Message) -> None:
         if self._to_server is None:
@@ -111,7 +179,10 @@ class LocalConnection(McpConnection):
     async def _close_transport(self) -> None:
         if self._to_server is not None:
             self._to_server.close()  # the server's loop ends at the end of its stream
-        tasks = [t for t in (self._serving, self._reading) if t is not None]
+        calls = list(self._calls.values())
+        for call in calls:  # as the session cancels its handlers when it ends
+            call.cancel()
+        tasks = [t for t in (self._serving, self._reading, *calls) if t is not None]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
             for task in late:
@@ -127,3 +198,24 @@ class LocalConnection(McpConnection):
                     )
         if self._from_server is not None:
             self._from_server.close()
+
+
+def _outcome(result: Any) -> Message:
+    """A ToolResult as FastMCP's handler answers it: the `CallToolResult` it makes of it
+    (`to_mcp_result()` gives that, a bare content list, or content and structured content),
+    dumped as the SDK dumps a result before shaping it for the connection's revision."""
+    mcp_result = result.to_mcp_result()
+    if isinstance(mcp_result, tuple):
+        content, structured = mcp_result
+        mcp_result = mcp_types.CallToolResult(content=content, structured_content=structured)
+    elif not isinstance(mcp_result, mcp_types.CallToolResult):
+        mcp_result = mcp_types.CallToolResult(content=mcp_result)
+    return mcp_result.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+def _error_result(text: str) -> Message:
+    """A tool's failure as FastMCP's handler answers it: an error result, not a raise."""
+    failure = mcp_types.CallToolResult(
+        content=[mcp_types.TextContent(type="text", text=text)], is_error=True
+    )
+    return failure.model_dump(by_alias=True, mode="json", exclude_none=True)
