@@ -6,7 +6,7 @@ call. Both ways run on one butler server in this process (no database, no proces
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from fastmcp import FastMCP
 from opentelemetry import trace
 from pydantic import BaseModel
 
-from butlers.errors import CallTimedOut
+from butlers.errors import AnswerLost, CallTimedOut, RemoteError
 from butlers.mcp_connection.core import McpConnection
 from butlers.mcp_connection.local import LocalConnection
 from butlers.mcp_middleware import (
@@ -34,11 +34,27 @@ class Reading(BaseModel):
     value: float
 
 
+class _BrokenGuard:
+    """A guard with a bug: building a model with a secret fails validation."""
+
+    def check_call(self, tool_name: str) -> None:
+        if tool_name == "behind_a_broken_guard":
+            Reading(kind="guard-secret", value="not a number")  # type: ignore[arg-type]
+
+
 def _server() -> tuple[FastMCP, asyncio.Event]:
-    server = butler_server(
-        "target", ButlerMiddleware("target", trace.get_tracer(__name__)), instructions=None
-    )
+    middleware = ButlerMiddleware("target", trace.get_tracer(__name__))
+    middleware.add_guard(_BrokenGuard())
+    server = butler_server("target", middleware, instructions=None)
     cancelled = asyncio.Event()
+
+    @server.tool
+    async def behind_a_broken_guard() -> str:
+        return "never"
+
+    @server.tool
+    async def gives_up() -> str:
+        raise asyncio.CancelledError
 
     @server.tool
     async def a_dict(key: str) -> dict[str, Any]:
@@ -116,6 +132,7 @@ CALLS: list[tuple[str, dict[str, Any], dict[str, str] | None]] = [
     ("a_number", {}, None),  # a missing one
     ("a_dict", {"key": "k", "extra": 1}, None),  # one too many
     ("no_such_tool", {}, None),
+    ("behind_a_broken_guard", {}, None),  # the SDK's answer, without pydantic's text
     ("a_dict", {"key": "k", "_trace_context": "not an object"}, None),  # refused by the middleware
     (
         "what_the_call_says",
@@ -137,11 +154,12 @@ async def test_a_call_answers_as_through_the_session(
     meta: dict[str, str] | None,
 ) -> None:
     connection, _ = local
-    through_session = await McpConnection.call_tool(
-        connection, name, dict(arguments), meta=meta, timeout_s=10
+    through_session = await _answer(
+        McpConnection.call_tool(connection, name, dict(arguments), meta=meta, timeout_s=10)
     )
-    direct = await connection.call_tool(name, dict(arguments), meta=meta, timeout_s=10)
+    direct = await _answer(connection.call_tool(name, dict(arguments), meta=meta, timeout_s=10))
     assert direct == through_session
+    assert "guard-secret" not in str(direct)
     if name == "breaks":
         assert direct["isError"] and "secret detail" not in str(direct)
     if name == "what_the_call_says":
@@ -149,6 +167,27 @@ async def test_a_call_answers_as_through_the_session(
             "conversation": "telegram:42",
             "claim": f"_meta {CLASSIFICATION_META!r}",
         }
+
+
+async def _answer(call: Awaitable[dict[str, Any]]) -> Any:
+    """A call's result, or the JSON-RPC error it was answered with."""
+    try:
+        return await call
+    except RemoteError as exc:
+        return ("error", exc.code, exc.message)
+
+
+async def test_a_tool_that_ends_cancelled_answers_at_once(
+    local: tuple[LocalConnection, asyncio.Event],
+) -> None:
+    """A tool that raises CancelledError itself (or awaits what someone else cancelled): its
+    caller hears at once that no answer will come, not after its whole timeout, and the
+    connection serves on. (Through the session the same call ends the whole session.)"""
+    connection, _ = local
+    async with asyncio.timeout(5):  # far under the call's own 300 s
+        with pytest.raises(AnswerLost):
+            await connection.call_tool("gives_up", {}, timeout_s=300)
+    assert (await connection.call_tool("a_number", {"x": 2}, timeout_s=10))["structuredContent"]
 
 
 async def test_a_call_carries_nothing_of_its_callers_context(

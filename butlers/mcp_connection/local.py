@@ -16,9 +16,10 @@ tests/test_local_connection.py holds every kind of answer to what the same call 
 MCP session gets. Why not through the session as well: the session cost 215 us of CPU a
 call on top of FastMCP's 128 us (eleven turns of the event loop: memory streams, a task per
 request, the request's validation, the answer's serialization), a third of what route added
-to a direct call (docs/benchmarks.md). Everything else (the handshake, listing tools) goes
-through the target's MCP session, served exactly as FastMCP serves one SSE connection
-(`Server.run` on a pair of memory streams).
+to a direct call (docs/benchmarks.md). What this cannot give a tool: a FastMCP `Context` with
+a session (logging or progress to the caller); no butler tool takes one. Everything else
+(the handshake, listing tools) goes through the target's MCP session, served exactly as
+FastMCP serves one SSE connection (`Server.run` on a pair of memory streams).
 
 What the wire had and this has not: the request's HTTP headers. A caller route forwards for
 sends none that a butler reads (no session credential, no classification claim), and the
@@ -43,8 +44,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import mcp_types
 from fastmcp.exceptions import DisabledError, FastMCPError, NotFoundError
-from mcp.shared.exceptions import MCPError
+from fastmcp.tools.base import ToolResult
+from mcp.shared.jsonrpc_dispatcher import handler_exception_to_error_data
 from mcp.shared.message import SessionMessage
+from mcp_types import ErrorData
+from mcp_types.jsonrpc import CONNECTION_CLOSED
 from mcp_types.methods import serialize_server_result
 
 from butlers import __version__
@@ -146,11 +150,19 @@ class LocalConnection(McpConnection):
                 result = _error_result(str(exc))
             # What the SDK sends on a connection of this protocol revision.
             answer["result"] = serialize_server_result("tools/call", version, result)
-        except MCPError as exc:
-            answer["error"] = {"code": exc.error.code, "message": exc.error.message}
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # its caller gave up, or close()
+                raise
+            # The tool itself ended cancelled (it raised CancelledError, or awaited what
+            # someone else cancelled): its caller hears at once that no answer will come.
+            answer["error"] = {"code": CONNECTION_CLOSED, "message": "Connection closed"}
         except Exception as exc:  # what the SDK answers for a handler that raised
-            logger.exception("%s: tools/call of %r raised", self.label, name)
-            answer["error"] = {"code": 0, "message": str(exc)}
+            error = handler_exception_to_error_data(exc)  # MCPError; pydantic's, without text
+            if error is None:
+                logger.exception("%s: tools/call of %r raised", self.label, name)
+                error = ErrorData(code=0, message=str(exc))
+            answer["error"] = error.model_dump(by_alias=True, mode="json", exclude_none=True)
         self._received(answer)
 
     async def _send(self, message: Message) -> None:
@@ -203,7 +215,10 @@ class LocalConnection(McpConnection):
 def _outcome(result: Any) -> Message:
     """A ToolResult as FastMCP's handler answers it: the `CallToolResult` it makes of it
     (`to_mcp_result()` gives that, a bare content list, or content and structured content),
-    dumped as the SDK dumps a result before shaping it for the connection's revision."""
+    dumped as the SDK dumps a result before shaping it for the connection's revision. What
+    is not a ToolResult (an extension's own result) is passed on as the handler does."""
+    if not isinstance(result, ToolResult):
+        return result.model_dump(by_alias=True, mode="json", exclude_none=True)
     mcp_result = result.to_mcp_result()
     if isinstance(mcp_result, tuple):
         content, structured = mcp_result
