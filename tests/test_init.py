@@ -6,6 +6,7 @@ the fake Bot API, with a stranger writing first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -369,10 +370,11 @@ class Interactive(Butlers):
     """`butlers init` answering questions on stdin, its stdout read as it comes."""
 
     async def start(self) -> None:
+        # faulthandler: a run that does not end is aborted with every thread's stack (finish)
         self.process = await asyncio.create_subprocess_exec(
             BUTLERS,
             *self.args,
-            env=self.env,
+            env={**self.env, "PYTHONFAULTHANDLER": "1"},
             cwd=REPO,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -398,10 +400,22 @@ class Interactive(Butlers):
 
     async def finish(self, timeout_s: float = 30) -> int:
         assert self.process and self.process.stdout
-        async with asyncio.timeout(timeout_s):
-            self.stdout += (await self.process.stdout.read()).decode()
-            code = await self.process.wait()
-            await self._stderr_task
+        try:
+            async with asyncio.timeout(timeout_s):
+                self.stdout += (await self.process.stdout.read()).decode()
+                code = await self.process.wait()
+                await self._stderr_task
+        except TimeoutError:
+            # Seen once (an ordinary user's `make test`, not reproduced in 250 runs): say
+            # where it was stuck, not only that it was.
+            self.process.send_signal(signal.SIGABRT)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await self.process.wait()
+                    await self._stderr_task
+            raise AssertionError(
+                f"init did not exit within {timeout_s} s; aborted, its threads:\n{self.stderr}"
+            ) from None
         return code
 
 
