@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers import logs
-from butlers.cli.process import collector_paused, install_stop_signals
+from butlers.cli.process import collect_as_a_server, collector_paused, install_stop_signals
 from butlers.cli.render import print_rows
 from butlers.errors import ButlersError, CommandError
 
@@ -126,6 +126,7 @@ async def serve(
     `redactor`: the process's log redaction, told the secrets the configs name."""
     stop = asyncio.Event()
     install_stop_signals(stop)
+    collect_as_a_server()
     configs = (ports or PortChoice()).apply(select_configs(config_dir, only, settings))
     from butlers.db import EmbeddedServer, running, server_for
 
