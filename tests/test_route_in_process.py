@@ -8,8 +8,8 @@ What they hold it to: nothing of the caller's request reaches the target (its he
 `_meta`: the caller is a stranger's client), trace context does; a slow target times out and
 hears the cancellation; a registry row that points anywhere else still goes over the wire;
 closing the switchboard ends the in-process sessions. And the routing_log rows of routes in
-flight together are written by one statement (group commit), a refused row failing only its
-own route.
+flight together are written in one round trip and one transaction (group commit), a refused
+row failing only its own route.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails
     store = RoutingStore(fleet.switchboard._pool)
     conn = await db_conn(fleet.switchboard.config.database)
 
-    # Ten routes logged at once: one statement (its transaction is each row's xmin).
+    # Ten routes logged at once: one write (its transaction is each row's xmin).
     ids = await asyncio.gather(*(store.record_route(_record(n)) for n in range(10)))
     written = await logged(conn, list(ids))
     assert [r["tool_name"] for r in written] == [f"tool_{n}" for n in range(10)]
@@ -259,6 +259,36 @@ async def test_routes_in_flight_together_share_one_write_and_a_refused_row_fails
     assert len(failed) == 1 and results[3] is failed[0], results
     kept = await logged(conn, [r for r in results if isinstance(r, uuid.UUID)])
     assert [r["tool_name"] for r in kept] == ["tool_10", "tool_11", "tool_12", "tool_14", "tool_15"]
+
+
+async def test_one_write_stamps_each_target_that_answered_and_no_other(
+    fleet: Fleet, db_conn
+) -> None:
+    """A write of several rows stamps a target once however often it was routed to, and
+    only if one of its routes succeeded: a failure before a success does not hide it."""
+    store = RoutingStore(fleet.switchboard._pool)
+    conn = await db_conn(fleet.switchboard.config.database)
+
+    async def seen() -> dict[str, Any]:
+        rows = await conn.fetch("SELECT name, last_seen_at FROM butler_registry")
+        return {r["name"]: r["last_seen_at"] for r in rows}
+
+    before = await seen()
+    failed = replace(_record(0), success=False, error="unreachable")
+    ids = await asyncio.gather(
+        store.record_route(failed),
+        store.record_route(_record(1)),
+        store.record_route(_record(2)),
+        store.record_route(replace(_record(3), routed_to="health")),
+        store.record_route(replace(failed, routed_to="switchboard")),
+    )
+    written = await logged(conn, list(ids))
+    assert [r["tool_name"] for r in written] == [f"tool_{n}" for n in (0, 1, 2, 3, 0)]
+    assert len({r["tx"] for r in written}) == 1, written  # (one write, or this proves nothing)
+    after = await seen()
+    assert after["general"] > before["general"]
+    assert after["health"] > before["health"]
+    assert after["switchboard"] == before["switchboard"]
 
 
 async def test_a_locked_registry_row_holds_up_no_routes_log_row(fleet: Fleet, db_conn) -> None:

@@ -80,40 +80,33 @@ ROUTING_LOG_ENTRY = """
            tool_name, prompt_summary, success, error, duration_ms, trace_id
     FROM routing_log WHERE id = $1
 """
-# Log routes (one row per element of the arrays: RoutingStore writes the routes that waited
-# for one write together) and stamp the targets of the successful ones as seen: one round
-# trip. Each row's created_at is the moment it was written, in the order given. The stamp is
-# best effort: a registry row locked elsewhere (a discover under way, an operator's open
-# transaction) keeps its older stamp rather than hold up every route's log row behind it, and
-# the rows are locked in name order (no deadlock with another writer). Committed
-# asynchronously for this statement only (`set_config(..., true)` ends with its transaction):
-# the WAL flush was a sixth of a routed call's latency; a crash of the server may lose the
-# last fraction of a second of log rows, never half a row.
+# Log one route and, when $12 says so (it succeeded, and no route before it in the same write
+# stamped the same target), stamp its target as seen. RoutingStore writes the
+# routes that waited for one write together with asyncpg's executemany: one round trip and
+# one transaction for all of them, each row's created_at the moment it was written, in the
+# order given. (One row a statement, not one statement over arrays: at one or two rows a
+# write, what routes at any load here, `unnest` over eleven arrays cost the butlers' process
+# ~20 us more CPU and the caller ~40 us more wait per row; bench/route_write.py.) The stamp
+# is best effort: a registry row locked elsewhere (a discover under way, an operator's open
+# transaction, another switchboard's write) keeps its older stamp, and no write ever waits
+# for a lock (so none deadlocks). Committed asynchronously for this transaction only
+# (`set_config(..., true)` ends with it): the WAL flush was a sixth of a routed call's
+# latency; a crash of the server may lose the last fraction of a second of log rows, never
+# half a row.
 ROUTING_LOG_RECORD = """
     WITH async_commit AS (
         SELECT set_config('synchronous_commit', 'off', true)
-    ), batch AS (
-        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                             $6::text[], $7::text[], $8::boolean[], $9::text[], $10::integer[],
-                             $11::bigint[])
-            WITH ORDINALITY
-            AS r(id, source_channel, source_id, routed_to, tool_name, prompt_summary,
-                 trace_id, success, error, duration_ms, inbox_id, n)
     ), seen AS (
         UPDATE butler_registry SET last_seen_at = now()
-        WHERE name IN (
-            SELECT name FROM butler_registry
-            WHERE name IN (SELECT routed_to FROM batch WHERE success)
-            ORDER BY name FOR UPDATE SKIP LOCKED
-        )
+        WHERE name = (SELECT name FROM butler_registry WHERE $12::boolean AND name = $4::text
+                      FOR UPDATE SKIP LOCKED)
     )
     INSERT INTO routing_log (id, source_channel, source_id, routed_to, tool_name,
                              prompt_summary, trace_id, success, error, duration_ms,
                              inbox_id, created_at)
-    SELECT id, source_channel, source_id, routed_to, tool_name, prompt_summary, trace_id,
-           success, error, duration_ms, inbox_id, clock_timestamp()
-    FROM batch, async_commit
-    ORDER BY n
+    SELECT $1::uuid, $2::text, $3::text, $4::text, $5::text, $6::text, $7::text, $8::boolean,
+           $9::text, $10::integer, $11::bigint, clock_timestamp()
+    FROM async_commit
 """
 # Retention: routing_log rows older than $1 days.
 ROUTING_LOG_PRUNE = "DELETE FROM routing_log WHERE created_at < now() - make_interval(days => $1)"

@@ -20,8 +20,8 @@ from butlers.switchboard import queries as sql
 
 logger = logging.getLogger(__name__)
 
-# The most routing_log rows one statement writes (a burst of routes waits for fewer round
-# trips; a batch stays a small statement).
+# The most routing_log rows one write takes (a burst of routes waits for fewer round trips;
+# a write stays a short transaction).
 MAX_ROWS_PER_WRITE = 64
 
 
@@ -122,17 +122,17 @@ class RoutingStore:
         written.
 
         Routes logged while a write is under way wait for the next one, which writes them all
-        in one statement (group commit): each caller still returns only when its own row is
-        in the database, but a burst of routes pays one round trip, one parse and one commit
-        for many rows instead of one each (bench/route_overhead.py: the log row alone was
+        in one round trip and one transaction (group commit): each caller still returns only
+        when its own row is in the database, but a burst of routes pays one round trip and
+        one commit for many rows instead of one each (bench/route_overhead.py: the log row alone was
         ~13% of what 16 callers could route per second). A write that fails is retried row by
         row, so a row PostgreSQL refuses fails only its own route.
 
         Every text goes through `storable`: a classifier (a stranger's text) names the butler
         and the tool, and a NUL in either must not stop its refusal from being recorded.
 
-        Committed asynchronously (for this statement only: `set_config(..., true)` ends with
-        its transaction): the caller does not wait for the WAL flush, which was a sixth of a
+        Committed asynchronously (for this transaction only: `set_config(..., true)` ends with
+        it): the caller does not wait for the WAL flush, which was a sixth of a
         routed call's latency. A crash of the PostgreSQL server may lose the last fraction of
         a second of log rows, never half a row; inbox writes keep durable commits.
         """
@@ -184,21 +184,32 @@ class RoutingStore:
             _settle(left, ButlersError("the routing_log writer stopped before this row"))
 
     async def _write(self, batch: list[_Unwritten]) -> None:
-        records = [record for _, record, _ in batch]
-        await self.pool.execute(
-            sql.ROUTING_LOG_RECORD,
-            [row_id for row_id, _, _ in batch],
-            [storable(r.source_channel) for r in records],
-            [storable(r.source_id) for r in records],
-            [storable(r.routed_to) for r in records],
-            [storable(r.tool_name) for r in records],
-            [storable(r.prompt_summary) for r in records],
-            [storable(r.trace_id) for r in records],
-            [r.success for r in records],
-            [storable(r.error) for r in records],
-            [r.duration_ms for r in records],
-            [r.inbox_id for r in records],
-        )
+        """All of `batch` or none of it (executemany is one transaction); a target routed to
+        more than once in it is stamped once."""
+        stamped: set[str | None] = set()
+        rows = []
+        for row_id, r, _ in batch:
+            routed_to = storable(r.routed_to)
+            stamp = r.success and routed_to not in stamped
+            if stamp:
+                stamped.add(routed_to)
+            rows.append(
+                (
+                    row_id,
+                    storable(r.source_channel),
+                    storable(r.source_id),
+                    routed_to,
+                    storable(r.tool_name),
+                    storable(r.prompt_summary),
+                    storable(r.trace_id),
+                    r.success,
+                    storable(r.error),
+                    r.duration_ms,
+                    r.inbox_id,
+                    stamp,
+                )
+            )
+        await self.pool.executemany(sql.ROUTING_LOG_RECORD, rows)
 
     async def prune(self, older_than_days: int) -> int:
         """Delete routing_log rows older than that."""
