@@ -91,3 +91,88 @@ async def test_a_call_goes_through_the_butlers_span_and_guards(
             await client.call_tool("forget", {"text": "everything"})
     names = [span.name for span in spans.get_finished_spans()]
     assert names.count("keeper/remember") == 1 and names.count("keeper/forget") == 1, names
+
+
+async def test_a_tool_is_looked_up_in_its_one_provider_as_fastmcp_would_without_a_task_group(
+    server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ButlerServer._get_tool` (a lookup per tool call, twice per routed call): the same
+    answers as FastMCP's own aggregate lookup, without its task group."""
+    from fastmcp.server.providers import aggregate
+
+    names = ["remember", "forget", "nothing_by_that_name"]
+    fastmcps = [await aggregate.AggregateProvider._get_tool(server, name) for name in names]
+    assert fastmcps[0] is not None and fastmcps[1] is not None and fastmcps[2] is None
+
+    gathered = []
+    real_gather = aggregate.gather
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        gathered.append(args)
+        return real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(aggregate, "gather", counting_gather)
+    assert [await server._get_tool(name) for name in names] == fastmcps
+    assert [await server.get_tool(name) for name in names] == fastmcps
+    assert gathered == []
+    async with Client(server) as client:
+        result = await client.call_tool("forget", {"text": "x"}, raise_on_error=False)
+        assert "forget is refused here" in result.content[0].text  # (found, then refused)
+        listed = {tool.name for tool in await client.list_tools()}
+    assert listed == {"remember", "forget"}
+    assert gathered  # (listings still ask every provider: the counter does count)
+    # What FastMCP decides around the lookup still holds: a disabled tool is not found.
+    server.disable(names={"remember"})
+    assert await server.get_tool("remember") is None
+
+
+async def test_a_provider_that_fails_a_lookup_is_handled_as_fastmcp_does(
+    server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logged and not found (FastMCP's default strategy), or raised (`"raise"`), exactly as
+    its own lookup does; a cancellation is never taken for a failure."""
+    import asyncio
+
+    from fastmcp.server.providers.aggregate import AggregateProvider
+
+    [provider] = server.providers
+
+    async def broken(name: str, version: Any = None) -> None:
+        raise RuntimeError("the provider broke")
+
+    monkeypatch.setattr(provider, "get_tool", broken)
+    assert await server._get_tool("remember") is None
+    assert await AggregateProvider._get_tool(server, "remember") is None
+    server.provider_error_strategy = "raise"
+    for lookup in (server._get_tool, lambda name: AggregateProvider._get_tool(server, name)):
+        with pytest.raises(RuntimeError, match="the provider broke"):
+            await lookup("remember")
+
+    never = asyncio.Event()
+
+    async def hanging(name: str, version: Any = None) -> None:
+        await never.wait()
+
+    monkeypatch.setattr(provider, "get_tool", hanging)
+    server.provider_error_strategy = "warn"
+    lookup = asyncio.ensure_future(server._get_tool("remember"))
+    await asyncio.sleep(0.01)
+    lookup.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await lookup
+
+
+async def test_a_server_with_more_than_one_provider_looks_up_as_fastmcp_does(server) -> None:
+    from fastmcp import FastMCP
+
+    mounted = FastMCP("extra")
+
+    @mounted.tool
+    def extra() -> str:
+        return "from the mounted server"
+
+    server.mount(mounted)
+    assert len(server.providers) == 2
+    async with Client(server) as client:
+        assert (await client.call_tool("extra", {})).data == "from the mounted server"
+        assert (await client.call_tool("forget", {"text": "x"}, raise_on_error=False)).is_error
