@@ -176,3 +176,37 @@ async def test_a_server_with_more_than_one_provider_looks_up_as_fastmcp_does(ser
     async with Client(server) as client:
         assert (await client.call_tool("extra", {})).data == "from the mounted server"
         assert (await client.call_tool("forget", {"text": "x"}, raise_on_error=False)).is_error
+
+
+async def test_a_tools_own_auth_is_checked_as_fastmcp_checks_it() -> None:
+    """FastMCP checks a tool's `auth` twice in a lookup: on the provider's answer (in its own
+    `_get_tool`, which calls the one-provider step as its `super()`) and after its
+    transforms. A butler's server checks it as often, and a tool it refuses is not found."""
+    from fastmcp import FastMCP
+    from opentelemetry import trace
+
+    checked: dict[str, list[str]] = {"butler": [], "fastmcp": []}
+
+    def with_tools(server: FastMCP, key: str) -> FastMCP:
+        def allowed(ctx: Any) -> bool:
+            checked[key].append(ctx.component.name)
+            return ctx.component.name != "hidden"
+
+        @server.tool(auth=allowed)
+        def shown() -> str:
+            return "shown"
+
+        @server.tool(auth=allowed)
+        def hidden() -> str:
+            return "hidden"
+
+        return server
+
+    middleware = ButlerMiddleware("keeper", trace.get_tracer(__name__))
+    ours = with_tools(butler_server("keeper", middleware, instructions=None), "butler")
+    plain = with_tools(FastMCP("plain"), "fastmcp")
+    for server in (ours, plain):
+        assert (await server.get_tool("shown")) is not None
+        assert (await server.get_tool("hidden")) is None
+    assert checked["fastmcp"] == ["shown", "shown", "hidden"]  # (what FastMCP does today)
+    assert checked["butler"] == checked["fastmcp"]

@@ -266,7 +266,19 @@ async def test_one_write_stamps_each_target_that_answered_and_no_other(
 ) -> None:
     """A write of several rows stamps a target once however often it was routed to, and
     only if one of its routes succeeded: a failure before a success does not hide it."""
-    store = RoutingStore(fleet.switchboard._pool)
+    pool = fleet.switchboard._pool
+    assert pool is not None
+    stamps: list[list[bool]] = []
+
+    class StampsSeen:
+        """The pool, noting which of a write's rows ask for their target's stamp ($12)."""
+
+        async def executemany(self, query: str, rows: list[tuple[Any, ...]]) -> None:
+            stamps.append([row[11] for row in rows])
+            await pool.executemany(query, rows)
+
+    store = RoutingStore(pool)
+    store.pool = StampsSeen()  # type: ignore[assignment]
     conn = await db_conn(fleet.switchboard.config.database)
 
     async def seen() -> dict[str, Any]:
@@ -285,6 +297,7 @@ async def test_one_write_stamps_each_target_that_answered_and_no_other(
     written = await logged(conn, list(ids))
     assert [r["tool_name"] for r in written] == [f"tool_{n}" for n in (0, 1, 2, 3, 0)]
     assert len({r["tx"] for r in written}) == 1, written  # (one write, or this proves nothing)
+    assert stamps == [[False, True, False, True, False]]  # general once, health, no failure
     after = await seen()
     assert after["general"] > before["general"]
     assert after["health"] > before["health"]
