@@ -242,9 +242,9 @@ class _OneProviderLookup(AggregateProvider):
     anyio task group, a task per provider) even when there is one, as on every butler: a
     task, its context and a turn of the event loop for every tool call, twice per routed
     call. Measured in one process (FastMCP's `call_tool` on the butlers' servers, four
-    alternating rounds of 2000 calls): a lookup 35-37 -> 7.5-7.8 us of CPU, a direct
-    `state_get` 212-247 -> 170-190 us, a routed one 625-717 -> 539-601 us. With more than one
-    provider (a server mounted into it), FastMCP's own way."""
+    alternating rounds of 2000 calls): a lookup 38-40 -> 10 us of CPU, a direct `state_get`
+    245-261 -> 202-218 us, a routed one 682-791 -> 579-623 us. With more than one provider
+    (a server mounted into it), FastMCP's own way."""
 
     async def _get_tool(self, name: str, version: VersionSpec | None = None) -> Tool | None:
         if len(self.providers) != 1:
