@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from butlers.errors import CommandError
-from butlers.tasks import cancellable
 
 if TYPE_CHECKING:
     from telegram import Bot
@@ -957,13 +956,10 @@ async def capture_owner_chat(
         offset: int | None = None
         while (left := deadline - loop.time()) > 0:
             try:
-                # (a task of its own: a Ctrl-C anyio swallows would leave it polling on)
-                updates = await cancellable(
-                    bot.get_updates(
-                        offset=offset,
-                        timeout=max(1, min(POLL_TIMEOUT_S, int(left))),
-                        allowed_updates=["message"],
-                    )
+                updates = await bot.get_updates(
+                    offset=offset,
+                    timeout=max(1, min(POLL_TIMEOUT_S, int(left))),
+                    allowed_updates=["message"],
                 )
             except Conflict as exc:
                 raise failed(

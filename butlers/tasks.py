@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,25 +38,3 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     """
     async with asyncio.timeout(timeout_s):
         return await awaitable
-
-
-async def cancellable(call: Coroutine[Any, Any, T], *, give_up_after_s: float = 2.0) -> T:
-    """`await call`, run in a task of its own, so that cancelling the caller always cancels
-    the caller at once.
-
-    A cancellation that reaches a call through anyio (httpx, and python-telegram-bot on it)
-    can be swallowed: a cancel scope that cancels its own task in the same turn of the loop
-    takes the caller's cancellation for its own and returns normally (anyio issue #1214, open
-    in 4.16). `butlers init` waiting for the owner's code ignored a Ctrl-C that way and went
-    on polling (seen twice under load with Python 3.11.2). Here the caller's cancellation
-    lands on plain asyncio; the call's task is then cancelled and given `give_up_after_s` to
-    end, and is left behind if it swallows that too (its owner closes what it uses)."""
-    task = asyncio.ensure_future(call)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.cancel()
-        # (whenever it ends, its answer is read: no "exception was never retrieved")
-        task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())
-        await asyncio.wait({task}, timeout=give_up_after_s)
-        raise
