@@ -412,3 +412,35 @@ async def test_the_switchboard_serves_it_and_its_ask_form_answers(
     conn = await db_conn(switchboard.config.db_name)
     rows = await conn.fetch("SELECT source_id, text FROM inbox ORDER BY id")
     assert [(r["source_id"], r["text"]) for r in rows] == [("dashboard", "I watered the plants")]
+
+
+async def test_an_albums_parts_point_to_the_message_that_answered_them(
+    fleet, pg_server, db_conn
+) -> None:
+    switchboard, _ = fleet
+    conn = await db_conn(switchboard.config.db_name)
+    first = await seed_inbox(
+        conn,
+        external_id="al-1",
+        text="Which one?",
+        status="done",
+        routed_to="general",
+        classified_via="model",
+        meta={"album": "g"},
+    )
+    part = await seed_inbox(
+        conn,
+        external_id="al-2",
+        text="",
+        status="done",
+        classified_via="album",
+        meta={"album": "g", "album_of": first},
+    )
+    async with dashboard_client(pg_server, switchboard) as client:
+        page = await client.get("/ui/messages", headers=BEARER)
+        part_row = next(r for r in rows_of(page.text, "messages") if f'data-id="{part}"' in r)
+        first_row = next(r for r in rows_of(page.text, "messages") if f'data-id="{first}"' in r)
+        assert f'<a href="/ui/messages/{first}">with #{first}</a>' in part_row
+        assert "general" in text_of(first_row) and "with #" not in first_row
+        detail = (await client.get(f"/ui/messages/{part}", headers=BEARER)).text
+        assert f'first photo, <a href="/ui/messages/{first}">#{first}</a>' in detail

@@ -12,10 +12,11 @@ the same answers. The in-memory half needs no database and no process: it is in 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -360,6 +361,123 @@ async def test_files_are_stored_with_the_message_and_audio_goes_once_heard(
     assert row["meta"]["voice"] is True and row["meta"]["transcribed"] is True
     assert [a["name"] for a in row["meta"]["attachments"]] == ["p.png"]
     assert [a.name for a in await stores.inbox.attachments(inbox_id)] == ["p.png"]
+
+
+def album_part(
+    n: int,
+    album: str = "g1",
+    conversation: str = "telegram:1",
+    text: str = "",
+    data: bytes = PNG,
+    **kw: Any,
+) -> IncomingMessage:
+    """Photo `n` of an album, as the Telegram intake hands it over."""
+    return replace(
+        incoming(conversation, text, attachments=(Attachment(f"p{n}.png", "image/png", data),)),
+        album=album,
+        **kw,
+    )
+
+
+async def test_an_albums_parts_are_answered_as_its_first_message(stores: Stores) -> None:
+    first = await stores.inbox.accept(album_part(1, text="Which is best?"), None)
+    parts = [
+        await stores.inbox.accept(album_part(2, data=PNG + b"2"), None),
+        await stores.inbox.accept(album_part(3, text="or this one", data=PNG + b"3"), None),
+    ]
+    assert first is not None and None not in parts
+    other_album = await stores.inbox.accept(album_part(4, album="g2"), None)
+    other_chat = await stores.inbox.accept(album_part(5, conversation="telegram:2"), None)
+    assert len({first, *parts, other_album, other_chat}) == 5  # a row each
+
+    row = await stores.inbox.get(first)
+    assert row is not None and row["text"] == "Which is best?\nor this one"
+    assert [a["name"] for a in row["meta"]["attachments"]] == ["p1.png", "p2.png", "p3.png"]
+    assert [(a.name, a.data) for a in await stores.inbox.attachments(first)] == [
+        ("p1.png", PNG),
+        ("p2.png", PNG + b"2"),
+        ("p3.png", PNG + b"3"),
+    ]
+    for part in parts:
+        row = await stores.inbox.get(part)
+        assert row is not None
+        assert (row["status"], row["meta"]["album_of"]) == ("done", first)
+        assert await stores.inbox.attachments(part) == []
+    # A redelivered part is a duplicate, whether it was joined or is the first.
+    part_2 = album_part(2)
+    seen = (await stores.inbox.get(parts[0]) or {})["external_id"]
+    assert await stores.inbox.accept(replace(part_2, external_id=seen), None) is None
+    assert len(await stores.inbox.attachments(first)) == 3
+
+    # The first message goes as one; the parts are never claimed, and are neither history
+    # nor messages the sender sent.
+    claimed = [await stores.inbox.claim_next("r1", HOUR) for _ in range(3)]
+    assert [m.id if m else None for m in claimed] == [first, other_chat, None]
+    assert claimed[0] is not None and claimed[0].earlier_from_sender == 0
+    assert await finish(stores, first)
+    assert await claimed_id(stores) == other_album  # its chat's next message, after the album
+    assert await finish(stores, other_album)
+    later = await queued(stores, "telegram:1", text="thanks")
+    message = await stores.inbox.claim_next("r1", HOUR)
+    assert message is not None and message.id == later
+    history = await stores.inbox.history(message, 10)
+    assert [h["text"] for h in history] == ["Which is best?\nor this one", ""]
+    assert message.earlier_from_sender == 3  # the album, the other album, the other chat
+
+
+async def test_an_albums_first_message_waits_for_the_rest(stores: Stores) -> None:
+    first = await stores.inbox.accept(album_part(1), None, album_wait_s=HOUR)
+    elsewhere = await queued(stores, "telegram:2")
+    assert await claimed_id(stores) == elsewhere  # the album waits; other chats do not
+    assert await claimed_id(stores) is None
+    # A part joining it makes it wait longer, never less.
+    assert await stores.inbox.accept(album_part(2), None, album_wait_s=-HOUR) is not None
+    assert await claimed_id(stores) is None
+    row = await stores.inbox.get(first or 0)
+    assert row is not None and len(row["meta"]["attachments"]) == 2
+
+
+async def test_an_album_past_max_files_or_its_first_message_starts_anew(stores: Stores) -> None:
+    ids = [await stores.inbox.accept(album_part(n), None, max_files=2) for n in range(1, 5)]
+    rows = [await stores.inbox.get(i or 0) for i in ids]
+    assert [r["status"] if r else None for r in rows] == ["queued", "done", "queued", "done"]
+    assert rows[1] is not None and rows[1]["meta"]["album_of"] == ids[0]
+    assert rows[3] is not None and rows[3]["meta"]["album_of"] == ids[2]
+    assert [len(await stores.inbox.attachments(i or 0)) for i in ids] == [2, 0, 2, 0]
+    # A part that comes once the first message was taken is a message of its own.
+    assert await claimed_id(stores) == ids[0]
+    assert await finish(stores, ids[0])
+    assert await claimed_id(stores) == ids[2]
+    late = await stores.inbox.accept(album_part(5), None)
+    assert late is not None and await status(stores, late) == "queued"
+    assert len(await stores.inbox.attachments(late)) == 1
+
+
+async def test_a_part_joins_a_first_message_whose_voice_note_was_heard(stores: Stores) -> None:
+    """A first message claimed, its audio heard and dropped, then handed back (a process
+    stopping): a part still joins it, its file after the first message's."""
+    voice, photo = Attachment("v.ogg", "audio/ogg", OGG), Attachment("p1.png", "image/png", PNG)
+    first = await stores.inbox.accept(
+        replace(incoming(attachments=(voice, photo)), album="g1"), None
+    )
+    assert first is not None and await claimed_id(stores) == first
+    assert await stores.inbox.transcribed(first, replica="r1", text="heard", keep_audio=False)
+    assert await stores.inbox.release("r1", [first]) == 1
+    part = await stores.inbox.accept(album_part(2, data=PNG + b"2"), None)
+    assert part is not None and await status(stores, part) == "done"
+    assert [(a.name, a.data) for a in await stores.inbox.attachments(first)] == [
+        ("p1.png", PNG),
+        ("p2.png", PNG + b"2"),
+    ]
+
+
+async def test_album_parts_arriving_at_once_make_one_message(stores: Stores) -> None:
+    """Webhook posts come concurrently: whichever is stored first, the others join it."""
+    ids = await asyncio.gather(*(stores.inbox.accept(album_part(n), None) for n in range(6)))
+    statuses = [await status(stores, i or 0) for i in ids]
+    assert sorted(statuses) == ["done"] * 5 + ["queued"], statuses
+    [first] = [i for i, st in zip(ids, statuses, strict=True) if st == "queued"]
+    assert len(await stores.inbox.attachments(first or 0)) == 6
 
 
 async def test_history_is_the_conversations_earlier_answered_messages(stores: Stores) -> None:

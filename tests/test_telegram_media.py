@@ -135,6 +135,23 @@ async def test_a_photo_is_its_largest_size_within_the_cap(bot_api: FakeBotAPI) -
     assert downloaded.startswith("photos/file_2")
 
 
+async def test_an_albums_photos_are_handed_on_as_parts_of_one_album(bot_api: FakeBotAPI) -> None:
+    """Telegram sends an album as a message per photo; each is stored as it comes (the inbox
+    answers them as one), marked with the album. A lone photo is no album."""
+    worker = RecordingWorker()
+    photos = [png(100), png(200), png(300)]
+    async with telegram(bot_api, worker):
+        ids = await bot_api.push_album(CHAT, photos, caption="Which one?")
+        lone = await bot_api.push_photo(CHAT, [(png(400), 9, 9)])
+        parts = [await worker.wait_for(str(i)) for i in ids]
+        single = await worker.wait_for(str(lone))
+        await settled(bot_api, lone)
+    assert [p.attachments[0].data for p in parts] == photos
+    assert [p.text for p in parts] == ["Which one?", "", ""]
+    assert len({p.album for p in parts}) == 1 and parts[0].album is not None
+    assert single.album is None
+
+
 async def test_a_photo_size_over_what_the_model_takes_is_passed_over(bot_api: FakeBotAPI) -> None:
     """The Messages API takes images of at most 5 MB: a larger size is not fetched (only to
     be refused) when a smaller one fits, whatever max_attachment_bytes allows."""

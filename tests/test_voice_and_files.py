@@ -17,6 +17,7 @@ real IMAP and SMTP servers for mail.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
@@ -150,6 +151,40 @@ async def test_a_photo_reaches_the_butler_as_an_image_and_the_classifier_as_one_
     [classified] = classifier_texts(scripted_api)
     assert "What is on this receipt?" in classified and "[attached: image (image/png" in classified
     assert base64.b64encode(large).decode() not in classified  # a line, never the bytes
+
+
+async def test_an_album_is_answered_once_with_all_its_photos(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Three photos sent as an album come as three messages, one update at a time: one
+    classification, one routed session with the three images, one reply."""
+    scripted_api.respond_with(by_words)
+    photos = [png(8, 8), png(16, 16), png(32, 32)]
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_album(CHAT, photos, caption="Which of these is sharpest?", together=False)
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "general answered"
+    [routed] = butler_requests(scripted_api, "general")
+    images = [b for b in blocks(routed) if b["type"] == "image"]
+    assert [base64.b64decode(b["source"]["data"]) for b in images] == photos
+    [classified] = classifier_texts(scripted_api)
+    assert classified.count("[attached: image (image/png") == 3
+    conn = await db_conn(switchboard.config.database)
+    first, *parts = await rows(conn)
+    assert (first["status"], first["routed_to"], first["text"]) == (
+        "done",
+        "general",
+        "Which of these is sharpest?",
+    )
+    assert [(p["status"], json.loads(p["meta"])["album_of"]) for p in parts] == [
+        ("done", first["id"])
+    ] * 2
+    await asyncio.sleep(0.5)
+    assert len(bot_api.sent) == 1  # nothing more said
 
 
 async def test_a_pdf_reaches_the_butler_as_a_document(

@@ -13,7 +13,9 @@ states, before downloading; by the bytes that came, after) or of a type not read
 reply naming the limit, and nothing is stored: the update is settled. A download that fails
 for now (the Bot API's 5xx, the network) is an update not stored: not acknowledged, it comes
 again (polling), or the webhook answers 503 so that Telegram posts it again. Nothing is
-downloaded for a chat that may not write.
+downloaded for a chat that may not write. The photos and files of an album (sent together:
+a message each, with one `media_group_id`) are stored as they come and answered as one
+message (butlers.switchboard.inbox: the album's first message takes the others' files).
 """
 
 from __future__ import annotations
@@ -431,6 +433,8 @@ class TelegramModule:
                 meta=meta,
                 conversation=conversation,
                 attachments=attachments,
+                # An album's photos come as a message each: the inbox answers them as one.
+                album=message.media_group_id if attachments else None,
             )
         )
 

@@ -38,6 +38,9 @@ class IncomingMessage:
     conversation: str | None = None
     # The files it carries, checked (butlers.media.checked), in the sender's order.
     attachments: tuple[Attachment, ...] = ()
+    # The album it is part of (Telegram's media_group_id): a person's photos sent together
+    # arrive as a message each, and are answered as one (`InboxStore.accept`).
+    album: str | None = None
 
 
 def meta_listing(attachments: Sequence[Attachment]) -> list[dict[str, Any]]:
@@ -91,32 +94,93 @@ class InboxStore:
         self.pool = pool
 
     async def accept(
-        self, message: IncomingMessage, trace_context: dict[str, str] | None
+        self,
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        *,
+        album_wait_s: float = 0.0,
+        max_files: int | None = None,
     ) -> int | None:
         """Store a message; returns its id, or None when it was already there (a duplicate).
 
         A message with files is stored with them in one transaction (a duplicate stores
         nothing), its meta listing them ("attachments": name, type, size, kind). One without
-        (nearly all) is the one statement it always was: the intake's hot path."""
+        (nearly all) is the one statement it always was: the intake's hot path. A part of an
+        album joins the album's first message (InboxQueue.accept says how)."""
+        if message.album is not None and message.conversation is not None:
+            return await self._accept_album_part(message, trace_context, album_wait_s, max_files)
         if not message.attachments:
             return await self.pool.fetchval(
-                sql.INBOX_ACCEPT, *self._accept_args(message, trace_context)
+                sql.INBOX_ACCEPT, *self._accept_args(message, trace_context), None
             )
-        meta = {**message.meta, "attachments": meta_listing(message.attachments)}
         async with self.pool.acquire() as conn, conn.transaction():
-            inbox_id: int | None = await conn.fetchval(
-                sql.INBOX_ACCEPT, *self._accept_args(message, trace_context, meta)
+            return await self._insert(conn, message, trace_context, None)
+
+    async def _insert(
+        self,
+        conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        wait_s: float | None,
+    ) -> int | None:
+        """A queued row and its files, in the caller's transaction; None: a duplicate."""
+        meta = {**message.meta, "attachments": meta_listing(message.attachments)}
+        if message.album is not None:
+            meta["album"] = message.album
+        inbox_id: int | None = await conn.fetchval(
+            sql.INBOX_ACCEPT, *self._accept_args(message, trace_context, meta), wait_s
+        )
+        if inbox_id is not None:
+            await self._add_files(conn, inbox_id, 0, message.attachments)
+        return inbox_id
+
+    @staticmethod
+    async def _add_files(
+        conn: asyncpg.Connection | asyncpg.pool.PoolConnectionProxy,
+        inbox_id: int,
+        first_position: int,
+        attachments: Sequence[Attachment],
+    ) -> None:
+        await conn.executemany(
+            sql.INBOX_ATTACHMENT_ADD,
+            [
+                (inbox_id, position, storable(a.name), a.mime_type, a.data)
+                for position, a in enumerate(attachments, start=first_position)
+            ],
+        )
+
+    async def _accept_album_part(
+        self,
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        wait_s: float,
+        max_files: int | None,
+    ) -> int | None:
+        assert message.album is not None and message.conversation is not None
+        key = (message.channel, storable(message.conversation), storable(message.album))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql.INBOX_ALBUM_LOCK, *key)
+            first = await conn.fetchrow(sql.INBOX_ALBUM_FIRST, *key)
+            if first is None or (
+                max_files is not None and first["files"] + len(message.attachments) > max_files
+            ):  # the album's first message (or the first of those past max_files)
+                return await self._insert(conn, message, trace_context, wait_s)
+            meta = {**message.meta, "album": message.album}
+            part_id: int | None = await conn.fetchval(
+                sql.INBOX_ALBUM_PART, *self._accept_args(message, trace_context, meta), first["id"]
             )
-            if inbox_id is None:
-                return None
-            await conn.executemany(
-                sql.INBOX_ATTACHMENT_ADD,
-                [
-                    (inbox_id, position, storable(a.name), a.mime_type, a.data)
-                    for position, a in enumerate(message.attachments)
-                ],
+            if part_id is None:
+                return None  # a redelivery
+            await self._add_files(conn, first["id"], first["next_position"], message.attachments)
+            await conn.execute(
+                sql.INBOX_ALBUM_JOIN,
+                first["id"],
+                storable(message.text),
+                storable_json(meta_listing(message.attachments)),
+                bool(message.meta.get("voice")),
+                wait_s,
             )
-            return inbox_id
+            return part_id
 
     @staticmethod
     def _accept_args(
@@ -124,6 +188,7 @@ class InboxStore:
         trace_context: dict[str, str] | None,
         meta: dict[str, Any] | None = None,
     ) -> tuple[Any, ...]:
+        """The row's columns: INBOX_ACCEPT's and INBOX_ALBUM_PART's $1-$9."""
         return (
             message.channel,
             storable(message.external_id),

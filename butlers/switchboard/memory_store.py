@@ -102,6 +102,10 @@ class MemoryDatabase:
             raise TypeError(f"not a connection of this in-memory database: {conn!r}")
 
 
+def _files(message: IncomingMessage) -> list[Attachment]:
+    return [Attachment(storable(a.name) or "", a.mime_type, a.data) for a in message.attachments]
+
+
 def _message(row: dict[str, Any], earlier: int = 0, told: bool = False) -> InboxMessage:
     return InboxMessage(
         id=row["id"],
@@ -141,7 +145,12 @@ class MemoryInboxStore:
         return row
 
     async def accept(
-        self, message: IncomingMessage, trace_context: dict[str, str] | None
+        self,
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        *,
+        album_wait_s: float = 0.0,
+        max_files: int | None = None,
     ) -> int | None:
         channel, external_id = message.channel, storable(message.external_id)
         if any(
@@ -151,6 +160,16 @@ class MemoryInboxStore:
         meta = message.meta
         if message.attachments:
             meta = {**meta, "attachments": meta_listing(message.attachments)}
+        wait = None
+        if message.album is not None and message.conversation is not None:
+            meta = {**meta, "album": storable(message.album)}
+            first = self._album_first(message)
+            files = len(first["meta"].get("attachments", [])) if first else 0
+            if first is not None and (
+                max_files is None or files + len(message.attachments) <= max_files
+            ):
+                return self._join(first, message, album_wait_s)
+            wait = self.database.clock() + timedelta(seconds=album_wait_s)
         inbox_id = self.database.next_id("inbox")
         self._rows[inbox_id] = {
             "id": inbox_id,
@@ -173,13 +192,56 @@ class MemoryInboxStore:
             "classified_via": None,
             "claimed_by": None,
             "lease_until": None,
-            "not_before": None,
+            "not_before": wait,
         }
         if message.attachments:
-            self.database.tables.inbox_files[inbox_id] = [
-                Attachment(storable(a.name) or "", a.mime_type, a.data) for a in message.attachments
-            ]
+            self.database.tables.inbox_files[inbox_id] = _files(message)
         return inbox_id
+
+    def _album_first(self, message: IncomingMessage) -> dict[str, Any] | None:
+        """The queued first message of `message`'s album (channel, conversation, album)."""
+        for _, row in sorted(self._rows.items(), reverse=True):  # the newest
+            if (
+                row["channel"] == message.channel
+                and row["conversation"] == storable(message.conversation)
+                and row["meta"].get("album") == storable(message.album)
+                and "album_of" not in row["meta"]
+                and row["status"] == "queued"
+            ):
+                return row
+        return None
+
+    def _join(self, first: dict[str, Any], message: IncomingMessage, wait_s: float) -> int:
+        """`message` (a part of `first`'s album) kept as a finished row; its words and files
+        go to `first`, which waits `wait_s` more."""
+        now = self.database.clock()
+        part_id = self.database.next_id("inbox")
+        self._rows[part_id] = {
+            **copy.deepcopy(first),
+            "id": part_id,
+            "external_id": storable(message.external_id),
+            "source_id": storable(message.source_id),
+            "sender_name": storable(message.sender_name),
+            "subject": storable(message.subject),
+            "text": storable(message.text),
+            "meta": _json({**message.meta, "album": message.album, "album_of": first["id"]}),
+            "received_at": now,
+            "status": "done",
+            "classified_via": "album",
+            "trace_context": None,
+            "finished_at": now,
+            "not_before": None,
+        }
+        text = storable(message.text) or ""
+        if text:
+            first["text"] = f"{first['text']}\n{text}" if first["text"] else text
+        listed = first["meta"].get("attachments", []) + meta_listing(message.attachments)
+        first["meta"] = {**first["meta"], "attachments": _json(listed)}
+        if message.meta.get("voice"):
+            first["meta"]["voice"] = True
+        first["not_before"] = max(first["not_before"] or now, now + timedelta(seconds=wait_s))
+        self.database.tables.inbox_files.setdefault(first["id"], []).extend(_files(message))
+        return part_id
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
         inbox_id = await self.accept(
@@ -252,6 +314,7 @@ class MemoryInboxStore:
             and other["source_id"] == row["source_id"]
             and other["received_at"] > row["received_at"] - timedelta(hours=1)
             and other["id"] < row["id"]
+            and "album_of" not in other["meta"]
         ]
         return _message(row, len(earlier), any(o["status"] == "skipped" for o in earlier))
 
@@ -373,6 +436,7 @@ class MemoryInboxStore:
             if row["conversation"] == message.conversation
             and i < message.id
             and row["status"] == "done"
+            and "album_of" not in row["meta"]
         ][-exchanges:]
         keys = ("sender_name", "source_id", "subject", "text", "routed_to", "reply")
         return [{key: row[key] for key in keys} for row in rows]

@@ -114,12 +114,55 @@ ROUTING_LOG_PRUNE = "DELETE FROM routing_log WHERE created_at < now() - make_int
 # -- inbox (InboxStore) --------------------------------------------------------------------
 
 # A message in, once: a redelivery (the same channel id) inserts nothing and returns no id.
+# $10: seconds before it may be claimed (an album's first message waits for the rest), or NULL.
 INBOX_ACCEPT = """
     INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
-                       trace_context, conversation)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                       trace_context, conversation, not_before)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now() + make_interval(secs => $10))
     ON CONFLICT (channel, external_id) DO NOTHING
     RETURNING id
+"""
+# -- albums: the photos and files of one Telegram album come as a message each; the inbox
+# joins them into the album's first message while that one still waits in the queue.
+# The parts of one album ($1 channel, $2 conversation, $3 album) are taken one at a time, so
+# that two arriving at once (webhook requests) do not both become a first message.
+INBOX_ALBUM_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended($1 || ' ' || $2 || ' ' || $3, 0))"
+# The album's first message, if it is still queued (held until the transaction ends), how
+# many files it lists and the position after its last file's (a voice note heard before a
+# release took its audio away: positions are not counted); the newest, when the album was
+# more files than one message takes.
+INBOX_ALBUM_FIRST = """
+    SELECT id, jsonb_array_length(coalesce(meta -> 'attachments', '[]')) AS files,
+           (SELECT coalesce(max(position) + 1, 0) FROM inbox_attachments a
+            WHERE a.inbox_id = inbox.id) AS next_position
+    FROM inbox
+    WHERE channel = $1 AND conversation = $2 AND meta ->> 'album' = $3
+      AND status = 'queued' AND NOT meta ? 'album_of'
+    ORDER BY id DESC LIMIT 1
+    FOR UPDATE
+"""
+# A part joined to the first message: kept as a row of its own, finished at once (its channel
+# id is still taken: a redelivery is a duplicate), classified "album", its meta naming the
+# first ($10).
+INBOX_ALBUM_PART = """
+    INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
+                       trace_context, conversation, status, classified_via, finished_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7 || jsonb_build_object('album_of', $10::bigint), $8, $9,
+            'done', 'album', now())
+    ON CONFLICT (channel, external_id) DO NOTHING
+    RETURNING id
+"""
+# The first message ($1) takes a part: its text ($2, a caption) on a line after its own, its
+# files' listing ($3) after its own, a voice note's flag ($4), and it waits $5 seconds more for
+# the rest of the album.
+INBOX_ALBUM_JOIN = """
+    UPDATE inbox SET
+        text = CASE WHEN $2 = '' THEN text WHEN text = '' THEN $2 ELSE text || E'\n' || $2 END,
+        meta = meta || jsonb_build_object(
+            'attachments', coalesce(meta -> 'attachments', '[]') || $3::jsonb)
+            || CASE WHEN $4 THEN '{"voice": true}'::jsonb ELSE '{}'::jsonb END,
+        not_before = greatest(not_before, now() + make_interval(secs => $5))
+    WHERE id = $1
 """
 # A message's files, in its transaction; their digest and size are PostgreSQL's to work out,
 # not the event loop's.
@@ -219,7 +262,7 @@ INBOX_CLAIM_NEXT = """
         FROM inbox i
         WHERE i.channel = claimed.channel AND i.source_id = claimed.source_id
           AND i.received_at > claimed.received_at - interval '1 hour'
-          AND i.id < claimed.id
+          AND i.id < claimed.id AND NOT i.meta ? 'album_of'
     ) AS sender
 """
 # Extend $1's leases on the messages $2 by $3 seconds; the ids it still holds, counting those
@@ -252,7 +295,7 @@ INBOX_FINISH = """
 # The last $3 handled messages of conversation $1 before message $2, newest first.
 INBOX_HISTORY = """
     SELECT sender_name, source_id, subject, text, routed_to, reply FROM inbox
-    WHERE conversation = $1 AND id < $2 AND status = 'done'
+    WHERE conversation = $1 AND id < $2 AND status = 'done' AND NOT meta ? 'album_of'
     ORDER BY id DESC LIMIT $3
 """
 # The newest message of a conversation (whom a notification to it goes to).
@@ -610,7 +653,7 @@ DASHBOARD_MESSAGES = Filtered(
                routed_to, attempts, received_at, finished_at, left(error, 300) AS error,
                left(text, $2) AS text_head, length(text) AS text_chars,
                left(reply, $2) AS reply_head, length(reply) AS reply_chars,
-               {TRACE_OF_CONTEXT} AS traced
+               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced
         FROM inbox""",
     filters=("status = {}", "channel = {}", "id < {}"),
     tail=f"""ORDER BY id DESC LIMIT $1
@@ -624,7 +667,7 @@ DASHBOARD_MESSAGE = f"""
            status, classified_via, routed_to, attempts, received_at, finished_at,
            left(text, $2) AS text, length(text) AS text_chars,
            left(reply, $2) AS reply, left(error, $2) AS error,
-           {TRACE_OF_CONTEXT} AS trace_id
+           (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS trace_id
     FROM inbox WHERE id = $1
 """
 # A message's routes, oldest first.

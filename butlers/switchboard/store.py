@@ -61,12 +61,27 @@ class InboxQueue(Protocol):
         ...
 
     async def accept(
-        self, message: IncomingMessage, trace_context: dict[str, str] | None
+        self,
+        message: IncomingMessage,
+        trace_context: dict[str, str] | None,
+        *,
+        album_wait_s: float = 0.0,
+        max_files: int | None = None,
     ) -> int | None:
         """Store `message` as a queued row, with its files; its new id, or None when a row of
         the same (channel, external_id) exists (a duplicate: nothing is stored). The row's
         meta lists the files ("attachments": name, mime_type, size, kind), and the files are
-        read back by `attachments` in the sender's order."""
+        read back by `attachments` in the sender's order.
+
+        A part of an album (`message.album`, with a conversation) joins the album's first
+        message (same channel, conversation and album; meta "album") while that one is still
+        queued and has room for its files (`max_files`; None: no limit): the files go after
+        the first message's, its text on a line after the first message's text, and its row
+        is kept, finished at once (`done`, classified_via "album", meta "album_of": the
+        first message's id; its channel id taken as any row's). The first message is not
+        claimed before `album_wait_s` after the last part joined it, so that the rest of the
+        album can come. A part that finds no such message is stored as the first of its
+        album."""
         ...
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
@@ -90,7 +105,8 @@ class InboxQueue(Protocol):
         row of its conversation is older and still queued or processing (deferred or not),
         or holds a lease that has not run out. The message carries how many messages its
         sender (channel, source_id) sent in the hour before it (`earlier_from_sender`, older
-        rows only) and whether one of them was `skipped` (`sender_told`)."""
+        rows only, an album's joined parts not counted) and whether one of them was
+        `skipped` (`sender_told`)."""
         ...
 
     async def renew(self, replica: str, inbox_ids: Sequence[int], lease_s: float) -> set[int]:
@@ -151,8 +167,9 @@ class InboxQueue(Protocol):
         ...
 
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
-        """The last `exchanges` `done` rows of the message's conversation before it, oldest
-        first: sender_name, source_id, subject, text, routed_to, reply. Empty without a
+        """The last `exchanges` `done` rows of the message's conversation before it (an
+        album's joined parts left out: their words are the first message's), oldest first:
+        sender_name, source_id, subject, text, routed_to, reply. Empty without a
         conversation."""
         ...
 

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
+# How long an album's first message waits after its last part came for the next one: Telegram
+# sends an album's photos as a message each, at once, but each is downloaded before it is
+# stored (one at a time when polling), and a photo of a few MB can take a second to come.
+ALBUM_WAIT_S = 2.0
 
 
 def said_once(parts: Sequence[str | None]) -> str | None:
@@ -123,7 +127,9 @@ class InboxWorker:
     async def accept(self, message: IncomingMessage) -> int | None:
         """Store a message durably; returns its inbox id, or None for a duplicate.
 
-        When this returns, the message survives a crash: the channel may acknowledge it.
+        When this returns, the message survives a crash: the channel may acknowledge it. A
+        part of an album joins the album's first message (InboxQueue.accept), which starts
+        ALBUM_WAIT_S after the last part came.
         """
         with self.tracer.start_as_current_span(
             "switchboard.receive",
@@ -133,9 +139,16 @@ class InboxWorker:
                 "message_id": message.external_id,
             },
         ):
-            inbox_id = await self.inbox.accept(message, current_carrier() or None)
+            inbox_id = await self.inbox.accept(
+                message,
+                current_carrier() or None,
+                album_wait_s=ALBUM_WAIT_S,
+                max_files=self.limits.max_attachments_per_message,
+            )
         if inbox_id is not None:
             self._wake.set()
+            if message.album is not None:  # its first message may start then
+                asyncio.get_running_loop().call_later(ALBUM_WAIT_S + 0.05, self._wake.set)
         return inbox_id
 
     def wake(self) -> None:

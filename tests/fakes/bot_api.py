@@ -251,6 +251,27 @@ class FakeBotAPI:
             {"message": self._message(chat_id, **self._with_caption({"photo": photo}, caption))}
         )
 
+    async def push_album(
+        self,
+        chat_id: int,
+        photos: list[bytes],
+        *,
+        caption: str | None = None,
+        together: bool = True,
+    ) -> list[int]:
+        """An album: the photos sent together, as Telegram sends them, a message each with one
+        media_group_id and the caption on the first. `together`: in one getUpdates answer
+        (else one update at a time, as webhook posts come)."""
+        group = f"album-{next(self._file_ids)}"
+        updates = []
+        for n, data in enumerate(photos):
+            photo = [{**self.add_file(data, "photos/file.jpg"), "width": 64, "height": 64}]
+            fields = self._with_caption({"photo": photo}, caption if n == 0 else None)
+            updates.append({"message": self._message(chat_id, media_group_id=group, **fields)})
+        if together:
+            return await self.push_batch(*updates)
+        return [await self.push(update) for update in updates]
+
     async def push_document(
         self,
         chat_id: int,
