@@ -251,6 +251,19 @@ def _clean_environment() -> None:
             del os.environ[key]
 
 
+@pytest.fixture(autouse=True)
+def _log_record_factory_put_back() -> Iterator[None]:
+    """`install_log_redaction` (every CLI command's start, doctor, init) is process-wide and
+    permanent, as it must be in a `butlers` process: a test that reaches it in-process would
+    leave every later test of its worker redacting with its secrets (seen once: an in-process
+    init test failed test_ticker's and test_secrets' log checks in the same xdist worker)."""
+    factory = logging.getLogRecordFactory()
+    yield
+    if logging.getLogRecordFactory() is not factory:
+        logging.setLogRecordFactory(factory)
+        logging.captureWarnings(False)
+
+
 def _docker_answers() -> bool:
     import gc
     import warnings
