@@ -543,3 +543,26 @@ async def test_two_prompts_with_the_same_prefixed_name_list_the_first_only(
         assert await prompt_names(host.client) == {"my_docs_search"}
     [duplicate] = warned(caplog, "passthrough_duplicate")
     assert "'my'" in duplicate and "'my_docs'" in duplicate, duplicate
+
+
+@pytest.mark.proc  # its children are processes
+async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prompt name with an escape sequence, a line break, `:`, `/` and `__` is listed with
+    each of those as one `_` (a host makes a slash command of it), and its get reaches the
+    child under the child's own name; a name with nothing usable is left out, said once."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    specs = [
+        hostile_spec(tmp_path, "evil", "plain", prompt="\x1b[31mrm -rf:/ now\n__ok"),
+        hostile_spec(tmp_path, "blank", "plain", prompt="\x1b:/\n"),
+    ]
+    async with gateway_host(tmp_path, specs) as host:
+        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok"}
+        got = await host.client.get_prompt("evil_31mrm_-rf_now_ok", {})
+        assert getattr(got.messages[0].content, "text", None) == (
+            "\x1b[31mrm -rf:/ now\n__ok from evil"
+        )
+        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok"}
+    [unusable] = warned(caplog, "passthrough_unusable")
+    assert "'blank'" in unusable and "no usable name" in unusable and "\n" not in unusable

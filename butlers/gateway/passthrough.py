@@ -11,9 +11,11 @@ source) takes a prompt's name as it is: the command is `mcp__<gateway>__<prompt>
 user as `/<gateway>:<prompt> (MCP)`. So `:` would read as one more server level there, `__` as
 one more level of `mcp__server__name`, and `/` is a path; `_` stays inside the `[A-Za-z0-9_-]`
 every host accepts in a command, and is what the gateway already puts between a server and a
-tool whose name is taken. A resource keeps its URI exactly (a host reads the URI it was
-given); its name gets the same `<server>_` prefix and its `_meta` records the server
-(`butlers/server`).
+tool whose name is taken. A child's prompt name is kept to those characters too (`prompt_name`:
+anything else, a control character or an escape sequence included, becomes `_`), so that no
+child can show a host's user a command named with text of its choosing. A resource keeps
+its URI exactly (a host reads the URI it was given); its name gets the same `<server>_` prefix
+and its `_meta` records the server (`butlers/server`).
 
 Reads. `prompts/get` goes to the child that listed the prefixed name (two prompts that end up
 with the same prefixed name, `my`'s `docs_search` and `my_docs`'s `search`: the first by the
@@ -42,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -69,8 +72,17 @@ MAX_PAGES = 100  # pages of one list of one child; past it the list is absent
 MAX_ITEMS = 10_000  # items of one list of one child (prompts, resources or templates)
 
 
+# What a host takes in a command's name; anything else in a child's prompt name becomes `_`.
+_NOT_IN_A_COMMAND = re.compile(r"[^A-Za-z0-9_-]+")
+
+
 def prompt_name(server: str, prompt: str) -> str:
-    return f"{server}_{prompt}"
+    """`<server>_<prompt>`, the child's name kept to what a host takes in a command: each run
+    of other characters (a space, `:`, `/`, `.`, a control character or escape sequence a
+    child put there) and each `__` is one `_`, none at either end; "" when nothing is left
+    (such a prompt is left out)."""
+    safe = re.sub(r"_{2,}", "_", _NOT_IN_A_COMMAND.sub("_", prompt)).strip("_")
+    return f"{server}_{safe}" if safe else ""
 
 
 @dataclass
@@ -134,7 +146,9 @@ class PassThrough(Provider):
                 continue
             for prompt in _named(lists.prompts, "name"):
                 name = prompt_name(slot.spec.name, prompt["name"])
-                if self._first(listed.prompts, name, slot, "prompt"):
+                if not name:
+                    _warn_unusable(self._warned, slot, "prompt", prompt, "no usable name")
+                elif self._first(listed.prompts, name, slot, "prompt"):
                     listed.prompts[name] = (slot, prompt)
             for resource in _named(lists.resources, "uri"):
                 if self._first(listed.resources, resource["uri"], slot, "resource URI"):
@@ -317,7 +331,7 @@ def _warn_unusable(
     slot: Slot,
     what: str,
     listed: dict[str, Any],
-    exc: ValidationError,
+    exc: ValidationError | str,
 ) -> None:
     """Said once for an item left out (the lists are built again for every request); the
     child's words quoted (%r): a URI or a name holding a line break must not forge a log
@@ -332,7 +346,7 @@ def _warn_unusable(
         slot.spec.name,
         what,
         item,
-        exc.errors()[0].get("msg") if exc.errors() else exc,
+        exc if isinstance(exc, str) else exc.errors()[0].get("msg") if exc.errors() else exc,
         extra={"action": "passthrough_unusable"},
     )
 
@@ -424,7 +438,7 @@ def _resource(gateway: Gateway, slot: Slot, listed: dict[str, Any]) -> Resource 
     try:
         resource = _ChildResource(
             uri=listed["uri"],
-            name=prompt_name(slot.spec.name, str(listed.get("name") or listed["uri"])),
+            name=f"{slot.spec.name}_{listed.get('name') or listed['uri']}",
             title=listed.get("title"),
             description=listed.get("description"),
             mime_type=listed.get("mimeType") or "text/plain",
@@ -444,7 +458,7 @@ def _template(
     try:
         return ResourceTemplate(
             uri_template=listed["uriTemplate"],
-            name=prompt_name(slot.spec.name, str(listed.get("name") or listed["uriTemplate"])),
+            name=f"{slot.spec.name}_{listed.get('name') or listed['uriTemplate']}",
             title=listed.get("title"),
             description=listed.get("description"),
             mime_type=listed.get("mimeType") or "text/plain",
