@@ -430,11 +430,53 @@ async def test_an_albums_first_message_waits_for_the_rest(stores: Stores) -> Non
     elsewhere = await queued(stores, "telegram:2")
     assert await claimed_id(stores) == elsewhere  # the album waits; other chats do not
     assert await claimed_id(stores) is None
-    # A part joining it makes it wait longer, never less.
-    assert await stores.inbox.accept(album_part(2), None, album_wait_s=-HOUR) is not None
+    # The latest part says how long: more to come, then the last one.
+    assert await stores.inbox.accept(album_part(2), None, album_wait_s=HOUR) is not None
     assert await claimed_id(stores) is None
+    assert await stores.inbox.accept(album_part(3), None, album_wait_s=-1) is not None
+    assert await claimed_id(stores) == first
     row = await stores.inbox.get(first or 0)
-    assert row is not None and len(row["meta"]["attachments"]) == 2
+    assert row is not None and len(row["meta"]["attachments"]) == 3
+
+
+async def test_a_joined_part_is_a_row_of_its_own_not_a_copy_of_the_first(stores: Stores) -> None:
+    """The first message claimed and put back with an error (its voice service failing):
+    a part's row says nothing of that, and keeps its own trace context."""
+    first = await stores.inbox.accept(album_part(1), {"traceparent": "first"})
+    assert first is not None and await claimed_id(stores) == first
+    assert await stores.inbox.defer(first, replica="r1", delay_s=HOUR, error="svc down")
+    part = await stores.inbox.accept(album_part(2), {"traceparent": "part"})
+    row = await stores.inbox.get(part or 0)
+    assert row is not None
+    assert {k: row[k] for k in ("status", "error", "attempts", "claimed_by", "lease_until")} == {
+        "status": "done",
+        "error": None,
+        "attempts": 0,
+        "claimed_by": None,
+        "lease_until": None,
+    }
+    assert (row["trace_context"], row["classified_via"], row["meta"]["album_of"]) == (
+        {"traceparent": "part"},
+        "album",
+        first,
+    )
+    assert row["finished_at"] is not None and row["received_at"] is not None
+
+
+async def test_an_audio_part_does_not_join_a_message_already_heard(stores: Stores) -> None:
+    """Its voice notes transcribed, then handed back (a process stopping): an audio part
+    joining it would never be heard (the transcript is taken as done), so a part is a message
+    of its own there."""
+    voice = Attachment("a1.ogg", "audio/ogg", OGG)
+    first = await stores.inbox.accept(replace(incoming(attachments=(voice,)), album="g1"), None)
+    assert first is not None and await claimed_id(stores) == first
+    assert await stores.inbox.transcribed(first, replica="r1", text="heard", keep_audio=True)
+    assert await stores.inbox.release("r1", [first]) == 1
+    audio = replace(album_part(2), attachments=(Attachment("a2.ogg", "audio/ogg", OGG + b"2"),))
+    second = await stores.inbox.accept(audio, None)
+    assert second is not None and await status(stores, second) == "queued"
+    assert [a.name for a in await stores.inbox.attachments(second)] == ["a2.ogg"]
+    assert [a.name for a in await stores.inbox.attachments(first)] == ["a1.ogg"]
 
 
 async def test_an_album_past_max_files_or_its_first_message_starts_anew(stores: Stores) -> None:
@@ -451,24 +493,6 @@ async def test_an_album_past_max_files_or_its_first_message_starts_anew(stores: 
     late = await stores.inbox.accept(album_part(5), None)
     assert late is not None and await status(stores, late) == "queued"
     assert len(await stores.inbox.attachments(late)) == 1
-
-
-async def test_a_part_joins_a_first_message_whose_voice_note_was_heard(stores: Stores) -> None:
-    """A first message claimed, its audio heard and dropped, then handed back (a process
-    stopping): a part still joins it, its file after the first message's."""
-    voice, photo = Attachment("v.ogg", "audio/ogg", OGG), Attachment("p1.png", "image/png", PNG)
-    first = await stores.inbox.accept(
-        replace(incoming(attachments=(voice, photo)), album="g1"), None
-    )
-    assert first is not None and await claimed_id(stores) == first
-    assert await stores.inbox.transcribed(first, replica="r1", text="heard", keep_audio=False)
-    assert await stores.inbox.release("r1", [first]) == 1
-    part = await stores.inbox.accept(album_part(2, data=PNG + b"2"), None)
-    assert part is not None and await status(stores, part) == "done"
-    assert [(a.name, a.data) for a in await stores.inbox.attachments(first)] == [
-        ("p1.png", PNG),
-        ("p2.png", PNG + b"2"),
-    ]
 
 
 async def test_album_parts_arriving_at_once_make_one_message(stores: Stores) -> None:

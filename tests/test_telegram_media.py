@@ -149,7 +149,20 @@ async def test_an_albums_photos_are_handed_on_as_parts_of_one_album(bot_api: Fak
     assert [p.attachments[0].data for p in parts] == photos
     assert [p.text for p in parts] == ["Which one?", "", ""]
     assert len({p.album for p in parts}) == 1 and parts[0].album is not None
-    assert single.album is None
+    # In one getUpdates answer: the first two know that more of their album follow.
+    assert [p.album_more for p in parts] == [True, True, False]
+    assert single.album is None and not single.album_more
+
+
+async def test_an_album_that_comes_one_update_at_a_time_knows_of_no_more(
+    bot_api: FakeBotAPI,
+) -> None:
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        ids = await bot_api.push_album(CHAT, [png(100), png(200)], together=False)
+        parts = [await worker.wait_for(str(i)) for i in ids]
+    assert [p.album_more for p in parts] == [False, False]
+    assert parts[0].album == parts[1].album is not None
 
 
 async def test_a_photo_size_over_what_the_model_takes_is_passed_over(bot_api: FakeBotAPI) -> None:

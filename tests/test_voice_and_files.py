@@ -153,19 +153,22 @@ async def test_a_photo_reaches_the_butler_as_an_image_and_the_classifier_as_one_
     assert base64.b64encode(large).decode() not in classified  # a line, never the bytes
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["one-poll", "one-update-a-poll"])
 async def test_an_album_is_answered_once_with_all_its_photos(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
     db_conn,
+    together: bool,
 ) -> None:
-    """Three photos sent as an album come as three messages, one update at a time: one
-    classification, one routed session with the three images, one reply."""
+    """Three photos sent as an album come as three messages (in one getUpdates answer, or
+    one update at a time): one classification, one routed session with the three images, one
+    reply."""
     scripted_api.respond_with(by_words)
     photos = [png(8, 8), png(16, 16), png(32, 32)]
     switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_album(CHAT, photos, caption="Which of these is sharpest?", together=False)
+    await bot_api.push_album(CHAT, photos, caption="Which of these is sharpest?", together=together)
     [reply] = await bot_api.wait_sent(1)
     assert reply["text"] == "general answered"
     [routed] = butler_requests(scripted_api, "general")
@@ -185,6 +188,30 @@ async def test_an_album_is_answered_once_with_all_its_photos(
     ] * 2
     await asyncio.sleep(0.5)
     assert len(bot_api.sent) == 1  # nothing more said
+
+
+async def test_an_album_waits_for_a_photo_whose_download_is_tried_again(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """The second photo's download fails twice (the Bot API's 502): it is fetched again after
+    pauses longer than an album's usual wait, and the album is still one message, because
+    the first photo knew more of its album were in the same answer."""
+    scripted_api.respond_with(by_words)
+    photos = [png(8, 8), png(16, 16), png(32, 32)]
+    await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    bot_api.fail_after, bot_api.fail_downloads = 1, 2
+    await bot_api.push_album(CHAT, photos, caption="Which?")
+    [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "general answered"
+    [routed] = butler_requests(scripted_api, "general")
+    images = [b for b in blocks(routed) if b["type"] == "image"]
+    assert [base64.b64decode(b["source"]["data"]) for b in images] == photos
+    assert len(bot_api.downloads) == 5  # the second photo three times
+    await asyncio.sleep(0.5)
+    assert len(bot_api.sent) == 1
 
 
 async def test_a_pdf_reaches_the_butler_as_a_document(

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,14 @@ def _inline_keyboard(rows: list[list[dict[str, str]]]) -> Any:
             [InlineKeyboardButton(b["text"], callback_data=b["callback_data"]) for b in row]
             for row in rows
         ]
+    )
+
+
+def _album_goes_on(update: Update, later: Sequence[Update]) -> bool:
+    """Whether `update` is a photo of an album that has more photos in `later`."""
+    album = update.message.media_group_id if update.message is not None else None
+    return album is not None and any(
+        u.message is not None and u.message.media_group_id == album for u in later
     )
 
 
@@ -372,12 +380,13 @@ class TelegramModule:
 
         await self.handle_update(Update.de_json(data, self.bot))
 
-    async def handle_update(self, update: Update) -> None:
+    async def handle_update(self, update: Update, *, album_more: bool = False) -> None:
         """Store a message (its text, caption and file) in the inbox; answer what will not be
         routed. Raises when it could not be stored (or its file not downloaded, for now): the
-        update is then not acknowledged, and comes again."""
+        update is then not acknowledged, and comes again. `album_more`: more photos of its
+        album are on their way (later in the same getUpdates answer)."""
         try:
-            await self._handle_update(update)
+            await self._handle_update(update, album_more)
         except Exception:
             logger.exception(
                 "telegram update %s not handled",
@@ -386,7 +395,7 @@ class TelegramModule:
             )
             raise
 
-    async def _handle_update(self, update: Update) -> None:
+    async def _handle_update(self, update: Update, album_more: bool) -> None:
         if update.callback_query is not None:
             await self._press(update.callback_query)
             return
@@ -435,6 +444,7 @@ class TelegramModule:
                 attachments=attachments,
                 # An album's photos come as a message each: the inbox answers them as one.
                 album=message.media_group_id if attachments else None,
+                album_more=album_more,
             )
         )
 
@@ -721,9 +731,11 @@ class TelegramModule:
                 logger.warning("telegram: getUpdates failed (%s); retry in %ss", exc, delay)
                 await asyncio.sleep(delay)
                 continue
-            for update in updates:
+            for index, update in enumerate(updates):
                 try:
-                    await self.handle_update(update)
+                    await self.handle_update(
+                        update, album_more=_album_goes_on(update, updates[index + 1 :])
+                    )
                 except Exception:
                     # Not stored: do not acknowledge it; the next poll fetches it again, after
                     # a delay that grows while the same update keeps failing.

@@ -39,8 +39,10 @@ class IncomingMessage:
     # The files it carries, checked (butlers.media.checked), in the sender's order.
     attachments: tuple[Attachment, ...] = ()
     # The album it is part of (Telegram's media_group_id): a person's photos sent together
-    # arrive as a message each, and are answered as one (`InboxStore.accept`).
+    # arrive as a message each, and are answered as one (`InboxStore.accept`); `album_more`:
+    # the channel already holds more of its photos (the rest of one getUpdates answer).
     album: str | None = None
+    album_more: bool = False
 
 
 def meta_listing(attachments: Sequence[Attachment]) -> list[dict[str, Any]]:

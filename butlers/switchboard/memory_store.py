@@ -160,21 +160,47 @@ class MemoryInboxStore:
         meta = message.meta
         if message.attachments:
             meta = {**meta, "attachments": meta_listing(message.attachments)}
-        wait = None
-        if message.album is not None and message.conversation is not None:
-            meta = {**meta, "album": storable(message.album)}
-            first = self._album_first(message)
-            files = len(first["meta"].get("attachments", [])) if first else 0
-            if first is not None and (
-                max_files is None or files + len(message.attachments) <= max_files
-            ):
-                return self._join(first, message, album_wait_s)
-            wait = self.database.clock() + timedelta(seconds=album_wait_s)
+        if message.album is None or message.conversation is None:
+            return self._insert(message, meta, trace_context)
+        meta = {**meta, "album": message.album}
+        first = self._album_first(message)
+        files = len(first["meta"].get("attachments", [])) if first else 0
+        if first is None or (
+            max_files is not None and files + len(message.attachments) > max_files
+        ):
+            inbox_id = self._insert(message, meta, trace_context)
+            self._rows[inbox_id]["not_before"] = self._after(album_wait_s)
+            return inbox_id
+        part_meta = {**message.meta, "album": message.album, "album_of": first["id"]}
+        part_id = self._insert(message, part_meta, trace_context, files=False)
+        self._rows[part_id].update(
+            status="done", classified_via="album", finished_at=self.database.clock()
+        )
+        text = storable(message.text) or ""
+        if text:
+            first["text"] = f"{first['text']}\n{text}" if first["text"] else text
+        listed = first["meta"].get("attachments", []) + meta_listing(message.attachments)
+        first["meta"] = {**first["meta"], "attachments": _json(listed)}
+        if message.meta.get("voice"):
+            first["meta"]["voice"] = True
+        first["not_before"] = self._after(album_wait_s)
+        self.database.tables.inbox_files.setdefault(first["id"], []).extend(_files(message))
+        return part_id
+
+    def _insert(
+        self,
+        message: IncomingMessage,
+        meta: dict[str, Any],
+        trace_context: dict[str, str] | None,
+        *,
+        files: bool = True,
+    ) -> int:
+        """A queued row of `message` (with its files, unless not `files`)."""
         inbox_id = self.database.next_id("inbox")
         self._rows[inbox_id] = {
             "id": inbox_id,
-            "channel": channel,
-            "external_id": external_id,
+            "channel": message.channel,
+            "external_id": storable(message.external_id),
             "source_id": storable(message.source_id),
             "sender_name": storable(message.sender_name),
             "subject": storable(message.subject),
@@ -192,56 +218,28 @@ class MemoryInboxStore:
             "classified_via": None,
             "claimed_by": None,
             "lease_until": None,
-            "not_before": wait,
+            "not_before": None,
         }
-        if message.attachments:
+        if files and message.attachments:
             self.database.tables.inbox_files[inbox_id] = _files(message)
         return inbox_id
 
+    def _after(self, seconds: float) -> datetime:
+        return self.database.clock() + timedelta(seconds=seconds)
+
     def _album_first(self, message: IncomingMessage) -> dict[str, Any] | None:
-        """The queued first message of `message`'s album (channel, conversation, album)."""
-        for _, row in sorted(self._rows.items(), reverse=True):  # the newest
+        """The newest queued first message of `message`'s album (channel, conversation,
+        album) whose voice notes were not heard yet."""
+        for _, row in sorted(self._rows.items(), reverse=True):
             if (
                 row["channel"] == message.channel
                 and row["conversation"] == storable(message.conversation)
                 and row["meta"].get("album") == storable(message.album)
-                and "album_of" not in row["meta"]
                 and row["status"] == "queued"
+                and not row["meta"].get("transcribed")
             ):
                 return row
         return None
-
-    def _join(self, first: dict[str, Any], message: IncomingMessage, wait_s: float) -> int:
-        """`message` (a part of `first`'s album) kept as a finished row; its words and files
-        go to `first`, which waits `wait_s` more."""
-        now = self.database.clock()
-        part_id = self.database.next_id("inbox")
-        self._rows[part_id] = {
-            **copy.deepcopy(first),
-            "id": part_id,
-            "external_id": storable(message.external_id),
-            "source_id": storable(message.source_id),
-            "sender_name": storable(message.sender_name),
-            "subject": storable(message.subject),
-            "text": storable(message.text),
-            "meta": _json({**message.meta, "album": message.album, "album_of": first["id"]}),
-            "received_at": now,
-            "status": "done",
-            "classified_via": "album",
-            "trace_context": None,
-            "finished_at": now,
-            "not_before": None,
-        }
-        text = storable(message.text) or ""
-        if text:
-            first["text"] = f"{first['text']}\n{text}" if first["text"] else text
-        listed = first["meta"].get("attachments", []) + meta_listing(message.attachments)
-        first["meta"] = {**first["meta"], "attachments": _json(listed)}
-        if message.meta.get("voice"):
-            first["meta"]["voice"] = True
-        first["not_before"] = max(first["not_before"] or now, now + timedelta(seconds=wait_s))
-        self.database.tables.inbox_files.setdefault(first["id"], []).extend(_files(message))
-        return part_id
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
         inbox_id = await self.accept(
@@ -314,7 +312,7 @@ class MemoryInboxStore:
             and other["source_id"] == row["source_id"]
             and other["received_at"] > row["received_at"] - timedelta(hours=1)
             and other["id"] < row["id"]
-            and "album_of" not in other["meta"]
+            and other["classified_via"] != "album"
         ]
         return _message(row, len(earlier), any(o["status"] == "skipped" for o in earlier))
 
@@ -436,7 +434,7 @@ class MemoryInboxStore:
             if row["conversation"] == message.conversation
             and i < message.id
             and row["status"] == "done"
-            and "album_of" not in row["meta"]
+            and row["classified_via"] != "album"
         ][-exchanges:]
         keys = ("sender_name", "source_id", "subject", "text", "routed_to", "reply")
         return [{key: row[key] for key in keys} for row in rows]

@@ -127,17 +127,17 @@ INBOX_ACCEPT = """
 # The parts of one album ($1 channel, $2 conversation, $3 album) are taken one at a time, so
 # that two arriving at once (webhook requests) do not both become a first message.
 INBOX_ALBUM_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended($1 || ' ' || $2 || ' ' || $3, 0))"
-# The album's first message, if it is still queued (held until the transaction ends), how
-# many files it lists and the position after its last file's (a voice note heard before a
-# release took its audio away: positions are not counted); the newest, when the album was
-# more files than one message takes.
+# The album's first message, if it is still queued (held until the transaction ends) and its
+# voice notes were not heard yet (an audio part joining a message already transcribed would
+# never be), how many files it lists and the position after its last file's (audio taken away
+# once heard leaves gaps); the newest, when the album was more files than one message takes.
 INBOX_ALBUM_FIRST = """
     SELECT id, jsonb_array_length(coalesce(meta -> 'attachments', '[]')) AS files,
            (SELECT coalesce(max(position) + 1, 0) FROM inbox_attachments a
             WHERE a.inbox_id = inbox.id) AS next_position
     FROM inbox
     WHERE channel = $1 AND conversation = $2 AND meta ->> 'album' = $3
-      AND status = 'queued' AND NOT meta ? 'album_of'
+      AND status = 'queued' AND NOT meta ? 'transcribed'
     ORDER BY id DESC LIMIT 1
     FOR UPDATE
 """
@@ -153,15 +153,15 @@ INBOX_ALBUM_PART = """
     RETURNING id
 """
 # The first message ($1) takes a part: its text ($2, a caption) on a line after its own, its
-# files' listing ($3) after its own, a voice note's flag ($4), and it waits $5 seconds more for
-# the rest of the album.
+# files' listing ($3) after its own, a voice note's flag ($4), and it is not claimed for $5
+# seconds from now (the latest part says how long the rest of the album may take).
 INBOX_ALBUM_JOIN = """
     UPDATE inbox SET
         text = CASE WHEN $2 = '' THEN text WHEN text = '' THEN $2 ELSE text || E'\n' || $2 END,
         meta = meta || jsonb_build_object(
             'attachments', coalesce(meta -> 'attachments', '[]') || $3::jsonb)
             || CASE WHEN $4 THEN '{"voice": true}'::jsonb ELSE '{}'::jsonb END,
-        not_before = greatest(not_before, now() + make_interval(secs => $5))
+        not_before = now() + make_interval(secs => $5)
     WHERE id = $1
 """
 # A message's files, in its transaction; their digest and size are PostgreSQL's to work out,
@@ -262,7 +262,7 @@ INBOX_CLAIM_NEXT = """
         FROM inbox i
         WHERE i.channel = claimed.channel AND i.source_id = claimed.source_id
           AND i.received_at > claimed.received_at - interval '1 hour'
-          AND i.id < claimed.id AND NOT i.meta ? 'album_of'
+          AND i.id < claimed.id AND i.classified_via IS DISTINCT FROM 'album'
     ) AS sender
 """
 # Extend $1's leases on the messages $2 by $3 seconds; the ids it still holds, counting those
@@ -295,7 +295,8 @@ INBOX_FINISH = """
 # The last $3 handled messages of conversation $1 before message $2, newest first.
 INBOX_HISTORY = """
     SELECT sender_name, source_id, subject, text, routed_to, reply FROM inbox
-    WHERE conversation = $1 AND id < $2 AND status = 'done' AND NOT meta ? 'album_of'
+    WHERE conversation = $1 AND id < $2 AND status = 'done'
+      AND classified_via IS DISTINCT FROM 'album'
     ORDER BY id DESC LIMIT $3
 """
 # The newest message of a conversation (whom a notification to it goes to).

@@ -79,9 +79,10 @@ class InboxQueue(Protocol):
         the first message's, its text on a line after the first message's text, and its row
         is kept, finished at once (`done`, classified_via "album", meta "album_of": the
         first message's id; its channel id taken as any row's). The first message is not
-        claimed before `album_wait_s` after the last part joined it, so that the rest of the
-        album can come. A part that finds no such message is stored as the first of its
-        album."""
+        claimed before `album_wait_s` after the latest part (itself included) came, so that
+        the rest of the album can: the latest part says how long. A first message whose voice
+        notes were already heard (meta "transcribed") takes no part. A part that finds no such
+        message is stored as the first of its album."""
         ...
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:

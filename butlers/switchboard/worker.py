@@ -55,10 +55,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
-# How long an album's first message waits after its last part came for the next one: Telegram
-# sends an album's photos as a message each, at once, but each is downloaded before it is
-# stored (one at a time when polling), and a photo of a few MB can take a second to come.
+# How long an album's first message waits after its latest part came for the next one:
+# Telegram sends an album's photos as a message each, at once, but each is downloaded before it
+# is stored (one at a time when polling), and a photo of a few MB can take a second to come.
+# When the channel already holds more of them (`album_more`), up to ALBUM_MORE_WAIT_S: a
+# download that fails is tried again after a pause (the last part then says 2 s again).
 ALBUM_WAIT_S = 2.0
+ALBUM_MORE_WAIT_S = 30.0
 
 
 def said_once(parts: Sequence[str | None]) -> str | None:
@@ -129,7 +132,8 @@ class InboxWorker:
 
         When this returns, the message survives a crash: the channel may acknowledge it. A
         part of an album joins the album's first message (InboxQueue.accept), which starts
-        ALBUM_WAIT_S after the last part came.
+        ALBUM_WAIT_S after the latest part came (ALBUM_MORE_WAIT_S while more are known to
+        follow).
         """
         with self.tracer.start_as_current_span(
             "switchboard.receive",
@@ -139,16 +143,17 @@ class InboxWorker:
                 "message_id": message.external_id,
             },
         ):
+            album_wait_s = ALBUM_MORE_WAIT_S if message.album_more else ALBUM_WAIT_S
             inbox_id = await self.inbox.accept(
                 message,
                 current_carrier() or None,
-                album_wait_s=ALBUM_WAIT_S,
+                album_wait_s=album_wait_s,
                 max_files=self.limits.max_attachments_per_message,
             )
         if inbox_id is not None:
             self._wake.set()
-            if message.album is not None:  # its first message may start then
-                asyncio.get_running_loop().call_later(ALBUM_WAIT_S + 0.05, self._wake.set)
+            if message.album is not None and not message.album_more:  # it may start then
+                asyncio.get_running_loop().call_later(album_wait_s + 0.05, self._wake.set)
         return inbox_id
 
     def wake(self) -> None:

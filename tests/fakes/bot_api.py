@@ -88,6 +88,7 @@ class FakeBotAPI:
         self.file_requests: list[str] = []  # the file_id of every getFile call
         self.downloads: list[str] = []  # the file_path of every download, answered or not
         self.fail_downloads = 0  # the next N downloads answer 502 Bad Gateway
+        self.fail_after = 0  # ... once this many downloads were asked for
         self.sent_files: list[dict[str, Any]] = []  # sendPhoto / sendDocument calls
 
     # -- what the test does -----------------------------------------------------------------
@@ -260,8 +261,8 @@ class FakeBotAPI:
         together: bool = True,
     ) -> list[int]:
         """An album: the photos sent together, as Telegram sends them, a message each with one
-        media_group_id and the caption on the first. `together`: in one getUpdates answer
-        (else one update at a time, as webhook posts come)."""
+        media_group_id and the caption on the first. `together`: in one getUpdates answer;
+        else one update a poll, each pushed once the one before was acknowledged (taken)."""
         group = f"album-{next(self._file_ids)}"
         updates = []
         for n, data in enumerate(photos):
@@ -270,7 +271,11 @@ class FakeBotAPI:
             updates.append({"message": self._message(chat_id, media_group_id=group, **fields)})
         if together:
             return await self.push_batch(*updates)
-        return [await self.push(update) for update in updates]
+        ids = []
+        for update in updates:
+            ids.append(await self.push(update))
+            await self.wait_until(lambda: self.acknowledged(ids[-1]))
+        return ids
 
     async def push_document(
         self,
@@ -437,7 +442,7 @@ class FakeBotAPI:
         async with self._changed:
             self.downloads.append(path)
             self._changed.notify_all()
-        if self.fail_downloads:
+        if self.fail_downloads and len(self.downloads) > self.fail_after:
             self.fail_downloads -= 1
             return web.json_response(
                 {"ok": False, "error_code": 502, "description": "Bad Gateway"}, status=502
