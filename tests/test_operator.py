@@ -108,6 +108,34 @@ async def seed_inbox(conn, **row) -> int:
 # -- inbox_list -----------------------------------------------------------------------------
 
 
+async def test_an_albums_joined_photo_names_the_message_that_answered_it(
+    fleet, db_conn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from butlers.cli.render import print_inbox
+
+    switchboard, _ = fleet
+    conn = await db_conn(switchboard.config.database)
+    first = await seed_inbox(
+        conn, external_id="al-1", text="Which?", status="done", routed_to="general"
+    )
+    part = await seed_inbox(
+        conn,
+        external_id="al-2",
+        text="",
+        status="done",
+        classified_via="album",
+        meta={"album": "g", "album_of": first},
+    )
+    rows = await call(switchboard, "inbox_list")
+    assert [(r["id"], r["album_of"]) for r in rows] == [(part, first), (first, None)]
+    print_inbox(rows, None)
+    lines = capsys.readouterr().out.splitlines()
+    [part_line] = [line for line in lines if line.startswith(f"{part} ")]
+    [first_line] = [line for line in lines if line.startswith(f"{first} ")]
+    assert f"with #{first}" in part_line and "album" in part_line
+    assert "general" in first_line and "with #" not in first_line
+
+
 async def test_inbox_list_newest_first_filtered_bounded_and_traced(fleet, db_conn) -> None:
     switchboard, _ = fleet
     conn = await db_conn(switchboard.config.database)

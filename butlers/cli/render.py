@@ -138,7 +138,8 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
             row["channel"],
             cut(sender, 32),
             row["status"],
-            row.get("routed_to") or "-",
+            # An album's photo joined to the message that answered them all.
+            f"with #{row['album_of']}" if row.get("album_of") else row.get("routed_to") or "-",
             row.get("classified_via") or "-",
             cut(text),
         )

@@ -596,7 +596,7 @@ OPERATOR_INBOX = f"""
         SELECT id, channel, source_id, sender_name, subject, conversation, status,
                routed_to, classified_via, attempts, error, received_at, finished_at,
                left(text, $3) AS text_head, length(text) AS text_chars,
-               {TRACE_OF_CONTEXT} AS traced
+               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced
         FROM inbox
         WHERE $1::text IS NULL OR status = $1
         ORDER BY id DESC LIMIT $2
