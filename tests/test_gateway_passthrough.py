@@ -551,18 +551,22 @@ async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
 ) -> None:
     """A prompt name with an escape sequence, a line break, `:`, `/` and `__` is listed with
     each of those as one `_` (a host makes a slash command of it), and its get reaches the
-    child under the child's own name; a name with nothing usable is left out, said once."""
+    child under the child's own name; letters of any script stay; a name with nothing usable
+    is left out, said once."""
     caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
     specs = [
         hostile_spec(tmp_path, "evil", "plain", prompt="\x1b[31mrm -rf:/ now\n__ok"),
         hostile_spec(tmp_path, "blank", "plain", prompt="\x1b:/\n"),
+        hostile_spec(tmp_path, "fr", "plain", prompt="résumé du jour"),
     ]
     async with gateway_host(tmp_path, specs) as host:
-        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok"}
+        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok", "fr_résumé_du_jour"}
+        got = await host.client.get_prompt("fr_résumé_du_jour", {})
+        assert getattr(got.messages[0].content, "text", None) == "résumé du jour from fr"
         got = await host.client.get_prompt("evil_31mrm_-rf_now_ok", {})
         assert getattr(got.messages[0].content, "text", None) == (
             "\x1b[31mrm -rf:/ now\n__ok from evil"
         )
-        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok"}
+        assert len(await prompt_names(host.client)) == 2
     [unusable] = warned(caplog, "passthrough_unusable")
     assert "'blank'" in unusable and "no usable name" in unusable and "\n" not in unusable

@@ -11,9 +11,10 @@ source) takes a prompt's name as it is: the command is `mcp__<gateway>__<prompt>
 user as `/<gateway>:<prompt> (MCP)`. So `:` would read as one more server level there, `__` as
 one more level of `mcp__server__name`, and `/` is a path; `_` stays inside the `[A-Za-z0-9_-]`
 every host accepts in a command, and is what the gateway already puts between a server and a
-tool whose name is taken. A child's prompt name is kept to those characters too (`prompt_name`:
-anything else, a control character or an escape sequence included, becomes `_`), so that no
-child can show a host's user a command named with text of its choosing. A resource keeps
+tool whose name is taken. A child's prompt name is kept to letters and digits (of any
+script), `_` and `-` (`prompt_name`: anything else, a control character or an escape sequence
+included, becomes `_`), so that no child can show a host's user a command named with text
+of its choosing. A resource keeps
 its URI exactly (a host reads the URI it was given); its name gets the same `<server>_` prefix
 and its `_meta` records the server (`butlers/server`).
 
@@ -72,15 +73,17 @@ MAX_PAGES = 100  # pages of one list of one child; past it the list is absent
 MAX_ITEMS = 10_000  # items of one list of one child (prompts, resources or templates)
 
 
-# What a host takes in a command's name; anything else in a child's prompt name becomes `_`.
-_NOT_IN_A_COMMAND = re.compile(r"[^A-Za-z0-9_-]+")
+# What a command's name may hold: letters and digits (of any script: a server's prompts may
+# be named in its users' language), `_` and `-`; anything else in a child's prompt name
+# becomes `_`.
+_NOT_IN_A_COMMAND = re.compile(r"[^\w-]+")
 
 
 def prompt_name(server: str, prompt: str) -> str:
-    """`<server>_<prompt>`, the child's name kept to what a host takes in a command: each run
-    of other characters (a space, `:`, `/`, `.`, a control character or escape sequence a
-    child put there) and each `__` is one `_`, none at either end; "" when nothing is left
-    (such a prompt is left out)."""
+    """`<server>_<prompt>`, the child's name kept to what a command's name holds: each run of
+    other characters (a space, `:`, `/`, `.`, a control character or escape sequence a child
+    put there) and each `__` is one `_`, none at either end; "" when nothing is left (such a
+    prompt is left out)."""
     safe = re.sub(r"_{2,}", "_", _NOT_IN_A_COMMAND.sub("_", prompt)).strip("_")
     return f"{server}_{safe}" if safe else ""
 
