@@ -557,12 +557,15 @@ async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
     specs = [
         hostile_spec(tmp_path, "evil", "plain", prompt="\x1b[31mrm -rf:/ now\n__ok"),
         hostile_spec(tmp_path, "blank", "plain", prompt="\x1b:/\n"),
-        hostile_spec(tmp_path, "fr", "plain", prompt="résumé du jour"),
+        # Decomposed (e and a combining accent), as some systems write it.
+        hostile_spec(tmp_path, "fr", "plain", prompt="re\u0301sume\u0301 du jour"),
     ]
     async with gateway_host(tmp_path, specs) as host:
         assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok", "fr_résumé_du_jour"}
         got = await host.client.get_prompt("fr_résumé_du_jour", {})
-        assert getattr(got.messages[0].content, "text", None) == "résumé du jour from fr"
+        assert getattr(got.messages[0].content, "text", None) == (
+            "re\u0301sume\u0301 du jour from fr"
+        )
         got = await host.client.get_prompt("evil_31mrm_-rf_now_ok", {})
         assert getattr(got.messages[0].content, "text", None) == (
             "\x1b[31mrm -rf:/ now\n__ok from evil"

@@ -46,6 +46,7 @@ import asyncio
 import base64
 import logging
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -84,7 +85,8 @@ def prompt_name(server: str, prompt: str) -> str:
     other characters (a space, `:`, `/`, `.`, a control character or escape sequence a child
     put there) and each `__` is one `_`, none at either end; "" when nothing is left (such a
     prompt is left out)."""
-    safe = re.sub(r"_{2,}", "_", _NOT_IN_A_COMMAND.sub("_", prompt)).strip("_")
+    composed = unicodedata.normalize("NFC", prompt)  # an accent as its own mark is no letter
+    safe = re.sub(r"_{2,}", "_", _NOT_IN_A_COMMAND.sub("_", composed)).strip("_")
     return f"{server}_{safe}" if safe else ""
 
 
