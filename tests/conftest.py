@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -255,13 +256,17 @@ def _clean_environment() -> None:
 def _log_record_factory_put_back() -> Iterator[None]:
     """`install_log_redaction` (every CLI command's start, doctor, init) is process-wide and
     permanent, as it must be in a `butlers` process: a test that reaches it in-process would
-    leave every later test of its worker redacting with its secrets (seen once: an in-process
-    init test failed test_ticker's and test_secrets' log checks in the same xdist worker)."""
-    factory = logging.getLogRecordFactory()
+    leave every later test of its worker redacting with its secrets, and warnings captured
+    into logging (seen once: an in-process init test failed test_ticker's and test_secrets'
+    log checks in the same xdist worker). Both are put back; handlers and levels are not
+    (no test changes the root logger's)."""
+    factory, showwarning = logging.getLogRecordFactory(), warnings.showwarning
     yield
     if logging.getLogRecordFactory() is not factory:
         logging.setLogRecordFactory(factory)
+    if warnings.showwarning is not showwarning:
         logging.captureWarnings(False)
+        warnings.showwarning = showwarning
 
 
 def _docker_answers() -> bool:

@@ -559,9 +559,14 @@ async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
         hostile_spec(tmp_path, "blank", "plain", prompt="\x1b:/\n"),
         # Decomposed (e and a combining accent), as some systems write it.
         hostile_spec(tmp_path, "fr", "plain", prompt="re\u0301sume\u0301 du jour"),
+        hostile_spec(tmp_path, "wide", "plain", prompt="\uff52\uff4d"),  # full-width
     ]
     async with gateway_host(tmp_path, specs) as host:
-        assert await prompt_names(host.client) == {"evil_31mrm_-rf_now_ok", "fr_résumé_du_jour"}
+        assert await prompt_names(host.client) == {
+            "evil_31mrm_-rf_now_ok",
+            "fr_résumé_du_jour",
+            "wide_rm",
+        }
         got = await host.client.get_prompt("fr_résumé_du_jour", {})
         assert getattr(got.messages[0].content, "text", None) == (
             "re\u0301sume\u0301 du jour from fr"
@@ -570,6 +575,6 @@ async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
         assert getattr(got.messages[0].content, "text", None) == (
             "\x1b[31mrm -rf:/ now\n__ok from evil"
         )
-        assert len(await prompt_names(host.client)) == 2
+        assert len(await prompt_names(host.client)) == 3
     [unusable] = warned(caplog, "passthrough_unusable")
     assert "'blank'" in unusable and "no usable name" in unusable and "\n" not in unusable

@@ -439,6 +439,33 @@ async def test_an_albums_first_message_waits_for_the_rest(stores: Stores) -> Non
     assert row is not None and len(row["meta"]["attachments"]) == 3
 
 
+async def test_a_full_first_message_waits_for_no_more_parts(stores: Stores) -> None:
+    """More photos were said to follow, but the first message took all it may: the next part
+    starts a message of its own, and the full one may start now."""
+    ids = [
+        await stores.inbox.accept(album_part(n), None, album_wait_s=HOUR, max_files=2)
+        for n in (1, 2, 3)
+    ]
+    assert [await status(stores, i or 0) for i in ids] == ["queued", "done", "queued"]
+    assert await claimed_id(stores) == ids[0]
+    assert await claimed_id(stores) is None  # the next waits for the rest of the album
+
+
+async def test_a_part_does_not_bring_forward_a_message_put_back_for_a_while(
+    stores: Stores,
+) -> None:
+    """Deferred for an hour (its voice service failing), the first message takes a part but
+    keeps its time; a full one keeps it too."""
+    first = await stores.inbox.accept(album_part(1), None, max_files=2)
+    assert first is not None and await claimed_id(stores) == first
+    assert await stores.inbox.defer(first, replica="r1", delay_s=HOUR, error="svc down")
+    assert await stores.inbox.accept(album_part(2), None, album_wait_s=-1, max_files=2)
+    assert await claimed_id(stores) is None
+    later = await stores.inbox.accept(album_part(3), None, album_wait_s=-1, max_files=2)
+    assert later is not None and await status(stores, later) == "queued"  # the first is full
+    assert await claimed_id(stores) is None  # it keeps its hour; the next waits behind it
+
+
 async def test_a_joined_part_is_a_row_of_its_own_not_a_copy_of_the_first(stores: Stores) -> None:
     """The first message claimed and put back with an error (its voice service failing):
     a part's row says nothing of that, and keeps its own trace context."""

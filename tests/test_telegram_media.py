@@ -154,6 +154,18 @@ async def test_an_albums_photos_are_handed_on_as_parts_of_one_album(bot_api: Fak
     assert single.album is None and not single.album_more
 
 
+async def test_an_albums_video_is_not_counted_as_more_to_come(bot_api: FakeBotAPI) -> None:
+    """Photo, photo, video (what a phone's album often is): the video is not read, so the
+    second photo is the album's last that will be stored and knows of no more."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        ids = await bot_api.push_album(CHAT, [png(100), png(200), None])
+        parts = [await worker.wait_for(str(i)) for i in ids[:2]]
+        await settled(bot_api, ids[2])
+    assert [p.album_more for p in parts] == [True, False]
+    assert len(worker.accepted) == 2
+
+
 async def test_an_album_that_comes_one_update_at_a_time_knows_of_no_more(
     bot_api: FakeBotAPI,
 ) -> None:

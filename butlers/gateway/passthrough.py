@@ -9,12 +9,11 @@ error is simply absent, never a failure of the whole list.
 Names. A prompt is `<server>_<prompt>`. Claude Code (the bundled CLI 2.1.330, read in its
 source) takes a prompt's name as it is: the command is `mcp__<gateway>__<prompt>`, shown to the
 user as `/<gateway>:<prompt> (MCP)`. So `:` would read as one more server level there, `__` as
-one more level of `mcp__server__name`, and `/` is a path; `_` stays inside the `[A-Za-z0-9_-]`
-every host accepts in a command, and is what the gateway already puts between a server and a
-tool whose name is taken. A child's prompt name is kept to letters and digits (of any
-script), `_` and `-` (`prompt_name`: anything else, a control character or an escape sequence
-included, becomes `_`), so that no child can show a host's user a command named with text
-of its choosing. A resource keeps
+one more level of `mcp__server__name`, and `/` is a path; `_` is a word character everywhere,
+and is what the gateway already puts between a server and a tool whose name is taken. A
+child's prompt name is kept to letters and digits (of any script), `_` and `-` (`prompt_name`:
+anything else, a control character or an escape sequence included, becomes `_`), so that no
+child can show a host's user a command named with text of its choosing. A resource keeps
 its URI exactly (a host reads the URI it was given); its name gets the same `<server>_` prefix
 and its `_meta` records the server (`butlers/server`).
 
@@ -85,7 +84,9 @@ def prompt_name(server: str, prompt: str) -> str:
     other characters (a space, `:`, `/`, `.`, a control character or escape sequence a child
     put there) and each `__` is one `_`, none at either end; "" when nothing is left (such a
     prompt is left out)."""
-    composed = unicodedata.normalize("NFC", prompt)  # an accent as its own mark is no letter
+    # Composed, and compatibility forms folded (a full-width r is r): an accent written as its
+    # own mark is no letter, and a compatibility look-alike of ASCII is that ASCII.
+    composed = unicodedata.normalize("NFKC", prompt)
     safe = re.sub(r"_{2,}", "_", _NOT_IN_A_COMMAND.sub("_", composed)).strip("_")
     return f"{server}_{safe}" if safe else ""
 

@@ -112,14 +112,6 @@ def _inline_keyboard(rows: list[list[dict[str, str]]]) -> Any:
     )
 
 
-def _album_goes_on(update: Update, later: Sequence[Update]) -> bool:
-    """Whether `update` is a photo of an album that has more photos in `later`."""
-    album = update.message.media_group_id if update.message is not None else None
-    return album is not None and any(
-        u.message is not None and u.message.media_group_id == album for u in later
-    )
-
-
 def _name_of(user: User | None) -> str:
     """What a Telegram user calls themselves (their choice: cleaned before it is shown)."""
     if user is None:
@@ -448,6 +440,24 @@ class TelegramModule:
             )
         )
 
+    def _album_goes_on(self, update: Update, later: Sequence[Update]) -> bool:
+        """Whether `update` is a photo of an album with more in `later` that will be stored:
+        a file that is read (not a video, not one too big by its stated size). Its first
+        message then waits for them."""
+        album = update.message.media_group_id if update.message is not None else None
+        return album is not None and any(
+            u.message is not None
+            and u.message.media_group_id == album
+            and self._read_later(u.message)
+            for u in later
+        )
+
+    def _read_later(self, message: Message) -> bool:
+        try:
+            return self._file_of(message) is not None
+        except AttachmentRefused:
+            return False
+
     def _file_of(self, message: Message) -> _File | None:
         """The file a message carries that we read (a voice note, an audio file, a photo: its
         largest size within the limits, a document), or None (a sticker, a video, a
@@ -734,7 +744,7 @@ class TelegramModule:
             for index, update in enumerate(updates):
                 try:
                     await self.handle_update(
-                        update, album_more=_album_goes_on(update, updates[index + 1 :])
+                        update, album_more=self._album_goes_on(update, updates[index + 1 :])
                     )
                 except Exception:
                     # Not stored: do not acknowledge it; the next poll fetches it again, after

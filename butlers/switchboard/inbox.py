@@ -163,10 +163,11 @@ class InboxStore:
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(sql.INBOX_ALBUM_LOCK, *key)
             first = await conn.fetchrow(sql.INBOX_ALBUM_FIRST, *key)
-            if first is None or (
-                max_files is not None and first["files"] + len(message.attachments) > max_files
-            ):  # the album's first message (or the first of those past max_files)
+            if first is None:  # the album's first message
                 return await self._insert(conn, message, trace_context, wait_s)
+            if max_files is not None and first["files"] + len(message.attachments) > max_files:
+                await conn.execute(sql.INBOX_ALBUM_FULL, first["id"])
+                return await self._insert(conn, message, trace_context, wait_s)  # the next
             meta = {**message.meta, "album": message.album}
             part_id: int | None = await conn.fetchval(
                 sql.INBOX_ALBUM_PART, *self._accept_args(message, trace_context, meta), first["id"]

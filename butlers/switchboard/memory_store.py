@@ -160,14 +160,21 @@ class MemoryInboxStore:
         meta = message.meta
         if message.attachments:
             meta = {**meta, "attachments": meta_listing(message.attachments)}
+        if message.album is not None:
+            meta = {**meta, "album": message.album}
         if message.album is None or message.conversation is None:
             return self._insert(message, meta, trace_context)
-        meta = {**meta, "album": message.album}
         first = self._album_first(message)
         files = len(first["meta"].get("attachments", [])) if first else 0
-        if first is None or (
-            max_files is not None and files + len(message.attachments) > max_files
+        if (
+            first is not None
+            and max_files is not None
+            and files + len(message.attachments) > max_files
         ):
+            if "deferred_since" not in first["meta"]:  # full: it waits for no part
+                first["not_before"] = min(first["not_before"] or self._after(0), self._after(0))
+            first = None
+        if first is None:
             inbox_id = self._insert(message, meta, trace_context)
             self._rows[inbox_id]["not_before"] = self._after(album_wait_s)
             return inbox_id
@@ -183,7 +190,11 @@ class MemoryInboxStore:
         first["meta"] = {**first["meta"], "attachments": _json(listed)}
         if message.meta.get("voice"):
             first["meta"]["voice"] = True
-        first["not_before"] = self._after(album_wait_s)
+        first["not_before"] = (
+            max(first["not_before"] or self._after(0), self._after(album_wait_s))
+            if "deferred_since" in first["meta"]
+            else self._after(album_wait_s)
+        )
         self.database.tables.inbox_files.setdefault(first["id"], []).extend(_files(message))
         return part_id
 

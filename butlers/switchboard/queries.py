@@ -118,7 +118,7 @@ ROUTING_LOG_PRUNE = "DELETE FROM routing_log WHERE created_at < now() - make_int
 INBOX_ACCEPT = """
     INSERT INTO inbox (channel, external_id, source_id, sender_name, subject, text, meta,
                        trace_context, conversation, not_before)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now() + make_interval(secs => $10))
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp() + make_interval(secs => $10))
     ON CONFLICT (channel, external_id) DO NOTHING
     RETURNING id
 """
@@ -154,15 +154,25 @@ INBOX_ALBUM_PART = """
 """
 # The first message ($1) takes a part: its text ($2, a caption) on a line after its own, its
 # files' listing ($3) after its own, a voice note's flag ($4), and it is not claimed for $5
-# seconds from now (the latest part says how long the rest of the album may take).
+# seconds from now (the latest part says how long the rest of the album may take; from the
+# clock, not the transaction's start, which may have waited for the album's lock). A message
+# put back for a while (its voice service failing: "deferred_since") is not brought forward.
 INBOX_ALBUM_JOIN = """
     UPDATE inbox SET
         text = CASE WHEN $2 = '' THEN text WHEN text = '' THEN $2 ELSE text || E'\n' || $2 END,
         meta = meta || jsonb_build_object(
             'attachments', coalesce(meta -> 'attachments', '[]') || $3::jsonb)
             || CASE WHEN $4 THEN '{"voice": true}'::jsonb ELSE '{}'::jsonb END,
-        not_before = now() + make_interval(secs => $5)
+        not_before = CASE WHEN meta ? 'deferred_since'
+            THEN greatest(not_before, clock_timestamp() + make_interval(secs => $5))
+            ELSE clock_timestamp() + make_interval(secs => $5) END
     WHERE id = $1
+"""
+# The album's first message ($1) is full (max_files): no part will join it, so it need not
+# wait for one (unless it was put back for a while).
+INBOX_ALBUM_FULL = """
+    UPDATE inbox SET not_before = least(not_before, clock_timestamp())
+    WHERE id = $1 AND NOT meta ? 'deferred_since'
 """
 # A message's files, in its transaction; their digest and size are PostgreSQL's to work out,
 # not the event loop's.

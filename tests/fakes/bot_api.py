@@ -255,19 +255,26 @@ class FakeBotAPI:
     async def push_album(
         self,
         chat_id: int,
-        photos: list[bytes],
+        photos: list[bytes | None],
         *,
         caption: str | None = None,
         together: bool = True,
     ) -> list[int]:
         """An album: the photos sent together, as Telegram sends them, a message each with one
-        media_group_id and the caption on the first. `together`: in one getUpdates answer;
-        else one update a poll, each pushed once the one before was acknowledged (taken)."""
+        media_group_id and the caption on the first; None: a video there (not read). `together`:
+        in one getUpdates answer; else one update a poll, each pushed once the one before was
+        acknowledged (taken)."""
         group = f"album-{next(self._file_ids)}"
         updates = []
         for n, data in enumerate(photos):
-            photo = [{**self.add_file(data, "photos/file.jpg"), "width": 64, "height": 64}]
-            fields = self._with_caption({"photo": photo}, caption if n == 0 else None)
+            item: dict[str, Any]
+            if data is None:
+                video = {"file_id": f"video-{n}", "file_unique_id": f"video-u{n}", "duration": 2}
+                item = {"video": {**video, "width": 64, "height": 64}}
+            else:
+                photo = [{**self.add_file(data, "photos/file.jpg"), "width": 64, "height": 64}]
+                item = {"photo": photo}
+            fields = self._with_caption(item, caption if n == 0 else None)
             updates.append({"message": self._message(chat_id, media_group_id=group, **fields)})
         if together:
             return await self.push_batch(*updates)
