@@ -258,8 +258,8 @@ def _log_record_factory_put_back() -> Iterator[None]:
     permanent, as it must be in a `butlers` process: a test that reaches it in-process would
     leave every later test of its worker redacting with its secrets, and warnings captured
     into logging (seen once: an in-process init test failed test_ticker's and test_secrets'
-    log checks in the same xdist worker). Both are put back; handlers and levels are not
-    (no test changes the root logger's)."""
+    log checks in the same xdist worker). Both are put back here; the tests that change
+    handlers or levels put those back themselves."""
     factory, showwarning = logging.getLogRecordFactory(), warnings.showwarning
     yield
     if logging.getLogRecordFactory() is not factory:
