@@ -357,3 +357,25 @@ async def test_server_left_running_by_a_killed_process_is_adopted(
     if socket_place == "runtime dir":
         assert first.socket_dir is not None and first.socket_dir.parent.parent == shared_tmp
         assert not first.socket_dir.exists()  # stop() removes its private directory
+
+
+@pytest.mark.proc  # it starts processes to watch end
+def test_a_stop_waits_until_the_process_is_gone() -> None:
+    """`_wait_ended`, which the embedded server's stop runs after `pg_ctl stop -w` (that
+    returns once the pid file is gone, a moment before the postmaster is): true once the
+    process is gone or only waits to be reaped, false while it runs."""
+    from butlers.db.postmaster import _wait_ended
+
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not _wait_ended(running.pid, 0.2)
+    finally:
+        running.kill()
+    assert _wait_ended(running.pid, 5)  # a zombie until reaped: ended
+    running.wait()
+    assert _wait_ended(running.pid, 0)  # gone
+    brief = subprocess.Popen(["sleep", "0.3"])
+    try:
+        assert _wait_ended(brief.pid, 10)
+    finally:
+        brief.wait()

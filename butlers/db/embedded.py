@@ -28,6 +28,7 @@ from butlers.db.postmaster import (
     _remove_stale_locks,
     _remove_stale_socket_locks,
     _running_postmaster,
+    _wait_ended,
 )
 from butlers.db.reach import (
     _check_reachable,
@@ -51,6 +52,7 @@ logger = logging.getLogger("butlers.db")
 
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
+STOP_WAIT_S = 10.0  # after pg_ctl says stopped, for the postmaster process to be gone
 
 
 class EmbeddedServer:
@@ -253,12 +255,20 @@ class EmbeddedServer:
             return
         with contextlib.suppress(OSError):
             self._owner_file.unlink()
+        postmaster = _running_postmaster(self.pgdata)
         try:
             self._run_pg("pg_ctl", ["-w", "-m", "fast", "stop"])
         except DatabaseError as exc:
             if _running_postmaster(self.pgdata) is not None:
                 raise
             logger.info("embedded PostgreSQL was already stopped: %s", exc)
+        if postmaster is not None and not _wait_ended(postmaster.pid, STOP_WAIT_S):
+            logger.warning(
+                "embedded PostgreSQL (pid %d) said it stopped but is still running after %ss",
+                postmaster.pid,
+                STOP_WAIT_S,
+                extra={"action": "pg_stop_slow"},
+            )
         if self.socket_dir is not None and self.socket_dir != self.pgdata:
             # Our private directory under /tmp (or XDG_RUNTIME_DIR): leave nothing behind.
             with contextlib.suppress(OSError):

@@ -37,6 +37,29 @@ def _pid_is_postgres(pid: int, pgdata: Path | None = None) -> bool:
         return False
 
 
+def _wait_ended(pid: int, timeout_s: float) -> bool:
+    """Whether the process `pid` ended (or is a zombie: it only waits to be reaped) within
+    `timeout_s`. `pg_ctl stop -w` returns once the postmaster removed its pid file, a moment
+    before the process itself is gone (seen in CI: a postgres still in disk-sleep just
+    after); a stop that says stopped should mean gone."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.AccessDenied:
+            return not psutil.pid_exists(pid)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 class _Postmaster(NamedTuple):
     pid: int
     socket_dir: Path | None
