@@ -34,7 +34,7 @@ from butlers.tool_errors import ToolRefusal
 from tests.conftest import StartButler
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_inbox import model, start_fleet
-from tests.test_operator import TOKEN, Refused, call, seed_inbox
+from tests.test_operator import TOKEN, Refused, call, seed_album, seed_inbox
 
 HOSTILE = "<script>alert('pwned')</script> remind me to water the plants"
 SECRET = "sekrit-4242-dashboard-value"
@@ -419,23 +419,7 @@ async def test_an_albums_parts_point_to_the_message_that_answered_them(
 ) -> None:
     switchboard, _ = fleet
     conn = await db_conn(switchboard.config.db_name)
-    first = await seed_inbox(
-        conn,
-        external_id="al-1",
-        text="Which one?",
-        status="done",
-        routed_to="general",
-        classified_via="model",
-        meta={"album": "g"},
-    )
-    part = await seed_inbox(
-        conn,
-        external_id="al-2",
-        text="",
-        status="done",
-        classified_via="album",
-        meta={"album": "g", "album_of": first},
-    )
+    first, part = await seed_album(conn)
     async with dashboard_client(pg_server, switchboard) as client:
         page = await client.get("/ui/messages", headers=BEARER)
         part_row = next(r for r in rows_of(page.text, "messages") if f'data-id="{part}"' in r)

@@ -105,6 +105,29 @@ async def seed_inbox(conn, **row) -> int:
     )
 
 
+async def seed_album(conn) -> tuple[int, int]:
+    """An album of two photos as the inbox leaves it once answered: the first message (routed
+    to general) and the photo joined to it. Their ids."""
+    first = await seed_inbox(
+        conn,
+        external_id="al-1",
+        text="Which one?",
+        status="done",
+        routed_to="general",
+        classified_via="model",
+        meta={"album": "g"},
+    )
+    part = await seed_inbox(
+        conn,
+        external_id="al-2",
+        text="",
+        status="done",
+        classified_via="album",
+        meta={"album": "g", "album_of": first},
+    )
+    return first, part
+
+
 # -- inbox_list -----------------------------------------------------------------------------
 
 
@@ -115,17 +138,7 @@ async def test_an_albums_joined_photo_names_the_message_that_answered_it(
 
     switchboard, _ = fleet
     conn = await db_conn(switchboard.config.database)
-    first = await seed_inbox(
-        conn, external_id="al-1", text="Which?", status="done", routed_to="general"
-    )
-    part = await seed_inbox(
-        conn,
-        external_id="al-2",
-        text="",
-        status="done",
-        classified_via="album",
-        meta={"album": "g", "album_of": first},
-    )
+    first, part = await seed_album(conn)
     rows = await call(switchboard, "inbox_list")
     assert [(r["id"], r["album_of"]) for r in rows] == [(part, first), (first, None)]
     print_inbox(rows, None)
