@@ -417,6 +417,11 @@ EXCERPT_CHARS = 300
 _API_STATUS = re.compile(r"\b(401|403|429|529)\b")  # the statuses a known reason names
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
 
+# Where a variable must be for Claude Code's sessions to see it: `butlers up` reads no file.
+WHERE_BUTLERS_UP_READS = (
+    "in the environment `butlers up` starts with (a .env file counts once loaded into that "
+    "shell: set -a; . DIR/.env; set +a), then start it again"
+)
 RATE_LIMITED = (
     "the Messages API is rate-limiting Claude Code (429): more requests or tokens a minute than "
     "the account allows; run fewer sessions at once ([runtime] max_concurrent_sessions) or "
@@ -429,7 +434,7 @@ NO_CREDIT = (
 OVERLOADED = "the Messages API is overloaded (529): usually temporary; try again in a while"
 INVALID_KEY = (
     "the Messages API refused Claude Code's API key (401, invalid API key): check "
-    "ANTHROPIC_API_KEY (in the environment or .env)"
+    f"ANTHROPIC_API_KEY {WHERE_BUTLERS_UP_READS}"
 )
 
 
@@ -448,7 +453,7 @@ def claude_binary() -> str:
 
 def not_logged_in() -> str:
     return (
-        "Claude Code is not logged in: set ANTHROPIC_API_KEY (in the environment or .env), "
+        f"Claude Code is not logged in: set ANTHROPIC_API_KEY {WHERE_BUTLERS_UP_READS}, "
         f"or log in with `{claude_binary()} /login`"
     )
 

@@ -928,6 +928,27 @@ def butler_dirs(config_dir: Path) -> list[Path]:
     return sorted(p for p in config_dir.iterdir() if (p / CONFIG_FILENAME).is_file())
 
 
+def config_dir_problem(config_dir: Path) -> str | None:
+    """Why `config_dir` cannot be a config directory at all (missing, not a directory, not
+    ours to enter), with what to do; None when it is a directory. For `up`, `run` and
+    `doctor`, which all start from one."""
+    try:
+        exists, is_dir = config_dir.exists(), config_dir.is_dir()
+    except OSError as exc:  # a directory above it we may not enter
+        return (
+            f"cannot look at the config directory {config_dir}: {exc.strerror or exc}; fix "
+            "the permissions of the directories above it"
+        )
+    if not exists:
+        return (
+            f"the config directory {config_dir} does not exist: create one with "
+            f"`butlers init {config_dir}`, or name yours with --config-dir"
+        )
+    if not is_dir:
+        return f"{config_dir} is not a directory: name a config directory with --config-dir"
+    return None
+
+
 def load_config_dir(config_dir: Path, placement: Placement = Placement()) -> FleetConfig:
     """Load every butler under `config_dir`; a broken one is skipped, never fatal, and its
     error returned (not logged: the caller reports it, once).

@@ -95,7 +95,24 @@ def _describe(detail: ErrorDetails, model: type, style: _Style) -> tuple[str, st
     got = f"got {_shown(given)}"
     if place.item is not None:
         got = f"item {place.item} is {_shown(given)}"
+    if _quoted_scalar(kind, given):
+        got += ", a string: write it without the quotes"
     return place.key, f"expected {expected}, {got}"
+
+
+def _quoted_scalar(kind: str, given: Any) -> bool:
+    """A number or a boolean written in quotes (`port = "8101"`): TOML makes it a string, and
+    "expected a port number between 1 and 65535, got '8101'" reads as a contradiction."""
+    if not isinstance(given, str) or kind not in ("int_type", "float_type", "bool_type"):
+        return False
+    text = given.strip()
+    if kind == "bool_type":
+        return text in ("true", "false")
+    try:
+        (int if kind == "int_type" else float)(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _place(model: type, loc: Sequence[int | str], by_alias: bool) -> _Place:

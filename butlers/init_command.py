@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from butlers.claude_code import claude_binary
 from butlers.errors import CommandError
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ DEFAULT_TOKEN_ENV = "TELEGRAM_BOT_TOKEN"
 DEFAULT_MAIL_USER_ENV = "BUTLERS_EMAIL_USER"  # EmailConfig.username_env's default
 DEFAULT_MAIL_PASSWORD_ENV = "BUTLERS_EMAIL_PASSWORD"
 AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
+DATA_DIR_ENV = "BUTLERS_DATA_DIR"
 ANTHROPIC_KEY_ENV = "ANTHROPIC_API_KEY"
 
 # The one-time code that pairs the owner's chat: no 0/O, 1/I to misread; 32**8 = 2**40.
@@ -486,9 +488,15 @@ class EnvEntry:
     comment: str
 
 
-def env_entries(answers: Answers, environ: Mapping[str, str]) -> list[EnvEntry]:
+def env_entries(answers: Answers, environ: Mapping[str, str], target: Path) -> list[EnvEntry]:
     """Every variable the written config refers to, with the value typed, else the one this
-    environment has, else none. BUTLERS_AUTH_TOKEN is generated when there is none."""
+    environment has, else none. BUTLERS_AUTH_TOKEN is generated when there is none.
+
+    BUTLERS_DATA_DIR too, DIR/.butlers unless the environment names one: its default
+    (.butlers) is relative to the directory `butlers up` starts in, so a config started from
+    the checkout would otherwise share the databases of the example fleet there (a
+    newcomer's `general` answering with the example's state, its registry listing the
+    example's butlers as stale)."""
 
     def value(name: str) -> str | None:
         return answers.typed_secrets.get(name) or environ.get(name) or None
@@ -526,7 +534,13 @@ def env_entries(answers: Answers, environ: Mapping[str, str]) -> list[EnvEntry]:
             ANTHROPIC_KEY_ENV,
             value(ANTHROPIC_KEY_ENV),
             "Claude Code's credentials: an Anthropic API key, or leave it out and log in once "
-            "with the bundled claude (/login).",
+            f"with {claude_binary()} (/login).",
+        ),
+        EnvEntry(
+            DATA_DIR_ENV,
+            environ.get(DATA_DIR_ENV) or str(target / ".butlers"),
+            "Where this config's PostgreSQL data and sessions' files live (not a secret: its "
+            "own, whatever directory `butlers up` starts in).",
         ),
     ]
     return entries
@@ -537,9 +551,10 @@ def env_text(target: Path, entries: list[EnvEntry]) -> str:
     all read it: a value is bare or in single quotes, where none of them interprets anything.
     A value none of them would read back as it is (a quote, a line break) is refused."""
     lines = [
-        "# Secrets of the butlers in this directory, written by `butlers init` (mode 0600: keep",
-        "# it so, and out of version control). `butlers up` reads secrets from the environment",
-        "# only: load this file into the shell that runs butlers commands:",
+        "# Secrets of the butlers in this directory, and where their data lives, written by",
+        "# `butlers init` (mode 0600: keep it so, and out of version control). `butlers up`",
+        "# reads them from the environment only: load this file into the shell that runs",
+        "# butlers commands:",
         f"#   set -a; . {shlex.quote(str(target / '.env'))}; set +a",
         '# A line starting with "#NAME=" is not set yet: fill in its value and remove the "#".',
     ]
@@ -663,7 +678,7 @@ def next_steps(target: Path, answers: Answers, entries: list[EnvEntry]) -> str:
         lines.append(
             f"  {step}. Fill in {target / '.env'}: {', '.join(unset)} (remove the # before each)."
             + (
-                f" Or leave {ANTHROPIC_KEY_ENV} out and log in once with claude."
+                f" Or leave {ANTHROPIC_KEY_ENV} out and log in once: {claude_binary()} /login"
                 if ANTHROPIC_KEY_ENV in unset
                 else ""
             )
@@ -671,8 +686,9 @@ def next_steps(target: Path, answers: Answers, entries: list[EnvEntry]) -> str:
         step += 1
     if not answers.owner_chat_id and not answers.owner_email:
         lines.append(
-            f"  {step}. Nobody may write to the butlers yet: run init again, or set "
-            f"[switchboard.owner] and the allowlists in {target / 'switchboard' / 'butler.toml'}."
+            f"  {step}. Nobody may write to the butlers yet: set [switchboard.owner] and the "
+            f"allowlists in {target / 'switchboard' / 'butler.toml'} (or remove {target} and "
+            "run init again, giving the owner)."
         )
         step += 1
     lines += [
@@ -1024,7 +1040,7 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         print("\nStopped: nothing was written.", file=sys.stderr, flush=True)
         raise
     complete_mail(answers)
-    entries = env_entries(answers, settings.environ)
+    entries = env_entries(answers, settings.environ, target)
     files = await asyncio.to_thread(config_files, answers)
     await asyncio.to_thread(write_config, target, files, env_text(target, entries))
     print(next_steps(target, answers, entries))

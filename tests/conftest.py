@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import asyncpg
+import croniter  # noqa: F401 - see below
 import pytest
 
 # What the fixtures use is imported where they use it: this module is loaded first by every
@@ -160,6 +161,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         proc = _PROC_TESTS.get(item.path.name, frozenset())
         if proc & {"*", item.name, getattr(item, "originalname", item.name)}:
             item.add_marker("proc")
+
+
+# croniter's import asks `platform.architecture()`, which runs `file -b` on the interpreter:
+# imported above, with this module, so the first schedule parsed by a fast-lane test is not a
+# process (test_config's failed so when it came first in its worker).
 
 
 class _ProcessGuard:

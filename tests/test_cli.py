@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -244,10 +245,34 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
 ) -> None:
     ports = copy_shipped_config(tmp_path / "config")
+    # A butler with a config error, and a .env (as `butlers init` writes) not loaded.
+    (tmp_path / "config" / "broken").mkdir()
+    (tmp_path / "config" / "broken" / "butler.toml").write_text("[butler]\nname = 3\n")
+    env_file = tmp_path / "config" / ".env"
+    env_file.write_text("TELEGRAM_BOT_TOKEN=123:abc\n")
     up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
     processes.append(up)
     await up.start()
     await up.wait_ready()  # (how long it takes: bench/startup.py, bench/cli_startup.py)
+    # Under the ready table, what it does not show (printed long before, or not at all).
+    await up.wait_stderr("warning: the client commands")
+    warnings = [line for line in up.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: not started: broken (its config error is above)",
+        "warning: switchboard: telegram is not running (skipped: TELEGRAM_BOT_TOKEN not set); "
+        f"if it is in {env_file}, load that before starting: set -a; . {env_file}; set +a",
+        "warning: switchboard: email is not running (skipped: BUTLERS_EMAIL_USER, "
+        f"BUTLERS_EMAIL_PASSWORD not set); if it is in {env_file}, load that before starting: "
+        f"set -a; . {env_file}; set +a",
+        "warning: the client commands (ask, inbox, log...) look for the switchboard at "
+        "http://127.0.0.1:8100/sse; for this one: export BUTLERS_SWITCHBOARD_URL="
+        f"http://127.0.0.1:{ports['switchboard']}/sse (or pass --url)",
+    ], up.stderr
+    # The data directory it made is closed to others (as root, passable by PostgreSQL's
+    # account: its data lies below).
+    data_dir = Path(cli_env["BUTLERS_DATA_DIR"])
+    mode = stat.S_IMODE(os.stat(data_dir).st_mode)
+    assert mode == (0o711 if os.geteuid() == 0 else 0o700), oct(mode)
     steps = ("Initialising PostgreSQL in", "Migrating 4 databases...", "Starting 4 butlers...")
     await up.wait_stderr(steps[-1])
     assert all(step in up.stderr for step in steps), up.stderr  # a cold start's steps
@@ -286,6 +311,29 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     assert await again.stop(signal.SIGINT) == 0
     assert "Traceback" not in again.stderr, again.stderr
     assert _postgres_on(pgdata) == []
+
+
+async def test_up_without_its_switchboard_says_nothing_takes_messages(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """The switchboard's butler.toml broken (a typo): the others start, and under the ready
+    table `up` says that no message is taken, not only the config error scrolled away above."""
+    ports = copy_shipped_config(tmp_path / "config")
+    toml = tmp_path / "config" / "switchboard" / "butler.toml"
+    toml.write_text(toml.read_text().replace("[switchboard]", "[switchbord]", 1))
+    up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    processes.append(up)
+    await up.start()
+    await up.wait_ready()
+    await up.wait_stderr("warning: no switchboard is running")
+    assert f"http://127.0.0.1:{ports['general']}/sse" in up.stdout
+    assert f"http://127.0.0.1:{ports['switchboard']}/sse" not in up.stdout
+    warnings = [line for line in up.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: not started: switchboard (its config error is above)",
+        "warning: no switchboard is running: no message is taken (Telegram, email, `butlers ask`)",
+    ], up.stderr
+    assert await up.stop(signal.SIGINT) == 0
 
 
 async def test_a_second_fleet_with_a_port_offset_shares_postgresql_and_the_switchboard(

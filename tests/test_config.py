@@ -522,7 +522,11 @@ def test_flood_limits_are_runtime_keys(tmp_path: Path) -> None:
     for key, value, problem in [
         ("min_schedule_interval_s", "-1", "expected an integer >= 0, got -1"),
         ("max_scheduled_runs_per_hour", "1.5", "expected an integer >= 0, got 1.5"),
-        ("max_spend_usd_per_day", '"5"', "expected a number >= 0, got '5'"),
+        (
+            "max_spend_usd_per_day",
+            '"5"',
+            "expected a number >= 0, got '5', a string: write it without the quotes",
+        ),
     ]:
         path.write_text(f'[butler]\nname = "x"\nport = 1\n[runtime]\n{key} = {value}\n')
         with pytest.raises(ConfigError) as excinfo:

@@ -26,7 +26,8 @@ def test_a_config_error_is_printed_once(tmp_path: Path) -> None:
     result = butlers("db", "upgrade", "--config-dir", str(tmp_path / "config"), cwd=tmp_path)
     assert result.returncode == 1
     expected = (
-        f"error: {broken}: butler.port: expected a port number between 1 and 65535, got '8103'; "
+        f"error: {broken}: butler.port: expected a port number between 1 and 65535, got '8103', "
+        "a string: write it without the quotes; "
         "also runtime.max_turn: unknown key, did you mean 'max_turns'? (butler skipped)"
     )
     assert result.stderr.count(str(broken)) == 1, result.stderr
@@ -51,3 +52,23 @@ def test_a_missing_default_butler_stops_butlers_run_naming_it(tmp_path: Path) ->
     assert result.stderr.count(str(front)) == 1
     assert "no loadable butler named 'frontdoor'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_up_on_a_config_directory_that_is_not_there_says_what_to_do(tmp_path: Path) -> None:
+    """A mistyped --config-dir (a newcomer's `~/my-butler` for `~/my-butlers`) is one line
+    that names the directory and the way out, not a butler "skipped"; a file there too."""
+    missing = tmp_path / "my-butler"
+    result = butlers("up", "--config-dir", str(missing), cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: the config directory {missing} does not exist: create one with "
+        f"`butlers init {missing}`, or name yours with --config-dir"
+    ], result.stderr
+    a_file = tmp_path / "butler.toml"
+    a_file.write_text('[butler]\nname = "x"\n')
+    result = butlers("up", "--config-dir", str(a_file), cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: {a_file} is not a directory: name a config directory with --config-dir"
+    ], result.stderr
+    assert not (tmp_path / "data").exists()  # refused before anything was made

@@ -220,6 +220,16 @@ async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
     data.chmod(0o700)
     checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
     assert checks["data-dir"].status == "ok"
+    # Passable but not readable: what `butlers up` makes as root, where the embedded
+    # PostgreSQL's own account must pass; for anyone else a warning still.
+    data.chmod(0o711)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["data-dir"].status == ("ok" if os.geteuid() == 0 else "warn")
+    checks = await doctor(
+        config,
+        base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", DATABASE_URL="postgresql://127.0.0.1:1/d"),
+    )
+    assert checks["data-dir"].status == "warn"  # no embedded server: nobody needs to pass
 
 
 # -- who can write, and mail ------------------------------------------------------------------

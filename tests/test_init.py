@@ -170,6 +170,9 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     assert variables["BUTLERS_EMAIL_PASSWORD"] == MAIL_PASSWORD
     assert variables["BUTLERS_EMAIL_USER"] == "butler@example.com"
     assert variables["ANTHROPIC_API_KEY"] is None  # named, for the owner to fill in
+    # Its own data, whatever directory `butlers up` starts in (the default, .butlers, is
+    # relative: started from the checkout it was the example fleet's databases).
+    assert variables["BUTLERS_DATA_DIR"] == str(target / ".butlers")
     auth_token = variables["BUTLERS_AUTH_TOKEN"]
     assert auth_token and len(auth_token) >= 32
     secrets = [SECRET_TOKEN, MAIL_PASSWORD, auth_token]
@@ -334,11 +337,16 @@ async def test_up_starts_what_init_wrote(
         "777",
         "--telegram-api-base-url",
         bot_api.url,
-        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token),
+        # A data directory named in the environment is the one .env keeps (here, one the
+        # embedded PostgreSQL's account can reach when the tests run as root).
+        env=_env(TELEGRAM_BOT_TOKEN=bot_api.token, BUTLERS_DATA_DIR=cli_env["BUTLERS_DATA_DIR"]),
     )
     assert init.code == 0, init.stderr
     env = {k: v for k, v in cli_env.items() if not k.startswith(("TELEGRAM_", "ANTHROPIC_"))}
-    env.update({k: v for k, v in _env_file(target / ".env").items() if v is not None})
+    written = _env_file(target / ".env")
+    assert written["BUTLERS_DATA_DIR"] == cli_env["BUTLERS_DATA_DIR"]
+    env = {k: v for k, v in env.items() if k != "BUTLERS_DATA_DIR"}  # only .env names it
+    env.update({k: v for k, v in written.items() if v is not None})
     offset = _port_offset(2)
 
     up = Butlers("up", "--config-dir", str(target), "--port-offset", str(offset), "--json", env=env)

@@ -121,10 +121,14 @@ def _unreachable(url: str, exc: BaseException) -> str:
     if "401" in text:
         return (
             f"the switchboard at {url} answered 401 Unauthorized: set BUTLERS_AUTH_TOKEN to "
-            "the switchboard's token"
+            "the switchboard's token (a config `butlers init` wrote keeps it in DIR/.env: "
+            "set -a; . DIR/.env; set +a)"
         )
     cause = text.removeprefix("Client failed to connect: ")
-    return f"cannot reach the switchboard at {url}: is `butlers up` running? ({cause})"
+    return (
+        f"cannot reach the switchboard at {url}: is `butlers up` running? ({cause}); one "
+        "listening elsewhere (--port-offset, another host): --url or BUTLERS_SWITCHBOARD_URL"
+    )
 
 
 TRACE_ID = re.compile(r"[0-9a-f]{32}")

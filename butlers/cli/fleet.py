@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import shlex
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -36,11 +37,24 @@ DEFAULT_CONFIG_DIR = Path("config/butlers")
 def select_configs(
     config_dir: Path, only: Sequence[str] | None, settings: Settings
 ) -> list[ButlerConfig]:
-    from butlers.config import Placement, load_config_dir
+    """The butlers to start: every one that loads (or those of `only`). Each config error is
+    printed, and that butler left out."""
+    return _selection(config_dir, only, settings)[0]
 
+
+def _selection(
+    config_dir: Path, only: Sequence[str] | None, settings: Settings
+) -> tuple[list[ButlerConfig], list[str]]:
+    """select_configs, and the names of the butlers left out for their config errors (of
+    those asked for)."""
+    from butlers.config import CONFIG_FILENAME, Placement, config_dir_problem, load_config_dir
+
+    if (problem := config_dir_problem(config_dir)) is not None:
+        raise CommandError(problem)
     fleet = load_config_dir(config_dir, Placement.from_environment(settings.environ))
     for error in fleet.errors:
         print(f"error: {error} (butler skipped)", file=sys.stderr)
+    broken = [e.path.parent.name for e in fleet.errors if e.path.name == CONFIG_FILENAME]
     if only:
         unknown = [name for name in only if fleet.get(name) is None]
         if unknown:
@@ -49,10 +63,19 @@ def select_configs(
                 f"no loadable butler named {', '.join(map(repr, unknown))} in {config_dir} "
                 f"(loadable: {known})"
             )
-        return [b for b in fleet.butlers if b.name in only]
+        return [b for b in fleet.butlers if b.name in only], []
     if not fleet.butlers:
         raise CommandError(f"no loadable butler in {config_dir}")
-    return list(fleet.butlers)
+    return list(fleet.butlers), broken
+
+
+def make_private_dir(directory: Path) -> None:
+    """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs), made 0700 when it
+    is missing; its parents as `mkdir -p` makes them."""
+    if not directory.exists():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
 
 
 def print_ready_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
@@ -63,6 +86,50 @@ def print_ready_table(daemons: Sequence[ButlerDaemon], db_description: str) -> N
     print(f"Butlers ready ({db_description}):")
     print_rows(rows, indent="  ")
     print("Press Ctrl-C to stop.", flush=True)
+
+
+def ready_warnings(
+    running: Sequence[ButlerDaemon],
+    not_loaded: Sequence[str],
+    config_dir: Path,
+    settings: Settings,
+    *,
+    whole_directory: bool = True,
+) -> list[str]:
+    """What the ready table does not say but a person starting the fleet must hear: a butler
+    left out for its config error (printed long before, scrolled away by start-up), no
+    switchboard (nothing takes messages), a channel that is not running (its variables
+    unset: often a .env not loaded), and where the client commands find a switchboard that
+    is not at their default address."""
+    from butlers.cli.client import DEFAULT_SWITCHBOARD_URL
+
+    notes = [f"not started: {name} (its config error is above)" for name in not_loaded]
+    switchboards = [d for d in running if d.config.is_switchboard]
+    if not switchboards and whole_directory:  # (`--only` leaves it to another process)
+        notes.append(
+            "no switchboard is running: no message is taken (Telegram, email, `butlers ask`)"
+        )
+    env_file = config_dir / ".env"
+    for daemon in running:
+        for module in daemon.context.module_statuses() if daemon.context else ():
+            if module.status not in ("skipped", "failed"):
+                continue
+            note = f"{daemon.config.name}: {module.name} is not running ({module.status}: "
+            note += f"{module.detail})"
+            if module.status == "skipped" and env_file.is_file():
+                note += (
+                    f"; if it is in {env_file}, load that before starting: "
+                    f"set -a; . {shlex.quote(str(env_file))}; set +a"
+                )
+            notes.append(note)
+    for daemon in switchboards:
+        if daemon.sse_url != (settings.switchboard_url or DEFAULT_SWITCHBOARD_URL):
+            notes.append(
+                f"the client commands (ask, inbox, log...) look for the switchboard at "
+                f"{settings.switchboard_url or DEFAULT_SWITCHBOARD_URL}; for this one: "
+                f"export BUTLERS_SWITCHBOARD_URL={daemon.sse_url} (or pass --url)"
+            )
+    return notes
 
 
 def ready_report(
@@ -127,7 +194,8 @@ async def serve(
     stop = asyncio.Event()
     install_stop_signals(stop)
     collect_as_a_server()
-    configs = (ports or PortChoice()).apply(select_configs(config_dir, only, settings))
+    selected, not_loaded = _selection(config_dir, only, settings)
+    configs = (ports or PortChoice()).apply(selected)
     from butlers.db import EmbeddedServer, running, server_for
 
     server = server_for(settings)
@@ -139,6 +207,9 @@ async def serve(
             if first
             else f"Starting PostgreSQL in {server.pgdata}..."
         )
+    if not isinstance(server, EmbeddedServer) or server.pgdata != server.requested_pgdata:
+        # Else the embedded server makes it, passable by its account as root.
+        await asyncio.to_thread(make_private_dir, settings.data_dir)
     async with contextlib.AsyncExitStack() as stack:
         # PostgreSQL starts in a worker thread (initdb alone takes most of a second) while this
         # one imports what the butlers need: on a cold start the two overlap.
@@ -171,6 +242,8 @@ async def serve(
                 strict=strict,
                 as_json=as_json,
                 port_offset=(ports or PortChoice()).offset,
+                not_loaded=not_loaded,
+                only=only,
             )
     return 0
 
@@ -187,6 +260,8 @@ async def _serve_fleet(
     strict: bool,
     as_json: bool,
     port_offset: int = 0,
+    not_loaded: Sequence[str] = (),
+    only: Sequence[str] | None = None,
 ) -> None:
     from butlers.daemon import start_fleet, stop_fleet
 
@@ -213,6 +288,11 @@ async def _serve_fleet(
             print(json.dumps(ready, ensure_ascii=False), flush=True)
         else:
             print_ready_table(report.running, server.description)
+        notes = ready_warnings(
+            report.running, not_loaded, config_dir, settings, whole_directory=not only
+        )
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         # What the start built lives as long as the fleet: out of the collector's way, so its
         # collections while serving walk only what requests create (bench/route_instructions.py
         # measures it).

@@ -24,7 +24,9 @@ logger = logging.getLogger("butlers.db")
 
 
 def _make_missing_dirs(directory: Path) -> list[Path]:
-    """mkdir -p, returning the directories it created (outermost first)."""
+    """mkdir -p, returning the directories it created (outermost first), each 0700: they
+    hold the data (`doctor` warns of a data directory others may enter); as root the caller
+    opens them for passing through."""
     missing: list[Path] = []
     while not directory.exists() and directory != directory.parent:
         missing.append(directory)
@@ -32,7 +34,7 @@ def _make_missing_dirs(directory: Path) -> list[Path]:
     created = []
     for path in reversed(missing):
         try:
-            os.mkdir(path)
+            os.mkdir(path, 0o700)
         except FileExistsError:
             continue
         except OSError as exc:

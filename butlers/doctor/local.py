@@ -89,6 +89,16 @@ def data_dir(subject: Subject) -> list[Check]:
         return [ok("data-dir", f"{directory} does not exist yet (`butlers up` makes it)")]
     except OSError as exc:
         return [fail("data-dir", f"cannot look at {directory}: {exc.strerror}")]
+    passing = stat.S_IXGRP | stat.S_IXOTH
+    if _embedded_as_root(subject) and mode & 0o077 & ~passing == 0 and mode & passing:
+        return [
+            ok(
+                "data-dir",
+                f"{directory} is closed to other users but for passing through "
+                f"({stat.filemode(mode)}), which the embedded PostgreSQL's own account needs "
+                "as root",
+            )
+        ]
     if mode & (stat.S_IROTH | stat.S_IXOTH):
         return [
             warn(
@@ -98,6 +108,12 @@ def data_dir(subject: Subject) -> list[Check]:
             )
         ]
     return [ok("data-dir", f"{directory} is closed to other users ({stat.filemode(mode)})")]
+
+
+def _embedded_as_root(subject: Subject) -> bool:
+    """As root the embedded PostgreSQL runs as an account of its own, which must pass
+    through the directories above its data (`butlers up` opens those it makes for that)."""
+    return os.geteuid() == 0 and subject.settings.database_url is None
 
 
 # -- ports ------------------------------------------------------------------------------------

@@ -160,31 +160,11 @@ def load_subject(
 
 def _load_fleet(config_dir: Path, placement: Placement) -> tuple[FleetConfig, list[Check]]:
     """The butlers of `config_dir`, and the checks of what did not load."""
-    from butlers.config import FleetConfig, load_config_dir
+    from butlers.config import FleetConfig, config_dir_problem, load_config_dir
 
     nothing = FleetConfig((), ())
-    try:
-        exists, is_dir = config_dir.exists(), config_dir.is_dir()
-    except OSError as exc:  # a directory above it we may not enter
-        return nothing, [
-            fail(
-                "config",
-                f"cannot look at the config directory {config_dir}: {exc.strerror or exc}; fix "
-                "the permissions of the directories above it",
-            )
-        ]
-    if not exists:
-        return nothing, [
-            fail(
-                "config",
-                f"the config directory {config_dir} does not exist: create one with "
-                f"`butlers init {config_dir}`, or name yours with --config-dir",
-            )
-        ]
-    if not is_dir:
-        return nothing, [
-            fail("config", f"{config_dir} is not a directory: name a config directory")
-        ]
+    if (problem := config_dir_problem(config_dir)) is not None:
+        return nothing, [fail("config", problem)]
     try:
         fleet = load_config_dir(config_dir, placement)
     except OSError as exc:
