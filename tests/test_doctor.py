@@ -376,6 +376,26 @@ async def test_a_wrong_bot_token_fails_online_without_printing_it(
     assert "HTTP Request" in err  # the DEBUG log did run: it was redacted, not silent
 
 
+async def test_a_bot_api_that_cannot_be_reached_says_what_failed_underneath(
+    tmp_path: Path,
+) -> None:
+    """No network (here: nothing listens on the Bot API's port): the line says what failed
+    (the connection refused), where to look, and never the token."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    config = fleet_dir(
+        tmp_path, telegram=f'api_base_url = "http://127.0.0.1:{port}"\nallowed_chat_ids = ["1"]'
+    )
+    token = f"123456:SECRET{uuid.uuid4().hex}"
+    checks = await doctor(config, base_env(tmp_path, TELEGRAM_BOT_TOKEN=token), online=True)
+    found = checks["telegram"]
+    assert found.status == "fail"
+    assert f"the Bot API at http://127.0.0.1:{port} could not be reached (" in found.detail
+    assert "ConnectError" in found.detail and "HTTPS_PROXY" in found.detail, found.detail
+    assert token not in found.detail and "SECRET" not in found.detail
+
+
 async def test_the_bot_token_and_webhook_state_online(
     tmp_path: Path, telegram_api: BotApiWithWebhookInfo
 ) -> None:

@@ -75,7 +75,7 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
     """getMe proves the token; getWebhookInfo says whether Telegram's idea of the mode
     matches ours."""
     from telegram import Bot
-    from telegram.error import InvalidToken, TelegramError
+    from telegram.error import InvalidToken, NetworkError, TelegramError
     from telegram.request import HTTPXRequest
 
     from butlers.modules.telegram import TOKEN_REFUSALS
@@ -107,6 +107,15 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
                     "token from @BotFather again",
                 )
             ]
+        except NetworkError as exc:  # TimedOut too: nothing answered
+            return [
+                fail(
+                    "telegram",
+                    f"the Bot API at {base} could not be reached ({_network_cause(exc, token)}): "
+                    "check this machine's network (a proxy: HTTPS_PROXY), or [modules.telegram] "
+                    "api_base_url",
+                )
+            ]
         except TelegramError as exc:
             return [
                 fail(
@@ -126,6 +135,15 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
     finally:
         for request in requests:
             await request.shutdown()
+
+
+def _network_cause(exc: Exception, token: str) -> str:
+    """What failed underneath python-telegram-bot's NetworkError (httpx's error: "[Errno 111]
+    Connection refused", a name that does not resolve, a timeout), without the token a URL in
+    it could carry."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+    text = str(cause).replace(token, "<token>").splitlines()
+    return f"{type(cause).__name__}: {text[0]}" if text and text[0] else type(cause).__name__
 
 
 def _webhook_state(config: TelegramConfig, registered: str, last_error: str | None) -> Check:
