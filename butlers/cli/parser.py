@@ -123,22 +123,33 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "from --dir.",
     )
     gateway.set_defaults(run=gateway_command)
-    gateway.add_argument("--transport", choices=("stdio", "sse", "http"), default="stdio")
+    gateway.add_argument(
+        "--transport",
+        choices=("stdio", "sse", "http"),
+        default="stdio",
+        help="stdio for a host that starts it (default), or sse / http to listen",
+    )
     gateway.add_argument("--host", default="127.0.0.1", help="for sse/http (default 127.0.0.1)")
     gateway.add_argument("--port", type=int, default=8110, help="for sse/http (default 8110)")
     gateway.add_argument(
-        "--dir", type=Path, default=Path("."), help="where gateway.toml and the .mcp.json globs are"
+        "--dir",
+        type=Path,
+        default=Path("."),
+        help="where gateway.toml and the .mcp.json globs are (default .)",
     )
     gateway.add_argument(
         "--url",
         default=settings.switchboard_url or DEFAULT_SWITCHBOARD_URL,
-        help="the switchboard whose registry lists the butlers",
+        help="the switchboard whose registry lists the butlers (default "
+        "BUTLERS_SWITCHBOARD_URL, else http://127.0.0.1:8100/sse)",
     )
     gateway.add_argument("--no-butlers", action="store_true", help="only the .mcp.json servers")
     gateway.add_argument(
         "--lazy", action="store_true", help="start children on first use, not all at start"
     )
-    gateway.add_argument(
+    # What it does instead of serving: one or the other.
+    instead = gateway.add_mutually_exclusive_group()
+    instead.add_argument(
         "--report",
         action="store_true",
         help="print what a host loads (bytes, tokens): every server directly vs the gateway's "
@@ -157,7 +168,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         help="suite tools, only gateway_* until activation, both, or search (gateway_search, "
         "gateway_describe, gateway_call) (default: gateway.toml's mode, else suite)",
     )
-    gateway.add_argument(
+    instead.add_argument(
         "--dry-run",
         action="store_true",
         help="start every child, list its state and subtools, and exit (1 if one is in error)",
@@ -302,7 +313,11 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     limit_arg(memory)
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
-    for command in [*commands.choices.values(), *db_commands.choices.values()]:
+    for command in [
+        *commands.choices.values(),
+        *db_commands.choices.values(),
+        *actions.choices.values(),
+    ]:
         log_options(command, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
     return parser
 
