@@ -439,6 +439,32 @@ async def test_an_albums_first_message_waits_for_the_rest(stores: Stores) -> Non
     assert row is not None and len(row["meta"]["attachments"]) == 3
 
 
+async def test_a_dropped_part_ends_the_wait_for_it(stores: Stores) -> None:
+    """The first message was told more would come (an hour's wait); the part that came next
+    was refused once downloaded: dropped, it sets the wait as a part would, and nothing of
+    the first message changes. A part of no waiting album, or put back for a while, does
+    nothing to it."""
+    first = await stores.inbox.accept(album_part(1, text="look"), None, album_wait_s=HOUR)
+    assert first is not None and await claimed_id(stores) is None
+    dropped = album_part(2, text="refused", data=b"MZ")
+    assert await stores.inbox.album_part_dropped(replace(dropped, attachments=()), -1)
+    row = await stores.inbox.get(first)
+    assert row is not None and row["text"] == "look"
+    assert [a["name"] for a in row["meta"]["attachments"]] == ["p1.png"]
+    assert "voice" not in row["meta"]
+    assert await claimed_id(stores) == first
+    # No album waiting (the first is claimed now), or no album at all: nothing to do.
+    assert not await stores.inbox.album_part_dropped(album_part(3), -1)
+    assert not await stores.inbox.album_part_dropped(replace(album_part(4), album=None), -1)
+    # A first message put back for an hour keeps its hour.
+    assert await stores.inbox.defer(first, replica="r1", delay_s=HOUR, error="svc down")
+    assert await stores.inbox.album_part_dropped(album_part(5), -1)
+    assert await claimed_id(stores) is None
+    # Nothing of the dropped part was stored: its channel id is free.
+    plain = replace(dropped, album=None, attachments=(), conversation="telegram:2")
+    assert await stores.inbox.accept(plain, None) is not None
+
+
 async def test_a_full_first_message_waits_for_no_more_parts(stores: Stores) -> None:
     """More photos were said to follow, but the first message took all it may: the next part
     starts a message of its own, and the full one may start now."""

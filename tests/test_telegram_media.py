@@ -166,6 +166,30 @@ async def test_an_albums_video_is_not_counted_as_more_to_come(bot_api: FakeBotAP
     assert len(worker.accepted) == 2
 
 
+async def test_an_album_part_refused_once_downloaded_is_said_to_be_dropped(
+    bot_api: FakeBotAPI,
+) -> None:
+    """Photo, then a "photo" whose bytes are a program: counted as coming (its stated type
+    is a photo), so the first knew of more; refused once its bytes came, it is handed on as
+    dropped (its album, no file), so the first need not wait the longer wait for it."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        ids = await bot_api.push_album(CHAT, [png(100), EXE])
+        first = await worker.wait_for(str(ids[0]))
+        await settled(bot_api, ids[1])
+        [reply] = await bot_api.wait_sent(1)
+    assert first.album_more  # it was told one more would come
+    assert [m.external_id for m in worker.accepted] == [str(ids[0])]
+    [dropped] = worker.dropped
+    assert (dropped.external_id, dropped.album, dropped.attachments) == (
+        str(ids[1]),
+        first.album,
+        (),
+    )
+    assert not dropped.album_more and dropped.conversation == first.conversation
+    assert "cannot read it" in reply["text"]
+
+
 async def test_an_album_that_comes_one_update_at_a_time_knows_of_no_more(
     bot_api: FakeBotAPI,
 ) -> None:

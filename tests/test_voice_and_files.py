@@ -214,6 +214,27 @@ async def test_an_album_waits_for_a_photo_whose_download_is_tried_again(
     assert len(bot_api.sent) == 1
 
 
+async def test_an_album_does_not_wait_for_a_photo_refused_once_downloaded(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """A photo, then a "photo" whose bytes are a program, in one getUpdates answer: the first
+    was told one more would come (the longer wait, 30 s), but the second is refused once its
+    bytes came, so the first waits no longer for it: the sender hears why the second was not
+    read, and the first is answered within the usual wait (here: well before 30 s)."""
+    scripted_api.respond_with(by_words)
+    await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    program = b"MZ\x90\x00\x03\x00\x00\x00\x04\x00\x00\x00\xff\xff" + bytes(200)
+    await bot_api.push_album(CHAT, [png(8, 8), program], caption="Which?")
+    refusal, reply = await bot_api.wait_sent(2, timeout_s=20)
+    assert "cannot read it" in refusal["text"]
+    assert reply["text"] == "general answered"
+    [routed] = butler_requests(scripted_api, "general")
+    assert len([b for b in blocks(routed) if b["type"] == "image"]) == 1
+
+
 async def test_a_pdf_reaches_the_butler_as_a_document(
     start_butler: StartButler,
     tmp_path: Path,

@@ -26,7 +26,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
@@ -398,47 +398,59 @@ class TelegramModule:
         if not self.allowed(chat_id) and not await self._paired(chat_id):
             await self._stranger(message, chat_id)
             return
-        attachments: tuple[Attachment, ...] = ()
-        if not message.text:
-            try:
-                file = self._file_of(message)
-                if file is None:
-                    await self._best_effort(chat_id, TEXT_ONLY)
-                    return
-                attachments = (await self._download(file),)
-            except AttachmentRefused as exc:
-                logger.info(
-                    "telegram: chat %s: a file was not read: %s",
-                    chat_id,
-                    exc,
-                    extra={"action": "attachment_refused"},
-                )
-                await self._best_effort(chat_id, str(exc))
-                return
         user = message.from_user
         meta: dict[str, Any] = {"message_id": message.message_id}
-        if any(a.kind == "audio" for a in attachments):
-            meta["voice"] = True  # the worker transcribes it: the transcript is the message
         if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
             meta["reply_to_message_id"] = message.reply_to_message.message_id
         # A forum group's topics are separate conversations.
         topic = message.message_thread_id if message.is_topic_message else None
-        conversation = f"telegram:{chat_id}" + (f":{topic}" if topic else "")
-        await self.worker.accept(
-            IncomingMessage(
-                channel="telegram",
-                external_id=str(update.update_id),
-                text=message.text or message.caption or "",
-                source_id=chat_id,
-                sender_name=user.full_name if user else None,
-                meta=meta,
-                conversation=conversation,
-                attachments=attachments,
-                # An album's photos come as a message each: the inbox answers them as one.
-                album=message.media_group_id if attachments else None,
-                album_more=album_more,
-            )
+        incoming = IncomingMessage(
+            channel="telegram",
+            external_id=str(update.update_id),
+            text=message.text or message.caption or "",
+            source_id=chat_id,
+            sender_name=user.full_name if user else None,
+            meta=meta,
+            conversation=f"telegram:{chat_id}" + (f":{topic}" if topic else ""),
+            album_more=album_more,
         )
+        if message.text:
+            await self.worker.accept(incoming)
+            return
+        try:
+            file = self._file_of(message)
+        except AttachmentRefused as exc:  # by its stated type or size: nothing fetched
+            await self._say_not_read(chat_id, exc)
+            return
+        if file is None:
+            await self._best_effort(chat_id, TEXT_ONLY)
+            return
+        try:
+            attachment = await self._download(file)
+        except AttachmentRefused as exc:  # by the bytes that came
+            if message.media_group_id:
+                # Its album counted it as coming (`_album_goes_on`): it need not wait for it.
+                await self.worker.album_part_dropped(
+                    replace(incoming, album=message.media_group_id)
+                )
+            await self._say_not_read(chat_id, exc)
+            return
+        if attachment.kind == "audio":  # the worker transcribes it: the transcript is the message
+            incoming = replace(incoming, meta={**meta, "voice": True})
+        await self.worker.accept(
+            # An album's photos come as a message each: the inbox answers them as one.
+            replace(incoming, attachments=(attachment,), album=message.media_group_id)
+        )
+
+    async def _say_not_read(self, chat_id: str, refusal: AttachmentRefused) -> None:
+        """A file not read: logged, and the sender told why."""
+        logger.info(
+            "telegram: chat %s: a file was not read: %s",
+            chat_id,
+            refusal,
+            extra={"action": "attachment_refused"},
+        )
+        await self._best_effort(chat_id, str(refusal))
 
     def _album_goes_on(self, update: Update, later: Sequence[Update]) -> bool:
         """Whether `update` is a photo of an album with more in `later` that will be stored:

@@ -151,6 +151,21 @@ class InboxStore:
             ],
         )
 
+    async def album_part_dropped(self, message: IncomingMessage, wait_s: float) -> bool:
+        """A part of an album that will not be stored (its file was refused once downloaded):
+        the album's first message, while it still waits queued, waits `wait_s` from now, as
+        for a part that came (InboxQueue.album_part_dropped)."""
+        if message.album is None or message.conversation is None:
+            return False
+        key = (message.channel, storable(message.conversation), storable(message.album))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql.INBOX_ALBUM_LOCK, *key)
+            first = await conn.fetchrow(sql.INBOX_ALBUM_FIRST, *key)
+            if first is None:
+                return False
+            await conn.execute(sql.INBOX_ALBUM_JOIN, first["id"], "", [], False, wait_s)
+        return True
+
     async def _accept_album_part(
         self,
         message: IncomingMessage,

@@ -238,6 +238,19 @@ class MemoryInboxStore:
     def _after(self, seconds: float) -> datetime:
         return self.database.clock() + timedelta(seconds=seconds)
 
+    async def album_part_dropped(self, message: IncomingMessage, wait_s: float) -> bool:
+        if message.album is None or message.conversation is None:
+            return False
+        first = self._album_first(message)
+        if first is None:
+            return False
+        first["not_before"] = (
+            max(first["not_before"] or self._after(0), self._after(wait_s))
+            if "deferred_since" in first["meta"]
+            else self._after(wait_s)
+        )
+        return True
+
     def _album_first(self, message: IncomingMessage) -> dict[str, Any] | None:
         """The newest queued first message of `message`'s album (channel, conversation,
         album) whose voice notes were not heard yet."""

@@ -157,6 +157,8 @@ INBOX_ALBUM_PART = """
 # seconds from now (the latest part says how long the rest of the album may take; from the
 # clock, not the transaction's start, which may have waited for the album's lock). A message
 # put back for a while (its voice service failing: "deferred_since") is not brought forward.
+# A part that will not come (its file refused once downloaded) joins nothing ($2 '', $3 no
+# files, $4 false): it only sets the wait, as a part that came would.
 INBOX_ALBUM_JOIN = """
     UPDATE inbox SET
         text = CASE WHEN $2 = '' THEN text WHEN text = '' THEN $2 ELSE text || E'\n' || $2 END,

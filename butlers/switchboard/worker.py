@@ -156,6 +156,14 @@ class InboxWorker:
                 asyncio.get_running_loop().call_later(album_wait_s + 0.05, self._wake.set)
         return inbox_id
 
+    async def album_part_dropped(self, message: IncomingMessage) -> None:
+        """A part of an album its channel refused once downloaded (`message`: the part as it
+        would have been stored): the album's first message waits for it no longer
+        (InboxQueue.album_part_dropped), and starts when the parts that did come allow."""
+        wait_s = ALBUM_MORE_WAIT_S if message.album_more else ALBUM_WAIT_S
+        if await self.inbox.album_part_dropped(message, wait_s) and not message.album_more:
+            asyncio.get_running_loop().call_later(wait_s + 0.05, self._wake.set)
+
     def wake(self) -> None:
         """Look at the queue now (a message was queued by other means, e.g. a retry)."""
         self._wake.set()

@@ -508,6 +508,7 @@ class RecordingWorker:
     ) -> None:
         self.limits = limits or SwitchboardConfig()
         self.accepted: list[IncomingMessage] = []
+        self.dropped: list[IncomingMessage] = []  # album parts refused once downloaded
         self.inbox = _Inbox()
         self.fail_when = fail_when
         self._changed = asyncio.Event()
@@ -518,6 +519,10 @@ class RecordingWorker:
         self.accepted.append(message)
         self._changed.set()
         return len(self.accepted)
+
+    async def album_part_dropped(self, message: IncomingMessage) -> None:
+        self.dropped.append(message)
+        self._changed.set()
 
     @property
     def ids(self) -> list[str]:
