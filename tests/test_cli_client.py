@@ -135,11 +135,12 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
 
     jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
     missing = "00000000-0000-0000-0000-000000000000"
-    by_row, by_trace_id, as_json, not_an_id, no_row = await asyncio.gather(  # at once
+    by_row, by_trace_id, as_json, not_an_id, an_inbox_id, no_row = await asyncio.gather(
         run_cli("trace", row["id"], "--url", url, token="cli-token"),
         run_cli("trace", row["trace_id"].upper(), env=jaeger),  # no switchboard
         run_cli("trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger),
         run_cli("trace", "not-an-id"),
+        run_cli("trace", "1"),  # a newcomer's guess: the inbox's ID column
         run_cli("trace", missing, "--url", url, token="cli-token"),
     )
     code, out, err = by_row
@@ -155,6 +156,9 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
 
     code, _, err = not_an_id
     assert code == 1 and "neither a trace id (32 hex characters) nor a routing_log id" in err
+    assert "butlers log" not in err  # the hint is for what looks like an inbox id
+    code, _, err = an_inbox_id
+    assert code == 1 and "an inbox message's trace is in `butlers log` (TRACE, by INBOX)" in err
     code, _, err = no_row
     assert code == 1 and f"no routing_log row with id {missing}" in err
 

@@ -145,8 +145,15 @@ async def _trace(target: SwitchboardTarget, ref: str, jaeger_ui_url: str) -> dic
         try:
             uuid.UUID(ref)
         except ValueError:
+            hint = (
+                ": an inbox message's trace is in `butlers log` (TRACE, by INBOX) or "
+                "`butlers inbox --json` (trace_url)"
+                if ref.isdigit()
+                else ""
+            )
             raise CommandError(
-                f"{ref!r} is neither a trace id (32 hex characters) nor a routing_log id (a UUID)"
+                f"{ref!r} is neither a trace id (32 hex characters) nor a routing_log id (a "
+                f"UUID){hint}"
             ) from None
         route = await call_switchboard(target, "routing_log_entry", {"id": ref})
         trace_id = route.get("trace_id")
