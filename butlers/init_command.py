@@ -538,12 +538,21 @@ def env_entries(answers: Answers, environ: Mapping[str, str], target: Path) -> l
         ),
         EnvEntry(
             DATA_DIR_ENV,
-            environ.get(DATA_DIR_ENV) or str(target / ".butlers"),
+            _writable(environ.get(DATA_DIR_ENV) or str(target / ".butlers")),
             "Where this config's PostgreSQL data and sessions' files live (not a secret: its "
             "own, whatever directory `butlers up` starts in).",
         ),
     ]
     return entries
+
+
+UNWRITABLE = "'\n\r"  # what no .env reader takes back as it is, in single quotes or bare
+
+
+def _writable(value: str) -> str | None:
+    """`value`, unless .env cannot carry it as it is (see env_text): then None, a line for
+    the owner to fill in, rather than refusing the whole config for a directory's name."""
+    return None if any(c in value for c in UNWRITABLE) else value
 
 
 def env_text(target: Path, entries: list[EnvEntry]) -> str:
@@ -559,7 +568,7 @@ def env_text(target: Path, entries: list[EnvEntry]) -> str:
         '# A line starting with "#NAME=" is not set yet: fill in its value and remove the "#".',
     ]
     for entry in entries:
-        if entry.value is not None and any(c in entry.value for c in "'\n\r"):
+        if entry.value is not None and any(c in entry.value for c in UNWRITABLE):
             raise CommandError(
                 f"the value of {entry.name} holds a quote or a line break, which .env cannot "
                 "carry as it is for every reader: set it in the environment instead (nothing "

@@ -396,6 +396,29 @@ async def test_a_bot_api_that_cannot_be_reached_says_what_failed_underneath(
     assert token not in found.detail and "SECRET" not in found.detail
 
 
+async def test_a_bot_api_answering_an_error_of_its_own_is_not_quoted(tmp_path: Path) -> None:
+    """A broken or hostile `api_base_url` answering 500 with a description of its choosing
+    (part of the token, a terminal's escape sequences): the line names the error's kind,
+    never the server's text, and does not say it could not be reached."""
+    token = f"123456:AAHdq{uuid.uuid4().hex}"
+    said = f"\x1b[2J\x1b]0;pwned\x07 key {token.split(':')[1][:20]}"
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"ok": False, "error_code": 500, "description": said}, status=500)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner, url = await serve_on_loopback(app)
+    try:
+        config = fleet_dir(tmp_path, telegram=f'api_base_url = "{url}"\nallowed_chat_ids = ["1"]')
+        checks = await doctor(config, base_env(tmp_path, TELEGRAM_BOT_TOKEN=token), online=True)
+    finally:
+        await runner.cleanup()
+    found = checks["telegram"]
+    assert found.status == "fail"
+    assert found.detail == f"the Bot API at {url} did not answer getMe: NetworkError"
+
+
 async def test_the_bot_token_and_webhook_state_online(
     tmp_path: Path, telegram_api: BotApiWithWebhookInfo
 ) -> None:

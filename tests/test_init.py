@@ -187,6 +187,18 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     assert f"butlers up --config-dir {target}" in init.stdout
 
 
+async def test_a_directory_whose_name_env_cannot_carry_is_left_for_the_owner(
+    tmp_path: Path,
+) -> None:
+    """A quote in the config directory's path: .env cannot carry DIR/.butlers as it is, so
+    that one line is left for the owner to fill in; the config is written all the same."""
+    target = tmp_path / "it's mine"
+    init = await _init(str(target), "--non-interactive", "--owner-chat-id", "1")
+    assert init.code == 0, init.stderr
+    assert _env_file(target / ".env")["BUTLERS_DATA_DIR"] is None  # `#BUTLERS_DATA_DIR=`
+    assert "BUTLERS_DATA_DIR" in init.stdout  # among what to fill in
+
+
 async def test_env_is_private_even_under_a_permissive_umask(tmp_path: Path) -> None:
     """.env is created 0600 (not written and then narrowed): under umask 000 too."""
     target = tmp_path / "open"

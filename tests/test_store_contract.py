@@ -460,6 +460,14 @@ async def test_a_dropped_part_ends_the_wait_for_it(stores: Stores) -> None:
     assert await stores.inbox.defer(first, replica="r1", delay_s=HOUR, error="svc down")
     assert await stores.inbox.album_part_dropped(album_part(5), -1)
     assert await claimed_id(stores) is None
+    # A full first message (max_files) waits for no part: a dropped one lets it start now.
+    full = await stores.inbox.accept(
+        album_part(6, album="g3", conversation="telegram:3"), None, album_wait_s=HOUR, max_files=1
+    )
+    assert full is not None
+    seventh = album_part(7, album="g3", conversation="telegram:3")
+    assert await stores.inbox.album_part_dropped(seventh, HOUR, max_files=1)
+    assert await claimed_id(stores) == full
     # Nothing of the dropped part was stored: its channel id is free.
     plain = replace(dropped, album=None, attachments=(), conversation="telegram:2")
     assert await stores.inbox.accept(plain, None) is not None

@@ -107,16 +107,18 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
                     "token from @BotFather again",
                 )
             ]
-        except NetworkError as exc:  # TimedOut too: nothing answered
-            return [
-                fail(
-                    "telegram",
-                    f"the Bot API at {base} could not be reached ({_network_cause(exc, token)}): "
-                    "check this machine's network (a proxy: HTTPS_PROXY), or [modules.telegram] "
-                    "api_base_url",
-                )
-            ]
         except TelegramError as exc:
+            # NetworkError (TimedOut too) from httpx: nothing answered. Else the server did.
+            cause = _connection_failure(exc, token) if isinstance(exc, NetworkError) else None
+            if cause is not None:
+                return [
+                    fail(
+                        "telegram",
+                        f"the Bot API at {base} could not be reached ({cause}): check this "
+                        "machine's network (a proxy: HTTPS_PROXY), or [modules.telegram] "
+                        "api_base_url",
+                    )
+                ]
             return [
                 fail(
                     "telegram", f"the Bot API at {base} did not answer getMe: {type(exc).__name__}"
@@ -137,13 +139,20 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
             await request.shutdown()
 
 
-def _network_cause(exc: Exception, token: str) -> str:
-    """What failed underneath python-telegram-bot's NetworkError (httpx's error: "[Errno 111]
-    Connection refused", a name that does not resolve, a timeout), without the token a URL in
-    it could carry."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-    text = str(cause).replace(token, "<token>").splitlines()
-    return f"{type(cause).__name__}: {text[0]}" if text and text[0] else type(cause).__name__
+def _connection_failure(exc: Exception, token: str) -> str | None:
+    """What failed underneath python-telegram-bot's NetworkError when it is httpx's own
+    error (the connection refused, a name that does not resolve, a timeout), without the
+    token a URL in it could carry and without control characters; None when the server
+    answered (its own text is not ours to print: a broken or hostile `api_base_url` could
+    put anything there)."""
+    import httpx
+
+    cause = exc.__cause__
+    if not isinstance(cause, (httpx.HTTPError, httpx.InvalidURL)):
+        return None
+    text = str(cause).replace(token, "<token>").partition("\n")[0]
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 def _webhook_state(config: TelegramConfig, registered: str, last_error: str | None) -> Check:

@@ -151,7 +151,9 @@ class InboxStore:
             ],
         )
 
-    async def album_part_dropped(self, message: IncomingMessage, wait_s: float) -> bool:
+    async def album_part_dropped(
+        self, message: IncomingMessage, wait_s: float, *, max_files: int | None = None
+    ) -> bool:
         """A part of an album that will not be stored (its file was refused once downloaded):
         the album's first message, while it still waits queued, waits `wait_s` from now, as
         for a part that came (InboxQueue.album_part_dropped)."""
@@ -163,7 +165,10 @@ class InboxStore:
             first = await conn.fetchrow(sql.INBOX_ALBUM_FIRST, *key)
             if first is None:
                 return False
-            await conn.execute(sql.INBOX_ALBUM_JOIN, first["id"], "", [], False, wait_s)
+            if max_files is not None and first["files"] >= max_files:
+                await conn.execute(sql.INBOX_ALBUM_FULL, first["id"])  # it waits for no part
+            else:
+                await conn.execute(sql.INBOX_ALBUM_JOIN, first["id"], "", [], False, wait_s)
         return True
 
     async def _accept_album_part(

@@ -238,12 +238,18 @@ class MemoryInboxStore:
     def _after(self, seconds: float) -> datetime:
         return self.database.clock() + timedelta(seconds=seconds)
 
-    async def album_part_dropped(self, message: IncomingMessage, wait_s: float) -> bool:
+    async def album_part_dropped(
+        self, message: IncomingMessage, wait_s: float, *, max_files: int | None = None
+    ) -> bool:
         if message.album is None or message.conversation is None:
             return False
         first = self._album_first(message)
         if first is None:
             return False
+        if max_files is not None and len(first["meta"].get("attachments", [])) >= max_files:
+            if "deferred_since" not in first["meta"]:  # full: it waits for no part
+                first["not_before"] = min(first["not_before"] or self._after(0), self._after(0))
+            return True
         first["not_before"] = (
             max(first["not_before"] or self._after(0), self._after(wait_s))
             if "deferred_since" in first["meta"]

@@ -85,14 +85,17 @@ class InboxQueue(Protocol):
         message is stored as the first of its album."""
         ...
 
-    async def album_part_dropped(self, message: IncomingMessage, wait_s: float) -> bool:
+    async def album_part_dropped(
+        self, message: IncomingMessage, wait_s: float, *, max_files: int | None = None
+    ) -> bool:
         """A part of an album (`message.album`, with a conversation) that will not be stored:
         its file was refused once downloaded (a type not read, a size not told). The album's
         first message, if one still waits queued to take parts (as `accept` finds it), is not
         claimed before `wait_s` from now, as if the part had come with nothing: its text,
-        files and voice flag unchanged, a wait put back for its voice service kept. True when
-        there was one. Without this, a first message told that more would come waited the
-        longer wait for a part that never did."""
+        files and voice flag unchanged, a wait put back for its voice service kept; one that
+        is full (`max_files`) waits for no part, as `accept` has it. True when there was
+        one. Without this, a first message told that more would come waited the longer wait
+        for a part that never did."""
         ...
 
     async def record_failed(self, message: IncomingMessage, error: str) -> int | None:

@@ -161,7 +161,11 @@ class InboxWorker:
         would have been stored): the album's first message waits for it no longer
         (InboxQueue.album_part_dropped), and starts when the parts that did come allow."""
         wait_s = ALBUM_MORE_WAIT_S if message.album_more else ALBUM_WAIT_S
-        if await self.inbox.album_part_dropped(message, wait_s) and not message.album_more:
+        max_files = self.limits.max_attachments_per_message
+        if (
+            await self.inbox.album_part_dropped(message, wait_s, max_files=max_files)
+            and not message.album_more
+        ):
             asyncio.get_running_loop().call_later(wait_s + 0.05, self._wake.set)
 
     def wake(self) -> None:
