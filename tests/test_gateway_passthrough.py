@@ -545,6 +545,21 @@ async def test_two_prompts_with_the_same_prefixed_name_list_the_first_only(
     assert "'my'" in duplicate and "'my_docs'" in duplicate, duplicate
 
 
+@pytest.mark.proc  # its child is a process
+async def test_two_prompts_of_one_child_that_meet_in_one_name_are_told_apart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One child's "a:b" and "a/b" are both `twin_a_b`: the first it listed is served, and
+    the warning names each by the name it was listed under (not the server twice)."""
+    caplog.set_level(logging.WARNING, logger="butlers.gateway.passthrough")
+    async with gateway_host(tmp_path, [hostile_spec(tmp_path, "twin", "twins")]) as host:
+        assert await prompt_names(host.client) == {"twin_a_b"}
+        got = await host.client.get_prompt("twin_a_b", {})
+        assert getattr(got.messages[0].content, "text", None) == "a:b from twin"
+    [duplicate] = warned(caplog, "passthrough_duplicate")
+    assert "by 'twin' (as 'a:b') and by 'twin' (as 'a/b')" in duplicate, duplicate
+
+
 @pytest.mark.proc  # its children are processes
 async def test_a_childs_prompt_name_is_kept_to_what_a_command_may_hold(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

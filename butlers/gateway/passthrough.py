@@ -154,7 +154,7 @@ class PassThrough(Provider):
                 name = prompt_name(slot.spec.name, prompt["name"])
                 if not name:
                     _warn_unusable(self._warned, slot, "prompt", prompt, "no usable name")
-                elif self._first(listed.prompts, name, slot, "prompt"):
+                elif self._first(listed.prompts, name, slot, "prompt", as_listed=prompt["name"]):
                     listed.prompts[name] = (slot, prompt)
             for resource in _named(lists.resources, "uri"):
                 if self._first(listed.resources, resource["uri"], slot, "resource URI"):
@@ -163,23 +163,33 @@ class PassThrough(Provider):
         return listed
 
     def _first(
-        self, taken: dict[str, tuple[Slot, dict[str, Any]]], key: str, slot: Slot, what: str
+        self,
+        taken: dict[str, tuple[Slot, dict[str, Any]]],
+        key: str,
+        slot: Slot,
+        what: str,
+        *,
+        as_listed: str | None = None,
     ) -> bool:
-        """Whether `key` is new; if another child listed it first, that one keeps it (the
-        config's order) and this is said once."""
+        """Whether `key` is new; if another child, or another item of the same child, listed
+        it first, that one keeps it (the config's order, then the child's) and this is said
+        once. `as_listed`: the name this item was listed under, when `key` is made of it (a
+        prompt's sanitised name, where two of one child can meet): said beside the first's."""
         first = taken.get(key)
         if first is None:
             return True
         if (what, key) not in self._warned:
             self._warned.add((what, key))
+            kept, dropped = repr(first[0].spec.name), repr(slot.spec.name)
+            if as_listed is not None:
+                kept = f"{kept} (as {first[1].get('name')!r})"
+                dropped = f"{dropped} (as {as_listed!r})"
             logger.warning(
-                "%s %r is listed by %r and %r: %r's is used, %r's left out",
+                "%s %r is listed by %s and by %s: the first is used, the second left out",
                 what,
                 key,
-                first[0].spec.name,
-                slot.spec.name,
-                first[0].spec.name,
-                slot.spec.name,
+                kept,
+                dropped,
                 extra={"action": "passthrough_duplicate"},
             )
         return False

@@ -12,6 +12,7 @@ line to the file `HOSTILE_SEEN` (when set), so a test can count what the gateway
   slow_pages   prompts/list: new cursors, each page after 50 ms, 80 pages, then the end
   silent       never answers prompts/list
   bad_prompt   lists a prompt whose `arguments` is not a list, and a fine one
+  twins        two prompts whose names differ only where a command cannot hold them: "a:b", "a/b"
   forge        child-chosen text with line breaks: prompts/list fails with one in its message,
                resources/list has a URI holding one
   catchall     a template `{scheme}://{rest*}` (it matches every URI), no resources
@@ -55,6 +56,8 @@ def prompts_page(cursor: str | None) -> dict[str, Any] | None:
         return {"prompts": [{"name": f"p{page}_{i}"} for i in range(size)], **more}
     if MODE == "bad_prompt":
         return {"prompts": [{"name": "broken", "arguments": "bad"}, {"name": "fine"}]}
+    if MODE == "twins":
+        return {"prompts": [{"name": "a:b"}, {"name": "a/b"}]}
     return {"prompts": [{"name": PROMPT}]}
 
 
