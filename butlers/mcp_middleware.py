@@ -39,6 +39,7 @@ from mcp_types import CallToolRequestParams
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from butlers import __version__
 from butlers.telemetry import context_from_carrier
 from butlers.tool_errors import ToolRefusal
 
@@ -271,6 +272,7 @@ def butler_server(
     inlined in what it lists (ListingDereference, not FastMCP's per-message layer)."""
     return ButlerServer(
         name,
+        version=__version__,  # serverInfo: ours, not FastMCP's (its default)
         instructions=instructions,
         mask_error_details=True,
         middleware=[middleware, ListingDereference()],

@@ -21,6 +21,7 @@ from mcp import ClientSession
 from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from butlers import __version__ as VERSION
 from butlers.errors import ConfigError
 from butlers.gateway.children import parse_mcp_json
 from butlers.gateway.config import load_gateway_config
@@ -196,7 +197,10 @@ def mcp_json(directory: Path, name: str, *mock_args: str, **fields: Any) -> Path
     command = {
         "cmd": sys.executable,
         "args": [MOCK, *mock_args],
-        "env": {"MOCK_MCP_PIDS": str(directory / "pids")},
+        "env": {
+            "MOCK_MCP_PIDS": str(directory / "pids"),
+            "MOCK_MCP_CALLS": str(directory / "calls"),
+        },
     }
     spec = {"name": name, "command": command, **fields}
     (child / ".mcp.json").write_text(json.dumps(spec))
@@ -640,6 +644,70 @@ async def test_a_signal_stops_a_stdio_gateway_and_everything_it_started(
         if process.returncode is None:
             process.kill()
         _kill_left(descendants)
+
+
+@pytest.mark.proc  # the gateway and its child are processes
+async def test_a_host_gone_with_an_answer_pending_ends_the_gateway_quietly(tmp_path: Path) -> None:
+    """The host dies (both pipes closed) while a call waits on a child: the gateway has an
+    answer it cannot write. It ends with exit 0 and no traceback (it printed 60 lines of
+    BrokenPipeError and exited 1), and its child with it. Its serverInfo is ours."""
+    mcp_json(tmp_path, "plain", "--hang-on", "echo")
+    process = await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *("gateway", "--dir", str(tmp_path), "--no-butlers"),
+        env=_env(tmp_path),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    assert process.stderr is not None
+
+    def send(message: dict[str, Any]) -> None:
+        assert process.stdin is not None
+        process.stdin.write((json.dumps({"jsonrpc": "2.0", **message}) + "\n").encode())
+
+    try:
+        send(
+            {
+                "id": 1,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": "2025-06-18",
+                    "capabilities": {},
+                    "clientInfo": {"name": "dying-host", "version": "1"},
+                },
+            }
+        )
+        async with asyncio.timeout(30):
+            answer = json.loads(await process.stdout.readline())
+        assert answer["result"]["serverInfo"] == {"name": "butlers-gateway", "version": VERSION}
+        send({"method": "notifications/initialized"})
+        call = {"action": "call", "subtool": "echo", "args": {"message": "x"}}
+        send(
+            {"id": 2, "method": "tools/call", "params": {"name": "plain_suite", "arguments": call}}
+        )
+        await process.stdin.drain()
+        async with asyncio.timeout(30):
+            while not any("echo" in line for line in _calls(tmp_path)):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        pids = child_pids(tmp_path)
+        process._transport.get_pipe_transport(1).close()  # type: ignore[attr-defined]
+        process.stdin.close()
+        async with asyncio.timeout(30):
+            err = (await process.stderr.read()).decode()
+            assert await process.wait() == 0, err
+        assert "Traceback" not in err and "BrokenPipeError" not in err, err
+        assert await survivors(pids) == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def _calls(directory: Path) -> list[str]:
+    path = directory / "calls"
+    return path.read_text().splitlines() if path.exists() else []
 
 
 async def test_a_gateway_whose_input_is_not_a_pipe_ends_cleanly(tmp_path: Path) -> None:

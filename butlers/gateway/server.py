@@ -35,6 +35,7 @@ from fastmcp import FastMCP
 from fastmcp.tools.base import Tool, ToolResult
 from mcp_types import LoggingLevel
 
+from butlers import __version__
 from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
@@ -181,7 +182,10 @@ class Gateway:
         self.tracer = tracer  # None: no spans (tracing is off)
         self.wrapper = ClaudeWrapper(config, environ=environ, cli_env=cli_env, tracer=tracer)
         self._descriptions = load_descriptions(config.base_dir)
-        self.mcp = FastMCP("butlers-gateway", instructions=INSTRUCTIONS[self.mode])
+        # serverInfo names our version, not FastMCP's (its default).
+        self.mcp = FastMCP(
+            "butlers-gateway", version=__version__, instructions=INSTRUCTIONS[self.mode]
+        )
         self._tracker = HostTracker()
         self.mcp.add_middleware(self._tracker)
         self.passthrough = PassThrough(self)

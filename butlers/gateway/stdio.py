@@ -92,6 +92,22 @@ async def serve_stdio(mcp: FastMCP) -> None:
         async with mcp._lifespan_manager(), stdio_server(stdin=stdin) as (read, write):  # type: ignore[arg-type]
             server = mcp._mcp_server
             await server.run(read, write, server.create_initialization_options())
+    except* (BrokenPipeError, ConnectionResetError):
+        # The host went away (it crashed, or was killed) with an answer still to write: the
+        # end of its session, as the end of its input is, not a failure of ours.
+        logger.info("the host closed its end; stopping", extra={"action": "host_gone"})
+        _stdout_to_devnull()
     finally:
         reset_transport(token)
         stdin.close()
+
+
+def _stdout_to_devnull() -> None:
+    """Standard output onto /dev/null: the interpreter flushes it once more at exit, which
+    on the broken pipe would print "Exception ignored ... BrokenPipeError" (the Python
+    documentation's own advice for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
