@@ -298,9 +298,11 @@ async def test_the_gateway_serves_a_codex_config(tmp_path: Path) -> None:
         "--config",
         str(config),
     )
-    assert code == 0, out
+    assert code == 1, out  # a declared server left out: the check fails
     warning, listing = out.split("\n", 1)
     assert f"skipping {config}: mcp_servers.docs: ${{DOCS_TEAM}} is not set" in warning
+    [docs] = json.loads(listing)["skipped"]
+    assert docs["server"] == "docs" and "${DOCS_TEAM} is not set" in docs["error"]
     [notes] = json.loads(listing)["children"]
     assert (notes["name"], notes["state"]) == ("notes", "ready")
     assert [t["name"] for t in notes["subtools"]][:2] == ["echo", "add"]

@@ -290,3 +290,50 @@ async def test_tiktoken_from_its_cache_counts_real_tokens(project: Path) -> None
     assert "not Claude's tokenizer" in data["tokens"]["label"]
     encoding = tiktoken.get_encoding(name)
     assert data["listings"]["search"]["tokens"] == len(encoding.encode_ordinary(text))
+
+
+@pytest.mark.proc  # the gateway is a process
+async def test_dry_run_fails_on_what_it_could_not_read_and_on_a_wrong_dir(tmp_path: Path) -> None:
+    """--dry-run checks a config: a .mcp.json that is not JSON, a server missing its command,
+    and VS Code's shape in .mcp.json are each listed as skipped and make it exit 1 (it said
+    "0 children", exit 0); a --dir that is not there is an error, not an empty gateway."""
+    mcp_json(tmp_path, "plain")
+    broken = tmp_path / "mcps" / "broken"
+    broken.mkdir(parents=True)
+    (broken / ".mcp.json").write_text("{not json")
+    project = tmp_path / ".mcp.json"
+    project.write_text(json.dumps({"mcpServers": {"typo": {"comand": "x"}}}))
+    code, out, err = await run_cli(
+        "gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path), env=_env(tmp_path)
+    )
+    assert code == 1, (out, err)
+    assert out.splitlines()[0] == "mode: suite, 1 child"
+    skipped = [line for line in out.splitlines() if line.startswith("skipped: ")]
+    assert len(skipped) == 2, out
+    assert any(str(broken / ".mcp.json") in line for line in skipped), out
+    assert any(f"{project}: mcpServers.typo" in line for line in skipped), out
+    assert "plain (mcp, ready)" in out
+    assert "(only this server; the file's others are read)" in err  # the log says so too
+
+    project.write_text(json.dumps({"servers": {"x": {"command": "y"}}}))  # VS Code's
+    code, out, _ = await run_cli(
+        "gateway",
+        "--dry-run",
+        "--json",
+        "--no-butlers",
+        "--dir",
+        str(tmp_path),
+        env=_env(tmp_path),
+    )
+    assert code == 1
+    listed = json.loads(out)
+    assert [c["name"] for c in listed["children"]] == ["plain"]
+    [vscode] = [s for s in listed["skipped"] if str(project) in s["error"]]
+    assert "VS Code's shape (`servers`)" in vscode["error"] and vscode["server"] is None
+
+    for wrong, said in ((tmp_path / "nope", "no such directory"), (project, "not a directory")):
+        code, out, err = await run_cli(
+            "gateway", "--dry-run", "--no-butlers", "--dir", str(wrong), env=_env(tmp_path)
+        )
+        assert (code, out) == (1, ""), err
+        assert f"--dir {wrong}: {said}" in err and "Traceback" not in err

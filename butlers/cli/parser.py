@@ -171,7 +171,8 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     instead.add_argument(
         "--dry-run",
         action="store_true",
-        help="start every child, list its state and subtools, and exit (1 if one is in error)",
+        help="start every child, list its state and subtools, and exit (1 if one is in error "
+        "or a declared server was left out)",
     )
     gateway.add_argument(
         "--json", action="store_true", help="--report / --dry-run as JSON, for scripts"

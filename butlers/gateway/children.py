@@ -55,7 +55,9 @@ class Skipped:
 
 def log_skipped(skipped: Iterable[Skipped]) -> None:
     for problem in skipped:
-        logger.warning("skipping %s", problem.error, extra={"action": "child_invalid"})
+        # One server of a file: the file's others are read (the path leads the text).
+        rest = "" if problem.server is None else " (only this server; the file's others are read)"
+        logger.warning("skipping %s%s", problem.error, rest, extra={"action": "child_invalid"})
 
 
 def parse_mcp_json(path: Path) -> ChildSpec:

@@ -37,9 +37,11 @@ from butlers.http import require_token_beyond_loopback
 async def dry_run(
     options: GatewayOptions, fetch_registry: RegistryFetch | None, *, as_json: bool = False
 ) -> tuple[int, str]:
-    """Start every child, list each one's state and subtools (names and summaries), stop.
-    The exit code is 1 when a child is in error, so a script can check a config with it."""
-    gateway = await build_gateway(options, fetch_registry)
+    """Start every child, list each one's state and subtools (names and summaries), and what
+    was declared but left out (a file or a server that could not be read), stop. The exit
+    code is 1 when a child is in error or a declaration was left out, so a script can check
+    a config with it."""
+    gateway, skipped = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()
         children: list[dict[str, Any]] = []
@@ -63,10 +65,13 @@ async def dry_run(
             )
     finally:
         await gateway.close()
-    code = 1 if any(c["state"] == "error" for c in children) else 0
+    left_out = [{"server": s.server, "error": str(s.error)} for s in skipped]
+    code = 1 if left_out or any(c["state"] == "error" for c in children) else 0
     if as_json:
-        return code, json.dumps({"mode": gateway.mode, "children": children})
-    lines = [f"mode: {gateway.mode}, {len(children)} children"]
+        return code, json.dumps({"mode": gateway.mode, "children": children, "skipped": left_out})
+    count = f"{len(children)} {'child' if len(children) == 1 else 'children'}"
+    lines = [f"mode: {gateway.mode}, {count}"]
+    lines += [f"skipped: {s['error']}" for s in left_out]
     for child in children:
         head = f"{child['name']} ({child['kind']}, {child['state']})"
         if child["error"]:
@@ -286,7 +291,7 @@ async def token_report(
     (`as_json`) the same figures as one JSON object (shape: `_report_data`)."""
     if options.transport != "stdio":
         require_token_beyond_loopback("the gateway", options.host, options.auth_token)
-    gateway = await build_gateway(options, fetch_registry)
+    gateway, _ = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()
         listings = await _mode_listings(gateway, options)

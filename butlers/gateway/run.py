@@ -16,7 +16,7 @@ from mcp.shared.exceptions import MCPDeprecationWarning
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
-from butlers.gateway.children import ChildSpec, butler_children, log_skipped
+from butlers.gateway.children import ChildSpec, Skipped, butler_children, log_skipped
 from butlers.gateway.config import GatewayConfig, load_gateway_config
 from butlers.gateway.control import Mode
 from butlers.gateway.redaction import install_argument_redaction
@@ -56,7 +56,17 @@ class GatewayOptions:
     telemetry: ButlerTelemetry | None = None  # spans, when tracing is on
 
 
-async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch | None) -> Gateway:
+async def build_gateway(
+    options: GatewayOptions, fetch_registry: RegistryFetch | None
+) -> tuple[Gateway, list[Skipped]]:
+    """The gateway over every declared server, and what was declared but left out (a file,
+    or one server in it, that could not be read: logged here, listed by `--dry-run`)."""
+    if not options.directory.is_dir():  # else a typo serves nothing, and says nothing
+        raise ButlersError(
+            f"--dir {options.directory}: "
+            + ("not a directory" if options.directory.exists() else "no such directory")
+            + ": name the project whose .mcp.json (and gateway.toml) the gateway reads"
+        )
     config = load_gateway_config(options.directory)
     specs: list[ChildSpec] = []
     if fetch_registry is not None:
@@ -73,7 +83,7 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
     log_skipped(skipped)
     specs += declared
     telemetry = options.telemetry
-    return Gateway(
+    gateway = Gateway(
         config,
         specs,
         environ=options.environ,
@@ -83,6 +93,7 @@ async def build_gateway(options: GatewayOptions, fetch_registry: RegistryFetch |
         cli_env=telemetry.cli_env if telemetry is not None else None,
         directory=options.directory,  # roots/list: a child asking is given --dir
     )
+    return gateway, skipped
 
 
 def server_files(options: GatewayOptions, config: GatewayConfig) -> ServerFiles:
@@ -107,7 +118,7 @@ async def serve_gateway(
     # capability the 2026-07-28 revision deprecates (still delivered to a host that asks):
     # warned once per process otherwise, in the middle of the gateway's own log.
     warnings.filterwarnings("ignore", category=MCPDeprecationWarning, module="fastmcp")
-    gateway = await build_gateway(options, fetch_registry)
+    gateway, _ = await build_gateway(options, fetch_registry)
     install_argument_redaction(k for s in gateway.config.suites.values() for k in s.redact)
     reloading: asyncio.Task[None] | None = None
     try:

@@ -158,6 +158,14 @@ def _project_servers(
         try:
             data = _read_json(path)
             servers = data.get("mcpServers")
+            if servers is None and isinstance(data.get("servers"), dict):
+                raise ConfigError(
+                    path,
+                    "servers",
+                    "VS Code's shape (`servers`), where the gateway reads Claude Code's "
+                    "(`mcpServers`): keep it in .vscode/mcp.json and run `butlers gateway "
+                    "install --host vscode`, or rename the key",
+                )
             if servers is None:
                 continue  # a seed-000 file of one child (name, command): the globs' business
             specs += _servers(path, servers, environ, skipped, cwd=cwd)
