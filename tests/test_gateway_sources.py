@@ -51,6 +51,40 @@ def test_butlers_variables_are_never_expanded_anywhere_in_an_entry(
     assert TOKEN not in caplog.text and "http://y" not in caplog.text
 
 
+def test_cursor_and_vscode_variables_are_expanded_or_refused_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What `install --host cursor|vscode` moves keeps those editors' forms: `${env:VAR}`,
+    `${workspaceFolder}` and `${userHome}` are expanded (they reached the child as written);
+    `${input:...}`, which VS Code asks its user for, skips that server saying what to do; a
+    BUTLERS_ variable is refused in this form too; and a value is never expanded again."""
+    servers = {
+        "cursor": {
+            "command": "node",
+            "args": ["${workspaceFolder}/server.js"],
+            "env": {"X": "${env:HOME}", "Y": "${userHome}/y", "Z": "${env:TRICKY}"},
+        },
+        "vscode": {
+            "type": "http",
+            "url": "http://127.0.0.1:9/mcp",
+            "headers": {"Authorization": "Bearer ${input:tok}"},
+        },
+        "own": {"command": "node", "env": {"T": "${env:BUTLERS_AUTH_TOKEN}"}},
+    }
+    installed = tmp_path / ".butlers-gateway" / "cursor" / "servers.json"
+    installed.parent.mkdir(parents=True)
+    installed.write_text(json.dumps({"mcpServers": servers}))
+    environ = {"HOME": "/home/me", "TRICKY": "${HOME}", "BUTLERS_AUTH_TOKEN": TOKEN}
+    with caplog.at_level(logging.WARNING):
+        [cursor] = project_servers(tmp_path, environ)
+    assert cursor.args == (f"{tmp_path.resolve()}/server.js",)
+    assert cursor.env == {"X": "/home/me", "Y": "/home/me/y", "Z": "${HOME}"}
+    assert "mcpServers.vscode: ${input:tok} is a value VS Code asks its user for" in caplog.text
+    assert "write ${env:NAME}" in caplog.text
+    assert "mcpServers.own: ${BUTLERS_AUTH_TOKEN} is the gateway's own setting" in caplog.text
+    assert TOKEN not in caplog.text
+
+
 def test_a_codex_bearer_token_from_a_butlers_variable_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -54,7 +54,7 @@ from butlers.gateway.config import load_gateway_config, read_server_file
 from butlers.gateway.sources import ServerFiles
 
 STORE_NAME = "gateway-approvals.json"
-_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
+_VARIABLE = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)")  # ${VAR}, VS Code's ${env:VAR}
 _VERSION = 1
 
 

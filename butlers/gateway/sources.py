@@ -20,7 +20,11 @@ headers, as Claude Code does, from the gateway's environment; a variable that is
 has no default makes that server unusable (skipped, with a warning naming the file, the server
 and the variable), never the others. `${BUTLERS_*}` is never expanded: those are the gateway's
 own settings (its auth token among them), as `pass_env` refuses them; an entry that names one
-is skipped the same way (the variable's value is never shown). Each file is read as
+is skipped the same way (the variable's value is never shown). Cursor's and VS Code's own
+forms too, in what `install --host cursor|vscode` moved: `${env:VAR}` as `${VAR}`,
+`${workspaceFolder}` as --dir, `${userHome}` as HOME; `${input:...}` (a value VS Code asks
+its user for) cannot be asked here and skips that server, saying to use `${env:VAR}`. Each
+file is read as
 butlers.gateway.config.read_server_file reads it: a regular file of at most 1 MiB, else
 skipped with a warning naming it. An entry that runs this very gateway (`butlers gateway`,
 which `install` writes into `.mcp.json`) is left out: the gateway does not start itself.
@@ -53,7 +57,12 @@ INSTALLED_SERVERS = tuple(
     f"{INSTALL_DIR}/{host}/servers.json"
     for host in ("claude-code", "claude-desktop", "cursor", "vscode")
 )
-_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# ${VAR} and ${VAR:-default} (Claude Code's), and Cursor's and VS Code's ${env:VAR},
+# ${input:id}, ${workspaceFolder} and ${userHome}.
+_VARIABLE = re.compile(
+    r"\$\{(?:(env|input):([^}]*)|(workspaceFolder|userHome)|"
+    r"([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?)\}"
+)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The gateway's own settings: never expanded into a server's declaration.
 OWN_PREFIX = "BUTLERS_"
@@ -260,13 +269,17 @@ def _spec(
         raise InvalidChild(f"expected an object, got {type(entry).__name__}")
     if "httpUrl" in entry and "url" not in entry:  # Gemini CLI's streamable HTTP
         entry = {**entry, "url": entry["httpUrl"], "type": "http"}
+
+    def expand(text: str) -> str:
+        return _expand(text, environ, workspace=cwd)
+
     try:
         if "url" in entry or entry.get("type") in ("http", "sse", "streamable-http"):
             remote = RemoteServer.model_validate(entry)
             return ChildSpec(
                 name=name,
-                url=_expand(remote.url, environ),
-                headers={k: _expand(v, environ) for k, v in remote.headers.items()},
+                url=expand(remote.url),
+                headers={k: expand(v) for k, v in remote.headers.items()},
                 source=str(path),
             )
         stdio = StdioServer.model_validate(entry)
@@ -274,23 +287,43 @@ def _spec(
         first = exc.errors(include_url=False)[0]
         key = ".".join(str(part) for part in first["loc"]) or "entry"
         raise InvalidChild(f"{key}: {first['msg']}") from None
-    command = _expand(stdio.command, environ)
-    args = tuple(_expand(arg, environ) for arg in stdio.args)
+    command = expand(stdio.command)
+    args = tuple(expand(arg) for arg in stdio.args)
     if runs_this_gateway(command, args):
         return None
     return ChildSpec(
         name=name,
         cmd=command,
         args=args,
-        env={k: _expand(v, environ) for k, v in stdio.env.items()},
+        env={k: expand(v) for k, v in stdio.env.items()},
         cwd=cwd,
         source=str(path),
     )
 
 
-def _expand(text: str, environ: Mapping[str, str]) -> str:
+def _expand(text: str, environ: Mapping[str, str], *, workspace: Path | None = None) -> str:
+    """`text` with its variables' values, in one pass (a value is never expanded again); the
+    module's docstring says which forms. InvalidChild naming a variable that has no value.
+    `workspace`: what `${workspaceFolder}` is (the project's directory), None where there is
+    none (a --config file's servers)."""
+
     def value(match: re.Match[str]) -> str:
-        variable, default = match.group(1), match.group(2)
+        kind, argument, editor, variable, default = match.groups()
+        if kind == "input":
+            raise InvalidChild(
+                f"${{input:{argument}}} is a value VS Code asks its user for, which the gateway "
+                "cannot: put it in the gateway's environment and write ${env:NAME}"
+            )
+        if kind == "env":
+            if not _NAME.fullmatch(argument):
+                raise InvalidChild(f"${{env:{argument}}} does not name a variable")
+            variable = argument
+        elif editor == "userHome":
+            return environ.get("HOME") or str(Path.home())
+        elif editor == "workspaceFolder":
+            if workspace is None:
+                raise InvalidChild("${workspaceFolder} is known only for a project's servers")
+            return str(workspace)
         if variable.startswith(OWN_PREFIX):
             raise InvalidChild(
                 f"${{{variable}}} is the gateway's own setting ({OWN_PREFIX}*), never expanded "
