@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -536,6 +537,38 @@ async def test_reinstall_over_an_edited_mcp_json_refuses_and_keeps_both(tmp_path
     assert "run `butlers gateway uninstall` first" in out and "Traceback" not in out
     assert _tree(project) == before  # the edit and the kept original both intact
     original = project / ".butlers-gateway" / "claude-code" / "original.json"
+    assert original.read_text() == ORIGINAL
+
+
+async def test_an_install_undone_by_hand_as_uninstall_advises_is_not_stuck(
+    tmp_path: Path,
+) -> None:
+    """Uninstall refuses over an edited `.mcp.json` and says how to put the original back;
+    done so, uninstall clears the gateway's record and a later install works (both refused
+    for ever before: "changed since install" / "edited since install")."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    mcp_json.write_text(ORIGINAL)
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    mcp_json.write_text(mcp_json.read_text().replace("butlers", "butlers-edited"))
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    original = project / ".butlers-gateway" / "claude-code" / "original.json"
+    assert code == 1 and f"put it back by hand (cp {original} {mcp_json})" in out, out
+
+    shutil.copyfile(original, mcp_json)  # what the message says
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code == 0, out
+    assert "the original was already back; the gateway's record removed" in out
+    assert mcp_json.read_text() == ORIGINAL and not (project / ".butlers-gateway").exists()
+
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    shutil.copyfile(original, mcp_json)  # undone by hand again: install starts afresh
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    assert list(json.loads(mcp_json.read_text())["mcpServers"]) == ["butlers"]
     assert original.read_text() == ORIGINAL
 
 

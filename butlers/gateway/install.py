@@ -184,6 +184,8 @@ def _skill_root(directory: Path, host: Host, environ: Mapping[str, str]) -> Path
 
 def _take_over(place: Install) -> list[str]:
     current = place.config.read_bytes() if place.config.is_file() else None
+    if place.written.is_file() and _put_back_by_hand(place, current):
+        _forget(place)  # a record of an install that was undone: installed afresh below
     if place.written.is_file():
         if current == place.written.read_bytes():
             return [f"{place.config}: already installed, nothing changed"]
@@ -241,28 +243,53 @@ def _give_back(place: Install) -> list[str]:
     if not place.written.is_file():
         raise CommandError(f"{place.config}: the gateway is not installed there ({place.record})")
     current = place.config.read_bytes() if place.config.is_file() else None
+    if current != place.written.read_bytes() and _put_back_by_hand(place, current):
+        _forget(place)
+        return [f"{place.config}: the original was already back; the gateway's record removed"]
     if current != place.written.read_bytes():
+        original = place.original if place.original.is_file() else None
+        back = (
+            f"put it back by hand (cp {shlex.quote(str(original))} "
+            f"{shlex.quote(str(place.config))})"
+            if original is not None
+            else "remove it by hand (there was none before install)"
+        )
         raise CommandError(
             f"{place.config} was edited since `butlers gateway install`: not overwriting your "
-            f"edits. The original is {place.original}; put it back by hand, or undo the edit "
-            "and run uninstall again"
+            f"edits. To undo the install, {back} and run uninstall again, which then only "
+            "removes the gateway's record; or undo the edit and run uninstall again"
         )
     if place.absent.is_file():
         place.config.unlink()
-        for created in place.absent.read_text(encoding="utf-8").splitlines():
-            folder = Path(created)
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
         done = f"{place.config}: removed (there was none before install)"
     else:
         _replace(place.config, place.original.read_bytes())
         done = f"{place.config}: the original is back"
+    _forget(place)
+    return [done]
+
+
+def _put_back_by_hand(place: Install, current: bytes | None) -> bool:
+    """Whether the host's file is as it was before install (its original back, or no file
+    where there was none): an install undone by hand, whose record only is left."""
+    if place.absent.is_file():
+        return current is None
+    return place.original.is_file() and current == place.original.read_bytes()
+
+
+def _forget(place: Install) -> None:
+    """The record of one install, gone (the `.butlers-gateway` folders too, once empty), and
+    the folders it created for a host's file that was not there, if they are empty again."""
+    if place.absent.is_file():
+        for created in place.absent.read_text(encoding="utf-8").splitlines():
+            folder = Path(created)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
     for path in (place.servers, place.original, place.absent, place.written):
         path.unlink(missing_ok=True)
     for empty in (place.record, place.record.parent):
         if empty.is_dir() and not any(empty.iterdir()):
             empty.rmdir()
-    return [done]
 
 
 def _private_dir(record: Path) -> None:
