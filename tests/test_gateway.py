@@ -914,3 +914,32 @@ async def test_gateway_over_streamable_http_and_sigterm_ends_its_children(workdi
     finally:
         if process.returncode is None:
             process.kill()
+
+
+async def test_gateway_status_says_why_no_butlers_are_behind_it(tmp_path: Path) -> None:
+    """The switchboard was not reachable when the gateway started (the config install writes
+    does not pass --no-butlers): gateway_status, which the host's model reads (a host hides
+    the gateway's stderr), says so and what to do."""
+    from butlers.errors import CommandError
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    async def unreachable() -> list[dict[str, Any]]:
+        raise CommandError("cannot reach the switchboard at http://127.0.0.1:9/sse")
+
+    options = GatewayOptions(directory=tmp_path, environ={})
+    gateway, skipped = await build_gateway(options, unreachable)
+    try:
+        assert skipped == []
+        result = await gateway.mcp.call_tool("gateway_status", {})
+        [butlers] = [e for e in result.structured_content["result"] if e["name"] == "butlers"]
+        assert (butlers["state"], butlers["ready"]) == ("error", False)
+        assert "cannot reach the switchboard at http://127.0.0.1:9/sse" in butlers["error"]
+        assert "`butlers up`" in butlers["error"] and "--no-butlers" in butlers["error"]
+    finally:
+        await gateway.close()
+    gateway, _ = await build_gateway(options, None)  # --no-butlers: nothing to say
+    try:
+        result = await gateway.mcp.call_tool("gateway_status", {})
+        assert result.structured_content["result"] == []
+    finally:
+        await gateway.close()

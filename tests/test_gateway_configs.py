@@ -148,3 +148,25 @@ async def test_a_gateway_on_every_source_at_once(tmp_path: Path) -> None:
         f"child 'twice' from {tmp_path / 'mcps' / 'twice' / '.mcp.json'} ignored: the name is "
         f"taken by {flip}"
     ) in stderr
+
+
+async def test_a_suite_table_naming_no_server_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`[suites.alpah]` for the server `alpha`: its redaction would quietly apply to nothing;
+    the gateway says so at start, with the likely name. A table naming a server is silent."""
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    servers = {"alpha": {"command": "node"}, "beta": {"command": "node"}}
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    (tmp_path / "gateway.toml").write_text(
+        '[suites.alpah]\nredact = ["message"]\n[suites.beta]\nredact = ["message"]\n'
+    )
+    with caplog.at_level(logging.WARNING, logger="butlers.gateway.run"):
+        gateway, _ = await build_gateway(GatewayOptions(directory=tmp_path, environ={}), None)
+        await gateway.close()
+    warned = [r.getMessage() for r in caplog.records if getattr(r, "action", "") == "suite_unknown"]
+    assert warned == [
+        f"{tmp_path / 'gateway.toml'}: [suites.alpah] names no server behind the gateway (did "
+        "you mean 'alpha'?): its settings apply to nothing"
+    ]

@@ -4,6 +4,7 @@ when they change while it serves (butlers.gateway.reload)."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import warnings
 from collections.abc import Awaitable, Callable, Mapping
@@ -69,11 +70,16 @@ async def build_gateway(
         )
     config = load_gateway_config(options.directory)
     specs: list[ChildSpec] = []
+    butlers_missing = None
     if fetch_registry is not None:
         try:
             specs += butler_children(await fetch_registry())
         except ButlersError as exc:
             logger.warning("no butlers behind the gateway: %s", exc, extra={"action": "registry"})
+            butlers_missing = (
+                f"no butlers behind the gateway: {exc}; start the fleet (`butlers up`) and "
+                "restart this MCP server, or run it with --no-butlers"
+            )
     # Where a name comes twice, the first wins and the gateway warns, naming both files:
     # the butlers, --config, .mcp.json, what install moved, then the seed-000 globs.
     declared, skipped = server_files(options, config).read()
@@ -82,6 +88,7 @@ async def build_gateway(
             raise problem.error  # the file --config names must be readable (a reload: keeps)
     log_skipped(skipped)
     specs += declared
+    _warn_of_unknown_suites(config, [s.name for s in specs], options.directory)
     telemetry = options.telemetry
     gateway = Gateway(
         config,
@@ -93,7 +100,25 @@ async def build_gateway(
         cli_env=telemetry.cli_env if telemetry is not None else None,
         directory=options.directory,  # roots/list: a child asking is given --dir
     )
+    gateway.butlers_missing = butlers_missing
     return gateway, skipped
+
+
+def _warn_of_unknown_suites(config: GatewayConfig, servers: list[str], directory: Path) -> None:
+    """A `[suites.<name>]` of gateway.toml that names no server (a typo): its redaction,
+    pass_env or exposure would quietly apply to nothing."""
+    for name in config.suites:
+        if name in servers:
+            continue
+        close = difflib.get_close_matches(name, servers, n=1)
+        logger.warning(
+            "%s: [suites.%s] names no server behind the gateway (%s): its settings apply to "
+            "nothing",
+            directory / "gateway.toml",
+            name,
+            f"did you mean {close[0]!r}?" if close else f"servers: {', '.join(servers) or 'none'}",
+            extra={"action": "suite_unknown"},
+        )
 
 
 def server_files(options: GatewayOptions, config: GatewayConfig) -> ServerFiles:

@@ -194,6 +194,9 @@ class Gateway:
         # Servers a reload holds until a person approves them (butlers.gateway.reload): name
         # -> where declared and how to let it in. Listed by gateway_status; never started.
         self.pending: dict[str, str] = {}
+        # Why there are no butlers behind it, when the switchboard's registry could not be
+        # read at start (listed by gateway_status: a host hides the gateway's stderr).
+        self.butlers_missing: str | None = None
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
@@ -688,32 +691,51 @@ class Gateway:
         return {"deactivated": name, "removed": removed}
 
     async def _status(self, arguments: dict[str, Any]) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": slot.spec.name,
-                "kind": slot.spec.kind,
-                "state": slot.state,
-                "ready": slot.state in ("ready", "active"),
-                "active": slot.state == "active",
-                "error": slot.error,
-                "tools": len(slot.tools),
-                "suite": None if self.mode in ("activate", "search") else slot.suite_name,
-            }
-            for slot in self.slots.values()
-        ] + [
-            {
-                "name": name,
-                "kind": "mcp",
-                "state": "pending",
-                "ready": False,
-                "active": False,
-                "error": None,
-                "tools": 0,
-                "suite": None,
-                "detail": detail,
-            }
-            for name, detail in self.pending.items()
-        ]
+        return (
+            [
+                {
+                    "name": slot.spec.name,
+                    "kind": slot.spec.kind,
+                    "state": slot.state,
+                    "ready": slot.state in ("ready", "active"),
+                    "active": slot.state == "active",
+                    "error": slot.error,
+                    "tools": len(slot.tools),
+                    "suite": None if self.mode in ("activate", "search") else slot.suite_name,
+                }
+                for slot in self.slots.values()
+            ]
+            + [
+                {
+                    "name": name,
+                    "kind": "mcp",
+                    "state": "pending",
+                    "ready": False,
+                    "active": False,
+                    "error": None,
+                    "tools": 0,
+                    "suite": None,
+                    "detail": detail,
+                }
+                for name, detail in self.pending.items()
+            ]
+            + (
+                []
+                if self.butlers_missing is None
+                else [
+                    {
+                        "name": "butlers",
+                        "kind": "butler",
+                        "state": "error",
+                        "ready": False,
+                        "active": False,
+                        "error": self.butlers_missing,
+                        "tools": 0,
+                        "suite": None,
+                    }
+                ]
+            )
+        )
 
     # -- search mode ----------------------------------------------------------------------
 
