@@ -175,6 +175,10 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(parse_level(level))
+    # The handler keeps the level too: a library's filter may lower a record's level after
+    # its logger let it through (FastMCP's `to_client` logger turns every message it sends a
+    # host into DEBUG: a child's WARNING reached stderr as a DEBUG line at WARNING).
+    handler.setLevel(root.level)
     quiet = logging.DEBUG if root.level <= logging.DEBUG else logging.WARNING
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(quiet)

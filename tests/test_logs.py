@@ -7,7 +7,9 @@ and, inside a tool call, the trace and span ids.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from fastmcp import Client
 
+from butlers import logs
 from butlers.logs import LEVELS
 from tests.conftest import free_port, write_butler_dir
 from tests.test_cli import Butlers
@@ -118,3 +121,25 @@ async def test_text_lines_at_info_show_action_and_butler_and_no_debug(
     assert not [line for line in lines if " DEBUG " in line]
     assert "Handler called" not in run.stderr  # FastMCP's DEBUG record
     assert TOKEN not in run.stderr
+
+
+def test_a_record_a_library_lowers_below_the_level_is_not_printed() -> None:
+    """FastMCP's `to_client` logger lowers what a server sends its client to DEBUG after the
+    logger let it through at its own level: at WARNING, a child's warning forwarded to the
+    host printed "DEBUG fastmcp.server.context.to_client: Sending WARNING to client". Not any
+    more; at DEBUG it is there."""
+    import fastmcp
+    from fastmcp.server.context import to_client_logger
+
+    root, library = logging.getLogger(), logging.getLogger("fastmcp")
+    saved = (root.handlers[:], root.level, fastmcp.settings.log_enabled)
+    saved_library = (library.handlers[:], library.propagate, library.level)
+    try:
+        for level, shown in (("WARNING", False), ("DEBUG", True)):
+            stream = io.StringIO()
+            logs.configure_logging(level, "text", stream=stream)
+            to_client_logger.warning("Sending WARNING to client (alpha): half way there")
+            assert ("half way there" in stream.getvalue()) is shown, (level, stream.getvalue())
+    finally:  # the process's logging as it was (configure_logging adopted FastMCP's too)
+        root.handlers[:], root.level, fastmcp.settings.log_enabled = saved
+        library.handlers[:], library.propagate, library.level = saved_library
