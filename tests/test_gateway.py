@@ -943,3 +943,46 @@ async def test_gateway_status_says_why_no_butlers_are_behind_it(tmp_path: Path) 
         assert result.structured_content["result"] == []
     finally:
         await gateway.close()
+
+
+@pytest.mark.proc  # its child is a process
+async def test_a_server_that_fails_at_start_is_heard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that says why on stderr and exits (as most do: "missing API key"):
+    gateway_status keeps what it said, and the gateway's stderr shows the line naming the
+    server (it passed through unnamed, and the status said only that it exited)."""
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    said = "import sys; print('boom: missing \\x1b[2JAPI key', file=sys.stderr); sys.exit(3)"
+    servers = {"crasher": {"command": sys.executable, "args": ["-c", said]}}
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    gateway, _ = await build_gateway(GatewayOptions(directory=tmp_path, environ={}), None)
+    try:
+        await gateway.warm_all()
+        async with asyncio.timeout(10):
+            while True:
+                result = await gateway.mcp.call_tool("gateway_status", {})
+                [crasher] = result.structured_content["result"]
+                if crasher.get("stderr"):
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await gateway.close()
+    assert crasher["state"] == "error" and "exited" in crasher["error"]
+    assert crasher["stderr"] == ["boom: missing [2JAPI key"]  # no escape reaches a terminal
+    assert "[crasher] boom: missing [2JAPI key" in capsys.readouterr().err
+
+
+async def test_a_childs_stderr_is_read_on_past_a_line_too_long() -> None:
+    """A line over the reader's limit is left out and reading goes on (the reader ended on
+    it, and a child whose stderr pipe then filled would block on its next write)."""
+    from butlers.gateway.clients import StdioChild
+
+    reader = asyncio.StreamReader(limit=16)
+    reader.feed_data(b"x" * 100 + b"\nafter it\n")
+    reader.feed_eof()
+    said: list[str] = []
+    async with asyncio.timeout(5):
+        await StdioChild._read_stderr(reader, said.append)
+    assert said == ["(a line too long to show was left out)", "after it"]

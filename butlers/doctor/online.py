@@ -147,11 +147,12 @@ def _connection_failure(exc: Exception, token: str) -> str | None:
     put anything there)."""
     import httpx
 
+    from butlers.text import printable
+
     cause = exc.__cause__
     if not isinstance(cause, (httpx.HTTPError, httpx.InvalidURL)):
         return None
-    text = str(cause).replace(token, "<token>").partition("\n")[0]
-    text = "".join(c if c.isprintable() else "?" for c in text)
+    text = printable(str(cause).replace(token, "<token>").partition("\n")[0])
     return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 

@@ -19,6 +19,7 @@ import ctypes
 import itertools
 import logging
 import signal
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +37,9 @@ if TYPE_CHECKING:  # the http transports (aiohttp, FastMCP) load when a remote c
     from butlers.mcp_connection.streamable import FastMcpConnection
 
 logger = logging.getLogger(__name__)
+
+# A stdio child's last lines on stderr kept (StdioChild.said).
+STDERR_KEPT = 5
 
 CLIENT_INFO = {"name": "butlers-gateway", "version": __version__}
 # A child's word that its prompts or resources changed: the kind the gateway passes on.
@@ -261,6 +265,9 @@ class StdioChild(_Child):
         # None: the child's stderr is ours (the gateway's host shows it); else each line goes
         # here (a butler logs it, so that it is redacted like every other line).
         self.on_stderr = on_stderr
+        # Its last lines on stderr (when it goes to on_stderr): where a server that fails at
+        # start says why ("missing API key"), for whoever asks after it exited.
+        self.said: deque[str] = deque(maxlen=STDERR_KEPT)
         self._stderr_reader: asyncio.Task[None] | None = None
         self.environ = environ
         self.watchdog = watchdog  # ends its process group if the gateway is killed
@@ -411,7 +418,7 @@ class StdioChild(_Child):
             self.watchdog.watch(self._process.pid)
         if self.on_stderr is not None and self._process.stderr is not None:
             self._stderr_reader = asyncio.get_running_loop().create_task(
-                self._read_stderr(self._process.stderr, self.on_stderr),
+                self._read_stderr(self._process.stderr, self._heard),
                 name=f"child:{self.name}:stderr",
             )
         connection = StdioConnection(
@@ -433,8 +440,22 @@ class StdioChild(_Child):
 
     @staticmethod
     async def _read_stderr(stream: asyncio.StreamReader, say: Callable[[str], None]) -> None:
-        while line := await stream.readline():
+        """Every line, until the child closes its stderr. Reading must go on whatever comes:
+        a child whose stderr pipe is full blocks on its next write."""
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line over the reader's limit: dropped (asyncio drops it)
+                say("(a line too long to show was left out)")
+                continue
+            if not line:
+                return
             say(line.decode(errors="replace").rstrip())
+
+    def _heard(self, line: str) -> None:
+        self.said.append(line)
+        if self.on_stderr is not None:
+            self.on_stderr(line)
 
     def _exited(self, reason: str) -> None:
         if self.on_exit is not None:

@@ -25,6 +25,7 @@ import contextvars
 import functools
 import json
 import logging
+import sys
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ from butlers.gateway.wrapper import (
     instructions_for,
     load_descriptions,
 )
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -248,6 +250,9 @@ class Gateway:
                 pass_env=self.config.suite(spec.name).pass_env,
                 idle_timeout_s=self.config.suite(spec.name).idle_timeout_s,
                 initialize_timeout_s=rpc_s,  # a cold `npx -y` download is not a hung child
+                # Its stderr to ours as it was, each line naming it (several children
+                # share the host's log), and its last lines kept for gateway_status.
+                on_stderr=functools.partial(_relay_stderr, spec.name),
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
@@ -691,51 +696,38 @@ class Gateway:
         return {"deactivated": name, "removed": removed}
 
     async def _status(self, arguments: dict[str, Any]) -> list[dict[str, Any]]:
-        return (
-            [
+        """Every child's state, the servers a reload holds pending, and why no butlers are
+        behind the gateway when the switchboard could not be asked."""
+        entries = [self._slot_status(slot) for slot in self.slots.values()]
+        for name, detail in self.pending.items():
+            entries.append({**_NOT_RUNNING, "name": name, "state": "pending", "detail": detail})
+        if self.butlers_missing is not None:
+            entries.append(
                 {
-                    "name": slot.spec.name,
-                    "kind": slot.spec.kind,
-                    "state": slot.state,
-                    "ready": slot.state in ("ready", "active"),
-                    "active": slot.state == "active",
-                    "error": slot.error,
-                    "tools": len(slot.tools),
-                    "suite": None if self.mode in ("activate", "search") else slot.suite_name,
+                    **_NOT_RUNNING,
+                    "name": "butlers",
+                    "kind": "butler",
+                    "state": "error",
+                    "error": self.butlers_missing,
                 }
-                for slot in self.slots.values()
-            ]
-            + [
-                {
-                    "name": name,
-                    "kind": "mcp",
-                    "state": "pending",
-                    "ready": False,
-                    "active": False,
-                    "error": None,
-                    "tools": 0,
-                    "suite": None,
-                    "detail": detail,
-                }
-                for name, detail in self.pending.items()
-            ]
-            + (
-                []
-                if self.butlers_missing is None
-                else [
-                    {
-                        "name": "butlers",
-                        "kind": "butler",
-                        "state": "error",
-                        "ready": False,
-                        "active": False,
-                        "error": self.butlers_missing,
-                        "tools": 0,
-                        "suite": None,
-                    }
-                ]
             )
-        )
+        return entries
+
+    def _slot_status(self, slot: Slot) -> dict[str, Any]:
+        entry = {
+            "name": slot.spec.name,
+            "kind": slot.spec.kind,
+            "state": slot.state,
+            "ready": slot.state in ("ready", "active"),
+            "active": slot.state == "active",
+            "error": slot.error,
+            "tools": len(slot.tools),
+            "suite": None if self.mode in ("activate", "search") else slot.suite_name,
+        }
+        if slot.state == "error" and isinstance(slot.child, StdioChild) and slot.child.said:
+            # A server that fails says why on stderr, as a rule ("missing API key").
+            entry["stderr"] = [printable(line) for line in slot.child.said]
+        return entry
 
     # -- search mode ----------------------------------------------------------------------
 
@@ -910,3 +902,20 @@ class Gateway:
                 await self.watchdog.close()
             finally:
                 self.wrapper.close()
+
+
+# What gateway_status says of a server that is not a running child.
+_NOT_RUNNING: dict[str, Any] = {
+    "kind": "mcp",
+    "ready": False,
+    "active": False,
+    "error": None,
+    "tools": 0,
+    "suite": None,
+}
+
+
+def _relay_stderr(name: str, line: str) -> None:
+    """A stdio child's stderr line, on the gateway's stderr (where the host shows it, as when
+    it was inherited), naming the child; made printable (butlers.text)."""
+    print(f"[{name}] {printable(line)}", file=sys.stderr, flush=True)
