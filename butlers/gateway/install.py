@@ -199,7 +199,10 @@ def _take_over(place: Install) -> list[str]:
         try:
             data = json.loads(current)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CommandError(f"{place.config}: not readable JSON: {exc}") from exc
+            raise CommandError(
+                f"{place.config}: not readable JSON: {exc} (comments and trailing commas, "
+                "which some editors accept, are not JSON: take them out, then install)"
+            ) from exc
         key = place.shape.key
         if not isinstance(data, dict) or not isinstance(data.get(key, {}), dict):
             raise CommandError(f'{place.config}: expected an object with a "{key}" object')
@@ -688,8 +691,12 @@ def _remove_skill(root: Path) -> list[str]:
     if not path.is_file() or path.read_text(encoding="utf-8") != SKILL_TEXT:
         return []  # not there, or the user's own now
     path.unlink()
-    if not any(path.parent.iterdir()):
-        path.parent.rmdir()
+    # Its folder, and `.claude/skills` and `.claude` above it, when install's was the only
+    # thing in them (install made them as needed; an empty folder is nobody's).
+    for folder in (path.parent, path.parent.parent, path.parent.parent.parent):
+        if folder == root or any(folder.iterdir()):
+            break
+        folder.rmdir()
     return [f"{path}: removed"]
 
 
