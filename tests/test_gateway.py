@@ -17,6 +17,7 @@ import aiohttp
 import jsonschema
 import psutil
 import pytest
+from fastmcp.exceptions import ToolError
 from mcp import ClientSession
 from mcp.client.sse import sse_client
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -986,3 +987,25 @@ async def test_a_childs_stderr_is_read_on_past_a_line_too_long() -> None:
     async with asyncio.timeout(5):
         await StdioChild._read_stderr(reader, said.append)
     assert said == ["(a line too long to show was left out)", "after it"]
+
+
+@pytest.mark.proc  # its child is a process
+async def test_a_call_during_the_start_waits_for_that_start_not_a_second_one(
+    tmp_path: Path,
+) -> None:
+    """A server that never answers its initialize, called while the gateway's prewarm is
+    still waiting for it: the call takes that start's outcome (a timeout), and the server is
+    started once, not once more after it (a call cost two whole timeouts)."""
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    mcp_json(tmp_path, "silent", "--silent")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nrpc_ms = 1000\n")
+    gateway, _ = await build_gateway(GatewayOptions(directory=tmp_path, environ={}), None)
+    try:
+        gateway.start_warming()
+        await asyncio.sleep(0.2)  # the prewarm is waiting for its initialize
+        with pytest.raises(ToolError, match="child 'silent'"):
+            await gateway.mcp.call_tool("silent_suite", {"action": "introspect"})
+        assert len(child_pids(tmp_path)) == 1
+    finally:
+        await gateway.close()

@@ -115,6 +115,8 @@ class Slot:
     callers: dict[int, HostCall] = field(default_factory=dict)
     # Its Claude wrapper's instructions (butlers.gateway.wrapper); None: no natural_language.
     instructions: Instructions | None = None
+    # The start under way (`Gateway.warm`), which a call made meanwhile waits for.
+    starting: asyncio.Future[None] | None = None
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -333,8 +335,22 @@ class Gateway:
         self._done(task)
 
     async def warm(self, slot: Slot) -> None:
+        """Start the child and read its tools, once at a time: a call made while it starts
+        (the prewarm) waits for that start and takes its outcome, rather than starting it
+        again after it (a server that never answers cost a call two whole timeouts)."""
         if slot.state in ("ready", "active") and slot.child.running():
             return
+        if slot.starting is not None:
+            await asyncio.shield(slot.starting)
+            return
+        slot.starting = asyncio.get_running_loop().create_future()
+        try:
+            await self._start(slot)
+        finally:
+            starting, slot.starting = slot.starting, None
+            starting.set_result(None)
+
+    async def _start(self, slot: Slot) -> None:
         was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "warming", None
         try:
@@ -346,6 +362,10 @@ class Gateway:
             else:
                 logger.warning("%s", exc, extra={"action": "child_failed"})
             return
+        except asyncio.CancelledError:
+            if slot.state == "warming":  # not started after all: a later use tries again
+                slot.state, slot.error = "idle", None
+            raise
         slot.state = "active" if slot.injected else "ready"
         if not was_up:
             self._came_up(slot)
