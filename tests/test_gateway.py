@@ -653,14 +653,7 @@ async def test_a_host_gone_with_an_answer_pending_ends_the_gateway_quietly(tmp_p
     answer it cannot write. It ends with exit 0 and no traceback (it printed 60 lines of
     BrokenPipeError and exited 1), and its child with it. Its serverInfo is ours."""
     mcp_json(tmp_path, "plain", "--hang-on", "echo")
-    process = await asyncio.create_subprocess_exec(
-        BUTLERS,
-        *("gateway", "--dir", str(tmp_path), "--no-butlers"),
-        env=_env(tmp_path),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await _gateway_process(tmp_path, stdin=asyncio.subprocess.PIPE)
     assert process.stdin is not None and process.stdout is not None
     assert process.stderr is not None
 
@@ -706,6 +699,18 @@ async def test_a_host_gone_with_an_answer_pending_ends_the_gateway_quietly(tmp_p
             await process.wait()
 
 
+async def _gateway_process(directory: Path, *, stdin: int) -> asyncio.subprocess.Process:
+    """`butlers gateway --no-butlers` on `directory` over stdio, its output piped."""
+    return await asyncio.create_subprocess_exec(
+        BUTLERS,
+        *("gateway", "--dir", str(directory), "--no-butlers"),
+        env=_env(directory),
+        stdin=stdin,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
 def _calls(directory: Path) -> list[str]:
     path = directory / "calls"
     return path.read_text().splitlines() if path.exists() else []
@@ -715,14 +720,7 @@ async def test_a_gateway_whose_input_is_not_a_pipe_ends_cleanly(tmp_path: Path) 
     """/dev/null as standard input (a script, a host misconfigured): the input ends, and the
     gateway with it, exit 0. (Handed to the event loop, a character device made uvloop abort
     the process: exit 134.)"""
-    process = await asyncio.create_subprocess_exec(
-        BUTLERS,
-        *("gateway", "--dir", str(tmp_path), "--no-butlers"),
-        env=_env(tmp_path),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await _gateway_process(tmp_path, stdin=asyncio.subprocess.DEVNULL)
     async with asyncio.timeout(30):
         _, err = await process.communicate()
     assert process.returncode == 0, err.decode()

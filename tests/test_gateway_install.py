@@ -516,16 +516,23 @@ async def test_config_before_or_after_install_means_the_same(tmp_path: Path) -> 
     assert not (home / ".config" / "Claude").exists()  # the default place was never used
 
 
-async def test_reinstall_over_an_edited_mcp_json_refuses_and_keeps_both(tmp_path: Path) -> None:
-    """Installing again after the user edited the installed `.mcp.json` would take their
-    edited file for the original (and lose the real original): it refuses, naming the file
-    and what to do, and changes nothing."""
+async def _installed_project(tmp_path: Path) -> tuple[Path, Path]:
+    """A project whose `.mcp.json` (ORIGINAL) the gateway was installed in front of: the
+    project and its `.mcp.json`."""
     project = tmp_path / "project"
     project.mkdir()
     mcp_json = project / ".mcp.json"
     mcp_json.write_text(ORIGINAL)
     code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
     assert code == 0, out
+    return project, mcp_json
+
+
+async def test_reinstall_over_an_edited_mcp_json_refuses_and_keeps_both(tmp_path: Path) -> None:
+    """Installing again after the user edited the installed `.mcp.json` would take their
+    edited file for the original (and lose the real original): it refuses, naming the file
+    and what to do, and changes nothing."""
+    project, mcp_json = await _installed_project(tmp_path)
     installed = json.loads(mcp_json.read_text())
     installed["mcpServers"]["added-later"] = {"command": "npx", "args": ["server-x"]}
     mcp_json.write_text(json.dumps(installed))
@@ -546,12 +553,7 @@ async def test_an_install_undone_by_hand_as_uninstall_advises_is_not_stuck(
     """Uninstall refuses over an edited `.mcp.json` and says how to put the original back;
     done so, uninstall clears the gateway's record and a later install works (both refused
     for ever before: "changed since install" / "edited since install")."""
-    project = tmp_path / "project"
-    project.mkdir()
-    mcp_json = project / ".mcp.json"
-    mcp_json.write_text(ORIGINAL)
-    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
-    assert code == 0, out
+    project, mcp_json = await _installed_project(tmp_path)
     mcp_json.write_text(mcp_json.read_text().replace("butlers", "butlers-edited"))
     code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
     original = project / ".butlers-gateway" / "claude-code" / "original.json"
