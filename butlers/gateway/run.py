@@ -88,7 +88,8 @@ async def build_gateway(
             raise problem.error  # the file --config names must be readable (a reload: keeps)
     log_skipped(skipped)
     specs += declared
-    _warn_of_unknown_suites(config, [s.name for s in specs], options.directory)
+    if butlers_missing is None:  # else a butler's [suites.<name>] would look like a typo
+        _warn_of_unknown_suites(config, [s.name for s in specs], options.directory)
     telemetry = options.telemetry
     gateway = Gateway(
         config,
