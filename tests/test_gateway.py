@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -1007,3 +1008,26 @@ async def test_a_call_during_the_start_waits_for_that_start_not_a_second_one(
         assert len(child_pids(tmp_path)) == 1
     finally:
         await gateway.close()
+
+
+@pytest.mark.proc  # its child is a process
+async def test_a_child_lost_in_a_call_is_warned_of_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A child that exits in the middle of a call: its exit and the call it broke both say
+    so; one warning (there were two, the same line)."""
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    mcp_json(tmp_path, "brittle", "--crash-on", "add")
+    gateway, _ = await build_gateway(GatewayOptions(directory=tmp_path, environ={}), None)
+    try:
+        await gateway.warm_all()
+        with caplog.at_level(logging.WARNING, logger="butlers.gateway.server"):
+            with pytest.raises(ToolError, match="brittle"):
+                call = {"action": "call", "subtool": "add", "args": {"a": 1, "b": 2}}
+                await gateway.mcp.call_tool("brittle_suite", call)
+            await asyncio.sleep(0.3)  # the exit's own report, if it comes after the call's
+    finally:
+        await gateway.close()
+    lost = [r.getMessage() for r in caplog.records if getattr(r, "action", "") == "child_lost"]
+    assert len(lost) == 1, lost

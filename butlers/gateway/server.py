@@ -386,6 +386,8 @@ class Gateway:
         the gateway removed (a reload) is not lost: its call failing is what removal does."""
         if self.slots.get(slot.spec.name) is not slot:
             return
+        if slot.state == "error" and slot.error == reason:
+            return  # heard already (its exit, then the call it broke, say the same)
         was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "error", reason
         logger.warning("%s", reason, extra={"action": "child_lost"})
