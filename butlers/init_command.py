@@ -679,9 +679,16 @@ def next_steps(target: Path, answers: Answers, entries: list[EnvEntry]) -> str:
         f"Wrote {target}: {', '.join(butlers)} "
         f"(the switchboard on {' and '.join(answers.channels)}); secrets in "
         f"{target / '.env'} (mode 0600), none in the TOML files.",
-        "",
-        "Next:",
     ]
+    data = next((e.value for e in entries if e.name == DATA_DIR_ENV), None)
+    if data is not None and Path(data) != target / ".butlers":
+        # Taken from this shell (say, another config's .env loaded earlier): said, so that
+        # two configs sharing one data directory is a choice, not an accident.
+        lines.append(
+            f"Its data: {data}, from this shell's {DATA_DIR_ENV} (to keep it apart, set "
+            f"{DATA_DIR_ENV}={target / '.butlers'} in {target / '.env'})."
+        )
+    lines += ["", "Next:"]
     step = 1
     if unset:
         lines.append(

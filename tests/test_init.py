@@ -173,6 +173,7 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     # Its own data, whatever directory `butlers up` starts in (the default, .butlers, is
     # relative: started from the checkout it was the example fleet's databases).
     assert variables["BUTLERS_DATA_DIR"] == str(target / ".butlers")
+    assert "Its data:" not in init.stdout  # nothing to say about its own
     auth_token = variables["BUTLERS_AUTH_TOKEN"]
     assert auth_token and len(auth_token) >= 32
     secrets = [SECRET_TOKEN, MAIL_PASSWORD, auth_token]
@@ -357,6 +358,8 @@ async def test_up_starts_what_init_wrote(
     env = {k: v for k, v in cli_env.items() if not k.startswith(("TELEGRAM_", "ANTHROPIC_"))}
     written = _env_file(target / ".env")
     assert written["BUTLERS_DATA_DIR"] == cli_env["BUTLERS_DATA_DIR"]
+    # Said, not silent: another config's .env loaded in this shell would share its data.
+    assert f"Its data: {cli_env['BUTLERS_DATA_DIR']}, from this shell's" in init.stdout
     env = {k: v for k, v in env.items() if k != "BUTLERS_DATA_DIR"}  # only .env names it
     env.update({k: v for k, v in written.items() if v is not None})
     offset = _port_offset(2)
