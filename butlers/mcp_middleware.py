@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from fastmcp import FastMCP
+from fastmcp.exceptions import ValidationError as ArgumentsInvalid
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.server.middleware.dereference import DereferenceRefsMiddleware
@@ -38,6 +39,7 @@ from fastmcp.utilities.versions import VersionSpec
 from mcp_types import CallToolRequestParams
 from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from pydantic import ValidationError as PydanticValidationError
 
 from butlers import __version__
 from butlers.telemetry import context_from_carrier
@@ -188,6 +190,12 @@ class ButlerMiddleware(Middleware):
                     if answering.answers(params.name):
                         return await answering.answer(params.name, arguments)
                 return await call_next(context)
+            except ArgumentsInvalid as exc:
+                if not isinstance(exc.__cause__, PydanticValidationError):
+                    raise
+                said = argument_problems(params.name, exc.__cause__)
+                span.set_status(Status(StatusCode.ERROR, said[:200]))
+                raise ArgumentsInvalid(said) from None
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                 raise
@@ -256,6 +264,22 @@ class _OneProviderLookup(AggregateProvider):
             found = exc
         # (one answer: FastMCP's own handling of it, a failure logged or raised as it says)
         return cast("Tool | None", self._get_highest_version_result([found], f"get_tool({name!r})"))
+
+
+def argument_problems(tool: str, error: PydanticValidationError) -> str:
+    """A tool call's invalid arguments in one line, each named with what was wrong and what
+    was given: "memory_list: limit: Input should be less than or equal to 500 (got 100000)".
+    pydantic's own text spans lines and ends with a URL; a CLI prints it as a paragraph, and
+    it broke `butlers log`'s table (routing_log keeps a routed call's error)."""
+    problems = []
+    for detail in error.errors(include_url=False):
+        where = ".".join(str(part) for part in detail["loc"]) or "arguments"
+        problem = f"{where}: {detail['msg']}"
+        if detail["type"] not in ("missing", "missing_argument") and "input" in detail:
+            shown = repr(detail["input"])
+            problem += f" (got {shown if len(shown) <= 60 else shown[:59] + '…'})"
+        problems.append(problem)
+    return f"{tool}: " + "; ".join(problems)
 
 
 class ButlerServer(FastMCP, _OneProviderLookup):

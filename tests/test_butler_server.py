@@ -210,3 +210,15 @@ async def test_a_tools_own_auth_is_checked_as_fastmcp_checks_it() -> None:
         assert (await server.get_tool("hidden")) is None
     assert checked["fastmcp"] == ["shown", "shown", "hidden"]  # (what FastMCP does today)
     assert checked["butler"] == checked["fastmcp"]
+
+
+async def test_invalid_arguments_are_said_in_one_line_naming_each(server) -> None:
+    """What pydantic finds wrong with a call's arguments, one line: each argument with what
+    was wrong and what was given; a missing one without a value; no URL."""
+    async with Client(server) as client:
+        with pytest.raises(ToolError) as refused:
+            await client.call_tool("remember", {"reminder": {"text": 5}})
+    said = str(refused.value)
+    assert "\n" not in said and "errors.pydantic.dev" not in said, said
+    assert said.startswith("remember: reminder.text: Input should be a valid string (got 5)")
+    assert "reminder.where: Field required" in said and "(got" not in said.split("; ")[-1]

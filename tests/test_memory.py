@@ -163,3 +163,11 @@ async def test_butlers_memory_lists_searches_and_forgets(
         "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
     )
     assert code == 1 and f"no memory {memory_id}" in err
+    # Arguments out of range: one line naming the argument and what it was (it was
+    # pydantic's paragraph, with a URL, and broke `butlers log`'s table).
+    code, out, err = await run_cli(
+        "memory", "general", "--limit", "0", "--url", url, token="cli-token"
+    )
+    assert code == 1 and err.count("\n") == 1, err
+    assert "memory_list: limit: Input should be greater than or equal to 1 (got 0)" in err
+    assert "errors.pydantic.dev" not in err
