@@ -159,6 +159,7 @@ async def test_butlers_memory_lists_searches_and_forgets(
         "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
     )
     assert code == 0, err
+    assert out == f"memory {memory_id} forgotten\n"  # a sentence, as other commands say
     code, out, err = await run_cli(
         "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
     )

@@ -26,6 +26,7 @@ from butlers.cli.render import (
     print_butlers,
     print_decision,
     print_discover,
+    print_forgotten,
     print_inbox,
     print_memories,
     print_outbox,
@@ -242,7 +243,7 @@ async def _schedules_command(target: SwitchboardTarget, args: Any, _settings: Se
 
 async def _memory_command(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
     result = await _memory(target, args)
-    return result, print_memories if args.action is None else print_result
+    return result, print_memories if args.action is None else print_forgotten
 
 
 async def _call(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:

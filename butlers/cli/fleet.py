@@ -78,14 +78,24 @@ def make_private_dir(directory: Path) -> None:
             directory.mkdir(mode=0o700)
 
 
-def print_ready_table(daemons: Sequence[ButlerDaemon], db_description: str) -> None:
+def print_ready_table(
+    daemons: Sequence[ButlerDaemon], db_description: str, warnings: Sequence[str] = ()
+) -> None:
+    """The table, then the warnings (stderr) above the last line, where they are seen."""
     rows = [("NAME", "MCP (SSE)", "STREAMABLE HTTP", "HEALTH")]
     rows += [
         (d.config.name, d.sse_url, f"{d.base_url}/mcp", f"{d.base_url}/health") for d in daemons
     ]
     print(f"Butlers ready ({db_description}):")
     print_rows(rows, indent="  ")
+    sys.stdout.flush()  # (two streams: the table first on a terminal)
+    print_warnings(warnings)
     print("Press Ctrl-C to stop.", flush=True)
+
+
+def print_warnings(warnings: Sequence[str]) -> None:
+    for note in warnings:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def ready_warnings(
@@ -283,16 +293,15 @@ async def _serve_fleet(
             raise CommandError(
                 "no butler is running" if not report.running else "a butler failed to start"
             )
-        if as_json:
-            ready = ready_report(report.running, report.failed, server.description)
-            print(json.dumps(ready, ensure_ascii=False), flush=True)
-        else:
-            print_ready_table(report.running, server.description)
         notes = ready_warnings(
             report.running, not_loaded, config_dir, settings, whole_directory=not only
         )
-        for note in notes:
-            print(f"warning: {note}", file=sys.stderr, flush=True)
+        if as_json:
+            ready = ready_report(report.running, report.failed, server.description)
+            print(json.dumps(ready, ensure_ascii=False), flush=True)
+            print_warnings(notes)
+        else:
+            print_ready_table(report.running, server.description, notes)
         # What the start built lives as long as the fleet: out of the collector's way, so its
         # collections while serving walk only what requests create (bench/route_instructions.py
         # measures it).

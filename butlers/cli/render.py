@@ -85,6 +85,10 @@ def print_result(result: Any) -> None:
     print(result if isinstance(result, str) else json.dumps(result, indent=2, ensure_ascii=False))
 
 
+def print_forgotten(result: dict[str, Any]) -> None:
+    print(f"memory {result['id']} forgotten")
+
+
 def print_trace(found: dict[str, Any]) -> None:
     print(found["url"])
     route = found["route"]
