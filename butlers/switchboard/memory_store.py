@@ -171,8 +171,7 @@ class MemoryInboxStore:
             and max_files is not None
             and files + len(message.attachments) > max_files
         ):
-            if "deferred_since" not in first["meta"]:  # full: it waits for no part
-                first["not_before"] = min(first["not_before"] or self._after(0), self._after(0))
+            self._start_now(first)  # full: it waits for no part
             first = None
         if first is None:
             inbox_id = self._insert(message, meta, trace_context)
@@ -190,11 +189,7 @@ class MemoryInboxStore:
         first["meta"] = {**first["meta"], "attachments": _json(listed)}
         if message.meta.get("voice"):
             first["meta"]["voice"] = True
-        first["not_before"] = (
-            max(first["not_before"] or self._after(0), self._after(album_wait_s))
-            if "deferred_since" in first["meta"]
-            else self._after(album_wait_s)
-        )
+        self._wait_for_parts(first, album_wait_s)
         self.database.tables.inbox_files.setdefault(first["id"], []).extend(_files(message))
         return part_id
 
@@ -247,15 +242,24 @@ class MemoryInboxStore:
         if first is None:
             return False
         if max_files is not None and len(first["meta"].get("attachments", [])) >= max_files:
-            if "deferred_since" not in first["meta"]:  # full: it waits for no part
-                first["not_before"] = min(first["not_before"] or self._after(0), self._after(0))
+            self._start_now(first)  # full: it waits for no part
             return True
+        self._wait_for_parts(first, wait_s)
+        return True
+
+    def _start_now(self, first: dict[str, Any]) -> None:
+        """An album's first message that takes no more parts (INBOX_ALBUM_FULL): claimable
+        now, unless put back for a while (its voice service failing)."""
+        if "deferred_since" not in first["meta"]:
+            first["not_before"] = min(first["not_before"] or self._after(0), self._after(0))
+
+    def _wait_for_parts(self, first: dict[str, Any], wait_s: float) -> None:
+        """`wait_s` from now, as INBOX_ALBUM_JOIN sets it (a deferral is never shortened)."""
         first["not_before"] = (
             max(first["not_before"] or self._after(0), self._after(wait_s))
             if "deferred_since" in first["meta"]
             else self._after(wait_s)
         )
-        return True
 
     def _album_first(self, message: IncomingMessage) -> dict[str, Any] | None:
         """The newest queued first message of `message`'s album (channel, conversation,
