@@ -3,17 +3,28 @@ no traceback (a real subprocess; nothing here reaches PostgreSQL)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from butlers.cli.fleet import make_private_dir
+from butlers.errors import CommandError
+from butlers.pg_root_home import ROOT_HOME
+
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
 
-def butlers(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def butlers(
+    *args: str, cwd: Path, data_dir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
-    env["BUTLERS_DATA_DIR"] = str(cwd / "data")
+    env["BUTLERS_DATA_DIR"] = str(data_dir or cwd / "data")
     return subprocess.run(
         [BUTLERS, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -72,3 +83,55 @@ def test_up_on_a_config_directory_that_is_not_there_says_what_to_do(tmp_path: Pa
         f"error: {a_file} is not a directory: name a config directory with --config-dir"
     ], result.stderr
     assert not (tmp_path / "data").exists()  # refused before anything was made
+
+
+def _someone_elses_directory(tmp_path: Path) -> Path:
+    """A directory this test's user does not own: one handed to `nobody` as root, else the
+    root directory (root's)."""
+    if os.geteuid() != 0:
+        return Path("/")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)  # as one made in a shared /tmp, open for the taking
+    os.chown(theirs, 65534, 65534)
+    return theirs
+
+
+def test_up_refuses_a_data_directory_that_belongs_to_someone_else(tmp_path: Path) -> None:
+    """Its owner could read what the sessions see and the butlers' token kept there: refused
+    before PostgreSQL starts, naming the owner and the way out."""
+    theirs = _someone_elses_directory(tmp_path)
+    owner = "root" if theirs == Path("/") else "nobody"
+    config = tmp_path / "config" / "general"
+    config.mkdir(parents=True)
+    (config / "butler.toml").write_text('[butler]\nname = "general"\nport = 8101\n')
+    result = butlers("up", "--config-dir", str(config.parent), cwd=tmp_path, data_dir=theirs)
+    assert result.returncode == 1
+    uid = theirs.stat().st_uid
+    assert result.stderr.splitlines() == [
+        f"error: refusing the data directory {theirs} (BUTLERS_DATA_DIR): it belongs to "
+        f"{owner} (uid {uid}), not to you, and its owner could read the sessions' files and "
+        "the butlers' token kept there. Set BUTLERS_DATA_DIR to a directory of your own."
+    ], result.stderr
+    assert not (theirs / "pgdata").exists()
+    # Nor a home for its data elsewhere (as root, where the server's account could not reach).
+    requested = hashlib.sha256(os.fsencode(theirs.resolve() / "pgdata")).hexdigest()[:16]
+    assert not (ROOT_HOME / "data" / requested).exists()
+
+
+def test_a_data_directory_others_may_write_is_closed_to_their_writes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours = tmp_path / "data"
+    ours.mkdir()
+    ours.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="butlers.cli.fleet"):
+        make_private_dir(ours, create=False)
+    assert stat.S_IMODE(ours.stat().st_mode) == 0o755
+    assert f"{ours} was writable by other users (drwxrwxrwx): taking that away" in caplog.text
+    make_private_dir(tmp_path / "new" / "data")
+    assert stat.S_IMODE((tmp_path / "new" / "data").stat().st_mode) == 0o700
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(CommandError, match="is not a directory: set BUTLERS_DATA_DIR to one"):
+        make_private_dir(a_file)

@@ -232,6 +232,33 @@ async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
     assert checks["data-dir"].status == "warn"  # no embedded server: nobody needs to pass
 
 
+async def test_a_data_directory_of_someone_else_fails_and_one_others_may_write_warns(
+    tmp_path: Path,
+) -> None:
+    """`butlers up` refuses the first (its owner could read the token kept there) and takes
+    the others' write access away from the second: doctor says so before."""
+    config = fleet_dir(tmp_path)
+    if os.geteuid() == 0:
+        theirs, owner = tmp_path / "theirs", "nobody (uid 65534)"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+    else:
+        theirs, owner = Path("/"), "root (uid 0)"
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", BUTLERS_DATA_DIR=str(theirs))
+    checks = await doctor(config, env)
+    assert checks["data-dir"].status == "fail"
+    assert checks["data-dir"].detail == (
+        f"{theirs} (BUTLERS_DATA_DIR) belongs to {owner}, not to you: `butlers up` refuses "
+        "it; set BUTLERS_DATA_DIR to a directory of your own"
+    )
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    data.chmod(0o733)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["data-dir"].status == "warn"
+    assert checks["data-dir"].detail.startswith(f"{data} (BUTLERS_DATA_DIR) is writable by other")
+
+
 # -- who can write, and mail ------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import shlex
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from butlers.telemetry import Telemetry
 
 DEFAULT_CONFIG_DIR = Path("config/butlers")
+logger = logging.getLogger(__name__)
 
 
 def select_configs(
@@ -69,13 +71,46 @@ def _selection(
     return list(fleet.butlers), broken
 
 
-def make_private_dir(directory: Path) -> None:
-    """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs), made 0700 when it
-    is missing; its parents as `mkdir -p` makes them."""
-    if not directory.exists():
+def make_private_dir(directory: Path, *, create: bool = True) -> None:
+    """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs, the butlers'
+    token), made 0700 when it is missing (`create`); its parents as `mkdir -p` makes them.
+
+    One that exists must be ours: another user's (say one made in a shared /tmp before us)
+    could be read and rearranged by its owner, who would then hold what the sessions see and
+    the token that drives the butlers. Write access for others is taken away (said in the
+    log); read access is doctor's to warn of, as the files below are each private.
+    """
+    import os
+    import stat
+
+    if create and not directory.exists():
         directory.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=0o700)
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        return  # not ours to make (the embedded PostgreSQL makes it, passable by its account)
+    except OSError as exc:
+        raise CommandError(f"cannot use the data directory {directory}: {exc.strerror}") from exc
+    shown = f"the data directory {directory} (BUTLERS_DATA_DIR)"
+    if not stat.S_ISDIR(info.st_mode):
+        raise CommandError(f"{shown} is not a directory: set BUTLERS_DATA_DIR to one")
+    if info.st_uid != os.geteuid():
+        from butlers.db.reach import owner_names
+
+        raise CommandError(
+            f"refusing {shown}: it belongs to {owner_names(info)[0]} (uid {info.st_uid}), "
+            "not to you, and its owner could read the sessions' files and the butlers' token "
+            "kept there. Set BUTLERS_DATA_DIR to a directory of your own."
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        logger.warning(
+            "%s was writable by other users (%s): taking that away",
+            directory,
+            stat.filemode(info.st_mode),
+        )
+        directory.chmod(stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
 def print_ready_table(
@@ -209,17 +244,20 @@ async def serve(
     from butlers.db import EmbeddedServer, running, server_for
 
     server = server_for(settings)
+    # Someone else's is refused before anything is made for it (locating may make a home).
+    await asyncio.to_thread(make_private_dir, settings.data_dir, create=False)
     if isinstance(server, EmbeddedServer):
         await server.locate()  # as root, the data may live elsewhere: say where it is
+    if not isinstance(server, EmbeddedServer) or server.pgdata != server.requested_pgdata:
+        # Else the embedded server makes it, passable by its account as root.
+        await asyncio.to_thread(make_private_dir, settings.data_dir)
+    if isinstance(server, EmbeddedServer):
         first = not (server.pgdata / "PG_VERSION").exists()
         progress(
             f"Initialising PostgreSQL in {server.pgdata} (first start)..."
             if first
             else f"Starting PostgreSQL in {server.pgdata}..."
         )
-    if not isinstance(server, EmbeddedServer) or server.pgdata != server.requested_pgdata:
-        # Else the embedded server makes it, passable by its account as root.
-        await asyncio.to_thread(make_private_dir, settings.data_dir)
     async with contextlib.AsyncExitStack() as stack:
         # PostgreSQL starts in a worker thread (initdb alone takes most of a second) while this
         # one imports what the butlers need: on a cold start the two overlap.

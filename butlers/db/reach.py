@@ -133,7 +133,7 @@ def _reachable_programs(account: _ServerAccount) -> Path:
     return copy
 
 
-def _owner_names(st: os.stat_result) -> tuple[str, str]:
+def owner_names(st: os.stat_result) -> tuple[str, str]:
     """(user, group) owning a file, by name where the system knows one."""
     import grp
     import pwd
@@ -150,5 +150,5 @@ def _owner_names(st: os.stat_result) -> tuple[str, str]:
 
 
 def _describe(st: os.stat_result) -> str:
-    owner, group = _owner_names(st)
+    owner, group = owner_names(st)
     return f"{stat.filemode(st.st_mode)} {owner}:{group}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from butlers.db.account import _ServerAccount
 from butlers.db.postmaster import PG_PORT
-from butlers.db.reach import _owner_names
+from butlers.db.reach import owner_names
 from butlers.errors import DatabaseError
 
 # One logger for the whole package, named as it was when butlers.db was one module: log
@@ -118,7 +118,7 @@ def _open_private_dir(
         if st.st_uid not in (account.uid, os.geteuid()):
             raise DatabaseError(
                 f"refusing the PostgreSQL socket directory {shown}: it belongs to "
-                f"{_owner_names(st)[0]} (uid {st.st_uid}), not to {account.name!r} who runs "
+                f"{owner_names(st)[0]} (uid {st.st_uid}), not to {account.name!r} who runs "
                 f"the embedded PostgreSQL; its owner could replace the socket and answer as the "
                 f"database. {fix}"
             )

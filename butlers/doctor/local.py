@@ -84,11 +84,32 @@ def data_dir(subject: Subject) -> list[Check]:
     directory: others should not look in."""
     directory = subject.settings.data_dir
     try:
-        mode = stat.S_IMODE(directory.stat().st_mode)
+        info = directory.stat()
     except FileNotFoundError:
         return [ok("data-dir", f"{directory} does not exist yet (`butlers up` makes it)")]
     except OSError as exc:
         return [fail("data-dir", f"cannot look at {directory}: {exc.strerror}")]
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid():
+        from butlers.db.reach import owner_names
+
+        return [
+            fail(
+                "data-dir",
+                f"{directory} (BUTLERS_DATA_DIR) belongs to {owner_names(info)[0]} "
+                f"(uid {info.st_uid}), not to you: `butlers up` refuses it; set "
+                "BUTLERS_DATA_DIR to a directory of your own",
+            )
+        ]
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return [
+            warn(
+                "data-dir",
+                f"{directory} (BUTLERS_DATA_DIR) is writable by other users "
+                f"({stat.filemode(mode)}): chmod 700 {directory} (`butlers up` takes their "
+                "write access away)",
+            )
+        ]
     passing = stat.S_IXGRP | stat.S_IXOTH
     if _embedded_as_root(subject) and mode & 0o077 & ~passing == 0 and mode & passing:
         return [
