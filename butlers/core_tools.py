@@ -488,8 +488,11 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def memory_forget(id: int) -> dict[str, Any]:
         """Delete memory `id` (as memory_search shows it)."""
-        if not await memory().forget(id, viewer()):
-            raise ToolRefusal(f"no memory {id} (or not one this conversation may forget)")
+        who = viewer()
+        if not await memory().forget(id, who):
+            # The operator may forget any: for them it is simply not there.
+            limit = "" if who.kind == "operator" else " (or not one this conversation may forget)"
+            raise ToolRefusal(f"no memory {id}{limit}")
         return {"id": id, "forgotten": True}
 
     @tool

@@ -100,13 +100,18 @@ async def test_a_strangers_memory_never_reaches_a_session_the_owner_started(
 async def test_a_routed_session_does_not_find_another_conversations_private_memory(
     start_butler: StartButler, scripted_api: ScriptedMessagesAPI
 ) -> None:
-    """The attacker's message asks the model to search everything: the private memory of
-    another conversation is not in what the tool returns to it."""
+    """The attacker's message asks the model to search everything, and to forget what it
+    cannot see: the private memory of another conversation is not in what the tool returns
+    to it, and stays."""
     alpha = await start_butler(butler_config("alpha"))
-    await call(alpha.sse_url, "memory_remember", {"text": "Door code is 4711", "tags": ["private"]})
+    secret = await call(
+        alpha.sse_url, "memory_remember", {"text": "Door code is 4711", "tags": ["private"]}
+    )
     await call(alpha.sse_url, "memory_remember", {"text": "The door is green"})
     scripted_api.script(
-        [tool_use("mcp__alpha__memory_search", {"query": "door code"})], [text("Searched.")]
+        [tool_use("mcp__alpha__memory_search", {"query": "door code"})],
+        [tool_use("mcp__alpha__memory_forget", {"id": secret["id"]})],
+        [text("Searched.")],
     )
     ctx = alpha.context
     assert ctx is not None
@@ -120,7 +125,9 @@ async def test_a_routed_session_does_not_find_another_conversations_private_memo
     assert outcome.success, outcome.error
     results = str(scripted_api.tool_results())
     assert "The door is green" in results and "4711" not in results
-    # Unrestricted (the operator): both.
+    refusal = f"no memory {secret['id']} (or not one this conversation may forget)"
+    assert refusal in results, results
+    # Unrestricted (the operator): both, the secret still there.
     assert len(await call(alpha.sse_url, "memory_search", {"query": "door"})) == 2
 
 
@@ -163,7 +170,11 @@ async def test_butlers_memory_lists_searches_and_forgets(
     code, out, err = await run_cli(
         "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
     )
-    assert code == 1 and f"no memory {memory_id}" in err
+    # The operator may forget any memory: not the refusal a conversation's session gets.
+    assert (code, err) == (
+        1,
+        f"error: butler 'general' answered 'memory_forget' with an error: no memory {memory_id}\n",
+    )
     # Arguments out of range: one line naming the argument and what it was (it was
     # pydantic's paragraph, with a URL, and broke `butlers log`'s table).
     code, out, err = await run_cli(

@@ -292,6 +292,12 @@ async def test_revoke_makes_the_sender_unknown_again(
     assert rc == 1 and "channel must be one of telegram, email, got 'sms'" in err
     rc, _, err = await run_cli("pairing", "revoke", "telegram", *url)
     assert rc == 1 and "`butlers pairing revoke CHANNEL SENDER`: expected 2 values, got 1" in err
+    rc, _, err = await run_cli("pairing", "approve", *url)
+    assert (rc, err) == (
+        1,
+        "error: which code? `butlers pairing approve CODE`, with the code the bot or the mail "
+        "gave the sender (`butlers pairing` lists those waiting)\n",
+    )
     # A stranger again: not routed, and no second code within the hour.
     sent = len(texts_to(bot_api, STRANGER))
     assert len(await texts_after(bot_api, STRANGER, "second")) == sent

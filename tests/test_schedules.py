@@ -166,7 +166,7 @@ async def test_butlers_schedules_lists_every_butler_in_its_local_time(
     assert code == 0, err
     assert [(r["butler"], r["name"]) for r in json.loads(out)] == [("general", "brief")]
     code, _, err = await run_cli("schedules", "--butler", "nobody", "--url", url, token="cli-token")
-    assert code == 1 and "no butler named 'nobody'" in err
+    assert code == 1 and "error: butler 'nobody' not found (butlers list shows them)" in err
 
 
 async def call_with_token(url: str, tool: str, arguments: dict[str, Any]) -> Any:

@@ -291,7 +291,7 @@ async def _schedules(target: SwitchboardTarget, only: str | None) -> list[dict[s
     ]
     if only is not None:
         if only not in names:
-            raise CommandError(f"no butler named {only!r} (butlers list shows them)")
+            raise CommandError(f"butler {only!r} not found (butlers list shows them)")
         names = [only]
 
     async def of(name: str) -> list[dict[str, Any]]:
@@ -320,6 +320,11 @@ async def _memory(target: SwitchboardTarget, args: argparse.Namespace) -> Any:
 async def _pairing(target: SwitchboardTarget, action: str | None, values: list[str]) -> Any:
     """`butlers pairing [approve CODE | deny CODE | revoke CHANNEL SENDER]`."""
     wanted = {None: [], "approve": ["CODE"], "deny": ["CODE"], "revoke": ["CHANNEL", "SENDER"]}
+    if action in ("approve", "deny") and not values:
+        raise CommandError(
+            f"which code? `butlers pairing {action} CODE`, with the code the bot or the mail "
+            "gave the sender (`butlers pairing` lists those waiting)"
+        )
     if len(values) != len(wanted[action]):
         usage = " ".join(["butlers pairing", *([action] if action else []), *wanted[action]])
         count = len(wanted[action])
