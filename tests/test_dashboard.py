@@ -252,6 +252,14 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert re.search(r"\$0\.\d{4}", sections["general"])
         assert 'id="message-reply">General here: &lt;b&gt;done' in html
         assert (await client.get("/ui/messages/999999", headers=BEARER)).status_code == 404
+        # A mistyped address: the dashboard's own page, with its menu, saying which.
+        for address in ("/ui/messages/abc", "/ui/nosuch", "/ui/static/nosuch.css"):
+            missing = await client.get(address, headers=BEARER)
+            assert missing.status_code == 404, address
+            assert f"there is no page {address}" in missing.text, missing.text
+            assert 'href="/ui/messages"' in missing.text  # the menu
+        wrong = await client.post("/ui/messages", headers=BEARER)
+        assert wrong.status_code == 405 and "/ui/messages does not take a POST" in wrong.text
 
         # Routing log: by butler and by outcome.
         page = (await client.get("/ui/routing-log?butler=general&outcome=ok", headers=BEARER)).text

@@ -174,7 +174,10 @@ class Dashboard:
             Route("/ui/logout", self.logout, methods=["POST"]),
             Mount("/ui/static", StaticFiles(directory=HERE / "static"), name="static"),
         ]
-        pages = Starlette(routes=routes)
+        # A mistyped address is a page of the dashboard too, with its menu, not a bare text.
+        pages = Starlette(
+            routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed}
+        )
         guarded: ASGIApp = self._checked(pages)
         if not self.auth.required:
             # Open on loopback only: no page may be read by a rebinding web page.
@@ -240,6 +243,13 @@ class Dashboard:
 
     def _problem(self, request: Request, status_code: int, problem: str) -> HTMLResponse:
         return self._render(request, "problem.html", status_code, problem=problem)
+
+    async def _not_found(self, request: Request, _exc: Exception) -> HTMLResponse:
+        return self._problem(request, 404, f"there is no page {request.url.path}")
+
+    async def _not_allowed(self, request: Request, _exc: Exception) -> HTMLResponse:
+        problem = f"{request.url.path} does not take a {request.method}: open it from the menu"
+        return self._problem(request, 405, problem)
 
     def _csrf_refused(self, request: Request) -> HTMLResponse:
         problem = "the form's CSRF token is missing or wrong: reload the page and send it again"
