@@ -598,6 +598,31 @@ async def test_a_port_taken_by_another_program_fails(tmp_path: Path) -> None:
     assert checks["ports"].status == "ok"
 
 
+async def test_port_offset_checks_the_ports_up_would_listen_on(tmp_path: Path) -> None:
+    """`butlers up --port-offset K` listens K ports up: doctor --port-offset K checks those,
+    not the butler.toml's (which a first fleet may hold)."""
+    config = fleet_dir(tmp_path)
+    port = int(re.search(r"port = (\d+)", (config / "general" / "butler.toml").read_text())[1])  # type: ignore[index]
+    offset = free_port() - port
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + offset))
+        taken.listen()
+        code, out, _ = await doctor_cli(
+            "--config-dir", str(config), "--json", "--port-offset", str(offset), env=env
+        )
+        checks = {c["name"]: c for c in json.loads(out)["checks"]}
+        assert code == 1 and checks["ports"]["status"] == "fail", out
+        assert f"port {port + offset} of general is taken" in checks["ports"]["detail"]
+        code, out, _ = await doctor_cli("--config-dir", str(config), "--json", env=env)
+        checks = {c["name"]: c for c in json.loads(out)["checks"]}
+        assert checks["ports"]["status"] == "ok", out  # the butler.toml's port is free
+    too_far = ("--port-offset", "70000")
+    code, out, err = await doctor_cli("--config-dir", str(config), *too_far, env=env)
+    assert code == 1 and out == "" and "--port-offset 70000: butler " in err, err
+    assert "expected a port number between 1 and 65535" in err and "Traceback" not in err
+
+
 async def test_the_database_reachable_and_migrated(
     tmp_path: Path,
     pg_server: Any,

@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and each butler's /health",
     )
     parser.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="K",
+        help="check the ports `butlers up --port-offset K` listens on (each butler.toml's + K)",
+    )
+    parser.add_argument(
         "--timeout",
         type=_positive_seconds,
         default=DEFAULT_TIMEOUT_S,
@@ -68,6 +75,12 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     failed, else 0."""
     from butlers.doctor.report import examine, print_report
 
-    checks = await examine(args.config_dir, settings, online=args.online, timeout_s=args.timeout)
+    checks = await examine(
+        args.config_dir,
+        settings,
+        online=args.online,
+        timeout_s=args.timeout,
+        port_offset=args.port_offset,
+    )
     print_report(checks.checks, checks.redactor, as_json=args.json)
     return 1 if any(check.status == "fail" for check in checks.checks) else 0

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -86,15 +86,18 @@ class Findings:
 
 
 async def examine(
-    config_dir: Path, settings: Settings, *, online: bool, timeout_s: float
+    config_dir: Path, settings: Settings, *, online: bool, timeout_s: float, port_offset: int = 0
 ) -> Findings:
     """Every check, in a stable order: the offline ones, then (`online`) the ones that ask
-    other servers, which run at once."""
+    other servers, which run at once. `port_offset`: the fleet `butlers up --port-offset`
+    starts (its ports are checked, and asked at --online)."""
     from butlers.doctor import local, offline
     from butlers.redact import Redactor
 
     # Reading files and directories: off the event loop.
-    subject, checks = await asyncio.to_thread(load_subject, config_dir, settings, timeout_s)
+    subject, checks = await asyncio.to_thread(
+        load_subject, config_dir, settings, timeout_s, port_offset
+    )
     redactor = Redactor.from_environment(subject.butlers, environ=subject.environ)
     redactor.add(Redactor.from_environment(subject.butlers, environ=settings.environ).secrets)
     with _redacted_logs(redactor):
@@ -108,7 +111,7 @@ async def examine(
 
 
 def load_subject(
-    config_dir: Path, settings: Settings, timeout_s: float
+    config_dir: Path, settings: Settings, timeout_s: float, port_offset: int = 0
 ) -> tuple[Subject, list[Check]]:
     """The configs and the environment; a directory that is missing or unreadable, a broken
     butler.toml or a bad .env are checks of their own (fail), never a traceback."""
@@ -143,6 +146,10 @@ def load_subject(
         placement = Placement()
     fleet, found = _load_fleet(config_dir, placement)
     checks += found
+    if port_offset:
+        from butlers.cli.fleet import PortChoice  # a port out of range: as `up` says it
+
+        fleet = replace(fleet, butlers=tuple(PortChoice(offset=port_offset).apply(fleet.butlers)))
     if has_env_file and not any(c.name == "env-file" for c in checks):
         checks.append(_env_file_check(env_file, from_file))
     checks.sort(key=lambda c: c.name.split(".")[0] != "config")  # first: the rest follows from it
