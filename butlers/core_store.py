@@ -174,6 +174,30 @@ class CoreStore:
                 report["removed"] = gone
         return report
 
+    async def schedules_rezone(
+        self, zone: str, now: datetime, next_runs: Callable[[str, datetime], datetime]
+    ) -> tuple[str | None, list[str]]:
+        """Move the recurring schedules to the wall clock of `zone` when their next runs were
+        reckoned in another (the butler's time zone changed while it was down): each next run
+        still ahead becomes `next_runs(cron, now)`. The zone they were reckoned in, and the
+        names of those moved. Nothing is moved when the zone is the same."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql.SCHEDULE_LOCK)
+            was = await conn.fetchval(sql.SCHEDULE_CLOCK)
+            if was == zone:
+                return was, []
+            moved = []
+            for row in await conn.fetch(sql.SCHEDULE_AHEAD, now):
+                try:
+                    following = next_runs(row["cron"], now)
+                except Exception:  # unreadable: the tick disables it, logged
+                    continue
+                if following != row["next_run_at"]:
+                    await conn.execute(sql.SCHEDULE_SET_NEXT, row["id"], following)
+                    moved.append(row["name"])
+            await conn.execute(sql.SCHEDULE_CLOCK_SET, zone)
+        return was, moved
+
     async def claim_due_tasks(
         self,
         now: datetime,
@@ -233,7 +257,7 @@ class CoreStore:
                         following.isoformat(timespec="minutes"),
                         extra={"action": "schedule_missed"},
                     )
-                    await conn.execute(sql.SCHEDULE_SKIP_TO, row["id"], following)
+                    await conn.execute(sql.SCHEDULE_SET_NEXT, row["id"], following)
                     continue
                 await conn.execute(sql.SCHEDULE_RAN, row["id"], now, following)
                 due.append(dict(row))

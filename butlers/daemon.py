@@ -424,7 +424,9 @@ class ButlerDaemon:
     async def _declare_schedules(self) -> None:
         """`[[schedules]]` of butler.toml become the table's declared schedules (created,
         updated, removed); what tools created stays. A declared cron is held to the same
-        `min_schedule_interval_s` as one a tool makes: refused (logged), not fatal."""
+        `min_schedule_interval_s` as one a tool makes: refused (logged), not fatal. First,
+        every recurring schedule is put on this start's wall clock (its zone may have changed
+        while the butler was down)."""
         from butlers import schedule_time
         from butlers.core_tools import check_schedule_interval
         from butlers.tool_errors import ToolRefusal
@@ -445,6 +447,17 @@ class ButlerDaemon:
                 continue
             declared.append((schedule.name, schedule.cron, schedule.prompt))
         now = datetime.now(UTC)
+        was, moved = await self.context.store.schedules_rezone(
+            config.zone, now, lambda cron, after: schedule_time.next_run(cron, after, config.zone)
+        )
+        if moved:
+            logger.info(
+                "schedules moved from %s's clock to %s's: %s",
+                was,
+                config.zone,
+                ", ".join(moved),
+                extra={"action": "schedules_rezoned"},
+            )
         report = await self.context.store.schedules_declare(
             declared, lambda cron: schedule_time.next_run(cron, now, config.zone)
         )

@@ -152,8 +152,20 @@ SCHEDULE_CLAIM_ONCE = """
 """
 # A cron that cannot be read: disabled rather than failing every tick.
 SCHEDULE_DISABLE = "UPDATE scheduled_tasks SET enabled = false WHERE id = $1"
-# A missed run not caught up: on to the next one.
-SCHEDULE_SKIP_TO = "UPDATE scheduled_tasks SET next_run_at = $2 WHERE id = $1"
+# A missed run not caught up: on to the next one; or a run moved to another zone's clock.
+SCHEDULE_SET_NEXT = "UPDATE scheduled_tasks SET next_run_at = $2 WHERE id = $1"
+# The zone the recurring schedules' next runs were reckoned in (None before the first start).
+SCHEDULE_CLOCK = "SELECT zone FROM schedule_clock"
+SCHEDULE_CLOCK_SET = """
+    INSERT INTO schedule_clock (id, zone) VALUES (1, $1)
+    ON CONFLICT (id) DO UPDATE SET zone = EXCLUDED.zone
+"""
+# The recurring schedules whose next run is still ahead of $1 (one due already is the
+# tick's to run or skip, as a run missed while down).
+SCHEDULE_AHEAD = """
+    SELECT id, name, cron, next_run_at FROM scheduled_tasks
+    WHERE NOT once AND next_run_at > $1 ORDER BY name
+"""
 SCHEDULE_RAN = "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WHERE id = $1"
 
 # -- sessions -------------------------------------------------------------------------------

@@ -62,6 +62,49 @@ async def test_declared_schedules_follow_the_file_and_tools_schedules_stay(
     assert [(r["name"], r["declared"]) for r in rows] == [("evening", True), ("mine", False)]
 
 
+async def test_a_new_time_zone_moves_every_recurring_schedule_to_its_clock(
+    start_butler: StartButler, db_conn
+) -> None:
+    """`0 8 * * *` made while the butler kept UTC, and one declared, then the butler's zone
+    set to Tokyo: both run at 08:00 in Tokyo from the next start (they kept UTC's 08:00,
+    17:00 there). A one-time reminder is an instant, and stays where it was; the zone is
+    reckoned once, so a start with the same zone moves nothing."""
+    first = await start_butler(butler_config("alpha", schedules=(TOKYO_BRIEF,)))
+    conn = await db_conn(first.config.database)
+    await call(
+        first.sse_url, "schedule_create", {"name": "mine", "cron": "0 8 * * *", "prompt": "Hi."}
+    )
+    at = (datetime.now(UTC) + timedelta(days=2)).replace(microsecond=0)
+    await call(
+        first.sse_url,
+        "schedule_create",
+        {"name": "once", "at": at.isoformat(), "prompt": "Once."},
+    )
+    await first.stop()
+    tokyo = butler_config("alpha", timezone="Asia/Tokyo", schedules=(TOKYO_BRIEF,))
+    with log_records("butlers.daemon") as records:
+        second = await start_butler(tokyo, database=first.config.database)
+    rows = {
+        r["name"]: r["next_run_at"]
+        for r in await conn.fetch("SELECT name, next_run_at FROM scheduled_tasks")
+    }
+    for name in ("brief", "mine"):
+        assert (rows[name].astimezone(UTC).hour, rows[name].minute) == (23, 0), name
+        assert rows[name] - datetime.now(UTC) <= timedelta(days=1), name  # the next one
+    assert rows["once"] == at
+    assert [r.getMessage() for r in records if getattr(r, "action", "") == "schedules_rezoned"] == [
+        "schedules moved from UTC's clock to Asia/Tokyo's: brief, mine"
+    ]
+    await second.stop()
+    with log_records("butlers.daemon") as records:
+        await start_butler(tokyo, database=first.config.database)
+    assert not [r for r in records if getattr(r, "action", "") == "schedules_rezoned"]
+    assert (
+        await conn.fetchval("SELECT next_run_at FROM scheduled_tasks WHERE name = 'mine'")
+        == (rows["mine"])
+    )
+
+
 async def test_at_runs_once_late_if_need_be_and_is_then_gone(
     start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:
