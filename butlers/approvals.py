@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
+from fastmcp.exceptions import NotFoundError
 from fastmcp.tools import Tool
 from fastmcp.tools.base import ToolResult
 from mcp.types import TextContent
@@ -85,11 +86,13 @@ class ApprovalGate:
         spawner: Spawner,
         link: SwitchboardLink,
         store: CoreStore,
+        mcp: FastMCP,
     ) -> None:
         self.config = config
         self.spawner = spawner
         self.link = link
         self.store = store
+        self.mcp = mcp  # its tools' input schemas: a call that could not run is not recorded
         self._needs: dict[str, bool] = {}
 
     def _needs_approval(self, tool_name: str) -> bool:
@@ -112,7 +115,18 @@ class ApprovalGate:
         return self._needs_approval(tool_name) and session_token() is not None
 
     async def answer(self, tool_name: str, arguments: dict[str, Any]) -> ToolResult:
-        """Record the call on the switchboard (the owner is asked) and say so at once."""
+        """Record the call on the switchboard (the owner is asked) and say so at once. A call
+        of no tool, or with arguments its tool's input schema refuses, is refused as the tool
+        would refuse it, nothing recorded: the owner is never asked to approve a call that
+        cannot run, and the session can correct it at once."""
+        tool = await self.mcp.get_tool(tool_name)
+        if tool is None:
+            raise NotFoundError(f"Unknown tool: {tool_name!r}")
+        if problems := schema_problems(tool.parameters, arguments):
+            raise ToolRefusal(
+                f"{tool_name}: {problems} (not asked for approval: call it again "
+                "with arguments it takes)"
+            )
         conversation = self.spawner.conversation_of(session_token())
         try:
             recorded = await self.link.request_approval(
@@ -171,6 +185,33 @@ class ApprovalGate:
 
     def hides_listings(self) -> bool:
         return False
+
+
+def schema_problems(schema: dict[str, Any], arguments: dict[str, Any]) -> str:
+    """What a JSON Schema (a tool's input schema) refuses in `arguments`, one clause per
+    problem ("text: required; limit: 'x' is not of type 'integer'"); "" when nothing. The
+    butler's own tools validate with pydantic when they run, a tool server's in its own
+    process: this is the common measure, for a call that is recorded before it runs."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError, UnknownType
+
+    try:
+        Draft202012Validator.check_schema(schema)
+        errors = list(Draft202012Validator(schema).iter_errors(arguments))
+    except (SchemaError, UnknownType):  # a server's schema we cannot read: its tool judges
+        return ""
+    said = []
+    for error in errors[:5]:
+        where = [str(part) for part in error.path]
+        if error.validator == "required":
+            missing = [name for name in error.validator_value if name not in error.instance]
+            said += [".".join([*where, name]) + ": required" for name in missing]
+        elif error.validator == "additionalProperties":
+            extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+            said += [".".join([*where, name]) + ": not an argument it takes" for name in extra]
+        else:
+            said.append(f"{'.'.join(where) or 'arguments'}: {error.message}")
+    return "; ".join(sorted(said))
 
 
 def _text_of(result: ToolResult) -> str:

@@ -252,7 +252,7 @@ class ButlerDaemon:
         register_core_tools(mcp, ctx)
         if has_approvals(config):
             # A session's call of a guarded tool waits for the owner (butlers.approvals).
-            middleware.add_guard(ApprovalGate(config, spawner, link, store))
+            middleware.add_guard(ApprovalGate(config, spawner, link, store, mcp))
             register_approval_execute(mcp, link, self.redactor)
         if config.is_switchboard:
             self.switchboard = await self._build_switchboard(mcp, ctx)

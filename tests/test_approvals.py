@@ -19,6 +19,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
+from butlers.approvals import schema_problems
 from butlers.config import ApprovalsConfig
 from butlers.daemon import ButlerDaemon
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
@@ -404,6 +405,59 @@ async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
     row = dict(await conn.fetchrow("SELECT status, claimed_at FROM approvals"))
     assert row == {"status": "approved", "claimed_at": None}
     assert "pwned" not in sent_texts(bot_api, CHAT) + sent_texts(bot_api, OWNER)
+
+
+def test_schema_problems_names_each_argument_and_what_was_wrong() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string"},
+            "limit": {"type": "integer", "minimum": 1},
+            "edit": {
+                "type": "object",
+                "properties": {"old": {"type": "string"}},
+                "required": ["old"],
+            },
+        },
+        "required": ["path"],
+    }
+    assert schema_problems(schema, {"path": "a", "limit": 2, "edit": {"old": "x"}}) == ""
+    assert schema_problems(schema, {"limit": "ten", "edit": {}}) == (
+        "edit.old: required; limit: 'ten' is not of type 'integer'; path: required"
+    )
+    assert schema_problems({"type": "nonsense"}, {}) == ""  # unreadable: the tool judges
+
+
+async def test_a_guarded_call_its_tool_would_refuse_is_not_put_to_the_owner(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """The session calls the guarded notify with an argument it does not take and without
+    the one it needs: refused at once, as the tool would refuse it (the model may correct
+    it), and the owner is not asked to approve a call that could never run."""
+
+    def wrong_arguments(body: dict) -> list[dict]:
+        if turn(body) == 0:
+            return [tool_use("mcp__general__notify", {"message": EFFECT})]
+        return [text("Done.")]
+
+    scripted_api.respond_with(wrong_arguments)
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    await bot_api.push_text(CHAT, ASK)
+    await bot_api.wait_until(lambda: "Done." in sent_texts(bot_api, CHAT))
+    [result] = scripted_api.tool_results()
+    said = json.dumps(result)
+    assert result.get("is_error") is True, said
+    assert (
+        "notify: message: not an argument it takes; text: required (not asked for approval: "
+        "call it again with arguments it takes)"
+    ) in said
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM approvals") == 0
+    assert bot_api.sent_with_buttons() == []
 
 
 async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
