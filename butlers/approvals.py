@@ -31,8 +31,8 @@ from fastmcp.tools import Tool
 from fastmcp.tools.base import ToolResult
 from mcp.types import TextContent
 
-from butlers.config import APPROVAL_EXECUTE_TOOL, ButlerConfig
-from butlers.errors import NotifyFailed
+from butlers.config import APPROVAL_EXECUTE_TOOL, CONFIG_FILENAME, ButlerConfig
+from butlers.errors import ConfigError, NotifyFailed
 from butlers.session_policy import session_token
 from butlers.telemetry import current_trace_id
 from butlers.tool_errors import ToolRefusal
@@ -73,6 +73,30 @@ def approved_conversation() -> str | None:
 def has_approvals(config: ButlerConfig) -> bool:
     """Whether anything of this butler waits for the owner's yes (else it gets no gate)."""
     return bool(config.approvals.tools) or any(server.approval for server in config.mcp_servers)
+
+
+def check_approval_globs(config: ButlerConfig, tool_names: Sequence[str]) -> None:
+    """Each `[approvals] tools` glob must match one of the butler's own tools: a misspelt
+    one ("notfy") guards nothing, and the owner's veto would be gone without a word. A
+    ConfigError (the butler does not start), with the likely name."""
+    import difflib
+    import fnmatch
+
+    for glob in config.approvals.tools:
+        if any(fnmatch.fnmatchcase(name, glob) for name in tool_names):
+            continue
+        likely = difflib.get_close_matches(glob, tool_names, n=1)
+        hint = (
+            f"did you mean {likely[0]!r}?"
+            if likely
+            else f"its tools: {', '.join(sorted(tool_names))}"
+        )
+        raise ConfigError(
+            config.config_dir / CONFIG_FILENAME if config.config_dir else config.name,
+            "approvals.tools",
+            f"{glob!r} matches none of {config.name}'s tools, so it would guard nothing ({hint}); "
+            "a tool server's tools take its own `approval` globs",
+        )
 
 
 class ApprovalGate:

@@ -21,7 +21,12 @@ import asyncpg
 import uvicorn
 from fastmcp import FastMCP
 
-from butlers.approvals import ApprovalGate, has_approvals, register_approval_execute
+from butlers.approvals import (
+    ApprovalGate,
+    check_approval_globs,
+    has_approvals,
+    register_approval_execute,
+)
 from butlers.config import ButlerConfig, Placement, SwitchboardConfig
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
@@ -269,6 +274,7 @@ class ButlerDaemon:
         )
         ctx.module_statuses = modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
+        check_approval_globs(config, ctx.tool_names)
         if config.mcp_servers:
             self.tool_servers = parts.adopt("tool servers", self._tool_servers(mcp, ctx))
             # A server that is down does not make the butler unready: shown, not counted.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import json
 import logging
 import re
@@ -71,15 +72,20 @@ class ServerStatus:
     reason: str = ""  # why it is not running (its last failure), empty while it runs
     tools: int = 0  # tools offered
     starts: int = 0
+    # `approval` globs that match none of the tools it offers (a misspelling guards nothing).
+    approval_unmatched: tuple[str, ...] = ()
 
     def report(self) -> dict[str, Any]:
-        return {
+        report: dict[str, Any] = {
             "name": self.name,
             "state": self.state,
             "reason": self.reason,
             "tools": self.tools,
             "starts": self.starts,
         }
+        if self.approval_unmatched:
+            report["approval_unmatched"] = list(self.approval_unmatched)
+        return report
 
 
 class _ProxiedTool(Tool):
@@ -136,7 +142,7 @@ class ToolServer:
                 self._failed(self._describe(exc))
             else:
                 await self._exited.wait()
-                self._failed(self._exit_reason or "it exited")
+                self._failed(self._with_last_words(self._exit_reason or "it exited"))
                 if loop.time() - started_at >= STABLE_AFTER_S:
                     failures = 0
             self.status.state = "restarting"
@@ -172,7 +178,13 @@ class ToolServer:
         self.status.state, self.status.reason = "failed", self.owner.redact(reason)[:500]
 
     def _describe(self, exc: BaseException) -> str:
-        return str(exc) or type(exc).__name__
+        return self._with_last_words(str(exc) or type(exc).__name__)
+
+    def _with_last_words(self, reason: str) -> str:
+        """`reason` and what a stdio server last wrote to its stderr: why it failed is there
+        ("npm error 404 Not Found"), where the log has it only at INFO."""
+        said = list(self.child.said) if isinstance(self.child, StdioChild) else []
+        return f"{reason}; it said: {' | '.join(said)}" if said else reason
 
     def _on_exit(self, _child: StdioChild, reason: str) -> None:
         self._exit_reason = reason
@@ -216,7 +228,29 @@ class ToolServer:
             mcp.add_tool(registered)
             self.registered.append(proxied)
         self.status.tools = len(self.registered)
+        self._check_approval_globs([str(tool.get("name") or "") for tool in tools])
         self.owner.tools_changed()
+
+    def _check_approval_globs(self, names: Sequence[str]) -> None:
+        """Warn (once for each change) of `approval` globs that match none of the tools the
+        server offers: a misspelt one ("write_fle") would leave the tool it meant unguarded.
+        The butler goes on (a server's tools may change); status() shows them."""
+        offered = [name for name in names if self.config.offers(name)]
+        unmatched = tuple(
+            glob
+            for glob in self.config.approval
+            if not any(fnmatch.fnmatchcase(name, glob) for name in offered)
+        )
+        if unmatched and unmatched != self.status.approval_unmatched:
+            logger.warning(
+                "tool server %r: guarding nothing, these approval globs match none of the "
+                "tools it offers: %s (it offers: %s)",
+                self.name,
+                ", ".join(map(repr, unmatched)),
+                ", ".join(sorted(offered)) or "none",
+                extra={"action": "approval_unmatched"},
+            )
+        self.status.approval_unmatched = unmatched
 
     def _unregister(self) -> None:
         for name in self.registered:

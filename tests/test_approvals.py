@@ -22,8 +22,9 @@ from fastmcp.client.transports import SSETransport
 from butlers.approvals import schema_problems
 from butlers.config import ApprovalsConfig
 from butlers.daemon import ButlerDaemon
+from butlers.errors import ConfigError
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
-from tests.conftest import StartButler, eventually
+from tests.conftest import StartButler, butler_config, eventually
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -405,6 +406,27 @@ async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
     row = dict(await conn.fetchrow("SELECT status, claimed_at FROM approvals"))
     assert row == {"status": "approved", "claimed_at": None}
     assert "pwned" not in sent_texts(bot_api, CHAT) + sent_texts(bot_api, OWNER)
+
+
+async def test_an_approvals_glob_that_guards_nothing_stops_its_butler(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """`notfy` for `notify` would leave notify unguarded without a word: the butler does not
+    start, naming the file, the key, the glob and the likely tool."""
+    config = butler_config(
+        "alpha", approvals=ApprovalsConfig(tools=("notfy", "state_*")), config_dir=tmp_path
+    )
+    with pytest.raises(ConfigError) as refused:
+        await start_butler(config)
+    assert str(refused.value) == (
+        f"{tmp_path / 'butler.toml'}: approvals.tools: 'notfy' matches none of alpha's tools, "
+        "so it would guard nothing (did you mean 'notify'?); a tool server's tools take its "
+        "own `approval` globs"
+    )
+    started = await start_butler(
+        butler_config("alpha", approvals=ApprovalsConfig(tools=("notify", "state_*")))
+    )
+    assert started.mcp is not None
 
 
 def test_schema_problems_names_each_argument_and_what_was_wrong() -> None:

@@ -39,6 +39,7 @@ from tests.conftest import (
 )
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
+from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
 from tests.test_cli import Butlers, fleet_env
 from tests.test_crash import fleet_databases
 from tests.test_inbox import is_classifier, model, turn
@@ -341,6 +342,44 @@ async def test_a_server_that_cannot_start_leaves_the_butler_running(
     async with Client(general.sse_url) as client:
         names = {tool.name for tool in await client.list_tools()}
     assert "fine__echo" in names and not any(n.startswith("broken__") for n in names)
+
+
+async def test_a_server_says_why_it_failed_and_a_glob_that_guards_nothing_is_shown(
+    start_butler: StartButler,
+) -> None:
+    """A server that exits at start: status() says what it last wrote to stderr (npm's 404
+    was only in the log, at INFO). An `approval` glob that matches none of a server's
+    tools (misspelt) is warned of and shown: the tool meant is not guarded."""
+    dies = McpServerConfig(
+        name="dies",
+        command=sys.executable,
+        args=("-c", "import sys; print('npm error 404 Not Found', file=sys.stderr); sys.exit(1)"),
+    )
+    fine = McpServerConfig(
+        name="fine", command=sys.executable, args=(str(MOCK_MCP),), approval=("echo", "ech0")
+    )
+    with log_records("butlers.tool_servers") as records:
+        general = await start_butler(butler_config("general", mcp_servers=(dies, fine)))
+        await running(general, "fine")
+
+        async def reported() -> dict[str, Any]:
+            async with Client(general.sse_url) as client:
+                status = (await client.call_tool("status", {})).structured_content
+            return {s["name"]: s for s in status["tool_servers"]}
+
+        await eventually(lambda: _said(reported, "dies", "it said: npm error 404 Not Found"))
+    servers = await reported()
+    assert servers["fine"]["approval_unmatched"] == ["ech0"]
+    assert "approval_unmatched" not in servers["dies"]
+    [warned] = [r.getMessage() for r in records if getattr(r, "action", "") == "approval_unmatched"]
+    assert warned == (
+        "tool server 'fine': guarding nothing, these approval globs match none of the tools it "
+        f"offers: 'ech0' (it offers: {', '.join(sorted(t['name'] for t in MOCK_TOOLS))})"
+    )
+
+
+async def _said(reported, name: str, words: str) -> bool:
+    return words in (await reported())[name]["reason"]
 
 
 async def test_a_stdio_server_gets_only_its_allowlisted_environment(
