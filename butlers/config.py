@@ -606,13 +606,10 @@ _CHANNELS_NEED_SWITCHBOARD: JsonDict = {
 
 def _cron(value: str) -> str:
     """Five fields (minute resolution) or a nickname such as @daily, as `schedule_create`."""
-    from croniter import croniter
+    from butlers.schedule_time import cron_problem
 
-    if len(value.split()) not in (1, 5) or not croniter.is_valid(value):
-        raise ValueError(
-            f"{value!r} is not a cron expression: five fields such as '0 8 * * *' "
-            "(minute hour day month weekday), or @daily / @hourly / ..."
-        )
+    if (problem := cron_problem(value)) is not None:
+        raise ValueError(f"{value!r} is not a cron expression: {problem}")
     return value
 
 

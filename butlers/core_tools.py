@@ -50,7 +50,6 @@ TRACE_ID_PATTERN = r"^[0-9a-f]{32}$"  # W3C: 16 bytes, lower-case hex
 # so that neither a mistake nor a prompt talked into it can flood a butler.
 MAX_SCHEDULES = 100
 MAX_SCHEDULE_PROMPT_BYTES = 32 * 1024
-CRON_NICKNAMES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 # How far ahead `schedule_create` looks for a cron's shortest gap between two runs: its next
 # runs, this many at most, within this time (the hour and minute fields are the same on every
 # day they run, so a few days show every gap; a year, what month ends and leap days add).
@@ -83,12 +82,8 @@ def next_run(cron: str, after: datetime) -> datetime:
 def validate_cron(cron: str) -> None:
     """Five fields (minute resolution) or a nickname such as @daily. croniter also takes a
     sixth field, seconds, which would run a session every second: refused."""
-    nickname = cron.strip().lower() in CRON_NICKNAMES
-    if not nickname and (len(cron.split()) != 5 or not croniter.is_valid(cron)):
-        raise ToolRefusal(
-            f"invalid cron expression {cron!r}: expected five fields "
-            "'minute hour day-of-month month day-of-week', e.g. '0 8 * * *' for 08:00 daily"
-        )
+    if (problem := schedule_time.cron_problem(cron)) is not None:
+        raise ToolRefusal(f"invalid cron expression {cron!r}: {problem}")
     try:
         next_run(cron, datetime.now(UTC))
     except CroniterError:  # e.g. "0 0 31 2 *": valid fields, but no such day

@@ -27,6 +27,43 @@ _LOOKBACK = timedelta(hours=3)
 MAX_AHEAD_YEARS = 10
 
 
+CRON_NICKNAMES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+# A cron's five fields, with what each takes (croniter's refusal names no field).
+_CRON_FIELDS = (
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day-of-month", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("day-of-week", "0-7 or sun-sat"),
+)
+
+
+def cron_problem(cron: str) -> str | None:
+    """What is wrong with `cron` in words, or None when it is five fields (minute resolution)
+    or a nickname such as @daily. croniter also takes a sixth field, seconds, which would run
+    a session every second: refused. A bad field is named with what it takes ('61 8 * * *':
+    minute '61', 0-59), not just "five fields", which it has."""
+    if cron.strip().lower() in CRON_NICKNAMES:
+        return None
+    fields = cron.split()
+    if len(fields) != 5:
+        return (
+            f"expected five fields 'minute hour day-of-month month day-of-week' (got "
+            f"{len(fields)}), e.g. '0 8 * * *' for 08:00 daily, or {', '.join(CRON_NICKNAMES[3:])}"
+        )
+    for index, (field, takes) in enumerate(_CRON_FIELDS):
+        alone = ["*"] * 5
+        alone[index] = fields[index]
+        if not croniter.is_valid(" ".join(alone)):
+            return (
+                f"its {field} {fields[index]!r} is not valid: it takes {takes} (lists, ranges "
+                "and */steps of them too)"
+            )
+    if not croniter.is_valid(cron):
+        return "its fields do not make a schedule together, e.g. '0 8 * * *' for 08:00 daily"
+    return None
+
+
 class BadTime(ValueError):
     """An `at` that is not an ISO 8601 date-time, or lies in the past."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -20,9 +21,20 @@ async def client(start_butler: StartButler):
         yield c
 
 
-@pytest.mark.parametrize("cron", ["61 * * * *", "not a cron", "* * *", "0 25 * * *", ""])
-async def test_invalid_cron_is_a_clear_error_and_nothing_is_stored(client, db_conn, cron) -> None:
-    with pytest.raises(ToolError, match=r"invalid cron expression .*five fields"):
+@pytest.mark.parametrize(
+    ("cron", "said"),
+    [
+        ("61 * * * *", "its minute '61' is not valid: it takes 0-59"),
+        ("not a cron", r"expected five fields .* \(got 3\)"),
+        ("* * *", r"expected five fields .* \(got 3\)"),
+        ("0 25 * * *", "its hour '25' is not valid: it takes 0-23"),
+        ("", r"expected five fields .* \(got 0\)"),
+    ],
+)
+async def test_invalid_cron_is_a_clear_error_and_nothing_is_stored(
+    client, db_conn, cron, said
+) -> None:
+    with pytest.raises(ToolError, match=rf"invalid cron expression '{re.escape(cron)}': {said}"):
         await client.call_tool("schedule_create", {"name": "bad", "cron": cron, "prompt": "p"})
     conn = await db_conn(client.daemon.config.database)
     assert await conn.fetchval("SELECT count(*) FROM scheduled_tasks") == 0

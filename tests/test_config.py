@@ -597,6 +597,11 @@ prompt = "Summarise today."
             "is not a cron expression",
         ),
         (
+            '[[schedules]]\nname = "a"\ncron = "0 25 * * *"\nprompt = "x"',
+            "schedules[0].cron",
+            "'0 25 * * *' is not a cron expression: its hour '25' is not valid: it takes 0-23",
+        ),
+        (
             '[[schedules]]\nname = "a"\ncron = "@daily"\nprompt = "x"\n'
             '[[schedules]]\nname = "a"\ncron = "@hourly"\nprompt = "y"',
             "schedules[1].name",

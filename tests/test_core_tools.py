@@ -121,6 +121,15 @@ async def test_schedules_are_capped(client: Client, db_conn) -> None:
     for cron in ("* * * * * */5", "* * * * * * *", "@reboot", "every minute"):
         with pytest.raises(ToolError, match="invalid cron expression"):
             await client.call_tool("schedule_create", {"name": "x", "cron": cron, "prompt": "p"})
+    # Five fields, one out of range: that field is named, not "expected five fields".
+    with pytest.raises(ToolError, match=r"its minute '61' is not valid: it takes 0-59 \("):
+        await client.call_tool(
+            "schedule_create", {"name": "x", "cron": "61 8 * * *", "prompt": "p"}
+        )
+    with pytest.raises(ToolError, match=r"its day-of-week 'mon-fry' is not valid: it takes 0-7"):
+        await client.call_tool(
+            "schedule_create", {"name": "x", "cron": "0 8 * * mon-fry", "prompt": "p"}
+        )
     with pytest.raises(ToolError, match=r"'0 0 31 2 \*' never comes round"):
         await client.call_tool(
             "schedule_create", {"name": "x", "cron": "0 0 31 2 *", "prompt": "p"}

@@ -184,7 +184,7 @@ async def test_a_missed_run_is_caught_up_once_and_an_old_one_moves_on(
 
 
 async def test_butlers_schedules_lists_every_butler_in_its_local_time(
-    start_butler: StartButler, tmp_path
+    start_butler: StartButler, tmp_path, db_conn
 ) -> None:
     from tests.test_cli_client import run_cli
     from tests.test_route import make_fleet
@@ -210,6 +210,16 @@ async def test_butlers_schedules_lists_every_butler_in_its_local_time(
     assert [(r["butler"], r["name"]) for r in json.loads(out)] == [("general", "brief")]
     code, _, err = await run_cli("schedules", "--butler", "nobody", "--url", url, token="cli-token")
     assert code == 1 and "error: butler 'nobody' not found (butlers list shows them)" in err
+    # A stale butler (its butler.toml broke: not started) is a row saying so, not left out.
+    conn = await db_conn(fleet.switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO butler_registry (name, endpoint_url, description, missing_since)
+           VALUES ('relationship', 'http://127.0.0.1:9/sse', 'people', now())"""
+    )
+    code, out, err = await run_cli("schedules", "--json", "--url", url, token="cli-token")
+    assert code == 0, err
+    [stale] = [r for r in json.loads(out) if r["butler"] == "relationship"]
+    assert "is stale" in stale["error"], stale
 
 
 async def call_with_token(url: str, tool: str, arguments: dict[str, Any]) -> Any:

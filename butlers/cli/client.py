@@ -286,9 +286,8 @@ async def _schedules(target: SwitchboardTarget, only: str | None) -> list[dict[s
     be asked is a row saying why, not the end of the listing."""
     registry = await call_switchboard(target, "list_butlers", {})
     own = await _switchboard_name(target)
-    names = [own or "switchboard"] + [
-        b["name"] for b in registry if b["name"] != own and not b.get("stale")
-    ]
+    # A stale butler too: route refuses it saying why (its butler.toml broke, say), a row.
+    names = [own or "switchboard"] + [b["name"] for b in registry if b["name"] != own]
     if only is not None:
         if only not in names:
             raise CommandError(f"butler {only!r} not found (butlers list shows them)")
