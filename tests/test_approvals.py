@@ -272,7 +272,7 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     assert "general" in out and "notify" in out and EFFECT in out and "pending" in out
     code, out, err = await run_cli("approvals", "approve", "1", *url)
     assert (code, err) == (0, "")
-    assert out.startswith("approval 1 is done")
+    assert out.startswith("approval 1 approved and run: ")
     await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
     # The owner's Telegram question shows the decision, and its buttons are gone.
     await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
@@ -295,6 +295,25 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
         {"text": EFFECT},
     )
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def test_approving_a_call_that_then_fails_exits_1_saying_so(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, db_conn
+) -> None:
+    """A call recorded before its tool changed (here: arguments notify no longer takes):
+    approving it runs it once, it fails, and the command says so and exits 1 (it printed
+    "approval 1 is failed" and exited 0: a script could not tell)."""
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO approvals (butler, tool, arguments, status, expires_at)
+           VALUES ('general', 'notify', '{"message": "hi"}', 'pending', now() + interval '1 h')"""
+    )
+    code, out, err = await run_cli("approvals", "approve", "1", "--url", switchboard.sse_url)
+    assert (code, out) == (1, ""), err
+    assert err.startswith("error: approval 1 approved, and the call failed: notify: text:"), err
+    row = await approval_row(switchboard, db_conn)
+    assert row["status"] == "failed"
 
 
 async def test_concurrent_decisions_run_the_call_once(asked: Asked, bot_api: FakeBotAPI) -> None:

@@ -252,10 +252,11 @@ def print_decision(answer: dict[str, Any]) -> None:
         raise CommandError(
             f"approval {answer['id']} is {answer['status']} already: nothing changed"
         )
-    said = f"approval {answer['id']} is {answer['status']}"
-    if answer.get("result"):
-        said += f": {cut(answer['result'], 200)}"
-    print(said)
+    result = f": {cut(answer['result'], 200)}" if answer.get("result") else ""
+    if answer["status"] == "failed":  # approved, and the call it ran failed: exit 1
+        raise CommandError(f"approval {answer['id']} approved, and the call failed{result}")
+    said = {"done": "approved and run", "denied": "denied"}.get(answer["status"])
+    print(f"approval {answer['id']} {said or 'is ' + answer['status']}{result}")
 
 
 def print_pairing(listing: dict[str, Any]) -> None:
