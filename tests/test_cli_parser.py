@@ -48,3 +48,27 @@ def test_gateway_report_and_dry_run_exclude_each_other(
         parser.parse_args(["gateway", "--report", "--dry-run"])
     assert exited.value.code == 2
     assert "argument --dry-run: not allowed with argument --report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["memory", "general", "--json", "forget", "2"],
+        ["memory", "--json", "general", "forget", "2"],
+        ["memory", "general", "forget", "2", "--json"],
+    ],
+)
+def test_a_commands_options_go_between_its_words_too(argv: list[str]) -> None:
+    """docs/cli.md: options before or after the command's words; `butlers memory general
+    --json forget 2` was refused ("unrecognized arguments: forget 2")."""
+    args = build_parser(Settings.from_environ({})).parse_args(argv)
+    assert (args.butler, args.action, args.id, args.json) == ("general", "forget", 2, True)
+
+
+def test_intermixed_words_keep_their_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser(Settings.from_environ({}))
+    args = parser.parse_args(["approvals", "--json", "approve", "3"])
+    assert (args.action, args.id, args.json) == ("approve", 3, True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["memory", "general", "--json", "fogret", "2"])
+    assert "invalid choice: 'fogret'" in capsys.readouterr().err

@@ -176,6 +176,7 @@ async def test_without_an_owner_a_reminder_is_refused_with_what_to_set(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
+    db_conn,
 ) -> None:
     switchboard, _ = await notify_fleet(start_butler, tmp_path, bot_api, SwitchboardConfig())
     async with Client(switchboard.sse_url) as client:
@@ -183,3 +184,7 @@ async def test_without_an_owner_a_reminder_is_refused_with_what_to_set(
             Exception, match=r"set telegram_chat_id or email under \[switchboard.owner\]"
         ):
             await client.call_tool("deliver", {"butler": "general", "text": "hi"})
+    # Logged as meant for the owner (it said "?", which `butlers log` showed as `?.notify`).
+    conn = await db_conn(switchboard.config.database)
+    row = await conn.fetchrow("SELECT routed_to, success FROM routing_log")
+    assert (row["routed_to"], row["success"]) == ("owner", False)

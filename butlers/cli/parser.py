@@ -17,6 +17,30 @@ if TYPE_CHECKING:
     from butlers.settings import Settings
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser that takes its options between its optional words too:
+    `butlers memory general --json forget 2` (argparse alone fills `action` and `id` with
+    nothing at `general` and then refuses "forget 2"). argparse's intermixed parsing, for a
+    command without sub-commands of its own (it cannot take those)."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        optional_words = any(
+            not action.option_strings and action.nargs in ("?", "*") for action in self._actions
+        )
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if self._intermixing or nested or not optional_words:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # intermixed parsing calls this again, for each half
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser(settings: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="butlers",
@@ -30,7 +54,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         level=settings.log_level,
         log_format=settings.log_format,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     def config_dir_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument(

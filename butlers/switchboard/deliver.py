@@ -115,7 +115,7 @@ class NotificationDesk:
                 RouteRecord(
                     source_channel="butler",
                     source_id=butler,
-                    routed_to=destination.channel if destination else (channel or "?"),
+                    routed_to=destination.channel if destination else (channel or "owner"),
                     tool_name=NOTIFY_TOOL,
                     prompt_summary=storable(summarize({"prompt": text})),
                     trace_id=current_trace_id(),
