@@ -23,6 +23,7 @@ import html
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus, unquote, urlsplit
@@ -279,6 +280,22 @@ class Redactor:
         return cls(values)
 
 
+_TOOL_ERROR_CHARS = 300
+
+
+def _with_the_tool_error(record: logging.LogRecord, message: str) -> str:
+    """FastMCP logs a tool call that raised a tool error as "Error calling tool 'route'",
+    without the error (no exc_info): `butlers up` printed a warning that said nothing of why.
+    It logs it inside its `except`, so the error in hand is that one: added here, before the
+    message is redacted like any other."""
+    if record.name != "fastmcp.server.server" or not message.startswith("Error calling tool"):
+        return message
+    error = sys.exc_info()[1]
+    if error is None or record.exc_info or str(error) in message:
+        return message
+    return f"{message}: {str(error)[:_TOOL_ERROR_CHARS]}"
+
+
 def install_log_redaction(redactor: Redactor) -> None:
     """Redact every log record of this process as it is created (process-wide, like logging),
     and route `warnings` through logging so that they are redacted too.
@@ -294,15 +311,16 @@ def install_log_redaction(redactor: Redactor) -> None:
 
     def redacting_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
-        if not redactor:
-            return record
         try:
-            message = record.getMessage()
+            formatted = record.getMessage()
         except Exception:
             return record  # logging reports it ("--- Logging error ---") when it is emitted
-        redacted = redactor(message)
-        if redacted is not message:
+        message = _with_the_tool_error(record, formatted)
+        redacted = redactor(message) if redactor else message
+        if redacted is not formatted:
             record.msg, record.args = redacted, None
+        if not redactor:
+            return record
         if record.exc_info:
             record.exc_text = redactor(formatter.formatException(record.exc_info))
             record.exc_info = None

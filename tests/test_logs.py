@@ -98,6 +98,8 @@ async def test_json_lines_carry_every_library_the_butler_and_the_trace(
     assert find("fastmcp", "Handler called: call_tool")["level"] == "DEBUG"
     refused = find("fastmcp", "Error calling tool 'state_get'")
     assert refused["level"] == "INFO" and refused["butler"] == "general"
+    # With why (FastMCP's own line says only which tool).
+    assert refused["message"] == "Error calling tool 'state_get': state key must not be empty"
     assert re.fullmatch(r"[0-9a-f]{32}", refused["trace_id"])
     assert re.fullmatch(r"[0-9a-f]{16}", refused["span_id"])
     assert any(r["action"] == "startup" for r in records if "action" in r)  # the progress

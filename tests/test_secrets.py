@@ -307,6 +307,32 @@ def test_redaction_survives_bad_logging_calls_and_covers_warnings() -> None:
         logging.setLogRecordFactory(saved)
 
 
+def test_a_tool_errors_line_says_why_and_what_it_says_is_redacted() -> None:
+    """FastMCP's "Error calling tool 'x'" (no exc_info, inside its except) gets the error in
+    hand added, redacted like the rest; another logger's line, or one outside an except, is
+    left as it was."""
+    saved = logging.getLogRecordFactory()
+    install_log_redaction(Redactor(["t00l-secret"]))
+    try:
+        fastmcp = logging.getLogger("fastmcp.server.server")
+
+        def made(logger: logging.Logger, message: str) -> str:
+            return logger.makeRecord(
+                logger.name, logging.WARNING, __file__, 1, message, (), None
+            ).getMessage()
+
+        try:
+            raise ValueError("refused: token t00l-secret is wrong")
+        except ValueError:
+            said = made(fastmcp, "Error calling tool 'route'")
+            other = made(logging.getLogger("tests.other"), "Error calling tool 'route'")
+        assert said == f"Error calling tool 'route': refused: token {REDACTED} is wrong"
+        assert other == "Error calling tool 'route'"
+        assert made(fastmcp, "Error calling tool 'route'") == "Error calling tool 'route'"
+    finally:
+        logging.setLogRecordFactory(saved)
+
+
 def test_a_secret_is_redacted_before_it_is_cut_to_fit() -> None:
     secret = "7312345678:AAHk3vR9xQpL2-secret-bot-token-zz"
     redactor = Redactor([secret])
