@@ -61,10 +61,15 @@ _WORD_SEARCH = """
     FROM memories
     WHERE words @@ {query}
       AND NOT id = ANY($5::bigint[])
-      AND {visible}
+      AND {visible}{excluded}
     ORDER BY score DESC, id DESC
     LIMIT $3
 """
+# A web search's -word, for the bands that read words one by one ($7: those words): a memory
+# with any of them is not found there either ("dentist -car" brought the car's memories in).
+_EXCLUDED = " AND NOT words @@ " + ANY_WORD.replace("$1", "$7")
+# "-word" (at the start, or after a space), as websearch_to_tsquery reads it.
+NEGATED = re.compile(r"(?:^|(?<=\s))-(\w+)")
 # A session's context: $1 a tsquery built here from the prompt's lexemes.
 _CONTEXT_SEARCH = """
     SELECT id, text, tags, created_at, 1 + ts_rank_cd(words, $1::tsquery, 32) AS score
@@ -340,7 +345,7 @@ class MemoryStore:
             # narrowest, so the cheapest through the index; any of the words only to fill up.
             visible = viewer.visible(4, 6)
             rows = await conn.fetch(
-                _WORD_SEARCH.format(score=2, query=EVERY_WORD, visible=visible),
+                _WORD_SEARCH.format(score=2, query=EVERY_WORD, visible=visible, excluded=""),
                 query,
                 self.language,
                 limit,
@@ -348,20 +353,34 @@ class MemoryStore:
                 [],
                 viewer.person,
             )
+            # The later bands read the words one by one: a -word is left out of what they
+            # look for, and what has it out of what they find.
+            negated = NEGATED.findall(query)
+            wanted = NEGATED.sub(" ", query).strip() if negated else query
+            exclusion, excluded_words = (_EXCLUDED, [" ".join(negated)]) if negated else ("", [])
             # Any of the words: only for a query of several (for one, the same memories again).
-            if len(rows) < limit and len(WORD.findall(query)) > 1:
+            if len(rows) < limit and len(WORD.findall(wanted)) > 1:
                 rows += await conn.fetch(
-                    _WORD_SEARCH.format(score=1, query=ANY_WORD, visible=visible),
-                    query,
+                    _WORD_SEARCH.format(
+                        score=1, query=ANY_WORD, visible=visible, excluded=exclusion
+                    ),
+                    wanted,
                     self.language,
                     limit - len(rows),
                     viewer.kind,
                     [r["id"] for r in rows],
                     viewer.person,
+                    *excluded_words,
                 )
             # Misspellings only when no word was found: similarity is the costly step (most
             # of a search's time at 100,000 when it ran whenever fewer than `limit` were).
-            if misspellings and self.trigrams and not rows and len(query) <= TRIGRAM_QUERY_CHARS:
+            if (
+                misspellings
+                and self.trigrams
+                and not rows
+                and not negated  # what it must not have cannot be told by similarity
+                and len(query) <= TRIGRAM_QUERY_CHARS
+            ):
                 # pg_trgm's default (0.6) misses one wrong letter in a 6-letter name
                 # ("Okafer" for "Okafor" is 0.57); `<%` reads the threshold from here. The
                 # planner prices word_similarity as cheap and scans a small table instead of

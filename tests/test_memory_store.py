@@ -36,6 +36,22 @@ async def test_search_finds_the_right_fact_first_word_forms_included(memory: Mem
     assert found[0]["text"] == "Anna's birthday is on 3 March"
 
 
+async def test_a_minus_word_is_left_out_of_every_band(memory: MemoryStore) -> None:
+    """"dentist -car" as a web search reads it: the car's memory is not found, not even as
+    one with "any of the words" (it was, at 1.09), nor by similarity."""
+    await memory.remember("The car needs new winter tyres before December", [])
+    await memory.remember("My dentist is Dr. Okafor on Mill Street", [])
+    await memory.remember("The dentist said the car park is full on Mondays", [])
+    found = await memory.search("dentist -car")
+    assert [f["text"] for f in found] == ["My dentist is Dr. Okafor on Mill Street"]
+    found = await memory.search("dentist winter -car")
+    assert [f["text"] for f in found] == ["My dentist is Dr. Okafor on Mill Street"]
+    assert all("tyres" not in f["text"] for f in await memory.search("-tyre"))
+    # A hyphen inside a word is no minus: "park" is looked for, first.
+    found = await memory.search("car-park")
+    assert found[0]["text"] == "The dentist said the car park is full on Mondays"
+
+
 async def test_misspellings_through_trigrams(memory: MemoryStore) -> None:
     assert memory.trigrams, "the embedded PostgreSQL ships pg_trgm"
     await memory.remember("My dentist is Dr. Okafor on Mill Street", [])
