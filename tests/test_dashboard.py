@@ -252,6 +252,18 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert re.search(r"\$0\.\d{4}", sections["general"])
         assert 'id="message-reply">General here: &lt;b&gt;done' in html
         assert (await client.get("/ui/messages/999999", headers=BEARER)).status_code == 404
+        # What it came to before `butlers retry` queued it again (kept in its meta).
+        await conn.execute(
+            """UPDATE inbox SET meta = jsonb_set(meta, '{retries}', jsonb_build_array(
+                   jsonb_build_object('retried_at', '2026-11-27T10:00:00+00:00',
+                                      'status', 'failed', 'error', 'health was <b>down</b>',
+                                      'attempts', 1)))
+               WHERE id = $1""",
+            failed,
+        )
+        page = (await client.get(f"/ui/messages/{failed}", headers=BEARER)).text
+        assert "<dt>Before retry 1</dt>" in page
+        assert "failed (attempts 1): health was &lt;b&gt;down&lt;/b&gt;; retried 2026-11-27" in page
         # A mistyped address: the dashboard's own page, with its menu, saying which.
         for address in ("/ui/messages/abc", "/ui/nosuch", "/ui/static/nosuch.css"):
             missing = await client.get(address, headers=BEARER)

@@ -387,6 +387,10 @@ async def test_a_failed_message_retried_once_its_butler_is_back_gets_its_answer(
 
     # Both routes are on record, in the trace the message was received in.
     [listed] = await call(switchboard, "inbox_list", limit=1)
+    # The inbox listing keeps what it came to before (cli.md points there).
+    assert [(r["status"], r["error"]) for r in listed["retries"]] == [("failed", failed["error"])]
+    shown = await cli(switchboard, "inbox", "--limit", "1")
+    assert f"before retry 1: failed: {failed['error']}" in shown[1], shown
     log = await call(switchboard, "routing_log_list", butler="health")
     assert [(r["inbox_id"], r["success"]) for r in log] == [(inbox_id, True), (inbox_id, False)]
     assert {r["trace_id"] for r in log} == {listed["trace_id"]}

@@ -153,6 +153,11 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         details += [
             f"approval #{a['id']}: {a['tool']} ({a['status']})" for a in row.get("approvals") or []
         ]
+        details += [  # what it came to before `butlers retry` queued it again
+            f"before retry {n}: {earlier.get('status')}"
+            + (f": {earlier['error']}" if earlier.get("error") else "")
+            for n, earlier in enumerate(row.get("retries") or [], start=1)
+        ]
         table.append((cells, details))
     header = ("ID", "RECEIVED", "CHANNEL", "FROM", "STATUS", "ROUTED TO", "VIA", "TEXT")
     print_rows_with_details(header, table)

@@ -602,13 +602,14 @@ PAIRING_OWNER_QUESTIONS = """
 # -- the operator's tools (OperatorStore: inbox_list, routing_log_list, outbox_list, retry) -----
 
 # The newest $2 inbox rows (of status $1; NULL: any), $3 characters of each text for its
-# excerpt, each with its trace.
+# excerpt, each with its trace and the outcomes before `butlers retry` queued it again.
 OPERATOR_INBOX = f"""
     WITH page AS (
         SELECT id, channel, source_id, sender_name, subject, conversation, status,
                routed_to, classified_via, attempts, error, received_at, finished_at,
                left(text, $3) AS text_head, length(text) AS text_chars,
-               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced
+               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced,
+               coalesce(meta -> 'retries', '[]'::jsonb) AS retries
         FROM inbox
         WHERE $1::text IS NULL OR status = $1
         ORDER BY id DESC LIMIT $2
@@ -680,7 +681,8 @@ DASHBOARD_MESSAGE = f"""
            status, classified_via, routed_to, attempts, received_at, finished_at,
            left(text, $2) AS text, length(text) AS text_chars,
            left(reply, $2) AS reply, left(error, $2) AS error,
-           (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS trace_id
+           (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS trace_id,
+           coalesce(meta -> 'retries', '[]'::jsonb) AS retries
     FROM inbox WHERE id = $1
 """
 # A message's routes, oldest first.
