@@ -48,8 +48,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Anything Claude Code needs that is not the caller's business stays out of its way.
-_CLI_ENV = {"CLAUDE_CODE_DISABLE_AUTOUPDATER": "1"}
+# Anything Claude Code needs that is not the caller's business stays out of its way. No
+# traffic but the Messages API's: no telemetry, error reports or update checks about the
+# owner's sessions leave the machine (they queued in ~/.claude/telemetry when offline).
+_CLI_ENV = {
+    "CLAUDE_CODE_DISABLE_AUTOUPDATER": "1",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+}
 _ENV_BINARY = shutil.which("env") or "/usr/bin/env"
 
 
@@ -589,14 +594,10 @@ def isolated_cli_env(
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": api_key,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    # options.env is merged over the inherited environment: blank out what could leak in.
+    # options.env is merged over the inherited environment: blank out what could leak in
+    # (not what every run sets itself: blanked here, it would be unset there).
     for key in inherited:
-        if (
-            key.startswith(("ANTHROPIC_", "CLAUDE_"))
-            and key not in env
-            and key != "CLAUDE_CODE_DISABLE_AUTOUPDATER"
-        ):
+        if key.startswith(("ANTHROPIC_", "CLAUDE_")) and key not in env and key not in _CLI_ENV:
             env[key] = ""
     return env

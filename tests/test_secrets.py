@@ -118,8 +118,10 @@ def check_process(process: psutil.Process, forbidden: list[str], secrets: dict) 
         assert value.encode() not in environ, f"{value} in environ"
     names = environment_of(process.pid)
     assert not set(secrets) & set(names), sorted(names)
-    # What Claude Code does need is there.
+    # What Claude Code does need is there; and no traffic but the Messages API's (telemetry,
+    # error reports, update checks), which the tests' environment does not ask for.
     assert {"PATH", "HOME", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"} <= set(names)
+    assert b"\0CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1\0" in b"\0" + environ
     # Its MCP config is a path to a file only we can read, not JSON on the command line.
     args = argv.decode().split("\0")
     config = Path(args[args.index("--mcp-config") + 1])
