@@ -276,7 +276,9 @@ class ButlerDaemon:
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]
         check_approval_globs(config, ctx.tool_names)
         if config.mcp_servers:
-            self.tool_servers = parts.adopt("tool servers", self._tool_servers(mcp, ctx))
+            self.tool_servers = parts.adopt(
+                "tool servers", self._tool_servers(mcp, ctx, middleware)
+            )
             # A server that is down does not make the butler unready: shown, not counted.
             self._health_reports["tool_servers"] = self.tool_servers.statuses
         dashboard = None
@@ -343,9 +345,12 @@ class ButlerDaemon:
             with butler_context(self.config.name):
                 await self.tool_servers.open()
 
-    def _tool_servers(self, mcp: FastMCP, ctx: ButlerContext) -> ToolServers:
+    def _tool_servers(
+        self, mcp: FastMCP, ctx: ButlerContext, middleware: ButlerMiddleware
+    ) -> ToolServers:
         """The `[[mcp_servers]]`, proxied on `mcp`; a session is allowed the butler's own
-        tools and the servers' offered ones, as they are when it starts."""
+        tools and the servers' offered ones, as they are when it starts. A call of a tool of
+        a server that is down says so (`middleware`'s hint)."""
         from butlers.tool_servers import ToolServers
 
         own = list(ctx.tool_names)
@@ -363,6 +368,7 @@ class ButlerDaemon:
             on_tools_changed=tools_changed,
         )
         ctx.tool_servers = servers.statuses
+        middleware.unknown_tool_hint = servers.why_missing
         return servers
 
     async def _build_switchboard(self, mcp: FastMCP, ctx: ButlerContext) -> Switchboard:

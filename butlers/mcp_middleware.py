@@ -23,12 +23,13 @@ more than `route` and `list_butlers`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from fastmcp import FastMCP
+from fastmcp.exceptions import NotFoundError
 from fastmcp.exceptions import ValidationError as ArgumentsInvalid
 from fastmcp.server.dependencies import fastmcp_request_ctx, get_http_headers
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
@@ -140,6 +141,9 @@ class ButlerMiddleware(Middleware):
         self._guards: list[ToolGuard] = []
         self._listing_guards: list[ListingGuard] = []
         self._answering_guards: list[AnsweringGuard] = []  # none unless approvals are set
+        # Why a tool is not there, when something knows (a tool server that is down): asked
+        # only when a call names an unknown tool.
+        self.unknown_tool_hint: Callable[[str], str | None] | None = None
 
     def add_guard(self, guard: ToolGuard | ListingGuard | AnsweringGuard) -> None:
         self._guards.append(guard)
@@ -190,6 +194,12 @@ class ButlerMiddleware(Middleware):
                     if answering.answers(params.name):
                         return await answering.answer(params.name, arguments)
                 return await call_next(context)
+            except NotFoundError as exc:
+                hint = self.unknown_tool_hint(params.name) if self.unknown_tool_hint else None
+                span.set_status(Status(StatusCode.ERROR, hint or str(exc)))
+                if hint is None:
+                    raise
+                raise ToolRefusal(f"{exc}: {hint}") from None
             except ArgumentsInvalid as exc:
                 if not isinstance(exc.__cause__, PydanticValidationError):
                     raise

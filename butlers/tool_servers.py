@@ -402,6 +402,16 @@ class ToolServers:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def why_missing(self, tool_name: str) -> str | None:
+        """Why `<server>__<tool>` is not there, when its server is not running (the call then
+        says so, not just "Unknown tool")."""
+        server_name, _, _ = tool_name.partition(PROXY_SEPARATOR)
+        server = next((s for s in self.servers if s.name == server_name), None)
+        if server is None or server.status.state == "running":
+            return None
+        reason = f": {server.status.reason}" if server.status.reason else ""
+        return f"tool server {server_name!r} is not running ({server.status.state}{reason})"
+
     def statuses(self) -> list[dict[str, Any]]:
         return [server.status.report() for server in self.servers]
 

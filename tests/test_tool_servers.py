@@ -341,6 +341,16 @@ async def test_a_server_that_cannot_start_leaves_the_butler_running(
     assert "cannot run" in by_name["broken"]["reason"]
     async with Client(general.sse_url) as client:
         names = {tool.name for tool in await client.list_tools()}
+        # A call of one of its tools says the server is down, and why (not just "Unknown").
+        with pytest.raises(ToolError) as refused:
+            await client.call_tool("broken__anything", {})
+        with pytest.raises(ToolError, match=r"^Unknown tool: 'nosuch__x'$"):
+            await client.call_tool("nosuch__x", {})
+    said = str(refused.value)
+    assert said.startswith(
+        "Unknown tool: 'broken__anything': tool server 'broken' is not running ("
+    )
+    assert "no-such-program" in said
     assert "fine__echo" in names and not any(n.startswith("broken__") for n in names)
 
 
