@@ -593,8 +593,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def status() -> dict[str, Any]:
         """Name, modules, uptime and database health of this butler, its sessions of the
-        last 24 hours (count, failed, median duration, cost), and its tool servers (name,
-        state, reason)."""
+        last 24 hours (count, failed, median duration, cost), its tool servers (name,
+        state, reason), and the names of the tools its sessions may be given."""
         return {
             "name": ctx.config.name,
             "description": ctx.config.description,
@@ -605,4 +605,5 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             "sessions_running": ctx.spawner.running,
             "sessions_24h": await store.sessions_summary(24),
             "tool_servers": ctx.tool_servers(),
+            "tools": sorted(ctx.tool_names),
         }

@@ -159,6 +159,9 @@ async def test_status_and_empty_sessions(client: Client) -> None:
     assert status["name"] == client.daemon.config.name
     assert status["database"] == {"ok": True}
     assert status["modules"] == []
+    # The tools its sessions may be given, by name (how an owner finds them).
+    assert {"state_get", "schedule_create", "memory_search", "notify"} <= set(status["tools"])
+    assert status["tools"] == sorted(status["tools"])
     # Seconds since the butler started (it runs in this process, on this clock), to the ms.
     begun, started = client.started_between
     assert asked - started - 0.001 <= status["uptime_s"] <= answered - begun + 0.001

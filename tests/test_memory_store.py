@@ -37,7 +37,7 @@ async def test_search_finds_the_right_fact_first_word_forms_included(memory: Mem
 
 
 async def test_a_minus_word_is_left_out_of_every_band(memory: MemoryStore) -> None:
-    """"dentist -car" as a web search reads it: the car's memory is not found, not even as
+    """ "dentist -car" as a web search reads it: the car's memory is not found, not even as
     one with "any of the words" (it was, at 1.09), nor by similarity."""
     await memory.remember("The car needs new winter tyres before December", [])
     await memory.remember("My dentist is Dr. Okafor on Mill Street", [])
