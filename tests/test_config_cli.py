@@ -85,43 +85,42 @@ def test_up_on_a_config_directory_that_is_not_there_says_what_to_do(tmp_path: Pa
     assert not (tmp_path / "data").exists()  # refused before anything was made
 
 
-def _someone_elses_directory(tmp_path: Path) -> Path:
-    """A directory this test's user does not own: one handed to `nobody` as root, else the
-    root directory (root's)."""
-    if os.geteuid() != 0:
-        return Path("/")
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o777)
-    theirs.chmod(0o777)  # as one made in a shared /tmp, open for the taking
-    os.chown(theirs, 65534, 65534)
-    return theirs
-
-
 def test_up_refuses_a_data_directory_that_belongs_to_someone_else(tmp_path: Path) -> None:
-    """Its owner could read what the sessions see and the butlers' token kept there: refused
-    before PostgreSQL starts, naming the owner and the way out."""
-    theirs = _someone_elses_directory(tmp_path)
-    owner = "root" if theirs == Path("/") else "nobody"
+    """Its owner could read what the sessions see and the butlers' token kept there (as root:
+    one of `nobody`'s); a directory everyone shares, such as /tmp, is no place for them either
+    (and butlers does not change it). Refused before PostgreSQL starts, saying the way out."""
     config = tmp_path / "config" / "general"
     config.mkdir(parents=True)
     (config / "butler.toml").write_text('[butler]\nname = "general"\nport = 8101\n')
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        said = (
+            f"error: refusing the data directory {theirs} (BUTLERS_DATA_DIR): it belongs to "
+            "nobody (uid 65534), not to you, and its owner could read the sessions' files and "
+            "the token kept there. Set BUTLERS_DATA_DIR to a directory of your own."
+        )
+    else:
+        theirs = Path("/tmp")
+        said = (
+            f"error: refusing the data directory /tmp (BUTLERS_DATA_DIR): it is a directory "
+            f"everyone shares ({stat.filemode(theirs.stat().st_mode)}). Set BUTLERS_DATA_DIR to "
+            "a directory below it, which butlers makes: /tmp/butlers"
+        )
     result = butlers("up", "--config-dir", str(config.parent), cwd=tmp_path, data_dir=theirs)
     assert result.returncode == 1
-    uid = theirs.stat().st_uid
-    assert result.stderr.splitlines() == [
-        f"error: refusing the data directory {theirs} (BUTLERS_DATA_DIR): it belongs to "
-        f"{owner} (uid {uid}), not to you, and its owner could read the sessions' files and "
-        "the butlers' token kept there. Set BUTLERS_DATA_DIR to a directory of your own."
-    ], result.stderr
+    assert result.stderr.splitlines() == [said], result.stderr
     assert not (theirs / "pgdata").exists()
     # Nor a home for its data elsewhere (as root, where the server's account could not reach).
     requested = hashlib.sha256(os.fsencode(theirs.resolve() / "pgdata")).hexdigest()[:16]
     assert not (ROOT_HOME / "data" / requested).exists()
 
 
-def test_a_data_directory_others_may_write_is_closed_to_their_writes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_what_a_data_directory_must_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Ours and open to others' writes: closed (logged). Shared (the sticky bit, as /tmp):
+    refused, unchanged. Made when missing: 0700, or 0711 to be passed through. A symbolic
+    link of ours to ours: followed. Not a directory: refused."""
     ours = tmp_path / "data"
     ours.mkdir()
     ours.chmod(0o777)
@@ -129,8 +128,22 @@ def test_a_data_directory_others_may_write_is_closed_to_their_writes(
         make_private_dir(ours, create=False)
     assert stat.S_IMODE(ours.stat().st_mode) == 0o755
     assert f"{ours} was writable by other users (drwxrwxrwx): taking that away" in caplog.text
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(CommandError, match="it is a directory everyone shares"):
+        make_private_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
     make_private_dir(tmp_path / "new" / "data")
     assert stat.S_IMODE((tmp_path / "new" / "data").stat().st_mode) == 0o700
+    make_private_dir(tmp_path / "passed" / "data", passable=True)
+    assert stat.S_IMODE((tmp_path / "passed" / "data").stat().st_mode) == 0o711
+    (tmp_path / "link").symlink_to(tmp_path / "new" / "data")
+    make_private_dir(tmp_path / "link")
+    if os.geteuid() == 0:  # another user's link to ours: its owner could point it elsewhere
+        os.lchown(tmp_path / "link", 65534, 65534)
+        with pytest.raises(CommandError, match="not to you, a symbolic link, and its owner"):
+            make_private_dir(tmp_path / "link")
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(CommandError, match="is not a directory: set BUTLERS_DATA_DIR to one"):

@@ -122,6 +122,12 @@ def test_a_deployment_and_a_service_per_butler_on_its_port() -> None:
             f"{n}/butler.toml" for n in butlers
         }
         assert tomllib.loads(config[f"{name}.butler.toml"]) == toml
+        # The data directory is one butlers makes below the emptyDir, not the emptyDir itself
+        # (root's and writable by the pod's group: `butlers run` refuses that).
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        [mount] = [m for m in container["volumeMounts"] if m["name"] == "data"]
+        data_dir = Path(env["BUTLERS_DATA_DIR"])
+        assert data_dir.parent == Path(mount["mountPath"]) and env["HOME"] == mount["mountPath"]
 
 
 def test_two_switchboard_replicas_behind_a_service_with_affinity() -> None:

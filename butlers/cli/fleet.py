@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -71,46 +72,89 @@ def _selection(
     return list(fleet.butlers), broken
 
 
-def make_private_dir(directory: Path, *, create: bool = True) -> None:
+def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
     """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs, the butlers'
-    token), made 0700 when it is missing (`create`); its parents as `mkdir -p` makes them.
-
-    One that exists must be ours: another user's (say one made in a shared /tmp before us)
-    could be read and rearranged by its owner, who would then hold what the sessions see and
-    the token that drives the butlers. Write access for others is taken away (said in the
-    log); read access is doctor's to warn of, as the files below are each private.
-    """
-    import os
+    token), made when it is missing (`create`): 0700, or 0711 (`passable`: as root, the
+    embedded PostgreSQL's own account passes through to its data below); its parents as
+    `mkdir -p` makes them. Made here, not left to whoever comes first: another user could
+    otherwise make it between a check and its use. One that `data_dir_refusal` refuses is
+    a CommandError; write access for others on one of ours is taken away (said in the log).
+    Read access is doctor's to warn of, as the files below are each private."""
     import stat
 
-    if create and not directory.exists():
+    if create:
         directory.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             directory.mkdir(mode=0o700)
+            if passable:
+                directory.chmod(0o711)
+    if (refusal := data_dir_refusal(directory)) is not None:
+        raise CommandError(refusal)
     try:
-        info = directory.stat()
+        mode = directory.stat().st_mode
     except FileNotFoundError:
-        return  # not ours to make (the embedded PostgreSQL makes it, passable by its account)
-    except OSError as exc:
-        raise CommandError(f"cannot use the data directory {directory}: {exc.strerror}") from exc
-    shown = f"the data directory {directory} (BUTLERS_DATA_DIR)"
-    if not stat.S_ISDIR(info.st_mode):
-        raise CommandError(f"{shown} is not a directory: set BUTLERS_DATA_DIR to one")
-    if info.st_uid != os.geteuid():
-        from butlers.db.reach import owner_names
-
-        raise CommandError(
-            f"refusing {shown}: it belongs to {owner_names(info)[0]} (uid {info.st_uid}), "
-            "not to you, and its owner could read the sessions' files and the butlers' token "
-            "kept there. Set BUTLERS_DATA_DIR to a directory of your own."
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return  # (create=False) nothing there yet
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
         logger.warning(
             "%s was writable by other users (%s): taking that away",
             directory,
-            stat.filemode(info.st_mode),
+            stat.filemode(mode),
         )
-        directory.chmod(stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        directory.chmod(stat.S_IMODE(mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
+def data_dir_refusal(directory: Path) -> str | None:
+    """Why `directory` cannot be the data directory (None: it can, or is not there yet).
+
+    It must be ours, or root's and closed to others' writes: another user's (say one made in
+    a shared /tmp before us), or a symbolic link of theirs, could be read and rearranged by
+    its owner, who would then hold what the sessions see and the token that drives the
+    butlers. A directory everyone shares (the sticky bit: /tmp) is refused, and never changed.
+    """
+    import stat
+
+    shown = f"the data directory {directory} (BUTLERS_DATA_DIR)"
+    try:
+        link = directory.lstat()
+        info = directory.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot use {shown}: {exc.strerror}"
+    me = os.geteuid()
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
+        return _not_yours(shown, link, "a symbolic link, and its owner could point it elsewhere")
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{shown} is not a directory: set BUTLERS_DATA_DIR to one"
+    if info.st_uid not in (me, 0):
+        return _not_yours(
+            shown, info, "and its owner could read the sessions' files and the token kept there"
+        )
+    others_write = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    below = (
+        "Set BUTLERS_DATA_DIR to a directory below it, which butlers makes: "
+        f"{directory / 'butlers'}"
+    )
+    if others_write and info.st_mode & stat.S_ISVTX:
+        return (
+            f"refusing {shown}: it is a directory everyone shares "
+            f"({stat.filemode(info.st_mode)}). {below}"
+        )
+    if others_write and info.st_uid != me:  # root's, open to all (a container's emptyDir)
+        return (
+            f"refusing {shown}: it is root's and others may write in it "
+            f"({stat.filemode(info.st_mode)}), which butlers cannot change. {below}"
+        )
+    return None
+
+
+def _not_yours(shown: str, info: os.stat_result, why: str) -> str:
+    from butlers.db.reach import owner_names
+
+    return (
+        f"refusing {shown}: it belongs to {owner_names(info)[0]} (uid {info.st_uid}), not to "
+        f"you, {why}. Set BUTLERS_DATA_DIR to a directory of your own."
+    )
 
 
 def print_ready_table(
@@ -248,9 +292,13 @@ async def serve(
     await asyncio.to_thread(make_private_dir, settings.data_dir, create=False)
     if isinstance(server, EmbeddedServer):
         await server.locate()  # as root, the data may live elsewhere: say where it is
-    if not isinstance(server, EmbeddedServer) or server.pgdata != server.requested_pgdata:
-        # Else the embedded server makes it, passable by its account as root.
-        await asyncio.to_thread(make_private_dir, settings.data_dir)
+    # As root the embedded server's own account passes through to its data, when kept here.
+    passable = (
+        isinstance(server, EmbeddedServer)
+        and server.pgdata == server.requested_pgdata
+        and os.geteuid() == 0
+    )
+    await asyncio.to_thread(make_private_dir, settings.data_dir, passable=passable)
     if isinstance(server, EmbeddedServer):
         first = not (server.pgdata / "PG_VERSION").exists()
         progress(

@@ -90,23 +90,16 @@ def data_dir(subject: Subject) -> list[Check]:
     except OSError as exc:
         return [fail("data-dir", f"cannot look at {directory}: {exc.strerror}")]
     mode = stat.S_IMODE(info.st_mode)
-    if info.st_uid != os.geteuid():
-        from butlers.db.reach import owner_names
+    from butlers.cli.fleet import data_dir_refusal
 
-        return [
-            fail(
-                "data-dir",
-                f"{directory} (BUTLERS_DATA_DIR) belongs to {owner_names(info)[0]} "
-                f"(uid {info.st_uid}), not to you: `butlers up` refuses it; set "
-                "BUTLERS_DATA_DIR to a directory of your own",
-            )
-        ]
+    if (refusal := data_dir_refusal(directory)) is not None:
+        return [fail("data-dir", refusal)]  # `butlers up` says the same, and stops
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         return [
             warn(
                 "data-dir",
                 f"{directory} (BUTLERS_DATA_DIR) is writable by other users "
-                f"({stat.filemode(mode)}): chmod 700 {directory} (`butlers up` takes their "
+                f"({stat.filemode(mode)}): chmod go-w {directory} (`butlers up` takes their "
                 "write access away)",
             )
         ]
@@ -125,7 +118,8 @@ def data_dir(subject: Subject) -> list[Check]:
             warn(
                 "data-dir",
                 f"{directory} (BUTLERS_DATA_DIR) is open to other users ({stat.filemode(mode)}): "
-                f"chmod 700 {directory}",
+                # As root the embedded server's account must still pass through.
+                f"chmod {711 if _embedded_as_root(subject) else 700} {directory}",
             )
         ]
     return [ok("data-dir", f"{directory} is closed to other users ({stat.filemode(mode)})")]
