@@ -53,11 +53,13 @@ from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.server import result_of
 from butlers.session_policy import session_token
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF = Backoff.doubling(1.0, 60.0)
+LAST_WORDS_CHARS = 500  # of a failed server's stderr, in the log line that says it failed
 STABLE_AFTER_S = 60.0  # a server that ran this long starts its backoff over
 # What Claude Code and the Messages API take as a tool name (`mcp__<butler>__<server>__<tool>`).
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -72,20 +74,15 @@ class ServerStatus:
     reason: str = ""  # why it is not running (its last failure), empty while it runs
     tools: int = 0  # tools offered
     starts: int = 0
-    # `approval` globs that match none of the tools it offers (a misspelling guards nothing).
-    approval_unmatched: tuple[str, ...] = ()
 
     def report(self) -> dict[str, Any]:
-        report: dict[str, Any] = {
+        return {
             "name": self.name,
             "state": self.state,
             "reason": self.reason,
             "tools": self.tools,
             "starts": self.starts,
         }
-        if self.approval_unmatched:
-            report["approval_unmatched"] = list(self.approval_unmatched)
-        return report
 
 
 class _ProxiedTool(Tool):
@@ -112,6 +109,7 @@ class ToolServer:
         self.owner = owner
         self.status = ServerStatus(config.name)
         self.registered: list[str] = []
+        self._withheld = False  # its tools not offered: an approval glob matches none
         self._exited = asyncio.Event()
         self._exit_reason = ""
         self._supervisor: asyncio.Task[None] | None = None
@@ -142,7 +140,7 @@ class ToolServer:
                 self._failed(self._describe(exc))
             else:
                 await self._exited.wait()
-                self._failed(self._with_last_words(self._exit_reason or "it exited"))
+                self._failed(self._exit_reason or "it exited")
                 if loop.time() - started_at >= STABLE_AFTER_S:
                     failures = 0
             self.status.state = "restarting"
@@ -150,10 +148,11 @@ class ToolServer:
             failures += 1
             logger.log(
                 logging.INFO if self.status.reason == told else logging.WARNING,
-                "tool server %r: %s; starting it again in %g s",
+                "tool server %r: %s; starting it again in %g s%s",
                 self.name,
                 self.status.reason,
                 backoff,
+                self._last_words(),
                 extra={"action": "tool_server_down"},
             )
             told = self.status.reason
@@ -162,15 +161,17 @@ class ToolServer:
     async def _start_once(self) -> None:
         self.status.state = "starting" if not self.status.starts else "restarting"
         self.status.starts += 1
+        if isinstance(self.child, StdioChild):
+            self.child.said.clear()  # its last words are this run's, not an earlier one's
         await self.child.start()
         await self._register(await self.child.list_tools())
-        self.status.state, self.status.reason = "running", ""
-        logger.info(
-            "tool server %r running: %d tools offered",
-            self.name,
-            self.status.tools,
-            extra={"action": "tool_server_running"},
-        )
+        if not self._withheld:
+            logger.info(
+                "tool server %r running: %d tools offered",
+                self.name,
+                self.status.tools,
+                extra={"action": "tool_server_running"},
+            )
         if isinstance(self.child, RemoteChild):
             await asyncio.Event().wait()  # a remote one reconnects on its next call
 
@@ -178,13 +179,18 @@ class ToolServer:
         self.status.state, self.status.reason = "failed", self.owner.redact(reason)[:500]
 
     def _describe(self, exc: BaseException) -> str:
-        return self._with_last_words(str(exc) or type(exc).__name__)
+        return str(exc) or type(exc).__name__
 
-    def _with_last_words(self, reason: str) -> str:
-        """`reason` and what a stdio server last wrote to its stderr: why it failed is there
-        ("npm error 404 Not Found"), where the log has it only at INFO."""
+    def _last_words(self) -> str:
+        """What a stdio server last wrote to its stderr, for the operator's log line of its
+        failure: why it failed is there ("npm error 404 Not Found"), each line otherwise only
+        at INFO. Never in `reason`: /health and sessions (status()) read that, and a server's
+        stderr may hold what it was given (paths, other conversations' data). Redacted, made
+        printable, cut."""
         said = list(self.child.said) if isinstance(self.child, StdioChild) else []
-        return f"{reason}; it said: {' | '.join(said)}" if said else reason
+        if not said:
+            return ""
+        return f"; it said: {printable(self.owner.redact(' | '.join(said)), LAST_WORDS_CHARS)}"
 
     def _on_exit(self, _child: StdioChild, reason: str) -> None:
         self._exit_reason = reason
@@ -200,8 +206,15 @@ class ToolServer:
             logger.warning("tool server %r: cannot list its tools again: %s", self.name, exc)
 
     async def _register(self, tools: Sequence[Mapping[str, Any]]) -> None:
-        """The server's offered tools on the butler's server, replacing what was there."""
+        """The server's offered tools on the butler's server, replacing what was there; none
+        while an `approval` glob matches none of them (`_unguarded`)."""
         self._unregister()
+        refused = self._unguarded(tools)
+        self._withheld = refused is not None
+        if refused is not None:
+            self.status.state, self.status.reason = "failed", refused
+            return
+        self.status.state, self.status.reason = "running", ""
         mcp = self.owner.mcp
         for tool in tools:
             name = str(tool.get("name") or "")
@@ -228,29 +241,31 @@ class ToolServer:
             mcp.add_tool(registered)
             self.registered.append(proxied)
         self.status.tools = len(self.registered)
-        self._check_approval_globs([str(tool.get("name") or "") for tool in tools])
         self.owner.tools_changed()
 
-    def _check_approval_globs(self, names: Sequence[str]) -> None:
-        """Warn (once for each change) of `approval` globs that match none of the tools the
-        server offers: a misspelt one ("write_fle") would leave the tool it meant unguarded.
-        The butler goes on (a server's tools may change); status() shows them."""
-        offered = [name for name in names if self.config.offers(name)]
-        unmatched = tuple(
+    def _unguarded(self, tools: Sequence[Mapping[str, Any]]) -> str | None:
+        """Why none of the server's tools is offered, when an `approval` glob matches none of
+        the tools it offers: a misspelt one ("write_fle") would leave the tool it meant
+        without the owner's veto, so the server's tools wait until the globs match (its
+        tools may change while it runs: looked at again then). Warned of once for each."""
+        offered = [n for n in (str(t.get("name") or "") for t in tools) if self.config.offers(n)]
+        unmatched = [
             glob
             for glob in self.config.approval
             if not any(fnmatch.fnmatchcase(name, glob) for name in offered)
+        ]
+        if not unmatched:
+            return None
+        refused = (
+            f"approval {', '.join(map(repr, unmatched))} matches none of its tools (they are "
+            f"{', '.join(sorted(offered)) or 'none'}), so none is offered: fix [[mcp_servers]] "
+            "approval"
         )
-        if unmatched and unmatched != self.status.approval_unmatched:
+        if refused != self.status.reason:
             logger.warning(
-                "tool server %r: guarding nothing, these approval globs match none of the "
-                "tools it offers: %s (it offers: %s)",
-                self.name,
-                ", ".join(map(repr, unmatched)),
-                ", ".join(sorted(offered)) or "none",
-                extra={"action": "approval_unmatched"},
+                "tool server %r: %s", self.name, refused, extra={"action": "approval_unmatched"}
             )
-        self.status.approval_unmatched = unmatched
+        return refused
 
     def _unregister(self) -> None:
         for name in self.registered:
