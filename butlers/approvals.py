@@ -21,6 +21,7 @@ Sessions are neither shown it nor allowed to call it.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,14 +83,15 @@ def check_approval_globs(config: ButlerConfig, tool_names: Sequence[str]) -> Non
     import difflib
     import fnmatch
 
+    guardable = [name for name in tool_names if name != APPROVAL_EXECUTE_TOOL]  # never gated
     for glob in config.approvals.tools:
-        if any(fnmatch.fnmatchcase(name, glob) for name in tool_names):
+        if any(fnmatch.fnmatchcase(name, glob) for name in guardable):
             continue
-        likely = difflib.get_close_matches(glob, tool_names, n=1)
+        likely = difflib.get_close_matches(glob, guardable, n=1)
         hint = (
             f"did you mean {likely[0]!r}?"
             if likely
-            else f"its tools: {', '.join(sorted(tool_names))}"
+            else f"its tools: {', '.join(sorted(guardable))}"
         )
         raise ConfigError(
             config.config_dir / CONFIG_FILENAME if config.config_dir else config.name,
@@ -221,11 +223,12 @@ def schema_problems(schema: dict[str, Any], arguments: dict[str, Any]) -> str:
 
     try:
         Draft202012Validator.check_schema(schema)
-        errors = list(Draft202012Validator(schema).iter_errors(arguments))
+        # The first few: a list of 100,000 wrong items would format 100,000 messages.
+        errors = list(itertools.islice(Draft202012Validator(schema).iter_errors(arguments), 5))
     except (SchemaError, UnknownType):  # a server's schema we cannot read: its tool judges
         return ""
     said = []
-    for error in errors[:5]:
+    for error in errors:
         where = [str(part) for part in error.path]
         if error.validator == "required":
             missing = [name for name in error.validator_value if name not in error.instance]

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, quote_plus, unquote, urlsplit
 
+from butlers.text import printable
+
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
 
@@ -283,17 +285,20 @@ class Redactor:
 _TOOL_ERROR_CHARS = 300
 
 
-def _with_the_tool_error(record: logging.LogRecord, message: str) -> str:
+def _with_the_tool_error(
+    record: logging.LogRecord, message: str, redact: Callable[[str], str]
+) -> str:
     """FastMCP logs a tool call that raised a tool error as "Error calling tool 'route'",
     without the error (no exc_info): `butlers up` printed a warning that said nothing of why.
-    It logs it inside its `except`, so the error in hand is that one: added here, before the
-    message is redacted like any other."""
+    It logs it inside its `except`, so the error in hand is that one: added here, redacted
+    whole before it is cut (a cut secret is no longer recognised) and made printable (an
+    error may carry a stranger's text: a line break would forge a log line)."""
     if record.name != "fastmcp.server.server" or not message.startswith("Error calling tool"):
         return message
     error = sys.exc_info()[1]
     if error is None or record.exc_info or str(error) in message:
         return message
-    return f"{message}: {str(error)[:_TOOL_ERROR_CHARS]}"
+    return f"{message}: {printable(redact(str(error)), _TOOL_ERROR_CHARS)}"
 
 
 def install_log_redaction(redactor: Redactor) -> None:
@@ -315,7 +320,7 @@ def install_log_redaction(redactor: Redactor) -> None:
             formatted = record.getMessage()
         except Exception:
             return record  # logging reports it ("--- Logging error ---") when it is emitted
-        message = _with_the_tool_error(record, formatted)
+        message = _with_the_tool_error(record, formatted, redactor if redactor else str)
         redacted = redactor(message) if redactor else message
         if redacted is not formatted:
             record.msg, record.args = redacted, None

@@ -442,6 +442,11 @@ async def test_an_approvals_glob_that_guards_nothing_stops_its_butler(
         "so it would guard nothing (did you mean 'notify'?); a tool server's tools take its "
         "own `approval` globs"
     )
+    # One that matches only the tool that runs approved calls (never gated) guards nothing.
+    with pytest.raises(ConfigError, match="'approval_exec\\*' matches none of alpha's tools"):
+        await start_butler(
+            butler_config("alpha", approvals=ApprovalsConfig(tools=("approval_exec*",)))
+        )
     started = await start_butler(
         butler_config("alpha", approvals=ApprovalsConfig(tools=("notify", "state_*")))
     )

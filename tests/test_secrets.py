@@ -330,6 +330,12 @@ def test_a_tool_errors_line_says_why_and_what_it_says_is_redacted() -> None:
             other = made(logging.getLogger("tests.other"), "Error calling tool 'route'")
         assert said == f"Error calling tool 'route': refused: token {REDACTED} is wrong"
         assert other == "Error calling tool 'route'"
+        # Redacted whole before it is cut (a secret across the cut), one line whatever it held.
+        try:
+            raise ValueError("x" * 290 + " t00l-secret\nFORGED forged line")
+        except ValueError:
+            long = made(fastmcp, "Error calling tool 'route'")
+        assert "t00l" not in long and "\n" not in long and len(long) < 340, long
         assert made(fastmcp, "Error calling tool 'route'") == "Error calling tool 'route'"
     finally:
         logging.setLogRecordFactory(saved)
