@@ -21,10 +21,11 @@ BUTLERS = str(Path(sys.executable).parent / "butlers")
 
 
 def butlers(
-    *args: str, cwd: Path, data_dir: Path | None = None
+    *args: str, cwd: Path, data_dir: Path | None = None, set_data_dir: bool = True
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
-    env["BUTLERS_DATA_DIR"] = str(data_dir or cwd / "data")
+    if set_data_dir:
+        env["BUTLERS_DATA_DIR"] = str(data_dir or cwd / "data")
     return subprocess.run(
         [BUTLERS, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -148,3 +149,26 @@ def test_what_a_data_directory_must_be(tmp_path: Path, caplog: pytest.LogCapture
     a_file.write_text("x")
     with pytest.raises(CommandError, match="is not a directory: set BUTLERS_DATA_DIR to one"):
         make_private_dir(a_file)
+
+
+def test_a_data_directory_named_in_env_but_not_loaded_stops_up_and_db_upgrade(
+    tmp_path: Path,
+) -> None:
+    """`butlers init` writes BUTLERS_DATA_DIR into the config's .env: started from another
+    directory without it loaded, the data would be a new, empty database there (`db upgrade`
+    said "up to date" of one). Both refuse, saying how to load it; nothing is made."""
+    config = tmp_path / "mine"
+    (config / "general").mkdir(parents=True)
+    (config / "general" / "butler.toml").write_text('[butler]\nname = "general"\nport = 8101\n')
+    (config / ".env").write_text(f"BUTLERS_DATA_DIR={config / '.butlers'}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for command in (("db", "upgrade"), ("up",)):
+        result = butlers(*command, "--config-dir", str(config), cwd=elsewhere, set_data_dir=False)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.splitlines() == [
+            f"error: {config / '.env'} sets BUTLERS_DATA_DIR={config / '.butlers'}, which this "
+            f"shell has not loaded: the data would be in {elsewhere / '.butlers'} instead. Load "
+            f"it first (set -a; . {config / '.env'}; set +a), or set BUTLERS_DATA_DIR yourself"
+        ], result.stderr
+    assert list(elsewhere.iterdir()) == [] and not (config / ".butlers").exists()

@@ -72,6 +72,31 @@ def _selection(
     return list(fleet.butlers), broken
 
 
+def data_dir_not_loaded(config_dir: Path, settings: Settings) -> str | None:
+    """Why not to start (or upgrade) here: the config directory's `.env` names a data
+    directory (`butlers init` writes it there) that this shell has not loaded, so the data
+    would go elsewhere, an empty database made without a word (it did: `butlers db upgrade`
+    said "up to date" of a new one). None when the environment sets BUTLERS_DATA_DIR itself
+    (its choice wins) or both name the same place."""
+    env_file = config_dir / ".env"
+    if settings.environ.get("BUTLERS_DATA_DIR") or not env_file.is_file():
+        return None
+    from dotenv import dotenv_values
+
+    try:
+        named = dotenv_values(env_file).get("BUTLERS_DATA_DIR")
+    except (OSError, UnicodeDecodeError):
+        return None  # doctor says what is wrong with the file
+    here = settings.data_dir.expanduser().absolute()
+    if not named or Path(named).expanduser().absolute() == here:
+        return None
+    load = f"set -a; . {shlex.quote(str(env_file))}; set +a"
+    return (
+        f"{env_file} sets BUTLERS_DATA_DIR={named}, which this shell has not loaded: the data "
+        f"would be in {here} instead. Load it first ({load}), or set BUTLERS_DATA_DIR yourself"
+    )
+
+
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
     """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs, the butlers'
     token), made when it is missing (`create`): 0700, or 0711 (`passable`: as root, the
@@ -284,6 +309,8 @@ async def serve(
     install_stop_signals(stop)
     collect_as_a_server()
     selected, not_loaded = _selection(config_dir, only, settings)
+    if (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None:
+        raise CommandError(elsewhere)
     configs = (ports or PortChoice()).apply(selected)
     from butlers.db import EmbeddedServer, running, server_for
 
@@ -411,6 +438,8 @@ async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
 
 async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings) -> int:
     configs = select_configs(config_dir, names, settings)  # a config error before the imports
+    if (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None:
+        raise CommandError(elsewhere)
     with collector_paused():
         from butlers.daemon import migration_branches
         from butlers.db import prepare_database, running, server_for
