@@ -160,6 +160,7 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         conn,
         external_id="t-9",
         source_id="555",
+        sender_name="The Owner",  # what a stranger may call themselves
         text="never mind",
         status="failed",
         error="butler 'health' is down <img src=x onerror=alert(1)>",
@@ -208,6 +209,9 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         ids = [int(i) for i in re.findall(r'<tr data-id="(\d+)"', page.text)]
         assert ids == sorted([answer["inbox_id"], failed, mail], reverse=True)
         assert "<script>alert" not in page.text and "<img src=x" not in page.text
+        # A name is what a sender calls themselves: who they are (their id) is beside it.
+        [named] = [r for r in rows_of(page.text, "messages") if f'data-id="{failed}"' in r]
+        assert "The Owner (555)" in text_of(named)
         assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in page.text
         assert SECRET not in page.text and "[redacted]" in page.text
         asked = next(
@@ -263,6 +267,7 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         )
         page = (await client.get(f"/ui/messages/{failed}", headers=BEARER)).text
         assert "<dt>Before retry 1</dt>" in page
+        assert "telegram · The Owner (555)" in page
         assert "failed (attempts 1): health was &lt;b&gt;down&lt;/b&gt;; retried 2026-11-27" in page
         # A mistyped address: the dashboard's own page, with its menu, saying which.
         for address in ("/ui/messages/abc", "/ui/nosuch", "/ui/static/nosuch.css"):
