@@ -453,6 +453,25 @@ async def test_an_approvals_glob_that_guards_nothing_stops_its_butler(
     assert started.mcp is not None
 
 
+def test_the_owners_question_says_until_when_in_their_time_zone() -> None:
+    """As a pairing request says it (it said UTC while pairing said CET)."""
+    from datetime import UTC, datetime
+
+    from butlers.switchboard.approvals import describe
+
+    row = {
+        "id": 7,
+        "butler": "general",
+        "tool": "notify",
+        "arguments": {"text": "hi"},
+        "expires_at": datetime(2026, 11, 28, 12, 13, tzinfo=UTC),
+    }
+    assert describe(row, str, "Europe/Berlin").endswith(
+        "Approve or deny it before 2026-11-28 13:13 CET."
+    )
+    assert describe(row, str).endswith("before 2026-11-28 12:13 UTC.")
+
+
 def test_schema_problems_names_each_argument_and_what_was_wrong() -> None:
     schema = {
         "type": "object",

@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import asyncpg
 from fastmcp import FastMCP
@@ -269,13 +270,14 @@ class PressAnswer:
     decision_line: str | None
 
 
-def describe(row: dict[str, Any], redact: Callable[[str], str]) -> str:
+def describe(row: dict[str, Any], redact: Callable[[str], str], zone: str = "UTC") -> str:
     """The owner's question: the butler, the tool and the exact arguments, readable and
-    without configured secrets."""
+    without configured secrets; until when, in the owner's time zone (`zone`), as a pairing
+    request says it."""
     shown = json.dumps(row["arguments"], indent=2, ensure_ascii=False, sort_keys=True)
     if len(shown) > SHOWN_ARGUMENTS_CHARS:
         shown = shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
-    expires = row["expires_at"].strftime("%Y-%m-%d %H:%M UTC")
+    expires = row["expires_at"].astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
     return redact(
         f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) with:\n{shown}\n\n"
         f"Approve or deny it before {expires}."
@@ -354,7 +356,7 @@ class ApprovalDesk:
         spec = spec_of(channel)
         buttons = spec is not None and spec.buttons
         by_reply = spec is not None and spec.continues_thread  # a mail's answer in its thread
-        text = describe(row, self.redact)
+        text = describe(row, self.redact, self.owner.timezone)
         if by_reply:
             text += (
                 f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '
