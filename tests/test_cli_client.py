@@ -63,6 +63,11 @@ async def test_discover_reports_changes(fleet: Fleet) -> None:
     )
     assert code == 0, err
     assert "added:     health" in out and "stale:     -" in out
+    # Registered is not running: said, with how to start it.
+    assert err == (
+        "note: an added butler runs once started (restart `butlers up`, or `butlers run NAME`); "
+        "until then route says it cannot reach it\n"
+    )
     code, out, _ = await run_cli(
         "discover", "--url", fleet.switchboard.sse_url, "--json", token="cli-token"
     )

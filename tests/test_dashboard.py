@@ -186,6 +186,11 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         """INSERT INTO butler_registry (name, endpoint_url, description)
            VALUES ('gone', 'http://127.0.0.1:9/sse', 'Down for good.')"""
     )
+    # One whose directory went (discover marked it stale): said so, not asked.
+    await conn.execute(
+        """INSERT INTO butler_registry (name, endpoint_url, description, missing_since)
+           VALUES ('removed', 'http://127.0.0.1:9/sse', 'Its directory went.', now())"""
+    )
     redactor = Redactor([SECRET])
 
     async with dashboard_client(pg_server, switchboard, redact=redactor) as client:
@@ -195,8 +200,13 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         fleet_rows = {
             re.search(r'data-butler="([^"]+)"', r)[1]: r for r in rows_of(page.text, "fleet")
         }
-        assert set(fleet_rows) == {"general", "gone", "switchboard"}
+        assert set(fleet_rows) == {"general", "gone", "removed", "switchboard"}
         assert "unreachable" in text_of(fleet_rows["gone"])  # shown, holding up nobody
+        removed = text_of(fleet_rows["removed"])
+        assert " ".join(removed.split()).startswith(
+            "removed Its directory went. stale not in the config directory"
+        )
+        assert "unreachable" not in removed
         general_row = text_of(fleet_rows["general"])
         assert " ok " in f" {general_row} " and general.sse_url in general_row
         assert re.search(r'class="sessions">1<', fleet_rows["general"]), fleet_rows["general"]

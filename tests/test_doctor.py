@@ -692,6 +692,34 @@ async def test_a_running_butler_holds_its_port_and_answers(
     assert "butlers up" in checks["health.switchboard"].detail
 
 
+async def test_a_stale_butler_of_the_registry_is_said_stale_not_asked(
+    tmp_path: Path, start_butler: Any, pg_server: Any, scripted_api: Any, db_conn: Any
+) -> None:
+    """A butler whose directory went (discover marked it stale) is not told to start with
+    `butlers up` (it has nothing to start); it is said to be stale, with the way back."""
+    from tests.conftest import butler_config
+
+    config = fleet_dir(tmp_path)
+    switchboard = await start_butler(butler_config("switchboard"), config_dir=config)
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO butler_registry (name, endpoint_url, description, missing_since)
+           VALUES ('finance', 'http://127.0.0.1:9/sse', 'gone', now())"""
+    )
+    toml = config / "switchboard" / "butler.toml"
+    toml.write_text(toml.read_text() + f'[butler.db]\nname = "{switchboard.config.database}"\n')
+    env = base_env(
+        tmp_path,
+        ANTHROPIC_API_KEY="sk-test",
+        ANTHROPIC_BASE_URL=scripted_api.url,
+        DATABASE_URL=pg_server.dsn("postgres"),
+    )
+    checks = await doctor(config, env, online=True, timeout_s=5)
+    finance = checks["health.finance"]
+    assert finance.status == "warn" and "butlers up" not in finance.detail, finance
+    assert finance.detail.startswith("in the registry, stale: the last discover did not find it")
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_the_report_is_redacted_whatever_a_check_wrote(
     as_json: bool, capsys: pytest.CaptureFixture[str]

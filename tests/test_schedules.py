@@ -219,7 +219,12 @@ async def test_butlers_schedules_lists_every_butler_in_its_local_time(
     code, out, err = await run_cli("schedules", "--json", "--url", url, token="cli-token")
     assert code == 0, err
     [stale] = [r for r in json.loads(out) if r["butler"] == "relationship"]
-    assert "is stale" in stale["error"], stale
+    assert stale["error"].startswith("stale: the last discover did not find it"), stale
+    # Not asked: route would refuse it, and a refusal is a routing_log row each time.
+    assert (
+        await conn.fetchval("SELECT count(*) FROM routing_log WHERE routed_to = 'relationship'")
+        == 0
+    )
 
 
 async def call_with_token(url: str, tool: str, arguments: dict[str, Any]) -> Any:

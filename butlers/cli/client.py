@@ -281,19 +281,28 @@ async def _switchboard_name(target: SwitchboardTarget) -> str | None:
     return status.get("name") if isinstance(status, dict) else None
 
 
+STALE = (  # as route says it
+    "stale: the last discover did not find it in the config directory; restore its directory "
+    "(or fix its butler.toml) and run `butlers discover`"
+)
+
+
 async def _schedules(target: SwitchboardTarget, only: str | None) -> list[dict[str, Any]]:
     """Every butler's schedules (or `only`'s), each row with its butler; a butler that cannot
     be asked is a row saying why, not the end of the listing."""
     registry = await call_switchboard(target, "list_butlers", {})
     own = await _switchboard_name(target)
-    # A stale butler too: route refuses it saying why (its butler.toml broke, say), a row.
     names = [own or "switchboard"] + [b["name"] for b in registry if b["name"] != own]
+    # A stale one is a row saying so, not asked: route would refuse it, and log that.
+    stale = {b["name"] for b in registry if b.get("stale")}
     if only is not None:
         if only not in names:
             raise CommandError(f"butler {only!r} not found (butlers list shows them)")
         names = [only]
 
     async def of(name: str) -> list[dict[str, Any]]:
+        if name in stale:
+            return [{"butler": name, "error": STALE}]
         try:
             rows = await _on_butler(target, name, "schedule_list", {}, switchboard=own)
         except CommandError as exc:

@@ -71,6 +71,12 @@ def print_discover(report: dict[str, Any]) -> None:
     print(f"stale:     {', '.join(report['stale']) or '-'}")
     for error in report["errors"]:
         print(f"error:     {error['path']}: {error['key']}: {error['problem']}")
+    if report["added"]:  # registered is not running: nothing starts a butler but up or run
+        print(
+            "note: an added butler runs once started (restart `butlers up`, or "
+            "`butlers run NAME`); until then route says it cannot reach it",
+            file=sys.stderr,
+        )
 
 
 def print_answer(answer: dict[str, Any]) -> None:

@@ -260,8 +260,9 @@ class Dashboard:
     async def fleet(self, request: Request) -> Response:
         butlers = await self.parts.probe.fleet(await self.parts.store.registry())
         for butler in butlers:
-            status: Answer = butler["status"]
-            butler["summary"] = status.value.get("sessions_24h") if status.value else None
+            status: Answer | None = butler["status"]  # None: stale, not asked
+            answered = status.value if status is not None else None
+            butler["summary"] = answered.get("sessions_24h") if answered else None
         spent = [
             b["summary"]["cost_usd"] for b in butlers if b["summary"] and b["summary"]["cost_usd"]
         ]

@@ -83,6 +83,8 @@ class FleetProbe:
         24 hours among it), asked of all at once."""
 
         async def one(butler: dict[str, Any]) -> dict[str, Any]:
+            if butler.get("stale"):  # gone from the config directory: nothing to ask
+                return {**butler, "health": None, "status": None}
             health, status = await asyncio.gather(
                 self.health(butler["endpoint_url"]),
                 self.call(butler["endpoint_url"], "status", {}),

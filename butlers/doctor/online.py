@@ -48,11 +48,19 @@ async def checks(subject: Subject) -> list[Check]:
         if transcription.url:  # a local model_path is checked offline: nothing to ask
             probes.append(("transcription-service", lambda: _transcription(subject, transcription)))
     probes.append(("anthropic", lambda: _anthropic(subject)))
-    endpoints = await _endpoints(subject)
+    endpoints, stale = await _endpoints(subject)
     for name, url in endpoints.items():
         probes.append((f"health.{name}", functools.partial(_health, subject, name, url)))
     results = await asyncio.gather(*(_bounded(subject, name, probe) for name, probe in probes))
-    return [check for found in results for check in found]
+    return [check for found in results for check in found] + [
+        warn(
+            f"health.{name}",
+            "in the registry, stale: the last discover did not find it in the config directory "
+            "(route refuses it); restore its directory (or fix its butler.toml) and run "
+            "`butlers discover`, or leave it: the registry keeps every butler it knew",
+        )
+        for name in stale
+    ]
 
 
 async def _bounded(
@@ -413,28 +421,38 @@ async def _claude_auth_status(subject: Subject) -> Check:
 # -- the butlers ------------------------------------------------------------------------------
 
 
-async def _endpoints(subject: Subject) -> dict[str, str]:
+async def _endpoints(subject: Subject) -> tuple[dict[str, str], list[str]]:
     """Each butler's MCP endpoint: the config directory's, then the registry's (when the
-    switchboard's database answered the database check)."""
+    switchboard's database answered the database check); and the registry's stale ones
+    of no config (gone from the directory: nothing to ask, nothing to start)."""
     endpoints = {b.name: b.endpoint_url for b in subject.butlers}
     switchboard = subject.fleet.switchboard
     dsn = subject.dsn.get(switchboard.database) if switchboard is not None else None
     if dsn is None:
-        return endpoints
+        return endpoints, []
     import asyncpg
 
     try:
         async with asyncio.timeout(subject.timeout_s):
             conn = await asyncpg.connect(dsn)
             try:
-                rows = await conn.fetch("SELECT name, endpoint_url FROM butler_registry")
+                rows = await conn.fetch(
+                    "SELECT name, endpoint_url, missing_since IS NOT NULL AS stale "
+                    "FROM butler_registry"
+                )
             finally:
                 await conn.close()
     except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-        return endpoints
+        return endpoints, []
+    stale = []
     for row in rows:
-        endpoints.setdefault(row["name"], row["endpoint_url"])
-    return endpoints
+        if row["name"] in endpoints:
+            continue
+        if row["stale"]:
+            stale.append(row["name"])
+        else:
+            endpoints[row["name"]] = row["endpoint_url"]
+    return endpoints, sorted(stale)
 
 
 async def _health(subject: Subject, name: str, endpoint_url: str) -> list[Check]:
