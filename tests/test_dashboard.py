@@ -278,6 +278,8 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         page = (await client.get(f"/ui/messages/{failed}", headers=BEARER)).text
         assert "<dt>Before retry 1</dt>" in page
         assert "telegram · The Owner (555)" in page
+        # Its refused route to a butler that is not registered: no sessions section, no link.
+        assert 'data-butler="health"' not in page and 'href="/ui/butlers/health"' not in page
         assert "failed (attempts 1): health was &lt;b&gt;down&lt;/b&gt;; retried 2026-11-27" in page
         # A mistyped address: the dashboard's own page, with its menu, saying which.
         for address in ("/ui/messages/abc", "/ui/nosuch", "/ui/static/nosuch.css"):
@@ -294,6 +296,10 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         page = (await client.get("/ui/routing-log?outcome=failed", headers=BEARER)).text
         [row] = rows_of(page, "routing-log")
         assert "health" in row and "connection refused" in row and f"/ui/messages/{failed}" in row
+        # A name the registry does not have is no link (its page would be a 404).
+        assert 'href="/ui/butlers/health"' not in page
+        page = (await client.get("/ui/routing-log", headers=BEARER)).text
+        assert 'href="/ui/butlers/general"' in page and 'href="/ui/butlers/health"' not in page
         refused = await client.get("/ui/routing-log?before=yesterday", headers=BEARER)
         assert refused.status_code == 400 and "before must be an ISO 8601 time" in refused.text
         # Its old address (a bookmark) leads to the same page, query kept.

@@ -303,18 +303,23 @@ class Dashboard:
         if message is None:
             return self._problem(request, 404, f"no message with id {inbox_id}")
         sessions: dict[str, Answer] = {}
+        registry = {b["name"]: b["endpoint_url"] for b in await self.parts.store.registry()}
         if message["trace_id"]:
             own = await self.parts.sessions.sessions_list(
                 20, trace_id=message["trace_id"], detail=True
             )
             sessions[self.parts.switchboard_name] = Answer(own)
             routed = {r["routed_to"] for r in message["routes"]} - {self.parts.switchboard_name}
-            registry = {b["name"]: b["endpoint_url"] for b in await self.parts.store.registry()}
             found = {name: registry[name] for name in routed if name in registry}
             sessions |= await self.parts.probe.sessions_of_trace(found, message["trace_id"])
-            for name in sorted(routed - set(found)):
+            # A route that ran to a butler the registry no longer has; a refused one (a name
+            # the classifier made up, the owner of a notify) had no session to show.
+            gone = {r["routed_to"] for r in message["routes"] if r["success"]} - set(registry)
+            for name in sorted(gone - {self.parts.switchboard_name}):
                 sessions[name] = Answer(error="no longer registered")
-        return self._render(request, "message.html", message=message, sessions=sessions)
+        return self._render(
+            request, "message.html", message=message, sessions=sessions, butlers=set(registry)
+        )
 
     async def old_routing_log(self, request: Request) -> Response:
         """A bookmark of the page's old address (/ui/routes): the same query, its new name."""
