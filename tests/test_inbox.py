@@ -173,6 +173,19 @@ async def test_classifier_that_routes_nowhere_falls_back_to_general(
     assert "the classifier did not route the message; routed to general" in answer["error"]
 
 
+async def test_a_route_to_a_made_up_butler_is_said_when_the_message_falls_back(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
+) -> None:
+    """The classifier routed, to a butler that does not exist, and was refused: the note
+    says so, not "did not route the message"."""
+    scripted_api.respond_with(model("ghost", {"general": "General here."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    answer = await ask(switchboard, "send this to ghost")
+    assert (answer["routed_to"], answer["reply"]) == ("general", "General here.")
+    assert answer["error"].startswith("classifier: its route to 'ghost' was refused: "), answer
+    assert answer["error"].endswith("; routed to general")
+
+
 async def test_classifier_without_credentials_still_answers_via_general(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:

@@ -153,7 +153,9 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
             row.get("classified_via") or "-",
             cut(text),
         )
-        details = [f"error: {row['error']}"] if row.get("error") else []
+        # A done message's "error" is a note on how it got there (the classifier's fallback).
+        said = "note" if row["status"] == "done" else "error"
+        details = [f"{said}: {row['error']}"] if row.get("error") else []
         if row.get("error") and row.get("trace_url"):
             details.append(f"trace: {row['trace_url']}")
         details += [

@@ -92,6 +92,8 @@ class Dispatch:
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
     _claimed: int = 0  # routes accepted or being checked: counted before any await
+    # The routes it asked for and was refused (the butler, why): what to say when none ran.
+    refusals: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def source(self) -> RouteSource:
@@ -125,6 +127,7 @@ class Dispatch:
                 self._claimed -= 1
                 raise
         except RoutePolicyError as exc:
+            self.refusals.append((butler_name, str(exc)))
             await self.router.refuse(
                 butler_name, tool_name, arguments, source=self.source, reason=str(exc)
             )

@@ -466,7 +466,13 @@ class InboxWorker:
                     span.set_attribute("butler", ",".join(a.butler for a in answers))
                     note = f"classifier: {outcome.error}" if outcome.error else None
                     return answers, note, "claude"
-            why = outcome.error or "the classifier did not route the message"
+                refused = dispatch.refusals
+            # It may have tried: "did not route" alone hid a route to a made-up butler.
+            why = outcome.error or (
+                "its route to " + "; to ".join(f"{b!r} was {r}" for b, r in refused)
+                if refused
+                else "the classifier did not route the message"
+            )
             span.set_attribute("fallback", why[:200])
         # Nothing was routed: hand the message to the default butler directly.
         default = self.limits.default_butler
