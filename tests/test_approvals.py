@@ -607,7 +607,9 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
         async with http.post(f"{base}/ui/approvals", data={**decide, "csrf": csrf}) as response:
             page = await response.text()
             assert response.status == 200, page
-        assert "Approval #1 is approved." in page
+        # Not waited for: said so, and the page refreshes until the row shows how it ended.
+        assert "Approval #1 is approved: its call runs now;" in page
+        assert 'data-refresh="10"' in page
         # The stranger's message (inbox 1) shows what its session asked for.
         async with http.get(f"{base}/ui/messages/1") as response:
             page = await response.text()

@@ -395,7 +395,7 @@ class Dashboard:
         desk = self.parts.approvals
         if desk is None:
             return self._problem(request, 404, "this switchboard keeps no approvals")
-        notice = None
+        notice, running = None, False
         if request.method == "POST":
             form = await request.form()
             if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
@@ -412,11 +412,18 @@ class Dashboard:
             notice = f"Approval #{approval_id} is {decided['status']}" + (
                 "." if decided["changed"] else " already: nothing changed."
             )
+            # Not waited for (the page would hang on the tool): said, and the page refreshes
+            # until the row shows how it ended (it read "approved" of a call that then failed).
+            running = decided["changed"] and decided["status"] == "approved"
+            if running:
+                notice = f"Approval #{approval_id} is approved: its call runs now; this page "
+                notice += "refreshes to show how it ended."
         await desk.expire()
         rows = [public_approval(row) for row in await desk.store.newest(None, MAX_APPROVALS)]
         for row in rows:
             row["shown"] = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
-        return self._render(request, "approvals.html", rows=rows, notice=notice)
+        waiting = running or any(row["status"] == "approved" for row in rows)
+        return self._render(request, "approvals.html", refresh=waiting, rows=rows, notice=notice)
 
     async def pairing(self, request: Request) -> Response:
         """Pending codes with Approve / Deny, paired senders with Revoke (forms with the
