@@ -113,6 +113,26 @@ async def test_sign_out_ends_that_session_on_every_replica_even_replayed(
         assert (await restarted.get("/ui")).status_code == 200
 
 
+async def test_a_wrong_token_keeps_where_the_reader_was_going(
+    start_butler: StartButler, tmp_path: Path, pg_server
+) -> None:
+    """Sent to sign in from a page: a wrong token first, then the right one, still lands on
+    that page (it landed on the fleet)."""
+    switchboard = await switchboard_alone(start_butler, tmp_path)
+    async with dashboard_client(pg_server, switchboard) as client:
+        csrf = CSRF.search((await client.get("/ui/login?next=/ui/messages")).text)[1]
+        wrong = await client.post(
+            "/ui/login", data={"token": "nope", "csrf": csrf, "next": "/ui/messages"}
+        )
+        assert wrong.status_code == 401
+        assert 'name="next" value="/ui/messages"' in wrong.text
+        csrf = CSRF.search(wrong.text)[1]
+        signed = await client.post(
+            "/ui/login", data={"token": TOKEN, "csrf": csrf, "next": "/ui/messages"}
+        )
+        assert (signed.status_code, signed.headers["location"]) == (303, "/ui/messages")
+
+
 async def test_wrong_tokens_are_throttled_per_client_with_one_warning_a_burst(
     start_butler: StartButler, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -127,7 +127,11 @@ def _duration(ms: int | float | None) -> str:
 
 
 def _money(value: float | None) -> str:
-    return "-" if value is None else f"${value:.4f}"
+    """Dollars to four places; a cost under half a hundredth of a cent to six (shown as
+    $0.0000 it read as free)."""
+    if value is None:
+        return "-"
+    return f"${value:.6f}" if 0 < value < 0.00005 else f"${value:.4f}"
 
 
 def _environment(redact: Callable[[str], str]) -> jinja2.Environment:
@@ -469,6 +473,7 @@ class Dashboard:
         form = await request.form()
         if not csrf_matches(request, _field(form, CSRF_FIELD)):
             return self._csrf_refused(request)
+        target = _local_target(_field(form, "next"))  # kept for the next try (the form's)
         if not self.auth.token_matches(_field(form, "token")):
             # DEBUG: one line per guess would be a flood; LoginThrottle warns once a burst.
             logger.debug(
@@ -479,7 +484,7 @@ class Dashboard:
                 request, "login.html", 401, problem="that is not the token", target=target
             )
         self.throttle.succeeded(client)
-        response = RedirectResponse(_local_target(_field(form, "next")), status_code=303)
+        response = RedirectResponse(target, status_code=303)
         self.auth.start_session(request, response)
         return response
 
