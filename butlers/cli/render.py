@@ -111,10 +111,11 @@ TABLE_TEXT_CHARS = 48  # an excerpt's share of a table line; --json has the tool
 
 
 def when(value: str | None) -> str:
-    """A timestamp of the switchboard's (ISO 8601, UTC) in this machine's local time."""
+    """A timestamp of the switchboard's (ISO 8601, UTC) in this machine's local time, with
+    its zone: beside a time the bot gave in the owner's zone, an unlabelled one misled."""
     if not value:
         return "-"
-    return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
 def cut(text: str | None, limit: int = TABLE_TEXT_CHARS) -> str:
