@@ -663,6 +663,16 @@ async def test_an_unreachable_database_fails(tmp_path: Path) -> None:
     assert password not in checks["database"].detail
 
 
+def _with_the_fleets(tmp_path: Path, scripted_api: Any, pg_server: Any) -> dict[str, str]:
+    """The environment of a fleet the tests run: their PostgreSQL, the scripted model."""
+    return base_env(
+        tmp_path,
+        ANTHROPIC_API_KEY="sk-test",
+        ANTHROPIC_BASE_URL=scripted_api.url,
+        DATABASE_URL=pg_server.dsn("postgres"),
+    )
+
+
 async def test_a_running_butler_holds_its_port_and_answers(
     tmp_path: Path, start_butler: Any, pg_server: Any, scripted_api: Any
 ) -> None:
@@ -678,13 +688,9 @@ async def test_a_running_butler_holds_its_port_and_answers(
         re.sub(r"(?m)^port = \d+$", f"port = {port}", toml.read_text())
         + f'[butler.db]\nname = "{daemon.config.database}"\n'
     )
-    env = base_env(
-        tmp_path,
-        ANTHROPIC_API_KEY="sk-test",
-        ANTHROPIC_BASE_URL=scripted_api.url,
-        DATABASE_URL=pg_server.dsn("postgres"),
+    checks = await doctor(
+        config, _with_the_fleets(tmp_path, scripted_api, pg_server), online=True, timeout_s=5
     )
-    checks = await doctor(config, env, online=True, timeout_s=5)
     assert checks["ports"].status == "ok", checks["ports"]
     assert "held by the running butlers (general)" in checks["ports"].detail
     assert checks["health.general"].status == "ok", checks["health.general"]
@@ -708,13 +714,9 @@ async def test_a_stale_butler_of_the_registry_is_said_stale_not_asked(
     )
     toml = config / "switchboard" / "butler.toml"
     toml.write_text(toml.read_text() + f'[butler.db]\nname = "{switchboard.config.database}"\n')
-    env = base_env(
-        tmp_path,
-        ANTHROPIC_API_KEY="sk-test",
-        ANTHROPIC_BASE_URL=scripted_api.url,
-        DATABASE_URL=pg_server.dsn("postgres"),
+    checks = await doctor(
+        config, _with_the_fleets(tmp_path, scripted_api, pg_server), online=True, timeout_s=5
     )
-    checks = await doctor(config, env, online=True, timeout_s=5)
     finance = checks["health.finance"]
     assert finance.status == "warn" and "butlers up" not in finance.detail, finance
     assert finance.detail.startswith("in the registry, stale: the last discover did not find it")
