@@ -222,6 +222,7 @@ async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
     data.chmod(0o700)
     checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
     assert checks["data-dir"].status == "ok"
+    assert checks["data-dir"].detail.endswith("is closed to other users (rwx------)")
     # Passable but not readable: what `butlers up` makes as root, where the embedded
     # PostgreSQL's own account must pass; for anyone else a warning still.
     data.chmod(0o711)

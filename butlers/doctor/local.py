@@ -63,7 +63,7 @@ def env_files(subject: Subject) -> list[Check]:
             found.append(
                 fail(
                     "env-file-permissions",
-                    f"{path} is readable by every user ({stat.filemode(mode)}) and holds "
+                    f"{path} is readable by every user ({_permissions(mode)}) and holds "
                     f"secrets: chmod 600 {path}",
                 )
             )
@@ -71,12 +71,17 @@ def env_files(subject: Subject) -> list[Check]:
             found.append(
                 warn(
                     "env-file-permissions",
-                    f"{path} is readable by its group ({stat.filemode(mode)}): chmod 600 {path}",
+                    f"{path} is readable by its group ({_permissions(mode)}): chmod 600 {path}",
                 )
             )
         else:
             found.append(ok("env-file-permissions", f"{path} is readable by its owner only"))
     return found
+
+
+def _permissions(mode: int) -> str:
+    """`rwx------`: filemode's letters without its file type (a "?" for a bare mode)."""
+    return stat.filemode(mode)[1:]
 
 
 def data_dir(subject: Subject) -> list[Check]:
@@ -99,7 +104,7 @@ def data_dir(subject: Subject) -> list[Check]:
             warn(
                 "data-dir",
                 f"{directory} (BUTLERS_DATA_DIR) is writable by other users "
-                f"({stat.filemode(mode)}): chmod go-w {directory} (`butlers up` takes their "
+                f"({_permissions(mode)}): chmod go-w {directory} (`butlers up` takes their "
                 "write access away)",
             )
         ]
@@ -109,7 +114,7 @@ def data_dir(subject: Subject) -> list[Check]:
             ok(
                 "data-dir",
                 f"{directory} is closed to other users but for passing through "
-                f"({stat.filemode(mode)}), which the embedded PostgreSQL's own account needs "
+                f"({_permissions(mode)}), which the embedded PostgreSQL's own account needs "
                 "as root",
             )
         ]
@@ -117,12 +122,12 @@ def data_dir(subject: Subject) -> list[Check]:
         return [
             warn(
                 "data-dir",
-                f"{directory} (BUTLERS_DATA_DIR) is open to other users ({stat.filemode(mode)}): "
+                f"{directory} (BUTLERS_DATA_DIR) is open to other users ({_permissions(mode)}): "
                 # As root the embedded server's account must still pass through.
                 f"chmod {711 if _embedded_as_root(subject) else 700} {directory}",
             )
         ]
-    return [ok("data-dir", f"{directory} is closed to other users ({stat.filemode(mode)})")]
+    return [ok("data-dir", f"{directory} is closed to other users ({_permissions(mode)})")]
 
 
 def _embedded_as_root(subject: Subject) -> bool:
