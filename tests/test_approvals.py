@@ -584,7 +584,7 @@ async def _mails_arrived(smtp: SmtpServer, count: int) -> bool:
 
 
 async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
-    asked: Asked, bot_api: FakeBotAPI
+    asked: Asked, bot_api: FakeBotAPI, db_conn
 ) -> None:
     """/ui/approvals shows the exact call; its Approve form needs the page's CSRF token (a
     post without it, or from another origin, decides nothing), and then runs the call once."""
@@ -610,6 +610,17 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
         # Not waited for: said so, and the page refreshes until the row shows how it ended.
         assert "Approval #1 is approved: its call runs now;" in page
         assert 'data-refresh="10"' in page
+        # Never refreshed under buttons: a request arriving at the top would move the rows
+        # under the owner's click. Each button names its approval.
+        conn = await db_conn(asked.switchboard.config.database)
+        await conn.execute(
+            """INSERT INTO approvals (butler, tool, arguments, status, expires_at)
+               VALUES ('general', 'notify', '{"text": "later"}', 'pending',
+                       now() + interval '1 h')"""
+        )
+        async with http.get(f"{base}/ui/approvals") as response:
+            page = await response.text()
+        assert 'data-refresh="0"' in page and ">Approve #2</button>" in page
         # The stranger's message (inbox 1) shows what its session asked for.
         async with http.get(f"{base}/ui/messages/1") as response:
             page = await response.text()

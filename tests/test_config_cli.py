@@ -20,12 +20,23 @@ from butlers.pg_root_home import ROOT_HOME
 BUTLERS = str(Path(sys.executable).parent / "butlers")
 
 
+# A server nothing listens on: `up` past a check that should have stopped it fails at once
+# instead of starting a fleet (and an embedded PostgreSQL) the test would wait on.
+NOWHERE = "postgresql://u@127.0.0.1:1/x"
+
+
 def butlers(
-    *args: str, cwd: Path, data_dir: Path | None = None, set_data_dir: bool = True
+    *args: str,
+    cwd: Path,
+    data_dir: Path | None = None,
+    set_data_dir: bool = True,
+    database_url: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BUTLERS_", "DATABASE_URL"))}
     if set_data_dir:
         env["BUTLERS_DATA_DIR"] = str(data_dir or cwd / "data")
+    if database_url is not None:
+        env["DATABASE_URL"] = database_url
     return subprocess.run(
         [BUTLERS, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -163,8 +174,15 @@ def test_a_data_directory_named_in_env_but_not_loaded_stops_up_and_db_upgrade(
     (config / ".env").write_text(f"BUTLERS_DATA_DIR={config / '.butlers'}\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for command in (("db", "upgrade"), ("up",)):
-        result = butlers(*command, "--config-dir", str(config), cwd=elsewhere, set_data_dir=False)
+    for command, database_url in ((("db", "upgrade"), None), (("up",), NOWHERE)):
+        result = butlers(
+            *command,
+            "--config-dir",
+            str(config),
+            cwd=elsewhere,
+            set_data_dir=False,
+            database_url=database_url,
+        )
         assert result.returncode == 1, result.stderr
         assert result.stderr.splitlines() == [
             f"error: {config / '.env'} sets BUTLERS_DATA_DIR={config / '.butlers'}, which this "
@@ -172,3 +190,16 @@ def test_a_data_directory_named_in_env_but_not_loaded_stops_up_and_db_upgrade(
             f"it first (set -a; . {config / '.env'}; set +a), or set BUTLERS_DATA_DIR yourself"
         ], result.stderr
     assert list(elsewhere.iterdir()) == [] and not (config / ".butlers").exists()
+
+
+def test_a_data_directory_value_over_several_lines_is_not_printed(tmp_path: Path) -> None:
+    """A quote left open in .env runs on over the next lines (a secret's): not shown."""
+    config = tmp_path / "mine"
+    (config / "general").mkdir(parents=True)
+    (config / "general" / "butler.toml").write_text('[butler]\nname = "general"\nport = 8101\n')
+    (config / ".env").write_text('BUTLERS_DATA_DIR="/srv/b\nANTHROPIC_API_KEY=sk-secret-1\n#"\n')
+    result = butlers(
+        "up", "--config-dir", str(config), cwd=tmp_path, set_data_dir=False, database_url=NOWHERE
+    )
+    assert result.returncode == 1 and "(a value over several lines)" in result.stderr
+    assert "sk-secret-1" not in result.stderr

@@ -186,6 +186,19 @@ async def test_a_route_to_a_made_up_butler_is_said_when_the_message_falls_back(
     assert answer["error"].endswith("; routed to general")
 
 
+async def test_a_made_up_butler_name_of_any_length_makes_a_short_note(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
+) -> None:
+    """The name is the model's, which a stranger's words steer: cut, on one line."""
+    scripted_api.respond_with(model("g\n" + "h" * 5000, {"general": "General here."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    answer = await ask(switchboard, "send this to a very long name")
+    assert answer["routed_to"] == "general" and "\n" not in answer["error"]
+    assert (
+        answer["error"].startswith("classifier: its route to 'g h") and len(answer["error"]) < 700
+    )
+
+
 async def test_classifier_without_credentials_still_answers_via_general(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:

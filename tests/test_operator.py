@@ -149,28 +149,23 @@ async def test_an_albums_joined_photo_names_the_message_that_answered_it(
     assert "general" in first_line and "with #" not in first_line
 
 
-async def test_a_done_messages_note_is_no_error(
-    fleet, db_conn, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """How a done message got there (the classifier's fallback) is a note, not an error."""
+def test_a_long_sender_name_never_pushes_their_id_out(capsys: pytest.CaptureFixture[str]) -> None:
+    """A name is what a sender calls themselves (it may say "The Owner (555)"): cut on its
+    own, so the id beside it always shows."""
     from butlers.cli.render import print_inbox
 
-    switchboard, _ = fleet
-    conn = await db_conn(switchboard.config.database)
-    done = await seed_inbox(
-        conn,
-        external_id="n",
-        source_id="42",
-        text="send this to ghost",
-        status="done",
-        routed_to="general",
-        error="classifier: its route to 'ghost' was refused: ...; routed to general",
-    )
-    print_inbox(await call(switchboard, "inbox_list"), None)
-    _, lines = table(capsys.readouterr().out)
-    assert lines[str(done)][1:] == [
-        "note: classifier: its route to 'ghost' was refused: ...; routed to general"
-    ]
+    row = {
+        "id": 1,
+        "received_at": "2026-11-27T12:00:00+00:00",
+        "channel": "telegram",
+        "source_id": "98765",
+        "sender_name": "The Owner (555) via Telegram, officially",
+        "status": "done",
+        "routed_to": "general",
+        "excerpt": "hi",
+    }
+    print_inbox([row], None)
+    assert "(98765)" in capsys.readouterr().out
 
 
 async def test_inbox_list_newest_first_filtered_bounded_and_traced(fleet, db_conn) -> None:

@@ -25,6 +25,7 @@ from butlers import logs
 from butlers.cli.process import collect_as_a_server, collector_paused, install_stop_signals
 from butlers.cli.render import print_rows
 from butlers.errors import ButlersError, CommandError
+from butlers.text import printable
 
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
@@ -91,8 +92,10 @@ def data_dir_not_loaded(config_dir: Path, settings: Settings) -> str | None:
     if not named or Path(named).expanduser().absolute() == here:
         return None
     load = f"set -a; . {shlex.quote(str(env_file))}; set +a"
+    # Made printable and cut: a quote left open runs on over the next lines (a secret's).
+    shown = printable(named, 120) if "\n" not in named else "(a value over several lines)"
     return (
-        f"{env_file} sets BUTLERS_DATA_DIR={named}, which this shell has not loaded: the data "
+        f"{env_file} sets BUTLERS_DATA_DIR={shown}, which this shell has not loaded: the data "
         f"would be in {here} instead. Load it first ({load}), or set BUTLERS_DATA_DIR yourself"
     )
 
@@ -438,7 +441,11 @@ async def _flushed(telemetry: Telemetry) -> AsyncIterator[None]:
 
 async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings) -> int:
     configs = select_configs(config_dir, names, settings)  # a config error before the imports
-    if (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None:
+    # With DATABASE_URL the data directory holds no database: nothing to get wrong here.
+    if (
+        settings.database_url is None
+        and (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None
+    ):
         raise CommandError(elsewhere)
     with collector_paused():
         from butlers.daemon import migration_branches

@@ -137,9 +137,9 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         return
     table = []
     for row in rows:
-        sender = row.get("source_id") or "-"
-        if row.get("sender_name"):
-            sender = f"{row['sender_name']} ({sender})"
+        sender = cut(row.get("source_id") or "-", 32)
+        if row.get("sender_name"):  # the name cut on its own: the id is never pushed out
+            sender = f"{cut(row['sender_name'], max(8, 32 - len(sender) - 3))} ({sender})"
         text = row.get("excerpt") or ""
         if row.get("subject"):
             text = f"[{row['subject']}] {text}"
@@ -147,16 +147,16 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
             str(row["id"]),
             when(row.get("received_at")),
             row["channel"],
-            cut(sender, 32),
+            sender,
             row["status"],
             # An album's photo joined to the message that answered them all.
             f"with #{row['album_of']}" if row.get("album_of") else row.get("routed_to") or "-",
             row.get("classified_via") or "-",
             cut(text),
         )
-        # A done message's "error" is a note on how it got there (the classifier's fallback).
-        said = "note" if row["status"] == "done" else "error"
-        details = [f"{said}: {row['error']}"] if row.get("error") else []
+        # (A done message's error says what went wrong on its way: the classifier's fallback,
+        # another butler that failed where one answered. Still an error: one may be there.)
+        details = [f"error: {row['error']}"] if row.get("error") else []
         if row.get("error") and row.get("trace_url"):
             details.append(f"trace: {row['trace_url']}")
         details += [

@@ -416,18 +416,23 @@ class Dashboard:
             notice = f"Approval #{approval_id} is {decided['status']}" + (
                 "." if decided["changed"] else " already: nothing changed."
             )
-            # Not waited for (the page would hang on the tool): said, and the page refreshes
-            # until the row shows how it ended (it read "approved" of a call that then failed).
+            # Not waited for (the page would hang on the tool): said so (it read "approved" of a
+            # call that then failed).
             running = decided["changed"] and decided["status"] == "approved"
             if running:
                 notice = f"Approval #{approval_id} is approved: its call runs now; this page "
-                notice += "refreshes to show how it ended."
+                notice += "shows how it ended once it has."
         await desk.expire()
         rows = [public_approval(row) for row in await desk.store.newest(None, MAX_APPROVALS)]
         for row in rows:
             row["shown"] = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
+        # Refreshed while a call runs, but never under buttons: a new request coming in at the
+        # top would move the rows, and a click meant for one could approve another.
         waiting = running or any(row["status"] == "approved" for row in rows)
-        return self._render(request, "approvals.html", refresh=waiting, rows=rows, notice=notice)
+        pending = any(row["status"] == "pending" for row in rows)
+        return self._render(
+            request, "approvals.html", refresh=waiting and not pending, rows=rows, notice=notice
+        )
 
     async def pairing(self, request: Request) -> Response:
         """Pending codes with Approve / Deny, paired senders with Revoke (forms with the

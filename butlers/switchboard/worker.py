@@ -48,12 +48,14 @@ from butlers.switchboard.route import Router, RouteSource
 from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.tasks import cancel_and_wait, within
 from butlers.telemetry import context_from_carrier, current_carrier
+from butlers.text import printable
 
 if TYPE_CHECKING:
     from butlers.switchboard.transcription import Transcriber
 
 logger = logging.getLogger(__name__)
 
+FALLBACK_NOTE_CHARS = 600  # why a message went to the default butler, as its note says
 IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
 # How long an album's first message waits after its latest part came for the next one:
 # Telegram sends an album's photos as a message each, at once, but each is downloaded before it
@@ -467,9 +469,11 @@ class InboxWorker:
                     note = f"classifier: {outcome.error}" if outcome.error else None
                     return answers, note, "claude"
                 refused = dispatch.refusals
-            # It may have tried: "did not route" alone hid a route to a made-up butler.
+            # It may have tried: "did not route" alone hid a route to a made-up butler. The
+            # names are the model's (a stranger may have chosen them): cut, and the note too.
+            tried = "; to ".join(f"{printable(b, 60)!r} was {r}" for b, r in refused[:3])
             why = outcome.error or (
-                "its route to " + "; to ".join(f"{b!r} was {r}" for b, r in refused)
+                self.router.redact(printable(f"its route to {tried}", FALLBACK_NOTE_CHARS))
                 if refused
                 else "the classifier did not route the message"
             )
