@@ -207,6 +207,9 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
             "removed Its directory went. stale not in the config directory"
         )
         assert "unreachable" not in removed
+        page = await client.get("/ui/butlers/removed", headers=BEARER)  # its own page too
+        assert page.status_code == 200, page.text
+        assert "stale: the last discover" in page.text and "unreachable" not in page.text
         general_row = text_of(fleet_rows["general"])
         assert " ok " in f" {general_row} " and general.sse_url in general_row
         assert re.search(r'class="sessions">1<', fleet_rows["general"]), fleet_rows["general"]

@@ -362,7 +362,11 @@ class Dashboard:
         butler = await self.parts.store.butler(name)
         if butler is None:
             return self._problem(request, 404, f"no butler named {name!r} in the registry")
-        detail = await self.parts.probe.butler_detail(butler["endpoint_url"])
+        if butler.get("stale"):  # gone from the config directory: nothing there to ask
+            gone = Answer(error="stale: the last discover did not find it in the config directory")
+            detail = dict.fromkeys(("health", "status", "sessions", "schedules", "state"), gone)
+        else:
+            detail = await self.parts.probe.butler_detail(butler["endpoint_url"])
         durations = [
             s["duration_ms"]
             for s in (detail["sessions"].value or [])
@@ -471,6 +475,8 @@ class Dashboard:
         # Before anything is read or compared: a blocked client's guesses are not even tried.
         retry_after = self.throttle.retry_after(client)
         if retry_after is not None:
+            # (`next` from the form: not a guess, nothing compared.)
+            target = _local_target(_field(await request.form(), "next"))
             problem = f"too many wrong tokens from your address: try again in {retry_after} s"
             refused = self._render(request, "login.html", 429, problem=problem, target=target)
             refused.headers["retry-after"] = str(retry_after)
