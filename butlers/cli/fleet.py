@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shlex
+import stat
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -108,8 +109,6 @@ def make_private_dir(directory: Path, *, create: bool = True, passable: bool = F
     otherwise make it between a check and its use. One that `data_dir_refusal` refuses is
     a CommandError; write access for others on one of ours is taken away (said in the log).
     Read access is doctor's to warn of, as the files below are each private."""
-    import stat
-
     if create:
         directory.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
@@ -139,8 +138,6 @@ def data_dir_refusal(directory: Path) -> str | None:
     its owner, who would then hold what the sessions see and the token that drives the
     butlers. A directory everyone shares (the sticky bit: /tmp) is refused, and never changed.
     """
-    import stat
-
     shown = f"the data directory {directory} (BUTLERS_DATA_DIR)"
     try:
         link = directory.lstat()
