@@ -18,6 +18,7 @@ import re
 from collections.abc import AsyncIterator
 from html import unescape
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import aiohttp
 import pytest
@@ -72,7 +73,7 @@ class Pages:
 
 @contextlib.asynccontextmanager
 async def dashboard_client(
-    pg_server, switchboard, *, token: str | None = TOKEN, redact=str
+    pg_server, switchboard, *, token: str | None = TOKEN, redact=str, zone: str = "UTC"
 ) -> AsyncIterator[Pages]:
     """TestClient on a Dashboard built on TestClient's own loop, reading the switchboard's
     database and asking the running butlers; `ask` goes to the switchboard's own `ask` tool."""
@@ -96,6 +97,7 @@ async def dashboard_client(
             switchboard_name=switchboard.config.name,
             ask=ask,
             jaeger_ui_url="http://jaeger.example:16686",
+            zone=zone,
         )
         holder["app"] = Dashboard(
             parts, auth_token=token, allowed_hosts=["testserver"], redact=redact
@@ -334,6 +336,26 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         rest = (await client.get("/ui/messages" + unescape(link), headers=BEARER)).text
         older_ids = re.findall(r'<tr data-id="(\d+)"', rest)
         assert len(older_ids) == 11 and str(mail) in older_ids and 'rel="next"' not in rest
+        # An older page leads back to the newest, the filter kept; the newest page does not.
+        assert 'href="/ui/messages?channel=email" rel="first"' in rest
+        assert 'rel="first"' not in first
+        assert (
+            'href="/ui/routing-log" rel="first"'
+            in (
+                await client.get(
+                    "/ui/routing-log?before=2026-01-01T00:00:00%2B00:00", headers=BEARER
+                )
+            ).text
+        )
+
+    # Times are on the owner's clock, with the zone's abbreviation.
+    async with dashboard_client(pg_server, switchboard, zone="Asia/Tokyo") as client:
+        page = (await client.get(f"/ui/messages/{failed}", headers=BEARER)).text
+        received = re.search(r"<dt>Received</dt><dd>([^;<]+);", page)[1]
+        stored = await conn.fetchval("SELECT received_at FROM inbox WHERE id = $1", failed)
+        tokyo = stored.astimezone(ZoneInfo("Asia/Tokyo"))
+        assert received == tokyo.strftime("%Y-%m-%d %H:%M:%S JST"), received
+        assert "retried 2026-11-27 19:00:00 JST" in page  # 10:00 UTC
 
 
 async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_token(

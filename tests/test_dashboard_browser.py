@@ -183,7 +183,23 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
         assert await reply.inner_text() == "Thursday at 10, I noted it."
         await page.screenshot(path=artifacts / "ask.png", full_page=True)
         assert await page.title() != "pwned" and dialogs == []
+
+        # On a phone every page keeps the screen's width: a wide table scrolls by itself.
+        await page.set_viewport_size({"width": 390, "height": 844})
+        for path in (
+            "/ui",
+            "/ui/messages",
+            f"/ui/messages/{answered['inbox_id']}",
+            "/ui/routing-log",
+            "/ui/butlers/general",
+        ):
+            await page.goto(f"{base}{path}")
+            await page.locator("main h1").first.wait_for()
+            width = await page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 390, (path, width)
+        await page.goto(f"{base}/ui/messages")
+        await page.screenshot(path=artifacts / "phone.png", full_page=True)
     finally:
         await context.close()
-    for name in ("fleet.png", "messages.png", "ask.png"):
+    for name in ("fleet.png", "messages.png", "ask.png", "phone.png"):
         assert (artifacts / name).stat().st_size > 5_000, name

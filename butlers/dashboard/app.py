@@ -21,6 +21,7 @@ secret that reached a message, a reply or an error is not shown either.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
+from zoneinfo import ZoneInfo
 
 import jinja2
 from fastmcp.server.http import HostOriginGuardMiddleware
@@ -93,21 +95,24 @@ class DashboardParts:
     jaeger_ui_url: str
     approvals: ApprovalDesk | None = None  # the calls waiting for the owner's yes
     pairing: PairingDesk | None = None  # strangers' codes and paired senders
+    zone: str = "UTC"  # the owner's IANA zone (the switchboard's): every time is shown on it
 
 
 class BadFilter(ValueError):
     """A query parameter that names nothing the page can filter by (400, named)."""
 
 
-def _local(value: str | None, zone: str | None) -> str:
-    """A butler's time on its own wall clock (a schedule's next run: 08:00 where the owner
-    lives), with the zone's abbreviation; UTC when the butler names no zone."""
+def _local(value: str | None, zone: str | None, owner_zone: str = "UTC") -> str:
+    """A butler's time on its own wall clock (a schedule's next run: 08:00 where the butler
+    lives), with the zone's abbreviation; on the owner's when the butler names no zone."""
     if not value or not zone:
-        return _when(value)
+        return _when(value, owner_zone)
     return wall_clock(value, zone) or value
 
 
-def _when(value: datetime | str | None) -> str:
+def _when(value: datetime | str | None, zone: str = "UTC") -> str:
+    """A stored time on the owner's wall clock, with the zone's abbreviation ("CET"): the
+    owner reads the dashboard where they live, as they read the bot's messages."""
     if value is None:
         return "-"
     if isinstance(value, str):  # a butler's answer over MCP: ISO 8601
@@ -117,7 +122,9 @@ def _when(value: datetime | str | None) -> str:
             return value
     else:
         when = value
-    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if when.tzinfo is None:  # not written by us; read as UTC, as the database keeps them
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
 def _duration(ms: int | float | None) -> str:
@@ -134,7 +141,7 @@ def _money(value: float | None) -> str:
     return f"${value:.6f}" if 0 < value < 0.00005 else f"${value:.4f}"
 
 
-def _environment(redact: Callable[[str], str]) -> jinja2.Environment:
+def _environment(redact: Callable[[str], str], zone: str = "UTC") -> jinja2.Environment:
     def finalize(value: Any) -> Any:
         return redact(value) if isinstance(value, str) else value
 
@@ -144,7 +151,12 @@ def _environment(redact: Callable[[str], str]) -> jinja2.Environment:
         finalize=finalize,
         undefined=jinja2.ChainableUndefined,
     )
-    environment.filters.update(when=_when, local=_local, duration=_duration, money=_money)
+    environment.filters.update(
+        when=functools.partial(_when, zone=zone),
+        local=functools.partial(_local, owner_zone=zone),
+        duration=_duration,
+        money=_money,
+    )
     return environment
 
 
@@ -162,7 +174,7 @@ class Dashboard:
         self.parts = parts
         self.auth = DashboardAuth(auth_token, parts.store)
         self.throttle = LoginThrottle()  # this process's failed sign-ins, per client
-        self.templates = _environment(redact)
+        self.templates = _environment(redact, parts.zone)
         routes = [
             Route("/ui", self.fleet),
             Route("/ui/", self.fleet),
@@ -286,9 +298,8 @@ class Dashboard:
         except BadFilter as exc:
             return self._problem(request, 400, str(exc))
         rows = await self.parts.store.messages(status=status, channel=channel, before=before)
-        older = _older(
-            rows, {"status": status, "channel": channel}, before=rows[-1]["id"] if rows else None
-        )
+        filters = {"status": status, "channel": channel}
+        older = _older(rows, filters, before=rows[-1]["id"] if rows else None)
         return self._render(
             request,
             "messages.html",
@@ -299,6 +310,7 @@ class Dashboard:
             statuses=INBOX_STATUSES,
             channels=CHANNELS,
             older=older,
+            newest=_newest(filters, paging=before is not None),
         )
 
     async def message(self, request: Request) -> Response:
@@ -343,7 +355,8 @@ class Dashboard:
             before=before,
         )
         last = rows[-1]["created_at"].isoformat() if rows else None
-        older = _older(rows, {"butler": butler, "outcome": outcome}, before=last)
+        filters = {"butler": butler, "outcome": outcome}
+        older = _older(rows, filters, before=last)
         butlers = [b["name"] for b in await self.parts.store.registry()]
         return self._render(
             request,
@@ -355,6 +368,7 @@ class Dashboard:
             butlers=butlers,
             outcomes=tuple(OUTCOMES),
             older=older,
+            newest=_newest(filters, paging=before is not None),
         )
 
     async def butler(self, request: Request) -> Response:
@@ -515,6 +529,15 @@ def _older(
     if len(rows) < PAGE_ROWS:
         return None
     return "?" + urlencode({k: v for k, v in filters.items() if v} | {"before": before})
+
+
+def _newest(filters: dict[str, str | None], *, paging: bool) -> str | None:
+    """On an older page, the query string of the first one (the same filters; "" for none);
+    else None."""
+    if not paging:
+        return None
+    query = urlencode({k: v for k, v in filters.items() if v})
+    return f"?{query}" if query else ""
 
 
 def _field(form: Any, name: str) -> str | None:

@@ -72,6 +72,7 @@ class Switchboard:
     ) -> None:
         self._once = Once(f"switchboard {spawner.config.name!r}")
         self.name = spawner.config.name
+        self.zone = spawner.config.zone  # the owner's, unless the switchboard names its own
         self.config_dir = config_dir
         self.placement = placement  # what discover fills in for what a butler.toml leaves out
         self.routing_store = routing_store
@@ -179,6 +180,7 @@ class Switchboard:
             jaeger_ui_url=jaeger_ui_url,
             approvals=self.approvals,
             pairing=self.pairing,
+            zone=self.zone,
         )
         self.dashboard = Dashboard(
             parts, auth_token=auth_token, allowed_hosts=list(allowed_hosts), redact=redact
