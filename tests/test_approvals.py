@@ -20,9 +20,10 @@ from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
 from butlers.approvals import schema_problems
-from butlers.config import ApprovalsConfig
+from butlers.config import ApprovalsConfig, OwnerConfig
 from butlers.daemon import ButlerDaemon
 from butlers.errors import ConfigError
+from butlers.switchboard.approvals import RequestedCall
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
 from tests.conftest import StartButler, butler_config, eventually
 from tests.fakes.bot_api import FakeBotAPI
@@ -425,6 +426,36 @@ async def test_sessions_and_classifiers_cannot_reach_the_approvals_machinery(
     row = dict(await conn.fetchrow("SELECT status, claimed_at FROM approvals"))
     assert row == {"status": "approved", "claimed_at": None}
     assert "pwned" not in sent_texts(bot_api, CHAT) + sent_texts(bot_api, OWNER)
+
+
+async def test_a_request_the_owner_cannot_be_asked_waits_and_is_logged_as_such(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, db_conn
+) -> None:
+    """With no owner channel running here (the owner only has an address, and no email
+    channel runs), the request is still recorded and waits for the CLI: its routing_log row
+    is a success saying so, not a failure (it showed as FAILED on the dashboard)."""
+    switchboard, _ = await approval_fleet(start_butler, tmp_path, bot_api)
+    assert switchboard.switchboard is not None and switchboard.switchboard.approvals
+    desk = switchboard.switchboard.approvals
+    desk.owner = OwnerConfig(email="owner@example.com", prefer="email")
+    answer = await desk.request(
+        RequestedCall("general", "notify", {"text": EFFECT}, None, None, timeout_hours=1)
+    )
+    assert (answer["status"], answer["owner_asked"]) == ("pending", False)
+    conn = await db_conn(switchboard.config.database)
+    logged = await conn.fetchrow(
+        "SELECT tool_name, success, error FROM routing_log WHERE source_channel = 'approval'"
+    )
+    assert dict(logged) == {
+        "tool_name": "notify (requested; owner not asked, decide with the CLI)",
+        "success": True,
+        "error": None,
+    }
+    assert bot_api.sent_with_buttons() == []
+    code, out, err = await run_cli(
+        "approvals", "approve", str(answer["id"]), "--url", switchboard.sse_url
+    )
+    assert code == 0 and out.startswith(f"approval {answer['id']} approved and run: "), err
 
 
 async def test_an_approvals_glob_that_guards_nothing_stops_its_butler(

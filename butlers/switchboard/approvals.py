@@ -331,9 +331,9 @@ class ApprovalDesk:
             row = await self.store.create(call, current_carrier() or None)
             span.set_attribute("approval_id", row["id"])
             asked = await self._ask_owner(row)
-            await self._record(
-                row, "requested", started, error=None if asked else "owner not asked"
-            )
+            # Not asking is no failure: the request stands and waits for `butlers approvals`.
+            what = "requested" if asked else "requested; owner not asked, decide with the CLI"
+            await self._record(row, what, started, error=None)
         return {
             "id": row["id"],
             "status": row["status"],
