@@ -193,6 +193,11 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         """INSERT INTO butler_registry (name, endpoint_url, description, missing_since)
            VALUES ('removed', 'http://127.0.0.1:9/sse', 'Its directory went.', now())"""
     )
+    # Stamps of long ago: a butler that answers is seen now; one that does not keeps its own.
+    await conn.execute(
+        "UPDATE butler_registry SET last_seen_at = '2020-01-02T03:04:05+00' "
+        "WHERE name IN ('switchboard', 'gone')"
+    )
     redactor = Redactor([SECRET])
 
     async with dashboard_client(pg_server, switchboard, redact=redactor) as client:
@@ -204,6 +209,8 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         }
         assert set(fleet_rows) == {"general", "gone", "removed", "switchboard"}
         assert "unreachable" in text_of(fleet_rows["gone"])  # shown, holding up nobody
+        assert "2020-01-02 03:04:05 UTC" in text_of(fleet_rows["gone"])
+        assert "2020-01-02" not in text_of(fleet_rows["switchboard"])
         removed = text_of(fleet_rows["removed"])
         assert " ".join(removed.split()).startswith(
             "removed Its directory went. stale not in the config directory"

@@ -275,10 +275,16 @@ class Dashboard:
 
     async def fleet(self, request: Request) -> Response:
         butlers = await self.parts.probe.fleet(await self.parts.store.registry())
+        now = datetime.now(UTC)
         for butler in butlers:
             status: Answer | None = butler["status"]  # None: stale, not asked
             answered = status.value if status is not None else None
             butler["summary"] = answered.get("sessions_24h") if answered else None
+            # The registry's stamp is the last route or discover; a butler whose /health
+            # answered just now was seen now (the switchboard's own stamp never moves).
+            health: Answer | None = butler["health"]
+            if health is not None and health.error is None:
+                butler["last_seen_at"] = now
         spent = [
             b["summary"]["cost_usd"] for b in butlers if b["summary"] and b["summary"]["cost_usd"]
         ]
