@@ -20,6 +20,7 @@ from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
 from butlers.approvals import schema_problems
+from butlers.backoff import Backoff
 from butlers.config import ApprovalsConfig, OwnerConfig
 from butlers.daemon import ButlerDaemon
 from butlers.errors import ConfigError
@@ -296,6 +297,28 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
         {"text": EFFECT},
     )
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+
+
+async def test_a_question_decided_while_telegram_is_down_loses_its_buttons_later(
+    asked: Asked, bot_api: FakeBotAPI
+) -> None:
+    """The CLI decides while the Bot API answers 502: the decision stands at once, and the
+    owner's question is edited once Telegram is back (its buttons had stayed for good)."""
+    assert asked.switchboard.switchboard is not None
+    module = asked.switchboard.switchboard.outbox.channels["telegram"]
+    module.edit_retry = Backoff((0.2,))  # type: ignore[attr-defined]
+    bot_api.edits_down = True
+    code, out, err = await run_cli("approvals", "approve", "1", "--url", asked.switchboard.sse_url)
+    assert code == 0 and out.startswith("approval 1 approved and run: "), err
+    await bot_api.wait_until(lambda: bot_api.down_edits >= 3)  # tried, and tried again
+    assert bot_api.edits == []
+    bot_api.edits_down = False
+    await bot_api.wait_until(lambda: len(bot_api.edits) == 1)
+    [edit] = bot_api.edits
+    assert int(edit["message_id"]) == asked.message_id and "reply_markup" not in edit
+    assert edit["text"].endswith("Approved (operator).")
+    await asyncio.sleep(0.5)
+    assert len(bot_api.edits) == 1  # once back, edited once
 
 
 async def test_approving_a_call_that_then_fails_exits_1_saying_so(

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from butlers.backoff import RECONNECT
+from butlers.backoff import RECONNECT, Backoff
 from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
 from butlers.errors import AttachmentRefused, DeliveryError
@@ -79,6 +79,10 @@ TOKEN_REFUSALS = {"Unauthorized": "401 Unauthorized", "Not Found": "404 Not Foun
 # A file Telegram keeps failing to hand over (5xx) is given up after this, its sender asked to
 # send it again: the messages behind it must not wait for ever.
 GIVE_UP_ON_FILE_AFTER_S = 30 * 60.0
+# A decided question whose edit met a Bot API that was down is tried again this often, for up
+# to this long: its buttons would stay on the owner's screen for a call decided long ago.
+EDIT_RETRY = Backoff((5, 15, 30, 60, 120, 300))
+GIVE_UP_ON_EDIT_AFTER_S = 3600.0
 # What getUpdates and a webhook ask Telegram for: messages, and the presses of our approval
 # buttons (butlers.switchboard.approvals).
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query"]
@@ -205,6 +209,9 @@ class TelegramModule:
         # Files whose download keeps failing: file_id -> when it first failed (monotonic).
         self._failing_files: dict[str, float] = {}
         self.give_up_on_file_after_s = GIVE_UP_ON_FILE_AFTER_S
+        self.edit_retry = EDIT_RETRY
+        self.give_up_on_edit_after_s = GIVE_UP_ON_EDIT_AFTER_S
+        self._edits: set[asyncio.Task[None]] = set()  # decided questions tried again
 
     # -- tools and routes -------------------------------------------------------------------
 
@@ -641,10 +648,54 @@ class TelegramModule:
                 logger.warning("telegram: could not mark the request decided: %s", exc)
 
     async def show_decided(self, chat_id: str | int, message_id: int, text: str, line: str) -> None:
-        """An approval's or a pairing's question says how it was decided; its buttons go."""
-        await self.bot.edit_message_text(
-            f"{text}\n\n{line}", chat_id=chat_id, message_id=message_id
-        )
+        """An approval's or a pairing's question says how it was decided; its buttons go.
+
+        A Bot API that is down (no connection, a 5xx, a 429 past the rate limiter's retries)
+        does not leave the buttons for good: the edit is tried again in the background, for up
+        to `give_up_on_edit_after_s` (a press meanwhile is answered "Already ..."; nothing runs
+        twice). Telegram refusing the edit (400: the message is gone or already says so) raises.
+        """
+        try:
+            await self._edit(chat_id, message_id, f"{text}\n\n{line}")
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            logger.warning(
+                "telegram: could not mark message %s decided (%s); trying again",
+                message_id,
+                exc,
+                extra={"action": "telegram_edit_retry"},
+            )
+            task = asyncio.create_task(
+                self._edit_later(chat_id, message_id, f"{text}\n\n{line}"),
+                name=f"telegram:edit:{message_id}",
+            )
+            self._edits.add(task)
+            task.add_done_callback(self._edits.discard)
+
+    async def _edit(self, chat_id: str | int, message_id: int, text: str) -> None:
+        await self.bot.edit_message_text(text, chat_id=chat_id, message_id=message_id)
+
+    async def _edit_later(self, chat_id: str | int, message_id: int, text: str) -> None:
+        until = time.monotonic() + self.give_up_on_edit_after_s
+        failures = 0
+        while True:
+            await asyncio.sleep(self.edit_retry.delay(failures))
+            try:
+                await self._edit(chat_id, message_id, text)
+                return
+            except Exception as exc:
+                failures += 1
+                if _transient(exc) and time.monotonic() < until:
+                    continue
+                logger.warning(
+                    "telegram: gave up marking message %s decided after %d tries: %s",
+                    message_id,
+                    failures + 1,
+                    exc,
+                    extra={"action": "telegram_edit_given_up"},
+                )
+                return
 
     async def _best_effort(self, chat_id: str, text: str) -> None:
         try:
@@ -663,6 +714,8 @@ class TelegramModule:
         await self.step_down()
         await cancel_and_wait(self._task)
         self._task = None
+        for task in list(self._edits):
+            await cancel_and_wait(task)
         with contextlib.suppress(Exception):
             await self.bot.shutdown()
 
@@ -766,3 +819,12 @@ class TelegramModule:
                     await asyncio.sleep(RECONNECT.delay(tries))
                     break
                 offset = update.update_id + 1
+
+
+def _transient(exc: Exception) -> bool:
+    """A Bot API that is down or busy (worth trying again), not one refusing the request."""
+    from telegram.error import BadRequest, NetworkError, RetryAfter
+
+    return isinstance(exc, RetryAfter) or (
+        isinstance(exc, NetworkError) and not isinstance(exc, BadRequest)
+    )

@@ -80,6 +80,8 @@ class FakeBotAPI:
         self.webhooks: list[dict[str, Any]] = []  # setWebhook calls, with their parameters
         self.press_answers: list[dict[str, Any]] = []  # answerCallbackQuery calls
         self.edits: list[dict[str, Any]] = []  # editMessageText calls
+        self.edits_down = False  # while set, editMessageText answers 502 Bad Gateway
+        self.down_edits = 0  # editMessageText calls answered 502
         self._sent_by_id: dict[int, dict[str, Any]] = {}  # message id -> its sendMessage params
         self._query_ids = itertools.count(5000)
         # Files a pushed message carries: file_id -> {"data", "file_path", "reported_size"}.
@@ -413,6 +415,13 @@ class FakeBotAPI:
         return web.json_response({"ok": True, "result": True})
 
     async def _api_editMessageText(self, params: dict[str, Any]) -> web.Response:
+        if self.edits_down:
+            async with self._changed:
+                self.down_edits += 1
+                self._changed.notify_all()
+            return web.json_response(
+                {"ok": False, "error_code": 502, "description": "Bad Gateway"}, status=502
+            )
         message_id = int(params["message_id"])
         async with self._changed:
             self.edits.append(params)
