@@ -1,6 +1,7 @@
 """Where does a call's CPU go, process by process? (Not a test: run it by hand.)
 
     .venv/bin/python bench/route_cpu.py [--rounds 3] [--seconds 4] [--callers 16] [--split]
+                                        [--base DIR]
 
 The same fleet and calls as bench/route_overhead.py (a target and a switchboard in one
 `butlers up`, embedded PostgreSQL, one `state_get` direct or through `route`), but each way
@@ -13,6 +14,9 @@ what limits the calls per second.
 --split also runs the switchboard in a `butlers up --only switchboard` of its own and the
 target in another (route then reaches the target over MCP-over-SSE, as it does a butler of
 another process).
+
+--base DIR runs the fleet with its `butlers` package imported from DIR (a checkout of the
+code before a change, as in route_overhead.py); run it and the current code alternately.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ async def _hold(call: Call, callers: int, seconds: float) -> int:
     return made
 
 
-async def main(rounds: int, seconds: float, callers: int, split: bool) -> None:
-    workdir, ports, env = bench_fleet()
+async def main(
+    rounds: int, seconds: float, callers: int, split: bool, base: Path | None = None
+) -> None:
+    workdir, ports, env = bench_fleet(base)
     config = str(workdir / "config")
     fleets = [["target", "switchboard"]] if not split else [["target"], ["switchboard"]]
     processes = []
@@ -110,6 +116,8 @@ async def main(rounds: int, seconds: float, callers: int, split: bool) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
     layout = "switchboard and target in two processes" if split else "one `butlers up` process"
+    if base is not None:
+        layout += f", the code of {base}"
     print(f"{callers} callers, {rounds} rounds of {seconds:g} s per way, {layout}; medians\n")
     print(
         "| way | calls/s | client us/call | butlers us/call | PostgreSQL us/call "
@@ -131,5 +139,6 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--split", action="store_true")
+    parser.add_argument("--base", type=Path, help="a checkout whose code to measure instead")
     args = parser.parse_args()
-    asyncio.run(main(args.rounds, args.seconds, args.callers, args.split))
+    asyncio.run(main(args.rounds, args.seconds, args.callers, args.split, args.base))

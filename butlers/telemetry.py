@@ -8,7 +8,9 @@ W3C trace context travels between butlers as `_trace_context`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +62,9 @@ class Telemetry:
     `service.name` even when several share a process (`butlers up`), and one span processor
     shared by all of them (one export queue and thread, not one per butler).
 
-    Without a processor spans are still real (valid ids that sessions and routing_log record),
-    but nothing is queued or exported and no thread runs.
+    Without a processor spans still have real ids (which sessions and routing_log record, and
+    which go on, sampled, to other processes and Claude Code), but nothing is recorded, queued
+    or exported and no thread runs: see `UnrecordedTracer`.
     """
 
     def __init__(
@@ -124,13 +127,82 @@ class Telemetry:
         cli_env = dict(self._cli_env)
         if cli_env:
             cli_env["OTEL_RESOURCE_ATTRIBUTES"] = f"butler={butler}"
-        return ButlerTelemetry(provider.get_tracer(TRACER_NAME), cli_env)
+        tracer = provider.get_tracer(TRACER_NAME) if self.exporting else UnrecordedTracer()
+        return ButlerTelemetry(tracer, cli_env)
+
+    def resource(self, butler: str) -> Resource:
+        """The resource `butler`'s exported spans carry (its `service.name`)."""
+        self.for_butler(butler)
+        return self._providers[butler].resource
 
     def shutdown(self) -> None:
         """Flush what is queued (the last spans of a run) and stop the export thread."""
         if self.processor is not None:
             self.processor.force_flush()
             self.processor.shutdown()
+
+
+class UnrecordedTracer(trace.Tracer):
+    """Spans with ids and nothing else, for a process that exports none.
+
+    The SDK's tracer records every span (its attributes, events, status, times) for span
+    processors; with none, that is work nobody reads: ~8% of the `butlers up` process's CPU
+    a routed call, three spans (py-spy, 16 callers, 2026-11-27). The SDK's own way out, the
+    `ALWAYS_OFF` sampler, also clears the sampled flag that every span then propagates, and a
+    butler in another process that does export would drop its spans (its sampler follows the
+    parent). So this tracer does what the SDK's default sampler (parent-based, always on)
+    decides, without recording: a child keeps its parent's trace id, flags and trace state; a
+    root gets a new random trace id and is sampled.
+    """
+
+    def start_span(
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> trace.Span:
+        parent = trace.get_current_span(context).get_span_context()
+        if parent.is_valid:
+            trace_id, flags, state = parent.trace_id, parent.trace_flags, parent.trace_state
+        else:
+            trace_id = _random_id(128)
+            flags = trace.TraceFlags(trace.TraceFlags.SAMPLED | trace.TraceFlags.RANDOM_TRACE_ID)
+            state = None
+        span_context = trace.SpanContext(
+            trace_id, _random_id(64), is_remote=False, trace_flags=flags, trace_state=state
+        )
+        return trace.NonRecordingSpan(span_context)
+
+    # The API types it with its private `_agnosticcontextmanager`; any context manager does.
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+        attributes: Any = None,
+        links: Any = None,
+        start_time: int | None = None,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+        end_on_exit: bool = True,
+    ) -> Iterator[trace.Span]:
+        span = self.start_span(name, context)
+        with trace.use_span(span, end_on_exit=end_on_exit) as current:
+            yield current
+
+
+def _random_id(bits: int) -> int:
+    """A random trace (128) or span (64) id; zero is the invalid id, as in the SDK's
+    `RandomIdGenerator`."""
+    while not (value := random.getrandbits(bits)):
+        pass
+    return value
 
 
 def otlp_exporter(protocol: str) -> SpanExporter:

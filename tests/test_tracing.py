@@ -303,15 +303,60 @@ async def test_tracing_off_means_no_exporter_yet_real_trace_ids(
     telemetry.shutdown()  # nothing to flush; must not fail
 
 
+def test_a_process_that_exports_nothing_still_passes_on_sampled_ids() -> None:
+    """Without an exporter spans are not recorded, yet their ids propagate as the SDK's default
+    sampler would: a root is sampled, so a butler of another process that exports keeps its
+    spans of the trace; a parent's unsampled flag and trace state are kept."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from butlers.telemetry import context_from_carrier, current_carrier, current_trace_id
+
+    quiet = Telemetry().for_butler("switchboard").tracer
+    with quiet.start_as_current_span("switchboard.route") as root:
+        assert not root.is_recording()
+        carrier, trace_id = current_carrier(), current_trace_id()
+        with quiet.start_as_current_span("child") as child:
+            assert format(child.get_span_context().trace_id, "032x") == trace_id
+            assert child.get_span_context().span_id != root.get_span_context().span_id
+    assert trace_id is not None and carrier["traceparent"].endswith("-03")
+    assert carrier["traceparent"].split("-")[1] == trace_id
+
+    exported = InMemorySpanExporter()
+    loud = Telemetry(SimpleSpanProcessor(exported)).for_butler("general").tracer
+    token = otel_context.attach(context_from_carrier(carrier))  # type: ignore[arg-type]
+    try:
+        with loud.start_as_current_span("general.tool"):
+            pass
+    finally:
+        otel_context.detach(token)
+    (span,) = exported.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert span.parent is not None and span.parent.span_id == root.get_span_context().span_id
+
+    unsampled = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-00", "tracestate": "vendor=1"}
+    token = otel_context.attach(context_from_carrier(unsampled))  # type: ignore[arg-type]
+    try:
+        with quiet.start_as_current_span("child"):
+            passed_on = current_carrier()
+            assert trace.get_current_span().get_span_context().trace_state.get("vendor") == "1"
+    finally:
+        otel_context.detach(token)
+    assert passed_on["traceparent"].startswith(f"00-{'ab' * 16}-")
+    assert passed_on["traceparent"].endswith("-00") and passed_on["tracestate"] == "vendor=1"
+
+
 def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         monkeypatch.delenv(name)
     telemetry = Telemetry.from_settings(Settings.from_environ())
-    resource = telemetry.for_butler("health").tracer.resource  # type: ignore[attr-defined]
+    resource = telemetry.resource("health")
     assert resource.attributes["service.name"] == "butler-health"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "my-health")
     telemetry = Telemetry.from_settings(Settings.from_environ())
-    resource = telemetry.for_butler("health").tracer.resource  # type: ignore[attr-defined]
+    resource = telemetry.resource("health")
     assert resource.attributes["service.name"] == "my-health"
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
