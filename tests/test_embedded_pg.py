@@ -592,3 +592,46 @@ async def test_two_users_run_their_servers_side_by_side(
             await ours.stop()
         stop_strays(pg_home)
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("first", ["here", "there, then killed"])
+async def test_the_last_butlers_process_using_the_server_stops_it(
+    pg_home: Path, first: str
+) -> None:
+    """Two butlers processes on one data directory (a second fleet, a replica): whichever
+    stops first leaves PostgreSQL running for the other, and the last one stops it. Before,
+    the process that had started it stopped it on its way out, and a start that failed (its
+    port taken) after adopting it took the database from a fleet still running. A process
+    killed with SIGKILL no longer counts: the last live one stops the server."""
+    me = pwd.getpwuid(os.geteuid())
+    user = User(me.pw_name, me.pw_uid, me.pw_gid, {})
+    home = pg_home / "home"
+    home.mkdir(mode=0o700)
+    env = {"PATH": os.defpath, "HOME": str(home), "LANG": "C.UTF-8"}
+    pgdata = pg_home / "pgdata"
+    theirs = OtherServer(user, home, pgdata, env)
+    ours = EmbeddedServer(pgdata, environ=os.environ)
+    try:
+        if first == "here":
+            await ours.start()
+            report = await theirs.start()
+            await ours.stop()  # the first to stop: theirs still uses the server
+            assert _postgres_on(pg_home) != []
+            conn = await asyncpg.connect(
+                host=report["socket_dir"], port=5432, user="postgres", database="mine"
+            )
+            assert await conn.fetchval("SELECT 6 * 7") == 42
+            await conn.close()
+            await theirs.stop()  # the last one
+        else:
+            await theirs.start()
+            await ours.start()
+            await theirs.kill()  # SIGKILL: its server stays, and it is no user any more
+            assert await _answers(ours) == 42
+            await ours.stop()
+        assert _postgres_on(pg_home) == []
+        assert not (pg_home / "pgdata.users").exists()
+    finally:
+        await theirs.kill()
+        with contextlib.suppress(Exception):
+            await ours.stop()

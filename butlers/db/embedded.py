@@ -1,5 +1,5 @@
 """The embedded PostgreSQL 18: start it (or share or adopt one already running on its data),
-stop it, and know whose it is.
+and stop it when the last butlers process using it stops.
 
 The pieces it is built from, each in its own module: who the server runs as
 (butlers.db.account), whether that account can reach its programs and data (butlers.db.reach),
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shlex
 import stat
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -75,7 +76,7 @@ class EmbeddedServer:
         self._environ = environ
         self.socket_dir: Path | None = None
         self.port = PG_PORT
-        self._started_here = False
+        self._using = False  # this process is among the server's users (it was started or shared)
         self._account: _ServerAccount | None = None
         self._bin_dir: Path | None = None  # PostgreSQL's programs, once located
 
@@ -152,16 +153,22 @@ class EmbeddedServer:
                 "initdb",
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
             )
+        with self._users_locked() as users:
+            self._use_or_start(account, [pid for pid in users if pid != os.getpid()])
+            self._write_users([*users, os.getpid()])
+            self._using = True
 
+    def _use_or_start(self, account: _ServerAccount, others: list[int]) -> None:
+        """Share the server another live butlers process uses, adopt one nobody uses (left by
+        a killed run), or start one."""
         running = _running_postmaster(self.pgdata)
-        owner = self._owner()
-        if running is not None and owner is not None:
-            # Another butlers process (a second fleet, `butlers up --port-offset`) runs on
-            # this data directory: share its server, and leave stopping it to that process.
+        if running is not None and others:
+            # Another butlers process (a second fleet, a replica) runs on this data directory:
+            # share its server; whichever of us stops last stops it.
             logger.info(
-                "using the PostgreSQL (pid %s) that butlers process %s runs on %s",
+                "using the PostgreSQL (pid %s) that butlers process %s also uses on %s",
                 running.pid,
-                owner,
+                ", ".join(map(str, others)),
                 self.pgdata,
                 extra={"action": "pg_shared"},
             )
@@ -173,7 +180,7 @@ class EmbeddedServer:
             self.socket_dir, self.port = running.socket_dir, running.port
             return
         if running is not None:
-            # A server on this data directory survives from a crashed run: adopt it.
+            # A server on this data directory survives from a killed run: adopt it.
             logger.warning("adopting running PostgreSQL (pid %s) on %s", running.pid, self.pgdata)
             if running.socket_dir is None:
                 raise DatabaseError(
@@ -191,7 +198,6 @@ class EmbeddedServer:
                         "and start again."
                     ) from exc
             self.socket_dir, self.port = running.socket_dir, running.port
-            self._own()
             return
         _remove_stale_locks(self.pgdata)
 
@@ -217,44 +223,66 @@ class EmbeddedServer:
             tail = _tail(log_path)
             raise DatabaseError(f"{exc}\nserver log ({log_path}):\n{tail}") from exc
         self.socket_dir, self.port = socket_dir, PG_PORT
-        self._own()
+
+    # -- who uses the server ------------------------------------------------------------------
+    # Every butlers process using the server (it started, shared or adopted it) is a line of
+    # `pgdata.users`, beside pgdata. A stop removes its own line and stops the server only when
+    # no live process is left: a fleet that stops first, or a start that fails (a port already
+    # taken), no longer takes the database from another fleet still running. A file lock makes
+    # each start's and stop's look-then-act one step, so two cannot both start the server, nor
+    # both leave it to the other.
 
     @property
-    def _owner_file(self) -> Path:
-        """Which butlers process runs the server (it stops it): beside pgdata, ours alone."""
-        return self.pgdata.parent / "pgdata.owner"
+    def _users_file(self) -> Path:
+        return self.pgdata.parent / "pgdata.users"
 
-    def _owner(self) -> int | None:
-        """The pid of another live butlers process that runs the server, if one does (a
-        crashed one's pid is no owner: its server is adopted)."""
+    @contextlib.contextmanager
+    def _users_locked(self) -> Iterator[list[int]]:
+        """The live users' pids (dead ones, killed runs, left out), under the lock."""
+        lock = self.pgdata.parent / "pgdata.lock"
+        # Not through a link planted in its place (root writes these when run as root).
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            pid = int(self._owner_file.read_text().strip())
-        except (OSError, ValueError):
-            return None
-        if pid == os.getpid():
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return pid
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield [pid for pid in self._read_users() if _alive(pid)]
+        finally:
+            os.close(fd)  # and with it the lock
 
-    def _own(self) -> None:
-        self._started_here = True
-        # Not through a link planted in its place (root writes it when run as root).
+    def _read_users(self) -> list[int]:
+        try:
+            text = self._users_file.read_text()
+        except OSError:
+            return []
+        return sorted({int(line) for line in text.split() if line.isdigit()})
+
+    def _write_users(self, pids: list[int]) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self._owner_file.unlink()
-        fd = os.open(self._owner_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as file:
-            file.write(f"{os.getpid()}\n")
+            self._users_file.unlink()
+        if not pids:
+            return
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(self._users_file, flags, 0o600), "w") as file:
+            file.write("".join(f"{pid}\n" for pid in sorted(set(pids))))
 
     def _stop_blocking(self) -> None:
-        if not self._started_here:
+        if not self._using:
             return
-        with contextlib.suppress(OSError):
-            self._owner_file.unlink()
+        with self._users_locked() as users:
+            others = [pid for pid in users if pid != os.getpid()]
+            self._write_users(others)
+            self._using = False
+            if others:
+                logger.info(
+                    "leaving PostgreSQL running on %s: butlers process %s still uses it",
+                    self.pgdata,
+                    ", ".join(map(str, others)),
+                    extra={"action": "pg_left_running"},
+                )
+                self.socket_dir = None
+                return
+            self._stop_server()
+
+    def _stop_server(self) -> None:
         postmaster = _running_postmaster(self.pgdata)
         try:
             self._run_pg("pg_ctl", ["-w", "-m", "fast", "stop"])
@@ -273,7 +301,6 @@ class EmbeddedServer:
             # Our private directory under /tmp (or XDG_RUNTIME_DIR): leave nothing behind.
             with contextlib.suppress(OSError):
                 os.rmdir(self.socket_dir)
-        self._started_here = False
         self.socket_dir = None
 
     def _prepare_data_dir(self, account: _ServerAccount) -> None:
@@ -376,3 +403,14 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _alive(pid: int) -> bool:
+    """A process with this pid runs (ours or, as root, anyone's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
