@@ -245,10 +245,11 @@ def checked(data: bytes, name: str, *, max_bytes: int) -> Attachment:
 def check_count(count: int, limit: int) -> None:
     """AttachmentRefused when a message carries more files than `limit`."""
     if count > limit:
+        has = f"This message has {count} {'file' if count == 1 else 'files'}"
+        if limit == 0:
+            raise AttachmentRefused(f"{has}; files are not read here")
         files = "file" if limit == 1 else "files"
-        raise AttachmentRefused(
-            f"This message has {count} files; I read at most {limit} {files} a message"
-        )
+        raise AttachmentRefused(f"{has}; I read at most {limit} {files} a message")
 
 
 def _sizes(size: int, limit: int, of: str = "") -> str:

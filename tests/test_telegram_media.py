@@ -388,8 +388,54 @@ async def test_no_files_are_read_when_the_switchboard_reads_none(bot_api: FakeBo
         update_id = await bot_api.push_photo(CHAT)
         await settled(bot_api, update_id)
         [reply] = await bot_api.wait_sent(1)
-    assert "at most 0 files" in reply["text"]
+    assert reply["text"] == "This message has 1 file; files are not read here"
     assert worker.accepted == [] and bot_api.file_requests == []
+
+
+async def test_a_caption_goes_on_when_its_file_is_not_read(bot_api: FakeBotAPI) -> None:
+    """The sender is told the file was not read, and the words they wrote with it still
+    reach a butler, with a line saying what was not read (they were dropped with the file):
+    refused by its stated size, by its bytes, a kind not read, or files not read at all."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker, max_attachment_bytes=1000):
+        big = await bot_api.push_document(
+            CHAT, PDF + bytes(2000), "bill.pdf", "application/pdf", caption="Pay this Friday"
+        )
+        program = await bot_api.push_document(
+            CHAT, EXE, "photo.jpg", "image/jpeg", reported_size=100, caption="Is this ok?"
+        )
+        [video, photo] = await bot_api.push_album(
+            CHAT, [None, png(100)], caption="Which one for the card?"
+        )
+        accepted = {m: await worker.wait_for(str(m)) for m in (big, program, video, photo)}
+        replies = await bot_api.wait_sent(3)
+    assert accepted[big].text == (
+        "Pay this Friday\n\n[not read: 'bill.pdf' is 2 KB; the most I can read is 1000 B]"
+    )
+    assert accepted[big].attachments == ()
+    assert accepted[program].text == (
+        "Is this ok?\n\n[not read: 'photo.jpg' is not a photo, PDF, text file or voice note, "
+        "so I cannot read it]"
+    )
+    # The album's caption came on its video: it goes on, as the album's first part.
+    assert accepted[video].text == "Which one for the card?\n\n[not read: a video]"
+    assert accepted[video].album == accepted[photo].album is not None
+    assert len(accepted[photo].attachments) == 1
+    assert [r["text"] for r in replies] == [
+        "'bill.pdf' is 2 KB; the most I can read is 1000 B",
+        "'photo.jpg' is not a photo, PDF, text file or voice note, so I cannot read it",
+        TEXT_ONLY,
+    ]
+
+    asked_for = len(bot_api.file_requests)
+    worker = RecordingWorker(limits=SwitchboardConfig(max_attachments_per_message=0))
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_photo(CHAT, caption="Dentist on Tuesday 3pm")
+        message = await worker.wait_for(str(update_id))
+    assert message.text == (
+        "Dentist on Tuesday 3pm\n\n[not read: This message has 1 file; files are not read here]"
+    )
+    assert len(bot_api.file_requests) == asked_for  # nothing fetched
 
 
 # -- what goes out --------------------------------------------------------------------------

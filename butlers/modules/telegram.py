@@ -424,23 +424,31 @@ class TelegramModule:
         if message.text:
             await self.worker.accept(incoming)
             return
+        # A file not read still leaves its caption: the words go on, saying what was not read.
+        with_note = replace(incoming, album=message.media_group_id) if incoming.text else None
         try:
             file = self._file_of(message)
         except AttachmentRefused as exc:  # by its stated type or size: nothing fetched
             await self._say_not_read(chat_id, exc)
+            if with_note is not None:
+                await self.worker.accept(_noting(with_note, str(exc)))
             return
         if file is None:
             await self._best_effort(chat_id, TEXT_ONLY)
+            if with_note is not None:
+                await self.worker.accept(_noting(with_note, _kind_of(message)))
             return
         try:
             attachment = await self._download(file)
         except AttachmentRefused as exc:  # by the bytes that came
-            if message.media_group_id:
+            await self._say_not_read(chat_id, exc)
+            if with_note is not None:
+                await self.worker.accept(_noting(with_note, str(exc)))
+            elif message.media_group_id:
                 # Its album counted it as coming (`_album_goes_on`): it need not wait for it.
                 await self.worker.album_part_dropped(
                     replace(incoming, album=message.media_group_id)
                 )
-            await self._say_not_read(chat_id, exc)
             return
         if attachment.kind == "audio":  # the worker transcribes it: the transcript is the message
             incoming = replace(incoming, meta={**meta, "voice": True})
@@ -828,3 +836,24 @@ def _transient(exc: Exception) -> bool:
     return isinstance(exc, RetryAfter) or (
         isinstance(exc, NetworkError) and not isinstance(exc, BadRequest)
     )
+
+
+def _noting(incoming: IncomingMessage, why: str) -> IncomingMessage:
+    """A message whose file was not read: its caption, and a line saying which and why."""
+    return replace(incoming, text=f"{incoming.text}\n\n[not read: {why}]")
+
+
+def _kind_of(message: Message) -> str:
+    """What a message carries that is not read, in a few words."""
+    for attribute, kind in (
+        ("video", "a video"),
+        ("video_note", "a video note"),
+        ("animation", "an animation"),
+        ("sticker", "a sticker"),
+        ("location", "a location"),
+        ("contact", "a contact"),
+        ("poll", "a poll"),
+    ):
+        if getattr(message, attribute, None):
+            return kind
+    return "a file"
