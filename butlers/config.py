@@ -557,8 +557,9 @@ class SwitchboardConfig:
     )
     max_attachments_per_message: Annotated[Int, Field(ge=0, le=20)] = Field(
         default=5,
-        description="Photos, documents and files read from one message; past it the sender is "
-        "told the limit. 0: attachments are not read.",
+        description="Photos, documents and files read from one message; past it a Telegram "
+        "sender is told the limit, and the butler's text names the files not read. 0: "
+        "attachments are not read (the message's words still go on).",
     )
 
 

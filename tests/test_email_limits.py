@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from butlers.errors import MailUnreadable
 from butlers.modules.mail_imap import TRIED_KEYWORD, Fetched, fetched, keywords_kept
 from butlers.modules.mail_parse import (
     MAX_HEADER_BYTES,
+    MAX_MAIL_BYTES,
     MAX_MIME_PARTS,
     ParsedMail,
     parse_header,
@@ -103,10 +105,10 @@ def spy_parse(
     worker thread the parse runs in."""
     parsed: list[bytes] = []
 
-    def parse(raw: bytes) -> ParsedMail:
+    def parse(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         parsed.append(raw)
         before(raw)
-        return parse_mail(raw)
+        return parse_mail(raw, max_bytes)
 
     monkeypatch.setattr(mail_imap, "parse_mail", parse)
     return parsed
@@ -152,9 +154,9 @@ async def test_through_imap_a_quadratic_header_is_recorded_as_failed(parsed_head
 async def test_a_mail_over_the_size_limit_is_recorded_as_failed_unread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The limit is lowered to 32 KiB here (10 MiB in earnest): RFC822.SIZE says the mail is
-    over it, so its body is never fetched, let alone parsed."""
-    monkeypatch.setattr(mail_imap, "MAX_MAIL_BYTES", 32 * 1024)
+    """The limit is lowered to 32 KiB here (over 15 MiB in earnest): RFC822.SIZE says the
+    mail is over it, so its body is never fetched, let alone parsed."""
+    monkeypatch.setattr(mail_imap, "mail_limit", lambda _attachment_bytes: 32 * 1024)
     parsed = spy_parse(monkeypatch)
     worker = RecordingWorker()
     big = raw_mail("<big@x>", subject=b"photos", body=b"x" * 64 * 1024)
@@ -172,10 +174,34 @@ async def test_a_mail_over_the_size_limit_is_recorded_as_failed_unread(
         "user@example.com",
         "photos",
     )
-    assert "it is over the size limit of 32768 bytes" in error
+    assert "it is 64 KB, over the limit of 32 KB for a mail (room for one attachment" in error
     assert re.search(rf"\(IMAP 127.0.0.1:{port} UID \d+, {len(big)} bytes\)$", error), error
     [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert "from user@example.com" in warning and f"{len(big)} bytes" in warning
+
+
+def test_a_mail_carrying_the_largest_attachment_read_is_read() -> None:
+    """An attachment of max_attachment_bytes travels as base64, a third larger: the mail's
+    limit leaves room for it (a fixed 10 MiB refused a mail with an 8 MiB PDF whole)."""
+    from email.message import EmailMessage
+
+    from butlers.modules.mail_parse import mail_limit, within_limits
+
+    for attachment_bytes in (8 * 1024 * 1024, 10 * 1024 * 1024, 20 * 1024 * 1024):
+        pdf = b"%PDF-1.7\n" + os.urandom(attachment_bytes - 20) + b"\n%%EOF\n"
+        message = EmailMessage()
+        message["From"], message["To"] = "user@example.com", "butler@example.com"
+        message["Subject"], message["Message-ID"] = "scan", "<scan@x>"
+        message.set_content("Please read this scan.")
+        message.add_attachment(pdf, maintype="application", subtype="pdf", filename="scan.pdf")
+        raw = message.as_bytes()
+        assert len(raw) > MAX_MAIL_BYTES * (attachment_bytes > 7 * 1024 * 1024)
+        parsed = within_limits(
+            parse_mail(raw, mail_limit(attachment_bytes)), max_bytes=attachment_bytes, max_count=5
+        )
+        assert [f.data for f in parsed.files] == [pdf], attachment_bytes
+        assert parsed.text.startswith("Please read this scan.")
+    assert mail_limit(1000) == MAX_MAIL_BYTES  # never under the limit a mail always had
 
 
 def test_a_mail_whose_size_was_misreported_is_not_parsed() -> None:

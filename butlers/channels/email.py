@@ -81,8 +81,9 @@ class EmailConfig:
     )
     max_attachment_bytes: Annotated[Int, Field(ge=1, le=MAX_ATTACHMENT_BYTES)] = Field(
         default=10 * 1024 * 1024,
-        description="An image, PDF, text or audio attachment bigger than this is not read; "
-        "the sender is told the limit.",
+        description="An image, PDF, text or audio attachment bigger than this is not read "
+        "(the butler's text names it and the limit; the sender is not written to). A whole "
+        "mail may be a third more than this and 2 MiB (never under 10 MiB).",
     )
 
     @model_validator(mode="before")

@@ -9,9 +9,10 @@ process:
 2. Read the envelope from that header alone, in a worker thread (`parse_header`: a header we
    read that is longer than MAX_HEADER_BYTES is refused unparsed). Strangers, bounces, our
    own mail and a failed DMARC check end here, flagged \\Seen and logged.
-3. A mail over MAX_MAIL_BYTES, with a header we will not read, or carrying TRIED_KEYWORD
-   (step 4) is not read: its envelope is kept as a failed inbox row, and it is flagged \\Seen.
-4. Mark it with the keyword TRIED_KEYWORD, fetch it (at most MAX_MAIL_BYTES, whatever
+3. A mail over its size limit (`mail_limit`), with a header we will not read, or carrying
+   TRIED_KEYWORD (step 4) is not read: its envelope is kept as a failed inbox row, and it is
+   flagged \\Seen.
+4. Mark it with the keyword TRIED_KEYWORD, fetch it (at most that limit, whatever
    RFC822.SIZE said) and parse it in a worker thread. Should the process die meanwhile (the
    kernel's OOM killer, say), the mail carries the keyword at the next start and step 3
    keeps it from being read again: without it, it would crash the process at every start.
@@ -34,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 from butlers.backoff import RECONNECT
 from butlers.context import ModuleStatus
 from butlers.errors import MailError, MailRefused
+from butlers.media import human_size
 from butlers.modules.mail_parse import (
     MAX_HEADER_BLOCK_BYTES,
-    MAX_MAIL_BYTES,
     ParsedMail,
+    mail_limit,
     parse_header,
     parse_mail,
 )
@@ -131,6 +133,7 @@ class ImapIntake:
     def __init__(self, module: EmailModule) -> None:
         self.module = module
         self.server = module.imap_server
+        self._mail_limit = mail_limit(module.config.max_attachment_bytes)
         # Failed attempts to store a mail, per "<UIDVALIDITY>:<UID>" (see _store).
         self._failures: dict[str, int] = {}
         # Mails this process marked with TRIED_KEYWORD: a retry of ours, not a crash's remains.
@@ -323,8 +326,12 @@ class ImapIntake:
             await self._settle(client, key, uid, marked=left_marked)
             return True
         problem = envelope.unreadable
-        if problem is None and head.size is not None and head.size > MAX_MAIL_BYTES:
-            problem = f"it is over the size limit of {MAX_MAIL_BYTES} bytes"
+        limit = self._mail_limit
+        if problem is None and head.size is not None and head.size > limit:
+            problem = (
+                f"it is {human_size(head.size)}, over the limit of {human_size(limit)} for a "
+                "mail (room for one attachment of [modules.email] max_attachment_bytes)"
+            )
         if problem is None and left_marked and key not in self._marked:
             problem = (
                 "an earlier attempt to read it never finished (the process stopped or died "
@@ -342,13 +349,14 @@ class ImapIntake:
         """Steps 4-5 of the module docstring; False when the mail is to be tried again."""
         marked = await self._mark(client, key, uid)
         try:
-            body = await self._fetch(client, uid, f"(UID BODY.PEEK[]<0.{MAX_MAIL_BYTES + 1}>)")
+            limit = self._mail_limit
+            body = await self._fetch(client, uid, f"(UID BODY.PEEK[]<0.{limit + 1}>)")
             if body is None:
                 self._marked.discard(key)
                 return True  # expunged meanwhile
             raw = body.literal or b""
             try:
-                mail = await asyncio.to_thread(parse_mail, raw)
+                mail = await asyncio.to_thread(parse_mail, raw, limit)
             except Exception as exc:  # MailUnreadable, or the stdlib failing on hostile input
                 await self._give_up(envelope, uid, size, f"it cannot be read: {describe(exc)}")
                 await self._settle(client, key, uid, marked=marked)

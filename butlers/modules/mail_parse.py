@@ -40,10 +40,21 @@ from typing import Any
 from butlers.errors import AttachmentRefused, HeaderTooLong, MailUnreadable
 from butlers.media import Attachment, check_count, checked, kind_or_none, sniff
 
-# A mail over this is not read (its envelope is kept as a failed inbox row): room for a long
-# text with a few photos attached (we keep at most MAX_TEXT_CHARS of text and the attachments'
-# names); parsing one this size takes about 100 MB and at most a second or two.
+# A mail over its limit is not read (its envelope is kept as a failed inbox row). The limit is
+# room for one attachment of `[modules.email] max_attachment_bytes` as base64 (4/3 of its
+# bytes) and the rest of the mail, and never under MAX_MAIL_BYTES: a 10 MiB attachment came in
+# a mail of ~13.6 MiB, which a fixed 10 MiB refused whole. Parsing costs ~10 times the mail's
+# size in memory and about a second for each 10 MiB.
 MAX_MAIL_BYTES = 10 * 1024 * 1024
+MAIL_BESIDE_ATTACHMENT_BYTES = 2 * 1024 * 1024  # its text, headers, other parts
+
+
+def mail_limit(max_attachment_bytes: int) -> int:
+    """The largest mail read when one attachment may be `max_attachment_bytes`."""
+    encoded = -(-max_attachment_bytes * 4 // 3)  # base64, rounded up
+    return max(MAX_MAIL_BYTES, encoded + MAIL_BESIDE_ATTACHMENT_BYTES)
+
+
 # The header block we fetch and read at most: mail servers write a few to some tens of KiB.
 MAX_HEADER_BLOCK_BYTES = 256 * 1024
 # One header we read (From, Subject, Message-ID, Content-Type...): a legitimate one is under
@@ -141,12 +152,13 @@ def parse_header(header: bytes, *, complete: bool = True) -> ParsedMail:
     return mail
 
 
-def parse_mail(raw: bytes) -> ParsedMail:
+def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
     """Parse a whole mail: text/plain preferred, HTML converted, any charset, attachments
     listed by name, quoted history trimmed. MailUnreadable when it is over a limit (see the
-    module docstring); other exceptions are the stdlib failing on hostile input."""
-    if len(raw) > MAX_MAIL_BYTES:
-        raise MailUnreadable(f"it is {len(raw)} bytes, over the limit of {MAX_MAIL_BYTES}")
+    module docstring; `max_bytes`: `mail_limit`'s); other exceptions are the stdlib failing on
+    hostile input."""
+    if len(raw) > max_bytes:
+        raise MailUnreadable(f"it is {len(raw)} bytes, over the limit of {max_bytes}")
     try:
         message = BytesParser(_class=_PartCounter(), policy=READING).parsebytes(raw)
         assert isinstance(message, EmailMessage)
