@@ -32,10 +32,13 @@ MAX_NAME_CHARS = 120
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
 # Files a `trigger` or `notify` call may carry (the wire form: base64).
 MAX_TOOL_ATTACHMENTS = 20
-# Together, what one Messages API request may carry (its documented cap: 32 MB a request);
-# a butler's HTTP body limit lets this much through, base64 (butlers.daemon), and the
-# switchboard forwards no more with one message (butlers.switchboard.attachments).
-MAX_TOOL_ATTACHMENT_BYTES = 32 * 1024 * 1024
+# Together, what one Messages API request may carry. Its cap, 32 MB a request, counts the
+# files as they travel, base64 (a third larger), beside the prompt: two 15 MiB PDFs (30 MiB)
+# made a request of ~42 MB, and the butler's session failed "Request too large (max 32MB)".
+# 22 MiB of files are 30.8 MB as base64, leaving ~1.2 MB for the rest. A butler's HTTP body
+# limit lets this much through, base64 (butlers.daemon), and the switchboard forwards no more
+# with one message (butlers.switchboard.attachments).
+MAX_TOOL_ATTACHMENT_BYTES = 22 * 1024 * 1024
 # Image types the Messages API reads.
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 # What the sender reads when a file is of none of the kinds above.

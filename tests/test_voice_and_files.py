@@ -534,8 +534,10 @@ async def test_only_the_token_s_requests_may_be_big(
 
 
 def test_files_past_one_request_are_named_not_forwarded() -> None:
-    """A mail may carry five files of 10 MB; a butler's trigger takes 32 MB of files (one
-    Messages API request). The first that fit go, in order; the rest are named in the text."""
+    """A mail may carry five files of 10 MB; a butler's trigger takes 22 MiB of files: one
+    Messages API request takes 32 MB, and the files travel in it as base64 (two 15 MiB PDFs
+    made the butler's session fail "Request too large"). The first that fit go, in order;
+    the rest are named in the text."""
     from butlers.media import MAX_TOOL_ATTACHMENT_BYTES, Attachment
     from butlers.switchboard.attachments import _within_one_request
     from butlers.switchboard.inbox import InboxMessage
@@ -559,6 +561,8 @@ def test_files_past_one_request_are_named_not_forwarded() -> None:
     assert [f.name for f in kept] == ["a.pdf", "b.pdf", "small.png"]
     assert told.text.startswith("Here are the scans.\n\n[not read: 'c.pdf':")
     assert _within_one_request(files[:2], message) == (files[:2], message)
+    # What is forwarded, as base64, leaves a megabyte of the request for the rest.
+    assert len(base64.b64encode(b"x" * MAX_TOOL_ATTACHMENT_BYTES)) + 1_000_000 <= 32_000_000
 
 
 def wire(name: str, data: bytes, mime_type: str) -> dict[str, str]:
