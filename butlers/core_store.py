@@ -4,6 +4,7 @@ store uses on what it writes."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -56,9 +57,12 @@ class CoreStore:
 
     # -- health -----------------------------------------------------------------------------
 
-    async def ping(self) -> None:
+    async def ping(self) -> str:
+        """The database answers; its identity (`database_identity`)."""
         async with self.pool.acquire(timeout=5) as conn:
-            await conn.fetchval(sql.PING)
+            row = await conn.fetchrow(sql.PING)
+        assert row is not None  # one row, always
+        return database_identity(row[0], row[1])
 
     # -- state ------------------------------------------------------------------------------
 
@@ -340,3 +344,11 @@ class CoreStore:
 
     async def session_get(self, session_id: uuid.UUID) -> dict[str, Any] | None:
         return _row(await self.pool.fetchrow(sql.SESSION_GET, session_id))
+
+
+def database_identity(server_started: str, database: str) -> str:
+    """Which database of which running PostgreSQL server, as a short hash that says nothing
+    else: a butler's /health shows its own, and discover compares it with the one it expects
+    (its own server's, the butler's database), so that a butler of someone else's fleet on a
+    port it once had is not taken for this fleet's."""
+    return hashlib.sha256(f"{server_started}/{database}".encode()).hexdigest()[:16]

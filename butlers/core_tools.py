@@ -314,10 +314,10 @@ def _schedule_row(row: dict[str, Any], zone: str) -> dict[str, Any]:
 
 async def database_status(ctx: ButlerContext) -> dict[str, Any]:
     try:
-        await ctx.store.ping()
+        identity = await ctx.store.ping()
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"ok": True}
+    return {"ok": True, "id": identity}
 
 
 def module_report(modules: list[ModuleStatus]) -> list[dict[str, str]]:

@@ -69,7 +69,9 @@ class Filtered:
 
 # -- health ---------------------------------------------------------------------------------
 
-PING = "SELECT 1"
+# Also which server and database answered (core_store.database_identity): the same for
+# every process on one server, different on another one.
+PING = "SELECT pg_postmaster_start_time()::text, current_database()"
 
 # -- state ----------------------------------------------------------------------------------
 

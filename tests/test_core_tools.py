@@ -157,7 +157,7 @@ async def test_status_and_empty_sessions(client: Client) -> None:
     status = await call(client, "status")
     answered = time.monotonic()
     assert status["name"] == client.daemon.config.name
-    assert status["database"] == {"ok": True}
+    assert status["database"]["ok"] is True and len(status["database"]["id"]) == 16
     assert status["modules"] == []
     # The tools its sessions may be given, by name (how an owner finds them).
     assert {"state_get", "schedule_create", "memory_search", "notify"} <= set(status["tools"])

@@ -225,6 +225,56 @@ async def test_changed_endpoint_is_updated(start_butler: StartButler, tmp_path: 
     assert rows["health"]["endpoint_url"] == "http://health:8103/sse"
 
 
+async def test_an_endpoint_that_still_answers_is_kept_until_it_does_not(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """A switchboard whose config gives another port than where a butler runs (a replica
+    started without the fleet's --port-offset) does not move the registry away from where
+    the butler answers on its database; a butler of that name on another database (someone
+    else's fleet on the port) is not taken for it; once nothing answers, discover moves it."""
+    health = await start_butler(butler_config("health"))
+    config_dir = tmp_path / "config"
+
+    def health_at(port: int, database: str = health.config.database) -> None:
+        write_butler_dir(
+            config_dir,
+            "health",
+            port,
+            description=DESCRIPTIONS["health"],
+            extra=f'[butler.db]\nname = "{database}"\n',
+        )
+
+    health_at(health.port)
+    switchboard = await start_switchboard(start_butler, config_dir)
+    elsewhere = free_port()  # nothing listens there
+    moved = f"http://127.0.0.1:{elsewhere}/sse"
+    async with Client(switchboard.sse_url) as client:
+        health_at(elsewhere)
+        report = await call(client, "discover")
+        rows = {r["name"]: r for r in await call(client, "list_butlers")}
+        assert report["kept"] == [
+            {"name": "health", "endpoint_url": health.sse_url, "instead_of": moved}
+        ]
+        assert report["updated"] == [] and rows["health"]["endpoint_url"] == health.sse_url
+        routed = await call(client, "route", butler_name="health", tool_name="status")
+        assert routed["name"] == "health"
+
+        health_at(elsewhere, "butler_health_of_someone_else")
+        report = await call(client, "discover")
+        assert report["kept"] == []
+        assert report["updated"] == [{"name": "health", "changed": ["endpoint_url"]}]
+
+        health_at(health.port)  # back where it listens
+        assert (await call(client, "discover"))["updated"][0]["name"] == "health"
+        health_at(elsewhere)
+        await health.stop()
+        report = await call(client, "discover")
+        rows = {r["name"]: r for r in await call(client, "list_butlers")}
+    assert report["kept"] == []
+    assert report["updated"] == [{"name": "health", "changed": ["endpoint_url"]}]
+    assert rows["health"]["endpoint_url"] == moved
+
+
 async def test_empty_registry_lists_nothing(start_butler: StartButler, tmp_path: Path) -> None:
     config_dir = tmp_path / "empty"
     config_dir.mkdir()

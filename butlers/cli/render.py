@@ -69,6 +69,11 @@ def print_discover(report: dict[str, Any]) -> None:
     print(f"updated:   {', '.join(updated) or '-'}")
     print(f"unchanged: {', '.join(report['unchanged']) or '-'}")
     print(f"stale:     {', '.join(report['stale']) or '-'}")
+    for kept in report.get("kept", []):
+        print(
+            f"kept:      {kept['name']} at {kept['endpoint_url']}, where it answers "
+            f"(not {kept['instead_of']})"
+        )
     for error in report["errors"]:
         print(f"error:     {error['path']}: {error['key']}: {error['problem']}")
     if report["added"]:  # registered is not running: nothing starts a butler but up or run

@@ -56,6 +56,8 @@ REGISTRY_TARGET = (
     f"SELECT name, endpoint_url, modules, {_ROUTABILITY_COLUMNS} "
     "FROM butler_registry WHERE name = $1"
 )
+# discover: when this server started (the same text as butlers.queries.PING's).
+SERVER_STARTED = "SELECT pg_postmaster_start_time()::text"
 # discover: insert a butler found in the config directory, or refresh it; seen now.
 REGISTRY_UPSERT = """
     INSERT INTO butler_registry

@@ -104,6 +104,11 @@ class RoutingStore:
         row = await self.pool.fetchrow(sql.REGISTRY_TARGET, name)
         return RegistryTarget.of_row(row) if row is not None else None
 
+    async def server_started(self) -> str:
+        """When this database's PostgreSQL server started (`database_identity`'s part)."""
+        started: str = await self.pool.fetchval(sql.SERVER_STARTED)
+        return started
+
     async def record_discovery(self, entries: Sequence[RegistryEntry]) -> None:
         """Insert new butlers, refresh changed ones, stamp all of them as seen now; every
         other row is stale from now on (`missing_since`, kept from its first miss)."""
