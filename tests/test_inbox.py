@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fastmcp import Client
+from fastmcp.exceptions import ToolError
 
 from butlers.claude_code import not_logged_in
 from butlers.config import TriageRule, load_butler_config
@@ -22,6 +23,7 @@ from butlers.switchboard.replies import sorry
 from tests.conftest import (
     StartButler,
     butler_config,
+    eventually,
     free_port,
     no_credentials_env,
     write_butler_dir,
@@ -354,6 +356,24 @@ async def test_message_interrupted_by_a_crash_is_resumed_at_start(
     )
     row = await again.switchboard.worker.wait_for(inbox_id)
     assert (row["status"], row["reply"], row["attempts"]) == ("done", "Back again.", 2)
+
+
+async def test_an_ask_whose_switchboard_stops_is_told_its_message_stays_queued(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """SIGTERM while an `ask` waits: the caller hears that the message is kept (it had
+    FastMCP's bare "Error calling tool 'ask'", and people sent it again), and it is."""
+    scripted_api.respond_with(model("general", {"general": "Later."}))
+    scripted_api.delay_s = 30  # the classifier is still thinking when the stop comes
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    asking = asyncio.create_task(ask(switchboard, "Log my weight: 75kg"))
+    conn = await db_conn(switchboard.config.database)
+    await eventually(lambda: conn.fetchval("SELECT status = 'processing' FROM inbox"), timeout_s=30)
+    await switchboard.stop()
+    with pytest.raises(ToolError, match=r"stopped before message \d+ was answered; it stays"):
+        await asking
+    await scripted_api.release_held()
+    assert await conn.fetchval("SELECT status FROM inbox") == "queued"
 
 
 async def test_butlers_ask_cli(

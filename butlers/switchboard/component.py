@@ -15,6 +15,7 @@ over the pollers at once, and the worker hands its messages back last.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from butlers.spawner import Spawner
 
 MAX_ASK_CHARS = 200_000
+ANSWERS_OUT_S = 0.2  # at a stop, for the answers of `ask` calls still waiting to go out
 
 
 class Switchboard:
@@ -208,8 +210,13 @@ class Switchboard:
         if self.modules is not None:
             await self.modules.close()
         await self.approvals.close()
-        await self.worker.close()
+        told = await self.worker.close()
         await self.connections.close()
+        if told:
+            # Those `ask` calls' answers (the message stays queued) go out over their SSE
+            # streams, which the HTTP listener ends right after this: without the pause the
+            # callers heard only that the connection closed.
+            await asyncio.sleep(ANSWERS_OUT_S)
 
     # -- what the daemon and the tools ask of it ----------------------------------------
 

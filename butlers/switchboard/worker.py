@@ -49,6 +49,7 @@ from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.tasks import cancel_and_wait, within
 from butlers.telemetry import context_from_carrier, current_carrier
 from butlers.text import printable
+from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from butlers.switchboard.transcription import Transcriber
@@ -228,9 +229,9 @@ class InboxWorker:
             "outbox": await self.outbox_store.prune(older_than_days),
         }
 
-    async def close(self) -> None:
+    async def close(self) -> int:
         """Stop now; the messages being processed go back to the queue, for another process
-        (or this one, started again) to take."""
+        (or this one, started again) to take. How many waiting `ask` calls were told so."""
         await cancel_and_wait(self._task)
         await cancel_and_wait(self._renewer)
         self._task = self._renewer = None
@@ -242,12 +243,25 @@ class InboxWorker:
                 await self.inbox.release(self.replica, list(in_flight))
             except Exception:  # their leases run out instead
                 logger.warning("could not hand back messages %s", sorted(in_flight))
-        for future in self._waiters.values():
+        told = 0
+        for inbox_id, future in self._waiters.items():
             if not future.done():
-                future.set_exception(RuntimeError("the switchboard is stopping"))
+                told += 1
+                # Said to the caller as it is (a RuntimeError reached an `ask` as FastMCP's
+                # "Error calling tool"): the message is not lost, and sending it again would
+                # answer it twice.
+                future.set_exception(
+                    ToolRefusal(
+                        f"this switchboard process stopped before message {inbox_id} was "
+                        "answered; it stays queued for another switchboard process, or this "
+                        f"one once started again (do not send it again: `butlers inbox` "
+                        "shows it)"
+                    )
+                )
         self._waiters.clear()
         if self.transcriber is not None:
             await self.transcriber.aclose()
+        return told
 
     @property
     def in_flight(self) -> int:
