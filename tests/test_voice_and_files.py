@@ -675,3 +675,42 @@ async def test_a_voice_note_that_times_out_again_and_again_is_given_up(
     assert len(transcription_api.requests) == 3
     [row] = await rows(await db_conn(switchboard.config.database))
     assert row["status"] == "failed" and "did not answer within" in row["error"]
+
+
+@pytest.mark.parametrize("failure", ["key refused", "down for good"])
+async def test_a_service_that_fails_is_not_blamed_on_the_recording(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    db_conn,
+    failure: str,
+) -> None:
+    """A refused key, or a service down past retry_hours, is said as such; the sender was
+    told they could not be made out, and tried again in vain."""
+    from butlers.switchboard.attachments import SERVICE_REFUSED
+
+    if failure == "key refused":
+        transcription_api.fail_next(10, status=401)
+        keys: dict[str, Any] = {}
+    else:
+        transcription_api.fail_next(10**6, status=503)
+        keys = {"retry_hours": 0.0005}  # 1.8 s
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, switchboard=with_transcription(transcription_api, **keys)
+    )
+    await bot_api.push_voice(CHAT, ogg_opus())
+    [reply] = await bot_api.wait_sent(1, timeout_s=90)
+    if failure == "key refused":
+        assert reply["text"] == SERVICE_REFUSED
+        assert len(transcription_api.requests) == 1
+    else:
+        assert reply["text"].startswith(
+            "Sorry, I could not transcribe your voice note: the transcription service has not "
+            "been answering for 1 minute."
+        ), reply["text"]
+        assert len(transcription_api.requests) >= 2
+    assert "make out" not in reply["text"]
+    [row] = await rows(await db_conn(switchboard.config.database))
+    assert row["status"] == "failed"

@@ -37,6 +37,18 @@ NO_TRANSCRIBER = (
     'here yet (see the docs, "Voice notes"). Please write your message out.'
 )
 NOT_HEARD = "Sorry, I could not make out your voice note. Please try again, or write it out."
+# Not the sender's recording: the service refused this butler (its key, its model, its bill)
+# or is not there. Told as such, not as a voice note badly spoken.
+SERVICE_REFUSED = (
+    "Sorry, I could not transcribe your voice note: the transcription service turned this "
+    "butler away (a problem on this side, not your recording). Please write it out for now."
+)
+SERVICE_DOWN = (
+    "Sorry, I could not transcribe your voice note: the transcription service has not been "
+    "answering for {hours}. Please write it out, or send it again later."
+)
+# What the service answers about a caller it will not serve, not about the audio.
+REFUSING_STATUSES = (401, 402, 403, 404)
 TOO_LONG = (
     "Sorry, your voice note took too long to transcribe. Please send a shorter one, or write "
     "it out."
@@ -156,7 +168,8 @@ class AttachmentStep:
         already waited), until `retry_hours`; anything else, or past that, fails the message."""
         error = f"transcription: {exc}"
         if not exc.transient:
-            return NotNow("failed", NOT_HEARD, error)
+            refused = exc.status is None or exc.status in REFUSING_STATUSES
+            return NotNow("failed", SERVICE_REFUSED if refused else NOT_HEARD, error)
         timeouts = message.meta.get("timeouts")
         if exc.timed_out and isinstance(timeouts, int) and timeouts >= MAX_TIMEOUTS - 1:
             # Each try holds a worker for timeout_s: a note too long for it is not retried
@@ -165,7 +178,10 @@ class AttachmentStep:
         since = _deferred_since(message.meta)
         waited = (datetime.now(UTC) - since).total_seconds() if since is not None else 0.0
         if waited >= self.config.retry_hours * 3600:
-            return NotNow("failed", NOT_HEARD, f"{error} (gave up after {waited / 3600:.1f} h)")
+            hours = _hours(waited)
+            return NotNow(
+                "failed", SERVICE_DOWN.format(hours=hours), f"{error} (gave up after {hours})"
+            )
         delay = min(RETRY_MAX_S, max(RETRY_MIN_S, waited))
         logger.warning(
             "message %s: %s; trying again in %.0f s",
@@ -201,6 +217,16 @@ def _within_one_request(
     )
     text = f"{message.text}\n\n{note}" if message.text else note
     return kept, dataclasses.replace(message, text=text)
+
+
+def _hours(seconds: float) -> str:
+    """'6 hours', '1 hour', '12 minutes' (a short retry_hours)."""
+    if seconds < 3600:
+        minutes = max(1, round(seconds / 60))
+        return f"{minutes} minute{'s' if minutes != 1 else ''}"
+    hours = round(seconds / 3600, 1)
+    shown = f"{hours:g}"
+    return f"{shown} hour{'s' if shown != '1' else ''}"
 
 
 def _deferred_since(meta: dict[str, Any]) -> datetime | None:
