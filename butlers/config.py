@@ -405,7 +405,7 @@ class OwnerConfig:
 @dataclass(frozen=True, config=TABLE)
 class PairingConfig:
     """`[switchboard.pairing]`: an unknown sender gets a one-time code the owner approves,
-    instead of silence (butlers.switchboard.pairing)."""
+    instead of a polite refusal (butlers.switchboard.pairing)."""
 
     enabled: bool = Field(
         default=False,

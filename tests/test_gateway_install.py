@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -69,6 +70,14 @@ async def test_install_runs_the_servers_behind_the_gateway_and_uninstall_restore
     record = project / ".butlers-gateway" / "claude-code"
     assert record.stat().st_mode & 0o777 == 0o700  # the servers' env may hold API keys
     assert {p.stat().st_mode & 0o777 for p in record.iterdir()} == {0o600}
+    # Out of git: the record holds a copy of the host's config (its env values).
+    await asyncio.to_thread(subprocess.run, ["git", "init", "-q", str(project)], check=True)
+    for path in (record / "original.json", record / "servers.json"):
+        ignored = await asyncio.to_thread(
+            subprocess.run, ["git", "-C", str(project), "check-ignore", "-q", str(path)]
+        )
+        assert ignored.returncode == 0, path
+    shutil.rmtree(project / ".git")
 
     code, out, err = await run_cli("gateway", "install", "--dir", str(project))
     assert code == 0, err

@@ -52,6 +52,7 @@ Host = Literal["claude-code", "claude-desktop", "cursor", "vscode"]
 Scope = Literal["project", "user"]
 SERVER_NAME = "butlers"
 SKILL = Path(".claude") / "skills" / "butlers-gateway" / "SKILL.md"
+GITIGNORE = ".gitignore"  # in `.butlers-gateway`: all of it stays out of git
 
 
 @dataclass(frozen=True)
@@ -290,9 +291,18 @@ def _forget(place: Install) -> None:
                 folder.rmdir()
     for path in (place.servers, place.original, place.absent, place.written):
         path.unlink(missing_ok=True)
-    for empty in (place.record, place.record.parent):
-        if empty.is_dir() and not any(empty.iterdir()):
-            empty.rmdir()
+    _remove_if_empty(place.record)
+
+
+def _remove_if_empty(record: Path) -> None:
+    """A record directory left empty goes, and `.butlers-gateway` above it once it holds
+    nothing but its .gitignore."""
+    if record.is_dir() and not any(record.iterdir()):
+        record.rmdir()
+    top = record.parent
+    if top.is_dir() and {p.name for p in top.iterdir()} <= {GITIGNORE}:
+        (top / GITIGNORE).unlink(missing_ok=True)
+        top.rmdir()
 
 
 def _private_dir(record: Path) -> None:
@@ -318,6 +328,11 @@ def _private_dir(record: Path) -> None:
             )
         if stat.S_IMODE(info.st_mode) != 0o700:
             folder.chmod(0o700)
+    # Kept out of a git repository the project is in: original.json is a host config, with
+    # whatever `env` values it held.
+    if not (record.parent / GITIGNORE).exists():
+        with contextlib.suppress(FileExistsError):
+            _create(record.parent / GITIGNORE, b"# butlers gateway: copies of host configs\n*\n")
 
 
 def _create(path: Path, data: bytes, mode: int | None = None) -> None:
@@ -452,9 +467,7 @@ class UserScope:
     def drop(self) -> None:
         for path in (self.original, self.absent, self.written):
             path.unlink(missing_ok=True)
-        for empty in (self.record, self.record.parent):
-            if empty.is_dir() and not any(empty.iterdir()):
-                empty.rmdir()
+        _remove_if_empty(self.record)
 
 
 @dataclass(frozen=True)
