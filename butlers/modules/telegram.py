@@ -386,12 +386,20 @@ class TelegramModule:
         album are on their way (later in the same getUpdates answer)."""
         try:
             await self._handle_update(update, album_more)
-        except Exception:
-            logger.exception(
-                "telegram update %s not handled",
-                update.update_id,
-                extra={"action": "telegram_update_failed"},
-            )
+        except Exception as exc:
+            if _transient(exc):  # a download from a Bot API that is down: it comes again
+                logger.warning(
+                    "telegram update %s not handled yet (%s); it is taken again",
+                    update.update_id,
+                    exc,
+                    extra={"action": "telegram_update_deferred"},
+                )
+            else:
+                logger.exception(
+                    "telegram update %s not handled",
+                    update.update_id,
+                    extra={"action": "telegram_update_failed"},
+                )
             raise
 
     async def _handle_update(self, update: Update, album_more: bool) -> None:
