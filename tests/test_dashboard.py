@@ -176,6 +176,7 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         status="done",
         routed_to="general",
         reply="Done by mail.",
+        meta={"attachments": [{"name": "scan <1>.pdf", "kind": "pdf"}]},
     )
     await conn.execute(
         """INSERT INTO routing_log (source_channel, routed_to, tool_name, success, error,
@@ -250,6 +251,9 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert "health&#39; is down &lt;img" in failed_only
         by_mail = (await client.get("/ui/messages?channel=email", headers=BEARER)).text
         assert re.findall(r'<tr data-id="(\d+)"', by_mail) == [str(mail)]
+        assert '<div class="note">files: scan &lt;1&gt;.pdf</div>' in by_mail
+        one = (await client.get(f"/ui/messages/{mail}", headers=BEARER)).text
+        assert 'id="message-files">Files: scan &lt;1&gt;.pdf</p>' in one
         older = (await client.get(f"/ui/messages?before={failed}", headers=BEARER)).text
         assert re.findall(r'<tr data-id="(\d+)"', older) == [str(answer["inbox_id"])]
         for bad, named in (

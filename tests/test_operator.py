@@ -123,7 +123,13 @@ async def seed_album(conn) -> tuple[int, int]:
         text="",
         status="done",
         classified_via="album",
-        meta={"album": "g", "album_of": first},
+        meta={
+            "album": "g",
+            "album_of": first,
+            "attachments": [
+                {"name": "beach.jpg", "mime_type": "image/jpeg", "size": 9, "kind": "image"}
+            ],
+        },
     )
     return first, part
 
@@ -147,6 +153,12 @@ async def test_an_albums_joined_photo_names_the_message_that_answered_it(
     [first_line] = [line for line in lines if line.startswith(f"{first} ")]
     assert f"with #{first}" in part_line and "album" in part_line
     assert "general" in first_line and "with #" not in first_line
+    # A photo without words says what it carried; a meta not written by us breaks nothing.
+    assert [r["files"] for r in rows] == [["beach.jpg"], None]
+    assert part_line.endswith("[files: beach.jpg]")
+    odd = await seed_inbox(conn, external_id="odd-1", text="hi", meta={"attachments": "x"})
+    newest = (await call(switchboard, "inbox_list"))[0]
+    assert (newest["id"], newest["files"]) == (odd, None)
 
 
 def test_a_long_sender_name_never_pushes_their_id_out(capsys: pytest.CaptureFixture[str]) -> None:

@@ -148,6 +148,8 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         text = row.get("excerpt") or ""
         if row.get("subject"):
             text = f"[{row['subject']}] {text}"
+        if row.get("files"):  # a photo without words said nothing here
+            text = f"{text} [files: {', '.join(row['files'])}]".strip()
         cells = (
             str(row["id"]),
             when(row.get("received_at")),

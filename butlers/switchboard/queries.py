@@ -603,6 +603,12 @@ PAIRING_OWNER_QUESTIONS = """
 
 # -- the operator's tools (OperatorStore: inbox_list, routing_log_list, outbox_list, retry) -----
 
+# The names of an inbox row's files (its meta "attachments"; NULL: none): a photo sent
+# without words is a message all the same, and its row says what it carried.
+FILES_OF_META = Fragment(
+    "(SELECT array_agg(f ->> 'name') FROM jsonb_array_elements(CASE jsonb_typeof("
+    "meta -> 'attachments') WHEN 'array' THEN meta -> 'attachments' ELSE '[]' END) f)"
+)
 # The newest $2 inbox rows (of status $1; NULL: any), $3 characters of each text for its
 # excerpt, each with its trace and the outcomes before `butlers retry` queued it again.
 OPERATOR_INBOX = f"""
@@ -611,7 +617,7 @@ OPERATOR_INBOX = f"""
                routed_to, classified_via, attempts, error, received_at, finished_at,
                left(text, $3) AS text_head, length(text) AS text_chars,
                (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced,
-               coalesce(meta -> 'retries', '[]'::jsonb) AS retries
+               coalesce(meta -> 'retries', '[]'::jsonb) AS retries, {FILES_OF_META} AS files
         FROM inbox
         WHERE $1::text IS NULL OR status = $1
         ORDER BY id DESC LIMIT $2
@@ -669,7 +675,8 @@ DASHBOARD_MESSAGES = Filtered(
                routed_to, attempts, received_at, finished_at, left(error, 300) AS error,
                left(text, $2) AS text_head, length(text) AS text_chars,
                left(reply, $2) AS reply_head, length(reply) AS reply_chars,
-               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced
+               (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced,
+               {FILES_OF_META} AS files
         FROM inbox""",
     filters=("status = {}", "channel = {}", "id < {}"),
     tail=f"""ORDER BY id DESC LIMIT $1
@@ -684,7 +691,7 @@ DASHBOARD_MESSAGE = f"""
            left(text, $2) AS text, length(text) AS text_chars,
            left(reply, $2) AS reply, left(error, $2) AS error,
            (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS trace_id,
-           coalesce(meta -> 'retries', '[]'::jsonb) AS retries
+           coalesce(meta -> 'retries', '[]'::jsonb) AS retries, {FILES_OF_META} AS files
     FROM inbox WHERE id = $1
 """
 # A message's routes, oldest first.
