@@ -195,3 +195,30 @@ async def test_a_delivery_with_files_is_one_mail_with_them_attached() -> None:
     first = next(sent.iter_attachments())
     disposition = dict(first.raw_items())["Content-Disposition"]
     assert "filename*=utf-8''%C3%9Cberweisung%20M%C3%A4rz.pdf" in disposition
+
+
+def test_files_posted_to_the_mail_webhook_are_named_not_dropped_silently() -> None:
+    """The webhook reads text only: a provider's attachments were ignored without a word, and
+    the butler answered as if the scan were not there. Now it is told which it did not see."""
+    import json
+
+    from butlers.modules.mail_webhook import parse_webhook
+
+    body = {
+        "from": "user@example.com",
+        "subject": "Scan",
+        "text": "See attached scan.",
+        "message_id": "<w@x>",
+        "attachments": [
+            {"filename": "scan.pdf", "content": "JVBERi0x", "content_type": "application/pdf"},
+            {"content": "abc"},
+            "not an object",
+        ],
+    }
+    parsed = parse_webhook(json.dumps(body).encode())
+    assert parsed.text == (
+        "See attached scan.\n\n[attachments not read: scan.pdf, (unnamed), (unnamed) "
+        "(the mail webhook takes text only)]"
+    )
+    body.pop("attachments")
+    assert parse_webhook(json.dumps(body).encode()).text == "See attached scan."

@@ -152,6 +152,19 @@ def parse_header(header: bytes, *, complete: bool = True) -> ParsedMail:
     return mail
 
 
+def not_read_note(names: Sequence[str], why: str = "") -> str:
+    """The line a mail's text ends with when some of its attachments were not read (empty
+    when all were): their names, at most MAX_ATTACHMENTS_LISTED, and `why` if given."""
+    if not names:
+        return ""
+    listed = ", ".join(names[:MAX_ATTACHMENTS_LISTED])
+    more = len(names) - MAX_ATTACHMENTS_LISTED
+    return (
+        f"\n\n[attachments not read: {listed}{f' and {more} more' if more > 0 else ''}"
+        f"{f' ({why})' if why else ''}]"
+    )
+
+
 def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
     """Parse a whole mail: text/plain preferred, HTML converted, any charset, attachments
     listed by name, quoted history trimmed. MailUnreadable when it is over a limit (see the
@@ -180,11 +193,7 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
                 files.append(file)
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
-    text = trim_quoted(text)[:MAX_TEXT_CHARS]
-    if not_read:
-        listed = ", ".join(not_read[:MAX_ATTACHMENTS_LISTED])
-        more = len(not_read) - MAX_ATTACHMENTS_LISTED
-        text += f"\n\n[attachments not read: {listed}{f' and {more} more' if more > 0 else ''}]"
+    text = trim_quoted(text)[:MAX_TEXT_CHARS] + not_read_note(not_read)
     return replace(
         mail,
         text=text.strip(),

@@ -21,13 +21,17 @@ from pydantic_core import ErrorDetails
 
 from butlers.errors import MailUnreadable
 from butlers.modules.mail_parse import (
+    MAX_ATTACHMENT_NAME_CHARS,
     MAX_HEADER_BYTES,
     MAX_HTML_CHARS,
+    MAX_MIME_PARTS,
     MAX_TEXT_CHARS,
     READING,
     ParsedMail,
     automated_reason,
     html_to_text,
+    not_read_note,
+    one_line,
     single_address,
     thread_references,
     trim_quoted,
@@ -103,18 +107,41 @@ def parse_webhook(body: bytes) -> ParsedMail:
     text = mail.text or ""
     if not text and mail.html:
         text = html_to_text(mail.html[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
+    attached = _attachment_names(data)
     return ParsedMail(
         message_id=message_id,
         sender=address,
         sender_name=name,
         subject=mail.subject or "",
-        text=trim_quoted(text)[:MAX_TEXT_CHARS],
+        text=(
+            trim_quoted(text)[:MAX_TEXT_CHARS]
+            + not_read_note(attached, "the mail webhook takes text only")
+        ).strip(),
         references=thread_references(
             _first(headers, "references"), _first(headers, "in-reply-to"), message_id
         ),
         automated=_automated(headers, address),
         authentication_results=tuple(headers.get("authentication-results", [])),
     )
+
+
+def _attachment_names(data: dict[str, Any]) -> list[str]:
+    """The files a provider posted with the mail (`attachments`, as most providers name
+    them), by name: the webhook reads none, and the butler is told which it did not see (they
+    vanished without a word). Nothing else of them is looked at."""
+    posted: list[Any] = next(
+        (data[key] for key in ("attachments", "Attachments") if isinstance(data.get(key), list)),
+        [],
+    )
+    names = []
+    for item in posted[:MAX_MIME_PARTS]:
+        named = item if isinstance(item, dict) else {}
+        name = next(
+            (v for k in ("filename", "name", "Name") if isinstance(v := named.get(k), str) and v),
+            "(unnamed)",
+        )
+        names.append(one_line(name)[:MAX_ATTACHMENT_NAME_CHARS])
+    return names
 
 
 def _problem(error: ErrorDetails, data: dict[str, Any]) -> str:
