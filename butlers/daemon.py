@@ -38,7 +38,13 @@ from butlers.core_tools import (
 )
 from butlers.db import PostgresServer, create_pool, prepare_database
 from butlers.errors import ButlersError
-from butlers.http import ButlerApp, Listener, build_app, require_token_beyond_loopback
+from butlers.http import (
+    ButlerApp,
+    Listener,
+    build_app,
+    health_proof,
+    require_token_beyond_loopback,
+)
 from butlers.lifecycle import Background, Components
 from butlers.logs import butler_context
 from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence, butler_server
@@ -301,6 +307,7 @@ class ButlerDaemon:
             max_request_bytes=request_body_limit(config),
             # Files come with the token: a routed trigger, a notify to `deliver`.
             token_request_bytes=FILES_REQUEST_BYTES,
+            health_proof=self._health_proof if self.auth_token else None,
         )
         uv_config = uvicorn.Config(
             app,
@@ -517,6 +524,10 @@ class ButlerDaemon:
                 ", ".join(f"{n} {table}" for table, n in deleted.items() if n),
                 extra={"action": "retention"},
             )
+
+    def _health_proof(self, nonce: str) -> str:
+        assert self.auth_token is not None and self.port is not None  # served: both known
+        return health_proof(self.auth_token, self.config.name, self.port, nonce)
 
     async def _health(self) -> tuple[int, dict]:
         assert self.context is not None

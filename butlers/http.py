@@ -22,8 +22,10 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from urllib.parse import parse_qs
 
 import uvicorn
 from fastmcp import FastMCP
@@ -42,6 +44,9 @@ SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/health"  # readiness: 503 while the database is unreachable
+# `/health?proof=<nonce>`: a butler with a token adds `health_proof` of the nonce, so that
+# discover can tell the butler from whatever else answers at an address it once had.
+HEALTH_PROOF_PARAM = "proof"
 LIVEZ_PATH = "/livez"  # liveness: this process answers; never asks the database
 DASHBOARD_PATH = "/ui"
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
@@ -314,6 +319,7 @@ class ButlerApp:
         webhooks: Sequence[BaseRoute] = (),
         dashboard: ASGIApp | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        proof: Callable[[str], str] | None = None,
     ) -> None:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
@@ -334,6 +340,7 @@ class ButlerApp:
             _lift_sdk_body_limit(route, max_request_bytes)
         self._app.router.routes[0:0] = sse_routes
         self._health = health
+        self._proof = proof
         self._name = mcp.name
         # /health carries no data, yet its details (a database error, a module's host) are
         # for this machine: a page in the user's browser may not read them (DNS rebinding).
@@ -350,6 +357,9 @@ class ButlerApp:
 
     async def _serve_health(self, scope: Scope, receive: Receive, send: Send) -> None:
         status, body = await self._health()
+        nonce = _query_value(scope, HEALTH_PROOF_PARAM)
+        if self._proof is not None and nonce is not None and _NONCE.fullmatch(nonce):
+            body = {**body, "proof": self._proof(nonce)}
         await _json(send, status, body)
 
     async def _serve_livez(self, send: Send) -> None:
@@ -439,6 +449,22 @@ def _one_response(send: Send) -> Send:
     return send_first
 
 
+_NONCE = re.compile(r"[0-9a-f]{16,64}")
+
+
+def _query_value(scope: Scope, name: str) -> str | None:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
+    return values[0] if values else None
+
+
+def health_proof(token: str, name: str, port: int, nonce: str) -> str:
+    """What the butler `name` listening on `port` answers to `/health?proof=<nonce>`: only
+    one holding the fleet's token can say it, and it names the port, so a process on another
+    port that relays the question to the real butler gets an answer for the wrong port."""
+    message = f"butlers-health:{name}:{port}:{nonce}".encode()
+    return hmac.new(token.encode(), message, "sha256").hexdigest()
+
+
 def build_app(
     mcp: FastMCP,
     health: Callable[[], Awaitable[tuple[int, dict]]],
@@ -449,6 +475,7 @@ def build_app(
     dashboard: ASGIApp | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     token_request_bytes: int | None = None,
+    health_proof: Callable[[str], str] | None = None,
 ) -> tuple[ASGIApp, ButlerApp]:
     """The served app (body limit, then the bearer check when a token is set) and the app
     itself. `token_request_bytes`: the limit for a request to a path that is not public and
@@ -460,6 +487,7 @@ def build_app(
         webhooks=webhooks,
         dashboard=dashboard,
         max_request_bytes=max(max_request_bytes, token_request_bytes or 0),
+        proof=health_proof,
     )
     served: ASGIApp = (
         BearerTokenMiddleware(app, auth_token, public=app.is_public) if auth_token else app

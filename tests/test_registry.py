@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 
 from fastmcp import Client
+from fastmcp.client.transports import SSETransport
 
 from tests.conftest import (
     StartButler,
@@ -225,14 +228,46 @@ async def test_changed_endpoint_is_updated(start_butler: StartButler, tmp_path: 
     assert rows["health"]["endpoint_url"] == "http://health:8103/sse"
 
 
+REGISTRY_TOKEN = "registry-test-token-4242"
+
+
+@contextlib.asynccontextmanager
+async def relay_to(port: int) -> AsyncIterator[int]:
+    """A process squatting a port: it answers /health with what the butler on `port` answers
+    to the same question (proof and all). Its own port."""
+    from aiohttp import ClientSession, web
+
+    async def health(request: web.Request) -> web.Response:
+        async with (
+            ClientSession() as http,
+            http.get(f"http://127.0.0.1:{port}/health?{request.query_string}") as answer,
+        ):
+            return web.json_response(await answer.json(), status=answer.status)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    relay = free_port()
+    await web.TCPSite(runner, "127.0.0.1", relay).start()
+    try:
+        yield relay
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_endpoint_that_still_answers_is_kept_until_it_does_not(
-    start_butler: StartButler, tmp_path: Path
+    start_butler: StartButler, tmp_path: Path, db_conn
 ) -> None:
     """A switchboard whose config gives another port than where a butler runs (a replica
     started without the fleet's --port-offset) does not move the registry away from where
-    the butler answers on its database; a butler of that name on another database (someone
-    else's fleet on the port) is not taken for it; once nothing answers, discover moves it."""
-    health = await start_butler(butler_config("health"))
+    the butler proves it answers; what merely answers like it (a butler of another database,
+    a process relaying to the real one from a port it squats) is not kept, nor anything
+    without the fleet's token; once nothing answers, discover moves it."""
+    from butlers.config import Placement
+    from butlers.switchboard.registry import discover
+
+    health = await start_butler(butler_config("health"), auth_token=REGISTRY_TOKEN)
     config_dir = tmp_path / "config"
 
     def health_at(port: int, database: str = health.config.database) -> None:
@@ -245,10 +280,12 @@ async def test_an_endpoint_that_still_answers_is_kept_until_it_does_not(
         )
 
     health_at(health.port)
-    switchboard = await start_switchboard(start_butler, config_dir)
+    switchboard = await start_switchboard(start_butler, config_dir, auth_token=REGISTRY_TOKEN)
+    conn = await db_conn(switchboard.config.database)
     elsewhere = free_port()  # nothing listens there
     moved = f"http://127.0.0.1:{elsewhere}/sse"
-    async with Client(switchboard.sse_url) as client:
+    bearer = {"Authorization": f"Bearer {REGISTRY_TOKEN}"}
+    async with Client(SSETransport(switchboard.sse_url, headers=bearer)) as client:
         health_at(elsewhere)
         report = await call(client, "discover")
         rows = {r["name"]: r for r in await call(client, "list_butlers")}
@@ -259,12 +296,29 @@ async def test_an_endpoint_that_still_answers_is_kept_until_it_does_not(
         routed = await call(client, "route", butler_name="health", tool_name="status")
         assert routed["name"] == "health"
 
-        health_at(elsewhere, "butler_health_of_someone_else")
+        # Without the token nothing is proven: the new endpoint is taken, as before.
+        assert switchboard.switchboard is not None
+        store = switchboard.switchboard.routing_store
+        report = await discover(store, config_dir, Placement(), None)
+        assert report["kept"] == [] and report["updated"][0]["name"] == "health"
+
+        # A process on a port the butler had, relaying the question to the real butler.
+        async with relay_to(health.port) as relay:
+            await conn.execute(
+                "UPDATE butler_registry SET endpoint_url = $1 WHERE name = 'health'",
+                f"http://127.0.0.1:{relay}/sse",
+            )
+            report = await call(client, "discover")
+        assert report["kept"] == [] and report["updated"][0]["name"] == "health"
+
+        health_at(health.port)  # back where it listens
+        assert (await call(client, "discover"))["updated"][0]["name"] == "health"
+        health_at(elsewhere, "butler_health_of_someone_else")  # another fleet's database
         report = await call(client, "discover")
         assert report["kept"] == []
         assert report["updated"] == [{"name": "health", "changed": ["endpoint_url"]}]
 
-        health_at(health.port)  # back where it listens
+        health_at(health.port)
         assert (await call(client, "discover"))["updated"][0]["name"] == "health"
         health_at(elsewhere)
         await health.stop()

@@ -79,6 +79,7 @@ class Switchboard:
         self.placement = placement  # what discover fills in for what a butler.toml leaves out
         self.routing_store = routing_store
         self.connections = McpConnections(auth_token=auth_token)  # to the other butlers
+        self._auth_token = auth_token  # proves a registered endpoint to discover
         tracer = spawner.telemetry.tracer
         # The switchboard is whichever butler has a [switchboard] table: routing to it is
         # refused by its configured name and by its addresses (a stale row of an old name
@@ -244,7 +245,9 @@ class Switchboard:
         }
 
     async def discover(self) -> dict[str, Any]:
-        report = await discover(self.routing_store, self.config_dir, self.placement)
+        report = await discover(
+            self.routing_store, self.config_dir, self.placement, self._auth_token
+        )
         self.router.forget_endpoints()
         return report
 

@@ -9,28 +9,38 @@ An endpoint that still answers is kept. The endpoint discover computes is where 
 thinks a butler listens (its butler.toml's port, this process's `--port-offset`, the
 environment's template); another process of the fleet may know better. A switchboard replica
 started without the fleet's `--port-offset` rewrote every endpoint to ports where nothing
-listened, and every route failed. So a registered endpoint whose /health answers as that
-butler, on the same database of the same PostgreSQL server as this switchboard's config says
-(`database_identity`: not someone else's fleet that now has the port), stays, and the change
-is reported as `kept`; one that does not answer so is replaced.
+listened, and every route failed. So when the endpoint discover computes does not answer as
+the butler and the registered one does, the registered one stays (reported as `kept`).
+"Answers as the butler" is proven, not claimed: its /health names it and its database on this
+switchboard's server (`database_identity`), and answers a fresh nonce with `health_proof`,
+which needs the fleet's token and names the port it listens on (a process squatting a port
+the butler left cannot relay the question to the real butler: the answer names the other
+port). No redirect is followed. Without a token nothing can be proven, and nothing is kept:
+the registry takes the new endpoint, as it always did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import json
 import logging
+import secrets
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from butlers.config import Placement, load_config_dir
 from butlers.core_store import database_identity
+from butlers.http import health_proof
 from butlers.switchboard.routing_store import RegistryEntry, RoutingStore
 
 logger = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 1.5  # for a registered endpoint's /health, asked only when it would change
+MAX_HEALTH_BYTES = 64 * 1024  # of its answer read (a butler's is under 2 KiB)
 
 
 def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
@@ -46,9 +56,12 @@ def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
     return changed
 
 
-async def discover(store: RoutingStore, config_dir: Path, placement: Placement) -> dict[str, Any]:
+async def discover(
+    store: RoutingStore, config_dir: Path, placement: Placement, auth_token: str | None = None
+) -> dict[str, Any]:
     """Scan `config_dir` and update the registry; returns what was added, updated and stale.
-    `placement`: the endpoints the environment gives butlers whose butler.toml names none."""
+    `placement`: the endpoints the environment gives butlers whose butler.toml names none.
+    `auth_token`: the fleet's, which proves a registered endpoint that still answers."""
     fleet = await asyncio.to_thread(load_config_dir, config_dir, placement)
     known = {row["name"]: row for row in await store.registry()}
     entries = [
@@ -56,7 +69,7 @@ async def discover(store: RoutingStore, config_dir: Path, placement: Placement) 
         for b in fleet.butlers
     ]
     databases = {b.name: b.database for b in fleet.butlers}
-    entries, kept = await _keep_answering_endpoints(entries, known, store, databases)
+    entries, kept = await _keep_answering_endpoints(entries, known, store, databases, auth_token)
     added: list[str] = []
     updated: list[dict[str, Any]] = []
     unchanged: list[str] = []
@@ -95,10 +108,12 @@ async def _keep_answering_endpoints(
     known: dict[str, dict[str, Any]],
     store: RoutingStore,
     databases: dict[str, str],
+    auth_token: str | None,
 ) -> tuple[list[RegistryEntry], list[dict[str, str]]]:
-    """`entries` with each registered endpoint that still answers as its butler (on its
-    database of our server) kept in place of the new one; and those kept (name, the endpoint
-    kept, the one not taken)."""
+    """`entries` with each registered endpoint that proves to be its butler kept in place of
+    a new one that does not; and those kept (name, the endpoint kept, the one not taken)."""
+    if auth_token is None:
+        return entries, []
     moving = [
         (index, entry, known[entry.name]["endpoint_url"])
         for index, entry in enumerate(entries)
@@ -109,16 +124,19 @@ async def _keep_answering_endpoints(
     if not moving:
         return entries, []
     started = await store.server_started()
+
+    def proves(url: str, entry: RegistryEntry) -> Awaitable[bool]:
+        identity = database_identity(started, databases[entry.name])
+        return _answers_as(url, entry.name, identity, auth_token)
+
     answers = await asyncio.gather(
-        *(
-            _answers_as(old, entry.name, database_identity(started, databases[entry.name]))
-            for _, entry, old in moving
-        )
+        *(proves(url, entry) for _, entry, old in moving for url in (old, entry.endpoint_url))
     )
     entries = list(entries)
     kept: list[dict[str, str]] = []
-    for (index, entry, old), answered in zip(moving, answers, strict=True):
-        if not answered:
+    for n, (index, entry, old) in enumerate(moving):
+        old_answers, new_answers = answers[2 * n], answers[2 * n + 1]
+        if not old_answers or new_answers:
             continue
         entries[index] = dataclasses.replace(entry, endpoint_url=old)
         kept.append({"name": entry.name, "endpoint_url": old, "instead_of": entry.endpoint_url})
@@ -134,20 +152,31 @@ async def _keep_answering_endpoints(
     return entries, kept
 
 
-async def _answers_as(endpoint_url: str, name: str, identity: str) -> bool:
+async def _answers_as(endpoint_url: str, name: str, identity: str, token: str) -> bool:
     """Whether the butler `name` answers /health beside `endpoint_url`, on the database
-    `identity` names."""
+    `identity` names, proving it with the fleet's token for that very port."""
     import aiohttp
 
     parts = urlsplit(endpoint_url)
-    health = urlunsplit((parts.scheme, parts.netloc, "/health", "", ""))
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    nonce = secrets.token_hex(16)
+    health = urlunsplit((parts.scheme, parts.netloc, "/health", f"proof={nonce}", ""))
     try:
         timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as http, http.get(health) as response:
-            body = await response.json(content_type=None)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as http,
+            http.get(health, allow_redirects=False) as response,
+        ):
+            body = json.loads(await response.content.read(MAX_HEALTH_BYTES))
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return False
     if not isinstance(body, dict) or body.get("name") != name:
         return False
     database = body.get("database")
-    return isinstance(database, dict) and database.get("id") == identity
+    proof = body.get("proof")
+    return (
+        isinstance(database, dict)
+        and database.get("id") == identity
+        and isinstance(proof, str)
+        and hmac.compare_digest(proof, health_proof(token, name, port, nonce))
+    )
