@@ -628,6 +628,11 @@ async def test_the_last_butlers_process_using_the_server_stops_it(
             await ours.start()
             await theirs.kill()  # SIGKILL: its server stays, and it is no user any more
             assert await _answers(ours) == 42
+            # A line whose pid now belongs to another process (pid 1, started long before):
+            # not a user either. Each line is "<pid> <start time>".
+            users = pg_home / "pgdata.users"
+            assert all(len(line.split()) == 2 for line in users.read_text().splitlines())
+            users.write_text(users.read_text() + "1 12.34\n")
             await ours.stop()
         assert _postgres_on(pg_home) == []
         assert not (pg_home / "pgdata.users").exists()
@@ -635,3 +640,13 @@ async def test_the_last_butlers_process_using_the_server_stops_it(
         await theirs.kill()
         with contextlib.suppress(Exception):
             await ours.stop()
+
+
+async def test_a_fifo_planted_for_the_lock_is_refused_not_waited_on(pg_home: Path) -> None:
+    """The lock and the users' list beside the data are regular files of ours: a FIFO put
+    there would hold every start for good."""
+    os.mkfifo(pg_home / "pgdata.lock")
+    server = EmbeddedServer(pg_home / "pgdata", environ=os.environ)
+    with pytest.raises(DatabaseError, match=r"pgdata.lock is not a regular file"):
+        await asyncio.wait_for(server.start(), 60)
+    assert _postgres_on(pg_home) == []

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import quote
 
+import psutil
+
 from butlers.db.account import _pg_environment, _server_account, _ServerAccount
 from butlers.db.postmaster import (
     PG_PORT,
@@ -54,6 +56,7 @@ logger = logging.getLogger("butlers.db")
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
 STOP_WAIT_S = 10.0  # after pg_ctl says stopped, for the postmaster process to be gone
+USERS_FILE_BYTES = 64 * 1024  # of pgdata.users read (a line is ~25 bytes a process)
 
 
 class EmbeddedServer:
@@ -153,12 +156,13 @@ class EmbeddedServer:
                 "initdb",
                 ["--auth=trust", "--auth-local=trust", "--encoding=UTF8", "-U", EMBEDDED_USER],
             )
+        me = _this_process()
         with self._users_locked() as users:
-            self._use_or_start(account, [pid for pid in users if pid != os.getpid()])
-            self._write_users([*users, os.getpid()])
+            self._use_or_start(account, [user for user in users if user != me])
+            self._write_users([*users, me])
             self._using = True
 
-    def _use_or_start(self, account: _ServerAccount, others: list[int]) -> None:
+    def _use_or_start(self, account: _ServerAccount, others: list[str]) -> None:
         """Share the server another live butlers process uses, adopt one nobody uses (left by
         a killed run), or start one."""
         running = _running_postmaster(self.pgdata)
@@ -168,7 +172,7 @@ class EmbeddedServer:
             logger.info(
                 "using the PostgreSQL (pid %s) that butlers process %s also uses on %s",
                 running.pid,
-                ", ".join(map(str, others)),
+                ", ".join(user.split()[0] for user in others),
                 self.pgdata,
                 extra={"action": "pg_shared"},
             )
@@ -232,50 +236,75 @@ class EmbeddedServer:
     # each start's and stop's look-then-act one step, so two cannot both start the server, nor
     # both leave it to the other.
 
+    # A user is "<pid> <its start time>": a pid reused by another process after a SIGKILL is
+    # not taken for the user (it would keep the server running for good).
+
     @property
     def _users_file(self) -> Path:
         return self.pgdata.parent / "pgdata.users"
 
     @contextlib.contextmanager
-    def _users_locked(self) -> Iterator[list[int]]:
-        """The live users' pids (dead ones, killed runs, left out), under the lock."""
+    def _users_locked(self) -> Iterator[list[str]]:
+        """The live users (dead ones, killed runs, left out), under the lock."""
         lock = self.pgdata.parent / "pgdata.lock"
-        # Not through a link planted in its place (root writes these when run as root).
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # Not through a link planted in its place (root writes these when run as root), nor
+        # stuck on a FIFO planted there: a regular file of ours, or a clear error.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = _regular(lock, os.open(lock, flags, 0o600))
+        except OSError as exc:  # a link (ELOOP), a FIFO nobody reads (ENXIO)...
+            raise DatabaseError(
+                f"{lock} is not a regular file ({exc.strerror}): remove it and start again"
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield [pid for pid in self._read_users() if _alive(pid)]
+            users = [user for user in self._read_users() if _alive(user)]
+            # A fleet still on the version before `pgdata.users` (during an upgrade).
+            if (older := _older_owner(self.pgdata.parent / "pgdata.owner")) is not None:
+                users.append(older)
+            yield users
         finally:
             os.close(fd)  # and with it the lock
 
-    def _read_users(self) -> list[int]:
+    def _read_users(self) -> list[str]:
         try:
-            text = self._users_file.read_text()
+            fd = os.open(self._users_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return []
-        return sorted({int(line) for line in text.split() if line.isdigit()})
+        with os.fdopen(_regular(self._users_file, fd), "rb") as file:
+            text = file.read(USERS_FILE_BYTES).decode("ascii", "replace")
+        return sorted({line.strip() for line in text.splitlines() if line.strip()})
 
-    def _write_users(self, pids: list[int]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._users_file.unlink()
-        if not pids:
+    def _write_users(self, users: list[str]) -> None:
+        """Written whole to a new file, then renamed over the old: a crash in between leaves
+        the old list, never half of one. An earlier version's owner is not written: it
+        keeps its own file."""
+        users = [user for user in users if user[:1].isdigit()]
+        if not users:
+            with contextlib.suppress(FileNotFoundError):
+                self._users_file.unlink()
             return
+        new = self._users_file.with_name("pgdata.users.new")
+        with contextlib.suppress(FileNotFoundError):
+            new.unlink()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(self._users_file, flags, 0o600), "w") as file:
-            file.write("".join(f"{pid}\n" for pid in sorted(set(pids))))
+        with os.fdopen(os.open(new, flags, 0o600), "w") as file:
+            file.write("".join(f"{user}\n" for user in sorted(set(users))))
+        os.replace(new, self._users_file)
 
     def _stop_blocking(self) -> None:
         if not self._using:
             return
+        me = _this_process()
         with self._users_locked() as users:
-            others = [pid for pid in users if pid != os.getpid()]
+            others = [user for user in users if user != me]
             self._write_users(others)
             self._using = False
             if others:
                 logger.info(
                     "leaving PostgreSQL running on %s: butlers process %s still uses it",
                     self.pgdata,
-                    ", ".join(map(str, others)),
+                    ", ".join(user.split()[0] for user in others),
                     extra={"action": "pg_left_running"},
                 )
                 self.socket_dir = None
@@ -405,12 +434,48 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-def _alive(pid: int) -> bool:
-    """A process with this pid runs (ours or, as root, anyone's)."""
+def _this_process() -> str:
+    """This process as a line of `pgdata.users`."""
+    return f"{os.getpid()} {_started(os.getpid())}"
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (psutil's create_time, to the hundredth), None if none runs."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:  # another user's, as root never: it runs
+        return "?"
+
+
+def _alive(user: str) -> bool:
+    """A line of `pgdata.users` names a process still running: the same pid, started at the
+    same time."""
+    pid, _, started = user.partition(" ")
+    if not pid.isdigit() or int(pid) <= 0:
         return False
-    except PermissionError:
-        return True
-    return True
+    now = _started(int(pid))
+    return now is not None and (now == started or "?" in (now, started))
+
+
+def _older_owner(path: Path) -> str | None:
+    """The live process an earlier version recorded as the server's owner, as a user line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(_regular(path, fd), "rb") as file:
+        text = file.read(64).decode("ascii", "replace").strip()
+    if not text.isdigit() or int(text) == os.getpid():
+        return None
+    started = _started(int(text))
+    return None if started is None else f"owner:{text}"
+
+
+def _regular(path: Path, fd: int) -> int:
+    """`fd` if it is a regular file; else closed, and a DatabaseError naming `path`."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DatabaseError(f"{path} is not a regular file: remove it and start again")
+    return fd
