@@ -71,7 +71,7 @@ class Filtered:
 
 # Also which server and database answered (core_store.database_identity): the same for
 # every process on one server, different on another one.
-PING = "SELECT pg_postmaster_start_time()::text, current_database()"
+PING = "SELECT extract(epoch FROM pg_postmaster_start_time())::text, current_database()"
 
 # -- state ----------------------------------------------------------------------------------
 

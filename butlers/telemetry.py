@@ -73,8 +73,10 @@ class Telemetry:
         *,
         cli_env: Mapping[str, str] | None = None,
         service_name: str | None = None,
+        sampler_asked_for: bool = False,
     ) -> None:
         self.processor = processor
+        self._sampler_asked_for = sampler_asked_for
         self._cli_env = dict(cli_env or {})
         self._service_name = service_name
         self._providers: dict[str, TracerProvider] = {}
@@ -93,7 +95,10 @@ class Telemetry:
         let_butlers_own_mcp_spans()
         endpoint = settings.otel_exporter_otlp_endpoint
         if not endpoint:
-            return cls(service_name=settings.otel_service_name)
+            # A sampler asked for (OTEL_TRACES_SAMPLER) decides what the ids propagate as:
+            # the SDK's tracer then, recording to nobody, as before UnrecordedTracer.
+            sampler = bool(settings.variable("OTEL_TRACES_SAMPLER"))
+            return cls(service_name=settings.otel_service_name, sampler_asked_for=sampler)
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         protocol = settings.otel_exporter_otlp_protocol  # validated: grpc or http/...
@@ -127,7 +132,8 @@ class Telemetry:
         cli_env = dict(self._cli_env)
         if cli_env:
             cli_env["OTEL_RESOURCE_ATTRIBUTES"] = f"butler={butler}"
-        tracer = provider.get_tracer(TRACER_NAME) if self.exporting else UnrecordedTracer()
+        sdk = self.exporting or self._sampler_asked_for
+        tracer = provider.get_tracer(TRACER_NAME) if sdk else UnrecordedTracer()
         return ButlerTelemetry(tracer, cli_env)
 
     def resource(self, butler: str) -> Resource:

@@ -348,6 +348,22 @@ def test_a_process_that_exports_nothing_still_passes_on_sampled_ids() -> None:
     assert passed_on["traceparent"].endswith("-00") and passed_on["tracestate"] == "vendor=1"
 
 
+def test_a_sampler_asked_for_still_decides_without_an_exporter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_TRACES_SAMPLER is the SDK's to honour: with it set, the SDK's tracer runs (and
+    records for nobody), so the ids propagate as that sampler says."""
+    from butlers.telemetry import current_carrier
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    tracer = Telemetry.from_settings(Settings.from_environ()).for_butler("general").tracer
+    with tracer.start_as_current_span("root"):
+        flags = int(current_carrier()["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 0x01 == 0  # not sampled
+
+
 def test_service_names_and_protocol_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         monkeypatch.delenv(name)

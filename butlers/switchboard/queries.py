@@ -57,7 +57,7 @@ REGISTRY_TARGET = (
     "FROM butler_registry WHERE name = $1"
 )
 # discover: when this server started (the same text as butlers.queries.PING's).
-SERVER_STARTED = "SELECT pg_postmaster_start_time()::text"
+SERVER_STARTED = "SELECT extract(epoch FROM pg_postmaster_start_time())::text"
 # discover: insert a butler found in the config directory, or refresh it; seen now.
 REGISTRY_UPSERT = """
     INSERT INTO butler_registry
