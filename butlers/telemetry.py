@@ -161,16 +161,10 @@ class UnrecordedTracer(trace.Tracer):
     root gets a new random trace id and is sampled.
     """
 
+    # What else the API passes (kind, attributes, links, times, exception handling) describes
+    # a recording nobody makes: taken, not used.
     def start_span(
-        self,
-        name: str,
-        context: otel_context.Context | None = None,
-        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-        attributes: Any = None,
-        links: Any = None,
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
+        self, name: str, context: otel_context.Context | None = None, *_: Any, **__: Any
     ) -> trace.Span:
         parent = trace.get_current_span(context).get_span_context()
         if parent.is_valid:
@@ -190,13 +184,9 @@ class UnrecordedTracer(trace.Tracer):
         self,
         name: str,
         context: otel_context.Context | None = None,
-        kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-        attributes: Any = None,
-        links: Any = None,
-        start_time: int | None = None,
-        record_exception: bool = True,
-        set_status_on_exception: bool = True,
+        *_: Any,
         end_on_exit: bool = True,
+        **__: Any,
     ) -> Iterator[trace.Span]:
         span = self.start_span(name, context)
         with trace.use_span(span, end_on_exit=end_on_exit) as current:
