@@ -208,6 +208,11 @@ class ButlerMiddleware(Middleware):
                 raise ArgumentsInvalid(said) from None
             except Exception as exc:
                 span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+                if _database_unreachable(exc):
+                    raise ToolRefusal(
+                        f"{self.butler_name} cannot reach its database now "
+                        f"({type(exc).__name__}); its /health says more"
+                    ) from exc
                 raise
 
     async def on_list_tools(self, context: MiddlewareContext, call_next: CallNext) -> Any:
@@ -347,3 +352,34 @@ class ClassificationFence:
 
     def hides_listings(self) -> bool:
         return classification_claim() is not None
+
+
+def _database_unreachable(exc: BaseException) -> bool:
+    """A connection to PostgreSQL that could not be made or broke (not a statement it refused):
+    said as such, where FastMCP would mask it as "Error calling tool 'x'" (an operator's
+    `butlers list` while the database was down said only that)."""
+    import asyncpg
+
+    seen = 0
+    cause: BaseException | None = exc  # FastMCP's masked ToolError holds the error as cause
+    while cause is not None and seen < 5:
+        if isinstance(
+            cause,
+            asyncpg.PostgresConnectionError
+            | asyncpg.ConnectionDoesNotExistError
+            | asyncpg.CannotConnectNowError,
+        ):
+            return True
+        if isinstance(cause, OSError | TimeoutError) and _raised_in_asyncpg(cause):
+            return True  # refused, the socket gone, acquire timed out
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return False
+
+
+def _raised_in_asyncpg(exc: BaseException) -> bool:
+    frames = exc.__traceback__
+    while frames is not None:
+        if str(frames.tb_frame.f_globals.get("__name__", "")).startswith("asyncpg"):
+            return True
+        frames = frames.tb_next
+    return False

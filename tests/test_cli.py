@@ -25,7 +25,7 @@ import pytest
 from fastmcp import Client
 
 from butlers.claude_code import isolated_cli_env
-from tests.conftest import migration_heads
+from tests.conftest import eventually, migration_heads
 
 if TYPE_CHECKING:
     from butlers.db import PostgresServer
@@ -408,6 +408,41 @@ async def test_a_fleet_moved_by_a_port_offset_is_registered_and_routed_where_it_
     assert code == 0, err
     assert '"name": "general"' in out
     assert await fleet.stop() == 0
+
+
+def _postmaster_of(data_dir: Path) -> int:
+    """The pid of the embedded PostgreSQL a fleet with `data_dir` runs (as root its data lives
+    under /var/lib/butlers, in the directory whose origin names `data_dir`)."""
+    pid_file = next(data_dir.rglob("postmaster.pid"), None)
+    if pid_file is None:
+        pid_file = next(
+            place / "pgdata" / "postmaster.pid"
+            for place in Path("/var/lib/butlers/data").iterdir()
+            if (place / "origin").read_text().startswith(str(data_dir))
+        )
+    return int(pid_file.read_text().split()[0])
+
+
+async def test_a_tool_whose_database_is_gone_says_so(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """PostgreSQL stopped under a running fleet: a call that needs the database is told that
+    the butler cannot reach it, not FastMCP's masked "Error calling tool 'list_butlers'"."""
+    from tests.test_cli_client import run_cli
+
+    ports = copy_shipped_config(tmp_path / "config")
+    fleet = Butlers("up", "--config-dir", str(tmp_path / "config"), "--json", env=cli_env)
+    processes.append(fleet)
+    await fleet.start()
+    await fleet.wait_json()
+    postmaster = await asyncio.to_thread(_postmaster_of, Path(cli_env["BUTLERS_DATA_DIR"]))
+    os.kill(postmaster, signal.SIGINT)  # PostgreSQL's fast shutdown
+    await eventually(lambda: asyncio.to_thread(lambda: not psutil.pid_exists(postmaster)))
+    url = f"http://127.0.0.1:{ports['switchboard']}/sse"
+    code, _out, err = await run_cli("list", "--url", url, env=cli_env)
+    assert code == 1
+    assert "switchboard cannot reach its database now" in err, err
+    assert "Error calling tool" not in err
 
 
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(
