@@ -545,6 +545,12 @@ class SwitchboardConfig:
         description="How long a switchboard process's claim on a message lasts unless it "
         "renews it: the messages of a process that died are taken over after this.",
     )
+    stop_drain_s: Annotated[Float, Field(ge=0, le=300)] = Field(
+        default=10.0,
+        description="At a clean stop (SIGTERM, Ctrl-C) how long the messages under way may "
+        "finish before the rest go back to the queue: one already routed and handed back "
+        "reaches its butler again. 0: hand them back at once.",
+    )
     owner: OwnerConfig = Field(default_factory=OwnerConfig, description="`[switchboard.owner]`.")
     pairing: PairingConfig = Field(
         default_factory=PairingConfig, description="`[switchboard.pairing]`."

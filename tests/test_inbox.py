@@ -17,7 +17,7 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 from butlers.claude_code import not_logged_in
-from butlers.config import TriageRule, load_butler_config
+from butlers.config import SwitchboardConfig, TriageRule, load_butler_config
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.replies import sorry
 from tests.conftest import (
@@ -365,7 +365,9 @@ async def test_an_ask_whose_switchboard_stops_is_told_its_message_stays_queued(
     FastMCP's bare "Error calling tool 'ask'", and people sent it again), and it is."""
     scripted_api.respond_with(model("general", {"general": "Later."}))
     scripted_api.delay_s = 30  # the classifier is still thinking when the stop comes
-    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    switchboard, _ = await start_fleet(
+        start_butler, tmp_path, switchboard=SwitchboardConfig(stop_drain_s=0.5)
+    )
     asking = asyncio.create_task(ask(switchboard, "Log my weight: 75kg"))
     conn = await db_conn(switchboard.config.database)
     await eventually(lambda: conn.fetchval("SELECT status = 'processing' FROM inbox"), timeout_s=30)
@@ -374,6 +376,27 @@ async def test_an_ask_whose_switchboard_stops_is_told_its_message_stays_queued(
         await asking
     await scripted_api.release_held()
     assert await conn.fetchval("SELECT status FROM inbox") == "queued"
+
+
+async def test_a_clean_stop_lets_a_message_under_way_finish(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """SIGTERM while a message is being answered: it finishes (within stop_drain_s) instead of
+    going back to the queue, where another process would route it to its butler again (a
+    walkthrough saw a butler get one request twice after a clean stop)."""
+    scripted_api.respond_with(model("general", {"general": "Noted once."}))
+    scripted_api.delay_s = 1.5
+    switchboard, _ = await start_fleet(start_butler, tmp_path)
+    asking = asyncio.create_task(ask(switchboard, "note: buy milk"))
+    conn = await db_conn(switchboard.config.database)
+    await eventually(lambda: conn.fetchval("SELECT status = 'processing' FROM inbox"), timeout_s=30)
+    await switchboard.stop()
+    answer = await asking
+    assert (answer["status"], answer["reply"]) == ("done", "Noted once.")
+    row = await conn.fetchrow("SELECT status, attempts FROM inbox")
+    assert (row["status"], row["attempts"]) == ("done", 1)
+    routed = await conn.fetchval("SELECT count(*) FROM routing_log WHERE routed_to = 'general'")
+    assert routed == 1
 
 
 async def test_butlers_ask_cli(

@@ -211,12 +211,12 @@ class Switchboard:
         if self.modules is not None:
             await self.modules.close()
         await self.approvals.close()
-        told = await self.worker.close()
+        waiting = await self.worker.close()
         await self.connections.close()
-        if told:
-            # Those `ask` calls' answers (the message stays queued) go out over their SSE
-            # streams, which the HTTP listener ends right after this: without the pause the
-            # callers heard only that the connection closed.
+        if waiting:
+            # Those `ask` calls' answers (the reply, or: the message stays queued) go out over
+            # their SSE streams, which the HTTP listener ends right after this: without the
+            # pause the callers heard only that the connection closed.
             await asyncio.sleep(ANSWERS_OUT_S)
 
     # -- what the daemon and the tools ask of it ----------------------------------------

@@ -230,9 +230,21 @@ class InboxWorker:
         }
 
     async def close(self) -> int:
-        """Stop now; the messages being processed go back to the queue, for another process
-        (or this one, started again) to take. How many waiting `ask` calls were told so."""
+        """Stop: no new message is taken; those under way may finish for `stop_drain_s` (their
+        leases still renewed), and the rest go back to the queue, for another process (or this
+        one, started again) to take. How many `ask` calls were waiting (answered meanwhile, or
+        told their message stays queued): their answers have yet to go out."""
         await cancel_and_wait(self._task)
+        waiting = sum(not future.done() for future in self._waiters.values())
+        under_way = [task for task in self._in_flight.values() if not task.done()]
+        if under_way and self.limits.stop_drain_s > 0:
+            logger.info(
+                "stopping: %d message(s) under way get %.0f s to finish",
+                len(under_way),
+                self.limits.stop_drain_s,
+                extra={"action": "worker_drain"},
+            )
+            await asyncio.wait(under_way, timeout=self.limits.stop_drain_s)
         await cancel_and_wait(self._renewer)
         self._task = self._renewer = None
         in_flight = dict(self._in_flight)
@@ -261,7 +273,7 @@ class InboxWorker:
         self._waiters.clear()
         if self.transcriber is not None:
             await self.transcriber.aclose()
-        return told
+        return max(told, waiting)
 
     @property
     def in_flight(self) -> int:
