@@ -250,6 +250,11 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     (tmp_path / "config" / "broken" / "butler.toml").write_text("[butler]\nname = 3\n")
     env_file = tmp_path / "config" / ".env"
     env_file.write_text("TELEGRAM_BOT_TOKEN=123:abc\n")
+    # No credentials for Claude Code at all (no key, no login in this HOME).
+    for name in [n for n in cli_env if n.startswith(("ANTHROPIC_", "CLAUDE_"))]:
+        del cli_env[name]
+    cli_env["HOME"] = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
     up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
     processes.append(up)
     await up.start()
@@ -259,6 +264,9 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     warnings = [line for line in up.stderr.splitlines() if line.startswith("warning: ")]
     assert warnings == [
         "warning: not started: broken (its config error is above)",
+        "warning: Claude Code has no credentials (no ANTHROPIC_API_KEY, no `claude` login): "
+        "every session will fail; set ANTHROPIC_API_KEY (in the config's .env, then load it) "
+        "or log in with claude /login",
         "warning: switchboard: telegram is not running (skipped: TELEGRAM_BOT_TOKEN not set); "
         f"if it is in {env_file}, load that before starting: set -a; . {env_file}; set +a",
         "warning: switchboard: email is not running (skipped: BUTLERS_EMAIL_USER, "
@@ -321,6 +329,7 @@ async def test_up_without_its_switchboard_says_nothing_takes_messages(
     ports = copy_shipped_config(tmp_path / "config")
     toml = tmp_path / "config" / "switchboard" / "butler.toml"
     toml.write_text(toml.read_text().replace("[switchboard]", "[switchbord]", 1))
+    cli_env["ANTHROPIC_API_KEY"] = "sk-ant-not-used"  # no session runs: no warning of it
     up = Butlers("up", "--config-dir", str(tmp_path / "config"), env=cli_env)
     processes.append(up)
     await up.start()
@@ -466,6 +475,8 @@ async def test_broken_butler_and_busy_port_do_not_stop_the_others(
         )
         assert (await _health(ports["general"]))["name"] == "general"
         assert (await _health(ports["switchboard"]))["name"] == "switchboard"
+        # Said again under the ready table, where it does not scroll away.
+        await up.wait_stderr("warning: not started: health (its error is above)")
         assert await up.stop() == 0
     # Once: not again by a logger, nor by the switchboard's discover of the same directory.
     assert up.stderr.count(str(broken)) == 1, up.stderr
@@ -498,6 +509,38 @@ async def test_run_one_butler_in_the_foreground(
     with pytest.raises(aiohttp.ClientConnectionError):
         await _health(ports["general"])
     assert await run.stop(signal.SIGINT) == 0
+
+
+async def test_a_data_directory_serves_the_config_directory_it_was_made_for(
+    tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """A shell that loaded one fleet's .env and then ran `make up` started the shipped
+    example on that fleet's databases and bot, and the owner's messages were refused and
+    lost. Another config directory is refused on its data directory; once the first config
+    directory is gone (moved), the data directory is the new one's."""
+    mine, example = tmp_path / "mine", tmp_path / "example"
+    copy_shipped_config(mine)
+    copy_shipped_config(example)
+    fleet = Butlers("up", "--config-dir", str(mine), "--json", env=cli_env)
+    processes.append(fleet)
+    await fleet.start()
+    await fleet.wait_json()
+    assert await fleet.stop() == 0
+    for args in (
+        ("up", "--config-dir", str(example)),
+        ("db", "upgrade", "--config-dir", str(example)),
+    ):
+        refused = Butlers(*args, env=cli_env)
+        processes.append(refused)
+        assert await refused.run() == 1, refused.stderr
+        assert f"holds the databases of the butlers in {mine.resolve()}, not of" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    shutil.rmtree(mine)  # moved away: the data directory goes with the config that is left
+    upgrade = Butlers("db", "upgrade", "--config-dir", str(example), env=cli_env)
+    processes.append(upgrade)
+    assert await upgrade.run() == 0, upgrade.stderr
+    claim = Path(cli_env["BUTLERS_DATA_DIR"]) / "config-dir"
+    assert claim.read_text().strip() == str(example.resolve())
 
 
 async def test_db_upgrade_creates_and_migrates(

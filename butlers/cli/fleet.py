@@ -101,6 +101,43 @@ def data_dir_not_loaded(config_dir: Path, settings: Settings) -> str | None:
     )
 
 
+CLAIM_FILE = "config-dir"  # in BUTLERS_DATA_DIR: the config directory whose data it holds
+
+
+def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
+    """The data directory belongs to one config directory, recorded at its first use.
+
+    A shell that loaded one fleet's `.env` (its BUTLERS_DATA_DIR and bot token) and then ran
+    `make up` started the shipped example config on that fleet's databases, polling its bot:
+    the example's empty allowlist refused the owner's messages, and nothing of them was kept
+    (a walkthrough followed the upgrade steps into it). So another config directory is
+    refused here; one whose recorded directory is gone (moved, renamed) takes it over."""
+    claim = data_dir / CLAIM_FILE
+    mine = str(config_dir.expanduser().resolve())
+    try:
+        recorded = claim.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        recorded = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CommandError(f"{claim}: cannot be read ({exc}); remove it and start again") from exc
+    if recorded == mine:
+        return
+    if recorded and Path(recorded).is_dir():
+        raise CommandError(
+            f"{data_dir} holds the databases of the butlers in {recorded}, not of {mine}. "
+            f"Start those (butlers up --config-dir {shlex.quote(recorded)}), or give these "
+            "their own data directory (this shell may have loaded the other config's .env: "
+            "unset BUTLERS_DATA_DIR, or set it to another directory). If that config directory "
+            f"moved to {mine}, remove {claim}"
+        )
+    if recorded:
+        logger.info("%s: its config directory %s is gone; now %s's", data_dir, recorded, mine)
+    claim.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with os.fdopen(os.open(claim, flags, 0o600), "w", encoding="utf-8") as file:
+        file.write(mine + "\n")
+
+
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
     """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs, the butlers'
     token), made when it is missing (`create`): 0700, or 0711 (`passable`: as root, the
@@ -209,6 +246,7 @@ def ready_warnings(
     settings: Settings,
     *,
     whole_directory: bool = True,
+    failed: Sequence[str] = (),
 ) -> list[str]:
     """What the ready table does not say but a person starting the fleet must hear: a butler
     left out for its config error (printed long before, scrolled away by start-up), no
@@ -218,6 +256,14 @@ def ready_warnings(
     from butlers.cli.client import DEFAULT_SWITCHBOARD_URL
 
     notes = [f"not started: {name} (its config error is above)" for name in not_loaded]
+    # A butler that could not start (its port taken: already running?) is out of the table.
+    notes += [f"not started: {name} (its error is above)" for name in failed]
+    if not _claude_code_credentials(settings):
+        notes.append(
+            "Claude Code has no credentials (no ANTHROPIC_API_KEY, no `claude` login): every "
+            "session will fail; set ANTHROPIC_API_KEY (in the config's .env, then load it) or "
+            "log in with claude /login"
+        )
     switchboards = [d for d in running if d.config.is_switchboard]
     if not switchboards and whole_directory:  # (`--only` leaves it to another process)
         notes.append(
@@ -244,6 +290,14 @@ def ready_warnings(
                 f"export BUTLERS_SWITCHBOARD_URL={daemon.sse_url} (or pass --url)"
             )
     return notes
+
+
+def _claude_code_credentials(settings: Settings) -> bool:
+    """Whether Claude Code has credentials to use, as `doctor` checks them."""
+    from butlers.doctor.local import CLOUD_SWITCHES, CREDENTIAL_VARIABLES, claude_login
+
+    named = (*CREDENTIAL_VARIABLES, *CLOUD_SWITCHES)
+    return any(settings.variable(n) for n in named) or claude_login(settings.environ) is not None
 
 
 def ready_report(
@@ -326,6 +380,8 @@ async def serve(
         and os.geteuid() == 0
     )
     await asyncio.to_thread(make_private_dir, settings.data_dir, passable=passable)
+    if isinstance(server, EmbeddedServer):  # DATABASE_URL's databases are that server's
+        await asyncio.to_thread(claim_data_dir, settings.data_dir, config_dir)
     if isinstance(server, EmbeddedServer):
         first = not (server.pgdata / "PG_VERSION").exists()
         progress(
@@ -407,7 +463,12 @@ async def _serve_fleet(
                 "no butler is running" if not report.running else "a butler failed to start"
             )
         notes = ready_warnings(
-            report.running, not_loaded, config_dir, settings, whole_directory=not only
+            report.running,
+            not_loaded,
+            config_dir,
+            settings,
+            whole_directory=not only,
+            failed=list(report.failed),
         )
         if as_json:
             ready = ready_report(report.running, report.failed, server.description)
@@ -444,6 +505,8 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
         and (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None
     ):
         raise CommandError(elsewhere)
+    if settings.database_url is None and settings.data_dir.is_dir():
+        claim_data_dir(settings.data_dir, config_dir)
     with collector_paused():
         from butlers.daemon import migration_branches
         from butlers.db import prepare_database, running, server_for
