@@ -707,12 +707,13 @@ def next_steps(target: Path, answers: Answers, entries: list[EnvEntry]) -> str:
             "run init again, giving the owner)."
         )
         step += 1
+    command = _this_command()
     lines += [
         f"  {step}. Load the secrets into your shell (`butlers up` reads them from the "
         "environment only, not from .env):",
         f"       set -a; . {shlex.quote(str(target / '.env'))}; set +a",
-        f"  {step + 1}. butlers doctor --config-dir {d}",
-        f"  {step + 2}. butlers up --config-dir {d}",
+        f"  {step + 1}. {command} doctor --config-dir {d}",
+        f"  {step + 2}. {command} up --config-dir {d}",
     ]
     if "telegram" in answers.channels:
         lines.append(f"  {step + 3}. Write to your bot on Telegram.")
@@ -1061,3 +1062,15 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
     await asyncio.to_thread(write_config, target, files, env_text(target, entries))
     print(next_steps(target, answers, entries))
     return 0
+
+
+def _this_command() -> str:
+    """How to run this `butlers` again from here: `.venv/bin/butlers` in a checkout is not on
+    PATH, and the next steps must work as printed."""
+    me = Path(sys.argv[0])
+    if me.name != "butlers" or shutil.which("butlers") == str(me.resolve()):
+        return "butlers"
+    try:
+        return shlex.quote(str(me.resolve().relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(me.resolve()))

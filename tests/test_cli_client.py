@@ -67,6 +67,8 @@ async def test_discover_reports_changes(fleet: Fleet) -> None:
     assert err == (
         "note: an added butler runs once started (restart `butlers up`, or `butlers run NAME`); "
         "until then route says it cannot reach it\n"
+        "note: health is registered at http://127.0.0.1:18999/sse: "
+        "`butlers run health --port 18999` serves it there\n"
     )
     code, out, _ = await run_cli(
         "discover", "--url", fleet.switchboard.sse_url, "--json", token="cli-token"

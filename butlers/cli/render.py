@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from butlers.errors import CommandError
 
@@ -56,7 +57,7 @@ def print_butlers(rows: list[dict[str, Any]]) -> None:
                 row["endpoint_url"],
                 ",".join(row.get("modules") or []) or "-",
                 ("stale, " if row.get("stale") else "")
-                + (row.get("last_seen_at") or "never")[:19].replace("T", " "),
+                + (when(row["last_seen_at"]) if row.get("last_seen_at") else "never"),
                 description if len(description) <= 60 else description[:59] + "…",
             )
         )
@@ -82,6 +83,16 @@ def print_discover(report: dict[str, Any]) -> None:
             "`butlers run NAME`); until then route says it cannot reach it",
             file=sys.stderr,
         )
+        for name, url in (report.get("added_endpoints") or {}).items():
+            port = urlsplit(url).port
+            # Registered where this switchboard's --port-offset puts it; `run` would use the
+            # butler.toml's port unless told.
+            if port is not None:
+                print(
+                    f"note: {name} is registered at {url}: "
+                    f"`butlers run {name} --port {port}` serves it there",
+                    file=sys.stderr,
+                )
 
 
 def print_answer(answer: dict[str, Any]) -> None:

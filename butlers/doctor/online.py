@@ -467,7 +467,13 @@ async def _health(subject: Subject, name: str, endpoint_url: str) -> list[Check]
             status = response.status
             body = await response.json(content_type=None)
     except (aiohttp.ClientError, ValueError):
-        return [warn(check, f"nothing answers at {url}: start it with `butlers up`")]
+        return [
+            warn(
+                check,
+                f"nothing answers at {url}: start it with `butlers up` (or, when the fleet "
+                "runs with --port-offset K, ask doctor --port-offset K)",
+            )
+        ]
     if not isinstance(body, dict):
         return [fail(check, f"{url} answered {status} without a butler's JSON: another program?")]
     failed, skipped = [], []

@@ -86,6 +86,7 @@ async def discover(
     stale = sorted(name for name in known if name not in found)
     report = {
         "added": added,
+        "added_endpoints": {e.name: e.endpoint_url for e in entries if e.name in added},
         "updated": updated,
         "unchanged": unchanged,
         "stale": stale,
