@@ -191,10 +191,24 @@ def progress(text: str) -> None:
     """A step of a long start, for the person waiting: a plain line on stderr, or, when the
     log stream is JSON (what a log shipper reads), an INFO record with action `startup`
     instead, so that every line there stays one object."""
-    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+    if _json_stream():
         logging.getLogger("butlers").info(text, extra={"action": "startup"})
     else:
         print(text, file=sys.stderr, flush=True)
+
+
+def ready_warning(text: str) -> None:
+    """What `up` says under its ready table: a `warning: ...` line on stderr, or, when the
+    log stream is JSON, a WARNING record with action `ready_warning` (a plain line there broke
+    a log shipper reading one object a line)."""
+    if _json_stream():
+        logging.getLogger("butlers").warning(text, extra={"action": "ready_warning"})
+    else:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def _json_stream() -> bool:
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
 
 
 def adopt_fastmcp_logging() -> None:

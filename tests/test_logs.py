@@ -62,6 +62,10 @@ async def _run_general(tmp_path: Path, pg_server, *log_args: str) -> Butlers:
             "BUTLERS_AUTH_TOKEN": TOKEN,
         }
     )
+    # No credentials for Claude Code (none here, no login in this HOME): `run` warns of it.
+    env = {k: v for k, v in env.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
+    env["HOME"] = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
     run = Butlers(*log_args, "run", "general", "--config-dir", str(tmp_path / "config"), env=env)
     await run.start()
     try:
@@ -103,6 +107,9 @@ async def test_json_lines_carry_every_library_the_butler_and_the_trace(
     assert re.fullmatch(r"[0-9a-f]{32}", refused["trace_id"])
     assert re.fullmatch(r"[0-9a-f]{16}", refused["span_id"])
     assert any(r["action"] == "startup" for r in records if "action" in r)  # the progress
+    # What `run` says under its ready table is a record too (it was a plain line).
+    warned = find("butlers", "Claude Code has no credentials")
+    assert (warned["level"], warned["action"]) == ("WARNING", "ready_warning")
     assert TOKEN not in run.stderr and "[redacted]" in run.stderr  # FastMCP logs the arguments
 
 

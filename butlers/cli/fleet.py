@@ -236,7 +236,7 @@ def print_ready_table(
 
 def print_warnings(warnings: Sequence[str]) -> None:
     for note in warnings:
-        print(f"warning: {note}", file=sys.stderr, flush=True)
+        logs.ready_warning(note)
 
 
 def ready_warnings(
