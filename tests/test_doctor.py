@@ -650,7 +650,7 @@ async def test_the_database_reachable_and_migrated(
     checks = await doctor(config, env)
     assert checks["database"].status == "warn"
     assert (
-        f"t_never_created do not exist yet and {behind} are not migrated"
+        f"t_never_created does not exist yet and {behind} are not migrated"
         in checks["database"].detail
     )
     assert "butlers up" in checks["database"].detail
@@ -768,7 +768,7 @@ async def test_the_running_embedded_postgresql_is_found_and_asked(
     found = checks["database"]
     assert found.status == "warn", found  # the switchboard's database is not there yet
     assert f"embedded PostgreSQL in {pg_server.pgdata} answers" in found.detail
-    assert f"{missing} do not exist yet" in found.detail and database not in found.detail
+    assert f"{missing} does not exist yet" in found.detail and database not in found.detail
 
 
 async def test_a_webhook_url_that_is_not_https_fails(tmp_path: Path) -> None:

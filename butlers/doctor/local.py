@@ -304,7 +304,9 @@ async def _databases(subject: Subject, server: ExternalServer | EmbeddedServer) 
         )
     problems = []
     if missing:
-        problems.append(f"{', '.join(missing)} do not exist yet")
+        problems.append(
+            f"{', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist yet"
+        )
     if behind:
         problems.append(f"{', '.join(behind)} are not migrated to this version")
     if problems:

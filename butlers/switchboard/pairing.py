@@ -111,8 +111,8 @@ def normal_code(typed: str) -> str:
     code = _CODE_SEPARATORS.sub("", typed[: CODE_LENGTH * 4]).upper()
     if not _CODE.fullmatch(code):
         raise ToolRefusal(
-            f"a pairing code is {CODE_LENGTH} letters and digits (as sent to the sender), "
-            f"got {clean_name(typed)!r}"
+            f"a pairing code is {CODE_LENGTH} letters and digits as sent to the sender, "
+            f"never I, L, O, 0 or 1; got {clean_name(typed)!r}"
         )
     return code
 
@@ -581,7 +581,7 @@ class PairingDesk:
         channel = self.outbox.channels.get(row["channel"])
         if channel is None:
             return
-        text = "The owner approved you: write again, and your butlers will answer."
+        text = "The owner approved you: write again, and the butlers here will answer."
         chunks = channel.prepare(text, reply_to=None, butler=None)
         await self.outbox.store.add(
             conn,
@@ -624,6 +624,7 @@ class PairingDesk:
 
     async def revoke(self, channel: str, sender: str) -> dict[str, Any]:
         """Remove a paired sender: a stranger again (those in the TOML stay allowed)."""
+        channel = channel.strip().lower()  # as `butlers pairing` lists it, whatever the case
         spec = spec_of(channel)
         if spec is None:
             raise ToolRefusal(
