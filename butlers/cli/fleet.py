@@ -115,7 +115,7 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
     claim = data_dir / CLAIM_FILE
     mine = str(config_dir.expanduser().resolve())
     try:
-        recorded = claim.read_text(encoding="utf-8").strip()
+        recorded = _read_small_file(claim).strip()
     except FileNotFoundError:
         recorded = ""
     except (OSError, UnicodeDecodeError) as exc:
@@ -136,6 +136,15 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     with os.fdopen(os.open(claim, flags, 0o600), "w", encoding="utf-8") as file:
         file.write(mine + "\n")
+
+
+def _read_small_file(path: Path, limit: int = 4096) -> str:
+    """A regular file's first `limit` bytes as text; not through a link, nor stuck on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return file.read(limit).decode("utf-8")
 
 
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
