@@ -1071,6 +1071,7 @@ def _this_command() -> str:
     if me.name != "butlers" or shutil.which("butlers") == str(me.resolve()):
         return "butlers"
     try:
-        return shlex.quote(str(me.resolve().relative_to(Path.cwd())))
-    except ValueError:
+        here = me.resolve().relative_to(Path.cwd())
+    except (ValueError, OSError):  # elsewhere, or the working directory is gone
         return shlex.quote(str(me.resolve()))
+    return shlex.quote(str(here) if "/" in str(here) else f"./{here}")

@@ -117,6 +117,22 @@ def test_the_replicas_profile_adds_a_switchboard_behind_the_same_name(compose: d
     assert all("profiles" not in s for name, s in services.items() if name != "switchboard-replica")
 
 
+def test_a_switchboard_stops_first_and_has_time_to_finish_its_messages(compose: dict) -> None:
+    """Compose stops a service before those it depends on: every switchboard depends on every
+    butler, so a route it makes while its messages finish (stop_drain_s, 10 s) still finds
+    them; and it gets more than that before SIGKILL (compose's default is 10 s)."""
+    services = compose["services"]
+    butlers = {
+        name
+        for name, service in services.items()
+        if service.get("command", [None])[0] == "run" and "switchboard" not in name
+    }
+    assert butlers == {"general", "health", "relationship"}
+    for name in ("switchboard", "switchboard-replica"):
+        assert butlers | {"postgres", "jaeger"} <= set(services[name]["depends_on"]), name
+        assert services[name]["stop_grace_period"] == "30s"
+
+
 def dockerfile() -> list[tuple[str, str]]:
     """The Dockerfile's instructions, (KEYWORD, rest), continuation lines joined."""
     text = (REPO / "Dockerfile").read_text()

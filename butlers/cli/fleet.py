@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import logging
@@ -111,40 +112,64 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
     `make up` started the shipped example config on that fleet's databases, polling its bot:
     the example's empty allowlist refused the owner's messages, and nothing of them was kept
     (a walkthrough followed the upgrade steps into it). So another config directory is
-    refused here; one whose recorded directory is gone (moved, renamed) takes it over."""
-    claim = data_dir / CLAIM_FILE
-    mine = str(config_dir.expanduser().resolve())
+    refused here; one whose recorded directory is gone (moved, renamed) takes it over.
+
+    All of it through the directory opened once (not through a link, and ours), under its
+    lock: root may run this in a directory whose parent another user can rename."""
+    mine = os.fsencode(config_dir.expanduser().resolve())
     try:
-        recorded = _read_small_file(claim).strip()
+        directory = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise CommandError(f"{data_dir}: cannot be opened as a directory ({exc.strerror})") from exc
+    try:
+        if os.fstat(directory).st_uid != os.geteuid():
+            raise CommandError(f"{data_dir} is not yours: give butlers a directory of its own")
+        fcntl.flock(directory, fcntl.LOCK_EX)
+        recorded = _recorded_config_dir(directory, data_dir / CLAIM_FILE)
+        if recorded == mine:
+            return
+        shown, wanted = os.fsdecode(recorded), os.fsdecode(mine)
+        if recorded and os.path.isdir(recorded):
+            raise CommandError(
+                f"{data_dir} holds the databases of the butlers in {shown}, not of {wanted}. "
+                f"Start those (butlers up --config-dir {shlex.quote(shown)}), or give these "
+                "their own data directory (this shell may have loaded the other config's .env: "
+                "unset BUTLERS_DATA_DIR, or set it to another directory). If that config "
+                f"directory moved to {wanted}, remove {data_dir / CLAIM_FILE}"
+            )
+        if recorded or (data_dir / "pgdata").exists():
+            logger.warning(
+                "%s now serves the config directory %s%s",
+                data_dir,
+                wanted,
+                f" ({shown} is gone)" if recorded else " (its data was there before)",
+                extra={"action": "data_dir_claimed"},
+            )
+        new = f"{CLAIM_FILE}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(new, dir_fd=directory)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(new, flags, 0o600, dir_fd=directory)
+        with os.fdopen(fd, "wb") as file:
+            file.write(mine + b"\n")
+        os.replace(new, CLAIM_FILE, src_dir_fd=directory, dst_dir_fd=directory)
+    finally:
+        os.close(directory)  # and with it the lock
+
+
+def _recorded_config_dir(directory: int, shown: Path) -> bytes:
+    """The config directory the claim names (b"" without one): a regular file only, not
+    through a link, nor stuck on a FIFO."""
+    try:
+        fd = os.open(CLAIM_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
     except FileNotFoundError:
-        recorded = ""
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CommandError(f"{claim}: cannot be read ({exc}); remove it and start again") from exc
-    if recorded == mine:
-        return
-    if recorded and Path(recorded).is_dir():
-        raise CommandError(
-            f"{data_dir} holds the databases of the butlers in {recorded}, not of {mine}. "
-            f"Start those (butlers up --config-dir {shlex.quote(recorded)}), or give these "
-            "their own data directory (this shell may have loaded the other config's .env: "
-            "unset BUTLERS_DATA_DIR, or set it to another directory). If that config directory "
-            f"moved to {mine}, remove {claim}"
-        )
-    if recorded:
-        logger.info("%s: its config directory %s is gone; now %s's", data_dir, recorded, mine)
-    claim.unlink(missing_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    with os.fdopen(os.open(claim, flags, 0o600), "w", encoding="utf-8") as file:
-        file.write(mine + "\n")
-
-
-def _read_small_file(path: Path, limit: int = 4096) -> str:
-    """A regular file's first `limit` bytes as text; not through a link, nor stuck on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return b""
+    except OSError as exc:
+        raise CommandError(f"{shown}: cannot be read ({exc.strerror}); remove it") from exc
     with os.fdopen(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return file.read(limit).decode("utf-8")
+            raise CommandError(f"{shown} is not a regular file; remove it")
+        return file.read(4096).removesuffix(b"\n")
 
 
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
@@ -302,11 +327,16 @@ def ready_warnings(
 
 
 def _claude_code_credentials(settings: Settings) -> bool:
-    """Whether Claude Code has credentials to use, as `doctor` checks them."""
+    """Whether Claude Code has credentials to use, as `doctor` checks them (a HOME that cannot
+    be read counts as having them: a warning must never stop a fleet that started)."""
     from butlers.doctor.local import CLOUD_SWITCHES, CREDENTIAL_VARIABLES, claude_login
 
-    named = (*CREDENTIAL_VARIABLES, *CLOUD_SWITCHES)
-    return any(settings.variable(n) for n in named) or claude_login(settings.environ) is not None
+    if any(settings.variable(n) for n in (*CREDENTIAL_VARIABLES, *CLOUD_SWITCHES)):
+        return True
+    try:
+        return claude_login(settings.environ) is not None
+    except OSError:
+        return True
 
 
 def ready_report(
@@ -515,6 +545,8 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
     ):
         raise CommandError(elsewhere)
     if settings.database_url is None and settings.data_dir.is_dir():
+        if (refusal := data_dir_refusal(settings.data_dir)) is not None:
+            raise CommandError(refusal)
         claim_data_dir(settings.data_dir, config_dir)
     with collector_paused():
         from butlers.daemon import migration_branches

@@ -84,7 +84,10 @@ def print_discover(report: dict[str, Any]) -> None:
             file=sys.stderr,
         )
         for name, url in (report.get("added_endpoints") or {}).items():
-            port = urlsplit(url).port
+            try:
+                port = urlsplit(url).port
+            except ValueError:  # not a port: nothing to suggest
+                continue
             # Registered where this switchboard's --port-offset puts it; `run` would use the
             # butler.toml's port unless told.
             if port is not None:
