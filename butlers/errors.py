@@ -30,8 +30,10 @@ Exception
 │       ├── MailRefused        will not work until someone acts (certificate, login)
 │       └── MailUnreadable     a mail or webhook body we will not read
 │           └── HeaderTooLong  one header over the limit, refused unparsed
-└── KeyProblem (ValueError)    a config model's validator names one key; pydantic makes it
-                               part of a ValidationError, config_errors a ConfigError
+├── KeyProblem (ValueError)    a config model's validator names one key; pydantic makes it
+│                              part of a ValidationError, config_errors a ConfigError
+└── NotRegularFile (OSError)   a file of ours to read is a FIFO, a device...: not a regular
+                               file (butlers.files; its callers say what to do)
 
 Two ValueErrors stay beside the parser that raises them and the one caller that catches
 them, never crossing a module: BadTime (butlers.schedule_time: a schedule's `at`) and
@@ -247,3 +249,8 @@ class WrapperFailed(SpawnError):
 class RecipientDeferred(DeliveryError):
     """The channel did not take a row, for its recipient only and for now (a mail server's
     4xx to RCPT TO): tried again with the backoff, while the channel's rows to others go on."""
+
+
+class NotRegularFile(OSError):
+    """What butlers.files.read_regular was to read is a FIFO, a device, a directory...:
+    anything but a regular file. An OSError, as the other failures of opening it are."""

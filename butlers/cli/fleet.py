@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from butlers import logs
 from butlers.cli.process import collect_as_a_server, collector_paused, install_stop_signals
 from butlers.cli.render import print_rows
-from butlers.errors import ButlersError, CommandError
+from butlers.errors import ButlersError, CommandError, NotRegularFile
+from butlers.files import read_regular
 from butlers.text import printable
 
 if TYPE_CHECKING:
@@ -161,15 +162,13 @@ def _recorded_config_dir(directory: int, shown: Path) -> bytes:
     """The config directory the claim names (b"" without one): a regular file only, not
     through a link, nor stuck on a FIFO."""
     try:
-        fd = os.open(CLAIM_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+        return read_regular(CLAIM_FILE, 4096, dir_fd=directory).removesuffix(b"\n")
     except FileNotFoundError:
         return b""
+    except NotRegularFile:
+        raise CommandError(f"{shown} is not a regular file; remove it") from None
     except OSError as exc:
         raise CommandError(f"{shown}: cannot be read ({exc.strerror}); remove it") from exc
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CommandError(f"{shown} is not a regular file; remove it")
-        return file.read(4096).removesuffix(b"\n")
 
 
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:

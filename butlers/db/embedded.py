@@ -47,7 +47,8 @@ from butlers.db.sockets import (
     _runtime_bases,
     _socket_path_fits,
 )
-from butlers.errors import DatabaseError
+from butlers.errors import DatabaseError, NotRegularFile
+from butlers.files import read_regular
 
 # One logger for the whole package, named as it was when butlers.db was one module: log
 # lines (their `logger` field) and any level set on it stay as they were.
@@ -267,12 +268,7 @@ class EmbeddedServer:
             os.close(fd)  # and with it the lock
 
     def _read_users(self) -> list[str]:
-        try:
-            fd = os.open(self._users_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return []
-        with os.fdopen(_regular(self._users_file, fd), "rb") as file:
-            text = file.read(USERS_FILE_BYTES).decode("ascii", "replace")
+        text = _read_beside(self._users_file, USERS_FILE_BYTES)
         return sorted({line.strip() for line in text.splitlines() if line.strip()})
 
     def _write_users(self, users: list[str]) -> None:
@@ -461,16 +457,22 @@ def _alive(user: str) -> bool:
 
 def _older_owner(path: Path) -> str | None:
     """The live process an earlier version recorded as the server's owner, as a user line."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(_regular(path, fd), "rb") as file:
-        text = file.read(64).decode("ascii", "replace").strip()
+    text = _read_beside(path, 64).strip()
     if not text.isdigit() or int(text) == os.getpid():
         return None
     started = _started(int(text))
     return None if started is None else f"owner:{text}"
+
+
+def _read_beside(path: Path, limit: int) -> str:
+    """A file beside the data ("" when it cannot be read); a DatabaseError when something
+    other than a regular file was put in its place."""
+    try:
+        return read_regular(path, limit).decode("ascii", "replace")
+    except NotRegularFile:
+        raise DatabaseError(f"{path} is not a regular file: remove it and start again") from None
+    except OSError:
+        return ""
 
 
 def _regular(path: Path, fd: int) -> int:
