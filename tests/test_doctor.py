@@ -605,8 +605,15 @@ async def test_port_offset_checks_the_ports_up_would_listen_on(tmp_path: Path) -
     """`butlers up --port-offset K` listens K ports up: doctor --port-offset K checks those,
     not the butler.toml's (which a first fleet may hold)."""
     config = fleet_dir(tmp_path)
-    port = int(re.search(r"port = (\d+)", (config / "general" / "butler.toml").read_text())[1])  # type: ignore[index]
-    offset = free_port() - port
+    ports = {
+        name: int(re.search(r"port = (\d+)", (config / name / "butler.toml").read_text())[1])  # type: ignore[index]
+        for name in ("general", "switchboard")
+    }
+    port = ports["general"]
+    # A free port for general's shifted one, with the switchboard's shifted port still a port:
+    # an offset that pushed it past 65535 is refused before any check (tested below).
+    while max(ports.values()) + (offset := free_port() - port) > 65535:
+        pass
     env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + offset))
