@@ -549,7 +549,8 @@ class SwitchboardConfig:
         default=10.0,
         description="At a clean stop (SIGTERM, Ctrl-C) how long the messages under way may "
         "finish before the rest go back to the queue: one already routed and handed back "
-        "reaches its butler again. 0: hand them back at once.",
+        "reaches its butler again. 0: hand them back at once (as a second Ctrl-C or "
+        "SIGTERM does during the wait).",
     )
     owner: OwnerConfig = Field(default_factory=OwnerConfig, description="`[switchboard.owner]`.")
     pairing: PairingConfig = Field(

@@ -655,6 +655,14 @@ def route_within_the_process(daemons: Sequence[ButlerDaemon]) -> None:
                 daemon.served_locally_by.append(front.switchboard.connections)
 
 
+def hurry_fleet(daemons: Sequence[ButlerDaemon]) -> None:
+    """Asked to stop again while stopping: the switchboards hand the messages under way back
+    at once instead of letting them finish (`[switchboard] stop_drain_s`)."""
+    for daemon in daemons:
+        if daemon.switchboard is not None:
+            daemon.switchboard.worker.hurry()
+
+
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
     """The switchboard first (it holds MCP connections to the others), then the rest at once."""
     front = [d for d in daemons if d.config.is_switchboard]

@@ -187,12 +187,12 @@ def configure_logging(
     return handler
 
 
-def progress(text: str) -> None:
-    """A step of a long start, for the person waiting: a plain line on stderr, or, when the
-    log stream is JSON (what a log shipper reads), an INFO record with action `startup`
+def progress(text: str, *, action: str = "startup") -> None:
+    """A step of a long start (or stop), for the person waiting: a plain line on stderr, or,
+    when the log stream is JSON (what a log shipper reads), an INFO record with `action`
     instead, so that every line there stays one object."""
     if _json_stream():
-        logging.getLogger("butlers").info(text, extra={"action": "startup"})
+        logging.getLogger("butlers").info(text, extra={"action": action})
     else:
         print(text, file=sys.stderr, flush=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
@@ -33,9 +34,12 @@ def fleet_databases(prefix: str) -> dict[str, str]:
     return {name: f"{prefix}_{name}_{suffix}" for name in ("general", "switchboard")}
 
 
-def write_fleet(tmp_path: Path, bot_api: FakeBotAPI, databases: dict[str, str]) -> Path:
+def write_fleet(
+    tmp_path: Path, bot_api: FakeBotAPI, databases: dict[str, str], switchboard: str = ""
+) -> Path:
     """tmp_path/config for `butlers up`: `general`, and a switchboard polling `bot_api` that
-    allows CHAT and sends every Telegram message to general; each on its database."""
+    allows CHAT and sends every Telegram message to general; each on its database.
+    `switchboard`: more keys of its `[switchboard]` table."""
     config_dir = tmp_path / "config"
     write_butler_dir(
         config_dir, "general", free_port(), extra=f'[butler.db]\nname = "{databases["general"]}"\n'
@@ -48,6 +52,7 @@ def write_fleet(tmp_path: Path, bot_api: FakeBotAPI, databases: dict[str, str]) 
             f'[butler.db]\nname = "{databases["switchboard"]}"\n'
             f'[modules.telegram]\nallowed_chat_ids = ["{CHAT}"]\n'
             f'api_base_url = "{bot_api.url}"\n'
+            f"[switchboard]\n{switchboard}\n"
             '[[switchboard.triage]]\nchannel = "telegram"\nbutler = "general"\n'
         ),
     )
@@ -108,9 +113,11 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
     not a crash: MAX_ATTEMPTS must not give up on a message because of restarts), and the
     session's Claude Code CLI ends with it (claude_code's transport: it used to run on, its
     model request open, holding the stderr of the `butlers up` that was gone). The next
-    start answers it once."""
+    start answers it once. The message would be let finish for `stop_drain_s`: a second
+    SIGTERM (a second Ctrl-C) hands it back at once (the 300 s drain would outlast the
+    stop's wait)."""
     databases = fleet_databases("term")
-    config_dir = write_fleet(tmp_path, bot_api, databases)
+    config_dir = write_fleet(tmp_path, bot_api, databases, switchboard="stop_drain_s = 300")
     env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
     scripted_api.script([text("Answered after the restart.")])
     scripted_api.delay_for = lambda body: 600.0  # the model never answers this first run
@@ -133,8 +140,11 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
             if "claude" in " ".join(p.cmdline())
         ]
         assert sessions
+        assert first.process is not None
+        first.process.send_signal(signal.SIGTERM)
+        await first.wait_stderr("1 message under way: up to 300 s to finish (Ctrl-C again", 30)
         try:
-            code = await first.stop(timeout_s=30)  # SIGTERM
+            code = await first.stop(timeout_s=30)  # SIGTERM again
         except TimeoutError:  # it exited, but something it started holds its stderr open
             alive = [p.pid for p in sessions if not _ended(p)]
             pytest.fail(f"Claude Code session(s) {alive} outlived the stopped `butlers up`")

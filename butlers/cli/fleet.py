@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers import logs
-from butlers.cli.process import collect_as_a_server, collector_paused, install_stop_signals
+from butlers.cli.process import (
+    collect_as_a_server,
+    collector_paused,
+    install_stop_signals,
+    on_stop_signal,
+)
 from butlers.cli.render import print_rows
 from butlers.errors import ButlersError, CommandError, NotRegularFile
 from butlers.files import read_regular
@@ -480,7 +485,7 @@ async def _serve_fleet(
     not_loaded: Sequence[str] = (),
     only: Sequence[str] | None = None,
 ) -> None:
-    from butlers.daemon import start_fleet, stop_fleet
+    from butlers.daemon import hurry_fleet, start_fleet, stop_fleet
 
     report = await start_fleet(
         configs,
@@ -521,6 +526,7 @@ async def _serve_fleet(
         gc.freeze()
         await stop.wait()
         progress("Stopping...")
+        on_stop_signal(lambda: hurry_fleet(report.running))
     finally:
         await stop_fleet(report.running)
 

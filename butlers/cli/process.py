@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -46,6 +46,13 @@ def collect_as_a_server() -> None:
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGINT or SIGTERM sets `stop`."""
+    on_stop_signal(stop.set)
+
+
+def on_stop_signal(callback: Callable[[], object]) -> None:
+    """`callback` on the next SIGINT or SIGTERM (from now on, instead of what was there): a
+    second Ctrl-C while a fleet stops hurries the stop."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, callback)

@@ -29,6 +29,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from butlers.claude_code import known_reasons
 from butlers.config import SwitchboardConfig, TriageRule
 from butlers.errors import LeaseLost, RouteError
+from butlers.logs import progress
 from butlers.media import Attachment
 from butlers.spawner import Spawner
 from butlers.switchboard.attachments import AttachmentStep, Carried, NotNow, quoted
@@ -123,6 +124,7 @@ class InboxWorker:
         # switchboard's own max_concurrent_sessions.
         self._classifier_slots = asyncio.Semaphore(self.max_concurrent)
         self._wake = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second Ctrl-C: the drain of a stop is cut short
         self._waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
@@ -229,6 +231,11 @@ class InboxWorker:
             "outbox": await self.outbox_store.prune(older_than_days),
         }
 
+    def hurry(self) -> None:
+        """The owner stopped again (a second Ctrl-C): the messages under way are handed back
+        now instead of at the end of `stop_drain_s`."""
+        self._hurry.set()
+
     async def close(self) -> int:
         """Stop: no new message is taken; those under way may finish for `stop_drain_s` (their
         leases still renewed), and the rest go back to the queue, for another process (or this
@@ -237,14 +244,24 @@ class InboxWorker:
         await cancel_and_wait(self._task)
         waiting = sum(not future.done() for future in self._waiters.values())
         under_way = [task for task in self._in_flight.values() if not task.done()]
-        if under_way and self.limits.stop_drain_s > 0:
-            logger.info(
-                "stopping: %d message(s) under way get %.0f s to finish",
-                len(under_way),
-                self.limits.stop_drain_s,
-                extra={"action": "worker_drain"},
+        if under_way and self.limits.stop_drain_s > 0 and not self._hurry.is_set():
+            # For the person who pressed Ctrl-C and now waits (an INFO record in a JSON log).
+            them = "it" if len(under_way) == 1 else "them"
+            progress(
+                f"{len(under_way)} message{'s' * (len(under_way) != 1)} under way: up to "
+                f"{self.limits.stop_drain_s:g} s to finish (Ctrl-C again hands {them} back to "
+                "the queue now)",
+                action="worker_drain",
             )
-            await asyncio.wait(under_way, timeout=self.limits.stop_drain_s)
+            finished = asyncio.create_task(asyncio.wait(under_way))
+            hurried = asyncio.create_task(self._hurry.wait())
+            await asyncio.wait(
+                (finished, hurried),
+                timeout=self.limits.stop_drain_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for waiting_on in (finished, hurried):  # neither cancels a message's task
+                await cancel_and_wait(waiting_on)
         await cancel_and_wait(self._renewer)
         self._task = self._renewer = None
         in_flight = dict(self._in_flight)
