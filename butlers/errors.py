@@ -26,6 +26,7 @@ Exception
 │   ├── TranscriptionFailed    a voice note did not become text (`transient` or not)
 │   ├── AttachmentRefused      a file a message carried is not read (the text says why)
 │   ├── LeaseLost              another switchboard process took over a message
+│   ├── TokenRejected          Telegram refused a bot token (init asks for another)
 │   └── MailError              sending or fetching mail failed (host:port in the message)
 │       ├── MailRefused        will not work until someone acts (certificate, login)
 │       └── MailUnreadable     a mail or webhook body we will not read
@@ -126,6 +127,10 @@ class RemoteError(McpCallError):
 
 class CommandError(ButlersError):
     """A command cannot go on; printed without a traceback, exit status 1."""
+
+
+class TokenRejected(ButlersError):
+    """Telegram answered a bot token with Unauthorized: `init` asks for another one."""
 
 
 class InvalidChild(ButlersError, ValueError):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from butlers.claude_code import claude_binary
-from butlers.errors import CommandError
+from butlers.errors import CommandError, TokenRejected
 
 if TYPE_CHECKING:
     from telegram import Bot
@@ -499,7 +499,8 @@ def env_entries(answers: Answers, environ: Mapping[str, str], target: Path) -> l
     example's butlers as stale)."""
 
     def value(name: str) -> str | None:
-        return answers.typed_secrets.get(name) or environ.get(name) or None
+        typed = answers.typed_secrets.get(name)  # "" when one was rejected and none typed
+        return (typed if typed is not None else environ.get(name)) or None
 
     entries = []
     if "telegram" in answers.channels:
@@ -867,6 +868,7 @@ async def ask_telegram(
         return
     name = answers.bot_token_env
     token = settings.variable(name)
+    which = f"the bot token in ${name}"
     if token:
         console.say(f"Using the bot token in ${name} (it goes into .env, not the TOML).")
     else:
@@ -876,14 +878,27 @@ async def ask_telegram(
         )
         if token:
             answers.typed_secrets[name] = token
-    if token:
-        answers.owner_chat_id = await capture_owner_chat(
-            token, answers.telegram_api_base_url, name, console
-        )
-    else:
-        answers.owner_chat_id = await console.ask(
-            "Your Telegram chat id (Enter: none yet)", _optional(check_chat_id)
-        )
+            which = "that bot token"
+    while token:
+        try:
+            answers.owner_chat_id = await capture_owner_chat(
+                token, answers.telegram_api_base_url, name, console
+            )
+            return
+        except TokenRejected:
+            # A token copied short is the commonest slip: ask again instead of starting over.
+            console.say(
+                f"Telegram rejected {which}: copy it again from @BotFather (/mybots, your "
+                "bot, API Token)."
+            )
+            token = await console.secret(
+                f"The bot token (not shown; kept only in .env as {name}; Enter: none yet)"
+            )
+            answers.typed_secrets[name] = token  # "": none yet, not the rejected one
+            which = "that bot token"
+    answers.owner_chat_id = await console.ask(
+        "Your Telegram chat id (Enter: none yet)", _optional(check_chat_id)
+    )
 
 
 async def ask_mail(
@@ -968,10 +983,7 @@ async def capture_owner_chat(
     try:
         await bot.initialize()  # getMe
     except InvalidToken:
-        raise CommandError(
-            f"Telegram rejected the bot token (${token_env} or the one typed): check it with "
-            "@BotFather and run init again; nothing was written"
-        ) from None
+        raise TokenRejected(f"Telegram rejected the bot token for ${token_env}") from None
     except TelegramError as exc:
         raise failed(f"cannot reach the Telegram Bot API at {base}", exc) from None
     try:

@@ -697,20 +697,50 @@ async def test_a_token_typed_on_a_terminal_is_not_shown(
     assert _env_file(tmp_path / "mine" / ".env")["TELEGRAM_BOT_TOKEN"] == bot_api.token
 
 
-async def test_a_token_telegram_rejects_is_said_without_showing_it(
+async def test_a_token_telegram_rejects_is_asked_for_again_without_showing_it(
     tmp_path: Path,
     processes: list[Butlers],  # noqa: F811
     bot_api: FakeBotAPI,
 ) -> None:
+    """A token copied short was the end of init (start over, answer everything again): now
+    it is said, never shown, and asked for again."""
     wrong = "999999:not-the-bots-token_" + "x" * 10
-    init = await _interactive(processes, tmp_path / "mine", bot_api)
+    target = tmp_path / "mine"
+    init = await _interactive(processes, target, bot_api)
     init.answer("", "n", "", wrong)
-    assert await init.finish() == 1
-    assert "Telegram rejected the bot token" in init.stderr, init.stderr
-    assert "nothing was written" in init.stderr
-    assert wrong not in init.stdout + init.stderr
+    await init.wait_stdout(re.compile("Telegram rejected that bot token: copy it again"))
+    init.answer(bot_api.token)
+    code = (await init.wait_stdout(CODE))[1]
+    await bot_api.push_text(OWNER, code)
+    await init.wait_stdout(re.compile("Paired"))
+    init.answer("n", "UTC")
+    assert await init.finish() == 0, init.stderr
+    assert wrong not in init.stdout + init.stderr and bot_api.token not in init.stdout
     assert "Traceback" not in init.stderr
-    assert _names(tmp_path) == []
+    assert _env_file(target / ".env")["TELEGRAM_BOT_TOKEN"] == bot_api.token
+    owner = tomllib.loads((target / "switchboard" / "butler.toml").read_text())["switchboard"]
+    assert owner["owner"]["telegram_chat_id"] == str(OWNER)
+
+
+async def test_a_rejected_token_in_the_variable_is_not_written_when_none_is_typed(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+    bot_api: FakeBotAPI,
+) -> None:
+    """The variable's token rejected, then Enter (none yet): init goes on to the chat id, and
+    .env leaves the token's line to fill in rather than keeping the rejected one."""
+    wrong = "999999:not-the-bots-token_" + "y" * 10
+    target = tmp_path / "mine"
+    init = await _interactive(processes, target, bot_api, env=_env(TELEGRAM_BOT_TOKEN=wrong))
+    init.answer("", "n", "")
+    await init.wait_stdout(re.compile(r"Telegram rejected the bot token in \$TELEGRAM_BOT_TOKEN"))
+    init.answer("", str(OWNER), "n", "UTC")
+    assert await init.finish() == 0, init.stderr
+    assert wrong not in init.stdout + init.stderr
+    assert wrong not in (target / ".env").read_text()
+    assert _env_file(target / ".env")["TELEGRAM_BOT_TOKEN"] is None  # `#NAME=`: to fill in
+    owner = tomllib.loads((target / "switchboard" / "butler.toml").read_text())["switchboard"]
+    assert owner["owner"]["telegram_chat_id"] == str(OWNER)
 
 
 def test_env_values_read_back_the_same_in_a_shell_and_with_dotenv(tmp_path: Path) -> None:
