@@ -22,6 +22,8 @@ class ModuleStatus:
     # "skipped" | "failed"
     status: str
     detail: str = ""
+    # skipped: the variables its table names that are not set (what to set, or to rename)
+    missing: tuple[str, ...] = ()
 
 
 @dataclass

@@ -268,10 +268,11 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
         "every session will fail; set ANTHROPIC_API_KEY (in the config's .env, then load it) "
         "or log in with claude /login",
         "warning: switchboard: telegram is not running (skipped: TELEGRAM_BOT_TOKEN not set); "
-        f"if it is in {env_file}, load that before starting: set -a; . {env_file}; set +a",
+        f"it is in {env_file}: load that before starting: set -a; . {env_file}; set +a",
+        # (not in .env: loading it would not help; a misspelt variable name looks like this)
         "warning: switchboard: email is not running (skipped: BUTLERS_EMAIL_USER, "
-        f"BUTLERS_EMAIL_PASSWORD not set); if it is in {env_file}, load that before starting: "
-        f"set -a; . {env_file}; set +a",
+        "BUTLERS_EMAIL_PASSWORD not set); BUTLERS_EMAIL_USER, BUTLERS_EMAIL_PASSWORD are not "
+        f"in {env_file} either: set them there, or check the names [modules.email] gives them",
         "warning: the client commands (ask, inbox, log...) look for the switchboard at "
         "http://127.0.0.1:8100/sse; for this one: export BUTLERS_SWITCHBOARD_URL="
         f"http://127.0.0.1:{ports['switchboard']}/sse (or pass --url)",

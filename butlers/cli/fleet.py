@@ -37,6 +37,7 @@ from butlers.text import printable
 
 if TYPE_CHECKING:
     from butlers.config import ButlerConfig
+    from butlers.context import ModuleStatus
     from butlers.daemon import ButlerDaemon
     from butlers.redact import Redactor
     from butlers.settings import Settings
@@ -308,17 +309,15 @@ def ready_warnings(
             "no switchboard is running: no message is taken (Telegram, email, `butlers ask`)"
         )
     env_file = config_dir / ".env"
+    in_env_file = _names_in_env_file(env_file)
     for daemon in running:
         for module in daemon.context.module_statuses() if daemon.context else ():
             if module.status not in ("skipped", "failed"):
                 continue
             note = f"{daemon.config.name}: {module.name} is not running ({module.status}: "
             note += f"{module.detail})"
-            if module.status == "skipped" and env_file.is_file():
-                note += (
-                    f"; if it is in {env_file}, load that before starting: "
-                    f"set -a; . {shlex.quote(str(env_file))}; set +a"
-                )
+            if module.missing and in_env_file is not None:
+                note += _where_to_set(module, env_file, in_env_file)
             notes.append(note)
     for daemon in switchboards:
         if daemon.sse_url != (settings.switchboard_url or DEFAULT_SWITCHBOARD_URL):
@@ -328,6 +327,33 @@ def ready_warnings(
                 f"export BUTLERS_SWITCHBOARD_URL={daemon.sse_url} (or pass --url)"
             )
     return notes
+
+
+def _where_to_set(module: ModuleStatus, env_file: Path, in_env_file: frozenset[str]) -> str:
+    """What to do about a module's unset variables, given what the config's .env sets."""
+    absent = [name for name in module.missing if name not in in_env_file]
+    if not absent:
+        quoted = shlex.quote(str(env_file))
+        return f"; it is in {env_file}: load that before starting: set -a; . {quoted}; set +a"
+    # Loading .env would not help: the variable's name is wrong, or it was never written.
+    one = len(absent) == 1
+    return (
+        f"; {', '.join(absent)} {'is' if one else 'are'} not in {env_file} either: set "
+        f"{'it' if one else 'them'} there, or check the name{'' if one else 's'} "
+        f"[modules.{module.name}] gives {'it' if one else 'them'}"
+    )
+
+
+def _names_in_env_file(env_file: Path) -> frozenset[str] | None:
+    """The variables a config directory's .env sets (names only), or None without one that
+    can be read: what `up` may tell a person to load."""
+    from dotenv import dotenv_values
+
+    try:
+        env_file.open("rb").close()  # dotenv reads an unreadable file as empty
+        return frozenset(name for name, value in dotenv_values(env_file).items() if value)
+    except OSError:
+        return None
 
 
 def _claude_code_credentials(settings: Settings) -> bool:

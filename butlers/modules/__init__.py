@@ -97,4 +97,4 @@ def build_modules(
 
 def _not_configured(name: str, missing: list[str]) -> ModuleStatus:
     """Skipped, not failed: nothing was tried. The detail names the variables to set."""
-    return ModuleStatus(name, "skipped", f"{', '.join(missing)} not set")
+    return ModuleStatus(name, "skipped", f"{', '.join(missing)} not set", tuple(missing))
