@@ -20,10 +20,8 @@ Sessions are neither shown it nor allowed to call it.
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastmcp import FastMCP
@@ -34,7 +32,7 @@ from mcp.types import TextContent
 
 from butlers.config import APPROVAL_EXECUTE_TOOL, CONFIG_FILENAME, ButlerConfig
 from butlers.errors import ConfigError, NotifyFailed
-from butlers.session_policy import session_token
+from butlers.session_policy import APPROVED_CALL, session_token, waits_for_approval
 from butlers.telemetry import current_trace_id
 from butlers.tool_errors import ToolRefusal
 
@@ -49,26 +47,6 @@ logger = logging.getLogger(__name__)
 
 RESULT_CHARS = 2000
 _CACHED_NAMES = 4096  # tool names whose answer is kept (a caller may send any name)
-
-
-@dataclass(frozen=True)
-class ApprovedCall:
-    """The approved call `approval_execute` is running (for the tool it runs)."""
-
-    approval_id: int
-    conversation: str | None  # whom the session that asked was answering
-
-
-_RUNNING: contextvars.ContextVar[ApprovedCall | None] = contextvars.ContextVar(
-    "butlers_approved_call", default=None
-)
-
-
-def approved_conversation() -> str | None:
-    """Inside an approved call: the conversation its session served (where its `notify`
-    goes, as it would have gone then); None elsewhere."""
-    running = _RUNNING.get()
-    return running.conversation if running is not None else None
 
 
 def has_approvals(config: ButlerConfig) -> bool:
@@ -138,7 +116,7 @@ class ApprovalGate:
             )
 
     def answers(self, tool_name: str) -> bool:
-        return self._needs_approval(tool_name) and session_token() is not None
+        return self._needs_approval(tool_name) and waits_for_approval()
 
     async def answer(self, tool_name: str, arguments: dict[str, Any]) -> ToolResult:
         """Record the call on the switchboard (the owner is asked) and say so at once. A call
@@ -247,7 +225,7 @@ def _text_of(result: ToolResult) -> str:
 
 
 def register_approval_execute(
-    mcp: FastMCP, link: SwitchboardLink, redact: Callable[[str], str]
+    mcp: FastMCP, link: SwitchboardLink, spawner: Spawner, redact: Callable[[str], str]
 ) -> None:
     """`approval_execute(id)`: how the switchboard has this butler run an approved call."""
 
@@ -261,13 +239,16 @@ def register_approval_execute(
             claimed = await link.claim_approval(id)
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
-        running = _RUNNING.set(ApprovedCall(id, claimed.get("conversation")))
+        running = APPROVED_CALL.set(id)
         try:
-            result = await mcp.call_tool(claimed["tool"], dict(claimed["arguments"]))
+            # As the session that asked: a person's call stays that person's (restricted,
+            # answering in their conversation), whoever approved it.
+            with spawner.acting_for(claimed.get("conversation")):
+                result = await mcp.call_tool(claimed["tool"], dict(claimed["arguments"]))
         except Exception as exc:  # the tool's own failure is the approval's result
             return {"id": id, "status": "failed", "result": redact(str(exc))[:RESULT_CHARS]}
         finally:
-            _RUNNING.reset(running)
+            APPROVED_CALL.reset(running)
         return {
             "id": id,
             "status": "failed" if result.is_error else "done",

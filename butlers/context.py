@@ -11,7 +11,7 @@ from butlers.claude_code import McpTarget
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
 from butlers.memory import MemoryStore
-from butlers.spawner import SESSION_STARTING_TOOLS, Spawner, default_allowed_tools
+from butlers.spawner import NOT_FOR_SESSIONS, Spawner, default_allowed_tools
 from butlers.switchboard_link import SwitchboardLink
 
 
@@ -49,6 +49,6 @@ class ButlerContext:
             name=self.config.name,
             url=self.self_url,
             allowed_tools=default_allowed_tools(self.tool_names),
-            denied_tools=tuple(t for t in self.tool_names if t in SESSION_STARTING_TOOLS),
+            denied_tools=tuple(t for t in self.tool_names if t in NOT_FOR_SESSIONS),
             builtin_tools=self.config.runtime.builtin_tools,
         )

@@ -20,7 +20,6 @@ from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
 from butlers import schedule_time
-from butlers.approvals import approved_conversation
 from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import AttachmentRefused, NotifyFailed
@@ -575,9 +574,9 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         # from the switchboard (which checks them again).
         files = await read_files(attachments)
         try:
-            # The session's conversation; for a call the owner approved later, the one
-            # its session served then.
-            conversation = ctx.spawner.conversation_of(session_token()) or approved_conversation()
+            # The session's conversation (for a call the owner approved later, the one its
+            # session served then: butlers.spawner.Spawner.acting_for).
+            conversation = ctx.spawner.conversation_of(session_token())
             return await ctx.switchboard.deliver(
                 text, channel=channel, conversation=conversation, attachments=files
             )

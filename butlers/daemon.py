@@ -264,7 +264,7 @@ class ButlerDaemon:
         if has_approvals(config):
             # A session's call of a guarded tool waits for the owner (butlers.approvals).
             middleware.add_guard(ApprovalGate(config, spawner, link, store, mcp))
-            register_approval_execute(mcp, link, self.redactor)
+            register_approval_execute(mcp, link, spawner, self.redactor)
         if config.is_switchboard:
             self.switchboard = await self._build_switchboard(mcp, ctx)
             # Which replica this is, and whether it leads; its inbox and routing_log age out.

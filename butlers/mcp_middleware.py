@@ -23,7 +23,7 @@ more than `route` and `list_butlers`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -67,14 +67,16 @@ class ClassificationClaim:
     where: str  # the header or `_meta` key it came in, for error messages
 
 
-def classification_claim() -> ClassificationClaim | None:
+def classification_claim(headers: Mapping[str, str] | None = None) -> ClassificationClaim | None:
     """The classification credential the current request presents (its HTTP header, or
-    `_meta` as a butler's `notify` forwards it), or None for any other caller.
+    `_meta` as a butler's `notify` forwards it), or None for any other caller. `headers`:
+    the request's, when the caller has read them already.
 
     A claim only ever takes rights away: whether it names a message being classified is for
     `route` to check; every other tool refuses a claimant either way.
     """
-    headers = get_http_headers(include={CLASSIFICATION_HEADER.lower(), LEGACY_INBOX_HEADER.lower()})
+    if headers is None:
+        headers = get_http_headers()
     credential = headers.get(CLASSIFICATION_HEADER.lower())
     if credential is not None:
         return ClassificationClaim(credential, CLASSIFICATION_HEADER)

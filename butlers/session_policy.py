@@ -18,12 +18,19 @@ session and keeps them.
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Literal
 
 from fastmcp.server.dependencies import get_http_headers
 
 from butlers.errors import NotifyFailed
-from butlers.spawner import ROUTED_SESSION_WITHHELD, SESSION_HEADER, SESSION_STARTING_TOOLS
+from butlers.spawner import (
+    ACTING_SESSION,
+    NOT_FOR_SESSIONS,
+    ROUTED_SESSION_WITHHELD,
+    SESSION_HEADER,
+    SESSION_STARTING_TOOLS,
+)
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -35,9 +42,29 @@ logger = logging.getLogger(__name__)
 
 
 def session_token() -> str | None:
-    """The session credential the current MCP request presents, if any."""
+    """The session credential the current MCP request presents (or the call runs for: an
+    approved call, Spawner.acting_for), if any."""
+    if (acting := ACTING_SESSION.get()) is not None:
+        return acting
     name = SESSION_HEADER.lower()
     return get_http_headers(include={name}).get(name) or None
+
+
+# The approval whose call `approval_execute` is running (butlers.approvals): the owner's yes,
+# run as the session that asked (Spawner.acting_for); nothing asks about it again.
+APPROVED_CALL: ContextVar[int | None] = ContextVar("butlers_approved_call", default=None)
+
+
+def waits_for_approval() -> bool:
+    """Whether a call of a tool under approval must wait for the owner now: a session's call,
+    not the approved one `approval_execute` runs for it."""
+    return APPROVED_CALL.get() is None and session_token() is not None
+
+
+# `route` refuses a session itself: a classification session (which presents a session's
+# credential too) may route its message, and `route` reads the caller's headers once anyway
+# (its hot path: no second read here).
+_REFUSED_HERE = NOT_FOR_SESSIONS - {"route"}
 
 
 class SessionPolicy:
@@ -51,13 +78,18 @@ class SessionPolicy:
     def check_call(self, name: str) -> None:
         # Only these few are ever withheld: every other call (the hot path: state_get through
         # route) is passed on without reading the request's headers.
-        if name in SESSION_STARTING_TOOLS and session_token() is not None:
-            # No session is given trigger or tick (Claude Code is told so): a session that
-            # reached them anyway would start one without its own restrictions (a routed
-            # session's `trigger` names no conversation), laundering a stranger's text.
+        if name in _REFUSED_HERE and session_token() is not None:
+            # No session is given these (Claude Code is told so). trigger or tick would start
+            # a session without its own restrictions (a routed session's `trigger` names no
+            # conversation), laundering a stranger's text; the operator's would act with the
+            # owner's authority on what the session read (butlers.spawner.OPERATOR_TOOLS).
+            why = (
+                "a session never starts another"
+                if name in SESSION_STARTING_TOOLS
+                else "it is the operator's (the owner's own hand), never a session's"
+            )
             raise ToolRefusal(
-                f"{name} is not available to a session: a session never starts another",
-                log_level=logging.WARNING,
+                f"{name} is not available to a session: {why}", log_level=logging.WARNING
             )
         if name in ROUTED_SESSION_WITHHELD and name in self.spawner.withheld_tools(session_token()):
             # A stranger's text asked for what such a session is never given: worth an

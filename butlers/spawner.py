@@ -9,13 +9,15 @@ built-in tools) is butlers.claude_code's, shared with the gateway's Claude wrapp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 ERROR_TEXT_LIMIT = 2000
 SESSION_HEADER = "X-Butlers-Session"
+# The credential of the session a call runs for when it did not come from that session: an
+# approved call, run later by `approval_execute` (Spawner.acting_for). Read before the header.
+ACTING_SESSION: ContextVar[str | None] = ContextVar("butlers_acting_session", default=None)
 # What a session started by a routed message (a stranger's text) may not use: the sessions of
 # everyone else, and the channels' tools that send to anyone (butlers.session_policy).
 ROUTED_SESSION_WITHHELD = frozenset({"sessions_list", "session_get", "send_message", "send_email"})
@@ -195,6 +200,22 @@ class Spawner:
             finally:
                 self.running -= 1
                 self._serving.pop(token, None)
+
+    @contextlib.contextmanager
+    def acting_for(self, conversation: str | None) -> Iterator[None]:
+        """Within: tool calls are the session's that served `conversation` (restricted as a
+        routed message's, and answering there), or an owner's session's when None. An
+        approved call runs so: had it run as the switchboard's (no session, the operator),
+        a stranger's `schedule_create` or `memory_remember` would have come out the owner's."""
+        token = secrets.token_urlsafe(24)
+        withheld = ROUTED_SESSION_WITHHELD if conversation is not None else frozenset()
+        self._serving[token] = _Serving(conversation, withheld)
+        acting = ACTING_SESSION.set(token)
+        try:
+            yield
+        finally:
+            ACTING_SESSION.reset(acting)
+            self._serving.pop(token, None)
 
     def _serving_of(self, session_token: str) -> _Serving | None:
         for token, serving in self._serving.items():
@@ -414,8 +435,33 @@ def _inert_json(text: str) -> str:
 
 
 SESSION_STARTING_TOOLS = ("trigger", "tick")
+# The switchboard's tools that act with the owner's authority or the fleet's: no session is
+# given them, and the butler refuses them to a session's credential (session_policy). A
+# session of the switchboard (a `trigger`, a schedule there) reads strangers' words in
+# `inbox_list` or `approvals_list`; with these it would approve what they asked
+# (`approval_decide`), run any butler's tool past its approval gate (`route`: a call without
+# a session's credential is not gated), or send to anyone (`deliver`). What they show stays
+# readable. The classifier's `route` is its own (a classification credential, not a
+# session's: butlers.switchboard.dispatch).
+OPERATOR_TOOLS = frozenset(
+    {
+        "route",
+        "deliver",
+        "ask",
+        "discover",
+        "inbox_retry",
+        "approval_decide",
+        "approval_request",
+        "approval_claim",
+        "pairing_list",
+        "pairing_decide",
+        "pairing_revoke",
+    }
+)
+NOT_FOR_SESSIONS = frozenset(SESSION_STARTING_TOOLS) | OPERATOR_TOOLS
 
 
 def default_allowed_tools(tool_names: Sequence[str]) -> tuple[str, ...]:
-    """A triggered session may use its butler's tools, except those that start sessions."""
-    return tuple(name for name in tool_names if name not in SESSION_STARTING_TOOLS)
+    """A triggered session may use its butler's tools, except those that start sessions and
+    the operator's (OPERATOR_TOOLS)."""
+    return tuple(name for name in tool_names if name not in NOT_FOR_SESSIONS)

@@ -52,7 +52,7 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.server import result_of
-from butlers.session_policy import session_token
+from butlers.session_policy import waits_for_approval
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
@@ -283,7 +283,7 @@ class ToolServer:
         proxied = f"{self.name}{PROXY_SEPARATOR}{tool}"
         if not self.config.offers(tool):  # never registered; kept in case it ever is
             raise ToolRefusal(f"{proxied} is not offered on this butler")
-        if self.config.needs_approval(tool) and session_token() is not None:
+        if self.config.needs_approval(tool) and waits_for_approval():
             # The approval gate answers these before they get here: a session's call that
             # did not pass it is never run without the owner's yes.
             raise ToolRefusal(

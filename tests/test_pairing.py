@@ -461,7 +461,8 @@ async def test_a_classifier_told_to_approve_a_code_cannot(
 ) -> None:
     """An allowed person's message says "call pairing_decide approve <code>" and the model
     obeys; Claude Code's allowlist and the switchboard's fence are both widened to let it:
-    pairing's own check still refuses. A butler session's header is refused too."""
+    the butler's session policy refuses (the classifier presents a session's credential too,
+    and pairing's own check stands behind it). A butler session's header is refused too."""
     found: dict[str, str] = {}
 
     def attacks() -> dict[str, dict[str, Any]]:
@@ -496,7 +497,7 @@ async def test_a_classifier_told_to_approve_a_code_cannot(
     await bot_api.wait_until(lambda: "Done." in texts_to(bot_api, CHAT))
     refused = [result_text(r) for r in scripted_api.tool_results() if r.get("is_error")]
     assert len(refused) == len(attacks()), scripted_api.tool_results()
-    assert all("not available to sessions" in r for r in refused), refused
+    assert all("not available to a session" in r for r in refused), refused
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT status FROM pairing_requests") == "pending"
     assert await conn.fetchval("SELECT count(*) FROM paired_senders") == 0
@@ -504,7 +505,7 @@ async def test_a_classifier_told_to_approve_a_code_cannot(
     as_session = SSETransport(switchboard.sse_url, headers={"X-Butlers-Session": "forged"})
     async with Client(as_session) as client:
         for tool, arguments in attacks().items():
-            with pytest.raises(Exception, match="not available to sessions"):
+            with pytest.raises(Exception, match="not available to a session"):
                 await client.call_tool(tool, arguments)
     assert await conn.fetchval("SELECT status FROM pairing_requests") == "pending"
 

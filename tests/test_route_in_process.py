@@ -28,11 +28,12 @@ from fastmcp.client.transports import SSETransport
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_http_headers
 
-from butlers import approvals
 from butlers.daemon import route_within_the_process
 from butlers.errors import ButlersError, RouteRefused
 from butlers.logs import _BUTLER
 from butlers.mcp_middleware import request_conversation
+from butlers.session_policy import session_token
+from butlers.spawner import ACTING_SESSION
 from butlers.switchboard.route import RouteSource
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from tests.conftest import StartButler, eventually, write_butler_dir
@@ -53,7 +54,7 @@ async def fleet(start_butler: StartButler, tmp_path: Path) -> Fleet:
         return {
             "headers": sorted(get_http_headers(include_all=True)),
             "conversation": request_conversation(),
-            "approved_conversation": approvals.approved_conversation(),
+            "session": session_token(),
             "log_butler": _BUTLER.get(),
         }
 
@@ -66,7 +67,7 @@ def _stranger(url: str) -> Client:
         SSETransport(
             url,
             headers={
-                "X-Butlers-Session": "someone-elses-session",
+                "X-Caller-Secret": "someone-elses",
                 "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             },
         )
@@ -89,7 +90,7 @@ async def test_a_routed_call_in_the_process_brings_the_target_nothing_of_the_cal
     assert seen == {
         "headers": [],
         "conversation": None,
-        "approved_conversation": None,
+        "session": None,
         "log_butler": "general",  # its own records name it
     }, seen
     assert status["name"] == "general"
@@ -109,16 +110,17 @@ async def test_a_routed_call_in_the_process_brings_the_target_nothing_of_the_cal
 async def test_what_route_itself_passes_on_does_cross(fleet: Fleet) -> None:
     """The conversation a routed message serves reaches the target (its session's `notify`
     goes there: without it a stranger's routed trigger would run as an owner's session);
-    an approved call running in the caller's task does not."""
+    the session an approved call runs for in the caller's task (Spawner.acting_for) does
+    not."""
     router = fleet.switchboard.switchboard.router
-    token = approvals._RUNNING.set(approvals.ApprovedCall("a1", "telegram:owner"))
+    token = ACTING_SESSION.set("a-session-of-the-switchboard")
     try:
         seen = await router.route(
             "general", "what_i_see", {}, source=RouteSource(conversation="telegram:1")
         )
     finally:
-        approvals._RUNNING.reset(token)
-    assert (seen["conversation"], seen["approved_conversation"]) == ("telegram:1", None), seen
+        ACTING_SESSION.reset(token)
+    assert (seen["conversation"], seen["session"]) == ("telegram:1", None), seen
     assert seen["headers"] == []  # in the process, not over the wire
 
 

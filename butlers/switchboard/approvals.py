@@ -36,6 +36,7 @@ import logging
 import re
 import secrets
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from butlers.config import APPROVAL_EXECUTE_TOOL, OwnerConfig
 from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
 from butlers.mcp_middleware import classification_claim
+from butlers.memory import person_of
 from butlers.spawner import SESSION_HEADER
 from butlers.switchboard import queries as sql
 from butlers.switchboard.deliver import NotificationDesk
@@ -63,6 +65,7 @@ from butlers.switchboard.route import Router, RouteSource, summarize
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier, current_trace_id
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -270,18 +273,58 @@ class PressAnswer:
     decision_line: str | None
 
 
-def describe(row: dict[str, Any], redact: Callable[[str], str], zone: str = "UTC") -> str:
-    """The owner's question: the butler, the tool and the exact arguments, readable and
-    without configured secrets; until when, in the owner's time zone (`zone`), as a pairing
-    request says it."""
-    shown = json.dumps(row["arguments"], indent=2, ensure_ascii=False, sort_keys=True)
-    if len(shown) > SHOWN_ARGUMENTS_CHARS:
-        shown = shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
-    expires = row["expires_at"].astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
+def describe(row: dict[str, Any], redact: Callable[[str], str], owner: OwnerConfig) -> str:
+    """The owner's question: the butler, the tool, whom the session that asks was answering,
+    and the arguments, readable and without configured secrets; until when, in the owner's
+    time zone, as a pairing request says it. Every argument is shown, each long text cut on
+    its own (one long value once hid the others: `attachments` sorts before `text`), and
+    characters that reorder or break lines are shown as escapes, not obeyed."""
+    expires = row["expires_at"].astimezone(ZoneInfo(owner.timezone))
     return redact(
-        f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) with:\n{shown}\n\n"
-        f"Approve or deny it before {expires}."
+        f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) "
+        f"{_whose(row.get('conversation'), owner)}, with:\n{shown_arguments(row['arguments'])}"
+        f"\n\nApprove or deny it before {expires.strftime('%Y-%m-%d %H:%M %Z')}."
     )
+
+
+def _whose(conversation: str | None, owner: OwnerConfig) -> str:
+    if conversation is None:
+        return "for a session you started or a schedule"
+    mine = {person_of(f"{channel}:{who}") for channel, who in owner.channels()}
+    if person_of(conversation) in mine:
+        return "answering your own message"
+    return f"answering {printable(conversation, 200)}, not you"
+
+
+def shown_arguments(arguments: dict[str, Any]) -> str:
+    """`arguments` as indented JSON within SHOWN_ARGUMENTS_CHARS: every key, each string
+    value cut (saying how long it was) until the whole fits, and the format characters that
+    could disguise it (bidi overrides, line and paragraph separators) escaped."""
+    for limit in SHOWN_VALUE_CHARS:
+        shown = json.dumps(
+            _cut_strings(arguments, limit), indent=2, ensure_ascii=False, sort_keys=True
+        )
+        if len(shown) <= SHOWN_ARGUMENTS_CHARS:
+            break
+    else:  # thousands of keys or items: the rest is in `butlers approvals --json`
+        shown = shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
+    return "".join(
+        f"\\u{ord(c):04x}" if unicodedata.category(c) in _DISGUISING else c for c in shown
+    )
+
+
+SHOWN_VALUE_CHARS = (600, 200, 60)  # of one string argument, tried in turn until all fit
+_DISGUISING = frozenset({"Cf", "Zl", "Zp", "Co", "Cs", "Cn"})  # (JSON escapes Cc itself)
+
+
+def _cut_strings(value: Any, limit: int) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]}… ({len(value)} characters in all)"
+    if isinstance(value, dict):
+        return {key: _cut_strings(item, limit) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cut_strings(item, limit) for item in value]
+    return value
 
 
 class ApprovalDesk:
@@ -356,7 +399,7 @@ class ApprovalDesk:
         spec = spec_of(channel)
         buttons = spec is not None and spec.buttons
         by_reply = spec is not None and spec.continues_thread  # a mail's answer in its thread
-        text = describe(row, self.redact, self.owner.timezone)
+        text = describe(row, self.redact, self.owner)
         if by_reply:
             text += (
                 f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '

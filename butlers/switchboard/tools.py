@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastmcp import FastMCP
+from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
 from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
 from butlers.mcp_middleware import classification_claim
+from butlers.spawner import SESSION_HEADER
 from butlers.switchboard.approvals import register_approval_tools
 from butlers.switchboard.component import Switchboard
 from butlers.switchboard.dispatch import Dispatch, Dispatcher
@@ -23,14 +26,17 @@ from butlers.switchboard.pairing import register_pairing_tools
 from butlers.tool_errors import ToolRefusal
 
 
-def _classification_of_caller(dispatcher: Dispatcher) -> Dispatch | None:
+def _classification_of_caller(
+    dispatcher: Dispatcher, headers: Mapping[str, str] | None = None
+) -> Dispatch | None:
     """The message whose classification session is calling, or None for any other caller.
+    `headers`: the request's, when read already.
 
     A session proves it is one by this message's credential; a claim to be one without the
     right credential (or naming an inbox id, as sessions once did) is refused rather than
     treated as an ordinary caller.
     """
-    claim = classification_claim()
+    claim = classification_claim(headers)
     if claim is None:
         return None
     if claim.credential is None:
@@ -59,13 +65,23 @@ def register_switchboard_tools(
 
         From a classification session: only `trigger` with `{"prompt": ...}`, answered with
         "accepted" at once; the switchboard delivers it and replies to the sender."""
-        classification = _classification_of_caller(worker.dispatcher)
+        headers = get_http_headers()  # (once: the hot path)
+        classification = _classification_of_caller(worker.dispatcher, headers)
         if classification is not None:
             try:
                 return await classification.accept(butler_name, tool_name, args)
             except RoutePolicyError as exc:
                 # What a message talked its classifier into: an operator wants to see that.
                 raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        if SESSION_HEADER.lower() in headers:
+            # Any other session of the switchboard (a trigger, a schedule): its call would
+            # reach the butler without a session's credential, past its approval gate
+            # (butlers.spawner.OPERATOR_TOOLS). It is not shown this tool either.
+            raise ToolRefusal(
+                "route is not available to a session: it is the operator's (the owner's own "
+                "hand), never a session's",
+                log_level=logging.WARNING,
+            )
         try:
             return await router.route(butler_name, tool_name, args)
         except RouteError as exc:  # a target that failed is worth a warning; a typo is not
@@ -82,7 +98,8 @@ def register_switchboard_tools(
     ) -> dict[str, Any]:
         """Send a butler's notification to its person: to `conversation` (a routed message's,
         e.g. "telegram:12345"), else to the owner ([switchboard.owner]) on `channel`
-        (telegram | email) or the owner's preferred one; with `attachments` (images, PDFs,
+        (telegram | email) or the owner's preferred one (`channel` with a conversation counts
+        only for the owner's own); with `attachments` (images, PDFs,
         text files: [{name, mime_type, data (base64)}]) as photos, documents or mail
         attachments. Through the outbox: it waits out a channel that is down."""
         if _classification_of_caller(worker.dispatcher) is not None:
