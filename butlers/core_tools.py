@@ -32,7 +32,7 @@ from butlers.media import (
     checked,
     from_wire,
 )
-from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer
+from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer, person_of
 from butlers.session_policy import session_token
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
@@ -173,6 +173,11 @@ def _check_key(key: str) -> None:
         raise ToolRefusal("state key must not be empty")
     if len(key) > MAX_KEY_CHARS:
         raise ToolRefusal(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
+
+
+def _planted_by(row: dict[str, Any], person: str) -> bool:
+    """Whether a schedule was planted by a session answering `person`."""
+    return bool(row["routed"] and row["conversation"] and person_of(row["conversation"]) == person)
 
 
 def _parse_session_id(session_id: str) -> uuid.UUID:
@@ -337,7 +342,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     async def state_get(key: str) -> JsonValue:
         """Return the JSON value stored under `key`, or null when there is none."""
         _check_key(key)
-        row = await store.state_get(key)
+        row = await store.state_get(scoped(key))
         return None if row is None else row["value"]
 
     @tool
@@ -349,19 +354,23 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             raise ToolRefusal(
                 f"value for key {key!r} is {size} bytes of JSON; the limit is {MAX_VALUE_BYTES}"
             )
-        updated_at = await store.state_set(key, value)
+        updated_at = await store.state_set(scoped(key), value)
         return {"key": key, "updated_at": updated_at}
 
     @tool
     async def state_delete(key: str) -> dict[str, Any]:
         """Delete `key`; `deleted` says whether it existed."""
         _check_key(key)
-        return {"key": key, "deleted": await store.state_delete(key)}
+        return {"key": key, "deleted": await store.state_delete(scoped(key))}
 
     @tool
     async def state_list(prefix: str = "") -> list[dict[str, Any]]:
         """Every key starting with `prefix`, with its value and when it was last set."""
-        return await store.state_list(prefix)
+        who = person_scope()
+        if who is None:
+            return await store.state_list(prefix)
+        rows = await store.state_list(f"{who}/{prefix}")
+        return [{**row, "key": row["key"].removeprefix(f"{who}/")} for row in rows]
 
     @tool
     async def schedule_create(
@@ -432,14 +441,21 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         """Every scheduled task: its cron (or none: a one-time reminder), prompt, next and
         last run (UTC, with offset), and origin (`config`: declared in butler.toml)."""
         zone = ctx.config.zone
-        return [_schedule_row(row, zone) for row in await store.schedule_list()]
+        rows = await store.schedule_list()
+        if (who := person_scope()) is not None:  # a person sees only their own
+            rows = [row for row in rows if _planted_by(row, who)]
+        return [_schedule_row(row, zone) for row in rows]
 
     @tool
     async def schedule_delete(name: str) -> dict[str, Any]:
         """Delete the scheduled task called `name`."""
-        # A person's session may delete only what such sessions planted, never the owner's
-        # or those declared in butler.toml.
+        # A routed message's session may delete only what such sessions planted, never the
+        # owner's or those declared in butler.toml; a person's, only what theirs planted.
         routed_only = bool(ctx.spawner.withheld_tools(session_token()))
+        if (who := person_scope()) is not None and not any(
+            row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
+        ):
+            raise ToolRefusal(f"no schedule named {name!r} that you may delete")
         if not await store.schedule_delete(name, routed_only=routed_only):
             raise ToolRefusal(
                 f"no schedule named {name!r}" + (" that you may delete" if routed_only else "")
@@ -455,6 +471,22 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if ctx.spawner.withheld_tools(token):
             return Viewer.of_person(ctx.spawner.conversation_of(token))
         return OWNER_SESSION
+
+    def person_scope() -> str | None:
+        """The person whose state and schedules alone the caller sees, when it is a session
+        answering someone other than the owner (their `state_*` keys live under
+        `<person>/`, out of everyone else's sight); None for the owner's sessions and the
+        operator, who see all. Without it a person's session read the owner's state, and
+        wrote what the owner's sessions then read as their own (as memories once did)."""
+        seen_as = viewer()
+        owners = ctx.memory.owner_persons if ctx.memory is not None else frozenset()
+        if seen_as.kind != "person" or seen_as.person in owners:
+            return None
+        return seen_as.person
+
+    def scoped(key: str) -> str:
+        who = person_scope()
+        return key if who is None else f"{who}/{key}"
 
     def memory() -> MemoryStore:
         if ctx.memory is None:

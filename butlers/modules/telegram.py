@@ -43,6 +43,7 @@ from butlers.media import MAX_IMAGE_BYTES, Attachment, _sizes, check_count, chec
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -417,6 +418,8 @@ class TelegramModule:
         meta: dict[str, Any] = {"message_id": message.message_id}
         if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
             meta["reply_to_message_id"] = message.reply_to_message.message_id
+        if (author := _forwarded_from(message)) is not None:
+            meta["forwarded_from"] = author  # someone else's words (message_body says so)
         # A forum group's topics are separate conversations.
         topic = message.message_thread_id if message.is_topic_message else None
         incoming = IncomingMessage(
@@ -844,6 +847,33 @@ def _transient(exc: Exception) -> bool:
     return isinstance(exc, RetryAfter) or (
         isinstance(exc, NetworkError) and not isinstance(exc, BadRequest)
     )
+
+
+def _forwarded_from(message: Message) -> str | None:
+    """Who wrote a forwarded message (as Telegram names them: their name, a hidden user's
+    name, a chat's or channel's title), or None for one the sender wrote. Forwarded, a
+    stranger's words reached a butler as the owner's own."""
+    from telegram import (
+        MessageOriginChannel,
+        MessageOriginChat,
+        MessageOriginHiddenUser,
+        MessageOriginUser,
+    )
+
+    origin = message.forward_origin
+    if origin is None:
+        return None
+    if isinstance(origin, MessageOriginUser):
+        name = origin.sender_user.full_name
+    elif isinstance(origin, MessageOriginHiddenUser):
+        name = origin.sender_user_name
+    elif isinstance(origin, MessageOriginChat):
+        name = origin.sender_chat.effective_name or ""
+    elif isinstance(origin, MessageOriginChannel):
+        name = origin.chat.effective_name or ""
+    else:
+        name = ""
+    return printable(name, 80) or "someone"
 
 
 def _noting(incoming: IncomingMessage, why: str) -> IncomingMessage:

@@ -13,6 +13,7 @@ drawn for this message, which the text cannot know and so cannot close.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,11 @@ def message_body(message: InboxMessage) -> str:
         if message.meta.get("voice")
         else message.text
     )
+    if (author := message.meta.get("forwarded_from")) is not None:
+        # Someone else's words, passed on: not the sender's own request (their name is
+        # theirs to choose, so it is quoted).
+        quoted = json.dumps(author, ensure_ascii=False)
+        text = f"(Forwarded: written by {quoted}, not by the sender.) {text}"
     if message.subject:
         text = f"Subject: {message.subject}\n\n{text}"
     files = described(message.meta)
