@@ -178,6 +178,21 @@ async def test_a_butler_beyond_loopback_without_a_token_fails(tmp_path: Path) ->
     assert checks["bind"].status == "fail"
 
 
+async def test_sessions_that_may_fetch_urls_want_a_token(tmp_path: Path) -> None:
+    """A session given WebFetch, on a machine whose butlers and dashboard take no token, could
+    be told to fetch loopback's /ui (everyone's messages): a warning, gone with a token."""
+    config = fleet_dir(tmp_path)
+    toml = config / "general" / "butler.toml"
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
+    assert "fetch" not in await doctor(config, env)
+    toml.write_text(toml.read_text() + '[runtime]\nbuiltin_tools = ["WebSearch", "WebFetch"]\n')
+    checks = await doctor(config, env)
+    assert checks["fetch"].status == "warn"
+    assert checks["fetch"].detail.startswith("general: sessions may use WebFetch")
+    assert "BUTLERS_AUTH_TOKEN" in checks["fetch"].detail
+    assert "fetch" not in await doctor(config, {**env, "BUTLERS_AUTH_TOKEN": TOKEN_OK})
+
+
 async def test_the_env_file_is_read_and_must_be_private(tmp_path: Path) -> None:
     """The variables of <config dir>/.env count (the environment still wins); a .env others
     can read fails, naming the fix."""

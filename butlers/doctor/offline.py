@@ -107,6 +107,21 @@ def exposure(subject: Subject) -> list[Check]:
         )
     else:
         found.append(ok("bind", f"{where}, guarded by {TOKEN_VARIABLE}"))
+    fetching = [b.name for b in subject.butlers if "WebFetch" in b.runtime.builtin_tools]
+    if fetching and token is None:
+        # Not proven here (Claude Code's WebFetch asks the internet whether a domain is safe,
+        # and this machine has none), so a warning: a session that can fetch a URL would read
+        # loopback's open dashboard, every person's messages and sessions.
+        found.append(
+            warn(
+                "fetch",
+                f"{', '.join(fetching)}: sessions may use WebFetch, and without "
+                f"{TOKEN_VARIABLE} the dashboard and every butler answer anything on this "
+                "machine: a message could have a session fetch http://127.0.0.1:<port>/ui "
+                f"(everyone's messages); {subject.where_to_set(TOKEN_VARIABLE)} (make one "
+                f"with {MAKE_TOKEN})",
+            )
+        )
     if token is not None and len(token) < MIN_TOKEN_CHARS:
         short = (
             f"{TOKEN_VARIABLE} has {len(token)} characters, under {MIN_TOKEN_CHARS}: it could "
