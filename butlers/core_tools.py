@@ -32,7 +32,14 @@ from butlers.media import (
     checked,
     from_wire,
 )
-from butlers.memory import OWNER_SESSION, UNRESTRICTED, MemoryStore, Viewer, person_of
+from butlers.memory import (
+    NO_PERSON,
+    OWNER_SESSION,
+    UNRESTRICTED,
+    MemoryStore,
+    Viewer,
+    person_of,
+)
 from butlers.session_policy import session_token
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
@@ -369,6 +376,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         who = person_scope()
         if who is None:
             return await store.state_list(prefix)
+        if who == NO_PERSON:
+            return []
         rows = await store.state_list(f"{who}/{prefix}")
         return [{**row, "key": row["key"].removeprefix(f"{who}/")} for row in rows]
 
@@ -479,13 +488,15 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         operator, who see all. Without it a person's session read the owner's state, and
         wrote what the owner's sessions then read as their own (as memories once did)."""
         seen_as = viewer()
-        owners = ctx.memory.owner_persons if ctx.memory is not None else frozenset()
-        if seen_as.kind != "person" or seen_as.person in owners:
+        if seen_as.kind != "person":
             return None
-        return seen_as.person
+        owners = ctx.memory.owner_persons if ctx.memory is not None else frozenset()
+        return None if seen_as.person in owners else seen_as.person
 
     def scoped(key: str) -> str:
         who = person_scope()
+        if who == NO_PERSON:  # a credential of no running session: nobody's keys
+            raise ToolRefusal("this session answers no one: it has no state")
         return key if who is None else f"{who}/{key}"
 
     def memory() -> MemoryStore:
