@@ -520,10 +520,10 @@ def test_the_owners_question_says_until_when_in_their_time_zone() -> None:
         "arguments": {"text": "hi"},
         "expires_at": datetime(2026, 11, 28, 12, 13, tzinfo=UTC),
     }
-    assert describe(row, str, "Europe/Berlin").endswith(
-        "Approve or deny it before 2026-11-28 13:13 CET."
-    )
-    assert describe(row, str).endswith("before 2026-11-28 12:13 UTC.")
+    berlin = OwnerConfig(telegram_chat_id="1", timezone="Europe/Berlin")
+    assert describe(row, str, berlin).endswith("Approve or deny it before 2026-11-28 13:13 CET.")
+    utc = OwnerConfig(telegram_chat_id="1")
+    assert describe(row, str, utc).endswith("before 2026-11-28 12:13 UTC.")
 
 
 def test_schema_problems_names_each_argument_and_what_was_wrong() -> None:
