@@ -137,6 +137,7 @@ def incoming(
     external_id: str | None = None,
     source_id: str = "1",
     attachments: tuple[Attachment, ...] = (),
+    meta: dict[str, Any] | None = None,
 ) -> IncomingMessage:
     return IncomingMessage(
         channel,
@@ -145,6 +146,7 @@ def incoming(
         source_id=source_id,
         conversation=conversation,
         attachments=attachments,
+        meta=meta or {},
     )
 
 
@@ -566,7 +568,15 @@ async def test_album_parts_arriving_at_once_make_one_message(stores: Stores) -> 
 
 
 async def test_history_is_the_conversations_earlier_answered_messages(stores: Stores) -> None:
-    ids = [await queued(stores, "telegram:a", text=f"m{n}") for n in range(4)]
+    ids = [
+        await queued(
+            stores,
+            "telegram:a",
+            text=f"m{n}",
+            meta={"forwarded_from": "Mallory"} if n == 2 else None,
+        )
+        for n in range(4)
+    ]
     await queued(stores, "telegram:b", text="elsewhere")
     for n, inbox_id in enumerate(ids[:3]):
         assert await claimed_id(stores) == inbox_id
@@ -579,6 +589,7 @@ async def test_history_is_the_conversations_earlier_answered_messages(stores: St
         ("m2", "general", "ok"),
     ]
     assert [h["text"] for h in await stores.inbox.history(message, 1)] == ["m2"]
+    assert [h["forwarded_from"] for h in history] == [None, "Mallory"]  # whose words they were
     last = await stores.inbox.last_of_conversation("telegram:a")
     assert last is not None and last.id == ids[3]
     assert await stores.inbox.last_of_conversation("telegram:none") is None

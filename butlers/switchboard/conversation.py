@@ -8,6 +8,7 @@ goes back to the butler that sent it) is looked up in the outbox, which knows wh
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +29,11 @@ def history_text(history: Sequence[dict[str, Any]]) -> str:
     for row in history:
         said = f"Subject: {row['subject']}. {row['text']}" if row.get("subject") else row["text"]
         who = bounded(row.get("sender_name") or "They")[:60]  # a display name is theirs too
-        lines.append(f"{who} said: {bounded(said)}")
+        if (author := row.get("forwarded_from")) is not None:  # someone else's words
+            quoted = json.dumps(bounded(author)[:60], ensure_ascii=False)
+            lines.append(f"{who} forwarded what {quoted} wrote: {bounded(said)}")
+        else:
+            lines.append(f"{who} said: {bounded(said)}")
         if row.get("reply"):
             lines.append(f"{row.get('routed_to') or 'A butler'} answered: {bounded(row['reply'])}")
     return "\n".join(lines)

@@ -471,7 +471,10 @@ class MemoryInboxStore:
             and row["classified_via"] != "album"
         ][-exchanges:]
         keys = ("sender_name", "source_id", "subject", "text", "routed_to", "reply")
-        return [{key: row[key] for key in keys} for row in rows]
+        return [
+            {**{key: row[key] for key in keys}, "forwarded_from": row["meta"].get("forwarded_from")}
+            for row in rows
+        ]
 
     async def last_of_conversation(self, conversation: str) -> InboxMessage | None:
         ids = [i for i, row in self._rows.items() if row["conversation"] == conversation]

@@ -308,7 +308,8 @@ INBOX_FINISH = """
 """
 # The last $3 handled messages of conversation $1 before message $2, newest first.
 INBOX_HISTORY = """
-    SELECT sender_name, source_id, subject, text, routed_to, reply FROM inbox
+    SELECT sender_name, source_id, subject, text, routed_to, reply,
+           meta->>'forwarded_from' AS forwarded_from FROM inbox
     WHERE conversation = $1 AND id < $2 AND status = 'done'
       AND classified_via IS DISTINCT FROM 'album'
     ORDER BY id DESC LIMIT $3
