@@ -335,6 +335,23 @@ class Spawner:
                     self.config.runtime.timeout_s,
                 )
                 result, cost_usd = answered.text, answered.cost_usd
+        except asyncio.CancelledError:
+            # Cut short (the butler stops, or whoever waited gave up): said so, not left
+            # "running" for ever in sessions_list and the dashboard.
+            error = "interrupted: the session was stopped before it finished (the butler stopped)"
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self.store.session_finish(
+                        session_id,
+                        result=None,
+                        success=False,
+                        error=error,
+                        tool_calls=tool_calls,
+                        duration_ms=int((time.monotonic() - started) * 1000),
+                        cost_usd=cost_usd,
+                    )
+                )
+            raise
         except TimeoutError:
             error = f"Claude Code session timed out after {self.config.runtime.timeout_s:g}s"
             if waiting := signs.waiting_on():  # not working: waiting on the Messages API

@@ -154,6 +154,11 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
         assert tuple(row) == ("queued", 0, None, None)
         assert bot_api.sent == []
         assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+        # The general butler's session that was cut short says so (it stayed "running").
+        general = await db_conn(databases["general"])
+        cut = await general.fetchrow("SELECT finished_at, success, error FROM sessions")
+        assert cut["finished_at"] is not None and cut["success"] is False, dict(cut)
+        assert cut["error"].startswith("interrupted: the session was stopped"), dict(cut)
 
         scripted_api.delay_for = None
         second = Butlers("up", "--config-dir", str(config_dir), env=env)
