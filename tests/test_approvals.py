@@ -283,6 +283,10 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     assert edit["text"] == f"{asked.params['text']}\n\nApproved (operator)."
     code, _, err = await run_cli("approvals", "deny", "1", *url)
     assert code == 1 and "approval 1 is done already: nothing changed" in err
+    # The same with --json: the answer on stdout, and still exit 1 (a script reads that).
+    code, out, err = await run_cli("approvals", "deny", "1", "--json", *url)
+    assert (code, json.loads(out)["changed"]) == (1, False)
+    assert "approval 1 is done already: nothing changed" in err
     # `butlers inbox` shows what the stranger's message asked for, and what became of it.
     code, out, err = await run_cli("inbox", *url)
     assert code == 0 and "approval #1: notify (done)" in out, err

@@ -10,6 +10,7 @@ Messages API refuses), the fake Bot API (a token it does not know is answered 40
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -126,6 +127,10 @@ async def test_ask_without_any_credentials_says_not_logged_in_once_with_the_fix(
     code, out, err = await run_cli("inbox", "--url", url)
     assert code == 0, err
     assert out.count("not logged in") == 1 and reason in out, out
+    # With --json: the answer on stdout, and exit 1 still (it was 0: scripts saw success).
+    code, out, err = await run_cli("ask", "Log my weight: 81kg", "--json", "--url", url)
+    assert code == 1 and json.loads(out)["status"] == "failed", (out, err)
+    assert "not logged in" in err
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from butlers import __version__, logs
 from butlers.cli.process import collector_paused
 from butlers.cli.render import (
+    answer_failure,
+    decision_failure,
     print_answer,
     print_approvals,
     print_butlers,
@@ -172,15 +174,24 @@ async def client_command(args: argparse.Namespace, settings: Settings, _redactor
 
     target = SwitchboardTarget(args.url, reveal(settings.auth_token))
     result, show = await CLIENT_CALLS[args.command](target, args, settings)
-    if args.json:
-        print(json.dumps(result, ensure_ascii=False))
-    else:
+    if not args.json:
         show(result)
+        return 0
+    print(json.dumps(result, ensure_ascii=False))
+    # A failure the table would have said (exit 1) is the same failure in JSON: a script
+    # reads the exit status, the answer stays on stdout.
+    if (failed := FAILURES.get(show)) is not None and (why := failed(result)) is not None:
+        raise CommandError(why)
     return 0
 
 
 # What a client command asks and how its answer is printed: (the answer, its printer).
 Asked = tuple[Any, Callable[[Any], None]]
+# The printers that end a command with exit 1, and how they tell (for --json as well).
+FAILURES: dict[Callable[[Any], None], Callable[[Any], str | None]] = {
+    print_answer: answer_failure,
+    print_decision: decision_failure,
+}
 
 
 async def _trace_command(target: SwitchboardTarget, args: Any, settings: Settings) -> Asked:

@@ -98,9 +98,16 @@ def print_discover(report: dict[str, Any]) -> None:
                 )
 
 
-def print_answer(answer: dict[str, Any]) -> None:
+def answer_failure(answer: dict[str, Any]) -> str | None:
+    """Why `ask`'s message was not answered (exit 1, with or without --json), or None."""
     if answer.get("status") != "done":
-        raise CommandError(f"message {answer.get('inbox_id')} failed: {answer.get('error')}")
+        return f"message {answer.get('inbox_id')} failed: {answer.get('error')}"
+    return None
+
+
+def print_answer(answer: dict[str, Any]) -> None:
+    if (failure := answer_failure(answer)) is not None:
+        raise CommandError(failure)
     print(answer.get("reply") or "")
     if answer.get("routed_to"):
         print(f"(answered by {answer['routed_to']})", file=sys.stderr)
@@ -281,15 +288,22 @@ def print_approvals(rows: list[dict[str, Any]], status: str | None) -> None:
     print_rows_with_details(header, table)
 
 
+def decision_failure(answer: dict[str, Any]) -> str | None:
+    """Why `approvals approve|deny` did not do what it was asked (exit 1, with or without
+    --json): nothing changed, or the approved call failed; None when it did."""
+    if not answer.get("changed"):
+        return f"approval {answer['id']} is {answer['status']} already: nothing changed"
+    if answer["status"] == "failed":
+        result = f": {cut(answer['result'], 200)}" if answer.get("result") else ""
+        return f"approval {answer['id']} approved, and the call failed{result}"
+    return None
+
+
 def print_decision(answer: dict[str, Any]) -> None:
     """What `approvals approve|deny` did: the decision, and for an approval, how it ran."""
-    if not answer.get("changed"):
-        raise CommandError(
-            f"approval {answer['id']} is {answer['status']} already: nothing changed"
-        )
+    if (failure := decision_failure(answer)) is not None:
+        raise CommandError(failure)
     result = f": {cut(answer['result'], 200)}" if answer.get("result") else ""
-    if answer["status"] == "failed":  # approved, and the call it ran failed: exit 1
-        raise CommandError(f"approval {answer['id']} approved, and the call failed{result}")
     said = {"done": "approved and run", "denied": "denied"}.get(answer["status"])
     print(f"approval {answer['id']} {said or 'is ' + answer['status']}{result}")
 
