@@ -131,7 +131,16 @@ class ApprovalGate:
                 f"{tool_name}: {problems} (not asked for approval: call it again "
                 "with arguments it takes)"
             )
-        conversation = self.spawner.conversation_of(session_token())
+        token = session_token()
+        conversation = self.spawner.conversation_of(token)
+        if conversation is None and self.spawner.withheld_tools(token):
+            # Restricted, yet answering no one: approved, it would run as the owner's session
+            # (Spawner.acting_for knows a person by their conversation).
+            raise ToolRefusal(
+                f"{tool_name} needs the owner's approval, and this session answers no one (it "
+                "was started for a message whose conversation is not known): not asked",
+                log_level=logging.WARNING,
+            )
         try:
             recorded = await self.link.request_approval(
                 tool_name,

@@ -182,6 +182,14 @@ def _check_key(key: str) -> None:
         raise ToolRefusal(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
 
 
+# A session restricted as a routed message's that names no conversation (a credential of no
+# running session, a reminder planted before conversations were recorded).
+ANSWERS_NO_ONE = (
+    "this session answers no one (it was started for a message whose conversation is not "
+    "known): it cannot {what}"
+)
+
+
 def _planted_by(row: dict[str, Any], person: str) -> bool:
     """Whether a schedule was planted by a session answering `person`."""
     return bool(row["routed"] and row["conversation"] and person_of(row["conversation"]) == person)
@@ -496,7 +504,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     def scoped(key: str) -> str:
         who = person_scope()
         if who == NO_PERSON:  # a credential of no running session: nobody's keys
-            raise ToolRefusal("this session answers no one: it has no state")
+            raise ToolRefusal(ANSWERS_NO_ONE.format(what="keep state"))
         return key if who is None else f"{who}/{key}"
 
     def memory() -> MemoryStore:
@@ -510,8 +518,11 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         this butler's own memory. What someone's message makes you remember is theirs alone:
         other people's sessions do not see it."""
         conversation = ctx.spawner.conversation_of(session_token()) or request_conversation()
+        writer = viewer()
+        if writer.person == NO_PERSON:
+            raise ToolRefusal(ANSWERS_NO_ONE.format(what="keep memories"))
         return await memory().remember(
-            text, tags or [], writer=viewer(), conversation=conversation or ""
+            text, tags or [], writer=writer, conversation=conversation or ""
         )
 
     @tool
@@ -619,7 +630,12 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         try:
             # The session's conversation (for a call the owner approved later, the one its
             # session served then: butlers.spawner.Spawner.acting_for).
-            conversation = ctx.spawner.conversation_of(session_token())
+            token = session_token()
+            conversation = ctx.spawner.conversation_of(token)
+            if conversation is None and ctx.spawner.withheld_tools(token):
+                # Restricted, yet answering no one: to the owner would hand them a stranger's
+                # words as their butler's.
+                raise ToolRefusal(ANSWERS_NO_ONE.format(what="notify anyone"))
             return await ctx.switchboard.deliver(
                 text, channel=channel, conversation=conversation, attachments=files
             )

@@ -86,9 +86,12 @@ WORD = re.compile(r"\w{3,40}")  # a longer "word" is cut: a query stays under MA
 TRIGRAM_QUERY_CHARS = 64
 # A memory the operator, a schedule or trigger tags so is not shared with people's sessions.
 PRIVATE_TAG = "private"
-# The person of a routed session that names no conversation: matches no stored person
-# (storable() takes NUL out of what is stored), so it sees the shared memories only.
-NO_PERSON = "\x00none"
+# The person of a routed session that names no conversation (a credential of no running
+# session, a reminder planted before conversations were recorded): no channel is called
+# `none`, so it matches no stored person and sees the shared memories only; it keeps nothing
+# (core_tools). It was "\x00none", which PostgreSQL refuses as a parameter: such a session
+# failed before it started.
+NO_PERSON = "none:"
 # Memories one person (not the owner) may keep; past it their oldest unused one goes.
 PERSON_QUOTA = 200
 # Memories given to a session with its prompt, at most this many bytes.
