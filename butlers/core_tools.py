@@ -190,6 +190,13 @@ ANSWERS_NO_ONE = (
 )
 
 
+def _namespace(person: str) -> str:
+    """The prefix of a person's state keys: their id with `%` and `/` escaped, then `/`, so no
+    person's prefix starts another's (an address may hold a `/`: `a@x.com/notes` was
+    `a@x.com`'s key `notes/...`)."""
+    return person.replace("%", "%25").replace("/", "%2F") + "/"
+
+
 def _planted_by(row: dict[str, Any], person: str) -> bool:
     """Whether a schedule was planted by a session answering `person`."""
     return bool(row["routed"] and row["conversation"] and person_of(row["conversation"]) == person)
@@ -386,8 +393,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             return await store.state_list(prefix)
         if who == NO_PERSON:
             return []
-        rows = await store.state_list(f"{who}/{prefix}")
-        return [{**row, "key": row["key"].removeprefix(f"{who}/")} for row in rows]
+        rows = await store.state_list(_namespace(who) + prefix)
+        return [{**row, "key": row["key"].removeprefix(_namespace(who))} for row in rows]
 
     @tool
     async def schedule_create(
@@ -505,7 +512,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         who = person_scope()
         if who == NO_PERSON:  # a credential of no running session: nobody's keys
             raise ToolRefusal(ANSWERS_NO_ONE.format(what="keep state"))
-        return key if who is None else f"{who}/{key}"
+        return key if who is None else f"{_namespace(who)}{key}"
 
     def memory() -> MemoryStore:
         if ctx.memory is None:

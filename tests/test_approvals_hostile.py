@@ -255,7 +255,7 @@ def test_the_owners_question_shows_every_argument_and_whom_it_serves() -> None:
     question = describe(
         _row({"attachments": files, "text": hidden}, f"telegram:{CHAT}"), str, OWNERS
     )
-    assert hidden in question and f"({len(data)} characters in all)" in question
+    assert hidden in question and f"({len(data)} characters)" in question
     assert len(question) < 3500
     assert f"answering telegram:{CHAT}, not you" in question
     assert "answering your own message" in describe(
@@ -274,9 +274,32 @@ def test_the_owners_question_shows_disguising_characters_as_escapes() -> None:
     assert "\\u202egpj.exe" in question and "Lunch?\\u2028\\u2028ok" in question
 
 
-def test_thousands_of_arguments_are_cut_as_a_whole() -> None:
-    question = describe(_row({"items": [str(n) for n in range(5000)]}, None), str, OWNERS)
-    assert "(cut: see `butlers approvals --json`)" in question and len(question) < 3500
+def test_what_a_long_key_a_big_number_or_a_long_list_would_hide_is_shown() -> None:
+    """Long keys, a 4000-digit number, 2000 items or thousands of keys used to fill the
+    question until it was cut as a whole, `url` (sorted after them) out of sight. Each is
+    shortened on its own now, saying how much there was, and `url` stays in view."""
+    evil = "https://evil.example/steal"
+    for arguments in (
+        {"headers": {"X" * 3000: "1", "Y" * 3000: "2"}, "url": evil},
+        {"items": list(range(2000)), "url": evil},
+        {"a": 10**4000, "url": evil},
+        {**{f"a{n:04}": n for n in range(5000)}, "url": evil},
+        {"deep": [[[[[[[["bottom"]]]]]]]], "url": evil},
+        {"pad": ["\u200b" * 595] * 4, "url": evil},
+    ):
+        question = describe(_row(arguments, None), str, OWNERS)
+        assert len(question) < 3500, len(question)
+        if len(arguments) < 20:
+            assert evil in question, question
+        else:  # past 20 arguments: how many more, for the owner to deny
+            assert "4981 more keys" in question, question
+    wide = describe(_row({"items": list(range(2000))}, None), str, OWNERS)
+    assert "… 1980 more items" in wide
+    assert "… (4001 digits)" in describe(_row({"a": 10**4000}, None), str, OWNERS)
+    alike = {"X" * 2999 + "A": 1, "X" * 2999 + "B": 2}  # cut, the two keys read the same
+    assert "(another)" in describe(_row(alike, None), str, OWNERS)
+    # A character past U+FFFF is escaped whole, not as an ambiguous \ue0001.
+    assert "\\U000e0001" in describe(_row({"text": "a\U000e0001b"}, None), str, OWNERS)
 
 
 @pytest.mark.proc
@@ -439,3 +462,16 @@ async def test_a_restricted_session_that_answers_no_one_asks_and_sends_nothing(
     assert await general_db.fetchval("SELECT count(*) FROM memories") == 0
     assert await general_db.fetchval("SELECT count(*) FROM scheduled_tasks") == 1
     assert bot_api.sent == []
+
+
+def test_no_persons_state_keys_begin_with_anothers() -> None:
+    """A mail address may hold a `/` (`a@x.com/notes`): its keys were `a@x.com`'s `notes/...`
+    keys. Escaped, no person's prefix starts another's."""
+    from butlers.core_tools import _namespace
+
+    people = ["email:a@x.com", "email:a@x.com/notes", "email:a@x.com%2Fnotes", "telegram:1"]
+    for one in people:
+        for other in people:
+            if one != other:
+                assert not _namespace(other).startswith(_namespace(one)), (one, other)
+    assert _namespace("telegram:12345") == "telegram:12345/"

@@ -203,3 +203,19 @@ def test_a_data_directory_value_over_several_lines_is_not_printed(tmp_path: Path
     )
     assert result.returncode == 1 and "(a value over several lines)" in result.stderr
     assert "sk-secret-1" not in result.stderr
+
+
+def test_ups_hint_reads_only_a_regular_env_file(tmp_path: Path) -> None:
+    """`up` names what a config's .env sets (to say "load it" or "not in it either"): a FIFO
+    planted there would have hung the start; it is skipped, and so is a link."""
+    from butlers.cli.fleet import _names_in_env_file
+
+    env_file = tmp_path / ".env"
+    env_file.write_text("TELEGRAM_BOT_TOKEN=123:abc\nEMPTY=\n# NOTE=x\n")
+    assert _names_in_env_file(env_file) == {"TELEGRAM_BOT_TOKEN"}
+    assert _names_in_env_file(tmp_path / "missing") is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert _names_in_env_file(fifo) is None  # (returns at once: nothing waits on a writer)
+    (tmp_path / "link").symlink_to(env_file)
+    assert _names_in_env_file(tmp_path / "link") is None

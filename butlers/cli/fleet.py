@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import fcntl
 import gc
+import io
 import json
 import logging
 import os
@@ -344,16 +345,21 @@ def _where_to_set(module: ModuleStatus, env_file: Path, in_env_file: frozenset[s
     )
 
 
+ENV_FILE_BYTES = 1024 * 1024  # of a config directory's .env read for `up`'s hints
+
+
 def _names_in_env_file(env_file: Path) -> frozenset[str] | None:
     """The variables a config directory's .env sets (names only), or None without one that
     can be read: what `up` may tell a person to load."""
     from dotenv import dotenv_values
 
-    try:
-        env_file.open("rb").close()  # dotenv reads an unreadable file as empty
-        return frozenset(name for name, value in dotenv_values(env_file).items() if value)
-    except OSError:
+    try:  # a regular file only: a FIFO there would hang the start (read_regular)
+        text = read_regular(env_file, ENV_FILE_BYTES).decode(errors="replace")
+    except OSError:  # (dotenv reads an unreadable file as empty)
         return None
+    return frozenset(
+        name for name, value in dotenv_values(stream=io.StringIO(text)).items() if value
+    )
 
 
 def _claude_code_credentials(settings: Settings) -> bool:

@@ -297,33 +297,62 @@ def _whose(conversation: str | None, owner: OwnerConfig) -> str:
 
 
 def shown_arguments(arguments: dict[str, Any]) -> str:
-    """`arguments` as indented JSON within SHOWN_ARGUMENTS_CHARS: every key, each string
-    value cut (saying how long it was) until the whole fits, and the format characters that
-    could disguise it (bidi overrides, line and paragraph separators) escaped."""
+    """`arguments` as indented JSON within SHOWN_ARGUMENTS_CHARS, for the owner to judge: each
+    long text, key or number cut on its own and each long list or object shortened (saying
+    how much there was) until the whole fits, and the characters that could disguise it
+    (bidi overrides, line and paragraph separators) shown as escapes. Whatever is left out
+    is said to be ("… 12 more keys"): a question that hides much is one to deny."""
     for limit in SHOWN_VALUE_CHARS:
-        shown = json.dumps(
-            _cut_strings(arguments, limit), indent=2, ensure_ascii=False, sort_keys=True
+        shown = _inert(
+            json.dumps(_cut(arguments, limit, 0), indent=2, ensure_ascii=False, sort_keys=True)
         )
         if len(shown) <= SHOWN_ARGUMENTS_CHARS:
-            break
-    else:  # thousands of keys or items: the rest is in `butlers approvals --json`
-        shown = shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
-    return "".join(
-        f"\\u{ord(c):04x}" if unicodedata.category(c) in _DISGUISING else c for c in shown
-    )
+            return shown
+    # (only very deep or wide arguments get here: the rest is in `butlers approvals --json`)
+    return shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
 
 
-SHOWN_VALUE_CHARS = (600, 200, 60)  # of one string argument, tried in turn until all fit
+SHOWN_VALUE_CHARS = (600, 200, 60)  # of one text, key or number, tried in turn until all fit
+SHOWN_ITEMS = 20  # of one list or object (the arguments too: a tool server may take any)
+SHOWN_DEPTH = 6  # lists and objects within one another
+SHOWN_KEY_CHARS = 60
 _DISGUISING = frozenset({"Cf", "Zl", "Zp", "Co", "Cs", "Cn"})  # (JSON escapes Cc itself)
 
 
-def _cut_strings(value: Any, limit: int) -> Any:
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]}… ({len(value)} characters in all)"
+def _inert(text: str) -> str:
+    return "".join(
+        (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+        if unicodedata.category(c) in _DISGUISING
+        else c
+        for c in text
+    )
+
+
+def _cut(value: Any, limit: int, depth: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= limit else f"{value[:limit]}… ({len(value)} characters)"
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = str(value)
+        return value if len(digits) <= limit else f"{digits[:limit]}… ({len(digits)} digits)"
+    if isinstance(value, dict | list) and depth >= SHOWN_DEPTH:
+        return f"… ({len(value)} {'keys' if isinstance(value, dict) else 'items'} nested deeper)"
     if isinstance(value, dict):
-        return {key: _cut_strings(item, limit) for key, item in value.items()}
+        keys = sorted(value, key=str)
+        kept = keys[:SHOWN_ITEMS]
+        shown: dict[str, Any] = {}
+        for key in kept:
+            name = _cut(str(key), min(limit, SHOWN_KEY_CHARS), depth)
+            while name in shown:  # two long keys cut alike: neither may hide the other
+                name += " (another)"
+            shown[name] = _cut(value[key], limit, depth + 1)
+        if len(keys) > len(kept):
+            shown["…"] = f"{len(keys) - len(kept)} more keys"
+        return shown
     if isinstance(value, list):
-        return [_cut_strings(item, limit) for item in value]
+        shown_items = [_cut(item, limit, depth + 1) for item in value[:SHOWN_ITEMS]]
+        if len(value) > SHOWN_ITEMS:
+            shown_items.append(f"… {len(value) - SHOWN_ITEMS} more items")
+        return shown_items
     return value
 
 
