@@ -330,6 +330,27 @@ async def test_routes_made_at_once_cannot_pass_the_cap_together(
     assert sorted(r["success"] for r in rows) == [False] * 7 + [True] * 3
 
 
+async def test_a_long_message_may_be_restated_at_its_length(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """A flat 32 KiB sent a 38 KB food diary to general instead of health, whole all the
+    same: a prompt may now be as long as the message and 32 KiB more, and no longer."""
+    scripted_api.respond_with(model(None, {"general": "ok"}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    worker = switchboard.switchboard.worker
+    diary = "ate an apple. " * 3000  # 42 000 bytes
+    message = InboxMessage(
+        id=1, channel="telegram", external_id="u1", source_id="42", sender_name=None,
+        subject=None, text=diary, meta={}, attempts=1, trace_context=None,
+    )  # fmt: skip
+    async with worker.dispatcher.open(message) as dispatch:
+        assert await dispatch.accept("general", "trigger", {"prompt": f"Log this: {diary}"})
+        too_long = "x" * (len(diary) + MAX_PROMPT_BYTES + 1)
+        with pytest.raises(RoutePolicyError, match="bytes; the limit is 74768"):
+            await dispatch.accept("general", "trigger", {"prompt": too_long})
+        assert [a.ok for a in await dispatch.answers()] == [True]
+
+
 async def test_a_classification_session_cannot_deliver_or_read_the_inbox(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
 ) -> None:

@@ -41,10 +41,16 @@ MAX_PROMPT_BYTES = 32 * 1024
 
 
 def check_classifier_route(
-    tool_name: str, arguments: dict[str, Any] | None, *, unroutable: str | None, butler_name: str
+    tool_name: str,
+    arguments: dict[str, Any] | None,
+    *,
+    unroutable: str | None,
+    butler_name: str,
+    max_bytes: int = MAX_PROMPT_BYTES,
 ) -> str:
     """The prompt to forward, if this is a route a classification session may make.
-    `unroutable`: why route would refuse the butler (Router.refusal_of), None if it would not."""
+    `unroutable`: why route would refuse the butler (Router.refusal_of), None if it would not.
+    `max_bytes`: the longest prompt (prompt_limit: room for the message it restates)."""
     if tool_name != ROUTABLE_TOOL:
         raise RoutePolicyError(
             f"refused: a message may only be handed to a butler's {ROUTABLE_TOOL!r} tool, "
@@ -65,11 +71,16 @@ def check_classifier_route(
     if not prompt.strip():
         raise RoutePolicyError("refused: the prompt must not be empty")
     size = len(prompt.encode())
-    if size > MAX_PROMPT_BYTES:
-        raise RoutePolicyError(
-            f"refused: the prompt is {size} bytes; the limit is {MAX_PROMPT_BYTES}"
-        )
+    if size > max_bytes:
+        raise RoutePolicyError(f"refused: the prompt is {size} bytes; the limit is {max_bytes}")
     return prompt
+
+
+def prompt_limit(message: InboxMessage) -> int:
+    """The longest prompt a classifier may hand on for `message`: MAX_PROMPT_BYTES beyond the
+    message itself. A flat 32 KiB sent every longer message (a food diary, a long mail) to
+    general instead of the butler it was for, whole all the same."""
+    return MAX_PROMPT_BYTES + len(message.text.encode()) + len((message.subject or "").encode())
 
 
 def trigger_arguments(prompt: str, files: Sequence[Attachment] = ()) -> dict[str, Any]:
@@ -122,6 +133,7 @@ class Dispatch:
                     arguments,
                     unroutable=await self.router.refusal_of(butler_name),
                     butler_name=butler_name,
+                    max_bytes=prompt_limit(self.message),
                 )
             except BaseException:
                 self._claimed -= 1
