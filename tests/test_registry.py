@@ -211,6 +211,13 @@ async def test_discover_at_runtime_adds_updates_and_keeps_stale(
     assert now["health"]["last_seen_at"] > original["health"]["last_seen_at"]
     assert now["health"]["registered_at"] == original["health"]["registered_at"]
     assert "broken" not in now
+    assert report["back"] == []
+
+    # Restored, it is back: said so, since it is routed to again whether it runs or not.
+    write_butler_dir(config_dir, "general", 18101, description="General.")
+    async with Client(switchboard.sse_url) as client:
+        again = await call(client, "discover")
+    assert again["back"] == ["general"] and again["stale"] == []
 
 
 async def test_changed_endpoint_is_updated(start_butler: StartButler, tmp_path: Path) -> None:

@@ -70,6 +70,8 @@ def print_discover(report: dict[str, Any]) -> None:
     print(f"updated:   {', '.join(updated) or '-'}")
     print(f"unchanged: {', '.join(report['unchanged']) or '-'}")
     print(f"stale:     {', '.join(report['stale']) or '-'}")
+    if report.get("back"):
+        print(f"back:      {', '.join(report['back'])} (stale before, found again)")
     for kept in report.get("kept", []):
         print(
             f"kept:      {kept['name']} at {kept['endpoint_url']}, where it answers "
@@ -77,9 +79,10 @@ def print_discover(report: dict[str, Any]) -> None:
         )
     for error in report["errors"]:
         print(f"error:     {error['path']}: {error['key']}: {error['problem']}")
-    if report["added"]:  # registered is not running: nothing starts a butler but up or run
+    if report["added"] or report.get("back"):  # registered is not running: up or run is
+        which = "an added butler" if report["added"] else "a butler found again"
         print(
-            "note: an added butler runs once started (restart `butlers up`, or "
+            f"note: {which} runs once started (restart `butlers up`, or "
             "`butlers run NAME`); until then route says it cannot reach it",
             file=sys.stderr,
         )

@@ -81,6 +81,8 @@ async def discover(
             updated.append({"name": entry.name, "changed": changed})
         else:
             unchanged.append(entry.name)
+    # Stale until now and found again: listed, it is routed to again, running or not.
+    back = sorted(e.name for e in entries if e.name in known and known[e.name]["stale"])
     await store.record_discovery(entries)
     found = {entry.name for entry in entries}
     stale = sorted(name for name in known if name not in found)
@@ -90,6 +92,7 @@ async def discover(
         "updated": updated,
         "unchanged": unchanged,
         "stale": stale,
+        "back": back,
         "kept": kept,
         "errors": [{"path": str(e.path), "key": e.key, "problem": e.problem} for e in fleet.errors],
     }

@@ -139,8 +139,8 @@ def unroutable(target: RegistryTarget, *, switchboard_name: str, own: OwnEndpoin
     if target.stale:
         return (
             f"butler {name!r} is stale: the last discover did not find it in the config "
-            "directory; restore its directory (or fix its butler.toml) and run "
-            "`butlers discover`"
+            "directory; restore its directory (or fix its butler.toml), start it (restart "
+            "`butlers up`, or `butlers run NAME`), then run `butlers discover`"
         )
     return None
 
