@@ -14,6 +14,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
+from zoneinfo import ZoneInfo
 
 from croniter import CroniterError, croniter
 from fastmcp import FastMCP
@@ -286,10 +287,10 @@ async def _once_finished(
         retry_at = datetime.now(UTC) + ONCE_RETRY_FAILED
         await ctx.store.schedule_once_again(task["id"], retry_at, True)
         logger.warning(
-            "one-time schedule %r failed (%s); tried again at %s",
+            "one-time schedule %r failed (%s); to be tried again at %s",
             task["name"],
             error,
-            retry_at.isoformat(timespec="minutes"),
+            retry_at.astimezone(ZoneInfo(ctx.config.zone)).strftime("%Y-%m-%d %H:%M %Z"),
             extra={"action": "schedule_retry"},
         )
     else:
@@ -301,6 +302,16 @@ async def _once_finished(
             error,
             extra={"action": "schedule_given_up"},
         )
+        if ctx.spawner.notices is not None:  # a reminder that never came: the owner hears it
+            whose = " (one a person's message planted)" if task["routed"] else ""
+            await ctx.spawner.notices.tell_once(
+                f"once_given_up:{task['id']}",
+                "day",
+                f"{ctx.config.name} gave up the one-time reminder "
+                f"{printable(task['name'], 40)!r}{whose}: its session failed "
+                f"{task['attempts']} times ({printable(error or 'no reason given', 300)}). "
+                "Its sessions are in sessions_list; make it again once the cause is fixed.",
+            )
 
 
 def catch_up_window(runtime: RuntimeConfig) -> timedelta:

@@ -330,6 +330,9 @@ async def test_a_one_time_reminder_is_not_lost(
         assert [r["name"] for r in (await call(daemon.sse_url, "tick", {}))["ran"]] == ["b"]
         left = await conn.fetchrow("SELECT attempts FROM scheduled_tasks WHERE name = 'b'")
         assert (left is None) == (attempt == ONCE_ATTEMPTS), attempt
+    # Given up, the owner is told (once): it used to vanish from the schedules in silence.
+    told = await conn.fetch("SELECT kind FROM limit_notices WHERE kind LIKE 'once_given_up:%'")
+    assert len(told) == 1, told
     # A claim whose process died: the row is due again once the lease lapses.
     await call(daemon.sse_url, "schedule_create", {"name": "c", "at": at, "prompt": "c"})
     assert daemon.context is not None
