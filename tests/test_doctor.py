@@ -678,6 +678,18 @@ async def test_the_database_reachable_and_migrated(
     assert "butlers up" in checks["database"].detail
 
 
+async def test_an_embedded_database_not_made_yet_says_where_it_will_be(tmp_path: Path) -> None:
+    """Before the first start: a warning naming the data directory; as root, also that `up`
+    may keep it under /var/lib/butlers (a walkthrough saw doctor name one place and `up`
+    another)."""
+    config = fleet_dir(tmp_path)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    detail = checks["database"].detail
+    assert checks["database"].status == "warn"
+    assert f"{(tmp_path / 'data' / 'pgdata').resolve()} is not created yet" in detail
+    assert ("under /var/lib/butlers/data/" in detail) == (os.geteuid() == 0), detail
+
+
 async def test_an_unreachable_database_fails(tmp_path: Path) -> None:
     password = f"pw-{uuid.uuid4().hex}"
     url = f"postgresql://u:{password}@127.0.0.1:{free_port()}/x"

@@ -209,6 +209,9 @@ async def ports(subject: Subject) -> list[Check]:
 # -- the database -----------------------------------------------------------------------------
 
 
+ROOT_DATA = "/var/lib/butlers/data/<digest>/pgdata"
+
+
 def _root_data_dirs(requested: Path) -> list[Path]:
     """As root, `butlers up` may keep the data under /var/lib/butlers instead of a directory
     its PostgreSQL account cannot reach (butlers.pg_root_home): the place whose `origin`
@@ -256,6 +259,12 @@ async def database(subject: Subject) -> list[Check]:
         server, pgdata = await asyncio.to_thread(_running_embedded, subject)
         if server is None:
             said = "not running" if (pgdata / "PG_VERSION").exists() else "not created yet"
+            if said != "not running" and os.geteuid() == 0:
+                # (where is decided by `up`, which may make PostgreSQL's account: not here)
+                said += (
+                    f" (as root, `butlers up` keeps it under {ROOT_DATA} instead when "
+                    "PostgreSQL's account cannot pass through to it)"
+                )
             return [
                 warn(
                     "database",
