@@ -178,8 +178,15 @@ async def test_butlers_memory_lists_searches_and_forgets(
     # Arguments out of range: one line naming the argument and what it was (it was
     # pydantic's paragraph, with a URL, and broke `butlers log`'s table).
     code, out, err = await run_cli(
-        "memory", "general", "--limit", "0", "--url", url, token="cli-token"
+        "route", "general", "memory_list", '{"limit": 0}', "--url", url, token="cli-token"
     )
     assert code == 1 and err.count("\n") == 1, err
     assert "memory_list: limit: Input should be greater than or equal to 1 (got 0)" in err
     assert "errors.pydantic.dev" not in err
+    # `butlers memory` checks its --limit itself, as the switchboard's lists do theirs.
+    for args, said in (
+        (("--limit", "0"), "--limit must be 1..500, got 0"),
+        (("--search", "tulip", "--limit", "200"), "--limit must be 1..100 with --search, got 200"),
+    ):
+        code, _, err = await run_cli("memory", "general", *args, "--url", url, token="cli-token")
+        assert (code, err) == (1, f"error: {said}\n")

@@ -329,11 +329,20 @@ async def _memory(target: SwitchboardTarget, args: argparse.Namespace) -> Any:
         if args.id is None:
             raise CommandError(f"which memory? `butlers memory {args.butler} forget ID`")
         return await _on_butler(target, args.butler, "memory_forget", {"id": args.id})
+    # Checked here, as the switchboard's own lists check theirs: a butler's tool would refuse
+    # it in pydantic's words, and the route be logged as failed.
+    most = MEMORY_SEARCH_LIMIT if args.search else MEMORY_LIST_LIMIT
+    if not 1 <= args.limit <= most:
+        with_search = " with --search" if args.search else ""
+        raise CommandError(f"--limit must be 1..{most}{with_search}, got {args.limit}")
     if args.search:
         return await _on_butler(
             target, args.butler, "memory_search", {"query": args.search, "limit": args.limit}
         )
     return await _on_butler(target, args.butler, "memory_list", {"limit": args.limit})
+
+
+MEMORY_LIST_LIMIT, MEMORY_SEARCH_LIMIT = 500, 100  # (memory_list's and memory_search's own)
 
 
 async def _pairing(target: SwitchboardTarget, action: str | None, values: list[str]) -> Any:

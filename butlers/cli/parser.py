@@ -335,7 +335,9 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     memory.add_argument("action", nargs="?", choices=("forget",), help="forget memory ID")
     memory.add_argument("id", nargs="?", type=int, metavar="ID", help="the memory's id")
     memory.add_argument("--search", metavar="Q", help="memories matching Q, best first")
-    limit_arg(memory)
+    memory.add_argument(
+        "--limit", type=int, default=20, help="at most this many, 1..500 (with --search 1..100)"
+    )
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
     for command in [
