@@ -18,6 +18,7 @@ from tests.conftest import StartButler, eventually
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI
+from tests.test_cli_client import run_cli
 from tests.test_email import start_mail_fleet
 from tests.test_email_tls import PASSWORD, USER
 from tests.test_email_webhook import post as post_mail
@@ -96,6 +97,10 @@ async def test_a_reply_still_failing_after_the_retry_budget_is_failed(
     assert row["attempts"] >= 2 and "Bad Gateway" in row["error"]
     inbox = await conn.fetchrow("SELECT status, reply FROM inbox")
     assert (inbox["status"], inbox["reply"]) == ("done", "noted 1")  # handled; not delivered
+    # `butlers inbox` says so under the done message (it said nothing: only `outbox` did).
+    code, out, err = await run_cli("inbox", "--url", switchboard.sse_url)
+    assert code == 0, err
+    assert "reply not delivered: " in out and "Bad Gateway" in out and "`butlers outbox`" in out
     bot_api.sends_down = False
     await bot_api.push_text(CHAT, "note-2")  # the channel is back: later replies go out
     [sent] = await bot_api.wait_sent(1)

@@ -190,6 +190,8 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         details = [f"error: {row['error']}"] if row.get("error") else []
         if row.get("error") and row.get("trace_url"):
             details.append(f"trace: {row['trace_url']}")
+        if row.get("reply_status") == "failed":  # answered, but the answer never went out
+            details.append(f"reply not delivered: {row.get('reply_error')} (`butlers outbox`)")
         details += [
             f"approval #{a['id']}: {a['tool']} ({a['status']})" for a in row.get("approvals") or []
         ]

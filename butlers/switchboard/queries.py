@@ -618,8 +618,12 @@ OPERATOR_INBOX = f"""
                routed_to, classified_via, attempts, error, received_at, finished_at,
                left(text, $3) AS text_head, length(text) AS text_chars,
                (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced,
-               coalesce(meta -> 'retries', '[]'::jsonb) AS retries, {FILES_OF_META} AS files
-        FROM inbox
+               coalesce(meta -> 'retries', '[]'::jsonb) AS retries, {FILES_OF_META} AS files,
+               reply_status, reply_error
+        FROM inbox LEFT JOIN LATERAL (  -- its reply's way out (a done message's may fail)
+            SELECT o.status AS reply_status, left(o.error, 300) AS reply_error FROM outbox o
+            WHERE o.inbox_id = inbox.id AND o.kind = 'reply' ORDER BY o.id DESC LIMIT 1
+        ) AS reply_out ON true
         WHERE $1::text IS NULL OR status = $1
         ORDER BY id DESC LIMIT $2
     )
