@@ -131,6 +131,20 @@ async def test_errors_are_one_clear_line(fleet: Fleet) -> None:
     code, _, err = no_token
     assert code == 1 and "401 Unauthorized: set BUTLERS_AUTH_TOKEN" in err
     assert "Traceback" not in err, err
+    # A wrong --url is told what is wrong with it, not that nothing runs.
+    base = url.removesuffix("/sse")
+    general = fleet.targets["general"].sse_url
+    no_path, no_scheme, a_butler = await asyncio.gather(
+        run_cli("list", "--url", base, token="cli-token"),
+        run_cli("list", "--url", base.removeprefix("http://") + "/sse", token="cli-token"),
+        run_cli("list", "--url", general, token="cli-token"),
+    )
+    assert no_path[0] == 1 and f"its MCP endpoint ends in /sse (or /mcp): {base}/sse" in no_path[2]
+    assert no_scheme[0] == 1 and "is not a URL: http://HOST:PORT/sse" in no_scheme[2]
+    assert (
+        a_butler[0] == 1
+        and f"{general} has no tool 'list_butlers': is it the switchboard?" in a_butler[2]
+    )
 
 
 async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from butlers import __version__, logs
 from butlers.cli.process import collector_paused
@@ -90,6 +91,11 @@ async def call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict
 
     answer = unwrap(result)
     if result.get("isError"):
+        if str(answer).startswith("Unknown tool"):  # a butler's URL, not the switchboard's
+            raise CommandError(
+                f"{target.url} has no tool {tool!r}: is it the switchboard? (a butler's own URL "
+                "answers there too; --url or BUTLERS_SWITCHBOARD_URL names the switchboard's)"
+            )
         raise CommandError(str(answer))
     return answer
 
@@ -128,6 +134,14 @@ def _unreachable(url: str, exc: BaseException) -> str:
             "set -a; . DIR/.env; set +a)"
         )
     cause = text.removeprefix("Client failed to connect: ")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"--url {url} is not a URL: http://HOST:PORT/sse, as `butlers up` prints it"
+    if not parts.path.rstrip("/").endswith(("/sse", "/mcp")):
+        return (
+            f"cannot reach the switchboard at {url} ({cause}): its MCP endpoint ends in /sse "
+            f"(or /mcp): {url.rstrip('/')}/sse"
+        )
     return (
         f"cannot reach the switchboard at {url}: is `butlers up` running? ({cause}); one "
         "listening elsewhere (--port-offset, another host): --url or BUTLERS_SWITCHBOARD_URL"
