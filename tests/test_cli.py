@@ -372,6 +372,15 @@ async def test_a_second_fleet_with_a_port_offset_shares_postgresql_and_the_switc
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
         assert (await client.call_tool("state_get", {"key": "fleet"})).data == "second"
 
+    # A third on the first one's ports starts no butler: with --json it still says so on
+    # stdout, one object naming each butler and why (it printed nothing there).
+    clash = Butlers(*args, "--json", env=cli_env)
+    processes.append(clash)
+    assert await clash.run() == 1
+    report = json.loads(clash.stdout.splitlines()[0])
+    assert [b["status"] for b in report["butlers"]] == ["failed"] * 4, report
+    assert "no butler is running" in clash.stderr
+
     assert await second.stop() == 0
     pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
     assert _postgres_on(pgdata) != []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -168,6 +169,7 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     assert code == 0, err
     assert out.strip() == f"http://localhost:16686/trace/{row['trace_id']}"
     assert "mcp -> general.status" in err and "ok" in err
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z+\-0-9]+, ok\)", err), err  # zoned
 
     code, out, _ = by_trace_id
     assert out.strip() == f"http://jaeger.lan:16686/trace/{row['trace_id']}"

@@ -31,7 +31,7 @@ from butlers.claude_code import (
     not_logged_in,
     run_claude_code,
 )
-from butlers.config import RuntimeConfig, TelegramConfig
+from butlers.config import OwnerConfig, RuntimeConfig, SwitchboardConfig, TelegramConfig
 from butlers.errors import SpawnError
 from butlers.switchboard.replies import sorry
 from butlers.switchboard.worker import said_once
@@ -48,6 +48,7 @@ from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_cli_client import run_cli
 from tests.test_dashboard import BEARER, cells, dashboard_client, rows_of
 from tests.test_inbox import model, start_fleet
+from tests.test_notify import CHAT, notify_fleet
 from tests.test_operator import call
 
 FAST_RUNTIME = RuntimeConfig(timeout_s=60, tick_interval_s=0)
@@ -365,3 +366,21 @@ async def test_a_module_shows_its_state_and_why_everywhere(
     shown = cells(row)[3]
     assert shown.startswith(f"telegram: {state} ({detail}"), shown
     assert f'data-module="telegram" data-state="{state}"' in row
+
+
+async def test_the_owner_is_told_where_the_reason_is(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """A person gets the fixed sentence only; the owner, who can read why, is also told
+    which message to look up (a walkthrough's owner got "please try again later", which
+    could not help: Claude Code had no credentials)."""
+    owner = OwnerConfig(telegram_chat_id=str(CHAT))
+    _, general = await notify_fleet(start_butler, tmp_path, bot_api, SwitchboardConfig(owner=owner))
+    await general.stop()  # its route fails at once
+    await bot_api.push_text(CHAT, "note: buy milk")
+    [sent] = await bot_api.wait_sent(1, timeout_s=60)
+    assert sent["text"].startswith(sorry("unreachable", "general")), sent
+    assert sent["text"].endswith("\n\n(Message 1: `butlers inbox` says why.)"), sent

@@ -533,6 +533,8 @@ async def _serve_fleet(
     try:
         for name, error in report.failed.items():
             print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
+        if as_json and not report.running:  # a script reads stdout: what failed, and why
+            print(json.dumps(ready_report([], report.failed, server.description)), flush=True)
         if not report.running or (strict and report.failed):
             raise CommandError(
                 "no butler is running" if not report.running else "a butler failed to start"

@@ -131,7 +131,7 @@ def print_trace(found: dict[str, Any]) -> None:
         outcome = "ok" if route["success"] else f"failed: {route['error']}"
         print(
             f"({route['source_channel']} -> {route['routed_to']}.{route['tool_name']}, "
-            f"{str(route['created_at'])[:19].replace('T', ' ')}, {outcome})",
+            f"{when(route['created_at'])}, {outcome})",  # (as `butlers log` shows it)
             file=sys.stderr,
         )
 
