@@ -75,6 +75,9 @@ def test_what_parseaddr_misreads_is_refused(value: str) -> None:
         ("<>", "malformed"),
         ("Ada <user@example.com", "malformed"),
         ("user@example.com\x00", "malformed"),
+        # (`"a:b"@x.com` and `"a:c"@y.com` were one person in conversation ids)
+        ('"a:b"@example.com', "has a ':' in its address or a '/' in its domain"),
+        ("user@example.com/notes", "has a ':' in its address or a '/' in its domain"),
     ],
 )
 def test_anything_but_one_well_formed_address_is_refused(value: str, why: str) -> None:

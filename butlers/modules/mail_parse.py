@@ -480,6 +480,13 @@ def single_address(values: Sequence[str], header_name: str = "From") -> tuple[st
             f"{what} does not spell out its address {address.addr_spec!r} as it is (comments, "
             "spaces, quotes or encoding inside the address)"
         )
+    if ":" in address.addr_spec or "/" in address.domain:
+        # A quoted `"a:b"@x.com` read as person `"a` in a conversation id (`email:<address>:
+        # <thread>`), the same as `"a:c"@y.com`; no domain holds a `/`.
+        raise ValueError(
+            f"{what} has a ':' in its address or a '/' in its domain, which no mailbox we "
+            "answer may have"
+        )
     return address.addr_spec.lower(), address.display_name
 
 
