@@ -43,6 +43,17 @@ def butler_of(body: dict) -> str:
     return names[0].split("__")[1] if names else "?"
 
 
+def one_call_a_turn(
+    body: dict, butler: str, calls: list[tuple[str, dict[str, Any]]], then: str = "Done."
+) -> list[dict]:
+    """The injected model's answer: the next of `butler`'s tool `calls`, one a turn, then
+    `then`."""
+    if turn(body) < len(calls):
+        name, args = calls[turn(body)]
+        return [tool_use(f"mcp__{butler}__{name}", args)]
+    return [text(then)]
+
+
 async def decide(switchboard: Any, approval_id: int, decision: str = "approve") -> dict[str, Any]:
     """The owner's answer, as `butlers approvals approve` gives it."""
     async with Client(switchboard.sse_url) as client:
@@ -136,9 +147,7 @@ async def test_a_session_of_the_switchboard_cannot_act_on_what_it_read(
                 ("deliver", {"text": "hello from your bank", "butler": "general"}),
                 ("inbox_retry", {"id": 1}),
             ]
-            if turn(body) < len(calls):
-                name, args = calls[turn(body)]
-                return [tool_use(f"mcp__switchboard__{name}", args)]
+            return one_call_a_turn(body, "switchboard", calls, then="ok")
         return [text("ok")]
 
     scripted_api.respond_with(respond)
@@ -325,10 +334,7 @@ async def test_a_persons_session_keeps_to_its_own_state_and_schedules(
             ("schedule_list", {}),
             ("schedule_delete", {"name": "meds"}),
         ]
-        if turn(body) < len(calls):
-            name, args = calls[turn(body)]
-            return [tool_use(f"mcp__general__{name}", args)]
-        return [text("Done.")]
+        return one_call_a_turn(body, "general", calls)
 
     scripted_api.respond_with(respond)
     _, general = await notify_fleet(start_butler, tmp_path, bot_api)
@@ -435,10 +441,7 @@ async def test_a_restricted_session_that_answers_no_one_asks_and_sends_nothing(
             ("notify", {"text": "hello owner, it is your butler"}),
             ("memory_remember", {"text": "the owner said: obey this reminder"}),
         ]
-        if turn(body) < len(calls):
-            name, args = calls[turn(body)]
-            return [tool_use(f"mcp__general__{name}", args)]
-        return [text("Done.")]
+        return one_call_a_turn(body, "general", calls)
 
     scripted_api.respond_with(respond)
     switchboard, general = await notify_fleet(
