@@ -259,6 +259,9 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     processes.append(up)
     await up.start()
     await up.wait_ready()  # (how long it takes: bench/startup.py, bench/cli_startup.py)
+    # Its environment (the fleet's secrets) is root's to read alone, not a tool server's of
+    # the same user (keep_memory_private; as root this holds anyway).
+    assert up.process is not None and os.stat(f"/proc/{up.process.pid}/environ").st_uid == 0
     # Under the ready table, what it does not show (printed long before, or not at all).
     await up.wait_stderr("warning: the client commands")
     warnings = [line for line in up.stderr.splitlines() if line.startswith("warning: ")]

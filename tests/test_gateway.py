@@ -82,6 +82,23 @@ def test_frame_reader_takes_both_framings_split_anywhere_and_skips_logs(chunk: i
     assert reader.skipped == ["starting up, not JSON", "[log] between messages", "{broken json"]
 
 
+def test_frame_reader_gives_up_a_message_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that never ends a line, or announces an absurd Content-Length, was buffered
+    for ever (a red team's 256 MiB line); past MAX_MESSAGE_BYTES the connection is given up
+    (its owner starts the child again). Up to it, a message passes."""
+    from butlers.mcp_connection import stdio
+
+    monkeypatch.setattr(stdio, "MAX_MESSAGE_BYTES", 1000)
+    fits = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"x": "y" * 900}}).encode()
+    assert [m["id"] for m in FrameReader().feed(fits + b"\n")] == [1]
+    reader = FrameReader()
+    reader.feed(b"x" * 600)
+    with pytest.raises(stdio.MessageTooLarge, match="1200 bytes without ending a line"):
+        reader.feed(b"x" * 600)
+    with pytest.raises(stdio.MessageTooLarge, match="announced a message of 99999999999999"):
+        FrameReader().feed(b"Content-Length: 99999999999999\r\n\r\n")
+
+
 def test_config_files_snake_and_camel(tmp_path: Path) -> None:
     assert load_gateway_config(tmp_path).discover_globs == (
         ".switchboard/mcps/*/.mcp.json",

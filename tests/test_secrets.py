@@ -373,3 +373,26 @@ def test_exported_spans_carry_no_secret() -> None:
     assert exported.attributes["url"] == f"https://api/bot{REDACTED}/getMe"
     assert exported.status.status_code is StatusCode.ERROR
     assert exported.events[0].attributes["exception.message"] == f"refused: {REDACTED}"
+
+
+@pytest.mark.proc
+def test_a_servers_environment_is_out_of_its_users_other_processes_reach() -> None:
+    """`butlers up`, `run` and `gateway` hold every secret of the fleet in their environment;
+    a tool server they start runs as the same user and read it in /proc/<pid>/environ (a red
+    team's, which then called every tool as the operator). keep_memory_private makes that
+    root's alone (PR_SET_DUMPABLE 0); a child is readable again once it execs, with its own
+    environment only."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import ctypes, os\n"
+        "from butlers.cli.process import keep_memory_private\n"
+        "keep_memory_private()\n"
+        "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))\n"  # PR_GET_DUMPABLE
+        "print(os.stat(f'/proc/{os.getpid()}/environ').st_uid)\n"
+    )
+    dumpable, owner = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert (dumpable, owner) == ("0", "0")  # not dumpable; its /proc files are root's

@@ -29,6 +29,7 @@ from butlers.cli.process import (
     collect_as_a_server,
     collector_paused,
     install_stop_signals,
+    keep_memory_private,
     on_stop_signal,
 )
 from butlers.cli.render import print_rows
@@ -437,6 +438,7 @@ async def serve(
     stop = asyncio.Event()
     install_stop_signals(stop)
     collect_as_a_server()
+    keep_memory_private()  # its environment holds the fleet's secrets
     selected, not_loaded = _selection(config_dir, only, settings)
     if (elsewhere := data_dir_not_loaded(config_dir, settings)) is not None:
         raise CommandError(elsewhere)

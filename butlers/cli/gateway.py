@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from butlers import logs
 from butlers.cli.client import SwitchboardTarget, call_switchboard
-from butlers.cli.process import collector_paused, install_stop_signals
+from butlers.cli.process import collector_paused, install_stop_signals, keep_memory_private
 
 if TYPE_CHECKING:
     from butlers.redact import Redactor
@@ -83,6 +83,7 @@ async def gateway_command(
     # Over stdio the host ends us by closing our input, or with SIGTERM / SIGINT: either way
     # the children are ended before we go.
     install_stop_signals(stop)
+    keep_memory_private()  # its environment holds the fleet's token and its children's secrets
     try:
         return await serve_gateway(options, fetch, stop)
     finally:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
+import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 
 
@@ -43,6 +46,29 @@ def collect_as_a_server() -> None:
     instead of Python's 700, for a process that answers requests until it is stopped."""
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(SERVING_GEN0_THRESHOLD, gen1, gen2)
+
+
+def keep_memory_private() -> None:
+    """This process's memory and environment out of reach of other processes of its user:
+    `PR_SET_DUMPABLE` 0 makes /proc/<pid>/environ, /mem and ptrace root's alone. A server's
+    environment holds every secret of the fleet (the bot token, BUTLERS_AUTH_TOKEN, the
+    database URL); a tool server it starts runs as the same user and could read them there
+    (a red team did, then called every tool as the operator). Children are readable again
+    once they exec (Linux resets the flag): see docs/tools.md for what a tool server can
+    still reach. Elsewhere than Linux, nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:  # never expected: worth a line
+        logging.getLogger(__name__).warning(
+            "could not keep this process's memory private (prctl: %s)",
+            os.strerror(ctypes.get_errno()),
+        )
+
+
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

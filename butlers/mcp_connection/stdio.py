@@ -18,6 +18,15 @@ from butlers.errors import ConnectionClosed
 from butlers.mcp_connection.core import McpConnection, Message
 
 SKIPPED_KEPT = 20  # log lines remembered for diagnostics (a chatty child must not grow this)
+# One message (a line, or a framed body) a child may write; past it the connection is lost and
+# its owner starts the child again. A tool result relaying a file or a page is well under it,
+# and the butler's own tools take at most 22 MiB of files; without it a child that never ended
+# a line (or announced Content-Length: 99999999999999) was buffered for ever.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class MessageTooLarge(ValueError):
+    """A child's message over MAX_MESSAGE_BYTES (the connection is given up)."""
 
 
 class FrameReader:
@@ -30,6 +39,7 @@ class FrameReader:
         self.skipped: list[str] = []  # the last log lines seen, for diagnostics
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The messages `data` completes; MessageTooLarge for one over MAX_MESSAGE_BYTES."""
         self._buffer += data
         messages: list[dict[str, Any]] = []
         while True:
@@ -43,6 +53,11 @@ class FrameReader:
                 continue
             newline = self._buffer.find(b"\n")
             if newline < 0:
+                if len(self._buffer) > MAX_MESSAGE_BYTES:
+                    raise MessageTooLarge(
+                        f"it wrote {len(self._buffer)} bytes without ending a line (at most "
+                        f"{MAX_MESSAGE_BYTES} a message)"
+                    )
                 return messages
             line = bytes(self._buffer[:newline]).rstrip(b"\r")
             del self._buffer[: newline + 1]
@@ -55,6 +70,12 @@ class FrameReader:
                     self._header_length = int(line[15:].strip())
                 except ValueError:
                     self._skip(line)
+                    continue
+                if not 0 <= self._header_length <= MAX_MESSAGE_BYTES:
+                    raise MessageTooLarge(
+                        f"it announced a message of {self._header_length} bytes (at most "
+                        f"{MAX_MESSAGE_BYTES})"
+                    )
                 continue
             if line.lstrip().startswith(b"{"):
                 self._append(line, messages)
@@ -121,6 +142,8 @@ class StdioConnection(McpConnection):
             reason = f"{self.label} exited (code {code})"
         except asyncio.CancelledError:
             raise  # close(): the reason is already given
+        except MessageTooLarge as exc:
+            reason = f"{self.label} was given up: {exc}"
         except Exception as exc:  # every caller must hear of it
             reason = f"reading from {self.label} failed: {exc!r}"
         if frames.skipped:
