@@ -51,9 +51,9 @@ from butlers.config import APPROVAL_EXECUTE_TOOL, OwnerConfig
 from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
 from butlers.mcp_middleware import classification_claim
-from butlers.memory import person_of
 from butlers.spawner import SESSION_HEADER
 from butlers.switchboard import queries as sql
+from butlers.switchboard.conversation import is_owners
 from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.operator import (
     _check_limit,
@@ -290,8 +290,7 @@ def describe(row: dict[str, Any], redact: Callable[[str], str], owner: OwnerConf
 def _whose(conversation: str | None, owner: OwnerConfig) -> str:
     if conversation is None:
         return "for a session you started or a schedule"
-    mine = {person_of(f"{channel}:{who}") for channel, who in owner.channels()}
-    if person_of(conversation) in mine:
+    if is_owners(conversation, owner):
         return "answering your own message"
     return f"answering {printable(conversation, 200)}, not you"
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from butlers.channels import spec_of
+from butlers.memory import person_of
+
+if TYPE_CHECKING:
+    from butlers.config import OwnerConfig
 
 HISTORY_CHARS_PER_TEXT = 500  # each earlier message and answer, in prompts
 HISTORY_INTRO = "Earlier in this conversation, oldest first"
@@ -37,6 +41,15 @@ def history_text(history: Sequence[dict[str, Any]]) -> str:
         if row.get("reply"):
             lines.append(f"{row.get('routed_to') or 'A butler'} answered: {bounded(row['reply'])}")
     return "\n".join(lines)
+
+
+def is_owners(conversation: str | None, owner: OwnerConfig) -> bool:
+    """Whether `conversation` is with the owner ([switchboard.owner]), on any of their
+    channels (a chat's topic, a mail's thread: the same person)."""
+    if not conversation:
+        return False
+    mine = {person_of(f"{channel}:{who}") for channel, who in owner.channels()}
+    return person_of(conversation) in mine
 
 
 def with_history(prompt: str, history: str) -> str:

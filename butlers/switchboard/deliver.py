@@ -20,7 +20,7 @@ from butlers.config import MAX_ATTACHMENT_BYTES, SwitchboardConfig
 from butlers.core_store import storable
 from butlers.errors import AttachmentRefused, NotifyRefused
 from butlers.media import Attachment, as_its_type, check_count, checked, from_wire
-from butlers.memory import person_of
+from butlers.switchboard.conversation import is_owners
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.route import summarize
@@ -163,7 +163,7 @@ class NotificationDesk:
         # owner, who would read it as their butler's own words).
         destination = (
             await self._conversation(conversation)
-            if conversation and (channel is None or not self._is_owners(conversation))
+            if conversation and (channel is None or not is_owners(conversation, self.limits.owner))
             else self._owner(channel)
         )
         if destination.channel not in self.outbox.channels:
@@ -179,11 +179,6 @@ class NotificationDesk:
         # A mail continues its thread; a chat message stands on its own.
         reply_to = last if spec is not None and spec.continues_thread else None
         return Destination(last.channel, last.source_id, conversation, reply_to)
-
-    def _is_owners(self, conversation: str) -> bool:
-        """Whether `conversation` is with the owner (on any of their channels)."""
-        owner = {person_of(f"{channel}:{who}") for channel, who in self.limits.owner.channels()}
-        return person_of(conversation) in owner
 
     def _owner(self, channel: str | None) -> Destination:
         reachable = self.limits.owner.channels()

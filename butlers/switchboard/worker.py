@@ -39,6 +39,7 @@ from butlers.switchboard.conversation import (
     command_of,
     help_text,
     history_text,
+    is_owners,
     with_history,
 )
 from butlers.switchboard.dispatch import Dispatcher, trigger_arguments
@@ -404,7 +405,7 @@ class InboxWorker:
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
             reply = combine(answers)  # people get fixed sentences; the error is the operator's
-            if failures and self._from_owner(message):  # the one who can read the reason
+            if failures and is_owners(message.conversation, self.limits.owner):  # can read why
                 reply += f"\n\n(Message {message.id}: `butlers inbox` says why.)"
             await self._finish(
                 message,
@@ -417,12 +418,6 @@ class InboxWorker:
         finally:
             if token is not None:
                 otel_context.detach(token)
-
-    def _from_owner(self, message: InboxMessage) -> bool:
-        """Whether `message` came from the owner ([switchboard.owner]) on its channel."""
-        sender = (message.source_id or "").lower()
-        owner = self.limits.owner.channels()
-        return any(c == message.channel and r.lower() == sender for c, r in owner)
 
     async def _over_sender_limit(self, message: InboxMessage) -> bool:
         """A sender over `max_messages_per_sender_per_hour` is told once, and the message is
