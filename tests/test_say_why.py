@@ -10,8 +10,10 @@ Messages API refuses), the fake Bot API (a token it does not know is answered 40
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 from butlers.claude_code import (
     INVALID_KEY,
     RATE_LIMITED,
+    REFUSED_KEY_RETRIES,
     ClaudeCodeRun,
     McpTarget,
     RunSigns,
@@ -153,28 +156,39 @@ async def test_a_refused_key_and_a_rate_limit_are_named(
     reason: str,
 ) -> None:
     """The Messages API answers every request with 401 (a wrong key) or 429: the row says
-    which, once, with what to do; the person gets the fixed sentence. (Claude Code retries
-    these ten times over minutes; CLAUDE_CODE_MAX_RETRIES=0 has it give up at once.)"""
+    which, once, with what to do; the person gets the fixed sentence. Claude Code retries
+    both ten times over about three minutes: a 401 is given up at its second retry by the
+    run itself (REFUSED_KEY_RETRIES), a 429 waits (CLAUDE_CODE_MAX_RETRIES=0 here)."""
     scripted_api.error = (status, kind, said)
     home = tmp_path / "api-home"
     home.mkdir()
     env = isolated_cli_env(home, scripted_api.url, "sk-ant-wrong", inherited=os.environ)
-    env["CLAUDE_CODE_MAX_RETRIES"] = "0"
+    if status != 401:
+        env["CLAUDE_CODE_MAX_RETRIES"] = "0"
     switchboard, general = await fleet_with(start_butler, tmp_path, env)
+    started = time.monotonic()
     answer = await call(switchboard, "ask", text="Log my weight: 80kg")
+    took_s = time.monotonic() - started
     assert (answer["status"], answer["reply"]) == ("failed", sorry("failed", "general"))
     assert answer["error"].startswith(f"{reason} (classifier; routed to general; "), answer
     assert answer["error"].count(reason) == 1
     assert await session_errors(db_conn, switchboard, general) == [reason, reason]
-    assert len(scripted_api.requests) == 2  # one each, none retried
+    # Each session: its request, then one retry for a 401 (a login's token is refreshed on
+    # a 401, so the first retry is Claude Code's); the third would come seconds later.
+    per_session = REFUSED_KEY_RETRIES if status == 401 else 1
+    assert len(scripted_api.requests) == 2 * per_session, took_s
+    # Nor later: each CLI was ended, not left to its next retry (1.2 s after the second).
+    await asyncio.sleep(2.5)
+    assert len(scripted_api.requests) == 2 * per_session
 
 
 async def test_a_session_cut_short_while_retrying_says_what_it_waited_on(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:
-    """Claude Code retries a 401 for minutes; a session whose timeout comes first says it was
-    waiting on the Messages API and why (the api_retry messages), not only "timed out"."""
-    scripted_api.error = (401, "authentication_error", "invalid x-api-key")
+    """Claude Code retries a rate limit for minutes; a session whose timeout comes first
+    says it was waiting on the Messages API and why (the api_retry messages), not
+    only "timed out"."""
+    scripted_api.error = (429, "rate_limit_error", "Number of requests has exceeded your limit")
     home = tmp_path / "api-home"
     home.mkdir()
     env = isolated_cli_env(home, scripted_api.url, "sk-ant-wrong", inherited=os.environ)
@@ -188,9 +202,9 @@ async def test_a_session_cut_short_while_retrying_says_what_it_waited_on(
             "Claude Code session timed out after 3s: Claude Code was retrying the Messages "
             "API (attempt "
         ), error
-        assert error.endswith(f"): {INVALID_KEY}"), error
-    assert answer["error"].startswith(f"{INVALID_KEY} (classifier: Claude Code session timed")
-    assert answer["error"].count(INVALID_KEY) == 1
+        assert error.endswith(f"): {RATE_LIMITED}"), error
+    assert answer["error"].startswith(f"{RATE_LIMITED} (classifier: Claude Code session timed")
+    assert answer["error"].count(RATE_LIMITED) == 1
 
 
 async def test_what_claude_code_echoes_is_redacted_and_cut_short(
