@@ -16,11 +16,13 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import io
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import imagesize
 import puremagic
 
 from butlers.errors import AttachmentRefused
@@ -30,6 +32,11 @@ Kind = Literal["image", "pdf", "text", "audio"]
 MAX_NAME_CHARS = 120
 # What the Messages API takes as an image block (its documented limit: 5 MB an image).
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
+# The most pixels an image may declare. Claude Code decodes each image whole before it
+# shrinks it for the Messages API: a PNG of 254 KB declaring 16383x16383 took its process to
+# 1.37 GB (measured, bundled CLI 2.1.330), one such message enough to have a 2 GiB container
+# killed. 50 megapixels takes a 48 MP phone photo (some 250 MB there).
+MAX_IMAGE_PIXELS = 50_000_000
 # Files a `trigger` or `notify` call may carry (the wire form: base64).
 MAX_TOOL_ATTACHMENTS = 20
 # Together, what one Messages API request may carry. Its cap, 32 MB a request, counts the
@@ -240,9 +247,26 @@ def checked(data: bytes, name: str, *, max_bytes: int) -> Attachment:
     mime_type = sniff(data)
     if mime_type is None:
         raise AttachmentRefused(f"{name!r} {NOT_READ}")
-    if mime_type in IMAGE_TYPES and len(data) > MAX_IMAGE_BYTES:
-        raise AttachmentRefused(f"{name!r} is {_sizes(len(data), MAX_IMAGE_BYTES, 'a photo')}")
+    if mime_type in IMAGE_TYPES:
+        if len(data) > MAX_IMAGE_BYTES:
+            raise AttachmentRefused(f"{name!r} is {_sizes(len(data), MAX_IMAGE_BYTES, 'a photo')}")
+        _check_pixels(data, name)
     return Attachment(name, mime_type, data)
+
+
+def _check_pixels(data: bytes, name: str) -> None:
+    """AttachmentRefused for an image declaring more than MAX_IMAGE_PIXELS, or whose
+    header does not say its size (a decoder would have to guess). Read from the header
+    alone: a JPEG's segments are walked to its frame header, at worst 0.55 s for 5 MB of
+    empty segments (measured; callers check files off the event loop)."""
+    width, height = imagesize.get(io.BytesIO(data), exif_rotation=False)
+    if width <= 0 or height <= 0:
+        raise AttachmentRefused(f"{name!r} does not say its size in pixels, so I cannot read it")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise AttachmentRefused(
+            f"{name!r} is {width}x{height} pixels; the most I can read of a photo is "
+            f"{MAX_IMAGE_PIXELS // 1_000_000} megapixels"
+        )
 
 
 def check_count(count: int, limit: int) -> None:

@@ -17,6 +17,7 @@ import pytest
 from butlers.errors import AttachmentRefused
 from butlers.media import (
     MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
     Attachment,
     check_count,
     checked,
@@ -49,8 +50,9 @@ def png(width: int = 1, height: int = 1, *, padding: int = 0) -> bytes:
     )
 
 
-def jpeg() -> bytes:
-    """A valid baseline JPEG: one 8x8 grey block (DC and AC tables of one code each)."""
+def jpeg(width: int = 8, height: int = 8) -> bytes:
+    """A valid baseline JPEG: one 8x8 grey block (DC and AC tables of one code each); other
+    sizes are declared by its frame header (a decoder would make that many pixels)."""
 
     def segment(marker: int, data: bytes) -> bytes:
         return struct.pack(">BBH", 0xFF, marker, len(data) + 2) + data
@@ -59,12 +61,31 @@ def jpeg() -> bytes:
         b"\xff\xd8"
         + segment(0xE0, b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00")
         + segment(0xDB, b"\x00" + bytes([1] * 64))  # quantisation table 0: all ones
-        + segment(0xC0, b"\x08\x00\x08\x00\x08\x01\x01\x11\x00")  # 8x8, one component
+        + segment(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")  # grey
         + segment(0xC4, b"\x00" + bytes([1] + [0] * 15) + b"\x00")  # DC: "0" -> category 0
         + segment(0xC4, b"\x10" + bytes([1] + [0] * 15) + b"\x00")  # AC: "0" -> end of block
         + segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
         + b"\x3f"  # DC 0, end of block, padded with ones
         + b"\xff\xd9"
+    )
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid greyscale PNG of zeros: `width` x `height` pixels in a few hundred KB (16383
+    square: 254 KB, 268 megapixels once decoded)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    packer, row = zlib.compressobj(9), b"\x00" * (width + 1)
+    rows = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", rows)
+        + chunk(b"IEND", b"")
     )
 
 
@@ -280,6 +301,50 @@ def test_an_image_over_the_model_s_image_limit_is_refused() -> None:
     )
     # The same number of bytes as a PDF (no such limit) is read.
     assert checked(pdf() + b"%" * MAX_IMAGE_BYTES, "big.pdf", max_bytes=20 * MB).kind == "pdf"
+
+
+def webp_canvas(width: int, height: int) -> bytes:
+    """An extended WebP's header (VP8X) declaring its canvas: what a decoder allocates."""
+    vp8x = b"\x00" * 4 + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    body = b"WEBP" + b"VP8X" + struct.pack("<I", len(vp8x)) + vp8x
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_an_image_declaring_more_pixels_than_a_decoder_should_make_is_refused() -> None:
+    """A decompression bomb: 254 KB that Claude Code would decode to 268 megapixels (1.37 GB
+    of its memory, measured). Its header says so; nothing is decoded here."""
+    bomb = png_bomb(16383, 16383)
+    assert len(bomb) < 300 * 1024
+    with pytest.raises(AttachmentRefused) as refused:
+        checked(bomb, "receipt.png", max_bytes=20 * MB)
+    assert str(refused.value) == (
+        "'receipt.png' is 16383x16383 pixels; the most I can read of a photo is 50 megapixels"
+    )
+    # Each image type read here: its header's size is what counts.
+    for data, name in [
+        (jpeg(10_000, 6_000), "a.jpg"),
+        # (imagesize reads a GIF's size as signed: past 32767 it "does not say", refused too)
+        (b"GIF89a" + struct.pack("<HH", 30000, 30000) + b"\x00\x00\x00" + b"\x3b", "a.gif"),
+        (webp_canvas(8_000, 8_000), "a.webp"),
+    ]:
+        with pytest.raises(AttachmentRefused, match=r"pixels; the most I can read of a photo"):
+            checked(data, name, max_bytes=MB)
+    assert MAX_IMAGE_PIXELS == 50_000_000
+
+
+def test_a_large_phone_photo_is_read() -> None:
+    """A 48-megapixel phone photo's size (8064x6048) is within the limit."""
+    assert checked(jpeg(8064, 6048), "IMG_0002.jpg", max_bytes=MB).kind == "image"
+    assert checked(webp_canvas(7000, 7000), "a.webp", max_bytes=MB).kind == "image"
+
+
+def test_an_image_whose_header_does_not_say_its_size_is_refused() -> None:
+    """A JPEG whose segments never reach a frame header: a decoder would have to guess."""
+    comments = b"\xff\xd8" + b"\xff\xfe\x00\x02" * 1000
+    assert sniff(comments) == "image/jpeg"
+    with pytest.raises(AttachmentRefused) as refused:
+        checked(comments, "odd.jpg", max_bytes=MB)
+    assert str(refused.value) == "'odd.jpg' does not say its size in pixels, so I cannot read it"
 
 
 def test_an_empty_file_is_refused() -> None:

@@ -26,6 +26,7 @@ from butlers.switchboard.outbox import Delivery
 from tests.conftest import WEBHOOK_SECRET, log_records
 from tests.fakes.bot_api import TINY_PNG, FakeBotAPI
 from tests.fakes.mail import RecordingWorker
+from tests.test_media import png_bomb
 
 CHAT = 12345
 STRANGER = 999
@@ -256,6 +257,22 @@ async def test_a_program_called_a_photo_is_refused(bot_api: FakeBotAPI) -> None:
         [reply] = await bot_api.wait_sent(1)
     assert reply["text"] == (
         "'photo.jpg' is not a photo, PDF, text file or voice note, so I cannot read it"
+    )
+    assert worker.accepted == []
+
+
+async def test_a_decompression_bomb_sent_as_a_document_is_refused(bot_api: FakeBotAPI) -> None:
+    """254 KB that would decode to 268 megapixels (1.37 GB of Claude Code's memory): the
+    sender is told its size in pixels, and nothing reaches the inbox."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_document(
+            CHAT, png_bomb(16383, 16383), "receipt.png", "image/png"
+        )
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == (
+        "'receipt.png' is 16383x16383 pixels; the most I can read of a photo is 50 megapixels"
     )
     assert worker.accepted == []
 

@@ -10,6 +10,7 @@ Each notification is a `routing_log` row (`source_channel = 'butler'`, `tool_nam
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ class NotificationDesk:
         destination: Destination | None = None
         error: str | None = None
         try:
-            files = self._files(attachments)
+            # Reading the files' types and sizes may take a while: off the event loop.
+            files = await asyncio.to_thread(self._files, attachments) if attachments else ()
             destination = await self._check(text, butler, channel, conversation)
             spec = spec_of(destination.channel)
             carried = spec.carries if spec is not None else frozenset()
