@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import unicodedata
 
 
@@ -24,3 +25,12 @@ def printable(text: str | None, limit: int | None = None) -> str:
     if limit is None or len(line) <= limit:
         return line
     return line[: limit - 1].rstrip() + "…"
+
+
+def new_boundary(text: str) -> str:
+    """A token `text` does not contain, to fence it in (it cannot: it is drawn after the
+    text came)."""
+    while True:
+        boundary = secrets.token_hex(8)
+        if boundary not in text:
+            return boundary

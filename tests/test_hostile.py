@@ -19,9 +19,10 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
-from butlers.config import RuntimeConfig, SwitchboardConfig
+from butlers.config import OwnerConfig, RuntimeConfig, SwitchboardConfig
 from butlers.errors import RoutePolicyError
 from butlers.switchboard.dispatch import MAX_PROMPT_BYTES, check_classifier_route
+from butlers.switchboard.handoff import Handoff
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from tests.conftest import StartButler, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -317,7 +318,9 @@ async def test_routes_made_at_once_cannot_pass_the_cap_together(
         subject=None, text="x", meta={}, attempts=1, trace_context=None,
     )  # fmt: skip
     worker.router.forget_endpoints()  # the lookup awaits the database
-    async with worker.dispatcher.open(message) as dispatch:
+    async with worker.dispatcher.open(
+        message, Handoff.of(message, owner=OwnerConfig())
+    ) as dispatch:
         results = await asyncio.gather(
             *(dispatch.accept("general", "trigger", {"prompt": f"p{i}"}) for i in range(10)),
             return_exceptions=True,
@@ -343,7 +346,9 @@ async def test_a_long_message_may_be_restated_at_its_length(
         id=1, channel="telegram", external_id="u1", source_id="42", sender_name=None,
         subject=None, text=diary, meta={}, attempts=1, trace_context=None,
     )  # fmt: skip
-    async with worker.dispatcher.open(message) as dispatch:
+    async with worker.dispatcher.open(
+        message, Handoff.of(message, owner=OwnerConfig())
+    ) as dispatch:
         assert await dispatch.accept("general", "trigger", {"prompt": f"Log this: {diary}"})
         too_long = "x" * (len(diary) + MAX_PROMPT_BYTES + 1)
         with pytest.raises(RoutePolicyError, match="bytes; the limit is 74768"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from butlers.switchboard.conversation import HISTORY_INTRO
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.route import OwnEndpoints, routable_rows
+from butlers.text import new_boundary
 
 CLASSIFIER_TOOLS = ("route", "list_butlers")
 
@@ -60,19 +60,11 @@ def message_body(message: InboxMessage) -> str:
         # Someone else's words, passed on: not the sender's own request (their name is
         # theirs to choose, so it is quoted).
         quoted = json.dumps(author, ensure_ascii=False)
-        text = f"(Forwarded: written by {quoted}, not by the sender.) {text}"
+        text = f"(Forwarded: all that follows was written by {quoted}, not by the sender.) {text}"
     if message.subject:
         text = f"Subject: {message.subject}\n\n{text}"
     files = described(message.meta)
     return f"{text}\n\n{files}" if files else text
-
-
-def new_boundary(body: str) -> str:
-    """A token the message does not contain (it cannot: it is drawn after the message came)."""
-    while True:
-        boundary = secrets.token_hex(8)
-        if boundary not in body:
-            return boundary
 
 
 def classification_prompt(

@@ -52,13 +52,6 @@ def is_owners(conversation: str | None, owner: OwnerConfig) -> bool:
     return person_of(conversation) in mine
 
 
-def with_history(prompt: str, history: str) -> str:
-    """A routed prompt with the conversation so far, so that a follow-up makes sense."""
-    if not history:
-        return prompt
-    return f"{prompt}\n\n{HISTORY_INTRO} (for context):\n{history}"
-
-
 def answered_ids(channel: str, meta: dict[str, Any]) -> list[str]:
     """The channel's own ids of the messages of ours that this message answers (a Telegram
     reply's message, a mail's References): each channel knows its own (butlers.channels)."""

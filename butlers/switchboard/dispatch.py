@@ -30,7 +30,7 @@ from butlers.errors import RouteError, RoutePolicyError
 from butlers.mcp_middleware import CLASSIFICATION_HEADER
 from butlers.mcp_middleware import LEGACY_INBOX_HEADER as LEGACY_INBOX_HEADER  # re-exported
 from butlers.media import Attachment
-from butlers.switchboard.conversation import with_history
+from butlers.switchboard.handoff import Handoff
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.replies import Answer, reply_text
 from butlers.switchboard.route import Router, RouteSource
@@ -98,7 +98,7 @@ class Dispatch:
     message: InboxMessage
     router: Router
     max_routes: int
-    history: str = ""  # the conversation so far, added to each forwarded prompt
+    handoff: Handoff  # what the butler is told around each prompt (sender, files, history)
     files: Sequence[Attachment] = ()  # what the message carries, forwarded with each route
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
@@ -150,8 +150,9 @@ class Dispatch:
             self.router.route(
                 butler_name,
                 ROUTABLE_TOOL,
-                trigger_arguments(with_history(prompt, self.history), self.files),
+                trigger_arguments(self.handoff.prompt(prompt), self.files),
                 source=self.source,
+                request=prompt,
             ),
             name=f"switchboard:dispatch:{self.message.id}:{butler_name}",
         )
@@ -195,11 +196,11 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def open(
-        self, message: InboxMessage, history: str = "", files: Sequence[Attachment] = ()
+        self, message: InboxMessage, handoff: Handoff, files: Sequence[Attachment] = ()
     ) -> AsyncIterator[Dispatch]:
         """A dispatch for `message`, valid until the block ends; routes still running then
         (the worker is stopping) are cancelled."""
-        dispatch = Dispatch(message, self.router, self.max_routes, history, files)
+        dispatch = Dispatch(message, self.router, self.max_routes, handoff, files)
         self._open.append(dispatch)
         try:
             yield dispatch

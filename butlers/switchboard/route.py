@@ -235,7 +235,11 @@ class Router:
         arguments: dict[str, Any] | None = None,
         *,
         source: RouteSource = RouteSource(),
+        request: str | None = None,
     ) -> Any:
+        """Call `tool_name` on `butler_name` and record a routing_log row, whose summary is
+        `request` when given (what a message asked, not the switchboard's frame around it:
+        butlers.switchboard.handoff), else the call's `prompt` or arguments."""
         arguments = dict(arguments or {})
         with self._span(butler_name, tool_name, source) as span:
             started = time.monotonic()
@@ -258,7 +262,8 @@ class Router:
                 # The log row is written even if our caller is cancelled meanwhile: the store
                 # takes it before its first await (RoutingLog.record_route), so no shield (a
                 # task a call) is needed.
-                await self._record(butler_name, tool_name, arguments, source, started, error)
+                summarized = arguments if request is None else {"prompt": request}
+                await self._record(butler_name, tool_name, summarized, source, started, error)
 
     async def refuse(
         self,

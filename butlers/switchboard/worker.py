@@ -40,9 +40,9 @@ from butlers.switchboard.conversation import (
     help_text,
     history_text,
     is_owners,
-    with_history,
 )
 from butlers.switchboard.dispatch import Dispatcher, trigger_arguments
+from butlers.switchboard.handoff import Handoff
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
@@ -401,7 +401,10 @@ class InboxWorker:
                 history = history_text(
                     await self.inbox.history(message, self.limits.context_messages)
                 )
-                answers, note, via = await self._classify_and_route(carried, history)
+                handoff = Handoff.of(
+                    message, carried.files, owner=self.limits.owner, history=history
+                )
+                answers, note, via = await self._classify_and_route(carried, history, handoff)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
             reply = combine(answers)  # people get fixed sentences; the error is the operator's
@@ -472,7 +475,7 @@ class InboxWorker:
         return working(message.source_id)
 
     async def _classify_and_route(
-        self, carried: Carried, history: str = ""
+        self, carried: Carried, history: str, handoff: Handoff
     ) -> tuple[list[Answer], str | None, str]:
         """The answers of every butler the message went to, a note on how it got there (why
         it went to the default butler, what went wrong in classification), and how it was
@@ -487,7 +490,7 @@ class InboxWorker:
             if butler is not None:
                 span.set_attribute("via", via)
                 span.set_attribute("butler", butler)
-                answer = await self._route_one(butler, message, history, files)
+                answer = await self._route_one(butler, message, handoff, files)
                 gone = answer.failure in ("unreachable", "refused")
                 if not (via == "thread" and gone):
                     if not answer.ok:
@@ -497,7 +500,7 @@ class InboxWorker:
                 span.set_attribute("thread_butler_gone", butler)
 
             span.set_attribute("via", "claude")
-            async with self.dispatcher.open(message, history, files) as dispatch:
+            async with self.dispatcher.open(message, handoff, files) as dispatch:
                 outcome = await classify_with_claude(
                     self.spawner,
                     message,
@@ -533,7 +536,7 @@ class InboxWorker:
             default,
             extra={"action": "classify_fallback"},
         )
-        answer = await self._route_one(default, message, history, files)
+        answer = await self._route_one(default, message, handoff, files)
         return [answer], f"classifier: {why}; routed to {default}", "default"
 
     async def _answering_butler(self, message: InboxMessage) -> str | None:
@@ -555,15 +558,17 @@ class InboxWorker:
         self,
         butler: str,
         message: InboxMessage,
-        history: str = "",
+        handoff: Handoff,
         files: Sequence[Attachment] = (),
     ) -> Answer:
+        request = message_body(message)
         try:
             result = await self.router.route(
                 butler,
                 "trigger",
-                trigger_arguments(with_history(message_body(message), history), files),
+                trigger_arguments(handoff.prompt(request), files),
                 source=RouteSource.of_message(message),
+                request=request,
             )
         except RouteError as exc:
             return Answer(butler, failure=exc.kind, error=str(exc))
