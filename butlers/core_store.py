@@ -279,6 +279,12 @@ class CoreStore:
             trace_id,
         )
 
+    async def sessions_abandoned(self, older_than_s: float, error: str) -> int:
+        """Mark sessions left unfinished (a process killed, or stopped by a release that did
+        not record it) and started over `older_than_s` ago as failed with `error`; how many."""
+        status = await self.pool.execute(sql.SESSIONS_ABANDONED, older_than_s, error)
+        return int(status.split()[-1])
+
     async def session_finish(
         self,
         session_id: uuid.UUID,

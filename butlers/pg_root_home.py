@@ -124,15 +124,25 @@ def _open_up(tree: Path) -> None:
             os.chmod(path, 0o755 if executable else 0o644)
 
 
+def _data_place(requested: Path, root: Path) -> Path:
+    return root / "data" / hashlib.sha256(os.fsencode(requested)).hexdigest()[:16]
+
+
+def kept_data(requested: Path, root: Path = ROOT_HOME) -> Path | None:
+    """Where an earlier start kept the data asked for at `requested`, if it did (nothing is
+    made): a start that can reach `requested` again must not leave it behind."""
+    pgdata = _data_place(requested, root) / "pgdata"
+    return pgdata if pgdata.is_dir() else None
+
+
 def data_home(requested: Path, root: Path = ROOT_HOME) -> Path:
     """Where the data asked for at `requested` (a pgdata the server's account cannot reach)
     lives instead: the same place for the same path, on every start."""
-    digest = hashlib.sha256(os.fsencode(requested)).hexdigest()[:16]
     data_root = home(root) / "data"
     with contextlib.suppress(FileExistsError):
         os.mkdir(data_root, 0o755)
     _check_root_only(data_root)
-    place = data_root / digest
+    place = _data_place(requested, root)
     with contextlib.suppress(FileExistsError):
         os.mkdir(place, 0o755)
     _check_root_only(place)

@@ -182,6 +182,12 @@ SESSION_FINISH = """
            duration_ms = $6, cost_usd = $7, finished_at = now()
     WHERE id = $1
 """
+# At start: sessions left unfinished that started over $1 seconds ago (longer than any session
+# may run: none of them runs any more, in this process or a replica's), marked interrupted.
+SESSIONS_ABANDONED = """
+    UPDATE sessions SET success = false, error = $2, finished_at = now()
+    WHERE finished_at IS NULL AND started_at < now() - make_interval(secs => $1)
+"""
 # Retention: finished sessions that started over $1 days ago.
 SESSIONS_PRUNE = """
     DELETE FROM sessions WHERE started_at < now() - make_interval(days => $1)

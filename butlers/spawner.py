@@ -54,6 +54,10 @@ SESSION_HEADER = "X-Butlers-Session"
 ACTING_SESSION: ContextVar[str | None] = ContextVar("butlers_acting_session", default=None)
 # What a session started by a routed message (a stranger's text) may not use: the sessions of
 # everyone else, and the channels' tools that send to anyone (butlers.session_policy).
+# A session row left unfinished by a process that died (or by a release that did not record a
+# stop), once it is older than the session timeout and this: what it says.
+ABANDONED = "interrupted: the butler stopped before the session finished (found at a later start)"
+ABANDONED_MARGIN_S = 60
 ROUTED_SESSION_WITHHELD = frozenset({"sessions_list", "session_get", "send_message", "send_email"})
 SPEND_CAP_KEY = "max_spend_usd_per_day"
 
@@ -130,9 +134,14 @@ class Spawner:
         return mcp_config_dir(self.work_dir)
 
     async def remove_leftovers(self) -> None:
-        """At start: MCP config files of sessions a killed process never finished."""
+        """At start: MCP config files of sessions a killed process never finished, and those
+        sessions' rows, "running" for ever in sessions_list and the dashboard otherwise. A row
+        is left until it is older than a session may run: a replica's may still be running."""
         if removed := await asyncio.to_thread(remove_private_files, self.mcp_config_dir):
             logger.info("removed %d MCP config file(s) left by a killed run", removed)
+        older_than_s = self.config.runtime.timeout_s + ABANDONED_MARGIN_S
+        if marked := await self.store.sessions_abandoned(older_than_s, ABANDONED):
+            logger.info("marked %d session(s) a stopped process left unfinished as failed", marked)
 
     def system_prompt(self) -> str:
         if self.config.instructions:

@@ -570,10 +570,25 @@ async def test_db_upgrade_creates_and_migrates(
     processes.append(upgrade)
     try:
         assert await upgrade.run() == 0, upgrade.stderr
-        assert "health: database t_upgrade_health is up to date" in upgrade.stdout
+        assert "health: database t_upgrade_health: migrated, now up to date" in upgrade.stdout
         conn = await db_conn("t_upgrade_health")
         versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
         assert versions == migration_heads("core")
+        again = Butlers(*upgrade.args, env=cli_env)
+        processes.append(again)
+        assert await again.run() == 0, again.stderr
+        assert "t_upgrade_health: up to date, nothing to do" in again.stdout
+        # A database a newer butlers migrated (a rollback): said so, nothing changed.
+        await conn.execute("UPDATE alembic_version SET version_num = 'core_9999'")
+        older = Butlers(*upgrade.args, env=cli_env)
+        processes.append(older)
+        assert await older.run() == 1
+        assert (
+            "error: health: database 't_upgrade_health' was migrated by a newer butlers (its "
+            "schema revision 'core_9999' is unknown to this one): run that newer butlers, or "
+            "restore a backup of the data made before it ran"
+        ) in older.stderr, older.stderr
+        assert await conn.fetchval("SELECT version_num FROM alembic_version") == "core_9999"
         await conn.close()
     finally:
         import asyncpg

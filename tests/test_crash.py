@@ -19,6 +19,7 @@ import psutil
 import pytest
 from fastmcp import Client
 
+from butlers.spawner import ABANDONED
 from tests.conftest import drop_databases, eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
@@ -160,10 +161,31 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
         assert cut["finished_at"] is not None and cut["success"] is False, dict(cut)
         assert cut["error"].startswith("interrupted: the session was stopped"), dict(cut)
 
+        # Rows an older release left "running" when it was stopped (it recorded no stop):
+        # one that started longer ago than a session may run, and one that did not.
+        old, recent = [
+            await general.fetchval(
+                "INSERT INTO sessions (trigger_source, prompt, started_at) VALUES "
+                "('trigger', $1, now() - make_interval(secs => $2)) RETURNING id",
+                prompt,
+                age_s,
+            )
+            for prompt, age_s in (("old", 7200.0), ("recent", 5.0))
+        ]
+
         scripted_api.delay_for = None
         second = Butlers("up", "--config-dir", str(config_dir), env=env)
         await second.start()
         await second.wait_ready()
+        left = await general.fetchrow(
+            "SELECT finished_at, success, error FROM sessions WHERE id = $1", old
+        )
+        assert left["finished_at"] is not None and left["success"] is False, dict(left)
+        assert left["error"] == ABANDONED
+        # A replica's session may still run: left until it is older than the timeout.
+        assert (
+            await general.fetchval("SELECT finished_at FROM sessions WHERE id = $1", recent) is None
+        )
         await bot_api.wait_sent(1, timeout_s=60)
         await eventually(lambda: settled(conn))
         assert bot_api.sent == [{"chat_id": CHAT, "text": "Answered after the restart."}]

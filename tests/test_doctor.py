@@ -688,6 +688,8 @@ async def test_an_embedded_database_not_made_yet_says_where_it_will_be(tmp_path:
     assert checks["database"].status == "warn"
     assert f"{(tmp_path / 'data' / 'pgdata').resolve()} is not created yet" in detail
     assert ("under /var/lib/butlers/data/" in detail) == (os.geteuid() == 0), detail
+    # An upgrade that lost BUTLERS_DATA_DIR sees this too: it says where to look.
+    assert "makes new, empty databases there. If these butlers ran before" in detail, detail
 
 
 async def test_an_unreachable_database_fails(tmp_path: Path) -> None:

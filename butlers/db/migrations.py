@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,27 +127,41 @@ async def _at_heads(conn: asyncpg.Connection, branches: Sequence[str]) -> bool:
     return frozenset(row[0] for row in rows) == expected
 
 
-async def migrate(server: PostgresServer, database: str, branches: Sequence[str]) -> None:
+# alembic's words for a revision in the database that none of its scripts has.
+_UNKNOWN_REVISION = re.compile(r"Can't locate revision identified by '([^']*)'")
+
+
+async def migrate(server: PostgresServer, database: str, branches: Sequence[str]) -> bool:
     """Apply alembic branches in order (e.g. core, then switchboard) to one database; one
-    process at a time. A database already at their heads is left as it is, without alembic."""
+    process at a time. A database already at their heads is left as it is, without alembic
+    (False: nothing was done)."""
     try:
         lock = await asyncpg.connect(server.dsn(database), timeout=10)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         raise DatabaseError(f"cannot reach {database!r} to migrate it: {exc}") from exc
     try:
         if await _at_heads(lock, branches):
-            return  # nothing to wait for: a migration under way never moves it past the heads
+            return False  # a migration under way never moves it past the heads: no wait
         await lock.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
         await asyncio.to_thread(_upgrade_blocking, server.dsn(database), tuple(branches))
+        return True
     except DatabaseError:
         raise
     except Exception as exc:
+        if unknown := _UNKNOWN_REVISION.search(str(exc)):
+            # Run by a newer butlers (a rollback): alembic's words alone do not say so.
+            raise DatabaseError(
+                f"database {database!r} was migrated by a newer butlers (its schema revision "
+                f"{unknown.group(1)!r} is unknown to this one): run that newer butlers, or "
+                "restore a backup of the data made before it ran"
+            ) from exc
         raise DatabaseError(f"migrating {database!r} failed: {exc}") from exc
     finally:
         await lock.close()  # and the lock with it
 
 
-async def prepare_database(server: PostgresServer, database: str, branches: Sequence[str]) -> None:
-    """Create if missing, then migrate: what `butlers db upgrade` does for one butler."""
+async def prepare_database(server: PostgresServer, database: str, branches: Sequence[str]) -> bool:
+    """Create if missing, then migrate: what `butlers db upgrade` does for one butler.
+    Whether anything was migrated."""
     await ensure_database(server, database)
-    await migrate(server, database, branches)
+    return await migrate(server, database, branches)

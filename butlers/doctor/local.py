@@ -265,11 +265,18 @@ async def database(subject: Subject) -> list[Check]:
                     f" (as root, `butlers up` keeps it under {ROOT_DATA} instead when "
                     "PostgreSQL's account cannot pass through to it)"
                 )
+            then = "`butlers up` starts it"
+            if said != "not running":  # an upgrade that lost BUTLERS_DATA_DIR lands here
+                then = (
+                    "`butlers up` makes new, empty databases there. If these butlers ran "
+                    "before, their data is elsewhere: set BUTLERS_DATA_DIR to the directory "
+                    "holding its pgdata"
+                )
             return [
                 warn(
                     "database",
-                    f"the embedded PostgreSQL in {pgdata} is {said}; `butlers up` starts it "
-                    "(or set DATABASE_URL to a server of your own)",
+                    f"the embedded PostgreSQL in {pgdata} is {said}; {then} (or set "
+                    "DATABASE_URL to a server of your own)",
                 )
             ]
     return [await _databases(subject, server)]

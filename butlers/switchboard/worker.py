@@ -217,7 +217,8 @@ class InboxWorker:
         resumed = await self.inbox.requeue_interrupted(self.replica)
         if resumed:
             logger.warning(
-                "resuming %d message(s) interrupted by a crash",
+                "resuming %d message(s) left under way when the switchboard last stopped (a "
+                "crash, or a stop that could not hand them back)",
                 resumed,
                 extra={"action": "inbox_resume"},
             )
