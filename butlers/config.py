@@ -512,7 +512,10 @@ class SwitchboardConfig:
         default=3, description="Routes one classification session may make."
     )
     max_messages_per_sender_per_hour: Annotated[Int, Field(ge=0)] = Field(
-        default=60, description="Later messages are kept but not classified; 0: no limit."
+        default=60,
+        description=(
+            "Later messages are kept but not classified, and their files not fetched; 0: no limit."
+        ),
     )
     retention_days: Annotated[Int, Field(ge=1)] = Field(
         default=90,

@@ -114,6 +114,24 @@ async def test_a_mail_with_an_image_and_a_pdf_is_handed_on_with_both() -> None:
     assert "voice" not in accepted.meta and "attachments_not_read" not in accepted.meta
 
 
+async def test_a_sender_over_the_hourly_limit_has_no_file_stored() -> None:
+    """The switchboard would skip the mail (over max_messages_per_sender_per_hour): it is
+    kept, naming its files and why they were not read, but the files are not stored."""
+    worker = RecordingWorker()
+    worker.over_limit = True
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        message = with_files((PDF, "application/pdf", "big.pdf"), message_id="<limit@x>")
+        await imap_append(port, USER, PASSWORD, message)
+        async with running(email_config(imap_port=port, mode="poll"), worker):
+            accepted = await worker.wait_for("<limit@x>")
+            await wait_until_seen(port)
+    assert accepted.attachments == ()
+    assert accepted.text == (
+        "See attached.\n\n[attachments not read: big.pdf (over the hourly limit of messages)]"
+    )
+    assert accepted.meta["attachments_not_read"] == ["big.pdf"]
+
+
 async def test_the_limits_of_the_channel_and_the_switchboard_hold_through_imap() -> None:
     """A file over [modules.email] max_attachment_bytes, and those past the switchboard's
     max_attachments_per_message, are not stored: the mail is, saying which and why."""

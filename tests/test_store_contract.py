@@ -425,6 +425,8 @@ async def test_an_albums_parts_are_answered_as_its_first_message(stores: Stores)
     history = await stores.inbox.history(message, 10)
     assert [h["text"] for h in history] == ["Which is best?\nor this one", ""]
     assert message.earlier_from_sender == 3  # the album, the other album, the other chat
+    # What the channels ask before fetching a file counts the same (and this one too).
+    assert await stores.inbox.sent_last_hour("telegram", "1") == 4
 
 
 async def test_an_albums_first_message_waits_for_the_rest(stores: Stores) -> None:
@@ -607,6 +609,9 @@ async def test_the_claim_counts_the_senders_last_hour(stores: Stores) -> None:
     message = await stores.inbox.claim_next("r1", HOUR)
     assert message is not None and message.id == second
     assert (message.earlier_from_sender, message.sender_told) == (1, True)
+    counts = [await stores.inbox.sent_last_hour("telegram", who) for who in ("7", "8", "9")]
+    assert counts == [2, 1, 0]
+    assert await stores.inbox.sent_last_hour("email", "7") == 0
 
 
 async def test_a_failed_intake_is_kept_as_a_failed_row(stores: Stores) -> None:

@@ -31,6 +31,7 @@ import functools
 import hashlib
 import logging
 import ssl
+from dataclasses import replace
 from email.message import EmailMessage
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
     ParsedMail,
     dmarc_refusal,
+    not_read_note,
     one_line,
     reply_subject,
     sender_allowed,
@@ -281,6 +283,13 @@ class EmailModule:
             mail.sender, mail.references.split(), mail.text or ""
         ):
             return  # the owner's "yes 12" in an approval's thread: decided, not routed
+        if mail.files and not await self.worker.files_welcome("email", mail.sender or None):
+            # Over the hourly limit: the mail is kept and skipped; its files are not stored.
+            names = [file.name for file in mail.files]
+            note = not_read_note(names, "over the hourly limit of messages")
+            mail = replace(
+                mail, files=(), not_read=(*mail.not_read, *names), text=(mail.text or "") + note
+            )
         if mail.files:
             # In a worker thread: reading a text file's type decodes all of it.
             mail = await asyncio.to_thread(

@@ -435,6 +435,10 @@ class TelegramModule:
         if message.text:
             await self.worker.accept(incoming)
             return
+        if not await self.worker.files_welcome("telegram", chat_id):
+            # Over the hourly limit: the message is kept and skipped; nothing is fetched.
+            await self.worker.accept(_noting(incoming, OVER_LIMIT))
+            return
         # A file not read still leaves its caption: the words go on, saying what was not read.
         with_note = replace(incoming, album=message.media_group_id) if incoming.text else None
         try:
@@ -876,9 +880,13 @@ def _forwarded_from(message: Message) -> str | None:
     return printable(name, 80) or "someone"
 
 
+# Why a file of a sender over max_messages_per_sender_per_hour was not fetched.
+OVER_LIMIT = "a file: over the hourly limit of messages, so it was not fetched"
+
+
 def _noting(incoming: IncomingMessage, why: str) -> IncomingMessage:
     """A message whose file was not read: its caption, and a line saying which and why."""
-    return replace(incoming, text=f"{incoming.text}\n\n[not read: {why}]")
+    return replace(incoming, text=f"{incoming.text}\n\n[not read: {why}]".strip())
 
 
 def _kind_of(message: Message) -> str:

@@ -351,6 +351,10 @@ class InboxStore:
         )
         return result.split()[-1] == "1"
 
+    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+        """How many messages a sender sent in the last hour, as the worker counts them."""
+        return await self.pool.fetchval(sql.INBOX_SENDER_LAST_HOUR, channel, source_id)
+
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
         """The last `exchanges` handled messages of the message's conversation before it,
         oldest first: who said what, and which butler answered what."""

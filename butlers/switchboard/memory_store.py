@@ -459,6 +459,17 @@ class MemoryInboxStore:
             ]
         return True
 
+    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+        since = self.database.clock() - timedelta(hours=1)
+        return sum(
+            1
+            for row in self._rows.values()
+            if row["channel"] == channel
+            and row["source_id"] == source_id
+            and row["received_at"] > since
+            and row["classified_via"] != "album"
+        )
+
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
         if not message.conversation or exchanges <= 0:
             return []

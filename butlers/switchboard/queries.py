@@ -279,6 +279,13 @@ INBOX_CLAIM_NEXT = """
           AND i.id < claimed.id AND i.classified_via IS DISTINCT FROM 'album'
     ) AS sender
 """
+# How many messages the sender $2 of channel $1 sent in the last hour (album parts not
+# counted): INBOX_CLAIM_NEXT's count, for a message about to be accepted.
+INBOX_SENDER_LAST_HOUR = """
+    SELECT count(*) FROM inbox
+    WHERE channel = $1 AND source_id = $2 AND received_at > now() - interval '1 hour'
+      AND classified_via IS DISTINCT FROM 'album'
+"""
 # Extend $1's leases on the messages $2 by $3 seconds; the ids it still holds, counting those
 # it finished meanwhile (its worker is between that commit and letting go of them).
 INBOX_RENEW = """

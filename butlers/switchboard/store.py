@@ -180,6 +180,11 @@ class InboxQueue(Protocol):
         and from meta's listing. Only while `replica` holds it `processing`; else False."""
         ...
 
+    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+        """How many rows the sender `source_id` of `channel` has from the last hour, album
+        parts not counted: the count a message claimed now would be limited by."""
+        ...
+
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
         """The last `exchanges` `done` rows of the message's conversation before it (an
         album's joined parts left out: their words are the first message's), oldest first:

@@ -162,6 +162,17 @@ class InboxWorker:
                 asyncio.get_running_loop().call_later(album_wait_s + 0.05, self._wake.set)
         return inbox_id
 
+    async def files_welcome(self, channel: str, source_id: str | None) -> bool:
+        """Whether a sender's files may be fetched and stored now: not while they are over
+        `max_messages_per_sender_per_hour`. Their message is then skipped unclassified
+        (`_over_sender_limit`); its files would only have filled the disk, a forwarded
+        20 MiB document a hundred times over (a red team did), and held up the channel's
+        other chats while they downloaded."""
+        limit = self.limits.max_messages_per_sender_per_hour
+        if not limit or source_id is None:
+            return True
+        return await self.inbox.sent_last_hour(channel, source_id) < limit
+
     async def album_part_dropped(self, message: IncomingMessage) -> None:
         """A part of an album its channel refused once downloaded (`message`: the part as it
         would have been stored): the album's first message waits for it no longer

@@ -511,6 +511,7 @@ class RecordingWorker:
         self.dropped: list[IncomingMessage] = []  # album parts refused once downloaded
         self.inbox = _Inbox()
         self.fail_when = fail_when
+        self.over_limit = False  # files_welcome's answer: the sender is over the hourly limit
         self._changed = asyncio.Event()
 
     async def accept(self, message: IncomingMessage) -> int | None:
@@ -519,6 +520,10 @@ class RecordingWorker:
         self.accepted.append(message)
         self._changed.set()
         return len(self.accepted)
+
+    async def files_welcome(self, channel: str, source_id: str | None) -> bool:
+        """As the switchboard's: False while the sender is over the hourly limit (`over`)."""
+        return not self.over_limit
 
     async def album_part_dropped(self, message: IncomingMessage) -> None:
         self.dropped.append(message)
