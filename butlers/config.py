@@ -452,6 +452,11 @@ class TranscriptionConfig:
     timeout_s: Annotated[Float, Field(gt=0)] = Field(
         default=120.0, description="One transcription's time limit."
     )
+    max_seconds: Annotated[Int, Field(gt=0)] = Field(
+        default=900,
+        description="The longest voice note or audio file transcribed, by the length Telegram "
+        "states (before anything is downloaded); a longer one gets a reply saying so.",
+    )
     retry_hours: Annotated[Float, Field(gt=0)] = Field(
         default=6.0,
         description="How long a voice note is retried while the service fails (5xx, timeouts); "

@@ -306,7 +306,10 @@ async def test_an_outbox_row_s_files_go_with_it(store: InboxStore) -> None:
     assert second is not None and second.text == "here"
     assert second.attachments == (photo, scan)
     assert second.meta[FILES_KEY] == 2
+    count = "SELECT count(*) FROM outbox_attachments"
+    assert await store.pool.fetchval(count) == 2
     await outbox.sent(second.id, ["2"])
+    assert await store.pool.fetchval(count) == 0  # taken: not kept for retention_days
 
     third = await outbox.claim("telegram")
     assert third is not None and third.text == "after" and third.attachments == ()

@@ -261,6 +261,20 @@ async def test_a_program_called_a_photo_is_refused(bot_api: FakeBotAPI) -> None:
     assert worker.accepted == []
 
 
+async def test_a_voice_note_longer_than_is_transcribed_is_refused_before_downloading(
+    bot_api: FakeBotAPI,
+) -> None:
+    """Telegram states a note's length: eight hours (some 20 MiB of Opus) would be billed by
+    the minute, or hold a local model for hours. Refused by that, with nothing fetched."""
+    worker = RecordingWorker()
+    async with telegram(bot_api, worker):
+        update_id = await bot_api.push_voice(CHAT, ogg_opus(), duration=8 * 3600)
+        await settled(bot_api, update_id)
+        [reply] = await bot_api.wait_sent(1)
+    assert reply["text"] == "the voice note is 8:00:00 long; the most I transcribe is 15:00"
+    assert worker.accepted == [] and bot_api.downloads == []
+
+
 async def test_a_decompression_bomb_sent_as_a_document_is_refused(bot_api: FakeBotAPI) -> None:
     """254 KB that would decode to 268 megapixels (1.37 GB of Claude Code's memory): the
     sender is told its size in pixels, and nothing reaches the inbox."""

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -381,6 +382,27 @@ async def test_local_transcription_through_a_model_loaded_once(model_dir: Path) 
     [model] = loaded
     assert model.model_path == str(model_dir)
     assert model.calls == [(VOICE.data, "en"), (VOICE.data, "en")]
+
+
+async def test_local_transcription_stops_at_its_time_limit(model_dir: Path) -> None:
+    """The thread cannot be stopped from outside: an hours-long note held every voice note
+    behind it for hours. It stops itself between segments, past `timeout_s`."""
+
+    class SlowWhisper(FakeWhisper):
+        def _segments(self, data: bytes) -> Iterable[FakeSegment]:
+            for _ in range(100):
+                time.sleep(0.05)
+                yield FakeSegment(" and on")
+
+    async with LocalTranscriber(str(model_dir), timeout_s=0.2, load_model=SlowWhisper) as local:
+        started = time.monotonic()
+        with pytest.raises(TranscriptionFailed) as failed:
+            await local.transcribe(VOICE)
+        assert time.monotonic() - started < 2
+    assert str(failed.value).startswith(
+        "the local model took over 0.2 s ([switchboard.transcription] timeout_s) on audio"
+    )
+    assert failed.value.transient is False
 
 
 async def test_local_transcription_runs_one_at_a_time_off_the_loop(model_dir: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import re
 import time
@@ -145,6 +146,20 @@ def _too_big(name: str, size: int, limit: int) -> AttachmentRefused:
     """The refusal of a file Telegram says is bigger than we read, before downloading it: in
     the words `checked` uses for one that came bigger."""
     return AttachmentRefused(f"{name!r} is {_sizes(size, limit)}")
+
+
+def _seconds(duration: object) -> int | None:
+    """A length Telegram states, in seconds, or None. Read from the object's dict: its
+    `duration` attribute warns that it will become a timedelta (python-telegram-bot 22.2+)."""
+    if isinstance(duration, datetime.timedelta):
+        return int(duration.total_seconds())
+    return duration if isinstance(duration, int) else None
+
+
+def _length(seconds: int) -> str:
+    """`1:05:03`, `4:10`: a length as a clock shows it."""
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 def caption_fits(text: str) -> bool:
@@ -500,6 +515,18 @@ class TelegramModule:
         except AttachmentRefused:
             return False
 
+    def _check_length(self, what: str, duration: object) -> None:
+        """AttachmentRefused for audio longer than `[switchboard.transcription] max_seconds`,
+        by the length Telegram states: a 20 MiB note of Opus at 6 kbit/s lasts some 7 hours,
+        billed by the minute where a service transcribes it, and hours of a local model."""
+        assert self.worker is not None
+        most = self.worker.limits.transcription.max_seconds
+        seconds = _seconds(duration)
+        if seconds is not None and seconds > most:
+            raise AttachmentRefused(
+                f"{what} is {_length(seconds)} long; the most I transcribe is {_length(most)}"
+            )
+
     def _file_of(self, message: Message) -> _File | None:
         """The file a message carries that we read (a voice note, an audio file, a photo: its
         largest size within the limits, a document), or None (a sticker, a video, a
@@ -510,9 +537,11 @@ class TelegramModule:
         file: _File | None = None
         if message.voice is not None:
             voice = message.voice
+            self._check_length("the voice note", voice.to_dict().get("duration"))
             file = _File(voice.file_id, "voice note", voice.file_size, limit)
         elif message.audio is not None:
             audio = message.audio
+            self._check_length(repr(audio.file_name or "audio"), audio.to_dict().get("duration"))
             file = _File(audio.file_id, audio.file_name or "audio", audio.file_size, limit)
         elif message.photo:
             # What the Messages API takes of an image, if that is less.

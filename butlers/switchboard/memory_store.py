@@ -598,6 +598,7 @@ class MemoryOutboxStore:
                 sent_ids=[storable(str(i)) for i in sent_ids],
                 error=None,
             )
+            self.database.tables.outbox_files.pop(delivery_id, None)
 
     async def later(
         self, delivery_id: int, error: str, delay_s: float, *, held_for_recipient: bool = False

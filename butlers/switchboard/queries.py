@@ -394,9 +394,13 @@ OUTBOX_HEAD_DUE_IN_S = f"""
     HAVING count(*) > 0
 """
 # The channel took it: its own ids ($2) are kept for thread affinity.
+# Taken by its channel: its files are needed no more (they stayed for retention_days).
 OUTBOX_SENT = """
-    UPDATE outbox SET status = 'sent', sent_at = now(), sent_ids = $2, error = NULL
-    WHERE id = $1
+    WITH sent AS (
+        UPDATE outbox SET status = 'sent', sent_at = now(), sent_ids = $2, error = NULL
+        WHERE id = $1 RETURNING id
+    )
+    DELETE FROM outbox_attachments WHERE outbox_id IN (SELECT id FROM sent)
 """
 # Not taken: again in $3 seconds; $4: held for its recipient only (HELD_KEY).
 OUTBOX_LATER = f"""

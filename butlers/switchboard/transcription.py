@@ -28,6 +28,7 @@ import io
 import json
 import re
 import ssl
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,7 +90,7 @@ def transcriber_from(
     get a reply saying so). `variable` looks a variable up by name, as
     `butlers.settings.Settings.variable` does: the key comes from `config.api_key_env`."""
     if config.model_path:
-        return LocalTranscriber(config.model_path, config.language)
+        return LocalTranscriber(config.model_path, config.language, timeout_s=config.timeout_s)
     if config.url:
         return HttpTranscriber(config, variable(config.api_key_env) if config.api_key_env else None)
     return None
@@ -358,10 +359,12 @@ class LocalTranscriber:
         model_path: str,
         language: str = "",
         *,
+        timeout_s: float = TranscriptionConfig().timeout_s,
         load_model: Callable[[str], WhisperModelLike] | None = None,
     ) -> None:
         self.model_path = model_path
         self._language = language or None
+        self._timeout_s = timeout_s
         self._load_model = load_model
         self._model: WhisperModelLike | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transcription")
@@ -406,12 +409,26 @@ class LocalTranscriber:
         return self._model
 
     def _transcribe(self, audio: Attachment) -> str:
-        """In the transcription thread: load the model once, then decode and transcribe."""
+        """In the transcription thread: load the model once, then decode and transcribe,
+        within `timeout_s` (the thread cannot be stopped from outside: an hours-long note
+        held every voice note behind it for hours)."""
         model = self._model_loaded()
+        deadline = time.monotonic() + self._timeout_s
         try:
             segments, _info = model.transcribe(io.BytesIO(audio.data), language=self._language)
             # The segments are a generator: the work happens while they are read.
-            text = "".join(segment.text for segment in segments)
+            said = []
+            for segment in segments:
+                said.append(segment.text)
+                if time.monotonic() > deadline:
+                    raise TranscriptionFailed(
+                        f"the local model took over {self._timeout_s:g} s ([switchboard."
+                        f"transcription] timeout_s) on {audio.describe()}",
+                        transient=False,
+                    )
+            text = "".join(said)
+        except TranscriptionFailed:
+            raise
         except Exception as exc:  # PyAV cannot decode it, or the model failed on it
             raise TranscriptionFailed(
                 f"the local model could not transcribe {audio.describe()}: "

@@ -206,11 +206,12 @@ class FakeBotAPI:
         *,
         caption: str | None = None,
         reported_size: int | str | None = "true",
+        duration: int = 3,
     ) -> int:
-        """A voice note (Telegram records them as OGG/Opus)."""
+        """A voice note (Telegram records them as OGG/Opus), `duration` seconds long."""
         voice = {
             **self.add_file(data, "voice/file.oga", reported_size=reported_size),
-            "duration": 3,
+            "duration": duration,
             "mime_type": "audio/ogg",
         }
         return await self.push(
