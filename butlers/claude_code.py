@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -226,7 +227,9 @@ async def run_claude_code(
                         )
                     for block in message.content:
                         if isinstance(block, ToolUseBlock):
-                            tool_calls.append({"name": block.name, "input": block.input})
+                            tool_calls.append(
+                                {"name": block.name, "input": without_file_bytes(block.input)}
+                            )
                 elif isinstance(message, ResultMessage):
                     signs.retrying = None
                     result = message
@@ -276,6 +279,27 @@ async def user_turn(
         "parent_tool_use_id": None,
         "session_id": "",
     }
+
+
+def without_file_bytes(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A tool call's arguments as a session's row keeps them: each file's base64 (a notify's
+    `attachments[*].data`: up to 22 MiB a call) replaced by its length and digest. The bytes
+    are the outbox's, until sent; kept in tool_calls they stayed for retention_days."""
+    files = arguments.get("attachments")
+    if not isinstance(files, list):
+        return arguments
+    kept = [
+        {**item, "data": _digest_of(item["data"])}
+        if isinstance(item, dict) and isinstance(item.get("data"), str)
+        else item
+        for item in files
+    ]
+    return {**arguments, "attachments": kept}
+
+
+def _digest_of(data: str) -> str:
+    digest = hashlib.sha256(data.encode()).hexdigest()[:16]
+    return f"[{len(data)} characters of base64, sha256 {digest}…]"
 
 
 def _turn_content(prompt: str, attachments: Sequence[Attachment]) -> list[dict[str, Any]]:

@@ -424,6 +424,7 @@ async def test_notify_checks_the_files_then_passes_them_on(
     stand_in_switchboard: tuple[str, list[dict[str, Any]]],
     start_butler: StartButler,
     scripted_api: ScriptedMessagesAPI,
+    db_conn,
 ) -> None:
     """A session sends a chart: first a program it calls chart.png (refused at once, the
     item named, nothing reaches the switchboard), then the real one, which reaches the
@@ -467,3 +468,9 @@ async def test_notify_checks_the_files_then_passes_them_on(
         # No `attachments` at all: a switchboard whose `deliver` takes none still takes it.
         {"text": "No files.", "butler": "alpha", "attachments": None},
     ]
+    # The session's row keeps its calls, not the files' bytes (they would stay for
+    # retention_days): each is its length and digest.
+    [row] = await _sessions(db_conn, daemon)
+    recorded = json.dumps(row["tool_calls"])
+    assert b64(chart) not in recorded and b64(EXE) not in recorded
+    assert f"[{len(b64(chart))} characters of base64, sha256 " in recorded

@@ -6,6 +6,7 @@ is downloaded, checked, refused, acknowledged, sent), not the inbox or the worke
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import struct
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from starlette.applications import Starlette
 from butlers.config import SwitchboardConfig, TelegramConfig
 from butlers.errors import DeliveryError
 from butlers.media import Attachment
-from butlers.modules.telegram import TEXT_ONLY, TelegramModule
+from butlers.modules.telegram import MAX_DOWNLOADS_AT_ONCE, TEXT_ONLY, TelegramModule
 from butlers.switchboard.inbox import IncomingMessage
 from butlers.switchboard.outbox import Delivery
 from tests.conftest import WEBHOOK_SECRET, log_records
@@ -358,6 +359,36 @@ async def test_the_webhook_answers_503_when_a_download_fails_and_takes_the_updat
             again = await client.post("/telegram/webhook", json=update, headers=headers)
             assert again.status_code == 200
     assert only(worker).attachments[0].data == PDF
+
+
+async def test_webhook_updates_fetch_a_few_files_at_a_time(bot_api: FakeBotAPI) -> None:
+    """Telegram posts webhook updates over many connections at once, and each file is held
+    in memory whole while it comes: at most MAX_DOWNLOADS_AT_ONCE are fetched together, the
+    others wait their turn, and every one is taken."""
+    worker = RecordingWorker()
+    bot_api.download_delay_s = 0.2
+    async with telegram(bot_api, worker, poll=False, mode="webhook") as module:
+        app = Starlette(routes=module.webhook_routes())
+        headers = {"X-Telegram-Bot-Api-Secret-Token": WEBHOOK_SECRET}
+        transport = httpx.ASGITransport(app=app)
+
+        async def post(index: int) -> int:
+            document = {
+                **bot_api.add_file(PDF, f"documents/file{index}.pdf"),
+                "file_name": f"scan{index}.pdf",
+                "mime_type": "application/pdf",
+            }
+            update = {
+                "update_id": 5000 + index,
+                "message": bot_api._message(CHAT, document=document),
+            }
+            async with httpx.AsyncClient(transport=transport, base_url="http://sb") as client:
+                answer = await client.post("/telegram/webhook", json=update, headers=headers)
+            return answer.status_code
+
+        codes = await asyncio.gather(*(post(index) for index in range(10)))
+    assert codes == [200] * 10 and len(worker.accepted) == 10
+    assert bot_api.most_downloading == MAX_DOWNLOADS_AT_ONCE == 4
 
 
 async def test_files_come_from_the_file_base_url(bot_api: FakeBotAPI) -> None:

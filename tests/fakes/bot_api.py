@@ -89,6 +89,9 @@ class FakeBotAPI:
         self._file_ids = itertools.count(1)
         self.file_requests: list[str] = []  # the file_id of every getFile call
         self.downloads: list[str] = []  # the file_path of every download, answered or not
+        self.download_delay_s = 0.0  # how long each download takes
+        self.downloading = 0  # downloads under way now, and the most at once so far
+        self.most_downloading = 0
         self.fail_downloads = 0  # the next N downloads answer 502 Bad Gateway
         self.fail_after = 0  # ... once this many downloads were asked for
         self.sent_files: list[dict[str, Any]] = []  # sendPhoto / sendDocument calls
@@ -459,6 +462,12 @@ class FakeBotAPI:
         async with self._changed:
             self.downloads.append(path)
             self._changed.notify_all()
+        self.downloading += 1
+        self.most_downloading = max(self.most_downloading, self.downloading)
+        try:
+            await asyncio.sleep(self.download_delay_s)
+        finally:
+            self.downloading -= 1
         if self.fail_downloads and len(self.downloads) > self.fail_after:
             self.fail_downloads -= 1
             return web.json_response(
