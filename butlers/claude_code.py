@@ -185,6 +185,9 @@ async def run_claude_code(
 
     signs = signs if signs is not None else RunSigns()
     env = {**_CLI_ENV, **run.env}
+    # An API key refused is refused for good; a login's refused token may be refreshed by
+    # a run beside this one (they share it): that is left to the CLI's retries.
+    with_key = bool(env.get("ANTHROPIC_API_KEY", run.inherited.get("ANTHROPIC_API_KEY")))
     servers = {"mcpServers": {target.name: target.server_config()}}
     config_path = await asyncio.to_thread(
         write_private_file, run.mcp_config_dir, json.dumps(servers)
@@ -213,7 +216,7 @@ async def run_claude_code(
                     _check_connected(message.data, target)
                 elif isinstance(message, SystemMessage) and message.subtype == "api_retry":
                     signs.retrying = message.data
-                    if signs.key_refused_for_good():
+                    if with_key and signs.key_refused_for_good():
                         # Killed first: the SDK's close gives the CLI 5 s after stdin's
                         # end, in which it went on to its next retry.
                         _kill_cli(transport)
@@ -606,10 +609,11 @@ class RunSigns:
         return f"{what}: {excerpt(first)}" if first else what
 
     def key_refused_for_good(self) -> bool:
-        """Whether the retry under way is a second 401 in a row: the key is wrong, and
+        """Whether the retry under way is a second 401 in a row: an API key is wrong, and
         Claude Code would retry it ten times over about three minutes (bundled CLI 2.1.330,
-        measured: 11 requests, 173 s) while the message waits. The first retry is left to
-        it: a login's expired token is refreshed on a 401, and its retry then succeeds."""
+        measured: 11 requests, 173 s) while the message waits. Asked only of runs with an
+        API key (a login's token may be refreshed meanwhile), and the first retry is left
+        to the CLI all the same."""
         retrying = self.retrying or {}
         attempt = retrying.get("attempt")
         return (

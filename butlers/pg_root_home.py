@@ -130,9 +130,16 @@ def _data_place(requested: Path, root: Path) -> Path:
 
 def kept_data(requested: Path, root: Path = ROOT_HOME) -> Path | None:
     """Where an earlier start kept the data asked for at `requested`, if it did (nothing is
-    made): a start that can reach `requested` again must not leave it behind."""
-    pgdata = _data_place(requested, root) / "pgdata"
-    return pgdata if pgdata.is_dir() else None
+    made): a start that can reach `requested` again must not leave it behind. Only a place
+    that is root's and whose `origin` names `requested`."""
+    place = _data_place(requested, root)
+    try:
+        _check_root_only(place)
+        origin = (place / "origin").read_text().strip()
+    except (OSError, DatabaseError):
+        return None
+    pgdata = place / "pgdata"
+    return pgdata if origin == str(requested) and pgdata.is_dir() else None
 
 
 def data_home(requested: Path, root: Path = ROOT_HOME) -> Path:

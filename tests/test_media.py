@@ -19,8 +19,10 @@ from butlers.media import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     Attachment,
+    audio_seconds,
     check_count,
     checked,
+    clock_length,
     from_wire,
     sniff,
 )
@@ -117,9 +119,13 @@ def pdf(text: str = "Hello") -> bytes:
     return out
 
 
-def ogg_page(packet: bytes, *, sequence: int = 0, flags: int = 0x02, serial: int = 1) -> bytes:
-    """One Ogg page holding one packet, its CRC computed (Ogg's polynomial, unreflected)."""
-    lacing = [255] * (len(packet) // 255) + [len(packet) % 255]
+def ogg_page(
+    packet: bytes, *, sequence: int = 0, flags: int = 0x02, serial: int = 1, more: tuple = ()
+) -> bytes:
+    """One Ogg page holding one packet (and `more`), its CRC computed (Ogg's polynomial,
+    unreflected). Its granule position says 0: a length the pages declare is not read."""
+    packets = (packet, *more)
+    lacing = [n for p in packets for n in [255] * (len(p) // 255) + [len(p) % 255]]
     header = (
         b"OggS\x00"
         + bytes([flags])
@@ -127,7 +133,7 @@ def ogg_page(packet: bytes, *, sequence: int = 0, flags: int = 0x02, serial: int
         + bytes([len(lacing)])
         + bytes(lacing)
     )
-    page = header + packet
+    page = header + b"".join(packets)
     crc = 0
     for byte in page:
         crc ^= byte << 24
@@ -136,11 +142,29 @@ def ogg_page(packet: bytes, *, sequence: int = 0, flags: int = 0x02, serial: int
     return page[:22] + struct.pack("<I", crc) + page[26:]
 
 
-def ogg_opus() -> bytes:
+def ogg_opus(serial: int = 1) -> bytes:
     """The head of an Ogg/Opus stream, as a Telegram voice note starts: OpusHead, OpusTags."""
     head = b"OpusHead" + bytes([1, 1]) + struct.pack("<HIhB", 312, 48000, 0, 0)
     tags = b"OpusTags" + struct.pack("<I", 7) + b"butlers" + struct.pack("<I", 0)
-    return ogg_page(head) + ogg_page(tags, sequence=1, flags=0)
+    return ogg_page(head, serial=serial) + ogg_page(tags, sequence=1, flags=0, serial=serial)
+
+
+def ogg_opus_playing(seconds: float, serial: int = 1) -> bytes:
+    """An Ogg Opus file whose packets play `seconds` (each 120 ms: six 20 ms CELT frames,
+    code 3, no bytes of sound), 250 to a page."""
+    packet = bytes([31 << 3 | 3, 6])
+    count = round(seconds / 0.12)
+    pages = [
+        ogg_page(
+            packet,
+            sequence=2 + n,
+            flags=0,
+            serial=serial,
+            more=(packet,) * (min(250, count - i) - 1),
+        )
+        for n, i in enumerate(range(0, count, 250))
+    ]
+    return ogg_opus(serial) + b"".join(pages)
 
 
 def wav(samples: int = 800) -> bytes:
@@ -303,6 +327,12 @@ def test_an_image_over_the_model_s_image_limit_is_refused() -> None:
     assert checked(pdf() + b"%" * MAX_IMAGE_BYTES, "big.pdf", max_bytes=20 * MB).kind == "pdf"
 
 
+def gif(*, screen: tuple[int, int], frame: tuple[int, int]) -> bytes:
+    """A GIF's logical screen and its first frame's descriptor, each of its own size."""
+    descriptor = b"\x2c" + struct.pack("<HHHH", 0, 0, *frame) + b"\x00"
+    return b"GIF89a" + struct.pack("<HH", *screen) + b"\x00\x00\x00" + descriptor + b"\x3b"
+
+
 def webp_canvas(width: int, height: int) -> bytes:
     """An extended WebP's header (VP8X) declaring its canvas: what a decoder allocates."""
     vp8x = b"\x00" * 4 + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
@@ -324,7 +354,9 @@ def test_an_image_declaring_more_pixels_than_a_decoder_should_make_is_refused() 
     for data, name in [
         (jpeg(10_000, 6_000), "a.jpg"),
         # (imagesize reads a GIF's size as signed: past 32767 it "does not say", refused too)
-        (b"GIF89a" + struct.pack("<HH", 30000, 30000) + b"\x00\x00\x00" + b"\x3b", "a.gif"),
+        (gif(screen=(30000, 30000), frame=(1, 1)), "a.gif"),
+        # A decoder grows a small screen to fit its first frame (libnsgif): 28 bytes.
+        (gif(screen=(1, 1), frame=(16383, 16383)), "grows.gif"),
         (webp_canvas(8_000, 8_000), "a.webp"),
     ]:
         with pytest.raises(AttachmentRefused, match=r"pixels; the most I can read of a photo"):
@@ -345,6 +377,28 @@ def test_an_image_whose_header_does_not_say_its_size_is_refused() -> None:
     with pytest.raises(AttachmentRefused) as refused:
         checked(comments, "odd.jpg", max_bytes=MB)
     assert str(refused.value) == "'odd.jpg' does not say its size in pixels, so I cannot read it"
+
+
+def test_how_long_audio_plays_is_read_from_its_packets_or_header() -> None:
+    """An Ogg Opus voice note by its packets (the length its pages or Telegram declare is the
+    sender's to write); a WAV by its header; what cannot be told is None."""
+    assert audio_seconds(ogg_opus()) == 0
+    assert audio_seconds(ogg_opus_playing(61.2)) == pytest.approx(61.2)
+    assert audio_seconds(ogg_opus_playing(16 * 60)) == pytest.approx(960)
+    # Past `beyond` it stops counting: some length over it (a crafted 20 MiB: 3.9 s of CPU).
+    stopped = audio_seconds(ogg_opus_playing(16 * 60), beyond=600)
+    assert stopped is not None and 600 < stopped < 960
+    # A chained stream (another serial) plays on after the first: counted too.
+    chained = ogg_opus_playing(30) + ogg_opus_playing(45, serial=2)
+    assert audio_seconds(chained) == pytest.approx(75)
+    assert audio_seconds(wav(8000)) == pytest.approx(1.0)
+    assert audio_seconds(b"OggS" + b"\x00" * 40) is None  # no page: no length
+    assert audio_seconds(b"RIFF" + b"\xff" * 60) is None
+    assert (clock_length(61.2), clock_length(960), clock_length(8 * 3600 + 5)) == (
+        "1:01",
+        "16:00",
+        "8:00:05",
+    )
 
 
 def test_an_empty_file_is_refused() -> None:

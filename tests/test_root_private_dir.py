@@ -243,11 +243,22 @@ async def test_data_kept_elsewhere_stays_in_use_once_its_directory_opens_up(
         server = EmbeddedServer(requested, environ=dict(os.environ))
         await server.locate()
         assert server.pgdata == kept
-        # With data at both, the one asked for (reachable) is used, as before.
+        # With data at both, the one written to last is used (said, naming both).
         requested.mkdir(parents=True)
         (requested / "PG_VERSION").write_text("18\n")
+        for pgdata, when in ((kept, 2000.0), (requested, 1000.0)):
+            (pgdata / "global").mkdir()
+            (pgdata / "global" / "pg_control").write_bytes(b"")
+            os.utime(pgdata / "global" / "pg_control", (when, when))
         again = EmbeddedServer(requested, environ=dict(os.environ))
         await again.locate()
-        assert again.pgdata == requested
+        assert again.pgdata == kept
+        os.utime(requested / "global" / "pg_control", (3000.0, 3000.0))
+        third = EmbeddedServer(requested, environ=dict(os.environ))
+        await third.locate()
+        assert third.pgdata == requested
+        # A place whose `origin` names another directory is not this data's.
+        (kept.parent / "origin").write_text("/somewhere/else/pgdata\n")
+        assert pg_root_home.kept_data(requested) is None
     finally:
         _forget(requested)

@@ -182,6 +182,26 @@ async def test_a_refused_key_and_a_rate_limit_are_named(
     assert len(scripted_api.requests) == 2 * per_session
 
 
+async def test_a_refused_token_without_an_api_key_is_left_to_claude_codes_retries(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Without an API key (a login, or ANTHROPIC_AUTH_TOKEN) a 401 may be a token another
+    run is refreshing: the run does not give up at the second retry, and the session's
+    timeout decides, saying what it waited on."""
+    scripted_api.error = (401, "authentication_error", "invalid bearer token")
+    home = tmp_path / "api-home"
+    home.mkdir()
+    env = isolated_cli_env(home, scripted_api.url, "", inherited=os.environ)
+    env["ANTHROPIC_AUTH_TOKEN"] = "sk-ant-oat-expired"
+    runtime = RuntimeConfig(timeout_s=4, tick_interval_s=0)
+    switchboard, general = await fleet_with(start_butler, tmp_path, env, runtime)
+    answer = await call(switchboard, "ask", text="hello")
+    assert answer["status"] == "failed"
+    for error in await session_errors(db_conn, switchboard, general):
+        assert error.startswith("Claude Code session timed out after 4s: Claude Code was "), error
+    assert len(scripted_api.requests) > 2 * REFUSED_KEY_RETRIES  # retried past the second
+
+
 async def test_a_session_cut_short_while_retrying_says_what_it_waited_on(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
 ) -> None:

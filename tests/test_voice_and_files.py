@@ -36,7 +36,7 @@ from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.fakes.transcription_api import FakeTranscriptionAPI, transcription_api_fixture
 from tests.test_email import append, imap_server, smtp_server, start_mail_fleet  # noqa: F401
 from tests.test_inbox import delimited_message, is_classifier, turn
-from tests.test_media import ogg_opus, pdf, png
+from tests.test_media import ogg_opus, ogg_opus_playing, pdf, png
 from tests.test_telegram import CHAT, start_telegram_fleet
 
 ROUTE_TOOL = "mcp__switchboard__route"
@@ -757,7 +757,7 @@ async def test_a_forwarded_file_reaches_the_butler_as_someone_elses_data(
     [routed] = butler_requests(scripted_api, "general")
     [prompt, label, file] = [b for b in blocks(routed) if b["type"] == "text"][-3:]
     said = prompt["text"]
-    assert said.startswith(f'A message for you, from "Ada L" (telegram:{CHAT}, not the owner). ')
+    assert said.startswith(f'A message for you, from "Ada L" ("telegram:{CHAT}", not the owner). ')
     boundary = said.split("<<<REQUEST ", 1)[1].split("\n", 1)[0]
     assert len(boundary) == 16 and boundary != "0"
     request = said.split(f"<<<REQUEST {boundary}\n", 1)[1].split(f"\nREQUEST {boundary}>>>")[0]
@@ -807,3 +807,35 @@ async def test_a_sender_over_the_hourly_limit_has_no_file_fetched_or_stored(
         )
     stored = await conn.fetchval("SELECT count(*) FROM inbox_attachments")
     assert stored <= 1  # the first one's, until its message is done
+
+
+@pytest.mark.parametrize("as_document", [False, True], ids=["voice-note", "document"])
+async def test_audio_longer_than_is_transcribed_is_measured_from_its_bytes(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    transcription_api: FakeTranscriptionAPI,
+    db_conn,
+    as_document: bool,
+) -> None:
+    """The length Telegram states is the sender's word (a note may say 3 s), and a document
+    states none: what is measured is what its packets play. Past max_seconds the sender is
+    told, and the service never gets it (it bills by the minute)."""
+    scripted_api.respond_with(by_words)
+    switchboard, _ = await start_telegram_fleet(
+        start_butler, tmp_path, bot_api, switchboard=with_transcription(transcription_api)
+    )
+    long = ogg_opus_playing(16 * 60)
+    if as_document:
+        await bot_api.push_document(CHAT, long, "meeting.ogg", "audio/ogg")
+        name = "'meeting.ogg'"
+    else:
+        await bot_api.push_voice(CHAT, long, duration=3)
+        name = "the voice note"
+    [reply] = await bot_api.wait_sent(1)
+    said = f"{name} plays longer than 15:00, the most I transcribe"
+    assert reply["text"] == said
+    assert transcription_api.requests == []
+    [row] = await rows(await db_conn(switchboard.config.database))
+    assert (row["status"], row["error"]) == ("failed", f"transcription: {said}")

@@ -38,6 +38,7 @@ from butlers.switchboard.memory_store import (
 from butlers.switchboard.outbox import OutboxSender
 from butlers.switchboard.replies import sorry
 from butlers.switchboard.worker import InboxWorker
+from tests.test_media import ogg_opus
 
 REPLICA = "sb-1"
 _ids = itertools.count(1)
@@ -60,8 +61,12 @@ class StandInRouter:
     overlapping: list[tuple[str, str]] = field(default_factory=list)  # same conversation
     entered: asyncio.Condition = field(default_factory=asyncio.Condition)
 
-    async def route(self, butler: str, tool: str, args: dict[str, Any], *, source: Any) -> Any:
-        text = args["prompt"]
+    async def route(
+        self, butler: str, tool: str, args: dict[str, Any], *, source: Any, request: str
+    ) -> Any:
+        # What the message asked, as the worker says it (the prompt is framed around it).
+        assert f"\n{request}\n" in args["prompt"]
+        text = request
         conversation = text.split("#")[0]
         self.overlapping += [
             (other, text) for other in self.active if other.split("#")[0] == conversation
@@ -259,7 +264,8 @@ async def test_a_crash_is_resumed_and_a_message_that_keeps_crashing_is_given_up(
 
 
 async def test_close_hands_the_messages_in_flight_back(parts: Parts) -> None:
-    worker = parts.make()
+    """What is still under way when the drain ends (here at once: the lane stays fast)."""
+    worker = parts.make(stop_drain_s=0)
     await worker.open()
     inbox_id = await worker.accept(message("a", 0))
     assert inbox_id is not None
@@ -299,7 +305,7 @@ async def test_a_deferred_message_is_taken_up_when_it_is_due(
     transcriber = FlakyTranscriber()
     worker = parts.make(transcriber=transcriber, transcription=TranscriptionConfig())
     await worker.open()
-    voice = Attachment("v.ogg", "audio/ogg", b"OggS\x00\x02" + b"\x00" * 24)
+    voice = Attachment("v.ogg", "audio/ogg", ogg_opus())  # measured before it is heard
     inbox_id = await worker.accept(message("a", 0, attachments=(voice,)))
     later = await worker.accept(message("a", 1))  # waits behind the deferred one
     assert inbox_id is not None and later is not None

