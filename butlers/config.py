@@ -454,8 +454,9 @@ class TranscriptionConfig:
     )
     max_seconds: Annotated[Int, Field(gt=0)] = Field(
         default=900,
-        description="The longest voice note or audio file transcribed, by the length Telegram "
-        "states (before anything is downloaded); a longer one gets a reply saying so.",
+        description="The longest voice note or audio file transcribed, measured from its "
+        "bytes (and by the length Telegram states, before downloading); a longer one gets a "
+        "reply saying so.",
     )
     retry_hours: Annotated[Float, Field(gt=0)] = Field(
         default=6.0,
