@@ -50,6 +50,17 @@ def test_an_image_and_a_pdf_are_read_and_other_files_listed() -> None:
     assert parsed.not_read == ("archive.zip",)
 
 
+def test_a_file_name_is_shown_without_characters_that_hide_or_reverse_text() -> None:
+    """A name's bidi override ("invoice\u202efdp.exe" reads "invoiceexe.pdf") and zero-width
+    characters go, in the mail's text and its list of files not read."""
+    raw = with_files(
+        (b"PK\x03\x04" + bytes(100), "application/zip", "invoice\u202efdp.exe\u200b")
+    ).as_bytes()
+    parsed = parse_mail(raw)
+    assert parsed.not_read == ("invoicefdp.exe",)
+    assert parsed.text == "See attached.\n\n[attachments not read: invoicefdp.exe]"
+
+
 def test_the_type_is_read_from_the_bytes_and_text_needs_the_sender_to_call_it_text() -> None:
     """An executable declared a JPEG is not read; a PNG declared a PDF is an image; printable
     bytes are a text file only when sent as text (a PGP signature is not the sender's words)."""

@@ -87,7 +87,8 @@ def _permissions(mode: int) -> str:
 def data_dir(subject: Subject) -> list[Check]:
     """Sessions' files, the database (embedded), private MCP configs live in the data
     directory: others should not look in."""
-    directory = subject.settings.data_dir
+    # Absolute: the default (.butlers) is relative to where `butlers up` runs.
+    directory = subject.settings.data_dir.expanduser().absolute()
     try:
         info = directory.stat()
     except FileNotFoundError:

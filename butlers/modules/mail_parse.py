@@ -39,6 +39,7 @@ from typing import Any
 
 from butlers.errors import AttachmentRefused, HeaderTooLong, MailUnreadable
 from butlers.media import Attachment, check_count, checked, kind_or_none, sniff
+from butlers.text import printable
 
 # A mail over its limit is not read (its envelope is kept as a failed inbox row). The limit is
 # room for one attachment of `[modules.email] max_attachment_bytes` as base64 (4/3 of its
@@ -184,7 +185,9 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         files: list[Attachment] = []
         not_read: list[str] = []
         for part in message.iter_attachments():
-            name = one_line(str(part.get_filename() or "(unnamed)"))[:MAX_ATTACHMENT_NAME_CHARS]
+            # Shown in the mail's text and the inbox row: no bidi or zero-width characters.
+            named = printable(str(part.get_filename() or ""), MAX_ATTACHMENT_NAME_CHARS)
+            name = named or "(unnamed)"
             attachments.append(name)
             file = _readable(part, name)
             if file is None:
