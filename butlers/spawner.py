@@ -39,6 +39,7 @@ from butlers.memory import MEMORY_CONTEXT_BYTES, OWNER_SESSION, MemoryStore, Vie
 from butlers.schedule_time import local_now
 from butlers.tasks import within
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
+from butlers.text import fenced_text
 
 if TYPE_CHECKING:
     from butlers.media import Attachment
@@ -287,6 +288,10 @@ class Spawner:
         is a JSON string with <, > and line separators escaped, so no text in one can close
         the block or start a line of its own."""
         limit = self.config.runtime.memory_context
+        # A routed message's request, not the switchboard's words around it: its longest
+        # words choose the memories, and the frame's ("instructions", its boundary) crowded
+        # the request's out (butlers.switchboard.handoff).
+        prompt = fenced_text(prompt, "REQUEST") or prompt
         if self.memory is None or limit <= 0 or not prompt.strip():
             return ""
         viewer = Viewer.of_person(conversation) if routed else OWNER_SESSION

@@ -34,3 +34,23 @@ def new_boundary(text: str) -> str:
         boundary = secrets.token_hex(8)
         if boundary not in text:
             return boundary
+
+
+def fence(label: str, boundary: str, text: str) -> str:
+    """`text` between two lines holding `label` and `boundary` (new_boundary: one `text`
+    cannot hold), so that a reader knows where it starts and ends."""
+    return f"<<<{label} {boundary}\n{text}\n{label} {boundary}>>>"
+
+
+def fenced_text(text: str, label: str) -> str | None:
+    """What the first `label` fence in `text` holds, or None: found with two searches, in
+    linear time whatever the text holds."""
+    start = text.find(f"<<<{label} ")
+    if start < 0:
+        return None
+    opening_end = text.find("\n", start)
+    if opening_end < 0:
+        return None
+    boundary = text[start + len(label) + 4 : opening_end]
+    end = text.find(f"\n{label} {boundary}>>>", opening_end)
+    return text[opening_end + 1 : end] if end >= 0 and boundary else None

@@ -190,3 +190,27 @@ async def test_butlers_memory_lists_searches_and_forgets(
     ):
         code, _, err = await run_cli("memory", "general", *args, "--url", url, token="cli-token")
         assert (code, err) == (1, f"error: {said}\n")
+
+
+async def test_a_routed_message_is_given_the_memories_its_request_matches(
+    start_butler, tmp_path, bot_api, scripted_api: ScriptedMessagesAPI
+) -> None:
+    """The switchboard frames a routed message's request in words of its own (who sent it,
+    a boundary): the memories are chosen by the request's words, not the frame's, which
+    are longer ("instructions", the boundary) and crowded them out."""
+    from tests.test_notify import CHAT, notify_fleet
+
+    scripted_api.respond_with(lambda body: [text("May 3.")])
+    _, general = await notify_fleet(start_butler, tmp_path, bot_api)
+    await call(general.sse_url, "memory_remember", {"text": "Anna's birthday is on May 3"})
+    await call(general.sse_url, "memory_remember", {"text": "The boiler needs service"})
+    await bot_api.push_text(CHAT, "When is Anna's birthday again?")
+    await bot_api.wait_sent(1)
+    [turn] = [
+        json.dumps(body["messages"][0])
+        for body in scripted_api.requests
+        if "<memories>" in json.dumps(body)
+    ] or [""]
+    assert "A message for you, from " in turn  # the frame is there
+    assert "Anna's birthday is on May 3" in turn, turn
+    assert "boiler" not in turn
