@@ -272,7 +272,10 @@ async def test_a_voice_note_longer_than_is_transcribed_is_refused_before_downloa
         update_id = await bot_api.push_voice(CHAT, ogg_opus(), duration=8 * 3600)
         await settled(bot_api, update_id)
         [reply] = await bot_api.wait_sent(1)
-    assert reply["text"] == "the voice note is 8:00:00 long; the most I transcribe is 15:00"
+    assert reply["text"] == (
+        "the voice note is 8:00:00 long; the most I transcribe is 15:00: send a shorter one, "
+        "or write it out"
+    )
     assert worker.accepted == [] and bot_api.downloads == []
 
 

@@ -834,7 +834,10 @@ async def test_audio_longer_than_is_transcribed_is_measured_from_its_bytes(
         await bot_api.push_voice(CHAT, long, duration=3)
         name = "the voice note"
     [reply] = await bot_api.wait_sent(1)
-    said = f"{name} plays longer than 15:00, the most I transcribe"
+    said = (
+        f"{name} plays longer than 15:00, the most I transcribe: send a shorter one, or "
+        "write it out"
+    )
     assert reply["text"] == said
     assert transcription_api.requests == []
     [row] = await rows(await db_conn(switchboard.config.database))

@@ -533,7 +533,7 @@ class TelegramModule:
         if seconds is not None and seconds > most:
             raise AttachmentRefused(
                 f"{what} is {clock_length(seconds)} long; the most I transcribe is "
-                f"{clock_length(most)}"
+                f"{clock_length(most)}: send a shorter one, or write it out"
             )
 
     def _file_of(self, message: Message) -> _File | None:

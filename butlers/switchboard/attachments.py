@@ -182,9 +182,15 @@ class AttachmentStep:
         seconds = await asyncio.to_thread(audio_seconds, audio.data, beyond=most)
         name = "the voice note" if audio.name == "voice note" else repr(audio.name)
         if seconds is None:
-            return f"I cannot tell how long {name} plays, so I did not transcribe it"
+            return (
+                f"I cannot tell how long {name} plays, so I did not transcribe it: write it "
+                "out, please"
+            )
         if seconds > most:  # measured only as far as needed: longer than that
-            return f"{name} plays longer than {clock_length(most)}, the most I transcribe"
+            return (
+                f"{name} plays longer than {clock_length(most)}, the most I transcribe: send "
+                "a shorter one, or write it out"
+            )
         return None
 
     def _failed(self, message: InboxMessage, exc: TranscriptionFailed) -> NotNow:
