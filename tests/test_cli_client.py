@@ -155,15 +155,25 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     conn = await db_conn(fleet.switchboard.config.database)
     row = await conn.fetchrow("SELECT id::text AS id, trace_id FROM routing_log")
 
+    # An inbox message, as a channel stores it with its trace's context.
+    message_trace = "ab" * 16
+    inbox_id = await conn.fetchval(
+        "INSERT INTO inbox (channel, external_id, text, trace_context, status) VALUES "
+        "('telegram', 'u-trace', 'hi', $1, 'done') RETURNING id",
+        json.dumps({"traceparent": f"00-{message_trace}-{'cd' * 8}-01"}),
+    )
+
     jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
     missing = "00000000-0000-0000-0000-000000000000"
-    by_row, by_trace_id, as_json, not_an_id, an_inbox_id, no_row = await asyncio.gather(
+    by_row, by_trace_id, as_json, not_an_id, an_inbox_id, no_row, no_message = await asyncio.gather(
         run_cli("trace", row["id"], "--url", url, token="cli-token"),
         run_cli("trace", row["trace_id"].upper(), env=jaeger),  # no switchboard
         run_cli("trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger),
         run_cli("trace", "not-an-id"),
-        run_cli("trace", "1"),  # a newcomer's guess: the inbox's ID column
+        # The inbox's number, as `butlers inbox` shows it (a walkthrough's first guess).
+        run_cli("trace", str(inbox_id), "--url", url, "--json", token="cli-token"),
         run_cli("trace", missing, "--url", url, token="cli-token"),
+        run_cli("trace", str(inbox_id + 1000), "--url", url, token="cli-token"),
     )
     code, out, err = by_row
     assert code == 0, err
@@ -178,12 +188,16 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     assert found["trace_id"] == row["trace_id"] and found["route"]["routed_to"] == "general"
 
     code, _, err = not_an_id
-    assert code == 1 and "neither a trace id (32 hex characters) nor a routing_log id" in err
-    assert "butlers log" not in err  # the hint is for what looks like an inbox id
-    code, _, err = an_inbox_id
-    assert code == 1 and "an inbox message's trace is in `butlers log` (TRACE, by INBOX)" in err
+    assert code == 1 and "neither a trace id (32 hex characters), an inbox message's" in err
+    code, out, err = an_inbox_id
+    assert code == 0, err
+    found = json.loads(out)
+    assert (found["trace_id"], found["inbox_id"]) == (message_trace, inbox_id)
+    assert found["url"] == f"http://localhost:16686/trace/{message_trace}"
     code, _, err = no_row
     assert code == 1 and f"no routing_log row with id {missing}" in err
+    code, _, err = no_message
+    assert code == 1 and f"no inbox message {inbox_id + 1000} among the newest 500" in err
 
 
 async def test_every_client_command_says_what_to_check_when_the_switchboard_is_down() -> None:

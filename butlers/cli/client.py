@@ -156,29 +156,50 @@ async def _trace(target: SwitchboardTarget, ref: str, jaeger_ui_url: str) -> dic
     the switchboard)."""
     ref = ref.strip().lower()
     route = None
+    inbox_id = None
     if TRACE_ID.fullmatch(ref):
         trace_id = ref
+    elif ref.isdigit():  # an inbox message, as `butlers inbox` numbers them
+        inbox_id = int(ref)
+        trace_id = await _message_trace(target, inbox_id)
     else:
         try:
             uuid.UUID(ref)
         except ValueError:
-            hint = (
-                ": an inbox message's trace is in `butlers log` (TRACE, by INBOX) or "
-                "`butlers inbox --json` (trace_url)"
-                if ref.isdigit()
-                else ""
-            )
             raise CommandError(
-                f"{ref!r} is neither a trace id (32 hex characters) nor a routing_log id (a "
-                f"UUID){hint}"
+                f"{ref!r} is neither a trace id (32 hex characters), an inbox message's "
+                "number nor a routing_log id (a UUID)"
             ) from None
         route = await call_switchboard(target, "routing_log_entry", {"id": ref})
         trace_id = route.get("trace_id")
         if not trace_id:
             raise CommandError(f"routing_log row {ref} has no trace id")
+        inbox_id = route.get("inbox_id")
     from butlers.switchboard.operator import jaeger_url
 
-    return {"trace_id": trace_id, "url": jaeger_url(trace_id, jaeger_ui_url), "route": route}
+    return {
+        "trace_id": trace_id,
+        "url": jaeger_url(trace_id, jaeger_ui_url),
+        "inbox_id": inbox_id,
+        "route": route,
+    }
+
+
+TRACE_LOOKBACK = 500  # inbox_list's largest page: the messages `butlers trace N` finds
+
+
+async def _message_trace(target: SwitchboardTarget, inbox_id: int) -> str:
+    """The trace id of inbox message `inbox_id`, among the newest TRACE_LOOKBACK."""
+    rows = await call_switchboard(target, "inbox_list", {"limit": TRACE_LOOKBACK})
+    row = next((r for r in rows if r.get("id") == inbox_id), None)
+    if row is None:
+        raise CommandError(
+            f"no inbox message {inbox_id} among the newest {TRACE_LOOKBACK}: its routes' "
+            "traces are in `butlers log` (TRACE, by INBOX)"
+        )
+    if not row.get("trace_id"):
+        raise CommandError(f"inbox message {inbox_id} has no trace id")
+    return str(row["trace_id"])
 
 
 async def client_command(args: argparse.Namespace, settings: Settings, _redactor: object) -> int:
