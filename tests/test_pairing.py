@@ -589,7 +589,7 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         [question] = to("me@example.com")
         body = question.get_content()
         assert f'{SOMEONE} (calls themselves "Eve Stranger") wants to talk to your' in body
-        assert f"run `butlers pairing approve {code}`" in body
+        assert f"run: butlers pairing approve {code} (or deny {code})." in body
         assert re.search(r"valid until \d{4}-\d\d-\d\d \d\d:\d\d JST\)", body), body
         # A second mail within the hour: nothing (the allowed sender's mail is the sentinel).
         await mail(SOMEONE, "<s2@x>")

@@ -478,13 +478,13 @@ class PairingDesk:
             f"{describe_sender(row)} wants to talk to your butlers by {where}. "
             f"Pairing code: {code} (valid until {until}).\n\n"
         )
+        # Plain text: a chat shows no markup (backticks came out as they are).
         if buttons:
             text += (
-                "Approve or deny it here, or with "
-                f"`butlers pairing approve {code}` / `butlers pairing deny {code}`."
+                f"Approve or deny it here, or run: butlers pairing approve {code} (or deny {code})."
             )
         else:
-            text += f"To let them in, run `butlers pairing approve {code}` (or `deny {code}`)."
+            text += f"To let them in, run: butlers pairing approve {code} (or deny {code})."
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=None)
         if buttons:
             secret = await self.secret()
