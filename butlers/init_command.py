@@ -1054,8 +1054,14 @@ async def _acknowledge(bot: Bot, offset: int) -> None:
 # ---- the command ---------------------------------------------------------------------------
 
 
+def _folded(path: Path) -> Path:
+    """`path` absolute, its `..` folded (links kept): as printed ("Next: ..." read
+    `/tmp/x/butlers/../my-butlers/.env`)."""
+    return Path(os.path.normpath(path.expanduser().absolute()))
+
+
 async def run(args: argparse.Namespace, settings: Settings) -> int:
-    target: Path = args.dir.expanduser().absolute()
+    target = _folded(args.dir)
     answers = answers_from_flags(args, settings.environ)
     # Refused before any question: nobody answers five of them to be told no.
     layout = ["switchboard", "general", *SPECIALISTS, ".env"]

@@ -192,6 +192,22 @@ def test_a_data_directory_named_in_env_but_not_loaded_stops_up_and_db_upgrade(
     assert list(elsewhere.iterdir()) == [] and not (config / ".butlers").exists()
 
 
+def test_the_same_data_directory_written_another_way_is_the_one_loaded(tmp_path: Path) -> None:
+    """`.env` names it with a `..` (or a relative path from the config's parent), the shell
+    loaded it as written: the same place, so no refusal."""
+    from butlers.cli.fleet import data_dir_not_loaded
+    from butlers.settings import Settings
+
+    config = tmp_path / "mine"
+    config.mkdir()
+    (config / ".env").write_text(f"BUTLERS_DATA_DIR={tmp_path / 'x' / '..' / 'data'}\n")
+    same = Settings(environ={"BUTLERS_DATA_DIR": ""}, data_dir=tmp_path / "data")
+    assert data_dir_not_loaded(config, same) is None
+    other = Settings(environ={"BUTLERS_DATA_DIR": ""}, data_dir=tmp_path / "other")
+    said = data_dir_not_loaded(config, other)
+    assert said is not None and f"the data would be in {tmp_path / 'other'} instead" in said
+
+
 def test_a_data_directory_value_over_several_lines_is_not_printed(tmp_path: Path) -> None:
     """A quote left open in .env runs on over the next lines (a secret's): not shown."""
     config = tmp_path / "mine"

@@ -99,8 +99,9 @@ def data_dir_not_loaded(config_dir: Path, settings: Settings) -> str | None:
         named = dotenv_values(env_file).get("BUTLERS_DATA_DIR")
     except (OSError, UnicodeDecodeError):
         return None  # doctor says what is wrong with the file
-    here = settings.data_dir.expanduser().absolute()
-    if not named or Path(named).expanduser().absolute() == here:
+    # Absolute and with `..` folded, both: the same place written two ways is the same.
+    here = Path(os.path.abspath(settings.data_dir.expanduser()))
+    if not named or Path(os.path.abspath(Path(named).expanduser())) == here:
         return None
     load = f"set -a; . {shlex.quote(str(env_file))}; set +a"
     # Made printable and cut: a quote left open runs on over the next lines (a secret's).

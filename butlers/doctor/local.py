@@ -88,7 +88,7 @@ def data_dir(subject: Subject) -> list[Check]:
     """Sessions' files, the database (embedded), private MCP configs live in the data
     directory: others should not look in."""
     # Absolute: the default (.butlers) is relative to where `butlers up` runs.
-    directory = subject.settings.data_dir.expanduser().absolute()
+    directory = Path(os.path.abspath(subject.settings.data_dir.expanduser()))
     try:
         info = directory.stat()
     except FileNotFoundError:
