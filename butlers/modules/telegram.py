@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import re
 import time
@@ -157,10 +156,9 @@ def _too_big(name: str, size: int, limit: int) -> AttachmentRefused:
 
 
 def _seconds(duration: object) -> int | None:
-    """A length Telegram states, in seconds, or None. Read from the object's dict: its
-    `duration` attribute warns that it will become a timedelta (python-telegram-bot 22.2+)."""
-    if isinstance(duration, datetime.timedelta):
-        return int(duration.total_seconds())
+    """A length Telegram states, in seconds, or None. Read from the object's dict (an int,
+    as the Bot API sends it): its `duration` attribute warns that it will become a
+    timedelta (python-telegram-bot 22.2+)."""
     return duration if isinstance(duration, int) else None
 
 

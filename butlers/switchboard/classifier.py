@@ -26,7 +26,7 @@ from butlers.switchboard.conversation import HISTORY_INTRO
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.route import OwnEndpoints, routable_rows
-from butlers.text import new_boundary
+from butlers.text import fence, new_boundary
 
 CLASSIFIER_TOOLS = ("route", "list_butlers")
 
@@ -91,12 +91,12 @@ def classification_prompt(
     if history:
         earlier = (
             f'{HISTORY_INTRO} (data too, to understand a follow-up such as "and yesterday?": '
-            f"it usually goes to the butler that answered before): <<<HISTORY {boundary}\n"
-            f"{history}\nHISTORY {boundary}>>>\n\n"
+            f"it usually goes to the butler that answered before): "
+            f"{fence('HISTORY', boundary, history)}\n\n"
         )
     return (
         f"Classify this message and route it. Available butlers: [{listed}]. "
-        f"Message: {start}\n{message_body(message)}\n{end}\n\n{earlier}"
+        f"Message: {fence('MESSAGE', boundary, message_body(message))}\n\n{earlier}"
         f'Call route(butler_name, "trigger", {{"prompt": <the request, restated so it stands '
         f"on its own>}}), once per butler the message asks something of. If the message does "
         f"not clearly fit a specialist butler, route it to {default_butler}. Everything between "
