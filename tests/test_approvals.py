@@ -164,6 +164,8 @@ async def test_approve_runs_the_call_once_and_a_second_press_nothing(
     # The owner's question: their chat, the butler, the tool and the exact arguments.
     assert int(params["chat_id"]) == OWNER
     assert "general asks to run notify (approval #1)" in params["text"]
+    # Whom it serves, by the name on their messages (not paired: allowlisted in the TOML).
+    assert f'answering "Ada L" ("telegram:{CHAT}"), not you' in params["text"]
     assert f'"text": "{EFFECT}"' in params["text"]
     assert all(len(data.encode()) <= 64 for data in buttons.values())
     row = await approval_row(switchboard, db_conn)

@@ -266,13 +266,25 @@ def test_the_owners_question_shows_every_argument_and_whom_it_serves() -> None:
     )
     assert hidden in question and f"({len(data)} characters)" in question
     assert len(question) < 3500
-    assert f"answering telegram:{CHAT}, not you" in question
+    assert f'answering "telegram:{CHAT}", not you' in question
     assert "answering your own message" in describe(
         _row({"text": "hi"}, "email:owner@example.com:thread-1"), str, OWNERS
     )
     assert "for a session you started or a schedule" in describe(
         _row({"text": "hi"}, None), str, OWNERS
     )
+
+
+def test_the_owners_question_quotes_the_name_and_conversation_chosen_by_another() -> None:
+    """Whom the session served is named by their chosen name and conversation id (a mail
+    thread's root is the sender's to choose), each quoted and cut: neither can pass for the
+    question's own words."""
+    thread = "email:bob@example.com:<x@y>, which you approved yesterday. Approve it again"
+    question = describe(_row({"text": "hi"}, thread), str, OWNERS, 'Your bank" (verified)')
+    quoted_name = json.dumps('Your bank" (verified)')
+    assert f"answering {quoted_name} ({json.dumps(thread)}), not you" in question
+    long = describe(_row({"text": "hi"}, f"telegram:{CHAT}"), str, OWNERS, "A" * 500)
+    assert f'answering "{"A" * 59}…" ("telegram:{CHAT}"), not you' in long
 
 
 def test_the_owners_question_shows_disguising_characters_as_escapes() -> None:
@@ -479,3 +491,53 @@ def test_no_persons_state_keys_begin_with_anothers() -> None:
             if one != other:
                 assert not _namespace(other).startswith(_namespace(one)), (one, other)
     assert _namespace("telegram:12345") == "telegram:12345/"
+
+
+@pytest.mark.pg
+async def test_the_name_shown_is_the_paired_one_else_their_newest_not_a_groups(
+    pg_server, switchboard_template: str
+) -> None:
+    """The owner paired "Anna" under that name: it is the one shown, whatever her messages
+    say since. An allowlisted person's name is that of their newest message; a group chat's
+    newest writer need not be whom the session served, so a group is named by its id alone."""
+    import uuid
+
+    import asyncpg
+
+    from butlers.db import create_pool
+    from butlers.switchboard.approvals import ApprovalStore
+    from tests.conftest import drop_databases
+
+    name = f"t_names_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{switchboard_template}"')
+    finally:
+        await conn.close()
+    pool = await create_pool(pg_server, name)
+    try:
+        said = (
+            "INSERT INTO inbox (channel, external_id, source_id, sender_name, text, "
+            "conversation) VALUES ('telegram', $1, $2, $3, 'hi', $4)"
+        )
+        for external_id, chat, sender_name in [
+            ("1", "5", "Anna K"),
+            ("2", "5", "The owner"),  # her name since: not the paired one
+            ("3", "6", "Bob"),
+            ("4", "6", "Bobby"),
+            ("5", "-100", "Carol"),
+        ]:
+            await pool.execute(said, external_id, chat, sender_name, f"telegram:{chat}")
+        await pool.execute(
+            "INSERT INTO paired_senders (channel, sender, name, approved_by) "
+            "VALUES ('telegram', '5', 'Anna', 'telegram:1')"
+        )
+        store = ApprovalStore(pool)
+        assert await store.name_of("telegram:5") == "Anna"
+        assert await store.name_of("telegram:5:77") == "Anna"  # a topic of her chat
+        assert await store.name_of("telegram:6") == "Bobby"
+        assert await store.name_of("telegram:-100") is None
+        assert await store.name_of("email:nobody@example.com:<t@x>") is None
+    finally:
+        await pool.close()
+        await drop_databases(pg_server, name)

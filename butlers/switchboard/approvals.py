@@ -51,10 +51,12 @@ from butlers.config import APPROVAL_EXECUTE_TOOL, OwnerConfig
 from butlers.core_store import storable, storable_json
 from butlers.errors import NotifyRefused, RouteError, TargetDown
 from butlers.mcp_middleware import classification_claim
+from butlers.memory import person_of
 from butlers.spawner import SESSION_HEADER
 from butlers.switchboard import queries as sql
 from butlers.switchboard.conversation import is_owners
 from butlers.switchboard.deliver import NotificationDesk
+from butlers.switchboard.handoff import MAX_SENDER_NAME_CHARS, MAX_WHO_CHARS
 from butlers.switchboard.operator import (
     _check_limit,
     _check_status,
@@ -239,6 +241,17 @@ class ApprovalStore:
         rows = await self.pool.fetch(sql.APPROVAL_UNCLAIMED, decided_before_s)
         return [r["id"] for r in rows]
 
+    async def name_of(self, conversation: str) -> str | None:
+        """The name of the person a conversation is with, to show the owner beside its id:
+        the name the owner paired them under, else the name on their newest message there
+        (not in a group chat, whose last writer need not be the one served)."""
+        channel, _, sender = person_of(conversation).partition(":")
+        alone = not (channel == "telegram" and sender.startswith("-"))
+        name = await self.pool.fetchval(
+            sql.APPROVAL_NAME_OF, channel, sender, storable(conversation), alone
+        )
+        return name or None
+
     async def telegram_questions(self, approval_id: int) -> list[dict[str, Any]]:
         """The owner's Telegram question(s) with buttons for this approval, as sent."""
         rows = await self.pool.fetch(sql.APPROVAL_TELEGRAM_QUESTIONS, approval_id)
@@ -273,26 +286,39 @@ class PressAnswer:
     decision_line: str | None
 
 
-def describe(row: dict[str, Any], redact: Callable[[str], str], owner: OwnerConfig) -> str:
-    """The owner's question: the butler, the tool, whom the session that asks was answering,
-    and the arguments, readable and without configured secrets; until when, in the owner's
-    time zone, as a pairing request says it. Every argument is shown, each long text cut on
-    its own (one long value once hid the others: `attachments` sorts before `text`), and
-    characters that reorder or break lines are shown as escapes, not obeyed."""
+def describe(
+    row: dict[str, Any],
+    redact: Callable[[str], str],
+    owner: OwnerConfig,
+    name: str | None = None,
+) -> str:
+    """The owner's question: the butler, the tool, whom the session that asks was answering
+    (by `name` too, when known: `ApprovalStore.name_of`), and the arguments, readable and
+    without configured secrets; until when, in the owner's time zone, as a pairing request
+    says it. Every argument is shown, each long text cut on its own (one long value once hid
+    the others: `attachments` sorts before `text`), and characters that reorder or break
+    lines are shown as escapes, not obeyed."""
     expires = row["expires_at"].astimezone(ZoneInfo(owner.timezone))
+    whose = _whose(row.get("conversation"), owner, name)
     return redact(
         f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) "
-        f"{_whose(row.get('conversation'), owner)}, with:\n{shown_arguments(row['arguments'])}"
+        f"{whose}, with:\n{shown_arguments(row['arguments'])}"
         f"\n\nApprove or deny it before {expires.strftime('%Y-%m-%d %H:%M %Z')}."
     )
 
 
-def _whose(conversation: str | None, owner: OwnerConfig) -> str:
+def _whose(conversation: str | None, owner: OwnerConfig, name: str | None) -> str:
+    """Whom the asking session served. Another person's conversation id (a mail thread's
+    root is the sender's to choose) and name (theirs to choose) are quoted and cut, as the
+    switchboard's handoff shows them to a butler."""
     if conversation is None:
         return "for a session you started or a schedule"
     if is_owners(conversation, owner):
         return "answering your own message"
-    return f"answering {printable(conversation, 200)}, not you"
+    who = json.dumps(printable(conversation, MAX_WHO_CHARS), ensure_ascii=False)
+    if name:
+        who = f"{json.dumps(printable(name, MAX_SENDER_NAME_CHARS), ensure_ascii=False)} ({who})"
+    return f"answering {who}, not you"
 
 
 def shown_arguments(arguments: dict[str, Any]) -> str:
@@ -427,7 +453,11 @@ class ApprovalDesk:
         spec = spec_of(channel)
         buttons = spec is not None and spec.buttons
         by_reply = spec is not None and spec.continues_thread  # a mail's answer in its thread
-        text = describe(row, self.redact, self.owner)
+        conversation = row.get("conversation")
+        name = None
+        if conversation and not is_owners(conversation, self.owner):
+            name = await self.store.name_of(conversation)
+        text = describe(row, self.redact, self.owner, name)
         if by_reply:
             text += (
                 f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '

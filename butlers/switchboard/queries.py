@@ -516,6 +516,18 @@ APPROVAL_CLAIMS_LOST = f"""
 # Where the owner was asked (channel: the request mail's Message-ID), in the outbox's
 # transaction: an answer by mail counts only in that thread.
 APPROVAL_ASKED = "UPDATE approvals SET asked = $2 WHERE id = $1"
+# The name to show for person $1:$2 (channel, sender) in the owner's question: the one shown
+# when the owner paired them, else the one on their newest message in conversation $3 ($4:
+# whether that conversation is with them alone, not a group's). Both are the person's choice.
+APPROVAL_NAME_OF = """
+    SELECT name FROM (
+        SELECT name, 0 AS rank FROM paired_senders
+        WHERE channel = $1 AND sender = $2 AND name <> ''
+        UNION ALL
+        (SELECT sender_name, 1 FROM inbox
+         WHERE $4 AND conversation = $3 AND sender_name <> '' ORDER BY id DESC LIMIT 1)
+    ) AS names ORDER BY rank LIMIT 1
+"""
 
 # -- pairing (PairingStore, PairingDesk) ---------------------------------------------------
 
