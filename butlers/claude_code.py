@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from butlers.environment import BASE_NAMES, BASE_PREFIXES, claude_code_keeps
-from butlers.errors import SpawnError
+from butlers.errors import OutOfTurns, SpawnError
 
 if TYPE_CHECKING:
     from claude_agent_sdk import Message
@@ -241,9 +241,12 @@ async def run_claude_code(
         # raises after yielding it. Say what the result said, and what it cost.
         detail = "; ".join(exc.errors) or exc.result or exc.subtype or str(exc)
         cost = result.total_cost_usd if result is not None else exc.data.get("total_cost_usd")
+        cost = cost if isinstance(cost, int | float) else None
+        if exc.subtype == "error_max_turns":
+            raise OutOfTurns(run.max_turns, cost_usd=cost) from exc
         raise SpawnError(
             signs.why(detail, "Claude Code session failed", status=exc.api_error_status),
-            cost_usd=cost if isinstance(cost, int | float) else None,
+            cost_usd=cost,
         ) from exc
     except CLINotFoundError as exc:
         raise SpawnError(binary_missing()) from exc

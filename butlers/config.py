@@ -293,7 +293,11 @@ class RuntimeConfig:
         default=None, description="The Claude model (`sonnet`, `opus`...); unset: Claude Code's."
     )
     max_turns: Annotated[Int, Field(gt=0)] = Field(
-        default=20, description="Turns one session may take."
+        default=20,
+        description=(
+            "Turns one session may take. One that takes them all fails: a routed message's "
+            "sender is told it ran out of steps and that part of it may be done."
+        ),
     )
     timeout_s: Annotated[Float, Field(gt=0)] = Field(
         default=300.0, description="Seconds one session may take."

@@ -5,6 +5,7 @@ Exception
 │   ├── ConfigError            a config file is malformed: file, key, what was expected
 │   ├── DatabaseError          PostgreSQL could not be started, reached, created, migrated
 │   ├── SpawnError             a Claude Code session could not run, or ran without its tools
+│   │   ├── OutOfTurns         it took all its turns ([runtime] max_turns) and did not finish
 │   │   └── WrapperFailed      a gateway `natural_language` session did not answer
 │   ├── CommandError           a `butlers` command cannot go on (exit 1, no traceback)
 │   ├── InvalidChild           (also a ValueError) a `.mcp.json` the gateway skips
@@ -18,7 +19,8 @@ Exception
 │   │   ├── RouteRefused       not a routable butler (kind refused)
 │   │   ├── RoutePolicyError   a classification session's route it may not make (refused)
 │   │   ├── TargetDown         the target could not be reached (kind unreachable)
-│   │   └── TargetSlow         the target did not answer in time (kind timeout)
+│   │   ├── TargetSlow         the target did not answer in time (kind timeout)
+│   │   └── TargetOutOfTurns   the target's session took all its turns (out_of_turns)
 │   ├── NotifyFailed           a butler's `notify`: the switchboard did not take it
 │   ├── NotifyRefused          the switchboard's `deliver`: a notification it will not send
 │   ├── DeliveryError          a channel did not take an outbox row (`permanent` or not)
@@ -90,6 +92,24 @@ class SpawnError(ButlersError):
     def __init__(self, message: str, *, cost_usd: float | None = None) -> None:
         super().__init__(message)
         self.cost_usd = cost_usd
+
+
+# How a session that took all its turns is said, first in its error text: `trigger` passes
+# the text on after "session <id> failed: ", and route knows the failure by it (the reply a
+# person gets says to ask what was done, not to try again).
+OUT_OF_TURNS = "ran out of turns"
+
+
+class OutOfTurns(SpawnError):
+    """A session took all of its turns ([runtime] max_turns) without finishing. What it did
+    with its tools on the way is done: trying again whole may do it twice."""
+
+    def __init__(self, max_turns: int, *, cost_usd: float | None = None) -> None:
+        super().__init__(
+            f"{OUT_OF_TURNS}: the session took all {max_turns} of its turns ([runtime] "
+            "max_turns) before it finished; what its tools did on the way is done",
+            cost_usd=cost_usd,
+        )
 
 
 class McpCallError(ButlersError):
@@ -172,6 +192,13 @@ class TargetSlow(RouteError):
     """The target took the call but did not answer within the route timeout."""
 
     kind = "timeout"
+
+
+class TargetOutOfTurns(RouteError):
+    """The target's session took all its turns without finishing (its `trigger` said so:
+    OUT_OF_TURNS); some of the work may be done."""
+
+    kind = "out_of_turns"
 
 
 class NotifyFailed(ButlersError):

@@ -16,7 +16,8 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 from butlers.config import ButlerConfig
-from butlers.switchboard.route import OwnEndpoints, unroutable
+from butlers.errors import OUT_OF_TURNS
+from butlers.switchboard.route import OwnEndpoints, _out_of_turns, unroutable
 from butlers.switchboard.routing_store import RegistryTarget
 from tests.conftest import StartButler, free_port, write_butler_dir
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
@@ -231,3 +232,21 @@ async def test_the_switchboard_never_runs_a_routed_message_itself(fleet: Fleet) 
             await client.call_tool(
                 "trigger", {"prompt": "list the inbox"}, meta={"butlers/conversation": "x:1"}
             )
+
+
+@pytest.mark.parametrize(
+    ("tool_name", "said", "out_of_turns"),
+    [
+        ("trigger", f"session {'0' * 8}-1234-4abc-8def-{'a' * 12} failed: {OUT_OF_TURNS}: x", True),
+        # A model's words cannot stand first: they come after the switchboard's or Claude
+        # Code's own, and another tool's error is its own.
+        ("trigger", f"session 12ab failed: Claude Code session failed: {OUT_OF_TURNS}", False),
+        ("trigger", f"{OUT_OF_TURNS}: no session", False),
+        ("state_get", f"session 12ab failed: {OUT_OF_TURNS}: x", False),
+        ("trigger", {"text": f"session 12ab failed: {OUT_OF_TURNS}"}, False),
+    ],
+)
+def test_only_a_triggers_own_words_mark_a_session_out_of_turns(
+    tool_name: str, said: object, out_of_turns: bool
+) -> None:
+    assert _out_of_turns(tool_name, said) is out_of_turns

@@ -275,9 +275,9 @@ async def test_a_classifier_past_max_turns_is_a_failed_session_and_general_answe
     conn = await db_conn(switchboard.config.database)
     session = await conn.fetchrow("SELECT * FROM sessions")
     assert (session["trigger_source"], session["success"]) == ("classify:telegram", False)
-    # It ran and ended in an error result: said so, not "could not run".
+    # It ran and took all its turns: said so, not "could not run".
     assert session["error"].startswith(
-        "Claude Code session failed: Reached maximum number of turns (2)"
+        "ran out of turns: the session took all 2 of its turns ([runtime] max_turns)"
     ), session["error"]
     row = await finished_row(conn, update_id)
     assert (row["status"], row["routed_to"]) == ("done", "general")
@@ -293,7 +293,9 @@ async def test_a_butler_past_max_turns_gets_a_friendly_failure(
     db_conn,
 ) -> None:
     """Guards trigger -> route -> reply: a butler session that hits max_turns is a failed
-    session; the person gets `sorry("failed", butler)` and the row the session's error."""
+    session; the person is told it ran out of steps and that part may be done (not to try
+    again later: its tools' work on the way is done, and would be again), and the row gets
+    the session's error."""
     scripted_api.respond_with(endless_tool_calls("mcp__general__state_list", {}))
     switchboard, targets = await start_fleet(
         start_butler,
@@ -303,14 +305,16 @@ async def test_a_butler_past_max_turns_gets_a_friendly_failure(
     )
     update_id = await bot_api.push_text(CHAT, "list everything, forever")
     [sent] = await bot_api.wait_sent(1)
-    assert sent == {"chat_id": CHAT, "text": sorry("failed", "general")}
+    assert sent == {"chat_id": CHAT, "text": sorry("out_of_turns", "general")}
+    assert "ran out of steps" in sent["text"] and "try again" not in sent["text"]
     general = await db_conn(targets["general"].config.database)
     session = await general.fetchrow("SELECT * FROM sessions")
     assert (session["trigger_source"], session["success"]) == ("trigger", False)
-    # It ran and ended in an error result: said so, not "could not run".
+    # It ran and took all its turns: said so, not "could not run".
     assert session["error"].startswith(
-        "Claude Code session failed: Reached maximum number of turns (2)"
+        "ran out of turns: the session took all 2 of its turns ([runtime] max_turns)"
     ), session["error"]
+    assert session["cost_usd"] is not None  # what it spent is still counted
     conn = await db_conn(switchboard.config.database)
     row = await finished_row(conn, update_id)
     assert (row["status"], row["routed_to"]) == ("failed", "general")

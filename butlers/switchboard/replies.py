@@ -17,6 +17,10 @@ SORRY = {
     "unreachable": "Sorry, the {butler} butler is not reachable right now. Please try again later.",
     "timeout": "Sorry, the {butler} butler took too long to answer. Please try again later.",
     "failed": "Sorry, the {butler} butler could not finish that. Please try again later.",
+    "out_of_turns": (
+        "Sorry, the {butler} butler ran out of steps before it finished that. Part of it may "
+        "be done already: ask it what it did, or ask for one thing at a time."
+    ),
     "refused": "Sorry, I could not pass your message on to the right butler.",
     "internal": "Sorry, something went wrong on my side and your message was not handled.",
     "gave_up": "Sorry, I could not handle your message.",

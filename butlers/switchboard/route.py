@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 
 from butlers.config import CHANNEL_MODULES
 from butlers.errors import (
+    OUT_OF_TURNS,
     CallTimedOut,
     RemoteError,
     RouteError,
     RouteRefused,
     TargetDown,
+    TargetOutOfTurns,
     TargetSlow,
     TargetUnreachable,
 )
@@ -345,7 +348,20 @@ class Router:
                 f"butler {butler_name!r} at {endpoint} failed {tool_name!r}: {exc.message}"
             ) from exc
         if result.get("isError"):
-            raise RouteError(
-                f"butler {butler_name!r} answered {tool_name!r} with an error: {unwrap(result)}"
-            )
+            said = unwrap(result)
+            failed = TargetOutOfTurns if _out_of_turns(tool_name, said) else RouteError
+            raise failed(f"butler {butler_name!r} answered {tool_name!r} with an error: {said}")
         return unwrap(result)
+
+
+# What `trigger` says of a session that took all its turns (butlers.errors.OutOfTurns): the
+# text is the target's own, after "session <id> failed: ", so no model wrote its start.
+_TRIGGER_OUT_OF_TURNS = re.compile(rf"session [0-9a-f-]+ failed: {re.escape(OUT_OF_TURNS)}\b")
+
+
+def _out_of_turns(tool_name: str, said: Any) -> bool:
+    return (
+        tool_name == "trigger"
+        and isinstance(said, str)
+        and _TRIGGER_OUT_OF_TURNS.match(said) is not None
+    )
