@@ -72,3 +72,14 @@ def test_intermixed_words_keep_their_checks(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         parser.parse_args(["memory", "general", "--json", "fogret", "2"])
     assert "invalid choice: 'fogret'" in capsys.readouterr().err
+
+
+def test_a_value_that_looks_like_an_option_is_shown_its_way_in(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`butlers memory general --search -car`: argparse said only "expected one argument"."""
+    parser = build_parser(Settings.from_environ({}))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["memory", "general", "--search", "-car"])
+    assert "given as --search=VALUE" in capsys.readouterr().err
+    assert parser.parse_args(["memory", "general", "--search=-car"]).search == "-car"

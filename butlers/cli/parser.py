@@ -5,8 +5,9 @@ runs it (`set_defaults(run=...)`: butlers.cli.main calls `args.run(args, setting
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from butlers import __version__, logs
 from butlers.cli.client import DEFAULT_SWITCHBOARD_URL, client_command
@@ -24,6 +25,15 @@ class _CommandParser(argparse.ArgumentParser):
     command without sub-commands of its own (it cannot take those)."""
 
     _intermixing = False
+
+    def error(self, message: str) -> NoReturn:
+        # `--search -car`: argparse takes "-car" for an option and says only "expected one
+        # argument"; the way to give such a value is the option's `=` form.
+        wanted = re.fullmatch(r"argument (--[\w-]+)(?:/[\w-]+)*: expected one argument", message)
+        if wanted is not None:
+            option = wanted.group(1)
+            message += f" (a value that starts with '-' is given as {option}=VALUE)"
+        super().error(message)
 
     def parse_known_args(  # type: ignore[override]
         self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
