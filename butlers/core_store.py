@@ -164,6 +164,16 @@ class CoreStore:
                     )
                     report["created"].append(name)
                 elif (row["cron"], row["prompt"], row["declared"]) != (cron, prompt, True):
+                    if row["routed"] or row["conversation"]:
+                        # A person's message planted it (a name taken before the owner
+                        # declared it): the declared one replaces it, answering no one.
+                        logger.warning(
+                            "schedule %r: one a person's message planted (%s) is replaced by "
+                            "the one declared in butler.toml",
+                            name,
+                            row["conversation"] or "no conversation",
+                            extra={"action": "schedule_taken_over"},
+                        )
                     await conn.execute(
                         sql.SCHEDULE_DECLARE_CHANGED,
                         name,

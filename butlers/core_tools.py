@@ -248,8 +248,9 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             target=ctx.self_target(),
             trigger_source=f"schedule:{task['name']}",
             routed=task["routed"],  # planted by a routed message's session: restricted alike
-            # ... and its notify answers the person who asked, not the owner.
-            conversation=task["conversation"],
+            # ... and its notify answers the person who asked, not the owner; an owner's
+            # task answers no one's conversation, whatever its row holds.
+            conversation=task["conversation"] if task["routed"] else None,
         )
         if task["once"]:
             await _once_finished(ctx, task, outcome.success, outcome.error)

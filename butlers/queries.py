@@ -123,7 +123,7 @@ SCHEDULE_ONCE_AGAIN = """
 SCHEDULE_RAN_ONCE = "DELETE FROM scheduled_tasks WHERE id = $1 AND once"
 # The declared schedules and those named like one ($1): what `[[schedules]]` replaces.
 SCHEDULE_DECLARED = """
-    SELECT name, cron, prompt, declared FROM scheduled_tasks
+    SELECT name, cron, prompt, declared, routed, conversation FROM scheduled_tasks
     WHERE declared OR name = ANY($1::text[])
 """
 SCHEDULE_DECLARE_NEW = """
@@ -131,10 +131,12 @@ SCHEDULE_DECLARE_NEW = """
     VALUES ($1, $2, $3, $4, true)
 """
 # A declared schedule changed: a changed cron starts over from $4, an unchanged one keeps its
-# next run (a run missed while down is still seen).
+# next run (a run missed while down is still seen). One a tool made under its name becomes
+# the owner's whole: no one's conversation (a person's would get its runs' answers), no
+# attempts counted.
 SCHEDULE_DECLARE_CHANGED = """
     UPDATE scheduled_tasks SET prompt = $3, declared = true,
-           once = false, routed = false, enabled = true,
+           once = false, routed = false, enabled = true, conversation = NULL, attempts = 0,
            next_run_at = CASE WHEN cron IS DISTINCT FROM $2 THEN $4 ELSE next_run_at END,
            cron = $2
     WHERE name = $1

@@ -291,6 +291,46 @@ async def test_a_persons_schedules_answer_them_are_bounded_and_touch_nothing_els
     assert all("conversation" not in s for s in listed)
 
 
+async def test_a_declared_schedule_under_a_persons_name_is_the_owners_whole(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """A person's message planted "brief" first; the owner then declares "brief" in
+    butler.toml. The declared one replaces it answering no one: it kept the person's
+    conversation, so the owner's run (every tool, the owner's memories) answered the person
+    (a red team)."""
+    from tests.fakes.messages_api import tool_use
+
+    first = await start_butler(butler_config("alpha"))
+    ctx = first.context
+    assert ctx is not None
+    with ctx.spawner.acting_for("telegram:666"):
+        await first.mcp.call_tool(
+            "schedule_create", {"name": "brief", "cron": "0 7 * * *", "prompt": "Squat."}
+        )
+    database = first.config.database
+    await first.stop()
+    with log_records("butlers.core_store") as records:
+        second = await start_butler(
+            butler_config("alpha", schedules=(TOKYO_BRIEF,)), database=database
+        )
+    assert any("a person's message planted (telegram:666)" in r.getMessage() for r in records)
+    conn = await db_conn(database)
+    row = await conn.fetchrow("SELECT * FROM scheduled_tasks WHERE name = 'brief'")
+    assert (row["declared"], row["routed"], row["conversation"], row["prompt"]) == (
+        True,
+        False,
+        None,
+        TOKYO_BRIEF.prompt,
+    )
+    # Its run is the owner's: a tool a person's session is not given is given to it.
+    await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+    scripted_api.script([tool_use("mcp__alpha__sessions_list", {"limit": 1})], [text("Brief.")])
+    ran = await call(second.sse_url, "tick", {})
+    assert [r["success"] for r in ran["ran"]] == [True]
+    [listed] = [str(r.get("content")) for r in scripted_api.tool_results()]
+    assert "trigger_source" in listed and "schedule:brief" in listed, listed
+
+
 async def test_a_one_time_reminder_is_not_lost(
     start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn, claude_env
 ) -> None:
