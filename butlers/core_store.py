@@ -91,12 +91,15 @@ class CoreStore:
         max_schedules: int,
         routed: bool = False,
         conversation: str | None = None,
+        person: str | None = None,
         max_routed: int = 0,
-    ) -> dict[str, Any] | Literal["full", "routed_full"] | None:
+    ) -> dict[str, Any] | Literal["full", "routed_full", "people_full"] | None:
         """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
         `cron` None: it runs once, at `next_run_at`, and is then deleted. `routed`: created by
         a session of a routed message (its runs are restricted alike, and answer in its
-        `conversation`); "routed_full" when that conversation has `max_routed` already.
+        `conversation`); "routed_full" when that conversation's `person` has `max_routed`
+        already, "people_full" when people's messages planted half of `max_schedules` (the
+        rest is kept for the owner's).
 
         The count and the insert are one transaction under a lock on the table, so two
         concurrent creations cannot both pass the cap.
@@ -106,9 +109,11 @@ class CoreStore:
             if await conn.fetchval(sql.SCHEDULE_COUNT) >= max_schedules:
                 return "full"
             if routed and max_routed:
-                planted = await conn.fetchval(sql.SCHEDULE_COUNT_ROUTED, conversation)
-                if planted >= max_routed:
+                planted = await conn.fetchrow(sql.SCHEDULE_COUNT_ROUTED, (person or "").lower())
+                if planted["theirs"] >= max_routed:
                     return "routed_full"
+                if planted["everyones"] >= max_schedules // 2:
+                    return "people_full"
             return _row(
                 await conn.fetchrow(
                     sql.SCHEDULE_CREATE,

@@ -447,6 +447,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
                 raise ToolRefusal(str(exc)) from None
         token = session_token()
         routed = bool(ctx.spawner.withheld_tools(token))
+        conversation = ctx.spawner.conversation_of(token) if routed else None
         task = await store.schedule_create(
             name,
             cron,
@@ -454,9 +455,11 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             first_run,
             max_schedules=MAX_SCHEDULES,
             # A session restricted as a routed message's plants a schedule restricted alike,
-            # answering in its conversation, and a person may plant only so many.
+            # answering in its conversation, and a person may plant only so many (in all
+            # their conversations: a mail thread is its sender's to start).
             routed=routed,
-            conversation=ctx.spawner.conversation_of(token) if routed else None,
+            conversation=conversation,
+            person=person_of(conversation) if conversation else None,
             max_routed=MAX_ROUTED_SCHEDULES,
         )
         if task == "full":
@@ -465,8 +468,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             )
         if task == "routed_full":
             raise ToolRefusal(
-                f"this conversation already has {MAX_ROUTED_SCHEDULES} schedules, the limit; "
-                "delete one first"
+                f"you already have {MAX_ROUTED_SCHEDULES} schedules here, the limit for one "
+                "person; delete one first"
+            )
+        if task == "people_full":
+            raise ToolRefusal(
+                f"people's messages have planted {MAX_SCHEDULES // 2} schedules here, their "
+                "limit (the rest are the owner's); ask the owner"
             )
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")

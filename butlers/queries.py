@@ -95,10 +95,16 @@ _SCHEDULE_COLUMNS = Fragment(
 # Held while counting and inserting (or declaring): two creations cannot both pass the cap.
 SCHEDULE_LOCK = "LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE"
 SCHEDULE_COUNT = "SELECT count(*) FROM scheduled_tasks"
-# The tasks a routed message's sessions planted for conversation $1.
-SCHEDULE_COUNT_ROUTED = (
-    "SELECT count(*) FROM scheduled_tasks WHERE routed AND conversation IS NOT DISTINCT FROM $1"
-)
+# The tasks people's messages planted: those of person $1 (`telegram:<chat>`, any topic;
+# `email:<address>`, any thread: a mail's thread root is its sender's to choose), and all.
+SCHEDULE_COUNT_ROUTED = """
+    SELECT count(*) FILTER (
+               WHERE lower(conversation) = $1 OR starts_with(lower(conversation), $1 || ':')
+                  OR ($1 = '' AND conversation IS NULL)
+           ) AS theirs,
+           count(*) AS everyones
+    FROM scheduled_tasks WHERE routed
+"""
 # A new task, unless the name is taken; no cron ($2): it runs once, at $4.
 SCHEDULE_CREATE = f"""
     INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once, conversation)

@@ -279,7 +279,7 @@ async def test_a_persons_schedules_answer_them_are_bounded_and_touch_nothing_els
     )
     assert outcome.success, outcome.error
     results = [str(r.get("content")) for r in scripted_api.tool_results()]
-    assert "already has 10 schedules" in results[MAX_ROUTED_SCHEDULES]
+    assert "already have 10 schedules here" in results[MAX_ROUTED_SCHEDULES]
     assert "that you may delete" in results[-3]  # mine
     assert "that you may delete" in results[-2]  # brief
     rows = await conn.fetch("SELECT name, routed, conversation FROM scheduled_tasks ORDER BY name")
@@ -289,6 +289,40 @@ async def test_a_persons_schedules_answer_them_are_bounded_and_touch_nothing_els
     assert all(r["routed"] and r["conversation"] == "telegram:666" for r in planted)
     listed = await call(daemon.sse_url, "schedule_list", {})
     assert all("conversation" not in s for s in listed)
+
+
+async def test_a_person_is_bounded_in_all_their_threads_and_people_leave_the_owner_room(
+    start_butler: StartButler, db_conn
+) -> None:
+    """The ten a person may plant were counted per conversation, and a mail's thread is its
+    sender's to start: one sender in ten threads planted all 100 and the owner's own
+    schedule_create was refused (a red team). Now ten per person in all, and people's
+    messages plant at most half of the butler's schedules."""
+    from fastmcp.exceptions import ToolError as Refused
+
+    from butlers.core_tools import MAX_ROUTED_SCHEDULES, MAX_SCHEDULES
+
+    daemon = await start_butler(butler_config("alpha"))
+    ctx = daemon.context
+    assert ctx is not None
+    at = (datetime.now(UTC) + timedelta(days=1)).isoformat()
+
+    async def plant(conversation: str, name: str) -> None:
+        with ctx.spawner.acting_for(conversation):
+            await daemon.mcp.call_tool("schedule_create", {"name": name, "at": at, "prompt": "x"})
+
+    for n in range(MAX_ROUTED_SCHEDULES):
+        await plant(f"email:eve@evil.example:<root{n}@evil.example>", f"eve{n}")
+    with pytest.raises(Refused, match="already have 10 schedules here"):
+        await plant("email:EVE@evil.example:<another@evil.example>", "eve-more")
+    people = MAX_SCHEDULES // 2
+    for n in range(MAX_ROUTED_SCHEDULES, people):  # others, up to people's half
+        await plant(f"telegram:{n}", f"p{n}")
+    with pytest.raises(Refused, match="their limit"):
+        await plant("telegram:9999", "one-more")
+    await call(daemon.sse_url, "schedule_create", {"name": "mine", "at": at, "prompt": "Pills."})
+    conn = await db_conn(daemon.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM scheduled_tasks") == people + 1
 
 
 async def test_a_declared_schedule_under_a_persons_name_is_the_owners_whole(
