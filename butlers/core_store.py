@@ -110,6 +110,7 @@ class CoreStore:
                 return "full"
             if routed and max_routed:
                 planted = await conn.fetchrow(sql.SCHEDULE_COUNT_ROUTED, (person or "").lower())
+                assert planted is not None  # (an aggregate's one row)
                 if planted["theirs"] >= max_routed:
                     return "routed_full"
                 if planted["everyones"] >= max_schedules // 2:

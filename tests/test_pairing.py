@@ -771,3 +771,57 @@ async def test_a_strangers_mail_is_not_reflected_and_a_spoofed_sender_gets_no_co
     )
     conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT array_agg(sender) FROM pairing_requests") == [SOMEONE]
+
+
+async def test_a_revoked_persons_reminders_no_longer_reach_them(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """A paired person's message planted a reminder; the owner revoked them. Its runs kept
+    sending to them, and would for as long as their last message was kept (a red team).
+    A notification to someone who may no longer write (unpaired, off the allowlist) is
+    refused, and nothing reaches them."""
+    from tests.test_approvals_hostile import butler_of, first_prompt, one_call_a_turn
+
+    def respond(body: dict) -> list[dict]:
+        prompt = first_prompt(body)
+        if butler_of(body) == "general" and "PLANT" in prompt:
+            plant = {"name": "beacon", "cron": "*/5 * * * *", "prompt": "BEACON run"}
+            return one_call_a_turn(body, "general", [("schedule_create", plant)])
+        if butler_of(body) == "general" and "BEACON" in prompt:
+            return one_call_a_turn(body, "general", [("notify", {"text": "beacon!"})])
+        return [text("Done.")]
+
+    scripted_api.respond_with(respond)
+    limits = SwitchboardConfig(
+        owner=OwnerConfig(telegram_chat_id=str(OWNER)), pairing=PairingConfig(enabled=True)
+    )
+    switchboard, general = await notify_fleet(start_butler, tmp_path, bot_api, limits)
+    await bot_api.push_text(STRANGER, "hi")
+    code = await code_sent_to(bot_api, STRANGER)
+    async with Client(switchboard.sse_url) as client:
+        await client.call_tool("pairing_decide", {"code": code, "decision": "approve"})
+    await bot_api.push_text(STRANGER, "PLANT a reminder")
+    await bot_api.wait_until(lambda: "Done." in texts_to(bot_api, STRANGER))
+    conn = await db_conn(general.config.database)
+
+    async def run_beacon() -> dict[str, Any]:
+        await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+        async with Client(general.sse_url) as client:
+            ran = await client.call_tool("tick", {})
+        [run] = ran.structured_content["ran"]
+        return run
+
+    assert (await run_beacon())["success"]  # paired: it reaches them
+    await bot_api.wait_until(lambda: "beacon!" in texts_to(bot_api, STRANGER))
+    async with Client(switchboard.sse_url) as client:
+        await client.call_tool("pairing_revoke", {"channel": "telegram", "sender": str(STRANGER)})
+    sent = len(texts_to(bot_api, STRANGER))
+    await run_beacon()
+    refused = [r for r in scripted_api.tool_results() if "may no longer write" in str(r)]
+    assert refused and f"'telegram:{STRANGER}' may no longer write" in str(refused[-1])
+    assert len(texts_to(bot_api, STRANGER)) == sent
+    assert all("beacon" not in t for t in texts_to(bot_api, OWNER))  # nor to the owner

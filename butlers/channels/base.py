@@ -75,6 +75,12 @@ class ChannelModule(Protocol):
         """Send one row; the channel's own ids of what was sent. Raises DeliveryError."""
         ...
 
+    async def may_write(self, sender: str) -> bool:
+        """Whether `sender` (an inbox row's `source_id`) may write here now: allowlisted or
+        paired. A notification to the conversation of one who may no longer (unpaired,
+        taken off the allowlist) is refused: their reminders would go on reaching them."""
+        ...
+
 
 @dataclass(frozen=True)
 class ChannelContext:

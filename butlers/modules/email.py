@@ -192,6 +192,12 @@ class EmailModule:
 
     # -- what comes in --------------------------------------------------------------------------
 
+    async def may_write(self, sender: str) -> bool:
+        sender = sender.lower()
+        return sender_allowed(sender, self.config.allowed_senders) or (
+            self.pairing is not None and await self.pairing.is_paired(self.name, sender)
+        )
+
     async def wanted(self, mail: ParsedMail) -> bool:
         """Whether to store this mail: from an allowed sender that we can believe, and one we
         may answer. Why not is logged. Decided from the header alone (IMAP: the envelope)."""

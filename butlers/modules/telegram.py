@@ -631,6 +631,9 @@ class TelegramModule:
                 f"I could not fetch {file.name!r} from Telegram for a while: please send it again"
             )
 
+    async def may_write(self, sender: str) -> bool:
+        return self.allowed(sender) or await self._paired(sender)
+
     async def _paired(self, chat_id: str) -> bool:
         """Whether the owner paired this chat (asked of the database each time)."""
         return self.pairing is not None and await self.pairing.is_paired(self.name, chat_id)

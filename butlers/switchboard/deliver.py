@@ -28,6 +28,7 @@ from butlers.switchboard.route import summarize
 from butlers.switchboard.routing_store import RouteRecord
 from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.telemetry import current_carrier, current_trace_id
+from butlers.text import printable
 
 MAX_NOTIFICATION_CHARS = 32_000
 NOTIFY_TOOL = "notify"
@@ -177,6 +178,18 @@ class NotificationDesk:
         last = await self.inbox.last_of_conversation(conversation)
         if last is None or last.source_id is None:
             raise NotifyRefused(f"no conversation {conversation!r} to notify")
+        channel = self.outbox.channels.get(last.channel)
+        if (
+            channel is not None
+            and not is_owners(conversation, self.limits.owner)
+            and not await channel.may_write(last.source_id)
+        ):
+            # Unpaired or taken off the allowlist: what they planted (a reminder) no longer
+            # reaches them.
+            raise NotifyRefused(
+                f"{printable(conversation, 120)!r} may no longer write to the {last.channel} "
+                "channel (not allowlisted, not paired): not notified"
+            )
         spec = spec_of(last.channel)
         # A mail continues its thread; a chat message stands on its own.
         reply_to = last if spec is not None and spec.continues_thread else None
