@@ -318,7 +318,8 @@ class RuntimeConfig:
     max_scheduled_runs_per_hour: Annotated[Int, Field(ge=0)] = Field(
         default=30,
         description="Scheduled runs past this many in the last hour are skipped and logged, "
-        "and the owner is told once an hour; 0: no limit.",
+        "and the owner is told once an hour; 0: no limit. Reminders people's messages planted "
+        "take at most half of it, and the owner's run first.",
     )
     max_spend_usd_per_day: Annotated[Float, Field(ge=0)] = Field(
         default=0.0,

@@ -286,13 +286,15 @@ class CoreStore:
     # -- sessions --------------------------------------------------------------------------
 
     async def session_start(
-        self, trigger_source: str, prompt: str, trace_id: str | None
+        self, trigger_source: str, prompt: str, trace_id: str | None, person: str | None = None
     ) -> uuid.UUID:
+        """A session's row; `person`: whose message (not the owner's) it serves."""
         return await self.pool.fetchval(
             sql.SESSION_START,
             trigger_source,
             storable(prompt),
             trace_id,
+            storable(person),
         )
 
     async def sessions_abandoned(self, older_than_s: float, error: str) -> int:
@@ -348,9 +350,12 @@ class CoreStore:
             summary["median_ms"] = round(summary["median_ms"])
         return summary
 
-    async def scheduled_runs_since(self, hours: float) -> int:
-        """How many scheduled sessions (`schedule:<name>`) started in the last `hours`."""
-        return await self.pool.fetchval(sql.SCHEDULED_RUNS_SINCE, hours * 3600)
+    async def scheduled_runs_since(self, hours: float) -> tuple[int, int]:
+        """How many scheduled sessions (`schedule:<name>`) started in the last `hours`: all,
+        and those of schedules people's messages planted."""
+        row = await self.pool.fetchrow(sql.SCHEDULED_RUNS_SINCE, hours * 3600)
+        assert row is not None  # an aggregate always has a row
+        return row["everyones"], row["peoples"]
 
     async def spend_since(self, hours: float) -> float:
         """What the sessions started in the last `hours` cost, by Claude Code's figures."""

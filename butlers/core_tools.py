@@ -226,23 +226,35 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
         once_lease=timedelta(seconds=ctx.config.runtime.timeout_s) + ONCE_LEASE_MARGIN,
     )
     cap = ctx.config.runtime.max_scheduled_runs_per_hour
-    ran_in_hour = await ctx.store.scheduled_runs_since(1) if cap and due else 0
+    ran_in_hour, peoples_in_hour = (
+        await ctx.store.scheduled_runs_since(1) if cap and due else (0, 0)
+    )
+    # The owner's first, and people's within a share of the cap of their own: a person's
+    # reminders every five minutes once used it up, and the owner's 08:00 run was skipped.
+    due.sort(key=lambda task: _peoples(ctx, task))
     ran: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for task in due:
-        if cap and ran_in_hour >= cap:
+        peoples = _peoples(ctx, task)
+        if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
+            limit = f"of people's schedules {peoples_share(cap)}" if peoples else f"{cap}"
             logger.warning(
-                "schedule %r skipped: %d scheduled runs in the last hour, the limit ([runtime] %s)",
+                "schedule %r skipped: %d scheduled runs in the last hour, the limit %s "
+                "([runtime] %s)",
                 task["name"],
-                ran_in_hour,
+                peoples_in_hour if peoples else ran_in_hour,
+                limit,
                 RUNS_PER_HOUR_KEY,
                 extra={"action": "schedule_skipped"},
             )
-            skipped.append({"name": task["name"], "reason": f"over {RUNS_PER_HOUR_KEY}"})
+            skipped.append(
+                {"name": task["name"], "reason": f"over {RUNS_PER_HOUR_KEY}", "peoples": peoples}
+            )
             if task["once"]:  # not lost: due again in an hour, this try not counted
                 await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
             continue
         ran_in_hour += 1
+        peoples_in_hour += peoples
         outcome = await ctx.spawner.run(
             _late_note(task, now, zone) + task["prompt"],
             target=ctx.self_target(),
@@ -263,17 +275,33 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             }
         )
     if skipped and ctx.spawner.notices is not None:
-        names = ", ".join(printable(s["name"])[:40] for s in skipped[:5])
-        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        # People's schedules are counted, not named: their names are people's words.
+        owners = [printable(s["name"], 40) for s in skipped if not s["peoples"]]
+        names = ", ".join(json.dumps(name, ensure_ascii=False) for name in owners[:5])
+        if len(owners) > 5:
+            names += f" and {len(owners) - 5} more"
+        if planted := sum(1 for s in skipped if s["peoples"]):
+            names += (", " if names else "") + f"{planted} planted by people's messages"
         await ctx.spawner.notices.tell_once(
             RUNS_PER_HOUR_KEY,
             "hour",
-            f"{ctx.config.name} skipped scheduled runs ({names}{more}"
-            f"): {cap} ran in the last hour, its limit ([runtime] {RUNS_PER_HOUR_KEY} in its "
-            "butler.toml). Further runs this hour are skipped without another message; "
-            "check its schedules (schedule_list).",
+            f"{ctx.config.name} skipped scheduled runs ({names}"
+            f"): {cap} may run an hour, people's schedules at most {peoples_share(cap)} of "
+            f"them ([runtime] {RUNS_PER_HOUR_KEY} in its butler.toml). Further runs this hour "
+            "are skipped without another message; check its schedules (schedule_list).",
         )
     return {"ran": ran, "skipped": skipped}
+
+
+def peoples_share(cap: int) -> int:
+    """The scheduled runs an hour that schedules people's messages planted may take of the
+    cap: half, so the owner's always have the rest."""
+    return max(1, cap // 2)
+
+
+def _peoples(ctx: ButlerContext, task: dict[str, Any]) -> bool:
+    """Whether a schedule was planted by someone else's message (not the owner's)."""
+    return bool(task["routed"]) and ctx.spawner.person_served(task["conversation"]) is not None
 
 
 async def _once_finished(
@@ -543,7 +571,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     async def memory_remember(text: str, tags: list[str] | None = None) -> dict[str, Any]:
         """Keep a fact the person stated for later (one fact per memory, at most 4 KiB), in
         this butler's own memory. What someone's message makes you remember is theirs alone:
-        other people's sessions do not see it."""
+        other people's sessions do not see it. The owner's (kept by a schedule or trigger)
+        are theirs alone too, unless tagged "shared": for facts anyone may be told."""
         conversation = ctx.spawner.conversation_of(session_token()) or request_conversation()
         writer = viewer()
         if writer.person == NO_PERSON:

@@ -16,8 +16,9 @@ stranger's session):
 - a memory written by a session a person's message started belongs to that person
   (`telegram:<chat>`, `email:<address>`): private to them, always. It is the owner's
   (`from_owner`) when that person is the owner ([switchboard.owner]);
-- one written by the operator, a schedule or `trigger` is shared (unless tagged `private`)
-  and the owner's.
+- one written by the operator, a schedule or `trigger` is the owner's, private to the owner
+  unless tagged `shared` (it was shared unless tagged `private`: every person's session was
+  handed the owner's facts with its prompt, a red team found).
 Readers: a person's session finds the shared memories and their own; a session the owner
 started (a schedule, `trigger`) finds the shared ones and the owner's; the operator (the CLI,
 no session) finds all. A person's session may forget only their own. A person may keep at
@@ -84,7 +85,9 @@ CONTEXT_WORDS = 8
 WORD = re.compile(r"\w{3,40}")  # a longer "word" is cut: a query stays under MAX_QUERY_CHARS
 # Misspellings are looked for in a query of a few words, not in a session's whole prompt.
 TRIGRAM_QUERY_CHARS = 64
-# A memory the operator, a schedule or trigger tags so is not shared with people's sessions.
+# A memory the operator, a schedule or trigger keeps is the owner's alone, unless tagged
+# SHARED_TAG (then people's sessions find it too); PRIVATE_TAG keeps it the owner's whatever.
+SHARED_TAG = "shared"
 PRIVATE_TAG = "private"
 # The person of a routed session that names no conversation (a credential of no running
 # session, a reminder planted before conversations were recorded): no channel is called
@@ -237,7 +240,8 @@ class MemoryStore:
             person, private = writer.person, True
             from_owner = person in self.owner_persons
         else:
-            person, private, from_owner = "", PRIVATE_TAG in tags, True
+            person, from_owner = "", True
+            private = PRIVATE_TAG in tags or SHARED_TAG not in tags
         async with self.pool.acquire() as conn, conn.transaction():
             row = await conn.fetchrow(
                 """

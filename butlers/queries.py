@@ -182,8 +182,8 @@ SCHEDULE_RAN = "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WH
 # -- sessions -------------------------------------------------------------------------------
 
 SESSION_START = """
-    INSERT INTO sessions (trigger_source, prompt, trace_id)
-    VALUES ($1, $2, $3) RETURNING id
+    INSERT INTO sessions (trigger_source, prompt, trace_id, person)
+    VALUES ($1, $2, $3, $4) RETURNING id
 """
 SESSION_FINISH = """
     UPDATE sessions SET result = $2, success = $3, error = $4, tool_calls = $5,
@@ -225,9 +225,10 @@ SESSIONS_SUMMARY = """
            sum(cost_usd) AS cost_usd
     FROM sessions WHERE started_at > now() - make_interval(hours => $1)
 """
-# Scheduled sessions (`schedule:<name>`) started in the last $1 seconds.
+# Scheduled sessions (`schedule:<name>`) started in the last $1 seconds: all, and those of
+# schedules people's messages planted.
 SCHEDULED_RUNS_SINCE = """
-    SELECT count(*) FROM sessions
+    SELECT count(*) AS everyones, count(person) AS peoples FROM sessions
     WHERE started_at > now() - make_interval(secs => $1)
     AND starts_with(trigger_source, 'schedule:')
 """

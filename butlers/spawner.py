@@ -35,7 +35,14 @@ from butlers.claude_code import (
 from butlers.config import ButlerConfig
 from butlers.core_store import CoreStore
 from butlers.errors import SpawnError
-from butlers.memory import MEMORY_CONTEXT_BYTES, OWNER_SESSION, MemoryStore, Viewer
+from butlers.memory import (
+    MEMORY_CONTEXT_BYTES,
+    NO_PERSON,
+    OWNER_SESSION,
+    MemoryStore,
+    Viewer,
+    person_of,
+)
 from butlers.schedule_time import local_now
 from butlers.tasks import within
 from butlers.telemetry import ButlerTelemetry, current_carrier, current_trace_id
@@ -126,6 +133,7 @@ class Spawner:
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
         self._serving: dict[str, _Serving] = {}  # session token -> what it serves
+        self._owner_persons = frozenset(person_of(p) for p in config.owner_persons)
         # The butler's long-term memory (set by the daemon once open): what matches a
         # session's prompt is given to it.
         self.memory: MemoryStore | None = None
@@ -206,10 +214,19 @@ class Spawner:
                         refusal=refusal,
                         preamble=preamble,
                         attachments=attachments,
+                        person=self.person_served(conversation) if routed else None,
                     )
             finally:
                 self.running -= 1
                 self._serving.pop(token, None)
+
+    def person_served(self, conversation: str | None) -> str | None:
+        """The person (not the owner) a routed session's conversation is with; None for the
+        owner's (`[switchboard.owner]`, any of their channels)."""
+        if not conversation:
+            return NO_PERSON
+        person = person_of(conversation)
+        return None if person in self._owner_persons else person
 
     @contextlib.contextmanager
     def acting_for(self, conversation: str | None) -> Iterator[None]:
@@ -327,12 +344,14 @@ class Spawner:
         refusal: str | None = None,
         preamble: str = "",
         attachments: Sequence[Attachment] = (),
+        person: str | None = None,
     ) -> SessionOutcome:
         """Run and record one session; with a `refusal`, record it as failed, unrun.
-        `preamble`: what Claude Code is given before the prompt (memories), not recorded."""
+        `preamble`: what Claude Code is given before the prompt (memories), not recorded.
+        `person`: whose message (not the owner's) it serves, recorded with it."""
         trace_id = current_trace_id()
         session_id = await self.store.session_start(
-            trigger_source, recorded_prompt(prompt, attachments), trace_id
+            trigger_source, recorded_prompt(prompt, attachments), trace_id, person
         )
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []

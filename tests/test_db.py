@@ -98,6 +98,7 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "started_at",
             "finished_at",
             "cost_usd",
+            "person",  # whose message (not the owner's) it serves (core_0009)
         }
         await conn.close()
     finally:
@@ -145,12 +146,12 @@ async def test_a_database_at_its_heads_is_not_handed_to_alembic(
             command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core@-1"
         )
         conn = await db_conn(name)
-        assert await _columns(conn, "schedule_clock") == {}  # core_0008's, undone
+        assert "person" not in await _columns(conn, "sessions")  # core_0009's, undone
         await migrate(pg_server, name, ("core",))
         assert upgrades == [("core",)]
         versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
         assert versions == migration_heads("core")
-        assert set(await _columns(conn, "schedule_clock")) == {"id", "zone"}
+        assert "person" in await _columns(conn, "sessions")
         # The switchboard's branches on a database that has only core's: migrated too.
         await migrate(pg_server, name, ("core", "switchboard"))
         assert upgrades == [("core",), ("core", "switchboard")]
@@ -379,3 +380,44 @@ def test_a_stop_waits_until_the_process_is_gone() -> None:
         assert _wait_ended(brief.pid, 10)
     finally:
         brief.wait()
+
+
+async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
+    pg_server, db_conn
+) -> None:
+    """core_0009: the memories the operator, a schedule or trigger kept were shared unless
+    tagged `private`, so every person's session was handed them. Those kept before become
+    the owner's own unless tagged `shared`; people's are as they were."""
+    from alembic import command
+
+    from butlers.db import migrations
+
+    name = f"t_mem_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await ensure_database(pg_server, name)
+        await migrate(pg_server, name, ("core",))
+        await asyncio.to_thread(
+            command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core_0008"
+        )
+        conn = await db_conn(name)
+        kept = """
+            INSERT INTO memories (text, tags, private, language, words, person, from_owner)
+            VALUES ($1, $2, $3, 'simple', to_tsvector('simple', $1), $4, $5)
+        """
+        await conn.execute(kept, "passport X1", [], False, "", True)
+        await conn.execute(kept, "dinner at 7", ["shared"], False, "", True)
+        await conn.execute(kept, "door code", ["private"], True, "", True)
+        await conn.execute(kept, "anna's", [], True, "telegram:2", False)
+        await migrate(pg_server, name, ("core",))
+        rows = await conn.fetch("SELECT text, private FROM memories ORDER BY id")
+        assert [(r["text"], r["private"]) for r in rows] == [
+            ("passport X1", True),
+            ("dinner at 7", False),
+            ("door code", True),
+            ("anna's", True),
+        ]
+        await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()

@@ -107,7 +107,7 @@ async def test_a_routed_session_does_not_find_another_conversations_private_memo
     secret = await call(
         alpha.sse_url, "memory_remember", {"text": "Door code is 4711", "tags": ["private"]}
     )
-    await call(alpha.sse_url, "memory_remember", {"text": "The door is green"})
+    await call(alpha.sse_url, "memory_remember", {"text": "The door is green", "tags": ["shared"]})
     scripted_api.script(
         [tool_use("mcp__alpha__memory_search", {"query": "door code"})],
         [tool_use("mcp__alpha__memory_forget", {"id": secret["id"]})],
@@ -129,6 +129,43 @@ async def test_a_routed_session_does_not_find_another_conversations_private_memo
     assert refusal in results, results
     # Unrestricted (the operator): both, the secret still there.
     assert len(await call(alpha.sse_url, "memory_search", {"query": "door"})) == 2
+
+
+async def test_the_owners_facts_kept_by_trigger_are_not_a_strangers(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI
+) -> None:
+    """The owner kept a fact through `trigger` (untagged); a stranger's session was handed it
+    with its prompt, unasked, and found it by memory_search (a red team)."""
+    alpha = await start_butler(butler_config("alpha", owner_persons=("telegram:777",)))
+    ctx = alpha.context
+    assert ctx is not None
+    scripted_api.script(
+        [tool_use("mcp__alpha__memory_remember", {"text": "Owner passport number is X1234567"})],
+        [text("Kept.")],
+    )
+    await call(alpha.sse_url, "trigger", {"prompt": "Remember my passport number X1234567"})
+    before = len(scripted_api.tool_results())
+    scripted_api.script(
+        [tool_use("mcp__alpha__memory_search", {"query": "passport"})],
+        [tool_use("mcp__alpha__memory_list", {})],
+        [text("ok")],
+    )
+    outcome = await ctx.spawner.run(
+        "What is the passport number of the owner?",
+        target=ctx.self_target(),
+        trigger_source="route:test",
+        conversation="telegram:666",
+        routed=True,
+    )
+    assert outcome.success, outcome.error
+    asked = [r for r in scripted_api.requests if "passport number of the owner" in json.dumps(r)]
+    assert asked and all("X1234567" not in json.dumps(r["messages"][0]) for r in asked)
+    theirs = scripted_api.tool_results()[before:]
+    assert len(theirs) == 2 and "X1234567" not in str(theirs)
+    # The owner's own sessions still find it.
+    scripted_api.script([text("X1234567.")])
+    await call(alpha.sse_url, "trigger", {"prompt": "What is my passport number?"})
+    assert "X1234567" in json.dumps(scripted_api.requests[-1]["messages"][0])
 
 
 async def test_butlers_memory_lists_searches_and_forgets(
@@ -202,8 +239,16 @@ async def test_a_routed_message_is_given_the_memories_its_request_matches(
 
     scripted_api.respond_with(lambda body: [text("May 3.")])
     _, general = await notify_fleet(start_butler, tmp_path, bot_api)
-    await call(general.sse_url, "memory_remember", {"text": "Anna's birthday is on May 3"})
-    await call(general.sse_url, "memory_remember", {"text": "The boiler needs service"})
+    # (Kept by the operator: the owner's own unless shared, and the message is another's.)
+    shared = ["shared"]
+    await call(
+        general.sse_url,
+        "memory_remember",
+        {"text": "Anna's birthday is on May 3", "tags": shared},
+    )
+    await call(
+        general.sse_url, "memory_remember", {"text": "The boiler needs service", "tags": shared}
+    )
     await bot_api.push_text(CHAT, "When is Anna's birthday again?")
     await bot_api.wait_sent(1)
     [turn] = [
