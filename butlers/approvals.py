@@ -148,6 +148,7 @@ class ApprovalGate:
                 conversation=conversation,
                 session_id=await self._session_id(),
                 timeout_hours=self.config.approvals.timeout_hours,
+                forwarded_from=self.spawner.forwarded_from(token),
             )
         except NotifyFailed as exc:
             raise ToolRefusal(

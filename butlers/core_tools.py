@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
@@ -24,7 +25,7 @@ from butlers import schedule_time
 from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import AttachmentRefused, NotifyFailed
-from butlers.mcp_middleware import request_conversation
+from butlers.mcp_middleware import request_conversation, request_forwarded_from
 from butlers.media import (
     MAX_TOOL_ATTACHMENT_BYTES,
     MAX_TOOL_ATTACHMENTS,
@@ -541,7 +542,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if not token:
             return UNRESTRICTED
         if ctx.spawner.withheld_tools(token):
-            return Viewer.of_person(ctx.spawner.conversation_of(token))
+            seen_as = Viewer.of_person(ctx.spawner.conversation_of(token))
+            if ctx.spawner.forwarded_from(token) is not None:  # another's words, forwarded
+                seen_as = replace(seen_as, forwarded=True)
+            return seen_as
         return OWNER_SESSION
 
     def person_scope() -> str | None:
@@ -654,6 +658,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             conversation=conversation,
             routed=conversation is not None,
             attachments=files,
+            forwarded_from=request_forwarded_from(),
         )
         if not outcome.success:
             raise ToolRefusal(

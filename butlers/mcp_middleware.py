@@ -50,6 +50,10 @@ TRACE_CONTEXT_ARG = "_trace_context"
 # In a call's `_meta`: the conversation a routed call serves (set by the switchboard), so that
 # the session it starts can `notify` that conversation.
 CONVERSATION_META = "butlers/conversation"
+# ... and whose words it carries when the message was forwarded (their name, as the channel
+# gave it): a forward's session serves the owner's conversation, with a stranger's words.
+# Claimed by any caller, it only takes trust away.
+FORWARDED_META = "butlers/forwarded_from"
 # A classification session presents its message's credential in this header (its private MCP
 # config); the switchboard's `route` holds such a caller to what a classifier may route.
 CLASSIFICATION_HEADER = "X-Butlers-Classification"
@@ -93,6 +97,13 @@ def request_conversation() -> str | None:
     meta = _meta_carrier() or {}
     value = meta.get(CONVERSATION_META)
     return value if isinstance(value, str) and value else None
+
+
+def request_forwarded_from() -> str | None:
+    """Whose words the current tool call's message carries, when it was forwarded."""
+    meta = _meta_carrier() or {}
+    value = meta.get(FORWARDED_META)
+    return value[:200] if isinstance(value, str) and value else None
 
 
 # The `_meta` of a tool call made within the process without MCP's session (a switchboard's

@@ -15,7 +15,8 @@ the owner's sessions, which hold tools no stranger may use, nor may the owner's 
 stranger's session):
 - a memory written by a session a person's message started belongs to that person
   (`telegram:<chat>`, `email:<address>`): private to them, always. It is the owner's
-  (`from_owner`) when that person is the owner ([switchboard.owner]);
+  (`from_owner`) when that person is the owner ([switchboard.owner]) and the message was
+  not forwarded (another's words, which sessions the owner started must not be handed);
 - one written by the operator, a schedule or `trigger` is the owner's, private to the owner
   unless tagged `shared` (it was shared unless tagged `private`: every person's session was
   handed the owner's facts with its prompt, a red team found).
@@ -108,6 +109,9 @@ class Viewer:
 
     kind: Literal["operator", "owner", "person"] = "operator"
     person: str = ""
+    # A person's session acting on a message they forwarded: what it keeps is never the
+    # owner's, even in the owner's own conversation (another's words).
+    forwarded: bool = False
 
     @classmethod
     def of_person(cls, conversation: str | None) -> Viewer:
@@ -238,7 +242,7 @@ class MemoryStore:
         text, tags = check_text(text), check_tags(tags)
         if writer.kind == "person":
             person, private = writer.person, True
-            from_owner = person in self.owner_persons
+            from_owner = person in self.owner_persons and not writer.forwarded
         else:
             person, from_owner = "", True
             private = PRIVATE_TAG in tags or SHARED_TAG not in tags
@@ -264,7 +268,7 @@ class MemoryStore:
                 evicted += await conn.fetch(
                     """
                     DELETE FROM memories WHERE id IN (
-                        SELECT id FROM memories WHERE person = $1
+                        SELECT id FROM memories WHERE person = $1 AND NOT from_owner
                         ORDER BY used_at DESC, id DESC OFFSET $2
                     ) RETURNING id
                     """,

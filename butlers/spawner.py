@@ -88,6 +88,9 @@ class _Serving:
 
     conversation: str | None  # the conversation a routed message belongs to
     withheld: frozenset[str]  # tools the butler refuses it
+    # Whose words it acts on when its message was forwarded (not the sender's own): what it
+    # keeps is not the owner's, and an approval it asks for says so.
+    forwarded_from: str | None = None
 
 
 def withhold(target: McpTarget, tools: Collection[str]) -> McpTarget:
@@ -172,6 +175,7 @@ class Spawner:
         slots: asyncio.Semaphore | None = None,
         memories: bool = True,
         attachments: Sequence[Attachment] = (),
+        forwarded_from: str | None = None,
     ) -> SessionOutcome:
         """Run one session to completion; failures are recorded and returned, not raised.
         `conversation`: the one a routed message belongs to, where its `notify` goes.
@@ -183,6 +187,7 @@ class Spawner:
         other butlers' prompts from a stranger's message).
         `attachments`: files the model sees beside the prompt (images, PDFs, text files);
         the session's row records one line for each (`Attachment.describe`), not the bytes.
+        `forwarded_from`: its message was forwarded, the words this author's (routed only).
         Past `[runtime] max_spend_usd_per_day` it is not started: a failed session saying so."""
         withheld = ROUTED_SESSION_WITHHELD if routed else frozenset()
         if withheld:
@@ -193,7 +198,9 @@ class Spawner:
             # tools learn which conversation the call serves (notify) and what it may not
             # use (butlers.session_policy), and nobody else can claim either.
             token = secrets.token_urlsafe(24)
-            self._serving[token] = _Serving(conversation, withheld)
+            self._serving[token] = _Serving(
+                conversation, withheld, forwarded_from if routed else None
+            )
             target = replace(target, headers={**target.headers, SESSION_HEADER: token})
             try:
                 with self.telemetry.tracer.start_as_current_span(
@@ -254,6 +261,12 @@ class Spawner:
         """The conversation the session presenting `session_token` serves, if any."""
         serving = self._serving_of(session_token) if session_token else None
         return serving.conversation if serving is not None else None
+
+    def forwarded_from(self, session_token: str | None) -> str | None:
+        """Whose words the session presenting `session_token` acts on, when its message was
+        forwarded (None: the sender's own, or no session)."""
+        serving = self._serving_of(session_token) if session_token else None
+        return serving.forwarded_from if serving is not None else None
 
     def withheld_tools(self, session_token: str | None) -> frozenset[str]:
         """The tools the butler refuses to the caller presenting `session_token`: none to a

@@ -96,19 +96,22 @@ class SwitchboardLink:
         conversation: str | None,
         session_id: str | None,
         timeout_hours: float,
+        forwarded_from: str | None = None,
     ) -> dict[str, Any]:
-        """Record a call that waits for the owner's yes (the switchboard asks them); its id."""
+        """Record a call that waits for the owner's yes (the switchboard asks them); its id.
+        `forwarded_from`: the session acts on a forwarded message, this author's words."""
+        asked: dict[str, Any] = {
+            "butler": self.butler,
+            "tool": tool,
+            "arguments": arguments,
+            "conversation": conversation,
+            "session_id": session_id,
+            "timeout_hours": timeout_hours,
+        }
+        if forwarded_from is not None:  # (sent only then: a switchboard of before takes the rest)
+            asked["forwarded_from"] = forwarded_from
         return await self._call(
-            "approval_request",
-            {
-                "butler": self.butler,
-                "tool": tool,
-                "arguments": arguments,
-                "conversation": conversation,
-                "session_id": session_id,
-                "timeout_hours": timeout_hours,
-            },
-            refused="the switchboard did not record it",
+            "approval_request", asked, refused="the switchboard did not record it"
         )
 
     async def claim_approval(self, approval_id: int) -> dict[str, Any]:

@@ -50,6 +50,7 @@ async def notify_fleet(
     switchboard_extra: str = "",
     general_overrides: dict[str, Any] | None = None,
     switchboard_overrides: dict[str, Any] | None = None,
+    allowed_chats: tuple[int, ...] = (CHAT,),
 ) -> tuple[ButlerDaemon, ButlerDaemon]:
     """`general` (which knows the switchboard's URL) and a switchboard with Telegram, an
     owner, and a triage rule sending every Telegram message to general. `runtime`: general's
@@ -72,7 +73,9 @@ async def notify_fleet(
         butler_config(
             "switchboard",
             port=port,
-            telegram=TelegramConfig(allowed_chat_ids=(str(CHAT),), api_base_url=bot_api.url),
+            telegram=TelegramConfig(
+                allowed_chat_ids=tuple(map(str, allowed_chats)), api_base_url=bot_api.url
+            ),
             triage=(TriageRule(butler="general", channel="telegram"),),
             switchboard=limits or SwitchboardConfig(owner=OwnerConfig(telegram_chat_id=str(OWNER))),
             **(switchboard_overrides or {}),

@@ -582,6 +582,30 @@ def dmarc_refusal(results: Sequence[str], authserv_id: str, from_domain: str) ->
     return f"no DMARC result from {authserv_id} (Authentication-Results)"
 
 
+# A forwarded mail, as the common mail programs write one: the subject's prefix (English,
+# German, French, Spanish/Italian), and the line that opens the forwarded part (Gmail,
+# Thunderbird, Outlook, Apple Mail).
+FORWARDED_SUBJECT = re.compile(r"^\s*(?:fwd?|wg|tr|rv)\s*:", re.IGNORECASE)
+FORWARDED_BLOCK = re.compile(
+    r"^\s*(?:-{2,}\s*(?:forwarded message|original message|weitergeleitete nachricht|"
+    r"message transféré)\s*-{2,}|begin forwarded message:)\s*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+FORWARDED_FROM = re.compile(r"^\s*\*?(?:from|von|de)\s*:\*?\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+
+
+def forwarded_author(subject: str, text: str) -> str | None:
+    """Who wrote the words of a mail that forwards another (None: not a forward): the first
+    `From:` line after the forwarded part opens, else "someone else". The owner forwarding a
+    stranger's mail ("please pay this") passed the stranger's words on as their own."""
+    block = FORWARDED_BLOCK.search(text)
+    if block is None and not FORWARDED_SUBJECT.match(subject):
+        return None
+    author = FORWARDED_FROM.search(text, block.end() if block is not None else 0)
+    name = printable(author.group(1), 80) if author is not None else ""
+    return name or "someone else"
+
+
 def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:
     for entry in allowed:
         entry = entry.lower()

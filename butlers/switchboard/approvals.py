@@ -149,6 +149,7 @@ class RequestedCall:
     conversation: str | None  # whom the session was answering (None: the owner is told)
     session_id: str | None  # the butler's sessions row
     timeout_hours: float  # the butler's [approvals] timeout_hours
+    forwarded_from: str | None = None  # whose words the session acted on (a forward)
 
 
 class ApprovalStore:
@@ -178,6 +179,7 @@ class ApprovalStore:
             storable(call.session_id),
             call.timeout_hours * 3600,
             trace_context,
+            storable(call.forwarded_from[:200]) if call.forwarded_from else None,
         )
         assert row is not None
         return dict(row)
@@ -299,7 +301,7 @@ def describe(
     the others: `attachments` sorts before `text`), and characters that reorder or break
     lines are shown as escapes, not obeyed."""
     expires = row["expires_at"].astimezone(ZoneInfo(owner.timezone))
-    whose = _whose(row.get("conversation"), owner, name)
+    whose = _whose(row.get("conversation"), owner, name, row.get("forwarded_from"))
     return redact(
         f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) "
         f"{whose}, with:\n{shown_arguments(row['arguments'])}"
@@ -307,17 +309,32 @@ def describe(
     )
 
 
-def _whose(conversation: str | None, owner: OwnerConfig, name: str | None) -> str:
+def _whose(
+    conversation: str | None,
+    owner: OwnerConfig,
+    name: str | None,
+    forwarded_from: str | None = None,
+) -> str:
     """Whom the asking session served. Another person's conversation id (a mail thread's
     root is the sender's to choose) and name (theirs to choose) are quoted and cut, as the
-    switchboard's handoff shows them to a butler."""
+    switchboard's handoff shows them to a butler; so is the author of a forwarded message's
+    words (a forward of a stranger's words is not the owner's own message)."""
     if conversation is None:
         return "for a session you started or a schedule"
+    author = (
+        json.dumps(printable(forwarded_from, MAX_SENDER_NAME_CHARS), ensure_ascii=False)
+        if forwarded_from
+        else None
+    )
     if is_owners(conversation, owner):
+        if author is not None:
+            return f"answering a message you forwarded: {author}'s words, not yours"
         return "answering your own message"
     who = json.dumps(printable(conversation, MAX_WHO_CHARS), ensure_ascii=False)
     if name:
         who = f"{json.dumps(printable(name, MAX_SENDER_NAME_CHARS), ensure_ascii=False)} ({who})"
+    if author is not None:
+        return f"answering {who}, not you, who forwarded {author}'s words"
     return f"answering {who}, not you"
 
 
@@ -786,14 +803,18 @@ def register_approval_tools(mcp: FastMCP, desk: ApprovalDesk) -> None:
         conversation: str | None = None,
         session_id: str | None = None,
         timeout_hours: float = 24.0,
+        forwarded_from: str | None = None,
     ) -> dict[str, Any]:
         """A butler's call that waits for the owner's approval: recorded, and the owner asked
-        on their preferred channel. For butlers' daemons (their approval gate)."""
+        on their preferred channel. For butlers' daemons (their approval gate).
+        `forwarded_from`: the session acted on a forwarded message, this author's words."""
         _refuse_sessions_and_classifiers("approval_request")
         if not timeout_hours > 0:
             raise ToolRefusal("timeout_hours must be positive")
         return await desk.request(
-            RequestedCall(butler, tool, arguments, conversation, session_id, timeout_hours)
+            RequestedCall(
+                butler, tool, arguments, conversation, session_id, timeout_hours, forwarded_from
+            )
         )
 
     @mcp.tool

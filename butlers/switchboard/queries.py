@@ -438,7 +438,8 @@ OUTBOX_PRUNE = """
 # What the approval statements return of a row.
 _APPROVAL_ROW = Fragment("""
     id, butler, tool, arguments, status, requested_at, expires_at, decided_at, decided_by,
-    claimed_at, finished_at, result, conversation, session_id, trace_context, asked""")
+    claimed_at, finished_at, result, conversation, session_id, trace_context, asked,
+    forwarded_from""")
 
 # The buttons' signing key, made once per database: the first writer's wins.
 APPROVAL_KEY_ADD = (
@@ -448,8 +449,8 @@ APPROVAL_KEY = "SELECT secret FROM approval_keys WHERE id = 1"
 # A call waiting for the owner, expiring in $6 seconds.
 APPROVAL_CREATE = f"""
     INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
-                           expires_at, trace_context)
-    VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7)
+                           expires_at, trace_context, forwarded_from)
+    VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8)
     RETURNING {_APPROVAL_ROW}
 """
 APPROVAL_GET = f"SELECT {_APPROVAL_ROW} FROM approvals WHERE id = $1"

@@ -37,7 +37,7 @@ from butlers.errors import (
 )
 from butlers.mcp_connection.core import unwrap
 from butlers.mcp_connection.pool import McpConnections
-from butlers.mcp_middleware import CONVERSATION_META
+from butlers.mcp_middleware import CONVERSATION_META, FORWARDED_META
 from butlers.switchboard.routing_store import RegistryTarget, RouteRecord, RoutingStore
 from butlers.telemetry import current_carrier, current_trace_id
 
@@ -60,14 +60,17 @@ class RouteSource:
     source_id: str | None = None
     inbox_id: int | None = None  # the inbox message this call serves, if any
     conversation: str | None = None  # passed on: where the target's `notify` goes
+    forwarded_from: str | None = None  # passed on: whose words a forwarded message carries
 
     @classmethod
     def of_message(cls, message: InboxMessage) -> RouteSource:
+        author = message.meta.get("forwarded_from")
         return cls(
             channel=message.channel,
             source_id=message.source_id,
             inbox_id=message.id,
             conversation=message.conversation,
+            forwarded_from=str(author) if author else None,
         )
 
 
@@ -332,6 +335,8 @@ class Router:
         meta: dict[str, str] = dict(carrier)
         if source.conversation:
             meta[CONVERSATION_META] = source.conversation
+        if source.forwarded_from:
+            meta[FORWARDED_META] = source.forwarded_from
         try:
             result = await self.connections.call(
                 endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
