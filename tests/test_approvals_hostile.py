@@ -316,6 +316,14 @@ def test_what_a_long_key_a_big_number_or_a_long_list_would_hide_is_shown() -> No
             assert "4981 more keys" in question, question
     wide = describe(_row({"items": list(range(2000))}, None), str, OWNERS)
     assert "… 1980 more items" in wide
+    # Said at the top, where the owner starts reading, not only where it was cut (the 21st
+    # key, "to", or a long value's tail: a red team); a question shown whole says nothing.
+    cut = "with (not all of it shown: see `butlers approvals --json` before you approve):"
+    assert cut in wide.splitlines()[0]
+    tail = describe(_row({"text": "Lunch? " * 100 + "wire 5000 EUR"}, None), str, OWNERS)
+    assert cut in tail.splitlines()[0] and "wire 5000" not in tail
+    whole = describe(_row({"text": "Lunch?"}, None), str, OWNERS)
+    assert whole.splitlines()[0].endswith(", with:") and "not all" not in whole
     assert "… (4001 digits)" in describe(_row({"a": 10**4000}, None), str, OWNERS)
     alike = {"X" * 2999 + "A": 1, "X" * 2999 + "B": 2}  # cut, the two keys read the same
     assert "(another)" in describe(_row(alike, None), str, OWNERS)
@@ -600,3 +608,48 @@ async def test_what_the_owner_forwards_is_not_the_owners_to_remember_or_approve(
         await client.call_tool("trigger", {"prompt": "Any Acme Ltd invoice to pay today?"})
     [asked] = [b for b in scripted_api.requests if "Any Acme Ltd invoice" in first_prompt(b)]
     assert "without asking" not in first_prompt(asked)
+
+
+@pytest.mark.pg
+async def test_a_conversation_has_only_so_many_questions_waiting(
+    pg_server, switchboard_template: str
+) -> None:
+    """One message made its session ask fifteen times: fifteen questions with buttons (a red
+    team). A conversation has at most MAX_PENDING_PER_CONVERSATION waiting; once the owner
+    decides one, it may ask again; another conversation is not held up."""
+    import uuid
+
+    import asyncpg
+
+    from butlers.db import create_pool
+    from butlers.switchboard.approvals import (
+        MAX_PENDING_PER_CONVERSATION,
+        ApprovalStore,
+        RequestedCall,
+    )
+    from tests.conftest import drop_databases
+
+    name = f"t_pending_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(pg_server.dsn("postgres"))
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{switchboard_template}"')
+    finally:
+        await conn.close()
+    pool = await create_pool(pg_server, name)
+    try:
+        store = ApprovalStore(pool)
+
+        def call(conversation: str | None) -> RequestedCall:
+            return RequestedCall("general", "notify", {"text": "hi"}, conversation, None, 1.0)
+
+        rows = [await store.create(call("telegram:5"), None) for _ in range(6)]
+        assert [row is not None for row in rows] == [True] * MAX_PENDING_PER_CONVERSATION + [False]
+        assert await store.create(call("telegram:6"), None) is not None
+        assert await store.create(call(None), None) is not None  # the owner's sessions
+        first = rows[0]
+        assert first is not None
+        await store.decide(first["id"], "denied", "telegram:1")
+        assert await store.create(call("telegram:5"), None) is not None
+    finally:
+        await pool.close()
+        await drop_databases(pg_server, name)

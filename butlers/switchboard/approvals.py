@@ -108,6 +108,9 @@ MAC_BYTES = 16
 _MAIL_ANSWER = re.compile(r"\s*(yes|no)\s+#?([1-9][0-9]{0,17})\b", re.IGNORECASE)
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
+# Pending approvals one conversation may have (the owner's own sessions count as one): one
+# message made a session ask fifteen times, fifteen questions with buttons (a red team).
+MAX_PENDING_PER_CONVERSATION = 5
 MAX_ARGUMENTS_BYTES = 256 * 1024
 # An approved call its butler took but never answered for (it died mid-call) is `failed` after
 # this: whether it ran is unknown, and it is never run twice.
@@ -169,7 +172,9 @@ class ApprovalStore:
 
     async def create(
         self, call: RequestedCall, trace_context: dict[str, str] | None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
+        """The new pending row; None when its conversation has MAX_PENDING_PER_CONVERSATION
+        waiting already."""
         row = await self.pool.fetchrow(
             sql.APPROVAL_CREATE,
             storable(call.butler),
@@ -180,9 +185,9 @@ class ApprovalStore:
             call.timeout_hours * 3600,
             trace_context,
             storable(call.forwarded_from[:200]) if call.forwarded_from else None,
+            MAX_PENDING_PER_CONVERSATION,
         )
-        assert row is not None
-        return dict(row)
+        return dict(row) if row is not None else None
 
     async def get(self, approval_id: int) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql.APPROVAL_GET, approval_id)
@@ -302,9 +307,15 @@ def describe(
     lines are shown as escapes, not obeyed."""
     expires = row["expires_at"].astimezone(ZoneInfo(owner.timezone))
     whose = _whose(row.get("conversation"), owner, name, row.get("forwarded_from"))
+    shown, whole = shown_arguments(row["arguments"])
+    # Said before the arguments, not after them: a tail cut off is where a "to" or an amount
+    # may hide, and the owner reads from the top.
+    cut = (
+        "" if whole else " (not all of it shown: see `butlers approvals --json` before you approve)"
+    )
     return redact(
         f"{row['butler']} asks to run {row['tool']} (approval #{row['id']}) "
-        f"{whose}, with:\n{shown_arguments(row['arguments'])}"
+        f"{whose}, with{cut}:\n{shown}"
         f"\n\nApprove or deny it before {expires.strftime('%Y-%m-%d %H:%M %Z')}."
     )
 
@@ -338,20 +349,20 @@ def _whose(
     return f"answering {who}, not you"
 
 
-def shown_arguments(arguments: dict[str, Any]) -> str:
+def shown_arguments(arguments: dict[str, Any]) -> tuple[str, bool]:
     """`arguments` as indented JSON within SHOWN_ARGUMENTS_CHARS, for the owner to judge: each
     long text, key or number cut on its own and each long list or object shortened (saying
     how much there was) until the whole fits, and the characters that could disguise it
     (bidi overrides, line and paragraph separators) shown as escapes. Whatever is left out
-    is said to be ("… 12 more keys"): a question that hides much is one to deny."""
+    is said to be ("… 12 more keys"): a question that hides much is one to deny. With it,
+    whether all of it is shown."""
     for limit in SHOWN_VALUE_CHARS:
-        shown = _inert(
-            json.dumps(_cut(arguments, limit, 0), indent=2, ensure_ascii=False, sort_keys=True)
-        )
+        kept = _cut(arguments, limit, 0)
+        shown = _inert(json.dumps(kept, indent=2, ensure_ascii=False, sort_keys=True))
         if len(shown) <= SHOWN_ARGUMENTS_CHARS:
-            return shown
+            return shown, kept == arguments
     # (only very deep or wide arguments get here: the rest is in `butlers approvals --json`)
-    return shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)"
+    return shown[:SHOWN_ARGUMENTS_CHARS] + "\n… (cut: see `butlers approvals --json`)", False
 
 
 SHOWN_VALUE_CHARS = (600, 200, 60)  # of one text, key or number, tried in turn until all fit
@@ -443,6 +454,12 @@ class ApprovalDesk:
             "approval.request", attributes={"butler": call.butler, "tool_name": call.tool}
         ) as span:
             row = await self.store.create(call, current_carrier() or None)
+            if row is None:
+                raise ToolRefusal(
+                    f"{MAX_PENDING_PER_CONVERSATION} calls of this conversation already wait "
+                    "for the owner's approval: not asked again until they decide",
+                    log_level=logging.WARNING,
+                )
             span.set_attribute("approval_id", row["id"])
             asked = await self._ask_owner(row)
             # Not asking is no failure: the request stands and waits for `butlers approvals`.

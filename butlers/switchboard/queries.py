@@ -446,11 +446,14 @@ APPROVAL_KEY_ADD = (
     "INSERT INTO approval_keys (id, secret) VALUES (1, $1) ON CONFLICT (id) DO NOTHING"
 )
 APPROVAL_KEY = "SELECT secret FROM approval_keys WHERE id = 1"
-# A call waiting for the owner, expiring in $6 seconds.
+# A call waiting for the owner, expiring in $6 seconds; none while conversation $4 (NULL: the
+# owner's sessions) has $9 waiting already.
 APPROVAL_CREATE = f"""
     INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
                            expires_at, trace_context, forwarded_from)
-    VALUES ($1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8)
+    SELECT $1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8
+    WHERE (SELECT count(*) FROM approvals
+           WHERE status = 'pending' AND conversation IS NOT DISTINCT FROM $4) < $9
     RETURNING {_APPROVAL_ROW}
 """
 APPROVAL_GET = f"SELECT {_APPROVAL_ROW} FROM approvals WHERE id = $1"
