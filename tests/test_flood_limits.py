@@ -164,8 +164,13 @@ async def test_peoples_schedules_have_a_share_of_the_cap_and_the_owners_run_firs
         ticked = (await client.call_tool("tick", {})).structured_content
     assert [r["name"] for r in ticked["ran"]] == ["medication", *planted[:2]]
     assert [s["name"] for s in ticked["skipped"]] == planted[2:]
-    people = await conn.fetch("SELECT person FROM sessions ORDER BY started_at")
+    people = await conn.fetch("SELECT person, prompt FROM sessions ORDER BY started_at")
     assert [r["person"] for r in people] == [None, "telegram:666", "telegram:666"]
+    # The owner's prompt as written; a person's framed as their message was (whose words).
+    assert people[0]["prompt"] == "Pills."
+    framed = people[1]["prompt"]
+    assert framed.startswith('A reminder that a message from "telegram:666", not the owner')
+    assert "<<<REQUEST " in framed and "\nSay hi.\nREQUEST " in framed
     [told] = await owner_notices(await db_conn(switchboard.config.database))
     assert "(2 planted by people's messages)" in told and "approve" not in told
     # The next tick this hour: people's share is used, the owner's run still runs.
