@@ -95,7 +95,14 @@ class StandInRouter:
 
 
 class StandInChannel:
-    """A channel's sending half as the worker uses it: one row per reply."""
+    """A channel's sending half as the worker uses it: one row per reply; everyone may write
+    but those in `gone` (unpaired, off the allowlist)."""
+
+    def __init__(self) -> None:
+        self.gone: set[str] = set()
+
+    async def may_write(self, sender: str) -> bool:
+        return sender not in self.gone
 
     def prepare(
         self, text: str, *, reply_to: InboxMessage | None, butler: str | None
@@ -348,6 +355,26 @@ async def test_a_notification_reaches_the_conversations_person_within_the_hourly
         ("notify", True),
         ("notify", False),
     ]
+
+
+async def test_a_notification_to_someone_who_may_no_longer_write_is_refused(
+    parts: Parts,
+) -> None:
+    """Unpaired or taken off the allowlist: their reminders no longer reach them."""
+    sender = parts.make().outbox
+    await parts.inbox.accept(message("a", 0), None)
+    channel = sender.channels["telegram"]
+    assert isinstance(channel, StandInChannel)
+    channel.gone.add("a")
+    desk = NotificationDesk(
+        limits=SwitchboardConfig(),
+        inbox=parts.inbox,
+        routing_store=MemoryRoutingStore(parts.database),
+        outbox=sender,
+    )
+    with pytest.raises(NotifyRefused, match="'telegram:a' may no longer write"):
+        await desk.deliver("your reminder", "health", None, "telegram:a")
+    assert await parts.outbox.claim("telegram") is None
 
 
 async def test_a_worker_woken_as_it_is_closed_still_stops(parts: Parts) -> None:
