@@ -136,6 +136,10 @@ class CoreStore:
         result = await self.pool.execute(sql.SCHEDULE_DELETE, name, routed_only)
         return result == "DELETE 1"
 
+    async def schedule_disable(self, task_id: uuid.UUID) -> None:
+        """Kept, not run: `enabled` false (schedule_list shows it so)."""
+        await self.pool.execute(sql.SCHEDULE_DISABLE, task_id)
+
     async def schedule_once_again(self, task_id: uuid.UUID, at: datetime, counted: bool) -> None:
         """A one-time reminder due again at `at` (its run failed, or was skipped: then not
         `counted` as an attempt)."""

@@ -254,6 +254,9 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             if task["once"]:  # not lost: due again in an hour, this try not counted
                 await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
             continue
+        if peoples and (gone := await _no_longer_writes(ctx, task)) is not None:
+            skipped.append({"name": task["name"], "reason": gone, "peoples": True})
+            continue
         ran_in_hour += 1
         peoples_in_hour += peoples
         prompt = task["prompt"]
@@ -278,13 +281,14 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
                 "error": outcome.error,
             }
         )
-    if skipped and ctx.spawner.notices is not None:
+    over_cap = [s for s in skipped if s["reason"] == f"over {RUNS_PER_HOUR_KEY}"]
+    if over_cap and ctx.spawner.notices is not None:
         # People's schedules are counted, not named: their names are people's words.
-        owners = [printable(s["name"], 40) for s in skipped if not s["peoples"]]
+        owners = [printable(s["name"], 40) for s in over_cap if not s["peoples"]]
         names = ", ".join(json.dumps(name, ensure_ascii=False) for name in owners[:5])
         if len(owners) > 5:
             names += f" and {len(owners) - 5} more"
-        if planted := sum(1 for s in skipped if s["peoples"]):
+        if planted := sum(1 for s in over_cap if s["peoples"]):
             names += (", " if names else "") + f"{planted} planted by people's messages"
         await ctx.spawner.notices.tell_once(
             RUNS_PER_HOUR_KEY,
@@ -295,6 +299,37 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             "are skipped without another message; check its schedules (schedule_list).",
         )
     return {"ran": ran, "skipped": skipped}
+
+
+async def _no_longer_writes(ctx: ButlerContext, task: dict[str, Any]) -> str | None:
+    """Why a schedule someone's message planted is not run now, or None to run it: the
+    switchboard says they may no longer write (unpaired, off the allowlist): disabled, its
+    runs could reach them no more (and would cost all the same); or it cannot say: this run
+    is skipped."""
+    if ctx.switchboard is None or ctx.switchboard.url is None or not task["conversation"]:
+        # (No switchboard, or no one's conversation: its runs reach no one anyway.)
+        return None
+    try:
+        writes = await ctx.switchboard.may_write(task["conversation"])
+    except NotifyFailed as exc:
+        logger.warning(
+            "schedule %r skipped: the switchboard could not say whether its person may still "
+            "write (%s)",
+            task["name"],
+            exc,
+            extra={"action": "schedule_skipped"},
+        )
+        return "the switchboard could not say whether its person may still write"
+    if writes:
+        return None
+    await ctx.store.schedule_disable(task["id"])
+    logger.warning(
+        "schedule %r disabled: the person whose message planted it (%s) may no longer write",
+        task["name"],
+        task["conversation"],
+        extra={"action": "schedule_disabled"},
+    )
+    return "disabled: its person may no longer write (unpaired or off the allowlist)"
 
 
 def _planted_prompt(task: dict[str, Any]) -> str:

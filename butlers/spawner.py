@@ -510,6 +510,7 @@ OPERATOR_TOOLS = frozenset(
     {
         "route",
         "deliver",
+        "may_write",
         "ask",
         "discover",
         "inbox_retry",

@@ -156,5 +156,13 @@ class SwitchboardLink:
             raise NotifyFailed(f"{refused}: {unwrap(result)}")
         return unwrap(result)
 
+    async def may_write(self, conversation: str) -> bool:
+        """Whether `conversation`'s person may still write (paired, allowlisted, the owner);
+        NotifyFailed when the switchboard cannot say."""
+        answer = await self._call(
+            "may_write", {"conversation": conversation}, refused="the switchboard did not say"
+        )
+        return bool(answer.get("may_write"))
+
     async def close(self) -> None:
         await self._connections.close()

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from fastmcp import Client
 from fastmcp.client.transports import SSETransport
+from fastmcp.exceptions import ToolError
 
 from butlers.config import OwnerConfig, PairingConfig, SwitchboardConfig, TelegramConfig
 from butlers.daemon import ButlerDaemon
@@ -820,8 +821,24 @@ async def test_a_revoked_persons_reminders_no_longer_reach_them(
     async with Client(switchboard.sse_url) as client:
         await client.call_tool("pairing_revoke", {"channel": "telegram", "sender": str(STRANGER)})
     sent = len(texts_to(bot_api, STRANGER))
-    await run_beacon()
-    refused = [r for r in scripted_api.tool_results() if "may no longer write" in str(r)]
-    assert refused and f"'telegram:{STRANGER}' may no longer write" in str(refused[-1])
+    sessions = await conn.fetchval("SELECT count(*) FROM sessions")
+    # Its reminder is not run (it would cost, and reach no one): disabled, saying why.
+    await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+    async with Client(general.sse_url) as client:
+        ticked = (await client.call_tool("tick", {})).structured_content
+    assert ticked["ran"] == []
+    [(name, why)] = [(s["name"], s["reason"]) for s in ticked["skipped"]]
+    assert name == "beacon" and why.startswith("disabled: its person may no longer write")
+    assert await conn.fetchval("SELECT enabled FROM scheduled_tasks") is False
+    assert await conn.fetchval("SELECT count(*) FROM sessions") == sessions
+    # ... and were it run (a butler that did not ask), its notify would be refused.
+    async with Client(switchboard.sse_url) as client:
+        with pytest.raises(ToolError, match=f"'telegram:{STRANGER}' may no longer write"):
+            await client.call_tool(
+                "deliver",
+                {"text": "beacon!", "butler": "general", "conversation": f"telegram:{STRANGER}"},
+            )
+        answer = await client.call_tool("may_write", {"conversation": f"telegram:{OWNER}"})
+    assert answer.structured_content["may_write"] is True
     assert len(texts_to(bot_api, STRANGER)) == sent
     assert all("beacon" not in t for t in texts_to(bot_api, OWNER))  # nor to the owner

@@ -21,6 +21,7 @@ from butlers.config import MAX_ATTACHMENT_BYTES, SwitchboardConfig
 from butlers.core_store import storable
 from butlers.errors import AttachmentRefused, NotifyRefused
 from butlers.media import Attachment, as_its_type, check_count, checked, from_wire
+from butlers.memory import person_of
 from butlers.switchboard.conversation import is_owners
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
@@ -178,12 +179,7 @@ class NotificationDesk:
         last = await self.inbox.last_of_conversation(conversation)
         if last is None or last.source_id is None:
             raise NotifyRefused(f"no conversation {conversation!r} to notify")
-        channel = self.outbox.channels.get(last.channel)
-        if (
-            channel is not None
-            and not is_owners(conversation, self.limits.owner)
-            and not await channel.may_write(last.source_id)
-        ):
+        if not await self.may_write(conversation):
             # Unpaired or taken off the allowlist: what they planted (a reminder) no longer
             # reaches them.
             raise NotifyRefused(
@@ -194,6 +190,18 @@ class NotificationDesk:
         # A mail continues its thread; a chat message stands on its own.
         reply_to = last if spec is not None and spec.continues_thread else None
         return Destination(last.channel, last.source_id, conversation, reply_to)
+
+    async def may_write(self, conversation: str) -> bool:
+        """Whether the person of `conversation` may still write here (the owner, or one
+        allowlisted or paired on its channel): a butler asks before it runs a reminder their
+        message planted, which could reach them no more."""
+        if is_owners(conversation, self.limits.owner):
+            return True
+        # The person is the conversation's: `telegram:<chat>`, `email:<address>` (the inbox
+        # keeps their messages only for retention_days; a yearly reminder outlives them).
+        name, _, sender = person_of(conversation).partition(":")
+        channel = self.outbox.channels.get(name)
+        return channel is not None and bool(sender) and await channel.may_write(sender)
 
     def _owner(self, channel: str | None) -> Destination:
         reachable = self.limits.owner.channels()

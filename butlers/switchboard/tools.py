@@ -113,6 +113,15 @@ def register_switchboard_tools(
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
 
     @mcp.tool
+    async def may_write(conversation: str) -> dict[str, Any]:
+        """Whether the person of `conversation` may still write to the switchboard (the owner,
+        or allowlisted or paired on its channel). For butlers' daemons: a reminder someone's
+        message planted is not run once they may not."""
+        if _classification_of_caller(worker.dispatcher) is not None:
+            raise ToolRefusal("may_write is not for classification sessions")
+        return {"conversation": conversation, "may_write": await notifier.may_write(conversation)}
+
+    @mcp.tool
     async def list_butlers() -> list[dict[str, Any]]:
         """Every registered butler: name, endpoint_url, description, modules, last_seen_at,
         registered_at; `stale` when the last discover did not find it (not routed to until
