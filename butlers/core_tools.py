@@ -573,9 +573,15 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def schedule_delete(name: str) -> dict[str, Any]:
         """Delete the scheduled task called `name`."""
-        # A routed message's session may delete only what such sessions planted, never the
-        # owner's or those declared in butler.toml; a person's, only what theirs planted.
-        routed_only = bool(ctx.spawner.withheld_tools(session_token()))
+        # A person's session may delete only what their messages planted, never the owner's
+        # or those declared in butler.toml; so may one acting on a message the owner
+        # forwarded (another's words). The owner's own chat may delete theirs too: a
+        # reminder made with `butlers route` or a schedule could not be cancelled by
+        # message (a walkthrough).
+        token = session_token()
+        routed_only = bool(ctx.spawner.withheld_tools(token)) and (
+            person_scope() is not None or ctx.spawner.forwarded_from(token) is not None
+        )
         if (who := person_scope()) is not None and not any(
             row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
         ):

@@ -107,7 +107,7 @@ class Viewer:
     """Who is asking (see the module's rules): the `operator` (no session), an `owner`
     session (a schedule, trigger), or a `person`'s session (a routed message's)."""
 
-    kind: Literal["operator", "owner", "person"] = "operator"
+    kind: Literal["operator", "owner", "person", "owner_person"] = "operator"
     person: str = ""
     # A person's session acting on a message they forwarded: what it keeps is never the
     # owner's, even in the owner's own conversation (another's words).
@@ -123,7 +123,11 @@ class Viewer:
         return (
             f"(${kind}::text = 'operator'"
             f" OR (${kind}::text = 'owner' AND (NOT private OR from_owner))"
-            f" OR (${kind}::text = 'person' AND (NOT private OR person = ${person}::text)))"
+            f" OR (${kind}::text = 'person' AND (NOT private OR person = ${person}::text))"
+            # The owner writing from a chat or a mail (MemoryStore.seen_as): theirs wherever
+            # they kept it (`butlers ask`, a schedule) and what that chat kept.
+            f" OR (${kind}::text = 'owner_person'"
+            f" AND (NOT private OR from_owner OR person = ${person}::text)))"
         )
 
 
@@ -293,12 +297,22 @@ class MemoryStore:
             )
         return _row(row)
 
+    def seen_as(self, viewer: Viewer) -> Viewer:
+        """`viewer` as the rules read it: the owner's own conversation (not a message they
+        forwarded: another's words) finds the owner's memories wherever they were kept, and
+        may forget them. Without it what the owner told `butlers ask` was not found when they
+        asked from Telegram (a walkthrough)."""
+        if viewer.kind == "person" and not viewer.forwarded and viewer.person in self.owner_persons:
+            return Viewer("owner_person", viewer.person)
+        return viewer
+
     async def context(self, prompt: str, limit: int, viewer: Viewer) -> list[dict[str, Any]]:
         """The memories that bear on a session's prompt: those sharing at least two of its
         CONTEXT_WORDS longest words (one, when it has one), best first. A prompt is a
         sentence: any one of its words matched thousands of memories, and ranking them took
         47 ms at 100,000 (bench/memory.py); a memory that shares a single word with it is a
         weak hint anyway. No misspellings."""
+        viewer = self.seen_as(viewer)
         found = sorted(set(WORD.findall(prompt.lower())), key=lambda w: (-len(w), w))
         if not found:
             return []
@@ -344,6 +358,7 @@ class MemoryStore:
 
         Two steps rather than one OR: similarity computed for every candidate of a broad
         query cost 29 ms at 2,000 memories (bench/memory.py); words alone, a GIN lookup."""
+        viewer = self.seen_as(viewer)
         query = (storable(query) or "").strip()
         if not query:
             raise ToolRefusal("search query must not be empty")
@@ -432,6 +447,7 @@ class MemoryStore:
 
     async def forget(self, memory_id: int, viewer: Viewer = UNRESTRICTED) -> bool:
         """Delete one: a person's session only their own; others what they can see."""
+        viewer = self.seen_as(viewer)
         own = (
             "($2::text = 'person' AND person = $3::text)"
             if viewer.kind == "person"
@@ -447,6 +463,7 @@ class MemoryStore:
 
     async def list(self, limit: int = 50, viewer: Viewer = UNRESTRICTED) -> list[dict[str, Any]]:
         """The newest memories first; where each came from only for the operator."""
+        viewer = self.seen_as(viewer)
         columns = "id, text, tags, created_at" + (
             ", conversation, person, private" if viewer.kind == "operator" else ""
         )

@@ -209,7 +209,9 @@ class Spawner:
                 ):
                     refusal = await self._over_spend_cap()
                     preamble = (
-                        await self._memories(prompt, conversation, routed)
+                        await self._memories(
+                            prompt, conversation, routed, forwarded=forwarded_from is not None
+                        )
                         if memories and refusal is None
                         else ""
                     )
@@ -310,7 +312,9 @@ class Spawner:
             f"in {zone}."
         )
 
-    async def _memories(self, prompt: str, conversation: str | None, routed: bool) -> str:
+    async def _memories(
+        self, prompt: str, conversation: str | None, routed: bool, *, forwarded: bool = False
+    ) -> str:
         """The memories that best match the prompt, as a block marked as data put before the
         prompt in the user's turn (never in the instructions: they are people's words). A
         routed session gets its person's own and the shared ones; a session the owner
@@ -324,7 +328,11 @@ class Spawner:
         prompt = fenced_text(prompt, "REQUEST") or prompt
         if self.memory is None or limit <= 0 or not prompt.strip():
             return ""
-        viewer = Viewer.of_person(conversation) if routed else OWNER_SESSION
+        viewer = (
+            replace(Viewer.of_person(conversation), forwarded=forwarded)
+            if routed
+            else OWNER_SESSION
+        )
         shown: list[str] = []
         size = 0
         for memory in await self.memory.context(prompt, limit, viewer):

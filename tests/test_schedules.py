@@ -422,3 +422,26 @@ async def test_a_one_time_reminder_is_not_lost(
         "SELECT next_run_at - now() AS wait FROM scheduled_tasks WHERE name = 'c'"
     )
     assert timedelta(minutes=12) < row["wait"] <= timedelta(minutes=13, seconds=30)
+
+
+async def test_the_owner_cancels_by_message_what_they_made_elsewhere(
+    start_butler: StartButler,
+) -> None:
+    """A reminder the owner made with `butlers route` (or a schedule made) could not be
+    cancelled from their own chat: "no schedule named 'gym' that you may delete" (a
+    walkthrough). A person still may not."""
+    from fastmcp.exceptions import ToolError as Refused
+
+    daemon = await start_butler(butler_config("alpha", owner_persons=("telegram:777",)))
+    ctx = daemon.context
+    assert ctx is not None
+    for name in ("gym", "tea"):
+        await call(
+            daemon.sse_url, "schedule_create", {"name": name, "cron": "0 9 * * 1", "prompt": "x"}
+        )
+    with ctx.spawner.acting_for("telegram:666"), pytest.raises(Refused, match="may delete"):
+        await daemon.mcp.call_tool("schedule_delete", {"name": "gym"})
+    with ctx.spawner.acting_for("telegram:777"):
+        await daemon.mcp.call_tool("schedule_delete", {"name": "gym"})
+    names = [s["name"] for s in await call(daemon.sse_url, "schedule_list", {})]
+    assert names == ["tea"]
