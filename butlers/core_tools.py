@@ -568,7 +568,15 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         rows = await store.schedule_list()
         if (who := person_scope()) is not None:  # a person sees only their own
             rows = [row for row in rows if _planted_by(row, who)]
-        return [_schedule_row(row, zone) for row in rows]
+        shown = [_schedule_row(row, zone) for row in rows]
+        if session_token() is None:
+            # The operator is told whose each is (`for`: the person whose message planted
+            # it; None: the owner's): a person's reminder looked like the owner's own.
+            for row, one in zip(rows, shown, strict=True):
+                one["for"] = (
+                    ctx.spawner.person_served(row["conversation"]) if row["routed"] else None
+                )
+        return shown
 
     @tool
     async def schedule_delete(name: str) -> dict[str, Any]:

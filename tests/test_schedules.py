@@ -203,11 +203,35 @@ async def test_butlers_schedules_lists_every_butler_in_its_local_time(
     assert lines[0].split()[:3] == ["BUTLER", "NAME", "WHEN"]
     [row] = [line for line in lines if line.startswith("general ")]
     assert "brief" in row and "0 8 * * *" in row and " 08:00 " in row and "tool" in row
+    assert " you " in row  # whose: the owner's
     code, out, err = await run_cli(
         "schedules", "--butler", "general", "--json", "--url", url, token="cli-token"
     )
     assert code == 0, err
-    assert [(r["butler"], r["name"]) for r in json.loads(out)] == [("general", "brief")]
+    assert [(r["butler"], r["name"], r["for"]) for r in json.loads(out)] == [
+        ("general", "brief", None)
+    ]
+    # A person's reminder says whose it is (it looked like the owner's: a walkthrough).
+    ctx = general.context
+    assert ctx is not None
+    with ctx.spawner.acting_for("telegram:666"):
+        await general.mcp.call_tool(
+            "schedule_create", {"name": "bob-call", "cron": "0 9 * * *", "prompt": "Call."}
+        )
+    code, out, err = await run_cli("schedules", "--url", url, token="cli-token")
+    [bobs] = [line for line in out.splitlines() if "bob-call" in line]
+    assert " telegram:666 " in bobs, out
+    # ... and the CLI deletes one (it could list them only).
+    code, out, err = await run_cli(
+        "schedules", "delete", "general", "bob-call", "--url", url, token="cli-token"
+    )
+    assert (code, out, err) == (0, "schedule 'bob-call' of general deleted\n", "")
+    code, _, err = await run_cli(
+        "schedules", "delete", "general", "bob-call", "--url", url, token="cli-token"
+    )
+    assert code == 1 and "no schedule named 'bob-call'" in err, err
+    code, _, err = await run_cli("schedules", "delete", "general", "--url", url, token="cli-token")
+    assert code == 1 and "which schedule? `butlers schedules delete BUTLER NAME`" in err
     code, _, err = await run_cli("schedules", "--butler", "nobody", "--url", url, token="cli-token")
     assert code == 1 and "error: butler 'nobody' not found (butlers list shows them)" in err
     # A stale butler (its butler.toml broke: not started) is a row saying so, not left out.

@@ -38,6 +38,7 @@ from butlers.cli.render import (
     print_result,
     print_retry,
     print_routing_log,
+    print_schedule_deleted,
     print_schedules,
     print_trace,
 )
@@ -284,6 +285,19 @@ async def _pairing_command(target: SwitchboardTarget, args: Any, _settings: Sett
 
 
 async def _schedules_command(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
+    if args.action == "delete":
+        if args.owner is None or args.name is None:
+            raise CommandError(
+                "which schedule? `butlers schedules delete BUTLER NAME` (`butlers schedules` "
+                "lists them)"
+            )
+        deleted = await _on_butler(target, args.owner, "schedule_delete", {"name": args.name})
+        return {"butler": args.owner, **deleted}, print_schedule_deleted
+    if args.owner is not None:
+        raise CommandError(
+            f"`butlers schedules` lists; for one butler's: --butler {args.owner} (or "
+            "`butlers schedules delete BUTLER NAME`)"
+        )
     return await _schedules(target, args.butler), print_schedules
 
 

@@ -332,10 +332,15 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "values", nargs="*", metavar="VALUE", help="CODE, or CHANNEL SENDER for revoke"
     )
     schedules = commands.add_parser(
-        "schedules", help="every butler's schedules, next and last run in its local time"
+        "schedules",
+        help="every butler's schedules, next and last run in its local time; "
+        "`schedules delete BUTLER NAME` deletes one",
     )
     client_args(schedules)
     schedules.add_argument("--butler", metavar="NAME", help="only this butler's")
+    schedules.add_argument("action", nargs="?", choices=("delete",), help="delete one")
+    schedules.add_argument("owner", nargs="?", metavar="BUTLER", help="whose schedule")
+    schedules.add_argument("name", nargs="?", metavar="NAME", help="the schedule's name")
     memory = commands.add_parser(
         "memory",
         help="a butler's long-term memory: the newest, `--search Q`, or `memory BUTLER forget ID`",

@@ -124,6 +124,11 @@ def print_forgotten(result: dict[str, Any]) -> None:
     print(f"memory {result['id']} forgotten")
 
 
+def print_schedule_deleted(result: dict[str, Any]) -> None:
+    name = cut(str(result["name"]), 100)
+    print(f"schedule {name!r} of {result['butler']} deleted")
+
+
 def print_trace(found: dict[str, Any]) -> None:
     print(found["url"])
     route = found["route"]
@@ -386,7 +391,7 @@ def print_schedules(rows: list[dict[str, Any]]) -> None:
     table: list[tuple[tuple[str, ...], list[str]]] = []
     for row in rows:
         if "error" in row:
-            table.append(((row["butler"], "-", "-", "-", "-", "-", "-"), [row["error"]]))
+            table.append(((row["butler"], "-", "-", "-", "-", "-", "-", "-"), [row["error"]]))
             continue
         zone = row.get("timezone")
         cells = (
@@ -396,10 +401,11 @@ def print_schedules(rows: list[dict[str, Any]]) -> None:
             in_zone(row.get("next_run_at"), zone),
             in_zone(row.get("last_run_at"), zone),
             row.get("origin", "tool"),
+            cut(row.get("for"), 40) if row.get("for") else "you",  # whose message planted it
             cut(row.get("prompt")),
         )
         table.append((cells, []))
-    header = ("BUTLER", "NAME", "WHEN", "NEXT (LOCAL)", "LAST (LOCAL)", "FROM", "PROMPT")
+    header = ("BUTLER", "NAME", "WHEN", "NEXT (LOCAL)", "LAST (LOCAL)", "FROM", "FOR", "PROMPT")
     print_rows_with_details(header, table)
 
 
