@@ -427,6 +427,9 @@ def _schedule_row(row: dict[str, Any], zone: str) -> dict[str, Any]:
     for key in ("next_run_at", "last_run_at", "created_at"):
         if isinstance(shown.get(key), datetime):
             shown[key] = shown[key].isoformat()
+    # On the butler's wall clock too: a session told only UTC converted it itself.
+    next_run = shown.get("next_run_at")
+    shown["next_run_local"] = schedule_time.wall_clock(next_run, zone) if next_run else None
     return shown
 
 
@@ -558,7 +561,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             )
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
-        return _schedule_row(task, zone)
+        shown = _schedule_row(task, zone)
+        if at is not None and (note := schedule_time.moved_by_clock(at, first_run, zone)):
+            shown["note"] = note
+        return shown
 
     @tool
     async def schedule_list() -> list[dict[str, Any]]:

@@ -149,6 +149,31 @@ def parse_at(at: str, zone: str, now: datetime) -> datetime:
     return moment
 
 
+def moved_by_clock(at: str, placed: datetime, zone: str) -> str | None:
+    """What to tell whoever asked for `at` (a local time, no offset) when the clock made it
+    another (`placed`, from `parse_at`): a time the clocks skip that night, or one they show
+    twice. None otherwise (an offset given, or an ordinary time)."""
+    given = datetime.fromisoformat(at.strip())
+    if given.tzinfo is not None:
+        return None
+    tz = ZoneInfo(zone)
+    shown = placed.astimezone(tz)
+    wall = f"{shown:%Y-%m-%d %H:%M %Z}"
+    if shown.replace(tzinfo=None, second=0, microsecond=0) != given.replace(
+        second=0, microsecond=0
+    ):
+        return (
+            f"{given:%Y-%m-%d %H:%M} does not exist in {zone} (the clocks skip it that night): "
+            f"it runs at {wall}"
+        )
+    if given.replace(tzinfo=tz, fold=0).utcoffset() != given.replace(tzinfo=tz, fold=1).utcoffset():
+        return (
+            f"{given:%Y-%m-%d %H:%M} happens twice in {zone} that night (the clocks go back): "
+            f"it runs at the first, {wall}"
+        )
+    return None
+
+
 def wall_clock(value: str, zone: str | None) -> str | None:
     """A stored time (ISO 8601, with its offset) as read on `zone`'s wall clock (this
     machine's when None), with the zone's abbreviation: "2026-11-27 08:00 JST". None when it

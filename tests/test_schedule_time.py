@@ -90,3 +90,27 @@ def test_an_at_out_of_range_is_refused_not_a_crash(at: str) -> None:
     now = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
     with pytest.raises(BadTime, match=r"years|past|range"):
         parse_at(at, "Europe/Berlin", now)
+
+
+def test_a_time_the_clock_skips_or_shows_twice_is_said_so() -> None:
+    """`at` 02:30 on the night the clocks skip it ran at 03:00, and nothing said so (a
+    walkthrough); the answer now says what became of it, in the butler's zone."""
+    from datetime import UTC, datetime
+
+    from butlers.schedule_time import moved_by_clock, parse_at
+
+    now = datetime(2026, 11, 27, tzinfo=UTC)
+
+    def said(at: str) -> str | None:
+        return moved_by_clock(at, parse_at(at, "Europe/Berlin", now), "Europe/Berlin")
+
+    assert said("2027-03-28T02:30") == (
+        "2027-03-28 02:30 does not exist in Europe/Berlin (the clocks skip it that night): "
+        "it runs at 2027-03-28 03:00 CEST"
+    )
+    assert said("2027-10-31T02:30") == (
+        "2027-10-31 02:30 happens twice in Europe/Berlin that night (the clocks go back): "
+        "it runs at the first, 2027-10-31 02:30 CEST"
+    )
+    assert said("2027-01-01T09:00") is None
+    assert said("2027-03-28T02:30+01:00") is None  # an offset given: as given

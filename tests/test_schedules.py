@@ -45,6 +45,11 @@ async def test_a_declared_schedule_runs_at_eight_in_its_zone(
         ("brief", "config", "Asia/Tokyo")
     ]
     assert listed[0]["next_run_at"].endswith("+00:00")
+    # ... and on the butler's wall clock: a session told only UTC converted it itself.
+    assert listed[0]["next_run_local"].endswith(" 08:00 JST")
+    at = f"{datetime.now(UTC).year + 1}-03-28T02:30"  # (Tokyo has no clock change)
+    made = await call(daemon.sse_url, "schedule_create", {"name": "x", "at": at, "prompt": "x"})
+    assert made["next_run_local"].endswith(" 02:30 JST") and "note" not in made
 
 
 async def test_declared_schedules_follow_the_file_and_tools_schedules_stay(
