@@ -229,6 +229,7 @@ class CoreStore:
         last_due: Callable[[str, datetime], datetime | None],
         catch_up: timedelta,
         once_lease: timedelta = timedelta(minutes=10),
+        missed: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Take the tasks due at `now` and move each one forward, atomically.
 
@@ -242,7 +243,8 @@ class CoreStore:
         Claiming and advancing in one transaction (FOR UPDATE SKIP LOCKED) means two
         concurrent ticks never run a task twice. A row whose cron cannot be read (written by
         hand, or by an older version) is disabled and logged, rather than failing the claim
-        of every other task on every tick.
+        of every other task on every tick. `missed`, when given, gets each recurring task
+        whose run was missed (its row, with `due_at` the latest run missed).
         """
         due = []
         async with self.pool.acquire() as conn, conn.transaction():
@@ -282,6 +284,8 @@ class CoreStore:
                         extra={"action": "schedule_missed"},
                     )
                     await conn.execute(sql.SCHEDULE_SET_NEXT, row["id"], following)
+                    if missed is not None:
+                        missed.append({**row, "due_at": latest})
                     continue
                 await conn.execute(sql.SCHEDULE_RAN, row["id"], now, following)
                 due.append(dict(row))

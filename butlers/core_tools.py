@@ -217,6 +217,7 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     each one logged; the owner is told once an hour)."""
     now = datetime.now(UTC)
     zone = ctx.config.zone
+    missed: list[dict[str, Any]] = []
     due = await ctx.store.claim_due_tasks(
         now,
         lambda cron, after: schedule_time.next_run(cron, after, zone),
@@ -225,7 +226,10 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
         # A one-time reminder's claim lasts this long: past it (the process died in its run)
         # it is due again, not lost.
         once_lease=timedelta(seconds=ctx.config.runtime.timeout_s) + ONCE_LEASE_MARGIN,
+        missed=missed,
     )
+    if missed:
+        await _tell_missed(ctx, missed)
     cap = ctx.config.runtime.max_scheduled_runs_per_hour
     ran_in_hour, peoples_in_hour = (
         await ctx.store.scheduled_runs_since(1) if cap and due else (0, 0)
@@ -354,6 +358,33 @@ def peoples_share(cap: int) -> int:
 def _peoples(ctx: ButlerContext, task: dict[str, Any]) -> bool:
     """Whether a schedule was planted by someone else's message (not the owner's)."""
     return bool(task["routed"]) and ctx.spawner.person_served(task["conversation"]) is not None
+
+
+async def _tell_missed(ctx: ButlerContext, missed: list[dict[str, Any]]) -> None:
+    """The owner hears (once a day) of recurring runs missed while the butler was down, past
+    `[runtime] catch_up_hours`: only a log line said so, in UTC (a walkthrough). People's
+    schedules are counted, not named (their names are their words)."""
+    if ctx.spawner.notices is None:
+        return
+    zone = ctx.config.zone
+    owners = [task for task in missed if not _peoples(ctx, task)]
+    said = [
+        f"{json.dumps(printable(task['name'], 40), ensure_ascii=False)} (due "
+        f"{task['due_at'].astimezone(ZoneInfo(zone)):%Y-%m-%d %H:%M %Z})"
+        for task in owners[:5]
+    ]
+    if len(owners) > 5:
+        said.append(f"{len(owners) - 5} more")
+    if planted := len(missed) - len(owners):
+        said.append(f"{planted} planted by people's messages")
+    hours = ctx.config.runtime.catch_up_hours
+    await ctx.spawner.notices.tell_once(
+        "schedules_missed",
+        "day",
+        f"{ctx.config.name} missed scheduled runs while it was not running: {', '.join(said)}. "
+        f"A run is made up only within {hours:g} hours ([runtime] catch_up_hours in its "
+        "butler.toml); the next ones come on time.",
+    )
 
 
 async def _once_finished(

@@ -250,3 +250,31 @@ async def test_past_the_daily_spend_cap_sessions_are_refused_and_the_owner_told_
     assert json.dumps(sorted(r["trigger_source"] for r in refused)) == json.dumps(
         ["schedule:daily", "trigger", "trigger", "trigger"]
     )
+
+
+async def test_the_owner_hears_of_runs_missed_while_down(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """A recurring run missed past catch_up_hours was a log line only, in UTC (a
+    walkthrough): the owner is told once a day, in the butler's zone."""
+    scripted_api.respond_with(lambda body: [text("Ran.")])
+    runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, catch_up_hours=0)
+    switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
+    conn = await db_conn(general.config.database)
+    await conn.execute(
+        "INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at) "
+        "VALUES ('stretch', '*/5 * * * *', 'Stretch.', now() - interval '3 hours')"
+    )
+    async with Client(general.sse_url) as client:
+        ticked = (await client.call_tool("tick", {})).structured_content
+    assert ticked["ran"] == []
+    [told] = await owner_notices(await db_conn(switchboard.config.database))
+    assert 'general missed scheduled runs while it was not running: "stretch" (due ' in told
+    assert (
+        "[runtime] catch_up_hours" in told
+        and await conn.fetchval("SELECT count(*) FROM sessions") == 0
+    )
