@@ -218,7 +218,9 @@ class Router:
         if known is None:
             target = await self.store.target(butler_name)
             if target is None:
-                raise RouteRefused(f"butler {butler_name!r} not found")
+                raise RouteRefused(
+                    f"butler {butler_name!r} not found (list_butlers, `butlers list`, shows them)"
+                )
             refusal = unroutable(target, switchboard_name=self.switchboard_name, own=self.own)
             known = self._targets[butler_name] = (target, refusal)
         target, refusal = known
