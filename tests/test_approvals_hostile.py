@@ -575,7 +575,7 @@ async def test_what_the_owner_forwards_is_not_the_owners_to_remember_or_approve(
         return [text("Done.")]
 
     scripted_api.respond_with(respond)
-    _, general = await notify_fleet(
+    switchboard, general = await notify_fleet(
         start_butler,
         tmp_path,
         bot_api,
@@ -608,6 +608,13 @@ async def test_what_the_owner_forwards_is_not_the_owners_to_remember_or_approve(
         await client.call_tool("trigger", {"prompt": "Any Acme Ltd invoice to pay today?"})
     [asked] = [b for b in scripted_api.requests if "Any Acme Ltd invoice" in first_prompt(b)]
     assert "without asking" not in first_prompt(asked)
+    # Denied, the owner (whose chat it was) is told in the second person.
+    await decide(switchboard, 1, "deny")
+    await bot_api.wait_until(
+        lambda: (
+            "You declined: general did not run schedule_create (#1)." in sent_texts(bot_api, OWNER)
+        )
+    )
 
 
 @pytest.mark.pg

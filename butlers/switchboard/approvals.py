@@ -545,10 +545,16 @@ class ApprovalDesk:
             if not shown:
                 await self._show_decision(row, f"{status.capitalize()} ({by}).")
             if status == "denied":
+                conversation = row.get("conversation")
+                # The owner's own request (their chat, a schedule of theirs) is theirs to
+                # have declined: "the owner declined" read as someone else's doing.
+                who = (
+                    "You declined"
+                    if conversation is None or is_owners(conversation, self.owner)
+                    else "The owner declined"
+                )
                 await self._tell(
-                    row,
-                    f"The owner declined: {row['butler']} did not run "
-                    f"{row['tool']} (#{approval_id}).",
+                    row, f"{who}: {row['butler']} did not run {row['tool']} (#{approval_id})."
                 )
                 return self._public(row, changed=True)
             task = self._spawn(self.execute(approval_id))
