@@ -202,6 +202,12 @@ def test_a_forwarded_mail_names_whose_words_it_carries() -> None:
     apple = "FYI\n\nBegin forwarded message:\n\nFrom: Acme Billing <b@acme.example>\n"
     assert forwarded_author("invoice", apple) == "Acme Billing <b@acme.example>"
     assert forwarded_author("Fwd: x", "From: \x1b]52;c;evil\x07 Eve\n") == "]52;c;evil Eve"
+    outlook = "Thanks\n\n____\nFrom: Acme Billing <b@acme.example>\nSent: Friday\nTo: me\n"
+    assert forwarded_author("RE: x", outlook) == "Acme Billing <b@acme.example>"
+    # Blank lines by the ten thousand (the patterns' blanks once ran across lines: 25 s on
+    # the event loop for one mail of 80 KB, a review); found in a look at the start only.
+    assert forwarded_author("hi", " \n" * 40_000) is None
+    assert forwarded_author("hi", "x" * 30_000 + "\nBegin forwarded message:\n") is None
 
 
 # -- what goes out ------------------------------------------------------------------------------
