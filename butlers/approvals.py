@@ -253,7 +253,7 @@ def register_approval_execute(
         try:
             # As the session that asked: a person's call stays that person's (restricted,
             # answering in their conversation), whoever approved it.
-            with spawner.acting_for(claimed.get("conversation")):
+            with spawner.acting_for(claimed.get("conversation"), claimed.get("forwarded_from")):
                 result = await mcp.call_tool(claimed["tool"], dict(claimed["arguments"]))
         except Exception as exc:  # the tool's own failure is the approval's result
             return {"id": id, "status": "failed", "result": redact(str(exc))[:RESULT_CHARS]}

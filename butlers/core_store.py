@@ -93,13 +93,16 @@ class CoreStore:
         conversation: str | None = None,
         person: str | None = None,
         max_routed: int = 0,
+        owner_persons: Sequence[str] = (),
+        forwarded_from: str | None = None,
     ) -> dict[str, Any] | Literal["full", "routed_full", "people_full"] | None:
         """Insert a task; None when the name is taken, "full" when there are `max_schedules`.
         `cron` None: it runs once, at `next_run_at`, and is then deleted. `routed`: created by
         a session of a routed message (its runs are restricted alike, and answer in its
         `conversation`); "routed_full" when that conversation's `person` has `max_routed`
         already, "people_full" when people's messages planted half of `max_schedules` (the
-        rest is kept for the owner's).
+        rest is kept for the owner's: `owner_persons`, whose own are not counted; a message
+        they forwarded, `forwarded_from`, is another's and counts).
 
         The count and the insert are one transaction under a lock on the table, so two
         concurrent creations cannot both pass the cap.
@@ -108,8 +111,14 @@ class CoreStore:
             await conn.execute(sql.SCHEDULE_LOCK)
             if await conn.fetchval(sql.SCHEDULE_COUNT) >= max_schedules:
                 return "full"
-            if routed and max_routed:
-                planted = await conn.fetchrow(sql.SCHEDULE_COUNT_ROUTED, (person or "").lower())
+            owners = [p.lower() for p in owner_persons]
+            peoples = routed and (
+                forwarded_from is not None or (person or "").lower() not in owners
+            )
+            if peoples and max_routed:
+                planted = await conn.fetchrow(
+                    sql.SCHEDULE_COUNT_ROUTED, (person or "").lower(), owners
+                )
                 assert planted is not None  # (an aggregate's one row)
                 if planted["theirs"] >= max_routed:
                     return "routed_full"
@@ -124,6 +133,7 @@ class CoreStore:
                     next_run_at,
                     routed,
                     conversation,
+                    storable(forwarded_from),
                 )
             )
 

@@ -274,6 +274,7 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             # ... and its notify answers the person who asked, not the owner; an owner's
             # task answers no one's conversation, whatever its row holds.
             conversation=task["conversation"] if task["routed"] else None,
+            forwarded_from=task["forwarded_from"] if task["routed"] else None,
         )
         if task["once"]:
             await _once_finished(ctx, task, outcome.success, outcome.error)
@@ -324,6 +325,14 @@ async def _no_longer_writes(ctx: ButlerContext, task: dict[str, Any]) -> str | N
             extra={"action": "schedule_skipped"},
         )
         return "the switchboard could not say whether its person may still write"
+    if writes is None:  # its channel is not running there: this run waits for it
+        logger.warning(
+            "schedule %r skipped: the switchboard cannot tell whether its person may still "
+            "write (its channel is not running)",
+            task["name"],
+            extra={"action": "schedule_skipped"},
+        )
+        return "the switchboard cannot tell whether its person may still write"
     if writes:
         return None
     await ctx.store.schedule_disable(task["id"])
@@ -340,6 +349,9 @@ def _planted_prompt(task: dict[str, Any]) -> str:
     """A schedule someone's message planted, framed as their message was: whose it is, and
     its words between two lines no text in it can write."""
     who = json.dumps(printable(task["conversation"] or "someone", 120), ensure_ascii=False)
+    if author := task.get("forwarded_from"):
+        quoted = json.dumps(printable(author, 80), ensure_ascii=False)
+        who = f"{who} forwarding the words of {quoted}"
     boundary = new_boundary(task["prompt"])
     return (
         f"A reminder that a message from {who}, not the owner, planted here (its schedule "
@@ -356,8 +368,12 @@ def peoples_share(cap: int) -> int:
 
 
 def _peoples(ctx: ButlerContext, task: dict[str, Any]) -> bool:
-    """Whether a schedule was planted by someone else's message (not the owner's)."""
-    return bool(task["routed"]) and ctx.spawner.person_served(task["conversation"]) is not None
+    """Whether a schedule was planted by someone else's message (not the owner's own: a
+    message the owner forwarded is another's words)."""
+    return bool(task["routed"]) and (
+        task.get("forwarded_from") is not None
+        or ctx.spawner.person_served(task["conversation"]) is not None
+    )
 
 
 async def _tell_missed(ctx: ButlerContext, missed: list[dict[str, Any]]) -> None:
@@ -562,6 +578,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         token = session_token()
         routed = bool(ctx.spawner.withheld_tools(token))
         conversation = ctx.spawner.conversation_of(token) if routed else None
+        forwarded_from = ctx.spawner.forwarded_from(token) if routed else None
         task = await store.schedule_create(
             name,
             cron,
@@ -575,6 +592,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             conversation=conversation,
             person=person_of(conversation) if conversation else None,
             max_routed=MAX_ROUTED_SCHEDULES,
+            # The owner's chat is not capped as a person; a message they forwarded is.
+            owner_persons=sorted(ctx.spawner.owner_persons),
+            # ... and its runs act on another's words, as the session that planted it did.
+            forwarded_from=forwarded_from,
         )
         if task == "full":
             raise ToolRefusal(

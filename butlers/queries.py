@@ -95,20 +95,24 @@ _SCHEDULE_COLUMNS = Fragment(
 # Held while counting and inserting (or declaring): two creations cannot both pass the cap.
 SCHEDULE_LOCK = "LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE"
 SCHEDULE_COUNT = "SELECT count(*) FROM scheduled_tasks"
-# The tasks people's messages planted: those of person $1 (`telegram:<chat>`, any topic;
-# `email:<address>`, any thread: a mail's thread root is its sender's to choose), and all.
+# The tasks people's messages planted (not the owner's, persons $2, unless forwarded: another's
+# words): those of person $1 (`telegram:<chat>`, any topic; `email:<address>`, any thread: a
+# mail's thread root is its sender's to choose; '' for no conversation), and all of them.
 SCHEDULE_COUNT_ROUTED = """
-    SELECT count(*) FILTER (
-               WHERE lower(conversation) = $1 OR starts_with(lower(conversation), $1 || ':')
-                  OR ($1 = '' AND conversation IS NULL)
-           ) AS theirs,
-           count(*) AS everyones
-    FROM scheduled_tasks WHERE routed
+    SELECT count(*) FILTER (WHERE person = $1) AS theirs, count(*) AS everyones
+    FROM (
+        SELECT coalesce(lower(split_part(conversation, ':', 1) || ':'
+                              || split_part(conversation, ':', 2)), '') AS person,
+               forwarded_from
+        FROM scheduled_tasks WHERE routed
+    ) AS planted
+    WHERE forwarded_from IS NOT NULL OR NOT person = ANY($2::text[])
 """
 # A new task, unless the name is taken; no cron ($2): it runs once, at $4.
 SCHEDULE_CREATE = f"""
-    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once, conversation)
-    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6)
+    INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once, conversation,
+                                 forwarded_from)
+    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6, $7)
     ON CONFLICT (name) DO NOTHING
     RETURNING {_SCHEDULE_COLUMNS}
 """
@@ -143,6 +147,7 @@ SCHEDULE_DECLARE_NEW = """
 SCHEDULE_DECLARE_CHANGED = """
     UPDATE scheduled_tasks SET prompt = $3, declared = true,
            once = false, routed = false, enabled = true, conversation = NULL, attempts = 0,
+           forwarded_from = NULL,
            next_run_at = CASE WHEN cron IS DISTINCT FROM $2 THEN $4 ELSE next_run_at END,
            cron = $2
     WHERE name = $1
@@ -150,7 +155,7 @@ SCHEDULE_DECLARE_CHANGED = """
 SCHEDULE_DECLARE_GONE = "DELETE FROM scheduled_tasks WHERE declared AND name = ANY($1::text[])"
 # The tasks due at $1, locked for this tick (two ticks never run a task twice).
 SCHEDULE_DUE = """
-    SELECT id, name, cron, prompt, routed, once, conversation, attempts,
+    SELECT id, name, cron, prompt, routed, once, conversation, attempts, forwarded_from,
            next_run_at AS due_at
     FROM scheduled_tasks
     WHERE enabled AND next_run_at <= $1

@@ -136,7 +136,9 @@ class Spawner:
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
         self._serving: dict[str, _Serving] = {}  # session token -> what it serves
-        self._owner_persons = frozenset(person_of(p) for p in config.owner_persons)
+        # The owner's persons (`telegram:<chat>`, `email:<address>`): their conversations
+        # are the owner's own, not a person's.
+        self.owner_persons = frozenset(person_of(p) for p in config.owner_persons)
         # The butler's long-term memory (set by the daemon once open): what matches a
         # session's prompt is given to it.
         self.memory: MemoryStore | None = None
@@ -235,17 +237,21 @@ class Spawner:
         if not conversation:
             return NO_PERSON
         person = person_of(conversation)
-        return None if person in self._owner_persons else person
+        return None if person in self.owner_persons else person
 
     @contextlib.contextmanager
-    def acting_for(self, conversation: str | None) -> Iterator[None]:
+    def acting_for(
+        self, conversation: str | None, forwarded_from: str | None = None
+    ) -> Iterator[None]:
         """Within: tool calls are the session's that served `conversation` (restricted as a
         routed message's, and answering there), or an owner's session's when None. An
         approved call runs so: had it run as the switchboard's (no session, the operator),
         a stranger's `schedule_create` or `memory_remember` would have come out the owner's."""
         token = secrets.token_urlsafe(24)
         withheld = ROUTED_SESSION_WITHHELD if conversation is not None else frozenset()
-        self._serving[token] = _Serving(conversation, withheld)
+        self._serving[token] = _Serving(
+            conversation, withheld, forwarded_from if conversation is not None else None
+        )
         acting = ACTING_SESSION.set(token)
         try:
             yield

@@ -156,13 +156,15 @@ class SwitchboardLink:
             raise NotifyFailed(f"{refused}: {unwrap(result)}")
         return unwrap(result)
 
-    async def may_write(self, conversation: str) -> bool:
+    async def may_write(self, conversation: str) -> bool | None:
         """Whether `conversation`'s person may still write (paired, allowlisted, the owner);
-        NotifyFailed when the switchboard cannot say."""
+        None when the switchboard cannot tell (the channel is not running there);
+        NotifyFailed when it did not answer."""
         answer = await self._call(
             "may_write", {"conversation": conversation}, refused="the switchboard did not say"
         )
-        return bool(answer.get("may_write"))
+        writes = answer.get("may_write")
+        return writes if isinstance(writes, bool) else None
 
     async def close(self) -> None:
         await self._connections.close()

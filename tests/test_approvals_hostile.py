@@ -649,7 +649,8 @@ async def test_a_conversation_has_only_so_many_questions_waiting(
         def call(conversation: str | None) -> RequestedCall:
             return RequestedCall("general", "notify", {"text": "hi"}, conversation, None, 1.0)
 
-        rows = [await store.create(call("telegram:5"), None) for _ in range(6)]
+        # One person in any of their chat's topics (a mail sender in any thread) is one.
+        rows = [await store.create(call(f"telegram:5:{n}"), None) for n in range(6)]
         assert [row is not None for row in rows] == [True] * MAX_PENDING_PER_CONVERSATION + [False]
         assert await store.create(call("telegram:6"), None) is not None
         assert await store.create(call(None), None) is not None  # the owner's sessions
@@ -657,6 +658,9 @@ async def test_a_conversation_has_only_so_many_questions_waiting(
         assert first is not None
         await store.decide(first["id"], "denied", "telegram:1")
         assert await store.create(call("telegram:5"), None) is not None
+        threads = [f"email:Eve@x.example:<t{n}@x>" for n in range(6)]
+        made = [await store.create(call(thread), None) for thread in threads]
+        assert [row is not None for row in made].count(True) == MAX_PENDING_PER_CONVERSATION
     finally:
         await pool.close()
         await drop_databases(pg_server, name)

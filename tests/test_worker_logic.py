@@ -375,6 +375,11 @@ async def test_a_notification_to_someone_who_may_no_longer_write_is_refused(
     with pytest.raises(NotifyRefused, match="'telegram:a' may no longer write"):
         await desk.deliver("your reminder", "health", None, "telegram:a")
     assert await parts.outbox.claim("telegram") is None
+    assert await desk.may_write("telegram:a:topic") is False
+    assert await desk.may_write("telegram:b") is True
+    # A channel not running here cannot say: its people's reminders are not disabled for it
+    # (a switchboard started without the channel's credentials: a review).
+    assert await desk.may_write("email:x@example.com:<t@x>") is None
 
 
 async def test_a_worker_woken_as_it_is_closed_still_stops(parts: Parts) -> None:

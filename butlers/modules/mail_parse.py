@@ -612,10 +612,7 @@ def forwarded_author(subject: str, text: str) -> str | None:
     headers = FORWARDED_HEADERS.search(text) if block is None else None
     if block is None and headers is None and not FORWARDED_SUBJECT.match(subject):
         return None
-    if headers is not None:
-        author = headers
-    else:
-        author = FORWARDED_FROM.search(text, block.end() if block is not None else 0)
+    author = headers or FORWARDED_FROM.search(text, block.end() if block is not None else 0)
     name = printable(author.group(1), 80) if author is not None else ""
     return name or "someone else"
 

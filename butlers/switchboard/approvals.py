@@ -108,8 +108,9 @@ MAC_BYTES = 16
 _MAIL_ANSWER = re.compile(r"\s*(yes|no)\s+#?([1-9][0-9]{0,17})\b", re.IGNORECASE)
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
-# Pending approvals one conversation may have (the owner's own sessions count as one): one
-# message made a session ask fifteen times, fifteen questions with buttons (a red team).
+# Pending approvals one person may have, in all their conversations (a mail's thread is its
+# sender's to start; the owner's own sessions count as one): one message made a session ask
+# fifteen times, fifteen questions with buttons (a red team).
 MAX_PENDING_PER_CONVERSATION = 5
 MAX_ARGUMENTS_BYTES = 256 * 1024
 # An approved call its butler took but never answered for (it died mid-call) is `failed` after
@@ -173,20 +174,24 @@ class ApprovalStore:
     async def create(
         self, call: RequestedCall, trace_context: dict[str, str] | None
     ) -> dict[str, Any] | None:
-        """The new pending row; None when its conversation has MAX_PENDING_PER_CONVERSATION
-        waiting already."""
-        row = await self.pool.fetchrow(
-            sql.APPROVAL_CREATE,
-            storable(call.butler),
-            storable(call.tool),
-            storable_json(call.arguments),
-            storable(call.conversation),
-            storable(call.session_id),
-            call.timeout_hours * 3600,
-            trace_context,
-            storable(call.forwarded_from[:200]) if call.forwarded_from else None,
-            MAX_PENDING_PER_CONVERSATION,
-        )
+        """The new pending row; None when its conversation's person has
+        MAX_PENDING_PER_CONVERSATION waiting already."""
+        person = person_of(call.conversation).lower() if call.conversation else ""
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(sql.APPROVAL_PERSON_LOCK, person)
+            row = await conn.fetchrow(
+                sql.APPROVAL_CREATE,
+                storable(call.butler),
+                storable(call.tool),
+                storable_json(call.arguments),
+                storable(call.conversation),
+                storable(call.session_id),
+                call.timeout_hours * 3600,
+                trace_context,
+                storable(call.forwarded_from[:200]) if call.forwarded_from else None,
+                MAX_PENDING_PER_CONVERSATION,
+                storable(person),
+            )
         return dict(row) if row is not None else None
 
     async def get(self, approval_id: int) -> dict[str, Any] | None:
@@ -456,8 +461,8 @@ class ApprovalDesk:
             row = await self.store.create(call, current_carrier() or None)
             if row is None:
                 raise ToolRefusal(
-                    f"{MAX_PENDING_PER_CONVERSATION} calls of this conversation already wait "
-                    "for the owner's approval: not asked again until they decide",
+                    f"{MAX_PENDING_PER_CONVERSATION} calls for this person already wait for "
+                    "the owner's approval: not asked again until they decide",
                     log_level=logging.WARNING,
                 )
             span.set_attribute("approval_id", row["id"])

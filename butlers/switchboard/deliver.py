@@ -179,7 +179,7 @@ class NotificationDesk:
         last = await self.inbox.last_of_conversation(conversation)
         if last is None or last.source_id is None:
             raise NotifyRefused(f"no conversation {conversation!r} to notify")
-        if not await self.may_write(conversation):
+        if await self.may_write(conversation) is False:
             # Unpaired or taken off the allowlist: what they planted (a reminder) no longer
             # reaches them.
             raise NotifyRefused(
@@ -191,17 +191,20 @@ class NotificationDesk:
         reply_to = last if spec is not None and spec.continues_thread else None
         return Destination(last.channel, last.source_id, conversation, reply_to)
 
-    async def may_write(self, conversation: str) -> bool:
+    async def may_write(self, conversation: str) -> bool | None:
         """Whether the person of `conversation` may still write here (the owner, or one
         allowlisted or paired on its channel): a butler asks before it runs a reminder their
-        message planted, which could reach them no more."""
+        message planted, which could reach them no more. None: cannot say (its channel is
+        not running here: a switchboard started without its credentials)."""
         if is_owners(conversation, self.limits.owner):
             return True
         # The person is the conversation's: `telegram:<chat>`, `email:<address>` (the inbox
         # keeps their messages only for retention_days; a yearly reminder outlives them).
         name, _, sender = person_of(conversation).partition(":")
         channel = self.outbox.channels.get(name)
-        return channel is not None and bool(sender) and await channel.may_write(sender)
+        if channel is None:
+            return None
+        return bool(sender) and await channel.may_write(sender)
 
     def _owner(self, channel: str | None) -> Destination:
         reachable = self.limits.owner.channels()

@@ -446,16 +446,21 @@ APPROVAL_KEY_ADD = (
     "INSERT INTO approval_keys (id, secret) VALUES (1, $1) ON CONFLICT (id) DO NOTHING"
 )
 APPROVAL_KEY = "SELECT secret FROM approval_keys WHERE id = 1"
-# A call waiting for the owner, expiring in $6 seconds; none while conversation $4 (NULL: the
-# owner's sessions) has $9 waiting already.
+# A call waiting for the owner, expiring in $6 seconds; none while person $10 (of its
+# conversation: `telegram:<chat>` of any topic, `email:<address>` of any thread, which the
+# sender starts; '' for the owner's sessions) has $9 waiting already. Taken under
+# APPROVAL_PERSON_LOCK, so that calls at once do not all pass the count.
 APPROVAL_CREATE = f"""
     INSERT INTO approvals (butler, tool, arguments, conversation, session_id,
                            expires_at, trace_context, forwarded_from)
     SELECT $1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8
     WHERE (SELECT count(*) FROM approvals
-           WHERE status = 'pending' AND conversation IS NOT DISTINCT FROM $4) < $9
+           WHERE status = 'pending'
+             AND coalesce(lower(split_part(conversation, ':', 1) || ':'
+                                || split_part(conversation, ':', 2)), '') = $10) < $9
     RETURNING {_APPROVAL_ROW}
 """
+APPROVAL_PERSON_LOCK = "SELECT pg_advisory_xact_lock(hashtext('approvals:' || $1))"
 APPROVAL_GET = f"SELECT {_APPROVAL_ROW} FROM approvals WHERE id = $1"
 # The newest $2, of status $1 (NULL: any).
 APPROVAL_NEWEST = f"""
@@ -472,7 +477,7 @@ APPROVAL_DECIDE = f"""
 APPROVAL_CLAIM = """
     UPDATE approvals SET claimed_at = now()
     WHERE id = $1 AND butler = $2 AND status = 'approved' AND claimed_at IS NULL
-    RETURNING id, tool, arguments, conversation
+    RETURNING id, tool, arguments, conversation, forwarded_from
 """
 # How an approved call ended ($2: done | failed).
 APPROVAL_FINISH = f"""
