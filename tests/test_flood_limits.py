@@ -7,6 +7,7 @@ Claude Code binary, the owner's chat on the fake Bot API."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -265,9 +266,15 @@ async def test_the_owner_hears_of_runs_missed_while_down(
     runtime = RuntimeConfig(timeout_s=60, tick_interval_s=0, catch_up_hours=0)
     switchboard, general = await limited_fleet(start_butler, tmp_path, bot_api, runtime)
     conn = await db_conn(general.config.database)
+    # Daily, at the hour three hours ago on the butler's clock: its latest run is long past
+    # (a run every five minutes had one due a minute ago now and then, and ran).
+    from zoneinfo import ZoneInfo
+
+    hour = (datetime.now(ZoneInfo(general.config.zone)) - timedelta(hours=3)).hour
     await conn.execute(
         "INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at) "
-        "VALUES ('stretch', '*/5 * * * *', 'Stretch.', now() - interval '3 hours')"
+        "VALUES ('stretch', $1, 'Stretch.', now() - interval '3 hours')",
+        f"0 {hour} * * *",
     )
     async with Client(general.sse_url) as client:
         ticked = (await client.call_tool("tick", {})).structured_content
