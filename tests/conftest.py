@@ -407,6 +407,20 @@ async def make_database(
 
 
 @pytest.fixture
+async def switchboard_pool(
+    pg_server: PostgresServer,
+    switchboard_template: str,
+    make_database: Callable[..., Awaitable[str]],
+) -> AsyncIterator[asyncpg.Pool]:
+    """A switchboard's database of the test's own (from the template), and a pool on it."""
+    from butlers.db import create_pool
+
+    pool = await create_pool(pg_server, await make_database(switchboard_template))
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
 async def db_conn(pg_server: PostgresServer) -> AsyncIterator[Callable[[str], Awaitable]]:
     """Open asyncpg connections to a test database, closed after the test."""
     conns: list[asyncpg.Connection] = []

@@ -503,52 +503,36 @@ def test_no_persons_state_keys_begin_with_anothers() -> None:
 
 @pytest.mark.pg
 async def test_the_name_shown_is_the_paired_one_else_their_newest_not_a_groups(
-    pg_server, switchboard_template: str
+    switchboard_pool,
 ) -> None:
     """The owner paired "Anna" under that name: it is the one shown, whatever her messages
     say since. An allowlisted person's name is that of their newest message; a group chat's
     newest writer need not be whom the session served, so a group is named by its id alone."""
-    import uuid
-
-    import asyncpg
-
-    from butlers.db import create_pool
     from butlers.switchboard.approvals import ApprovalStore
-    from tests.conftest import drop_databases
 
-    name = f"t_names_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(pg_server.dsn("postgres"))
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{switchboard_template}"')
-    finally:
-        await conn.close()
-    pool = await create_pool(pg_server, name)
-    try:
-        said = (
-            "INSERT INTO inbox (channel, external_id, source_id, sender_name, text, "
-            "conversation) VALUES ('telegram', $1, $2, $3, 'hi', $4)"
-        )
-        for external_id, chat, sender_name in [
-            ("1", "5", "Anna K"),
-            ("2", "5", "The owner"),  # her name since: not the paired one
-            ("3", "6", "Bob"),
-            ("4", "6", "Bobby"),
-            ("5", "-100", "Carol"),
-        ]:
-            await pool.execute(said, external_id, chat, sender_name, f"telegram:{chat}")
-        await pool.execute(
-            "INSERT INTO paired_senders (channel, sender, name, approved_by) "
-            "VALUES ('telegram', '5', 'Anna', 'telegram:1')"
-        )
-        store = ApprovalStore(pool)
-        assert await store.name_of("telegram:5") == "Anna"
-        assert await store.name_of("telegram:5:77") == "Anna"  # a topic of her chat
-        assert await store.name_of("telegram:6") == "Bobby"
-        assert await store.name_of("telegram:-100") is None
-        assert await store.name_of("email:nobody@example.com:<t@x>") is None
-    finally:
-        await pool.close()
-        await drop_databases(pg_server, name)
+    pool = switchboard_pool
+    said = (
+        "INSERT INTO inbox (channel, external_id, source_id, sender_name, text, "
+        "conversation) VALUES ('telegram', $1, $2, $3, 'hi', $4)"
+    )
+    for external_id, chat, sender_name in [
+        ("1", "5", "Anna K"),
+        ("2", "5", "The owner"),  # her name since: not the paired one
+        ("3", "6", "Bob"),
+        ("4", "6", "Bobby"),
+        ("5", "-100", "Carol"),
+    ]:
+        await pool.execute(said, external_id, chat, sender_name, f"telegram:{chat}")
+    await pool.execute(
+        "INSERT INTO paired_senders (channel, sender, name, approved_by) "
+        "VALUES ('telegram', '5', 'Anna', 'telegram:1')"
+    )
+    store = ApprovalStore(pool)
+    assert await store.name_of("telegram:5") == "Anna"
+    assert await store.name_of("telegram:5:77") == "Anna"  # a topic of her chat
+    assert await store.name_of("telegram:6") == "Bobby"
+    assert await store.name_of("telegram:-100") is None
+    assert await store.name_of("email:nobody@example.com:<t@x>") is None
 
 
 @pytest.mark.proc
@@ -618,49 +602,30 @@ async def test_what_the_owner_forwards_is_not_the_owners_to_remember_or_approve(
 
 
 @pytest.mark.pg
-async def test_a_conversation_has_only_so_many_questions_waiting(
-    pg_server, switchboard_template: str
-) -> None:
+async def test_a_conversation_has_only_so_many_questions_waiting(switchboard_pool) -> None:
     """One message made its session ask fifteen times: fifteen questions with buttons (a red
     team). A conversation has at most MAX_PENDING_PER_CONVERSATION waiting; once the owner
     decides one, it may ask again; another conversation is not held up."""
-    import uuid
-
-    import asyncpg
-
-    from butlers.db import create_pool
     from butlers.switchboard.approvals import (
         MAX_PENDING_PER_CONVERSATION,
         ApprovalStore,
         RequestedCall,
     )
-    from tests.conftest import drop_databases
 
-    name = f"t_pending_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(pg_server.dsn("postgres"))
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{switchboard_template}"')
-    finally:
-        await conn.close()
-    pool = await create_pool(pg_server, name)
-    try:
-        store = ApprovalStore(pool)
+    store = ApprovalStore(switchboard_pool)
 
-        def call(conversation: str | None) -> RequestedCall:
-            return RequestedCall("general", "notify", {"text": "hi"}, conversation, None, 1.0)
+    def call(conversation: str | None) -> RequestedCall:
+        return RequestedCall("general", "notify", {"text": "hi"}, conversation, None, 1.0)
 
-        # One person in any of their chat's topics (a mail sender in any thread) is one.
-        rows = [await store.create(call(f"telegram:5:{n}"), None) for n in range(6)]
-        assert [row is not None for row in rows] == [True] * MAX_PENDING_PER_CONVERSATION + [False]
-        assert await store.create(call("telegram:6"), None) is not None
-        assert await store.create(call(None), None) is not None  # the owner's sessions
-        first = rows[0]
-        assert first is not None
-        await store.decide(first["id"], "denied", "telegram:1")
-        assert await store.create(call("telegram:5"), None) is not None
-        threads = [f"email:Eve@x.example:<t{n}@x>" for n in range(6)]
-        made = [await store.create(call(thread), None) for thread in threads]
-        assert [row is not None for row in made].count(True) == MAX_PENDING_PER_CONVERSATION
-    finally:
-        await pool.close()
-        await drop_databases(pg_server, name)
+    # One person in any of their chat's topics (a mail sender in any thread) is one.
+    rows = [await store.create(call(f"telegram:5:{n}"), None) for n in range(6)]
+    assert [row is not None for row in rows] == [True] * MAX_PENDING_PER_CONVERSATION + [False]
+    assert await store.create(call("telegram:6"), None) is not None
+    assert await store.create(call(None), None) is not None  # the owner's sessions
+    first = rows[0]
+    assert first is not None
+    await store.decide(first["id"], "denied", "telegram:1")
+    assert await store.create(call("telegram:5"), None) is not None
+    threads = [f"email:Eve@x.example:<t{n}@x>" for n in range(6)]
+    made = [await store.create(call(thread), None) for thread in threads]
+    assert [row is not None for row in made].count(True) == MAX_PENDING_PER_CONVERSATION
