@@ -274,6 +274,8 @@ async def test_approve_from_the_cli(asked: Asked, bot_api: FakeBotAPI) -> None:
     code, out, err = await run_cli("approvals", "--status", "pending", *url)
     assert code == 0, err
     assert "general" in out and "notify" in out and EFFECT in out and "pending" in out
+    # Until when, and whom it answers (the question on Telegram said both; the table did not).
+    assert "    expires: " in out and f"    answering: telegram:{CHAT}" in out, out
     code, out, err = await run_cli("approvals", "approve", "1", *url)
     assert (code, err) == (0, "")
     assert out.startswith("approval 1 approved and run: ")

@@ -292,7 +292,15 @@ def print_approvals(rows: list[dict[str, Any]], status: str | None) -> None:
             row.get("decided_by") or "-",
             cut(arguments),
         )
-        details = [f"result: {cut(row['result'], 200)}"] if row.get("result") else []
+        details = []
+        if row["status"] == "pending":  # until when the owner may decide (then: expired)
+            details.append(f"expires: {when(row.get('expires_at'))}")
+        if row.get("conversation"):  # whom the asking session answered (people's own words)
+            details.append(f"answering: {cut(row['conversation'], 80)}")
+        if row.get("forwarded_from"):
+            details.append(f"forwarded: the words of {cut(row['forwarded_from'], 80)}")
+        if row.get("result"):
+            details.append(f"result: {cut(row['result'], 200)}")
         table.append((cells, details))
     header = ("ID", "REQUESTED", "BUTLER", "TOOL", "STATUS", "DECIDED", "BY", "ARGUMENTS")
     print_rows_with_details(header, table)
