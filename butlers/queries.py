@@ -98,11 +98,16 @@ SCHEDULE_COUNT = "SELECT count(*) FROM scheduled_tasks"
 # The tasks people's messages planted (not the owner's, persons $2, unless forwarded: another's
 # words): those of person $1 (`telegram:<chat>`, any topic; `email:<address>`, any thread: a
 # mail's thread root is its sender's to choose; '' for no conversation), and all of them.
-SCHEDULE_COUNT_ROUTED = """
+# A conversation's person in SQL, lower-cased, as butlers.memory.person_of reads it in
+# Python: `telegram:<chat>` (any topic), `email:<address>` (any thread); '' for none.
+PERSON_OF_CONVERSATION = Fragment(
+    "coalesce(lower(split_part(conversation, ':', 1) || ':' "
+    "|| split_part(conversation, ':', 2)), '')"
+)
+SCHEDULE_COUNT_ROUTED = f"""
     SELECT count(*) FILTER (WHERE person = $1) AS theirs, count(*) AS everyones
     FROM (
-        SELECT coalesce(lower(split_part(conversation, ':', 1) || ':'
-                              || split_part(conversation, ':', 2)), '') AS person,
+        SELECT {PERSON_OF_CONVERSATION} AS person,
                forwarded_from
         FROM scheduled_tasks WHERE routed
     ) AS planted

@@ -13,7 +13,7 @@ tests/test_queries.py PREPAREs every one against a migrated switchboard database
 
 from __future__ import annotations
 
-from butlers.queries import Filtered, Fragment
+from butlers.queries import PERSON_OF_CONVERSATION, Filtered, Fragment
 
 # -- traces: shared by the operator's tools and the dashboard -------------------------------
 
@@ -456,8 +456,7 @@ APPROVAL_CREATE = f"""
     SELECT $1, $2, $3, $4, $5, now() + make_interval(secs => $6), $7, $8
     WHERE (SELECT count(*) FROM approvals
            WHERE status = 'pending'
-             AND coalesce(lower(split_part(conversation, ':', 1) || ':'
-                                || split_part(conversation, ':', 2)), '') = $10) < $9
+             AND {PERSON_OF_CONVERSATION} = $10) < $9
     RETURNING {_APPROVAL_ROW}
 """
 APPROVAL_PERSON_LOCK = "SELECT pg_advisory_xact_lock(hashtext('approvals:' || $1))"
