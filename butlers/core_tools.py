@@ -289,12 +289,14 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     over_cap = [s for s in skipped if s["reason"] == f"over {RUNS_PER_HOUR_KEY}"]
     if over_cap and ctx.spawner.notices is not None:
         # People's schedules are counted, not named: their names are people's words.
-        owners = [printable(s["name"], 40) for s in over_cap if not s["peoples"]]
-        names = ", ".join(json.dumps(name, ensure_ascii=False) for name in owners[:5])
-        if len(owners) > 5:
-            names += f" and {len(owners) - 5} more"
-        if planted := sum(1 for s in over_cap if s["peoples"]):
-            names += (", " if names else "") + f"{planted} planted by people's messages"
+        names = _listed(
+            [
+                json.dumps(printable(s["name"], 40), ensure_ascii=False)
+                for s in over_cap
+                if not s["peoples"]
+            ],
+            planted=sum(1 for s in over_cap if s["peoples"]),
+        )
         await ctx.spawner.notices.tell_once(
             RUNS_PER_HOUR_KEY,
             "hour",
@@ -361,6 +363,17 @@ def _planted_prompt(task: dict[str, Any]) -> str:
     )
 
 
+def _listed(owners: list[str], *, planted: int) -> str:
+    """What an owner's notice names of some schedules: the owner's (at most five, then how
+    many more), and people's counted, not named (their names are their words)."""
+    said = ", ".join(owners[:5])
+    if len(owners) > 5:
+        said += f" and {len(owners) - 5} more"
+    if planted:
+        said += (", " if said else "") + f"{planted} planted by people's messages"
+    return said
+
+
 def peoples_share(cap: int) -> int:
     """The scheduled runs an hour that schedules people's messages planted may take of the
     cap: half, so the owner's always have the rest."""
@@ -384,20 +397,19 @@ async def _tell_missed(ctx: ButlerContext, missed: list[dict[str, Any]]) -> None
         return
     zone = ctx.config.zone
     owners = [task for task in missed if not _peoples(ctx, task)]
-    said = [
-        f"{json.dumps(printable(task['name'], 40), ensure_ascii=False)} (due "
-        f"{task['due_at'].astimezone(ZoneInfo(zone)):%Y-%m-%d %H:%M %Z})"
-        for task in owners[:5]
-    ]
-    if len(owners) > 5:
-        said.append(f"{len(owners) - 5} more")
-    if planted := len(missed) - len(owners):
-        said.append(f"{planted} planted by people's messages")
+    said = _listed(
+        [
+            f"{json.dumps(printable(task['name'], 40), ensure_ascii=False)} (due "
+            f"{task['due_at'].astimezone(ZoneInfo(zone)):%Y-%m-%d %H:%M %Z})"
+            for task in owners
+        ],
+        planted=len(missed) - len(owners),
+    )
     hours = ctx.config.runtime.catch_up_hours
     await ctx.spawner.notices.tell_once(
         "schedules_missed",
         "day",
-        f"{ctx.config.name} missed scheduled runs while it was not running: {', '.join(said)}. "
+        f"{ctx.config.name} missed scheduled runs while it was not running: {said}. "
         f"A run is made up only within {hours:g} hours ([runtime] catch_up_hours in its "
         "butler.toml); the next ones come on time.",
     )
