@@ -841,4 +841,10 @@ async def test_a_revoked_persons_reminders_no_longer_reach_them(
         answer = await client.call_tool("may_write", {"conversation": f"telegram:{OWNER}"})
     assert answer.structured_content["may_write"] is True
     assert len(texts_to(bot_api, STRANGER)) == sent
+    # `may_write` is the butlers' daemons', never a session's nor a classifier's.
+    for header in ("X-Butlers-Session", "X-Butlers-Classification"):
+        as_them = SSETransport(switchboard.sse_url, headers={header: "forged"})
+        async with Client(as_them) as client:
+            with pytest.raises(ToolError, match=r"not available|not for classification"):
+                await client.call_tool("may_write", {"conversation": f"telegram:{STRANGER}"})
     assert all("beacon" not in t for t in texts_to(bot_api, OWNER))  # nor to the owner
