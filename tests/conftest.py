@@ -253,10 +253,13 @@ def _guarded(item: pytest.Item, phase: str) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _clean_environment() -> None:
+def _clean_environment(tmp_path_factory: pytest.TempPathFactory) -> None:
     for key in list(os.environ):
         if key.startswith(_LEAKY_PREFIXES) or key == "DATABASE_URL":
             del os.environ[key]
+    # The gateway records what it approved at a project's first start (and `gateway install`
+    # too): in the session's own state directory, never the user's ~/.local/state.
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("xdg-state"))
 
 
 @pytest.fixture(autouse=True)

@@ -14,12 +14,17 @@ import pytest
 from butlers.errors import CommandError, ConfigError
 from butlers.gateway.approvals import (
     ApprovalStore,
+    StartTrust,
     approve,
+    approve_as_declared,
     fingerprint,
     project_key,
+    start_trust,
     store_path,
 )
-from butlers.gateway.sources import project_servers
+from butlers.gateway.children import ChildSpec
+from butlers.gateway.config import GatewayConfig
+from butlers.gateway.sources import ServerFiles, project_servers
 
 
 def environ(tmp_path: Path) -> dict[str, str]:
@@ -116,3 +121,101 @@ def test_a_store_others_may_write_is_not_trusted(tmp_path: Path) -> None:
     os.mkfifo(store)  # never blocks the gateway's reading
     with pytest.raises(ConfigError, match=r"is a FIFO"):
         ApprovalStore(store).approved(project_key(project, None))
+
+
+# -- at start (butlers.gateway.approvals.start_trust) ---------------------------------------
+
+
+def trust(project: Path, env: dict[str, str], *, record: bool = True) -> StartTrust:
+    def declared(config: GatewayConfig) -> list[ChildSpec]:
+        return _declared(project, env, config)
+
+    return start_trust(project, None, env, declared, record=record)
+
+
+def _declared(project: Path, env: dict[str, str], config: GatewayConfig) -> list[ChildSpec]:
+    return ServerFiles(
+        directory=project,
+        environ=env,
+        config_file=None,
+        discover_globs=config.discover_globs,
+        base_dir=config.base_dir,
+    ).read()[0]
+
+
+def test_the_first_start_approves_what_is_declared_then_and_later_writes_wait(
+    tmp_path: Path,
+) -> None:
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node", "args": ["a.js"]}})
+    assert trust(project, env, record=False).first  # a dry run records nothing
+    assert not store_path(env).exists()
+    first = trust(project, env)
+    assert first.first and first.held == () and first.settings_note is None
+    assert set(ApprovalStore(store_path(env)).approved(project_key(project, None))) == {"notes"}
+
+    declare(
+        project,
+        {"notes": {"command": "node", "args": ["b.js"]}, "planted": {"command": "sh"}},
+    )
+    (project / "gateway.toml").write_text('reload = "apply"\n')
+    later = trust(project, env)
+    assert not later.first
+    assert {s.name for s in later.held} == {"notes", "planted"}
+    assert later.changed == {"notes"}  # approved once, declared differently now
+    assert later.config.reload == "approve"  # the approved settings (none): not "apply"
+    assert later.settings_note is not None
+    assert later.settings_note.startswith("gateway.toml changed since it was approved")
+
+    # Approving one server leaves the settings as they were approved, and says so.
+    printed = approve(project, None, ["planted"], env)
+    assert any(line.startswith("not approved: gateway.toml, changed") for line in printed)
+    assert {s.name for s in trust(project, env).held} == {"notes"}
+    printed = approve(project, None, [], env)
+    assert 'approved gateway.toml: reload: (unset) -> "apply"' in printed
+    now = trust(project, env)
+    assert now.held == () and now.settings_note is None and now.config.reload == "apply"
+
+    # A settings file taken away is a change too: the approved one runs until approved.
+    (project / "gateway.toml").unlink()
+    gone = trust(project, env)
+    assert gone.config.reload == "apply" and gone.settings_note is not None
+    assert approve(project, None, [], env)[0] == 'approved gateway.toml: reload: "apply" -> (unset)'
+
+
+def test_a_store_of_the_older_version_makes_the_next_start_a_first_one(tmp_path: Path) -> None:
+    """Before the settings were recorded, a start approved nothing (everything started): the
+    servers approved by a reload then are kept, and the first start now records the rest."""
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}, "web": {"url": "http://127.0.0.1:9/mcp"}})
+    store = store_path(env)
+    store.parent.mkdir(parents=True, mode=0o700)
+    key = project_key(project, None)
+    store.write_text(json.dumps({"version": 1, "approved": {key: {"notes": "old-hash"}}}))
+    store.chmod(0o600)
+    assert trust(project, env).first
+    record = ApprovalStore(store).record(key)
+    assert record.settings is not None and set(record.servers) == {"notes", "web"}
+
+
+def test_a_store_that_cannot_be_trusted_stops_the_start_saying_why(tmp_path: Path) -> None:
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}})
+    trust(project, env)
+    store_path(env).chmod(0o666)
+    with pytest.raises(ConfigError, match=r"not trusted: the gateway cannot tell which servers"):
+        trust(project, env)
+
+
+def test_install_approves_what_it_moved_once(tmp_path: Path) -> None:
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}})
+    [line] = approve_as_declared(project, None, env)
+    assert line.startswith("approved as declared now: notes and the default settings")
+    declare(project, {"notes": {"command": "node"}, "planted": {"command": "sh"}})
+    assert approve_as_declared(project, None, env) == []  # installing again approves nothing
+    assert [s.name for s in trust(project, env).held] == ["planted"]

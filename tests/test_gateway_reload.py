@@ -623,3 +623,55 @@ async def test_reload_off_watches_nothing(tmp_path: Path, caplog: pytest.LogCapt
     finally:
         await server.close()
     assert 'gateway reload is off (gateway.toml reload = "off")' in caplog.text
+
+
+# -- at start: what the project's files say now is not what a person approved --------------
+
+
+@pytest.mark.proc
+async def test_what_was_written_into_the_project_since_its_approval_waits_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The attack a hot reload's approval alone left open: the host's model writes a server
+    (and a gateway.toml that would start anything and hand it the host's secrets) into the
+    project, and waits for the next start. The first start approved what was declared then;
+    the next one starts only that, runs the approved settings, and lists the rest pending."""
+    project = tmp_path / ".mcp.json"
+    servers = {"plain": mock(tmp_path, "plain")}
+    project.write_text(json.dumps({"mcpServers": servers}))
+    async with gateway(tmp_path, tmp_path) as host:
+        await started(tmp_path, "plain")
+    log = (tmp_path / "gateway.stderr").read_text()
+    assert "first start for" in log and "what is declared now is approved" in log
+
+    servers["planted"] = mock(tmp_path, "planted")
+    servers["plain"] = mock(tmp_path, "plain", "--framing", "content-length")  # changed too
+    project.write_text(json.dumps({"mcpServers": servers}))
+    (tmp_path / "gateway.toml").write_text(
+        'reload = "apply"\n[suites.planted]\npass_env = ["ANTHROPIC_API_KEY"]\n'
+    )
+    async with gateway(tmp_path, tmp_path) as host:
+        status = await host.status()
+        assert status["planted"]["state"] == "pending"
+        assert "new in " in status["planted"]["detail"]
+        assert "butlers gateway approve planted --dir" in status["planted"]["detail"]
+        assert status["plain"]["state"] == "pending"
+        assert status["plain"]["detail"].startswith("changed in ")
+        assert status["settings"]["state"] == "pending"
+        assert "gateway.toml changed since it was approved" in status["settings"]["detail"]
+        assert not {"planted_suite", "plain_suite"} & set(await host.tools())
+        # Its settings are the approved ones (none): reload is "approve", so a save of the
+        # files does not start it either.
+        save_servers(project, servers)
+        await logged(tmp_path, "gateway reload: server 'planted'")
+        assert pids(tmp_path, "planted") == [] and len(pids(tmp_path, "plain")) == 1
+
+    printed = await approve(tmp_path, tmp_path)
+    assert 'approved gateway.toml: reload: (unset) -> "apply"; ' in printed
+    assert 'suites.planted.pass_env: (unset) -> ["ANTHROPIC_API_KEY"]' in printed
+    assert "approved planted: " in printed and "approved plain: " in printed
+    async with gateway(tmp_path, tmp_path) as host:
+        await started(tmp_path, "planted")
+        assert {"planted_suite", "plain_suite"} <= set(await host.tools())
+        assert "settings" not in await host.status()
+    assert len(pids(tmp_path, "plain")) == 2

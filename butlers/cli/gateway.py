@@ -65,6 +65,7 @@ async def gateway_command(
         mode=args.mode,
         config_file=args.config,
         telemetry=telemetry.for_butler("gateway") if telemetry is not None else None,
+        redactor=redactor,
     )
     target = SwitchboardTarget(args.url, options.auth_token)
 

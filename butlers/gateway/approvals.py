@@ -1,28 +1,39 @@
-"""A person's yes for servers declared while the gateway runs (gateway.toml `reload = "approve"`).
+"""A person's yes for the servers behind the gateway, and for its settings.
 
 Why: the files the gateway's servers are declared in (`.mcp.json`, what install moved, the
-globbed `mcps/*/.mcp.json`) sit in the project, where the host's model may write without
-asking. With hot reload, one such write would start a program, or send the gateway's
-environment to a URL, within a second. So a reload applies removals at once, but holds a
-server that is new, or whose declaration changed, as *pending*: not started, listed by
-`gateway_status` with state "pending". At the gateway's next start everything declared starts
-as before (a restart is a person's act too).
+globbed `mcps/*/.mcp.json`) and its settings (gateway.toml: `reload`, `pass_env`, `expose`)
+sit in the project, where the host's model may write without asking. The host approved one
+server, the gateway; what runs behind it is ours to guard. With hot reload one such write
+would start a program, or send the gateway's environment to a URL, within a second; without
+it, at the next start (a restart of the host). So a server runs only in the declaration a
+person approved, and the gateway runs the settings a person approved:
+
+- at the gateway's first start for a project (no record of it here yet), and at `butlers
+  gateway install`, what is declared then is recorded as approved (the person who installs or
+  starts it is looking at it; later writes are not);
+- after that, a server that is new, or whose declaration changed, is *pending*: not started
+  (a changed one runs on as it was while the gateway runs), listed by `gateway_status` with
+  state "pending" and the command that lets it in; removals apply at once;
+- a gateway.toml (or switchboard.config.json) that changed since it was approved is not used:
+  the gateway runs the approved copy, kept in the store, and `gateway_status` says so;
+- gateway.toml `reload = "apply"` (in the approved settings) starts whatever is declared.
 
 How a person says yes: `butlers gateway approve [NAME ...] [--dir D] [--config FILE]`. The
 command cannot talk to the running gateway (over stdio only the host can), and it cannot know
 what that gateway holds pending. So it reads the very files the gateway reads (ServerFiles,
 with gateway.toml's globs) and records the *current declaration* of the named servers (every
-declared one without a NAME) in a store outside the project, which the host's model cannot
-write to without asking:
+declared one, and the settings, without a NAME) in a store outside the project, which the
+host's model cannot write to without asking:
 
     $XDG_STATE_HOME/butlers/gateway-approvals.json   (default ~/.local/state/butlers/)
 
 keyed by the project (the absolute --dir and --config, as the gateway was started with), the
 server's name and a hash of its declaration (`fingerprint`: command, args, env, cwd, URL,
-headers). Only the latest approved hash per server is kept: approving one declaration never
-approves a later, different one. The running gateway watches the store too; on each reading it
-starts a pending server whose declaration's hash is the one approved (a changed server is
-restarted), and tells the hosts. Approving a declaration that already runs changes nothing.
+headers), and the settings file's name and text. Only the latest approved hash per server is
+kept: approving one declaration never approves a later, different one. The running gateway
+watches the store too; on each reading it starts a pending server whose declaration's hash is
+the one approved (a changed server is restarted), and tells the hosts. Settings approved while
+it runs count from its next start.
 
 The store is 0600 in a 0700 directory, written atomically (a new file renamed over the old)
 under an exclusive lock on its directory (two `approve`s at once lose neither); the gateway
@@ -42,7 +53,8 @@ import os
 import re
 import shlex
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +62,19 @@ from urllib.parse import parse_qsl, urlsplit
 
 from butlers.errors import CommandError, ConfigError
 from butlers.gateway.children import ChildSpec
-from butlers.gateway.config import load_gateway_config, read_server_file
+from butlers.gateway.config import (
+    JSON_NAME,
+    MAX_STORE_BYTES,
+    GatewayConfig,
+    SettingsText,
+    read_server_file,
+)
 from butlers.gateway.sources import ServerFiles
+from butlers.text import printable
 
 STORE_NAME = "gateway-approvals.json"
 _VARIABLE = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)")  # ${VAR}, VS Code's ${env:VAR}
-_VERSION = 1
+_VERSION = 2  # 1: servers only (no settings: a project's next start is its first)
 
 
 def store_path(environ: Mapping[str, str]) -> Path:
@@ -90,6 +109,15 @@ def fingerprint(spec: ChildSpec) -> str:
 
 
 @dataclass(frozen=True)
+class ProjectRecord:
+    """What a person approved for one project: each server's declaration (its hash), and the
+    settings; `settings` None: nothing recorded for it yet (its first start)."""
+
+    servers: Mapping[str, str]
+    settings: SettingsText | None
+
+
+@dataclass(frozen=True)
 class ApprovalStore:
     """The file of approved declarations (see the module)."""
 
@@ -102,20 +130,53 @@ class ApprovalStore:
     def approved(self, key: str) -> dict[str, str]:
         """The approved hash of each server of project `key`; ConfigError naming the file when
         it cannot be trusted or read (blocking: the gateway calls it in a thread)."""
-        return dict(self._read().get(key, {}))
+        return dict(self._read()["approved"].get(key, {}))
 
-    def approve(self, key: str, hashes: Mapping[str, str]) -> None:
-        """Record `hashes` (server name -> fingerprint) for project `key`, keeping the rest."""
+    def record(self, key: str) -> ProjectRecord:
+        """Everything approved for project `key` (ConfigError as `approved`)."""
+        data = self._read()
+        settings = data["settings"].get(key)
+        return ProjectRecord(
+            servers=dict(data["approved"].get(key, {})),
+            settings=None if settings is None else SettingsText(settings["file"], settings["text"]),
+        )
+
+    def approve(
+        self, key: str, hashes: Mapping[str, str], settings: SettingsText | None = None
+    ) -> None:
+        """Record `hashes` (server name -> fingerprint) for project `key`, keeping the rest,
+        and `settings` when given."""
         with self._locked():
-            everything = self._read()
-            everything[key] = {**everything.get(key, {}), **hashes}
-            self._write({"version": _VERSION, "approved": everything})
+            self._write_approved(self._read(), key, hashes, settings)
 
-    def _read(self) -> dict[str, dict[str, str]]:
+    def approve_first(self, key: str, hashes: Mapping[str, str], settings: SettingsText) -> bool:
+        """What a first start (or install) approves: `hashes` and `settings`, only if nothing
+        is recorded for project `key` yet; whether it was recorded now."""
+        with self._locked():
+            data = self._read()
+            if key in data["settings"]:
+                return False
+            self._write_approved(data, key, hashes, settings)
+            return True
+
+    def _write_approved(
+        self,
+        data: dict[str, dict[str, Any]],
+        key: str,
+        hashes: Mapping[str, str],
+        settings: SettingsText | None,
+    ) -> None:
+        data["approved"][key] = {**data["approved"].get(key, {}), **hashes}
+        if settings is not None:
+            data["settings"][key] = {"file": settings.name, "text": settings.text}
+        self._write({"version": _VERSION, **data})
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        """{"approved": {project: {name: hash}}, "settings": {project: {"file", "text"}}}."""
         try:
             info = self.path.stat()
         except FileNotFoundError:
-            return {}
+            return {"approved": {}, "settings": {}}
         except OSError as exc:
             raise ConfigError(self.path, None, f"not readable: {exc.strerror}") from exc
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -123,7 +184,7 @@ class ApprovalStore:
                 self.path, None, "owned by another user or writable by others: not trusted"
             )
         try:
-            data: Any = json.loads(read_server_file(self.path))
+            data: Any = json.loads(read_server_file(self.path, limit=MAX_STORE_BYTES))
         except json.JSONDecodeError as exc:
             raise ConfigError(self.path, None, f"not readable JSON: {exc}") from exc
         approved = data.get("approved") if isinstance(data, dict) else None
@@ -134,7 +195,17 @@ class ApprovalStore:
             raise ConfigError(
                 self.path, "approved", "expected an object of projects, each {name: hash}"
             )
-        return approved
+        settings = data.get("settings", {})
+        if not isinstance(settings, dict) or not all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str | None)
+            and isinstance(s.get("text"), str | None)
+            for s in settings.values()
+        ):
+            raise ConfigError(
+                self.path, "settings", 'expected an object of projects, each {"file", "text"}'
+            )
+        return {"approved": approved, "settings": settings}
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -178,35 +249,149 @@ def approve_command(names: Sequence[str], directory: Path, config_file: Path | N
     return words
 
 
-def approve(
+@dataclass(frozen=True)
+class StartTrust:
+    """What a gateway starting for a project may run (see the module): the settings to use,
+    the servers to hold pending, and what to tell about either."""
+
+    config: GatewayConfig
+    held: tuple[ChildSpec, ...] = ()  # declared, not approved: pending
+    changed: frozenset[str] = frozenset()  # of those, the ones approved once as declared then
+    settings_note: str | None = None  # the settings file changed since its approval
+    first: bool = False  # nothing was recorded for the project: all approved as declared now
+
+
+def start_trust(
     directory: Path,
     config_file: Path | None,
-    names: Sequence[str],
     environ: Mapping[str, str],
+    read_servers: Callable[[GatewayConfig], list[ChildSpec]],
+    *,
+    record: bool,
+) -> StartTrust:
+    """What the gateway of `directory` (and `config_file`) may run at its start, from the
+    approvals store; `read_servers` reads what the servers' files declare under given
+    settings. At the project's first start, what is declared is approved (recorded, when
+    `record`: not for a dry run). ConfigError when the settings file or the store cannot be
+    read (blocking: it reads files)."""
+    current = SettingsText.of(directory)
+    store = ApprovalStore.for_environ(environ)
+    key = project_key(directory, config_file)
+    try:
+        approved = store.record(key)
+    except ConfigError as exc:
+        raise ConfigError(
+            exc.path,
+            exc.key,
+            f"{exc.problem}: the gateway cannot tell which servers were approved; fix the file "
+            "(or remove it: the next start approves what is declared then)",
+        ) from None
+    if approved.settings is None:  # the first start here
+        config = current.config(directory)
+        declared = first_declared(read_servers(config))
+        if record:
+            hashes = {name: fingerprint(spec) for name, spec in declared.items()}
+            store.approve_first(key, hashes, current)
+        return StartTrust(config, first=True)
+    note = None
+    if approved.settings != current:
+        command = shlex.join(approve_command((), directory, config_file))
+        note = (
+            f"{current.shown_name} changed since it was approved: the gateway runs the "
+            f"approved one; `{command}` shows the changes and approves them (then restart)"
+        )
+        config = approved.settings.config(directory)
+    else:
+        config = current.config(directory)
+    if config.reload == "apply":  # a person approved starting whatever is declared
+        return StartTrust(config, settings_note=note)
+    held = tuple(
+        spec
+        for spec in first_declared(read_servers(config)).values()
+        if approved.servers.get(spec.name) != fingerprint(spec)
+    )
+    changed = frozenset(spec.name for spec in held if spec.name in approved.servers)
+    return StartTrust(config, held, changed, note)
+
+
+def approve_as_declared(
+    directory: Path, config_file: Path | None, environ: Mapping[str, str]
 ) -> list[str]:
-    """Approve the current declarations of `names` (every declared server when empty) for the
-    gateway of --dir `directory` (and --config), and say what was approved: each server as
-    written in its file (`described`), no value shown. CommandError when a name is not declared
-    or the --config file cannot be read (blocking: run it in a thread)."""
-    if not directory.is_dir():
-        raise CommandError(f"--dir {directory}: not a directory")
-    config = load_gateway_config(directory)
-    files = ServerFiles(
+    """What `butlers gateway install` approves: the servers declared now and the settings, if
+    nothing is recorded for the project yet (its gateway's first start would approve the
+    same, later, when others may have written there meanwhile); a line saying so, or none."""
+    try:
+        settings = SettingsText.of(directory)
+        declared = first_declared(
+            _server_files(directory, config_file, environ, settings).read()[0]
+        )
+        recorded = ApprovalStore.for_environ(environ).approve_first(
+            project_key(directory, config_file),
+            {name: fingerprint(spec) for name, spec in declared.items()},
+            settings,
+        )
+    except ConfigError as exc:
+        raise CommandError(f"{exc} (nothing was approved)") from exc
+    if not recorded:
+        return []
+    return [
+        f"approved as declared now: {', '.join(map(_shown, declared)) or 'no servers'} and "
+        f"{settings.shown_name if settings.name else 'the default settings'}; a server added "
+        "or changed later starts once `butlers gateway approve` says so"
+    ]
+
+
+def _server_files(
+    directory: Path, config_file: Path | None, environ: Mapping[str, str], settings: SettingsText
+) -> ServerFiles:
+    config = settings.config(directory)
+    return ServerFiles(
         directory=directory,
         environ=environ,
         config_file=config_file,
         discover_globs=config.discover_globs,
         base_dir=config.base_dir,
     )
+
+
+def pending_detail(
+    spec: ChildSpec, directory: Path, config_file: Path | None, *, changed: bool, running: bool
+) -> str:
+    """What gateway_status and the log say of a server held pending: new or changed since its
+    approval, where, the command that lets it in, and whether its approved one runs on."""
+    command = approve_command((), directory, config_file)
+    let_in = shlex.join([*command[:3], spec.name, *command[3:]])
+    return (
+        f"{'changed' if changed else 'new'} in {spec.source} and not approved: not started "
+        f"until a person runs `{let_in}`" + ("; the running one stays as it was" if running else "")
+    )
+
+
+def approve(
+    directory: Path,
+    config_file: Path | None,
+    names: Sequence[str],
+    environ: Mapping[str, str],
+) -> list[str]:
+    """Approve the current declarations of `names` (every declared server, and the settings
+    file, when empty) for the gateway of --dir `directory` (and --config), and say what was
+    approved: each server as written in its file (`described`), no value shown; the settings'
+    changes since their last approval. CommandError when a name is not declared, or the
+    settings or the --config file cannot be read (blocking: run it in a thread)."""
+    if not directory.is_dir():
+        raise CommandError(f"--dir {directory}: not a directory")
+    try:
+        settings = SettingsText.of(directory)
+        files = _server_files(directory, config_file, environ, settings)
+    except ConfigError as exc:
+        raise CommandError(f"{exc} (fix it, then approve)") from exc
     declared, skipped = files.read()
     lines: list[str] = []
     for problem in skipped:
         if problem.server is None and problem.error.path == config_file:
             raise CommandError(str(problem.error))
         lines.append(f"not approved (cannot be read): {_shown(str(problem.error))}")
-    current: dict[str, ChildSpec] = {}
-    for spec in declared:
-        current.setdefault(spec.name, spec)  # the first wins, as in the gateway
+    current = first_declared(declared)
     unknown = [name for name in names if name not in current]
     if unknown:
         raise CommandError(
@@ -214,30 +399,111 @@ def approve(
             f"{f' and --config {config_file}' if config_file else ''}: {', '.join(unknown)}"
         )
     chosen = [current[name] for name in names] if names else list(current.values())
-    if not chosen:
-        return [*lines, "no servers are declared there: nothing to approve"]
     store = ApprovalStore.for_environ(environ)
     key = project_key(directory, config_file)
     try:
-        known = store.approved(key)
+        record = store.record(key)
     except ConfigError as exc:
         raise CommandError(str(exc)) from exc
     new = {spec.name: fingerprint(spec) for spec in chosen}
-    fresh = [spec for spec in chosen if known.get(spec.name) != new[spec.name]]
-    if not fresh:
+    fresh = [spec for spec in chosen if record.servers.get(spec.name) != new[spec.name]]
+    settings_changed = not names and record.settings != settings
+    if not fresh and not settings_changed:
+        if not chosen:
+            return [*lines, "no servers are declared there: nothing to approve"]
         return [*lines, "nothing new to approve: " + ", ".join(new) + " already approved"]
-    store.approve(key, {spec.name: new[spec.name] for spec in fresh})
+    store.approve(
+        key,
+        {spec.name: new[spec.name] for spec in fresh},
+        settings if settings_changed else None,
+    )
     # The same files read again with each variable standing for itself: what is shown.
     written = {name: f"${{{name}}}" for name in environ}
     shown: dict[str, ChildSpec] = {}
     for spec in dataclasses.replace(files, environ=written).read()[0]:
         shown.setdefault(spec.name, spec)
+    if settings_changed:
+        lines.append(
+            f"approved {settings.shown_name}: {settings_changes(record.settings, settings)}"
+        )
     lines += [
         f"approved {_shown(spec.name)}: {described(shown.get(spec.name, spec))}" for spec in fresh
     ]
     lines += [f"already approved: {_shown(spec.name)}" for spec in chosen if spec not in fresh]
-    lines.append(f"(recorded in {store.path}; a running gateway starts them now)")
+    if names and record.settings is not None and record.settings != settings:
+        lines.append(
+            f"not approved: {settings.shown_name}, changed since its approval (approve without "
+            "names approves it too)"
+        )
+    lines.append(
+        f"(recorded in {store.path}; a running gateway starts the servers now"
+        + (
+            f", and uses this {settings.shown_name} from its next start)"
+            if settings_changed
+            else ")"
+        )
+    )
     return lines
+
+
+def first_declared(declared: Iterable[ChildSpec]) -> dict[str, ChildSpec]:
+    """Each name's first declaration: where a name comes twice the first wins, as in the
+    gateway."""
+    current: dict[str, ChildSpec] = {}
+    for spec in declared:
+        current.setdefault(spec.name, spec)
+    return current
+
+
+def settings_changes(before: SettingsText | None, after: SettingsText) -> str:
+    """What changed in the settings, key by key (`reload: "approve" -> "apply"`), for a person
+    to judge; settings hold names and choices, no secrets (those are in the environment)."""
+    if before is None:
+        return "as it is now (no earlier approval)"
+    if before.name is not None and after.name is not None and before.name != after.name:
+        return f"now {after.shown_name}, was {before.shown_name}"
+    old, new = _flat(before), _flat(after)
+    changes = [
+        f"{key}: {_value(old.get(key))} -> {_value(new.get(key))}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key, _ABSENT) != new.get(key, _ABSENT)
+    ]
+    return "; ".join(changes) if changes else "only its layout or comments changed"
+
+
+_ABSENT = object()
+
+
+def _flat(settings: SettingsText) -> dict[str, Any]:
+    """A settings file's keys, dotted (`suites.files.pass_env`); {} when it cannot be parsed
+    (the approval of a file that does not parse is refused before this)."""
+    if settings.text is None:
+        return {}
+    try:
+        data = (
+            json.loads(settings.text)
+            if settings.name == JSON_NAME
+            else tomllib.loads(settings.text)
+        )
+    except ValueError:
+        return {}
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        else:
+            flat[prefix] = value
+
+    walk("", data)
+    return flat
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "(unset)"
+    return _shown(printable(json.dumps(value, ensure_ascii=False), 80))
 
 
 def described(spec: ChildSpec) -> str:

@@ -31,7 +31,8 @@ class ChildSpec:
     name: str
     description: str | None = None
     switchboard_description: str | None = None
-    # A stdio child: the command, run in `cwd` with PATH, HOME, locale and TZ plus `env`.
+    # A stdio child: the command, run in `cwd` with the base variables (PATH, HOME, USER,
+    # LOGNAME, SHELL, TMPDIR, TERM, locale and TZ: butlers.environment) plus `env`.
     cmd: str | None = None
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,6 +43,8 @@ SCHEMA_KEY = "$schema"
 # The most a server file (.mcp.json, --config, what install moved, the approvals store) may
 # hold: a declaration is a few hundred bytes; more is a mistake or a trap.
 MAX_FILE_BYTES = 1024 * 1024
+# The approvals store, which keeps each project's approved settings file (each at most 1 MiB).
+MAX_STORE_BYTES = 16 * 1024 * 1024
 
 
 class _Table(BaseModel):
@@ -254,27 +257,57 @@ class GatewayConfig(_Table):
 _NO_SUITE_CONFIG = SuiteConfig()
 
 
+@dataclass(frozen=True)
+class SettingsText:
+    """A gateway's settings file as it is now or as a person approved it
+    (butlers.gateway.approvals): its name (gateway.toml or switchboard.config.json; None:
+    there is none, the defaults) and its text."""
+
+    name: str | None = None
+    text: str | None = None
+
+    @classmethod
+    def of(cls, directory: Path) -> SettingsText:
+        """gateway.toml in `directory`, else switchboard.config.json, else none (blocking)."""
+        for name in (TOML_NAME, JSON_NAME):
+            path = directory / name
+            if path.is_file():
+                return cls(name, read_server_file(path))
+        return cls()
+
+    @property
+    def shown_name(self) -> str:
+        return self.name or TOML_NAME
+
+    def config(self, directory: Path) -> GatewayConfig:
+        """These settings for the gateway of `directory`, parsed; ConfigError naming the file
+        and the key when they are not valid."""
+        if self.name is None or self.text is None:
+            return GatewayConfig()._placed(None, directory)
+        path = directory / self.name
+        language = _language(path)
+        camel = language == "JSON"
+        try:
+            data = json.loads(self.text) if camel else tomllib.loads(self.text)
+        except ValueError as exc:  # TOML and JSON decode errors
+            raise ConfigError(path, None, f"is not valid {language}: {exc}") from exc
+        if isinstance(data, dict):
+            data.pop(SCHEMA_KEY, None)
+        try:
+            config = GatewayConfig.model_validate(data, by_alias=camel, by_name=not camel)
+        except ValidationError as exc:
+            raise config_error(path, exc, GatewayConfig, by_alias=camel) from None
+        return config._placed(path, directory)
+
+
 def load_gateway_config(directory: Path) -> GatewayConfig:
-    """gateway.toml in `directory`, else switchboard.config.json, else the defaults."""
-    for name, language, loads in (
-        (TOML_NAME, "TOML", tomllib.loads),
-        (JSON_NAME, "JSON", json.loads),
-    ):
-        path = directory / name
-        if path.is_file():
-            try:
-                data = loads(path.read_text(encoding="utf-8"))
-            except ValueError as exc:  # TOML and JSON decode errors, bad UTF-8
-                raise ConfigError(path, None, f"is not valid {language}: {exc}") from exc
-            camel = language == "JSON"
-            if isinstance(data, dict):
-                data.pop(SCHEMA_KEY, None)
-            try:
-                config = GatewayConfig.model_validate(data, by_alias=camel, by_name=not camel)
-            except ValidationError as exc:
-                raise config_error(path, exc, GatewayConfig, by_alias=camel) from None
-            return config._placed(path, directory)
-    return GatewayConfig()._placed(None, directory)
+    """gateway.toml in `directory`, else switchboard.config.json, else the defaults: as the
+    file is now (the gateway itself runs what was approved: butlers.gateway.approvals)."""
+    return SettingsText.of(directory).config(directory)
+
+
+def _language(path: Path) -> str:
+    return "JSON" if path.name == JSON_NAME else "TOML"
 
 
 # -- .mcp.json ---------------------------------------------------------------------------------
@@ -287,7 +320,8 @@ class McpCommand(_Table):
     args: Strings = Field(default=(), description="Its arguments.")
     env: dict[str, Annotated[str, Strict()]] = Field(
         default_factory=dict,
-        description="Variables added to PATH, HOME, locale and TZ (nothing else of ours).",
+        description="Variables added to PATH, HOME, USER, LOGNAME, SHELL, TMPDIR, TERM, "
+        "locale and TZ (nothing else of ours).",
     )
 
 
@@ -321,7 +355,7 @@ class McpJson(_Table):
         return self
 
 
-def read_server_file(path: Path) -> str:
+def read_server_file(path: Path, *, limit: int = MAX_FILE_BYTES) -> str:
     """The text of a file that declares servers, read without ever blocking: anything but a
     regular file (a FIFO would stall the reader, and the gateway's exit with it; a device such
     as /dev/zero never ends) and anything over MAX_FILE_BYTES is refused with a ConfigError
@@ -336,13 +370,12 @@ def read_server_file(path: Path) -> str:
         if not stat.S_ISREG(mode):
             raise ConfigError(path, None, f"is {_kind(mode)}, not a regular file: not read")
         with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(MAX_FILE_BYTES + 1)
+            data = file.read(limit + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(
-            path, None, f"larger than {MAX_FILE_BYTES} bytes (1 MiB), the limit: not read"
-        )
+    if len(data) > limit:
+        mib = limit // 1024 // 1024
+        raise ConfigError(path, None, f"larger than {limit} bytes ({mib} MiB), the limit: not read")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from butlers.errors import CommandError
+from butlers.gateway.approvals import approve_as_declared
 from butlers.gateway.sources import INSTALL_DIR, PROJECT_FILE, runs_this_gateway
 
 Host = Literal["claude-code", "claude-desktop", "cursor", "vscode"]
@@ -143,8 +144,13 @@ def install(
     if scope == "user":
         if host != "claude-code":
             raise CommandError(f"--scope user is Claude Code's; --host {host} has no such scope")
-        return [*_register_user(directory, environ), *_write_skill(_user_home(environ))]
+        return [
+            *_register_user(directory, environ),
+            *approve_as_declared(directory, None, environ),
+            *_write_skill(_user_home(environ)),
+        ]
     done = _take_over(_place(directory, host, config, environ))
+    done += approve_as_declared(directory, None, environ)  # what the host will start: --dir
     root = _skill_root(directory, host, environ)
     return done + (_write_skill(root) if root is not None else [])
 

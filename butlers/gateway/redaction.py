@@ -2,6 +2,12 @@
 values, at any depth of a call's arguments, in the gateway's logs and spans; what the child
 receives is never touched.
 
+And the servers' own secrets (`declared_secrets`): what a declaration sends a server (its
+headers, a URL's `?key=`, an env entry named like a secret, and every `${VAR}` those take)
+joins the process's Redactor (butlers.redact), so that no log line, no error the gateway
+answers the host (`cannot connect to https://...?key=...`), no child's stderr relayed and no
+gateway_status shows it.
+
 Spans are built by the gateway (per suite's keys). Logs are not all ours: FastMCP logs every
 call's arguments at DEBUG before any of our code runs, so the masking sits in the process's
 log record factory (the same place secrets are redacted, butlers.redact) and masks every
@@ -10,11 +16,57 @@ suite's keys in any dict a log record carries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
-from butlers.redact import REDACTED
+from butlers.gateway.children import ChildSpec
+from butlers.gateway.sources import ServerFiles
+from butlers.redact import REDACTED, SECRET_NAME_PATTERN
+
+# A URL's query parameter that carries a credential (`?key=`, `api_key`, `access_token`,
+# `sig`, ...): its value is a secret.
+_SECRET_PARAMETER = re.compile(r"(?i)(key|token|secret|pass|auth|sig|cred)")
+# Variables a declaration may take that are no secret (their values are ordinary words).
+_NOT_SECRET = frozenset({"HOME", "PATH", "PWD", "USER", "LOGNAME", "SHELL", "TMPDIR", "LANG"})
+_VARIABLE = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def server_secrets(files: ServerFiles, declared: Iterable[ChildSpec]) -> list[str]:
+    """What the servers `files` declare (`declared`, as read) are sent that is secret: see
+    `declared_secrets`, and the values of every variable their declarations take (read again
+    as written: `${VAR}` standing for itself), but those that are no secret (HOME, PATH...).
+    Blocking: it reads the files."""
+    as_written = {name: f"${{{name}}}" for name in files.environ}
+    texts = [
+        text
+        for spec in dataclasses.replace(files, environ=as_written).read()[0]
+        for text in (spec.url or "", *spec.headers.values(), *spec.env.values(), *spec.args)
+    ]
+    names = {n for text in texts for n in _VARIABLE.findall(text)} - _NOT_SECRET
+    taken = [files.environ[n] for n in sorted(names) if files.environ.get(n)]
+    return declared_secrets(declared) + taken
+
+
+def declared_secrets(specs: Iterable[ChildSpec]) -> list[str]:
+    """The values the servers' declarations send them that are secrets: every header value
+    (and its credential without the scheme), the values of a URL's credential parameters, and
+    an env value whose name is a secret's (`*_TOKEN`, `*_API_KEY`, ...)."""
+    secrets: list[str] = []
+    for spec in specs:
+        for value in spec.headers.values():
+            secrets += [value, value.partition(" ")[2]]
+        if spec.url is not None:
+            try:
+                query = urlsplit(spec.url).query
+            except ValueError:
+                query = ""
+            secrets += [v for k, v in parse_qsl(query) if _SECRET_PARAMETER.search(k)]
+        secrets += [v for k, v in spec.env.items() if SECRET_NAME_PATTERN.search(k.upper())]
+    return [s for s in secrets if s]
 
 
 def redact_arguments(value: Any, keys: frozenset[str]) -> Any:

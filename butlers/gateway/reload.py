@@ -37,7 +37,6 @@ import dataclasses
 import glob
 import logging
 import os
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -46,8 +45,9 @@ from pathlib import Path
 from watchfiles import Change, awatch
 
 from butlers.errors import ConfigError
-from butlers.gateway.approvals import ApprovalStore, approve_command, fingerprint, project_key
+from butlers.gateway.approvals import ApprovalStore, fingerprint, pending_detail, project_key
 from butlers.gateway.children import ChildSpec, Skipped
+from butlers.gateway.redaction import server_secrets
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
 
@@ -229,13 +229,16 @@ class Reloader:
     async def reload(self) -> Plan:
         """Read the files again and apply what changed (what needs a yes first: held)."""
         declared, skipped = await asyncio.to_thread(self.files.read)
+        if self.gateway.redactor is not None:  # what a new declaration sends is secret too
+            secrets = await asyncio.to_thread(server_secrets, self.files, declared)
+            self.gateway.learn_secrets(secrets)
         running = {name: slot.spec for name, slot in self.gateway.slots.items()}
         changes = plan(running, declared, skipped)
         self._report(skipped, running)
         if self.mode == "approve":
             approved = await asyncio.to_thread(self._approved)
             changes, held = hold(changes, running, approved)
-            self._hold(held, running)
+            self._hold(held, running, approved)
         if not changes:
             logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
             return changes
@@ -285,18 +288,22 @@ class Reloader:
         self._store_problem = None
         return approved
 
-    def _hold(self, held: Sequence[ChildSpec], running: Mapping[str, ChildSpec]) -> None:
+    def _hold(
+        self,
+        held: Sequence[ChildSpec],
+        running: Mapping[str, ChildSpec],
+        approved: Mapping[str, str],
+    ) -> None:
         """The held servers become the gateway's pending ones (gateway_status), each with
         where it was declared and the command that lets it in; one warning per declaration."""
-        command = approve_command((), self.files.directory, self.files.config_file)
         pending: dict[str, str] = {}
         for spec in held:
-            changed = spec.name in running
-            let_in = shlex.join([*command[:3], spec.name, *command[3:]])
-            pending[spec.name] = (
-                f"{'changed' if changed else 'new'} in {spec.source} while the gateway runs: "
-                f"not started until a person runs `{let_in}` (or the gateway starts again)"
-                + ("; the running one stays as it was" if changed else "")
+            pending[spec.name] = pending_detail(
+                spec,
+                self.files.directory,
+                self.files.config_file,
+                changed=spec.name in running or spec.name in approved,
+                running=spec.name in running,
             )
             if (spec.name, fingerprint(spec)) not in self._warned:
                 self._warned.add((spec.name, fingerprint(spec)))

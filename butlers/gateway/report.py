@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -41,6 +42,7 @@ async def dry_run(
     was declared but left out (a file or a server that could not be read), stop. The exit
     code is 1 when a child is in error or a declaration was left out, so a script can check
     a config with it."""
+    options = dataclasses.replace(options, record_first_start=False)
     gateway, skipped = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()
@@ -66,12 +68,24 @@ async def dry_run(
     finally:
         await gateway.close()
     left_out = [{"server": s.server, "error": str(s.error)} for s in skipped]
+    pending = [{"name": name, "detail": detail} for name, detail in gateway.pending.items()]
     code = 1 if left_out or any(c["state"] == "error" for c in children) else 0
     if as_json:
-        return code, json.dumps({"mode": gateway.mode, "children": children, "skipped": left_out})
+        return code, json.dumps(
+            {
+                "mode": gateway.mode,
+                "children": children,
+                "skipped": left_out,
+                "pending": pending,
+                "settings": gateway.settings_note,
+            }
+        )
     count = f"{len(children)} {'child' if len(children) == 1 else 'children'}"
     lines = [f"mode: {gateway.mode}, {count}"]
+    if gateway.settings_note is not None:
+        lines.append(f"settings: {gateway.settings_note}")
     lines += [f"skipped: {s['error']}" for s in left_out]
+    lines += [f"pending: {p['name']}: {p['detail']}" for p in pending]
     for child in children:
         head = f"{child['name']} ({child['kind']}, {child['state']})"
         if child["error"]:
@@ -291,6 +305,7 @@ async def token_report(
     (`as_json`) the same figures as one JSON object (shape: `_report_data`)."""
     if options.transport != "stdio":
         require_token_beyond_loopback("the gateway", options.host, options.auth_token)
+    options = dataclasses.replace(options, record_first_start=False)
     gateway, _ = await build_gateway(options, fetch_registry)
     try:
         await gateway.warm_all()

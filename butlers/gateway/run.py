@@ -17,10 +17,11 @@ from mcp.shared.exceptions import MCPDeprecationWarning
 from starlette.middleware import Middleware
 
 from butlers.errors import ButlersError
+from butlers.gateway.approvals import StartTrust, pending_detail, start_trust
 from butlers.gateway.children import ChildSpec, Skipped, butler_children, log_skipped
-from butlers.gateway.config import GatewayConfig, load_gateway_config
+from butlers.gateway.config import GatewayConfig
 from butlers.gateway.control import Mode
-from butlers.gateway.redaction import install_argument_redaction
+from butlers.gateway.redaction import install_argument_redaction, server_secrets
 from butlers.gateway.reload import Reloader
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
@@ -35,6 +36,7 @@ from butlers.http import (
 from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
+    from butlers.redact import Redactor
     from butlers.telemetry import ButlerTelemetry
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,10 @@ class GatewayOptions:
     mode: Mode | None = None  # None: gateway.toml's
     config_file: Path | None = None  # --config: claude_desktop_config.json or servers.json
     telemetry: ButlerTelemetry | None = None  # spans, when tracing is on
+    # A first start for the project records what it approved (not --dry-run, not --report).
+    record_first_start: bool = True
+    # The process's (its log records'): the servers' secrets join it (gateway.redaction).
+    redactor: Redactor | None = None
 
 
 async def build_gateway(
@@ -68,7 +74,22 @@ async def build_gateway(
             + ("not a directory" if options.directory.exists() else "no such directory")
             + ": name the project whose .mcp.json (and gateway.toml) the gateway reads"
         )
-    config = load_gateway_config(options.directory)
+    files_read: list[tuple[list[ChildSpec], list[Skipped]]] = []
+
+    def read_servers(config: GatewayConfig) -> list[ChildSpec]:
+        files_read.append(server_files(options, config).read())
+        return files_read[-1][0]
+
+    # What a person approved: the settings, and which declared servers may start.
+    trust = await asyncio.to_thread(
+        start_trust,
+        options.directory,
+        options.config_file,
+        options.environ,
+        read_servers,
+        record=options.record_first_start,
+    )
+    config = trust.config
     specs: list[ChildSpec] = []
     butlers_missing = None
     if fetch_registry is not None:
@@ -82,14 +103,15 @@ async def build_gateway(
             )
     # Where a name comes twice, the first wins and the gateway warns, naming both files:
     # the butlers, --config, .mcp.json, what install moved, then the seed-000 globs.
-    declared, skipped = server_files(options, config).read()
+    declared, skipped = files_read[-1] if files_read else server_files(options, config).read()
     for problem in skipped:
         if problem.server is None and problem.error.path == options.config_file:
             raise problem.error  # the file --config names must be readable (a reload: keeps)
     log_skipped(skipped)
-    specs += declared
+    held = {spec.name for spec in trust.held}
+    specs += [spec for spec in declared if spec.name not in held]
     if butlers_missing is None:  # else a butler's [suites.<name>] would look like a typo
-        _warn_of_unknown_suites(config, [s.name for s in specs], options.directory)
+        _warn_of_unknown_suites(config, [s.name for s in specs] + sorted(held), options.directory)
     telemetry = options.telemetry
     gateway = Gateway(
         config,
@@ -100,9 +122,41 @@ async def build_gateway(
         tracer=telemetry.tracer if telemetry is not None else None,
         cli_env=telemetry.cli_env if telemetry is not None else None,
         directory=options.directory,  # roots/list: a child asking is given --dir
+        redactor=options.redactor,
     )
+    if options.redactor is not None:
+        files = server_files(options, config)
+        gateway.learn_secrets(await asyncio.to_thread(server_secrets, files, declared))
     gateway.butlers_missing = butlers_missing
+    gateway.settings_note = trust.settings_note
+    gateway.pending = {
+        spec.name: pending_detail(
+            spec,
+            options.directory,
+            options.config_file,
+            changed=spec.name in trust.changed,
+            running=False,
+        )
+        for spec in trust.held
+    }
+    _log_trust(trust, gateway, options)
     return gateway, skipped
+
+
+def _log_trust(trust: StartTrust, gateway: Gateway, options: GatewayOptions) -> None:
+    """What the start ran that a person did not approve, or approved for the first time."""
+    if trust.first and options.record_first_start:
+        logger.info(
+            "gateway: first start for %s: what is declared now is approved (recorded outside the "
+            "project); a server added or changed later starts once `butlers gateway approve` "
+            "says so",
+            options.directory,
+            extra={"action": "approved_first_start"},
+        )
+    if trust.settings_note is not None:
+        logger.warning("gateway: %s", trust.settings_note, extra={"action": "settings_pending"})
+    for name, detail in gateway.pending.items():
+        logger.warning("gateway: server %r %s", name, detail, extra={"action": "server_pending"})
 
 
 def _warn_of_unknown_suites(config: GatewayConfig, servers: list[str], directory: Path) -> None:

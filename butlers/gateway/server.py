@@ -26,13 +26,15 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import mcp_types
 from fastmcp import FastMCP
+from fastmcp.exceptions import ToolError
+from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import Tool, ToolResult
 from mcp_types import LoggingLevel
 
@@ -75,6 +77,8 @@ from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
+
+    from butlers.redact import Redactor
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +176,12 @@ class Gateway:
         tracer: Tracer | None = None,
         cli_env: Mapping[str, str] | None = None,
         directory: Path | None = None,
+        redactor: Redactor | None = None,
     ) -> None:
         self.config = config
+        # The process's secrets and the servers' (butlers.gateway.redaction): out of what the
+        # gateway says to hosts, and of its children's stderr it relays. None: nothing known.
+        self.redactor = redactor
         # The one root a child asking `roots/list` is given (`--dir`); None: no roots offered.
         self.roots = (
             None
@@ -192,6 +200,7 @@ class Gateway:
         )
         self._tracker = HostTracker()
         self.mcp.add_middleware(self._tracker)
+        self.mcp.add_middleware(_RedactedRefusals(self.redact))
         self.passthrough = PassThrough(self)
         self.mcp.add_provider(self.passthrough)
         self.slots: dict[str, Slot] = {}
@@ -201,6 +210,9 @@ class Gateway:
         # Why there are no butlers behind it, when the switchboard's registry could not be
         # read at start (listed by gateway_status: a host hides the gateway's stderr).
         self.butlers_missing: str | None = None
+        # Why the gateway runs its settings as approved, not as the file now says
+        # (butlers.gateway.approvals); listed by gateway_status.
+        self.settings_note: str | None = None
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
@@ -254,7 +266,7 @@ class Gateway:
                 initialize_timeout_s=rpc_s,  # a cold `npx -y` download is not a hung child
                 # Its stderr to ours as it was, each line naming it (several children
                 # share the host's log), and its last lines kept for gateway_status.
-                on_stderr=functools.partial(_relay_stderr, spec.name),
+                on_stderr=functools.partial(_relay_stderr, spec.name, self.redact),
             )
         suite_name = self.config.suite(spec.name).suite_name or f"{spec.name}_suite"
         slot = Slot(spec, child, suite_name, suite_description(spec, self.config))
@@ -717,12 +729,36 @@ class Gateway:
             slot.state = "ready"
         return {"deactivated": name, "removed": removed}
 
+    def redact(self, text: str) -> str:
+        """`text` without the secrets the gateway knows."""
+        return self.redactor(text) if self.redactor else text
+
+    def learn_secrets(self, secrets: list[str]) -> None:
+        """What servers read (at start, or by a reload) are sent that is secret: redacted from
+        now on, in this process's logs too (the Redactor is the process's)."""
+        if self.redactor is not None and secrets:
+            self.redactor.add(secrets)
+
     async def _status(self, arguments: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every child's state, the servers a reload holds pending, and why no butlers are
-        behind the gateway when the switchboard could not be asked."""
+        """Every child's state, the servers held pending (not approved), the settings when
+        the file changed since its approval, and why no butlers are behind the gateway when
+        the switchboard could not be asked."""
         entries = [self._slot_status(slot) for slot in self.slots.values()]
+        for entry in entries:
+            if entry["error"]:
+                entry["error"] = self.redact(entry["error"])
         for name, detail in self.pending.items():
             entries.append({**_NOT_RUNNING, "name": name, "state": "pending", "detail": detail})
+        if self.settings_note is not None:
+            entries.append(
+                {
+                    **_NOT_RUNNING,
+                    "name": "settings",
+                    "kind": "settings",
+                    "state": "pending",
+                    "detail": self.settings_note,
+                }
+            )
         if self.butlers_missing is not None:
             entries.append(
                 {
@@ -748,7 +784,7 @@ class Gateway:
         }
         if slot.state == "error" and isinstance(slot.child, StdioChild) and slot.child.said:
             # A server that fails says why on stderr, as a rule ("missing API key").
-            entry["stderr"] = [printable(line) for line in slot.child.said]
+            entry["stderr"] = [printable(self.redact(line)) for line in slot.child.said]
         return entry
 
     # -- search mode ----------------------------------------------------------------------
@@ -937,7 +973,27 @@ _NOT_RUNNING: dict[str, Any] = {
 }
 
 
-def _relay_stderr(name: str, line: str) -> None:
+def _relay_stderr(name: str, redact: Callable[[str], str], line: str) -> None:
     """A stdio child's stderr line, on the gateway's stderr (where the host shows it, as when
-    it was inherited), naming the child; made printable (butlers.text)."""
-    print(f"[{name}] {printable(line)}", file=sys.stderr, flush=True)
+    it was inherited, and keeps it in its own log files), naming the child; without the
+    secrets the gateway knows, made printable (butlers.text)."""
+    print(f"[{name}] {printable(redact(line))}", file=sys.stderr, flush=True)
+
+
+class _RedactedRefusals(Middleware):
+    """A refusal the gateway answers a host (a child that cannot be reached names its URL,
+    whose `?key=` a declaration filled in) goes without the secrets it knows. A child's own
+    results pass unchanged (docs/gateway.md)."""
+
+    def __init__(self, redact: Callable[[str], str]) -> None:
+        self.redact = redact
+
+    async def on_call_tool(self, context: MiddlewareContext, call_next: CallNext) -> Any:
+        try:
+            return await call_next(context)
+        except ToolError as exc:
+            text = self.redact(str(exc))
+            if text == str(exc):
+                raise
+            level = getattr(exc, "log_level", logging.ERROR)
+            raise ToolRefusal(text, log_level=level) from None
