@@ -27,6 +27,24 @@ def printable(text: str | None, limit: int | None = None) -> str:
     return line[: limit - 1].rstrip() + "…"
 
 
+# What may disguise a text without being seen: format characters (bidirectional overrides,
+# zero-width ones), line and paragraph separators, private and unassigned code points.
+_DISGUISING = frozenset({"Cf", "Zl", "Zp", "Co", "Cs", "Cn"})
+
+
+def escaped_disguises(text: str) -> str:
+    """`text` (JSON, as a rule: it escapes control characters itself) with every character
+    that could disguise it written as its escape (`\\u202e`): a tool's arguments shown for
+    a yes read as what will run (a right-to-left override made "100000" look like "10"0000"),
+    and stay valid JSON."""
+    return "".join(
+        (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+        if unicodedata.category(c) in _DISGUISING
+        else c
+        for c in text
+    )
+
+
 def new_boundary(text: str) -> str:
     """A token `text` does not contain, to fence it in (it cannot: it is drawn after the
     text came)."""

@@ -677,12 +677,18 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
         conn = await db_conn(asked.switchboard.config.database)
         await conn.execute(
             """INSERT INTO approvals (butler, tool, arguments, status, expires_at)
-               VALUES ('general', 'notify', '{"text": "later"}', 'pending',
-                       now() + interval '1 h')"""
+               VALUES ('general', 'notify', $1, 'pending', now() + interval '1 h')""",
+            json.dumps({"text": "later", "amount": "10\u202e0000"}),
         )
         async with http.get(f"{base}/ui/approvals") as response:
             page = await response.text()
         assert 'data-refresh="0"' in page and ">Approve #2</button>" in page
+        # The exact arguments, seen as they are: a right-to-left override would show
+        # "10"0000" for "100000" (as in the Telegram question, written as its escape).
+        assert "&#34;amount&#34;: &#34;10\\u202e0000&#34;" in page or (
+            '"amount": "10\\u202e0000"' in page
+        )
+        assert "\u202e" not in page
         # The stranger's message (inbox 1) shows what its session asked for.
         async with http.get(f"{base}/ui/messages/1") as response:
             page = await response.text()

@@ -91,7 +91,7 @@ async def dashboard_client(
                 raise ToolRefusal(str(exc)) from exc
 
         parts = DashboardParts(
-            store=DashboardStore(pool),
+            store=DashboardStore.redacting(pool, redact),
             probe=FleetProbe(connections),
             sessions=CoreStore(pool),
             switchboard_name=switchboard.config.name,
@@ -199,6 +199,14 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         "UPDATE butler_registry SET last_seen_at = '2020-01-02T03:04:05+00' "
         "WHERE name IN ('switchboard', 'gone')"
     )
+    # A secret across the cut of the list's one line (120 characters): none of it shown.
+    straddled = await seed_inbox(
+        conn,
+        external_id="t-10",
+        source_id="556",
+        text=("pad " * 26) + SECRET + " and more",
+        status="done",
+    )
     redactor = Redactor([SECRET])
 
     async with dashboard_client(pg_server, switchboard, redact=redactor) as client:
@@ -233,13 +241,15 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         page = await client.get("/ui/messages", headers=BEARER)
         assert page.status_code == 200
         ids = [int(i) for i in re.findall(r'<tr data-id="(\d+)"', page.text)]
-        assert ids == sorted([answer["inbox_id"], failed, mail], reverse=True)
+        assert ids == sorted([answer["inbox_id"], failed, mail, straddled], reverse=True)
         assert "<script>alert" not in page.text and "<img src=x" not in page.text
         # A name is what a sender calls themselves: who they are (their id) is beside it.
         [named] = [r for r in rows_of(page.text, "messages") if f'data-id="{failed}"' in r]
         assert "<bdi>The Owner</bdi> (555)" in named  # isolated: no bidi trick flips the id
         assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in page.text
         assert SECRET not in page.text and "[redacted]" in page.text
+        [cut] = [r for r in rows_of(page.text, "messages") if f'data-id="{straddled}"' in r]
+        assert SECRET[:6] not in cut and "[redacted]" in cut, cut
         asked = next(
             r for r in rows_of(page.text, "messages") if f'data-id="{answer["inbox_id"]}"' in r
         )

@@ -203,3 +203,54 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
         await context.close()
     for name in ("fleet.png", "messages.png", "ask.png", "phone.png"):
         assert (artifacts / name).stat().st_size > 5_000, name
+
+
+async def test_without_a_token_the_forms_work_and_a_long_name_keeps_the_page_narrow(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    browser,
+    db_conn,
+) -> None:
+    """A dashboard on loopback without BUTLERS_AUTH_TOKEN is guarded by Host and Origin: the
+    browser must send its own origin with the page's form posts (with `Referrer-Policy:
+    no-referrer` Chromium sent `Origin: null`, and every button was refused). A sender may
+    name themselves with thousands of characters, a prompt may be one long word: no page that
+    shows them scrolls sideways."""
+    scripted_api.respond_with(model("general", {"general": "Noted, without a token."}))
+    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    base = switchboard.sse_url.removesuffix("/sse")
+    conn = await db_conn(switchboard.config.db_name)
+    long_named = await conn.fetchval(
+        """INSERT INTO inbox (channel, external_id, source_id, sender_name, text)
+           VALUES ('email', 'long-1', 'carol@example.com', $1, $2) RETURNING id""",
+        "X" * 3000,
+        "y" * 4000,
+    )
+
+    context = await browser.new_context(viewport={"width": 1400, "height": 900})
+    page = await context.new_page()
+    origins: list[str | None] = []
+    page.on(
+        "request",
+        lambda request: (
+            origins.append(request.headers.get("origin")) if request.method == "POST" else None
+        ),
+    )
+    try:
+        await page.goto(f"{base}/ui/ask")
+        await page.fill("#ask-text", "note this without a token")
+        await page.click("#ask-form button[type=submit]")
+        reply = page.locator("#answer-reply")
+        await reply.wait_for(timeout=60_000)
+        assert await reply.inner_text() == "Noted, without a token."
+        assert origins == [base]
+
+        await page.set_viewport_size({"width": 390, "height": 844})
+        for path in (f"/ui/messages/{long_named}", "/ui/messages"):
+            await page.goto(f"{base}{path}")
+            await page.locator("main h1").first.wait_for()
+            width = await page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 390, (path, width)
+    finally:
+        await context.close()

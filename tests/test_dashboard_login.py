@@ -182,6 +182,30 @@ async def test_wrong_tokens_are_throttled_per_client_with_one_warning_a_burst(
         assert secret not in caplog.text, secret
 
 
+async def test_wrong_bearer_tokens_count_as_guesses_like_the_sign_in_forms(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """A script's `Authorization: Bearer` on /ui is a guess like the form's: five wrong ones
+    and that client is refused (429) before its token is compared. (With a token any Host may
+    ask, as a proxy forwards it: a rebinding web page could only guess.)"""
+    switchboard = await switchboard_alone(start_butler, tmp_path)
+    base = switchboard.base_url
+    async with aiohttp.ClientSession() as http:
+
+        async def get(token: str, **headers: str) -> tuple[int, str | None]:
+            bearer = {"Authorization": f"Bearer {token}", **headers}
+            async with http.get(f"{base}/ui/messages", headers=bearer) as response:
+                return response.status, response.headers.get("retry-after")
+
+        assert (await get(TOKEN))[0] == 200
+        for n in range(5):
+            assert (await get(f"guess-{n}"))[0] == 401
+        status, retry_after = await get(TOKEN)
+        assert status == 429 and retry_after is not None and 1 <= int(retry_after) <= 60
+        # Another client (as a trusted proxy on loopback forwards it) is not held up by it.
+        assert (await get(TOKEN, **{"X-Forwarded-For": "203.0.113.9"}))[0] == 200
+
+
 def test_the_throttle_window_and_its_memory() -> None:
     now = [1000.0]
     throttle = LoginThrottle(max_failures=5, window_s=60, clock=lambda: now[0], max_clients=3)

@@ -60,6 +60,7 @@ from butlers.switchboard.approvals import ApprovalDesk
 from butlers.switchboard.approvals import public as public_approval
 from butlers.switchboard.operator import INBOX_STATUSES, jaeger_url
 from butlers.switchboard.pairing import PairingDesk
+from butlers.text import escaped_disguises
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ SECURITY_HEADERS = {
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    # Not "no-referrer": under it a browser sends `Origin: null` with the page's own form
+    # posts, which the Host/Origin guard of a dashboard without a token refuses (every button
+    # was refused in Chromium: a red team). Other sites are told nothing either way.
+    "referrer-policy": "same-origin",
     "cache-control": "no-store",
     "x-frame-options": "DENY",
 }
@@ -196,7 +200,9 @@ class Dashboard:
         )
         guarded: ASGIApp = self._checked(pages)
         if not self.auth.required:
-            # Open on loopback only: no page may be read by a rebinding web page.
+            # Open on loopback only: no page may be read by a rebinding web page. (With a
+            # token any Host may ask, as a proxy of the owner's network forwards it: a
+            # rebinding page can only guess the token, and its guesses are throttled.)
             guarded = HostOriginGuardMiddleware(guarded, allowed_hosts=allowed_hosts, mode="strict")
         self.app: ASGIApp = _with_headers(guarded)
 
@@ -207,8 +213,22 @@ class Dashboard:
                 await pages(scope, receive, send)
                 return
             request = Request(scope, receive)
+            response: Response
+            # A wrong bearer token is a guess like one typed into the sign-in form: counted,
+            # and a client over the limit is refused before its token is compared.
+            guessing = self.auth.required and "authorization" in request.headers
+            retry_after = self.throttle.retry_after(client_of(request)) if guessing else None
+            if retry_after is not None:
+                response = Response(
+                    f"too many wrong tokens from your address: try again in {retry_after} s",
+                    status_code=429,
+                    headers={"retry-after": str(retry_after)},
+                )
+                await response(scope, receive, send)
+                return
             if not await self.auth.allows(request):
-                response: Response
+                if guessing:
+                    self.throttle.failed(client_of(request))
                 if request.method == "GET" and "authorization" not in request.headers:
                     target = request.url.path + (
                         f"?{request.url.query}" if request.url.query else ""
@@ -449,7 +469,10 @@ class Dashboard:
         await desk.expire()
         rows = [public_approval(row) for row in await desk.store.newest(None, MAX_APPROVALS)]
         for row in rows:
-            row["shown"] = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
+            # Exactly what will run, and seen as such: nothing in them may reorder or hide
+            # what follows (the Telegram question's rule).
+            shown = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
+            row["shown"] = escaped_disguises(shown)
         # Refreshed while a call runs, but never under buttons: a new request coming in at the
         # top would move the rows, and a click meant for one could approve another.
         waiting = running or any(row["status"] == "approved" for row in rows)

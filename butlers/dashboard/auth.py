@@ -15,7 +15,8 @@ script reads it), SameSite=Strict (no other site's page sends it), and Secure wh
 came over HTTPS: directly, or through a TLS proxy whose X-Forwarded-Proto uvicorn trusts
 (FORWARDED_ALLOW_IPS, default the loopback addresses).
 
-Wrong tokens typed into the sign-in form are throttled per client (`LoginThrottle`).
+Wrong tokens, typed into the sign-in form or sent as a bearer token to a page, are throttled
+per client (`LoginThrottle`).
 
 Without a token the switchboard listens on loopback only (butlers.http refuses anything else),
 and the dashboard's pages are guarded like /health: the Host and Origin must name this

@@ -11,6 +11,7 @@ for the filters): a page costs the same with a hundred rows or a hundred thousan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -24,16 +25,27 @@ EXCERPT_HEAD = 480  # characters read of a text to show one line of it
 MESSAGE_TEXT_CHARS = 20_000  # of one message, its reply and its error, on its own page
 
 
-def _excerpts(row: asyncpg.Record, *names: str) -> dict[str, Any]:
+def _excerpts(row: asyncpg.Record, clip: Callable[[str], str], *names: str) -> dict[str, Any]:
     out = dict(row)
     for name in names:
-        out[name] = excerpt(out.pop(f"{name}_head"), out.pop(f"{name}_chars"))
+        head = out.pop(f"{name}_head")
+        out[name] = excerpt(clip(head) if head else head, out.pop(f"{name}_chars"))
     return out
 
 
 class DashboardStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, clip: Callable[[str], str] = str) -> None:
         self.pool = pool
+        # Secrets out of a text before it is cut to a line, the beginning of one at the cut
+        # too (Redactor.clipped): the page's own redaction, after the cut, saw only part of
+        # a secret there, and showed it (a red team padded a message to choose how much).
+        self.clip = clip
+
+    @classmethod
+    def redacting(cls, pool: asyncpg.Pool, redact: Callable[[str], str]) -> DashboardStore:
+        """The store whose excerpts `redact` (the process's Redactor: its `clipped`, when
+        it has one) clips before they are cut."""
+        return cls(pool, clip=getattr(redact, "clipped", redact))
 
     async def registry(self) -> list[dict[str, Any]]:
         """Every butler, as list_butlers reads it (RoutingStore.registry's statement): the
@@ -52,7 +64,7 @@ class DashboardStore:
         """One page of the inbox, newest first (ids below `before`)."""
         statement, filters = sql.DASHBOARD_MESSAGES.build(status, channel, before)
         rows = await self.pool.fetch(statement, PAGE_ROWS, EXCERPT_HEAD, *filters)
-        return [_excerpts(r, "text", "reply") for r in rows]
+        return [_excerpts(r, self.clip, "text", "reply") for r in rows]
 
     async def message(self, inbox_id: int) -> dict[str, Any] | None:
         """One message (its texts up to MESSAGE_TEXT_CHARS), with its routes and what went

@@ -36,7 +36,6 @@ import logging
 import re
 import secrets
 import time
-import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +66,7 @@ from butlers.switchboard.route import Router, RouteSource, summarize
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier, current_trace_id
-from butlers.text import printable
+from butlers.text import escaped_disguises, printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -363,7 +362,7 @@ def shown_arguments(arguments: dict[str, Any]) -> tuple[str, bool]:
     whether all of it is shown."""
     for limit in SHOWN_VALUE_CHARS:
         kept = _cut(arguments, limit, 0)
-        shown = _inert(json.dumps(kept, indent=2, ensure_ascii=False, sort_keys=True))
+        shown = escaped_disguises(json.dumps(kept, indent=2, ensure_ascii=False, sort_keys=True))
         if len(shown) <= SHOWN_ARGUMENTS_CHARS:
             return shown, kept == arguments
     # (only very deep or wide arguments get here: the rest is in `butlers approvals --json`)
@@ -374,16 +373,6 @@ SHOWN_VALUE_CHARS = (600, 200, 60)  # of one text, key or number, tried in turn 
 SHOWN_ITEMS = 20  # of one list or object (the arguments too: a tool server may take any)
 SHOWN_DEPTH = 6  # lists and objects within one another
 SHOWN_KEY_CHARS = 60
-_DISGUISING = frozenset({"Cf", "Zl", "Zp", "Co", "Cs", "Cn"})  # (JSON escapes Cc itself)
-
-
-def _inert(text: str) -> str:
-    return "".join(
-        (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
-        if unicodedata.category(c) in _DISGUISING
-        else c
-        for c in text
-    )
 
 
 def _cut(value: Any, limit: int, depth: int) -> Any:

@@ -175,7 +175,7 @@ class Switchboard:
             return await self.ask(text, source_id="dashboard")
 
         parts = DashboardParts(
-            store=DashboardStore(self.routing_store.pool),
+            store=DashboardStore.redacting(self.routing_store.pool, redact),
             probe=FleetProbe(self.connections),
             sessions=sessions,
             switchboard_name=self.name,

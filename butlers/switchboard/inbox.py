@@ -20,6 +20,9 @@ from butlers.media import Attachment
 from butlers.switchboard import queries as sql
 
 MAX_ATTEMPTS = 3  # a message that took the process down this often is failed, not retried
+# A sender's name as kept: Telegram's are at most 129 characters; a mail's display name has no
+# limit, and one of 3000 made every page that shows it scroll sideways (a red team).
+MAX_SENDER_NAME_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ class InboxStore:
             message.channel,
             storable(message.external_id),
             storable(message.source_id),
-            storable(message.sender_name),
+            storable(message.sender_name and message.sender_name[:MAX_SENDER_NAME_CHARS]),
             storable(message.subject),
             storable(message.text),
             storable_json(message.meta if meta is None else meta),
