@@ -623,7 +623,9 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
         await mail("Ada <user@example.com>", ASK, "<t1@x>", None)
         await eventually(lambda: _mails_arrived(smtp, 2))
         [question] = [m for m in smtp.messages if m["To"] == OWNER_MAIL.email]
-        assert 'Reply to this mail with "yes 1"' in question.get_content()
+        assert 'Reply to this mail with "yes" or "no" on its first line (or "yes 1"' in (
+            question.get_content()
+        )
         assert f'"text": "{EFFECT}"' in question.get_content()
         request_id = question["Message-ID"]
         # The stranger answering in the thread, and the owner outside it: ordinary messages
@@ -639,6 +641,78 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
     assert to("user@example.com")[2:] == [EFFECT, "Approved and done: general ran notify (#1)."]
     row = await approval_row(switchboard, db_conn)
     assert (row["status"], row["decided_by"]) == ("done", f"email:{OWNER_MAIL.email}")
+
+
+async def test_a_bare_yes_or_no_in_a_questions_thread_decides_that_one(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner answers "Yes, please." to the question mail, without its number: the thread
+    names the approval (the nearest question in it). A "yes" that says more ("yes, but...")
+    is a message: the call shown is not what it asks."""
+    scripted_api.respond_with(stranger_model)
+    senders = ("user@example.com", OWNER_MAIL.email)
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        switchboard, _ = await mail_notify_fleet(
+            start_butler,
+            tmp_path,
+            smtp,
+            monkeypatch,
+            general_overrides={"approvals": ApprovalsConfig(tools=("notify",))},
+            switchboard_overrides={
+                "email": email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=senders)
+            },
+        )
+
+        async def mail(sender: str, text: str, message_id: str, thread: list[str]) -> None:
+            payload: dict[str, Any] = {"from": sender, "subject": "Re", "text": text}
+            payload["message_id"] = message_id
+            if thread:
+                payload["headers"] = {"In-Reply-To": thread[-1], "References": " ".join(thread)}
+            assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+
+        def questions() -> list[Any]:
+            return [m for m in smtp.messages if m["To"] == OWNER_MAIL.email]
+
+        await mail("user@example.com", ASK, "<s1@x>", [])
+        await eventually(lambda: _count_at_least(questions(), 1))
+        await mail("user@example.com", ASK, "<s2@x>", [])
+        await eventually(lambda: _count_at_least(questions(), 2))
+        first, second = questions()[:2]
+        conn = await db_conn(switchboard.config.database)
+
+        async def status(approval_id: int) -> str:
+            return await conn.fetchval("SELECT status FROM approvals WHERE id = $1", approval_id)
+
+        # "yes, but..." in the first question's thread: a message (routed), nothing decided.
+        await mail(OWNER_MAIL.email, "Yes, but make it for two.", "<o1@x>", [first["Message-ID"]])
+        await eventually(lambda: _count_at_least(questions(), 3))  # general's "Done." to it
+        assert (await status(1), await status(2)) == ("pending", "pending")
+        # "Yes, please." to the second question (its thread also holds the first's id).
+        thread = [first["Message-ID"], second["Message-ID"]]
+        await mail(
+            OWNER_MAIL.email, "Yes, please.\n\n> general asks to run notify", "<o2@x>", thread
+        )
+
+        async def second_done() -> bool:
+            return await status(2) == "done"
+
+        await eventually(second_done)
+        await mail(OWNER_MAIL.email, "No.", "<o3@x>", [first["Message-ID"]])
+
+        async def first_denied() -> bool:
+            return await status(1) == "denied"
+
+        await eventually(first_denied)
+    decided = await conn.fetch("SELECT id, decided_by FROM approvals ORDER BY id")
+    assert [r["decided_by"] for r in decided] == [f"email:{OWNER_MAIL.email}"] * 2
+
+
+async def _count_at_least(items: list[Any], count: int) -> bool:
+    return len(items) >= count
 
 
 async def _mails_arrived(smtp: SmtpServer, count: int) -> bool:

@@ -6,10 +6,11 @@ RecordingWorker, and against a real SMTP server (aiosmtpd) for what it sends.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from email.message import EmailMessage
 
-from butlers.config import SwitchboardConfig
+from butlers.config import OwnerConfig, SwitchboardConfig
 from butlers.media import Attachment
 from butlers.modules.email import EmailModule
 from butlers.modules.mail_parse import ParsedMail, parse_mail, within_limits
@@ -208,6 +209,75 @@ def test_a_forwarded_mail_names_whose_words_it_carries() -> None:
     # the event loop for one mail of 80 KB, a review); found in a look at the start only.
     assert forwarded_author("hi", " \n" * 40_000) is None
     assert forwarded_author("hi", "x" * 30_000 + "\nBegin forwarded message:\n") is None
+
+
+def test_an_outlook_reply_is_the_senders_own_words_and_its_history_is_trimmed() -> None:
+    """Outlook writes the mail it answers under a header block (From:, Sent:, To:, Subject:),
+    the way it writes a forward. A reply (it names an earlier mail, or says RE:) is trimmed
+    there, and is no forward: the owner's own answer was taken for the butler's words (a
+    walkthrough). A forward (FW:) keeps the block, and says whose words it carries."""
+    from butlers.modules.email import _incoming
+
+    history = (
+        "From: Butler <butler@home.test>\nSent: Saturday, November 28, 2026 1:55 AM\n"
+        "To: Owner <owner@home.test>\nSubject: Re: Auth fail\n\nWhich dentist?"
+    )
+    own = "Great, thanks. Please also remember that my dentist is Dr. Who."
+    for body, headers in (
+        (f"{own}\n\n{history}", {"In_Reply_To": "<ours@home.test>"}),
+        (f"{own}\n\n________________________________\n{history}", {}),  # RE: alone, a rule
+    ):
+        reply = _incoming(
+            parse_mail(mail(body=body, subject="RE: Auth fail", **headers).as_bytes())
+        )
+        assert reply.text == own
+        assert "forwarded_from" not in reply.meta
+    forward = _incoming(parse_mail(mail(body=f"FYI\n\n{history}", subject="FW: Auth").as_bytes()))
+    assert forward.meta["forwarded_from"] == "Butler <butler@home.test>"
+    assert "Which dentist?" in forward.text
+    assert forward.meta["forwarded_at"] == forward.text.index("From: Butler")
+
+
+def test_the_senders_own_lines_above_a_forwarded_part_stay_theirs() -> None:
+    """ "Please add this party to my calendar", then Gmail's forwarded part: the first line is
+    the owner's request, the rest Carol's words. The classifier and the butler read them so
+    (not "all that follows was written by Carol")."""
+    from butlers.modules.email import _incoming
+    from butlers.switchboard.classifier import message_body
+    from butlers.switchboard.handoff import Handoff
+    from butlers.switchboard.inbox import InboxMessage
+
+    body = (
+        "Please add this party to my calendar.\n\n---------- Forwarded message ---------\n"
+        "From: Carol <carol@friend.test>\nDate: Fri\nSubject: Party\n\nSaturday at 8!"
+    )
+    incoming = _incoming(parse_mail(mail(body=body, subject="Fwd: Party").as_bytes()))
+    assert incoming.meta["forwarded_from"] == "Carol <carol@friend.test>"
+    message = InboxMessage(
+        id=1,
+        channel="email",
+        external_id="x",
+        source_id="owner@home.test",
+        sender_name=None,
+        subject=None,
+        text=incoming.text,
+        meta=incoming.meta,
+        attempts=0,
+        trace_context=None,
+        conversation="email:owner@home.test:<x>",
+    )
+    said = message_body(message)
+    assert said.startswith("Please add this party to my calendar.\n\n(Forwarded: from here on,")
+    assert 'the words were written by "Carol <carol@friend.test>", not by the sender.)' in said
+    assert said.endswith("Saturday at 8!")
+    owner = OwnerConfig(email="owner@home.test")
+    framed = Handoff.of(message, owner=owner).prompt(said)
+    assert "Part of the message was forwarded: from the line that says so on" in framed
+    # All of a mail forwarded (nothing of the sender's own above it): said of all of it.
+    whole = dataclasses.replace(
+        message, text=body[body.index("----------") :], meta={"forwarded_from": "Carol"}
+    )
+    assert message_body(whole).startswith('(Forwarded: all that follows was written by "Carol"')
 
 
 # -- what goes out ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
     ParsedMail,
     dmarc_refusal,
-    forwarded_author,
+    forwarded_part,
     not_read_note,
     one_line,
     reply_subject,
@@ -473,8 +473,10 @@ def _incoming(mail: ParsedMail) -> IncomingMessage:
     if any(file.kind == "audio" for file in mail.files):
         # The worker transcribes it; the mail's own text stays beside the transcript.
         meta["voice"] = True
-    if (author := forwarded_author(mail.subject, mail.text)) is not None:
-        meta["forwarded_from"] = author  # someone else's words (the handoff says so)
+    if (forwarded := forwarded_part(mail.subject, mail.text)) is not None:
+        meta["forwarded_from"] = forwarded[0]  # someone else's words (the handoff says so)
+        if forwarded[1]:  # the sender's own lines come first
+            meta["forwarded_at"] = forwarded[1]
     return IncomingMessage(
         channel="email",
         external_id=_external_id(mail),

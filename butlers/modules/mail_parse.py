@@ -196,7 +196,8 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
                 files.append(file)
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
-    text = trim_quoted(text)[:MAX_TEXT_CHARS] + not_read_note(not_read)
+    reply = is_reply(mail.subject, mail.references, mail.message_id)
+    text = trim_quoted(text, reply=reply)[:MAX_TEXT_CHARS] + not_read_note(not_read)
     return replace(
         mail,
         text=text.strip(),
@@ -401,10 +402,33 @@ def html_to_text(html: str, *, max_chars: int | None = None) -> str:
 
 
 _QUOTE_HEADER = re.compile(r"^(On .+ wrote:|-----Original Message-----|Le .+ a écrit :)\s*$")
+# A reply's subject: English, German, Scandinavian, Dutch, Polish, Turkish, Italian, Portuguese.
+REPLY_SUBJECT = re.compile(
+    r"^[ \t]*(?:re|aw|sv|antw|odp|ynt|rif|res)[ \t]*(?:\[\d+\])?[ \t]*:", re.I
+)
+# Outlook's line above the header block of the mail it answers.
+_OUTLOOK_RULE = re.compile(r"^[ \t]*_{10,}[ \t]*\n?\Z")
 
 
-def trim_quoted(text: str) -> str:
-    """Drop the quoted history of a reply: '>' lines and everything after 'On ... wrote:'."""
+def is_reply(subject: str, references: str, message_id: str) -> bool:
+    """Whether a mail answers another (not a forward): it names an earlier mail of its
+    thread, or its subject says Re: (AW:, SV:, ...)."""
+    if FORWARDED_SUBJECT.match(subject):
+        return False
+    earlier = [i for i in references.split() if i != message_id]
+    return bool(earlier) or REPLY_SUBJECT.match(subject) is not None
+
+
+def trim_quoted(text: str, *, reply: bool = False) -> str:
+    """Drop the quoted history of a reply: '>' lines and everything after 'On ... wrote:'.
+    A reply's (`reply`) history under Outlook's header block (From:, then Sent: or Date:,
+    with or without its rule of underscores above) goes too: kept, the block read as a
+    forward, and the owner's own reply was taken for someone else's words (a walkthrough)."""
+    if reply and (block := FORWARDED_HEADERS.search(text[:FORWARD_SEARCH_CHARS])) is not None:
+        text = text[: block.start()]
+        head, _, last = text.rstrip("\n").rpartition("\n")
+        if _OUTLOOK_RULE.match(last):
+            text = head
     kept = []
     for line in text.splitlines():
         if _QUOTE_HEADER.match(line.strip()):
@@ -603,10 +627,12 @@ FORWARDED_FROM = re.compile(r"^[ \t]*\*?(?:from|von|de)[ \t]*:\*?[ \t]*(.+)$", r
 FORWARD_SEARCH_CHARS = 20_000
 
 
-def forwarded_author(subject: str, text: str) -> str | None:
-    """Who wrote the words of a mail that forwards another (None: not a forward): the first
-    `From:` line after the forwarded part opens, else "someone else". The owner forwarding a
-    stranger's mail ("please pay this") passed the stranger's words on as their own."""
+def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
+    """Who wrote the words of a mail that forwards another, and where in `text` the forwarded
+    part begins (0: all of it, or it cannot be told); None: not a forward. The author is the
+    first `From:` line after the forwarded part opens, else "someone else". The owner
+    forwarding a stranger's mail ("please pay this") passed the stranger's words on as their
+    own; the owner's own lines above the forwarded part stay theirs."""
     text = text[:FORWARD_SEARCH_CHARS]
     block = FORWARDED_BLOCK.search(text)
     headers = FORWARDED_HEADERS.search(text) if block is None else None
@@ -614,7 +640,14 @@ def forwarded_author(subject: str, text: str) -> str | None:
         return None
     author = headers or FORWARDED_FROM.search(text, block.end() if block is not None else 0)
     name = printable(author.group(1), 80) if author is not None else ""
-    return name or "someone else"
+    opened = block or headers
+    return name or "someone else", opened.start() if opened is not None else 0
+
+
+def forwarded_author(subject: str, text: str) -> str | None:
+    """`forwarded_part`'s author alone."""
+    found = forwarded_part(subject, text)
+    return found[0] if found is not None else None
 
 
 def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:

@@ -30,6 +30,7 @@ from butlers.modules.mail_parse import (
     ParsedMail,
     automated_reason,
     html_to_text,
+    is_reply,
     not_read_note,
     one_line,
     single_address,
@@ -108,18 +109,20 @@ def parse_webhook(body: bytes) -> ParsedMail:
     if not text and mail.html:
         text = html_to_text(mail.html[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
     attached = _attachment_names(data)
+    references = thread_references(
+        _first(headers, "references"), _first(headers, "in-reply-to"), message_id
+    )
+    reply = is_reply(mail.subject or "", references, message_id)
     return ParsedMail(
         message_id=message_id,
         sender=address,
         sender_name=name,
         subject=mail.subject or "",
         text=(
-            trim_quoted(text)[:MAX_TEXT_CHARS]
+            trim_quoted(text, reply=reply)[:MAX_TEXT_CHARS]
             + not_read_note(attached, "the mail webhook takes text only")
         ).strip(),
-        references=thread_references(
-            _first(headers, "references"), _first(headers, "in-reply-to"), message_id
-        ),
+        references=references,
         automated=_automated(headers, address),
         authentication_results=tuple(headers.get("authentication-results", [])),
     )

@@ -105,6 +105,12 @@ _CALLBACK = re.compile(r"([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
 MAC_BYTES = 16
 # The owner's answer by mail, first thing in the reply: "yes 12", "no #12".
 _MAIL_ANSWER = re.compile(r"\s*(yes|no)\s+#?([1-9][0-9]{0,17})\b", re.IGNORECASE)
+# Or a first line of yes or no alone, in the question's own thread: "Yes, please." "No!"
+# (a reply that says more, "yes, but make it 50", is a message: the call shown is not that).
+_MAIL_BARE_ANSWER = re.compile(
+    r"\s*(yes|no)[ \t]*(?:,?[ \t]*(?:please|thanks|thank you|go ahead))?[ \t.!]*(?:\n|\Z)",
+    re.IGNORECASE,
+)
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
 # Pending approvals one person may have, in all their conversations (a mail's thread is its
@@ -196,6 +202,11 @@ class ApprovalStore:
     async def get(self, approval_id: int) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql.APPROVAL_GET, approval_id)
         return dict(row) if row is not None else None
+
+    async def asked_by_mail(self, thread: Sequence[str]) -> list[dict[str, Any]]:
+        """The approvals whose question mail is one of `thread`'s Message-IDs."""
+        rows = await self.pool.fetch(sql.APPROVAL_ASKED_BY_MAIL, list(thread))
+        return [dict(r) for r in rows]
 
     async def newest(self, status: str | None, limit: int) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(sql.APPROVAL_NEWEST, status, limit)
@@ -488,8 +499,9 @@ class ApprovalDesk:
         text = describe(row, self.redact, self.owner, name)
         if by_reply:
             text += (
-                f'\n\nReply to this mail with "yes {row["id"]}" or "no {row["id"]}" on its '
-                f"first line, or run `butlers approvals approve|deny {row['id']}`."
+                '\n\nReply to this mail with "yes" or "no" on its first line (or "yes '
+                f'{row["id"]}", "no {row["id"]}"), or run `butlers approvals approve|deny '
+                f"{row['id']}`."
             )
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=row["butler"])
         if buttons:
@@ -591,15 +603,26 @@ class ApprovalDesk:
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
 
     async def mail_answer(self, sender: str, thread: Sequence[str], text: str) -> bool:
-        """An allowed mail that may be the owner's answer ("yes 12" / "no 12" first): True
-        when it decided (or tried to decide) an approval, so it is not a message to route.
-        Taken only from the owner's address and in the thread of that approval's request
-        mail; anything else is an ordinary message."""
-        match = _MAIL_ANSWER.match(text)
+        """An allowed mail that may be the owner's answer ("yes 12" / "no 12" first, or a
+        first line of "yes" or "no" alone in reply to a question mail, which names its
+        approval): True when it decided (or tried to decide) an approval, so it is not a
+        message to route. Taken only from the owner's address and in the thread of that
+        approval's request mail; anything else is an ordinary message."""
+        match = _MAIL_ANSWER.match(text) or _MAIL_BARE_ANSWER.match(text)
         owner = self.owner.email.lower()
         if match is None or not owner or sender.lower() != owner:
             return False
-        approval_id = int(match[2])
+        if match.re is _MAIL_BARE_ANSWER:  # the approval whose question this mail answers
+            asked_here = {
+                (r.get("asked") or {}).get("email"): r
+                for r in await self.store.asked_by_mail(thread)
+            }
+            nearest = next((asked_here[i] for i in reversed(thread) if i in asked_here), None)
+            if nearest is None:
+                return False  # a "yes" to something else: a message like any other
+            approval_id = int(nearest["id"])
+        else:
+            approval_id = int(match[2])
         row = await self.store.get(approval_id)
         asked = (row or {}).get("asked") or {}
         if row is None or not asked.get("email") or asked["email"] not in thread:

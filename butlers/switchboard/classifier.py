@@ -22,7 +22,7 @@ from butlers.claude_code import McpTarget
 from butlers.config import TriageRule
 from butlers.spawner import SessionOutcome, Spawner
 from butlers.switchboard.attachments import described
-from butlers.switchboard.conversation import HISTORY_INTRO
+from butlers.switchboard.conversation import HISTORY_INTRO, forwarded_at
 from butlers.switchboard.dispatch import CREDENTIAL_HEADER
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.route import OwnEndpoints, routable_rows
@@ -58,9 +58,20 @@ def message_body(message: InboxMessage) -> str:
     )
     if (author := message.meta.get("forwarded_from")) is not None:
         # Someone else's words, passed on: not the sender's own request (their name is
-        # theirs to choose, so it is quoted).
+        # theirs to choose, so it is quoted). A mail's own lines above the forwarded part
+        # (`forwarded_at`) are the sender's: said so, not taken for the author's.
         quoted = json.dumps(author, ensure_ascii=False)
-        text = f"(Forwarded: all that follows was written by {quoted}, not by the sender.) {text}"
+        at = forwarded_at(message)
+        if at:
+            own, passed_on = text[:at].rstrip(), text[at:]
+            text = (
+                f"{own}\n\n(Forwarded: from here on, the words were written by {quoted}, "
+                f"not by the sender.)\n{passed_on}"
+            )
+        else:
+            text = (
+                f"(Forwarded: all that follows was written by {quoted}, not by the sender.) {text}"
+            )
     if message.subject:
         text = f"Subject: {message.subject}\n\n{text}"
     files = described(message.meta)

@@ -17,6 +17,7 @@ from butlers.memory import person_of
 
 if TYPE_CHECKING:
     from butlers.config import OwnerConfig
+    from butlers.switchboard.inbox import InboxMessage
 
 HISTORY_CHARS_PER_TEXT = 500  # each earlier message and answer, in prompts
 HISTORY_INTRO = "Earlier in this conversation, oldest first"
@@ -78,3 +79,12 @@ def help_text(butlers: Sequence[dict[str, Any]], *, switchboard: str) -> str:
         "Hello! Write to me in plain words and I pass your message to the butler it is for:\n"
         f"{listed}\n\nReply to one of my answers to carry on with the butler that gave it."
     )
+
+
+def forwarded_at(message: InboxMessage) -> int:
+    """Where in a message's text a forwarded part begins after the sender's own lines (a
+    mail's `forwarded_at`); 0: all of it is forwarded, or it is not a forward."""
+    at = message.meta.get("forwarded_at")
+    if message.meta.get("voice") or not isinstance(at, int) or isinstance(at, bool):
+        return 0
+    return at if 0 < at < len(message.text) else 0

@@ -461,6 +461,11 @@ APPROVAL_CREATE = f"""
 """
 APPROVAL_PERSON_LOCK = "SELECT pg_advisory_xact_lock(hashtext('approvals:' || $1))"
 APPROVAL_GET = f"SELECT {_APPROVAL_ROW} FROM approvals WHERE id = $1"
+# The approvals whose question went out as one of the mails $1 (a reply's thread).
+APPROVAL_ASKED_BY_MAIL = f"""
+    SELECT {_APPROVAL_ROW} FROM approvals WHERE asked->>'email' = ANY($1::text[])
+    ORDER BY id DESC LIMIT 100
+"""
 # The newest $2, of status $1 (NULL: any).
 APPROVAL_NEWEST = f"""
     SELECT {_APPROVAL_ROW} FROM approvals WHERE $1::text IS NULL OR status = $1
