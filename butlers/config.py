@@ -248,6 +248,12 @@ class McpServerConfig:
         default=(),
         description="Globs of the offered tools whose calls wait for the owner's yes.",
     )
+    people: Annotated[bool, Strict()] = Field(
+        default=True,
+        description="Whether a session answering someone other than the owner (a paired or "
+        "allowed person, or words the owner forwarded) is offered its tools; false: the "
+        "owner's sessions alone (your files are not your friends').",
+    )
     timeout_s: Annotated[Float, Field(gt=0)] = Field(
         default=60.0, description="Seconds one call may take; then the session gets an error."
     )

@@ -358,6 +358,7 @@ class ButlerDaemon:
         """The `[[mcp_servers]]`, proxied on `mcp`; a session is allowed the butler's own
         tools and the servers' offered ones, as they are when it starts. A call of a tool of
         a server that is down says so (`middleware`'s hint)."""
+        from butlers.session_policy import session_token
         from butlers.tool_servers import ToolServers
 
         own = list(ctx.tool_names)
@@ -373,6 +374,7 @@ class ButlerDaemon:
             butler_dir=self.config.config_dir,
             redact=self.redactor,
             on_tools_changed=tools_changed,
+            answers_someone_else=lambda: ctx.spawner.answers_someone_else(session_token()),
         )
         ctx.tool_servers = servers.statuses
         middleware.unknown_tool_hint = servers.why_missing

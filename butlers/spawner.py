@@ -32,7 +32,7 @@ from butlers.claude_code import (
     remove_private_files,
     run_claude_code,
 )
-from butlers.config import ButlerConfig
+from butlers.config import PROXY_SEPARATOR, ButlerConfig
 from butlers.core_store import CoreStore
 from butlers.errors import SpawnError
 from butlers.memory import (
@@ -194,6 +194,10 @@ class Spawner:
         withheld = ROUTED_SESSION_WITHHELD if routed else frozenset()
         if withheld:
             target = withhold(target, withheld)
+            if forwarded_from is not None or self.person_served(conversation) is not None:
+                # Someone else's words: not the tool servers kept to the owner (`people =
+                # false`); ToolServer.call refuses them to its credential too.
+                target = withhold(target, self._owners_only(target.allowed_tools))
         async with slots or self._slots:
             self.running += 1
             # The session names itself with this in its private MCP config: the butler's
@@ -275,6 +279,32 @@ class Spawner:
         forwarded (None: the sender's own, or no session)."""
         serving = self._serving_of(session_token) if session_token else None
         return serving.forwarded_from if serving is not None else None
+
+    def _owners_only(self, tools: Sequence[str]) -> list[str]:
+        """Of `tools`, those of tool servers offered to the owner's sessions alone."""
+        prefixes = tuple(
+            f"{server.name}{PROXY_SEPARATOR}"
+            for server in self.config.mcp_servers
+            if not server.people
+        )
+        return [tool for tool in tools if prefixes and tool.startswith(prefixes)]
+
+    def answers_someone_else(self, session_token: str | None) -> bool:
+        """Whether the caller presenting `session_token` is a session answering someone other
+        than the owner (a person, or words the owner forwarded); a credential that names no
+        running session is taken for one. False for the operator (no credential) and the
+        sessions the owner started."""
+        if not session_token:
+            return False
+        serving = self._serving_of(session_token)
+        if serving is None:
+            return True
+        if not serving.withheld:  # not started by a routed message
+            return False
+        return (
+            serving.forwarded_from is not None
+            or self.person_served(serving.conversation) is not None
+        )
 
     def withheld_tools(self, session_token: str | None) -> frozenset[str]:
         """The tools the butler refuses to the caller presenting `session_token`: none to a

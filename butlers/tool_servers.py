@@ -283,6 +283,14 @@ class ToolServer:
         proxied = f"{self.name}{PROXY_SEPARATOR}{tool}"
         if not self.config.offers(tool):  # never registered; kept in case it ever is
             raise ToolRefusal(f"{proxied} is not offered on this butler")
+        if not self.config.people and self.owner.answers_someone_else():
+            # Kept out of such a session's allowlist too (Spawner.run): asked anyway, by a
+            # stranger's text or a credential of no running session.
+            raise ToolRefusal(
+                f"{proxied} is the owner's alone ([[mcp_servers]] people = false): not for a "
+                "session answering someone else",
+                log_level=logging.WARNING,
+            )
         if self.config.needs_approval(tool) and waits_for_approval():
             # The approval gate answers these before they get here: a session's call that
             # did not pass it is never run without the owner's yes.
@@ -336,9 +344,13 @@ class ToolServers:
         butler_dir: Path | None,
         redact: Callable[[str], str] = str,
         on_tools_changed: Callable[[], None] | None = None,
+        answers_someone_else: Callable[[], bool] = lambda: False,
     ) -> None:
         self.mcp = mcp
         self.redact = redact
+        # Whether the call in hand is a session's answering someone other than the owner
+        # (Spawner.answers_someone_else): a `people = false` server refuses it.
+        self.answers_someone_else = answers_someone_else
         self.on_tools_changed = on_tools_changed
         # Absolute: the default BUTLERS_DATA_DIR is relative (.butlers), and a server runs in
         # the data directory, where `{data_dir}` written relative would name a directory

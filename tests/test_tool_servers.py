@@ -277,6 +277,57 @@ async def test_a_stranger_cannot_write_through_the_server_without_approval(
     assert "outside the root" not in texts[3]  # the server's own root holds too
 
 
+async def test_a_server_kept_to_the_owner_is_neither_offered_nor_run_for_anyone_else(
+    start_butler: StartButler,
+    npm_servers: Path,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """`people = false`: the owner's files are not a paired friend's (an email-only owner's
+    walkthrough: a paired stranger read the owner's notes through init's files server). A
+    person's session and one on words the owner forwarded are not offered its tools, and
+    their call is refused by the butler; the owner's own chat reads the note."""
+    root = notes_dir(tmp_path)
+    offered: list[list[str]] = []
+
+    def respond(body: dict) -> list[dict]:
+        if turn(body) == 0:
+            offered.append(mcp_tools(body))
+            path = str(root / "note.txt")
+            return [tool_use("mcp__general__files__read_text_file", {"path": path})]
+        return [text("Read.")]
+
+    scripted_api.respond_with(respond)
+    general = await start_butler(
+        replace(
+            butler_config("general", mcp_servers=(files_server(npm_servers, root, people=False),)),
+            owner_persons=("telegram:7",),
+        )
+    )
+    await running(general, "files")
+    async with Client(general.sse_url) as client:
+        for meta in (
+            {"butlers/conversation": "telegram:1"},  # a person
+            {"butlers/conversation": "telegram:7", "butlers/forwarded_from": "Mallory"},
+            {"butlers/conversation": "telegram:7"},  # the owner's own chat
+        ):
+            await client.call_tool(
+                "trigger", {"prompt": "What does my note say?"}, meta=meta, timeout=120
+            )
+    results = [json.dumps(r) for r in scripted_api.tool_results()]
+    assert len(results) == 3 and len(offered) == 3
+    for refused, tools in zip(results[:2], offered[:2], strict=True):
+        assert "No such tool available" in refused and NOTE not in refused
+        assert not [t for t in tools if t.startswith("mcp__general__files__")]
+    assert NOTE in results[2]
+    assert "mcp__general__files__read_text_file" in offered[2]
+    # Asked of the butler itself with a session's credential (not one of the owner's): no.
+    transport = SSETransport(general.sse_url, headers={SESSION_HEADER: "not-a-running-one"})
+    async with Client(transport) as client:
+        with pytest.raises(ToolError, match=r"is the owner's alone \(\[\[mcp_servers\]\] people"):
+            await client.call_tool("files__read_text_file", {"path": str(root / "note.txt")})
+
+
 async def test_a_server_killed_mid_call_fails_the_call_and_is_started_again(
     start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI
 ) -> None:
