@@ -135,6 +135,28 @@ async def test_the_index_follows_a_child_whose_tools_change(tmp_path: Path) -> N
         assert text_of(result) == "ok", text_of(result)
 
 
+async def test_a_server_that_never_starts_holds_up_one_search_and_no_call(
+    tmp_path: Path,
+) -> None:
+    """A child that never answers its initialize (its timeout ten minutes away): the first
+    search waits a few seconds for it, then answers from the others; later searches and a
+    call of the others' tools do not wait for it at all. (Every search and call waited for
+    it to the end: a walkthrough with a hung server.) The bound is the test's, not a timing:
+    waiting for the hung child would never end within it."""
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "hung", "--silent")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nrpc_ms = 600000\n")
+    async with stdio_host(tmp_path, "--mode", "search") as host:
+        async with asyncio.timeout(60):
+            found = await search(host, "echo back a message")
+            assert [(f["name"], f["server"]) for f in found][:1] == [("echo", "plain")]
+            assert (await host.status())["hung"]["state"] == "warming"
+            again = await search(host, "echo back a message")
+            assert again == found
+            result = await host.call("gateway_call", name="echo", arguments={"message": "hi"})
+            assert not result.is_error and text_of(result) == "hi", text_of(result)
+
+
 def test_a_name_two_servers_share_is_qualified() -> None:
     """`echo` of two servers: each result names what gateway_call takes, `server/echo`;
     the bare name means both."""

@@ -85,6 +85,10 @@ logger = logging.getLogger(__name__)
 State = Literal["idle", "warming", "ready", "active", "error"]
 Verbosity = Literal["summary", "full", "redacted"]
 VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
+# How long a search waits for servers still starting before it answers from the others,
+# once per start (a call of a tool it does not find waits for them to the end: it may be
+# theirs). The first search of a `--lazy` gateway starts every server: npm's take ~1 s.
+SEARCH_WAIT_S = 8.0
 
 SUITE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -121,6 +125,8 @@ class Slot:
     instructions: Instructions | None = None
     # The start under way (`Gateway.warm`), which a call made meanwhile waits for.
     starting: asyncio.Future[None] | None = None
+    # A search already waited SEARCH_WAIT_S for this start: the next ones answer without it.
+    searched_while_starting: bool = False
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -335,12 +341,13 @@ class Gateway:
         for slot in self.slots.values():
             self._start_warm(slot)
 
-    def _start_warm(self, slot: Slot) -> None:
+    def _start_warm(self, slot: Slot) -> asyncio.Task[None]:
         """Warm `slot` in the background; the task leaves `_warming` when it ends, its
         failure logged as any gateway task's (close() cancels those still running)."""
         task = asyncio.create_task(self.warm(slot), name=f"gateway:warm:{slot.spec.name}")
         self._warming.add(task)
         task.add_done_callback(self._warmed)
+        return task
 
     def _warmed(self, task: asyncio.Task[None]) -> None:
         self._warming.discard(task)
@@ -365,6 +372,7 @@ class Gateway:
     async def _start(self, slot: Slot) -> None:
         was_up = slot.state in ("ready", "active")
         slot.state, slot.error = "warming", None
+        slot.searched_while_starting = False
         try:
             slot.tools = await slot.child.list_tools()
         except McpCallError as exc:
@@ -789,14 +797,21 @@ class Gateway:
 
     # -- search mode ----------------------------------------------------------------------
 
-    async def search_index(self) -> SearchIndex:
+    async def search_index(self, *, wait_s: float | None = SEARCH_WAIT_S) -> SearchIndex:
         """Every child's exposed tools, indexed; built again when a child's tool list was
         read again (start, restart, list_changed: see butlers.gateway.search). A child not
-        started yet (`--lazy`, or still warming) is started first: a search covers them all.
-        A child in error keeps the tools it last listed (a call restarts it)."""
+        started yet (`--lazy`, or still warming) is started, and waited for up to `wait_s`
+        (None: until each has started or failed): one slow or hung server held up every
+        search and call, a healthy server's too, for its whole timeout (a walkthrough). A
+        child in error keeps the tools it last listed (a call restarts it)."""
         pending = [s for s in self.slots.values() if s.state in ("idle", "warming")]
-        if pending:
-            await asyncio.gather(*(self.warm(slot) for slot in pending))
+        if wait_s is not None:  # each start holds up one search at most
+            pending = [s for s in pending if not s.searched_while_starting]
+        if pending and not self._closed:
+            starts = [self._start_warm(slot) for slot in pending]  # joins a start under way
+            await asyncio.wait(starts, timeout=wait_s)
+            for slot in pending:
+                slot.searched_while_starting = slot.state in ("idle", "warming")
         sources = [(name, slot.tools) for name, slot in self.slots.items()]
         index = self._search_index
         if index is None or not index.fresh(sources):
@@ -869,6 +884,9 @@ class Gateway:
             raise ToolRefusal(f"{tool}: 'name' must be a tool's name from gateway_search")
         index = await self.search_index()
         found = index.resolve(name)
+        if not found and self._starting():  # maybe theirs: waited for, this time to the end
+            index = await self.search_index(wait_s=None)
+            found = index.resolve(name)
         if len(found) == 1:
             return found[0]
         if found:
@@ -881,9 +899,16 @@ class Gateway:
                         f"{tool}: tool {listed['name']!r} of server {slot.spec.name!r} is not "
                         f"allowed (expose in [suites.{slot.spec.name}])"
                     )
+        starting = self._starting()
         raise ToolRefusal(
-            f"{tool}: no tool named {name!r} behind the gateway (gateway_search finds tools)"
+            f"{tool}: no tool named {name!r} behind the gateway (gateway_search finds tools"
+            + (f"; still starting: {', '.join(starting)}" if starting else "")
+            + ")"
         )
+
+    def _starting(self) -> list[str]:
+        """The children still starting (or not started: `--lazy`)."""
+        return [n for n, s in self.slots.items() if s.state in ("idle", "warming")]
 
     def _slot(self, name: str) -> Slot:
         slot = self.slots.get(name)
