@@ -105,7 +105,8 @@ _PROC_TESTS: dict[str, frozenset[str]] = {
         "test_killing_the_gateway_leaves_no_descendant_behind",
         "test_gateway_configs.py": "test_a_gateway_on_every_source_at_once",
         "test_gateway_env.py": "test_a_slow_initialize_within_the_call_timeout_is_waited_for "
-        "test_an_idle_child_is_stopped_and_started_again_by_its_next_call",
+        "test_an_idle_child_is_stopped_and_started_again_by_its_next_call "
+        "test_a_result_past_max_result_bytes_is_refused_and_the_child_serves_on",
         "test_gateway_hosts.py": "*",
         "test_gateway_install.py": "*",
         "test_gateway_modes.py": "*",

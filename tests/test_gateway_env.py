@@ -8,6 +8,7 @@ started again by its next call, never in the middle of one."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -139,3 +140,24 @@ async def test_an_idle_stop_never_cuts_a_call_short(tmp_path: Path, npm_servers:
             "everything_suite", "call", "trigger-long-running-operation", duration=3, steps=3
         )
         assert not result.is_error, text_of(result)
+
+
+async def test_a_result_past_max_result_bytes_is_refused_and_the_child_serves_on(
+    tmp_path: Path,
+) -> None:
+    """One child's huge result made Claude Code close its connection to the gateway, and
+    every child restarted with it (a walkthrough): a result past `max_result_bytes` is an
+    error naming its size; the next call of the same child is answered."""
+    mcp_json(tmp_path, "plain")
+    (tmp_path / "gateway.toml").write_text("max_result_bytes = 5000\n")
+    async with stdio_host(tmp_path) as host:
+        result = await host.suite("plain_suite", "call", "echo", message="x" * 4000)
+        assert result.is_error
+        assert re.fullmatch(
+            r"plain/echo: its result holds \d{4} bytes, more than max_result_bytes \(5000\) "
+            r"in gateway.toml: not passed on",
+            text_of(result),
+        ), text_of(result)
+        result = await host.suite("plain_suite", "call", "echo", message="y" * 900)
+        assert not result.is_error and text_of(result) == "y" * 900
+        assert len(child_pids(tmp_path)) == 1  # the same child throughout

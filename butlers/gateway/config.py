@@ -208,13 +208,19 @@ class GatewayConfig(_Table):
     wrapper: Wrapper = Field(default_factory=Wrapper, description="`[wrapper]`.")
     reload: Literal["approve", "apply", "off"] = Field(
         default="approve",
-        description="What an edit of the servers' files does while the gateway runs. "
-        "`approve`: a removed server goes at once; a new or changed one (command, args, env, "
-        "cwd, URL, headers) waits, listed as `pending` by `gateway_status`, until a person "
-        "runs `butlers gateway approve` (or the gateway starts again). `apply`: new and "
-        "changed servers start at once (only if you trust every writer of those files, the "
-        "host's model included). `off`: the files are not watched; changes count at the next "
-        "start.",
+        description="What an edit of the servers' files does. `approve`: a removed server "
+        "goes at once; a new or changed one (command, args, env, cwd, URL, headers) waits, "
+        "listed as `pending` by `gateway_status`, until a person runs `butlers gateway "
+        "approve` (at the next start too). `apply`: new and changed servers start at once "
+        "(only if you trust every writer of those files, the host's model included; it counts "
+        "once this file is approved). `off`: the files are not watched; what is approved "
+        "counts at the next start.",
+    )
+    max_result_bytes: Positive = Field(
+        default=4 * 1024 * 1024,
+        description="The most a child's result may hold (its texts and data); a bigger one is "
+        "refused with an error naming its size (Claude Code closed its connection to the "
+        "gateway on a 16 MB result, and every child restarted with it).",
     )
 
     # Not in the file: where it was read from (None: the defaults) and what its globs are

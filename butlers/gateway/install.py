@@ -734,7 +734,9 @@ description: >-
 This project's MCP servers sit behind one MCP server, `butlers`. Its tools:
 `mcp__butlers__gateway_status` (every server: name, state, tool count, whether active),
 `mcp__butlers__gateway_activate` and `mcp__butlers__gateway_deactivate` (argument `name`).
-A server's own tools appear in your tool list only while it is active.
+A server's own tools appear in your tool list only while it is active. In search mode there
+is no activating: `gateway_search` finds a tool of any server, `gateway_call` runs it; if
+`gateway_activate` is not among your tools, say so instead of activating.
 
 ## Finding the server the user means
 
@@ -747,7 +749,9 @@ Always call `gateway_status` first and match NAME against the names it lists:
 ## /butlers-gateway status
 
 Call `gateway_status` and show one line per server: name, state (warming, ready, active,
-error), number of tools, and its error if it has one.
+error, pending), number of tools, and its error or detail if it has one. A `pending` one is
+not approved: show its detail, which names the command that lets it in; never run that
+command yourself, it is the user's decision.
 
 ## /butlers-gateway activate NAME
 

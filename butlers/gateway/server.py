@@ -513,6 +513,13 @@ class Gateway:
         if not was_running and slot.state == "error":  # restarted by this call: it is back
             slot.state, slot.error = ("active" if slot.injected else "ready"), None
             self._came_up(slot)
+        size, cap = result_size(raw), self.config.max_result_bytes
+        if size > cap:
+            raise ToolRefusal(
+                f"{slot.spec.name}/{tool}: its result holds {size} bytes, more than "
+                f"max_result_bytes ({cap}) in gateway.toml: not passed on",
+                log_level=logging.WARNING,
+            )
         return result_of(raw)
 
     # -- spans ----------------------------------------------------------------------------
@@ -996,6 +1003,27 @@ _NOT_RUNNING: dict[str, Any] = {
     "tools": 0,
     "suite": None,
 }
+
+
+def result_size(raw: Any) -> int:
+    """About how many bytes a child's result holds: its texts, its data (base64), its
+    structured content. Counted from the parsed result (no second serialization of what may
+    be megabytes): characters, each at least a byte."""
+    if not isinstance(raw, dict):
+        return 0
+    size = 0
+    for item in raw.get("content") or ():
+        if isinstance(item, dict):
+            resource = item.get("resource")
+            for part in (item, resource if isinstance(resource, dict) else {}):
+                for key in ("text", "data", "blob"):
+                    value = part.get(key)
+                    if isinstance(value, str):
+                        size += len(value)
+    structured = raw.get("structuredContent")
+    if structured is not None:
+        size += len(json.dumps(structured, ensure_ascii=False))
+    return size
 
 
 def _relay_stderr(name: str, redact: Callable[[str], str], line: str) -> None:
