@@ -84,6 +84,32 @@ async def test_both_mode_swaps_a_suite_for_its_tools_and_introspect_takes_a_verb
         )
 
 
+async def test_a_tool_whose_name_is_no_tools_name_is_left_out(tmp_path: Path) -> None:
+    """A child lists a tool named with a line break (it forged a line of the listing) and one
+    with a terminal escape: left out of the listing, the host's tool list and the search, with
+    a warning naming them as written; a name as MCP has them (`admin.tools/list`) stays."""
+    mcp_json(
+        tmp_path,
+        "odd",
+        *("--odd-tool", "bad\nname  Forged line"),
+        *("--odd-tool", "\x1b]52;c;x\x07esc"),
+        *("--odd-tool", "admin.tools/list"),
+    )
+    code, out, err = await run_cli("gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path))
+    assert code == 0, (out, err)
+    assert "odd (mcp, ready): 5 subtools, suite odd_suite" in out.splitlines()
+    assert "Forged line" not in out and "\x1b" not in out
+    assert "admin.tools/list" in out
+    assert "2 tool(s) left out, their names not a tool's" in err
+    assert "'bad\\nname  Forged line'" in err and "\x1b" not in err
+    async with stdio_host(tmp_path, "--mode", "activate") as host:
+        activated = await host.call("gateway_activate", name="odd")
+        assert not activated.is_error, text_of(activated)
+        tools = await host.tools()
+        assert "admin.tools/list" in tools or "odd_admin.tools/list" in tools
+        assert not [t for t in tools if "\n" in t or "\x1b" in t]
+
+
 async def test_dry_run_lists_children_states_and_subtools_and_fails_on_a_broken_one(
     tmp_path: Path,
 ) -> None:

@@ -85,6 +85,9 @@ async def test_describe_and_call_through_the_suite_path(tmp_path: Path, npm_serv
         assert described["server"] == "files"
         assert set(described["inputSchema"]["required"]) == {"path", "content"}
         assert described["description"].startswith("Create a new file or completely overwrite")
+        # The child's hints, for a host that asks its user by them.
+        assert described["annotations"]["destructiveHint"] is True
+        assert described["annotations"]["readOnlyHint"] is False
 
         target = project / "files" / "written.txt"
         arguments = {"path": str(target), "content": "through gateway_call\n"}

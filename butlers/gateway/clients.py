@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import re
 import signal
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -48,6 +49,10 @@ LISTS_CHANGED = {
     "notifications/resources/list_changed": "resources",
 }
 KILL_GRACE_S = 2.0
+# A tool name as MCP's SEP-986 has it (letters, digits, _ - . /, at most 128): a child's other
+# names are left out. One with a line break forged a line of `--dry-run`'s listing, and
+# activate mode put it as it was into the host's tool list (a walkthrough).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_./-]{1,128}")
 T = TypeVar("T")
 _progress_tokens = itertools.count(1)
 
@@ -115,12 +120,27 @@ class _Child:
         raise NotImplementedError
 
     async def list_tools(self) -> list[dict[str, Any]]:
-        """Every tool the child lists, as JSON; starts it first if need be."""
+        """Every tool the child lists whose name is one (TOOL_NAME), as JSON; starts it first
+        if need be."""
         await self.start()
         assert self._connection is not None, "start() connected it"
-        return await self._ask(
+        tools = await self._ask(
             "tools/list", self._connection.list_tools(timeout_s=self.rpc_timeout_s)
         )
+        named = [
+            t for t in tools if isinstance(t.get("name"), str) and TOOL_NAME.fullmatch(t["name"])
+        ]
+        if len(named) < len(tools):
+            left_out = [repr(t.get("name"))[:60] for t in tools if t not in named]
+            logger.warning(
+                "child %r: %d tool(s) left out, their names not a tool's (letters, digits, "
+                "_ - . /, at most 128): %s",
+                self.name,
+                len(left_out),
+                ", ".join(left_out[:5]),
+                extra={"action": "child_tool_name_refused"},
+            )
+        return named
 
     async def call_tool(
         self,

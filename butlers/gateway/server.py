@@ -870,6 +870,8 @@ class Gateway:
         }
         if entry.tool.get("outputSchema"):
             described["outputSchema"] = entry.tool["outputSchema"]
+        if (annotations := _annotations(entry.tool)) is not None:  # destructiveHint, ...
+            described["annotations"] = annotations.model_dump(by_alias=True, exclude_none=True)
         return described
 
     async def _call(self, arguments: dict[str, Any]) -> ToolResult:
@@ -934,6 +936,7 @@ class Gateway:
                 name=name,
                 description=tool.get("description") or "",
                 parameters=tool.get("inputSchema") or {"type": "object"},
+                annotations=_annotations(tool),  # the host's "destructive?" prompt reads them
             )
             injected._gateway, injected._slot, injected._child_tool = self, slot, tool["name"]
             self.mcp.add_tool(injected)
@@ -1003,6 +1006,19 @@ _NOT_RUNNING: dict[str, Any] = {
     "tools": 0,
     "suite": None,
 }
+
+
+def _annotations(tool: Mapping[str, Any]) -> mcp_types.ToolAnnotations | None:
+    """A child's tool's annotations (readOnlyHint, destructiveHint, title...), as the child
+    listed them; None when it has none, or none that are valid (a child's word only: hints,
+    which no one should trust, but which a host asks its user by)."""
+    given = tool.get("annotations")
+    if not isinstance(given, dict):
+        return None
+    try:
+        return mcp_types.ToolAnnotations.model_validate(given)
+    except ValueError:
+        return None
 
 
 def result_size(raw: Any) -> int:

@@ -8,7 +8,8 @@ Reads requests one JSON per line (what the gateway sends). Answers one JSON per 
 prints non-JSON log lines to stdout between answers; `--crash-on` exits when that tool is
 called; `--silent` never answers anything;
 `--hang-on` never answers calls of that tool;
-`--linger` outlives the end of its stdin; `--protocol V` answers initialize with revision V;
+`--linger` outlives the end of its stdin; `--odd-tool NAME` lists a tool of that name (again
+for more); `--protocol V` answers initialize with revision V;
 `--extras` adds the tools `progress` (reports progress and logs a message before it answers)
 and `grow` (adds the tool `extra` and says its tool list changed). Tools: echo, add, crash,
 long_description.
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--name", default="mock")
     parser.add_argument("--protocol", help="the revision to answer initialize with")
     parser.add_argument("--extras", action="store_true")
+    parser.add_argument("--odd-tool", action="append", default=[], help="a tool of this name")
     options = parser.parse_args()
     if pids := os.environ.get("MOCK_MCP_PIDS"):
         with open(pids, "a") as f:
@@ -101,6 +103,10 @@ def main() -> None:
         out.write(b"mock MCP server starting (this line is not JSON)\n")
         out.flush()
     tools = [*TOOLS, *(EXTRAS if options.extras else [])]
+    tools += [
+        {"name": odd, "description": "Oddly named.", "inputSchema": {"type": "object"}}
+        for odd in options.odd_tool
+    ]
     for line in sys.stdin.buffer:
         if options.silent or not line.strip():
             continue
