@@ -34,7 +34,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from butlers.claude_code import claude_binary
 from butlers.errors import CommandError, TokenRejected
@@ -42,6 +42,7 @@ from butlers.errors import CommandError, TokenRejected
 if TYPE_CHECKING:
     from telegram import Bot
 
+    from butlers.modules.mail_transport import Security
     from butlers.settings import Settings
 
 T = TypeVar("T")
@@ -124,12 +125,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="its port (default 993, implicit TLS; 143: STARTTLS)",
     )
+    mail.add_argument(
+        "--imap-tls",
+        choices=("implicit", "starttls"),
+        help="how its TLS begins (default: asked of the server, else by the port)",
+    )
     mail.add_argument("--smtp-host", metavar="HOST", help="the SMTP server")
     mail.add_argument(
         "--smtp-port",
         type=_port,
         metavar="PORT",
         help="its port (default 587, STARTTLS; 465: implicit TLS)",
+    )
+    mail.add_argument(
+        "--smtp-tls",
+        choices=("implicit", "starttls"),
+        help="how its TLS begins (default: asked of the server, else by the port)",
     )
     mail.add_argument(
         "--mail-username",
@@ -194,8 +205,10 @@ class Answers:
     owner_email: str = ""
     imap_host: str = ""
     imap_port: int = 993
+    imap_tls: str = ""  # implicit | starttls; "": settled by `settle_mail_tls`
     smtp_host: str = ""
     smtp_port: int = 587
+    smtp_tls: str = ""
     mail_username: str = ""
     mail_password_env: str = DEFAULT_MAIL_PASSWORD_ENV
     mail_address: str = ""
@@ -303,8 +316,10 @@ def answers_from_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         "owner_email": _flag(args.owner_email, check_email, "--owner-email"),
         "imap_host": _flag(args.imap_host, check_host, "--imap-host"),
         "imap_port": args.imap_port,
+        "imap_tls": args.imap_tls,
         "smtp_host": _flag(args.smtp_host, check_host, "--smtp-host"),
         "smtp_port": args.smtp_port,
+        "smtp_tls": args.smtp_tls,
         "mail_username": _flag(args.mail_username, _check_username, "--mail-username"),
         "mail_password_env": _flag(args.mail_password_env, check_env_name, "--mail-password-env"),
         "mail_address": _flag(args.mail_address, check_email, "--mail-address"),
@@ -330,8 +345,10 @@ EMAIL_FLAGS = (
     "--owner-email",
     "--imap-host",
     "--imap-port",
+    "--imap-tls",
     "--smtp-host",
     "--smtp-port",
+    "--smtp-tls",
     "--mail-username",
     "--mail-password-env",
     "--mail-address",
@@ -405,10 +422,11 @@ def toml_string(value: str) -> str:
 def switchboard_toml(answers: Answers) -> str:
     """The switchboard's butler.toml: the shipped one's shape, with the answers."""
     q = toml_string
+    channels = " and ".join({"telegram": "Telegram", "email": "email"}[c] for c in answers.channels)
     lines = [
         "[butler]",
         'name = "switchboard"',
-        'description = "Front door: takes messages from Telegram and email, decides which '
+        f'description = "Front door: takes messages from {channels}, decides which '
         'butler should handle each one, routes it there and replies on the same channel."',
         f"port = {SWITCHBOARD_PORT}",
         "",
@@ -428,8 +446,8 @@ def switchboard_toml(answers: Answers) -> str:
         if answers.telegram_api_base_url:
             lines.append(f"api_base_url = {q(answers.telegram_api_base_url)}")
     if "email" in answers.channels:
-        imap_tls = "imap_starttls" if answers.imap_port == 143 else "imap_ssl"
-        smtp_tls = "smtp_ssl" if answers.smtp_port == 465 else "smtp_starttls"
+        imap_tls = "imap_starttls" if answers.imap_tls == "starttls" else "imap_ssl"
+        smtp_tls = "smtp_ssl" if answers.smtp_tls == "implicit" else "smtp_starttls"
         senders = f"[{q(answers.owner_email)}]" if answers.owner_email else "[]"
         lines += [
             "",
@@ -853,6 +871,14 @@ async def ask_questions(
             "Let unknown senders ask for access with a one-time code you approve (pairing)?",
             False,
         )
+        if answers.pairing and "email" in answers.channels and not answers.authserv_id:
+            # Asked now, not refused at the end with every answer lost (a walkthrough).
+            answers.authserv_id = await console.ask(
+                "Pairing by email needs your mail server's authserv-id (a stranger's From "
+                "proves nothing without it; Enter: no pairing)",
+                _optional(check_host),
+            )
+            answers.pairing = bool(answers.authserv_id)
     if args.timezone is None:
         answers.timezone = await console.ask("Your time zone", check_timezone, answers.timezone)
 
@@ -946,6 +972,50 @@ async def ask_mail(
         answers.owner_email = await console.ask(
             "Your own address (may write to the butlers)", check_email
         )
+
+
+async def settle_mail_tls(answers: Answers) -> list[str]:
+    """How each mail server's TLS begins, where no flag said: asked of the server itself
+    (it greets in plain text: STARTTLS; only inside TLS: implicit), else guessed from the
+    port (143 and 587: STARTTLS). The port alone once wrote implicit TLS for a STARTTLS
+    server on 1143 (Proton Bridge's), and doctor's advice pointed at the password (a
+    walkthrough). What was chosen and why, a line each."""
+    from butlers.modules.mail_transport import tls_keys, tls_spoken
+
+    said = []
+    # By the port alone: the well-known ones (IMAP 143, SMTP 587 and 25: STARTTLS; IMAP 993,
+    # SMTP 465: implicit), and for any other what most such servers do.
+    servers: list[tuple[Literal["IMAP", "SMTP"], str, int, str, Security]] = [
+        (
+            "IMAP",
+            answers.imap_host,
+            answers.imap_port,
+            "imap_tls",
+            "starttls" if answers.imap_port == 143 else "implicit",
+        ),
+        (
+            "SMTP",
+            answers.smtp_host,
+            answers.smtp_port,
+            "smtp_tls",
+            "implicit" if answers.smtp_port == 465 else "starttls",
+        ),
+    ]
+    for protocol, host, port, field, by_port in servers:
+        if getattr(answers, field):
+            continue
+        spoken = await tls_spoken(host, port, timeout_s=3.0) if host else None
+        if spoken in ("implicit", "starttls"):
+            how = "greets in plain text: STARTTLS" if spoken == "starttls" else "speaks TLS at once"
+            said.append(f"{protocol} {host}:{port} {how} (asked it): {tls_keys(protocol, spoken)}")
+        else:
+            spoken = by_port
+            said.append(
+                f"{protocol} {host}:{port} could not be asked; by its port: "
+                f"{tls_keys(protocol, spoken)} (wrong? change it under [modules.email])"
+            )
+        setattr(answers, field, spoken)
+    return said
 
 
 # ---- the owner's chat ----------------------------------------------------------------------
@@ -1075,6 +1145,9 @@ async def run(args: argparse.Namespace, settings: Settings) -> int:
         print("\nStopped: nothing was written.", file=sys.stderr, flush=True)
         raise
     complete_mail(answers)
+    if "email" in answers.channels:
+        for line in await settle_mail_tls(answers):
+            print(line, file=sys.stderr)
     entries = env_entries(answers, settings.environ, target)
     files = await asyncio.to_thread(config_files, answers)
     await asyncio.to_thread(write_config, target, files, env_text(target, entries))

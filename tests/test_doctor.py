@@ -23,7 +23,7 @@ from butlers.settings import Settings
 from tests.conftest import free_port, write_butler_dir
 from tests.fakes import serve_on_loopback
 from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.mail import SmtpServer, pymap_server
+from tests.fakes.mail import MailCA, SmtpServer, pymap_server
 from tests.test_cli import copy_shipped_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -365,6 +365,40 @@ async def test_imap_and_smtp_logins_online(tmp_path: Path) -> None:
             checks = await doctor(config, env, online=True)
             assert checks["imap"].status == checks["smtp"].status == "ok", checks
             assert smtp.messages == []  # a login, never a mail
+
+
+async def test_mail_tls_set_the_other_way_round_is_named_with_the_keys_to_set(
+    tmp_path: Path,
+) -> None:
+    """A STARTTLS IMAP server and an implicit-TLS SMTP server, each on a port of its own, and
+    a config that says the opposite of both (as init once chose by the port alone): doctor
+    says how each server begins and which keys to set, not to check the password."""
+    ca = MailCA(tmp_path / "ca")
+    user, password = "butler@example.com", f"pw-{uuid.uuid4().hex}"
+    async with pymap_server(user, password, ca=ca, fast_login=True) as imap_port:
+        with SmtpServer(tls="implicit", ca=ca, users={user: password}) as smtp:
+            email = (
+                f'imap_host = "127.0.0.1"\nimap_port = {imap_port}\nimap_ssl = true\n'
+                f'smtp_host = "127.0.0.1"\nsmtp_port = {smtp.port}\nsmtp_starttls = true\n'
+            )
+            config = fleet_dir(tmp_path, email=email)
+            env = base_env(
+                tmp_path,
+                BUTLERS_EMAIL_USER=user,
+                BUTLERS_EMAIL_PASSWORD=password,
+                SSL_CERT_FILE=str(ca.ca_file),
+            )
+            checks = await doctor(config, env, online=True)
+    imap, smtp_check = checks["imap"], checks["smtp"]
+    assert imap.status == smtp_check.status == "fail", checks
+    assert (
+        f"IMAP 127.0.0.1:{imap_port} greets in plain text (STARTTLS), but the config says "
+        "implicit: set imap_starttls = true (imap_ssl = false) under [modules.email]"
+    ) in imap.detail
+    assert "speaks TLS at once, but the config says starttls: set smtp_ssl = true" in (
+        smtp_check.detail
+    )
+    assert "BUTLERS_EMAIL_PASSWORD" not in imap.detail + smtp_check.detail
 
 
 # -- Telegram ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from butlers.init_command import (
     write_config,
 )
 from tests.conftest import eventually
+from tests.fakes.mail import MailCA, SmtpServer, pymap_server
 from tests.test_cli import BUTLERS, REPO, Butlers, cli_env, processes  # noqa: F401 (fixtures)
 from tests.test_install import Installed, InstalledButlers, installed  # noqa: F401
 
@@ -120,6 +121,41 @@ def _referenced_variables(config_dir: Path) -> set[str]:
         if butler.email is not None:
             names |= {butler.email.username_env, butler.email.password_env}
     return names
+
+
+async def test_init_asks_each_mail_server_how_its_tls_begins(tmp_path: Path) -> None:
+    """A STARTTLS IMAP server and an implicit-TLS SMTP server on ports of their own (Proton
+    Bridge's kind): init asks each and writes what it speaks (the port alone wrote the
+    opposite of both). A flag says it outright; a server that cannot be reached is chosen by
+    its port, and said to be."""
+    ca = MailCA(tmp_path / "ca")
+    async with pymap_server("u", "p", ca=ca, fast_login=True) as imap_port:
+        with SmtpServer(tls="implicit", ca=ca, users={"u": "p"}) as smtp:
+            asked = await _init_everything(
+                tmp_path / "asked",
+                *("--imap-host", "127.0.0.1", "--imap-port", str(imap_port)),
+                *("--smtp-host", "127.0.0.1", "--smtp-port", str(smtp.port)),
+                env=_env(SSL_CERT_FILE=str(ca.ca_file)),
+            )
+            told = await _init_everything(
+                tmp_path / "told",
+                *("--imap-host", "127.0.0.1", "--imap-port", str(imap_port), "--imap-tls"),
+                "implicit",
+                env=_env(),
+            )
+    assert asked.code == 0, asked.stderr
+    email = load_config_dir(tmp_path / "asked").switchboard.email  # type: ignore[union-attr]
+    assert email is not None
+    assert (email.imap_starttls, email.imap_ssl) == (True, False)
+    assert (email.smtp_ssl, email.smtp_starttls) == (True, False)
+    assert f"IMAP 127.0.0.1:{imap_port} greets in plain text: STARTTLS (asked it)" in asked.stderr
+    assert f"SMTP 127.0.0.1:{smtp.port} speaks TLS at once (asked it)" in asked.stderr
+    assert told.code == 0, told.stderr
+    email = load_config_dir(tmp_path / "told").switchboard.email  # type: ignore[union-attr]
+    assert email is not None and (email.imap_ssl, email.imap_starttls) == (True, False)
+    # smtp.example.com cannot be asked (no network here): by its port, 587, and said so.
+    assert (email.smtp_starttls, email.smtp_ssl) == (True, False)
+    assert "SMTP smtp.example.com:587 could not be asked; by its port" in told.stderr
 
 
 async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only_in_env(
@@ -305,10 +341,13 @@ def test_the_templates_are_the_shipped_butlers() -> None:
             assert (TEMPLATES / name / filename).is_file()
     assert (TEMPLATES / "switchboard" / "CLAUDE.md").is_file()
     # The switchboard's file is written from the answers, around the shipped one's tables.
-    written = tomllib.loads(switchboard_toml(Answers()))
+    written = tomllib.loads(switchboard_toml(Answers(channels=("telegram", "email"))))
     shipped = tomllib.loads((SHIPPED / "switchboard" / "butler.toml").read_text())
     for table in ("butler", "runtime"):
         assert written[table] == shipped[table], table
+    # Its description names the channels it has (an email-only one said Telegram too).
+    email_only = tomllib.loads(switchboard_toml(Answers(channels=("email",))))
+    assert email_only["butler"]["description"].startswith("Front door: takes messages from email,")
 
 
 def _port_offset(count: int) -> int:
@@ -627,6 +666,29 @@ async def test_interactive_init_with_a_typed_token_and_mail(
         assert bot_api.token not in path.read_text() and MAIL_PASSWORD not in path.read_text()
     assert bot_api.token not in init.stdout + init.stderr
     assert MAIL_PASSWORD not in init.stdout + init.stderr
+
+
+async def test_pairing_by_mail_asks_for_the_authserv_id_there_not_at_the_end(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+) -> None:
+    """An email owner who gave no authserv-id and then wants pairing is asked for it right
+    there (every answer was lost to an error at the end: a walkthrough); Enter turns pairing
+    off instead."""
+    for name, authserv, pairing in (("given", "mx.example.com", True), ("none", "", False)):
+        init = Interactive("init", str(tmp_path / name), env=_env())
+        processes.append(init)
+        await init.start()
+        init.answer("email", "n")
+        init.answer("imap.example.com", "", "smtp.example.com", "", "butler@example.com", "")
+        init.answer(MAIL_PASSWORD, "", "", "owner@example.com", "y", authserv, "UTC")
+        assert await init.finish() == 0, init.stderr
+        assert "Pairing by email needs your mail server's authserv-id" in init.stdout
+        switchboard = load_config_dir(tmp_path / name).switchboard
+        assert switchboard is not None and switchboard.switchboard is not None
+        assert switchboard.email is not None
+        assert switchboard.switchboard.pairing.enabled is pairing
+        assert switchboard.email.require_authentication_results == authserv
 
 
 async def test_a_token_typed_on_a_terminal_is_not_shown(

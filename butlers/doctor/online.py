@@ -215,6 +215,24 @@ def _mail_fix(config: EmailConfig) -> str:
     return f"check {config.username_env} and {config.password_env}, and the host and port"
 
 
+async def _tls_mismatch(server: Any) -> str | None:
+    """What to set when a mail server's TLS begins the other way round than the config says
+    (a server on a port of its own: init once chose by the port alone, and the login then
+    failed with WRONG_VERSION_NUMBER, or waited until the check timed out); None when it
+    matches or cannot be told. Asked first: a mismatch would otherwise cost the whole wait."""
+    from butlers.modules.mail_transport import tls_keys, tls_spoken
+
+    spoken = await tls_spoken(server.host, server.port, timeout_s=3.0)
+    # (A server in plain text and a config without TLS: on loopback, as meant.)
+    if spoken is None or (spoken == "implicit") == (server.security == "implicit"):
+        return None
+    how = "greets in plain text (STARTTLS)" if spoken == "starttls" else "speaks TLS at once"
+    return (
+        f"{server.where} {how}, but the config says {server.security}: set "
+        f"{tls_keys(server.protocol, spoken)} under [modules.email]"
+    )
+
+
 def _account(subject: Subject, config: EmailConfig) -> tuple[str, str]:
     """The mailbox's username and password: the mail probes are run only when both are set."""
     username = subject.variable(config.username_env)
@@ -229,6 +247,8 @@ async def _imap(subject: Subject, config: EmailConfig) -> list[Check]:
 
     server = _servers(config)["IMAP"]
     username, password = _account(subject, config)
+    if (mismatch := await _tls_mismatch(server)) is not None:
+        return [fail("imap", mismatch)]
     try:
         client = await imap_connect(
             server, username, password, context=tls_context(), on_lost=lambda _: None
@@ -245,6 +265,8 @@ async def _smtp(subject: Subject, config: EmailConfig) -> list[Check]:
 
     server = _servers(config)["SMTP"]
     username, password = _account(subject, config)
+    if (mismatch := await _tls_mismatch(server)) is not None:
+        return [fail("smtp", mismatch)]
     try:
         async with smtp_session(server, username, password, context=tls_context()) as smtp:
             logged_in = smtp.supports_extension("auth")

@@ -84,6 +84,53 @@ def plaintext_login_refusal(server: MailServer) -> str | None:
     )
 
 
+# What a mail server says first: IMAP's "* OK" (or PREAUTH), SMTP's "220".
+_GREETING = re.compile(rb"^(\* (OK|PREAUTH)|220)[ -]")
+GREETING_WAIT_S = 1.5  # a server in plain text greets at once; one in TLS waits for us
+
+
+async def tls_spoken(host: str, port: int, timeout_s: float = 5.0) -> Security | None:
+    """How the mail server at host:port begins: "starttls" when it greets in plain text (its
+    TLS, if any, comes after STARTTLS), "implicit" when it greets only inside TLS, None when
+    it cannot be told (unreachable, or neither). For advice only (init's choice, doctor's
+    hint): nothing is sent but a TLS handshake, nothing is verified or trusted."""
+    import asyncio
+
+    async def greeting(use_tls: bool) -> bytes:
+        context = None
+        if use_tls:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE  # only: is it TLS? (nothing is read or sent)
+        reader, writer = await asyncio.open_connection(host, port, ssl=context)
+        try:
+            return await asyncio.wait_for(reader.read(64), GREETING_WAIT_S)
+        except TimeoutError:
+            return b""
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            if _GREETING.match(await greeting(False)):
+                return "starttls"
+            if _GREETING.match(await greeting(True)):
+                return "implicit"
+    except (OSError, ssl.SSLError, TimeoutError):
+        return None
+    return None
+
+
+def tls_keys(protocol: Literal["IMAP", "SMTP"], spoken: Security) -> str:
+    """The butler.toml keys that say `spoken` for `protocol` (`imap_starttls = true`)."""
+    prefix = protocol.lower()
+    key = f"{prefix}_ssl" if spoken == "implicit" else f"{prefix}_starttls"
+    other = f"{prefix}_starttls" if spoken == "implicit" else f"{prefix}_ssl"
+    return f"{key} = true ({other} = false)"
+
+
 def tls_context() -> ssl.SSLContext:
     """The one context a module verifies its servers with: system CAs, or SSL_CERT_FILE's
     (read now, by OpenSSL), certificate required, host name checked."""
