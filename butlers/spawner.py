@@ -558,6 +558,7 @@ OPERATOR_TOOLS = frozenset(
         "ask",
         "discover",
         "inbox_retry",
+        "outbox_retry",
         "approval_decide",
         "approval_request",
         "approval_claim",

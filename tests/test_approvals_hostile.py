@@ -174,7 +174,15 @@ async def test_a_session_of_the_switchboard_cannot_act_on_what_it_read(
     session = [b for b in scripted_api.requests if butler_of(b) == "switchboard"]
     shown = tools_of(session[0])
     assert "mcp__switchboard__approvals_list" in shown  # reading stays
-    for name in ("approval_decide", "route", "deliver", "inbox_retry", "ask", "discover"):
+    for name in (
+        "approval_decide",
+        "route",
+        "deliver",
+        "inbox_retry",
+        "outbox_retry",
+        "ask",
+        "discover",
+    ):
         assert f"mcp__switchboard__{name}" not in shown, name
     # Claude Code denies what it was not shown; the switchboard refuses it on its own too.
     results = scripted_api.tool_results()

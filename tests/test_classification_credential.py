@@ -37,6 +37,7 @@ ATTACKS = {
     "deliver": {"text": "pwned", "butler": "general"},
     "notify": {"text": "pwned"},
     "inbox_retry": {"id": 1},
+    "outbox_retry": {"id": 1},
     "discover": {},
     "ask": {"text": "loop"},
 }

@@ -22,6 +22,7 @@ from tests.test_email import start_mail_fleet
 from tests.test_email_tls import PASSWORD, USER
 from tests.test_email_webhook import post
 from tests.test_inbox import model
+from tests.test_operator import cli
 
 GONE, FULL, GOOD = "gone@example.com", "full@example.com", "user@example.com"
 NO_SUCH_USER = "550 5.1.1 No such user here"
@@ -148,3 +149,54 @@ async def test_the_outbox_holds_back_only_the_recipient_a_row_is_held_for(
         assert await claimed() == 2
     finally:
         await pool.close()
+
+
+async def test_a_reply_refused_for_good_is_sent_again_by_the_operator(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 5xx is final, and once the cause is fixed (a provider's daily quota, an address
+    refused by mistake) `butlers outbox retry ID` sends that very answer again: it was lost
+    for good (a walkthrough). A row that did not fail is not sent twice."""
+    scripted_api.respond_with(model("general", {"general": "Noted."}))
+    monkeypatch.setenv("BUTLERS_EMAIL_WEBHOOK_TOKEN", "hook")
+    with SmtpServer(users={USER: PASSWORD}, refuse={GONE: NO_SUCH_USER}) as smtp:
+        switchboard = await start_mail_fleet(
+            start_butler, tmp_path, 1, smtp, monkeypatch, mode="webhook", allowed_senders=(GONE,)
+        )
+        conn = await db_conn(switchboard.config.database)
+        payload = {"from": GONE, "text": "note", "message_id": "<q1@x>"}
+        assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+
+        async def failed() -> bool:
+            return await conn.fetchval("SELECT status FROM outbox") == "failed"
+
+        await eventually(failed, timeout_s=120)
+        row_id = await conn.fetchval("SELECT id FROM outbox")
+        code, out, err = await cli(switchboard, "inbox")
+        assert code == 0, err
+        assert "reply not delivered: " in out and NO_SUCH_USER in out, out
+        assert f"(`butlers outbox retry {row_id}` sends it again once that is fixed)" in out
+        del smtp.refuse[GONE]  # the cause is fixed
+        code, out, err = await cli(switchboard, "outbox", "retry", str(row_id))
+        assert code == 0, err
+        earlier = await conn.fetchval("SELECT meta->'retries'->0->>'error' FROM outbox")
+        assert NO_SUCH_USER in earlier
+        assert out.strip() == (
+            f"outbox row {row_id} (reply to {GONE} on email) is sent again (it failed: {earlier})"
+        )
+        [sent] = await smtp.wait_for(1, timeout_s=60)
+        assert (sent["To"], sent["In-Reply-To"]) == (GONE, "<q1@x>")
+
+        async def marked_sent() -> bool:
+            return await conn.fetchval("SELECT status FROM outbox") == "sent"
+
+        await eventually(marked_sent)
+        code, out, err = await cli(switchboard, "outbox", "retry", str(row_id))
+        assert code == 1 and f"outbox row {row_id} is sent: only a failed one" in err
+        code, out, err = await cli(switchboard, "outbox", "retry", "999")
+        assert code == 1 and "no outbox row with id 999" in err
+    assert len(smtp.messages) == 1

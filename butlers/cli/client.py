@@ -35,6 +35,7 @@ from butlers.cli.render import (
     print_outbox,
     print_paired,
     print_pairing,
+    print_reply_retry,
     print_result,
     print_retry,
     print_routing_log,
@@ -263,6 +264,12 @@ async def _retry(target: SwitchboardTarget, args: Any, _settings: Settings) -> A
 
 
 async def _outbox(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
+    if args.action == "retry":
+        if args.id is None:
+            raise CommandError(
+                "which outbox row? `butlers outbox retry ID` (ids: `butlers outbox`)"
+            )
+        return await call_switchboard(target, "outbox_retry", {"id": args.id}), print_reply_retry
     asked = {"status": args.status, "limit": args.limit}
     rows = await call_switchboard(target, "outbox_list", asked)
     return rows, functools.partial(print_outbox, status=args.status)

@@ -307,6 +307,10 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     client_args(outbox)
     outbox.add_argument("--status", help="only pending|sending|sent|failed ones")
     limit_arg(outbox)
+    outbox.add_argument(
+        "action", nargs="?", choices=("retry",), help="send a failed one again (`retry ID`)"
+    )
+    outbox.add_argument("id", nargs="?", type=int, metavar="ID", help="the outbox row's id")
     approvals = commands.add_parser(
         "approvals",
         help="calls waiting for the owner's yes, and what became of them; "

@@ -196,7 +196,10 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         if row.get("error") and row.get("trace_url"):
             details.append(f"trace: {row['trace_url']}")
         if row.get("reply_status") == "failed":  # answered, but the answer never went out
-            details.append(f"reply not delivered: {row.get('reply_error')} (`butlers outbox`)")
+            details.append(
+                f"reply not delivered: {row.get('reply_error')} (`butlers outbox retry "
+                f"{row.get('reply_id')}` sends it again once that is fixed)"
+            )
         details += [
             f"approval #{a['id']}: {a['tool']} ({a['status']})" for a in row.get("approvals") or []
         ]
@@ -237,6 +240,15 @@ def print_retry(answer: dict[str, Any]) -> None:
     earlier = (answer.get("retries") or [{}])[-1]
     why = f": {earlier['error']}" if earlier.get("error") else ""
     print(f"message {answer['id']} is queued again (it was {earlier.get('status', '?')}{why})")
+
+
+def print_reply_retry(answer: dict[str, Any]) -> None:
+    earlier = (answer.get("retries") or [{}])[-1]
+    why = f": {earlier['error']}" if earlier.get("error") else ""
+    print(
+        f"outbox row {answer['id']} ({answer['kind']} to {cut(answer['recipient'], 60)} on "
+        f"{answer['channel']}) is sent again (it failed{why})"
+    )
 
 
 def print_outbox(rows: list[dict[str, Any]], status: str | None) -> None:

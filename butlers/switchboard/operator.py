@@ -154,6 +154,17 @@ class OperatorStore:
             assert updated is not None  # the row is locked FOR UPDATE above
             return dict(updated)
 
+    async def requeue_reply(self, outbox_id: int) -> dict[str, Any]:
+        """Send a failed outbox row again (due now, attempts 0); its earlier error appended
+        to `meta.retries`. ToolRefusal when there is no such row or it did not fail."""
+        row = await self.pool.fetchrow(sql.OPERATOR_OUTBOX_RETRY, outbox_id)
+        if row is not None:
+            return dict(row)
+        status = await self.pool.fetchval(sql.OPERATOR_OUTBOX_STATUS, outbox_id)
+        if status is None:
+            raise ToolRefusal(f"no outbox row with id {outbox_id} (`butlers outbox` lists them)")
+        raise ToolRefusal(f"outbox row {outbox_id} is {status}: only a failed one is sent again")
+
 
 def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
     head, total = row.pop("text_head"), row.pop("text_chars")
@@ -163,7 +174,8 @@ def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str) -> None:
-    """Register inbox_list, routing_log_list, inbox_retry and outbox_list on the switchboard.
+    """Register inbox_list, routing_log_list, inbox_retry, outbox_list and outbox_retry on
+    the switchboard.
 
     Trace links point to `jaeger_ui_url` (the butler's Settings.jaeger_ui_url)."""
     store = OperatorStore(switchboard.routing_store.pool)
@@ -208,6 +220,19 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         switchboard.worker.wake()
         logger.info(
             "inbox message %s queued again by an operator", id, extra={"action": "inbox_retry"}
+        )
+        return requeued
+
+    @mcp.tool
+    async def outbox_retry(id: int) -> dict[str, Any]:
+        """Send a failed reply or notification again (`outbox_list` shows why it failed),
+        once its cause is fixed: a mail server's daily quota, an address refused by mistake.
+        The answer itself is not made again."""
+        _refuse_classification_sessions()
+        requeued = await store.requeue_reply(id)
+        switchboard.outbox.wake()
+        logger.info(
+            "outbox row %s queued again by an operator", id, extra={"action": "outbox_retry"}
         )
         return requeued
 

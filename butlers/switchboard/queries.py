@@ -655,9 +655,10 @@ OPERATOR_INBOX = f"""
                left(text, $3) AS text_head, length(text) AS text_chars,
                (meta ->> 'album_of')::bigint AS album_of, {TRACE_OF_CONTEXT} AS traced,
                coalesce(meta -> 'retries', '[]'::jsonb) AS retries, {FILES_OF_META} AS files,
-               reply_status, reply_error
+               reply_id, reply_status, reply_error
         FROM inbox LEFT JOIN LATERAL (  -- its reply's way out (a done message's may fail)
-            SELECT o.status AS reply_status, left(o.error, 300) AS reply_error FROM outbox o
+            SELECT o.id AS reply_id, o.status AS reply_status, left(o.error, 300) AS reply_error
+            FROM outbox o
             WHERE o.inbox_id = inbox.id AND o.kind = 'reply' ORDER BY o.id DESC LIMIT 1
         ) AS reply_out ON true
         WHERE $1::text IS NULL OR status = $1
@@ -689,6 +690,19 @@ OPERATOR_OUTBOX = """
 """
 # A message to retry, locked until it is queued again (or refused).
 OPERATOR_RETRY_LOCK = "SELECT status, attempts, error FROM inbox WHERE id = $1 FOR UPDATE"
+# A failed outbox row sent again (an answer refused for good, e.g. a provider's daily quota,
+# whose cause was fixed): due now, its earlier error kept in meta "retries".
+OPERATOR_OUTBOX_RETRY = """
+    UPDATE outbox SET
+        status = 'pending', attempts = 0, error = NULL, next_attempt_at = now(),
+        meta = jsonb_set(
+            coalesce(meta, '{}'::jsonb), '{retries}',
+            coalesce(meta->'retries', '[]'::jsonb) || jsonb_build_array(
+                jsonb_build_object('retried_at', now(), 'error', error, 'attempts', attempts)))
+    WHERE id = $1 AND status = 'failed'
+    RETURNING id, channel, recipient, kind, meta->'retries' AS retries
+"""
+OPERATOR_OUTBOX_STATUS = "SELECT status FROM outbox WHERE id = $1"
 # Queued again as if just received; its earlier outcome appended to meta "retries".
 OPERATOR_REQUEUE = """
     UPDATE inbox SET
