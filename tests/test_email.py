@@ -91,11 +91,37 @@ def test_html_only_latin1_and_attachments() -> None:
         ({"Precedence": "bulk"}, "user@example.com", "Precedence: bulk"),
         ({}, "MAILER-DAEMON@example.com", "mailer-daemon"),
         ({"Return_Path": "<>"}, "user@example.com", "bounce"),
+        ({"List_Id": "<family.lists.example>"}, "user@example.com", "mailing list"),
+        ({"List_Unsubscribe": "<mailto:u@lists.example>"}, "user@example.com", "mailing list"),
+        (
+            {"X_Auto_Response_Suppress": "All", "subject": "Automatic reply: Lunch"},
+            "user@example.com",
+            "auto-reply (Exchange)",
+        ),
     ],
 )
 def test_automated_mail_is_recognised(headers, sender, why) -> None:
     parsed = parse_mail(mail(sender=sender, **headers).as_bytes())
     assert parsed.automated and why in parsed.automated
+
+
+def test_a_mail_asking_for_no_auto_reply_is_still_a_persons() -> None:
+    """Outlook sets X-Auto-Response-Suppress on ordinary mail too: alone, it is not an
+    auto-reply."""
+    parsed = parse_mail(mail(X_Auto_Response_Suppress="OOF").as_bytes())
+    assert parsed.automated is None
+
+
+def test_a_long_mail_is_cut_and_says_so() -> None:
+    """A mail past MAX_TEXT_CHARS: the butler reads where it was cut (it read "...This is"
+    and nothing more: a walkthrough)."""
+    from butlers.modules.mail_parse import MAX_TEXT_CHARS
+
+    parsed = parse_mail(mail(body="word " * 30_000).as_bytes())
+    kept, _, note = parsed.text.rpartition("\n\n")
+    assert len(kept) == MAX_TEXT_CHARS
+    total = len(("word " * 30_000).strip())
+    assert note == f"[cut: the first {MAX_TEXT_CHARS} of its {total} characters are above]"
 
 
 def test_sender_allowlist() -> None:

@@ -153,6 +153,17 @@ def parse_header(header: bytes, *, complete: bool = True) -> ParsedMail:
     return mail
 
 
+def within_text_limit(text: str) -> str:
+    """At most MAX_TEXT_CHARS of a mail's text, and a line saying where it was cut when it
+    was (a long mail was cut mid-word and nobody was told: a walkthrough)."""
+    if len(text) <= MAX_TEXT_CHARS:
+        return text
+    return (
+        text[:MAX_TEXT_CHARS]
+        + f"\n\n[cut: the first {MAX_TEXT_CHARS} of its {len(text)} characters are above]"
+    )
+
+
 def not_read_note(names: Sequence[str], why: str = "") -> str:
     """The line a mail's text ends with when some of its attachments were not read (empty
     when all were): their names, at most MAX_ATTACHMENTS_LISTED, and `why` if given."""
@@ -197,7 +208,7 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
     reply = is_reply(mail.subject, mail.references, mail.message_id)
-    text = trim_quoted(text, reply=reply)[:MAX_TEXT_CHARS] + not_read_note(not_read)
+    text = within_text_limit(trim_quoted(text, reply=reply)) + not_read_note(not_read)
     return replace(
         mail,
         text=text.strip(),
@@ -448,6 +459,15 @@ def automated_reason(message: Message, sender: str) -> str | None:
         return f"Precedence: {precedence}"
     if message.get("X-Autoreply") or message.get("X-Autorespond"):
         return "auto-reply header"
+    if message.get("List-Id") or message.get("List-Unsubscribe"):
+        # A mailing list's copy (of the owner's own post, say): answering it answers the
+        # list (a walkthrough: an allowed sender's list mail was answered).
+        return "mailing list (List-Id)"
+    subject = str(message.get("Subject", "")).strip().lower()
+    if message.get("X-Auto-Response-Suppress") and subject.startswith(
+        ("automatic reply:", "auto reply:", "out of office")
+    ):
+        return "auto-reply (Exchange)"  # its out-of-office notes carry no Auto-Submitted
     if str(message.get("Return-Path", "")).strip() == "<>":
         return "bounce (empty Return-Path)"
     local = sender.split("@")[0]

@@ -36,6 +36,7 @@ from butlers.modules.mail_parse import (
     single_address,
     thread_references,
     trim_quoted,
+    within_text_limit,
 )
 
 # What automated_reason reads; the webhook's other headers are never parsed.
@@ -45,6 +46,9 @@ _AUTOMATION_HEADERS = (
     "x-autoreply",
     "x-autorespond",
     "return-path",
+    "list-id",
+    "list-unsubscribe",
+    "x-auto-response-suppress",
 )
 
 Line = Annotated[str, Strict(), Field(max_length=MAX_HEADER_BYTES)]
@@ -119,11 +123,11 @@ def parse_webhook(body: bytes) -> ParsedMail:
         sender_name=name,
         subject=mail.subject or "",
         text=(
-            trim_quoted(text, reply=reply)[:MAX_TEXT_CHARS]
+            within_text_limit(trim_quoted(text, reply=reply))
             + not_read_note(attached, "the mail webhook takes text only")
         ).strip(),
         references=references,
-        automated=_automated(headers, address),
+        automated=_automated(headers, address, mail.subject or ""),
         authentication_results=tuple(headers.get("authentication-results", [])),
     )
 
@@ -180,13 +184,15 @@ def _first(headers: dict[str, list[str]], key: str) -> str:
     return headers.get(key, [""])[0]
 
 
-def _automated(headers: dict[str, list[str]], address: str) -> str | None:
+def _automated(headers: dict[str, list[str]], address: str, subject: str) -> str | None:
     """automated_reason on the headers it reads, parsed as an IMAP mail's would be."""
     message = EmailMessage(policy=READING)
     try:
         for key in _AUTOMATION_HEADERS:
             if value := _first(headers, key):
                 message[key] = value
+        if subject:
+            message["Subject"] = one_line(subject)
         return automated_reason(message, address)
     except RecursionError:
         raise MailUnreadable("'headers': nested too deeply") from None
