@@ -607,6 +607,59 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
     assert texts[1].startswith("The owner approved you") and texts[2] == "Done."
 
 
+async def test_the_owner_lets_a_stranger_in_by_answering_the_question_mail(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An email-only owner away from a shell answers the pairing question with "Approve."
+    (or "deny") on the first line: the thread names the code. From another address, or
+    outside the thread, it is an ordinary message (an email-only owner's walkthrough: the
+    reply was routed to general and the code stayed pending)."""
+    owner = OwnerConfig(email="me@example.com", prefer="email")
+    allowed = ("user@example.com", "me@example.com")
+    with SmtpServer(users={USER: PASSWORD}) as smtp:
+        switchboard = await mail_pairing_fleet(
+            start_butler,
+            tmp_path,
+            scripted_api,
+            smtp,
+            monkeypatch,
+            owner,
+            email=email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=allowed),
+        )
+
+        async def mail(sender: str, message_id: str, text: str, thread: str | None = None) -> None:
+            payload: dict[str, Any] = {"from": sender, "text": text, "message_id": message_id}
+            if thread is not None:
+                payload["headers"] = {"In-Reply-To": thread, "References": thread}
+            assert await post(switchboard.base_url, payload, b"Bearer hook") == 200
+
+        def to(address: str) -> list[Any]:
+            return [m for m in smtp.messages if m["To"] == address]
+
+        await mail(SOMEONE, "<s1@x>", "Hello")
+        await eventually(lambda: _mails(smtp, 2))
+        [question] = to("me@example.com")
+        assert 'Reply to this mail with "approve" or "deny" on its first line' in (
+            question.get_content()
+        )
+        # Someone else answering in the thread: a message of theirs (general's "Done.").
+        await mail("user@example.com", "<u1@x>", "approve", question["Message-ID"])
+        await eventually(lambda: _mails(smtp, 3))
+        assert [m.get_content().strip() for m in to("user@example.com")] == ["Done."]
+        await mail(
+            "me@example.com", "<o1@x>", "Approve.\n\n> wants to talk", question["Message-ID"]
+        )
+        await eventually(lambda: _mails(smtp, 4))  # the stranger is told
+        await mail(SOMEONE, "<s2@x>", "Log my weight: 80kg")
+        await eventually(lambda: _mails(smtp, 5))
+    texts = [m.get_content().strip() for m in to(SOMEONE)]
+    assert texts[1].startswith("The owner approved you") and texts[2] == "Done."
+    assert len(to("me@example.com")) == 1  # the owner's answer was not routed (no "Done.")
+
+
 async def test_with_dmarc_required_only_a_vouched_for_stranger_is_answered(
     start_butler: StartButler,
     tmp_path: Path,

@@ -286,8 +286,13 @@ class EmailModule:
 
     async def store(self, mail: ParsedMail) -> None:
         assert self.worker is not None
+        thread = mail.references.split()
+        if self.pairing is not None and await self.pairing.mail_answer(
+            mail.sender, thread, mail.text or ""
+        ):
+            return  # the owner's "approve" in a pairing question's thread: decided
         if self.approvals is not None and await self.approvals.mail_answer(
-            mail.sender, mail.references.split(), mail.text or ""
+            mail.sender, thread, mail.text or ""
         ):
             return  # the owner's "yes 12" in an approval's thread: decided, not routed
         if mail.files and not await self.worker.files_welcome("email", mail.sender or None):

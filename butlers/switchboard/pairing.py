@@ -74,6 +74,11 @@ from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
+# The owner's answer by mail, alone on the first line: "approve", "Deny.", "yes ABCD2345".
+_MAIL_PAIRING_ANSWER = re.compile(
+    r"\s*(approve|deny|yes|no)\b[ \t]*(?:[A-Za-z0-9-]{4,20})?[ \t.!]*(?:\n|\Z)", re.IGNORECASE
+)
+
 
 def _title(channel: str) -> str:
     spec = spec_of(channel)
@@ -298,6 +303,11 @@ class PairingStore:
         rows = await self.pool.fetch(sql.PAIRING_PAIRED, MAX_PAIRED_LISTED)
         return [dict(r) for r in rows]
 
+    async def asked_by_mail(self, thread: list[str], owner: str) -> int | None:
+        """The pairing whose question mail to `owner` is one of `thread`'s Message-IDs."""
+        found: int | None = await self.pool.fetchval(sql.PAIRING_ASKED_BY_MAIL, thread, owner)
+        return found
+
     async def owner_questions(self, pairing_id: int) -> list[dict[str, Any]]:
         """The owner's Telegram question(s) with buttons for this code, as sent."""
         rows = await self.pool.fetch(sql.PAIRING_OWNER_QUESTIONS, pairing_id)
@@ -483,6 +493,11 @@ class PairingDesk:
             text += (
                 f"Approve or deny it here, or run: butlers pairing approve {code} (or deny {code})."
             )
+        elif channel == "email":
+            text += (
+                'Reply to this mail with "approve" or "deny" on its first line, or run: '
+                f"butlers pairing approve {code} (or deny {code})."
+            )
         else:
             text += f"To let them in, run: butlers pairing approve {code} (or deny {code})."
         chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=None)
@@ -539,6 +554,35 @@ class PairingDesk:
         if refusal is not None or row is None:
             raise ToolRefusal(refusal or "not decided", log_level=logging.WARNING)
         return await self._after(row, f"{status.capitalize()} ({by}).")
+
+    async def mail_answer(self, sender: str, thread: list[str], text: str) -> bool:
+        """The owner's answer by mail to a pairing question: "approve" or "deny" (or "yes",
+        "no", with the code or not) alone on the first line, from the owner's address, in
+        reply to that question's mail (which names the pairing). True when it was one (not
+        a message to route); anything else is an ordinary message. An email-only owner
+        away from a shell could not let anyone in (a walkthrough)."""
+        owner = self.owner.email.lower()
+        match = _MAIL_PAIRING_ANSWER.match(text)
+        if match is None or not owner or sender.lower() != owner:
+            return False
+        pairing_id = await self.store.asked_by_mail(thread, owner)
+        if pairing_id is None:
+            return False
+        status = "approved" if match[1].lower() in ("approve", "yes") else "denied"
+        by = f"email:{sender}"
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            row = await self.store.decide(conn, "id", pairing_id, status, by)
+            if row is not None:
+                await self._decided(conn, row, by)
+        if row is None:
+            logger.info(
+                "pairing #%s: an answer by mail to a code already decided or expired",
+                pairing_id,
+                extra={"action": "pairing_answer_late"},
+            )
+            return True
+        await self._after(row, f"{status.capitalize()} ({by}).")
+        return True
 
     async def press(self, chat_id: str, user_id: str, data: str, *, by: str) -> PressAnswer:
         """A Telegram button press (in chat `chat_id`, by user `user_id`): counted only when
