@@ -587,6 +587,25 @@ async def test_a_guarded_call_its_tool_would_refuse_is_not_put_to_the_owner(
     assert bot_api.sent_with_buttons() == []
 
 
+async def owner_mail_fleet(
+    start_butler: StartButler, tmp_path: Path, smtp: SmtpServer, monkeypatch: pytest.MonkeyPatch
+):
+    """Mail in through the webhook from the owner and a stranger (both allowed), out through
+    `smtp`; general's notify needs the owner's approval."""
+    senders = ("user@example.com", OWNER_MAIL.email)
+    switchboard, _ = await mail_notify_fleet(
+        start_butler,
+        tmp_path,
+        smtp,
+        monkeypatch,
+        general_overrides={"approvals": ApprovalsConfig(tools=("notify",))},
+        switchboard_overrides={
+            "email": email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=senders)
+        },
+    )
+    return switchboard
+
+
 async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
     start_butler: StartButler,
     tmp_path: Path,
@@ -597,18 +616,8 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
     """The owner prefers email: the question is a mail; "yes 1" decides only from the owner's
     address and in the thread of that mail. Anything else is an ordinary message."""
     scripted_api.respond_with(stranger_model)
-    senders = ("user@example.com", OWNER_MAIL.email)
     with SmtpServer(users={USER: PASSWORD}) as smtp:
-        switchboard, _ = await mail_notify_fleet(
-            start_butler,
-            tmp_path,
-            smtp,
-            monkeypatch,
-            general_overrides={"approvals": ApprovalsConfig(tools=("notify",))},
-            switchboard_overrides={
-                "email": email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=senders)
-            },
-        )
+        switchboard = await owner_mail_fleet(start_butler, tmp_path, smtp, monkeypatch)
 
         async def mail(sender: str, text: str, message_id: str, thread: str | None) -> None:
             payload: dict[str, Any] = {"from": sender, "subject": "Re", "text": text}
@@ -654,18 +663,8 @@ async def test_a_bare_yes_or_no_in_a_questions_thread_decides_that_one(
     names the approval (the nearest question in it). A "yes" that says more ("yes, but...")
     is a message: the call shown is not what it asks."""
     scripted_api.respond_with(stranger_model)
-    senders = ("user@example.com", OWNER_MAIL.email)
     with SmtpServer(users={USER: PASSWORD}) as smtp:
-        switchboard, _ = await mail_notify_fleet(
-            start_butler,
-            tmp_path,
-            smtp,
-            monkeypatch,
-            general_overrides={"approvals": ApprovalsConfig(tools=("notify",))},
-            switchboard_overrides={
-                "email": email_config(smtp_port=smtp.port, mode="webhook", allowed_senders=senders)
-            },
-        )
+        switchboard = await owner_mail_fleet(start_butler, tmp_path, smtp, monkeypatch)
 
         async def mail(sender: str, text: str, message_id: str, thread: list[str]) -> None:
             payload: dict[str, Any] = {"from": sender, "subject": "Re", "text": text}
