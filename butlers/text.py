@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import unicodedata
 
@@ -72,3 +73,33 @@ def fenced_text(text: str, label: str) -> str | None:
     boundary = text[start + len(label) + 4 : opening_end]
     end = text.find(f"\n{label} {boundary}>>>", opening_end)
     return text[opening_end + 1 : end] if end >= 0 and boundary else None
+
+
+ANSWER_LINE_CHARS = 100  # a first line longer than this answers nothing
+ANSWER_TEXT_CHARS = 20_000  # of a mail, what is looked at for an answer
+
+
+def answer_line(text: str) -> tuple[str, bool]:
+    """A mail's first line that is not blank, its white space made single spaces (empty when
+    it is longer than ANSWER_LINE_CHARS: no answer is), and whether nothing but blank or
+    quoted (">") lines, or a signature (after "-- "), follows it. Linear, and bounded: an
+    owner's "Yes, please." is read this way, and a stranger's mail of 100 000 spaces cost
+    minutes to a regular expression that read it whole (a review)."""
+    head = text[:ANSWER_TEXT_CHARS]
+    lines = iter(head.splitlines())
+    for line in lines:
+        if line.strip():
+            first = " ".join(line.split())
+            break
+    else:
+        return "", True
+    # (It has non-blank characters, so its first occurrence is where it is.)
+    runs_on = len(text) > len(head) and head.index(line) + len(line) == len(head)
+    if len(first) > ANSWER_LINE_CHARS or runs_on:
+        return "", False
+    for line in itertools.islice(lines, 50):
+        if line.rstrip() == "--" or line.startswith("-- "):
+            break
+        if line.strip() and not line.lstrip().startswith(">"):
+            return first, False
+    return first, True

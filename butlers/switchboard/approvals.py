@@ -66,7 +66,7 @@ from butlers.switchboard.route import Router, RouteSource, summarize
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.tasks import cancel_and_wait
 from butlers.telemetry import context_from_carrier, current_carrier, current_trace_id
-from butlers.text import escaped_disguises, printable
+from butlers.text import answer_line, escaped_disguises, printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,12 @@ DECISIONS = {"approve": "approved", "deny": "denied"}
 _LETTER = {"approved": "a", "denied": "d"}
 _CALLBACK = re.compile(r"([ad])([1-9][0-9]{0,17})\.([A-Za-z0-9_-]{22})")
 MAC_BYTES = 16
-# The owner's answer by mail, first thing in the reply: "yes 12", "no #12".
-_MAIL_ANSWER = re.compile(r"\s*(yes|no)\s+#?([1-9][0-9]{0,17})\b", re.IGNORECASE)
-# Or a first line of yes or no alone, in the question's own thread: "Yes, please." "No!"
-# (a reply that says more, "yes, but make it 50", is a message: the call shown is not that).
+# The owner's answer by mail, on the first line (`answer_line`): "yes 12", "no #12"; or, in
+# the question's own thread and alone, "yes" or "no": "Yes, please." "No!" (a reply that says
+# more, "yes, but make it 50", is a message: the call shown is not that).
+_MAIL_ANSWER = re.compile(r"(yes|no) #?([1-9][0-9]{0,17})\b", re.IGNORECASE)
 _MAIL_BARE_ANSWER = re.compile(
-    r"\s*(yes|no)[ \t]*(?:,?[ \t]*(?:please|thanks|thank you|go ahead))?[ \t.!]*(?:\n|\Z)",
-    re.IGNORECASE,
+    r"(yes|no)(?:,? (?:please|thanks|thank you|go ahead))?[.!]*", re.IGNORECASE
 )
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
@@ -608,9 +607,12 @@ class ApprovalDesk:
         approval): True when it decided (or tried to decide) an approval, so it is not a
         message to route. Taken only from the owner's address and in the thread of that
         approval's request mail; anything else is an ordinary message."""
-        match = _MAIL_ANSWER.match(text) or _MAIL_BARE_ANSWER.match(text)
         owner = self.owner.email.lower()
-        if match is None or not owner or sender.lower() != owner:
+        if not owner or sender.lower() != owner:
+            return False
+        line, alone = answer_line(text)
+        match = _MAIL_ANSWER.match(line) or (_MAIL_BARE_ANSWER.fullmatch(line) if alone else None)
+        if match is None:
             return False
         if match.re is _MAIL_BARE_ANSWER:  # the approval whose question this mail answers
             asked_here = {

@@ -69,14 +69,15 @@ from butlers.switchboard.approvals import (
 )
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
-from butlers.text import printable
+from butlers.text import answer_line, printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
 
-# The owner's answer by mail, alone on the first line: "approve", "Deny.", "yes ABCD2345".
+# The owner's answer by mail, alone on the first line (`answer_line`): "approve", "Deny.",
+# "yes ABCD-2345" (a code given must be that question's).
 _MAIL_PAIRING_ANSWER = re.compile(
-    r"\s*(approve|deny|yes|no)\b[ \t]*(?:[A-Za-z0-9-]{4,20})?[ \t.!]*(?:\n|\Z)", re.IGNORECASE
+    r"(approve|deny|yes|no)(?: ([A-Za-z0-9]{4}-?[A-Za-z0-9]{4}))?[.!]*", re.IGNORECASE
 )
 
 
@@ -562,12 +563,19 @@ class PairingDesk:
         a message to route); anything else is an ordinary message. An email-only owner
         away from a shell could not let anyone in (a walkthrough)."""
         owner = self.owner.email.lower()
-        match = _MAIL_PAIRING_ANSWER.match(text)
-        if match is None or not owner or sender.lower() != owner:
+        if not owner or sender.lower() != owner:
+            return False
+        line, alone = answer_line(text)
+        match = _MAIL_PAIRING_ANSWER.fullmatch(line) if alone else None
+        if match is None:
             return False
         pairing_id = await self.store.asked_by_mail(thread, owner)
         if pairing_id is None:
             return False
+        if match[2] is not None:  # a code given: that question's, or no answer ("no problem")
+            asked = await self.store.get(pairing_id)
+            if asked is None or _CODE_SEPARATORS.sub("", match[2]).upper() != asked["code"]:
+                return False
         status = "approved" if match[1].lower() in ("approve", "yes") else "denied"
         by = f"email:{sender}"
         async with self.store.pool.acquire() as conn, conn.transaction():
