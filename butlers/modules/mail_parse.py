@@ -435,11 +435,15 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
     A reply's (`reply`) history under Outlook's header block (From:, then Sent: or Date:,
     with or without its rule of underscores above) goes too: kept, the block read as a
     forward, and the owner's own reply was taken for someone else's words (a walkthrough)."""
-    if reply and (block := FORWARDED_HEADERS.search(text[:FORWARD_SEARCH_CHARS])) is not None:
+    head = text[:FORWARD_SEARCH_CHARS]
+    # (A forwarded part said to be one, "---------- Forwarded message", is a forward's even in
+    # a thread: its header block is what it forwards, kept.)
+    block = FORWARDED_HEADERS.search(head) if reply else None
+    if block is not None and FORWARDED_BLOCK.search(head, 0, block.start()) is None:
         text = text[: block.start()]
-        head, _, last = text.rstrip("\n").rpartition("\n")
+        above, _, last = text.rstrip("\n").rpartition("\n")
         if _OUTLOOK_RULE.match(last):
-            text = head
+            text = above
     kept = []
     for line in text.splitlines():
         if _QUOTE_HEADER.match(line.strip()):
@@ -645,6 +649,12 @@ FORWARDED_HEADERS = re.compile(
 FORWARDED_FROM = re.compile(r"^[ \t]*\*?(?:from|von|de)[ \t]*:\*?[ \t]*(.+)$", re.I | re.M)
 # Where a forward is looked for: the start of a body (a forward's own words come first).
 FORWARD_SEARCH_CHARS = 20_000
+# The most of a forward's own lines above the forwarded part taken for the sender's own.
+MAX_OWN_LINES_CHARS = 2_000
+# Two header lines in a row ("Van: ...", "Verzonden: ..."), in any language: a mail's header
+# block, written by a mail program, not the sender's own words.
+_HEADER_LINE = r"[ \t]*\*?[^\W\d_][\w .-]{0,24}:\*?[ \t]+\S"
+_HEADER_PAIR = re.compile(rf"^{_HEADER_LINE}[^\n]*\n{_HEADER_LINE}", re.MULTILINE)
 
 
 def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
@@ -661,7 +671,15 @@ def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
     author = headers or FORWARDED_FROM.search(text, block.end() if block is not None else 0)
     name = printable(author.group(1), 80) if author is not None else ""
     opened = block or headers
-    return name or "someone else", opened.start() if opened is not None else 0
+    at = opened.start() if opened is not None else 0
+    # The lines above are the sender's own only when they are short and hold no header
+    # block: a forward header we do not know (Dutch Outlook's Van:/Verzonden:) would leave
+    # a marker the forwarded mail itself holds to split at, and the stranger's words above
+    # it would read as the sender's (a review). Otherwise all of it is forwarded.
+    above = text[:at]
+    if len(above) > MAX_OWN_LINES_CHARS or _HEADER_PAIR.search(above):
+        at = 0
+    return name or "someone else", at
 
 
 def forwarded_author(subject: str, text: str) -> str | None:

@@ -414,7 +414,11 @@ class InboxWorker:
                     await self.inbox.history(message, self.limits.context_messages)
                 )
                 handoff = Handoff.of(
-                    message, carried.files, owner=self.limits.owner, history=history
+                    message,
+                    carried.files,
+                    owner=self.limits.owner,
+                    history=history,
+                    body=message_body(message),
                 )
                 answers, note, via = await self._classify_and_route(carried, history, handoff)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
