@@ -168,6 +168,12 @@ def test_the_first_start_approves_what_is_declared_then_and_later_writes_wait(
     assert later.settings_note is not None
     assert later.settings_note.startswith("gateway.toml changed since it was approved")
 
+    # --show: what would be approved, gateway.toml's changes key by key; nothing recorded.
+    shown = approve(project, None, [], env, record=False)
+    assert 'would approve gateway.toml: reload: (unset) -> "apply"' in shown
+    assert any(line.startswith("would approve planted: sh") for line in shown)
+    assert shown[-1] == "(nothing recorded: run it without --show to approve)"
+    assert {s.name for s in trust(project, env).held} == {"notes", "planted"}
     # Approving one server leaves the settings as they were approved, and says so.
     printed = approve(project, None, ["planted"], env)
     assert any(line.startswith("not approved: gateway.toml, changed") for line in printed)

@@ -17,7 +17,7 @@ from tests.test_gateway import stdio_host, text_of
 
 pytestmark = pytest.mark.proc
 
-# Named like no secret (no *_TOKEN, *_KEY): only the declarations say these are secrets.
+# The first named like no secret (no *_TOKEN, *_KEY): only its declaration says it is one.
 REMOTE_VALUE = "remote-value-0a1b2c3d4e"
 ARGUMENT_VALUE = "argument-value-5f6a7b8c"
 LITERAL_VALUE = "literal-query-value-9d8e"
@@ -40,16 +40,17 @@ async def test_a_declarations_secrets_stay_out_of_refusals_status_and_relayed_st
         },
         "failing": {
             "command": "sh",
-            "args": ["-c", 'echo "auth failed for key $1" >&2; exit 3', "sh", "${ARG_SETTING}"],
+            "args": ["-c", 'echo "auth failed for key $1" >&2; exit 3', "sh", "${CLI_SECRET}"],
         },
     }
     (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": servers}))
-    env = {"REMOTE_SETTING": REMOTE_VALUE, "ARG_SETTING": ARGUMENT_VALUE}
+    env = {"REMOTE_SETTING": REMOTE_VALUE, "CLI_SECRET": ARGUMENT_VALUE}
     async with stdio_host(tmp_path, env=env) as host:
         refused = await host.suite("remote_suite", "introspect")
         assert refused.is_error
         said = text_of(refused)
-        assert f"cannot connect to http://127.0.0.1:{port}/mcp?key=[redacted]" in said, said
+        # Its URL as scheme, host and port: a path or query may hold a credential.
+        assert f"cannot connect to http://127.0.0.1:{port}/…: " in said, said
         assert REMOTE_VALUE not in said and LITERAL_VALUE not in said
         failed = await host.suite("failing_suite", "introspect")
         assert failed.is_error

@@ -37,7 +37,7 @@ async def gateway_command(
         from butlers.gateway.approvals import approve
 
         for line in await asyncio.to_thread(
-            approve, args.dir, args.config, args.names, settings.environ
+            approve, args.dir, args.config, args.names, settings.environ, record=not args.show
         ):
             print(line)
         return 0

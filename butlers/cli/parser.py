@@ -250,16 +250,20 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
             help="the host's file, if not where it keeps it",
         )
     text = (
-        "let in servers declared while the gateway runs (held pending by gateway.toml's "
-        'reload = "approve"): records their current declarations; the running gateway '
-        "starts them"
+        "let in servers (and gateway.toml) added or changed since their approval, held "
+        "pending: records their current declarations; the running gateway starts them"
     )
     approve = actions.add_parser("approve", help=text, description=text)
     approve.add_argument(
         "names",
         nargs="*",
         metavar="NAME",
-        help="the servers to approve (default: every declared server)",
+        help="the servers to approve (default: every declared server, and gateway.toml)",
+    )
+    approve.add_argument(
+        "--show",
+        action="store_true",
+        help="only show what would be approved (and gateway.toml's changes); record nothing",
     )
     approve.add_argument(
         "--dir",

@@ -298,7 +298,8 @@ def start_trust(
         command = shlex.join(approve_command((), directory, config_file))
         note = (
             f"{current.shown_name} changed since it was approved: the gateway runs the "
-            f"approved one; `{command}` shows the changes and approves them (then restart)"
+            f"approved one; `{command} --show` shows the changes, `{command}` approves them "
+            "(then restart)"
         )
         config = approved.settings.config(directory)
     else:
@@ -372,12 +373,15 @@ def approve(
     config_file: Path | None,
     names: Sequence[str],
     environ: Mapping[str, str],
+    *,
+    record: bool = True,
 ) -> list[str]:
     """Approve the current declarations of `names` (every declared server, and the settings
     file, when empty) for the gateway of --dir `directory` (and --config), and say what was
     approved: each server as written in its file (`described`), no value shown; the settings'
     changes since their last approval. CommandError when a name is not declared, or the
-    settings or the --config file cannot be read (blocking: run it in a thread)."""
+    settings or the --config file cannot be read (blocking: run it in a thread). `record`
+    False (`--show`): what it would approve, recorded nothing."""
     if not directory.is_dir():
         raise CommandError(f"--dir {directory}: not a directory")
     try:
@@ -402,39 +406,42 @@ def approve(
     store = ApprovalStore.for_environ(environ)
     key = project_key(directory, config_file)
     try:
-        record = store.record(key)
+        known = store.record(key)
     except ConfigError as exc:
         raise CommandError(str(exc)) from exc
     new = {spec.name: fingerprint(spec) for spec in chosen}
-    fresh = [spec for spec in chosen if record.servers.get(spec.name) != new[spec.name]]
-    settings_changed = not names and record.settings != settings
+    fresh = [spec for spec in chosen if known.servers.get(spec.name) != new[spec.name]]
+    settings_changed = not names and known.settings != settings
     if not fresh and not settings_changed:
         if not chosen:
             return [*lines, "no servers are declared there: nothing to approve"]
         return [*lines, "nothing new to approve: " + ", ".join(new) + " already approved"]
-    store.approve(
-        key,
-        {spec.name: new[spec.name] for spec in fresh},
-        settings if settings_changed else None,
-    )
+    if record:
+        store.approve(
+            key,
+            {spec.name: new[spec.name] for spec in fresh},
+            settings if settings_changed else None,
+        )
     # The same files read again with each variable standing for itself: what is shown.
     written = {name: f"${{{name}}}" for name in environ}
     shown: dict[str, ChildSpec] = {}
     for spec in dataclasses.replace(files, environ=written).read()[0]:
         shown.setdefault(spec.name, spec)
+    verb = "approved" if record else "would approve"
     if settings_changed:
-        lines.append(
-            f"approved {settings.shown_name}: {settings_changes(record.settings, settings)}"
-        )
+        lines.append(f"{verb} {settings.shown_name}: {settings_changes(known.settings, settings)}")
     lines += [
-        f"approved {_shown(spec.name)}: {described(shown.get(spec.name, spec))}" for spec in fresh
+        f"{verb} {_shown(spec.name)}: {described(shown.get(spec.name, spec))}" for spec in fresh
     ]
     lines += [f"already approved: {_shown(spec.name)}" for spec in chosen if spec not in fresh]
-    if names and record.settings is not None and record.settings != settings:
+    if names and known.settings is not None and known.settings != settings:
         lines.append(
             f"not approved: {settings.shown_name}, changed since its approval (approve without "
             "names approves it too)"
         )
+    if not record:
+        lines.append("(nothing recorded: run it without --show to approve)")
+        return lines
     lines.append(
         f"(recorded in {store.path}; a running gateway starts the servers now"
         + (

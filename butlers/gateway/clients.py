@@ -23,6 +23,7 @@ import signal
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 from butlers import __version__
 from butlers.environment import gateway_child_environment
@@ -561,13 +562,13 @@ class RemoteChild(_Child):
             except TimeoutError:
                 await _close_quietly(connection)
                 raise CallTimedOut(
-                    f"child {self.name!r}: no answer from {url} within "
+                    f"child {self.name!r}: no answer from {where(url)} within "
                     f"{_ms(self.spawn_timeout_s)} (timeouts.child_spawn_ms)"
                 ) from None
             except Exception as exc:  # FastMCP's client raises what its transport raised
                 await _close_quietly(connection)
                 raise ConnectionClosed(
-                    f"child {self.name!r}: cannot connect to {url}: {exc}"
+                    f"child {self.name!r}: cannot connect to {where(url)}: {exc}"
                 ) from exc
             if self._closed:  # closed while connecting: close() could not reach it
                 await _close_quietly(connection)
@@ -613,6 +614,21 @@ class RemoteChild(_Child):
 
 
 Child = StdioChild | RemoteChild
+
+
+def where(url: str) -> str:
+    """A remote child's URL as messages show it: scheme, host and port only. Its path, query
+    and user info may hold a credential (`/s/<token>/mcp`, `?key=`, `u:p@`), and what the
+    gateway says reaches the host's model."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "its URL"
+    host = f"[{host}]" if ":" in host else host
+    hidden = "/…" if parts.path not in ("", "/") or parts.query else ""
+    return f"{parts.scheme}://{host}{port}{hidden}"
 
 
 async def _close_quietly(connection: SseConnection | FastMcpConnection) -> None:

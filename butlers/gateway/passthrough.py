@@ -379,8 +379,8 @@ class _ChildPrompt(Prompt):
         with self._gateway.span("gateway.prompt", slot, arguments or {}, {"prompt": name}):
             try:
                 raw = await slot.child.request("prompts/get", params)
-            except McpCallError as exc:
-                raise PromptError(str(exc)) from exc
+            except McpCallError as exc:  # (its URL's secrets out: Gateway.redact)
+                raise PromptError(self._gateway.redact(str(exc))) from exc
         result = mcp_types.GetPromptResult.model_validate(raw)
         return PromptResult(
             [Message(m.content, role=m.role) for m in result.messages],
@@ -424,7 +424,7 @@ class _ChildResource(Resource):
             try:
                 raw = await slot.child.request("resources/read", {"uri": uri})
             except McpCallError as exc:
-                raise ResourceError(str(exc)) from exc
+                raise ResourceError(self._gateway.redact(str(exc))) from exc
         result = mcp_types.ReadResourceResult.model_validate(raw)
         contents = [
             ResourceContent(

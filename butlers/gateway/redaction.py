@@ -27,44 +27,53 @@ from butlers.gateway.children import ChildSpec
 from butlers.gateway.sources import ServerFiles
 from butlers.redact import REDACTED, SECRET_NAME_PATTERN
 
-# A URL's query parameter that carries a credential (`?key=`, `api_key`, `access_token`,
-# `sig`, ...): its value is a secret.
-_SECRET_PARAMETER = re.compile(r"(?i)(key|token|secret|pass|auth|sig|cred)")
+# Headers whose values are never credentials (the rest may be: X-Api-Key, Authorization...).
+_PLAIN_HEADERS = frozenset(
+    {"accept", "accept-language", "content-type", "user-agent", "mcp-protocol-version"}
+)
 # Variables a declaration may take that are no secret (their values are ordinary words).
 _NOT_SECRET = frozenset({"HOME", "PATH", "PWD", "USER", "LOGNAME", "SHELL", "TMPDIR", "LANG"})
 _VARIABLE = re.compile(r"\$\{(?:env:)?([A-Za-z_][A-Za-z0-9_]*)")
 
 
-def server_secrets(files: ServerFiles, declared: Iterable[ChildSpec]) -> list[str]:
-    """What the servers `files` declare (`declared`, as read) are sent that is secret: see
-    `declared_secrets`, and the values of every variable their declarations take (read again
-    as written: `${VAR}` standing for itself), but those that are no secret (HOME, PATH...).
-    Blocking: it reads the files."""
+def server_secrets(files: ServerFiles, running: Iterable[ChildSpec]) -> list[str]:
+    """What the servers that run (`running`, of those `files` declare) are sent that is
+    secret: see `declared_secrets`, and the values of the variables their URL, headers and
+    env take (read again as written: `${VAR}` standing for itself), but those that are no
+    secret (HOME, PATH...). Only what runs: a pending declaration's values are the project
+    writer's to choose, and each would blank its words in every later line. Blocking: it
+    reads the files."""
+    running = list(running)
+    names_running = {spec.name for spec in running}
     as_written = {name: f"${{{name}}}" for name in files.environ}
     texts = [
         text
         for spec in dataclasses.replace(files, environ=as_written).read()[0]
-        for text in (spec.url or "", *spec.headers.values(), *spec.env.values(), *spec.args)
+        if spec.name in names_running
+        for text in (spec.url or "", *spec.headers.values(), *spec.env.values())
     ]
     names = {n for text in texts for n in _VARIABLE.findall(text)} - _NOT_SECRET
     taken = [files.environ[n] for n in sorted(names) if files.environ.get(n)]
-    return declared_secrets(declared) + taken
+    return declared_secrets(running) + taken
 
 
 def declared_secrets(specs: Iterable[ChildSpec]) -> list[str]:
     """The values the servers' declarations send them that are secrets: every header value
-    (and its credential without the scheme), the values of a URL's credential parameters, and
-    an env value whose name is a secret's (`*_TOKEN`, `*_API_KEY`, ...)."""
+    but the few that never are (Content-Type...), and its credential without the scheme; a
+    URL's password and every value of its query; an env value whose name is a secret's
+    (`*_TOKEN`, `*_API_KEY`, ...)."""
     secrets: list[str] = []
     for spec in specs:
-        for value in spec.headers.values():
-            secrets += [value, value.partition(" ")[2]]
+        for header, value in spec.headers.items():
+            if header.lower() not in _PLAIN_HEADERS:
+                secrets += [value, value.partition(" ")[2]]
         if spec.url is not None:
             try:
-                query = urlsplit(spec.url).query
+                parts = urlsplit(spec.url)
+                password, query = parts.password, parts.query
             except ValueError:
-                query = ""
-            secrets += [v for k, v in parse_qsl(query) if _SECRET_PARAMETER.search(k)]
+                password, query = None, ""
+            secrets += [password or "", *(v for _, v in parse_qsl(query))]
         secrets += [v for k, v in spec.env.items() if SECRET_NAME_PATTERN.search(k.upper())]
     return [s for s in secrets if s]
 

@@ -229,9 +229,6 @@ class Reloader:
     async def reload(self) -> Plan:
         """Read the files again and apply what changed (what needs a yes first: held)."""
         declared, skipped = await asyncio.to_thread(self.files.read)
-        if self.gateway.redactor is not None:  # what a new declaration sends is secret too
-            secrets = await asyncio.to_thread(server_secrets, self.files, declared)
-            self.gateway.learn_secrets(secrets)
         running = {name: slot.spec for name, slot in self.gateway.slots.items()}
         changes = plan(running, declared, skipped)
         self._report(skipped, running)
@@ -242,6 +239,10 @@ class Reloader:
         if not changes:
             logger.debug("gateway reload: nothing changed", extra={"action": "reload"})
             return changes
+        if self.gateway.redactor is not None:  # what a server started now is sent: secret too
+            starting = [*changes.added, *changes.restarted]
+            secrets = await asyncio.to_thread(server_secrets, self.files, starting)
+            self.gateway.learn_secrets(secrets)
         # Once started it runs to the end, even if the gateway is closing meanwhile: a child
         # taken out of the gateway's list but not yet stopped would outlive it.
         applying = asyncio.create_task(self._apply(changes))

@@ -126,7 +126,8 @@ async def build_gateway(
     )
     if options.redactor is not None:
         files = server_files(options, config)
-        gateway.learn_secrets(await asyncio.to_thread(server_secrets, files, declared))
+        running = [spec for spec in declared if spec.name not in held]
+        gateway.learn_secrets(await asyncio.to_thread(server_secrets, files, running))
     gateway.butlers_missing = butlers_missing
     gateway.settings_note = trust.settings_note
     gateway.pending = {
