@@ -132,6 +132,14 @@ class ApprovalGate:
                 "with arguments it takes)"
             )
         token = session_token()
+        served = self.config.mcp_server_of(tool_name)
+        if served is not None and not served[0].people and self.spawner.answers_someone_else(token):
+            # Its server is the owner's alone: no question the owner's yes could not run.
+            raise ToolRefusal(
+                f"{tool_name} is the owner's alone ([[mcp_servers]] people = false): not for a "
+                "session answering someone else; not asked",
+                log_level=logging.WARNING,
+            )
         conversation = self.spawner.conversation_of(token)
         if conversation is None and self.spawner.withheld_tools(token):
             # Restricted, yet answering no one: approved, it would run as the owner's session

@@ -39,10 +39,22 @@ def escaped_disguises(text: str) -> str:
     a yes read as what will run (a right-to-left override made "100000" look like "10"0000"),
     and stay valid JSON."""
     return "".join(
-        (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
-        if unicodedata.category(c) in _DISGUISING
-        else c
+        (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}") if _disguises(c) else c
         for c in text
+    )
+
+
+def _disguises(c: str) -> bool:
+    """Invisible, or moving what follows: format characters, separators, private and
+    unassigned code points, C1 controls (JSON escapes only C0), variation selectors."""
+    code = ord(c)
+    if code < 0x7F:
+        return False
+    return (
+        unicodedata.category(c) in _DISGUISING
+        or code <= 0x9F
+        or 0xFE00 <= code <= 0xFE0F
+        or 0xE0100 <= code <= 0xE01EF
     )
 
 

@@ -1,7 +1,7 @@
 """How the owner's answer by mail is read (butlers.text.answer_line and the approval and
 pairing patterns on it): the first line alone, bounded, so that a stranger's mail of spaces
 costs nothing (it cost minutes to a pattern that read it whole: a review), and a first line
-that says more is no answer."""
+that says more is no answer. And how the call they answer is shown (escaped_disguises)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,13 @@ def test_approval_answers(line: str, bare: bool, numbered: str | None) -> None:
 def test_pairing_answers(line: str, answer: tuple[str, str | None] | None) -> None:
     match = _MAIL_PAIRING_ANSWER.fullmatch(line)
     assert (None if match is None else (match[1].lower(), match[2])) == answer
+
+
+def test_what_could_disguise_shown_arguments_is_written_as_its_escape() -> None:
+    """An approval's arguments as the owner reads them: a right-to-left override, a C1
+    control, a variation selector and a zero-width space are escapes; words in any script
+    stay as they are."""
+    from butlers.text import escaped_disguises
+
+    shown = escaped_disguises('{"to": "Zoë 東京 10\u202e0000 a\u0085b c\ufe0fd e\u200bf"}')
+    assert shown == '{"to": "Zoë 東京 10\\u202e0000 a\\u0085b c\\ufe0fd e\\u200bf"}'

@@ -326,6 +326,11 @@ async def test_a_server_kept_to_the_owner_is_neither_offered_nor_run_for_anyone_
     async with Client(transport) as client:
         with pytest.raises(ToolError, match=r"is the owner's alone \(\[\[mcp_servers\]\] people"):
             await client.call_tool("files__read_text_file", {"path": str(root / "note.txt")})
+        # One under approval is not asked of the owner either: a yes could not run it.
+        written = {"path": str(root / "x.txt"), "content": "pwned"}
+        with pytest.raises(ToolError, match=r"is the owner's alone .* not asked"):
+            await client.call_tool("files__write_file", written)
+    assert not (root / "x.txt").exists()
 
 
 async def test_a_server_killed_mid_call_fails_the_call_and_is_started_again(

@@ -1023,8 +1023,8 @@ def _annotations(tool: Mapping[str, Any]) -> mcp_types.ToolAnnotations | None:
 
 def result_size(raw: Any) -> int:
     """About how many bytes a child's result holds: its texts, its data (base64), its
-    structured content. Counted from the parsed result (no second serialization of what may
-    be megabytes): characters, each at least a byte."""
+    structured content, as UTF-8. Counted from the parsed result (no second serialization of
+    its texts, which may be megabytes)."""
     if not isinstance(raw, dict):
         return 0
     size = 0
@@ -1034,11 +1034,11 @@ def result_size(raw: Any) -> int:
             for part in (item, resource if isinstance(resource, dict) else {}):
                 for key in ("text", "data", "blob"):
                     value = part.get(key)
-                    if isinstance(value, str):
-                        size += len(value)
+                    if isinstance(value, str):  # bytes, as a host counts them
+                        size += len(value) if value.isascii() else len(value.encode())
     structured = raw.get("structuredContent")
     if structured is not None:
-        size += len(json.dumps(structured, ensure_ascii=False))
+        size += len(json.dumps(structured))  # (non-ASCII as escapes: never fewer bytes)
     return size
 
 
