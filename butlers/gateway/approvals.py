@@ -289,10 +289,14 @@ def start_trust(
     if approved.settings is None:  # the first start here
         config = current.config(directory)
         declared = first_declared(read_servers(config))
-        if record:
-            hashes = {name: fingerprint(spec) for name, spec in declared.items()}
-            store.approve_first(key, hashes, current)
-        return StartTrust(config, first=True)
+        if not record:
+            return StartTrust(config, first=True)
+        hashes = {name: fingerprint(spec) for name, spec in declared.items()}
+        if store.approve_first(key, hashes, current):
+            return StartTrust(config, first=True)
+        # Another start (or install) recorded first, meanwhile: what it recorded counts.
+        approved = store.record(key)
+        assert approved.settings is not None, "approve_first saw it recorded"
     note = None
     if approved.settings != current:
         command = shlex.join(approve_command((), directory, config_file))
