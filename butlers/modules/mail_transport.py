@@ -104,7 +104,7 @@ async def tls_spoken(host: str, port: int, timeout_s: float = 5.0) -> Security |
             context.verify_mode = ssl.CERT_NONE  # only: is it TLS? (nothing is read or sent)
         reader, writer = await asyncio.open_connection(host, port, ssl=context)
         try:
-            return await asyncio.wait_for(reader.read(64), GREETING_WAIT_S)
+            return await within(reader.read(64), GREETING_WAIT_S)
         except TimeoutError:
             return b""
         finally:
