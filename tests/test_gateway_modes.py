@@ -4,13 +4,15 @@ the official `mcp` client, with the mock children of test_gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 
 from tests.conftest import free_port
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
 from tests.test_cli_client import run_cli
-from tests.test_gateway import mcp_json, stdio_host, text_of
+from tests.test_gateway import MOCK, mcp_json, stdio_host, text_of
 
 CONTROL = ["gateway_activate", "gateway_deactivate", "gateway_status"]
 MOCK_NAMES = [t["name"] for t in MOCK_TOOLS]
@@ -163,3 +165,40 @@ async def test_dry_run_shows_an_unreachable_remote_child_in_error(tmp_path: Path
         line.startswith("dead (mcp, error): child 'dead': cannot connect to")
         for line in out.splitlines()
     )
+
+
+async def test_a_flood_of_list_changed_is_read_a_few_times_and_tells_the_host_nothing(
+    tmp_path: Path,
+) -> None:
+    """A child says 500 times at once that its tools changed (they did not): the gateway
+    reads its list a few times, not 500, and tells the host nothing (3000 notices were 3000
+    readings and 3000 host notifications: a walkthrough)."""
+    lists = tmp_path / "lists"
+    child = tmp_path / "mcps" / "plain"
+    child.mkdir(parents=True)
+    command = {
+        "cmd": sys.executable,
+        "args": [MOCK, "--flood"],
+        "env": {"MOCK_MCP_LISTS": str(lists)},
+    }
+    (child / ".mcp.json").write_text(json.dumps({"name": "plain", "command": command}))
+    async with stdio_host(tmp_path, "--mode", "activate") as host:
+        activated = await host.call("gateway_activate", name="plain")
+        assert not activated.is_error, text_of(activated)
+        seen = host.list_changed
+        result = await host.call("flood", n=500)
+        assert text_of(result) == "flooded"
+
+        def readings() -> int:
+            return len(lists.read_text().splitlines()) if lists.exists() else 0
+
+        # Settled: no reading for three of its pauses in a row (a bound, not a timing).
+        last, still = readings(), 0
+        async with asyncio.timeout(30):
+            while still < 3:
+                await asyncio.sleep(0.5)
+                now = readings()
+                still, last = (still + 1, now) if now == last else (0, now)
+        assert last <= 5, last  # the first listing, then a few at most
+        assert host.list_changed == seen
+        assert "flood" in await host.tools()

@@ -89,6 +89,8 @@ VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
 # once per start (a call of a tool it does not find waits for them to the end: it may be
 # theirs). The first search of a `--lazy` gateway starts every server: npm's take ~1 s.
 SEARCH_WAIT_S = 8.0
+# A child's tool list is read again at most this often, however many list_changed it sends.
+REFRESH_EVERY_S = 0.5
 
 SUITE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -127,6 +129,9 @@ class Slot:
     starting: asyncio.Future[None] | None = None
     # A search already waited SEARCH_WAIT_S for this start: the next ones answer without it.
     searched_while_starting: bool = False
+    # Its tool list is being read again after a list_changed; another came meanwhile.
+    refreshing: bool = False
+    refresh_again: bool = False
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -583,8 +588,13 @@ class Gateway:
 
     def _child_tools_changed(self, name: str) -> None:
         slot = self.slots.get(name)
-        if slot is not None and slot.state in ("ready", "active"):
-            self._spawn(self._refresh_tools(slot))
+        if slot is None or slot.state not in ("ready", "active"):
+            return
+        if slot.refreshing:  # read once more when this reading ends: not once per notice
+            slot.refresh_again = True
+            return
+        slot.refreshing = True
+        self._spawn(self._refresh_tools(slot))
 
     def _child_lists_changed(self, name: str, kind: str) -> None:
         """A child's prompts or resources changed: read again when next asked, and every
@@ -598,20 +608,32 @@ class Gateway:
             self._spawn(self.notify_changed(kinds=(changed,)))
 
     async def _refresh_tools(self, slot: Slot) -> None:
-        """The child's tool list changed: read it again; if the child is active, its tools in
-        the hosts' lists are replaced and the hosts told."""
+        """The child's tool list changed: read it again; if the child is active and its
+        tools did change, they are replaced in the hosts' lists and the hosts told. Notices
+        that come while it reads make one more reading, at most one every REFRESH_EVERY_S: a
+        child that sent 3000 in 30 s was listed 3000 times, and the hosts told 3000 times
+        (a walkthrough)."""
         try:
-            slot.tools = await slot.child.list_tools()
-        except McpCallError as exc:
-            logger.warning("%s", exc, extra={"action": "child_tools_refresh_failed"})
-            return
-        if slot.injected:
-            for name in slot.injected:
-                with contextlib.suppress(Exception):
-                    self.mcp.local_provider.remove_tool(name)
-            slot.injected.clear()
-            self._inject_tools(slot)
-            await self.notify_tools_changed()
+            while True:
+                slot.refresh_again = False
+                try:
+                    tools = await slot.child.list_tools()
+                except McpCallError as exc:
+                    logger.warning("%s", exc, extra={"action": "child_tools_refresh_failed"})
+                    return
+                changed, slot.tools = tools != slot.tools, tools
+                if changed and slot.injected:
+                    for name in slot.injected:
+                        with contextlib.suppress(Exception):
+                            self.mcp.local_provider.remove_tool(name)
+                    slot.injected.clear()
+                    self._inject_tools(slot)
+                    await self.notify_tools_changed()
+                if not slot.refresh_again:
+                    return
+                await asyncio.sleep(REFRESH_EVERY_S)
+        finally:
+            slot.refreshing = False
 
     def _spawn(
         self, coro: Coroutine[Any, Any, None], variables: contextvars.Context | None = None

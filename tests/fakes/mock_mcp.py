@@ -9,7 +9,9 @@ prints non-JSON log lines to stdout between answers; `--crash-on` exits when tha
 called; `--silent` never answers anything;
 `--hang-on` never answers calls of that tool;
 `--linger` outlives the end of its stdin; `--odd-tool NAME` lists a tool of that name (again
-for more); `--protocol V` answers initialize with revision V;
+for more); `--flood` a tool `flood` that says its tools changed `n` times at once (and
+MOCK_MCP_LISTS names a file where each tools/list adds a line); `--protocol V` answers
+initialize with revision V;
 `--extras` adds the tools `progress` (reports progress and logs a message before it answers)
 and `grow` (adds the tool `extra` and says its tool list changed). Tools: echo, add, crash,
 long_description.
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--protocol", help="the revision to answer initialize with")
     parser.add_argument("--extras", action="store_true")
     parser.add_argument("--odd-tool", action="append", default=[], help="a tool of this name")
+    parser.add_argument("--flood", action="store_true", help="a tool `flood` (n list_changed)")
     options = parser.parse_args()
     if pids := os.environ.get("MOCK_MCP_PIDS"):
         with open(pids, "a") as f:
@@ -107,6 +110,14 @@ def main() -> None:
         {"name": odd, "description": "Oddly named.", "inputSchema": {"type": "object"}}
         for odd in options.odd_tool
     ]
+    if options.flood:
+        tools.append(
+            {
+                "name": "flood",
+                "description": "Say n times: changed.",
+                "inputSchema": {"type": "object"},
+            }
+        )
     for line in sys.stdin.buffer:
         if options.silent or not line.strip():
             continue
@@ -122,6 +133,9 @@ def main() -> None:
             }
         elif method == "tools/list":
             result = {"tools": tools}
+            if lists := os.environ.get("MOCK_MCP_LISTS"):  # each tools/list, a line
+                with open(lists, "a") as f:
+                    f.write("tools/list\n")
         elif method == "tools/call":
             name = request["params"]["name"]
             args = request["params"].get("arguments") or {}
@@ -166,6 +180,10 @@ def main() -> None:
                 )
                 write({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
                 result = {"content": [{"type": "text", "text": "grown"}]}
+            elif name == "flood":  # its tool list "changed", n times at once
+                for _ in range(int(args.get("n", 100))):
+                    write({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+                result = {"content": [{"type": "text", "text": "flooded"}]}
             elif name == "add":
                 result = {"content": [{"type": "text", "text": str(args["a"] + args["b"])}]}
             else:
