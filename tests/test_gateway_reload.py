@@ -675,3 +675,25 @@ async def test_what_was_written_into_the_project_since_its_approval_waits_at_the
         assert {"planted_suite", "plain_suite"} <= set(await host.tools())
         assert "settings" not in await host.status()
     assert len(pids(tmp_path, "plain")) == 2
+
+
+@pytest.mark.proc
+async def test_gateway_toml_edited_while_it_runs_is_said_to_wait_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """gateway.toml is read at start: an edit while the gateway runs changed nothing, and
+    said nothing (a walkthrough). Now gateway_status and the log say it counts from the next
+    start, once approved."""
+    project = tmp_path / ".mcp.json"
+    project.write_text(json.dumps({"mcpServers": {"plain": mock(tmp_path, "plain")}}))
+    async with gateway(tmp_path, tmp_path) as host:
+        await started(tmp_path, "plain")
+        await logged(tmp_path, WATCHING)
+        save(tmp_path / "gateway.toml", '[suites.plain.expose]\ndeny = ["echo"]\n')
+        entry = await pending(host, "settings")
+        assert entry["detail"].startswith(
+            "gateway.toml changed while the gateway runs: it counts from the next start, once "
+            "approved (`butlers gateway approve --dir "
+        )
+        assert await echo(host, "plain_suite", "still allowed") == "still allowed"
+    await logged(tmp_path, "gateway.toml changed while the gateway runs")

@@ -259,6 +259,7 @@ class StartTrust:
     changed: frozenset[str] = frozenset()  # of those, the ones approved once as declared then
     settings_note: str | None = None  # the settings file changed since its approval
     first: bool = False  # nothing was recorded for the project: all approved as declared now
+    current: SettingsText | None = None  # the settings file as it was at this start
 
 
 def start_trust(
@@ -290,10 +291,10 @@ def start_trust(
         config = current.config(directory)
         declared = first_declared(read_servers(config))
         if not record:
-            return StartTrust(config, first=True)
+            return StartTrust(config, first=True, current=current)
         hashes = {name: fingerprint(spec) for name, spec in declared.items()}
         if store.approve_first(key, hashes, current):
-            return StartTrust(config, first=True)
+            return StartTrust(config, first=True, current=current)
         # Another start (or install) recorded first, meanwhile: what it recorded counts.
         approved = store.record(key)
         assert approved.settings is not None, "approve_first saw it recorded"
@@ -309,14 +310,14 @@ def start_trust(
     else:
         config = current.config(directory)
     if config.reload == "apply":  # a person approved starting whatever is declared
-        return StartTrust(config, settings_note=note)
+        return StartTrust(config, settings_note=note, current=current)
     held = tuple(
         spec
         for spec in first_declared(read_servers(config)).values()
         if approved.servers.get(spec.name) != fingerprint(spec)
     )
     changed = frozenset(spec.name for spec in held if spec.name in approved.servers)
-    return StartTrust(config, held, changed, note)
+    return StartTrust(config, held, changed, note, current=current)
 
 
 def approve_as_declared(

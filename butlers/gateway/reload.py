@@ -33,10 +33,12 @@ at start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import glob
 import logging
 import os
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -45,8 +47,15 @@ from pathlib import Path
 from watchfiles import Change, awatch
 
 from butlers.errors import ConfigError
-from butlers.gateway.approvals import ApprovalStore, fingerprint, pending_detail, project_key
+from butlers.gateway.approvals import (
+    ApprovalStore,
+    approve_command,
+    fingerprint,
+    pending_detail,
+    project_key,
+)
 from butlers.gateway.children import ChildSpec, Skipped
+from butlers.gateway.config import JSON_NAME, TOML_NAME, SettingsText
 from butlers.gateway.redaction import server_secrets
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
@@ -225,10 +234,13 @@ class Reloader:
         self._reported: set[str] | None = None
         self._warned: set[tuple[str, str]] = set()  # pending declarations warned about
         self._store_problem: str | None = None  # the store's, as last warned
+        self._settings_told: SettingsText | None = None  # the edited settings, as last told
 
     async def reload(self) -> Plan:
         """Read the files again and apply what changed (what needs a yes first: held)."""
         declared, skipped = await asyncio.to_thread(self.files.read)
+        with contextlib.suppress(ConfigError, OSError):  # (a file being written: next time)
+            await asyncio.to_thread(self._settings_edited)
         running = {name: slot.spec for name, slot in self.gateway.slots.items()}
         changes = plan(running, declared, skipped)
         self._report(skipped, running)
@@ -380,7 +392,24 @@ class Reloader:
 
     def _watches(self) -> Watches:
         store = (self.approvals.path,) if self.mode == "approve" else ()
-        return watches(self.files, store)
+        settings = tuple(self.files.directory / name for name in (TOML_NAME, JSON_NAME))
+        return watches(self.files, (*store, *settings))
+
+    def _settings_edited(self) -> None:
+        """gateway.toml is read at start only: one edited while the gateway runs is said to
+        count from the next start, once approved (it changed nothing, silently)."""
+        current = SettingsText.of(self.files.directory)
+        started = self.gateway.started_settings
+        if started is None or current == started or current == self._settings_told:
+            return
+        self._settings_told = current
+        command = shlex.join(approve_command((), self.files.directory, self.files.config_file))
+        note = (
+            f"{current.shown_name} changed while the gateway runs: it counts from the next "
+            f"start, once approved (`{command} --show` shows the changes)"
+        )
+        self.gateway.settings_note = note
+        logger.warning("gateway: %s", note, extra={"action": "settings_edited"})
 
     async def _reload_logged(self, what: str) -> None:
         logger.debug("gateway reload: reading the files again (%s)", what)

@@ -130,6 +130,7 @@ async def build_gateway(
         gateway.learn_secrets(await asyncio.to_thread(server_secrets, files, running))
     gateway.butlers_missing = butlers_missing
     gateway.settings_note = trust.settings_note
+    gateway.started_settings = trust.current
     gateway.pending = {
         spec.name: pending_detail(
             spec,

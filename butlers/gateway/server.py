@@ -42,7 +42,7 @@ from butlers import __version__
 from butlers.errors import McpCallError
 from butlers.gateway.children import ChildSpec
 from butlers.gateway.clients import Child, RemoteChild, StdioChild
-from butlers.gateway.config import GatewayConfig
+from butlers.gateway.config import GatewayConfig, SettingsText
 from butlers.gateway.control import (
     CALL_SCHEMA,
     CONTROL_DESCRIPTIONS,
@@ -224,6 +224,8 @@ class Gateway:
         # Why the gateway runs its settings as approved, not as the file now says
         # (butlers.gateway.approvals); listed by gateway_status.
         self.settings_note: str | None = None
+        # The settings file as it was at the start (a later edit is said to wait for one).
+        self.started_settings: SettingsText | None = None
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
