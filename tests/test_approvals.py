@@ -700,6 +700,12 @@ async def test_a_bare_yes_or_no_in_a_questions_thread_decides_that_one(
             return await status(2) == "done"
 
         await eventually(second_done)
+        # A "yes" to a mail further down the first question's thread (the butler's "Should
+        # I block them?") is not an answer to the question above it: a message.
+        further = [first["Message-ID"], "<butler-follow-up@x>"]
+        await mail(OWNER_MAIL.email, "Yes.", "<o4@x>", further)
+        await eventually(lambda: _count_at_least(questions(), 4))  # general's "Done." to it
+        assert await status(1) == "pending"
         await mail(OWNER_MAIL.email, "No.", "<o3@x>", [first["Message-ID"]])
 
         async def first_denied() -> bool:

@@ -415,7 +415,7 @@ def html_to_text(html: str, *, max_chars: int | None = None) -> str:
 _QUOTE_HEADER = re.compile(r"^(On .+ wrote:|-----Original Message-----|Le .+ a écrit :)\s*$")
 # A reply's subject: English, German, Scandinavian, Dutch, Polish, Turkish, Italian, Portuguese.
 REPLY_SUBJECT = re.compile(
-    r"^[ \t]*(?:re|aw|sv|antw|odp|ynt|rif|res)[ \t]*(?:\[\d+\])?[ \t]*:", re.I
+    r"^[ \t]*(?:re|aw|sv|antw|odp|ynt|rif|res)(?:[ \t]*\[\d+\])?[ \t]*:", re.I
 )
 # Outlook's line above the header block of the mail it answers.
 _OUTLOOK_RULE = re.compile(r"^[ \t]*_{10,}[ \t]*\n?\Z")
@@ -432,13 +432,16 @@ def is_reply(subject: str, references: str, message_id: str) -> bool:
 
 def trim_quoted(text: str, *, reply: bool = False) -> str:
     """Drop the quoted history of a reply: '>' lines and everything after 'On ... wrote:'.
-    A reply's (`reply`) history under Outlook's header block (From:, then Sent: or Date:,
-    with or without its rule of underscores above) goes too: kept, the block read as a
-    forward, and the owner's own reply was taken for someone else's words (a walkthrough)."""
+    A reply's (`reply`) history under a mail program's header block (HEADER_BLOCK: Outlook's
+    From:, Sent:, To:..., in any language, with or without its rule of underscores above)
+    goes too: kept, the block read as a forward, and the owner's own reply was taken for
+    someone else's words (a walkthrough); in a language it did not know, the history (a
+    stranger's words, maybe) was the owner's request (a red team)."""
+    text = text.replace("\r\n", "\n")  # (IMAP keeps CRLF: Outlook's rule line was kept)
     head = text[:FORWARD_SEARCH_CHARS]
     # (A forwarded part said to be one, "---------- Forwarded message", is a forward's even in
     # a thread: its header block is what it forwards, kept.)
-    block = FORWARDED_HEADERS.search(head) if reply else None
+    block = HEADER_BLOCK.search(head) if reply else None
     if block is not None and FORWARDED_BLOCK.search(head, 0, block.start()) is None:
         text = text[: block.start()]
         above, _, last = text.rstrip("\n").rpartition("\n")
@@ -632,29 +635,37 @@ def dmarc_refusal(results: Sequence[str], authserv_id: str, from_domain: str) ->
 
 # A forwarded mail, as the common mail programs write one: the subject's prefix (English,
 # German, French, Spanish, Italian, Dutch, Swedish, Danish/Norwegian, Portuguese, Polish),
-# the line that opens the forwarded part (Gmail, Thunderbird, Outlook, Apple Mail), or
-# Outlook's header block (From:, then Sent: or Date:). Blanks are [ \t], never \s: with
-# MULTILINE, \s runs across lines and a body of blank lines took 25 s to search (a review).
+# the line that opens the forwarded part (Gmail, Thunderbird, Outlook, Apple Mail), or a mail
+# program's header block (HEADER_BLOCK). Blanks are [ \t], never \s: with MULTILINE, \s
+# runs across lines and a body of blank lines took 25 s to search (a review).
 FORWARDED_SUBJECT = re.compile(r"^[ \t]*(?:fwd?|wg|tr|rv|i|doorst|vb|vs|enc|pd)[ \t]*:", re.I)
 FORWARDED_BLOCK = re.compile(
     r"^[ \t]*(?:-{2,}[ \t]*(?:forwarded message|original message|weitergeleitete nachricht|"
     r"message transféré)[ \t]*-{2,}|begin forwarded message:)[ \t]*$",
     re.IGNORECASE | re.MULTILINE,
 )
-FORWARDED_HEADERS = re.compile(
-    r"^[ \t]*\*?(?:from|von|de)[ \t]*:\*?[ \t]*(.+)\n[ \t]*\*?(?:sent|date|gesendet|datum|"
-    r"envoyé|enviado)[ \t]*:",
-    re.IGNORECASE | re.MULTILINE,
+# The word a mail program's header block begins with, in the languages of the common ones.
+_FROM_WORDS = "from|von|de|van|da|från|fra|od|lähettäjä|feladó|kimden|от|від|差出人|发件人|寄件者"
+# A header line ("Sent: Friday", "Verzonden: vrijdag"): a word or a few, a colon (or the
+# full-width one), a value. Blanks are [ \t] and a value begins with a non-blank, so a run of
+# blanks is matched one way only: `[ \t]*(.+)\n` tried every split of a run of 20 000 spaces
+# (seconds of the event loop, from any sender's mail: a red team).
+_HEADER_LINE = r"[ \t]*\*?[^\W\d_][\w .-]{0,24}[:\uff1a]\*?[ \t]*\S[^\n]*"
+_FROM_LINE = rf"[ \t]*\*?(?:{_FROM_WORDS})[ \t]*[:\uff1a]\*?[ \t]*(\S[^\n]*)"
+# A mail program's block above the mail a reply answers or a forward carries (Outlook's, in any
+# language): its From line and two header lines more at least (Sent, To, Subject...). Two
+# lines of the owner's own ("From: Amsterdam / Date: Friday") are not one.
+HEADER_BLOCK = re.compile(
+    rf"^{_FROM_LINE}\n{_HEADER_LINE}\n{_HEADER_LINE}", re.IGNORECASE | re.MULTILINE
 )
-FORWARDED_FROM = re.compile(r"^[ \t]*\*?(?:from|von|de)[ \t]*:\*?[ \t]*(.+)$", re.I | re.M)
+FORWARDED_FROM = re.compile(rf"^{_FROM_LINE}$", re.IGNORECASE | re.MULTILINE)
 # Where a forward is looked for: the start of a body (a forward's own words come first).
 FORWARD_SEARCH_CHARS = 20_000
 # The most of a forward's own lines above the forwarded part taken for the sender's own.
 MAX_OWN_LINES_CHARS = 2_000
 # Two header lines in a row ("Van: ...", "Verzonden: ..."), in any language: a mail's header
 # block, written by a mail program, not the sender's own words.
-_HEADER_LINE = r"[ \t]*\*?[^\W\d_][\w .-]{0,24}:\*?[ \t]+\S"
-_HEADER_PAIR = re.compile(rf"^{_HEADER_LINE}[^\n]*\n{_HEADER_LINE}", re.MULTILINE)
+_HEADER_PAIR = re.compile(rf"^{_HEADER_LINE}\n{_HEADER_LINE}", re.MULTILINE)
 
 
 def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
@@ -665,7 +676,7 @@ def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
     own; the owner's own lines above the forwarded part stay theirs."""
     text = text[:FORWARD_SEARCH_CHARS]
     block = FORWARDED_BLOCK.search(text)
-    headers = FORWARDED_HEADERS.search(text) if block is None else None
+    headers = HEADER_BLOCK.search(text) if block is None else None
     if block is None and headers is None and not FORWARDED_SUBJECT.match(subject):
         return None
     author = headers or FORWARDED_FROM.search(text, block.end() if block is not None else 0)

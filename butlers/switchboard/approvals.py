@@ -106,7 +106,7 @@ MAC_BYTES = 16
 # The owner's answer by mail, on the first line (`answer_line`): "yes 12", "no #12"; or, in
 # the question's own thread and alone, "yes" or "no": "Yes, please." "No!" (a reply that says
 # more, "yes, but make it 50", is a message: the call shown is not that).
-_MAIL_ANSWER = re.compile(r"(yes|no) #?([1-9][0-9]{0,17})\b", re.IGNORECASE)
+_MAIL_ANSWER = re.compile(r"(yes|no) #?([1-9][0-9]{0,17})(?![.,]?\d|\w)", re.IGNORECASE)
 _MAIL_BARE_ANSWER = re.compile(
     r"(yes|no)(?:,? (?:please|thanks|thank you|go ahead))?[.!]*", re.IGNORECASE
 )
@@ -601,12 +601,14 @@ class ApprovalDesk:
         current = decided["status"]
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
 
-    async def mail_answer(self, sender: str, thread: Sequence[str], text: str) -> bool:
+    async def mail_answer(
+        self, sender: str, thread: Sequence[str], text: str, *, parent: str | None = None
+    ) -> bool:
         """An allowed mail that may be the owner's answer ("yes 12" / "no 12" first, or a
-        first line of "yes" or "no" alone in reply to a question mail, which names its
-        approval): True when it decided (or tried to decide) an approval, so it is not a
-        message to route. Taken only from the owner's address and in the thread of that
-        approval's request mail; anything else is an ordinary message."""
+        first line of "yes" or "no" alone in reply to a question mail, `parent`, which
+        names its approval): True when it decided (or tried to decide) an approval, so it
+        is not a message to route. Taken only from the owner's address and in the thread of
+        that approval's request mail; anything else is an ordinary message."""
         owner = self.owner.email.lower()
         if not owner or sender.lower() != owner:
             return False
@@ -615,14 +617,12 @@ class ApprovalDesk:
         if match is None:
             return False
         if match.re is _MAIL_BARE_ANSWER:  # the approval whose question this mail answers
-            asked_here = {
-                (r.get("asked") or {}).get("email"): r
-                for r in await self.store.asked_by_mail(thread)
-            }
-            nearest = next((asked_here[i] for i in reversed(thread) if i in asked_here), None)
-            if nearest is None:
+            # The question itself, not one further up its thread: "Should I block them?"
+            # answered "yes" approved the call asked about above it (a red team).
+            asked_here = await self.store.asked_by_mail([parent] if parent else [])
+            if len(asked_here) != 1:
                 return False  # a "yes" to something else: a message like any other
-            approval_id = int(nearest["id"])
+            approval_id = int(asked_here[0]["id"])
         else:
             approval_id = int(match[2])
         row = await self.store.get(approval_id)

@@ -56,24 +56,27 @@ def message_body(message: InboxMessage) -> str:
         if message.meta.get("voice")
         else message.text
     )
+    subject = f"Subject: {message.subject}\n\n" if message.subject else ""
     if (author := message.meta.get("forwarded_from")) is not None:
         # Someone else's words, passed on: not the sender's own request (their name is
         # theirs to choose, so it is quoted). A mail's own lines above the forwarded part
-        # (`forwarded_at`) are the sender's: said so, not taken for the author's.
+        # (`forwarded_at`) are the sender's: said so, not taken for the author's. The subject
+        # goes with the forwarded words (a forward's is theirs: "Fwd: Owner instruction...").
         quoted = json.dumps(author, ensure_ascii=False)
         at = forwarded_at(message)
         if at:
             own, passed_on = text[:at].rstrip(), text[at:]
             text = (
                 f"{own}\n\n(Forwarded: from here on, the words were written by {quoted}, "
-                f"not by the sender.)\n{passed_on}"
+                f"not by the sender.)\n{subject}{passed_on}"
             )
         else:
             text = (
-                f"(Forwarded: all that follows was written by {quoted}, not by the sender.) {text}"
+                f"(Forwarded: all that follows was written by {quoted}, not by the sender.) "
+                f"{subject}{text}"
             )
-    if message.subject:
-        text = f"Subject: {message.subject}\n\n{text}"
+    else:
+        text = subject + text
     files = described(message.meta)
     return f"{text}\n\n{files}" if files else text
 

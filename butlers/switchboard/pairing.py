@@ -556,12 +556,12 @@ class PairingDesk:
             raise ToolRefusal(refusal or "not decided", log_level=logging.WARNING)
         return await self._after(row, f"{status.capitalize()} ({by}).")
 
-    async def mail_answer(self, sender: str, thread: list[str], text: str) -> bool:
+    async def mail_answer(self, sender: str, parent: str | None, text: str) -> bool:
         """The owner's answer by mail to a pairing question: "approve" or "deny" (or "yes",
         "no", with the code or not) alone on the first line, from the owner's address, in
-        reply to that question's mail (which names the pairing). True when it was one (not
-        a message to route); anything else is an ordinary message. An email-only owner
-        away from a shell could not let anyone in (a walkthrough)."""
+        reply to that question's mail itself (`parent`, which names the pairing). True when
+        it was one (not a message to route); anything else is an ordinary message. An
+        email-only owner away from a shell could not let anyone in (a walkthrough)."""
         owner = self.owner.email.lower()
         if not owner or sender.lower() != owner:
             return False
@@ -569,7 +569,9 @@ class PairingDesk:
         match = _MAIL_PAIRING_ANSWER.fullmatch(line) if alone else None
         if match is None:
             return False
-        pairing_id = await self.store.asked_by_mail(thread, owner)
+        # The question mail itself, not one further up the thread (a red team: a "yes" to
+        # the butler's "Should I block them?" below the question paired them).
+        pairing_id = await self.store.asked_by_mail([parent] if parent else [], owner)
         if pairing_id is None:
             return False
         if match[2] is not None:  # a code given: that question's, or no answer ("no problem")
