@@ -225,3 +225,53 @@ def test_install_approves_what_it_moved_once(tmp_path: Path) -> None:
     declare(project, {"notes": {"command": "node"}, "planted": {"command": "sh"}})
     assert approve_as_declared(project, None, env) == []  # installing again approves nothing
     assert [s.name for s in trust(project, env).held] == ["planted"]
+
+
+def test_an_approval_is_of_the_file_not_of_the_shells_values(tmp_path: Path) -> None:
+    """A token rotated in the environment, or a shell with other values, is no change of the
+    file (servers went pending on a rotation: a walkthrough); a server whose variable this
+    shell lacks is said to be unreadable here, not undeclared."""
+    project = tmp_path / "project"
+    declare(project, {"tok": {"command": "node", "env": {"MY_TOKEN": "${MY_TOKEN}"}}})
+    approve_as_declared(project, None, environ(tmp_path) | {"MY_TOKEN": "aaa"})
+    assert trust(project, environ(tmp_path) | {"MY_TOKEN": "bbb"}).held == ()
+    declare(project, {"tok": {"command": "node", "env": {"MY_TOKEN": "literal-now"}}})
+    assert [s.name for s in trust(project, environ(tmp_path) | {"MY_TOKEN": "bbb"}).held] == ["tok"]
+    declare(project, {"tok": {"command": "node", "env": {"MY_TOKEN": "${OTHER_TOKEN}"}}})
+    with pytest.raises(CommandError, match=r"OTHER_TOKEN.*declared, but not readable with this"):
+        approve(project, None, ["tok"], environ(tmp_path))
+
+
+def test_a_config_file_added_to_the_hosts_entry_is_no_new_project(tmp_path: Path) -> None:
+    """`--config notes/a.json` added to the gateway's entry made a new project whose first
+    start approved everything planted (a walkthrough): the project is its directory."""
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}})
+    trust(project, env)
+    declare(project, {"notes": {"command": "node"}, "planted": {"command": "sh"}})
+    config = project / "a.json"
+    config.write_text('{"mcpServers": {}}')
+    assert project_key(project, config) == project_key(project, None)
+    later = start_trust(project, config, env, lambda c: _declared(project, env, c), record=True)
+    assert not later.first and [s.name for s in later.held] == ["planted"]
+
+
+def test_settings_alone_and_a_comment_that_changes_nothing(tmp_path: Path) -> None:
+    """`approve --settings` approves gateway.toml without letting in a pending server; a
+    comment or layout change needs no approval at all (it blocked the file: a walkthrough)."""
+    env = environ(tmp_path)
+    project = tmp_path / "project"
+    declare(project, {"notes": {"command": "node"}})
+    (project / "gateway.toml").write_text('mode = "suite"\n')
+    trust(project, env)
+    (project / "gateway.toml").write_text('# my gateway\nmode   =   "suite"\n')
+    assert trust(project, env).settings_note is None
+    declare(project, {"notes": {"command": "node"}, "planted": {"command": "sh"}})
+    (project / "gateway.toml").write_text('mode = "search"\n')
+    printed = approve(project, None, [], env, settings_only=True)
+    assert printed[0] == 'approved gateway.toml: mode: "suite" -> "search"'
+    now = trust(project, env)
+    assert now.config.mode == "search" and [s.name for s in now.held] == ["planted"]
+    with pytest.raises(CommandError, match=r"--settings approves gateway\.toml alone"):
+        approve(project, None, ["planted"], env, settings_only=True)

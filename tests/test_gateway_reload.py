@@ -33,6 +33,7 @@ from butlers.gateway.reload import Reloader, hold, plan
 from butlers.gateway.server import Gateway
 from butlers.gateway.sources import ServerFiles
 from tests.conftest import eventually
+from tests.test_cli_client import run_cli
 from tests.test_gateway import (
     BUTLERS,
     MOCK,
@@ -660,11 +661,23 @@ async def test_what_was_written_into_the_project_since_its_approval_waits_at_the
         assert status["settings"]["state"] == "pending"
         assert "gateway.toml changed since it was approved" in status["settings"]["detail"]
         assert not {"planted_suite", "plain_suite"} & set(await host.tools())
-        # Its settings are the approved ones (none): reload is "approve", so a save of the
-        # files does not start it either.
-        save_servers(project, servers)
-        await logged(tmp_path, "gateway reload: server 'planted'")
+        # Warned of once, by the start; its settings are the approved ones (none): reload
+        # is "approve", so a save of the files (one more server: the sign it was read)
+        # starts neither.
+        log = await logged(tmp_path, "gateway: server 'planted' new in ")
+        assert log.count("server 'planted'") == 1
+        save_servers(project, {**servers, "another": mock(tmp_path, "another")})
+        await logged(tmp_path, "gateway reload: server 'another'")
         assert pids(tmp_path, "planted") == [] and len(pids(tmp_path, "plain")) == 1
+        assert (tmp_path / "gateway.stderr").read_text().count("server 'planted'") == 1
+        save_servers(project, servers)
+
+    # --dry-run, as a check in CI would run it: fails on what waits (and records nothing).
+    code, out, err = await run_cli(
+        "gateway", "--dry-run", "--no-butlers", "--dir", str(tmp_path), env=state(tmp_path)
+    )
+    assert code == 1, (out, err)
+    assert "pending: planted: new in " in out and "settings: gateway.toml changed" in out
 
     printed = await approve(tmp_path, tmp_path)
     assert 'approved gateway.toml: reload: (unset) -> "apply"; ' in printed

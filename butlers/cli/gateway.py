@@ -37,7 +37,13 @@ async def gateway_command(
         from butlers.gateway.approvals import approve
 
         for line in await asyncio.to_thread(
-            approve, args.dir, args.config, args.names, settings.environ, record=not args.show
+            approve,
+            args.dir,
+            args.config,
+            args.names,
+            settings.environ,
+            record=not args.show,
+            settings_only=args.settings,
         ):
             print(line)
         return 0

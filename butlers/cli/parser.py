@@ -261,6 +261,11 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         help="the servers to approve (default: every declared server, and gateway.toml)",
     )
     approve.add_argument(
+        "--settings",
+        action="store_true",
+        help="approve gateway.toml (or switchboard.config.json) alone, no server",
+    )
+    approve.add_argument(
         "--show",
         action="store_true",
         help="only show what would be approved (and gateway.toml's changes); record nothing",

@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -61,7 +60,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from butlers.errors import CommandError, ConfigError
-from butlers.gateway.children import ChildSpec
+from butlers.gateway.children import ChildSpec, declaration_hash
 from butlers.gateway.config import (
     JSON_NAME,
     MAX_STORE_BYTES,
@@ -87,25 +86,27 @@ def store_path(environ: Mapping[str, str]) -> Path:
     return Path(state) / "butlers" / STORE_NAME
 
 
-def project_key(directory: Path, config_file: Path | None) -> str:
-    """The project a gateway serves: its --dir and --config, absolute (symbolic links
-    resolved, so two spellings of one directory agree)."""
-    config = None if config_file is None else str(config_file.resolve())
-    return json.dumps([str(directory.resolve()), config])
+def project_key(directory: Path, config_file: Path | None = None) -> str:
+    """The project a gateway serves: its --dir, absolute (symbolic links resolved, so two
+    spellings of one directory agree). Not its --config: a `--config` added to the host's
+    entry made a new project, whose first start approved everything (a walkthrough); the
+    servers of every --config it is started with are approved under the one project."""
+    return json.dumps([str(directory.resolve()), None])
 
 
 def fingerprint(spec: ChildSpec) -> str:
-    """What a server runs or reaches, hashed: a description may change freely, the command,
-    its arguments, env, cwd, URL and headers may not."""
-    declared = {
-        "cmd": spec.cmd,
-        "args": list(spec.args),
-        "env": dict(spec.env),
-        "cwd": None if spec.cwd is None else str(spec.cwd),
-        "url": spec.url,
-        "headers": dict(spec.headers),
-    }
-    return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()
+    """What a server runs or reaches, hashed, as its file writes it (`declared_as`: a token
+    rotated in the environment, or a shell with other values, is no change of the file; a
+    token that moved into the file is): a description may change freely, the command, its
+    arguments, env, cwd, URL and headers may not."""
+    return spec.declared_as or declaration_hash(
+        cmd=spec.cmd,
+        args=spec.args,
+        env=spec.env,
+        cwd=spec.cwd,
+        url=spec.url,
+        headers=spec.headers,
+    )
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,19 @@ def approve_command(names: Sequence[str], directory: Path, config_file: Path | N
     return words
 
 
+def same_settings(a: SettingsText | None, b: SettingsText, directory: Path) -> bool:
+    """Whether two settings files say the same: the same text, or the same once parsed (a
+    comment or the layout changed: no approval needed, a walkthrough found that friction)."""
+    if a is None:
+        return False
+    if a == b:
+        return True
+    try:
+        return a.config(directory).model_dump() == b.config(directory).model_dump()
+    except ConfigError:
+        return False
+
+
 @dataclass(frozen=True)
 class StartTrust:
     """What a gateway starting for a project may run (see the module): the settings to use,
@@ -285,7 +299,7 @@ def start_trust(
             exc.path,
             exc.key,
             f"{exc.problem}: the gateway cannot tell which servers were approved; fix the file "
-            "(or remove it: the next start approves what is declared then)",
+            "(removing it makes the next start of every project approve what is declared then)",
         ) from None
     if approved.settings is None:  # the first start here
         config = current.config(directory)
@@ -299,12 +313,12 @@ def start_trust(
         approved = store.record(key)
         assert approved.settings is not None, "approve_first saw it recorded"
     note = None
-    if approved.settings != current:
+    if not same_settings(approved.settings, current, directory):
         command = shlex.join(approve_command((), directory, config_file))
         note = (
             f"{current.shown_name} changed since it was approved: the gateway runs the "
-            f"approved one; `{command} --show` shows the changes, `{command}` approves them "
-            "(then restart)"
+            f"approved one; `{command} --show` shows the changes, `{command} --settings` "
+            "approves them alone (then restart)"
         )
         config = approved.settings.config(directory)
     else:
@@ -380,6 +394,7 @@ def approve(
     environ: Mapping[str, str],
     *,
     record: bool = True,
+    settings_only: bool = False,
 ) -> list[str]:
     """Approve the current declarations of `names` (every declared server, and the settings
     file, when empty) for the gateway of --dir `directory` (and --config), and say what was
@@ -402,12 +417,27 @@ def approve(
         lines.append(f"not approved (cannot be read): {_shown(str(problem.error))}")
     current = first_declared(declared)
     unknown = [name for name in names if name not in current]
+    unreadable = {p.server: p for p in skipped if p.server is not None}
+    if cannot := [name for name in unknown if name in unreadable]:
+        raise CommandError(
+            "; ".join(f"{_shown(str(unreadable[name].error))}" for name in cannot)
+            + ": declared, but not readable with this shell's environment (set what it "
+            "names, then approve)"
+        )
     if unknown:
         raise CommandError(
             f"not declared in the files of --dir {directory}"
             f"{f' and --config {config_file}' if config_file else ''}: {', '.join(unknown)}"
         )
-    chosen = [current[name] for name in names] if names else list(current.values())
+    if settings_only and names:
+        raise CommandError("--settings approves gateway.toml alone: name no server with it")
+    chosen = (
+        []
+        if settings_only
+        else [current[name] for name in names]
+        if names
+        else list(current.values())
+    )
     store = ApprovalStore.for_environ(environ)
     key = project_key(directory, config_file)
     try:
@@ -416,8 +446,10 @@ def approve(
         raise CommandError(str(exc)) from exc
     new = {spec.name: fingerprint(spec) for spec in chosen}
     fresh = [spec for spec in chosen if known.servers.get(spec.name) != new[spec.name]]
-    settings_changed = not names and known.settings != settings
+    settings_changed = not names and not same_settings(known.settings, settings, directory)
     if not fresh and not settings_changed:
+        if settings_only:
+            return [*lines, f"{settings.shown_name}: nothing new to approve"]
         if not chosen:
             return [*lines, "no servers are declared there: nothing to approve"]
         return [*lines, "nothing new to approve: " + ", ".join(new) + " already approved"]
@@ -439,10 +471,10 @@ def approve(
         f"{verb} {_shown(spec.name)}: {described(shown.get(spec.name, spec))}" for spec in fresh
     ]
     lines += [f"already approved: {_shown(spec.name)}" for spec in chosen if spec not in fresh]
-    if names and known.settings is not None and known.settings != settings:
+    if names and not same_settings(known.settings, settings, directory):
         lines.append(
-            f"not approved: {settings.shown_name}, changed since its approval (approve without "
-            "names approves it too)"
+            f"not approved: {settings.shown_name}, changed since its approval (`--settings` "
+            "approves it alone)"
         )
     if not record:
         lines.append("(nothing recorded: run it without --show to approve)")

@@ -14,8 +14,10 @@ butlers.gateway.reload, keeps the child of such a file running as it was instead
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,30 @@ class ChildSpec:
     headers: Mapping[str, str] = field(default_factory=dict)
     kind: str = "mcp"  # "butler" | "mcp"
     source: str = ""  # where it was declared, for messages
+    # What an approval is of (butlers.gateway.approvals.fingerprint): the declaration as
+    # written, `${VAR}`s unexpanded, hashed ("": as read, there were none to expand).
+    declared_as: str = ""
+
+
+def declaration_hash(
+    *,
+    cmd: str | None,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path | None,
+    url: str | None,
+    headers: Mapping[str, str],
+) -> str:
+    declared = {
+        "cmd": cmd,
+        "args": list(args),
+        "env": dict(env),
+        "cwd": None if cwd is None else str(cwd),
+        "url": url,
+        "headers": dict(headers),
+    }
+    """A server's declaration, hashed: what an approval is of (butlers.gateway.approvals)."""
+    return hashlib.sha256(json.dumps(declared, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from butlers.gateway.approvals import (
     fingerprint,
     pending_detail,
     project_key,
+    same_settings,
 )
 from butlers.gateway.children import ChildSpec, Skipped
 from butlers.gateway.config import JSON_NAME, TOML_NAME, SettingsText
@@ -232,7 +233,10 @@ class Reloader:
         # What the last reading could not read, as reported; None: no reading yet (the
         # gateway's start has just reported them).
         self._reported: set[str] | None = None
-        self._warned: set[tuple[str, str]] = set()  # pending declarations warned about
+        # Pending declarations warned about (those held at start were, by the start).
+        self._warned: set[tuple[str, str]] = {
+            (spec.name, fingerprint(spec)) for spec in gateway.held_at_start
+        }
         self._store_problem: str | None = None  # the store's, as last warned
         self._settings_told: SettingsText | None = None  # the edited settings, as last told
 
@@ -400,7 +404,11 @@ class Reloader:
         count from the next start, once approved (it changed nothing, silently)."""
         current = SettingsText.of(self.files.directory)
         started = self.gateway.started_settings
-        if started is None or current == started or current == self._settings_told:
+        if (
+            started is None
+            or same_settings(started, current, self.files.directory)
+            or current == self._settings_told
+        ):
             return
         self._settings_told = current
         command = shlex.join(approve_command((), self.files.directory, self.files.config_file))

@@ -69,7 +69,9 @@ async def dry_run(
         await gateway.close()
     left_out = [{"server": s.server, "error": str(s.error)} for s in skipped]
     pending = [{"name": name, "detail": detail} for name, detail in gateway.pending.items()]
-    code = 1 if left_out or any(c["state"] == "error" for c in children) else 0
+    # (Pending servers or settings fail it too: a check in CI must see a planted server.)
+    troubled = left_out or pending or gateway.settings_note is not None
+    code = 1 if troubled or any(c["state"] == "error" for c in children) else 0
     if as_json:
         return code, json.dumps(
             {

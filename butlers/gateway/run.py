@@ -131,6 +131,7 @@ async def build_gateway(
     gateway.butlers_missing = butlers_missing
     gateway.settings_note = trust.settings_note
     gateway.started_settings = trust.current
+    gateway.held_at_start = trust.held
     gateway.pending = {
         spec.name: pending_detail(
             spec,
@@ -148,7 +149,7 @@ async def build_gateway(
 def _log_trust(trust: StartTrust, gateway: Gateway, options: GatewayOptions) -> None:
     """What the start ran that a person did not approve, or approved for the first time."""
     if trust.first and options.record_first_start:
-        logger.info(
+        logger.warning(
             "gateway: first start for %s: what is declared now is approved (recorded outside the "
             "project); a server added or changed later starts once `butlers gateway approve` "
             "says so",

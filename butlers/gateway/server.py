@@ -224,8 +224,10 @@ class Gateway:
         # Why the gateway runs its settings as approved, not as the file now says
         # (butlers.gateway.approvals); listed by gateway_status.
         self.settings_note: str | None = None
-        # The settings file as it was at the start (a later edit is said to wait for one).
+        # The settings file as it was at the start (a later edit is said to wait for one), and
+        # the servers the start held pending (the reload warns of them no more).
         self.started_settings: SettingsText | None = None
+        self.held_at_start: tuple[ChildSpec, ...] = ()
         self.watchdog = Watchdog()  # the children's groups, should we be killed
         # Warm-ups running (dropped as each ends: a reload adds one per child it starts).
         self._warming: set[asyncio.Task[None]] = set()
@@ -945,6 +947,8 @@ class Gateway:
 
     def _slot(self, name: str) -> Slot:
         slot = self.slots.get(name)
+        if slot is None and name in self.pending:  # declared, not approved: say so
+            raise ToolRefusal(f"server {name!r} is pending: {self.pending[name]}")
         if slot is None:
             known = ", ".join(self.slots) or "none"
             raise ToolRefusal(f"no MCP server named {name!r} behind the gateway (known: {known})")

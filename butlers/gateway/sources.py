@@ -47,7 +47,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from butlers.errors import ConfigError, InvalidChild
-from butlers.gateway.children import ChildSpec, Skipped, discover_mcp_files, log_skipped
+from butlers.gateway.children import (
+    ChildSpec,
+    Skipped,
+    declaration_hash,
+    discover_mcp_files,
+    log_skipped,
+)
 from butlers.gateway.config import read_server_file
 
 PROJECT_FILE = ".mcp.json"
@@ -281,6 +287,14 @@ def _spec(
                 url=expand(remote.url),
                 headers={k: expand(v) for k, v in remote.headers.items()},
                 source=str(path),
+                declared_as=declaration_hash(
+                    cmd=None,
+                    args=(),
+                    env={},
+                    cwd=None,
+                    url=remote.url,
+                    headers=remote.headers,
+                ),
             )
         stdio = StdioServer.model_validate(entry)
     except ValidationError as exc:
@@ -298,6 +312,10 @@ def _spec(
         env={k: expand(v) for k, v in stdio.env.items()},
         cwd=cwd,
         source=str(path),
+        # As written: the same entry, the variables unexpanded (what a person approves).
+        declared_as=declaration_hash(
+            cmd=stdio.command, args=stdio.args, env=stdio.env, cwd=cwd, url=None, headers={}
+        ),
     )
 
 
