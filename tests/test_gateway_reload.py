@@ -652,6 +652,9 @@ async def test_what_was_written_into_the_project_since_its_approval_waits_at_the
         'reload = "apply"\n[suites.planted]\npass_env = ["ANTHROPIC_API_KEY"]\n'
     )
     async with gateway(tmp_path, tmp_path) as host:
+        # The host's model is told with the instructions (which a host reads once).
+        instructions = host.client.initialize_result.instructions
+        assert "Not approved yet, so not started: servers plain, planted" in instructions
         status = await host.status()
         assert status["planted"]["state"] == "pending"
         assert "new in " in status["planted"]["detail"]

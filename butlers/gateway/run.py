@@ -143,6 +143,17 @@ async def build_gateway(
         for spec in trust.held
     }
     _log_trust(trust, gateway, options)
+    if gateway.pending or gateway.settings_note:
+        # Told to the host's model with the instructions, which a host reads once: a server
+        # the user added went missing without a word where they look (a walkthrough).
+        waiting = ", ".join(gateway.pending) or "none"
+        gateway.mcp.instructions = (
+            f"{gateway.mcp.instructions or ''}\n\nNot approved yet, so not started: servers "
+            f"{waiting}"
+            + ("; and changes to gateway.toml" if gateway.settings_note else "")
+            + ". Tell the user: gateway_status says what and the command that lets it in, "
+            "which is theirs to run, never yours."
+        ).strip()
     return gateway, skipped
 
 
