@@ -712,6 +712,14 @@ async def test_a_bare_yes_or_no_in_a_questions_thread_decides_that_one(
             return await status(1) == "denied"
 
         await eventually(first_denied)
+
+        async def all_told() -> bool:  # the stranger told of both: nothing left to send
+            told = [m.get_content() for m in smtp.messages if m["To"] == "user@example.com"]
+            return any("Approved and done" in t for t in told) and any(
+                "The owner declined" in t for t in told
+            )
+
+        await eventually(all_told)
     decided = await conn.fetch("SELECT id, decided_by FROM approvals ORDER BY id")
     assert [r["decided_by"] for r in decided] == [f"email:{OWNER_MAIL.email}"] * 2
 
