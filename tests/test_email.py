@@ -98,6 +98,11 @@ def test_html_only_latin1_and_attachments() -> None:
             "user@example.com",
             "auto-reply (Exchange)",
         ),
+        (
+            {"X_Auto_Response_Suppress": "All", "subject": "Automatische Antwort: Essen"},
+            "user@example.com",
+            "auto-reply (Exchange)",
+        ),
     ],
 )
 def test_automated_mail_is_recognised(headers, sender, why) -> None:

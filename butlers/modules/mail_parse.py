@@ -472,7 +472,16 @@ def automated_reason(message: Message, sender: str) -> str | None:
         return "mailing list (List-Id)"
     subject = str(message.get("Subject", "")).strip().lower()
     if message.get("X-Auto-Response-Suppress") and subject.startswith(
-        ("automatic reply:", "auto reply:", "out of office")
+        (
+            "automatic reply:",
+            "auto reply:",
+            "out of office",
+            "automatische antwort:",
+            "réponse automatique",
+            "automatisch antwoord:",
+            "respuesta automática:",
+            "risposta automatica:",
+        )
     ):
         return "auto-reply (Exchange)"  # its out-of-office notes carry no Auto-Submitted
     if str(message.get("Return-Path", "")).strip() == "<>":
