@@ -45,7 +45,6 @@ themselves are never stored nor printed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
@@ -459,11 +458,7 @@ def approve(
             {spec.name: new[spec.name] for spec in fresh},
             settings if settings_changed else None,
         )
-    # The same files read again with each variable standing for itself: what is shown.
-    written = {name: f"${{{name}}}" for name in environ}
-    shown: dict[str, ChildSpec] = {}
-    for spec in dataclasses.replace(files, environ=written).read()[0]:
-        shown.setdefault(spec.name, spec)
+    shown = first_declared(files.as_written().read()[0])  # as written: what is shown
     verb = "approved" if record else "would approve"
     if settings_changed:
         lines.append(f"{verb} {settings.shown_name}: {settings_changes(known.settings, settings)}")

@@ -16,7 +16,6 @@ suite's keys in any dict a log record carries.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Iterable
@@ -45,10 +44,9 @@ def server_secrets(files: ServerFiles, running: Iterable[ChildSpec]) -> list[str
     reads the files."""
     running = list(running)
     names_running = {spec.name for spec in running}
-    as_written = {name: f"${{{name}}}" for name in files.environ}
     texts = [
         text
-        for spec in dataclasses.replace(files, environ=as_written).read()[0]
+        for spec in files.as_written().read()[0]
         if spec.name in names_running
         for text in (spec.url or "", *spec.headers.values(), *spec.env.values())
     ]

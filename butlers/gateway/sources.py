@@ -35,6 +35,7 @@ gateway's start and again for each hot reload (butlers.gateway.reload).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -106,6 +107,11 @@ class ServerFiles:
     config_file: Path | None = None  # --config
     discover_globs: tuple[str, ...] = ()
     base_dir: Path = Path(".")
+
+    def as_written(self) -> ServerFiles:
+        """The same files read with each variable standing for itself (`${VAR}`): what a
+        person is shown, and which variables a declaration takes."""
+        return dataclasses.replace(self, environ={name: f"${{{name}}}" for name in self.environ})
 
     def read(self) -> tuple[list[ChildSpec], list[Skipped]]:
         """The servers, in the order that decides a name declared twice (the first wins):
