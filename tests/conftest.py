@@ -81,6 +81,7 @@ _PROC_TESTS: dict[str, frozenset[str]] = {
         "test_a_server_that_keeps_no_keywords_is_used_and_said_so "
         "test_through_imap_a_quadratic_header_is_recorded_as_failed",
         "test_email_media.py": "test_a_mail_with_an_image_and_a_pdf_is_handed_on_with_both "
+        "test_a_mail_forwarded_as_an_attachment_is_handed_on_with_its_files "
         "test_a_sender_over_the_hourly_limit_has_no_file_stored "
         "test_an_audio_attachment_is_marked_for_transcription_and_keeps_the_text "
         "test_the_limits_of_the_channel_and_the_switchboard_hold_through_imap",

@@ -467,3 +467,28 @@ def test_only_the_start_of_a_huge_html_body_is_converted(monkeypatch: pytest.Mon
     html = b"<p>Soup.</p>" + b"<i></i>" * (2 * 1024 * 1024 // 7)
     assert parse_mail(raw_mail("<h@x>", body=html, content_type=b"text/html")).text == "Soup."
     assert converted == [256 * 1024]
+
+
+def test_mails_attached_to_a_mail_share_one_more_html_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each attached mail read as a forward converts its HTML too: five attached newsletters
+    would have been five times the cost of one mail. Together they convert at most one more
+    MAX_HTML_CHARS."""
+    monkeypatch.setattr(mail_parse, "MAX_HTML_CHARS", 256 * 1024)
+    converted: list[int] = []
+    convert = mail_parse.html_to_text
+
+    def measured(html: str, **options: Any) -> str:
+        converted.append(len(html))
+        return convert(html, **options)
+
+    monkeypatch.setattr(mail_parse, "html_to_text", measured)
+    html = b"<p>Soup.</p>" + b"<i></i>" * (1024 * 1024 // 7)
+    inner = raw_mail("<in@x>", body=html, content_type=b"text/html")
+    part = b"--b\r\nContent-Type: message/rfc822\r\n\r\n" + inner + b"\r\n"
+    body = b"--b\r\nContent-Type: text/plain\r\n\r\nSee these.\r\n" + part * 5 + b"--b--"
+    raw = raw_mail("<out@x>", body=body, content_type=b'multipart/mixed; boundary="b"')
+    text = parse_mail(raw).text
+    assert text.startswith("See these.") and text.count("Soup.") == 5
+    assert converted == [256 * 1024 // mail_parse.MAX_ATTACHED_MAILS] * 5

@@ -485,7 +485,8 @@ def _incoming(mail: ParsedMail) -> IncomingMessage:
     if any(file.kind == "audio" for file in mail.files):
         # The worker transcribes it; the mail's own text stays beside the transcript.
         meta["voice"] = True
-    if (forwarded := forwarded_part(mail.subject, mail.text)) is not None:
+    forwarded = mail.forwarded or forwarded_part(mail.subject, mail.text)
+    if forwarded is not None:
         meta["forwarded_from"] = forwarded[0]  # someone else's words (the handoff says so)
         if forwarded[1]:  # the sender's own lines come first
             meta["forwarded_at"] = forwarded[1]

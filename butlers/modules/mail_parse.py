@@ -20,10 +20,18 @@ data sent as application/* are not the sender's words) is kept for the message (
 the others are listed by name in the text, as not read. The channel's own limits (bytes a
 file, files a message) are applied by `within_limits`, which says in the text what they
 refused.
+
+A mail attached to a mail (message/rfc822: "Forward as attachment" in Gmail, Outlook and
+Thunderbird) is read as a forward written inline would be: its sender, date, subject and text
+follow the sender's own lines under a "Forwarded message" line, said to be someone else's
+words (`ParsedMail.forwarded`), and its files are read like the mail's own. A mail attached to
+that one is listed as not read.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 import email._header_value_parser as header_syntax
 import email.errors
@@ -69,6 +77,9 @@ MAX_HTML_CHARS = 2 * 1024 * 1024
 MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_MIME_PARTS)
 MAX_ATTACHMENT_NAME_CHARS = 100
 MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
+MAX_ATTACHED_MAILS = 5  # mails attached to a mail that are read (a forward carries one)
+# The line an attached mail's text follows: one FORWARDED_BLOCK matches (Gmail's own).
+ATTACHED_MAIL_LINE = "---------- Forwarded message ---------"
 _PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
 _SLOW_CODECS = frozenset({"punycode", "idna"})  # pure Python, punycode quadratic
 
@@ -93,6 +104,9 @@ class ParsedMail:
     # their bytes; not yet checked against the channel's limits (`within_limits`).
     files: tuple[Attachment, ...] = ()
     not_read: tuple[str, ...] = ()  # the names of the attachments not read
+    # Who wrote the forwarded words and where in `text` they begin (0: all of it), when a
+    # mail came attached (message/rfc822); None: `forwarded_part` reads the text for a forward.
+    forwarded: tuple[str, int] | None = None
 
 
 class _BoundedPolicy(EmailPolicy):
@@ -179,43 +193,137 @@ def not_read_note(names: Sequence[str], why: str = "") -> str:
 
 def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
     """Parse a whole mail: text/plain preferred, HTML converted, any charset, attachments
-    listed by name, quoted history trimmed. MailUnreadable when it is over a limit (see the
-    module docstring; `max_bytes`: `mail_limit`'s); other exceptions are the stdlib failing on
-    hostile input."""
+    listed by name, quoted history trimmed, attached mails read as forwards. MailUnreadable
+    when it is over a limit (see the module docstring; `max_bytes`: `mail_limit`'s); other
+    exceptions are the stdlib failing on hostile input."""
     if len(raw) > max_bytes:
         raise MailUnreadable(f"it is {len(raw)} bytes, over the limit of {max_bytes}")
+    parts = _PartCounter()
     try:
-        message = BytesParser(_class=_PartCounter(), policy=READING).parsebytes(raw)
+        message = BytesParser(_class=parts, policy=READING).parsebytes(raw)
         assert isinstance(message, EmailMessage)
         mail = _read_headers(message)
         if mail.unreadable:
             raise MailUnreadable(mail.unreadable)
-        body = message.get_body(preferencelist=("plain", "html"))
-        text = _body_text(body) if body is not None else ""
-        attachments: list[str] = []
-        files: list[Attachment] = []
-        not_read: list[str] = []
+        reply = is_reply(mail.subject, mail.references, mail.message_id)
+        text = trim_quoted(_text_of(message), reply=reply)
+        read = _Attachments()
+        attached: list[tuple[str, str]] = []  # each attached mail's author and its block
         for part in message.iter_attachments():
-            # Shown in the mail's text and the inbox row: no bidi or zero-width characters.
-            named = printable(str(part.get_filename() or ""), MAX_ATTACHMENT_NAME_CHARS)
-            name = named or "(unnamed)"
-            attachments.append(name)
-            file = _readable(part, name)
-            if file is None:
-                not_read.append(name)
-            else:
-                files.append(file)
+            name = read.named(part)
+            inner = _attached_mail(part, parts) if len(attached) < MAX_ATTACHED_MAILS else None
+            if inner is None:
+                read.add(part, name)
+                continue
+            read.names.append(name)
+            attached.append(_forward_block(inner))
+            for file in inner.iter_attachments():  # its files, not its attached mails
+                read.add(file, read.named(file))
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
-    reply = is_reply(mail.subject, mail.references, mail.message_id)
-    text = within_text_limit(trim_quoted(text, reply=reply)) + not_read_note(not_read)
+    forwarded = None
+    if attached:
+        own = text.rstrip()
+        # A forward written inline in the sender's own text comes first (not its subject:
+        # "Fwd:" is the attached mail's). Else the attached mails follow the sender's lines,
+        # which are theirs when forwarded_part would take them for theirs: short, and
+        # holding no mail program's header block.
+        forwarded = forwarded_part("", own)
+        if forwarded is None:
+            theirs = own and len(own) <= MAX_OWN_LINES_CHARS and not _HEADER_PAIR.search(own)
+            forwarded = attached[0][0], len(own) + 2 if theirs else 0
+        text = "\n\n".join([*([own] if own else []), *(block for _, block in attached)])
+    text = within_text_limit(text) + not_read_note(read.not_read)
     return replace(
         mail,
         text=text.strip(),
-        attachments=attachments,
-        files=tuple(files),
-        not_read=tuple(not_read),
+        attachments=read.names,
+        files=tuple(read.files),
+        not_read=tuple(read.not_read),
+        forwarded=forwarded,
     )
+
+
+def _text_of(message: Message, max_html_chars: int | None = None) -> str:
+    """A mail's own text: text/plain preferred, HTML converted (at most `max_html_chars`,
+    else MAX_HTML_CHARS)."""
+    assert isinstance(message, EmailMessage)
+    body = message.get_body(preferencelist=("plain", "html"))
+    return _body_text(body, max_html_chars) if body is not None else ""
+
+
+class _Attachments:
+    """A mail's attachments as they are read: every name, the files read, the names not."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.files: list[Attachment] = []
+        self.not_read: list[str] = []
+
+    def named(self, part: MIMEPart) -> str:
+        # Shown in the mail's text and the inbox row: no bidi or zero-width characters.
+        name = printable(str(part.get_filename() or ""), MAX_ATTACHMENT_NAME_CHARS)
+        return name or "(unnamed)"
+
+    def add(self, part: MIMEPart, name: str) -> None:
+        self.names.append(name)
+        file = _readable(part, name)
+        if file is None:
+            self.not_read.append(name)
+        else:
+            self.files.append(file)
+
+
+def _attached_mail(part: MIMEPart, parts: _PartCounter) -> EmailMessage | None:
+    """The mail attached as `part` (message/rfc822), or None. Outlook and some webmails send
+    it base64-encoded, which RFC 2046 does not allow and the stdlib's parser reads as a
+    header-less mail of base64 text: decoded and parsed again, its parts counted with the
+    rest."""
+    if part.get_content_type() != "message/rfc822":
+        return None
+    payload = part.get_payload()
+    inner = payload[0] if isinstance(payload, list) and payload else None
+    if not isinstance(inner, EmailMessage):
+        return None
+    if str(part.get("Content-Transfer-Encoding", "")).strip().lower() == "base64":
+        written = inner.get_payload()  # base64 has no header-like line: all of it is here
+        if not isinstance(written, str):
+            return None
+        try:
+            data = base64.b64decode(written.encode("ascii", "replace"))
+        except (ValueError, binascii.Error):
+            return None
+        inner = BytesParser(_class=parts, policy=READING).parsebytes(data)
+        assert isinstance(inner, EmailMessage)
+    return inner if list(inner.keys()) else None
+
+
+def _forward_block(inner: EmailMessage) -> tuple[str, str]:
+    """An attached mail as a forward written inline: who wrote it (its From, made printable),
+    and its block: the Forwarded message line, its From, Date and Subject, and its
+    text with its own quoted history trimmed. Its header lines cannot hold a line break (the
+    sender's to write: a planted one would end the block)."""
+    shown = {header: _shown(inner, header) for header in ("From", "Date", "Subject")}
+    lines = [ATTACHED_MAIL_LINE, *(f"{name}: {value}" for name, value in shown.items() if value)]
+    mail = _read_headers(inner)
+    reply = is_reply(mail.subject, mail.references, mail.message_id)
+    # The attached mails' HTML shares one more MAX_HTML_CHARS: a mail of five attached
+    # newsletters converts at most twice what a mail alone does.
+    text = trim_quoted(_text_of(inner, MAX_HTML_CHARS // MAX_ATTACHED_MAILS), reply=reply)
+    return shown["From"] or "someone else", "\n".join(lines) + "\n\n" + text
+
+
+def _shown(message: Message, header: str) -> str:
+    """A header as one printable line: decoded, or its raw start where the stdlib cannot
+    read it (a display name with a line break in an encoded word, a Date it cannot parse)."""
+    try:
+        return printable(str(message.get(header, "")), 300)
+    except Exception:  # MailUnreadable; whatever else the stdlib raises on hostile input
+        return printable((_raw(message, header) or [""])[0][:_PREVIEW_CHARS], 300)
+
+
+def _raw(message: Message, name: str) -> list[str]:
+    return [_unfold(v) for k, v in message.raw_items() if k.lower() == name.lower()]
 
 
 def _readable(part: MIMEPart, name: str) -> Attachment | None:
@@ -273,7 +381,7 @@ def _read_headers(message: Message) -> ParsedMail:
     problems: list[str] = []
 
     def raw(name: str) -> list[str]:
-        return [_unfold(v) for k, v in message.raw_items() if k.lower() == name.lower()]
+        return _raw(message, name)
 
     def read(name: str) -> str:
         try:
@@ -348,7 +456,7 @@ def thread_references(references: str, in_reply_to: str, message_id: str) -> str
     return " ".join(filter(None, [*ids, message_id]))
 
 
-def _body_text(part: MIMEPart) -> str:
+def _body_text(part: MIMEPart, max_html_chars: int | None = None) -> str:
     """The text of a text/plain or text/html part, decoded by its charset; an unknown, lying
     or slow one (punycode is quadratic) read as latin-1."""
     payload = part.get_payload(decode=True)
@@ -362,7 +470,8 @@ def _body_text(part: MIMEPart) -> str:
     except (LookupError, UnicodeError, ValueError, TypeError):
         content = data.decode("latin-1")
     if part.get_content_type() == "text/html":
-        return html_to_text(content[:MAX_HTML_CHARS], max_chars=2 * MAX_TEXT_CHARS)
+        html = content[: MAX_HTML_CHARS if max_html_chars is None else max_html_chars]
+        return html_to_text(html, max_chars=2 * MAX_TEXT_CHARS)
     return content
 
 
