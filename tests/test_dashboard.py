@@ -395,6 +395,7 @@ async def test_without_the_token_no_page_shows_data_and_forms_need_their_csrf_to
             f"/ui/messages/{answer['inbox_id']}",
             "/ui/routing-log",
             "/ui/butlers/general",
+            "/ui/butlers/general/memory",
             "/ui/ask",
         ):
             page = await client.get(path)
@@ -518,3 +519,71 @@ async def test_an_albums_parts_point_to_the_message_that_answered_them(
         assert "general" in text_of(first_row) and "with #" not in first_row
         detail = (await client.get(f"/ui/messages/{part}", headers=BEARER)).text
         assert f'first photo, <a href="/ui/messages/{first}">#{first}</a>' in detail
+
+
+async def test_a_butlers_memories_are_shown_searched_and_forgotten(
+    fleet, pg_server, db_conn
+) -> None:
+    """What a butler remembers is on its page (the CLI's `butlers memory`, not the dashboard,
+    showed it before): newest first with whose it is, a search best first, and Forget, a form
+    with its CSRF token like every other."""
+    switchboard, general = fleet
+    tyres = await call(general, "memory_remember", text=f"{HOSTILE}: tyres are 205/55 R16")
+    birthday = await call(
+        general, "memory_remember", text="Anna's birthday is on May 3", tags=["family", "shared"]
+    )
+    # One a person's session kept (as MemoryStore.remember writes it for them).
+    conn = await db_conn(general.config.db_name)
+    theirs = await conn.fetchval(
+        """INSERT INTO memories (text, tags, conversation, private, language, words, person,
+                                 from_owner)
+           VALUES ('Bob likes oat milk', '{}', 'telegram:555', true, 'english',
+                   to_tsvector('english', 'Bob likes oat milk'), 'telegram:555', false)
+           RETURNING id"""
+    )
+    async with dashboard_client(pg_server, switchboard) as client:
+        butler_page = (await client.get("/ui/butlers/general", headers=BEARER)).text
+        assert 'href="/ui/butlers/general/memory"' in butler_page
+        page = (await client.get("/ui/butlers/general/memory", headers=BEARER)).text
+        assert 'data-refresh="0"' in page  # never refreshed under its buttons
+        rows = [cells(r) for r in rows_of(page, "memories")]
+        assert [r[0] for r in rows] == [str(theirs), str(birthday["id"]), str(tyres["id"])]
+        assert rows[0][2:5] == ["telegram:555 · private", "", "Bob likes oat milk"]
+        assert rows[1][2:5] == [
+            "the owner · shared",
+            "family, shared",
+            "Anna's birthday is on May 3",
+        ]
+        assert rows[2][2] == "the owner · private"
+        assert "&lt;script&gt;alert" in page and "<script>alert" not in page
+
+        found = (await client.get("/ui/butlers/general/memory?q=tyre", headers=BEARER)).text
+        [row] = [cells(r) for r in rows_of(found, "memories")]
+        assert row[0] == str(tyres["id"]) and float(row[4]) > 0  # its score
+        none = (await client.get("/ui/butlers/general/memory?q=zeppelin", headers=BEARER)).text
+        assert [cells(r) for r in rows_of(none, "memories")] == [["No memory matches."]]
+
+        # Signed in with a cookie: Forget needs the page's CSRF token.
+        login = await client.get("/ui/login")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', login.text)[1]
+        signed = await client.post("/ui/login", data={"token": TOKEN, "csrf": csrf, "next": "/ui"})
+        assert signed.status_code == 303
+        refused = await client.post("/ui/butlers/general/memory", data={"forget": str(tyres["id"])})
+        assert refused.status_code == 403 and "CSRF" in refused.text
+        assert len(await call(general, "memory_list")) == 3
+        forgot = await client.post(
+            "/ui/butlers/general/memory", data={"forget": str(tyres["id"]), "csrf": csrf}
+        )
+        assert forgot.status_code == 200
+        assert f"Memory #{tyres['id']} is forgotten." in forgot.text
+        left = [theirs, birthday["id"]]
+        assert [m["id"] for m in await call(general, "memory_list")] == left
+        assert [cells(r)[0] for r in rows_of(forgot.text, "memories")] == [str(i) for i in left]
+        # Bad input named, nothing else touched.
+        again = await client.post(
+            "/ui/butlers/general/memory", data={"forget": str(tyres["id"]), "csrf": csrf}
+        )
+        assert again.status_code == 400 and f"no memory {tyres['id']}" in again.text
+        junk = await client.post("/ui/butlers/general/memory", data={"forget": "x", "csrf": csrf})
+        assert junk.status_code == 400 and "a memory's number" in text_of(junk.text)
+        assert [m["id"] for m in await call(general, "memory_list")] == left

@@ -192,6 +192,7 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
             f"/ui/messages/{answered['inbox_id']}",
             "/ui/routing-log",
             "/ui/butlers/general",
+            "/ui/butlers/general/memory",
         ):
             await page.goto(f"{base}{path}")
             await page.locator("main h1").first.wait_for()
@@ -218,8 +219,9 @@ async def test_without_a_token_the_forms_work_and_a_long_name_keeps_the_page_nar
     name themselves with thousands of characters, a prompt may be one long word: no page that
     shows them scrolls sideways."""
     scripted_api.respond_with(model("general", {"general": "Noted, without a token."}))
-    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    switchboard, targets = await start_fleet(start_butler, tmp_path, names=("general",))
     base = switchboard.sse_url.removesuffix("/sse")
+    kept = await call(targets["general"], "memory_remember", text="z" * 3000)
     conn = await db_conn(switchboard.config.db_name)
     long_named = await conn.fetchval(
         """INSERT INTO inbox (channel, external_id, source_id, sender_name, text)
@@ -244,10 +246,17 @@ async def test_without_a_token_the_forms_work_and_a_long_name_keeps_the_page_nar
         reply = page.locator("#answer-reply")
         await reply.wait_for(timeout=60_000)
         assert await reply.inner_text() == "Noted, without a token."
-        assert origins == [base]
+        # A memory forgotten by its button (one long word: the page stays narrow below).
+        await page.goto(f"{base}/ui/butlers/general/memory")
+        await page.click(f"#memories button[value='{kept['id']}']")
+        await page.locator("#notice").wait_for()
+        assert await page.locator("#notice").inner_text() == f"Memory #{kept['id']} is forgotten."
+        assert await call(targets["general"], "memory_list") == []
+        await call(targets["general"], "memory_remember", text="y" * 3000)
+        assert origins == [base, base]
 
         await page.set_viewport_size({"width": 390, "height": 844})
-        for path in (f"/ui/messages/{long_named}", "/ui/messages"):
+        for path in (f"/ui/messages/{long_named}", "/ui/messages", "/ui/butlers/general/memory"):
             await page.goto(f"{base}{path}")
             await page.locator("main h1").first.wait_for()
             width = await page.evaluate("document.documentElement.scrollWidth")

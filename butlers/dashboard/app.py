@@ -53,8 +53,9 @@ from butlers.dashboard.auth import (
     csrf_token,
     keep_csrf,
 )
-from butlers.dashboard.fleet import Answer, FleetProbe
+from butlers.dashboard.fleet import MEMORIES_SHOWN, Answer, FleetProbe
 from butlers.dashboard.store import PAGE_ROWS, DashboardStore
+from butlers.memory import MAX_QUERY_CHARS
 from butlers.schedule_time import wall_clock
 from butlers.switchboard.approvals import ApprovalDesk
 from butlers.switchboard.approvals import public as public_approval
@@ -187,6 +188,7 @@ class Dashboard:
             Route("/ui/routing-log", self.routing_log),
             Route("/ui/routes", self.old_routing_log),
             Route("/ui/butlers/{name}", self.butler),
+            Route("/ui/butlers/{name}/memory", self.memory, methods=["GET", "POST"]),
             Route("/ui/ask", self.ask, methods=["GET", "POST"]),
             Route("/ui/approvals", self.approvals, methods=["GET", "POST"]),
             Route("/ui/pairing", self.pairing, methods=["GET", "POST"]),
@@ -419,6 +421,49 @@ class Dashboard:
             butler=butler,
             detail=detail,
             median_ms=statistics.median(durations) if durations else None,
+        )
+
+    async def memory(self, request: Request) -> Response:
+        """A butler's newest memories (`?q=`: those matching, best first), each with Forget (a
+        form with the page's CSRF token, or a bearer caller): its `memory_forget`, as `butlers
+        memory NAME forget ID`. A page of its own that never refreshes itself: rows moving
+        under the pointer (a new session or memory above) would forget another memory."""
+        name = request.path_params["name"]
+        butler = await self.parts.store.butler(name)
+        if butler is None:
+            return self._problem(request, 404, f"no butler named {name!r} in the registry")
+        if butler.get("stale"):
+            return self._problem(request, 404, f"{name} is gone from the config directory")
+        endpoint = butler["endpoint_url"]
+        query = (request.query_params.get("q") or "").strip()[:MAX_QUERY_CHARS]
+        notice = None
+        if request.method == "POST":
+            form = await request.form()
+            if not (self.auth.bearer(request) or csrf_matches(request, _field(form, CSRF_FIELD))):
+                return self._csrf_refused(request)
+            try:
+                memory_id = int(_field(form, "forget") or "")
+            except ValueError:
+                return self._problem(request, 400, "forget must be a memory's number")
+            forgot = await self.parts.probe.call(endpoint, "memory_forget", {"id": memory_id})
+            if forgot.error:
+                return self._problem(request, 400, forgot.error)
+            notice = f"Memory #{memory_id} is forgotten."
+        if query:
+            arguments: dict[str, Any] = {"query": query, "limit": MEMORIES_SHOWN}
+            memories = await self.parts.probe.call(endpoint, "memory_search", arguments)
+        else:
+            memories = await self.parts.probe.call(
+                endpoint, "memory_list", {"limit": MEMORIES_SHOWN}
+            )
+        return self._render(
+            request,
+            "memory.html",
+            butler=butler,
+            memories=memories,
+            query=query,
+            notice=notice,
+            memories_shown=MEMORIES_SHOWN,
         )
 
     async def ask(self, request: Request) -> Response:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # loaded at the first /health asked (not when the switchboard
 
 HEALTH_TIMEOUT_S = 1.5
 TOOL_TIMEOUT_S = 3.0
+MEMORIES_SHOWN = 50  # a butler's memory page: the newest, or a search's best (its limit: 100)
 
 
 @dataclass(frozen=True)
