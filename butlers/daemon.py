@@ -294,7 +294,8 @@ class ButlerDaemon:
                 sessions=store,
                 auth_token=self.auth_token,
                 allowed_hosts=self._allowed_hosts(),
-                jaeger_ui_url=self.settings.jaeger_ui_url,
+                # No link to a trace that was never exported (it led to "trace not found").
+                jaeger_ui_url=self.settings.jaeger_ui_url if self.telemetry.exporting else None,
                 redact=self.redactor,
             )
         app, self._app = build_app(

@@ -55,6 +55,7 @@ class ButlerTelemetry:
 
     tracer: trace.Tracer
     cli_env: Mapping[str, str] = field(default_factory=dict)
+    exporting: bool = False  # whether its spans go anywhere (a trace's link leads somewhere)
 
 
 class Telemetry:
@@ -134,7 +135,7 @@ class Telemetry:
             cli_env["OTEL_RESOURCE_ATTRIBUTES"] = f"butler={butler}"
         sdk = self.exporting or self._sampler_asked_for
         tracer = provider.get_tracer(TRACER_NAME) if sdk else UnrecordedTracer()
-        return ButlerTelemetry(tracer, cli_env)
+        return ButlerTelemetry(tracer, cli_env, exporting=self.exporting)
 
     def resource(self, butler: str) -> Resource:
         """The resource `butler`'s exported spans carry (its `service.name`)."""

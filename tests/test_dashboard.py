@@ -475,9 +475,14 @@ async def test_the_switchboard_serves_it_and_its_ask_form_answers(
 ) -> None:
     """Served on the switchboard's port, without a token (loopback): the Ask form goes
     through the real path (source `dashboard`); a page asked for by another Host name (DNS
-    rebinding) is refused."""
+    rebinding) is refused. Its spans exported nowhere (no OTEL_EXPORTER_OTLP_ENDPOINT), a
+    trace is shown as its id, not as a link to a Jaeger that never got it."""
+    from butlers.telemetry import Telemetry
+
     scripted_api.respond_with(model("general", {"general": "Watered, noted."}))
-    switchboard, _ = await start_fleet(start_butler, tmp_path, names=("general",))
+    switchboard, _ = await start_fleet(
+        start_butler, tmp_path, names=("general",), telemetry=Telemetry()
+    )
     base = switchboard.sse_url.removesuffix("/sse")
     jar = aiohttp.CookieJar(unsafe=True)  # cookies for 127.0.0.1
     async with aiohttp.ClientSession(cookie_jar=jar) as http:
@@ -491,7 +496,13 @@ async def test_the_switchboard_serves_it_and_its_ask_form_answers(
             assert response.status == 200, page
         assert 'id="answer-reply">Watered, noted.' in page and "answered by general" in page
         async with http.get(f"{base}/ui/messages?channel=mcp") as response:
-            assert "I watered the plants" in await response.text()
+            listing = await response.text()
+            assert "I watered the plants" in listing
+        assert "/trace/" not in listing and "not exported" in listing
+        inbox_id = re.search(r'data-id="(\d+)"', listing)[1]
+        async with http.get(f"{base}/ui/messages/{inbox_id}") as response:
+            shown = await response.text()
+            assert "/trace/" not in shown and "(not exported: set OTEL_EXPORTER" in shown
         async with http.get(f"{base}/ui", headers={"Host": "evil.example:80"}) as response:
             assert response.status == 421
         async with http.post(

@@ -91,6 +91,7 @@ async def start_fleet(
     database=None,
     switchboard_port=None,
     auth_token=None,
+    telemetry=None,  # the switchboard's, else the suite's (exporting to memory)
     **switchboard_overrides,
 ):
     config_dir = tmp_path / "config"
@@ -108,6 +109,7 @@ async def start_fleet(
         session_env=switchboard_env,
         database=database,
         auth_token=auth_token,
+        **({} if telemetry is None else {"telemetry": telemetry}),
     )
     return switchboard, targets
 

@@ -97,7 +97,7 @@ class DashboardParts:
     sessions: CoreStore  # the switchboard's own sessions: the classifier's
     switchboard_name: str
     ask: Callable[[str], Awaitable[dict[str, Any]]]
-    jaeger_ui_url: str
+    jaeger_ui_url: str | None  # None: spans are not exported, a trace is an id without a link
     approvals: ApprovalDesk | None = None  # the calls waiting for the owner's yes
     pairing: PairingDesk | None = None  # strangers' codes and paired senders
     zone: str = "UTC"  # the owner's IANA zone (the switchboard's): every time is shown on it
@@ -277,7 +277,9 @@ class Dashboard:
         return response
 
     def _trace_url(self, trace_id: str | None) -> str | None:
-        return jaeger_url(trace_id, self.parts.jaeger_ui_url) if trace_id else None
+        if not trace_id or self.parts.jaeger_ui_url is None:
+            return None
+        return jaeger_url(trace_id, self.parts.jaeger_ui_url)
 
     def _problem(self, request: Request, status_code: int, problem: str) -> HTMLResponse:
         return self._render(request, "problem.html", status_code, problem=problem)

@@ -166,7 +166,7 @@ class Switchboard:
         sessions: CoreStore,
         auth_token: str | None,
         allowed_hosts: Sequence[str],
-        jaeger_ui_url: str,
+        jaeger_ui_url: str | None,
         redact: Callable[[str], str],
     ) -> Dashboard:
         """The operator's /ui on this switchboard's data (served by the daemon's app)."""
