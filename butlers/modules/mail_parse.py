@@ -37,7 +37,7 @@ import email._header_value_parser as header_syntax
 import email.errors
 import email.policy
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from email.message import EmailMessage, Message, MIMEPart
 from email.parser import BytesHeaderParser, BytesParser
@@ -78,6 +78,7 @@ MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_M
 MAX_ATTACHMENT_NAME_CHARS = 100
 MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
 MAX_ATTACHED_MAILS = 5  # mails attached to a mail that are read (a forward carries one)
+MAX_AUTHOR_CHARS = 200  # a forwarded part's author, as the handoff and approvals name them
 # The line an attached mail's text follows: one FORWARDED_BLOCK matches (Gmail's own).
 ATTACHED_MAIL_LINE = "---------- Forwarded message ---------"
 _PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
@@ -208,31 +209,28 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         reply = is_reply(mail.subject, mail.references, mail.message_id)
         text = trim_quoted(_text_of(message), reply=reply)
         read = _Attachments()
-        attached: list[tuple[str, str]] = []  # each attached mail's author and its block
-        for part in message.iter_attachments():
-            name = read.named(part)
-            inner = _attached_mail(part, parts) if len(attached) < MAX_ATTACHED_MAILS else None
-            if inner is None:
-                read.add(part, name)
-                continue
-            read.names.append(name)
-            attached.append(_forward_block(inner))
-            for file in inner.iter_attachments():  # its files, not its attached mails
-                read.add(file, read.named(file))
+        for part in _own_attachments(message):
+            read.add(part, read.named(part))
+        mail_parts = list(_mail_parts(message))
     except RecursionError:
         raise MailUnreadable("its MIME parts are nested too deeply") from None
+    # After the sender's own files: the attached mails' files count against the same
+    # limits, and the sender's own go first.
+    attached: list[_AttachedMail] = []
+    for mail_part in mail_parts:
+        found = _attached(mail_part, parts) if len(attached) < MAX_ATTACHED_MAILS else None
+        if found is None:
+            read.add(mail_part, read.named(mail_part))  # listed as not read
+            continue
+        attached.append(found)
+        read.names.append(read.named(mail_part))
+        for file in found.files:
+            read.add(file, read.named(file))
     forwarded = None
     if attached:
         own = text.rstrip()
-        # A forward written inline in the sender's own text comes first (not its subject:
-        # "Fwd:" is the attached mail's). Else the attached mails follow the sender's lines,
-        # which are theirs when forwarded_part would take them for theirs: short, and
-        # holding no mail program's header block.
-        forwarded = forwarded_part("", own)
-        if forwarded is None:
-            theirs = own and len(own) <= MAX_OWN_LINES_CHARS and not _HEADER_PAIR.search(own)
-            forwarded = attached[0][0], len(own) + 2 if theirs else 0
-        text = "\n\n".join([*([own] if own else []), *(block for _, block in attached)])
+        forwarded = _forwarded_with(mail.subject, own, attached)
+        text = "\n\n".join([*([own] if own else []), *(a.block for a in attached)])
     text = within_text_limit(text) + not_read_note(read.not_read)
     return replace(
         mail,
@@ -244,11 +242,11 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
     )
 
 
-def _text_of(message: Message, max_html_chars: int | None = None) -> str:
-    """A mail's own text: text/plain preferred, HTML converted (at most `max_html_chars`,
-    else MAX_HTML_CHARS)."""
+def _text_of(message: Message, max_html_chars: int | None = None, *, html: bool = False) -> str:
+    """A mail's own text: text/plain preferred (`html`: the HTML, what a mail program
+    shows), HTML converted (at most `max_html_chars`, else MAX_HTML_CHARS)."""
     assert isinstance(message, EmailMessage)
-    body = message.get_body(preferencelist=("plain", "html"))
+    body = message.get_body(preferencelist=("html", "plain") if html else ("plain", "html"))
     return _body_text(body, max_html_chars) if body is not None else ""
 
 
@@ -274,13 +272,63 @@ class _Attachments:
             self.files.append(file)
 
 
+@dataclass(frozen=True)
+class _AttachedMail:
+    """A mail attached to a mail, read as a forward written inline (`block`)."""
+
+    author: str  # its From, made printable
+    subject: str
+    block: str
+    files: tuple[MIMEPart, ...]  # its attachments (not the mails attached to it)
+
+
+def _own_attachments(message: EmailMessage) -> Iterator[EmailMessage]:
+    """The sender's own attachments: those in its multiparts too (a signed mail's are in the
+    multipart/mixed it signs, which was listed as "(unnamed)" and not read), but not the
+    mails attached to it (`_mail_parts`)."""
+    for part in message.iter_attachments():
+        kind = part.get_content_type()
+        if part.is_multipart() and kind != "message/rfc822":
+            yield from _own_attachments(part)
+        elif kind != "message/rfc822":
+            yield part
+
+
+def _mail_parts(message: Message) -> Iterator[MIMEPart]:
+    """The mails attached to `message` (message/rfc822 parts) wherever its multiparts hold
+    them, in order, not looking inside them: at the top of multipart/mixed (Gmail,
+    Thunderbird), under multipart/alternative or /related (Apple Mail's rich text), in
+    multipart/signed (S/MIME, PGP), or as the whole mail."""
+    if message.get_content_type() == "message/rfc822":
+        assert isinstance(message, MIMEPart)
+        yield message
+    elif message.is_multipart():
+        for part in message.get_payload():
+            if isinstance(part, Message):
+                yield from _mail_parts(part)
+
+
+def _attached(part: MIMEPart, parts: _PartCounter) -> _AttachedMail | None:
+    """The mail attached as `part`, read (`_forward_block`), or None where it cannot be: it
+    is then listed as not read. Whatever its headers or parts do to the stdlib (a hostile
+    parameter raises IndexError in it, a header over MAX_HEADER_BYTES, too many parts) costs
+    only that, never the sender's own words (a red team: one header in a stranger's attached
+    mail made the owner's whole mail unreadable)."""
+    try:
+        inner = _attached_mail(part, parts)
+        if inner is None:
+            return None
+        files = tuple(inner.iter_attachments())  # not its attached mails: not read
+        return _forward_block(inner, files)
+    except Exception:  # MailUnreadable, RecursionError, the stdlib's own on hostile input
+        return None
+
+
 def _attached_mail(part: MIMEPart, parts: _PartCounter) -> EmailMessage | None:
     """The mail attached as `part` (message/rfc822), or None. Outlook and some webmails send
     it base64-encoded, which RFC 2046 does not allow and the stdlib's parser reads as a
     header-less mail of base64 text: decoded and parsed again, its parts counted with the
     rest."""
-    if part.get_content_type() != "message/rfc822":
-        return None
     payload = part.get_payload()
     inner = payload[0] if isinstance(payload, list) and payload else None
     if not isinstance(inner, EmailMessage):
@@ -298,19 +346,60 @@ def _attached_mail(part: MIMEPart, parts: _PartCounter) -> EmailMessage | None:
     return inner if list(inner.keys()) else None
 
 
-def _forward_block(inner: EmailMessage) -> tuple[str, str]:
-    """An attached mail as a forward written inline: who wrote it (its From, made printable),
-    and its block: the Forwarded message line, its From, Date and Subject, and its
-    text with its own quoted history trimmed. Its header lines cannot hold a line break (the
-    sender's to write: a planted one would end the block)."""
+def _forward_block(inner: EmailMessage, files: tuple[MIMEPart, ...]) -> _AttachedMail:
+    """An attached mail as a forward written inline: the Forwarded message line, its From,
+    Date and Subject, and its text with its own quoted history trimmed. Its header lines
+    cannot hold a line break (the sender's to write: a planted one would end the block). Its
+    text is its HTML where it has both: what the owner's mail program showed them (its
+    text/plain, the stranger's own, may say something else entirely: a red team)."""
     shown = {header: _shown(inner, header) for header in ("From", "Date", "Subject")}
     lines = [ATTACHED_MAIL_LINE, *(f"{name}: {value}" for name, value in shown.items() if value)]
     mail = _read_headers(inner)
     reply = is_reply(mail.subject, mail.references, mail.message_id)
     # The attached mails' HTML shares one more MAX_HTML_CHARS: a mail of five attached
     # newsletters converts at most twice what a mail alone does.
-    text = trim_quoted(_text_of(inner, MAX_HTML_CHARS // MAX_ATTACHED_MAILS), reply=reply)
-    return shown["From"] or "someone else", "\n".join(lines) + "\n\n" + text
+    html_chars = MAX_HTML_CHARS // MAX_ATTACHED_MAILS
+    text = trim_quoted(_text_of(inner, html_chars, html=True), reply=reply)
+    return _AttachedMail(
+        author=printable(shown["From"], MAX_AUTHOR_CHARS) or "someone else",
+        subject=shown["Subject"],
+        block="\n".join(lines) + "\n\n" + text,
+        files=files,
+    )
+
+
+def _forwarded_with(subject: str, own: str, attached: Sequence[_AttachedMail]) -> tuple[str, int]:
+    """Who wrote the forwarded words of a mail with `attached` mails, and where they begin
+    in its text (`own`, the sender's own lines, then the attached mails' blocks).
+
+    A forward written inline in `own` comes first. Otherwise `own` is the sender's when
+    forwarded_part would take lines above a forward for theirs (short, no mail program's
+    header block) and the subject does not say "Fwd:" of something else: "Fwd: Invoice 42"
+    above an attached "Invoice 42" is the attachment's, but "Fwd: Urgent" above text in a
+    forward format we do not know says that text is forwarded too (a red team). Several
+    attached mails by several people are said to be theirs, each named on its From line."""
+    inline = forwarded_part("", own)
+    if inline is not None:
+        return inline
+    authors = list(dict.fromkeys(a.author for a in attached))
+    author = authors[0]
+    if len(authors) > 1:
+        author = printable("several senders: " + "; ".join(authors), MAX_AUTHOR_CHARS)
+    theirs = bool(own) and len(own) <= MAX_OWN_LINES_CHARS and not _HEADER_PAIR.search(own)
+    if FORWARDED_SUBJECT.match(subject):
+        forwarded_subject = _without_forward_prefix(subject)
+        theirs = theirs and forwarded_subject in {
+            _without_forward_prefix(a.subject) for a in attached
+        }
+    return author, len(own) + 2 if theirs else 0
+
+
+def _without_forward_prefix(subject: str) -> str:
+    """A subject without its "Fwd:" prefixes (several, or none), for comparing."""
+    subject = one_line(subject)
+    while (prefix := FORWARDED_SUBJECT.match(subject)) is not None:
+        subject = subject[prefix.end() :].strip()
+    return subject.casefold()
 
 
 def _shown(message: Message, header: str) -> str:
@@ -476,32 +565,61 @@ def _body_text(part: MIMEPart, max_html_chars: int | None = None) -> str:
 
 
 class _HTMLText(HTMLParser):
-    """HTML-only mail as readable text: block elements become line breaks."""
+    """HTML mail as readable text: block elements become line breaks; what a mail program
+    does not show is left out: the head (its title), scripts, styles, and elements hidden by
+    the `hidden` attribute or a style of display:none or visibility:hidden (a stranger's
+    attached mail showed the owner one thing and told the model another in them: a red
+    team). Other ways of hiding text (a zero font size, white on white) are not told."""
 
     BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "table", "blockquote"}
+    UNSHOWN = {"script", "style", "head", "title", "template"}
+    # Elements with no content (no end tag): hiding one hides nothing after it.
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "wbr"}
 
     def __init__(self) -> None:
         super().__init__()
         self.parts: list[str] = []
         self.chars = 0  # of text data so far
-        self._skip = 0
+        self._hidden: str | None = None  # the element whose content is not shown, while in it
+        self._depth = 0  # of that tag, nested within itself
 
-    def handle_starttag(self, tag: str, attrs: Any) -> None:
-        if tag in ("script", "style"):
-            self._skip += 1
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if self._hidden is not None:
+            if tag == self._hidden:
+                self._depth += 1
+            elif tag == "body" and self._hidden == "head":  # a head never closed
+                self._hidden = None
+            return
+        if tag in self.UNSHOWN or (tag not in self.VOID and _hides(attrs)):
+            self._hidden, self._depth = tag, 1
         elif tag in self.BLOCKS:
             self.parts.append("\n")
 
     def handle_endtag(self, tag: str) -> None:
-        if tag in ("script", "style") and self._skip:
-            self._skip -= 1
-        elif tag in self.BLOCKS:
+        if self._hidden is not None:
+            if tag == self._hidden:
+                self._depth -= 1
+                if not self._depth:
+                    self._hidden = None
+            return
+        if tag in self.BLOCKS:
             self.parts.append("\n")
 
     def handle_data(self, data: str) -> None:
-        if not self._skip:
+        if self._hidden is None:
             self.parts.append(data)
             self.chars += len(data)
+
+
+_HIDING_STYLE = re.compile(r"display\s*:\s*none|visibility\s*:\s*hidden", re.IGNORECASE)
+
+
+def _hides(attrs: list[tuple[str, str | None]]) -> bool:
+    """Whether an element's attributes hide it (`hidden`, or a hiding inline style)."""
+    for name, value in attrs:
+        if name == "hidden" or (name == "style" and value and _HIDING_STYLE.search(value)):
+            return True
+    return False
 
 
 _HTML_CHUNK = 64 * 1024
