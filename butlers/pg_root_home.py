@@ -157,3 +157,42 @@ def data_home(requested: Path, root: Path = ROOT_HOME) -> Path:
     if not origin.exists():
         origin.write_text(f"{requested}\n")
     return place / "pgdata"
+
+
+def follow_move(old: Path, new: Path, root: Path = ROOT_HOME) -> Path | None:
+    """The data kept for `old` (a data directory's path that is gone: its config directory
+    moved to where `new` is), moved to the place kept for `new`, where the next start finds
+    it; None when there is nothing to move (none kept for `old`, or data kept for `new`
+    already). Kept by path, the data stayed behind when its directory moved: the moved fleet
+    started empty databases without a word, its schedules, memories and pairings left at
+    the old place (a walkthrough)."""
+    source = kept_data(old, root)
+    if source is None or kept_data(new, root) is not None:
+        return None
+    from butlers.db.postmaster import _running_postmaster
+
+    if _running_postmaster(source) is not None:
+        raise DatabaseError(
+            f"the PostgreSQL data kept for {old} is in use by a running server: stop the "
+            f"butlers using it before starting them from {new}"
+        )
+    target = _data_place(new, root)
+    with contextlib.suppress(FileNotFoundError):
+        # An earlier start may have made the place (its origin) before being refused; an
+        # empty place only: one holding a data directory is kept_data's, and left alone.
+        if not (target / "pgdata").exists():
+            shutil.rmtree(target)
+    os.rename(source.parent, target)
+    written = target / f"origin.{uuid.uuid4().hex}"
+    written.write_text(f"{new}\n")
+    os.replace(written, target / "origin")
+    logger.warning(
+        "the PostgreSQL data kept for %s (gone: its config directory moved) now serves %s: "
+        "moved from %s to %s",
+        old,
+        new,
+        source.parent,
+        target,
+        extra={"action": "pg_data_moved"},
+    )
+    return target / "pgdata"

@@ -465,6 +465,12 @@ async def test_a_tool_whose_database_is_gone_says_so(
     assert code == 1
     assert "switchboard cannot reach its database now" in err, err
     assert "Error calling tool" not in err
+    # doctor said "not running; `butlers up` starts it" (a walkthrough): `up` runs, and
+    # will not.
+    code, out, _err = await run_cli("doctor", "--config-dir", str(tmp_path / "config"), env=cli_env)
+    assert code == 1, out
+    assert "is not running, though `butlers up` is (its " in out, out
+    assert "Stop `butlers up` and start it again" in out
 
 
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(
@@ -554,6 +560,80 @@ async def test_a_data_directory_serves_the_config_directory_it_was_made_for(
     assert await upgrade.run() == 0, upgrade.stderr
     claim = Path(cli_env["BUTLERS_DATA_DIR"]) / "config-dir"
     assert claim.read_text().strip() == str(example.resolve())
+
+
+async def test_a_moved_config_directory_keeps_its_data_and_never_starts_empty_databases(
+    cli_env: dict[str, str], processes: list[Butlers]
+) -> None:
+    """`mv ~/my-butlers ~/bots/my-butlers` with the .env still naming the old data directory
+    started a fresh, empty fleet (no schedules, memories or pairings) without a word, and
+    `db upgrade` said "migrated" of it (a walkthrough). Both refuse now, naming where the data
+    is; with BUTLERS_DATA_DIR set to it, the moved fleet has its data."""
+    base = Path(cli_env["BUTLERS_DATA_DIR"]).parent  # 0711: as root, the data stays here
+    mine, moved = base / "mine", base / "bots" / "mine"
+    ports = copy_shipped_config(mine)
+    env = {**cli_env, "BUTLERS_DATA_DIR": str(mine / ".butlers")}
+    fleet = Butlers("up", "--config-dir", str(mine), "--json", env=env)
+    processes.append(fleet)
+    await fleet.start()
+    await fleet.wait_json()
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        await client.call_tool("state_set", {"key": "moved", "value": "with it"})
+    assert await fleet.stop() == 0
+    moved.parent.mkdir()
+    mine.rename(moved)
+
+    for args in (("up",), ("db", "upgrade")):
+        stale = Butlers(*args, "--config-dir", str(moved), env=env)
+        processes.append(stale)
+        assert await stale.run() == 1, stale.stderr
+        assert (
+            f"error: BUTLERS_DATA_DIR is {mine / '.butlers'}, which holds no databases, but "
+            f"{moved / '.butlers'}, this config directory's own data directory, holds its "
+            "butlers' databases"
+        ) in stale.stderr, stale.stderr
+        assert f"set BUTLERS_DATA_DIR={moved / '.butlers'} in the environment" in stale.stderr
+        assert "Traceback" not in stale.stderr
+    assert not (mine / ".butlers" / "pgdata").exists()
+
+    env["BUTLERS_DATA_DIR"] = str(moved / ".butlers")
+    again = Butlers("up", "--config-dir", str(moved), "--json", env=env)
+    processes.append(again)
+    await again.start()
+    await again.wait_json()
+    assert "Initialising" not in again.stderr, again.stderr
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        assert (await client.call_tool("state_get", {"key": "moved"})).data == "with it"
+    assert await again.stop() == 0
+
+
+def test_a_relative_data_directory_read_from_elsewhere_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BUTLERS_DATA_DIR=.butlers in .env is relative to where `up` starts: started from
+    another directory, a fresh, empty fleet (a walkthrough). Refused while the config
+    directory's own .butlers holds the databases; not once the data directory has its own."""
+    from butlers.cli.fleet import moved_data_refusal
+    from butlers.settings import Settings
+
+    config, elsewhere = tmp_path / "config", tmp_path / "elsewhere"
+    (config / ".butlers" / "pgdata").mkdir(parents=True)
+    (config / ".butlers" / "pgdata" / "PG_VERSION").write_text("18\n")
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    settings = Settings.from_environ({"BUTLERS_DATA_DIR": ".butlers"})
+    pgdata = elsewhere / ".butlers" / "pgdata"
+    said = moved_data_refusal(config, settings, pgdata)
+    assert said is not None and said.startswith(
+        f"BUTLERS_DATA_DIR is {elsewhere / '.butlers'}, which holds no databases, but "
+        f"{config / '.butlers'}"
+    )
+    monkeypatch.chdir(config)  # started from the config directory: its own
+    assert moved_data_refusal(config, settings, config / ".butlers" / "pgdata") is None
+    monkeypatch.chdir(elsewhere)
+    pgdata.mkdir(parents=True)
+    (pgdata / "PG_VERSION").write_text("18\n")  # a fleet of its own there: not a first start
+    assert moved_data_refusal(config, settings, pgdata) is None
 
 
 async def test_db_upgrade_creates_and_migrates(

@@ -726,6 +726,40 @@ async def test_an_embedded_database_not_made_yet_says_where_it_will_be(tmp_path:
     assert "makes new, empty databases there. If these butlers ran before" in detail, detail
 
 
+async def test_a_config_directory_whose_own_data_is_not_the_one_named_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config directory moved with its .env naming the old data directory: doctor said "not
+    created yet" (ok), and `up` started empty databases (a walkthrough). Now it fails as `up`
+    refuses, naming where the data is. Another user's data directory (a .env of theirs) fails
+    naming it, not with a PermissionError's traceback."""
+    config = fleet_dir(tmp_path)
+    own = config / ".butlers" / "pgdata"
+    own.mkdir(parents=True)
+    (own / "PG_VERSION").write_text("18\n")
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["database"].status == "fail"
+    assert checks["database"].detail.startswith(
+        f"BUTLERS_DATA_DIR is {(tmp_path / 'data').resolve()}, which holds no databases, but "
+        f"{own.parent.resolve()}, this config directory's own data directory"
+    ), checks["database"].detail
+    assert checks["database"].detail.endswith("(`butlers up` refuses to start)")
+
+    # As root nothing is unreadable: the error a 0700 directory of another user raises.
+    import butlers.doctor.local as local
+
+    def theirs(_subject: Any) -> None:
+        raise PermissionError(13, "Permission denied", "/home/ann/butlers/.butlers/pgdata")
+
+    monkeypatch.setattr(local, "_running_embedded", theirs)
+    checks = await doctor(config, base_env(tmp_path, ANTHROPIC_API_KEY="sk-x"))
+    assert checks["database"].status == "fail"
+    assert checks["database"].detail.startswith(
+        "cannot look into /home/ann/butlers/.butlers/pgdata: permission denied. "
+        f"BUTLERS_DATA_DIR is {tmp_path / 'data'}: point it at a directory of yours"
+    ), checks["database"].detail
+
+
 async def test_an_unreachable_database_fails(tmp_path: Path) -> None:
     password = f"pw-{uuid.uuid4().hex}"
     url = f"postgresql://u:{password}@127.0.0.1:{free_port()}/x"

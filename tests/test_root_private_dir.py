@@ -113,6 +113,51 @@ async def test_up_as_root_with_its_data_dir_inside_a_0700_directory(
     assert not _exists(requested)
 
 
+async def test_a_config_directory_moved_as_root_takes_its_kept_data_along(
+    private_dir: Path,
+) -> None:
+    """As root the data of a config directory in a 0700 directory is kept under
+    /var/lib/butlers by its path: moved (and its .env's BUTLERS_DATA_DIR set to the new
+    place), it started empty databases, the old ones left behind (a walkthrough). Now the
+    kept data follows the move, said in the log."""
+    from fastmcp import Client
+
+    mine, moved = private_dir / "mine", private_dir / "bots" / "mine"
+    ports = copy_shipped_config(mine)
+    env = {**_user_env(), "BUTLERS_DATA_DIR": str(mine / ".butlers")}
+    old, new = mine / ".butlers" / "pgdata", moved / ".butlers" / "pgdata"
+    first = Butlers("up", "--config-dir", str(mine), env=env)
+    again = None
+    try:
+        await first.start()
+        await first.wait_ready()
+        async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+            await client.call_tool("state_set", {"key": "moved", "value": "with it"})
+        assert await first.stop(signal.SIGINT) == 0
+        assert (_root_home_data(old) / "pgdata" / "PG_VERSION").exists()
+        moved.parent.mkdir()
+        mine.rename(moved)
+
+        env["BUTLERS_DATA_DIR"] = str(moved / ".butlers")
+        again = Butlers("up", "--config-dir", str(moved), env=env)
+        await again.start()
+        await again.wait_ready()
+        assert "Initialising" not in again.stderr, again.stderr
+        assert f"the PostgreSQL data kept for {old} (gone: its config directory moved) now " \
+            f"serves {new}" in again.stderr, again.stderr  # fmt: skip
+        async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+            assert (await client.call_tool("state_get", {"key": "moved"})).data == "with it"
+        assert await again.stop(signal.SIGINT) == 0
+        assert (_root_home_data(new) / "origin").read_text() == f"{new}\n"
+        assert not _exists(_root_home_data(old))
+    finally:
+        await first.stop_quietly()
+        if again is not None:
+            await again.stop_quietly()
+        _forget(old)
+        _forget(new)
+
+
 async def _make(target: str, clone: Path, env: dict[str, str], *extra: str) -> str:
     """`make TARGET` in the clone to completion; everything it printed, or a failure with it."""
     process = await asyncio.create_subprocess_exec(

@@ -180,6 +180,66 @@ def _recorded_config_dir(directory: int, shown: Path) -> bytes:
         raise CommandError(f"{shown}: cannot be read ({exc.strerror}); remove it") from exc
 
 
+def follow_moved_config_dir(data_dir: Path, config_dir: Path) -> None:
+    """As root, before the server is located: the data directory inside a config directory
+    that moved (its claim names a config directory that is gone) has its PostgreSQL data,
+    kept under /var/lib/butlers by the data directory's old path, follow it
+    (`pg_root_home.follow_move`)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        recorded = os.fsdecode(read_regular(data_dir / CLAIM_FILE, 4096).removesuffix(b"\n"))
+        inside = data_dir.resolve().relative_to(config_dir.resolve())
+    except (OSError, ValueError):  # no claim (or not one we can read); not inside
+        return
+    mine = str(config_dir.resolve())
+    if not recorded or recorded == mine or os.path.isdir(recorded):
+        return
+    from butlers import pg_root_home
+
+    old = Path(recorded) / inside / "pgdata"
+    pg_root_home.follow_move(old, data_dir.resolve() / "pgdata")
+
+
+def moved_data_refusal(config_dir: Path, settings: Settings, pgdata: Path) -> str | None:
+    """Why not to start empty databases in `pgdata` (where the server's data is, located):
+    there are none there yet, but the config directory's own data directory (`.butlers` in
+    it, where `butlers init` puts it) holds its butlers' databases. Its BUTLERS_DATA_DIR
+    points elsewhere: a `.env` naming the directory the config directory was moved from, or
+    a relative path read from another working directory. Each started a fresh, empty fleet
+    (no schedules, memories or pairings) without a word (a walkthrough). None otherwise."""
+    from butlers.settings import DEFAULT_DATA_DIR
+
+    if (pgdata / "PG_VERSION").exists():
+        return None
+    own = (config_dir / DEFAULT_DATA_DIR).resolve()
+    here = settings.data_dir.expanduser().resolve()
+    if own == here or not _holds_databases(own / "pgdata"):
+        return None
+    env_file = config_dir / ".env"
+    where = f"in {env_file}, then load it" if env_file.is_file() else "in the environment"
+    return (
+        f"BUTLERS_DATA_DIR is {here}, which holds no databases, but {own}, this config "
+        f"directory's own data directory, holds its butlers' databases (did the config "
+        "directory move, or is BUTLERS_DATA_DIR a relative path read from another "
+        "directory?). butlers does not start empty ones in their place: set "
+        f"BUTLERS_DATA_DIR={shlex.quote(str(own))} {where}. To start afresh on purpose, "
+        f"move {own / 'pgdata'} away first"
+    )
+
+
+def _holds_databases(pgdata: Path) -> bool:
+    """Whether the data asked for at `pgdata` exists: there, or (as root) where it is kept."""
+    if (pgdata / "PG_VERSION").exists():
+        return True
+    if os.geteuid() != 0:
+        return False
+    from butlers import pg_root_home
+
+    kept = pg_root_home.kept_data(pgdata)
+    return kept is not None and (kept / "PG_VERSION").exists()
+
+
 def make_private_dir(directory: Path, *, create: bool = True, passable: bool = False) -> None:
     """`directory` (BUTLERS_DATA_DIR: sessions' files, private MCP configs, the butlers'
     token), made when it is missing (`create`): 0700, or 0711 (`passable`: as root, the
@@ -450,7 +510,10 @@ async def serve(
     # Someone else's is refused before anything is made for it (locating may make a home).
     await asyncio.to_thread(make_private_dir, settings.data_dir, create=False)
     if isinstance(server, EmbeddedServer):
+        await asyncio.to_thread(follow_moved_config_dir, settings.data_dir, config_dir)
         await server.locate()  # as root, the data may live elsewhere: say where it is
+        if (refusal := moved_data_refusal(config_dir, settings, server.pgdata)) is not None:
+            raise CommandError(refusal)
     # As root the embedded server's own account passes through to its data, when kept here.
     passable = (
         isinstance(server, EmbeddedServer)
@@ -592,9 +655,14 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
         claim_data_dir(settings.data_dir, config_dir)
     with collector_paused():
         from butlers.daemon import migration_branches
-        from butlers.db import prepare_database, running, server_for
+        from butlers.db import EmbeddedServer, prepare_database, running, server_for
 
     server = server_for(settings)
+    if isinstance(server, EmbeddedServer):
+        await asyncio.to_thread(follow_moved_config_dir, settings.data_dir, config_dir)
+        await server.locate()
+        if (refusal := moved_data_refusal(config_dir, settings, server.pgdata)) is not None:
+            raise CommandError(refusal)
     failed = False
     async with running(server):
         for config in configs:

@@ -245,6 +245,14 @@ def _running_embedded(subject: Subject) -> tuple[EmbeddedServer | None, Path]:
     return None, existing[0] if existing else requested
 
 
+async def _fleet_up(subject: Subject) -> list[str]:
+    """The butlers of the config directory that answer on their ports (`up` runs)."""
+    names = await asyncio.gather(
+        *(_health_name(butler, PORT_PROBE_TIMEOUT_S) for butler in subject.butlers)
+    )
+    return [b.name for b, name in zip(subject.butlers, names, strict=True) if name == b.name]
+
+
 async def database(subject: Subject) -> list[Check]:
     from butlers.db import ExternalServer
     from butlers.errors import DatabaseError
@@ -257,8 +265,36 @@ async def database(subject: Subject) -> list[Check]:
         except DatabaseError as exc:
             return [fail("database", f"{exc}")]
     else:
-        server, pgdata = await asyncio.to_thread(_running_embedded, subject)
+        try:
+            server, pgdata = await asyncio.to_thread(_running_embedded, subject)
+        except PermissionError as exc:  # another user's directory, from a .env of theirs
+            where = " (from its .env)" if "BUTLERS_DATA_DIR" in subject.from_file else ""
+            return [
+                fail(
+                    "database",
+                    f"cannot look into {exc.filename or subject.settings.data_dir}: permission "
+                    f"denied. BUTLERS_DATA_DIR{where} is {subject.settings.data_dir}: point it "
+                    "at a directory of yours, or give its files to you (chown -R)",
+                )
+            ]
+        if server is None and (held := await _fleet_up(subject)):
+            # `up` runs (its ports answer as these butlers) while its PostgreSQL does not: it
+            # died under it (`up` starts it only when it starts).
+            return [
+                fail(
+                    "database",
+                    f"the embedded PostgreSQL in {pgdata} is not running, though `butlers up` "
+                    f"is (its {', '.join(held)} answer): it stopped under it. Stop `butlers up` "
+                    "and start it again, after freeing disk space if the log says it is full",
+                )
+            ]
         if server is None:
+            from butlers.cli.fleet import moved_data_refusal
+
+            if (
+                moved := moved_data_refusal(subject.config_dir, subject.settings, pgdata)
+            ) is not None:
+                return [fail("database", f"{moved} (`butlers up` refuses to start)")]
             said = "not running" if (pgdata / "PG_VERSION").exists() else "not created yet"
             if said != "not running" and os.geteuid() == 0:
                 # (where is decided by `up`, which may make PostgreSQL's account: not here)
