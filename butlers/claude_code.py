@@ -491,6 +491,25 @@ INVALID_KEY = (
 )
 
 
+# The machine, not the message: out of disk (ENOSPC), memory (ENOMEM) or file descriptors
+# (EMFILE, ENFILE) when Claude Code was to start (its private MCP config, its process).
+_MACHINE_TROUBLE = ("[Errno 28]", "[Errno 12]", "[Errno 24]", "[Errno 23]")
+
+
+def passing_trouble(error: str) -> bool:
+    """Whether a session's `error` (the spawner's words for why it failed) says nothing of
+    its message: the Messages API overloaded or rate-limiting (also what a run cut short by
+    its timeout was waiting on), or the machine unable to start Claude Code for now. A
+    session that failed so before calling a tool did nothing, and its message may be tried
+    again later (a bad day's walkthrough: a 3-second overload failed every message in it
+    for good, and the owner was told to send them again)."""
+    if OVERLOADED in error or RATE_LIMITED in error:
+        return True
+    return error.startswith("Claude Code could not run:") and any(
+        code in error for code in _MACHINE_TROUBLE
+    )
+
+
 @functools.cache
 def claude_binary() -> str:
     """The Claude Code a run starts, as the SDK finds it: the binary bundled with

@@ -22,6 +22,7 @@ from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
 from butlers import schedule_time
+from butlers.claude_code import passing_trouble
 from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
 from butlers.errors import AttachmentRefused, NotifyFailed
@@ -796,8 +797,13 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             forwarded_from=request_forwarded_from(),
         )
         if not outcome.success:
+            # Said so when it did nothing and may be tried again (`route` reads it: its
+            # TargetBusy); the start is ours, never a model's (as OUT_OF_TURNS).
+            error = outcome.error or ""
+            acted = bool(outcome.tool_calls) or not passing_trouble(error)
             raise ToolRefusal(
-                f"session {outcome.session_id} failed: {outcome.error}", log_level=logging.WARNING
+                f"session {outcome.session_id} failed{'' if acted else ' before acting'}: {error}",
+                log_level=logging.WARNING,
             )
         return {
             "session_id": str(outcome.session_id),

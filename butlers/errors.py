@@ -20,6 +20,7 @@ Exception
 │   │   ├── RoutePolicyError   a classification session's route it may not make (refused)
 │   │   ├── TargetDown         the target could not be reached (kind unreachable)
 │   │   ├── TargetSlow         the target did not answer in time (kind timeout)
+│   │   ├── TargetBusy         its session failed before acting, for a reason that passes (busy)
 │   │   └── TargetOutOfTurns   the target's session took all its turns (out_of_turns)
 │   ├── NotifyFailed           a butler's `notify`: the switchboard did not take it
 │   ├── NotifyRefused          the switchboard's `deliver`: a notification it will not send
@@ -192,6 +193,14 @@ class TargetSlow(RouteError):
     """The target took the call but did not answer within the route timeout."""
 
     kind = "timeout"
+
+
+class TargetBusy(RouteError):
+    """The target's session failed before it did anything, for a reason that passes (the
+    Messages API overloaded or rate-limiting, the machine out of disk or memory): its
+    `trigger` said so ("failed before acting"). The message may be tried again later."""
+
+    kind = "busy"
 
 
 class TargetOutOfTurns(RouteError):

@@ -17,7 +17,7 @@ from fastmcp.exceptions import ToolError
 
 from butlers.config import ButlerConfig
 from butlers.errors import OUT_OF_TURNS
-from butlers.switchboard.route import OwnEndpoints, _out_of_turns, unroutable
+from butlers.switchboard.route import OwnEndpoints, _trigger_failure, unroutable
 from butlers.switchboard.routing_store import RegistryTarget
 from tests.conftest import StartButler, free_port, write_butler_dir
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
@@ -234,19 +234,28 @@ async def test_the_switchboard_never_runs_a_routed_message_itself(fleet: Fleet) 
             )
 
 
+SESSION = f"session {'0' * 8}-1234-4abc-8def-{'a' * 12}"
+
+
 @pytest.mark.parametrize(
-    ("tool_name", "said", "out_of_turns"),
+    ("tool_name", "said", "kind"),
     [
-        ("trigger", f"session {'0' * 8}-1234-4abc-8def-{'a' * 12} failed: {OUT_OF_TURNS}: x", True),
+        ("trigger", f"{SESSION} failed: {OUT_OF_TURNS}: x", "out_of_turns"),
         # A model's words cannot stand first: they come after the switchboard's or Claude
         # Code's own, and another tool's error is its own.
-        ("trigger", f"session 12ab failed: Claude Code session failed: {OUT_OF_TURNS}", False),
-        ("trigger", f"{OUT_OF_TURNS}: no session", False),
-        ("state_get", f"session 12ab failed: {OUT_OF_TURNS}: x", False),
-        ("trigger", {"text": f"session 12ab failed: {OUT_OF_TURNS}"}, False),
+        ("trigger", f"session 12ab failed: Claude Code session failed: {OUT_OF_TURNS}", "failed"),
+        ("trigger", f"{OUT_OF_TURNS}: no session", "failed"),
+        ("state_get", f"session 12ab failed: {OUT_OF_TURNS}: x", "failed"),
+        ("trigger", {"text": f"session 12ab failed: {OUT_OF_TURNS}"}, "failed"),
+        # Nothing done, for a reason that passes: the message may be tried again.
+        ("trigger", f"{SESSION} failed before acting: the Messages API is overloaded", "busy"),
+        ("trigger", "failed before acting: no session", "failed"),
+        ("state_get", f"{SESSION} failed before acting: x", "failed"),
+        # Its butler's own session timeout: "took too long".
+        ("trigger", f"{SESSION} failed: Claude Code session timed out after 20s", "timeout"),
     ],
 )
-def test_only_a_triggers_own_words_mark_a_session_out_of_turns(
-    tool_name: str, said: object, out_of_turns: bool
+def test_only_a_triggers_own_words_say_how_its_session_failed(
+    tool_name: str, said: object, kind: str
 ) -> None:
-    assert _out_of_turns(tool_name, said) is out_of_turns
+    assert _trigger_failure(tool_name, said).kind == kind

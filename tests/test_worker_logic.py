@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 
+from butlers.claude_code import OVERLOADED
 from butlers.config import SwitchboardConfig, TranscriptionConfig, TriageRule
-from butlers.errors import NotifyRefused, RouteError, TranscriptionFailed
+from butlers.errors import NotifyRefused, RouteError, TargetBusy, TranscriptionFailed
 from butlers.media import Attachment
 from butlers.switchboard import attachments as attachment_step
 from butlers.switchboard import worker as worker_module
@@ -394,3 +395,105 @@ async def test_a_worker_woken_as_it_is_closed_still_stops(parts: Parts) -> None:
     worker.wake()
     async with asyncio.timeout(5):
         await worker.close()
+
+
+class BusyFirst(StandInRouter):
+    """A butler whose session meets an overloaded Messages API the first `times` it is
+    asked, before doing anything (its `trigger` said "failed before acting")."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    async def route(self, butler: str, tool: str, args: dict[str, Any], **kw: Any) -> Any:
+        answer = await super().route(butler, tool, args, **kw)
+        if len(self.routed) <= self.times:
+            raise TargetBusy(f"session 1 failed before acting: {OVERLOADED}")
+        return answer
+
+
+@pytest.mark.parametrize("channel", ["telegram", "mcp"])
+async def test_a_message_its_butlers_were_too_busy_for_waits_and_is_answered_later(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch, channel: str
+) -> None:
+    """Put back in the queue, said on its row, nobody told; answered once the butler can.
+    `ask`'s caller (channel mcp) waits for the answer: it is told at once instead. Past
+    BUSY_RETRY_S of waiting, the sender is told too."""
+    monkeypatch.setattr(worker_module, "BUSY_RETRY_MIN_S", 0.05)
+    router = parts.router = BusyFirst(times=2)
+    router.gate.set()
+    worker = parts.make()
+    worker.router = router
+    await worker.open()
+    # (To health by triage on any channel: `ask`'s would go to a classifier.)
+    incoming = IncomingMessage(channel, "m-busy", "to:health", source_id="a", conversation="t:a")
+    inbox_id = await worker.accept(incoming)
+    assert inbox_id is not None
+    (row,) = await done(worker, [inbox_id])
+    if channel == "mcp":
+        assert (row["status"], row["reply"]) == ("failed", sorry("busy", "health"))
+        assert len(router.routed) == 1
+        return
+    assert (row["status"], row["reply"]) == ("done", "health did: to:health")
+    assert len(router.routed) == 3 and row["attempts"] == 1
+    assert "deferred_since" in row["meta"]
+    delivery = await parts.outbox.claim("telegram")
+    # The first reply queued is the answer: no sorry went before it.
+    assert delivery is not None and delivery.text == "health did: to:health"
+
+    # One that has waited an hour already: its sender is told.
+    router.times = 10**6
+    old = (datetime.now(UTC) - timedelta(seconds=worker_module.BUSY_RETRY_S)).isoformat()
+    late = IncomingMessage(
+        "telegram", "m-late", "a#1", source_id="a", conversation="t:a",
+        meta={"deferred_since": old},
+    )  # fmt: skip
+    late_id = await worker.accept(late)
+    assert late_id is not None
+    (row,) = await done(worker, [late_id])
+    assert (row["status"], row["reply"]) == ("failed", sorry("busy", "general"))
+    assert OVERLOADED in row["error"]
+
+
+async def test_the_database_failing_before_any_butler_was_asked_puts_the_message_back(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its database failed under a message (disk full, a restart): it was "failed" with
+    "internal error" and a sorry, or left unanswered (a bad day's walkthrough). Before a
+    butler was asked, it goes back in the queue; after, a butler may have acted, and it
+    fails as before (its butler is not asked twice)."""
+    import asyncpg
+
+    monkeypatch.setattr(worker_module, "DATABASE_RETRY_S", 0.05)
+    parts.router.gate.set()
+    worker = parts.make()
+    await worker.open()
+    history, failures = parts.inbox.history, []
+
+    async def failing_once(*args: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise asyncpg.DiskFullError("could not extend file: No space left on device")
+        return await history(*args)
+
+    monkeypatch.setattr(parts.inbox, "history", failing_once)
+    inbox_id = await worker.accept(message("a", 0))
+    assert inbox_id is not None
+    (row,) = await done(worker, [inbox_id])
+    assert (row["status"], row["reply"]) == ("done", "general did: a#0")
+    assert failures == [1] and len(parts.router.routed) == 1
+
+    add = parts.outbox.add
+
+    async def add_failing_once(*args: Any) -> Any:
+        if len(failures) == 1:
+            failures.append(2)
+            raise asyncpg.DiskFullError("could not extend file: No space left on device")
+        return await add(*args)
+
+    monkeypatch.setattr(parts.outbox, "add", add_failing_once)
+    after = await worker.accept(message("a", 1))
+    assert after is not None
+    (row,) = await done(worker, [after])
+    assert (row["status"], row["reply"]) == ("failed", sorry("internal"))
+    assert [text for _, text in parts.router.routed] == ["a#0", "a#1"]  # asked once

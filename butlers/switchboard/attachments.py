@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from butlers.errors import LeaseLost, TranscriptionFailed
@@ -205,8 +204,7 @@ class AttachmentStep:
             # Each try holds a worker for timeout_s: a note too long for it is not retried
             # for hours (the service answers other notes meanwhile, or it would be 5xx).
             return NotNow("failed", TOO_LONG, f"{error} ({MAX_TIMEOUTS} times: too long?)")
-        since = _deferred_since(message.meta)
-        waited = (datetime.now(UTC) - since).total_seconds() if since is not None else 0.0
+        waited = message.deferred_for_s()
         if waited >= self.config.retry_hours * 3600:
             hours = _hours(waited)
             return NotNow(
@@ -257,14 +255,3 @@ def _hours(seconds: float) -> str:
     hours = round(seconds / 3600, 1)
     shown = f"{hours:g}"
     return f"{shown} hour{'s' if shown != '1' else ''}"
-
-
-def _deferred_since(meta: dict[str, Any]) -> datetime | None:
-    value = meta.get("deferred_since")
-    if not isinstance(value, str):
-        return None
-    try:
-        since = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return since if since.tzinfo is not None else since.replace(tzinfo=UTC)

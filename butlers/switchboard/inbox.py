@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -74,6 +75,19 @@ class InboxMessage:
     # them was already skipped for that (the sender has been told): the per-sender limit.
     earlier_from_sender: int = 0
     sender_told: bool = False
+
+    def deferred_for_s(self) -> float:
+        """How long it has waited since it was first put back in the queue (meta
+        "deferred_since", `InboxStore.defer`): 0 when it never was."""
+        value = self.meta.get("deferred_since")
+        if not isinstance(value, str):
+            return 0.0
+        try:
+            since = datetime.fromisoformat(value)
+        except ValueError:
+            return 0.0
+        since = since if since.tzinfo is not None else since.replace(tzinfo=UTC)
+        return max(0.0, (datetime.now(UTC) - since).total_seconds())
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> InboxMessage:

@@ -21,6 +21,11 @@ SORRY = {
         "Sorry, the {butler} butler ran out of steps before it finished that. Part of it may "
         "be done already: ask it what it did, or ask for one thing at a time."
     ),
+    "busy": (
+        "Sorry, the {butler} butler could not get to that: the AI service it uses is "
+        "overloaded or limiting requests (or this machine is short of room). Please try again "
+        "later."
+    ),
     "refused": "Sorry, I could not pass your message on to the right butler.",
     "internal": "Sorry, something went wrong on my side and your message was not handled.",
     "gave_up": "Sorry, I could not handle your message.",

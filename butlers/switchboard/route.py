@@ -30,6 +30,7 @@ from butlers.errors import (
     RemoteError,
     RouteError,
     RouteRefused,
+    TargetBusy,
     TargetDown,
     TargetOutOfTurns,
     TargetSlow,
@@ -356,19 +357,29 @@ class Router:
             ) from exc
         if result.get("isError"):
             said = unwrap(result)
-            failed = TargetOutOfTurns if _out_of_turns(tool_name, said) else RouteError
-            raise failed(f"butler {butler_name!r} answered {tool_name!r} with an error: {said}")
+            raise _trigger_failure(tool_name, said)(
+                f"butler {butler_name!r} answered {tool_name!r} with an error: {said}"
+            )
         return unwrap(result)
 
 
-# What `trigger` says of a session that took all its turns (butlers.errors.OutOfTurns): the
-# text is the target's own, after "session <id> failed: ", so no model wrote its start.
+# What `trigger` says of a session that failed: the text is the target's own, after "session
+# <id> failed", so no model wrote its start. One that took all its turns (butlers.errors.
+# OutOfTurns); one that did nothing, for a reason that passes ("before acting": the message
+# may be tried again); one its butler's session timeout cut short.
 _TRIGGER_OUT_OF_TURNS = re.compile(rf"session [0-9a-f-]+ failed: {re.escape(OUT_OF_TURNS)}\b")
+_TRIGGER_NOT_ACTED = re.compile(r"session [0-9a-f-]+ failed before acting: ")
+_TRIGGER_TIMED_OUT = re.compile(r"session [0-9a-f-]+ failed: Claude Code session timed out ")
 
 
-def _out_of_turns(tool_name: str, said: Any) -> bool:
-    return (
-        tool_name == "trigger"
-        and isinstance(said, str)
-        and _TRIGGER_OUT_OF_TURNS.match(said) is not None
-    )
+def _trigger_failure(tool_name: str, said: Any) -> type[RouteError]:
+    """The RouteError a target's error answer is (its kind picks the sentence people read)."""
+    if tool_name != "trigger" or not isinstance(said, str):
+        return RouteError
+    if _TRIGGER_OUT_OF_TURNS.match(said):
+        return TargetOutOfTurns
+    if _TRIGGER_NOT_ACTED.match(said):
+        return TargetBusy
+    if _TRIGGER_TIMED_OUT.match(said):
+        return TargetSlow
+    return RouteError

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.channels import MCP_CHANNEL
 from butlers.claude_code import known_reasons
 from butlers.config import SwitchboardConfig, TriageRule
 from butlers.errors import LeaseLost, RouteError
@@ -67,6 +69,50 @@ IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications
 # download that fails is tried again after a pause (the last part then says 2 s again).
 ALBUM_WAIT_S = 2.0
 ALBUM_MORE_WAIT_S = 30.0
+
+
+# A message whose butlers could not get to it for a reason that passes (TargetBusy: the
+# Messages API overloaded, the disk full) goes back in the queue, waiting as long as it has
+# waited so far (at least BUSY_RETRY_MIN_S, at most BUSY_RETRY_MAX_S), for BUSY_RETRY_S in
+# all; then it fails, its sender told. Claude Code itself retries an overloaded API for a few
+# seconds only.
+BUSY_RETRY_S = 3600.0
+BUSY_RETRY_MIN_S = 30.0
+BUSY_RETRY_MAX_S = 600.0
+DATABASE_RETRY_S = 60.0
+
+
+def busy_later(message: InboxMessage, error: str) -> NotNow | None:
+    """When to try a message again whose butlers were all busy (`busy_later`'s constants),
+    or None: it has waited BUSY_RETRY_S already."""
+    waited = message.deferred_for_s()
+    if waited >= BUSY_RETRY_S:
+        return None
+    delay = min(BUSY_RETRY_MAX_S, max(BUSY_RETRY_MIN_S, waited))
+    logger.warning(
+        "message %s: its butlers could not get to it (%s); trying again in %.0f s",
+        message.id,
+        error,
+        delay,
+        extra={"action": "busy_deferred"},
+    )
+    return NotNow("queued", None, f"{error} (trying again in {delay:.0f} s)", retry_in_s=delay)
+
+
+def database_trouble(exc: BaseException) -> bool:
+    """Whether `exc` is the database failing (or unreachable), not the message: its
+    server out of disk, memory or connections, shutting down or restarting, the connection
+    gone."""
+    import asyncpg
+
+    return isinstance(
+        exc,
+        asyncpg.InsufficientResourcesError
+        | asyncpg.OperatorInterventionError
+        | asyncpg.PostgresConnectionError
+        | asyncpg.InterfaceError
+        | ConnectionError,
+    ) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ECONNREFUSED))
 
 
 def said_once(parts: Sequence[str | None]) -> str | None:
@@ -130,6 +176,8 @@ class InboxWorker:
         self._task: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._in_flight: dict[int, asyncio.Task[None]] = {}
+        # Messages of `_in_flight` whose butlers were asked (one may have acted on it).
+        self._routing: set[int] = set()
 
     # -- intake side ------------------------------------------------------------------------
 
@@ -339,7 +387,7 @@ class InboxWorker:
                 message.id,
                 extra={"action": "lease_lost"},
             )
-        except Exception:
+        except Exception as exc:
             # Keep the queue moving on purpose: one message's bug must not stop the others.
             logger.exception(
                 "processing inbox message %s failed",
@@ -347,6 +395,10 @@ class InboxWorker:
                 extra={"action": "inbox_process_failed"},
             )
             try:
+                # Put back only if no butler was asked yet: one may have acted on it.
+                later = message.id not in self._routing and message.channel != MCP_CHANNEL
+                if later and database_trouble(exc) and await self._put_back(message, exc):
+                    return
                 await self._finish(message, "failed", None, sorry("internal"), "internal error")
             except LeaseLost:
                 pass
@@ -361,7 +413,32 @@ class InboxWorker:
                 await asyncio.sleep(IDLE_POLL_S)
         finally:
             self._in_flight.pop(message.id, None)
+            self._routing.discard(message.id)
             self._wake.set()
+
+    async def _put_back(self, message: InboxMessage, exc: BaseException) -> bool:
+        """A message its database failed under (disk full, the server restarting: not the
+        message's doing) back in the queue for DATABASE_RETRY_S, its cause on its row; not
+        past BUSY_RETRY_S of such waits. It was "failed" with "internal error" and a sorry
+        (a bad day's walkthrough), or lost its answer when even that could not be written.
+        False: not put back (too long already; the caller fails it)."""
+        if message.deferred_for_s() >= BUSY_RETRY_S:
+            return False
+        error = f"the database failed under it ({type(exc).__name__}: {exc})"[:500]
+        put_back = await self.inbox.defer(
+            message.id, replica=self.replica, delay_s=DATABASE_RETRY_S, error=error
+        )
+        if not put_back:
+            raise LeaseLost(message.id)
+        logger.warning(
+            "message %s: %s; trying again in %.0f s",
+            message.id,
+            error,
+            DATABASE_RETRY_S,
+            extra={"action": "inbox_deferred"},
+        )
+        asyncio.get_running_loop().call_later(DATABASE_RETRY_S, self._wake.set)
+        return True
 
     async def _renew_leases(self) -> None:
         """Every third of a lease: extend the leases of the messages in flight; a message
@@ -420,8 +497,16 @@ class InboxWorker:
                     history=history,
                     body=message_body(message),
                 )
+                self._routing.add(message.id)
                 answers, note, via = await self._classify_and_route(carried, history, handoff)
             failures = [f"{a.butler}: {a.error}" for a in answers if not a.ok]
+            # (Not `ask`'s: its caller waits for the answer, and is told why at once.)
+            busy = answers and all(a.failure == "busy" for a in answers)
+            if busy and message.channel != MCP_CHANNEL:
+                later = busy_later(message, said_once([note, *failures]) or "busy")
+                if later is not None:
+                    await self._not_now(message, later)
+                    return
             routed_to = ",".join(dict.fromkeys(a.butler for a in answers)) or None
             reply = combine(answers)  # people get fixed sentences; the error is the operator's
             if failures and is_owners(message.conversation, self.limits.owner):  # can read why

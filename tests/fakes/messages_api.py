@@ -68,6 +68,8 @@ class ScriptedMessagesAPI:
         # the Messages API does (401 authentication_error, 429 rate_limit_error...). The
         # message may hold "{key}": the request's x-api-key (an API that echoes it).
         self.error: tuple[int, str, str] | None = None
+        # Per request, when `error` is None: the error to answer it with, or None to answer it.
+        self.error_for: Callable[[dict[str, Any]], tuple[int, str, str] | None] | None = None
 
     # -- scripting --------------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class ScriptedMessagesAPI:
         self.release_at_in_flight = 0
         self.delay_for = None
         self.error = None
+        self.error_for = None
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -157,8 +160,11 @@ class ScriptedMessagesAPI:
             )
 
     async def _reply(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if self.error is not None:
-            status, kind, text = self.error
+        error = self.error
+        if error is None and self.error_for is not None:
+            error = self.error_for(body)
+        if error is not None:
+            status, kind, text = error
             said = text.replace("{key}", request.headers.get("x-api-key", ""))
             return web.json_response(
                 {"type": "error", "error": {"type": kind, "message": said}}, status=status
