@@ -54,6 +54,10 @@ async def test_telegram_down_for_a_while_loses_nothing_and_keeps_the_order(
     rows = await outbox_rows(conn)
     assert [(r["kind"], r["text"]) for r in rows] == [("reply", f"noted {n}") for n in (1, 2, 3)]
     assert {r["status"] for r in rows} <= {"pending", "sending"} and bot_api.sent == []
+    # `butlers inbox` says their replies are not sent yet ("done" alone read as sent).
+    code, out, err = await run_cli("inbox", "--url", switchboard.sse_url)
+    assert code == 0, err
+    assert out.count("reply not sent yet: ") >= 1 and "Bad Gateway" in out, out
     bot_api.sends_down = False
     sent = await bot_api.wait_sent(3)
     assert [s["text"] for s in sent] == ["noted 1", "noted 2", "noted 3"]

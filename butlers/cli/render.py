@@ -200,6 +200,12 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
                 f"reply not delivered: {row.get('reply_error')} (`butlers outbox retry "
                 f"{row.get('reply_id')}` sends it again once that is fixed)"
             )
+        elif row.get("reply_status") == "pending" and row.get("reply_error"):
+            # "done" while the channel keeps refusing its reply (a walkthrough read it as sent)
+            details.append(
+                f"reply not sent yet: {row['reply_error']} (the outbox keeps trying: `butlers "
+                "outbox`)"
+            )
         details += [
             f"approval #{a['id']}: {a['tool']} ({a['status']})" for a in row.get("approvals") or []
         ]
