@@ -445,11 +445,17 @@ def _postmaster_of(data_dir: Path) -> int:
     return int(pid_file.read_text().split()[0])
 
 
-async def test_a_tool_whose_database_is_gone_says_so(
+async def test_postgresql_stopped_under_a_fleet_is_said_and_started_again(
     tmp_path: Path, cli_env: dict[str, str], processes: list[Butlers]
 ) -> None:
-    """PostgreSQL stopped under a running fleet: a call that needs the database is told that
-    the butler cannot reach it, not FastMCP's masked "Error calling tool 'list_butlers'"."""
+    """PostgreSQL stopped under a running fleet (killed, a PANIC on a full disk): `up` went on
+    without it, its log full of connection errors, until someone restarted it (a bad day's
+    walkthrough). Now it says so once and starts it again, and again until it can (here its
+    data directory closed for a while); meanwhile a call that needs the database is told the
+    butler cannot reach it (not FastMCP's masked "Error calling tool 'list_butlers'"), and
+    doctor fails saying `up` runs without it. Nothing is lost: what was written is there."""
+    from fastmcp import Client
+
     from tests.test_cli_client import run_cli
 
     ports = copy_shipped_config(tmp_path / "config")
@@ -457,20 +463,36 @@ async def test_a_tool_whose_database_is_gone_says_so(
     processes.append(fleet)
     await fleet.start()
     await fleet.wait_json()
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        await client.call_tool("state_set", {"key": "before", "value": "the crash"})
+    pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
     postmaster = await asyncio.to_thread(_postmaster_of, Path(cli_env["BUTLERS_DATA_DIR"]))
-    os.kill(postmaster, signal.SIGINT)  # PostgreSQL's fast shutdown
-    await eventually(lambda: asyncio.to_thread(lambda: not psutil.pid_exists(postmaster)))
-    url = f"http://127.0.0.1:{ports['switchboard']}/sse"
-    code, _out, err = await run_cli("list", "--url", url, env=cli_env)
-    assert code == 1
-    assert "switchboard cannot reach its database now" in err, err
-    assert "Error calling tool" not in err
-    # doctor said "not running; `butlers up` starts it" (a walkthrough): `up` runs, and
-    # will not.
-    code, out, _err = await run_cli("doctor", "--config-dir", str(tmp_path / "config"), env=cli_env)
-    assert code == 1, out
-    assert "is not running, though `butlers up` is (its " in out, out
-    assert "Stop `butlers up` and start it again" in out
+    mode = pgdata.stat().st_mode
+    pgdata.chmod(0)  # it cannot start again until this is undone (as root too: not its owner)
+    try:
+        os.kill(postmaster, signal.SIGKILL)
+        await eventually(lambda: asyncio.to_thread(lambda: not psutil.pid_exists(postmaster)))
+        await fleet.wait_stderr("has stopped; starting it again", timeout_s=20)
+        await fleet.wait_stderr("cannot start the embedded PostgreSQL on", timeout_s=20)
+        url = f"http://127.0.0.1:{ports['switchboard']}/sse"
+        code, _out, err = await run_cli("list", "--url", url, env=cli_env)
+        assert code == 1
+        assert "switchboard cannot reach its database now" in err, err
+        assert "Error calling tool" not in err
+        # doctor said "not running; `butlers up` starts it": `up` runs, without it.
+        config = str(tmp_path / "config")
+        code, out, _err = await run_cli("doctor", "--config-dir", config, env=cli_env)
+        assert code == 1, out
+        assert "is not running, though `butlers up` is (its " in out, out
+    finally:
+        pgdata.chmod(stat.S_IMODE(mode))
+    await fleet.wait_stderr("runs again", timeout_s=60)
+    assert fleet.stderr.count("has stopped; starting it again") == 1  # said once
+    async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
+        assert (await client.call_tool("state_get", {"key": "before"})).data == "the crash"
+    code, out, err = await run_cli("list", "--url", url, env=cli_env)
+    assert code == 0, err
+    assert await fleet.stop() == 0
 
 
 async def test_broken_butler_and_busy_port_do_not_stop_the_others(

@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 import psutil
 
+from butlers.backoff import Backoff
 from butlers.db.account import _pg_environment, _server_account, _ServerAccount
 from butlers.db.postmaster import (
     PG_PORT,
@@ -57,6 +58,9 @@ logger = logging.getLogger("butlers.db")
 EMBEDDED_USER = "postgres"
 PG_START_TIMEOUT_S = 30.0
 STOP_WAIT_S = 10.0  # after pg_ctl says stopped, for the postmaster process to be gone
+WATCH_EVERY_S = 2.0  # how often `keep_running` looks whether the server still runs
+# Between starts that failed (a full disk stays full until someone frees it).
+RESTART_BACKOFF = Backoff((2.0, 5.0, 15.0, 30.0, 60.0))
 USERS_FILE_BYTES = 64 * 1024  # of pgdata.users read (a line is ~25 bytes a process)
 
 
@@ -120,6 +124,45 @@ class EmbeddedServer:
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._stop_blocking)
+
+    async def keep_running(self) -> None:
+        """While this process uses the server: start it again when it stops under us (killed,
+        crashed, a PANIC on a full disk). `butlers up` went on without it, its log full of
+        connection errors, until someone restarted it (a bad day's walkthrough). Said once
+        when it stops, then at each failed start (tried again after RESTART_BACKOFF), and
+        when it runs again. Runs until cancelled (`running` does, before it stops the
+        server)."""
+        failures = 0
+        while True:
+            wait = WATCH_EVERY_S if not failures else RESTART_BACKOFF.delay(failures - 1)
+            await asyncio.sleep(wait)
+            with contextlib.suppress(OSError):  # (unreadable for now: started, or said why)
+                if await asyncio.to_thread(_running_postmaster, self.pgdata) is not None:
+                    continue
+            if not failures:
+                logger.error(
+                    "the embedded PostgreSQL on %s has stopped; starting it again. The end of "
+                    "its log:\n%s",
+                    self.pgdata,
+                    await asyncio.to_thread(_tail, self.pgdata / "log", 8),
+                    extra={"action": "pg_stopped"},
+                )
+            try:
+                await asyncio.to_thread(self._start_again_blocking)
+            except (DatabaseError, OSError) as exc:
+                failures += 1
+                logger.error(
+                    "cannot start the embedded PostgreSQL on %s again (%s); trying again in %.0f s",
+                    self.pgdata,
+                    exc,
+                    RESTART_BACKOFF.delay(failures - 1),
+                    extra={"action": "pg_restart_failed"},
+                )
+                continue
+            failures = 0
+            logger.warning(
+                "the embedded PostgreSQL on %s runs again", self.pgdata, extra={"action": "pg_up"}
+            )
 
     # -- blocking parts, run in a worker thread ---------------------------------------------
 
@@ -340,6 +383,16 @@ class EmbeddedServer:
         with os.fdopen(os.open(new, flags, 0o600), "w") as file:
             file.write("".join(f"{user}\n" for user in sorted(set(users))))
         os.replace(new, self._users_file)
+
+    def _start_again_blocking(self) -> None:
+        """Start the server this process used and that stopped (unless another process of its
+        users has already), on the same socket: the pools' connection strings stay right."""
+        account = self._account
+        assert account is not None
+        me = _this_process()
+        with self._users_locked() as users:
+            if _running_postmaster(self.pgdata) is None:
+                self._use_or_start(account, [user for user in users if user != me])
 
     def _stop_blocking(self) -> None:
         if not self._using:

@@ -7,6 +7,7 @@ which is all that migrations and the pool need of a server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
@@ -14,6 +15,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from butlers.db.embedded import EmbeddedServer
 from butlers.errors import DatabaseError
+from butlers.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from butlers.settings import Settings
@@ -57,12 +59,15 @@ def server_for(settings: Settings) -> ExternalServer | EmbeddedServer:
 
 @contextlib.asynccontextmanager
 async def running(server: ExternalServer | EmbeddedServer) -> AsyncIterator[PostgresServer]:
-    """Start the embedded server for the duration of the block (an external one just is)."""
+    """Start the embedded server for the duration of the block, started again should it stop
+    meanwhile (`EmbeddedServer.keep_running`); an external one just is."""
     if isinstance(server, EmbeddedServer):
         await server.start()
+        watcher = asyncio.create_task(server.keep_running(), name="postgres:keep-running")
         try:
             yield server
         finally:
+            await cancel_and_wait(watcher)
             await server.stop()
     else:
         yield server

@@ -279,13 +279,14 @@ async def database(subject: Subject) -> list[Check]:
             ]
         if server is None and (held := await _fleet_up(subject)):
             # `up` runs (its ports answer as these butlers) while its PostgreSQL does not: it
-            # died under it (`up` starts it only when it starts).
+            # died under it, and `up` could not start it again yet.
             return [
                 fail(
                     "database",
                     f"the embedded PostgreSQL in {pgdata} is not running, though `butlers up` "
-                    f"is (its {', '.join(held)} answer): it stopped under it. Stop `butlers up` "
-                    "and start it again, after freeing disk space if the log says it is full",
+                    f"is (its {', '.join(held)} answer): it stopped under it, and `butlers up` "
+                    "could not start it again yet (it keeps trying): its log says why, a full "
+                    "disk or its data directory out of reach",
                 )
             ]
         if server is None:
