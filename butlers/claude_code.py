@@ -57,6 +57,12 @@ _CLI_ENV = {
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
 }
 _ENV_BINARY = shutil.which("env") or "/usr/bin/env"
+# Claude Code ends with the butlers process that started it, even one killed (SIGKILL, the
+# OOM killer): its session ran on for its model request and more, spending tokens for a
+# butler that was gone (a bad day's walkthrough). setpriv (util-linux) sets the parent-death
+# signal and execs the rest; where it is missing, the session's timeout is all there is.
+_SETPRIV = shutil.which("setpriv")
+_DIES_WITH_US = [_SETPRIV, "--pdeathsig", "KILL"] if _SETPRIV and sys.platform == "linux" else []
 
 
 @dataclass(frozen=True)
@@ -404,7 +410,8 @@ def _transport_class() -> type[SubprocessCLITransport]:
         """The SDK always passes our whole environment (`inherited`) down; its `env` option
         only adds to it. So the command goes through `env -u NAME ...`, which drops every
         variable Claude Code has no use for before it starts: only their names are on the
-        command line, never their values."""
+        command line, never their values. And through `setpriv --pdeathsig KILL`
+        (_DIES_WITH_US): it does not outlive this process."""
 
         def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -420,9 +427,9 @@ def _transport_class() -> type[SubprocessCLITransport]:
                 if name not in ours and not claude_code_keeps(name, inherited)
             )
             if not dropped:
-                return command
+                return [*_DIES_WITH_US, *command]
             unset = [arg for name in dropped for arg in ("-u", name)]
-            return [_ENV_BINARY, *unset, "--", *command]
+            return [*_DIES_WITH_US, _ENV_BINARY, *unset, "--", *command]
 
         async def close(self) -> None:
             """The SDK's close, and the CLI killed if that was cut short: a plain asyncio

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -154,11 +154,14 @@ class Butlers:
             await self._stderr_task
         return code
 
-    async def crash(self) -> None:
-        """SIGKILL, like a power cut. Its Claude Code sessions are then ours to end."""
+    async def crash(self, *, then: Callable[[], Awaitable[None]] | None = None) -> None:
+        """SIGKILL, like a power cut; `then` runs right after. Its Claude Code sessions are
+        then ours to end (they end with it by themselves: `then` may check that)."""
         assert self.process is not None
         self.orphans = psutil.Process(self.process.pid).children(recursive=True)
         self.process.send_signal(signal.SIGKILL)
+        if then is not None:
+            await then()
         self._end_orphans()
         await self.process.wait()  # (returns only once the orphans have let go of its pipes)
 

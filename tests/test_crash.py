@@ -77,7 +77,21 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         await bot_api.push_text(CHAT, "are you there?")
         async with asyncio.timeout(60):  # the general butler's session began
             await scripted_api.wait_for_request(lambda body: True)
-        await first.crash()
+        sessions = [
+            child
+            for child in psutil.Process(first.process.pid).children(recursive=True)
+            if any("claude" in part for part in child.cmdline()[:8])
+        ]
+        assert sessions
+
+        async def sessions_ended() -> None:
+            # Its Claude Code ends with it (the parent-death signal): it ran on, its model
+            # request open (30 s here), spending for a butler that was gone (a bad day's
+            # walkthrough).
+            _, alive = await asyncio.to_thread(psutil.wait_procs, sessions, timeout=10)
+            assert alive == [], [p.cmdline()[:3] for p in alive]
+
+        await first.crash(then=sessions_ended)
 
         conn = await db_conn(databases["switchboard"])
         row = await conn.fetchrow("SELECT status, attempts FROM inbox")
