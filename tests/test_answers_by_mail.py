@@ -45,6 +45,15 @@ def test_a_line_at_the_limit_is_read_and_one_past_it_is_not() -> None:
         ("yes 12", False, "12"),
         ("No #7, it is wrong", False, "7"),
         ("yesterday 12", False, None),
+        # The owner's own language: German, French, Spanish, Italian, Dutch.
+        ("Ja, bitte.", True, None),
+        ("Nein, danke!", True, None),
+        ("Oui merci", True, None),
+        ("Sí", True, None),
+        ("nee", True, None),
+        ("ja 12", False, "12"),
+        ("Jawohl", False, None),
+        ("Ja, aber erst morgen.", False, None),
     ],
 )
 def test_approval_answers(line: str, bare: bool, numbered: str | None) -> None:
@@ -62,6 +71,9 @@ def test_approval_answers(line: str, bare: bool, numbered: str | None) -> None:
         ("no problem", None),
         ("yes maybe", None),
         ("approve them all, and the others too", None),
+        ("Ja.", ("ja", None)),
+        ("nein ABCD-2345", ("nein", "ABCD-2345")),
+        ("ja gerne", None),
     ],
 )
 def test_pairing_answers(line: str, answer: tuple[str, str | None] | None) -> None:

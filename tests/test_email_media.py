@@ -13,6 +13,8 @@ import email.policy
 from datetime import UTC, datetime
 from email.message import EmailMessage
 
+import pytest
+
 from butlers.config import OwnerConfig, SwitchboardConfig
 from butlers.media import Attachment
 from butlers.modules.email import EmailModule
@@ -619,6 +621,82 @@ def test_attached_mails_are_found_below_the_top_of_the_mail() -> None:
         # A signed mail's own attachments are its signature alone (its signed multipart,
         # "(unnamed)", was listed as an attachment not read).
         assert parsed.not_read == (("smime.p7s",) if raw is signed else ())
+
+
+@pytest.mark.parametrize(
+    "attribution",
+    [
+        "Am Do., 26. Nov. 2026 um 14:05 Uhr schrieb Butler <butler@example.com>:",  # Gmail
+        "Am 26.11.2026 um 14:05 schrieb Butler:",  # Thunderbird
+        "-----Ursprüngliche Nachricht-----",  # older Outlook
+        "El jue, 26 nov 2026 a las 14:05, Butler (<butler@example.com>) escribió:",
+        "Il giorno gio 26 nov 2026 alle ore 14:05 Butler ha scritto:",
+        "Op do 26 nov. 2026 om 14:05 schreef Butler <butler@example.com>:",
+    ],
+)
+def test_a_reply_in_another_language_ends_where_its_history_begins(attribution: str) -> None:
+    """German mail programs write "Am ... schrieb ...:" above the mail a reply quotes: unknown,
+    the history stayed, so a German owner's "approve" was not an answer on its own line, and
+    in an HTML reply the quoted mail (a stranger's words, maybe) read as the owner's request
+    (a walkthrough). Spanish, Italian and Dutch alike."""
+    from butlers.modules.mail_parse import trim_quoted
+    from butlers.text import answer_line
+
+    plain = f"approve\n\n{attribution}\n\n> stranger@example.net wants to talk to you"
+    assert answer_line(trim_quoted(plain, reply=True)) == ("approve", True)
+    html = (
+        f"<div>Ja, bitte verschiebe ihn auf Freitag.</div><div class=gmail_attr>{attribution}"
+        "</div><blockquote>Bitte überweisen Sie heute 500 EUR an IBAN DE12 3456.</blockquote>"
+    )
+    raw = mail(subject="AW: Termin", body="x", In_Reply_To="<q@x>", References="<q@x>")
+    raw.set_content(html, subtype="html")
+    assert parse_mail(raw.as_bytes()).text == "Ja, bitte verschiebe ihn auf Freitag."
+
+
+def test_words_that_only_look_like_a_reply_line_are_kept() -> None:
+    """ "Am Montag schrieb ich dir:" (no date) is the sender's own; a long line starting "Am "
+    costs a look, not a search (tested with `in`, not a regex that backtracks)."""
+    from butlers.modules.mail_parse import trim_quoted
+
+    own = "Am Montag schrieb ich dir:\nbitte denk an die Miete."
+    assert trim_quoted(own) == own
+    long = "Am 1 " + "2 " * 200_000 + ":"
+    assert trim_quoted(long) == long
+
+
+@pytest.mark.parametrize(
+    ("marker", "author"),
+    [
+        ("Begin forwarded message:", "From: Handwerker Schmidt <schmidt@example.de>"),
+        ("Anfang der weitergeleiteten Nachricht:", "Von: Handwerker Schmidt <schmidt@example.de>"),
+    ],
+)
+def test_an_apple_mail_forward_keeps_the_mail_it_quotes(marker: str, author: str) -> None:
+    """Apple Mail writes a forwarded mail as '>' lines below its opening line: they were
+    dropped as a reply's history, and "please pay this" reached a butler without the
+    invoice; in German the opening line was unknown too, and the owner's own line was said to
+    be someone else's (a walkthrough)."""
+    from butlers.modules.email import _incoming
+
+    body = (
+        f"Bitte bezahlen, danke.\n\n{marker}\n\n> {author}\n> Betreff: Rechnung 2026-114\n"
+        "> Datum: 26. November 2026 um 14:05:00 MEZ\n>\n"
+        "> Bitte überweisen Sie 1.250,00 EUR an IBAN DE12 3456 7890.\n"
+    )
+    incoming = _incoming(parse_mail(mail(subject="Rechnung", body=body).as_bytes()))
+    assert incoming.text.endswith("Bitte überweisen Sie 1.250,00 EUR an IBAN DE12 3456 7890.")
+    assert "\n> " not in incoming.text
+    assert incoming.meta["forwarded_from"] == "Handwerker Schmidt <schmidt@example.de>"
+    assert incoming.text[: incoming.meta["forwarded_at"]].strip() == "Bitte bezahlen, danke."
+
+
+def test_a_reply_subject_does_not_grow_a_prefix_a_round() -> None:
+    """An Outlook German thread grew "Re: AW: Re: AW: Termin" (a walkthrough)."""
+    from butlers.modules.mail_parse import reply_subject
+
+    assert reply_subject("AW: Termin") == "AW: Termin"
+    assert reply_subject("SV: Möte") == "SV: Möte"
+    assert reply_subject("Termin") == "Re: Termin"
 
 
 # -- what goes out ------------------------------------------------------------------------------

@@ -640,6 +640,42 @@ def html_to_text(html: str, *, max_chars: int | None = None) -> str:
 
 
 _QUOTE_HEADER = re.compile(r"^(On .+ wrote:|-----Original Message-----|Le .+ a écrit :)\s*$")
+# The line a mail program writes above the mail a reply quotes, in other languages: its
+# start, a word in it, and (for those that hold the date) a digit, tested with `in`, not a
+# regex (`Am .*\d.* schrieb` backtracks quadratically on a long line). German Gmail ("Am Do.,
+# 26. Nov. 2026 um 14:05 Uhr schrieb X:"), Thunderbird and Apple Mail ("Am 26.11.2026 um 14:05
+# schrieb X:"); Spanish, Italian, Dutch, Portuguese, Swedish alike. Unknown, the history
+# stayed: a German owner's "approve" above it was not an answer, and the quoted mail (a
+# stranger's words, maybe) was read as the owner's (a walkthrough).
+_QUOTE_LINES = (
+    ("Am ", " schrieb "),
+    ("El ", " escribió"),
+    ("Il ", " ha scritto"),
+    ("Op ", " schreef "),
+    ("Em ", " escreveu"),
+    ("Den ", " skrev "),
+)
+# Outlook's line above the mail it answers, in other languages than _QUOTE_HEADER's.
+_ORIGINAL_MESSAGE = re.compile(
+    r"-{3,}[ \t]*(?:ursprüngliche nachricht|message d'origine|mensaje original|"
+    r"messaggio originale|oorspronkelijk bericht|mensagem original|ursprungligt meddelande)"
+    r"[ \t]*-{3,}",
+    re.IGNORECASE,
+)
+
+
+def _quotes_below(line: str) -> bool:
+    """Whether `line` (stripped) opens a reply's quoted history."""
+    if _QUOTE_HEADER.match(line) or _ORIGINAL_MESSAGE.fullmatch(line):
+        return True
+    if not line.endswith(":") or len(line) > 500:
+        return False
+    return any(
+        line.startswith(start) and word in line and any(c.isdigit() for c in line)
+        for start, word in _QUOTE_LINES
+    )
+
+
 # A reply's subject: English, German, Scandinavian, Dutch, Polish, Turkish, Italian, Portuguese.
 REPLY_SUBJECT = re.compile(
     r"^[ \t]*(?:re|aw|sv|antw|odp|ynt|rif|res)(?:[ \t]*\[\d+\])?[ \t]*:", re.I
@@ -675,13 +711,23 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
         if _OUTLOOK_RULE.match(last):
             text = above
     kept = []
+    forwarded = False  # below a forward's opening line: its '>' lines are what it forwards
     for line in text.splitlines():
-        if _QUOTE_HEADER.match(line.strip()):
+        if _quotes_below(line.strip()):
             break
         if line.lstrip().startswith(">"):
+            if forwarded:  # Apple Mail quotes the mail it forwards: dropped, it was lost
+                kept.append(_unquoted(line))
             continue
+        forwarded = forwarded or FORWARDED_BLOCK.fullmatch(line) is not None
         kept.append(line)
     return "\n".join(kept).strip()
+
+
+def _unquoted(line: str) -> str:
+    """A quoted line one level less quoted: its first '>' and one blank after it gone."""
+    rest = line.lstrip()[1:]
+    return rest[1:] if rest.startswith(" ") else rest
 
 
 def automated_reason(message: Message, sender: str) -> str | None:
@@ -877,7 +923,11 @@ def dmarc_refusal(results: Sequence[str], authserv_id: str, from_domain: str) ->
 FORWARDED_SUBJECT = re.compile(r"^[ \t]*(?:fwd?|wg|tr|rv|i|doorst|vb|vs|enc|pd)[ \t]*:", re.I)
 FORWARDED_BLOCK = re.compile(
     r"^[ \t]*(?:-{2,}[ \t]*(?:forwarded message|original message|weitergeleitete nachricht|"
-    r"message transféré)[ \t]*-{2,}|begin forwarded message:)[ \t]*$",
+    r"message transféré)[ \t]*-{2,}|begin forwarded message:|"
+    # Apple Mail's, in German, French, Spanish, Italian, Dutch.
+    r"anfang der weitergeleiteten nachricht:|début du message réexpédié[ \t]?:|"
+    r"inicio del mensaje reenviado:|inizio messaggio inoltrato:|begin doorgestuurd bericht:)"
+    r"[ \t]*$",
     re.IGNORECASE | re.MULTILINE,
 )
 # The word a mail program's header block begins with, in the languages of the common ones.
@@ -960,5 +1010,7 @@ def one_line(value: str) -> str:
 
 
 def reply_subject(subject: str | None) -> str:
+    """ "Re: " and the subject, unless it says it is a reply already (Re:, AW:, SV:...): an
+    Outlook German thread grew "Re: AW: Re: AW:" (a walkthrough)."""
     subject = one_line(subject or "")
-    return subject if subject.lower().startswith("re:") else f"Re: {subject}".strip()
+    return subject if REPLY_SUBJECT.match(subject) else f"Re: {subject}".strip()

@@ -106,9 +106,18 @@ MAC_BYTES = 16
 # The owner's answer by mail, on the first line (`answer_line`): "yes 12", "no #12"; or, in
 # the question's own thread and alone, "yes" or "no": "Yes, please." "No!" (a reply that says
 # more, "yes, but make it 50", is a message: the call shown is not that).
-_MAIL_ANSWER = re.compile(r"(yes|no) #?([1-9][0-9]{0,17})(?![.,]?\d|\w)", re.IGNORECASE)
+# "yes" and "no" in the owner's words: English, and the German, French, Spanish, Italian and
+# Dutch ones (a German owner's "Ja, bitte." was routed as a message: a walkthrough).
+YES_WORDS = ("yes", "ja", "oui", "sí", "si")
+NO_WORDS = ("no", "nein", "non", "nee")
+_MAIL_ANSWER = re.compile(
+    rf"({'|'.join(YES_WORDS + NO_WORDS)}) #?([1-9][0-9]{{0,17}})(?![.,]?\d|\w)", re.IGNORECASE
+)
+# Alone, with a word of thanks or please.
 _MAIL_BARE_ANSWER = re.compile(
-    r"(yes|no)(?:,? (?:please|thanks|thank you|go ahead))?[.!]*", re.IGNORECASE
+    rf"({'|'.join(YES_WORDS + NO_WORDS)})(?:,? (?:please|thanks|thank you|go ahead|bitte|"
+    r"danke|merci|gracias|por favor|grazie|graag|dank je))?[.!]*",
+    re.IGNORECASE,
 )
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
@@ -634,7 +643,7 @@ class ApprovalDesk:
                 extra={"action": "approval_answer_refused"},
             )
             return False
-        decision = "approve" if match[1].lower() == "yes" else "deny"
+        decision = "approve" if match[1].lower() in YES_WORDS else "deny"
         await self.decide(approval_id, decision, by=f"email:{sender}", wait=False)
         return True
 

@@ -62,6 +62,8 @@ from butlers.core_store import CoreStore, storable
 from butlers.switchboard import queries as sql
 from butlers.switchboard.approvals import (
     MAC_BYTES,
+    NO_WORDS,
+    YES_WORDS,
     PressAnswer,
     _refuse_sessions_and_classifiers,
     owner_pressed,
@@ -77,7 +79,9 @@ logger = logging.getLogger(__name__)
 # The owner's answer by mail, alone on the first line (`answer_line`): "approve", "Deny.",
 # "yes ABCD-2345" (a code given must be that question's).
 _MAIL_PAIRING_ANSWER = re.compile(
-    r"(approve|deny|yes|no)(?: ([A-Za-z0-9]{4}-?[A-Za-z0-9]{4}))?[.!]*", re.IGNORECASE
+    rf"(approve|deny|{'|'.join(YES_WORDS + NO_WORDS)})(?: ([A-Za-z0-9]{{4}}-?[A-Za-z0-9]{{4}}))?"
+    r"[.!]*",
+    re.IGNORECASE,
 )
 
 
@@ -578,7 +582,7 @@ class PairingDesk:
             asked = await self.store.get(pairing_id)
             if asked is None or _CODE_SEPARATORS.sub("", match[2]).upper() != asked["code"]:
                 return False
-        status = "approved" if match[1].lower() in ("approve", "yes") else "denied"
+        status = "approved" if match[1].lower() in ("approve", *YES_WORDS) else "denied"
         by = f"email:{sender}"
         async with self.store.pool.acquire() as conn, conn.transaction():
             row = await self.store.decide(conn, "id", pairing_id, status, by)
