@@ -23,6 +23,7 @@ server's data directory itself is 0700 and the server's, as anywhere).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -165,27 +166,39 @@ def follow_move(old: Path, new: Path, root: Path = ROOT_HOME) -> Path | None:
     it; None when there is nothing to move (none kept for `old`, or data kept for `new`
     already). Kept by path, the data stayed behind when its directory moved: the moved fleet
     started empty databases without a word, its schedules, memories and pairings left at
-    the old place (a walkthrough)."""
-    source = kept_data(old, root)
-    if source is None or kept_data(new, root) is not None:
-        return None
-    from butlers.db.postmaster import _running_postmaster
+    the old place (a walkthrough). Under a lock of the data places: two processes following
+    the same move (replicas started together) removed each other's (a review)."""
+    data_root = root / "data"
+    try:
+        _check_root_only(data_root)
+        lock = os.open(data_root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except (OSError, DatabaseError):
+        return None  # no data kept at all
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        source = kept_data(old, root)
+        if source is None or kept_data(new, root) is not None:
+            return None
+        from butlers.db.postmaster import _running_postmaster
 
-    if _running_postmaster(source) is not None:
-        raise DatabaseError(
-            f"the PostgreSQL data kept for {old} is in use by a running server: stop the "
-            f"butlers using it before starting them from {new}"
-        )
-    target = _data_place(new, root)
-    with contextlib.suppress(FileNotFoundError):
-        # An earlier start may have made the place (its origin) before being refused; an
-        # empty place only: one holding a data directory is kept_data's, and left alone.
-        if not (target / "pgdata").exists():
+        if _running_postmaster(source) is not None:
+            raise DatabaseError(
+                f"the PostgreSQL data kept for {old} is in use by a running server: stop the "
+                f"butlers using it before starting them from {new}"
+            )
+        target = _data_place(new, root)
+        if os.path.lexists(target):
+            # An earlier start made the place (its origin) and was refused; a place holding
+            # a data directory is kept_data's, and left alone.
+            if os.path.lexists(target / "pgdata"):
+                return None
             shutil.rmtree(target)
-    os.rename(source.parent, target)
-    written = target / f"origin.{uuid.uuid4().hex}"
-    written.write_text(f"{new}\n")
-    os.replace(written, target / "origin")
+        os.rename(source.parent, target)
+        written = target / f"origin.{uuid.uuid4().hex}"
+        written.write_text(f"{new}\n")
+        os.replace(written, target / "origin")
+    finally:
+        os.close(lock)
     logger.warning(
         "the PostgreSQL data kept for %s (gone: its config directory moved) now serves %s: "
         "moved from %s to %s",

@@ -422,3 +422,19 @@ async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
     finally:
         await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
+
+
+def test_the_server_log_is_read_as_a_file_not_through_a_link(tmp_path: Path) -> None:
+    """Its directory is the server account's: a `log` it made a link to /etc/shadow was read
+    and logged by root when the server stopped (a review). Its last lines only, of a file."""
+    from butlers.db.embedded import TAIL_BYTES, _tail
+
+    secret = tmp_path / "secret"
+    secret.write_text("root:$6$hash\n")
+    log = tmp_path / "log"
+    log.symlink_to(secret)
+    assert _tail(log) == "(no log)"
+    log.unlink()
+    log.write_text("x" * TAIL_BYTES * 2 + "\nfirst\nsecond\nthird\n")
+    assert _tail(log, 2) == "second\nthird"
+    assert _tail(tmp_path / "missing") == "(no log)"

@@ -550,6 +550,58 @@ def test_an_attached_mail_is_read_as_its_sender_showed_it() -> None:
         assert unseen not in text
 
 
+@pytest.mark.parametrize(
+    "html",
+    [
+        '<div style="display:none"/>HIDDEN</div>',  # a browser ignores the slash
+        "<div hidden><textarea></div></textarea>HIDDEN</div>",  # text to a browser, not tags
+        "<div hidden><title></div></title>HIDDEN</div>",
+        "<style>.h{display:none}</style><div class='x h'>HIDDEN</div>",
+        "<style>p#k, .z { visibility : hidden }</style><span id=k>HIDDEN</span>",
+        "<style>@media screen { .h { display: none } }</style><div class=h>HIDDEN</div>",
+        '<div style="display:/**/none">HIDDEN</div>',
+        '<div style="display:\\6e one">HIDDEN</div>',  # a CSS escape: "none"
+    ],
+)
+def test_what_a_browser_hides_in_html_is_not_read(html: str) -> None:
+    """A review found each of these shown to the model and hidden by Chromium (the first
+    version knew inline styles and `hidden` only)."""
+    from butlers.modules.mail_parse import html_to_text
+
+    assert html_to_text(f"<p>Seen.</p>{html}<p>After.</p>") == "Seen.\n\nAfter."
+
+
+def test_reading_a_mails_css_costs_a_look_whatever_it_holds() -> None:
+    """A style without braces (a pattern tried every start of it: minutes for 256 KiB), an
+    unclosed comment opened again and again, escapes by the thousand."""
+    from butlers.modules.mail_parse import html_to_text
+
+    for css in ("a" * 100_000, "/*" * 100_000, "\\" * 100_000, "{" * 50_000 + "}" * 50_000):
+        assert html_to_text(f"<style>{css}</style><p>Seen.</p>") == "Seen."
+        assert html_to_text(f'<div style="{css}">Seen.</div>') == "Seen."
+
+
+def test_a_mail_attached_as_message_global_is_read_and_other_messages_are_listed() -> None:
+    """message/global (RFC 6532: a mail with UTF-8 headers) is a mail attached like
+    message/rfc822; another message/* part (a delivery report) is listed as not read: it
+    vanished (a review)."""
+    inner = invoice_mail().as_bytes()
+    raw = (
+        b"From: Owner <owner@home.test>\r\nSubject: Fwd\r\nMessage-ID: <g@h>\r\n"
+        b'MIME-Version: 1.0\r\nContent-Type: multipart/mixed; boundary="m"\r\n\r\n--m\r\n'
+        b"Content-Type: text/plain\r\n\r\nPay this.\r\n--m\r\n"
+        b"Content-Type: message/global\r\n\r\n" + inner + b"\r\n--m\r\n"
+        b"Content-Type: message/delivery-status\r\nContent-Disposition: attachment; "
+        b'filename="status.txt"\r\n\r\nReporting-MTA: dns; x\r\n\r\nAction: failed\r\n'
+        b"--m--\r\n"
+    )
+    parsed = parse_mail(raw)
+    assert parsed.text.startswith("Pay this.\n\n---------- Forwarded message")
+    assert "Please pay 120 EUR by Friday." in parsed.text
+    assert [f.name for f in parsed.files] == ["invoice.pdf"]
+    assert parsed.not_read == ("status.txt",)
+
+
 def test_several_attached_mails_are_not_all_credited_to_the_first() -> None:
     """The bank's mail first, then Eve's: "from here on, the words were written by My Bank"
     lent Eve the bank's name, in the classifier's text and the approval question (a red

@@ -139,12 +139,16 @@ async def test_a_config_directory_moved_as_root_takes_its_kept_data_along(
         mine.rename(moved)
 
         env["BUTLERS_DATA_DIR"] = str(moved / ".butlers")
+        # `db upgrade` first, as after an upgrade: it claimed the data directory before the
+        # move was followed, and made empty databases (a review).
+        upgrade = Butlers("db", "upgrade", "--config-dir", str(moved), env=env)
+        assert await upgrade.run() == 0, upgrade.stderr
+        assert f"the PostgreSQL data kept for {old} (gone: its config directory moved) now " \
+            f"serves {new}" in upgrade.stderr, upgrade.stderr  # fmt: skip
         again = Butlers("up", "--config-dir", str(moved), env=env)
         await again.start()
         await again.wait_ready()
         assert "Initialising" not in again.stderr, again.stderr
-        assert f"the PostgreSQL data kept for {old} (gone: its config directory moved) now " \
-            f"serves {new}" in again.stderr, again.stderr  # fmt: skip
         async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
             assert (await client.call_tool("state_get", {"key": "moved"})).data == "with it"
         assert await again.stop(signal.SIGINT) == 0
@@ -307,3 +311,34 @@ async def test_data_kept_elsewhere_stays_in_use_once_its_directory_opens_up(
         assert pg_root_home.kept_data(requested) is None
     finally:
         _forget(requested)
+
+
+def test_two_processes_following_one_move_leave_the_data_in_place(tmp_path: Path) -> None:
+    """Replicas started together both follow the move: one removed the place the other had
+    just moved the data into (a review). Under the lock, one moves it and the other finds it
+    moved."""
+    import threading
+
+    root = tmp_path / "home"
+    old, new = Path("/gone/mine/.butlers/pgdata"), Path("/here/mine/.butlers/pgdata")
+    kept = pg_root_home.data_home(old, root)
+    kept.mkdir()
+    (kept / "PG_VERSION").write_text("18\n")
+    # An earlier start at the new place made its (empty) place before it was refused.
+    pg_root_home.data_home(new, root)
+    results: list[Path | None] = []
+    start = threading.Barrier(2)
+
+    def follow() -> None:
+        start.wait()
+        results.append(pg_root_home.follow_move(old, new, root))
+
+    threads = [threading.Thread(target=follow) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    moved = pg_root_home.kept_data(new, root)
+    assert moved is not None and (moved / "PG_VERSION").read_text() == "18\n"
+    assert sorted(map(str, results)) == sorted(["None", str(moved)])
+    assert pg_root_home.kept_data(old, root) is None

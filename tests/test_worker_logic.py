@@ -491,9 +491,40 @@ async def test_the_database_failing_before_any_butler_was_asked_puts_the_message
             raise asyncpg.DiskFullError("could not extend file: No space left on device")
         return await add(*args)
 
+    # After its butler answered, the outcome is held until the database takes it (given up,
+    # the message was claimed again and its butler asked twice: a review).
+    monkeypatch.setattr(worker_module, "FINISH_BACKOFF", worker_module.Backoff((0.05,)))
     monkeypatch.setattr(parts.outbox, "add", add_failing_once)
     after = await worker.accept(message("a", 1))
     assert after is not None
     (row,) = await done(worker, [after])
-    assert (row["status"], row["reply"]) == ("failed", sorry("internal"))
+    assert (row["status"], row["reply"]) == ("done", "general did: a#1")
+    assert failures == [1, 2]
     assert [text for _, text in parts.router.routed] == ["a#0", "a#1"]  # asked once
+
+
+async def test_a_message_whose_lease_ran_out_here_is_not_worked_on_twice(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database could not renew the lease of a message at work (down, full): once it
+    ran out, this process claimed the message again and started a second task on it, which
+    asked its butler a second time (a review)."""
+    import asyncpg
+
+    monkeypatch.setattr(worker_module, "IDLE_POLL_S", 0.05)
+
+    async def cannot(*_args: Any) -> Any:
+        raise asyncpg.ConnectionFailureError("connection refused")
+
+    monkeypatch.setattr(parts.inbox, "renew", cannot)
+    worker = parts.make(message_lease_s=1)
+    await worker.open()
+    inbox_id = await worker.accept(message("a", 0))
+    assert inbox_id is not None
+    await parts.router.until_active(1)
+    await asyncio.sleep(1.6)  # the lease ran out, and the idle polls looked again
+    assert len(parts.router.routed) == 1
+    parts.router.gate.set()
+    (row,) = await done(worker, [inbox_id])
+    assert (row["status"], row["reply"]) == ("done", "general did: a#0")
+    assert len(parts.router.routed) == 1

@@ -184,21 +184,29 @@ def follow_moved_config_dir(data_dir: Path, config_dir: Path) -> None:
     """As root, before the server is located: the data directory inside a config directory
     that moved (its claim names a config directory that is gone) has its PostgreSQL data,
     kept under /var/lib/butlers by the data directory's old path, follow it
-    (`pg_root_home.follow_move`)."""
+    (`pg_root_home.follow_move`). The claim is read as `claim_data_dir` reads it: through the
+    directory opened once, not through a link, root's own, under its lock (the directory
+    above is the user's, who could swap in one with a claim of their choosing: a review)."""
     if os.geteuid() != 0:
         return
     try:
-        recorded = os.fsdecode(read_regular(data_dir / CLAIM_FILE, 4096).removesuffix(b"\n"))
         inside = data_dir.resolve().relative_to(config_dir.resolve())
-    except (OSError, ValueError):  # no claim (or not one we can read); not inside
+        directory = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except (OSError, ValueError):  # not there (nothing to follow); not inside
         return
-    mine = str(config_dir.resolve())
-    if not recorded or recorded == mine or os.path.isdir(recorded):
-        return
-    from butlers import pg_root_home
+    try:
+        if os.fstat(directory).st_uid != 0:
+            return  # someone else's: `make_private_dir` refuses it
+        fcntl.flock(directory, fcntl.LOCK_EX)
+        recorded = os.fsdecode(_recorded_config_dir(directory, data_dir / CLAIM_FILE))
+        if not recorded or recorded == str(config_dir.resolve()) or os.path.isdir(recorded):
+            return
+        from butlers import pg_root_home
 
-    old = Path(recorded) / inside / "pgdata"
-    pg_root_home.follow_move(old, data_dir.resolve() / "pgdata")
+        old = Path(recorded) / inside / "pgdata"
+        pg_root_home.follow_move(old, data_dir.resolve() / "pgdata")
+    finally:
+        os.close(directory)
 
 
 def moved_data_refusal(config_dir: Path, settings: Settings, pgdata: Path) -> str | None:
@@ -652,6 +660,8 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
     if settings.database_url is None and settings.data_dir.is_dir():
         if (refusal := data_dir_refusal(settings.data_dir)) is not None:
             raise CommandError(refusal)
+        # Before the claim names this config directory: the claim says where it moved from.
+        follow_moved_config_dir(settings.data_dir, config_dir)
         claim_data_dir(settings.data_dir, config_dir)
     with collector_paused():
         from butlers.daemon import migration_branches
@@ -659,7 +669,6 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
 
     server = server_for(settings)
     if isinstance(server, EmbeddedServer):
-        await asyncio.to_thread(follow_moved_config_dir, settings.data_dir, config_dir)
         await server.locate()
         if (refusal := moved_data_refusal(config_dir, settings, server.pgdata)) is not None:
             raise CommandError(refusal)

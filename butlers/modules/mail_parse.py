@@ -78,6 +78,7 @@ MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_M
 MAX_ATTACHMENT_NAME_CHARS = 100
 MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
 MAX_ATTACHED_MAILS = 5  # mails attached to a mail that are read (a forward carries one)
+MAIL_TYPES = frozenset({"message/rfc822", "message/global"})  # a mail attached (RFC 6532)
 MAX_AUTHOR_CHARS = 200  # a forwarded part's author, as the handoff and approvals name them
 # The line an attached mail's text follows: one FORWARDED_BLOCK matches (Gmail's own).
 ATTACHED_MAIL_LINE = "---------- Forwarded message ---------"
@@ -288,9 +289,11 @@ def _own_attachments(message: EmailMessage) -> Iterator[EmailMessage]:
     mails attached to it (`_mail_parts`)."""
     for part in message.iter_attachments():
         kind = part.get_content_type()
-        if part.is_multipart() and kind != "message/rfc822":
+        if kind in MAIL_TYPES:
+            continue
+        if part.is_multipart() and part.get_content_maintype() == "multipart":
             yield from _own_attachments(part)
-        elif kind != "message/rfc822":
+        else:  # (another message/*, a delivery report's: listed, not read)
             yield part
 
 
@@ -299,7 +302,7 @@ def _mail_parts(message: Message) -> Iterator[MIMEPart]:
     them, in order, not looking inside them: at the top of multipart/mixed (Gmail,
     Thunderbird), under multipart/alternative or /related (Apple Mail's rich text), in
     multipart/signed (S/MIME, PGP), or as the whole mail."""
-    if message.get_content_type() == "message/rfc822":
+    if message.get_content_type() in MAIL_TYPES:
         assert isinstance(message, MIMEPart)
         yield message
     elif message.is_multipart():
@@ -566,15 +569,23 @@ def _body_text(part: MIMEPart, max_html_chars: int | None = None) -> str:
 
 class _HTMLText(HTMLParser):
     """HTML mail as readable text: block elements become line breaks; what a mail program
-    does not show is left out: the head (its title), scripts, styles, and elements hidden by
-    the `hidden` attribute or a style of display:none or visibility:hidden (a stranger's
-    attached mail showed the owner one thing and told the model another in them: a red
-    team). Other ways of hiding text (a zero font size, white on white) are not told."""
+    does not show is left out: the head (its title), scripts, styles, frames' fallbacks, and
+    elements hidden by the `hidden` attribute, an inline style of display:none or
+    visibility:hidden, or such a rule of a <style> above them for their class or id (a
+    stranger's attached mail showed the owner one thing and told the model another in them:
+    a red team, and a review of the first version). Other ways of hiding text (a zero font
+    size, white on white, a rule by any other selector) are not told."""
 
     BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "table", "blockquote"}
-    UNSHOWN = {"script", "style", "head", "title", "template"}
+    UNSHOWN = {"script", "style", "head", "title", "template", "iframe", "noembed", "noframes"}
     # Elements with no content (no end tag): hiding one hides nothing after it.
     VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "wbr"}
+    # Their content is text to a browser, never tags (HTMLParser knew script and style only:
+    # `<textarea></div></textarea>` closed a hidden div early for it, not for a browser).
+    CDATA_CONTENT_ELEMENTS = (  # type: ignore[misc]  # (Final in typeshed; read as self.)
+        "script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes",
+    )  # fmt: skip
+    MAX_CSS_CHARS = 256 * 1024  # of <style> read for its hiding rules
 
     def __init__(self) -> None:
         super().__init__()
@@ -582,6 +593,9 @@ class _HTMLText(HTMLParser):
         self.chars = 0  # of text data so far
         self._hidden: str | None = None  # the element whose content is not shown, while in it
         self._depth = 0  # of that tag, nested within itself
+        self._css: list[str] = []  # the <style> being read
+        self._css_chars = 0
+        self._hiding = _HidingRules()
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self._hidden is not None:
@@ -590,16 +604,24 @@ class _HTMLText(HTMLParser):
             elif tag == "body" and self._hidden == "head":  # a head never closed
                 self._hidden = None
             return
-        if tag in self.UNSHOWN or (tag not in self.VOID and _hides(attrs)):
+        if tag in self.UNSHOWN or (tag not in self.VOID and self._hiding.hides(attrs)):
             self._hidden, self._depth = tag, 1
         elif tag in self.BLOCKS:
             self.parts.append("\n")
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        # `<div style="display:none"/>`: a browser ignores the slash of an element that has
+        # content, and hides what follows; HTMLParser ended it at once.
+        self.handle_starttag(tag, attrs)
 
     def handle_endtag(self, tag: str) -> None:
         if self._hidden is not None:
             if tag == self._hidden:
                 self._depth -= 1
                 if not self._depth:
+                    if tag == "style":
+                        self._hiding.read("".join(self._css))
+                        self._css = []
                     self._hidden = None
             return
         if tag in self.BLOCKS:
@@ -609,17 +631,73 @@ class _HTMLText(HTMLParser):
         if self._hidden is None:
             self.parts.append(data)
             self.chars += len(data)
+        elif self._hidden == "style" and self._css_chars < self.MAX_CSS_CHARS:
+            self._css.append(data)
+            self._css_chars += len(data)
 
 
-_HIDING_STYLE = re.compile(r"display\s*:\s*none|visibility\s*:\s*hidden", re.IGNORECASE)
+_CSS_ESCAPE = re.compile(r"\\(?:([0-9a-fA-F]{1,6})[ \t\n]?|(.))", re.DOTALL)
+_HIDING_DECLARATION = ("display:none", "visibility:hidden")
+_SIMPLE_SELECTOR = re.compile(r"[a-z0-9]*([.#])([\w-]+)", re.IGNORECASE)
 
 
-def _hides(attrs: list[tuple[str, str | None]]) -> bool:
-    """Whether an element's attributes hide it (`hidden`, or a hiding inline style)."""
-    for name, value in attrs:
-        if name == "hidden" or (name == "style" and value and _HIDING_STYLE.search(value)):
-            return True
-    return False
+def _css_plain(css: str) -> str:
+    """CSS as it means: comments gone (a scan, not a lazy regex: an unclosed `/*` repeated
+    made that quadratic), escapes decoded (`\\6e one` is "none"), lower case, no blanks."""
+    kept, at = [], 0
+    while (opened := css.find("/*", at)) >= 0:
+        kept.append(css[at:opened])
+        closed = css.find("*/", opened + 2)
+        at = len(css) if closed < 0 else closed + 2
+    kept.append(css[at:])
+
+    def decoded(match: re.Match[str]) -> str:
+        if match[1] is not None:
+            code = int(match[1], 16)
+            return chr(code) if 0 < code <= 0x10FFFF else ""
+        return match[2]
+
+    text = _CSS_ESCAPE.sub(decoded, "".join(kept))
+    return "".join(text.lower().split())
+
+
+def _declares_hidden(css: str) -> bool:
+    plain = _css_plain(css)
+    return any(declaration in plain for declaration in _HIDING_DECLARATION)
+
+
+class _HidingRules:
+    """The classes and ids a mail's <style> hides (`.preheader {display: none}`)."""
+
+    def __init__(self) -> None:
+        self.classes: set[str] = set()
+        self.ids: set[str] = set()
+
+    def read(self, css: str) -> None:
+        # Split, not searched for with a regex: `([^{}]*)\{` tried every start of a style
+        # without braces (256 KiB of it: minutes).
+        for rule in css.split("}"):
+            selectors, opened, body = rule.rpartition("{")
+            if not opened or not _declares_hidden(body):
+                continue
+            # Within an at-rule (`@media (x) { .h {...}`), after a statement (`@import ...;`).
+            selectors = selectors.rpartition("{")[2].rpartition(";")[2]
+            for selector in selectors.split(","):
+                simple = _SIMPLE_SELECTOR.fullmatch(selector.strip())
+                if simple is not None:
+                    (self.classes if simple[1] == "." else self.ids).add(simple[2])
+
+    def hides(self, attrs: list[tuple[str, str | None]]) -> bool:
+        """Whether an element's attributes hide it (`hidden`, a hiding inline style, or a
+        class or id a rule hides)."""
+        for name, value in attrs:
+            if name == "hidden" or (name == "style" and value and _declares_hidden(value)):
+                return True
+            if name == "class" and value and self.classes.intersection(value.split()):
+                return True
+            if name == "id" and value in self.ids:
+                return True
+        return False
 
 
 _HTML_CHUNK = 64 * 1024

@@ -15,7 +15,10 @@ from typing import Any
 # One sentence per kind of failure (RouteError.kind, and the worker's own cases).
 SORRY = {
     "unreachable": "Sorry, the {butler} butler is not reachable right now. Please try again later.",
-    "timeout": "Sorry, the {butler} butler took too long to answer. Please try again later.",
+    "timeout": (
+        "Sorry, the {butler} butler took too long to answer. Part of it may be done already: "
+        "ask it what it did before you try again."
+    ),
     "failed": "Sorry, the {butler} butler could not finish that. Please try again later.",
     "out_of_turns": (
         "Sorry, the {butler} butler ran out of steps before it finished that. Part of it may "

@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
+from butlers.backoff import Backoff
 from butlers.channels import MCP_CHANNEL
 from butlers.claude_code import known_reasons
 from butlers.config import SwitchboardConfig, TriageRule
@@ -80,6 +83,8 @@ BUSY_RETRY_S = 3600.0
 BUSY_RETRY_MIN_S = 30.0
 BUSY_RETRY_MAX_S = 600.0
 DATABASE_RETRY_S = 60.0
+# Between tries to write a message's outcome while the database fails.
+FINISH_BACKOFF = Backoff((1.0, 2.0, 5.0, 10.0, 30.0, 60.0))
 
 
 def busy_later(message: InboxMessage, error: str) -> NotNow | None:
@@ -105,12 +110,13 @@ def database_trouble(exc: BaseException) -> bool:
     gone."""
     import asyncpg
 
+    # (Not asyncpg's InterfaceError as a whole: its DataError is a bad argument of ours.)
     return isinstance(
         exc,
         asyncpg.InsufficientResourcesError
         | asyncpg.OperatorInterventionError
         | asyncpg.PostgresConnectionError
-        | asyncpg.InterfaceError
+        | asyncpg.ConnectionDoesNotExistError
         | ConnectionError,
     ) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ECONNREFUSED))
 
@@ -368,6 +374,17 @@ class InboxWorker:
                     break
                 if message is None:
                     break
+                if message.id in self._in_flight:
+                    # Its lease ran out while the database could not renew it, and this
+                    # process claimed it again: the task at work on it goes on (a second one
+                    # asked its butler twice: a review); the claim renewed the lease.
+                    logger.warning(
+                        "message %s: its lease ran out while it was worked on here; still "
+                        "working on it",
+                        message.id,
+                        extra={"action": "lease_reclaimed"},
+                    )
+                    continue
                 task = asyncio.create_task(
                     self._work_on(message), name=f"switchboard:message:{message.id}"
                 )
@@ -706,7 +723,28 @@ class InboxWorker:
                 if outgoing:
                     await self.outbox_store.add(conn, outgoing, message.trace_context)
 
-        await asyncio.shield(write())
+        started = time.monotonic()
+        for failures in itertools.count():
+            try:
+                await asyncio.shield(write())
+                break
+            except Exception as exc:
+                # The outcome is held here until the database takes it: given up, the
+                # message was claimed again once its lease ran out, and its butlers asked
+                # again (a review of a bad day). Not past BUSY_RETRY_S.
+                if not database_trouble(exc) or time.monotonic() - started > BUSY_RETRY_S:
+                    raise
+                delay = FINISH_BACKOFF.delay(failures)
+                logger.warning(
+                    "message %s: its outcome cannot be written yet (%s: %s); trying again in "
+                    "%.0f s",
+                    message.id,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                    extra={"action": "inbox_finish_deferred"},
+                )
+                await asyncio.sleep(delay)
         if outgoing:
             self.outbox.wake()
         future = self._waiters.pop(message.id, None)
