@@ -450,40 +450,35 @@ def test_whether_the_server_keeps_our_keyword(line: bytes, kept: bool) -> None:
     assert keywords_kept([b"FLAGS (\\Seen)", line]) is kept
 
 
-def test_only_the_start_of_a_huge_html_body_is_converted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Converting HTML takes ~0.6 s a MiB (5 s for a mail at the size limit). The cap is
-    lowered to 256 KiB here (2 MiB in earnest, 1 s to convert): the 2 MiB body is 8 times
-    over it."""
+@pytest.fixture
+def converted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How much HTML each conversion was given, with the cap lowered to 256 KiB (2 MiB in
+    earnest, 1 s to convert)."""
     assert mail_parse.MAX_HTML_CHARS < 8 * 1024 * 1024  # in earnest, as an 8 MiB body showed
     monkeypatch.setattr(mail_parse, "MAX_HTML_CHARS", 256 * 1024)
-    converted: list[int] = []
+    sizes: list[int] = []
     convert = mail_parse.html_to_text
 
     def measured(html: str, **options: Any) -> str:
-        converted.append(len(html))
+        sizes.append(len(html))
         return convert(html, **options)
 
     monkeypatch.setattr(mail_parse, "html_to_text", measured)
+    return sizes
+
+
+def test_only_the_start_of_a_huge_html_body_is_converted(converted: list[int]) -> None:
+    """Converting HTML takes ~0.6 s a MiB (5 s for a mail at the size limit): the 2 MiB body
+    is 8 times over the cap."""
     html = b"<p>Soup.</p>" + b"<i></i>" * (2 * 1024 * 1024 // 7)
     assert parse_mail(raw_mail("<h@x>", body=html, content_type=b"text/html")).text == "Soup."
     assert converted == [256 * 1024]
 
 
-def test_mails_attached_to_a_mail_share_one_more_html_limit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_mails_attached_to_a_mail_share_one_more_html_limit(converted: list[int]) -> None:
     """Each attached mail read as a forward converts its HTML too: five attached newsletters
     would have been five times the cost of one mail. Together they convert at most one more
     MAX_HTML_CHARS."""
-    monkeypatch.setattr(mail_parse, "MAX_HTML_CHARS", 256 * 1024)
-    converted: list[int] = []
-    convert = mail_parse.html_to_text
-
-    def measured(html: str, **options: Any) -> str:
-        converted.append(len(html))
-        return convert(html, **options)
-
-    monkeypatch.setattr(mail_parse, "html_to_text", measured)
     html = b"<p>Soup.</p>" + b"<i></i>" * (1024 * 1024 // 7)
     inner = raw_mail("<in@x>", body=html, content_type=b"text/html")
     part = b"--b\r\nContent-Type: message/rfc822\r\n\r\n" + inner + b"\r\n"
