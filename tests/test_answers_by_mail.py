@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from butlers.switchboard.approvals import _MAIL_ANSWER, _MAIL_BARE_ANSWER
+from butlers.switchboard.approvals import _MAIL_ANSWER, _MAIL_ANSWER_ALONE, _MAIL_BARE_ANSWER
 from butlers.switchboard.pairing import _MAIL_PAIRING_ANSWER
 from butlers.text import ANSWER_LINE_CHARS, answer_line
 
@@ -52,13 +52,17 @@ def test_a_line_at_the_limit_is_read_and_one_past_it_is_not() -> None:
         ("Sí", True, None),
         ("nee", True, None),
         ("ja 12", False, "12"),
+        ("Nein #3.", False, "3"),
+        # Words of those languages with a number then more: a sentence, not an answer.
+        ("Si 10 minutos no bastan, cancela la reunión.", False, None),
+        ("Ja 2 Sachen noch: bitte erst morgen.", False, None),
         ("Jawohl", False, None),
         ("Ja, aber erst morgen.", False, None),
     ],
 )
 def test_approval_answers(line: str, bare: bool, numbered: str | None) -> None:
     assert (_MAIL_BARE_ANSWER.fullmatch(line) is not None) is bare
-    match = _MAIL_ANSWER.match(line)
+    match = _MAIL_ANSWER.match(line) or _MAIL_ANSWER_ALONE.fullmatch(line)
     assert (match[2] if match else None) == numbered
 
 

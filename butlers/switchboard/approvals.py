@@ -110,8 +110,11 @@ MAC_BYTES = 16
 # Dutch ones (a German owner's "Ja, bitte." was routed as a message: a walkthrough).
 YES_WORDS = ("yes", "ja", "oui", "sí", "si")
 NO_WORDS = ("no", "nein", "non", "nee")
-_MAIL_ANSWER = re.compile(
-    rf"({'|'.join(YES_WORDS + NO_WORDS)}) #?([1-9][0-9]{{0,17}})(?![.,]?\d|\w)", re.IGNORECASE
+_MAIL_ANSWER = re.compile(r"(yes|no) #?([1-9][0-9]{0,17})(?![.,]?\d|\w)", re.IGNORECASE)
+# The other languages' words with a number: nothing after it ("Si 10 minutos no bastan..."
+# is Spanish for "if 10 minutes are not enough": it approved #10, a review).
+_MAIL_ANSWER_ALONE = re.compile(
+    rf"({'|'.join(YES_WORDS[1:] + NO_WORDS[1:])}) #?([1-9][0-9]{{0,17}})[.!]*", re.IGNORECASE
 )
 # Alone, with a word of thanks or please.
 _MAIL_BARE_ANSWER = re.compile(
@@ -622,7 +625,11 @@ class ApprovalDesk:
         if not owner or sender.lower() != owner:
             return False
         line, alone = answer_line(text)
-        match = _MAIL_ANSWER.match(line) or (_MAIL_BARE_ANSWER.fullmatch(line) if alone else None)
+        match = (
+            _MAIL_ANSWER.match(line)
+            or _MAIL_ANSWER_ALONE.fullmatch(line)
+            or (_MAIL_BARE_ANSWER.fullmatch(line) if alone else None)
+        )
         if match is None:
             return False
         if match.re is _MAIL_BARE_ANSWER:  # the approval whose question this mail answers
@@ -643,7 +650,7 @@ class ApprovalDesk:
                 extra={"action": "approval_answer_refused"},
             )
             return False
-        decision = "approve" if match[1].lower() in YES_WORDS else "deny"
+        decision = "approve" if match[1].casefold() in YES_WORDS else "deny"
         await self.decide(approval_id, decision, by=f"email:{sender}", wait=False)
         return True
 

@@ -332,9 +332,10 @@ class MemoryInboxStore:
         )
         if row is None:
             return None
+        own = row["status"] == "processing" and row["claimed_by"] == replica  # still at work
         row.update(
             status="processing",
-            attempts=row["attempts"] + 1,
+            attempts=row["attempts"] + (0 if own else 1),
             claimed_by=replica,
             lease_until=now + timedelta(seconds=lease_s),
         )

@@ -582,7 +582,7 @@ class PairingDesk:
             asked = await self.store.get(pairing_id)
             if asked is None or _CODE_SEPARATORS.sub("", match[2]).upper() != asked["code"]:
                 return False
-        status = "approved" if match[1].lower() in ("approve", *YES_WORDS) else "denied"
+        status = "approved" if match[1].casefold() in ("approve", *YES_WORDS) else "denied"
         by = f"email:{sender}"
         async with self.store.pool.acquire() as conn, conn.transaction():
             row = await self.store.decide(conn, "id", pairing_id, status, by)

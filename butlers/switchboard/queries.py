@@ -263,7 +263,11 @@ INBOX_CLAIM_NEXT = """
         ORDER BY q.id LIMIT 1
         FOR UPDATE SKIP LOCKED
     ), claimed AS (
-        UPDATE inbox SET status = 'processing', attempts = attempts + 1,
+        UPDATE inbox SET status = 'processing',
+                         -- (This replica's own whose lease ran out while it worked on it: the
+                         -- same attempt, which goes on.)
+                         attempts = attempts + CASE WHEN status = 'processing'
+                                                     AND claimed_by = $1 THEN 0 ELSE 1 END,
                          claimed_by = $1,
                          lease_until = now() + make_interval(secs => $2)
         WHERE id = (SELECT id FROM candidate)

@@ -112,7 +112,8 @@ class InboxQueue(Protocol):
 
     async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
         """The oldest row that may start now, made `processing` for `replica` with a lease of
-        `lease_s` seconds from now and its attempts counted one more; None when none may.
+        `lease_s` seconds from now and its attempts counted one more (not when `replica` held
+        it already: its own lease ran out while it worked on it); None when none may.
 
         A row may start when it is queued and its `not_before` (a deferral) has passed, or
         it is `processing` and its lease ran out (its replica died). It may not while another

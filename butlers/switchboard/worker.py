@@ -107,18 +107,28 @@ def busy_later(message: InboxMessage, error: str) -> NotNow | None:
 def database_trouble(exc: BaseException) -> bool:
     """Whether `exc` is the database failing (or unreachable), not the message: its
     server out of disk, memory or connections, shutting down or restarting, the connection
-    gone."""
+    gone. Looked for along what it was raised from: a connection dropped within a
+    transaction comes out of its end as a plain InterfaceError ("the underlying connection is
+    closed"), the drop in its context (a review)."""
     import asyncpg
 
-    # (Not asyncpg's InterfaceError as a whole: its DataError is a bad argument of ours.)
-    return isinstance(
-        exc,
-        asyncpg.InsufficientResourcesError
-        | asyncpg.OperatorInterventionError
-        | asyncpg.PostgresConnectionError
-        | asyncpg.ConnectionDoesNotExistError
-        | ConnectionError,
-    ) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ECONNREFUSED))
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return False
+        if isinstance(
+            seen,
+            asyncpg.InsufficientResourcesError
+            | asyncpg.OperatorInterventionError
+            | asyncpg.PostgresConnectionError
+            | asyncpg.ConnectionDoesNotExistError
+            | ConnectionError,
+        ) or (isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.ECONNREFUSED)):
+            return True
+        if type(seen) is asyncpg.InterfaceError and "connection is closed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def said_once(parts: Sequence[str | None]) -> str | None:
@@ -416,7 +426,10 @@ class InboxWorker:
                 later = message.id not in self._routing and message.channel != MCP_CHANNEL
                 if later and database_trouble(exc) and await self._put_back(message, exc):
                     return
-                await self._finish(message, "failed", None, sorry("internal"), "internal error")
+                # (Not held for an hour: it is already a failure's record.)
+                await self._finish(
+                    message, "failed", None, sorry("internal"), "internal error", hold=False
+                )
             except LeaseLost:
                 pass
             except Exception:
@@ -701,9 +714,11 @@ class InboxWorker:
         error: str | None,
         *,
         via: str | None = None,
+        hold: bool = True,
     ) -> None:
         """The message's outcome and its reply's outbox rows, in one transaction: a crash
-        leaves the message either to be processed again or answered, never both."""
+        leaves the message either to be processed again or answered, never both. `hold`:
+        tried again while the database fails (up to BUSY_RETRY_S)."""
         outgoing = self._replies(message, reply, routed_to)
 
         async def write() -> None:
@@ -732,7 +747,8 @@ class InboxWorker:
                 # The outcome is held here until the database takes it: given up, the
                 # message was claimed again once its lease ran out, and its butlers asked
                 # again (a review of a bad day). Not past BUSY_RETRY_S.
-                if not database_trouble(exc) or time.monotonic() - started > BUSY_RETRY_S:
+                waited = time.monotonic() - started
+                if not hold or not database_trouble(exc) or waited > BUSY_RETRY_S:
                     raise
                 delay = FINISH_BACKOFF.delay(failures)
                 logger.warning(
