@@ -454,7 +454,7 @@ async def test_postgresql_stopped_under_a_fleet_is_said_and_started_again(
     """PostgreSQL stopped under a running fleet (killed, a PANIC on a full disk): `up` went on
     without it, its log full of connection errors, until someone restarted it (a bad day's
     walkthrough). Now it says so once and starts it again, and again until it can (here its
-    data directory closed for a while); meanwhile a call that needs the database is told the
+    settings broken for a while); meanwhile a call that needs the database is told the
     butler cannot reach it (not FastMCP's masked "Error calling tool 'list_butlers'"), and
     doctor fails saying `up` runs without it. Nothing is lost: what was written is there."""
     from fastmcp import Client
@@ -470,8 +470,9 @@ async def test_postgresql_stopped_under_a_fleet_is_said_and_started_again(
         await client.call_tool("state_set", {"key": "before", "value": "the crash"})
     pgdata = Path(cli_env["BUTLERS_DATA_DIR"]) / "pgdata"
     postmaster = await asyncio.to_thread(_postmaster_of, Path(cli_env["BUTLERS_DATA_DIR"]))
-    mode = pgdata.stat().st_mode
-    pgdata.chmod(0)  # it cannot start again until this is undone (as root too: not its owner)
+    settings = pgdata / "postgresql.conf"
+    written = settings.read_text()
+    settings.write_text(written + "\nthis line is not a setting\n")  # it cannot start again
     try:
         os.kill(postmaster, signal.SIGKILL)
         await eventually(lambda: asyncio.to_thread(lambda: not psutil.pid_exists(postmaster)))
@@ -488,7 +489,7 @@ async def test_postgresql_stopped_under_a_fleet_is_said_and_started_again(
         assert code == 1, out
         assert "is not running, though `butlers up` is (its " in out, out
     finally:
-        pgdata.chmod(stat.S_IMODE(mode))
+        settings.write_text(written)
     await fleet.wait_stderr("runs again", timeout_s=60)
     assert fleet.stderr.count("has stopped; starting it again") == 1  # said once
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:

@@ -304,7 +304,9 @@ class InboxStore:
         result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, replica)
         return int(result.split()[-1])
 
-    async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
+    async def claim_next(
+        self, replica: str, lease_s: float, exclude: Sequence[int] = ()
+    ) -> InboxMessage | None:
         """The oldest message that may start now, `processing` for `replica` until its lease
         ends, with its sender's last hour (in the same round trip); None when none may.
 
@@ -317,7 +319,7 @@ class InboxStore:
         is not claimable while an older one is still queued, so neither can take it out of
         turn.
         """
-        row = await self.pool.fetchrow(sql.INBOX_CLAIM_NEXT, replica, lease_s)
+        row = await self.pool.fetchrow(sql.INBOX_CLAIM_NEXT, replica, lease_s, list(exclude))
         return None if row is None else InboxMessage.from_row(row)
 
     async def renew(self, replica: str, inbox_ids: Sequence[int], lease_s: float) -> set[int]:

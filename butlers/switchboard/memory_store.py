@@ -320,22 +320,25 @@ class MemoryInboxStore:
             for other in self._rows.values()
         )
 
-    async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
+    async def claim_next(
+        self, replica: str, lease_s: float, exclude: Sequence[int] = ()
+    ) -> InboxMessage | None:
         now = self.database.clock()
         row = next(
             (
                 self._rows[i]
                 for i in sorted(self._rows)
-                if self._may_start(self._rows[i], now) and not self._waits(self._rows[i], now)
+                if i not in exclude
+                and self._may_start(self._rows[i], now)
+                and not self._waits(self._rows[i], now)
             ),
             None,
         )
         if row is None:
             return None
-        own = row["status"] == "processing" and row["claimed_by"] == replica  # still at work
         row.update(
             status="processing",
-            attempts=row["attempts"] + (0 if own else 1),
+            attempts=row["attempts"] + 1,
             claimed_by=replica,
             lease_until=now + timedelta(seconds=lease_s),
         )

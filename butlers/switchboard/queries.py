@@ -254,6 +254,7 @@ INBOX_CLAIM_NEXT = """
         SELECT q.id FROM inbox q
         WHERE ((q.status = 'queued' AND (q.not_before IS NULL OR q.not_before <= now()))
                OR (q.status = 'processing' AND q.lease_until < now()))
+          AND NOT q.id = ANY($3::bigint[])
           AND NOT EXISTS (
               SELECT 1 FROM inbox o
               WHERE o.conversation = q.conversation AND o.id <> q.id
@@ -263,11 +264,7 @@ INBOX_CLAIM_NEXT = """
         ORDER BY q.id LIMIT 1
         FOR UPDATE SKIP LOCKED
     ), claimed AS (
-        UPDATE inbox SET status = 'processing',
-                         -- (This replica's own whose lease ran out while it worked on it: the
-                         -- same attempt, which goes on.)
-                         attempts = attempts + CASE WHEN status = 'processing'
-                                                     AND claimed_by = $1 THEN 0 ELSE 1 END,
+        UPDATE inbox SET status = 'processing', attempts = attempts + 1,
                          claimed_by = $1,
                          lease_until = now() + make_interval(secs => $2)
         WHERE id = (SELECT id FROM candidate)

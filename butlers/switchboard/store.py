@@ -110,10 +110,14 @@ class InboxQueue(Protocol):
         classified_via...), or None when there is no such row."""
         ...
 
-    async def claim_next(self, replica: str, lease_s: float) -> InboxMessage | None:
+    async def claim_next(
+        self, replica: str, lease_s: float, exclude: Sequence[int] = ()
+    ) -> InboxMessage | None:
         """The oldest row that may start now, made `processing` for `replica` with a lease of
-        `lease_s` seconds from now and its attempts counted one more (not when `replica` held
-        it already: its own lease ran out while it worked on it); None when none may.
+        `lease_s` seconds from now and its attempts counted one more; None when none may.
+        Not one of `exclude`: the messages `replica` is still at work on, whose leases may
+        have run out while the database could not renew them (claimed again, a second task
+        asked its butler twice, and each claim counted an attempt: reviews).
 
         A row may start when it is queued and its `not_before` (a deferral) has passed, or
         it is `processing` and its lease ran out (its replica died). It may not while another

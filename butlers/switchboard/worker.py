@@ -378,23 +378,14 @@ class InboxWorker:
             self._wake.clear()
             while len(self._in_flight) < self.max_concurrent:
                 try:
-                    message = await self.inbox.claim_next(self.replica, self.lease_s)
+                    message = await self.inbox.claim_next(
+                        self.replica, self.lease_s, exclude=list(self._in_flight)
+                    )
                 except Exception:
                     logger.exception("cannot read the inbox", extra={"action": "inbox_error"})
                     break
                 if message is None:
                     break
-                if message.id in self._in_flight:
-                    # Its lease ran out while the database could not renew it, and this
-                    # process claimed it again: the task at work on it goes on (a second one
-                    # asked its butler twice: a review); the claim renewed the lease.
-                    logger.warning(
-                        "message %s: its lease ran out while it was worked on here; still "
-                        "working on it",
-                        message.id,
-                        extra={"action": "lease_reclaimed"},
-                    )
-                    continue
                 task = asyncio.create_task(
                     self._work_on(message), name=f"switchboard:message:{message.id}"
                 )
