@@ -21,7 +21,9 @@ from aiosmtpd.smtp import AuthResult
 
 from butlers.config import EmailConfig
 from butlers.context import ModuleStatus
-from butlers.modules.mail_parse import html_to_text, parse_mail, sender_allowed
+from butlers.modules.mail_html import html_to_text
+from butlers.modules.mail_parse import parse_mail
+from butlers.modules.mail_sender import sender_allowed
 from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
 from tests.fakes import wait_listening
 from tests.fakes.messages_api import ScriptedMessagesAPI
@@ -120,7 +122,7 @@ def test_a_mail_asking_for_no_auto_reply_is_still_a_persons() -> None:
 def test_a_long_mail_is_cut_and_says_so() -> None:
     """A mail past MAX_TEXT_CHARS: the butler reads where it was cut (it read "...This is"
     and nothing more: a walkthrough)."""
-    from butlers.modules.mail_parse import MAX_TEXT_CHARS
+    from butlers.modules.mail_limits import MAX_TEXT_CHARS
 
     parsed = parse_mail(mail(body="word " * 30_000).as_bytes())
     kept, _, note = parsed.text.rpartition("\n\n")

@@ -27,14 +27,8 @@ import butlers.modules.mail_imap as mail_imap
 import butlers.modules.mail_parse as mail_parse
 from butlers.errors import MailUnreadable
 from butlers.modules.mail_imap import TRIED_KEYWORD, Fetched, fetched, keywords_kept
-from butlers.modules.mail_parse import (
-    MAX_HEADER_BYTES,
-    MAX_MAIL_BYTES,
-    MAX_MIME_PARTS,
-    ParsedMail,
-    parse_header,
-    parse_mail,
-)
+from butlers.modules.mail_limits import MAX_HEADER_BYTES, MAX_MAIL_BYTES, MAX_MIME_PARTS
+from butlers.modules.mail_parse import ParsedMail, parse_header, parse_mail
 from tests.conftest import log_records
 from tests.fakes.mail import (
     RecordingWorker,
@@ -185,7 +179,8 @@ def test_a_mail_carrying_the_largest_attachment_read_is_read() -> None:
     limit leaves room for it (a fixed 10 MiB refused a mail with an 8 MiB PDF whole)."""
     from email.message import EmailMessage
 
-    from butlers.modules.mail_parse import mail_limit, within_limits
+    from butlers.modules.mail_limits import mail_limit
+    from butlers.modules.mail_parse import within_limits
 
     for attachment_bytes in (8 * 1024 * 1024, 10 * 1024 * 1024, 20 * 1024 * 1024):
         pdf = b"%PDF-1.7\n" + os.urandom(attachment_bytes - 20) + b"\n%%EOF\n"

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from butlers.errors import MailUnreadable
-from butlers.modules.mail_parse import dmarc_refusal, parse_mail, single_address
+from butlers.modules.mail_parse import parse_mail
+from butlers.modules.mail_sender import dmarc_refusal, single_address
 from butlers.modules.mail_webhook import parse_webhook
 from tests.conftest import StartButler, log_records
 from tests.fakes.mail import RecordingWorker, SmtpServer, imap_append, pymap_server

@@ -10,7 +10,7 @@ Safe to expose: a mail is accepted only from exactly one well-formed From addres
 address, which the stdlib decodes though the sender's DMARC check saw it undecoded), optionally
 only with a DMARC pass from our own MTA (`require_authentication_results`: the real defence; an
 allowlist of From addresses is only as good as it); reading one costs bounded memory and
-time, off the event loop (limits in `mail_parse`); no single mail can block the mailbox or
+time, off the event loop (limits in `mail_limits`); no single mail can block the mailbox or
 crash-loop the process (`mail_imap`); and nothing a sender writes reaches a header we write
 with a line break in it.
 
@@ -55,15 +55,13 @@ from butlers.media import Attachment
 from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
     ParsedMail,
-    dmarc_refusal,
-    forwarded_part,
     not_read_note,
     one_line,
     reply_subject,
-    sender_allowed,
-    single_address,
     within_limits,
 )
+from butlers.modules.mail_quotes import forwarded_part
+from butlers.modules.mail_sender import dmarc_refusal, sender_allowed, single_address
 from butlers.modules.mail_transport import (
     MailServer,
     attach,

@@ -36,13 +36,8 @@ from butlers.backoff import RECONNECT
 from butlers.context import ModuleStatus
 from butlers.errors import MailError, MailRefused
 from butlers.media import human_size
-from butlers.modules.mail_parse import (
-    MAX_HEADER_BLOCK_BYTES,
-    ParsedMail,
-    mail_limit,
-    parse_header,
-    parse_mail,
-)
+from butlers.modules.mail_limits import MAX_HEADER_BLOCK_BYTES, mail_limit
+from butlers.modules.mail_parse import ParsedMail, parse_header, parse_mail
 from butlers.modules.mail_transport import (
     describe,
     imap_close,

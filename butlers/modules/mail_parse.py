@@ -1,8 +1,10 @@
 """Reading a mail: its envelope (from the header alone), its text, and what we may write back
-in a header. Pure functions, no I/O: the email module runs them in a worker thread.
+in a header. Pure functions, no I/O: the email module runs them in a worker thread. Beside
+it: mail_limits (every bound), mail_sender (who sent it, whether to answer), mail_html (HTML
+as its reader sees it), mail_quotes (whose words the text holds).
 
 Whatever a sender writes, reading it costs bounded time and memory. The stdlib's parser does
-not promise that, so the limits below are checked before it is asked:
+not promise that, so the limits (mail_limits) are checked before it is asked:
 
 - `policy.default` parses a header each time it is read, in time and memory quadratic in its
   length (a folded Subject of 256 KiB of `=?utf-8?q?abc?=` words took 2.1 GB): a header we
@@ -33,56 +35,46 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
-import email._header_value_parser as header_syntax
-import email.errors
-import email.policy
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from email.message import EmailMessage, Message, MIMEPart
 from email.parser import BytesHeaderParser, BytesParser
 from email.policy import EmailPolicy, compat32
-from html.parser import HTMLParser
 from typing import Any
 
 from butlers.errors import AttachmentRefused, HeaderTooLong, MailUnreadable
 from butlers.media import Attachment, check_count, checked, kind_or_none, sniff
+from butlers.modules.mail_html import html_to_text
+from butlers.modules.mail_limits import (
+    MAX_ATTACHED_MAILS,
+    MAX_ATTACHMENT_NAME_CHARS,
+    MAX_ATTACHMENTS_LISTED,
+    MAX_AUTHOR_CHARS,
+    MAX_HEADER_BLOCK_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_HTML_CHARS,
+    MAX_MAIL_BYTES,
+    MAX_MIME_PARTS,
+    MAX_REFERENCES,
+    MAX_TEXT_CHARS,
+    PREVIEW_CHARS,
+)
+from butlers.modules.mail_quotes import (
+    FORWARDED_SUBJECT,
+    HEADER_PAIR,
+    MAX_OWN_LINES_CHARS,
+    REPLY_SUBJECT,
+    forwarded_part,
+    is_reply,
+    trim_quoted,
+)
+from butlers.modules.mail_sender import automated_reason, single_address
 from butlers.text import printable
 
-# A mail over its limit is not read (its envelope is kept as a failed inbox row). The limit is
-# room for one attachment of `[modules.email] max_attachment_bytes` as base64 (4/3 of its
-# bytes) and the rest of the mail, and never under MAX_MAIL_BYTES: a 10 MiB attachment came in
-# a mail of ~13.6 MiB, which a fixed 10 MiB refused whole. Parsing costs ~10 times the mail's
-# size in memory and about a second for each 10 MiB.
-MAX_MAIL_BYTES = 10 * 1024 * 1024
-MAIL_BESIDE_ATTACHMENT_BYTES = 2 * 1024 * 1024  # its text, headers, other parts
-
-
-def mail_limit(max_attachment_bytes: int) -> int:
-    """The largest mail read when one attachment may be `max_attachment_bytes`."""
-    encoded = -(-max_attachment_bytes * 4 // 3)  # base64, rounded up
-    return max(MAX_MAIL_BYTES, encoded + MAIL_BESIDE_ATTACHMENT_BYTES)
-
-
-# The header block we fetch and read at most: mail servers write a few to some tens of KiB.
-MAX_HEADER_BLOCK_BYTES = 256 * 1024
-# One header we read (From, Subject, Message-ID, Content-Type...): a legitimate one is under
-# 1 KiB (RFC 5322 lines stop at 998 characters); parsing 8 KiB costs policy.default at worst
-# ~30 ms and ~6 MB, 100 KiB cost it 400 MB.
-MAX_HEADER_BYTES = 8 * 1024
-MAX_MIME_PARTS = 200  # a newsletter with its inline images has a few dozen
-MAX_TEXT_CHARS = 100_000
-# HTML converted at most (~0.6 s a MiB): far more markup than MAX_TEXT_CHARS of text needs.
-MAX_HTML_CHARS = 2 * 1024 * 1024
-MAX_ATTACHMENTS_LISTED = 20  # in the text; meta lists every name (at most MAX_MIME_PARTS)
-MAX_ATTACHMENT_NAME_CHARS = 100
-MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
-MAX_ATTACHED_MAILS = 5  # mails attached to a mail that are read (a forward carries one)
 MAIL_TYPES = frozenset({"message/rfc822", "message/global"})  # a mail attached (RFC 6532)
-MAX_AUTHOR_CHARS = 200  # a forwarded part's author, as the handoff and approvals name them
 # The line an attached mail's text follows: one FORWARDED_BLOCK matches (Gmail's own).
 ATTACHED_MAIL_LINE = "---------- Forwarded message ---------"
-_PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
 _SLOW_CODECS = frozenset({"punycode", "idna"})  # pure Python, punycode quadratic
 
 
@@ -388,7 +380,7 @@ def _forwarded_with(subject: str, own: str, attached: Sequence[_AttachedMail]) -
     author = authors[0]
     if len(authors) > 1:
         author = printable("several senders: " + "; ".join(authors), MAX_AUTHOR_CHARS)
-    theirs = bool(own) and len(own) <= MAX_OWN_LINES_CHARS and not _HEADER_PAIR.search(own)
+    theirs = bool(own) and len(own) <= MAX_OWN_LINES_CHARS and not HEADER_PAIR.search(own)
     if FORWARDED_SUBJECT.match(subject):
         forwarded_subject = _without_forward_prefix(subject)
         theirs = theirs and forwarded_subject in {
@@ -411,7 +403,7 @@ def _shown(message: Message, header: str) -> str:
     try:
         return printable(str(message.get(header, "")), 300)
     except Exception:  # MailUnreadable; whatever else the stdlib raises on hostile input
-        return printable((_raw(message, header) or [""])[0][:_PREVIEW_CHARS], 300)
+        return printable((_raw(message, header) or [""])[0][:PREVIEW_CHARS], 300)
 
 
 def _raw(message: Message, name: str) -> list[str]:
@@ -480,7 +472,7 @@ def _read_headers(message: Message) -> ParsedMail:
             return str(message.get(name, "")).strip()
         except Exception as exc:  # MailUnreadable; whatever else the stdlib may raise
             problems.append(_header_problem(name, exc))
-        return _printable((raw(name) or [""])[0][:_PREVIEW_CHARS])
+        return _printable((raw(name) or [""])[0][:PREVIEW_CHARS])
 
     try:
         address, name = single_address(raw("From"))
@@ -537,7 +529,7 @@ def _header_problem(name: str, exc: Exception) -> str:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
-    return f"{type(exc).__name__}: {exc}"[:_PREVIEW_CHARS]
+    return f"{type(exc).__name__}: {exc}"[:PREVIEW_CHARS]
 
 
 def thread_references(references: str, in_reply_to: str, message_id: str) -> str:
@@ -565,611 +557,6 @@ def _body_text(part: MIMEPart, max_html_chars: int | None = None) -> str:
         html = content[: MAX_HTML_CHARS if max_html_chars is None else max_html_chars]
         return html_to_text(html, max_chars=2 * MAX_TEXT_CHARS)
     return content
-
-
-class _HTMLText(HTMLParser):
-    """HTML mail as readable text: block elements become line breaks; what a mail program
-    does not show is left out: the head (its title), scripts, styles, frames' fallbacks, and
-    elements hidden by the `hidden` attribute, an inline style of display:none or
-    visibility:hidden, or such a rule of a <style> for their class or id (`.x`, `div.x`,
-    `#x`, not within @media) that comes before them (a stranger's attached mail showed the
-    owner one thing and told the model another in them: a red team, and two reviews). Other
-    ways of hiding text (a zero font size, white on white, other selectors) are not told."""
-
-    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "table", "blockquote"}
-    UNSHOWN = {"script", "style", "head", "title", "template", "iframe", "noembed", "noframes"}
-    # Elements with no content (no end tag): hiding one hides nothing after it.
-    VOID = {
-        "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
-        "source", "track", "wbr",
-    }  # fmt: skip
-    # A hidden <p> whose end tag is left out ends where a browser ends it: at the next p or
-    # block (it cannot hold one). (Other implied ends, li's and td's, need their lists' and
-    # tables' nesting: not told, their hidden element hides on to its end.)
-    IMPLIED_END = {"p": BLOCKS | {"ul", "ol", "h5", "h6", "pre", "form", "section", "article"}}
-    FOREIGN = {"svg", "math"}  # within them `<x/>` ends x, as the parser takes it
-    # Their content is text to a browser, never tags (HTMLParser knew script and style only:
-    # `<textarea></div></textarea>` closed a hidden div early for it, not for a browser).
-    CDATA_CONTENT_ELEMENTS = (  # type: ignore[misc]  # (Final in typeshed; read as self.)
-        "script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes",
-    )  # fmt: skip
-    MAX_CSS_CHARS = 256 * 1024  # of <style> read for its hiding rules
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts: list[str] = []
-        self.chars = 0  # of text data so far
-        self._hidden: str | None = None  # the element whose content is not shown, while in it
-        self._depth = 0  # of that tag, nested within itself
-        self._foreign = 0  # svg and math elements open
-        self._styling = False  # within a <style> (its rules are read, hidden or not)
-        self._css: list[str] = []
-        self._css_chars = 0
-        self._hiding = _HidingRules()
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "style":
-            self._styling = True
-        if tag in self.FOREIGN:
-            self._foreign += 1
-        if self._hidden is not None:
-            if self._depth == 1 and tag in self.IMPLIED_END.get(self._hidden, ()):
-                pass  # `<p hidden>one<p>two`: the second p ends the first, and is shown
-            elif tag == self._hidden:
-                self._depth += 1
-                return
-            elif tag == "body" and self._hidden == "head":  # a head never closed
-                self._hidden = None
-                return
-            else:
-                return
-            self._hidden = None
-        if tag in self.UNSHOWN or (tag not in self.VOID and self._hiding.hides(tag, attrs)):
-            self._hidden, self._depth = tag, 1
-        elif tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        # `<div style="display:none"/>`: a browser ignores the slash of an HTML element that
-        # has content, and hides what follows; HTMLParser ended it at once. In svg and math
-        # the slash does end it.
-        self.handle_starttag(tag, attrs)
-        if self._foreign or tag in self.FOREIGN:
-            self.handle_endtag(tag)
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in self.FOREIGN and self._foreign:
-            self._foreign -= 1
-        if tag == "style" and self._styling:
-            self._styling = False
-            self._hiding.read("".join(self._css))
-            self._css, self._css_chars = [], 0
-        if self._hidden is not None:
-            if tag == self._hidden:
-                self._depth -= 1
-                if not self._depth:
-                    self._hidden = None
-            return
-        if tag in self.BLOCKS:
-            self.parts.append("\n")
-
-    def handle_data(self, data: str) -> None:
-        if self._styling:  # in the head, or hidden: a browser applies it all the same
-            if self._css_chars < self.MAX_CSS_CHARS:
-                self._css.append(data)
-                self._css_chars += len(data)
-        elif self._hidden is None:
-            self.parts.append(data)
-            self.chars += len(data)
-
-
-_CSS_ESCAPE = re.compile(r"\\(?:([0-9a-fA-F]{1,6})[ \t\n]?|(.))", re.DOTALL)
-_SIMPLE_SELECTOR = re.compile(r"([a-z][a-z0-9]*)?([.#])([\w-]+)", re.IGNORECASE)
-_HTML_SPACE = re.compile(r"[ \t\n\f\r]+")  # what separates class names (not all of Unicode's)
-
-
-def _css_plain(css: str, *, keep_blanks: bool = False) -> str:
-    """CSS as it means: comments and HTML comment marks gone (a scan, not a lazy regex: an
-    unclosed `/*` repeated made that quadratic), escapes decoded (`\\6e one` is "none"),
-    lower case, no blanks (`keep_blanks`: runs of them as one, for selectors)."""
-    kept, at = [], 0
-    while (opened := css.find("/*", at)) >= 0:
-        kept.append(css[at:opened])
-        closed = css.find("*/", opened + 2)
-        at = len(css) if closed < 0 else closed + 2
-    kept.append(css[at:])
-
-    def decoded(match: re.Match[str]) -> str:
-        if match[1] is not None:
-            code = int(match[1], 16)
-            return chr(code) if 0 < code <= 0x10FFFF else ""
-        return match[2]
-
-    text = _CSS_ESCAPE.sub(decoded, "".join(kept).replace("<!--", " ").replace("-->", " "))
-    return " ".join(text.lower().split()) if keep_blanks else "".join(text.lower().split())
-
-
-def _display(css: str) -> bool | None:
-    """What a block of declarations says of being shown: False (display:none or
-    visibility:hidden), True (another display or visibility), None (nothing)."""
-    plain = _css_plain(css)
-    if "display:none" in plain or "visibility:hidden" in plain:
-        return False
-    if "display:" in plain or "visibility:" in plain:
-        return True
-    return None
-
-
-def _screen_media(prelude: str) -> bool:
-    """Whether an at-rule's prelude is `@media screen` or `@media all`, with no condition."""
-    words = _css_plain(prelude, keep_blanks=True).split()
-    return (
-        len(words) >= 2
-        and words[0] == "@media"
-        and all(word in ("screen", "all", "only", ",") for word in words[1:])
-    )
-
-
-class _HidingRules:
-    """The classes and ids a mail's <style> hides (`.preheader {display: none}`), by tag
-    when its selector names one; a later rule that shows them again undoes it."""
-
-    def __init__(self) -> None:
-        self.hidden: set[tuple[str, str, str]] = set()  # (tag or "", "." or "#", name)
-
-    def read(self, css: str) -> None:
-        """The rules of `css` a screen applies, in a scan (a regex over rules tried every
-        start of a style without braces: minutes for 256 KiB): those at the top, and within
-        `@media screen` or `@media all`; not those of a conditional at-rule (a small
-        screen's, print's: hiding what a desktop shows would drop the owner's words)."""
-        depth, selector_from, body_from, nested = 0, 0, 0, False
-        media = False  # within `@media screen { ... }`: its rules are top-level ones
-        for at, char in enumerate(css):
-            top = 1 if media else 0
-            if char == "{":
-                if depth == 0 and _screen_media(css[selector_from:at]):
-                    media, depth, selector_from = True, 1, at + 1
-                    continue
-                depth += 1
-                if depth == top + 1:
-                    body_from = at + 1
-                else:
-                    nested = True
-            elif char == "}" and depth:
-                depth -= 1
-                if depth == top:
-                    if not nested:
-                        self._rule(css[selector_from : body_from - 1], css[body_from:at])
-                    selector_from, nested = at + 1, False
-                elif media and depth == 0:
-                    media, selector_from = False, at + 1
-            elif char == ";" and depth == top:  # after a statement: `@import url(x);`
-                selector_from = at + 1
-
-    def _rule(self, selectors: str, body: str) -> None:
-        shown = _display(body)
-        if shown is None:
-            return
-        for selector in _css_plain(selectors, keep_blanks=True).split(","):
-            simple = _SIMPLE_SELECTOR.fullmatch(selector.strip())
-            if simple is None:
-                continue
-            key = (simple[1] or "", simple[2], simple[3])
-            if shown:
-                self.hidden.discard(key)
-            else:
-                self.hidden.add(key)
-
-    def hides(self, tag: str, attrs: list[tuple[str, str | None]]) -> bool:
-        """Whether an element is hidden: by an inline style, else by `hidden` or a rule for
-        its class or id (an inline display:block shows it whatever they say)."""
-        inline = None
-        hidden = False
-        for name, value in attrs:
-            if name == "style" and value:
-                inline = _display(value)
-            elif name == "hidden":
-                hidden = True
-            elif name in ("class", "id") and value and self.hidden:
-                names = _HTML_SPACE.split(value.strip()) if name == "class" else [value]
-                kind = "." if name == "class" else "#"
-                hidden = hidden or any(
-                    (scope, kind, each.lower()) in self.hidden
-                    for each in names
-                    for scope in ("", tag)
-                )
-        return not inline if inline is not None else hidden
-
-
-_HTML_CHUNK = 64 * 1024
-
-
-def html_to_text(html: str, *, max_chars: int | None = None) -> str:
-    """HTML as text. With `max_chars`, conversion stops once that much text was found (the
-    rest would be cut anyway; converting takes ~0.6 s a MB)."""
-    parser = _HTMLText()
-    for start in range(0, len(html), _HTML_CHUNK):
-        parser.feed(html[start : start + _HTML_CHUNK])
-        if max_chars is not None and parser.chars >= max_chars:
-            break
-    parser.close()
-    text = "".join(parser.parts)
-    lines = [re.sub(r"[ \t\xa0]+", " ", line).strip() for line in text.splitlines()]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-
-
-_QUOTE_HEADER = re.compile(r"^(On .+ wrote:|-----Original Message-----|Le .+ a écrit :)\s*$")
-# The line a mail program writes above the mail a reply quotes, in other languages: its
-# start, a word in it, and (for those that hold the date) a digit, tested with `in`, not a
-# regex (`Am .*\d.* schrieb` backtracks quadratically on a long line). German Gmail ("Am Do.,
-# 26. Nov. 2026 um 14:05 Uhr schrieb X:"), Thunderbird and Apple Mail ("Am 26.11.2026 um 14:05
-# schrieb X:"); Spanish, Italian, Dutch, Portuguese, Swedish alike. Unknown, the history
-# stayed: a German owner's "approve" above it was not an answer, and the quoted mail (a
-# stranger's words, maybe) was read as the owner's (a walkthrough).
-_QUOTE_LINES = (
-    ("Am ", " schrieb "),
-    ("El ", " escribió"),
-    ("Il ", " ha scritto"),
-    ("Op ", " schreef "),
-    ("Em ", " escreveu"),
-    ("Den ", " skrev "),
-)
-# Outlook's line above the mail it answers, in other languages than _QUOTE_HEADER's, and
-# the English one with its dashes spaced or counted otherwise (Outlook Express, webmails).
-_ORIGINAL_MESSAGE = re.compile(
-    r"-{3,}[ \t]*(?:original message|ursprüngliche nachricht|message d'origine|"
-    r"mensaje original|"
-    r"messaggio originale|oorspronkelijk bericht|mensagem original|ursprungligt meddelande)"
-    r"[ \t]*-{3,}",
-    re.IGNORECASE,
-)
-
-
-def _quotes_below(line: str) -> bool:
-    """Whether `line` (stripped) opens a reply's quoted history."""
-    if _QUOTE_HEADER.match(line) or _ORIGINAL_MESSAGE.fullmatch(line):
-        return True
-    if not line.endswith(":") or len(line) > 500:
-        return False
-    # With a time of day, as every mail program writes it ("um 14:05"): "Am 3. Mai schrieb
-    # mir der Vermieter:" is the owner's own sentence (a review).
-    return _CLOCK_TIME.search(line) is not None and any(
-        line.startswith(start) and word in line for start, word in _QUOTE_LINES
-    )
-
-
-_CLOCK_TIME = re.compile(r"\d:\d\d")
-
-
-# A reply's subject: English, German, Scandinavian, Dutch, Polish, Turkish, Italian, Portuguese.
-REPLY_SUBJECT = re.compile(
-    r"^[ \t]*(?:re|aw|sv|antw|odp|ynt|rif|res)(?:[ \t]*\[\d+\])?[ \t]*:", re.I
-)
-# Outlook's line above the header block of the mail it answers.
-_OUTLOOK_RULE = re.compile(r"^[ \t]*_{10,}[ \t]*\n?\Z")
-
-
-def is_reply(subject: str, references: str, message_id: str) -> bool:
-    """Whether a mail answers another (not a forward): it names an earlier mail of its
-    thread, or its subject says Re: (AW:, SV:, ...)."""
-    if FORWARDED_SUBJECT.match(subject):
-        return False
-    earlier = [i for i in references.split() if i != message_id]
-    return bool(earlier) or REPLY_SUBJECT.match(subject) is not None
-
-
-def trim_quoted(text: str, *, reply: bool = False) -> str:
-    """Drop the quoted history of a reply: '>' lines and everything after 'On ... wrote:'.
-    A reply's (`reply`) history under a mail program's header block (HEADER_BLOCK: Outlook's
-    From:, Sent:, To:..., in any language, with or without its rule of underscores above)
-    goes too: kept, the block read as a forward, and the owner's own reply was taken for
-    someone else's words (a walkthrough); in a language it did not know, the history (a
-    stranger's words, maybe) was the owner's request (a red team)."""
-    text = text.replace("\r\n", "\n")  # (IMAP keeps CRLF: Outlook's rule line was kept)
-    head = text[:FORWARD_SEARCH_CHARS]
-    # (A forwarded part said to be one, "---------- Forwarded message", is a forward's even in
-    # a thread: its header block is what it forwards, kept.)
-    block = HEADER_BLOCK.search(head) if reply else None
-    if block is not None and FORWARDED_BLOCK.search(head, 0, block.start()) is None:
-        text = text[: block.start()]
-        above, _, last = text.rstrip("\n").rpartition("\n")
-        if _OUTLOOK_RULE.match(last):
-            text = above
-    kept = []
-    # Below Apple Mail's opening line of a forward, in a mail that is not a reply and within
-    # where forwarded_part looks (so that what is kept is said to be forwarded), '>' lines
-    # are the mail it forwards: dropped, it was lost. Not in a reply (its '>' lines are the
-    # history it answers, a stranger's maybe: kept, they read as endorsed by the owner: a
-    # review), nor below other forward lines ("Original Message" opens a reply's history).
-    forwarded, length = False, 0
-    for line in text.splitlines():
-        if _quotes_below(line.strip()):
-            break
-        if line.lstrip().startswith(">"):
-            if forwarded and length < FORWARD_SEARCH_CHARS:
-                kept.append(_unquoted(line))
-                length += len(line) + 1
-            continue
-        forwarded = forwarded or (not reply and _QUOTED_FORWARD.fullmatch(line) is not None)
-        kept.append(line)
-        length += len(line) + 1
-    return "\n".join(kept).strip()
-
-
-def _unquoted(line: str) -> str:
-    """A quoted line one level less quoted: its first '>' and one blank after it gone."""
-    rest = line.lstrip()[1:]
-    return rest[1:] if rest.startswith(" ") else rest
-
-
-def automated_reason(message: Message, sender: str) -> str | None:
-    auto = str(message.get("Auto-Submitted", "no")).strip().lower()
-    if auto and auto != "no":
-        return f"Auto-Submitted: {auto}"
-    precedence = str(message.get("Precedence", "")).strip().lower()
-    if precedence in ("bulk", "junk", "list", "auto_reply"):
-        return f"Precedence: {precedence}"
-    if message.get("X-Autoreply") or message.get("X-Autorespond"):
-        return "auto-reply header"
-    if message.get("List-Id") or message.get("List-Unsubscribe"):
-        # A mailing list's copy (of the owner's own post, say): answering it answers the
-        # list (a walkthrough: an allowed sender's list mail was answered).
-        return "mailing list (List-Id)"
-    subject = str(message.get("Subject", "")).strip().lower()
-    if message.get("X-Auto-Response-Suppress") and subject.startswith(
-        (
-            "automatic reply:",
-            "auto reply:",
-            "out of office",
-            "automatische antwort:",
-            "réponse automatique",
-            "automatisch antwoord:",
-            "respuesta automática:",
-            "risposta automatica:",
-        )
-    ):
-        return "auto-reply (Exchange)"  # its out-of-office notes carry no Auto-Submitted
-    if str(message.get("Return-Path", "")).strip() == "<>":
-        return "bounce (empty Return-Path)"
-    local = sender.split("@")[0]
-    if local in ("mailer-daemon", "postmaster", "noreply", "no-reply"):
-        return f"sent by {local}"
-    if message.get_content_type() == "multipart/report":
-        return "delivery report"
-    return None
-
-
-# -- who sent it --------------------------------------------------------------------------------
-
-
-def single_address(values: Sequence[str], header_name: str = "From") -> tuple[str, str]:
-    """(address lower-cased, display name) of the one address a From (or To) header names
-    (raw, unfolded values); ValueError saying why when there is not exactly one well-formed
-    address of at most MAX_HEADER_BYTES.
-
-    `email.utils.parseaddr` reads `user@example.com)<attacker@evil.example>` and
-    `<user@example.com>attacker@evil.example` as user@example.com (CVE-2023-27043): the
-    allowlist must not rely on it. policy.default's header parser records such input as
-    defects. Obsolete syntax (RFC 5322 section 4: `Dr. Ada <ada@example.com>`, a route) is
-    unambiguous, and receivers must accept it, so only that kind of defect is tolerated.
-    """
-    if not values:
-        raise ValueError(f"no {header_name} header")
-    if len(values) > 1:
-        raise ValueError(f"{len(values)} {header_name} headers")
-    raw = str(values[0])
-    shown = raw if len(raw) <= _PREVIEW_CHARS else f"{raw[:_PREVIEW_CHARS]}..."
-    what = f"{header_name} {shown!r}"
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ValueError(
-            f"{what} is {len(raw)} characters long, over the limit of {MAX_HEADER_BYTES}"
-        )
-    try:
-        header = _header_factory(header_name, raw)
-    except RecursionError:  # comments nested a thousand deep: no address is written so
-        raise ValueError(f"{what} is malformed (nested too deeply)") from None
-    defects = [d for d in header.defects if not isinstance(d, email.errors.ObsoleteHeaderDefect)]
-    if defects:
-        raise ValueError(f"{what} is malformed ({'; '.join(map(str, defects))})")
-    if len(header.addresses) != 1:
-        raise ValueError(f"{what} names {len(header.addresses)} addresses, not one")
-    if len(header.groups) != 1 or header.groups[0].display_name is not None:
-        raise ValueError(f"{what} uses group syntax")
-    address = header.addresses[0]
-    if not address.username or not address.domain:
-        raise ValueError(f"{what} is not a complete address")
-    if "=?" in raw and _encoded_word_in_address(raw):
-        raise ValueError(
-            f"{what} has an RFC 2047 encoded-word inside the address (only a display name "
-            "may be encoded)"
-        )
-    if _written_addr_spec(raw) != address.addr_spec:
-        raise ValueError(
-            f"{what} does not spell out its address {address.addr_spec!r} as it is (comments, "
-            "spaces, quotes or encoding inside the address)"
-        )
-    if ":" in address.addr_spec or "/" in address.domain:
-        # A quoted `"a:b"@x.com` read as person `"a` in a conversation id (`email:<address>:
-        # <thread>`), the same as `"a:c"@y.com`; no domain holds a `/`.
-        raise ValueError(
-            f"{what} has a ':' in its address or a '/' in its domain, which no mailbox we "
-            "answer may have"
-        )
-    return address.addr_spec.lower(), address.display_name
-
-
-def _encoded_word_in_address(raw: str) -> bool:
-    """Whether an RFC 2047 encoded-word stands in the addr-spec of `raw` (an address header).
-
-    RFC 2047 section 5 forbids one there, yet the stdlib decodes it: `user@=?utf-8?b?
-    ZXhhbXBsZS5jb20=?=` reads as user@example.com. The sender's DMARC check saw the undecoded
-    domain, which has no policy (so nothing failed); our allowlist would see example.com. A
-    display name may be encoded (it is only shown); a comment's text is never decoded.
-    Walked with a stack: comments may nest a thousand deep."""
-    tree, _ = header_syntax.get_address_list(raw)
-    stack: list[tuple[header_syntax.TokenList, bool]] = [(tree, False)]
-    while stack:
-        tokens, in_address = stack.pop()
-        for token in tokens:
-            inside = in_address or token.token_type == "addr-spec"
-            if inside and token.token_type == "encoded-word":
-                return True
-            if isinstance(token, header_syntax.TokenList) and token.token_type != "comment":
-                stack.append((token, inside))
-    return False
-
-
-# A comment (without nested ones) at the start or the end of an addr-spec's text.
-_EDGE_COMMENT = re.compile(r"^\((?:[^()\\]|\\.)*\)|\((?:[^()\\]|\\.)*\)$")
-
-
-def _written_addr_spec(raw: str) -> str | None:
-    """The addr-spec as `raw` writes it (the first one; `single_address` has made sure there
-    is one), comments and spaces included, or None.
-
-    It must read exactly as the address the parser decodes: `x (ada@example.com)
-    <ada@example.(evil.com)com>` decodes to ada@example.com, and a search of the whole header
-    would find that text in the comment; an MTA's DMARC check may read the address otherwise.
-    Walked with a stack, as comments may nest deeply."""
-    tree, _ = header_syntax.get_address_list(raw)
-    stack: list[header_syntax.TokenList] = [tree]
-    while stack:
-        tokens = stack.pop()
-        for token in tokens:
-            if token.token_type == "addr-spec":
-                # A comment before or after the address is fine (`ada@example.com (Ada)`,
-                # old-style); inside it, not.
-                written = str(token).strip()
-                while (trimmed := _EDGE_COMMENT.sub("", written).strip()) != written:
-                    written = trimmed
-                return written
-        stack.extend(
-            reversed(
-                [
-                    t
-                    for t in tokens
-                    if isinstance(t, header_syntax.TokenList) and t.token_type != "comment"
-                ]
-            )
-        )
-    return None
-
-
-_header_factory = email.policy.default.header_factory
-
-
-def dmarc_refusal(results: Sequence[str], authserv_id: str, from_domain: str) -> str | None:
-    """None when our own MTA (`authserv_id`) says dmarc=pass for the From domain; else why not.
-
-    Anyone can write an Authentication-Results header, so only those of our authserv-id count,
-    and the topmost with a DMARC result decides: a receiving MTA adds its own above what the
-    mail arrived with (and RFC 8601 section 5 has it delete forged ones of its id). A header
-    that does not parse cannot be attributed to anyone and is skipped.
-    """
-    import authres
-
-    for value in results:
-        try:
-            header = authres.AuthenticationResultsHeader.parse_value(value)
-        except (authres.AuthResError, RecursionError):  # nested comments recurse in authres
-            continue
-        if (header.authserv_id or "").lower() != authserv_id.lower():
-            continue
-        dmarc = next((r for r in header.results if r.method.lower() == "dmarc"), None)
-        if dmarc is None:
-            continue
-        if dmarc.result.lower() != "pass":
-            return f"DMARC {dmarc.result} according to {authserv_id}"
-        header_from = [p.value for p in dmarc.properties if (p.type, p.name) == ("header", "from")]
-        if header_from and header_from[0].lower() != from_domain.lower():
-            return f"DMARC passed for {header_from[0]!r}, not for the From domain {from_domain}"
-        return None
-    return f"no DMARC result from {authserv_id} (Authentication-Results)"
-
-
-# A forwarded mail, as the common mail programs write one: the subject's prefix (English,
-# German, French, Spanish, Italian, Dutch, Swedish, Danish/Norwegian, Portuguese, Polish),
-# the line that opens the forwarded part (Gmail, Thunderbird, Outlook, Apple Mail), or a mail
-# program's header block (HEADER_BLOCK). Blanks are [ \t], never \s: with MULTILINE, \s
-# runs across lines and a body of blank lines took 25 s to search (a review).
-FORWARDED_SUBJECT = re.compile(r"^[ \t]*(?:fwd?|wg|tr|rv|i|doorst|vb|vs|enc|pd)[ \t]*:", re.I)
-FORWARDED_BLOCK = re.compile(
-    r"^[ \t]*(?:-{2,}[ \t]*(?:forwarded message|original message|weitergeleitete nachricht|"
-    r"message transféré)[ \t]*-{2,}|begin forwarded message:|"
-    # Apple Mail's, in German, French, Spanish, Italian, Dutch.
-    r"anfang der weitergeleiteten nachricht:|début du message réexpédié[ \t]?:|"
-    r"inicio del mensaje reenviado:|inizio messaggio inoltrato:|begin doorgestuurd bericht:)"
-    r"[ \t]*$",
-    re.IGNORECASE | re.MULTILINE,
-)
-# Apple Mail's opening line of a forward whose mail follows as '>' lines (FORWARDED_BLOCK's).
-_QUOTED_FORWARD = re.compile(
-    r"[ \t]*(?:begin forwarded message|anfang der weitergeleiteten nachricht|"
-    r"début du message réexpédié[ \t]?|inicio del mensaje reenviado|inizio messaggio inoltrato|"
-    r"begin doorgestuurd bericht):[ \t]*",
-    re.IGNORECASE,
-)
-# The word a mail program's header block begins with, in the languages of the common ones.
-_FROM_WORDS = "from|von|de|van|da|från|fra|od|lähettäjä|feladó|kimden|от|від|差出人|发件人|寄件者"
-# A header line ("Sent: Friday", "Verzonden: vrijdag"): a word or a few, a colon (or the
-# full-width one), a value. Blanks are [ \t] and a value begins with a non-blank, so a run of
-# blanks is matched one way only: `[ \t]*(.+)\n` tried every split of a run of 20 000 spaces
-# (seconds of the event loop, from any sender's mail: a red team).
-_HEADER_LINE = r"[ \t]*\*?[^\W\d_][\w .-]{0,24}[:\uff1a]\*?[ \t]*\S[^\n]*"
-_FROM_LINE = rf"[ \t]*\*?(?:{_FROM_WORDS})[ \t]*[:\uff1a]\*?[ \t]*(\S[^\n]*)"
-# A mail program's block above the mail a reply answers or a forward carries (Outlook's, in any
-# language): its From line and two header lines more at least (Sent, To, Subject...). Two
-# lines of the owner's own ("From: Amsterdam / Date: Friday") are not one.
-HEADER_BLOCK = re.compile(
-    rf"^{_FROM_LINE}\n{_HEADER_LINE}\n{_HEADER_LINE}", re.IGNORECASE | re.MULTILINE
-)
-FORWARDED_FROM = re.compile(rf"^{_FROM_LINE}$", re.IGNORECASE | re.MULTILINE)
-# Where a forward is looked for: the start of a body (a forward's own words come first).
-FORWARD_SEARCH_CHARS = 20_000
-# The most of a forward's own lines above the forwarded part taken for the sender's own.
-MAX_OWN_LINES_CHARS = 2_000
-# Two header lines in a row ("Van: ...", "Verzonden: ..."), in any language: a mail's header
-# block, written by a mail program, not the sender's own words.
-_HEADER_PAIR = re.compile(rf"^{_HEADER_LINE}\n{_HEADER_LINE}", re.MULTILINE)
-
-
-def forwarded_part(subject: str, text: str) -> tuple[str, int] | None:
-    """Who wrote the words of a mail that forwards another, and where in `text` the forwarded
-    part begins (0: all of it, or it cannot be told); None: not a forward. The author is the
-    first `From:` line after the forwarded part opens, else "someone else". The owner
-    forwarding a stranger's mail ("please pay this") passed the stranger's words on as their
-    own; the owner's own lines above the forwarded part stay theirs."""
-    text = text[:FORWARD_SEARCH_CHARS]
-    block = FORWARDED_BLOCK.search(text)
-    headers = HEADER_BLOCK.search(text) if block is None else None
-    if block is None and headers is None and not FORWARDED_SUBJECT.match(subject):
-        return None
-    author = headers or FORWARDED_FROM.search(text, block.end() if block is not None else 0)
-    name = printable(author.group(1), 80) if author is not None else ""
-    opened = block or headers
-    at = opened.start() if opened is not None else 0
-    # The lines above are the sender's own only when they are short and hold no header
-    # block: a forward header we do not know (Dutch Outlook's Van:/Verzonden:) would leave
-    # a marker the forwarded mail itself holds to split at, and the stranger's words above
-    # it would read as the sender's (a review). Otherwise all of it is forwarded.
-    above = text[:at]
-    if len(above) > MAX_OWN_LINES_CHARS or _HEADER_PAIR.search(above):
-        at = 0
-    return name or "someone else", at
-
-
-def forwarded_author(subject: str, text: str) -> str | None:
-    """`forwarded_part`'s author alone."""
-    found = forwarded_part(subject, text)
-    return found[0] if found is not None else None
-
-
-def sender_allowed(address: str, allowed: tuple[str, ...]) -> bool:
-    for entry in allowed:
-        entry = entry.lower()
-        if entry == "*" or address == entry or (entry.startswith("@") and address.endswith(entry)):
-            return True
-    return False
 
 
 # -- what we write ------------------------------------------------------------------------------

@@ -20,24 +20,24 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from pydantic_core import ErrorDetails
 
 from butlers.errors import MailUnreadable
-from butlers.modules.mail_parse import (
+from butlers.modules.mail_html import html_to_text
+from butlers.modules.mail_limits import (
     MAX_ATTACHMENT_NAME_CHARS,
     MAX_HEADER_BYTES,
     MAX_HTML_CHARS,
     MAX_MIME_PARTS,
     MAX_TEXT_CHARS,
+)
+from butlers.modules.mail_parse import (
     READING,
     ParsedMail,
-    automated_reason,
-    html_to_text,
-    is_reply,
     not_read_note,
     one_line,
-    single_address,
     thread_references,
-    trim_quoted,
     within_text_limit,
 )
+from butlers.modules.mail_quotes import is_reply, trim_quoted
+from butlers.modules.mail_sender import automated_reason, single_address
 
 # What automated_reason reads; the webhook's other headers are never parsed.
 _AUTOMATION_HEADERS = (
