@@ -801,3 +801,30 @@ async def test_the_registry_and_the_routing_log(stores: Stores) -> None:
     await stores.routing.record_route(record)
     assert await stores.routing.prune(1) == 0
     assert await stores.routing.prune(-1) == 1
+
+
+async def test_the_butlers_that_answered_a_message_are_named_in_order(stores: Stores) -> None:
+    """What the worker asks of a message claimed again (its process interrupted): who took
+    it and answered. Failed routes, other tools and other messages' routes do not count, nor
+    what came before `since` (the operator's requeue)."""
+    await stores.register("health", "general")
+
+    def route(inbox_id: int | None, butler: str, tool: str = "trigger", ok: bool = True):
+        return RouteRecord("telegram", "1", butler, tool, "hi", None, ok, None, 5, inbox_id)
+
+    mine, other = await queued(stores), await queued(stores, "telegram:2")
+    assert await stores.routing.answered_before(mine, None) == []
+    for record in (
+        route(mine, "health"),
+        route(mine, "general", ok=False),
+        route(mine, "general", tool="state_get"),
+        route(other, "general"),
+        route(None, "general"),
+        route(mine, "general"),
+        route(mine, "health"),
+    ):
+        await stores.routing.record_route(record)
+    assert await stores.routing.answered_before(mine, None) == ["health", "general"]
+    assert await stores.routing.answered_before(other, None) == ["general"]
+    since = datetime.now(UTC) + timedelta(hours=1)
+    assert await stores.routing.answered_before(mine, since) == []

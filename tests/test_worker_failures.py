@@ -15,7 +15,7 @@ from typing import Any
 from butlers.config import RuntimeConfig, SwitchboardConfig, TelegramConfig, TriageRule
 from butlers.daemon import ButlerDaemon
 from butlers.switchboard.inbox import MAX_ATTEMPTS
-from butlers.switchboard.replies import sorry
+from butlers.switchboard.replies import answer_lost, sorry
 from tests.conftest import (
     StartButler,
     butler_config,
@@ -330,8 +330,10 @@ async def test_the_worker_outlives_a_database_that_fails_while_a_message_is_fini
 ) -> None:
     """Guards the worker: when finishing a message fails and recording it as failed fails
     too (the database is failing), the worker logs it and goes on. The message stays
-    `processing` until its lease runs out; then it is taken up again and answered, before
-    the chat's next message (one conversation, in order)."""
+    `processing` until its lease runs out; then it is taken up again, before the chat's next
+    message (one conversation, in order). Its butler had answered: it is not asked again
+    (general's session ran twice, and what it did was done twice), and the chat is told the
+    answer was lost."""
     scripted_api.respond_with(model("general", {"general": "Done."}))
     scripted_api.delay_for = lambda body: 60.0  # general's session waits for the release
     switchboard, _ = await start_fleet(start_butler, tmp_path, bot_api, lease_s=2)
@@ -354,7 +356,13 @@ async def test_the_worker_outlives_a_database_that_fails_while_a_message_is_fini
     row = await finished_row(conn, answered_id)
     assert (row["status"], row["reply"]) == ("done", "Done.")
     first = await finished_row(conn, first_id)
-    assert (first["status"], first["reply"], first["attempts"]) == ("done", "Done.", 2)
+    lost = answer_lost(["general"])
+    assert (first["status"], first["reply"], first["attempts"]) == ("done", lost, 2)
+    assert first["routed_to"] == "general" and "not asked again" in first["error"]
     assert first["finished_at"] < row["finished_at"]  # the chat's order held
     sent = await bot_api.wait_sent(2)
-    assert sent == [{"chat_id": CHAT, "text": "Done."}] * 2
+    assert sent == [{"chat_id": CHAT, "text": lost}, {"chat_id": CHAT, "text": "Done."}]
+    triggered = await conn.fetchval(
+        "SELECT count(*) FROM routing_log WHERE routed_to = 'general' AND tool_name = 'trigger'"
+    )
+    assert triggered == 2  # once for each message

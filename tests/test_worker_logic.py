@@ -37,7 +37,8 @@ from butlers.switchboard.memory_store import (
     MemoryRoutingStore,
 )
 from butlers.switchboard.outbox import OutboxSender
-from butlers.switchboard.replies import sorry
+from butlers.switchboard.replies import answer_lost, sorry
+from butlers.switchboard.routing_store import RouteRecord
 from butlers.switchboard.worker import InboxWorker
 from tests.test_media import ogg_opus
 
@@ -269,6 +270,63 @@ async def test_a_crash_is_resumed_and_a_message_that_keeps_crashing_is_given_up(
     assert (second["status"], second["reply"]) == ("failed", sorry("gave_up"))
     assert second["error"] == f"gave up after {MAX_ATTEMPTS} interrupted attempts"
     assert [text for _, text in parts.router.routed] == ["a#0"]  # the given-up one: never
+
+
+def a_route(inbox_id: int | None, *, butler: str = "general", success: bool = True) -> RouteRecord:
+    return RouteRecord(
+        source_channel="telegram",
+        source_id="a",
+        routed_to=butler,
+        tool_name="trigger",
+        prompt_summary=None,
+        trace_id=None,
+        success=success,
+        error=None if success else "unreachable",
+        duration_ms=5,
+        inbox_id=inbox_id,
+    )
+
+
+async def test_a_message_its_butlers_answered_before_an_interruption_is_not_handed_over_again(
+    parts: Parts,
+) -> None:
+    """A message whose butlers had answered when its process was interrupted (killed;
+    stopped while the database was down and its outcome could not be written; its lease
+    lapsed in an outage) was handed to them again when claimed again: a reminder set twice,
+    a mail sent twice. The routing_log says they answered: the message is finished with a
+    reply saying the answer was lost. A route that failed does not count, nor one from
+    before the operator queued the message again on purpose (`butlers retry`)."""
+    parts.router.gate.set()
+    routing = MemoryRoutingStore(parts.database)
+    answered = await parts.inbox.accept(message("a", 0), None)
+    failed = await parts.inbox.accept(message("b", 0), None)
+    retried = await parts.inbox.accept(message("c", 0), None)
+    for inbox_id in (answered, failed, retried):
+        claimed = await parts.inbox.claim_next(REPLICA, 60)
+        assert claimed is not None and claimed.id == inbox_id
+    await routing.record_route(a_route(answered, butler="health"))
+    await routing.record_route(a_route(answered))
+    await routing.record_route(a_route(answered))  # one butler asked twice is named once
+    await routing.record_route(a_route(failed, success=False))
+    await routing.record_route(a_route(retried))
+    assert retried is not None
+    later = parts.database.clock() + timedelta(seconds=1)
+    parts.database.tables.inbox[retried]["meta"]["retries"] = [
+        {"retried_at": later.isoformat(), "status": "done"}
+    ]
+    worker = parts.make(max_concurrent=3)
+    await worker.open()  # requeues all three: they are this replica's
+    rows = await done(worker, [i for i in (answered, failed, retried) if i is not None])
+    first, second, third = rows
+    assert (first["status"], first["routed_to"]) == ("done", "health,general")
+    assert first["reply"] == answer_lost(["health", "general"])
+    assert first["reply"].startswith("Sorry, the health and general butlers took your message")
+    assert "not asked again" in first["error"]
+    assert (second["status"], second["reply"]) == ("done", "general did: b#0")
+    assert (third["status"], third["reply"]) == ("done", "general did: c#0")
+    assert sorted(text for _, text in parts.router.routed) == ["b#0", "c#0"]
+    delivery = await parts.outbox.claim("telegram")
+    assert delivery is not None and delivery.text == answer_lost(["health", "general"])
 
 
 async def test_close_hands_the_messages_in_flight_back(parts: Parts) -> None:

@@ -89,6 +89,20 @@ class InboxMessage:
         since = since if since.tzinfo is not None else since.replace(tzinfo=UTC)
         return max(0.0, (datetime.now(UTC) - since).total_seconds())
 
+    def requeued_at(self) -> datetime | None:
+        """When the operator last queued it again (`butlers retry`: meta "retries"), or
+        None: what it became before then is an earlier outcome, not this one's."""
+        retries = self.meta.get("retries")
+        last = retries[-1] if isinstance(retries, list) and retries else None
+        value = last.get("retried_at") if isinstance(last, dict) else None
+        if not isinstance(value, str):
+            return None
+        try:
+            at = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+        return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> InboxMessage:
         return cls(

@@ -727,6 +727,18 @@ class MemoryRoutingStore:
             seen["last_seen_at"] = now
         return entry_id
 
+    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
+        return list(
+            dict.fromkeys(
+                row["routed_to"]
+                for row in self.log
+                if row["inbox_id"] == inbox_id
+                and row["success"]
+                and row["tool_name"] == "trigger"
+                and (since is None or row["created_at"] > since)
+            )
+        )
+
     async def prune(self, older_than_days: int) -> int:
         before = self.database.clock() - timedelta(days=older_than_days)
         kept = [row for row in self.log if row["created_at"] >= before]

@@ -44,6 +44,21 @@ def sorry(kind: str, butler: str | None = None) -> str:
     return template.format(butler=butler or "right")
 
 
+def answer_lost(butlers: Sequence[str]) -> str:
+    """The reply to a message its butlers took and answered before this process was
+    interrupted, their answer not yet written: they are not asked again (it would be done
+    twice: a reminder set twice, a mail sent twice)."""
+    named = (
+        f"the {butlers[0]} butler"
+        if len(butlers) == 1
+        else f"the {', '.join(butlers[:-1])} and {butlers[-1]} butlers"
+    )
+    return (
+        f"Sorry, {named} took your message and answered, but the answer was lost when I was "
+        "interrupted. Ask again what was done if you need to know."
+    )
+
+
 def reply_text(result: Any) -> str:
     """What the person reads of one answer: a butler's `trigger` result, or the result as
     text."""

@@ -10,6 +10,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -215,6 +216,10 @@ class RoutingStore:
                 )
             )
         await self.pool.executemany(sql.ROUTING_LOG_RECORD, rows)
+
+    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
+        rows = await self.pool.fetch(sql.ROUTING_LOG_ANSWERED, inbox_id, since)
+        return [row["routed_to"] for row in rows]
 
     async def prune(self, older_than_days: int) -> int:
         """Delete routing_log rows older than that."""

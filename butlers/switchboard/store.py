@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -282,6 +283,11 @@ class RoutingLog(Protocol):
         """Log one route or notification. The row is taken before the first await: a caller
         cancelled while it waits for the write still has its row written (route relies on
         it)."""
+        ...
+
+    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
+        """The butlers whose `trigger` took inbox message `inbox_id` and answered (since
+        `since`: its requeue by the operator), in the order they answered."""
         ...
 
     async def prune(self, older_than_days: int) -> int:

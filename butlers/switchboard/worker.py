@@ -50,7 +50,14 @@ from butlers.switchboard.dispatch import Dispatcher, trigger_arguments
 from butlers.switchboard.handoff import Handoff
 from butlers.switchboard.inbox import MAX_ATTEMPTS, InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
-from butlers.switchboard.replies import RATE_LIMITED, Answer, combine, reply_text, sorry
+from butlers.switchboard.replies import (
+    RATE_LIMITED,
+    Answer,
+    answer_lost,
+    combine,
+    reply_text,
+    sorry,
+)
 from butlers.switchboard.route import Router, RouteSource
 from butlers.switchboard.store import InboxQueue, RoutingLog
 from butlers.tasks import cancel_and_wait, within
@@ -490,6 +497,8 @@ class InboxWorker:
         parent = context_from_carrier(message.trace_context)
         token = otel_context.attach(parent) if parent is not None else None
         try:
+            if await self._answered_before(message):
+                return
             if message.attempts > MAX_ATTEMPTS:
                 error = f"gave up after {MAX_ATTEMPTS} interrupted attempts"
                 await self._finish(message, "failed", None, sorry("gave_up"), error)
@@ -543,6 +552,24 @@ class InboxWorker:
         finally:
             if token is not None:
                 otel_context.detach(token)
+
+    async def _answered_before(self, message: InboxMessage) -> bool:
+        """A message its butlers already took and answered, claimed again because the
+        process at work on it was interrupted before it wrote the outcome (killed, stopped
+        while the database was down, its lease lapsed in an outage): finished with a reply
+        saying the answer was lost, not handed to them again (which would do it twice). The
+        routing_log says who answered; a message the operator queued again (`butlers retry`)
+        counts only what came after. A fresh message costs one indexed lookup."""
+        answered = await self.routing_store.answered_before(message.id, message.requeued_at())
+        if not answered:
+            return False
+        error = (
+            f"answered by {', '.join(answered)} before an interruption, its answer lost: "
+            "not asked again"
+        )
+        logger.warning("message %s: %s", message.id, error, extra={"action": "answered_before"})
+        await self._finish(message, "done", ",".join(answered), answer_lost(answered), error)
+        return True
 
     async def _over_sender_limit(self, message: InboxMessage) -> bool:
         """A sender over `max_messages_per_sender_per_hour` is told once, and the message is
