@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import email
 import email.policy
+import quopri
 from datetime import UTC, datetime
 from email.message import EmailMessage
 
@@ -391,16 +392,24 @@ def forward_as_attachment(
     return message
 
 
-def rfc822_part(raw: bytes, *, base64_encoded: bool = False) -> EmailMessage:
+def rfc822_part(
+    raw: bytes, *, base64_encoded: bool = False, quoted_printable: bool = False
+) -> EmailMessage:
     """A message/rfc822 part around the mail `raw`, written as given (headers no mail
-    library would write), or base64-encoded as Outlook sends some."""
-    encoding = b"Content-Transfer-Encoding: base64\r\n" if base64_encoded else b""
+    library would write), or base64-encoded as Outlook sends some, or quoted-printable (as
+    RFC 6532 allows for message/global)."""
+    encoding = b""
+    body = raw
+    if base64_encoded:
+        encoding, body = b"Content-Transfer-Encoding: base64\r\n", base64.encodebytes(raw)
+    elif quoted_printable:
+        encoding = b"Content-Transfer-Encoding: quoted-printable\r\n"
+        body = quopri.encodestring(raw)
     head = (
         b"Content-Type: message/rfc822\r\n"
         + encoding
         + b'Content-Disposition: attachment; filename="attached.eml"\r\n\r\n'
     )
-    body = base64.encodebytes(raw) if base64_encoded else raw
     part = email.message_from_bytes(head + body, policy=email.policy.default)
     assert isinstance(part, EmailMessage)
     return part
@@ -509,6 +518,30 @@ def test_an_attached_mail_cannot_pass_its_words_off_as_the_owners() -> None:
     assert "forwarded_at" not in incoming.meta  # all of it forwarded
 
 
+@pytest.mark.parametrize("subject", ["Invoice 42", "Rechnung 42 für März: " + "bitte zahlen " * 8])
+def test_an_attached_mail_sent_quoted_printable_is_decoded(subject: str) -> None:
+    """RFC 6532 lets a message/global part be quoted-printable (some mailers do it for
+    message/rfc822 too): it was read as a mail of encoded text, its headers cut at the
+    first soft line break and its parts lost. Now it is decoded like a base64 one, a long
+    header's soft breaks included."""
+    inner = invoice_mail()
+    inner.replace_header("Subject", subject)
+    part = rfc822_part(inner.as_bytes(), quoted_printable=True)
+    parsed = parse_mail(
+        forward_as_attachment("Pay this.", part, subject="Fwd: " + subject).as_bytes()
+    )
+    assert parsed.text == (
+        "Pay this.\n\n"
+        "---------- Forwarded message ---------\n"
+        "From: Acme Billing <bills@acme.example>\n"
+        "Date: Fri, 27 Nov 2026 10:00:00 +0100\n"
+        f"Subject: {subject.strip()}\n\n"
+        "Please pay 120 EUR by Friday."
+    )
+    assert [(f.name, f.data) for f in parsed.files] == [("invoice.pdf", PDF)]
+    assert parsed.forwarded == ("Acme Billing <bills@acme.example>", len("Pay this.") + 2)
+
+
 def test_an_attached_mail_that_cannot_be_read_costs_only_itself() -> None:
     """A parameter the stdlib cannot parse (`a*`: IndexError inside it), a header over the
     limit, or an attached mail of too many parts made the owner's whole mail unreadable (a
@@ -522,10 +555,8 @@ def test_an_attached_mail_that_cannot_be_read_costs_only_itself() -> None:
     long_header = b"From: Eve <eve@evil.example>\r\nX-Pad: " + b"a" * 9000 + b"\r\n"
     long_header += b"Content-Disposition: inline; x=" + b"b" * 9000 + b"\r\n\r\nWords.\r\n"
     for inner in (bad_param, long_header):
-        for encoded in (False, True):
-            message = forward_as_attachment(
-                "Please pay this.", rfc822_part(inner, base64_encoded=encoded)
-            )
+        for encoding in ({}, {"base64_encoded": True}, {"quoted_printable": True}):
+            message = forward_as_attachment("Please pay this.", rfc822_part(inner, **encoding))
             parsed = parse_mail(message.as_bytes())
             assert parsed.text == "Please pay this.\n\n[attachments not read: attached.eml]"
             assert parsed.forwarded is None

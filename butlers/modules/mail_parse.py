@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import quopri
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -321,24 +322,44 @@ def _attached(part: MIMEPart, parts: _PartCounter) -> _AttachedMail | None:
 
 def _attached_mail(part: MIMEPart, parts: _PartCounter) -> EmailMessage | None:
     """The mail attached as `part` (message/rfc822), or None. Outlook and some webmails send
-    it base64-encoded, which RFC 2046 does not allow and the stdlib's parser reads as a
-    header-less mail of base64 text: decoded and parsed again, its parts counted with the
-    rest."""
+    it base64-encoded, which RFC 2046 does not allow (RFC 6532 does, for message/global, and
+    quoted-printable too) and the stdlib's parser reads as a header-less mail of encoded
+    text: decoded and parsed again, its parts counted with the rest."""
     payload = part.get_payload()
     inner = payload[0] if isinstance(payload, list) and payload else None
     if not isinstance(inner, EmailMessage):
         return None
-    if str(part.get("Content-Transfer-Encoding", "")).strip().lower() == "base64":
-        written = inner.get_payload()  # base64 has no header-like line: all of it is here
-        if not isinstance(written, str):
-            return None
-        try:
-            data = base64.b64decode(written.encode("ascii", "replace"))
-        except (ValueError, binascii.Error):
+    encoding = str(part.get("Content-Transfer-Encoding", "")).strip().lower()
+    if encoding in ("base64", "quoted-printable"):
+        data = _decoded(inner, encoding)
+        if data is None:
             return None
         inner = BytesParser(_class=parts, policy=READING).parsebytes(data)
         assert isinstance(inner, EmailMessage)
     return inner if list(inner.keys()) else None
+
+
+def _decoded(inner: EmailMessage, encoding: str) -> bytes | None:
+    """The bytes of an attached mail sent in `encoding`, which the parser took for a
+    header-less mail of that text (a quoted-printable one's first lines may have parsed as
+    headers: they are put back), or None."""
+    if encoding == "base64":
+        written = inner.get_payload()  # base64 has no header-like line: all of it is here
+        if not isinstance(written, str):
+            return None
+        try:
+            return base64.b64decode(written.encode("ascii", "replace"))
+        except (ValueError, binascii.Error):
+            return None
+    # Written back as it came: no header folded anew, and no blank line where the parser
+    # found none. A soft line break (a line's last "=") in a header ends what the parser
+    # reads as the header block; the line written after it is the generator's own (a real
+    # separator after a soft break would be no separator once decoded).
+    text = inner.as_string(maxheaderlen=0, policy=compat32)
+    head, _, body = text.partition("\n\n")
+    if head.endswith("="):
+        text = f"{head}\n{body}"
+    return quopri.decodestring(text.encode("ascii", "replace"))
 
 
 def _forward_block(inner: EmailMessage, files: tuple[MIMEPart, ...]) -> _AttachedMail:
