@@ -17,6 +17,7 @@ from email.message import EmailMessage
 import pytest
 
 from butlers.config import OwnerConfig, SwitchboardConfig
+from butlers.errors import MailUnreadable
 from butlers.media import Attachment
 from butlers.modules.email import EmailModule
 from butlers.modules.mail_parse import ParsedMail, parse_mail, within_limits
@@ -560,6 +561,36 @@ def test_an_attached_mail_that_cannot_be_read_costs_only_itself() -> None:
             parsed = parse_mail(message.as_bytes())
             assert parsed.text == "Please pay this.\n\n[attachments not read: attached.eml]"
             assert parsed.forwarded is None
+
+
+def test_an_attached_mail_of_too_many_parts_costs_only_itself_unencoded_too() -> None:
+    """Sent as it is (not base64), an attached mail's parts are read with the mail's own: a
+    newsletter of 300 parts, or a stranger's mail nested 5000 deep, forwarded as an
+    attachment, made the owner's whole mail unreadable. Now the owner's words are read and
+    that mail is listed as not read."""
+    from tests.test_email_limits import many_parts, raw_mail
+
+    nested = b"From: Eve <eve@evil.example>\r\nMIME-Version: 1.0\r\n" + b"".join(
+        f'Content-Type: multipart/mixed; boundary="b{i}"\r\n\r\n--b{i}\r\n'.encode()
+        for i in range(5000)
+    )
+    for inner in (many_parts("<news@x>", 300), nested + b"\r\nHi."):
+        body = (
+            (
+                b"--o\r\nContent-Type: text/plain\r\n\r\nIs this one real?\r\n--o\r\n"
+                b"Content-Type: message/rfc822\r\n"
+                b'Content-Disposition: attachment; filename="attached.eml"\r\n\r\n'
+            )
+            + inner
+            + b"\r\n--o--\r\n"
+        )
+        raw = raw_mail("<fwd@x>", body=body, content_type=b'multipart/mixed; boundary="o"')
+        parsed = parse_mail(raw)
+        assert parsed.text == "Is this one real?\n\n[attachments not read: attached.eml]"
+        assert parsed.not_read == ("attached.eml",) and parsed.forwarded is None
+    # The mail's own parts stay limited: too many of them is the mail's own trouble.
+    with pytest.raises(MailUnreadable, match="MIME parts"):
+        parse_mail(many_parts("<own@x>", 300))
 
 
 def test_an_attached_mail_is_read_as_its_sender_showed_it() -> None:

@@ -27,7 +27,8 @@ A mail attached to a mail (message/rfc822: "Forward as attachment" in Gmail, Out
 Thunderbird) is read as a forward written inline would be: its sender, date, subject and text
 follow the sender's own lines under a "Forwarded message" line, said to be someone else's
 words (`ParsedMail.forwarded`), and its files are read like the mail's own. A mail attached to
-that one is listed as not read.
+that one is listed as not read, and so is an attached mail the mail cannot be read with (too
+many parts, nested too deeply: `_parsed`).
 """
 
 from __future__ import annotations
@@ -195,8 +196,7 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         raise MailUnreadable(f"it is {len(raw)} bytes, over the limit of {max_bytes}")
     parts = _PartCounter()
     try:
-        message = BytesParser(_class=parts, policy=READING).parsebytes(raw)
-        assert isinstance(message, EmailMessage)
+        message = _parsed(raw, parts)
         mail = _read_headers(message)
         if mail.unreadable:
             raise MailUnreadable(mail.unreadable)
@@ -234,6 +234,28 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         not_read=tuple(read.not_read),
         forwarded=forwarded,
     )
+
+
+# The Content-Type line of a mail attached to a mail (MAIL_TYPES), as written.
+_ATTACHED_MAIL_TYPE = re.compile(rb"^(content-type:[ \t]*)message/(?:rfc822|global)", re.I | re.M)
+# What such a part is read as when the mail cannot be read with it (`_parsed`).
+UNREAD_MAIL_TYPE = b"application/x-attached-mail"
+
+
+def _parsed(raw: bytes, parts: _PartCounter) -> EmailMessage:
+    """The mail's parts. The parser reads an attached mail's parts as it reads the mail's
+    own: too many of them, or nested too deeply (a stranger's, or a newsletter's, forwarded
+    as an attachment), made the sender's own words unreadable. Then the mail is read again
+    with its attached mails as files it does not read (listed as not read)."""
+    try:
+        message = BytesParser(_class=parts, policy=READING).parsebytes(raw)
+    except (MailUnreadable, RecursionError):
+        opaque = _ATTACHED_MAIL_TYPE.sub(rb"\1" + UNREAD_MAIL_TYPE, raw)
+        if opaque == raw:
+            raise
+        message = BytesParser(_class=_PartCounter(), policy=READING).parsebytes(opaque)
+    assert isinstance(message, EmailMessage)
+    return message
 
 
 def _text_of(message: Message, max_html_chars: int | None = None, *, html: bool = False) -> str:
