@@ -797,14 +797,17 @@ def test_up_collects_its_youngest_generation_less_often_and_a_short_command_does
 
 
 def test_version_and_a_command_started_with_stdin_closed() -> None:
-    """`butlers --version` prints the package's version; a command whose stdin is closed
+    """`butlers --version` prints the package's version (and this checkout's commit: the
+    clone CI runs in is one); a command whose stdin is closed
     (some service managers start it so) does not abort in the event loop (uvloop asserted
     on its own pipe taking fd 0: exit 134)."""
     import butlers
+    from butlers.build import build_label
 
     butlers_bin = str(Path(sys.executable).parent / "butlers")
     version = subprocess.run([butlers_bin, "--version"], capture_output=True, text=True, timeout=60)
-    assert (version.returncode, version.stdout.strip()) == (0, f"butlers {butlers.__version__}")
+    assert (version.returncode, version.stdout.strip()) == (0, f"butlers {build_label()}")
+    assert build_label().startswith(butlers.__version__)
     closed = subprocess.run(
         [butlers_bin, "doctor", "--config-dir", "/nonexistent", "--json"],
         stdin=subprocess.DEVNULL,

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from butlers import __version__, logs
+from butlers import logs
+from butlers.build import build_label
 from butlers.cli.client import DEFAULT_SWITCHBOARD_URL, client_command
 from butlers.cli.fleet import DEFAULT_CONFIG_DIR, run_butler, run_db_upgrade, run_up
 from butlers.cli.gateway import gateway_command
@@ -58,7 +59,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         epilog="Environment: DATABASE_URL (else embedded PostgreSQL under $BUTLERS_DATA_DIR), "
         "BUTLERS_DATA_DIR (default .butlers), BUTLERS_AUTH_TOKEN, OTEL_EXPORTER_OTLP_ENDPOINT.",
     )
-    parser.add_argument("--version", action="version", version=f"butlers {__version__}")
+    parser.add_argument("--version", action="version", version=f"butlers {build_label()}")
     log_options(
         parser,
         level=settings.log_level,
