@@ -24,6 +24,7 @@ import psutil
 import pytest
 from fastmcp import Client
 
+from butlers.build import build_label
 from butlers.claude_code import isolated_cli_env
 from tests.conftest import eventually, migration_heads
 
@@ -293,6 +294,8 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
     assert all(step in up.stderr for step in steps), up.stderr  # a cold start's steps
     assert sorted(steps, key=up.stderr.index) == list(steps), up.stderr  # in this order
 
+    # Which code runs (after a pull: the new one?), then each butler's endpoints.
+    assert f"Butlers {build_label()} ready (embedded PostgreSQL in " in up.stdout
     for name, port in ports.items():
         assert f"http://127.0.0.1:{port}/sse" in up.stdout
         health = await _health(port)

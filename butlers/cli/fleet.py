@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers import logs
+from butlers.build import build_label
 from butlers.cli.process import (
     collect_as_a_server,
     collector_paused,
@@ -337,7 +338,7 @@ def print_ready_table(
     rows += [
         (d.config.name, d.sse_url, f"{d.base_url}/mcp", f"{d.base_url}/health") for d in daemons
     ]
-    print(f"Butlers ready ({db_description}):")
+    print(f"Butlers {build_label()} ready ({db_description}):")
     print_rows(rows, indent="  ")
     sys.stdout.flush()  # (two streams: the table first on a terminal)
     print_warnings(warnings)
