@@ -12,6 +12,7 @@ failed route's reply; and the notification desk on the same stores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from butlers.switchboard.outbox import OutboxSender
 from butlers.switchboard.replies import answer_lost, sorry
 from butlers.switchboard.routing_store import RouteRecord
 from butlers.switchboard.worker import InboxWorker
+from tests.conftest import log_records
 from tests.test_media import ogg_opus
 
 REPLICA = "sb-1"
@@ -566,6 +568,41 @@ async def test_the_database_failing_before_any_butler_was_asked_puts_the_message
     assert (row["status"], row["reply"]) == ("done", "general did: a#1")
     assert failures == [1, 2]
     assert [text for _, text in parts.router.routed] == ["a#0", "a#1"]  # asked once
+
+
+async def test_an_outcome_whose_commit_went_through_unanswered_is_not_taken_for_lost(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finish's COMMIT went through but its answer was lost with the connection: the
+    retry found the row finished and took it for another process's ("taken over; its
+    outcome here is dropped"), and its `ask` caller and the outbox were not told. Now the
+    row finished by this replica is the outcome written."""
+    import asyncpg
+
+    monkeypatch.setattr(worker_module, "FINISH_BACKOFF", worker_module.Backoff((0.05,)))
+    parts.router.gate.set()
+    worker = parts.make()
+    await worker.open()
+    acquire, dropped = parts.database.acquire, []
+
+    @contextlib.asynccontextmanager
+    async def dropped_after_commit() -> AsyncIterator[Any]:
+        async with acquire() as conn:
+            yield conn
+        if not dropped and parts.router.routed:  # the finish's, after the commit
+            dropped.append(1)
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")
+
+    monkeypatch.setattr(parts.database, "acquire", dropped_after_commit)
+    with log_records("butlers.switchboard.worker") as records:
+        inbox_id = await worker.accept(message("a", 0))
+        assert inbox_id is not None
+        (row,) = await done(worker, [inbox_id])
+    assert dropped == [1]
+    assert (row["status"], row["reply"]) == ("done", "general did: a#0")
+    assert not [r for r in records if "taken over" in r.getMessage()]
+    delivery = await parts.outbox.claim("telegram")
+    assert delivery is not None and delivery.text == "general did: a#0"
 
 
 async def test_a_message_whose_lease_ran_out_here_is_not_worked_on_twice(

@@ -761,6 +761,12 @@ class InboxWorker:
             try:
                 await asyncio.shield(write())
                 break
+            except LeaseLost:
+                # After a failed try: its COMMIT may have gone through, the answer lost with
+                # the connection. Then the outcome is ours, written: not "taken over".
+                if failures and await self._finished_here(message.id):
+                    break
+                raise
             except Exception as exc:
                 # The outcome is held here until the database takes it: given up, the
                 # message was claimed again once its lease ran out, and its butlers asked
@@ -788,6 +794,15 @@ class InboxWorker:
             # (`_resolve`, which took the waiter before it was popped here).
             if not future.done():
                 future.set_result(row or {})
+
+    async def _finished_here(self, inbox_id: int) -> bool:
+        """Whether this replica finished the message (its row done, failed or skipped)."""
+        row = await self.inbox.get(inbox_id)
+        return (
+            row is not None
+            and row.get("claimed_by") == self.replica
+            and row.get("status") in ("done", "failed", "skipped")
+        )
 
     def _replies(
         self, message: InboxMessage, reply: str | None, routed_to: str | None
