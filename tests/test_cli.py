@@ -26,7 +26,7 @@ from fastmcp import Client
 
 from butlers.build import build_label
 from butlers.claude_code import isolated_cli_env
-from tests.conftest import eventually, migration_heads
+from tests.conftest import eventually, log_records, migration_heads
 
 if TYPE_CHECKING:
     from butlers.db import PostgresServer
@@ -589,6 +589,35 @@ async def test_a_data_directory_serves_the_config_directory_it_was_made_for(
     assert await upgrade.run() == 0, upgrade.stderr
     claim = Path(cli_env["BUTLERS_DATA_DIR"]) / "config-dir"
     assert claim.read_text().strip() == str(example.resolve())
+
+
+def test_a_claimed_data_directory_is_taken_over_only_from_a_config_directory_that_is_gone(
+    tmp_path: Path,
+) -> None:
+    """Its recorded config directory unreadable (a parent closed to this user, a loop of
+    links) was taken for gone, and the data directory for another config's ("(... is
+    gone)"), while that fleet still lived. Only one that is not there is gone."""
+    from butlers.cli.fleet import CLAIM_FILE, claim_data_dir
+    from butlers.errors import CommandError
+
+    data_dir, old, new = tmp_path / "data", tmp_path / "old", tmp_path / "new"
+    for directory in (data_dir, old, new):
+        directory.mkdir(mode=0o700)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    (data_dir / CLAIM_FILE).write_bytes(os.fsencode(loop / "config") + b"\n")
+    with pytest.raises(CommandError, match=r"which cannot be looked at \(Too many levels"):
+        claim_data_dir(data_dir, new)
+    (data_dir / CLAIM_FILE).write_bytes(os.fsencode(old) + b"\n")
+    with pytest.raises(CommandError, match=f"holds the databases of the butlers in {old}, not"):
+        claim_data_dir(data_dir, new)
+    old.rmdir()  # moved away: gone
+    with log_records("butlers.cli.fleet") as records:
+        claim_data_dir(data_dir, new)
+    assert (data_dir / CLAIM_FILE).read_bytes() == os.fsencode(new) + b"\n"
+    assert [r.getMessage() for r in records] == [
+        f"{data_dir} now serves the config directory {new} ({old} is gone)"
+    ]
 
 
 async def test_a_moved_config_directory_keeps_its_data_and_never_starts_empty_databases(

@@ -140,7 +140,7 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
         if recorded == mine:
             return
         shown, wanted = os.fsdecode(recorded), os.fsdecode(mine)
-        if recorded and os.path.isdir(recorded):
+        if recorded and _still_there(recorded, data_dir):
             raise CommandError(
                 f"{data_dir} holds the databases of the butlers in {shown}, not of {wanted}. "
                 f"Start those (butlers up --config-dir {shlex.quote(shown)}), or give these "
@@ -166,6 +166,23 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
         os.replace(new, CLAIM_FILE, src_dir_fd=directory, dst_dir_fd=directory)
     finally:
         os.close(directory)  # and with it the lock
+
+
+def _still_there(recorded: bytes, data_dir: Path) -> bool:
+    """Whether the config directory a claim names is still there: it is, unless looking finds
+    nothing. One that cannot be looked at (a parent closed to this user, a loop of links) is
+    not taken for gone: its data would have been taken over while the fleet still lived."""
+    try:
+        return stat.S_ISDIR(os.stat(recorded).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        shown = os.fsdecode(recorded)
+        raise CommandError(
+            f"{data_dir} holds the databases of the butlers in {shown}, which cannot be looked "
+            f"at ({exc.strerror}): start those, or if that directory moved away, remove "
+            f"{data_dir / CLAIM_FILE}"
+        ) from exc
 
 
 def _recorded_config_dir(directory: int, shown: Path) -> bytes:
