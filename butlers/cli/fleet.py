@@ -216,8 +216,14 @@ def follow_moved_config_dir(data_dir: Path, config_dir: Path) -> None:
         if os.fstat(directory).st_uid != 0:
             return  # someone else's: `make_private_dir` refuses it
         fcntl.flock(directory, fcntl.LOCK_EX)
-        recorded = os.fsdecode(_recorded_config_dir(directory, data_dir / CLAIM_FILE))
-        if not recorded or recorded == str(config_dir.resolve()) or os.path.isdir(recorded):
+        claim = _recorded_config_dir(directory, data_dir / CLAIM_FILE)
+        recorded = os.fsdecode(claim)
+        if not recorded or recorded == str(config_dir.resolve()):
+            return
+        try:
+            if _still_there(claim, data_dir):
+                return
+        except CommandError:  # cannot tell: not followed (claim_data_dir says why)
             return
         from butlers import pg_root_home
 
