@@ -515,6 +515,9 @@ class TriageRule:
         return self
 
 
+DEFAULT_RETENTION_DAYS = 90  # [switchboard] retention_days
+
+
 @dataclass(frozen=True, config=TABLE)
 class SwitchboardConfig:
     """`[switchboard]`: its presence makes a butler the switchboard (the front door); its
@@ -535,10 +538,10 @@ class SwitchboardConfig:
         ),
     )
     retention_days: Annotated[Int, Field(ge=1)] = Field(
-        default=90,
-        description="Finished inbox rows, routing_log, finished sessions and sent or failed "
-        "outbox rows older than this are deleted; queued messages, replies not sent yet and "
-        "running sessions stay.",
+        default=DEFAULT_RETENTION_DAYS,
+        description="Finished inbox rows, routing_log, finished sessions (every butler's of "
+        "this config directory) and sent or failed outbox rows older than this are deleted; "
+        "queued messages, replies not sent yet and running sessions stay.",
     )
     max_request_bytes: Annotated[Int, Field(ge=1024)] = Field(
         default=1024 * 1024, description="Bigger request bodies get 413."
@@ -765,6 +768,17 @@ class ButlerConfig:
     # `email:<address>`), from [switchboard.owner] of its config directory: whose memories
     # are the owner's (butlers.memory).
     owner_persons: tuple[str, ...] = ()
+    # [switchboard] retention_days of its config directory (load_config_dir): a butler's
+    # finished sessions (their prompts hold people's words) go when the messages do. Each
+    # kept its own 90 days whatever the owner had set (a year of data's walkthrough).
+    fleet_retention_days: int | None = None
+
+    @property
+    def retention_days(self) -> int:
+        """How many days its finished sessions (and, the switchboard's, messages) are kept."""
+        if self.switchboard is not None:
+            return self.switchboard.retention_days
+        return self.fleet_retention_days or DEFAULT_RETENTION_DAYS
 
     @property
     def zone(self) -> str:
@@ -1004,18 +1018,24 @@ def load_config_dir(config_dir: Path, placement: Placement = Placement()) -> Fle
         if config.is_switchboard:
             switchboard = config.name
         butlers.append(config)
-    return FleetConfig(_owner_defaults(butlers), tuple(errors))
+    return FleetConfig(_fleet_defaults(butlers), tuple(errors))
 
 
-def _owner_defaults(butlers: list[ButlerConfig]) -> tuple[ButlerConfig, ...]:
-    """What every butler takes from `[switchboard.owner]`: its time zone when it names none,
-    and who the owner is."""
-    owner = next((b.switchboard.owner for b in butlers if b.switchboard is not None), None)
-    if owner is None:
+def _fleet_defaults(butlers: list[ButlerConfig]) -> tuple[ButlerConfig, ...]:
+    """What every butler takes from its switchboard's config: from `[switchboard.owner]` its
+    time zone when it names none, and who the owner is; `retention_days`."""
+    switchboard = next((b.switchboard for b in butlers if b.switchboard is not None), None)
+    if switchboard is None:
         return tuple(butlers)
+    owner = switchboard.owner
     persons = tuple(f"{channel}:{who}" for channel, who in owner.channels())
     return tuple(
-        dataclasses.replace(b, timezone=b.timezone or owner.timezone, owner_persons=persons)
+        dataclasses.replace(
+            b,
+            timezone=b.timezone or owner.timezone,
+            owner_persons=persons,
+            fleet_retention_days=switchboard.retention_days,
+        )
         for b in butlers
     )
 

@@ -513,10 +513,11 @@ class ButlerDaemon:
                 logger.exception("scheduled tick failed", extra={"action": "tick_failed"})
 
     async def _prune(self) -> None:
-        """Retention (`[switchboard] retention_days`): sessions, and on the switchboard its
-        finished inbox rows and routing_log, older than that are deleted."""
+        """Retention (`[switchboard] retention_days` of the config directory): sessions, and
+        on the switchboard its finished inbox rows and routing_log, older than that are
+        deleted."""
         assert self.context is not None
-        days = (self.config.switchboard or SwitchboardConfig()).retention_days
+        days = self.config.retention_days
         deleted = {"sessions": await self.context.store.prune_sessions(days)}
         for prune in self._retention:
             deleted.update(await prune(days))

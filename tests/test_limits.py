@@ -10,10 +10,16 @@ import pytest
 from fastmcp import Client
 
 from butlers import daemon as daemon_module
-from butlers.config import RuntimeConfig, SwitchboardConfig, TriageRule
+from butlers.config import (
+    DEFAULT_RETENTION_DAYS,
+    RuntimeConfig,
+    SwitchboardConfig,
+    TriageRule,
+    load_config_dir,
+)
 from butlers.daemon import ButlerDaemon
 from butlers.switchboard.replies import RATE_LIMITED
-from tests.conftest import StartButler, butler_config, eventually, free_port
+from tests.conftest import StartButler, butler_config, eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI
 from tests.test_inbox import model
@@ -174,6 +180,50 @@ async def test_the_ticker_deletes_finished_rows_older_than_retention_days(
     assert await conn.fetchval("SELECT external_id FROM inbox") == "recent-done"
     assert await conn.fetchval("SELECT count(*) FROM routing_log") == 1
     assert await conn.fetchval("SELECT count(*) FROM sessions") == 1
+
+
+async def test_every_butler_keeps_its_sessions_as_long_as_the_switchboard_keeps_messages(
+    start_butler: StartButler,
+    tmp_path: Path,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`[switchboard] retention_days` held for the switchboard alone: the other butlers kept
+    their sessions (whose prompts hold people's words) 90 days whatever the owner had set,
+    and with a longer setting deleted them under the messages they answered (a year of
+    data's walkthrough). Every butler of the config directory takes it."""
+    monkeypatch.setattr(daemon_module, "PRUNE_EVERY_S", 0.1)
+    config_dir = tmp_path / "config"
+    write_butler_dir(config_dir, "general", free_port())
+    write_butler_dir(
+        config_dir,
+        "switchboard",
+        free_port(),
+        extra='[switchboard]\ndefault_butler = "general"\nretention_days = 30\n',
+    )
+    fleet = load_config_dir(config_dir)
+    assert not fleet.errors
+    general = fleet.get("general")
+    assert general is not None and general.retention_days == 30
+    alone = tmp_path / "alone"
+    write_butler_dir(alone, "general", free_port())
+    assert load_config_dir(alone).butlers[0].retention_days == DEFAULT_RETENTION_DAYS
+
+    daemon = await start_butler(
+        replace(general, runtime=RuntimeConfig(tick_interval_s=0.1)), config_dir=config_dir
+    )
+    conn = await db_conn(daemon.config.database)
+    await conn.execute(
+        """INSERT INTO sessions (trigger_source, prompt, started_at, finished_at) VALUES
+             ('trigger', 'old', now() - interval '31 days', now() - interval '31 days'),
+             ('trigger', 'kept', now() - interval '29 days', now() - interval '29 days')"""
+    )
+
+    async def pruned() -> bool:
+        return await conn.fetchval("SELECT count(*) FROM sessions") == 1
+
+    await eventually(pruned)
+    assert await conn.fetchval("SELECT prompt FROM sessions") == "kept"
 
 
 async def test_retention_keeps_what_is_not_finished_however_old(
