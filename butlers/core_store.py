@@ -75,8 +75,10 @@ class CoreStore:
     async def state_delete(self, key: str) -> bool:
         return (await self.pool.execute(sql.STATE_DELETE, key)) == "DELETE 1"
 
-    async def state_list(self, prefix: str) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(sql.STATE_LIST, prefix)
+    async def state_list(
+        self, prefix: str, *, limit: int | None = None, values: bool = True
+    ) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(sql.STATE_LIST if values else sql.STATE_KEYS, prefix, limit)
         return [dict(r) for r in rows]
 
     # -- scheduled tasks -------------------------------------------------------------------

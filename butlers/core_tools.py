@@ -541,14 +541,19 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return {"key": key, "deleted": await store.state_delete(scoped(key))}
 
     @tool
-    async def state_list(prefix: str = "") -> list[dict[str, Any]]:
-        """Every key starting with `prefix`, with its value and when it was last set."""
+    async def state_list(
+        prefix: str = "", limit: int | None = None, values: bool = True
+    ) -> list[dict[str, Any]]:
+        """Every key starting with `prefix`, in order, with its value and when it was last
+        set: the first `limit` of them when given; `values=false` leaves the values out."""
+        if limit is not None and limit < 1:
+            raise ToolRefusal(f"limit must be at least 1, not {limit}")
         who = person_scope()
         if who is None:
-            return await store.state_list(prefix)
+            return await store.state_list(prefix, limit=limit, values=values)
         if who == NO_PERSON:
             return []
-        rows = await store.state_list(_namespace(who) + prefix)
+        rows = await store.state_list(_namespace(who) + prefix, limit=limit, values=values)
         return [{**row, "key": row["key"].removeprefix(_namespace(who))} for row in rows]
 
     @tool

@@ -26,7 +26,7 @@ from starlette.testclient import TestClient
 
 from butlers.core_store import CoreStore
 from butlers.dashboard.app import Dashboard, DashboardParts
-from butlers.dashboard.fleet import FleetProbe
+from butlers.dashboard.fleet import STATE_KEYS_SHOWN, FleetProbe
 from butlers.dashboard.store import DashboardStore
 from butlers.db import create_pool
 from butlers.mcp_connection.pool import McpConnections
@@ -598,3 +598,31 @@ async def test_a_butlers_memories_are_shown_searched_and_forgotten(
         junk = await client.post("/ui/butlers/general/memory", data={"forget": "x", "csrf": csrf})
         assert junk.status_code == 400 and "a memory's number" in text_of(junk.text)
         assert [m["id"] for m in await call(general, "memory_list")] == left
+
+
+async def test_a_butler_with_thousands_of_state_keys_shows_the_first_ones_without_values(
+    fleet, pg_server, db_conn
+) -> None:
+    """The butler's page listed every state key and fetched every value (2000 keys: 250 KB
+    of HTML, every 10 s; a value may be 512 KiB: a year of data's walkthrough). It shows
+    the first STATE_KEYS_SHOWN keys, says there are more, and asks for no value."""
+    switchboard, general = fleet
+    conn = await db_conn(general.config.db_name)
+    await conn.execute(
+        """INSERT INTO state (key, value)
+           SELECT 'log:' || lpad(g::text, 5, '0'), to_jsonb(repeat('secret-value ', 40))
+           FROM generate_series(1, $1::int + 5) g""",
+        STATE_KEYS_SHOWN,
+    )
+    async with dashboard_client(pg_server, switchboard) as client:
+        page = (await client.get("/ui/butlers/general", headers=BEARER)).text
+    keys = [cells(r)[0] for r in rows_of(page, "state")]
+    assert keys == [f"log:{n:05}" for n in range(1, STATE_KEYS_SHOWN + 1)]
+    assert 'id="state-more"' in page and "secret-value" not in page
+    # The tool's own limit and keys-only answer, as the page asks for them.
+    listed = await call(general, "state_list", prefix="log:", limit=2, values=False)
+    assert [set(row) for row in listed] == [{"key", "updated_at"}] * 2
+    assert [row["key"] for row in listed] == ["log:00001", "log:00002"]
+    with_values = await call(general, "state_list", prefix="log:0000", limit=1)
+    assert with_values[0]["value"].startswith("secret-value")
+    assert len(await call(general, "state_list", prefix="log:")) == STATE_KEYS_SHOWN + 5

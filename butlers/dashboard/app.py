@@ -53,7 +53,7 @@ from butlers.dashboard.auth import (
     csrf_token,
     keep_csrf,
 )
-from butlers.dashboard.fleet import MEMORIES_SHOWN, Answer, FleetProbe
+from butlers.dashboard.fleet import MEMORIES_SHOWN, STATE_KEYS_SHOWN, Answer, FleetProbe
 from butlers.dashboard.store import PAGE_ROWS, DashboardStore
 from butlers.memory import MAX_QUERY_CHARS
 from butlers.schedule_time import wall_clock
@@ -423,6 +423,7 @@ class Dashboard:
             butler=butler,
             detail=detail,
             median_ms=statistics.median(durations) if durations else None,
+            state_keys_shown=STATE_KEYS_SHOWN,
         )
 
     async def memory(self, request: Request) -> Response:
