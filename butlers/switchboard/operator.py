@@ -106,6 +106,8 @@ class OperatorStore:
     async def approvals_by_trace(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
         """The approvals the sessions of these traces asked for (a message's trace is its
         sessions'), by trace id, oldest first."""
+        if not trace_ids:
+            return {}
         rows = await self.pool.fetch(sql.OPERATOR_APPROVALS_BY_TRACE, list(trace_ids))
         found: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
