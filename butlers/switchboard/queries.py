@@ -258,7 +258,9 @@ INBOX_REQUEUE_INTERRUPTED = """
 # The oldest message that may start now, claimed for $1 for $2 seconds, with its sender's
 # last hour. May start: queued and not deferred past now, or its lease ran out; and nothing
 # older of its conversation pending, nothing of it in flight. FOR UPDATE SKIP LOCKED: two
-# processes claiming at once take different messages.
+# processes claiming at once take different messages. (`i.id + 0`: not an index condition.
+# On a year's inbox the planner ANDed the primary key's index into the sender's count, which
+# read every older message's id: 60,000 ids, 4.4 ms a claim: a year of data's walkthrough.)
 INBOX_CLAIM_NEXT = """
     WITH candidate AS (
         SELECT q.id FROM inbox q
@@ -287,7 +289,7 @@ INBOX_CLAIM_NEXT = """
         FROM inbox i
         WHERE i.channel = claimed.channel AND i.source_id = claimed.source_id
           AND i.received_at > claimed.received_at - interval '1 hour'
-          AND i.id < claimed.id AND i.classified_via IS DISTINCT FROM 'album'
+          AND i.id + 0 < claimed.id AND i.classified_via IS DISTINCT FROM 'album'
     ) AS sender
 """
 # How many messages the sender $2 of channel $1 sent in the last hour (album parts not
