@@ -72,12 +72,22 @@ _WORD_SEARCH = """
 _EXCLUDED = " AND NOT words @@ " + ANY_WORD.replace("$1", "$7")
 # "-word" (at the start, or after a space), as websearch_to_tsquery reads it.
 NEGATED = re.compile(r"(?:^|(?<=\s))-(\w+)")
-# A session's context: $1 a tsquery built here from the prompt's lexemes.
+# A session's context: $1 a tsquery built here from the prompt's lexemes. Memories alike but
+# for their numbers and punctuation (a receipt a month, a weight a day) count once, the best
+# of them: equal in rank, the newest five such were all a session was given, and "Who is my
+# dentist?" got five dentist's bills, not the dentist (a year of data's walkthrough).
 _CONTEXT_SEARCH = """
-    SELECT id, text, tags, created_at, 1 + ts_rank_cd(words, $1::tsquery, 32) AS score
-    FROM memories
-    WHERE words @@ $1::tsquery
-      AND {visible}
+    SELECT id, text, tags, created_at, score FROM (
+        SELECT DISTINCT ON (shape) id, text, tags, created_at, score FROM (
+            SELECT id, text, tags, created_at, 1 + ts_rank_cd(words, $1::tsquery, 32) AS score,
+                   regexp_replace(lower(text), '[[:digit:][:punct:][:space:]]+', ' ', 'g')
+                       AS shape
+            FROM memories
+            WHERE words @@ $1::tsquery
+              AND {visible}
+        ) AS found
+        ORDER BY shape, score DESC, id DESC
+    ) AS unlike
     ORDER BY score DESC, id DESC
     LIMIT $2
 """

@@ -216,6 +216,23 @@ async def test_at_ten_thousand_memories_the_oldest_unused_is_evicted(
     assert "evicted the oldest unused" in caplog.text
 
 
+async def test_a_sessions_context_counts_memories_alike_but_for_numbers_once(
+    memory: MemoryStore,
+) -> None:
+    """A bill logged every month, equal in rank, filled a session's five memories: "Who is my
+    dentist?" was given five of the dentist's bills, newest first, and not who the dentist
+    is (a year of data's walkthrough). Memories alike but for numbers and punctuation count
+    once, the newest; others alike in words only stay apart."""
+    fact = await memory.remember("Dentist appointments are with Dr Okafor at the Elm Street", [])
+    for month in range(1, 13):
+        await memory.remember(f"Paid the dentist bill: {60 + month} EUR on 2026-{month:02}-03", [])
+    newest_bill = await memory.remember("Paid the dentist bill: 99 EUR on 2026-12-24", [])
+    other = await memory.remember("The dentist moved the cleaning to Friday", [])
+    found = await memory.context("Who is my dentist?", 5, OWNER_SESSION)
+    assert sorted(f["id"] for f in found) == sorted([fact["id"], newest_bill["id"], other["id"]])
+    assert len(await memory.search("dentist", 20)) == 15  # a search still lists them all
+
+
 async def test_a_prompts_context_is_the_memories_sharing_two_of_its_words(
     memory: MemoryStore,
 ) -> None:
