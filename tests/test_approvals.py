@@ -776,6 +776,16 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
             '"amount": "10\\u202e0000"' in page
         )
         assert "\u202e" not in page
+        # A hundred newer ones decided: #2, still pending, is shown with its buttons (the
+        # page showed the newest hundred only), and the page says there are older ones.
+        await conn.execute(
+            """INSERT INTO approvals (butler, tool, arguments, status, expires_at)
+               SELECT 'general', 'notify', '{}', 'denied', now() FROM generate_series(1, 100)"""
+        )
+        async with http.get(f"{base}/ui/approvals") as response:
+            page = await response.text()
+        assert ">Approve #2</button>" in page and 'id="approvals-more"' in page
+        assert page.count('<tr data-id="') == 101
         # The stranger's message (inbox 1) shows what its session asked for.
         async with http.get(f"{base}/ui/messages/1") as response:
             page = await response.text()

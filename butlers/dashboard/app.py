@@ -21,6 +21,7 @@ secret that reached a message, a reply or an error is not shown either.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -515,7 +516,13 @@ class Dashboard:
                 notice = f"Approval #{approval_id} is approved: its call runs now; this page "
                 notice += "shows how it ended once it has."
         await desk.expire()
-        rows = [public_approval(row) for row in await desk.store.newest(None, MAX_APPROVALS)]
+        # Every pending one, whatever came after it (one waiting behind a hundred newer ones
+        # could not be decided here), then the newest.
+        pending_rows, newest = await asyncio.gather(
+            desk.store.newest("pending", MAX_APPROVALS), desk.store.newest(None, MAX_APPROVALS)
+        )
+        merged = {row["id"]: row for row in [*pending_rows, *newest]}
+        rows = [public_approval(merged[i]) for i in sorted(merged, reverse=True)]
         for row in rows:
             # Exactly what will run, and seen as such: nothing in them may reorder or hide
             # what follows (the Telegram question's rule).
@@ -526,7 +533,13 @@ class Dashboard:
         waiting = running or any(row["status"] == "approved" for row in rows)
         pending = any(row["status"] == "pending" for row in rows)
         return self._render(
-            request, "approvals.html", refresh=waiting and not pending, rows=rows, notice=notice
+            request,
+            "approvals.html",
+            refresh=waiting and not pending,
+            rows=rows,
+            notice=notice,
+            more=len(newest) >= MAX_APPROVALS,
+            shown=MAX_APPROVALS,
         )
 
     async def pairing(self, request: Request) -> Response:
