@@ -162,10 +162,25 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
         "('telegram', 'u-trace', 'hi', $1, 'done') RETURNING id",
         json.dumps({"traceparent": f"00-{message_trace}-{'cd' * 8}-01"}),
     )
+    # 600 newer ones: it was looked for among the newest 500, and "not found".
+    await conn.execute(
+        "INSERT INTO inbox (channel, external_id, text, status) "
+        "SELECT 'telegram', 'newer-' || g, 'hi', 'done' FROM generate_series(1, 600) g"
+    )
 
     jaeger = {"JAEGER_UI_URL": "http://jaeger.lan:16686/"}
     missing = "00000000-0000-0000-0000-000000000000"
-    by_row, by_trace_id, as_json, not_an_id, an_inbox_id, no_row, no_message = await asyncio.gather(
+    (
+        by_row,
+        by_trace_id,
+        as_json,
+        not_an_id,
+        an_inbox_id,
+        no_row,
+        no_message,
+        older,
+        a_page,
+    ) = await asyncio.gather(
         run_cli("trace", row["id"], "--url", url, token="cli-token"),
         run_cli("trace", row["trace_id"].upper(), env=jaeger),  # no switchboard
         run_cli("trace", row["id"], "--url", url, "--json", token="cli-token", env=jaeger),
@@ -174,6 +189,9 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
         run_cli("trace", str(inbox_id), "--url", url, "--json", token="cli-token"),
         run_cli("trace", missing, "--url", url, token="cli-token"),
         run_cli("trace", str(inbox_id + 1000), "--url", url, token="cli-token"),
+        # A page of older messages: those before the newest, not them.
+        run_cli("inbox", "--before", str(inbox_id + 2), "--url", url, "--json", token="cli-token"),
+        run_cli("inbox", "--limit", "3", "--url", url, token="cli-token"),
     )
     code, out, err = by_row
     assert code == 0, err
@@ -197,7 +215,12 @@ async def test_trace_prints_the_jaeger_link(fleet: Fleet, db_conn) -> None:
     code, _, err = no_row
     assert code == 1 and f"no routing_log row with id {missing}" in err
     code, _, err = no_message
-    assert code == 1 and f"no inbox message {inbox_id + 1000} among the newest 500" in err
+    assert code == 1 and f"no inbox message {inbox_id + 1000} (`butlers inbox`" in err
+    code, out, err = older
+    assert code == 0, err
+    assert [row["id"] for row in json.loads(out)][:2] == [inbox_id + 1, inbox_id]
+    code, out, err = a_page  # a full page says how to ask for the one before it
+    assert code == 0 and f"(3 shown; older ones: --before {inbox_id + 598})" in err, err
 
 
 async def test_every_client_command_says_what_to_check_when_the_switchboard_is_down() -> None:

@@ -187,18 +187,13 @@ async def _trace(target: SwitchboardTarget, ref: str, jaeger_ui_url: str) -> dic
     }
 
 
-TRACE_LOOKBACK = 500  # inbox_list's largest page: the messages `butlers trace N` finds
-
-
 async def _message_trace(target: SwitchboardTarget, inbox_id: int) -> str:
-    """The trace id of inbox message `inbox_id`, among the newest TRACE_LOOKBACK."""
-    rows = await call_switchboard(target, "inbox_list", {"limit": TRACE_LOOKBACK})
+    """The trace id of inbox message `inbox_id` (it was looked for among the newest 500:
+    an older one was "not found")."""
+    rows = await call_switchboard(target, "inbox_list", {"limit": 1, "before": inbox_id + 1})
     row = next((r for r in rows if r.get("id") == inbox_id), None)
     if row is None:
-        raise CommandError(
-            f"no inbox message {inbox_id} among the newest {TRACE_LOOKBACK}: its routes' "
-            "traces are in `butlers log` (TRACE, by INBOX)"
-        )
+        raise CommandError(f"no inbox message {inbox_id} (`butlers inbox` lists them)")
     if not row.get("trace_id"):
         raise CommandError(f"inbox message {inbox_id} has no trace id")
     return str(row["trace_id"])
@@ -249,8 +244,10 @@ async def _ask(target: SwitchboardTarget, args: Any, _settings: Settings) -> Ask
 
 async def _inbox(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
     asked = {"status": args.status, "limit": args.limit}
+    if args.before is not None:
+        asked["before"] = args.before
     rows = await call_switchboard(target, "inbox_list", asked)
-    return rows, functools.partial(print_inbox, status=args.status)
+    return rows, functools.partial(print_inbox, status=args.status, limit=args.limit)
 
 
 async def _routing_log(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:

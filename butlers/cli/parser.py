@@ -302,6 +302,9 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     client_args(inbox)
     inbox.add_argument("--status", help="only queued|processing|done|failed|skipped ones")
     limit_arg(inbox)
+    inbox.add_argument(
+        "--before", type=int, metavar="ID", help="only messages older than message ID (a page)"
+    )
     log = commands.add_parser("log", help="the newest routing_log rows, with their Jaeger links")
     client_args(log)
     log.add_argument("--butler", metavar="NAME", help="only the routes to this butler")

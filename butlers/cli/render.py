@@ -165,7 +165,9 @@ def none_found(what: str, status: str | None) -> str:
     return f"No {status} {what}." if status else f"No {what}."
 
 
-def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
+def print_inbox(rows: list[dict[str, Any]], status: str | None, limit: int | None = None) -> None:
+    """The messages, newest first; a full page ends with how to ask for the one before it
+    (on stderr: the table stays the table)."""
     if not rows:
         print(none_found("inbox messages", status))
         return
@@ -217,6 +219,9 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None) -> None:
         table.append((cells, details))
     header = ("ID", "RECEIVED", "CHANNEL", "FROM", "STATUS", "ROUTED TO", "VIA", "TEXT")
     print_rows_with_details(header, table)
+    if limit is not None and len(rows) >= limit:
+        sys.stdout.flush()
+        print(f"({len(rows)} shown; older ones: --before {rows[-1]['id']})", file=sys.stderr)
 
 
 def print_routing_log(rows: list[dict[str, Any]], butler: str | None) -> None:

@@ -92,15 +92,13 @@ class OperatorStore:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
 
-    async def inbox(self, status: str | None, limit: int) -> list[dict[str, Any]]:
-        """Newest first. The trace id is the stored trace context's; a row without one (an
-        envelope kept by `record_failed`, a row from before tracing) takes its first route's."""
-        rows = await self.pool.fetch(
-            sql.OPERATOR_INBOX,
-            status,
-            limit,
-            _HEAD_CHARS,
-        )
+    async def inbox(
+        self, status: str | None, limit: int, before: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Newest first (older than message `before` when given). The trace id is the stored
+        trace context's; a row without one (an envelope kept by `record_failed`, a row from
+        before tracing) takes its first route's."""
+        rows = await self.pool.fetch(sql.OPERATOR_INBOX, status, limit, _HEAD_CHARS, before)
         return [dict(r) for r in rows]
 
     async def approvals_by_trace(self, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
@@ -184,15 +182,18 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
     jaeger = jaeger_ui_url
 
     @mcp.tool
-    async def inbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    async def inbox_list(
+        status: str | None = None, limit: int = 20, before: int | None = None
+    ) -> list[dict[str, Any]]:
         """The newest inbox messages (`status`: queued | processing | done | failed |
-        skipped; `limit` 1..500): sender, conversation, what happened to it (status,
-        routed_to, classified_via, error), a text excerpt, times, its trace id, and the
-        approvals its sessions asked for (`approvals`: id, tool, status)."""
+        skipped; `limit` 1..500; `before`: only those older than that message id, the next
+        page): sender, conversation, what happened to it (status, routed_to, classified_via,
+        error), a text excerpt, times, its trace id, and the approvals its sessions asked
+        for (`approvals`: id, tool, status)."""
         _refuse_classification_sessions()
         _check_status(status, INBOX_STATUSES, "inbox")
         _check_limit(limit)
-        rows = await store.inbox(status, limit)
+        rows = await store.inbox(status, limit, before)
         asked = await store.approvals_by_trace([r["trace_id"] for r in rows if r["trace_id"]])
         for row in rows:
             _with_excerpt(row)

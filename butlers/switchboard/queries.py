@@ -668,6 +668,8 @@ FILES_OF_META = Fragment(
 )
 # The newest $2 inbox rows (of status $1; NULL: any), $3 characters of each text for its
 # excerpt, each with its trace and the outcomes before `butlers retry` queued it again.
+# The newest $2 inbox messages (of status $1; NULL: any; older than id $4 when given), their
+# text's first $3 characters.
 OPERATOR_INBOX = f"""
     WITH page AS (
         SELECT id, channel, source_id, sender_name, subject, conversation, status,
@@ -681,7 +683,7 @@ OPERATOR_INBOX = f"""
             FROM outbox o
             WHERE o.inbox_id = inbox.id AND o.kind = 'reply' ORDER BY o.id DESC LIMIT 1
         ) AS reply_out ON true
-        WHERE $1::text IS NULL OR status = $1
+        WHERE ($1::text IS NULL OR status = $1) AND ($4::bigint IS NULL OR id < $4)
         ORDER BY id DESC LIMIT $2
     )
     {WITH_ROUTED_TRACE}
