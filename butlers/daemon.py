@@ -276,7 +276,7 @@ class ButlerDaemon:
             middleware.add_guard(ClassificationFence(CLASSIFIER_TOOLS))
         switchboard = self.switchboard
         modules = build_modules(
-            config, mcp, switchboard.worker if switchboard else None, self.settings
+            config, mcp, switchboard.worker if switchboard else None, self.settings, store
         )
         ctx.module_statuses = modules.statuses
         ctx.tool_names = [tool.name for tool in await mcp.list_tools(run_middleware=False)]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from starlette.routing import BaseRoute
 
     from butlers.context import ModuleStatus
+    from butlers.core_store import CoreStore
     from butlers.media import Attachment
     from butlers.settings import Settings
     from butlers.switchboard.approvals import ApprovalDesk
@@ -83,16 +84,41 @@ class ChannelModule(Protocol):
 
 
 @dataclass(frozen=True)
+class ChannelState:
+    """What a channel keeps across starts, in its butler's state table under keys of its own
+    (`channel:<name>:<key>`): the email module's first mail to read, say."""
+
+    store: CoreStore
+    channel: str
+
+    def _key(self, key: str) -> str:
+        return f"channel:{self.channel}:{key}"
+
+    async def get(self, key: str) -> Any:
+        """The value kept under `key`, or None."""
+        row = await self.store.state_get(self._key(key))
+        return None if row is None else row["value"]
+
+    async def set(self, key: str, value: Any) -> None:
+        await self.store.state_set(self._key(key), value)
+
+
+@dataclass(frozen=True)
 class ChannelContext:
     """What opening a channel may use: the butler's settings (its variables are looked up
-    there, never in os.environ) and the switchboard's worker (None on a butler that is not
-    the switchboard: a channel there could only send)."""
+    there, never in os.environ), the switchboard's worker (None on a butler that is not
+    the switchboard: a channel there could only send), and the butler's store, for what a
+    channel keeps across starts (`state_of`; None: nothing is kept)."""
 
     settings: Settings
     worker: InboxWorker | None
+    store: CoreStore | None = None
 
     def variable(self, name: str) -> str | None:
         return self.settings.variable(name)
+
+    def state_of(self, channel: str) -> ChannelState | None:
+        return None if self.store is None else ChannelState(self.store, channel)
 
 
 class ChannelSpec:

@@ -140,6 +140,7 @@ class EmailChannel(ChannelSpec):
             context.variable(config.password_env) or "",
             context.worker,
             webhook_token=reveal(context.settings.email_webhook_token),
+            state=context.state_of(self.name),
         )
 
     def same_sender(self, sender: str) -> str:

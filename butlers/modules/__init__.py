@@ -25,6 +25,7 @@ from butlers.config import ButlerConfig
 from butlers.context import ModuleStatus
 
 if TYPE_CHECKING:
+    from butlers.core_store import CoreStore
     from butlers.settings import Settings
     from butlers.switchboard.worker import InboxWorker
 
@@ -59,16 +60,21 @@ class Modules:
 
 
 def build_modules(
-    config: ButlerConfig, mcp: FastMCP, worker: InboxWorker | None, settings: Settings
+    config: ButlerConfig,
+    mcp: FastMCP,
+    worker: InboxWorker | None,
+    settings: Settings,
+    store: CoreStore | None = None,
 ) -> Modules:
     """Build each channel the butler.toml declares (butlers.channels: the registry) and
     register its tools and routes; nothing connects until open(). `worker`: the
     switchboard's inbox, which their messages go to (None: a butler that only sends); the
     switchboard hands them its desks (Switchboard.use_channels).
 
-    Credentials come from the variables the butler.toml names, looked up in `settings`."""
+    Credentials come from the variables the butler.toml names, looked up in `settings`;
+    what a channel keeps across starts goes to `store` (the butler's state table)."""
     modules = Modules()
-    context = ChannelContext(settings=settings, worker=worker)
+    context = ChannelContext(settings=settings, worker=worker, store=store)
     for spec in CHANNELS:
         table = config.channels.get(spec.name)
         if table is None:

@@ -77,6 +77,7 @@ from butlers.tasks import cancel_and_wait
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
+    from butlers.channels.base import ChannelState
     from butlers.switchboard.approvals import ApprovalDesk
     from butlers.switchboard.pairing import PairingDesk
     from butlers.switchboard.worker import InboxWorker
@@ -106,8 +107,11 @@ class EmailModule:
         worker: InboxWorker | None,
         *,
         webhook_token: str | None = None,
+        state: ChannelState | None = None,
     ) -> None:
         self.config = config
+        # What the IMAP intake keeps across starts (the first mail it reads; None: nothing).
+        self.state = state
         self.username = username
         self.password = password
         self.worker = worker

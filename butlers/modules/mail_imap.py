@@ -30,6 +30,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from butlers.backoff import RECONNECT
@@ -60,8 +61,16 @@ MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as 
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
 TRIED_KEYWORD = "$ButlersTried"  # set while a mail is read (step 4 above)
 UNMARK_TIMEOUT_S = 2.0  # removing the keyword when stopping: no longer than this
+# Unread mail already in the mailbox at the first start is left alone, but for what came in
+# this long before it (the owner's first mail, sent before `butlers up`; mail that came while
+# a fleet was stopped to upgrade): pointed at a mailbox of years, the first start answered
+# the owner's unread mails from 2023 as if just written (a walkthrough).
+FIRST_START_LOOKBACK_S = 24 * 3600
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 _UIDVALIDITY = re.compile(rb"\[UIDVALIDITY (\d+)\]")
+_UIDNEXT = re.compile(rb"\[UIDNEXT (\d+)\]")
+_FETCH_INTERNALDATE = re.compile(rb'\bINTERNALDATE "([^"]+)"')
 _PERMANENTFLAGS = re.compile(rb"\[PERMANENTFLAGS \(([^)]*)\)\]")
 _FETCH_START = re.compile(rb"\d+ FETCH \(")
 _FETCH_UID = re.compile(rb"\bUID (\d+)")
@@ -107,6 +116,22 @@ def fetched(lines: list[Any], uid: str) -> Fetched | None:
     return None
 
 
+def internal_date(text: str) -> datetime | None:
+    """An IMAP date-time (`28-Nov-2026 05:41:01 +0000`, RFC 3501), or None."""
+    try:
+        day, month, rest = text.strip().split("-", 2)
+        numbered = f"{int(day):02}-{_MONTHS.index(month.title()) + 1:02}-{rest}"
+        return datetime.strptime(numbered, "%d-%m-%Y %H:%M:%S %z")
+    except ValueError:
+        return None
+
+
+def search_date(moment: datetime) -> str:
+    """A date as IMAP SEARCH takes it (`SINCE 27-Nov-2026`), the month's name not the
+    locale's."""
+    return f"{moment.day}-{_MONTHS[moment.month - 1]}-{moment.year}"
+
+
 def keywords_kept(select_lines: list[Any]) -> bool:
     """Whether the selected mailbox keeps TRIED_KEYWORD across connections: PERMANENTFLAGS names
     it or \\* (any keyword may be created). Without PERMANENTFLAGS, RFC 3501 says to assume
@@ -135,6 +160,7 @@ class ImapIntake:
         self._marked: set[str] = set()
         self._keywords = True
         self._told_no_keywords = False
+        self._first_uid = 1  # the first UID of the mailbox it reads (_first_to_read)
         self._lost = asyncio.Event()  # the current connection dropped
 
     # -- connections ----------------------------------------------------------------------------
@@ -211,6 +237,7 @@ class ImapIntake:
             self._keywords = keywords_kept(selected.lines)
             if not self._keywords:
                 self._no_keywords("its PERMANENTFLAGS allow no keywords")
+            self._first_uid = await self._first_to_read(client, uidvalidity, selected.lines)
             use_idle = module.config.mode == "idle" and client.has_capability("IDLE")
             module.status = ModuleStatus(
                 module.name,
@@ -294,10 +321,92 @@ class ImapIntake:
 
     # -- one mail at a time ---------------------------------------------------------------------
 
+    async def _first_to_read(
+        self, client: aioimaplib.IMAP4, uidvalidity: str, select_lines: list[Any]
+    ) -> int:
+        """The first UID of the mailbox this intake reads (1: every unread mail), chosen at
+        its first start (`_first_start_uid`) and kept in the channel's state by mailbox. A
+        mailbox made anew (another UIDVALIDITY: its UIDs start again) has every unread mail
+        read, as before (one answered already is known by its Message-ID)."""
+        state = self.module.state
+        if state is None:
+            return 1
+        key = f"first_uid:{self.module.username}@{self.server.host}:{self.server.port}/INBOX"
+        kept = await state.get(key)
+        if isinstance(kept, dict) and kept.get("uidvalidity") == uidvalidity:
+            uid = kept.get("uid")
+            if isinstance(uid, int) and uid >= 1:
+                return uid
+        if kept is None:
+            first = await self._first_start_uid(client, select_lines)
+        else:
+            first = 1
+            logger.warning(
+                "email: %s INBOX was made anew (UIDVALIDITY %s): its unread mail is read",
+                self.server.where,
+                uidvalidity,
+            )
+        await state.set(key, {"uidvalidity": uidvalidity, "uid": first})
+        return first
+
+    async def _first_start_uid(self, client: aioimaplib.IMAP4, select_lines: list[Any]) -> int:
+        """At the first start: the first UID past what the mailbox held then, but for unread
+        mail that came in the FIRST_START_LOOKBACK_S before (by its INTERNALDATE, the
+        server's arrival time: SEARCH SINCE takes whole days, in the server's zone). What
+        stays unread before it is left alone, untouched, and said once."""
+        found = next(
+            (
+                int(m.group(1))
+                for line in select_lines
+                if isinstance(line, bytes | bytearray) and (m := _UIDNEXT.search(line))
+            ),
+            None,
+        )
+        if found is None:  # (RFC 3501 requires it; a server that leaves it out: the highest)
+            every = await self._ok(client.uid_search("ALL"), "UID SEARCH ALL")
+            found = max(
+                (int(u) for u in (every.lines[0].split() if every.lines else [])), default=0
+            )
+            found += 1
+        first = found
+        since = datetime.now(UTC) - timedelta(seconds=FIRST_START_LOOKBACK_S)
+        day = search_date(since - timedelta(days=1))
+        recent = await self._ok(client.uid_search("UNSEEN", f"SINCE {day}"), "UID SEARCH SINCE")
+        candidates = recent.lines[0].split() if recent.lines else []
+        if candidates:
+            uids = b",".join(candidates).decode()
+            dates = await self._ok(client.uid("fetch", uids, "(UID INTERNALDATE)"), "UID FETCH")
+            for line in dates.lines:
+                if not isinstance(line, bytes | bytearray):
+                    continue
+                uid, at = _FETCH_UID.search(line), _FETCH_INTERNALDATE.search(line)
+                arrived = internal_date(at.group(1).decode()) if at else None
+                if uid is not None and arrived is not None and arrived >= since:
+                    first = min(first, int(uid.group(1)))
+        if first > 1:
+            older = await self._ok(
+                client.uid_search("UNSEEN", f"UID 1:{first - 1}"), "UID SEARCH UNSEEN"
+            )
+            left = [u for u in (older.lines[0].split() if older.lines else []) if int(u) < first]
+            if left:
+                logger.warning(
+                    "email: %d unread mails were in %s INBOX for more than a day before its "
+                    "first start: left alone, not read (move one out of INBOX and back to have "
+                    "it read)",
+                    len(left),
+                    self.server.where,
+                    extra={"action": "mail_left_alone"},
+                )
+        return first
+
     async def _fetch_unseen(self, client: aioimaplib.IMAP4, uidvalidity: str) -> bool:
-        """Take every unseen mail; True when one could not be stored (try again soon)."""
-        response = await self._ok(client.uid_search("UNSEEN"), "UID SEARCH UNSEEN")
+        """Take every unseen mail from the first UID it reads; True when one could not be
+        stored (try again soon)."""
+        criteria = ("UNSEEN",) if self._first_uid <= 1 else ("UNSEEN", f"UID {self._first_uid}:*")
+        response = await self._ok(client.uid_search(*criteria), "UID SEARCH UNSEEN")
         uids = [uid.decode() for uid in response.lines[0].split()] if response.lines else []
+        # (`N:*` holds the highest UID even when it is below N.)
+        uids = [uid for uid in uids if int(uid) >= self._first_uid]
         retry = False
         for uid in uids:
             if not await self._take(client, uidvalidity, uid):

@@ -361,11 +361,14 @@ async def _test_client(port: int, user: str, password: str) -> aioimaplib.IMAP4:
     return client
 
 
-async def imap_append(port: int, user: str, password: str, raw: bytes | EmailMessage) -> None:
-    """APPEND a mail to INBOX (pymap lets a plaintext client log in)."""
+async def imap_append(
+    port: int, user: str, password: str, raw: bytes | EmailMessage, *, date: Any = None
+) -> None:
+    """APPEND a mail to INBOX (pymap lets a plaintext client log in); `date`: its
+    INTERNALDATE (a datetime: when the server took it), else now."""
     client = await _test_client(port, user, password)
     data = raw.as_bytes() if isinstance(raw, EmailMessage) else raw
-    response = await client.append(data, mailbox="INBOX")
+    response = await client.append(data, mailbox="INBOX", date=date)
     assert response.result == "OK", response
     await client.logout()
 

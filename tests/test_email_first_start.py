@@ -1,0 +1,78 @@
+"""The first start of the email intake against a mailbox that already holds mail: unread
+mail from before it is left alone (but for the last day's), untouched, and stays so at every
+later start; what comes after it is read. On a real pymap and a real PostgreSQL (where the
+channel keeps its first UID)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from butlers.channels.base import ChannelState
+from butlers.core_store import CoreStore
+from butlers.db import create_pool
+from butlers.modules import mail_imap
+from butlers.modules.email import EmailModule
+from tests.conftest import log_records
+from tests.fakes.mail import RecordingWorker, imap_append, imap_flags, pymap_server
+from tests.test_email import mail
+from tests.test_email_tls import PASSWORD, USER, email_config
+
+@pytest.mark.parametrize(
+    "internal_date", ["28-Nov-2026 05:41:01 +0000", " 1-Feb-2023 23:59:59 -0500"]
+)
+def test_an_imap_date_is_read_whatever_the_locale(internal_date: str) -> None:
+    read = mail_imap.internal_date(internal_date)
+    assert read is not None and read.tzinfo is not None
+    assert mail_imap.search_date(datetime(2026, 3, 7, tzinfo=UTC)) == "7-Mar-2026"
+
+
+@pytest.mark.proc  # pymap is a process of its own
+async def test_the_first_start_leaves_old_unread_mail_alone(pg_server, make_database) -> None:
+    """Pointed at a mailbox of years, the first start answered the owner's unread mails from
+    2023 as if just written (a walkthrough). Now mail older than a day before the first start
+    is left alone, unflagged, then and at every later start; the day's is read (the owner's
+    first mail, sent before `butlers up`), and so is all that comes after."""
+    pool = await create_pool(pg_server, await make_database(), max_size=2)
+    state = ChannelState(CoreStore(pool), "email")
+    now = datetime.now(UTC)
+    try:
+        async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+            for n, age in enumerate((timedelta(days=900), timedelta(days=2), timedelta(hours=3))):
+                old = mail(subject=f"written {age} ago", message_id=f"<old{n}@example.com>")
+                await imap_append(port, USER, PASSWORD, old, date=now - age)
+            config = email_config(imap_port=port)
+            worker = RecordingWorker()
+            with log_records("butlers.modules.email") as records:
+                module = EmailModule(config, USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
+                await module.open()
+                await module.lead()
+                try:
+                    await worker.wait_for("<old2@example.com>")
+                    await imap_append(port, USER, PASSWORD, mail(message_id="<new1@example.com>"))
+                    await worker.wait_for("<new1@example.com>")
+                finally:
+                    await module.close()
+            assert worker.ids == ["<old2@example.com>", "<new1@example.com>"]
+            said = [r.getMessage() for r in records if "left alone" in r.getMessage()]
+            assert len(said) == 1 and said[0].startswith("email: 2 unread mails were in")
+            flags = await imap_flags(port, USER, PASSWORD)
+            assert [sorted(flags[uid]) for uid in sorted(flags)] == [[], [], ["\\Seen"], ["\\Seen"]]
+
+            # Started again (a restart, a replica taking over): the same.
+            await imap_append(port, USER, PASSWORD, mail(message_id="<new2@example.com>"))
+            again = RecordingWorker()
+            module = EmailModule(config, USER, PASSWORD, again, state=state)  # type: ignore[arg-type]
+            await module.open()
+            await module.lead()
+            try:
+                await again.wait_for("<new2@example.com>")
+            finally:
+                await module.close()
+            assert again.ids == ["<new2@example.com>"]
+            assert not (await imap_flags(port, USER, PASSWORD))[min(flags)]
+            kept = await state.get(f"first_uid:{USER}@127.0.0.1:{port}/INBOX")
+            assert kept["uid"] == sorted(flags)[2] and kept["uidvalidity"]
+    finally:
+        await pool.close()
