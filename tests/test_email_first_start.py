@@ -19,6 +19,7 @@ from tests.fakes.mail import RecordingWorker, imap_append, imap_flags, pymap_ser
 from tests.test_email import mail
 from tests.test_email_tls import PASSWORD, USER, email_config
 
+
 @pytest.mark.parametrize(
     "internal_date", ["28-Nov-2026 05:41:01 +0000", " 1-Feb-2023 23:59:59 -0500"]
 )

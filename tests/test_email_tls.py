@@ -162,7 +162,7 @@ async def test_imap_reads_mail_and_notices_a_dropped_connection(
             await wait_until(lambda: front.held > 0)  # noticed: it is reconnecting
             await imap_append(port, USER, PASSWORD, mail(message_id="<after@example.com>"))
             front.release()
-            # Generous, yet far below the 25 minutes until the IDLE would have been renewed.
+            # Generous, yet far below the minutes until the IDLE would have been renewed.
             await worker.wait_for("<after@example.com>", timeout_s=30)
             assert front.connections > connections
     assert worker.ids == ["<before@example.com>", "<after@example.com>"]
@@ -360,3 +360,29 @@ async def test_a_relay_beyond_loopback_without_auth_is_used_in_plaintext(beyond_
         await module.send("user@example.com", "Hello", "Relayed.")
         await relay.wait_for(1)
     assert beyond_loopback == [NOWHERE]
+
+
+@pytest.mark.proc  # pymap
+async def test_the_imap_connection_keeps_tcp_keepalive_on() -> None:
+    """A NAT or firewall that forgot an idle connection left it open and silent until the
+    IDLE was renewed, mail waiting meanwhile (a walkthrough): the kernel's keepalive probes
+    now end such a connection within about two minutes."""
+    import socket
+    import ssl
+
+    from butlers.modules import mail_transport
+    from butlers.modules.mail_transport import imap_close, imap_connect
+
+    async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        server = MailServer("IMAP", "127.0.0.1", port, "none")
+        client = await imap_connect(
+            server, USER, PASSWORD, context=ssl.create_default_context(), on_lost=lambda _: None
+        )
+        try:
+            sock = client.protocol.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            assert idle == mail_transport.KEEPALIVE_IDLE_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 4
+        finally:
+            await imap_close(client)

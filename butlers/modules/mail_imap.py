@@ -55,7 +55,11 @@ if TYPE_CHECKING:
 # The email module's logger: one place to listen for what happens to mail.
 logger = logging.getLogger("butlers.modules.email")
 
-IDLE_RENEW_S = 25 * 60  # servers may drop an IDLE after 29 minutes (RFC 2177)
+# An IDLE is ended and begun again this often: servers may drop one after 29 minutes (RFC
+# 2177), and a connection that went silent without closing (a proxy or NAT that stopped
+# passing data) is noticed only when the renewal's DONE gets no answer: mail waited up to
+# 25 minutes (a walkthrough). TCP keepalive (mail_transport.keep_alive) finds a dead peer.
+IDLE_RENEW_S = 5 * 60
 HEALTHY_CONNECTION_S = 60  # a connection that lasted this long was a working one
 MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
@@ -247,7 +251,7 @@ class ImapIntake:
             while True:
                 announced = arrivals.count
                 retry = await self._fetch_unseen(client, uidvalidity)
-                if retry:  # a mail could not be stored: try it again soon, not in 25 minutes
+                if retry:  # a mail could not be stored: try it again soon, not at the IDLE renewal
                     await self._wait(min(RETRY_FAILED_S, module.config.poll_interval_s))
                 elif arrivals.count != announced:
                     # A mail was announced (EXISTS) after the UID SEARCH began, in the answer
@@ -255,7 +259,7 @@ class ImapIntake:
                     # watch_arrivals). The search may not have had it (pymap searches only the
                     # mails it had announced), and a server announces a mail once: the IDLE
                     # would not report it, and it would wait for the next mail or the renewal
-                    # 25 minutes later. So search again: IDLE only after a search with no
+                    # minutes later. So search again: IDLE only after a search with no
                     # announcement since it began. Costs one SEARCH after a batch in which mail
                     # arrived. What arrives later is the IDLE's to report (pymap's only once
                     # something else changes, should it come in the instant before the IDLE).

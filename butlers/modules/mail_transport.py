@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -196,6 +197,7 @@ async def imap_connect(
     )
     try:
         await client.wait_hello_from_server()
+        keep_alive(client.protocol.transport)
         if server.security == "starttls":
             await _starttls(client, server, context)
         response = await _login(client, username, password)
@@ -209,6 +211,27 @@ async def imap_connect(
             raise _wrap(server, exc) from exc
         raise
     return client
+
+
+# TCP keepalive on the IMAP connection: probes after a minute of silence, every 15 s, four
+# unanswered ones end it. A NAT or firewall that forgot the connection left it open and
+# silent until the IDLE was renewed, mail waiting meanwhile (a walkthrough).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 15, 4
+
+
+def keep_alive(transport: Any) -> None:
+    """Turn TCP keepalive on for `transport`'s socket (where the platform has the options)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 async def _starttls(client: aioimaplib.IMAP4, server: MailServer, context: ssl.SSLContext) -> None:
