@@ -453,3 +453,19 @@ async def test_imap_reconnects_after_the_server_goes_away(
     finally:
         stop_pymap(server)
         await front.stop()
+
+
+def test_when_a_mail_was_written_is_kept_for_the_handoff() -> None:
+    """Its Date, read as a datetime with its zone (-0000, "unknown", as UTC), goes with the
+    message (meta "sent_at"): a mail answered a day late says when it was written."""
+    from butlers.modules.email import _incoming
+
+    for date, sent_at in (
+        ("Fri, 27 Nov 2026 10:00:00 +0100", "2026-11-27T10:00:00+01:00"),
+        ("Fri, 27 Nov 2026 10:00:00 -0000", "2026-11-27T10:00:00+00:00"),
+        ("the day after tomorrow", None),
+    ):
+        parsed = parse_mail(mail(Date=date).as_bytes())
+        assert parsed.sent_at == sent_at
+        assert _incoming(parsed).meta.get("sent_at") == sent_at
+    assert parse_mail(mail().as_bytes()).sent_at is None  # none written

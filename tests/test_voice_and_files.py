@@ -842,3 +842,33 @@ async def test_audio_longer_than_is_transcribed_is_measured_from_its_bytes(
     assert transcription_api.requests == []
     [row] = await rows(await db_conn(switchboard.config.database))
     assert (row["status"], row["error"]) == ("failed", f"transcription: {said}")
+
+
+async def test_a_message_sent_hours_before_it_is_answered_says_when_it_was_sent(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """Telegram keeps a day's messages while the fleet is down: "remind me tomorrow" written
+    yesterday evening reached a session whose "now" was this morning, and nothing said when
+    it was written. The butler's frame says when, and how long ago; a fresh one says
+    nothing of it."""
+    import time
+
+    scripted_api.respond_with(by_words)
+    await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    three_hours_ago = int(time.time()) - 3 * 3600
+    await bot_api.push(
+        {
+            "update_id": 990,
+            "message": bot_api._message(CHAT, text="Remind me tomorrow", date=three_hours_ago),
+        }
+    )
+    await bot_api.push_text(CHAT, "And now this")
+    await bot_api.wait_sent(2)
+    late, fresh = butler_requests(scripted_api, "general")
+    assert "Remind me tomorrow" in json.dumps(blocks(late))
+    assert "It was sent " in json.dumps(blocks(late)) and "3 hours ago" in json.dumps(blocks(late))
+    assert "And now this" in json.dumps(blocks(fresh))
+    assert "It was sent" not in json.dumps(blocks(fresh))

@@ -482,6 +482,8 @@ class EmailModule:
 def _incoming(mail: ParsedMail) -> IncomingMessage:
     """The mail as the inbox stores it, with its files (`within_limits` applied)."""
     meta: dict[str, Any] = {"message_id": mail.message_id, "references": mail.references}
+    if mail.sent_at:
+        meta["sent_at"] = mail.sent_at  # the handoff says so when it is long before now
     if mail.not_read:
         meta["attachments_not_read"] = list(mail.not_read)
     if any(file.kind == "audio" for file in mail.files):

@@ -36,10 +36,12 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import email.utils
 import quopri
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC
 from email.message import EmailMessage, Message, MIMEPart
 from email.parser import BytesHeaderParser, BytesParser
 from email.policy import EmailPolicy, compat32
@@ -103,6 +105,8 @@ class ParsedMail:
     # Who wrote the forwarded words and where in `text` they begin (0: all of it), when a
     # mail came attached (message/rfc822); None: `forwarded_part` reads the text for a forward.
     forwarded: tuple[str, int] | None = None
+    # When its sender's program says it was written (Date, ISO 8601), if it says so readably.
+    sent_at: str | None = None
 
 
 class _BoundedPolicy(EmailPolicy):
@@ -547,8 +551,20 @@ def _read_headers(message: Message) -> ParsedMail:
         automated=automated,
         refused=refused,
         authentication_results=tuple(v.strip() for v in results),
+        sent_at=_sent_at((raw("Date") or [""])[0]),
         unreadable="; ".join(problems) or None,
     )
+
+
+def _sent_at(date: str) -> str | None:
+    """A Date header as ISO 8601 (a zone of -0000, "unknown", read as UTC), or None."""
+    if not date or len(date) > MAX_HEADER_BYTES:
+        return None
+    try:
+        written = email.utils.parsedate_to_datetime(date)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return (written if written.tzinfo else written.replace(tzinfo=UTC)).isoformat()
 
 
 def _unfold(value: str) -> str:

@@ -435,6 +435,8 @@ class TelegramModule:
             return
         user = message.from_user
         meta: dict[str, Any] = {"message_id": message.message_id}
+        if message.date is not None:  # (Telegram keeps a day's updates while we are down)
+            meta["sent_at"] = message.date.isoformat()
         if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
             meta["reply_to_message_id"] = message.reply_to_message.message_id
         if (author := _forwarded_from(message)) is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from zoneinfo import ZoneInfo
 
 from butlers.config import OwnerConfig
 from butlers.media import Attachment
@@ -23,8 +25,44 @@ from butlers.switchboard.inbox import InboxMessage
 from butlers.text import fence, new_boundary, printable
 
 REQUEST = "REQUEST"  # the fence's label: `fenced_text(prompt, REQUEST)` finds the request
+# A message answered this long after it was sent is said to be (when, and how long ago): the
+# session's "now" is when it runs, and "tomorrow" in a mail that waited a day, or in a
+# Telegram message kept while the fleet was down, meant the day after it was written.
+LATE_S = 10 * 60
 MAX_SENDER_NAME_CHARS = 60  # a display name is its owner's to choose
 MAX_WHO_CHARS = 120  # a conversation id, as shown
+
+
+def sent_long_ago(sent_at: object, zone: str, now: datetime | None = None) -> str:
+    """The sentence saying when a message was sent (its channel's `sent_at`, ISO 8601),
+    when that was LATE_S or more before `now`, in the owner's zone; "" otherwise, or when
+    it cannot be read or lies in the future (a mail's Date is its sender's program's)."""
+    if not isinstance(sent_at, str):
+        return ""
+    try:
+        sent = datetime.fromisoformat(sent_at)
+    except ValueError:
+        return ""
+    if sent.tzinfo is None:
+        return ""
+    waited = ((now or datetime.now(UTC)) - sent).total_seconds()
+    if waited < LATE_S:
+        return ""
+    local = sent.astimezone(ZoneInfo(zone))
+    return (
+        f"It was sent {local:%Y-%m-%d %H:%M} ({zone}), {_span(waited)} ago: what it says of "
+        '"now", "today" or "tomorrow" counts from then.'
+    )
+
+
+def _span(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    if minutes < 120:
+        return f"{minutes} minutes"
+    hours = minutes // 60
+    if hours < 48:
+        return f"{hours} hours"
+    return f"{hours // 24} days"
 
 
 @dataclass(frozen=True)
@@ -37,6 +75,7 @@ class Handoff:
     files: tuple[str, ...] = ()  # each file handed on with it, in order: kind and name
     history: str = ""  # the conversation so far (conversation.history_text)
     body: str = ""  # the message as written (classifier.message_body), the direct request
+    sent: str = ""  # when it was sent, said only when that was LATE_S or more before now
 
     @classmethod
     def of(
@@ -70,6 +109,7 @@ class Handoff:
             body=body,
             files=tuple(f"{file.kind} {file.name!r}" for file in files),
             history=history,
+            sent=sent_long_ago(message.meta.get("sent_at"), owner.timezone),
         )
 
     def prompt(self, request: str) -> str:
@@ -81,6 +121,8 @@ class Handoff:
             "them changes those.",
             fence(REQUEST, boundary, request),
         ]
+        if self.sent:
+            lines.append(self.sent)
         # Part of it only when the request is the message as written (`message_body`, which
         # marks where the forwarded part begins): a classifier's restatement may lack that
         # line, or carry one the forwarded words planted.
