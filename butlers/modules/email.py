@@ -94,6 +94,7 @@ MAX_MESSAGE_ID_BYTES = 512
 # would otherwise have us relay their words to a third party). "Re:" as it answers in the
 # thread (reply_subject keeps it as it is).
 PAIRING_SUBJECT = "Re: your message to a private butler: approval needed"
+SENDER_NAME = "Butlers"  # the display name of our mail's From
 
 
 class EmailModule:
@@ -385,10 +386,14 @@ class EmailModule:
         except ValueError as exc:
             raise MailError(f"cannot send to {to!r}: {exc}") from None
         message = EmailMessage()
-        message["From"] = self.config.address or self.username
+        # Named (a bare address showed as the address, a cousin of spam, in mail programs);
+        # the Date in GMT (formatdate's default "-0000" says "zone unknown").
+        message["From"] = email.utils.formataddr(
+            (SENDER_NAME, self.config.address or self.username)
+        )
         message["To"] = recipient
         message["Subject"] = one_line(subject)
-        message["Date"] = email.utils.formatdate(localtime=False)
+        message["Date"] = email.utils.formatdate(usegmt=True)
         message_id = message_id or self.new_message_id()
         message["Message-ID"] = message_id
         message["Auto-Submitted"] = "auto-replied" if in_reply_to else "auto-generated"
