@@ -470,3 +470,36 @@ def test_when_a_mail_was_written_is_kept_for_the_handoff() -> None:
         assert parsed.sent_at == sent_at
         assert _incoming(parsed).meta.get("sent_at") == sent_at
     assert parse_mail(mail().as_bytes()).sent_at is None  # none written
+
+
+async def test_a_mail_too_big_to_read_is_answered_saying_so(
+    start_butler: StartButler,
+    tmp_path: Path,
+    imap_server: int,
+    smtp_server: Outbox,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An owner who uses only mail sent 34 MB of photos and heard nothing: the mail was a
+    failed inbox row and a log line (a walkthrough). Now its sender is told why, in a reply
+    in its thread, queued with the row; no session is run for it."""
+    from butlers.modules import mail_imap
+
+    monkeypatch.setattr(mail_imap, "mail_limit", lambda _attachment_bytes: 32 * 1024)
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, imap_server, smtp_server, monkeypatch
+    )
+    await append(imap_server, mail(subject="Holiday photos", body="x" * 64 * 1024))
+    async with asyncio.timeout(60):
+        await smtp_server.arrived.wait()
+    [reply] = smtp_server.messages
+    assert reply["To"] == "user@example.com" and reply["Subject"] == "Re: Holiday photos"
+    assert reply["In-Reply-To"] == "<m1@example.com>"
+    said = reply.get_content().strip()
+    assert said.startswith("Sorry, your mail was not read: it is ") and "over the limit" in said
+    conn = await db_conn(switchboard.config.database)
+    row = await conn.fetchrow("SELECT status, error FROM inbox")
+    assert row["status"] == "failed" and "over the limit of 32 KB" in row["error"]
+    assert await conn.fetchval("SELECT status FROM outbox") == "sent"
+    assert scripted_api.requests == []  # nothing was classified or run

@@ -172,6 +172,12 @@ async def test_a_mail_over_the_size_limit_is_recorded_as_failed_unread(
     assert re.search(rf"\(IMAP 127.0.0.1:{port} UID \d+, {len(big)} bytes\)$", error), error
     [warning] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert "from user@example.com" in warning and f"{len(big)} bytes" in warning
+    # Its sender is told, in a reply (they heard nothing: a walkthrough), without the
+    # server's address.
+    [(told, reply)] = worker.told
+    assert told.external_id == "<big@x>"
+    assert reply.startswith("Sorry, your mail was not read: it is 64 KB, over the limit of 32 KB")
+    assert "127.0.0.1" not in reply and "UID" not in reply
 
 
 def test_a_mail_carrying_the_largest_attachment_read_is_read() -> None:

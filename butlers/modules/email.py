@@ -318,12 +318,14 @@ class EmailModule:
             )
         await self.worker.accept(_incoming(mail))
 
-    async def record_failed(self, mail: ParsedMail, error: str) -> None:
+    async def record_failed(self, mail: ParsedMail, error: str, *, unread: str = "") -> None:
         """Keep a mail we cannot take as a `failed` inbox row (its envelope and `error`), so
-        that an operator sees it; MailError when even that cannot be written."""
+        that an operator sees it; `unread`: why it was not read, which its sender is told in
+        a reply. MailError when even that cannot be written."""
         assert self.worker is not None
+        reply = f"Sorry, your mail was not read: {unread}." if unread else None
         try:
-            await self.worker.inbox.record_failed(_incoming(mail), error)
+            await self.worker.record_unread(_incoming(mail), error, reply)
         except Exception as exc:
             raise MailError(
                 f"message {mail.message_id[:200]!r} from {mail.sender}: {error}, and it cannot "

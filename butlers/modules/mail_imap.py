@@ -546,6 +546,7 @@ class ImapIntake:
     async def _give_up(
         self, envelope: ParsedMail, uid: str, size: int | None, problem: str
     ) -> None:
-        """Keep a mail we will not read as a failed inbox row (what its header said, and why)."""
+        """Keep a mail we will not read as a failed inbox row (what its header said, and why),
+        its sender told why (they are one who may write: `wanted` said so)."""
         where = f"{self.server.where} UID {uid}" + (f", {size} bytes" if size is not None else "")
-        await self.module.record_failed(envelope, f"{problem} ({where})")
+        await self.module.record_failed(envelope, f"{problem} ({where})", unread=problem)

@@ -297,11 +297,14 @@ class InboxStore:
         )
         return result.split()[-1] == "1"
 
-    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+    async def record_failed(
+        self, message: IncomingMessage, error: str, *, conn: Any = None
+    ) -> int | None:
         """Keep a message that cannot be processed (a mail that failed to store N times) as a
         `failed` row, so that its channel may let it go and an operator still sees it. Only
-        the envelope is kept: the content is what failed. None when the row already exists."""
-        return await self.pool.fetchval(
+        the envelope is kept: the content is what failed. None when the row already exists.
+        `conn`: in that connection's transaction."""
+        return await (conn or self.pool).fetchval(
             sql.INBOX_RECORD_FAILED,
             message.channel,
             storable(message.external_id),

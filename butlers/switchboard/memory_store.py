@@ -275,7 +275,10 @@ class MemoryInboxStore:
                 return row
         return None
 
-    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+    async def record_failed(
+        self, message: IncomingMessage, error: str, *, conn: Any = None
+    ) -> int | None:
+        self.database.check(conn)
         inbox_id = await self.accept(
             IncomingMessage(
                 channel=message.channel,

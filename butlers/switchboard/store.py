@@ -99,11 +99,14 @@ class InboxQueue(Protocol):
         for a part that never did."""
         ...
 
-    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+    async def record_failed(
+        self, message: IncomingMessage, error: str, *, conn: Any = None
+    ) -> int | None:
         """Keep a message its channel cannot hand over (a mail that failed to store) as a
         `failed` row, finished now, with its envelope only (channel, external_id, source_id,
         subject; the text empty) and `error`; its id, or None when the (channel,
-        external_id) row exists. The email intake calls it through the worker's inbox."""
+        external_id) row exists. `conn`: in that connection's transaction. The email intake
+        calls it through the worker (`InboxWorker.record_unread`)."""
         ...
 
     async def get(self, inbox_id: int) -> dict[str, Any] | None:

@@ -233,6 +233,36 @@ class InboxWorker:
                 asyncio.get_running_loop().call_later(album_wait_s + 0.05, self._wake.set)
         return inbox_id
 
+    async def record_unread(
+        self, message: IncomingMessage, error: str, reply: str | None = None
+    ) -> int | None:
+        """Keep a message its channel could not read as a failed row (its envelope, and
+        `error` for the operator), and tell its sender `reply`, as a reply to it, queued in
+        the same transaction: an owner whose too-big mail was not read heard nothing (a
+        walkthrough). None when the row existed already (nothing is sent again)."""
+        async with self.inbox.pool.acquire() as conn, conn.transaction():
+            inbox_id = await self.inbox.record_failed(message, error, conn=conn)
+            if inbox_id is None or reply is None:
+                return inbox_id
+            stored = InboxMessage(
+                id=inbox_id,
+                channel=message.channel,
+                external_id=message.external_id,
+                source_id=message.source_id,
+                sender_name=message.sender_name,
+                subject=message.subject,
+                text="",
+                meta=message.meta,
+                attempts=0,
+                trace_context=None,
+                conversation=message.conversation,
+            )
+            if outgoing := self._replies(stored, reply, None):
+                await self.outbox_store.add(conn, outgoing, None)
+        if outgoing:
+            self.outbox.wake()
+        return inbox_id
+
     async def files_welcome(self, channel: str, source_id: str | None) -> bool:
         """Whether a sender's files may be fetched and stored now: not while they are over
         `max_messages_per_sender_per_hour`. Their message is then skipped unclassified

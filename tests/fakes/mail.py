@@ -493,7 +493,9 @@ class SmtpServer:
 class _Inbox:
     failed: list[tuple[IncomingMessage, str]] = field(default_factory=list)
 
-    async def record_failed(self, message: IncomingMessage, error: str) -> int | None:
+    async def record_failed(
+        self, message: IncomingMessage, error: str, *, conn: Any = None
+    ) -> int | None:
         self.failed.append((message, error))
         return len(self.failed)
 
@@ -515,7 +517,18 @@ class RecordingWorker:
         self.inbox = _Inbox()
         self.fail_when = fail_when
         self.over_limit = False  # files_welcome's answer: the sender is over the hourly limit
+        self.told: list[tuple[IncomingMessage, str]] = []  # record_unread's replies
         self._changed = asyncio.Event()
+
+    async def record_unread(
+        self, message: IncomingMessage, error: str, reply: str | None = None
+    ) -> int | None:
+        """As the switchboard's: the failed row (`inbox.failed`), and what its sender is told
+        (`told`)."""
+        inbox_id = await self.inbox.record_failed(message, error)
+        if reply is not None:
+            self.told.append((message, reply))
+        return inbox_id
 
     async def accept(self, message: IncomingMessage) -> int | None:
         if self.fail_when is not None and self.fail_when(message):
