@@ -23,7 +23,7 @@ from butlers.settings import Settings
 from tests.conftest import free_port, write_butler_dir
 from tests.fakes import serve_on_loopback
 from tests.fakes.bot_api import FakeBotAPI
-from tests.fakes.mail import MailCA, SmtpServer, pymap_server
+from tests.fakes.mail import MailCA, SmtpServer, imap_append, imap_unseen, pymap_server
 from tests.test_cli import copy_shipped_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -995,3 +995,39 @@ async def test_the_transcription_service_online_takes_the_key_and_a_silent_clip(
         api.fail_next(1, 503)
         found = (await doctor(config, env, online=True))["transcription-service"]
         assert found.status == "warn" and "answered 503" in found.detail, found
+
+
+async def test_online_names_the_authserv_id_the_mailbox_mail_carries(tmp_path: Path) -> None:
+    """A forged From of an allowed address gets in while require_authentication_results is
+    unset (the default; the owner does not know what to set it to). `doctor --online` reads
+    the newest mails' topmost Authentication-Results (read only: nothing flagged seen) and
+    names the value to set."""
+    user, password = "butler@example.com", f"pw-{uuid.uuid4().hex}"
+    async with pymap_server(user, password, fast_login=True) as imap_port:
+        for n, results in enumerate(
+            (
+                "mx.other.example; dmarc=pass header.from=x.example",  # an old relay's
+                "mx.home.example; spf=pass smtp.mailfrom=a.example; dmarc=pass",
+                "mx.home.example; dkim=pass header.d=b.example",
+            )
+        ):
+            raw = (
+                f"Authentication-Results: {results}\r\n"
+                "Authentication-Results: relay.elsewhere.example; spf=none\r\n"
+                f"From: a@a.example\r\nTo: {user}\r\nSubject: {n}\r\n"
+                f"Message-ID: <{n}@a.example>\r\n\r\nHello.\r\n"
+            ).encode()
+            await imap_append(imap_port, user, password, raw)
+        with SmtpServer(users={user: password}) as smtp:
+            email = (
+                f'imap_host = "127.0.0.1"\nimap_port = {imap_port}\nimap_ssl = false\n'
+                f'smtp_host = "127.0.0.1"\nsmtp_port = {smtp.port}\nsmtp_starttls = false\n'
+            )
+            config = fleet_dir(tmp_path, email=email)
+            env = base_env(tmp_path, BUTLERS_EMAIL_USER=user, BUTLERS_EMAIL_PASSWORD=password)
+            checks = await doctor(config, env, online=True)
+        assert checks["imap"].status == "ok"
+        hint = checks["mail-authserv-id"]
+        assert hint.status == "warn"
+        assert 'require_authentication_results = "mx.home.example"' in hint.detail
+        assert await imap_unseen(imap_port, user, password)  # still unread: nothing flagged

@@ -28,7 +28,7 @@ def checks(subject: Subject) -> list[Check]:
     return found
 
 
-def _file(butler: ButlerConfig) -> str:
+def config_file(butler: ButlerConfig) -> str:
     return str(butler.config_dir / CONFIG_FILENAME) if butler.config_dir else butler.name
 
 
@@ -158,7 +158,7 @@ def allowlists(switchboard: ButlerConfig) -> list[Check]:
                     name,
                     f'{key} = ["*"]: anyone who finds the {module} address can use your '
                     f"butlers (and your Anthropic account); list the senders instead, or "
-                    f"enable [switchboard.pairing] in {_file(switchboard)}",
+                    f"enable [switchboard.pairing] in {config_file(switchboard)}",
                 )
             )
         elif not allowed and not pairing:
@@ -168,7 +168,7 @@ def allowlists(switchboard: ButlerConfig) -> list[Check]:
                 warn(
                     name,
                     f"nobody can message the {who}; add your {what} to {key} under "
-                    f"[modules.{module}] in {_file(switchboard)}, or enable pairing "
+                    f"[modules.{module}] in {config_file(switchboard)}, or enable pairing "
                     "([switchboard.pairing] enabled = true)",
                 )
             )
@@ -195,7 +195,7 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
                 "Approve / Deny buttons of approvals and pairing count only when the owner "
                 "presses them in their own chat with the bot, so there they count for nobody "
                 "(and every member reads the questions); set it to your own chat id in "
-                f"{_file(switchboard)}",
+                f"{config_file(switchboard)}",
             )
         ]
     if switchboard.switchboard.owner.channels():
@@ -215,7 +215,7 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
             "owner",
             "no [switchboard.owner] telegram_chat_id or email: the reminders (notify) and "
             f"approval requests of {', '.join(users)} would reach nobody; set them in "
-            f"{_file(switchboard)}",
+            f"{config_file(switchboard)}",
         )
     ]
 
@@ -250,7 +250,7 @@ def mail(switchboard: ButlerConfig) -> list[Check]:
         if not server.host:
             problems.append(
                 f"{server.protocol.lower()}_host is not set under [modules.email] in "
-                f"{_file(switchboard)}"
+                f"{config_file(switchboard)}"
             )
         elif why := plaintext_login_refusal(server):
             problems.append(why)
@@ -282,7 +282,7 @@ def mail(switchboard: ButlerConfig) -> list[Check]:
                 "forged From makes the butler send mail to people who never wrote "
                 "(backscatter; your address ends up on blocklists), and a forged From of an "
                 "allowed address gets in; set require_authentication_results under "
-                f"[modules.email] in {_file(switchboard)} to your mail server's authserv-id "
+                f"[modules.email] in {config_file(switchboard)} to your mail server's authserv-id "
                 "(docs/security.md), or set enabled = false under [switchboard.pairing]",
             )
         )
@@ -292,7 +292,8 @@ def mail(switchboard: ButlerConfig) -> list[Check]:
                 "mail-authentication-results",
                 "require_authentication_results is unset: a forged From of an allowed address "
                 "gets in (the From header alone proves nothing); set it under [modules.email] "
-                f"in {_file(switchboard)} to your mail server's authserv-id (docs/security.md)",
+                f"in {config_file(switchboard)} to your mail server's authserv-id "
+                "(docs/security.md; `butlers doctor --online` names it)",
             )
         )
     return found
@@ -319,7 +320,7 @@ def telegram_webhook(subject: Subject, switchboard: ButlerConfig) -> list[Check]
                 "telegram-webhook",
                 "webhook mode without webhook_url: nothing registers the webhook with "
                 'Telegram; set webhook_url = "https://<your host>/telegram/webhook" under '
-                f"[modules.telegram] in {_file(switchboard)}, or register it yourself",
+                f"[modules.telegram] in {config_file(switchboard)}, or register it yourself",
             )
         ]
     if not telegram.webhook_url.startswith("https://"):  # the config refuses it; said anyway
@@ -351,7 +352,7 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     if config.model_path:
         problems = [p for p in (package_problem(), model_path_problem(config.model_path)) if p]
         if problems:
-            return [fail(name, f"{'; '.join(problems)} (in {_file(switchboard)})")]
+            return [fail(name, f"{'; '.join(problems)} (in {config_file(switchboard)})")]
         return [ok(name, f"voice notes are transcribed here, by the model in {config.model_path}")]
     if not config.url:
         return [
@@ -368,7 +369,8 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
         config.url, key, config.api_key_env
     )
     if refusal is not None:
-        return [fail(name, f"{refusal} ([switchboard.transcription] url in {_file(switchboard)})")]
+        named = f"[switchboard.transcription] url in {config_file(switchboard)}"
+        return [fail(name, f"{refusal} ({named})")]
     if key is None and config.api_key_env:
         return [
             warn(

@@ -10,15 +10,19 @@ names the token; the report is redacted on top of that).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import json
+import re
 import wave
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from butlers.doctor.local import CREDENTIAL_VARIABLES, claude_binary, claude_login
+from butlers.doctor.offline import config_file
 from butlers.doctor.report import ENV_FILE, Check, Subject, fail, ok, warn
+from butlers.tasks import within
 
 if TYPE_CHECKING:
     from butlers.config import EmailConfig, TelegramConfig, TranscriptionConfig
@@ -255,8 +259,66 @@ async def _imap(subject: Subject, config: EmailConfig) -> list[Check]:
         )
     except MailError as exc:
         return [fail("imap", f"{exc}; {_mail_fix(config)}")]
-    await imap_close(client)
-    return [ok("imap", f"{server.where}: logged in as {username}")]
+    try:
+        found = [ok("imap", f"{server.where}: logged in as {username}")]
+        if not config.require_authentication_results:
+            with contextlib.suppress(Exception):  # a suggestion: nothing fails for want of it
+                if (authserv_id := await _authserv_id(client)) is not None:
+                    found.append(_authserv_hint(subject, authserv_id))
+    finally:
+        await imap_close(client)
+    return found
+
+
+# How many of the newest mails in INBOX are looked at for the mail server's authserv-id.
+AUTHSERV_SAMPLE = 10
+
+
+async def _authserv_id(client: Any) -> str | None:
+    """The authserv-id most of the newest mails' topmost Authentication-Results name (the
+    mailbox's own mail server writes its header above what a mail came with), or None.
+    Nothing is changed: BODY.PEEK flags no mail seen. (SELECT, as the intake does:
+    aioimaplib's EXAMINE leaves it unable to SEARCH.)"""
+    from collections import Counter
+
+    import authres
+
+    selected = await within(client.select("INBOX"), 10)
+    if selected.result != "OK":
+        return None
+    every = await within(client.uid_search("ALL"), 10)
+    uids = (every.lines[0].split() if every.lines else [])[-AUTHSERV_SAMPLE:]
+    if not uids:
+        return None
+    fields = "(BODY.PEEK[HEADER.FIELDS (AUTHENTICATION-RESULTS)])"
+    fetched = await within(client.uid("fetch", b",".join(uids).decode(), fields), 10)
+    named: Counter[str] = Counter()
+    for line in fetched.lines:
+        if not isinstance(line, bytearray):  # each mail's header fields are a literal
+            continue
+        text = bytes(line).decode("utf-8", "replace")
+        first = re.split(r"\r?\n(?![ \t])", text.strip(), maxsplit=1)[0]
+        if not first.lower().startswith("authentication-results:"):
+            continue
+        try:
+            header = authres.AuthenticationResultsHeader.parse_value(first.split(":", 1)[1])
+        except (authres.AuthResError, RecursionError):
+            continue
+        if header.authserv_id:
+            named[str(header.authserv_id)] += 1
+    return named.most_common(1)[0][0] if named else None
+
+
+def _authserv_hint(subject: Subject, authserv_id: str) -> Check:
+    switchboard = subject.fleet.switchboard
+    where = config_file(switchboard) if switchboard is not None else "the switchboard's butler.toml"
+    return warn(
+        "mail-authserv-id",
+        f"the mail in INBOX carries Authentication-Results from {authserv_id!r}, your mail "
+        "server: set require_authentication_results = "
+        f"{json.dumps(authserv_id)} under [modules.email] in {where}, and a forged From no "
+        "longer gets in (docs/security.md)",
+    )
 
 
 async def _smtp(subject: Subject, config: EmailConfig) -> list[Check]:
