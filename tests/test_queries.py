@@ -143,7 +143,7 @@ async def test_the_dashboard_reads_the_registry_as_the_switchboard_does(
         await pool.close()
 
 
-async def test_a_traces_approvals_are_found_through_their_index(
+async def test_approvals_and_notifications_are_found_through_their_indexes(
     make_database: Any, switchboard_template: str, db_conn: Any
 ) -> None:
     """Each message listed (`inbox_list`, a message's page) asks for its approvals by trace
@@ -152,9 +152,11 @@ async def test_a_traces_approvals_are_found_through_their_index(
     never used, which this sees."""
     conn = await db_conn(await make_database(switchboard_template))
     await conn.execute("SET enable_seqscan = off")  # what the planner does with many rows
-    for text, argument in (
-        (switchboard_queries.OPERATOR_APPROVALS_BY_TRACE, ["0" * 32]),
-        (switchboard_queries.DASHBOARD_MESSAGE_APPROVALS, "0" * 32),
+    for text, argument, index in (
+        (switchboard_queries.OPERATOR_APPROVALS_BY_TRACE, ["0" * 32], "approvals_trace_id"),
+        (switchboard_queries.DASHBOARD_MESSAGE_APPROVALS, "0" * 32, "approvals_trace_id"),
+        # Each notify's hourly count of its butler's notifications (a scan of the outbox).
+        (switchboard_queries.OUTBOX_NOTIFICATIONS_LAST_HOUR, "health", "outbox_notifications"),
     ):
         plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN {text}", argument))
-        assert "approvals_trace_id" in plan, plan
+        assert index in plan, plan
