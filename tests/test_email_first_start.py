@@ -77,3 +77,33 @@ async def test_the_first_start_leaves_old_unread_mail_alone(pg_server, make_data
             assert kept["uid"] == sorted(flags)[2] and kept["uidvalidity"]
     finally:
         await pool.close()
+
+
+@pytest.mark.proc  # pymap
+async def test_a_fleet_that_read_mail_before_reads_all_unread_mail_at_its_upgrade(
+    pg_server, make_database
+) -> None:
+    """A fleet upgraded to the release that keeps where it reads from: its inbox holds mail
+    already, so its unread mail is what came while it was stopped, however long ago: all of
+    it is read (left alone, a week's stop lost the week's mail)."""
+    pool = await create_pool(pg_server, await make_database(), max_size=2)
+    state = ChannelState(CoreStore(pool), "email")
+    try:
+        async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+            week_old = mail(subject="while you were away", message_id="<away@example.com>")
+            await imap_append(
+                port, USER, PASSWORD, week_old, date=datetime.now(UTC) - timedelta(days=7)
+            )
+            worker = RecordingWorker()
+            worker.inbox.holds_mail = True
+            module = EmailModule(email_config(imap_port=port), USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
+            await module.open()
+            await module.lead()
+            try:
+                await worker.wait_for("<away@example.com>")
+            finally:
+                await module.close()
+            kept = await state.get(f"first_uid:{USER}@127.0.0.1:{port}/INBOX")
+            assert kept["uid"] == 1  # and so at every later start
+    finally:
+        await pool.close()

@@ -828,3 +828,11 @@ async def test_the_butlers_that_answered_a_message_are_named_in_order(stores: St
     assert await stores.routing.answered_before(other, None) == ["general"]
     since = datetime.now(UTC) + timedelta(hours=1)
     assert await stores.routing.answered_before(mine, since) == []
+
+
+async def test_whether_a_channel_has_messages_stored(stores: Stores) -> None:
+    """The email intake's first start on a fleet that ran before reads all unread mail."""
+    assert not await stores.inbox.holds_channel("email")
+    await queued(stores, channel="email", source_id="a@example.com")
+    assert await stores.inbox.holds_channel("email")
+    assert not await stores.inbox.holds_channel("telegram")

@@ -341,7 +341,11 @@ class ImapIntake:
             uid = kept.get("uid")
             if isinstance(uid, int) and uid >= 1:
                 return uid
-        if kept is None:
+        if kept is None and await self._read_before():
+            # A fleet that read this channel before this was kept (an upgrade): its unread
+            # mail is what came while it was stopped, all of it to read.
+            first = 1
+        elif kept is None:
             first = await self._first_start_uid(client, select_lines)
         else:
             first = 1
@@ -352,6 +356,11 @@ class ImapIntake:
             )
         await state.set(key, {"uidvalidity": uidvalidity, "uid": first})
         return first
+
+    async def _read_before(self) -> bool:
+        """Whether the inbox holds mail already (read by an earlier release)."""
+        worker = self.module.worker
+        return worker is not None and await worker.inbox.holds_channel("email")
 
     async def _first_start_uid(self, client: aioimaplib.IMAP4, select_lines: list[Any]) -> int:
         """At the first start: the first UID past what the mailbox held then, but for unread

@@ -387,6 +387,9 @@ class InboxStore:
         )
         return result.split()[-1] == "1"
 
+    async def holds_channel(self, channel: str) -> bool:
+        return bool(await self.pool.fetchval(sql.INBOX_HOLDS_CHANNEL, channel))
+
     async def sent_last_hour(self, channel: str, source_id: str) -> int:
         """How many messages a sender sent in the last hour, as the worker counts them."""
         return await self.pool.fetchval(sql.INBOX_SENDER_LAST_HOUR, channel, source_id)

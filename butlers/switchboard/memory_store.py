@@ -466,6 +466,9 @@ class MemoryInboxStore:
             ]
         return True
 
+    async def holds_channel(self, channel: str) -> bool:
+        return any(row["channel"] == channel for row in self._rows.values())
+
     async def sent_last_hour(self, channel: str, source_id: str) -> int:
         since = self.database.clock() - timedelta(hours=1)
         return sum(

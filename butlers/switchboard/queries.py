@@ -292,6 +292,8 @@ INBOX_CLAIM_NEXT = """
           AND i.id + 0 < claimed.id AND i.classified_via IS DISTINCT FROM 'album'
     ) AS sender
 """
+# Whether any message of channel $1 is stored (through inbox_sender_received, its first key).
+INBOX_HOLDS_CHANNEL = "SELECT EXISTS (SELECT 1 FROM inbox WHERE channel = $1)"
 # How many messages the sender $2 of channel $1 sent in the last hour (album parts not
 # counted): INBOX_CLAIM_NEXT's count, for a message about to be accepted.
 INBOX_SENDER_LAST_HOUR = """

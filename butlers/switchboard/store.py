@@ -189,6 +189,11 @@ class InboxQueue(Protocol):
         and from meta's listing. Only while `replica` holds it `processing`; else False."""
         ...
 
+    async def holds_channel(self, channel: str) -> bool:
+        """Whether any message of `channel` is stored: a channel's first start on a fleet
+        that ran before is no first start (the email intake reads all unread mail then)."""
+        ...
+
     async def sent_last_hour(self, channel: str, source_id: str) -> int:
         """How many rows the sender `source_id` of `channel` has from the last hour, album
         parts not counted: the count a message claimed now would be limited by."""

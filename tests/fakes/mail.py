@@ -492,6 +492,10 @@ class SmtpServer:
 @dataclass
 class _Inbox:
     failed: list[tuple[IncomingMessage, str]] = field(default_factory=list)
+    holds_mail: bool = False  # holds_channel's answer: mail was stored before (an upgrade)
+
+    async def holds_channel(self, channel: str) -> bool:
+        return self.holds_mail
 
     async def record_failed(
         self, message: IncomingMessage, error: str, *, conn: Any = None
