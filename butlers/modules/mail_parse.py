@@ -365,6 +365,12 @@ def _attached_mail(part: MIMEPart, parts: _PartCounter) -> EmailMessage | None:
     return inner if list(inner.keys()) else None
 
 
+# A mail written back as it was read: no header folded anew (compat32's folding of a 50 KB
+# line of words took 9.5 s, quadratic in its words: a review), none parsed (the raw values),
+# every line as long as it came.
+_WRITTEN_AS_READ = EmailPolicy(refold_source="none", max_line_length=None, linesep="\n")
+
+
 def _decoded(inner: EmailMessage, encoding: str) -> bytes | None:
     """The bytes of an attached mail sent in `encoding`, which the parser took for a
     header-less mail of that text (a quoted-printable one's first lines may have parsed as
@@ -381,7 +387,7 @@ def _decoded(inner: EmailMessage, encoding: str) -> bytes | None:
     # found none. A soft line break (a line's last "=") in a header ends what the parser
     # reads as the header block; the line written after it is the generator's own (a real
     # separator after a soft break would be no separator once decoded).
-    text = inner.as_string(maxheaderlen=0, policy=compat32)
+    text = inner.as_string(policy=_WRITTEN_AS_READ)
     head, _, body = text.partition("\n\n")
     if head.endswith("="):
         text = f"{head}\n{body}"
