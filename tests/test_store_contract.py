@@ -803,20 +803,21 @@ async def test_the_registry_and_the_routing_log(stores: Stores) -> None:
     assert await stores.routing.prune(-1) == 1
 
 
-async def test_the_butlers_that_answered_a_message_are_named_in_order(stores: Stores) -> None:
-    """What the worker asks of a message claimed again (its process interrupted): who took
-    it and answered. Failed routes, other tools and other messages' routes do not count, nor
-    what came before `since` (the operator's requeue)."""
+async def test_the_butlers_a_message_was_handed_to_are_named_in_order(stores: Stores) -> None:
+    """What the worker asks of a message claimed again (its process interrupted): whom it was
+    handed to, and whether they answered. Other tools and other messages' routes do not
+    count, nor what came before `since` (the operator's requeue)."""
     await stores.register("health", "general")
 
     def route(inbox_id: int | None, butler: str, tool: str = "trigger", ok: bool = True):
         return RouteRecord("telegram", "1", butler, tool, "hi", None, ok, None, 5, inbox_id)
 
     mine, other = await queued(stores), await queued(stores, "telegram:2")
-    assert await stores.routing.answered_before(mine, None) == []
+    assert await stores.routing.handed_before(mine, None) == []
     for record in (
         route(mine, "health"),
         route(mine, "general", ok=False),
+        route(mine, "relationship", ok=False),
         route(mine, "general", tool="state_get"),
         route(other, "general"),
         route(None, "general"),
@@ -824,10 +825,14 @@ async def test_the_butlers_that_answered_a_message_are_named_in_order(stores: St
         route(mine, "health"),
     ):
         await stores.routing.record_route(record)
-    assert await stores.routing.answered_before(mine, None) == ["health", "general"]
-    assert await stores.routing.answered_before(other, None) == ["general"]
+    assert await stores.routing.handed_before(mine, None) == [
+        ("health", True),
+        ("general", True),  # it failed once, then answered
+        ("relationship", False),
+    ]
+    assert await stores.routing.handed_before(other, None) == [("general", True)]
     since = datetime.now(UTC) + timedelta(hours=1)
-    assert await stores.routing.answered_before(mine, since) == []
+    assert await stores.routing.handed_before(mine, since) == []
 
 
 async def test_whether_a_channel_has_messages_stored(stores: Stores) -> None:

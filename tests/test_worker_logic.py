@@ -309,6 +309,8 @@ async def test_a_message_its_butlers_answered_before_an_interruption_is_not_hand
     await routing.record_route(a_route(answered, butler="health"))
     await routing.record_route(a_route(answered))
     await routing.record_route(a_route(answered))  # one butler asked twice is named once
+    # One of its butlers had not answered (cancelled by the stop): named, not asked again.
+    await routing.record_route(a_route(answered, butler="relationship", success=False))
     await routing.record_route(a_route(failed, success=False))
     await routing.record_route(a_route(retried))
     assert retried is not None
@@ -321,14 +323,17 @@ async def test_a_message_its_butlers_answered_before_an_interruption_is_not_hand
     rows = await done(worker, [i for i in (answered, failed, retried) if i is not None])
     first, second, third = rows
     assert (first["status"], first["routed_to"]) == ("done", "health,general")
-    assert first["reply"] == answer_lost(["health", "general"])
+    assert first["reply"] == answer_lost(["health", "general"], ["relationship"])
     assert first["reply"].startswith("Sorry, the health and general butlers took your message")
-    assert "not asked again" in first["error"]
+    assert first["reply"].endswith(
+        " The relationship butler had not answered: ask again for that part."
+    )
+    assert "relationship had not answered: not asked again" in first["error"]
     assert (second["status"], second["reply"]) == ("done", "general did: b#0")
     assert (third["status"], third["reply"]) == ("done", "general did: c#0")
     assert sorted(text for _, text in parts.router.routed) == ["b#0", "c#0"]
     delivery = await parts.outbox.claim("telegram")
-    assert delivery is not None and delivery.text == answer_lost(["health", "general"])
+    assert delivery is not None and delivery.text == first["reply"]
 
 
 async def test_close_hands_the_messages_in_flight_back(parts: Parts) -> None:

@@ -733,17 +733,16 @@ class MemoryRoutingStore:
             seen["last_seen_at"] = now
         return entry_id
 
-    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
-        return list(
-            dict.fromkeys(
-                row["routed_to"]
-                for row in self.log
-                if row["inbox_id"] == inbox_id
-                and row["success"]
+    async def handed_before(self, inbox_id: int, since: datetime | None) -> list[tuple[str, bool]]:
+        answered: dict[str, bool] = {}
+        for row in self.log:
+            if (
+                row["inbox_id"] == inbox_id
                 and row["tool_name"] == "trigger"
                 and (since is None or row["created_at"] > since)
-            )
-        )
+            ):
+                answered[row["routed_to"]] = answered.get(row["routed_to"], False) or row["success"]
+        return list(answered.items())
 
     async def prune(self, older_than_days: int) -> int:
         before = self.database.clock() - timedelta(days=older_than_days)

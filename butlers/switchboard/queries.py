@@ -111,12 +111,13 @@ ROUTING_LOG_RECORD = """
            $9::text, $10::integer, $11::bigint, clock_timestamp()
     FROM async_commit
 """
-# The butlers a message was handed to (trigger, answered) since $2 (its requeue by the
-# operator, or NULL), in the order they answered: a message claimed again after its process
-# stopped or lost it is not handed to them again (RoutingStore.answered_before).
-ROUTING_LOG_ANSWERED = """
-    SELECT routed_to FROM routing_log
-    WHERE inbox_id = $1 AND success AND tool_name = 'trigger'
+# The butlers a message was handed to (trigger) since $2 (its requeue by the operator, or
+# NULL), in the order it first was, and whether one of those routes answered: a message
+# claimed again after its process stopped or lost it is not handed to those that answered
+# again (RoutingStore.handed_before).
+ROUTING_LOG_HANDED = """
+    SELECT routed_to, bool_or(success) AS answered FROM routing_log
+    WHERE inbox_id = $1 AND tool_name = 'trigger'
       AND ($2::timestamptz IS NULL OR created_at > $2)
     GROUP BY routed_to ORDER BY min(created_at)
 """

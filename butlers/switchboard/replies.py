@@ -44,19 +44,24 @@ def sorry(kind: str, butler: str | None = None) -> str:
     return template.format(butler=butler or "right")
 
 
-def answer_lost(butlers: Sequence[str]) -> str:
+def _butlers(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return f"the {names[0]} butler"
+    return f"the {', '.join(names[:-1])} and {names[-1]} butlers"
+
+
+def answer_lost(butlers: Sequence[str], missed: Sequence[str] = ()) -> str:
     """The reply to a message its butlers took and answered before this process was
     interrupted, their answer not yet written: they are not asked again (it would be done
-    twice: a reminder set twice, a mail sent twice)."""
-    named = (
-        f"the {butlers[0]} butler"
-        if len(butlers) == 1
-        else f"the {', '.join(butlers[:-1])} and {butlers[-1]} butlers"
+    twice: a reminder set twice, a mail sent twice). `missed`: those of it that had not
+    answered then, named so that the sender asks them again."""
+    said = (
+        f"Sorry, {_butlers(butlers)} took your message and answered, but the answer was lost "
+        "when I was interrupted. Ask again what was done if you need to know."
     )
-    return (
-        f"Sorry, {named} took your message and answered, but the answer was lost when I was "
-        "interrupted. Ask again what was done if you need to know."
-    )
+    if missed:
+        said += f" {_butlers(missed).capitalize()} had not answered: ask again for that part."
+    return said
 
 
 def reply_text(result: Any) -> str:

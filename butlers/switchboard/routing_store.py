@@ -217,9 +217,9 @@ class RoutingStore:
             )
         await self.pool.executemany(sql.ROUTING_LOG_RECORD, rows)
 
-    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
-        rows = await self.pool.fetch(sql.ROUTING_LOG_ANSWERED, inbox_id, since)
-        return [row["routed_to"] for row in rows]
+    async def handed_before(self, inbox_id: int, since: datetime | None) -> list[tuple[str, bool]]:
+        rows = await self.pool.fetch(sql.ROUTING_LOG_HANDED, inbox_id, since)
+        return [(row["routed_to"], row["answered"]) for row in rows]
 
     async def prune(self, older_than_days: int) -> int:
         """Delete routing_log rows older than that."""

@@ -293,9 +293,10 @@ class RoutingLog(Protocol):
         it)."""
         ...
 
-    async def answered_before(self, inbox_id: int, since: datetime | None) -> list[str]:
-        """The butlers whose `trigger` took inbox message `inbox_id` and answered (since
-        `since`: its requeue by the operator), in the order they answered."""
+    async def handed_before(self, inbox_id: int, since: datetime | None) -> list[tuple[str, bool]]:
+        """The butlers whose `trigger` inbox message `inbox_id` was handed to (since `since`:
+        its requeue by the operator), in the order it first was, each with whether one of
+        those routes answered."""
         ...
 
     async def prune(self, older_than_days: int) -> int:

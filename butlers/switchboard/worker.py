@@ -590,15 +590,20 @@ class InboxWorker:
         saying the answer was lost, not handed to them again (which would do it twice). The
         routing_log says who answered; a message the operator queued again (`butlers retry`)
         counts only what came after. A fresh message costs one indexed lookup."""
-        answered = await self.routing_store.answered_before(message.id, message.requeued_at())
+        handed = await self.routing_store.handed_before(message.id, message.requeued_at())
+        answered = [butler for butler, ok in handed if ok]
         if not answered:
             return False
-        error = (
-            f"answered by {', '.join(answered)} before an interruption, its answer lost: "
-            "not asked again"
-        )
+        # Another butler of it that had not answered (cancelled by the stop, failed) is named:
+        # not asked again either (its own part may be done), but the sender knows to ask.
+        missed = [butler for butler, ok in handed if not ok]
+        error = f"answered by {', '.join(answered)} before an interruption, its answer lost"
+        if missed:
+            error += f"; {', '.join(missed)} had not answered"
+        error += ": not asked again"
         logger.warning("message %s: %s", message.id, error, extra={"action": "answered_before"})
-        await self._finish(message, "done", ",".join(answered), answer_lost(answered), error)
+        reply = answer_lost(answered, missed)
+        await self._finish(message, "done", ",".join(answered), reply, error)
         return True
 
     async def _over_sender_limit(self, message: InboxMessage) -> bool:
