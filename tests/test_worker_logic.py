@@ -636,3 +636,27 @@ async def test_a_message_whose_lease_ran_out_here_is_not_worked_on_twice(
     assert (row["status"], row["reply"]) == ("done", "general did: a#0")
     assert len(parts.router.routed) == 1
     assert row["attempts"] == 1  # one attempt, however often its lease was taken again
+
+
+async def test_a_message_not_read_is_answered_within_the_senders_hourly_limit(
+    parts: Parts,
+) -> None:
+    """A mail the intake will not read is answered saying why, in the same transaction as
+    its failed row; but each crafted mail under a forged From of an allowed sender had us
+    send a reply (a review): past `max_messages_per_sender_per_hour` the row is kept and
+    nothing is sent."""
+    worker = parts.make(max_messages_per_sender_per_hour=2)
+    for n in range(3):
+        inbox_id = await worker.record_unread(
+            IncomingMessage("telegram", f"big{n}", "", source_id="a", conversation="telegram:a"),
+            "too big (IMAP 127.0.0.1 UID 7)",
+            "Sorry, your mail was not read: it is too big.",
+        )
+        assert inbox_id is not None
+        row = await parts.inbox.get(inbox_id)
+        assert row is not None and row["status"] == "failed"
+    told = []
+    while (delivery := await parts.outbox.claim("telegram")) is not None:
+        told.append(delivery.text)
+        await parts.outbox.sent(delivery.id, ["x"])
+    assert told == ["Sorry, your mail was not read: it is too big."] * 2

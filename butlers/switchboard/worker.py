@@ -239,7 +239,13 @@ class InboxWorker:
         """Keep a message its channel could not read as a failed row (its envelope, and
         `error` for the operator), and tell its sender `reply`, as a reply to it, queued in
         the same transaction: an owner whose too-big mail was not read heard nothing (a
-        walkthrough). None when the row existed already (nothing is sent again)."""
+        walkthrough). None when the row existed already (nothing is sent again). Within the
+        sender's hourly limit only, as every answer is: a forged From of an allowed sender
+        made us send a reply per crafted mail (a review)."""
+        if reply is not None and not await self._within_sender_limit(
+            message.channel, message.source_id
+        ):
+            reply = None
         async with self.inbox.pool.acquire() as conn, conn.transaction():
             inbox_id = await self.inbox.record_failed(message, error, conn=conn)
             if inbox_id is None or reply is None:
@@ -269,6 +275,10 @@ class InboxWorker:
         (`_over_sender_limit`); its files would only have filled the disk, a forwarded
         20 MiB document a hundred times over (a red team did), and held up the channel's
         other chats while they downloaded."""
+        return await self._within_sender_limit(channel, source_id)
+
+    async def _within_sender_limit(self, channel: str, source_id: str | None) -> bool:
+        """Whether the sender is within `max_messages_per_sender_per_hour` now."""
         limit = self.limits.max_messages_per_sender_per_hour
         if not limit or source_id is None:
             return True
