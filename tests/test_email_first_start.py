@@ -56,6 +56,10 @@ async def test_the_first_start_leaves_old_unread_mail_alone(pg_server, make_data
                 finally:
                     await module.close()
             assert worker.ids == ["<old2@example.com>", "<new1@example.com>"]
+            # When it was sent, as the butler is told: the server's arrival time (its Date,
+            # its sender's program's, may say anything).
+            arrived = datetime.fromisoformat(worker.accepted[0].meta["sent_at"])
+            assert abs(arrived - (now - timedelta(hours=3))) < timedelta(seconds=2)
             said = [r.getMessage() for r in records if "left alone" in r.getMessage()]
             assert len(said) == 1 and said[0].startswith("email: 2 unread mails were in")
             flags = await imap_flags(port, USER, PASSWORD)

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,7 @@ class Fetched:
     flags: frozenset[str]
     size: int | None  # RFC822.SIZE, when asked for
     literal: bytes | None  # the body section asked for
+    arrived: datetime | None = None  # INTERNALDATE, when asked for: when the server took it
 
 
 def fetched(lines: list[Any], uid: str) -> Fetched | None:
@@ -112,10 +113,12 @@ def fetched(lines: list[Any], uid: str) -> Fetched | None:
             continue
         flags = _FETCH_FLAGS.search(text)
         size = _FETCH_SIZE.search(text)
+        arrived = _FETCH_INTERNALDATE.search(text)
         return Fetched(
             flags=frozenset(flags.group(1).decode(errors="replace").split() if flags else ()),
             size=int(size.group(1)) if size else None,
             literal=literal,
+            arrived=internal_date(arrived.group(1).decode()) if arrived else None,
         )
     return None
 
@@ -429,7 +432,10 @@ class ImapIntake:
     async def _take(self, client: aioimaplib.IMAP4, uidvalidity: str, uid: str) -> bool:
         """Steps 1-3 of the module docstring; False when the mail is to be tried again."""
         key = f"{uidvalidity}:{uid}"
-        items = f"(UID FLAGS RFC822.SIZE BODY.PEEK[HEADER]<0.{MAX_HEADER_BLOCK_BYTES + 1}>)"
+        items = (
+            "(UID FLAGS RFC822.SIZE INTERNALDATE "
+            f"BODY.PEEK[HEADER]<0.{MAX_HEADER_BLOCK_BYTES + 1}>)"
+        )
         head = await self._fetch(client, uid, items)
         if head is None:
             return True  # expunged meanwhile
@@ -438,6 +444,10 @@ class ImapIntake:
         envelope = await asyncio.to_thread(
             parse_header, header[:MAX_HEADER_BLOCK_BYTES], complete=complete
         )
+        if head.arrived is not None:
+            # When it was sent, as the handoff tells a butler: the server's arrival time, not
+            # the Date its sender's program wrote (a review: it may say 1970).
+            envelope = replace(envelope, sent_at=head.arrived.isoformat())
         left_marked = TRIED_KEYWORD in head.flags
         if not await self.module.wanted(envelope):
             await self._settle(client, key, uid, marked=left_marked)
@@ -478,6 +488,7 @@ class ImapIntake:
                 await self._give_up(envelope, uid, size, f"it cannot be read: {describe(exc)}")
                 await self._settle(client, key, uid, marked=marked)
                 return True
+            mail = replace(mail, sent_at=envelope.sent_at)  # the server's time (_take)
             if await self._store(key, mail):
                 await self._settle(client, key, uid, marked=marked)
                 return True
