@@ -28,8 +28,10 @@ def checkout_commit(root: Path = _SOURCE_ROOT) -> str | None:
         if not head.startswith("ref: "):
             return None
         ref = head.removeprefix("ref: ").strip()
+        if not ref.startswith("refs/") or ".." in ref:  # (nothing outside .git is read)
+            return None
         loose = git / ref
-        if ".." not in ref and loose.is_file():
+        if loose.is_file():
             commit = loose.read_text(encoding="ascii").strip()
             return commit if _COMMIT.fullmatch(commit) else None
         for line in (git / "packed-refs").read_text(encoding="ascii").splitlines():

@@ -22,6 +22,7 @@ from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
 from butlers import schedule_time
+from butlers.channels.base import CHANNEL_STATE_PREFIX
 from butlers.claude_code import passing_trouble
 from butlers.config import MAX_ATTACHMENT_BYTES, RuntimeConfig
 from butlers.context import ButlerContext, ModuleStatus
@@ -183,6 +184,11 @@ def _check_key(key: str) -> None:
         raise ToolRefusal("state key must not be empty")
     if len(key) > MAX_KEY_CHARS:
         raise ToolRefusal(f"state key is {len(key)} characters; the limit is {MAX_KEY_CHARS}")
+    if key.startswith(CHANNEL_STATE_PREFIX):
+        raise ToolRefusal(
+            f"state keys starting with {CHANNEL_STATE_PREFIX!r} are the channels' own (what "
+            "they keep across starts): not set, read or deleted by a tool"
+        )
 
 
 # A session restricted as a routed message's that names no conversation (a credential of no

@@ -47,3 +47,10 @@ def test_an_installed_copy_says_its_release_alone(tmp_path: Path) -> None:
     assert build_label(tmp_path) == __version__
     (tmp_path / ".git").write_text("gitdir: /elsewhere\n")  # a worktree's pointer
     assert build_label(tmp_path) == __version__
+    (tmp_path / ".git").unlink()
+    (tmp_path / ".git").mkdir()
+    outside = tmp_path / "outside"
+    outside.write_text("a" * 40 + "\n")
+    for head in (f"ref: {outside}", "ref: refs/../../outside"):  # nothing outside .git is read
+        (tmp_path / ".git" / "HEAD").write_text(head + "\n")
+        assert build_label(tmp_path) == __version__

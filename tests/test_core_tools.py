@@ -86,6 +86,20 @@ async def test_state_round_trip(client: Client, db_conn) -> None:
     ]
 
 
+async def test_the_channels_own_keys_are_not_the_tools(client: Client) -> None:
+    """What a channel keeps across starts (the email intake's first UID to read) is in the
+    state table under `channel:`: a session told to set it high would have no mail read
+    again (a review). The tools refuse those keys."""
+    for tool, arguments in (
+        ("state_set", {"key": "channel:email:first_uid:x", "value": {"uid": 10**9}}),
+        ("state_get", {"key": "channel:email:first_uid:x"}),
+        ("state_delete", {"key": "channel:email:first_uid:x"}),
+    ):
+        result = await client.call_tool(tool, arguments, raise_on_error=False)
+        assert result.is_error and "are the channels' own" in result.content[0].text
+    await call(client, "state_set", key="channels", value=1)  # a key of its own is fine
+
+
 async def test_state_list_prefix_is_literal(client: Client) -> None:
     await call(client, "state_set", key="a%b", value=1)
     await call(client, "state_set", key="axb", value=2)

@@ -1001,12 +1001,13 @@ async def test_online_names_the_authserv_id_the_mailbox_mail_carries(tmp_path: P
     """A forged From of an allowed address gets in while require_authentication_results is
     unset (the default; the owner does not know what to set it to). `doctor --online` reads
     the newest mails' topmost Authentication-Results (read only: nothing flagged seen) and
-    names the value to set."""
+    names the value to set when they all agree; a stranger's planted header among them (a
+    server that writes none leaves the sender's on top) makes it name none."""
     user, password = "butler@example.com", f"pw-{uuid.uuid4().hex}"
     async with pymap_server(user, password, fast_login=True) as imap_port:
         for n, results in enumerate(
             (
-                "mx.other.example; dmarc=pass header.from=x.example",  # an old relay's
+                "mx.home.example; dmarc=pass header.from=x.example",
                 "mx.home.example; spf=pass smtp.mailfrom=a.example; dmarc=pass",
                 "mx.home.example; dkim=pass header.d=b.example",
             )
@@ -1019,6 +1020,7 @@ async def test_online_names_the_authserv_id_the_mailbox_mail_carries(tmp_path: P
             ).encode()
             await imap_append(imap_port, user, password, raw)
         with SmtpServer(users={user: password}) as smtp:
+            smtp_port = smtp.port
             email = (
                 f'imap_host = "127.0.0.1"\nimap_port = {imap_port}\nimap_ssl = false\n'
                 f'smtp_host = "127.0.0.1"\nsmtp_port = {smtp.port}\nsmtp_starttls = false\n'
@@ -1031,3 +1033,13 @@ async def test_online_names_the_authserv_id_the_mailbox_mail_carries(tmp_path: P
         assert hint.status == "warn"
         assert 'require_authentication_results = "mx.home.example"' in hint.detail
         assert await imap_unseen(imap_port, user, password)  # still unread: nothing flagged
+        planted = (
+            "Authentication-Results: evil.example; dmarc=pass\r\n"
+            f"From: e@evil.example\r\nTo: {user}\r\nSubject: hi\r\n\r\nHello.\r\n"
+        ).encode()
+        await imap_append(imap_port, user, password, planted)
+        with SmtpServer(users={user: password}) as smtp:
+            email = email.replace(f"smtp_port = {smtp_port}", f"smtp_port = {smtp.port}")
+            config = fleet_dir(tmp_path / "again", email=email)
+            checks = await doctor(config, env, online=True)
+        assert checks["imap"].status == "ok" and "mail-authserv-id" not in checks

@@ -83,6 +83,11 @@ class ChannelModule(Protocol):
         ...
 
 
+# The state keys channels keep theirs under: the state tools refuse them (a session told to
+# set the email intake's first UID high would have it read no mail again: a review).
+CHANNEL_STATE_PREFIX = "channel:"
+
+
 @dataclass(frozen=True)
 class ChannelState:
     """What a channel keeps across starts, in its butler's state table under keys of its own
@@ -92,7 +97,7 @@ class ChannelState:
     channel: str
 
     def _key(self, key: str) -> str:
-        return f"channel:{self.channel}:{key}"
+        return f"{CHANNEL_STATE_PREFIX}{self.channel}:{key}"
 
     async def get(self, key: str) -> Any:
         """The value kept under `key`, or None."""

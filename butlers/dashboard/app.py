@@ -73,6 +73,9 @@ OUTCOMES = {"ok": True, "failed": False}
 REFRESH_S = 10
 MAX_ASK_FORM_CHARS = 20_000
 MAX_APPROVALS = 100  # the approvals page: the newest this many
+# ... and every pending one: expired after [approvals] timeout_hours; a butler asks at most a
+# few an hour (the per-person cap), so this many is more than are ever pending.
+MAX_PENDING_SHOWN = 1000
 # Same-origin only, no inline script or style: an injected tag would run nothing.
 SECURITY_HEADERS = {
     "content-security-policy": (
@@ -519,7 +522,7 @@ class Dashboard:
         # Every pending one, whatever came after it (one waiting behind a hundred newer ones
         # could not be decided here), then the newest.
         pending_rows, newest = await asyncio.gather(
-            desk.store.newest("pending", MAX_APPROVALS), desk.store.newest(None, MAX_APPROVALS)
+            desk.store.newest("pending", MAX_PENDING_SHOWN), desk.store.newest(None, MAX_APPROVALS)
         )
         merged = {row["id"]: row for row in [*pending_rows, *newest]}
         rows = [public_approval(merged[i]) for i in sorted(merged, reverse=True)]

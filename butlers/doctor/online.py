@@ -275,8 +275,10 @@ AUTHSERV_SAMPLE = 10
 
 
 async def _authserv_id(client: Any) -> str | None:
-    """The authserv-id most of the newest mails' topmost Authentication-Results name (the
-    mailbox's own mail server writes its header above what a mail came with), or None.
+    """The authserv-id every one of the newest mails' topmost Authentication-Results names
+    (the mailbox's own mail server writes its header above what a mail came with), or None:
+    none, or they differ (a server that writes none leaves the senders' own on top, which a
+    stranger's mails could make the majority: a review).
     Nothing is changed: BODY.PEEK flags no mail seen. (SELECT, as the intake does:
     aioimaplib's EXAMINE leaves it unable to SEARCH.)"""
     from collections import Counter
@@ -306,7 +308,7 @@ async def _authserv_id(client: Any) -> str | None:
             continue
         if header.authserv_id:
             named[str(header.authserv_id)] += 1
-    return named.most_common(1)[0][0] if named else None
+    return next(iter(named)) if len(named) == 1 else None
 
 
 def _authserv_hint(subject: Subject, authserv_id: str) -> Check:
@@ -314,8 +316,9 @@ def _authserv_hint(subject: Subject, authserv_id: str) -> Check:
     where = config_file(switchboard) if switchboard is not None else "the switchboard's butler.toml"
     return warn(
         "mail-authserv-id",
-        f"the mail in INBOX carries Authentication-Results from {authserv_id!r}, your mail "
-        "server: set require_authentication_results = "
+        f"the newest mail in INBOX all carries Authentication-Results from {authserv_id!r} "
+        "on top, most likely your mail server's: check that it is, then set "
+        "require_authentication_results = "
         f"{json.dumps(authserv_id)} under [modules.email] in {where}, and a forged From no "
         "longer gets in (docs/security.md)",
     )

@@ -390,14 +390,18 @@ class ImapIntake:
         recent = await self._ok(client.uid_search("UNSEEN", f"SINCE {day}"), "UID SEARCH SINCE")
         candidates = recent.lines[0].split() if recent.lines else []
         if candidates:
-            uids = b",".join(candidates).decode()
+            # As a range: thousands of UIDs listed one by one outgrew a server's command line.
+            numbers, unseen = [int(u) for u in candidates], set(candidates)
+            uids = f"{min(numbers)}:{max(numbers)}"
             dates = await self._ok(client.uid("fetch", uids, "(UID INTERNALDATE)"), "UID FETCH")
             for line in dates.lines:
                 if not isinstance(line, bytes | bytearray):
                     continue
                 uid, at = _FETCH_UID.search(line), _FETCH_INTERNALDATE.search(line)
-                arrived = internal_date(at.group(1).decode()) if at else None
-                if uid is not None and arrived is not None and arrived >= since:
+                if uid is None or at is None or uid.group(1) not in unseen:
+                    continue  # (the range holds read mail too)
+                arrived = internal_date(at.group(1).decode())
+                if arrived is not None and arrived >= since:
                     first = min(first, int(uid.group(1)))
         if first > 1:
             older = await self._ok(
