@@ -37,7 +37,7 @@ from butlers.core_tools import (
     run_due_tasks,
 )
 from butlers.db import PostgresServer, create_pool, prepare_database
-from butlers.errors import ButlersError
+from butlers.errors import ButlersError, SchemaTooNew
 from butlers.http import (
     ButlerApp,
     Listener,
@@ -574,6 +574,9 @@ class ButlerDaemon:
 class FleetReport:
     running: list[ButlerDaemon]
     failed: dict[str, str]
+    # Butlers whose database a newer butlers migrated: this build is the wrong one for the
+    # data (a rollback), and the fleet is not started half (`butlers up` refuses it whole).
+    too_new: tuple[str, ...] = ()
 
 
 async def start_fleet(
@@ -596,10 +599,14 @@ async def start_fleet(
     say = progress or (lambda _text: None)
     say(f"Migrating {len(configs)} database{'s' if len(configs) != 1 else ''}...")
 
+    too_new: list[str] = []
+
     async def prepare(config: ButlerConfig) -> str | None:
         try:
             await prepare_database(db_server, config.database, migration_branches(config))
         except ButlersError as exc:
+            if isinstance(exc, SchemaTooNew):
+                too_new.append(config.name)
             return str(exc)
         return None
 
@@ -616,6 +623,8 @@ async def start_fleet(
             failed[config.name] = error
         else:
             prepared.append(config)
+    if too_new:  # an older build than the data: none of it starts (FleetReport.too_new)
+        return FleetReport([], failed, tuple(too_new))
     say(f"Starting {len(prepared)} butler{'s' if len(prepared) != 1 else ''}...")
     for config in prepared:
         try:
@@ -641,7 +650,7 @@ async def start_fleet(
     for daemon in running:
         await daemon.start_tool_servers()
     route_within_the_process(running)
-    return FleetReport(running, failed)
+    return FleetReport(running, failed, tuple(too_new))
 
 
 def route_within_the_process(daemons: Sequence[ButlerDaemon]) -> None:

@@ -85,6 +85,10 @@ class DatabaseError(ButlersError):
     """The PostgreSQL server could not be started, reached, created or migrated."""
 
 
+class SchemaTooNew(DatabaseError):
+    """A database a newer butlers migrated: this build is older than its data (a rollback)."""
+
+
 class SpawnError(ButlersError):
     """A Claude Code session could not run, or ran without its tools. `cost_usd`: what a
     session that did run spent before it failed (Claude Code reports it in its error result):

@@ -26,7 +26,7 @@ from fastmcp import Client
 
 from butlers.build import build_label
 from butlers.claude_code import isolated_cli_env
-from tests.conftest import eventually, log_records, migration_heads
+from tests.conftest import eventually, free_port, log_records, migration_heads
 
 if TYPE_CHECKING:
     from butlers.db import PostgresServer
@@ -727,12 +727,31 @@ async def test_db_upgrade_creates_and_migrates(
             "restore a backup of the data made before it ran"
         ) in older.stderr, older.stderr
         assert await conn.fetchval("SELECT version_num FROM alembic_version") == "core_9999"
+        # `up` on it: none of the fleet starts, and it exits 1 (it started the others, which
+        # served on without the refused one, and exited 0: an upgrade walkthrough's rollback).
+        general_port = free_port()
+        (tmp_path / "config" / "general" / "butler.toml").write_text(
+            f'[butler]\nname = "general"\nport = {general_port}\n'
+            '[butler.db]\nname = "t_upgrade_general"\n'
+        )
+        up = Butlers(
+            "up", "--only", "general", "health", "--config-dir", str(tmp_path / "config"),
+            env=cli_env,
+        )  # fmt: skip
+        processes.append(up)
+        assert await up.run() == 1, up.stdout + up.stderr
+        assert (
+            "health: the database was migrated by a newer butlers; none of this build's "
+            "butlers is started"
+        ) in up.stderr, up.stderr
+        assert "ready" not in up.stdout and "Starting" not in up.stderr
         await conn.close()
     finally:
         import asyncpg
 
         admin = await asyncpg.connect(pg_server.dsn("postgres"))
-        await admin.execute('DROP DATABASE IF EXISTS "t_upgrade_health" WITH (FORCE)')
+        for name in ("t_upgrade_health", "t_upgrade_general"):
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await admin.close()
 
 

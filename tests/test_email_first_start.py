@@ -109,5 +109,24 @@ async def test_a_fleet_that_read_mail_before_reads_all_unread_mail_at_its_upgrad
                 await module.close()
             kept = await state.get(f"first_uid:{USER}@127.0.0.1:{port}/INBOX")
             assert kept["uid"] == 1  # and so at every later start
+
+        # Then a mailbox of its own first start (another server or port): its old mail is
+        # left alone, however much mail the inbox holds (it was answered, years of it).
+        async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+            old = mail(subject="from 2024", message_id="<ancient@example.com>")
+            await imap_append(
+                port, USER, PASSWORD, old, date=datetime.now(UTC) - timedelta(days=900)
+            )
+            await imap_append(port, USER, PASSWORD, mail(message_id="<today@example.com>"))
+            worker = RecordingWorker()
+            worker.inbox.holds_mail = True
+            module = EmailModule(email_config(imap_port=port), USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
+            await module.open()
+            await module.lead()
+            try:
+                await worker.wait_for("<today@example.com>")
+            finally:
+                await module.close()
+            assert worker.ids == ["<today@example.com>"]
     finally:
         await pool.close()

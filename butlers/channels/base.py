@@ -107,6 +107,10 @@ class ChannelState:
     async def set(self, key: str, value: Any) -> None:
         await self.store.state_set(self._key(key), value)
 
+    async def holds_any(self, prefix: str) -> bool:
+        """Whether any key starting with `prefix` is kept."""
+        return bool(await self.store.state_list(self._key(prefix), limit=1, values=False))
+
 
 @dataclass(frozen=True)
 class ChannelContext:

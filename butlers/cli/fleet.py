@@ -633,6 +633,14 @@ async def _serve_fleet(
             print(f"error: butler {name!r} not started: {error}", file=sys.stderr)
         if as_json and not report.running:  # a script reads stdout: what failed, and why
             print(json.dumps(ready_report([], report.failed, server.description)), flush=True)
+        if report.too_new:
+            # An older build than the data: half a fleet ran on (the switchboard refused,
+            # `general` serving schedules whose answers went nowhere), and exited 0 (an
+            # upgrade walkthrough's rollback).
+            raise CommandError(
+                f"{', '.join(report.too_new)}: the database was migrated by a newer butlers; "
+                "none of this build's butlers is started"
+            )
         if not report.running or (strict and report.failed):
             raise CommandError(
                 "no butler is running" if not report.running else "a butler failed to start"

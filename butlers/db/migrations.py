@@ -17,7 +17,7 @@ from pathlib import Path
 import asyncpg
 
 from butlers.db.server import PostgresServer
-from butlers.errors import DatabaseError
+from butlers.errors import DatabaseError, SchemaTooNew
 
 # One logger for the whole package, named as it was when butlers.db was one module: log
 # lines (their `logger` field) and any level set on it stay as they were.
@@ -150,7 +150,7 @@ async def migrate(server: PostgresServer, database: str, branches: Sequence[str]
     except Exception as exc:
         if unknown := _UNKNOWN_REVISION.search(str(exc)):
             # Run by a newer butlers (a rollback): alembic's words alone do not say so.
-            raise DatabaseError(
+            raise SchemaTooNew(
                 f"database {database!r} was migrated by a newer butlers (its schema revision "
                 f"{unknown.group(1)!r} is unknown to this one): run that newer butlers, or "
                 "restore a backup of the data made before it ran. (If this is the newest "

@@ -50,6 +50,7 @@ from butlers.tasks import within
 if TYPE_CHECKING:
     import aioimaplib
 
+    from butlers.channels.base import ChannelState
     from butlers.modules.email import EmailModule
 
 # The email module's logger: one place to listen for what happens to mail.
@@ -70,6 +71,7 @@ UNMARK_TIMEOUT_S = 2.0  # removing the keyword when stopping: no longer than thi
 # a fleet was stopped to upgrade): pointed at a mailbox of years, the first start answered
 # the owner's unread mails from 2023 as if just written (a walkthrough).
 FIRST_START_LOOKBACK_S = 24 * 3600
+FIRST_UID_KEY = "first_uid:"  # in the channel's state, by mailbox
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 _UIDVALIDITY = re.compile(rb"\[UIDVALIDITY (\d+)\]")
@@ -338,13 +340,13 @@ class ImapIntake:
         state = self.module.state
         if state is None:
             return 1
-        key = f"first_uid:{self.module.username}@{self.server.host}:{self.server.port}/INBOX"
+        key = f"{FIRST_UID_KEY}{self.module.username}@{self.server.host}:{self.server.port}/INBOX"
         kept = await state.get(key)
         if isinstance(kept, dict) and kept.get("uidvalidity") == uidvalidity:
             uid = kept.get("uid")
             if isinstance(uid, int) and uid >= 1:
                 return uid
-        if kept is None and await self._read_before():
+        if kept is None and await self._upgraded(state):
             # A fleet that read this channel before this was kept (an upgrade): its unread
             # mail is what came while it was stopped, all of it to read.
             first = 1
@@ -360,8 +362,13 @@ class ImapIntake:
         await state.set(key, {"uidvalidity": uidvalidity, "uid": first})
         return first
 
-    async def _read_before(self) -> bool:
-        """Whether the inbox holds mail already (read by an earlier release)."""
+    async def _upgraded(self, state: ChannelState) -> bool:
+        """Whether this is a fleet that read mail before it kept where it reads from (an
+        upgrade): no mailbox's first UID is kept, yet its inbox holds mail. Once one is
+        kept, a mailbox without one is a new one (another server or port: its old mail was
+        answered, years of it, as an upgrade's: a walkthrough)."""
+        if await state.holds_any(FIRST_UID_KEY):
+            return False
         worker = self.module.worker
         return worker is not None and await worker.inbox.holds_channel("email")
 
