@@ -708,7 +708,10 @@ async def test_db_upgrade_creates_and_migrates(
     processes.append(upgrade)
     try:
         assert await upgrade.run() == 0, upgrade.stderr
-        assert "health: database t_upgrade_health: migrated, now up to date" in upgrade.stdout
+        heads = " ".join(sorted(migration_heads("core")))
+        assert (
+            f"health: database t_upgrade_health: migrated, now up to date (new -> {heads})"
+        ) in upgrade.stdout, upgrade.stdout
         conn = await db_conn("t_upgrade_health")
         versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
         assert versions == migration_heads("core")

@@ -698,6 +698,7 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
     with collector_paused():
         from butlers.daemon import migration_branches
         from butlers.db import EmbeddedServer, prepare_database, running, server_for
+        from butlers.db.migrations import revisions
 
     server = server_for(settings)
     if isinstance(server, EmbeddedServer):
@@ -708,14 +709,22 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
     async with running(server):
         for config in configs:
             try:
+                before = await revisions(server, config.database)
                 migrated = await prepare_database(
                     server, config.database, migration_branches(config)
                 )
+                after = await revisions(server, config.database) if migrated else before
             except ButlersError as exc:
                 print(f"error: {config.name}: {exc}", file=sys.stderr)
                 failed = True
                 continue
-            done = "migrated, now up to date" if migrated else "up to date, nothing to do"
+            # Which revisions it went from and to (an upgrader asked what had been applied).
+            done = (
+                f"migrated, now up to date ({' '.join(sorted(before)) or 'new'} -> "
+                f"{' '.join(sorted(after))})"
+                if migrated
+                else "up to date, nothing to do"
+            )
             print(f"{config.name}: database {config.database}: {done}")
     return 1 if failed else 0
 

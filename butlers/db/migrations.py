@@ -162,6 +162,23 @@ async def migrate(server: PostgresServer, database: str, branches: Sequence[str]
         await lock.close()  # and the lock with it
 
 
+async def revisions(server: PostgresServer, database: str) -> frozenset[str]:
+    """The schema revisions `database` is at (none: not migrated yet, or not there)."""
+    try:
+        conn = await asyncpg.connect(server.dsn(database), timeout=10)
+    except asyncpg.InvalidCatalogNameError:
+        return frozenset()
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+        raise DatabaseError(f"cannot reach {database!r}: {exc}") from exc
+    try:
+        rows = await conn.fetch("SELECT version_num FROM alembic_version")
+    except asyncpg.UndefinedTableError:
+        return frozenset()
+    finally:
+        await conn.close()
+    return frozenset(row[0] for row in rows)
+
+
 async def prepare_database(server: PostgresServer, database: str, branches: Sequence[str]) -> bool:
     """Create if missing, then migrate: what `butlers db upgrade` does for one butler.
     Whether anything was migrated."""
