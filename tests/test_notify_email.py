@@ -99,7 +99,7 @@ async def test_a_reminder_reaches_the_owner_by_email_when_preferred(
         [sent] = await smtp.wait_for(1)
     assert smtp.recipients == [["me@example.com"]]
     assert (sent["From"], sent["To"], sent["Subject"]) == (
-        "butler@example.com",
+        "Butlers <butler@example.com>",
         "me@example.com",
         "From your general butler",
     )
