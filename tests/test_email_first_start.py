@@ -5,6 +5,8 @@ channel keeps its first UID)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -18,6 +20,23 @@ from tests.conftest import log_records
 from tests.fakes.mail import RecordingWorker, imap_append, imap_flags, pymap_server
 from tests.test_email import mail
 from tests.test_email_tls import PASSWORD, USER, email_config
+
+
+@contextlib.asynccontextmanager
+async def reading(
+    port: int, state: ChannelState, *, holds_mail: bool = False
+) -> AsyncIterator[RecordingWorker]:
+    """The email intake on `port`, leading, for the block's length; `holds_mail`: the inbox
+    holds mail already (a fleet that ran before)."""
+    worker = RecordingWorker()
+    worker.inbox.holds_mail = holds_mail
+    module = EmailModule(email_config(imap_port=port), USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
+    await module.open()
+    await module.lead()
+    try:
+        yield worker
+    finally:
+        await module.close()
 
 
 @pytest.mark.parametrize(
@@ -43,18 +62,11 @@ async def test_the_first_start_leaves_old_unread_mail_alone(pg_server, make_data
             for n, age in enumerate((timedelta(days=900), timedelta(days=2), timedelta(hours=3))):
                 old = mail(subject=f"written {age} ago", message_id=f"<old{n}@example.com>")
                 await imap_append(port, USER, PASSWORD, old, date=now - age)
-            config = email_config(imap_port=port)
-            worker = RecordingWorker()
             with log_records("butlers.modules.email") as records:
-                module = EmailModule(config, USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
-                await module.open()
-                await module.lead()
-                try:
+                async with reading(port, state) as worker:
                     await worker.wait_for("<old2@example.com>")
                     await imap_append(port, USER, PASSWORD, mail(message_id="<new1@example.com>"))
                     await worker.wait_for("<new1@example.com>")
-                finally:
-                    await module.close()
             assert worker.ids == ["<old2@example.com>", "<new1@example.com>"]
             # When it was sent, as the butler is told: the server's arrival time (its Date,
             # its sender's program's, may say anything).
@@ -67,14 +79,8 @@ async def test_the_first_start_leaves_old_unread_mail_alone(pg_server, make_data
 
             # Started again (a restart, a replica taking over): the same.
             await imap_append(port, USER, PASSWORD, mail(message_id="<new2@example.com>"))
-            again = RecordingWorker()
-            module = EmailModule(config, USER, PASSWORD, again, state=state)  # type: ignore[arg-type]
-            await module.open()
-            await module.lead()
-            try:
+            async with reading(port, state) as again:
                 await again.wait_for("<new2@example.com>")
-            finally:
-                await module.close()
             assert again.ids == ["<new2@example.com>"]
             assert not (await imap_flags(port, USER, PASSWORD))[min(flags)]
             kept = await state.get(f"first_uid:{USER}@127.0.0.1:{port}/INBOX")
@@ -98,15 +104,8 @@ async def test_a_fleet_that_read_mail_before_reads_all_unread_mail_at_its_upgrad
             await imap_append(
                 port, USER, PASSWORD, week_old, date=datetime.now(UTC) - timedelta(days=7)
             )
-            worker = RecordingWorker()
-            worker.inbox.holds_mail = True
-            module = EmailModule(email_config(imap_port=port), USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
-            await module.open()
-            await module.lead()
-            try:
+            async with reading(port, state, holds_mail=True) as worker:
                 await worker.wait_for("<away@example.com>")
-            finally:
-                await module.close()
             kept = await state.get(f"first_uid:{USER}@127.0.0.1:{port}/INBOX")
             assert kept["uid"] == 1  # and so at every later start
 
@@ -118,15 +117,8 @@ async def test_a_fleet_that_read_mail_before_reads_all_unread_mail_at_its_upgrad
                 port, USER, PASSWORD, old, date=datetime.now(UTC) - timedelta(days=900)
             )
             await imap_append(port, USER, PASSWORD, mail(message_id="<today@example.com>"))
-            worker = RecordingWorker()
-            worker.inbox.holds_mail = True
-            module = EmailModule(email_config(imap_port=port), USER, PASSWORD, worker, state=state)  # type: ignore[arg-type]
-            await module.open()
-            await module.lead()
-            try:
+            async with reading(port, state, holds_mail=True) as worker:
                 await worker.wait_for("<today@example.com>")
-            finally:
-                await module.close()
             assert worker.ids == ["<today@example.com>"]
     finally:
         await pool.close()
