@@ -295,8 +295,18 @@ async def test_a_decompression_bomb_sent_as_a_document_is_refused(bot_api: FakeB
     assert worker.accepted == []
 
 
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update that was not stored is fetched again after 0.05 s, not 1 s (what is under
+    test is that it is, not the wait: the fast lane)."""
+    from butlers import backoff
+    from butlers.modules import telegram as telegram_module
+
+    monkeypatch.setattr(telegram_module, "RECONNECT", backoff.Backoff((0.05,)))
+
+
 async def test_a_download_that_fails_is_not_acknowledged_and_is_taken_when_it_comes_again(
-    bot_api: FakeBotAPI,
+    bot_api: FakeBotAPI, quick_retries: None
 ) -> None:
     worker = RecordingWorker()
     bot_api.fail_downloads = 1  # the Bot API's 502, once
@@ -316,7 +326,7 @@ async def test_a_download_that_fails_is_not_acknowledged_and_is_taken_when_it_co
 
 
 async def test_a_file_that_never_downloads_is_given_up_and_the_chat_goes_on(
-    bot_api: FakeBotAPI,
+    bot_api: FakeBotAPI, quick_retries: None
 ) -> None:
     """Telegram hands updates over in order: a file whose download keeps failing would hold
     every later message of every chat. After `give_up_on_file_after_s` its sender is asked
