@@ -64,6 +64,17 @@ def raw_mail(
     )  # fmt: skip
 
 
+def forwarding(own: bytes, inner: bytes, part_headers: bytes = b"") -> bytes:
+    """A mail of the sender's own text and `inner` attached as written (message/rfc822, with
+    `part_headers` more: an encoding, a file name), built byte by byte: the email package
+    would parse `inner` (or refold it) on the way."""
+    body = (
+        b"--o\r\nContent-Type: text/plain\r\n\r\n" + own + b"\r\n--o\r\n"
+        b"Content-Type: message/rfc822\r\n" + part_headers + b"\r\n" + inner + b"\r\n--o--\r\n"
+    )
+    return raw_mail("<fwd@x>", body=body, content_type=b'multipart/mixed; boundary="o"')
+
+
 def many_parts(message_id: str, parts: int) -> bytes:
     """A multipart mail of `parts` tiny attachments after its text."""
     attachment = (
@@ -504,13 +515,7 @@ def test_an_attached_mail_sent_quoted_printable_is_written_back_without_refoldin
 
     monkeypatch.setattr(email.header.Header, "encode", folded)
     inner = b"X-A: " + b"a " * 25_000 + b"\r\nFrom: Eve <x@y.example>\r\n\r\nPay me=\r\n now."
-    body = (
-        b"--o\r\nContent-Type: text/plain\r\n\r\nIs this real?\r\n--o\r\n"
-        b"Content-Type: message/rfc822\r\nContent-Transfer-Encoding: quoted-printable\r\n\r\n"
-        + inner
-        + b"\r\n--o--\r\n"
-    )
-    raw = raw_mail("<f@x>", body=body, content_type=b'multipart/mixed; boundary="o"')
-    parsed = parse_mail(raw)
+    encoded = b"Content-Transfer-Encoding: quoted-printable\r\n"
+    parsed = parse_mail(forwarding(b"Is this real?", inner, encoded))
     assert parsed.text.endswith("From: Eve <x@y.example>\n\nPay me now.")
     assert parsed.forwarded == ("Eve <x@y.example>", len("Is this real?") + 2)

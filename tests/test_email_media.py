@@ -568,24 +568,15 @@ def test_an_attached_mail_of_too_many_parts_costs_only_itself_unencoded_too() ->
     newsletter of 300 parts, or a stranger's mail nested 5000 deep, forwarded as an
     attachment, made the owner's whole mail unreadable. Now the owner's words are read and
     that mail is listed as not read."""
-    from tests.test_email_limits import many_parts, raw_mail
+    from tests.test_email_limits import forwarding, many_parts
 
     nested = b"From: Eve <eve@evil.example>\r\nMIME-Version: 1.0\r\n" + b"".join(
         f'Content-Type: multipart/mixed; boundary="b{i}"\r\n\r\n--b{i}\r\n'.encode()
         for i in range(5000)
     )
     for inner in (many_parts("<news@x>", 300), nested + b"\r\nHi."):
-        body = (
-            (
-                b"--o\r\nContent-Type: text/plain\r\n\r\nIs this one real?\r\n--o\r\n"
-                b"Content-Type: message/rfc822\r\n"
-                b'Content-Disposition: attachment; filename="attached.eml"\r\n\r\n'
-            )
-            + inner
-            + b"\r\n--o--\r\n"
-        )
-        raw = raw_mail("<fwd@x>", body=body, content_type=b'multipart/mixed; boundary="o"')
-        parsed = parse_mail(raw)
+        named = b'Content-Disposition: attachment; filename="attached.eml"\r\n'
+        parsed = parse_mail(forwarding(b"Is this one real?", inner, named))
         assert parsed.text == "Is this one real?\n\n[attachments not read: attached.eml]"
         assert parsed.not_read == ("attached.eml",) and parsed.forwarded is None
     # The mail's own parts stay limited: too many of them is the mail's own trouble.
