@@ -87,6 +87,25 @@ def test_the_type_is_read_from_the_bytes_and_text_needs_the_sender_to_call_it_te
     assert parsed.not_read == ("photo.jpg", "sig.asc")
 
 
+INVITE = (
+    b"BEGIN:VCALENDAR\r\nVERSION:2.0\r\nMETHOD:REQUEST\r\nBEGIN:VEVENT\r\n"
+    b"DTSTART;TZID=Europe/Berlin:20261203T090000\r\nSUMMARY:Dentist\r\n"
+    b"END:VEVENT\r\nEND:VCALENDAR\r\n"
+)
+
+
+def test_a_calendar_invite_sent_as_application_ics_is_read_as_text() -> None:
+    """Gmail, Apple Mail and Outlook attach an invite as application/ics: it is read (the
+    butler learns when and where), while other printable application/* data is not."""
+    raw = with_files(
+        (INVITE, "application/ics", "invite.ics"),
+        (INVITE, "application/octet-stream", "other.ics"),
+    ).as_bytes()
+    parsed = parse_mail(raw)
+    assert [(f.name, f.kind, f.data) for f in parsed.files] == [("invite.ics", "text", INVITE)]
+    assert parsed.not_read == ("other.ics",)
+
+
 def files_of(parsed: ParsedMail) -> list[str]:
     return [f.name for f in parsed.files]
 

@@ -17,11 +17,11 @@ not promise that, so the limits (mail_limits) are checked before it is asked:
   its first MAX_HTML_CHARS (converting takes ~0.6 s a MiB).
 
 Attachments: a part whose bytes are an image, a PDF, audio or text (butlers.media.sniff; a
-text file only when the sender also called it text: signatures, keys and other printable
-data sent as application/* are not the sender's words) is kept for the message (`files`);
-the others are listed by name in the text, as not read. The channel's own limits (bytes a
-file, files a message) are applied by `within_limits`, which says in the text what they
-refused.
+text file only when the sender also called it text, or sent it as a calendar invite:
+signatures, keys and other printable data sent as application/* are not the sender's words)
+is kept for the message (`files`); the others are listed by name in the text, as not read.
+The channel's own limits (bytes a file, files a message) are applied by `within_limits`,
+which says in the text what they refused.
 
 A mail attached to a mail (message/rfc822: "Forward as attachment" in Gmail, Outlook and
 Thunderbird) is read as a forward written inline would be: its sender, date, subject and text
@@ -474,9 +474,22 @@ def _readable(part: MIMEPart, name: str) -> Attachment | None:
     kind = kind_or_none(mime_type) if mime_type is not None else None
     if mime_type is None or kind is None:
         return None
-    if kind == "text" and part.get_content_maintype() != "text":
+    if kind == "text" and not _sent_as_text(part):
         return None
     return Attachment(name, mime_type, payload)
+
+
+# Text the sender's mail program sends under an application/* type: a calendar invite
+# (Gmail, Apple Mail and Outlook attach "invite.ics" as application/ics), which says when,
+# where and who in fields a butler reads; a signature or a key says nothing of the kind.
+_TEXT_SENT_AS_APPLICATION = frozenset({"application/ics"})
+
+
+def _sent_as_text(part: MIMEPart) -> bool:
+    return (
+        part.get_content_maintype() == "text"
+        or part.get_content_type() in _TEXT_SENT_AS_APPLICATION
+    )
 
 
 def within_limits(mail: ParsedMail, *, max_bytes: int, max_count: int) -> ParsedMail:
