@@ -404,34 +404,16 @@ async def test_mail_tls_set_the_other_way_round_is_named_with_the_keys_to_set(
 # -- Telegram ---------------------------------------------------------------------------------
 
 
-class BotApiWithWebhookInfo(FakeBotAPI):
-    """The fake Bot API, also answering getWebhookInfo with `webhook_url`."""
-
-    webhook_url = ""
-
-    async def _api_getWebhookInfo(self, params: dict[str, Any]) -> web.Response:
-        return web.json_response(
-            {
-                "ok": True,
-                "result": {
-                    "url": self.webhook_url,
-                    "has_custom_certificate": False,
-                    "pending_update_count": 0,
-                },
-            }
-        )
-
-
 @pytest.fixture
-async def telegram_api() -> AsyncIterator[BotApiWithWebhookInfo]:
-    api = BotApiWithWebhookInfo(token=f"123456:{uuid.uuid4().hex}")
+async def telegram_api() -> AsyncIterator[FakeBotAPI]:
+    api = FakeBotAPI(token=f"123456:{uuid.uuid4().hex}")
     await api.start()
     yield api
     await api.stop()
 
 
 async def test_a_wrong_bot_token_fails_online_without_printing_it(
-    tmp_path: Path, telegram_api: BotApiWithWebhookInfo
+    tmp_path: Path, telegram_api: FakeBotAPI
 ) -> None:
     """Against a Bot API that answers 401, doctor fails naming Telegram and the variable;
     the token, read from the config directory's .env (which the command's own redactor
@@ -499,7 +481,7 @@ async def test_a_bot_api_answering_an_error_of_its_own_is_not_quoted(tmp_path: P
 
 
 async def test_the_bot_token_and_webhook_state_online(
-    tmp_path: Path, telegram_api: BotApiWithWebhookInfo
+    tmp_path: Path, telegram_api: FakeBotAPI
 ) -> None:
     config = fleet_dir(
         tmp_path, telegram=f'api_base_url = "{telegram_api.url}"\nallowed_chat_ids = ["1"]'

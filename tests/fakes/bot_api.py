@@ -1,4 +1,5 @@
-"""A fake Telegram Bot API on loopback, enough for python-telegram-bot: getMe, deleteWebhook,
+"""A fake Telegram Bot API on loopback, enough for python-telegram-bot: getMe, setWebhook,
+deleteWebhook and getWebhookInfo (the registered `webhook_url`, as Telegram keeps it),
 getUpdates (long poll, offsets acknowledge; every call's offset and the update ids it returned
 are recorded; only the kinds of update in its `allowed_updates` are returned, the others are
 dropped), sendMessage (recorded; can answer 429, or 400 for good).
@@ -78,6 +79,7 @@ class FakeBotAPI:
         self._closing = False
         self.url = ""
         self.webhooks: list[dict[str, Any]] = []  # setWebhook calls, with their parameters
+        self.webhook_url = ""  # what getWebhookInfo says: the last setWebhook's, until deleted
         self.press_answers: list[dict[str, Any]] = []  # answerCallbackQuery calls
         self.edits: list[dict[str, Any]] = []  # editMessageText calls
         self.edits_down = False  # while set, editMessageText answers 502 Bad Gateway
@@ -402,7 +404,12 @@ class FakeBotAPI:
         )
 
     async def _api_deleteWebhook(self, params: dict[str, Any]) -> web.Response:
+        self.webhook_url = ""
         return web.json_response({"ok": True, "result": True})
+
+    async def _api_getWebhookInfo(self, params: dict[str, Any]) -> web.Response:
+        info = {"url": self.webhook_url, "has_custom_certificate": False}
+        return web.json_response({"ok": True, "result": {**info, "pending_update_count": 0}})
 
     async def _api_sendChatAction(self, params: dict[str, Any]) -> web.Response:
         async with self._changed:
@@ -543,6 +550,7 @@ class FakeBotAPI:
 
     async def _api_setWebhook(self, params: dict[str, Any]) -> web.Response:
         self.webhooks.append(params)
+        self.webhook_url = str(params.get("url", ""))
         return web.json_response({"ok": True, "result": True})
 
     async def _api_getUpdates(self, params: dict[str, Any], request: web.Request) -> web.Response:
