@@ -753,9 +753,11 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def memory_list(
         limit: Annotated[int, Field(ge=1, le=500)] = 50,
+        before: int | None = None,
     ) -> list[dict[str, Any]]:
-        """The newest memories first, with their tags and the conversation they came from."""
-        return await memory().list(limit, viewer())
+        """The newest memories first, with their tags and the conversation they came from;
+        `before`: only those with a lower id (the next page)."""
+        return await memory().list(limit, viewer(), before)
 
     @tool
     async def sessions_list(

@@ -482,18 +482,22 @@ class MemoryStore:
         )
         return deleted is not None
 
-    async def list(self, limit: int = 50, viewer: Viewer = UNRESTRICTED) -> list[dict[str, Any]]:
-        """The newest memories first; where each came from only for the operator."""
+    async def list(
+        self, limit: int = 50, viewer: Viewer = UNRESTRICTED, before: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest memories first (with ids below `before`, when given: the next page);
+        where each came from only for the operator."""
         viewer = self.seen_as(viewer)
         columns = "id, text, tags, created_at" + (
             ", conversation, person, private" if viewer.kind == "operator" else ""
         )
         rows = await self.pool.fetch(
             f"SELECT {columns} FROM memories WHERE {viewer.visible(2, 3)} "
-            "ORDER BY id DESC LIMIT $1",
+            "AND ($4::bigint IS NULL OR id < $4) ORDER BY id DESC LIMIT $1",
             limit,
             viewer.kind,
             viewer.person,
+            before,
         )
         return [_row(r) for r in rows]
 

@@ -308,3 +308,64 @@ async def test_gateway_report_as_json(fleet: Fleet, tmp_path: Path) -> None:
     assert listings["direct"]["bytes"] == sum(c["direct_bytes"] for c in children.values())
     assert listings["suite"]["bytes"] > sum(c["suite_bytes"] for c in children.values())
     assert 0 < listings["suite"]["percent_of_direct"] < 100
+
+
+async def test_every_listing_pages_with_before_and_a_full_page_names_the_next(
+    fleet: Fleet, db_conn
+) -> None:
+    """`log`, `outbox`, `approvals` and `memory` page as `inbox` does: a full page ends with
+    "--before ID", and that page holds the rest, none twice (routes logged in one write share
+    their time: the page breaks between them too)."""
+    url = fleet.switchboard.sse_url
+    switchboard = await db_conn(fleet.switchboard.config.database)
+    await switchboard.execute(  # five routes logged at one time, as one batch writes them
+        "INSERT INTO routing_log (source_channel, routed_to, tool_name, created_at) "
+        "SELECT 'mcp', 'general', 'status', now() FROM generate_series(1, 5)"
+    )
+    await switchboard.execute(
+        "INSERT INTO outbox (kind, channel, recipient, text, status, sent_at) "
+        "SELECT 'reply', 'telegram', '1', 'r' || g, 'sent', now() FROM generate_series(1, 5) g"
+    )
+    await switchboard.execute(
+        "INSERT INTO approvals (butler, tool, arguments, status, expires_at) "
+        "SELECT 'general', 't' || g, '{}', 'denied', now() FROM generate_series(1, 5) g"
+    )
+    general = await db_conn(fleet.targets["general"].config.database)
+    await general.execute(
+        "INSERT INTO memories (text, tags, private, language, words, person, from_owner) "
+        "SELECT 'm' || g, '{}', false, 'simple', to_tsvector('simple', 'm' || g), '', true "
+        "FROM generate_series(1, 5) g"
+    )
+    listings = {
+        "log": ("log",),
+        "outbox": ("outbox", "--status", "sent"),
+        "approvals": ("approvals",),
+        "memory": ("memory", "general"),
+    }
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        return await run_cli(*args, "--url", url, token="cli-token")
+
+    for name, command in listings.items():
+        code, out, _ = await cli(*command, "--json", "--limit", "100")
+        assert code == 0
+        every = [row["id"] for row in json.loads(out)]
+        assert len(every) == 5, (name, every)
+        code, out, err = await cli(*command, "--json", "--limit", "3")
+        first = [row["id"] for row in json.loads(out)]
+        code, _, table_err = await cli(*command, "--limit", "3")
+        assert code == 0 and f"(3 shown; older ones: --before {first[-1]})" in table_err, name
+        code, out, err = await cli(*command, "--json", "--limit", "3", "--before", str(first[-1]))
+        assert code == 0, err
+        rest = [row["id"] for row in json.loads(out)]
+        assert first + rest == every, name
+        code, _, table_err = await cli(*command, "--limit", "3", "--before", str(first[-1]))
+        assert "older ones" not in table_err, name  # a page not full is the last
+
+    missing = "00000000-0000-0000-0000-000000000000"
+    code, _, err = await cli("log", "--before", missing)
+    assert code == 1 and f"before: no routing_log row {missing}" in err
+    code, _, err = await cli("log", "--before", "12")
+    assert code == 1 and "before: '12' is not a routing_log id" in err
+    code, _, err = await cli("memory", "general", "--search", "m1", "--before", "3")
+    assert code == 1 and "--before pages `butlers memory BUTLER`; a --search is ranked" in err

@@ -243,17 +243,21 @@ async def _ask(target: SwitchboardTarget, args: Any, _settings: Settings) -> Ask
 
 
 async def _inbox(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
-    asked = {"status": args.status, "limit": args.limit}
-    if args.before is not None:
-        asked["before"] = args.before
+    asked = paged({"status": args.status, "limit": args.limit}, args.before)
     rows = await call_switchboard(target, "inbox_list", asked)
     return rows, functools.partial(print_inbox, status=args.status, limit=args.limit)
 
 
+def paged(asked: dict[str, Any], before: int | str | None) -> dict[str, Any]:
+    """A listing's arguments, with `before` when a page was asked for (a switchboard of an
+    older build refuses arguments it does not know: only what was given is sent)."""
+    return asked if before is None else {**asked, "before": before}
+
+
 async def _routing_log(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
-    asked = {"butler": args.butler, "limit": args.limit}
+    asked = paged({"butler": args.butler, "limit": args.limit}, args.before)
     rows = await call_switchboard(target, "routing_log_list", asked)
-    return rows, functools.partial(print_routing_log, butler=args.butler)
+    return rows, functools.partial(print_routing_log, butler=args.butler, limit=args.limit)
 
 
 async def _retry(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
@@ -267,16 +271,16 @@ async def _outbox(target: SwitchboardTarget, args: Any, _settings: Settings) -> 
                 "which outbox row? `butlers outbox retry ID` (ids: `butlers outbox`)"
             )
         return await call_switchboard(target, "outbox_retry", {"id": args.id}), print_reply_retry
-    asked = {"status": args.status, "limit": args.limit}
+    asked = paged({"status": args.status, "limit": args.limit}, args.before)
     rows = await call_switchboard(target, "outbox_list", asked)
-    return rows, functools.partial(print_outbox, status=args.status)
+    return rows, functools.partial(print_outbox, status=args.status, limit=args.limit)
 
 
 async def _approvals(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
     if args.action is None:
-        asked = {"status": args.status, "limit": args.limit}
+        asked = paged({"status": args.status, "limit": args.limit}, args.before)
         rows = await call_switchboard(target, "approvals_list", asked)
-        return rows, functools.partial(print_approvals, status=args.status)
+        return rows, functools.partial(print_approvals, status=args.status, limit=args.limit)
     if args.id is None:
         raise CommandError(f"which approval? `butlers approvals {args.action} ID`")
     decision = {"id": args.id, "decision": args.action}
@@ -307,7 +311,10 @@ async def _schedules_command(target: SwitchboardTarget, args: Any, _settings: Se
 
 async def _memory_command(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
     result = await _memory(target, args)
-    return result, print_memories if args.action is None else print_forgotten
+    if args.action is not None:
+        return result, print_forgotten
+    # A search is ranked, not paged: its page has no "older ones".
+    return result, functools.partial(print_memories, limit=None if args.search else args.limit)
 
 
 async def _call(target: SwitchboardTarget, args: Any, _settings: Settings) -> Asked:
@@ -389,10 +396,13 @@ async def _memory(target: SwitchboardTarget, args: argparse.Namespace) -> Any:
         with_search = " with --search" if args.search else ""
         raise CommandError(f"--limit must be 1..{most}{with_search}, got {args.limit}")
     if args.search:
+        if args.before is not None:
+            raise CommandError("--before pages `butlers memory BUTLER`; a --search is ranked")
         return await _on_butler(
             target, args.butler, "memory_search", {"query": args.search, "limit": args.limit}
         )
-    return await _on_butler(target, args.butler, "memory_list", {"limit": args.limit})
+    asked = paged({"limit": args.limit}, args.before)
+    return await _on_butler(target, args.butler, "memory_list", asked)
 
 
 MEMORY_LIST_LIMIT, MEMORY_SEARCH_LIMIT = 500, 100  # (memory_list's and memory_search's own)

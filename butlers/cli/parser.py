@@ -296,19 +296,22 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     def limit_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--limit", type=int, default=20, help="at most this many, 1..500 (20)")
 
+    def before_arg(p: argparse.ArgumentParser, which: str, id_type: type = int) -> None:
+        """--before ID: the page after a full one (its last line names the ID)."""
+        p.add_argument("--before", type=id_type, metavar="ID", help=f"only {which} (a page)")
+
     inbox = commands.add_parser(
         "inbox", help="the newest messages and what became of them (times are local)"
     )
     client_args(inbox)
     inbox.add_argument("--status", help="only queued|processing|done|failed|skipped ones")
     limit_arg(inbox)
-    inbox.add_argument(
-        "--before", type=int, metavar="ID", help="only messages older than message ID (a page)"
-    )
+    before_arg(inbox, "messages older than message ID")
     log = commands.add_parser("log", help="the newest routing_log rows, with their Jaeger links")
     client_args(log)
     log.add_argument("--butler", metavar="NAME", help="only the routes to this butler")
     limit_arg(log)
+    before_arg(log, "routes logged before route ID", str)
     retry = commands.add_parser(
         "retry", help="queue a failed (or skipped) message again: it is routed and answered anew"
     )
@@ -320,6 +323,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     client_args(outbox)
     outbox.add_argument("--status", help="only pending|sending|sent|failed ones")
     limit_arg(outbox)
+    before_arg(outbox, "rows older than outbox row ID")
     outbox.add_argument(
         "action", nargs="?", choices=("retry",), help="send a failed one again (`retry ID`)"
     )
@@ -336,6 +340,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     approvals.add_argument("id", nargs="?", type=int, metavar="ID", help="the approval's id")
     approvals.add_argument("--status", help="only pending|approved|denied|expired|done|failed ones")
     limit_arg(approvals)
+    before_arg(approvals, "approvals older than approval ID")
     pairing = commands.add_parser(
         "pairing",
         help="strangers' pending codes and paired senders; `pairing approve|deny CODE` "
@@ -370,6 +375,7 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     memory.add_argument(
         "--limit", type=int, default=20, help="at most this many, 1..500 (with --search 1..100)"
     )
+    before_arg(memory, "memories older than memory ID (not with --search)")
     # On every command too (`butlers list --log-level debug`), where they override the
     # defaults above only when given.
     for command in [

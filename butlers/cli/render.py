@@ -219,12 +219,20 @@ def print_inbox(rows: list[dict[str, Any]], status: str | None, limit: int | Non
         table.append((cells, details))
     header = ("ID", "RECEIVED", "CHANNEL", "FROM", "STATUS", "ROUTED TO", "VIA", "TEXT")
     print_rows_with_details(header, table)
-    if limit is not None and len(rows) >= limit:
+    print_next_page(rows, limit)
+
+
+def print_next_page(rows: list[dict[str, Any]], limit: int | None) -> None:
+    """After a full page of a listing, newest first: how to ask for the one before it (on
+    stderr: the table stays the table)."""
+    if limit is not None and rows and len(rows) >= limit:
         sys.stdout.flush()
         print(f"({len(rows)} shown; older ones: --before {rows[-1]['id']})", file=sys.stderr)
 
 
-def print_routing_log(rows: list[dict[str, Any]], butler: str | None) -> None:
+def print_routing_log(
+    rows: list[dict[str, Any]], butler: str | None, limit: int | None = None
+) -> None:
     if not rows:
         print(f"No routes to {butler!r} logged." if butler else "No routes logged.")
         return
@@ -245,6 +253,7 @@ def print_routing_log(rows: list[dict[str, Any]], butler: str | None) -> None:
         table.append((cells, [f"error: {row['error']}"] if row.get("error") else []))
     header = ("WHEN", "CHANNEL", "FROM", "TO", "RESULT", "MS", "INBOX", "SUMMARY", "TRACE")
     print_rows_with_details(header, table)
+    print_next_page(rows, limit)
 
 
 def print_retry(answer: dict[str, Any]) -> None:
@@ -262,7 +271,7 @@ def print_reply_retry(answer: dict[str, Any]) -> None:
     )
 
 
-def print_outbox(rows: list[dict[str, Any]], status: str | None) -> None:
+def print_outbox(rows: list[dict[str, Any]], status: str | None, limit: int | None = None) -> None:
     if not rows:
         print(none_found("outbox rows", status) if status else "Nothing waiting in the outbox.")
         return
@@ -296,9 +305,12 @@ def print_outbox(rows: list[dict[str, Any]], status: str | None) -> None:
         "TEXT",
     )
     print_rows_with_details(header, table)
+    print_next_page(rows, limit)
 
 
-def print_approvals(rows: list[dict[str, Any]], status: str | None) -> None:
+def print_approvals(
+    rows: list[dict[str, Any]], status: str | None, limit: int | None = None
+) -> None:
     if not rows:
         print(none_found("approvals", status))
         return
@@ -327,6 +339,7 @@ def print_approvals(rows: list[dict[str, Any]], status: str | None) -> None:
         table.append((cells, details))
     header = ("ID", "REQUESTED", "BUTLER", "TOOL", "STATUS", "DECIDED", "BY", "ARGUMENTS")
     print_rows_with_details(header, table)
+    print_next_page(rows, limit)
 
 
 def decision_failure(answer: dict[str, Any]) -> str | None:
@@ -440,7 +453,7 @@ def print_schedules(rows: list[dict[str, Any]]) -> None:
     print_rows_with_details(header, table)
 
 
-def print_memories(rows: list[dict[str, Any]]) -> None:
+def print_memories(rows: list[dict[str, Any]], limit: int | None = None) -> None:
     if not rows:
         print("No memories.")
         return
@@ -455,3 +468,4 @@ def print_memories(rows: list[dict[str, Any]]) -> None:
         )
         table.append((cells, []))
     print_rows_with_details(("ID", "REMEMBERED", "TAGS", "SCORE", "TEXT"), table)
+    print_next_page(rows, limit)

@@ -219,8 +219,10 @@ class ApprovalStore:
         rows = await self.pool.fetch(sql.APPROVAL_ASKED_BY_MAIL, list(thread))
         return [dict(r) for r in rows]
 
-    async def newest(self, status: str | None, limit: int) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(sql.APPROVAL_NEWEST, status, limit)
+    async def newest(
+        self, status: str | None, limit: int, before: int | None = None
+    ) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(sql.APPROVAL_NEWEST, status, limit, before)
         return [dict(r) for r in rows]
 
     async def decide(self, approval_id: int, status: str, by: str) -> tuple[dict[str, Any], bool]:
@@ -883,14 +885,17 @@ def register_approval_tools(mcp: FastMCP, desk: ApprovalDesk) -> None:
         return await desk.claim(id, butler)
 
     @mcp.tool
-    async def approvals_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    async def approvals_list(
+        status: str | None = None, limit: int = 20, before: int | None = None
+    ) -> list[dict[str, Any]]:
         """The newest approvals (`status`: pending | approved | denied | expired | done |
-        failed; `limit` 1..500): butler, tool, exact arguments, who decided and when, result."""
+        failed; `limit` 1..500; `before`: only those with a lower id, the next page):
+        butler, tool, exact arguments, who decided and when, result."""
         _refuse_classification_sessions()
         _check_status(status, STATUSES, "approvals")
         _check_limit(limit)
         await desk.expire()  # what is overdue says so even between two sweeps
-        return [public(row) for row in await desk.store.newest(status, limit)]
+        return [public(row) for row in await desk.store.newest(status, limit, before)]
 
     @mcp.tool
     async def approval_decide(id: int, decision: str) -> dict[str, Any]:

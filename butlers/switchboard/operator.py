@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -114,16 +115,29 @@ class OperatorStore:
             )
         return found
 
-    async def routing_log(self, butler: str | None, limit: int) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch(sql.OPERATOR_ROUTING_LOG, butler, limit)
+    async def routing_log(
+        self, butler: str | None, limit: int, before: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Newest first; older than the row `before` (its id) when given. ToolRefusal when
+        that row is not there (a page cannot start after what retention deleted)."""
+        created_at = after = None
+        if before is not None:
+            try:
+                after = uuid.UUID(before)
+            except ValueError:
+                raise ToolRefusal(f"before: {before!r} is not a routing_log id") from None
+            row = await self.pool.fetchrow(sql.OPERATOR_ROUTING_LOG_ROW, after)
+            if row is None:
+                raise ToolRefusal(f"before: no routing_log row {before}")
+            created_at = row["created_at"]
+        rows = await self.pool.fetch(sql.OPERATOR_ROUTING_LOG, butler, limit, created_at, after)
         return [dict(r) for r in rows]
 
-    async def outbox(self, statuses: Sequence[str], limit: int) -> list[dict[str, Any]]:
+    async def outbox(
+        self, statuses: Sequence[str], limit: int, before: int | None = None
+    ) -> list[dict[str, Any]]:
         rows = await self.pool.fetch(
-            sql.OPERATOR_OUTBOX,
-            list(statuses),
-            limit,
-            _HEAD_CHARS,
+            sql.OPERATOR_OUTBOX, list(statuses), limit, _HEAD_CHARS, before
         )
         return [dict(r) for r in rows]
 
@@ -203,12 +217,15 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         return rows
 
     @mcp.tool
-    async def routing_log_list(butler: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    async def routing_log_list(
+        butler: str | None = None, limit: int = 20, before: str | None = None
+    ) -> list[dict[str, Any]]:
         """The newest routing_log rows (only the routes to `butler`, when given; `limit`
-        1..500), each with the Jaeger link of its trace (JAEGER_UI_URL)."""
+        1..500; `before`: only those older than that row's id, the next page), each with the
+        Jaeger link of its trace (JAEGER_UI_URL)."""
         _refuse_classification_sessions()
         _check_limit(limit)
-        rows = await store.routing_log(butler, limit)
+        rows = await store.routing_log(butler, limit, before)
         for row in rows:
             row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
         return rows
@@ -240,12 +257,16 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         return requeued
 
     @mcp.tool
-    async def outbox_list(status: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    async def outbox_list(
+        status: str | None = None, limit: int = 20, before: int | None = None
+    ) -> list[dict[str, Any]]:
         """The newest outbox rows (replies and notifications): by default those not sent
         yet and those that failed (pending, sending, failed); `status` (pending | sending |
-        sent | failed) for one kind only; `limit` 1..500."""
+        sent | failed) for one kind only; `limit` 1..500; `before`: only rows with a lower
+        id (the next page)."""
         _refuse_classification_sessions()
         _check_status(status, OUTBOX_STATUSES, "outbox")
         _check_limit(limit)
-        rows = await store.outbox(OUTBOX_UNSENT if status is None else (status,), limit)
+        unsent = OUTBOX_UNSENT if status is None else (status,)
+        rows = await store.outbox(unsent, limit, before)
         return [_with_excerpt(row) for row in rows]

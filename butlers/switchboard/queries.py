@@ -482,9 +482,10 @@ APPROVAL_ASKED_BY_MAIL = f"""
     SELECT {_APPROVAL_ROW} FROM approvals WHERE asked->>'email' = ANY($1::text[])
     ORDER BY id DESC LIMIT 100
 """
-# The newest $2, of status $1 (NULL: any).
+# The newest $2, of status $1 (NULL: any), with ids below $3 (NULL: any).
 APPROVAL_NEWEST = f"""
-    SELECT {_APPROVAL_ROW} FROM approvals WHERE $1::text IS NULL OR status = $1
+    SELECT {_APPROVAL_ROW} FROM approvals
+    WHERE ($1::text IS NULL OR status = $1) AND ($3::bigint IS NULL OR id < $3)
     ORDER BY id DESC LIMIT $2
 """
 # A decision: one conditional UPDATE, so of any number of concurrent ones exactly one wins.
@@ -696,21 +697,25 @@ OPERATOR_APPROVALS_BY_TRACE = f"""
     SELECT id, tool, status, {TRACE_OF_CONTEXT} AS trace_id FROM approvals
     WHERE {TRACE_OF_CONTEXT} = ANY($1::text[]) ORDER BY id
 """
-# The newest $2 routes (to butler $1; NULL: any).
+# The newest $2 routes (to butler $1; NULL: any), older than the row ($3 created_at, $4 id).
 OPERATOR_ROUTING_LOG = """
     SELECT id::text AS id, created_at, source_channel, source_id, routed_to,
            tool_name, prompt_summary, success, error, duration_ms, inbox_id,
            trace_id
     FROM routing_log
-    WHERE $1::text IS NULL OR routed_to = $1
-    ORDER BY created_at DESC, id LIMIT $2
+    WHERE ($1::text IS NULL OR routed_to = $1)
+      AND ($3::timestamptz IS NULL OR (created_at, id) < ($3, $4::uuid))
+    ORDER BY created_at DESC, id DESC LIMIT $2
 """
-# The newest $2 outbox rows of statuses $1, $3 characters of each text for its excerpt.
+# Where a page of routing_log_list's ends: the row it names by id.
+OPERATOR_ROUTING_LOG_ROW = "SELECT created_at, id FROM routing_log WHERE id = $1"
+# The newest $2 outbox rows of statuses $1 (with ids below $4, when given), $3 characters of
+# each text for its excerpt.
 OPERATOR_OUTBOX = """
     SELECT id, kind, inbox_id, butler, channel, recipient, conversation, status,
            attempts, next_attempt_at, created_at, sent_at, error,
            left(text, $3) AS text_head, length(text) AS text_chars
-    FROM outbox WHERE status = ANY($1::text[])
+    FROM outbox WHERE status = ANY($1::text[]) AND ($4::bigint IS NULL OR id < $4)
     ORDER BY id DESC LIMIT $2
 """
 # A message to retry, locked until it is queued again (or refused).
