@@ -206,9 +206,13 @@ def _namespace(person: str) -> str:
     return person.replace("%", "%25").replace("/", "%2F") + "/"
 
 
-def _planted_by(row: dict[str, Any], person: str) -> bool:
-    """Whether a schedule was planted by a session answering `person`."""
-    return bool(row["routed"] and row["conversation"] and person_of(row["conversation"]) == person)
+def _planted_by(row: dict[str, Any], person: str, owners: frozenset[str]) -> bool:
+    """Whether a schedule was planted by a session answering `person`; in the owner's own
+    chat (`owners`), by one acting on words the owner forwarded: a scope there is a forward's
+    (person_scope), and never holds the owner's own reminders."""
+    if not (row["routed"] and row["conversation"] and person_of(row["conversation"]) == person):
+        return False
+    return person not in owners or row.get("forwarded_from") is not None
 
 
 def _parse_session_id(session_id: str) -> uuid.UUID:
@@ -487,6 +491,7 @@ def _schedule_row(row: dict[str, Any], zone: str) -> dict[str, Any]:
     came from (`config`: [[schedules]] in butler.toml; `tool`: schedule_create)."""
     shown = dict(row)
     shown.pop("conversation", None)  # someone's chat or address: not for every session
+    shown.pop("forwarded_from", None)  # (whose words a forward's reminder acts on)
     shown["id"] = str(shown["id"])
     shown["origin"] = "config" if row["declared"] else "tool"
     shown["timezone"] = zone
@@ -649,7 +654,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         zone = ctx.config.zone
         rows = await store.schedule_list()
         if (who := person_scope()) is not None:  # a person sees only their own
-            rows = [row for row in rows if _planted_by(row, who)]
+            rows = [row for row in rows if _planted_by(row, who, owner_persons())]
         shown = [_schedule_row(row, zone) for row in rows]
         if session_token() is None:
             # The operator is told whose each is (`for`: the person whose message planted
@@ -673,7 +678,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             person_scope() is not None or ctx.spawner.forwarded_from(token) is not None
         )
         if (who := person_scope()) is not None and not any(
-            row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
+            row["name"] == name and _planted_by(row, who, owner_persons())
+            for row in await store.schedule_list()
         ):
             raise ToolRefusal(f"no schedule named {name!r} that you may delete")
         if not await store.schedule_delete(name, routed_only=routed_only):
@@ -695,17 +701,24 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             return seen_as
         return OWNER_SESSION
 
+    def owner_persons() -> frozenset[str]:
+        return ctx.memory.owner_persons if ctx.memory is not None else frozenset()
+
     def person_scope() -> str | None:
         """The person whose state and schedules alone the caller sees, when it is a session
         answering someone other than the owner (their `state_*` keys live under
-        `<person>/`, out of everyone else's sight); None for the owner's sessions and the
-        operator, who see all. Without it a person's session read the owner's state, and
-        wrote what the owner's sessions then read as their own (as memories once did)."""
+        `<person>/`, out of everyone else's sight), or acting on words the owner forwarded
+        (another's: the owner's chat as a person, who sees only what such messages kept);
+        None for the owner's own sessions and the operator, who see all. Without it a
+        person's session read the owner's state, and wrote what the owner's sessions then
+        read as their own (as memories once did); a forward in the owner's chat read every
+        person's state and wrote into another's (a red team)."""
         seen_as = viewer()
         if seen_as.kind != "person":
             return None
-        owners = ctx.memory.owner_persons if ctx.memory is not None else frozenset()
-        return None if seen_as.person in owners else seen_as.person
+        if seen_as.person in owner_persons() and not seen_as.forwarded:
+            return None
+        return seen_as.person
 
     def scoped(key: str) -> str:
         who = person_scope()

@@ -21,8 +21,10 @@ stranger's session):
   unless tagged `shared` (it was shared unless tagged `private`: every person's session was
   handed the owner's facts with its prompt, a red team found).
 Readers: a person's session finds the shared memories and their own; a session the owner
-started (a schedule, `trigger`) finds the shared ones and the owner's; the operator (the CLI,
-no session) finds all. A person's session may forget only their own. A person may keep at
+started (a schedule, `trigger`) or the owner's own chat finds the shared ones and the owner's;
+one acting on words the owner forwarded finds the shared ones and what such sessions kept,
+never the owner's; the operator (the CLI, no session) finds all. A person's session may
+forget only their own (a forward: only what forwards kept). A person may keep at
 most PERSON_QUOTA memories, and when the butler is full the people's go before the owner's.
 Other butlers never see any: they live in this butler's database only.
 """
@@ -128,7 +130,7 @@ class Viewer:
     """Who is asking (see the module's rules): the `operator` (no session), an `owner`
     session (a schedule, trigger), or a `person`'s session (a routed message's)."""
 
-    kind: Literal["operator", "owner", "person", "owner_person"] = "operator"
+    kind: Literal["operator", "owner", "person"] = "operator"
     person: str = ""
     # A person's session acting on a message they forwarded: what it keeps is never the
     # owner's, even in the owner's own conversation (another's words).
@@ -143,12 +145,16 @@ class Viewer:
         statement's parameters number `kind` and `person`."""
         return (
             f"(${kind}::text = 'operator'"
+            # The owner's sessions, and the owner writing from a chat or a mail
+            # (MemoryStore.seen_as): theirs wherever they kept it (`butlers ask`, a schedule,
+            # a chat), never what a forward kept in their chat (another's words, which
+            # reached the owner's own sessions and their tools: a red team).
             f" OR (${kind}::text = 'owner' AND (NOT private OR from_owner))"
-            f" OR (${kind}::text = 'person' AND (NOT private OR person = ${person}::text))"
-            # The owner writing from a chat or a mail (MemoryStore.seen_as): theirs wherever
-            # they kept it (`butlers ask`, a schedule) and what that chat kept.
-            f" OR (${kind}::text = 'owner_person'"
-            f" AND (NOT private OR from_owner OR person = ${person}::text)))"
+            # A person: theirs. A forward in the owner's chat (a person there): what forwards
+            # kept, never what the owner's chat did (a red team: a stranger's forwarded words
+            # read it, to copy where the stranger reads).
+            f" OR (${kind}::text = 'person'"
+            f" AND (NOT private OR (person = ${person}::text AND NOT from_owner))))"
         )
 
 
@@ -320,11 +326,11 @@ class MemoryStore:
 
     def seen_as(self, viewer: Viewer) -> Viewer:
         """`viewer` as the rules read it: the owner's own conversation (not a message they
-        forwarded: another's words) finds the owner's memories wherever they were kept, and
-        may forget them. Without it what the owner told `butlers ask` was not found when they
-        asked from Telegram (a walkthrough)."""
+        forwarded: another's words) is the owner, who finds their memories wherever they were
+        kept, and may forget them. Without it what the owner told `butlers ask` was not found
+        when they asked from Telegram (a walkthrough)."""
         if viewer.kind == "person" and not viewer.forwarded and viewer.person in self.owner_persons:
-            return Viewer("owner_person", viewer.person)
+            return Viewer("owner", viewer.person)
         return viewer
 
     async def context(self, prompt: str, limit: int, viewer: Viewer) -> list[dict[str, Any]]:
@@ -467,10 +473,11 @@ class MemoryStore:
             )
 
     async def forget(self, memory_id: int, viewer: Viewer = UNRESTRICTED) -> bool:
-        """Delete one: a person's session only their own; others what they can see."""
+        """Delete one: a person's session only their own (a forward in the owner's chat: only
+        what forwards kept); others what they can see."""
         viewer = self.seen_as(viewer)
         own = (
-            "($2::text = 'person' AND person = $3::text)"
+            "($2::text = 'person' AND person = $3::text AND NOT from_owner)"
             if viewer.kind == "person"
             else viewer.visible(2, 3)
         )

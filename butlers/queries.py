@@ -127,7 +127,7 @@ SCHEDULE_CREATE = f"""
     RETURNING {_SCHEDULE_COLUMNS}
 """
 SCHEDULE_LIST = (
-    f"SELECT {_SCHEDULE_COLUMNS}, conversation FROM scheduled_tasks "
+    f"SELECT {_SCHEDULE_COLUMNS}, conversation, forwarded_from FROM scheduled_tasks "
     "ORDER BY next_run_at NULLS LAST, name"
 )
 # $2: only one a routed message's session planted (not declared).

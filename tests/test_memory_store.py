@@ -102,10 +102,13 @@ async def test_whose_a_memory_is_decides_who_finds_it(memory: MemoryStore) -> No
     }
     forwarded = Viewer.of_person("telegram:1")
     forwarded = Viewer(forwarded.kind, forwarded.person, forwarded=True)
+    # ... nor finds what the owner's chat kept (a red team: the forward copied it to where
+    # its author reads), nor may forget it.
     assert {r["text"] for r in await memory.search("door", viewer=forwarded)} == {
-        "Door code is 4711",
         "The door is green",
     }
+    code = (await memory.search("4711", viewer=owner))[0]
+    assert not await memory.forget(code["id"], viewer=forwarded)
     # A schedule or trigger the owner started: the shared ones and the owner's, never Anna's.
     assert {r["text"] for r in await memory.search("door", viewer=OWNER_SESSION)} == {
         "Door code is 4711",
