@@ -33,7 +33,6 @@ from mcp.types import TextContent
 from butlers.config import APPROVAL_EXECUTE_TOOL, CONFIG_FILENAME, ButlerConfig
 from butlers.errors import ConfigError, NotifyFailed
 from butlers.session_policy import APPROVED_CALL, session_token, waits_for_approval
-from butlers.telemetry import current_trace_id
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
@@ -149,12 +148,15 @@ class ApprovalGate:
                 "was started for a message whose conversation is not known): not asked",
                 log_level=logging.WARNING,
             )
+        # Its sessions row, by its credential: the call's trace is the caller's to choose
+        # (`_trace_context`), and named another running session (a red team).
+        session_id = self.spawner.session_of(token)
         try:
             recorded = await self.link.request_approval(
                 tool_name,
                 arguments,
                 conversation=conversation,
-                session_id=await self._session_id(),
+                session_id=str(session_id) if session_id is not None else None,
                 timeout_hours=self.config.approvals.timeout_hours,
                 forwarded_from=self.spawner.forwarded_from(token),
             )
@@ -184,18 +186,6 @@ class ApprovalGate:
                 "message": said,
             },
         )
-
-    async def _session_id(self) -> str | None:
-        """The butler's running session in this call's trace (the spawner's sessions row)."""
-        trace_id = current_trace_id()
-        if trace_id is None:
-            return None
-        value = await self.store.pool.fetchval(
-            """SELECT id::text FROM sessions WHERE trace_id = $1 AND finished_at IS NULL
-               ORDER BY started_at DESC LIMIT 1""",
-            trace_id,
-        )
-        return str(value) if value is not None else None
 
     def visible_tools(self, tools: Sequence[Tool]) -> Sequence[Tool]:
         if session_token() is None:

@@ -136,6 +136,7 @@ class Spawner:
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
         self._serving: dict[str, _Serving] = {}  # session token -> what it serves
+        self._session_ids: dict[str, uuid.UUID] = {}  # session token -> its sessions row
         # The owner's persons (`telegram:<chat>`, `email:<address>`): their conversations
         # are the owner's own, not a person's.
         self.owner_persons = frozenset(person_of(p) for p in config.owner_persons)
@@ -230,10 +231,12 @@ class Spawner:
                         preamble=preamble,
                         attachments=attachments,
                         person=self.person_served(conversation) if routed else None,
+                        token=token,
                     )
             finally:
                 self.running -= 1
                 self._serving.pop(token, None)
+                self._session_ids.pop(token, None)
 
     def person_served(self, conversation: str | None) -> str | None:
         """The person (not the owner) a routed session's conversation is with; None for the
@@ -273,6 +276,17 @@ class Spawner:
         """The conversation the session presenting `session_token` serves, if any."""
         serving = self._serving_of(session_token) if session_token else None
         return serving.conversation if serving is not None else None
+
+    def session_of(self, session_token: str | None) -> uuid.UUID | None:
+        """The sessions row of the session presenting `session_token` (None: no session, or
+        a call run for one later, `acting_for`). Read from the credential, never from the
+        call's trace, which a caller chooses (`_trace_context`)."""
+        if not session_token:
+            return None
+        for token, session_id in self._session_ids.items():
+            if hmac.compare_digest(token.encode(), session_token.encode()):
+                return session_id
+        return None
 
     def forwarded_from(self, session_token: str | None) -> str | None:
         """Whose words the session presenting `session_token` acts on, when its message was
@@ -402,14 +416,18 @@ class Spawner:
         preamble: str = "",
         attachments: Sequence[Attachment] = (),
         person: str | None = None,
+        token: str | None = None,
     ) -> SessionOutcome:
         """Run and record one session; with a `refusal`, record it as failed, unrun.
         `preamble`: what Claude Code is given before the prompt (memories), not recorded.
-        `person`: whose message (not the owner's) it serves, recorded with it."""
+        `person`: whose message (not the owner's) it serves, recorded with it. `token`: its
+        credential, which then names its sessions row (`session_of`)."""
         trace_id = current_trace_id()
         session_id = await self.store.session_start(
             trigger_source, recorded_prompt(prompt, attachments), trace_id, person
         )
+        if token is not None:
+            self._session_ids[token] = session_id
         started = time.monotonic()
         tool_calls: list[dict[str, Any]] = []
         signs = RunSigns()  # what may say why it fails, even when it is cut short

@@ -637,3 +637,44 @@ async def test_a_conversation_has_only_so_many_questions_waiting(switchboard_poo
     threads = [f"email:Eve@x.example:<t{n}@x>" for n in range(6)]
     made = [await store.create(call(thread), None) for thread in threads]
     assert [row is not None for row in made].count(True) == MAX_PENDING_PER_CONVERSATION
+
+
+@pytest.mark.proc
+async def test_an_approval_names_the_session_that_asked_whatever_trace_its_call_names(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """The sessions row an approval names was looked up by the call's trace, which a call's
+    `_trace_context` chooses: an injected session could name another running session (the
+    owner's) as the one that asked (a red team). It is the asking session's own, by its
+    credential."""
+    chosen = "ab" * 16
+
+    def respond(body: dict) -> list[dict]:
+        if butler_of(body) == "general" and turn(body) == 0 and "digest" in first_prompt(body):
+            arguments = {"name": "digest", "cron": "0 8 * * *", "prompt": "Daily digest."}
+            carrier = {"traceparent": f"00-{chosen}-{'cd' * 8}-01"}
+            return [
+                tool_use("mcp__general__schedule_create", {**arguments, "_trace_context": carrier})
+            ]
+        return [text("Done.")]
+
+    scripted_api.respond_with(respond)
+    switchboard, general = await notify_fleet(
+        start_butler,
+        tmp_path,
+        bot_api,
+        general_overrides={"approvals": ApprovalsConfig(tools=("schedule_create",))},
+    )
+    await bot_api.push_text(CHAT, "a daily digest please")
+    await bot_api.wait_until(lambda: len(bot_api.sent_with_buttons()) >= 1)
+    conn = await db_conn(switchboard.config.database)
+    asked = await conn.fetchrow("SELECT session_id FROM approvals")
+    general_db = await db_conn(general.config.database)
+    own = await general_db.fetchval(
+        "SELECT id::text FROM sessions WHERE person = $1", f"telegram:{CHAT}"
+    )
+    assert own is not None and asked["session_id"] == own
