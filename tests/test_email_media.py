@@ -106,6 +106,44 @@ def test_a_calendar_invite_sent_as_application_ics_is_read_as_text() -> None:
     assert parsed.not_read == ("other.ics",)
 
 
+def outlook_signed(*, photo: bytes | None = None) -> EmailMessage:
+    """An Outlook mail: its HTML shows a signature logo and four social icons (each a small
+    PNG under multipart/related, by Content-ID), and carries an invoice; `photo`: a picture
+    pasted among the words too (shown the same way)."""
+    pictures = [(f"image00{n}.png", png(2000 + n)) for n in range(1, 6)]
+    if photo is not None:
+        pictures.append(("pasted.png", photo))
+    shown = "".join(f'<img src="cid:{name}@01DB4C2A.5E1F0A30">' for name, _ in pictures)
+    message = mail(body="Invoice attached.")
+    message.add_alternative(f"<p>Invoice attached.</p><p>Kind regards</p>{shown}", subtype="html")
+    html = message.get_payload()[1]
+    for name, data in pictures:
+        html.add_related(data, "image", "png", cid=f"<{name}@01DB4C2A.5E1F0A30>", filename=name)
+    message.add_attachment(PDF, maintype="application", subtype="pdf", filename="invoice.pdf")
+    return message
+
+
+def test_a_signatures_pictures_are_not_files_and_take_no_files_place() -> None:
+    """Outlook's logo and social icons (small pictures the HTML shows by Content-ID) filled
+    max_attachments_per_message before the invoice the mail was about, and cost the model a
+    picture each. They are not files; a picture pasted among the words is one."""
+    parsed = within_limits(parse_mail(outlook_signed().as_bytes()), max_bytes=10**6, max_count=5)
+    assert files_of(parsed) == ["invoice.pdf"]
+    assert parsed.attachments == ["invoice.pdf"] and parsed.not_read == ()
+    assert parsed.text == "Invoice attached."
+    pasted = parse_mail(outlook_signed(photo=png(40_000)).as_bytes())
+    assert files_of(pasted) == ["invoice.pdf", "pasted.png"]  # attached first
+    # Gmail's shape (the whole mail multipart/related): its logo is decoration too.
+    gmail = mail(body="Hi")
+    gmail.make_related()
+    gmail.get_payload()[0].add_alternative('<p>Hi</p><img src="cid:logo">', subtype="html")
+    gmail.add_related(png(1500), "image", "png", cid="<logo>", filename="logo.png")
+    gmail.add_related(png(900), "image", "png", cid="<unshown>", filename="unshown.png")
+    assert files_of(parse_mail(gmail.as_bytes())) == ["unshown.png"]
+    # A picture attached (not shown by the HTML) is a file, however small.
+    assert files_of(parse_mail(with_files((PHOTO, "image/png", "a.png")).as_bytes())) == ["a.png"]
+
+
 def files_of(parsed: ParsedMail) -> list[str]:
     return [f.name for f in parsed.files]
 

@@ -35,3 +35,8 @@ MAX_REFERENCES = 50  # Message-IDs of a thread kept for our reply's References
 MAX_ATTACHED_MAILS = 5  # mails attached to a mail that are read (a forward carries one)
 MAX_AUTHOR_CHARS = 200  # a forwarded part's author, as the handoff and approvals name them
 PREVIEW_CHARS = 200  # of a header we will not parse, for the failed row and the log
+# A picture the mail's HTML shows among its words (by Content-ID) this small or smaller is its
+# decoration: a signature's logo and social icons are 1-15 KB (Outlook sends each as a file
+# under multipart/related, five of them filling max_attachments_per_message before the PDF
+# the mail was about); a photo or a screenshot pasted among the words is larger.
+DECORATION_MAX_BYTES = 16 * 1024

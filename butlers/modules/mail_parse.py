@@ -37,20 +37,23 @@ import base64
 import binascii
 import codecs
 import email.utils
+import itertools
 import quopri
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC
 from email.message import EmailMessage, Message, MIMEPart
 from email.parser import BytesHeaderParser, BytesParser
 from email.policy import EmailPolicy, compat32
 from typing import Any
+from urllib.parse import unquote
 
 from butlers.errors import AttachmentRefused, HeaderTooLong, MailUnreadable
 from butlers.media import Attachment, check_count, checked, kind_or_none, sniff
 from butlers.modules.mail_html import html_to_text
 from butlers.modules.mail_limits import (
+    DECORATION_MAX_BYTES,
     MAX_ATTACHED_MAILS,
     MAX_ATTACHMENT_NAME_CHARS,
     MAX_ATTACHMENTS_LISTED,
@@ -207,7 +210,7 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
         reply = is_reply(mail.subject, mail.references, mail.message_id)
         text = trim_quoted(_text_of(message), reply=reply)
         read = _Attachments()
-        for part in _own_attachments(message):
+        for part in _files_of(message, _own_attachments(message)):
             read.add(part, read.named(part))
         mail_parts = list(_mail_parts(message))
     except RecursionError:
@@ -316,6 +319,60 @@ def _own_attachments(message: EmailMessage) -> Iterator[EmailMessage]:
             yield part
 
 
+def _files_of(message: EmailMessage, attachments: Iterable[MIMEPart]) -> list[MIMEPart]:
+    """A mail's files: its `attachments`, then the pictures its HTML shows among its words
+    (`_shown_parts`), each once, without its decoration (`_decoration`)."""
+    shown = _shown_ids(message)
+    files: list[MIMEPart] = []
+    seen: set[int] = set()
+    for part in itertools.chain(attachments, _shown_parts(message)):
+        if id(part) not in seen and not _decoration(part, shown):
+            seen.add(id(part))
+            files.append(part)
+    return files
+
+
+def _shown_parts(message: Message) -> Iterator[MIMEPart]:
+    """What a multipart/related holding the mail's text shows within it (a photo pasted among
+    the words, a signature's logo: Outlook's and Apple Mail's way), which iter_attachments
+    leaves with the text: a photo pasted into an Outlook mail was never read. Not looking
+    inside attached mails (`_mail_parts`) or attachments."""
+    for part in message.iter_parts() if message.get_content_maintype() == "multipart" else ():
+        if part.get_content_maintype() != "multipart" or part.is_attachment():
+            continue
+        if part.get_content_type() == "multipart/related":
+            yield from part.iter_attachments()  # all but its root: what the root shows
+        yield from _shown_parts(part)
+
+
+# The Content-IDs an HTML text shows (`<img src="cid:...">`), as RFC 2392 writes them.
+_CID = re.compile(r"""cid:([^\s"'<>()]{1,250})""", re.IGNORECASE)
+
+
+def _shown_ids(message: EmailMessage) -> frozenset[str]:
+    """The Content-IDs the mail's HTML text shows (ASCII: read from its first MAX_HTML_CHARS
+    bytes, whatever its charset)."""
+    html = message.get_body(preferencelist=("html",))
+    payload = html.get_payload(decode=True) if html is not None else None
+    if not isinstance(payload, bytes):
+        return frozenset()
+    return frozenset(
+        unquote(m).lower() for m in _CID.findall(payload[:MAX_HTML_CHARS].decode("latin-1"))
+    )
+
+
+def _decoration(part: MIMEPart, shown: frozenset[str]) -> bool:
+    """Whether `part` is a picture the HTML shows and at most DECORATION_MAX_BYTES: a
+    signature's logo, a social icon, not the sender's file."""
+    if part.get_content_maintype() != "image":
+        return False
+    content_id = str(part.get("Content-ID", "")).strip().removeprefix("<").removesuffix(">")
+    if not content_id or content_id.lower() not in shown:
+        return False
+    payload = part.get_payload(decode=True)
+    return isinstance(payload, bytes) and len(payload) <= DECORATION_MAX_BYTES
+
+
 def _mail_parts(message: Message) -> Iterator[MIMEPart]:
     """The mails attached to `message` (message/rfc822 parts) wherever its multiparts hold
     them, in order, not looking inside them: at the top of multipart/mixed (Gmail,
@@ -340,7 +397,8 @@ def _attached(part: MIMEPart, parts: _PartCounter) -> _AttachedMail | None:
         inner = _attached_mail(part, parts)
         if inner is None:
             return None
-        files = tuple(inner.iter_attachments())  # not its attached mails: not read
+        # (Its attached mails too, listed as not read.)
+        files = tuple(_files_of(inner, inner.iter_attachments()))
         return _forward_block(inner, files)
     except Exception:  # MailUnreadable, RecursionError, the stdlib's own on hostile input
         return None
