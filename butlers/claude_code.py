@@ -63,6 +63,13 @@ _ENV_BINARY = shutil.which("env") or "/usr/bin/env"
 # signal and execs the rest; where it is missing, the session's timeout is all there is.
 _SETPRIV = shutil.which("setpriv")
 _DIES_WITH_US = [_SETPRIV, "--pdeathsig", "KILL"] if _SETPRIV and sys.platform == "linux" else []
+# ... and in a session (so a process group) of its own: Ctrl-C in the terminal running `butlers
+# up` signals the terminal's whole foreground group, and the Claude Code answering a message
+# died at once, failing the message that the stop would have let finish (stop_drain_s; a
+# walkthrough). setsid (util-linux) execs in place: its child is never a group leader, so it
+# does not fork. The butler still ends it (a session's timeout, a stop) by its pid.
+_SETSID = shutil.which("setsid")
+_OWN_SESSION = [_SETSID] if _SETSID and sys.platform == "linux" else []
 
 
 @dataclass(frozen=True)
@@ -411,7 +418,8 @@ def _transport_class() -> type[SubprocessCLITransport]:
         only adds to it. So the command goes through `env -u NAME ...`, which drops every
         variable Claude Code has no use for before it starts: only their names are on the
         command line, never their values. And through `setpriv --pdeathsig KILL`
-        (_DIES_WITH_US): it does not outlive this process."""
+        (_DIES_WITH_US): it does not outlive this process; and `setsid` (_OWN_SESSION): a
+        terminal's Ctrl-C is the butler's to act on, not the session's."""
 
         def __init__(self, *args: Any, inherited: Mapping[str, str], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -427,9 +435,9 @@ def _transport_class() -> type[SubprocessCLITransport]:
                 if name not in ours and not claude_code_keeps(name, inherited)
             )
             if not dropped:
-                return [*_DIES_WITH_US, *command]
+                return [*_DIES_WITH_US, *_OWN_SESSION, *command]
             unset = [arg for name in dropped for arg in ("-u", name)]
-            return [*_DIES_WITH_US, _ENV_BINARY, *unset, "--", *command]
+            return [*_DIES_WITH_US, *_OWN_SESSION, _ENV_BINARY, *unset, "--", *command]
 
         async def close(self) -> None:
             """The SDK's close, and the CLI killed if that was cut short: a plain asyncio

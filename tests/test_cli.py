@@ -76,9 +76,12 @@ def copy_shipped_config(target: Path, offset: int = 0) -> dict[str, int]:
 class Butlers:
     """One `butlers ...` subprocess, with its output collected."""
 
-    def __init__(self, *args: str, env: dict[str, str]) -> None:
+    def __init__(self, *args: str, env: dict[str, str], terminal: bool = False) -> None:
+        """`terminal`: in a process group of its own, as a shell runs a command in the
+        foreground: Ctrl-C (`interrupt()`) signals the whole group, children too."""
         self.args = args
         self.env = env
+        self.terminal = terminal
         self.process: asyncio.subprocess.Process | None = None
         self.stdout = ""
         self.stderr = ""
@@ -92,8 +95,14 @@ class Butlers:
             cwd=REPO,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            start_new_session=self.terminal,
         )
         self._stderr_task = asyncio.create_task(self._drain_stderr())
+
+    def interrupt(self) -> None:
+        """Ctrl-C in the terminal running it: SIGINT to its whole process group."""
+        assert self.process is not None and self.terminal
+        os.killpg(self.process.pid, signal.SIGINT)
 
     async def _drain_stderr(self) -> None:
         assert self.process and self.process.stderr

@@ -216,6 +216,41 @@ async def test_sigterm_mid_message_hands_it_back_without_counting_an_attempt(
         await drop_databases(pg_server, *databases.values())
 
 
+async def test_ctrl_c_in_the_terminal_lets_the_message_under_way_finish(
+    tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
+) -> None:
+    """Ctrl-C in the terminal running `butlers up` signals its whole process group: the
+    Claude Code session answering a message was in it, died at once, and the message failed
+    ("[ede_diagnostic]"; a walkthrough), where a SIGINT to `butlers up` alone lets it finish
+    (stop_drain_s). Sessions run in a session of their own: the message finishes."""
+    databases = fleet_databases("ctrlc")
+    config_dir = write_fleet(tmp_path, bot_api, databases)
+    env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
+    scripted_api.script([text("Finished in the drain.")])
+    scripted_api.delay_s = 3  # the model answers while `butlers up` drains
+    up = Butlers("up", "--config-dir", str(config_dir), env=env, terminal=True)
+    try:
+        await up.start()
+        await up.wait_ready()
+        await bot_api.push_text(CHAT, "are you there?")
+        async with asyncio.timeout(60):  # the general butler's session began
+            await scripted_api.wait_for_request(lambda body: True)
+        up.interrupt()
+        await up.wait_stderr("1 message under way: up to 10 s to finish", 30)
+        assert up.process is not None
+        async with asyncio.timeout(60):
+            code = await up.process.wait()
+        assert code == 0, up.stderr
+        conn = await db_conn(databases["switchboard"])
+        row = await conn.fetchrow("SELECT status, attempts, error FROM inbox")
+        assert tuple(row) == ("done", 1, None), up.stderr
+        # ... and its reply went out before `butlers up` exited, not at its next start.
+        assert bot_api.sent == [{"chat_id": CHAT, "text": "Finished in the drain."}]
+    finally:
+        up.kill()
+        await drop_databases(pg_server, *databases.values())
+
+
 # -- the embedded PostgreSQL after a SIGKILL --------------------------------------------------
 
 

@@ -332,7 +332,7 @@ def _files_of(message: EmailMessage, attachments: Iterable[MIMEPart]) -> list[MI
     return files
 
 
-def _shown_parts(message: Message) -> Iterator[MIMEPart]:
+def _shown_parts(message: MIMEPart) -> Iterator[MIMEPart]:
     """What a multipart/related holding the mail's text shows within it (a photo pasted among
     the words, a signature's logo: Outlook's and Apple Mail's way), which iter_attachments
     leaves with the text: a photo pasted into an Outlook mail was never read. Not looking

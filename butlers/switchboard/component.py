@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 MAX_ASK_CHARS = 200_000
 ANSWERS_OUT_S = 0.2  # at a stop, for the answers of `ask` calls still waiting to go out
+# At a stop, for the replies of the messages that finished while it drained (a Bot API call or
+# an SMTP send each, well under a second when the channel is up).
+REPLIES_OUT_S = 5.0
 
 
 class Switchboard:
@@ -206,12 +209,18 @@ class Switchboard:
             return
         if self.dashboard is not None:
             await self.dashboard.parts.probe.close()
+        # The messages under way finish first (stop_drain_s) while this process still leads,
+        # and their replies go out before it stops: they waited for the next `butlers up`
+        # (a walkthrough). A stop with nothing under way lets the lock go at once, as before.
+        under_way = self.worker.in_flight
+        waiting = await self.worker.close()
+        if under_way and self.leadership.is_leader:
+            await self.outbox.settle(REPLIES_OUT_S)
         await self.leadership.close()  # the pollers and the outbox stop; the lock is let go
         await self.wakeups.close()
         if self.modules is not None:
             await self.modules.close()
         await self.approvals.close()
-        waiting = await self.worker.close()
         await self.connections.close()
         if waiting:
             # Those `ask` calls' answers (the reply, or: the message stays queued) go out over

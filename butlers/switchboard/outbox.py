@@ -252,16 +252,27 @@ class OutboxSender:
         self.retry_budget_s = retry_hours * 3600
         self.channels: dict[str, ChannelModule] = {}  # their sending half
         self._wakes: dict[str, asyncio.Event] = {}
+        self._idle: dict[str, asyncio.Event] = {}  # set while a channel has nothing due
         self._tasks: list[asyncio.Task[None]] = []
 
     def wake(self) -> None:
-        for event in self._wakes.values():
+        for name, event in self._wakes.items():
+            self._idle[name].clear()
             event.set()
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until every channel has sent what is due: at a stop,
+        the replies of the messages that finished while it drained."""
+        self.wake()
+        idle = [event.wait() for event in self._idle.values()]
+        with contextlib.suppress(TimeoutError):
+            await within(asyncio.gather(*idle), timeout_s)
 
     async def lead(self) -> None:
         """This process leads: a task per channel sends its rows."""
         for name, channel in self.channels.items():
             self._wakes[name] = asyncio.Event()
+            self._idle[name] = asyncio.Event()
             self._tasks.append(
                 asyncio.create_task(self._run(name, channel), name=f"switchboard:outbox:{name}")
             )
@@ -272,6 +283,7 @@ class OutboxSender:
             await cancel_and_wait(task)
         self._tasks.clear()
         self._wakes.clear()
+        self._idle.clear()
 
     async def _run(self, name: str, channel: ChannelModule) -> None:
         wake = self._wakes[name]
@@ -282,6 +294,8 @@ class OutboxSender:
                 if delivery is not None:
                     await self._deliver(channel, delivery)
                     continue
+                if not wake.is_set():  # (woken meanwhile: a row may have come)
+                    self._idle[name].set()
                 due_s = await self.store.head_due_in_s(name)
             except Exception:
                 # Keep delivering on purpose: a database hiccup must not end the outbox.
