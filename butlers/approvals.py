@@ -203,16 +203,26 @@ def schema_problems(schema: dict[str, Any], arguments: dict[str, Any]) -> str:
     """What a JSON Schema (a tool's input schema) refuses in `arguments`, one clause per
     problem ("text: required; limit: 'x' is not of type 'integer'"); "" when nothing. The
     butler's own tools validate with pydantic when they run, a tool server's in its own
-    process: this is the common measure, for a call that is recorded before it runs."""
+    process: this is the common measure, for a call that is recorded before it runs.
+
+    A tool server's schema is its author's (a red team): it is read on its own, with no
+    `$ref` outside it resolved (jsonschema's default fetched any http: or file: URL, with no
+    timeout, on the event loop), and without its regular expressions (`pattern`,
+    `patternProperties`: a server's `^(a+)+$` against 28 characters the model wrote held
+    the loop 6 s; Python's `re` cannot be cut short); the tool judges those itself."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError, UnknownType
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
 
     try:
+        schema = _without_patterns(schema)
         Draft202012Validator.check_schema(schema)
+        validator = Draft202012Validator(schema, registry=Registry())
         # The first few: a list of 100,000 wrong items would format 100,000 messages.
-        errors = list(itertools.islice(Draft202012Validator(schema).iter_errors(arguments), 5))
-    except (SchemaError, UnknownType):  # a server's schema we cannot read: its tool judges
-        return ""
+        errors = list(itertools.islice(validator.iter_errors(arguments), 5))
+    except (SchemaError, UnknownType, Unresolvable, RecursionError):
+        return ""  # a server's schema we cannot read (or may not follow): its tool judges
     said = []
     for error in errors:
         where = [str(part) for part in error.path]
@@ -225,6 +235,21 @@ def schema_problems(schema: dict[str, Any], arguments: dict[str, Any]) -> str:
         else:
             said.append(f"{'.'.join(where) or 'arguments'}: {error.message}")
     return "; ".join(sorted(said))
+
+
+def _without_patterns(schema: Any) -> Any:
+    """`schema` without the keywords that run its regular expressions: `pattern`, and
+    `patternProperties` with the `additionalProperties` that depends on it (else a property
+    its patterns allow would be called one the tool does not take)."""
+    if isinstance(schema, list):
+        return [_without_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    kept = {key: _without_patterns(value) for key, value in schema.items() if key != "pattern"}
+    if "patternProperties" in kept:
+        del kept["patternProperties"]
+        kept.pop("additionalProperties", None)
+    return kept
 
 
 def _text_of(result: ToolResult) -> str:

@@ -53,6 +53,7 @@ from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.server import result_of
 from butlers.session_policy import waits_for_approval
+from butlers.tasks import Coalesced
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
@@ -61,6 +62,8 @@ logger = logging.getLogger(__name__)
 RESTART_BACKOFF = Backoff.doubling(1.0, 60.0)
 LAST_WORDS_CHARS = 500  # of a failed server's stderr, in the log line that says it failed
 STABLE_AFTER_S = 60.0  # a server that ran this long starts its backoff over
+# A server whose tools change is listed again at most this often (its notices coalesced).
+RELIST_EVERY_S = 0.5
 # What Claude Code and the Messages API take as a tool name (`mcp__<butler>__<server>__<tool>`).
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -113,6 +116,7 @@ class ToolServer:
         self._exited = asyncio.Event()
         self._exit_reason = ""
         self._supervisor: asyncio.Task[None] | None = None
+        self._relisting = Coalesced(self._refresh, RELIST_EVERY_S)
         if isinstance(child, StdioChild):
             child.on_exit = self._on_exit
         child.on_tools_changed = self._on_tools_changed
@@ -197,7 +201,11 @@ class ToolServer:
         self._exited.set()
 
     def _on_tools_changed(self, _name: str) -> None:
-        self.owner.spawn(self._refresh(), f"tool-server:{self.name}:refresh")
+        """Read its tools again: once at a time, and once more for whatever notices came
+        meanwhile (a red team: each of 3000 notices was a reading, and every tool
+        registered again, each a task left waiting on a server that did not answer)."""
+        if (run := self._relisting.request()) is not None:
+            self.owner.spawn(run, f"tool-server:{self.name}:refresh")
 
     async def _refresh(self) -> None:
         try:
@@ -326,9 +334,10 @@ class ToolServer:
 
 def _server_said(name: str, line: str) -> None:
     """A line a stdio server wrote to its stderr: a log record of the butler's (INFO), so it
-    is redacted and formatted like every other line, and named."""
-    if line:
-        logger.info("tool server %r: %s", name, line, extra={"action": "tool_server_stderr"})
+    is redacted and formatted like every other line, and named; printable, so that it cannot
+    forge another line of the log (a CR and a terminal escape did: a red team)."""
+    if said := printable(line):
+        logger.info("tool server %r: %s", name, said, extra={"action": "tool_server_stderr"})
 
 
 class ToolServers:

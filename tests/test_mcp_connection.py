@@ -325,6 +325,26 @@ async def test_a_large_result_arrives_whole(http) -> None:
     assert result["content"][0]["text"] == "x" * 3_000_000
 
 
+async def test_a_result_over_the_limit_ends_the_connection_not_the_memory(
+    http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote server's event (or a line never ended) was buffered whatever its size (a red
+    team: 200 MiB in 30 s); stdio's bound holds over SSE too."""
+    from butlers.mcp_connection import sse
+
+    monkeypatch.setattr(sse, "MAX_MESSAGE_BYTES", 100_000)
+    async with SseMcpServer(chunk_size=4096) as server:
+        connection = await opened(server, http)
+        try:
+            fits = await connection.call_tool("big", {"size": 50_000}, timeout_s=10)
+            assert fits["content"][0]["text"] == "x" * 50_000
+            with pytest.raises(AnswerLost, match="over 100000 bytes without a line break"):
+                await connection.call_tool("big", {"size": 300_000}, timeout_s=10)
+            assert not connection.is_open
+        finally:
+            await connection.close()
+
+
 async def test_a_json_rpc_error_is_raised_with_its_message(server, http) -> None:
     connection = await opened(server, http)
     try:

@@ -468,7 +468,8 @@ async def test_a_stdio_server_gets_only_its_allowlisted_environment(
     program = tmp_path / "dump_env.py"
     program.write_text(
         "import json, os, runpy, sys\n"
-        "print('peek starting', file=sys.stderr, flush=True)\n"
+        # A line that would forge another line of the log (a red team): printed printable.
+        "print('peek starting\\r\\x1b[2KWARNING forged', file=sys.stderr, flush=True)\n"
         f"json.dump(dict(os.environ), open({str(dump)!r}, 'w'))\n"
         f"sys.argv = [{str(MOCK_MCP)!r}]\n"
         f"runpy.run_path({str(MOCK_MCP)!r}, run_name='__main__')\n"
@@ -493,7 +494,7 @@ async def test_a_stdio_server_gets_only_its_allowlisted_environment(
         )
         await running(general, "peek")
         said = [r.getMessage() for r in records if r.__dict__.get("action") == "tool_server_stderr"]
-    assert said == ["tool server 'peek': peek starting"]
+    assert said == ["tool server 'peek': peek starting [2KWARNING forged"]
     seen = json.loads(dump.read_text())
     assert seen["MOCK_SETTING"] == "declared" and seen["PEEK_API_TOKEN"] == "passed-on-token"
     assert "TELEGRAM_BOT_TOKEN" not in seen and "DATABASE_URL" not in seen
@@ -630,3 +631,36 @@ async def test_tools_a_server_adds_later_are_offered(start_butler: StartButler) 
 
         await eventually(offered)
         assert (await client.call_tool("m__extra", {})).content[0].text == "ok"
+
+
+async def test_a_flood_of_list_changed_is_read_a_few_times_on_the_butler(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """A server says 500 times at once that its tools changed: the butler read its list 500
+    times, each registering every tool again (a red team; the gateway had this bound
+    already). It reads it a few times, and the tool still works."""
+    lists = tmp_path / "lists"
+    general = await start_butler(
+        butler_config(
+            "general",
+            mcp_servers=(mock_server("m", "--flood", env={"MOCK_MCP_LISTS": str(lists)}),),
+        )
+    )
+    await running(general, "m")
+
+    def readings() -> int:
+        return len(lists.read_text().splitlines()) if lists.exists() else 0
+
+    first = readings()
+    async with Client(general.sse_url) as client:
+        flooded = await client.call_tool("m__flood", {"n": 500})
+        assert flooded.content[0].text == "flooded"
+        # Settled: no reading for three of its pauses in a row (a bound, not a timing).
+        last, still = readings(), 0
+        async with asyncio.timeout(30):
+            while still < 3:
+                await asyncio.sleep(0.5)
+                now = readings()
+                still, last = (still + 1, now) if now == last else (0, now)
+        assert last - first <= 5, (first, last)
+        assert (await client.call_tool("m__flood", {"n": 0})).content[0].text == "flooded"

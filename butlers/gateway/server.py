@@ -72,6 +72,7 @@ from butlers.gateway.wrapper import (
     instructions_for,
     load_descriptions,
 )
+from butlers.tasks import Coalesced
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
@@ -129,9 +130,8 @@ class Slot:
     starting: asyncio.Future[None] | None = None
     # A search already waited SEARCH_WAIT_S for this start: the next ones answer without it.
     searched_while_starting: bool = False
-    # Its tool list is being read again after a list_changed; another came meanwhile.
-    refreshing: bool = False
-    refresh_again: bool = False
+    # Its tool list read again after a list_changed (`Gateway._refresh_tools`), coalesced.
+    relisting: Coalesced | None = None
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -594,11 +594,10 @@ class Gateway:
         slot = self.slots.get(name)
         if slot is None or slot.state not in ("ready", "active"):
             return
-        if slot.refreshing:  # read once more when this reading ends: not once per notice
-            slot.refresh_again = True
-            return
-        slot.refreshing = True
-        self._spawn(self._refresh_tools(slot))
+        if slot.relisting is None:
+            slot.relisting = Coalesced(lambda: self._refresh_tools(slot), REFRESH_EVERY_S)
+        if (run := slot.relisting.request()) is not None:  # else: once more after this one
+            self._spawn(run)
 
     def _child_lists_changed(self, name: str, kind: str) -> None:
         """A child's prompts or resources changed: read again when next asked, and every
@@ -614,30 +613,22 @@ class Gateway:
     async def _refresh_tools(self, slot: Slot) -> None:
         """The child's tool list changed: read it again; if the child is active and its
         tools did change, they are replaced in the hosts' lists and the hosts told. Notices
-        that come while it reads make one more reading, at most one every REFRESH_EVERY_S: a
-        child that sent 3000 in 30 s was listed 3000 times, and the hosts told 3000 times
-        (a walkthrough)."""
+        that come while it reads make one more reading, at most one every REFRESH_EVERY_S
+        (butlers.tasks.Coalesced): a child that sent 3000 in 30 s was listed 3000 times, and
+        the hosts told 3000 times (a walkthrough)."""
         try:
-            while True:
-                slot.refresh_again = False
-                try:
-                    tools = await slot.child.list_tools()
-                except McpCallError as exc:
-                    logger.warning("%s", exc, extra={"action": "child_tools_refresh_failed"})
-                    return
-                changed, slot.tools = tools != slot.tools, tools
-                if changed and slot.injected:
-                    for name in slot.injected:
-                        with contextlib.suppress(Exception):
-                            self.mcp.local_provider.remove_tool(name)
-                    slot.injected.clear()
-                    self._inject_tools(slot)
-                    await self.notify_tools_changed()
-                if not slot.refresh_again:
-                    return
-                await asyncio.sleep(REFRESH_EVERY_S)
-        finally:
-            slot.refreshing = False
+            tools = await slot.child.list_tools()
+        except McpCallError as exc:
+            logger.warning("%s", exc, extra={"action": "child_tools_refresh_failed"})
+            return
+        changed, slot.tools = tools != slot.tools, tools
+        if changed and slot.injected:
+            for name in slot.injected:
+                with contextlib.suppress(Exception):
+                    self.mcp.local_provider.remove_tool(name)
+            slot.injected.clear()
+            self._inject_tools(slot)
+            await self.notify_tools_changed()
 
     def _spawn(
         self, coro: Coroutine[Any, Any, None], variables: contextvars.Context | None = None

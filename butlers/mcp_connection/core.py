@@ -52,6 +52,18 @@ IDLE_STREAM_S = 45.0
 CLOSE_GRACE_S = 1.0
 
 
+# One message (a line, or a framed body, or an SSE event) a server may send; past it the
+# connection is lost and its owner starts it again. A tool result relaying a file or a page
+# is well under it, and the butler's own tools take at most 22 MiB of files; without it a
+# child that never ended a line (or announced Content-Length: 99999999999999), or a remote
+# server's event stream without a line break, was buffered for ever (red teams).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class MessageTooLarge(ValueError):
+    """A server's message over MAX_MESSAGE_BYTES (the connection is given up)."""
+
+
 class Connection(Protocol):
     """What an owner needs of one open connection, whatever its transport (McpConnection's
     subclasses, and streamable.FastMcpConnection): the pool (route, notify, the dashboard) and

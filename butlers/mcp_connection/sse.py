@@ -23,7 +23,14 @@ import aiohttp
 
 from butlers import __version__
 from butlers.errors import ConnectionClosed, RemoteError
-from butlers.mcp_connection.core import IDLE_STREAM_S, McpConnection, Message, quiet_future
+from butlers.mcp_connection.core import (
+    IDLE_STREAM_S,
+    MAX_MESSAGE_BYTES,
+    McpConnection,
+    Message,
+    MessageTooLarge,
+    quiet_future,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,24 +121,33 @@ class SseConnection(McpConnection):
         reason = "the event stream ended"
         try:
             buffer = bytearray()
-            event, data = "message", []
+            searched = 0  # of the buffer, holding no line break (searched once, not per chunk)
+            event, data, size = "message", [], 0
             loop = asyncio.get_running_loop()
             async for chunk in response.content.iter_any():
                 self._last_heard = loop.time()
                 buffer += chunk
-                while (end := buffer.find(b"\n")) >= 0:
+                while (end := buffer.find(b"\n", searched)) >= 0:
                     line = buffer[:end].rstrip(b"\r").decode()
                     del buffer[: end + 1]
+                    searched = 0
                     if line:
                         field, _, value = line.partition(":")
                         if field == "event":
                             event = value.strip()
                         elif field == "data":
                             data.append(value[1:] if value.startswith(" ") else value)
+                            size += len(value)
+                        if size > MAX_MESSAGE_BYTES:
+                            raise MessageTooLarge(f"an event of over {MAX_MESSAGE_BYTES} bytes")
                         continue  # comments (keep-alive pings) and other fields: nothing to do
                     if data:
                         self._dispatch(event, "\n".join(data))
-                    event, data = "message", []
+                    event, data, size = "message", [], 0
+                searched = len(buffer)
+                if searched > MAX_MESSAGE_BYTES:  # a line never ended (a server's stream is
+                    # as hostile as a child's stdout: stdio's bound holds here too)
+                    raise MessageTooLarge(f"over {MAX_MESSAGE_BYTES} bytes without a line break")
         except asyncio.CancelledError:
             reason = self.closed_reason or "the connection was closed"
             raise

@@ -15,18 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from butlers.errors import ConnectionClosed
-from butlers.mcp_connection.core import McpConnection, Message
+from butlers.mcp_connection.core import (
+    MAX_MESSAGE_BYTES,
+    McpConnection,
+    Message,
+    MessageTooLarge,
+)
 
 SKIPPED_KEPT = 20  # log lines remembered for diagnostics (a chatty child must not grow this)
-# One message (a line, or a framed body) a child may write; past it the connection is lost and
-# its owner starts the child again. A tool result relaying a file or a page is well under it,
-# and the butler's own tools take at most 22 MiB of files; without it a child that never ended
-# a line (or announced Content-Length: 99999999999999) was buffered for ever.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class MessageTooLarge(ValueError):
-    """A child's message over MAX_MESSAGE_BYTES (the connection is given up)."""
 
 
 class FrameReader:
@@ -36,6 +32,10 @@ class FrameReader:
         self._buffer = bytearray()
         self._header_length: int | None = None  # inside a Content-Length header block
         self._body_length: int | None = None  # waiting for a framed body of this size
+        # How much of the buffer holds no line break: a long line is searched once, not
+        # again from its start with every chunk (quadratic: 64 MiB in 64 KiB chunks was
+        # 32 GiB of searching, a red team's reckoning).
+        self._searched = 0
         self.skipped: list[str] = []  # the last log lines seen, for diagnostics
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
@@ -51,8 +51,9 @@ class FrameReader:
                 self._body_length = None
                 self._append(body, messages)
                 continue
-            newline = self._buffer.find(b"\n")
+            newline = self._buffer.find(b"\n", self._searched)
             if newline < 0:
+                self._searched = len(self._buffer)
                 if len(self._buffer) > MAX_MESSAGE_BYTES:
                     raise MessageTooLarge(
                         f"it wrote {len(self._buffer)} bytes without ending a line (at most "
@@ -61,6 +62,7 @@ class FrameReader:
                 return messages
             line = bytes(self._buffer[:newline]).rstrip(b"\r")
             del self._buffer[: newline + 1]
+            self._searched = 0
             if self._header_length is not None:
                 if not line.strip():  # end of the header block
                     self._body_length, self._header_length = self._header_length, None
