@@ -18,6 +18,7 @@ import aiohttp
 import jsonschema
 import psutil
 import pytest
+from fastmcp import Client
 from fastmcp.exceptions import ToolError
 from mcp import ClientSession
 from mcp.client.sse import sse_client
@@ -29,7 +30,7 @@ from butlers.gateway.children import parse_mcp_json
 from butlers.gateway.config import load_gateway_config
 from butlers.gateway.summary import summarize
 from butlers.mcp_connection.stdio import FrameReader
-from tests.conftest import StartButler, free_port
+from tests.conftest import StartButler, free_port, log_records
 from tests.fakes import wait_listening
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
 from tests.fakes.sse_mcp import TOOLS as SCRIPTED_TOOLS
@@ -1050,3 +1051,102 @@ async def test_a_child_lost_in_a_call_is_warned_of_once(
         await gateway.close()
     lost = [r.getMessage() for r in caplog.records if getattr(r, "action", "") == "child_lost"]
     assert len(lost) == 1, lost
+
+
+async def test_the_fleets_token_goes_only_to_a_butler_that_proves_it_holds_it(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """The gateway sent the operator's token to every registry row: a stale one (its butler
+    removed, its port anyone's) and one whose port another user took (a red team). A stale
+    row is left out; a row answered by what cannot prove it holds the token is connected
+    to without it; the real butlers prove it, and take calls as before."""
+    from aiohttp import web
+
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    token = "fleet-token-0123456789abcdefghijkl"
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token=token)
+    heard: list[str] = []
+
+    async def squat(request: web.Request) -> web.Response:
+        heard.append(request.headers.get("Authorization", ""))
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", squat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    ports = free_port(), free_port()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    general = fleet.targets["general"]
+
+    async def registry() -> list[dict[str, Any]]:
+        return [
+            {"name": "general", "endpoint_url": general.sse_url, "description": "real"},
+            {"name": "gone", "endpoint_url": f"http://127.0.0.1:{ports[0]}/sse", "stale": True},
+            {"name": "taken", "endpoint_url": f"http://127.0.0.1:{ports[1]}/sse"},
+        ]
+
+    options = GatewayOptions(directory=tmp_path, environ={}, auth_token=token)
+    with log_records("butlers.gateway") as records:
+        gateway, _ = await build_gateway(options, registry)
+        try:
+            await gateway.warm_all()
+            assert "gone" not in gateway.slots
+            result = await gateway.mcp.call_tool(
+                "general_suite", {"action": "call", "subtool": "state_get", "args": {"key": "x"}}
+            )
+            assert not result.is_error
+        finally:
+            await gateway.close()
+            await runner.cleanup()
+    assert heard and all(token not in said for said in heard), heard
+    warned = [r.getMessage() for r in records]
+    assert any("butler 'gone' left out" in line for line in warned), warned
+    assert any("does not prove it is the butler 'taken'" in line for line in warned), warned
+
+
+async def test_the_owners_decisions_are_not_offered_through_the_gateway_unless_allowed(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """The gateway calls a butler as the operator: its host's model could approve what the
+    owner's veto holds on whatever a tool result told it (a red team). approval_decide and
+    the pairing decisions are not offered, unless a suite's `expose.allow` names them."""
+    from butlers.gateway.run import GatewayOptions, build_gateway
+
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",))
+
+    async def registry() -> list[dict[str, Any]]:
+        async with Client(fleet.switchboard.sse_url) as client:
+            return (await client.call_tool("list_butlers", {})).structured_content["result"]
+
+    async def offered(directory: Path) -> tuple[set[str], str]:
+        gateway, _ = await build_gateway(GatewayOptions(directory=directory, environ={}), registry)
+        try:
+            listed = await gateway.mcp.call_tool("switchboard_suite", {"action": "introspect"})
+            decide = {"id": 1, "decision": "approve"}
+            try:
+                called = await gateway.mcp.call_tool(
+                    "switchboard_suite",
+                    {"action": "call", "subtool": "approval_decide", "args": decide},
+                )
+                said = text_of(called)
+            except Exception as exc:  # (in process: a refusal is raised, not returned)
+                said = str(exc)
+            return {t["name"] for t in listed.structured_content["tools"]}, said
+        finally:
+            await gateway.close()
+
+    names, said = await offered(tmp_path)
+    assert "route" in names and "approvals_list" in names
+    assert not {"approval_decide", "pairing_decide", "pairing_revoke"} & names
+    assert "Subtool 'approval_decide' not allowed by suite 'switchboard_suite'" in said
+    allowing = tmp_path / "allowing"
+    allowing.mkdir()
+    (allowing / "gateway.toml").write_text(
+        '[suites.switchboard.expose]\nallow = ["approval_decide", "route"]\n'
+    )
+    names, said = await offered(allowing)
+    assert names == {"approval_decide", "route"}
+    assert "no approval" in said or "approval 1" in said, said

@@ -135,7 +135,18 @@ def discover_mcp_files(
 
 
 def butler_children(registry: Iterable[Mapping[str, Any]]) -> list[ChildSpec]:
-    """The switchboard registry's rows as children (list_butlers' shape)."""
+    """The switchboard registry's rows as children (list_butlers' shape), but not the stale
+    ones: discover did not find them in the config directory, so their address may be
+    anyone's now, and a child of kind butler is sent the fleet's token (a red team); route
+    refuses them too."""
+    rows = list(registry)
+    for row in rows:
+        if row.get("stale"):
+            logger.warning(
+                "butler %r left out: the switchboard's registry marks it stale (its config "
+                "directory no longer holds it; `butlers discover` after restoring it)",
+                row.get("name"),
+            )
     return [
         ChildSpec(
             name=row["name"],
@@ -144,5 +155,6 @@ def butler_children(registry: Iterable[Mapping[str, Any]]) -> list[ChildSpec]:
             kind="butler",
             source="butler_registry",
         )
-        for row in registry
+        for row in rows
+        if not row.get("stale")
     ]

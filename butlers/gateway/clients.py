@@ -537,6 +537,8 @@ class RemoteChild(_Child):
             roots=roots,
         )
         self.auth_token = auth_token
+        # The token its open connection was given: the fleet's once it proved it holds it.
+        self.token_in_use: str | None = None
         self.on_exit = None
         self._lock = asyncio.Lock()
 
@@ -556,7 +558,8 @@ class RemoteChild(_Child):
             await self._disconnect()
             url = self.spec.url
             assert url is not None, "a remote child has a URL"
-            connection = self._connect(url)
+            self.token_in_use = await self._token_for(url)
+            connection = self._connect(url, self.token_in_use)
             try:
                 await connection.open(self.spawn_timeout_s)
             except TimeoutError:
@@ -576,13 +579,34 @@ class RemoteChild(_Child):
             self._connection = connection
             self._opened()
 
-    def _connect(self, url: str) -> SseConnection | FastMcpConnection:
+    async def _token_for(self, url: str) -> str | None:
+        """The fleet's token, for a butler that proves it holds it (butlers.mcp_connection.
+        proof); else none: a port a stopped butler left is anyone's to take, and the token
+        is the operator's (a red team). A fleet run without a token takes calls without it;
+        one that asks for it refuses them, and says so."""
+        if self.auth_token is None:
+            return None
+        from butlers.mcp_connection.proof import proven_health
+
+        if await proven_health(url, self.auth_token, self.spec.name) is not None:
+            return self.auth_token
+        logger.warning(
+            "child %r: %s does not prove it is the butler %r (its /health has no proof of "
+            "BUTLERS_AUTH_TOKEN for that port): connecting without the token",
+            self.name,
+            where(url),
+            self.spec.name,
+            extra={"action": "child_unproven"},
+        )
+        return None
+
+    def _connect(self, url: str, auth_token: str | None) -> SseConnection | FastMcpConnection:
         if url.rstrip("/").endswith("/sse"):
             from butlers.mcp_connection.sse import SseConnection
 
             sse = SseConnection(
                 url,
-                auth_token=self.auth_token,
+                auth_token=auth_token,
                 headers=self.spec.headers,
                 client_info=CLIENT_INFO,
                 on_tools_changed=self._tools_changed,
@@ -593,7 +617,7 @@ class RemoteChild(_Child):
 
         return FastMcpConnection(
             url,
-            auth_token=self.auth_token,
+            auth_token=auth_token,
             headers=self.spec.headers,
             on_tools_changed=self._tools_changed,
         )

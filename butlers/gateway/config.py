@@ -82,6 +82,14 @@ EnvName = Annotated[
 ]
 
 
+# A butler's tools that decide for the owner: whether an approved call runs, who may talk to
+# the butlers. The gateway calls butlers with the fleet's token (the operator's), so its host's
+# model would decide for the owner on whatever it read (a red team: an injected tool result
+# could approve what the owner's veto holds). Offered only when a suite's `expose.allow`
+# names them.
+OWNER_DECISIONS = frozenset({"approval_decide", "pairing_decide", "pairing_revoke"})
+
+
 class Expose(_Table):
     """`[suites.<child>.expose]`: which of a child's tools its suite offers."""
 
@@ -138,9 +146,13 @@ class SuiteConfig(_Table):
     def deny(self) -> tuple[str, ...]:
         return self.expose.deny
 
-    def exposes(self, subtool: str) -> bool:
+    def exposes(self, subtool: str, *, butler: bool = False) -> bool:
+        """Whether the suite offers `subtool`; of a butler's (`butler`), the owner's own
+        decisions (OWNER_DECISIONS) only when `expose.allow` names them."""
         if subtool in self.expose.deny:
             return False
+        if butler and subtool in OWNER_DECISIONS:
+            return self.expose.allow is not None and subtool in self.expose.allow
         return self.expose.allow is None or subtool in self.expose.allow
 
 

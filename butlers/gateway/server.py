@@ -451,7 +451,7 @@ class Gateway:
         args = arguments.get("args") or {}
         if not isinstance(args, dict):
             raise ToolRefusal(f"suite {suite!r}: 'args' must be an object")
-        if not self.config.suite(slot.spec.name).exposes(subtool):
+        if not self._exposes(slot, subtool):
             raise ToolRefusal(f"Subtool {subtool!r} not allowed by suite {suite!r}")
         tools = await self._tools(slot)
         if subtool == NATURAL_LANGUAGE and self._wraps(slot, tools):
@@ -477,7 +477,7 @@ class Gateway:
             entry["inputSchema"] = tool.get("inputSchema") or {"type": "object"}
             listed.append(entry)
         wrapper = self._wrapper_tool(slot)
-        if wrapper is not None and self.config.suite(slot.spec.name).exposes(NATURAL_LANGUAGE):
+        if wrapper is not None and self._exposes(slot, NATURAL_LANGUAGE):
             entry = {"name": NATURAL_LANGUAGE}
             if mode != "redacted":
                 entry["summary"] = wrapper["description"]
@@ -487,9 +487,12 @@ class Gateway:
     def _summary_limit(self, slot: Slot) -> int:
         return self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
 
-    def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _exposes(self, slot: Slot, subtool: str) -> bool:
         suite = self.config.suite(slot.spec.name)
-        return [t for t in tools if suite.exposes(t["name"])]
+        return suite.exposes(subtool, butler=slot.spec.kind == "butler")
+
+    def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [t for t in tools if self._exposes(slot, t["name"])]
 
     async def _tools(self, slot: Slot) -> list[dict[str, Any]]:
         if slot.state not in ("ready", "active") or not slot.child.running():
@@ -687,16 +690,16 @@ class Gateway:
         instructions = slot.instructions
         if instructions is None:  # (only wrapped children get here)
             raise ToolRefusal(f"suite {slot.suite_name!r} has no natural_language")
-        suite = self.config.suite(slot.spec.name)
         names = [t["name"] for t in slot.tools]
         try:
             answer = await self.wrapper.ask(
                 slot.spec,
                 instructions,
                 query,
-                allowed=[n for n in names if suite.exposes(n)],
-                hidden=[n for n in names if not suite.exposes(n)],
-                auth_token=self.auth_token if slot.spec.kind == "butler" else None,
+                allowed=[n for n in names if self._exposes(slot, n)],
+                hidden=[n for n in names if not self._exposes(slot, n)],
+                # The token its connection was given: a butler's that proved it holds it.
+                auth_token=slot.child.token_in_use if isinstance(slot.child, RemoteChild) else None,
             )
         except WrapperFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc

@@ -23,24 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import json
 import logging
-import secrets
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from butlers.config import Placement, load_config_dir
 from butlers.core_store import database_identity
-from butlers.http import health_proof
+from butlers.mcp_connection.proof import proven_health
 from butlers.switchboard.routing_store import RegistryEntry, RoutingStore
 
 logger = logging.getLogger(__name__)
-
-ANSWER_TIMEOUT_S = 1.5  # for a registered endpoint's /health, asked only when it would change
-MAX_HEALTH_BYTES = 64 * 1024  # of its answer read (a butler's is under 2 KiB)
 
 
 def _changes(row: dict[str, Any], entry: RegistryEntry) -> list[str]:
@@ -159,28 +152,6 @@ async def _keep_answering_endpoints(
 async def _answers_as(endpoint_url: str, name: str, identity: str, token: str) -> bool:
     """Whether the butler `name` answers /health beside `endpoint_url`, on the database
     `identity` names, proving it with the fleet's token for that very port."""
-    import aiohttp
-
-    parts = urlsplit(endpoint_url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    nonce = secrets.token_hex(16)
-    health = urlunsplit((parts.scheme, parts.netloc, "/health", f"proof={nonce}", ""))
-    try:
-        timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as http,
-            http.get(health, allow_redirects=False) as response,
-        ):
-            body = json.loads(await response.content.read(MAX_HEALTH_BYTES))
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return False
-    if not isinstance(body, dict) or body.get("name") != name:
-        return False
-    database = body.get("database")
-    proof = body.get("proof")
-    return (
-        isinstance(database, dict)
-        and database.get("id") == identity
-        and isinstance(proof, str)
-        and hmac.compare_digest(proof, health_proof(token, name, port, nonce))
-    )
+    body = await proven_health(endpoint_url, token, name)
+    database = body.get("database") if body is not None else None
+    return isinstance(database, dict) and database.get("id") == identity
