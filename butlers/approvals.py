@@ -36,7 +36,7 @@ from butlers.session_policy import APPROVED_CALL, session_token, waits_for_appro
 from butlers.tool_errors import ToolRefusal
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from butlers.core_store import CoreStore
     from butlers.spawner import Spawner
@@ -258,9 +258,15 @@ def _text_of(result: ToolResult) -> str:
 
 
 def register_approval_execute(
-    mcp: FastMCP, link: SwitchboardLink, spawner: Spawner, redact: Callable[[str], str]
+    mcp: FastMCP,
+    link: SwitchboardLink,
+    spawner: Spawner,
+    redact: Callable[[str], str],
+    *,
+    ready: Callable[[str], Awaitable[None]] | None = None,
 ) -> None:
-    """`approval_execute(id)`: how the switchboard has this butler run an approved call."""
+    """`approval_execute(id)`: how the switchboard has this butler run an approved call.
+    `ready(tool)`: until what runs the tool is up (its tool server, at a start)."""
 
     @mcp.tool(name=APPROVAL_EXECUTE_TOOL)
     async def approval_execute(id: int) -> dict[str, Any]:
@@ -272,6 +278,8 @@ def register_approval_execute(
             claimed = await link.claim_approval(id)
         except NotifyFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+        if ready is not None:  # a yes pressed while the butler was down runs at its start
+            await ready(claimed["tool"])
         running = APPROVED_CALL.set(id)
         try:
             # As the session that asked: a person's call stays that person's (restricted,

@@ -73,6 +73,9 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 2
 STOP_TIMEOUT_S = 8.0
 PRUNE_EVERY_S = 3600.0  # retention runs with the ticker, at most this often
+# An approved call whose tool server is still starting waits for it this long (an npx server's
+# first start downloads it).
+APPROVED_CALL_SERVER_WAIT_S = 60.0
 
 
 # The alembic branch of the switchboard's own tables (registry, inbox, outbox...).
@@ -264,7 +267,9 @@ class ButlerDaemon:
         if has_approvals(config):
             # A session's call of a guarded tool waits for the owner (butlers.approvals).
             middleware.add_guard(ApprovalGate(config, spawner, link, store, mcp))
-            register_approval_execute(mcp, link, spawner, self.redactor)
+            register_approval_execute(
+                mcp, link, spawner, self.redactor, ready=self._tool_server_ready
+            )
         if config.is_switchboard:
             self.switchboard = await self._build_switchboard(mcp, ctx)
             # Which replica this is, and whether it leads; its inbox and routing_log age out.
@@ -528,6 +533,12 @@ class ButlerDaemon:
                 ", ".join(f"{n} {table}" for table, n in deleted.items() if n),
                 extra={"action": "retention"},
             )
+
+    async def _tool_server_ready(self, tool_name: str) -> None:
+        """Until the tool server of `tool_name` (when it is one's) runs, for an approved call
+        (butlers.tool_servers.ToolServers.ready_for)."""
+        if self.tool_servers is not None:
+            await self.tool_servers.ready_for(tool_name, APPROVED_CALL_SERVER_WAIT_S)
 
     def _health_proof(self, nonce: str) -> str:
         assert self.auth_token is not None and self.port is not None  # served: both known

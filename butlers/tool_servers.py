@@ -53,7 +53,7 @@ from butlers.gateway.clients import Child, RemoteChild, StdioChild
 from butlers.gateway.reaper import Watchdog
 from butlers.gateway.server import result_of
 from butlers.session_policy import waits_for_approval
-from butlers.tasks import Coalesced
+from butlers.tasks import Coalesced, within
 from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
@@ -117,6 +117,7 @@ class ToolServer:
         self._exit_reason = ""
         self._supervisor: asyncio.Task[None] | None = None
         self._relisting = Coalesced(self._refresh, RELIST_EVERY_S)
+        self.running = asyncio.Event()  # set while its state is "running" (`ready_for`)
         if isinstance(child, StdioChild):
             child.on_exit = self._on_exit
         child.on_tools_changed = self._on_tools_changed
@@ -147,7 +148,7 @@ class ToolServer:
                 self._failed(self._exit_reason or "it exited")
                 if loop.time() - started_at >= STABLE_AFTER_S:
                     failures = 0
-            self.status.state = "restarting"
+            self._set("restarting")
             backoff = RESTART_BACKOFF.delay(failures)
             failures += 1
             logger.log(
@@ -163,7 +164,7 @@ class ToolServer:
             await asyncio.sleep(backoff)
 
     async def _start_once(self) -> None:
-        self.status.state = "starting" if not self.status.starts else "restarting"
+        self._set("starting" if not self.status.starts else "restarting")
         self.status.starts += 1
         if isinstance(self.child, StdioChild):
             self.child.said.clear()  # its last words are this run's, not an earlier one's
@@ -179,8 +180,18 @@ class ToolServer:
         if isinstance(self.child, RemoteChild):
             await asyncio.Event().wait()  # a remote one reconnects on its next call
 
+    def _set(self, state: str, reason: str | None = None) -> None:
+        """Its state (and why, when given), and `running` set while it is "running"."""
+        self.status.state = state
+        if reason is not None:
+            self.status.reason = reason
+        if state == "running":
+            self.running.set()
+        else:
+            self.running.clear()
+
     def _failed(self, reason: str) -> None:
-        self.status.state, self.status.reason = "failed", self.owner.redact(reason)[:500]
+        self._set("failed", self.owner.redact(reason)[:500])
 
     def _describe(self, exc: BaseException) -> str:
         return str(exc) or type(exc).__name__
@@ -220,9 +231,9 @@ class ToolServer:
         refused = self._unguarded(tools)
         self._withheld = refused is not None
         if refused is not None:
-            self.status.state, self.status.reason = "failed", refused
+            self._set("failed", refused)
             return
-        self.status.state, self.status.reason = "running", ""
+        self._set("running", "")
         mcp = self.owner.mcp
         for tool in tools:
             name = str(tool.get("name") or "")
@@ -329,7 +340,7 @@ class ToolServer:
         if isinstance(self.child, StdioChild):
             self.child.on_exit = None  # a child we end did not crash
         await self.child.close()
-        self.status.state = "stopped"
+        self._set("stopped")
 
 
 def _server_said(name: str, line: str) -> None:
@@ -447,6 +458,17 @@ class ToolServers:
             return None
         reason = f": {server.status.reason}" if server.status.reason else ""
         return f"tool server {server_name!r} is not running ({server.status.state}{reason})"
+
+    async def ready_for(self, tool_name: str, timeout_s: float) -> None:
+        """Until the server of `<server>__<tool>` runs, for at most `timeout_s` (not one of a
+        server's: at once). An approved call is run when the butler starts, if the owner said
+        yes while it was down; its server was still starting, the call failed for good
+        ("Unknown tool: ... not running (starting)": a walkthrough)."""
+        server_name, separator, _ = tool_name.partition(PROXY_SEPARATOR)
+        server = self.get(server_name) if separator else None
+        if server is not None:
+            with contextlib.suppress(TimeoutError):
+                await within(server.running.wait(), timeout_s)
 
     def statuses(self) -> list[dict[str, Any]]:
         return [server.status.report() for server in self.servers]

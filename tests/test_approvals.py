@@ -962,3 +962,30 @@ async def test_an_approved_call_its_butler_cannot_take_fails_once_and_is_told(
     assert (row["status"], row["claimed_at"]) == ("failed", None)
     assert "approval_execute" in row["result"]
     assert sent_texts(bot_api, OWNER).count(told) == 1
+
+
+async def test_a_yes_given_while_its_tool_server_starts_waits_for_it(
+    start_butler: StartButler, tmp_path: Path, bot_api: FakeBotAPI, db_conn
+) -> None:
+    """The owner approved a tool server's call while its butler was down: at the butler's
+    start it ran before the server had started, and failed for good ("Unknown tool: ... not
+    running (starting)", a walkthrough). A yes given while the server starts waits for it,
+    and the call runs."""
+    from tests.test_tool_servers import mock_server
+
+    slow = replace(mock_server("m", "--start-delay", "2"), approval=("echo",))
+    switchboard, general = await notify_fleet(
+        start_butler, tmp_path, bot_api, general_overrides={"mcp_servers": (slow,)}
+    )
+    assert general.tool_servers is not None
+    assert general.tool_servers.servers[0].status.state == "starting"
+    conn = await db_conn(switchboard.config.database)
+    await conn.execute(
+        """INSERT INTO approvals (butler, tool, arguments, status, expires_at)
+           VALUES ('general', 'm__echo', '{"message": "hi"}', 'pending', now() + interval '1 h')"""
+    )
+    async with Client(switchboard.sse_url) as client:
+        decided = await client.call_tool("approval_decide", {"id": 1, "decision": "approve"})
+    assert decided.structured_content["status"] == "done", decided.structured_content
+    row = await conn.fetchrow("SELECT status, result FROM approvals")
+    assert row["status"] == "done" and "hi" in row["result"], dict(row)

@@ -12,6 +12,7 @@ called; `--silent` never answers anything;
 for more); `--flood` a tool `flood` that says its tools changed `n` times at once (and
 MOCK_MCP_LISTS names a file where each tools/list adds a line); `--protocol V` answers
 initialize with revision V;
+`--start-delay S` waits S seconds before it reads anything (an npx server's first start);
 `--extras` adds the tools `progress` (reports progress and logs a message before it answers)
 and `grow` (adds the tool `extra` and says its tool list changed). Tools: echo, add, crash,
 long_description.
@@ -75,7 +76,9 @@ def main() -> None:
     parser.add_argument("--extras", action="store_true")
     parser.add_argument("--odd-tool", action="append", default=[], help="a tool of this name")
     parser.add_argument("--flood", action="store_true", help="a tool `flood` (n list_changed)")
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before it reads")
     options = parser.parse_args()
+    time.sleep(options.start_delay)  # an npx server downloading itself
     if pids := os.environ.get("MOCK_MCP_PIDS"):
         with open(pids, "a") as f:
             f.write(f"{os.getpid()}\n")
