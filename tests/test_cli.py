@@ -309,6 +309,8 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
         assert f"http://127.0.0.1:{port}/sse" in up.stdout
         health = await _health(port)
         assert health["name"] == name and health["database"]["ok"] is True
+    # Where the dashboard is (with --port-offset, not the docs' 8100: a walkthrough).
+    assert f"Dashboard: http://127.0.0.1:{ports['switchboard']}/ui\n" in up.stdout
     switchboard = await _health(ports["switchboard"])
     assert {m["name"]: (m["state"], m["detail"]) for m in switchboard["modules"]} == {
         "telegram": ("skipped", "TELEGRAM_BOT_TOKEN not set"),
@@ -331,6 +333,8 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
         name: ("running", f"http://127.0.0.1:{port}/sse") for name, port in ports.items()
     }
     assert all(b["health_url"] == b["url"].replace("/sse", "/health") for b in ready["butlers"])
+    dashboards = {b["name"]: b["dashboard_url"] for b in ready["butlers"] if "dashboard_url" in b}
+    assert dashboards == {"switchboard": f"http://127.0.0.1:{ports['switchboard']}/ui"}
     assert "Starting PostgreSQL in" in again.stderr and "Initialising" not in again.stderr
     async with Client(f"http://127.0.0.1:{ports['general']}/sse") as client:
         value = (await client.call_tool("state_get", {"key": "survives"})).data

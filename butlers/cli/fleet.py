@@ -363,9 +363,20 @@ def print_ready_table(
     ]
     print(f"Butlers {build_label()} ready ({db_description}):")
     print_rows(rows, indent="  ")
+    for daemon in daemons:  # (with --port-offset the docs' 8100 is not where it is)
+        if (url := dashboard_url(daemon)) is not None:
+            print(f"Dashboard: {url}")
     sys.stdout.flush()  # (two streams: the table first on a terminal)
     print_warnings(warnings)
     print("Press Ctrl-C to stop.", flush=True)
+
+
+def dashboard_url(daemon: ButlerDaemon) -> str | None:
+    """Where the switchboard's dashboard is served; None for another butler."""
+    switchboard = daemon.switchboard
+    if switchboard is None or switchboard.dashboard is None:
+        return None
+    return f"{daemon.base_url}/ui"
 
 
 def print_warnings(warnings: Sequence[str]) -> None:
@@ -480,6 +491,7 @@ def ready_report(
             "url": d.sse_url,
             "mcp_url": f"{d.base_url}/mcp",
             "health_url": f"{d.base_url}/health",
+            **({"dashboard_url": url} if (url := dashboard_url(d)) else {}),
         }
         for d in daemons
     ]
