@@ -496,7 +496,7 @@ class MemoryStore:
         where each came from only for the operator."""
         viewer = self.seen_as(viewer)
         columns = "id, text, tags, created_at" + (
-            ", conversation, person, private" if viewer.kind == "operator" else ""
+            ", conversation, person, private, from_owner" if viewer.kind == "operator" else ""
         )
         rows = await self.pool.fetch(
             f"SELECT {columns} FROM memories WHERE {viewer.visible(2, 3)} "

@@ -552,12 +552,21 @@ async def test_a_butlers_memories_are_shown_searched_and_forgotten(
                    to_tsvector('english', 'Bob likes oat milk'), 'telegram:555', false)
            RETURNING id"""
     )
+    # One the owner's own chat kept: the owner's, though it names the chat.
+    await conn.execute(
+        """INSERT INTO memories (text, tags, conversation, private, language, words, person,
+                                 from_owner)
+           VALUES ('Door code 4711', '{}', 'telegram:1', true, 'english',
+                   to_tsvector('english', 'Door code 4711'), 'telegram:1', true)"""
+    )
     async with dashboard_client(pg_server, switchboard) as client:
         butler_page = (await client.get("/ui/butlers/general", headers=BEARER)).text
         assert 'href="/ui/butlers/general/memory"' in butler_page
         page = (await client.get("/ui/butlers/general/memory", headers=BEARER)).text
         assert 'data-refresh="0"' in page  # never refreshed under its buttons
         rows = [cells(r) for r in rows_of(page, "memories")]
+        assert rows.pop(0)[2:5] == ["the owner · private", "", "Door code 4711"]
+        await conn.execute("DELETE FROM memories WHERE text = 'Door code 4711'")  # (seen)
         assert [r[0] for r in rows] == [str(theirs), str(birthday["id"]), str(tyres["id"])]
         assert rows[0][2:5] == ["telegram:555 · private", "", "Bob likes oat milk"]
         assert rows[1][2:5] == [

@@ -12,6 +12,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
+from butlers.memory import Viewer
 from tests.conftest import StartButler, butler_config
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
@@ -190,10 +191,20 @@ async def test_butlers_memory_lists_searches_and_forgets(
     )
     assert code == 0, err
     memory_id = json.loads(out)["id"]
+    # Whose each is (a walkthrough could not tell two household members' apart): a person's,
+    # and words the owner forwarded, kept in the owner's own chat (not the owner's).
+    general = fleet.targets["general"]
+    assert general.context is not None and general.context.memory is not None
+    general.context.memory.owner_persons = frozenset({"telegram:777"})
+    for person, kept in (("telegram:555", "Bob likes oat milk"), ("telegram:777", "Fwd: pay")):
+        viewer = Viewer("person", person, forwarded=person == "telegram:777")
+        await general.context.memory.remember(kept, [], writer=viewer, conversation=person)
     code, out, err = await run_cli("memory", "general", "--url", url, token="cli-token")
     assert code == 0, err
-    assert out.splitlines()[0].split() == ["ID", "REMEMBERED", "TAGS", "SCORE", "TEXT"]
-    assert "Anna likes tulips" in out
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "REMEMBERED", "FOR", "TAGS", "SCORE", "TEXT"]
+    whose = {line.split()[-1]: line.split()[4].rstrip(",") for line in lines[1:]}
+    assert whose == {"tulips": "you", "milk": "telegram:555", "pay": "telegram:777"}, out
     code, out, err = await run_cli(
         "memory", "general", "--search", "tulip", "--json", "--url", url, token="cli-token"
     )

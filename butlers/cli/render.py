@@ -453,6 +453,15 @@ def print_schedules(rows: list[dict[str, Any]]) -> None:
     print_rows_with_details(header, table)
 
 
+def whose_memory(row: dict[str, Any]) -> str:
+    """Whose a memory is, as the list says it (a search does not: "-"): `you`, or the person
+    whose message kept it (words you forwarded: your chat's id, not `you`), and `shared`."""
+    if "person" not in row:
+        return "-"
+    who = "you" if row.get("from_owner", not row["person"]) else cut(row["person"], 32)
+    return who if row.get("private", True) else f"{who}, shared"
+
+
 def print_memories(rows: list[dict[str, Any]], limit: int | None = None) -> None:
     if not rows:
         print("No memories.")
@@ -462,10 +471,11 @@ def print_memories(rows: list[dict[str, Any]], limit: int | None = None) -> None
         cells = (
             str(row["id"]),
             when(row.get("created_at")),
+            whose_memory(row),
             ",".join(row.get("tags") or []) or "-",
             f"{row['score']:.3f}" if "score" in row else "-",
             cut(row["text"]),
         )
         table.append((cells, []))
-    print_rows_with_details(("ID", "REMEMBERED", "TAGS", "SCORE", "TEXT"), table)
+    print_rows_with_details(("ID", "REMEMBERED", "FOR", "TAGS", "SCORE", "TEXT"), table)
     print_next_page(rows, limit)
