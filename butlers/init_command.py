@@ -40,7 +40,7 @@ from butlers.claude_code import claude_binary
 from butlers.errors import CommandError, TokenRejected
 
 if TYPE_CHECKING:
-    from telegram import Bot
+    from telegram import Bot, Chat
 
     from butlers.modules.mail_transport import Security
     from butlers.settings import Settings
@@ -1035,7 +1035,9 @@ async def capture_owner_chat(
 ) -> str:
     """The chat id of the first private message to the bot that carries a fresh one-time
     code: only someone who saw this terminal can send it. The updates read up to it are
-    acknowledged (`butlers up` will not see them); later ones are left for it."""
+    acknowledged (`butlers up` will not see them; those of others are named, so that the
+    owner can ask them to write again: a walkthrough's partner was never answered); later ones
+    are left for it."""
     from telegram import Bot
     from telegram.error import Conflict, InvalidToken, NetworkError, TelegramError
 
@@ -1069,6 +1071,7 @@ async def capture_owner_chat(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + OWNER_WAIT_S
         offset: int | None = None
+        others: dict[int, str] = {}  # chat id -> its name: messages not the code, forgotten
         while (left := deadline - loop.time()) > 0:
             try:
                 updates = await bot.get_updates(
@@ -1090,19 +1093,24 @@ async def capture_owner_chat(
             for update in updates:
                 offset = update.update_id + 1
                 message = update.message
-                if (
-                    message is None
-                    or message.chat.type != "private"
-                    or not carries_code(message.text or "", code)
-                ):
-                    continue  # not the owner: a stranger, a group, another text
+                if message is None:
+                    continue
+                if message.chat.type != "private" or not carries_code(message.text or "", code):
+                    # Not the owner: a stranger, a group, another text. Acknowledged with the
+                    # code (Telegram forgets every update below an offset): named below.
+                    others[message.chat.id] = _shown_name(message.chat, "someone")
+                    continue
                 await _acknowledge(bot, offset)
                 with contextlib.suppress(TelegramError):
                     await bot.send_message(message.chat.id, PAIRED_REPLY)
-                # (a name is the sender's text: no control characters reach the terminal)
-                who = message.chat.full_name or message.chat.username or "you"
-                who = "".join(c for c in who if c.isprintable())
-                console.say(f"Paired: {who}, chat {message.chat.id}.")
+                console.say(f"Paired: {_shown_name(message.chat, 'you')}, chat {message.chat.id}.")
+                others.pop(message.chat.id, None)  # (the owner's own other texts)
+                if others:
+                    named = ", ".join(f"{who} (chat {chat})" for chat, who in others.items())
+                    console.say(
+                        f"Read while waiting, and not to be answered: messages from {named}. "
+                        "Ask them to write again once `butlers up` runs."
+                    )
                 return str(message.chat.id)
         raise CommandError(
             f"the code did not arrive in {OWNER_WAIT_S // 60} minutes: run init again (or give "
@@ -1111,6 +1119,12 @@ async def capture_owner_chat(
     finally:
         with contextlib.suppress(Exception):
             await bot.shutdown()
+
+
+def _shown_name(chat: Chat, otherwise: str) -> str:
+    """A chat's name for the terminal (the sender's text: no control characters)."""
+    name = chat.full_name or chat.username or chat.title or otherwise
+    return "".join(c for c in name if c.isprintable())[:80]
 
 
 async def _acknowledge(bot: Bot, offset: int) -> None:

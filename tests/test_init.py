@@ -623,10 +623,14 @@ async def test_interactive_init_with_a_typed_token_and_mail(
     init = await _interactive(processes, target, bot_api)
     init.answer("telegram,email", "n", "", bot_api.token)
     code = (await init.wait_stdout(CODE))[1]
+    # The partner wrote first: read here, never answered; init names them (a walkthrough).
+    partner = bot_api.text_update(2002, "Hi! This is Pia")
+    partner["message"]["chat"]["first_name"] = "Pia"
     update = bot_api.text_update(OWNER, code)
     update["message"]["chat"]["first_name"] = "Ada\x1b]0;pwned\x07\x1b[2J"
-    await bot_api.push_batch(update)
+    await bot_api.push_batch(partner, update)
     await init.wait_stdout(re.compile("Paired: Ada"))
+    await init.wait_stdout(re.compile(r"not to be answered: messages from Pia \(chat 2002\)"))
     init.answer(
         "imap.example.com",
         "",
