@@ -506,6 +506,31 @@ async def test_the_bot_token_and_webhook_state_online(
     assert "https://mine.example/telegram/webhook" in checks["telegram-webhook-info"].detail
 
 
+class BotApiWithoutWebhookInfo(FakeBotAPI):
+    _api_getWebhookInfo = None  # (a self-hosted or older Bot API: it answers 404)
+
+
+async def test_a_bot_api_without_getwebhookinfo_is_not_said_to_reject_the_token(
+    tmp_path: Path,
+) -> None:
+    """The token passed getMe, then "getWebhookInfo failed: InvalidToken" (the library's name
+    for any 404) contradicted it (a walkthrough)."""
+    api = BotApiWithoutWebhookInfo(token=f"123456:{uuid.uuid4().hex}")
+    await api.start()
+    try:
+        config = fleet_dir(
+            tmp_path, telegram=f'api_base_url = "{api.url}"\nallowed_chat_ids = ["1"]'
+        )
+        env = base_env(tmp_path, TELEGRAM_BOT_TOKEN=api.token)
+        checks = await doctor(config, env, online=True)
+    finally:
+        await api.stop()
+    assert checks["telegram"].status == "ok"
+    found = checks["telegram-webhook-info"]
+    assert found.status == "warn" and "InvalidToken" not in found.detail
+    assert "does not answer getWebhookInfo (404" in found.detail
+
+
 # -- Claude Code ------------------------------------------------------------------------------
 
 

@@ -139,6 +139,18 @@ async def _telegram(subject: Subject, config: TelegramConfig) -> list[Check]:
         found = [ok("telegram", f"the token in {config.token_env} is @{me.username}'s")]
         try:
             info = await bot.get_webhook_info()
+        except InvalidToken:
+            # The token passed getMe: this is the 404 of a Bot API without the method
+            # (python-telegram-bot calls every 404 InvalidToken; said so, it contradicted the
+            # line above: a walkthrough).
+            return [
+                *found,
+                warn(
+                    "telegram-webhook-info",
+                    f"the Bot API at {base} does not answer getWebhookInfo (404: a self-hosted "
+                    "or older Bot API?): whether a webhook is set cannot be checked",
+                ),
+            ]
         except TelegramError as exc:
             return [
                 *found,
