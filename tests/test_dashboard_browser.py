@@ -171,6 +171,18 @@ async def test_fleet_messages_and_the_ask_form_in_chromium(
         await page.locator(f'#messages tr[data-id="{arrived}"]').wait_for(timeout=25_000)
         assert await page.evaluate("document.body.dataset.refreshed") is not None
 
+        # One long error keeps to its column's width, not the page's (it took most of it on
+        # every row, and the replies wrapped in a strip: a walkthrough).
+        failed = await conn.fetchval(
+            """INSERT INTO inbox (channel, external_id, source_id, text, status, error)
+               VALUES ('telegram', 'late-2', '4242', 'x', 'failed', $1) RETURNING id""",
+            "refused: " + "the butler could not be reached at that time " * 40,
+        )
+        await page.goto(f"{base}/ui/messages")
+        error = page.locator(f'#messages tr[data-id="{failed}"] td:nth-child(10)')  # (Error)
+        box = await error.bounding_box()
+        assert box is not None and box["width"] <= 420, box
+
         # Its own page, then the Ask form through classify -> route -> reply.
         await row.locator("a").first.click()
         await page.locator("#message-text").wait_for()
