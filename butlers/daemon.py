@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import uvicorn
@@ -540,9 +541,17 @@ class ButlerDaemon:
         if self.tool_servers is not None:
             await self.tool_servers.ready_for(tool_name, APPROVED_CALL_SERVER_WAIT_S)
 
-    def _health_proof(self, nonce: str) -> str:
+    def _health_proof(self, nonce: str, port: int | None) -> str | None:
+        """The proof for `port` (None: the one it listens on), when that port is its own: the
+        one it listens on, or its registered address's (a reverse proxy, a Service, in front
+        of it: docs/scaling.md). Another's port gets none: a process there relaying the
+        question must not get an answer for itself."""
         assert self.auth_token is not None and self.port is not None  # served: both known
-        return health_proof(self.auth_token, self.config.name, self.port, nonce)
+        registered = urlsplit(self.config.endpoint_url)
+        own = {self.port, registered.port or (443 if registered.scheme == "https" else 80)}
+        if port is not None and port not in own:
+            return None
+        return health_proof(self.auth_token, self.config.name, port or self.port, nonce)
 
     async def _health(self) -> tuple[int, dict]:
         assert self.context is not None

@@ -47,6 +47,9 @@ HEALTH_PATH = "/health"  # readiness: 503 while the database is unreachable
 # `/health?proof=<nonce>`: a butler with a token adds `health_proof` of the nonce, so that
 # discover can tell the butler from whatever else answers at an address it once had.
 HEALTH_PROOF_PARAM = "proof"
+# ... and `&port=<port>`: the port the asker reached it at, when that is not the one it listens
+# on (a reverse proxy's 443 in front of 8100): proven only for a port of its own.
+HEALTH_PORT_PARAM = "port"
 LIVEZ_PATH = "/livez"  # liveness: this process answers; never asks the database
 DASHBOARD_PATH = "/ui"
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
@@ -319,7 +322,7 @@ class ButlerApp:
         webhooks: Sequence[BaseRoute] = (),
         dashboard: ASGIApp | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        proof: Callable[[str], str] | None = None,
+        proof: Callable[[str, int | None], str | None] | None = None,
     ) -> None:
         # Host/Origin checks guard against DNS rebinding (a web page in the user's browser
         # driving a loopback butler); FastMCP leaves them off unless asked. The registry's
@@ -358,8 +361,11 @@ class ButlerApp:
     async def _serve_health(self, scope: Scope, receive: Receive, send: Send) -> None:
         status, body = await self._health()
         nonce = _query_value(scope, HEALTH_PROOF_PARAM)
+        port = _query_value(scope, HEALTH_PORT_PARAM)
         if self._proof is not None and nonce is not None and _NONCE.fullmatch(nonce):
-            body = {**body, "proof": self._proof(nonce)}
+            asked_port = int(port) if port is not None and _PORT.fullmatch(port) else None
+            if (proof := self._proof(nonce, asked_port)) is not None:
+                body = {**body, "proof": proof}
         await _json(send, status, body)
 
     async def _serve_livez(self, send: Send) -> None:
@@ -450,6 +456,7 @@ def _one_response(send: Send) -> Send:
 
 
 _NONCE = re.compile(r"[0-9a-f]{16,64}")
+_PORT = re.compile(r"[0-9]{1,5}")
 
 
 def _query_value(scope: Scope, name: str) -> str | None:
@@ -475,7 +482,7 @@ def build_app(
     dashboard: ASGIApp | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     token_request_bytes: int | None = None,
-    health_proof: Callable[[str], str] | None = None,
+    health_proof: Callable[[str, int | None], str | None] | None = None,
 ) -> tuple[ASGIApp, ButlerApp]:
     """The served app (body limit, then the bearer check when a token is set) and the app
     itself. `token_request_bytes`: the limit for a request to a path that is not public and

@@ -342,3 +342,44 @@ async def test_empty_registry_lists_nothing(start_butler: StartButler, tmp_path:
     switchboard = await start_butler(butler_config("switchboard"), config_dir=config_dir)
     async with Client(switchboard.sse_url) as client:
         assert await call(client, "list_butlers") == []
+
+
+async def test_a_butler_behind_a_proxy_proves_itself_for_the_proxys_port_only(
+    start_butler: StartButler,
+) -> None:
+    """A butler reached through a reverse proxy (its registered `endpoint_url` on another
+    port: docs/scaling.md) proves it holds the token for that port too, so the gateway gives
+    it the token; a relay on any other port still gets no proof."""
+    from dataclasses import replace
+
+    from aiohttp import ClientSession, web
+
+    from butlers.mcp_connection.proof import proven_health
+
+    proxy_port, relay_port = free_port(), free_port()
+    config = replace(
+        butler_config("health"), endpoint_url_override=f"http://127.0.0.1:{proxy_port}/sse"
+    )
+    health = await start_butler(config, auth_token=REGISTRY_TOKEN)
+
+    async def forward(request: web.Request) -> web.Response:
+        async with (
+            ClientSession() as http,
+            http.get(f"http://127.0.0.1:{health.port}/health?{request.query_string}") as answer,
+        ):
+            return web.json_response(await answer.json(), status=answer.status)
+
+    app = web.Application()
+    app.router.add_get("/health", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    for port in (proxy_port, relay_port):
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        for port, proven in ((health.port, True), (proxy_port, True), (relay_port, False)):
+            url = f"http://127.0.0.1:{port}/sse"
+            body = await proven_health(url, REGISTRY_TOKEN, "health")
+            assert (body is not None) == proven, port
+        assert await proven_health(health.sse_url, "another-token", "health") is None
+    finally:
+        await runner.cleanup()

@@ -16,7 +16,7 @@ import secrets
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from butlers.http import health_proof
+from butlers.http import HEALTH_PORT_PARAM, HEALTH_PROOF_PARAM, health_proof
 
 ANSWER_TIMEOUT_S = 1.5  # for an endpoint's /health
 MAX_HEALTH_BYTES = 64 * 1024  # of its answer read (a butler's is under 2 KiB)
@@ -31,7 +31,9 @@ async def proven_health(endpoint_url: str, token: str, name: str) -> dict[str, A
     parts = urlsplit(endpoint_url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     nonce = secrets.token_hex(16)
-    health = urlunsplit((parts.scheme, parts.netloc, "/health", f"proof={nonce}", ""))
+    # The port it was reached at: a proxy's in front of it is its own too (butlers.daemon).
+    query = f"{HEALTH_PROOF_PARAM}={nonce}&{HEALTH_PORT_PARAM}={port}"
+    health = urlunsplit((parts.scheme, parts.netloc, "/health", query, ""))
     try:
         timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
         async with (
