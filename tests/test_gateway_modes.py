@@ -4,13 +4,13 @@ the official `mcp` client, with the mock children of test_gateway."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
 
 from tests.conftest import free_port
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
+from tests.fakes.mock_mcp import lists_read_once_settled
 from tests.test_cli_client import run_cli
 from tests.test_gateway import MOCK, mcp_json, stdio_host, text_of
 
@@ -189,16 +189,7 @@ async def test_a_flood_of_list_changed_is_read_a_few_times_and_tells_the_host_no
         result = await host.call("flood", n=500)
         assert text_of(result) == "flooded"
 
-        def readings() -> int:
-            return len(lists.read_text().splitlines()) if lists.exists() else 0
-
-        # Settled: no reading for three of its pauses in a row (a bound, not a timing).
-        last, still = readings(), 0
-        async with asyncio.timeout(30):
-            while still < 3:
-                await asyncio.sleep(0.5)
-                now = readings()
-                still, last = (still + 1, now) if now == last else (0, now)
+        last = await lists_read_once_settled(lists)
         assert last <= 5, last  # the first listing, then a few at most
         assert host.list_changed == seen
         assert "flood" in await host.tools()

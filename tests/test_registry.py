@@ -239,9 +239,10 @@ REGISTRY_TOKEN = "registry-test-token-4242"
 
 
 @contextlib.asynccontextmanager
-async def relay_to(port: int) -> AsyncIterator[int]:
+async def relay_to(port: int, *also: int) -> AsyncIterator[int]:
     """A process squatting a port: it answers /health with what the butler on `port` answers
-    to the same question (proof and all). Its own port."""
+    to the same question (proof and all). Its own port (it listens on `also` too: a reverse
+    proxy's)."""
     from aiohttp import ClientSession, web
 
     async def health(request: web.Request) -> web.Response:
@@ -256,7 +257,8 @@ async def relay_to(port: int) -> AsyncIterator[int]:
     runner = web.AppRunner(app)
     await runner.setup()
     relay = free_port()
-    await web.TCPSite(runner, "127.0.0.1", relay).start()
+    for listening in (relay, *also):
+        await web.TCPSite(runner, "127.0.0.1", listening).start()
     try:
         yield relay
     finally:
@@ -352,34 +354,16 @@ async def test_a_butler_behind_a_proxy_proves_itself_for_the_proxys_port_only(
     it the token; a relay on any other port still gets no proof."""
     from dataclasses import replace
 
-    from aiohttp import ClientSession, web
-
     from butlers.mcp_connection.proof import proven_health
 
-    proxy_port, relay_port = free_port(), free_port()
+    proxy_port = free_port()
     config = replace(
         butler_config("health"), endpoint_url_override=f"http://127.0.0.1:{proxy_port}/sse"
     )
     health = await start_butler(config, auth_token=REGISTRY_TOKEN)
-
-    async def forward(request: web.Request) -> web.Response:
-        async with (
-            ClientSession() as http,
-            http.get(f"http://127.0.0.1:{health.port}/health?{request.query_string}") as answer,
-        ):
-            return web.json_response(await answer.json(), status=answer.status)
-
-    app = web.Application()
-    app.router.add_get("/health", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    for port in (proxy_port, relay_port):
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with relay_to(health.port, proxy_port) as relay_port:
         for port, proven in ((health.port, True), (proxy_port, True), (relay_port, False)):
             url = f"http://127.0.0.1:{port}/sse"
             body = await proven_health(url, REGISTRY_TOKEN, "health")
             assert (body is not None) == proven, port
         assert await proven_health(health.sse_url, "another-token", "health") is None
-    finally:
-        await runner.cleanup()

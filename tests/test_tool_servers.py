@@ -41,6 +41,7 @@ from tests.conftest import (
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
+from tests.fakes.mock_mcp import lists_read, lists_read_once_settled
 from tests.test_cli import Butlers, fleet_env
 from tests.test_crash import fleet_databases
 from tests.test_inbox import is_classifier, model, turn
@@ -648,19 +649,10 @@ async def test_a_flood_of_list_changed_is_read_a_few_times_on_the_butler(
     )
     await running(general, "m")
 
-    def readings() -> int:
-        return len(lists.read_text().splitlines()) if lists.exists() else 0
-
-    first = readings()
+    first = lists_read(lists)
     async with Client(general.sse_url) as client:
         flooded = await client.call_tool("m__flood", {"n": 500})
         assert flooded.content[0].text == "flooded"
-        # Settled: no reading for three of its pauses in a row (a bound, not a timing).
-        last, still = readings(), 0
-        async with asyncio.timeout(30):
-            while still < 3:
-                await asyncio.sleep(0.5)
-                now = readings()
-                still, last = (still + 1, now) if now == last else (0, now)
+        last = await lists_read_once_settled(lists)
         assert last - first <= 5, (first, last)
         assert (await client.call_tool("m__flood", {"n": 0})).content[0].text == "flooded"

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 LONG = (
     "Echoes back the input message to verify communication between host and child MCP. "
@@ -60,6 +61,25 @@ EXTRAS = [
     {"name": "progress", "description": "Report progress.", "inputSchema": {"type": "object"}},
     {"name": "grow", "description": "Add a tool.", "inputSchema": {"type": "object"}},
 ]
+
+
+def lists_read(lists: Path) -> int:
+    """How many tools/list requests the `--flood` server answered (MOCK_MCP_LISTS's lines)."""
+    return len(lists.read_text().splitlines()) if lists.exists() else 0
+
+
+async def lists_read_once_settled(lists: Path, pause_s: float = 0.5) -> int:
+    """`lists_read` once no listing came for three pauses in a row (a bound, not a timing),
+    within 30 s."""
+    import asyncio
+
+    last, still = lists_read(lists), 0
+    async with asyncio.timeout(30):
+        while still < 3:
+            await asyncio.sleep(pause_s)
+            now = lists_read(lists)
+            still, last = (still + 1, now) if now == last else (0, now)
+    return last
 
 
 def main() -> None:
