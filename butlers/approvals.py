@@ -20,7 +20,6 @@ Sessions are neither shown it nor allowed to call it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,7 @@ from mcp.types import TextContent
 
 from butlers.config import APPROVAL_EXECUTE_TOOL, CONFIG_FILENAME, ButlerConfig
 from butlers.errors import ConfigError, NotifyFailed
+from butlers.schema_check import schema_problems
 from butlers.session_policy import APPROVED_CALL, session_token, waits_for_approval
 from butlers.tool_errors import ToolRefusal
 
@@ -197,59 +197,6 @@ class ApprovalGate:
 
     def hides_listings(self) -> bool:
         return False
-
-
-def schema_problems(schema: dict[str, Any], arguments: dict[str, Any]) -> str:
-    """What a JSON Schema (a tool's input schema) refuses in `arguments`, one clause per
-    problem ("text: required; limit: 'x' is not of type 'integer'"); "" when nothing. The
-    butler's own tools validate with pydantic when they run, a tool server's in its own
-    process: this is the common measure, for a call that is recorded before it runs.
-
-    A tool server's schema is its author's (a red team): it is read on its own, with no
-    `$ref` outside it resolved (jsonschema's default fetched any http: or file: URL, with no
-    timeout, on the event loop), and without its regular expressions (`pattern`,
-    `patternProperties`: a server's `^(a+)+$` against 28 characters the model wrote held
-    the loop 6 s; Python's `re` cannot be cut short); the tool judges those itself."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError, UnknownType
-    from referencing import Registry
-    from referencing.exceptions import Unresolvable
-
-    try:
-        schema = _without_patterns(schema)
-        Draft202012Validator.check_schema(schema)
-        validator = Draft202012Validator(schema, registry=Registry())
-        # The first few: a list of 100,000 wrong items would format 100,000 messages.
-        errors = list(itertools.islice(validator.iter_errors(arguments), 5))
-    except (SchemaError, UnknownType, Unresolvable, RecursionError):
-        return ""  # a server's schema we cannot read (or may not follow): its tool judges
-    said = []
-    for error in errors:
-        where = [str(part) for part in error.path]
-        if error.validator == "required":
-            missing = [name for name in error.validator_value if name not in error.instance]
-            said += [".".join([*where, name]) + ": required" for name in missing]
-        elif error.validator == "additionalProperties":
-            extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
-            said += [".".join([*where, name]) + ": not an argument it takes" for name in extra]
-        else:
-            said.append(f"{'.'.join(where) or 'arguments'}: {error.message}")
-    return "; ".join(sorted(said))
-
-
-def _without_patterns(schema: Any) -> Any:
-    """`schema` without the keywords that run its regular expressions: `pattern`, and
-    `patternProperties` with the `additionalProperties` that depends on it (else a property
-    its patterns allow would be called one the tool does not take)."""
-    if isinstance(schema, list):
-        return [_without_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    kept = {key: _without_patterns(value) for key, value in schema.items() if key != "pattern"}
-    if "patternProperties" in kept:
-        del kept["patternProperties"]
-        kept.pop("additionalProperties", None)
-    return kept
 
 
 def _text_of(result: ToolResult) -> str:

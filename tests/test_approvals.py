@@ -19,7 +19,6 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import SSETransport
 
-from butlers.approvals import schema_problems
 from butlers.backoff import Backoff
 from butlers.config import ApprovalsConfig, OwnerConfig
 from butlers.daemon import ButlerDaemon
@@ -532,76 +531,6 @@ def test_the_owners_question_says_until_when_in_their_time_zone() -> None:
     assert describe(row, str, berlin).endswith("Approve or deny it before 2026-11-28 13:13 CET.")
     utc = OwnerConfig(telegram_chat_id="1")
     assert describe(row, str, utc).endswith("before 2026-11-28 12:13 UTC.")
-
-
-def test_schema_problems_names_each_argument_and_what_was_wrong() -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "path": {"type": "string"},
-            "limit": {"type": "integer", "minimum": 1},
-            "edit": {
-                "type": "object",
-                "properties": {"old": {"type": "string"}},
-                "required": ["old"],
-            },
-        },
-        "required": ["path"],
-    }
-    assert schema_problems(schema, {"path": "a", "limit": 2, "edit": {"old": "x"}}) == ""
-    assert schema_problems(schema, {"limit": "ten", "edit": {}}) == (
-        "edit.old: required; limit: 'ten' is not of type 'integer'; path: required"
-    )
-    assert schema_problems({"type": "nonsense"}, {}) == ""  # unreadable: the tool judges
-
-
-def test_a_servers_schema_fetches_nothing_and_runs_no_regular_expression(
-    tmp_path: Path,
-) -> None:
-    """A tool server's schema is its author's (a red team): a `$ref` to a URL was fetched
-    (with no timeout, on the event loop) and one to a file read, and its `pattern` run on
-    what the model wrote (`^(a+)+$` held the loop for seconds). Neither is followed: the
-    tool judges those itself."""
-    import http.server
-    import threading
-
-    fetched: list[str] = []
-
-    class Server(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            fetched.append(self.path)
-            body = b'{"type": "object", "required": ["leak"]}'
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    probe = tmp_path / "probe.json"
-    probe.write_text('{"type": "object", "required": ["leak"]}')
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/metadata"
-        for ref in (url, f"file://{probe}"):
-            assert schema_problems({"type": "object", "$ref": ref}, {}) == ""
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert fetched == []
-    # A reference within the schema is still followed.
-    within = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "required": ["q"]}}}
-    assert schema_problems(within, {}) == "q: required"
-    patterned = {
-        "type": "object",
-        "properties": {"q": {"type": "string", "pattern": "^(a+)+$"}},
-        "patternProperties": {"^x_": {"type": "integer"}},
-        "additionalProperties": False,
-    }
-    assert schema_problems(patterned, {"q": "a" * 28 + "!", "x_y": 1}) == ""
-    assert schema_problems(patterned, {"q": 3}) == "q: 3 is not of type 'string'"
 
 
 async def test_a_guarded_call_its_tool_would_refuse_is_not_put_to_the_owner(
