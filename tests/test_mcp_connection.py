@@ -345,6 +345,53 @@ async def test_a_result_over_the_limit_ends_the_connection_not_the_memory(
             await connection.close()
 
 
+async def test_an_event_of_empty_data_lines_is_bounded_too(
+    http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each empty `data:` line adds a line break to its event, and counted nothing: 35,840 of
+    them made one event of 35,839 characters past a bound of 1024 (a review)."""
+    from aiohttp import web
+
+    from butlers.mcp_connection import sse
+
+    monkeypatch.setattr(sse, "MAX_MESSAGE_BYTES", 1024)
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"event: endpoint\ndata: /messages?session_id=1\n\n")
+        for _ in range(40):
+            await response.write(b"data:\n" * 1024)
+        await response.write(b"\n")
+        await asyncio.sleep(1)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/sse", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    lost: list[str] = []
+    connection = SseConnection(
+        f"http://127.0.0.1:{port}/sse", http, auth_token=None, on_closed=lost.append
+    )
+    try:
+        with contextlib.suppress(Exception):  # (the handshake never completes)
+            await connection.open(timeout_s=3)
+        await eventually_true(lambda: bool(lost))
+        assert "an event of over 1024 bytes" in lost[0], lost
+    finally:
+        await connection.close()
+        await runner.cleanup()
+
+
+async def eventually_true(check: Callable[[], bool], timeout_s: float = 5) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():  # noqa: ASYNC110 - a callback of the connection fills it
+            await asyncio.sleep(0.01)
+
+
 async def test_a_json_rpc_error_is_raised_with_its_message(server, http) -> None:
     connection = await opened(server, http)
     try:

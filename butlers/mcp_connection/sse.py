@@ -128,6 +128,11 @@ class SseConnection(McpConnection):
                 self._last_heard = loop.time()
                 buffer += chunk
                 while (end := buffer.find(b"\n", searched)) >= 0:
+                    # Every line of an event counts, in bytes: an empty `data:` line adds a
+                    # line break to the event (a review: 35,840 of them grew it unbounded).
+                    size += end + 1
+                    if size > MAX_MESSAGE_BYTES:
+                        raise MessageTooLarge(f"an event of over {MAX_MESSAGE_BYTES} bytes")
                     line = buffer[:end].rstrip(b"\r").decode()
                     del buffer[: end + 1]
                     searched = 0
@@ -137,9 +142,6 @@ class SseConnection(McpConnection):
                             event = value.strip()
                         elif field == "data":
                             data.append(value[1:] if value.startswith(" ") else value)
-                            size += len(value)
-                        if size > MAX_MESSAGE_BYTES:
-                            raise MessageTooLarge(f"an event of over {MAX_MESSAGE_BYTES} bytes")
                         continue  # comments (keep-alive pings) and other fields: nothing to do
                     if data:
                         self._dispatch(event, "\n".join(data))
