@@ -140,6 +140,15 @@ def test_a_signatures_pictures_are_not_files_and_take_no_files_place() -> None:
     gmail.add_related(png(1500), "image", "png", cid="<logo>", filename="logo.png")
     gmail.add_related(png(900), "image", "png", cid="<unshown>", filename="unshown.png")
     assert files_of(parse_mail(gmail.as_bytes())) == ["unshown.png"]
+    # A mail attached within the text's multipart/related (Apple Mail's rich text) is read as
+    # a forward, once, not also listed as a file not read (a review).
+    apple = mail(body="See the invoice below.")
+    apple.add_alternative("<p>See the invoice below.</p>", subtype="html")
+    attached = mail(subject="Invoice 42", body="Please pay 120 EUR.")
+    apple.get_payload()[1].add_related(attached, filename="invoice.eml")
+    parsed = parse_mail(apple.as_bytes())
+    assert parsed.attachments == ["invoice.eml"] and parsed.not_read == ()
+    assert "Please pay 120 EUR." in parsed.text and "not read" not in parsed.text
     # A picture attached (not shown by the HTML) is a file, however small.
     assert files_of(parse_mail(with_files((PHOTO, "image/png", "a.png")).as_bytes())) == ["a.png"]
 

@@ -341,7 +341,11 @@ def _shown_parts(message: MIMEPart) -> Iterator[MIMEPart]:
         if part.get_content_maintype() != "multipart" or part.is_attachment():
             continue
         if part.get_content_type() == "multipart/related":
-            yield from part.iter_attachments()  # all but its root: what the root shows
+            # All but its root: what the root shows; not a mail attached there (Apple Mail's
+            # rich text), which `_mail_parts` reads as a forward (it counted twice: a review).
+            yield from (
+                p for p in part.iter_attachments() if p.get_content_type() not in MAIL_TYPES
+            )
         yield from _shown_parts(part)
 
 

@@ -214,8 +214,8 @@ class Switchboard:
         # (a walkthrough). A stop with nothing under way lets the lock go at once, as before.
         under_way = self.worker.in_flight
         waiting = await self.worker.close()
-        if under_way and self.leadership.is_leader:
-            await self.outbox.settle(REPLIES_OUT_S)
+        if under_way and self.leadership.is_leader and not self.worker.hurried:
+            await self.outbox.settle(REPLIES_OUT_S)  # (a second Ctrl-C: no more waiting)
         await self.leadership.close()  # the pollers and the outbox stop; the lock is let go
         await self.wakeups.close()
         if self.modules is not None:

@@ -360,6 +360,10 @@ class InboxWorker:
         now instead of at the end of `stop_drain_s`."""
         self._hurry.set()
 
+    @property
+    def hurried(self) -> bool:
+        return self._hurry.is_set()
+
     async def close(self) -> int:
         """Stop: no new message is taken; those under way may finish for `stop_drain_s` (their
         leases still renewed), and the rest go back to the queue, for another process (or this
