@@ -206,13 +206,21 @@ def _namespace(person: str) -> str:
     return person.replace("%", "%25").replace("/", "%2F") + "/"
 
 
-def _planted_by(row: dict[str, Any], person: str, owners: frozenset[str]) -> bool:
-    """Whether a schedule was planted by a session answering `person`; in the owner's own
-    chat (`owners`), by one acting on words the owner forwarded: a scope there is a forward's
-    (person_scope), and never holds the owner's own reminders."""
+# The scope of a session acting on words the owner forwarded into their own chat: its state
+# keys live under `forwarded:<the owner's chat>/`, which no session of the owner's takes for
+# its own (under the chat's own id they read as the owner's: a review).
+FORWARDED_SCOPE = "forwarded:"
+
+
+def _planted_by(row: dict[str, Any], scope: str) -> bool:
+    """Whether a schedule was planted by a session of `scope` (person_scope): one answering
+    that person, or, for a forward's scope, one acting on words the owner forwarded (never
+    the owner's own reminders)."""
+    forwarded = scope.startswith(FORWARDED_SCOPE)
+    person = scope.removeprefix(FORWARDED_SCOPE)
     if not (row["routed"] and row["conversation"] and person_of(row["conversation"]) == person):
         return False
-    return person not in owners or row.get("forwarded_from") is not None
+    return not forwarded or row.get("forwarded_from") is not None
 
 
 def _parse_session_id(session_id: str) -> uuid.UUID:
@@ -654,7 +662,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         zone = ctx.config.zone
         rows = await store.schedule_list()
         if (who := person_scope()) is not None:  # a person sees only their own
-            rows = [row for row in rows if _planted_by(row, who, owner_persons())]
+            rows = [row for row in rows if _planted_by(row, who)]
         shown = [_schedule_row(row, zone) for row in rows]
         if session_token() is None:
             # The operator is told whose each is (`for`: the person whose message planted
@@ -678,8 +686,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
             person_scope() is not None or ctx.spawner.forwarded_from(token) is not None
         )
         if (who := person_scope()) is not None and not any(
-            row["name"] == name and _planted_by(row, who, owner_persons())
-            for row in await store.schedule_list()
+            row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
         ):
             raise ToolRefusal(f"no schedule named {name!r} that you may delete")
         if not await store.schedule_delete(name, routed_only=routed_only):
@@ -708,7 +715,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         """The person whose state and schedules alone the caller sees, when it is a session
         answering someone other than the owner (their `state_*` keys live under
         `<person>/`, out of everyone else's sight), or acting on words the owner forwarded
-        (another's: the owner's chat as a person, who sees only what such messages kept);
+        (another's: FORWARDED_SCOPE, which sees only what such messages kept);
         None for the owner's own sessions and the operator, who see all. Without it a
         person's session read the owner's state, and wrote what the owner's sessions then
         read as their own (as memories once did); a forward in the owner's chat read every
@@ -716,8 +723,8 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         seen_as = viewer()
         if seen_as.kind != "person":
             return None
-        if seen_as.person in owner_persons() and not seen_as.forwarded:
-            return None
+        if seen_as.person in owner_persons():
+            return f"{FORWARDED_SCOPE}{seen_as.person}" if seen_as.forwarded else None
         return seen_as.person
 
     def scoped(key: str) -> str:

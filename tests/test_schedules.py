@@ -575,6 +575,10 @@ async def test_a_forward_in_the_owners_chat_is_a_person_there_not_the_owner(
     with ctx.spawner.acting_for("telegram:999"):  # Mallory's own next message
         assert _answer(await daemon.mcp.call_tool("state_get", {"key": "loot"})) is None
     assert await call(daemon.sse_url, "state_get", {"key": "bank_pin"}) == "4711"
+    # What it kept is under a name no session of the owner's takes for its own (under the
+    # chat's own id it read as the owner's: a review).
+    keys = {row["key"] for row in await call(daemon.sse_url, "state_list", {})}
+    assert "forwarded:telegram:777/bank_pin" in keys and "telegram:777/bank_pin" not in keys
     with ctx.spawner.acting_for("telegram:777"):  # what the forward kept is not the owner's
         mine = _answer(await daemon.mcp.call_tool("memory_search", {"query": "door"}))
         assert [m["text"] for m in mine] == ["Door code is 4711"]
