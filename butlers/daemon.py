@@ -43,11 +43,11 @@ from butlers.http import (
     ButlerApp,
     Listener,
     build_app,
-    health_proof,
     require_token_beyond_loopback,
 )
 from butlers.lifecycle import Background, Components
 from butlers.logs import butler_context
+from butlers.mcp_connection.proof import health_proof
 from butlers.mcp_middleware import ButlerMiddleware, ClassificationFence, butler_server
 from butlers.media import MAX_TOOL_ATTACHMENT_BYTES
 from butlers.memory import MemoryStore

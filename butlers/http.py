@@ -36,6 +36,7 @@ from starlette.routing import BaseRoute, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from butlers.errors import ButlersError
+from butlers.mcp_connection.proof import HEALTH_PORT_PARAM, HEALTH_PROOF_PARAM
 from butlers.tasks import within
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,6 @@ SSE_PATH = "/sse"
 MESSAGES_PATH = "/messages"
 MCP_PATH = "/mcp"
 HEALTH_PATH = "/health"  # readiness: 503 while the database is unreachable
-# `/health?proof=<nonce>`: a butler with a token adds `health_proof` of the nonce, so that
-# discover can tell the butler from whatever else answers at an address it once had.
-HEALTH_PROOF_PARAM = "proof"
-# ... and `&port=<port>`: the port the asker reached it at, when that is not the one it listens
-# on (a reverse proxy's 443 in front of 8100): proven only for a port of its own.
-HEALTH_PORT_PARAM = "port"
 LIVEZ_PATH = "/livez"  # liveness: this process answers; never asks the database
 DASHBOARD_PATH = "/ui"
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
@@ -462,14 +457,6 @@ _PORT = re.compile(r"[0-9]{1,5}")
 def _query_value(scope: Scope, name: str) -> str | None:
     values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
     return values[0] if values else None
-
-
-def health_proof(token: str, name: str, port: int, nonce: str) -> str:
-    """What the butler `name` listening on `port` answers to `/health?proof=<nonce>`: only
-    one holding the fleet's token can say it, and it names the port, so a process on another
-    port that relays the question to the real butler gets an answer for the wrong port."""
-    message = f"butlers-health:{name}:{port}:{nonce}".encode()
-    return hmac.new(token.encode(), message, "sha256").hexdigest()
 
 
 def build_app(

@@ -779,7 +779,7 @@ async def test_butlers_behind_the_gateway_over_sse(
     start_butler: StartButler, tmp_path: Path, workdir: Path
 ) -> None:
     """The real switchboard's registry, the real general butler, served over SSE."""
-    fleet = await make_fleet(start_butler, tmp_path, names=("general",))
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token="gw-token")
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         BUTLERS,
@@ -1057,9 +1057,10 @@ async def test_the_fleets_token_goes_only_to_a_butler_that_proves_it_holds_it(
     start_butler: StartButler, tmp_path: Path
 ) -> None:
     """The gateway sent the operator's token to every registry row: a stale one (its butler
-    removed, its port anyone's) and one whose port another user took (a red team). A stale
-    row is left out; a row answered by what cannot prove it holds the token is connected
-    to without it; the real butlers prove it, and take calls as before."""
+    removed, its port anyone's) and one whose port another user took (a red team); then,
+    without the token, still served the impostor to the host as the butler (a walkthrough).
+    A stale row is left out; what cannot prove it holds the token is not connected to, and
+    gateway_status says why; the real butlers prove it, and take calls as before."""
     from aiohttp import web
 
     from butlers.gateway.run import GatewayOptions, build_gateway
@@ -1069,7 +1070,7 @@ async def test_the_fleets_token_goes_only_to_a_butler_that_proves_it_holds_it(
     heard: list[str] = []
 
     async def squat(request: web.Request) -> web.Response:
-        heard.append(request.headers.get("Authorization", ""))
+        heard.append(f"{request.path} {request.headers.get('Authorization', '-')}")
         return web.Response(status=404)
 
     app = web.Application()
@@ -1098,13 +1099,16 @@ async def test_the_fleets_token_goes_only_to_a_butler_that_proves_it_holds_it(
                 "general_suite", {"action": "call", "subtool": "state_get", "args": {"key": "x"}}
             )
             assert not result.is_error
+            status = await gateway.mcp.call_tool("gateway_status", {})
+            [taken] = [e for e in status.structured_content["result"] if e["name"] == "taken"]
         finally:
             await gateway.close()
             await runner.cleanup()
-    assert heard and all(token not in said for said in heard), heard
+    assert heard and set(heard) == {"/health -"}, heard  # asked for its proof, and no more
+    assert taken["state"] == "error", taken
+    assert "answered /health with no butler's answer: not connected to" in taken["error"], taken
     warned = [r.getMessage() for r in records]
     assert any("butler 'gone' left out" in line for line in warned), warned
-    assert any("does not prove it is the butler 'taken'" in line for line in warned), warned
 
 
 async def test_the_owners_decisions_are_not_offered_through_the_gateway_unless_allowed(

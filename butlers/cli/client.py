@@ -44,6 +44,7 @@ from butlers.cli.render import (
     print_trace,
 )
 from butlers.errors import CommandError
+from butlers.mcp_connection.proof import UNPROVEN_HINT, Unproven, check_holds_token
 
 if TYPE_CHECKING:
     from butlers.settings import Settings
@@ -77,6 +78,7 @@ async def call_switchboard(target: SwitchboardTarget, tool: str, arguments: dict
 
     connection = _connection(target)
     try:
+        await check_holds_token(target.url, target.auth_token)
         await connection.open(CONNECT_TIMEOUT_S)
     except Exception as exc:  # TimeoutError, ConnectionClosed, FastMCP's client's own
         # FastMCP's client raises its connect error again from close(): already reported.
@@ -118,6 +120,8 @@ def _connection(target: SwitchboardTarget) -> Any:
 def _unreachable(url: str, exc: BaseException) -> str:
     """What to tell the user when the switchboard did not answer: what to check first, and
     the innermost, most telling cause of the failed connection."""
+    if isinstance(exc, Unproven):  # (the token was not sent: butlers.mcp_connection.proof)
+        return f"{exc}: not connected to ({UNPROVEN_HINT})"
     while True:
         if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
@@ -135,6 +139,7 @@ def _unreachable(url: str, exc: BaseException) -> str:
             "the switchboard's token (a config `butlers init` wrote keeps it in DIR/.env: "
             "set -a; . DIR/.env; set +a)"
         )
+
     cause = text.removeprefix("Client failed to connect: ")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:

@@ -537,8 +537,6 @@ class RemoteChild(_Child):
             roots=roots,
         )
         self.auth_token = auth_token
-        # The token its open connection was given: the fleet's once it proved it holds it.
-        self.token_in_use: str | None = None
         self.on_exit = None
         self._lock = asyncio.Lock()
 
@@ -558,8 +556,8 @@ class RemoteChild(_Child):
             await self._disconnect()
             url = self.spec.url
             assert url is not None, "a remote child has a URL"
-            self.token_in_use = await self._token_for(url)
-            connection = self._connect(url, self.token_in_use)
+            await self._check_holds_token(url)
+            connection = self._connect(url, self.auth_token)
             try:
                 await connection.open(self.spawn_timeout_s)
             except TimeoutError:
@@ -579,26 +577,21 @@ class RemoteChild(_Child):
             self._connection = connection
             self._opened()
 
-    async def _token_for(self, url: str) -> str | None:
-        """The fleet's token, for a butler that proves it holds it (butlers.mcp_connection.
-        proof); else none: a port a stopped butler left is anyone's to take, and the token
-        is the operator's (a red team). A fleet run without a token takes calls without it;
-        one that asks for it refuses them, and says so."""
-        if self.auth_token is None:
-            return None
-        from butlers.mcp_connection.proof import proven_health
+    async def _check_holds_token(self, url: str) -> None:
+        """ConnectionClosed unless the butler at `url` proves it holds the fleet's token, when
+        there is one to send (butlers.mcp_connection.proof): a port a stopped butler left is
+        anyone's to take; an impostor there was given no token, but was served to the host
+        as the butler (a walkthrough)."""
+        from butlers.mcp_connection.proof import UNPROVEN_HINT, Unproven, check_holds_token
 
-        if await proven_health(url, self.auth_token, self.spec.name) is not None:
-            return self.auth_token
-        logger.warning(
-            "child %r: %s does not prove it is the butler %r (its /health has no proof of "
-            "BUTLERS_AUTH_TOKEN for that port): connecting without the token",
-            self.name,
-            where(url),
-            self.spec.name,
-            extra={"action": "child_unproven"},
-        )
-        return None
+        try:
+            await check_holds_token(url, self.auth_token, self.spec.name)
+        except Unproven as exc:
+            raise ConnectionClosed(
+                f"child {self.name!r}: {exc}: not connected to ({UNPROVEN_HINT})"
+            ) from exc
+        except OSError as exc:
+            raise ConnectionClosed(f"child {self.name!r}: cannot connect to {exc}") from exc
 
     def _connect(self, url: str, auth_token: str | None) -> SseConnection | FastMcpConnection:
         if url.rstrip("/").endswith("/sse"):

@@ -698,8 +698,7 @@ class Gateway:
                 query,
                 allowed=[n for n in names if self._exposes(slot, n)],
                 hidden=[n for n in names if not self._exposes(slot, n)],
-                # The token its connection was given: a butler's that proved it holds it.
-                auth_token=slot.child.token_in_use if isinstance(slot.child, RemoteChild) else None,
+                auth_token=self.auth_token if slot.spec.kind == "butler" else None,
             )
         except WrapperFailed as exc:
             raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc

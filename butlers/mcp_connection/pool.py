@@ -29,6 +29,7 @@ from butlers.errors import (
 )
 from butlers.mcp_connection.core import IDLE_STREAM_S, Connection
 from butlers.mcp_connection.local import LocalConnection
+from butlers.mcp_connection.proof import UNPROVEN_HINT, Unproven, check_holds_token
 
 # aiohttp (and with it the SSE transport) loads when a butler is first called over the network,
 # not when a butler starts: ~70 ms of a warm `butlers up` (bench/startup.py), which every
@@ -158,6 +159,8 @@ class McpConnections:
 
             connection = FastMcpConnection(url, auth_token=self.auth_token)
         try:
+            if server is None:  # (over the network: the token goes to its holder only)
+                await check_holds_token(url, self.auth_token)
             await connection.open(timeout_s)
         except BaseException as exc:
             # FastMCP's client raises its connect error again when closed after failing to
@@ -167,6 +170,8 @@ class McpConnections:
                 await asyncio.shield(connection.close())
             if not isinstance(exc, Exception):
                 raise
+            if isinstance(exc, Unproven):
+                raise TargetUnreachable(f"{exc}: not connected to ({UNPROVEN_HINT})") from exc
             if isinstance(exc, TimeoutError):
                 raise TargetUnreachable(f"no answer within {timeout_s:g}s") from exc
             raise TargetUnreachable(_reason(exc)) from exc
