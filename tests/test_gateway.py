@@ -1145,6 +1145,7 @@ async def test_the_owners_decisions_are_not_offered_through_the_gateway_unless_a
     names, said = await offered(tmp_path)
     assert "route" in names and "approvals_list" in names
     assert not {"approval_decide", "pairing_decide", "pairing_revoke"} & names
+    assert not {"approval_request", "approval_claim"} & names  # (the butlers' daemons')
     assert "Subtool 'approval_decide' not allowed by suite 'switchboard_suite'" in said
     allowing = tmp_path / "allowing"
     allowing.mkdir()

@@ -167,6 +167,19 @@ async def test_dry_run_shows_an_unreachable_remote_child_in_error(tmp_path: Path
     )
 
 
+async def test_dry_run_fails_when_the_butlers_cannot_be_listed(tmp_path: Path) -> None:
+    """The switchboard did not answer: the dry run said "2 children" and exited 0, nothing
+    of the butlers (a walkthrough). It names them in error, and fails."""
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {}}))
+    url = f"http://127.0.0.1:{free_port()}/sse"  # nobody listens
+    code, out, err = await run_cli("gateway", "--dry-run", "--url", url, "--dir", str(tmp_path))
+    assert code == 1, (out, err)
+    assert (
+        f"butlers (error): no butlers behind the gateway: cannot reach the switchboard at {url}"
+        in out
+    ), out
+
+
 async def test_a_flood_of_list_changed_is_read_a_few_times_and_tells_the_host_nothing(
     tmp_path: Path,
 ) -> None:

@@ -88,6 +88,11 @@ EnvName = Annotated[
 # could approve what the owner's veto holds). Offered only when a suite's `expose.allow`
 # names them.
 OWNER_DECISIONS = frozenset({"approval_decide", "pairing_decide", "pairing_revoke"})
+# ... and those for the butlers' own daemons: `approval_claim` hands an approved call out once,
+# so a host calling it first would take the owner's yes from the butler it was for (a
+# walkthrough).
+DAEMONS_ONLY = frozenset({"approval_request", "approval_claim", "approval_execute"})
+NOT_FOR_HOSTS = OWNER_DECISIONS | DAEMONS_ONLY
 
 
 class Expose(_Table):
@@ -146,12 +151,13 @@ class SuiteConfig(_Table):
     def deny(self) -> tuple[str, ...]:
         return self.expose.deny
 
-    def exposes(self, subtool: str, *, butler: bool = False) -> bool:
-        """Whether the suite offers `subtool`; of a butler's (`butler`), the owner's own
-        decisions (OWNER_DECISIONS) only when `expose.allow` names them."""
+    def exposes(self, subtool: str) -> bool:
+        """Whether the suite offers `subtool`: the owner's own decisions and the daemons'
+        tools (NOT_FOR_HOSTS) only when `expose.allow` names them, whatever the child (a
+        switchboard declared in .mcp.json with its token is a butler too: a review)."""
         if subtool in self.expose.deny:
             return False
-        if butler and subtool in OWNER_DECISIONS:
+        if subtool in NOT_FOR_HOSTS:
             return self.expose.allow is not None and subtool in self.expose.allow
         return self.expose.allow is None or subtool in self.expose.allow
 

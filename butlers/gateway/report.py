@@ -69,8 +69,10 @@ async def dry_run(
         await gateway.close()
     left_out = [{"server": s.server, "error": str(s.error)} for s in skipped]
     pending = [{"name": name, "detail": detail} for name, detail in gateway.pending.items()]
-    # (Pending servers or settings fail it too: a check in CI must see a planted server.)
-    troubled = left_out or pending or gateway.settings_note is not None
+    # (Pending servers or settings fail it too: a check in CI must see a planted server; so
+    # do butlers it could not list: it exited 0 saying nothing of them, a walkthrough.)
+    butlers = gateway.butlers_missing
+    troubled = left_out or pending or gateway.settings_note is not None or butlers is not None
     code = 1 if troubled or any(c["state"] == "error" for c in children) else 0
     if as_json:
         return code, json.dumps(
@@ -80,12 +82,15 @@ async def dry_run(
                 "skipped": left_out,
                 "pending": pending,
                 "settings": gateway.settings_note,
+                "butlers": butlers,
             }
         )
     count = f"{len(children)} {'child' if len(children) == 1 else 'children'}"
     lines = [f"mode: {gateway.mode}, {count}"]
     if gateway.settings_note is not None:
         lines.append(f"settings: {gateway.settings_note}")
+    if butlers is not None:
+        lines.append(f"butlers (error): {butlers}")
     lines += [f"skipped: {s['error']}" for s in left_out]
     lines += [f"pending: {p['name']}: {p['detail']}" for p in pending]
     for child in children:

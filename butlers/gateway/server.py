@@ -488,8 +488,7 @@ class Gateway:
         return self.config.suite(slot.spec.name).summary_max_chars or self.config.summary_max_chars
 
     def _exposes(self, slot: Slot, subtool: str) -> bool:
-        suite = self.config.suite(slot.spec.name)
-        return suite.exposes(subtool, butler=slot.spec.kind == "butler")
+        return self.config.suite(slot.spec.name).exposes(subtool)
 
     def _exposed(self, slot: Slot, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [t for t in tools if self._exposes(slot, t["name"])]
