@@ -22,6 +22,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from butlers.gateway.install import SKILL, SKILL_TEXT, claude_binary, stale_user_registration
+from tests.conftest import StartButler
 from tests.test_cli import BUTLERS
 from tests.test_cli_client import run_cli
 from tests.test_gateway import MOCK, text_of
@@ -824,3 +825,46 @@ async def test_user_scope_through_a_linked_config_and_commands_to_paste(tmp_path
     assert f"{config}: the original is back" in out
     assert config.is_symlink() and config.readlink() == dotfiles
     assert dotfiles.read_text() == USER_CONFIG
+
+
+async def test_an_installed_gateway_reads_the_fleets_token_from_its_env_file(
+    start_butler: StartButler, tmp_path: Path
+) -> None:
+    """The installed gateway took the fleet's token from the host's environment only, where
+    the host's model (its shell) could print it (a walkthrough). With --env-file the host
+    runs it reading the token and the switchboard's address from the fleet's .env, and its
+    own environment holds neither; a file others may read is refused."""
+    from tests.test_route import make_fleet
+
+    token = "env-file-token-0123456789abcdefghij"
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token=token)
+    project = tmp_path / "project"
+    project.mkdir()
+    env_file = tmp_path / "fleet.env"
+    env_file.write_text(
+        f"BUTLERS_AUTH_TOKEN={token}\nBUTLERS_SWITCHBOARD_URL={fleet.switchboard.sse_url}\n"
+    )
+    env_file.chmod(0o644)
+    code, _, err = await run_cli(
+        "gateway", "install", "--dir", str(project), "--env-file", str(env_file)
+    )
+    assert code == 1 and f"--env-file {env_file}: others may read it (mode 644)" in err, err
+    assert not (project / ".mcp.json").exists()
+    env_file.chmod(0o600)
+    code, _, err = await run_cli(
+        "gateway", "install", "--dir", str(project), "--env-file", str(env_file)
+    )
+    assert code == 0, err
+    [server] = json.loads((project / ".mcp.json").read_text())["mcpServers"].values()
+    assert server["args"] == ["gateway", "--dir", str(project), "--env-file", str(env_file)]
+    params = StdioServerParameters(
+        command=server["command"],
+        args=server["args"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("BUTLERS_")},
+        cwd=str(project),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+        await client.initialize()
+        call = {"action": "call", "subtool": "state_set", "args": {"key": "k", "value": 1}}
+        result = await client.call_tool("general_suite", call)
+        assert not result.is_error, text_of(result)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from butlers import logs
-from butlers.cli.client import SwitchboardTarget, call_switchboard
+from butlers.cli.client import DEFAULT_SWITCHBOARD_URL, SwitchboardTarget, call_switchboard
 from butlers.cli.process import collector_paused, install_stop_signals, keep_memory_private
 
 if TYPE_CHECKING:
@@ -23,14 +24,27 @@ async def gateway_command(
     if args.action in ("install", "uninstall"):
         from butlers.gateway import install
 
-        act = install.install if args.action == "install" else install.uninstall
-        for line in act(
-            args.dir,
-            host=args.target_host,
-            scope=args.scope,
-            config=args.config,
-            environ=settings.environ,
-        ):
+        env_file = getattr(args, "env_file", None)
+        if args.action == "install":
+            if env_file is not None:
+                fleet_env(env_file)  # refused now, not each time the host starts it
+            lines = install.install(
+                args.dir,
+                host=args.target_host,
+                scope=args.scope,
+                config=args.config,
+                environ=settings.environ,
+                env_file=env_file,
+            )
+        else:
+            lines = install.uninstall(
+                args.dir,
+                host=args.target_host,
+                scope=args.scope,
+                config=args.config,
+                environ=settings.environ,
+            )
+        for line in lines:
             print(line)
         return 0
     if args.action == "approve":
@@ -60,6 +74,14 @@ async def gateway_command(
         telemetry = Telemetry.from_settings(
             settings, redact=redactor.clipped if redactor is not None else None
         )
+    token, url = reveal(settings.auth_token), settings.switchboard_url
+    if args.env_file is not None:
+        from_file = fleet_env(args.env_file)
+        token = from_file.get("BUTLERS_AUTH_TOKEN") or token
+        url = from_file.get("BUTLERS_SWITCHBOARD_URL") or url
+        if redactor is not None and token:
+            redactor.add([token])  # never logged, as the environment's is not
+    url = args.url or url or DEFAULT_SWITCHBOARD_URL
     options = GatewayOptions(
         directory=args.dir,
         environ=settings.environ,
@@ -67,13 +89,13 @@ async def gateway_command(
         host=args.host,
         port=args.port,
         prewarm=not args.lazy,
-        auth_token=reveal(settings.auth_token),
+        auth_token=token,
         mode=args.mode,
         config_file=args.config,
         telemetry=telemetry.for_butler("gateway") if telemetry is not None else None,
         redactor=redactor,
     )
-    target = SwitchboardTarget(args.url, options.auth_token)
+    target = SwitchboardTarget(url, options.auth_token)
 
     async def registry() -> list[dict[str, Any]]:
         return await call_switchboard(target, "list_butlers", {})  # CommandError if down
@@ -96,3 +118,30 @@ async def gateway_command(
     finally:
         if telemetry is not None:
             await asyncio.to_thread(telemetry.shutdown)  # the last spans go out
+
+
+# What --env-file takes from the fleet's .env: nothing else of it (its other secrets are the
+# fleet's, not the gateway's).
+FLEET_ENV_KEYS = ("BUTLERS_AUTH_TOKEN", "BUTLERS_SWITCHBOARD_URL")
+
+
+def fleet_env(path: Path) -> dict[str, str]:
+    """BUTLERS_AUTH_TOKEN and BUTLERS_SWITCHBOARD_URL from the dotenv file `path`; CommandError
+    when it cannot be read, or others may read it (a token there is anyone's)."""
+    from dotenv import dotenv_values
+
+    from butlers.errors import CommandError
+
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            raise CommandError(
+                f"--env-file {path}: others may read it (mode {mode & 0o777:o}); chmod 600 {path}"
+            )
+        values = dotenv_values(path)
+    except OSError as exc:
+        raise CommandError(f"--env-file {path}: {exc.strerror or exc}") from None
+    found = {key: value for key in FLEET_ENV_KEYS if (value := values.get(key))}
+    if "BUTLERS_AUTH_TOKEN" not in found:
+        raise CommandError(f"--env-file {path}: no BUTLERS_AUTH_TOKEN in it")
+    return found

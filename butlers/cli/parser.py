@@ -174,10 +174,16 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
     )
     gateway.add_argument(
         "--url",
-        default=settings.switchboard_url or DEFAULT_SWITCHBOARD_URL,
         help="the switchboard whose registry lists the butlers (default "
-        "BUTLERS_SWITCHBOARD_URL, else http://127.0.0.1:8100/sse)",
+        "BUTLERS_SWITCHBOARD_URL, from --env-file or the environment, else "
+        "http://127.0.0.1:8100/sse)",
     )
+    env_file_help = (
+        "read BUTLERS_AUTH_TOKEN and BUTLERS_SWITCHBOARD_URL from FILE (the fleet's .env, "
+        "readable by you alone) rather than from the environment: the host that starts the "
+        "gateway, and its model's shell, never hold the fleet's token"
+    )
+    gateway.add_argument("--env-file", type=Path, metavar="FILE", help=env_file_help)
     gateway.add_argument("--no-butlers", action="store_true", help="only the .mcp.json servers")
     gateway.add_argument(
         "--lazy", action="store_true", help="start children on first use, not all at start"
@@ -228,6 +234,14 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
             type=Path,
             default=argparse.SUPPRESS,
             help="the project (the gateway's --dir; default .)",
+        )
+        step.add_argument(
+            "--env-file",
+            type=Path,
+            metavar="FILE",
+            default=argparse.SUPPRESS,
+            help="install: the command the host runs reads the fleet's token from FILE ("
+            + env_file_help.split("(", 1)[1],
         )
         step.add_argument(
             "--scope",

@@ -121,10 +121,13 @@ def desktop_config_path(environ: Mapping[str, str]) -> Path:
     return Path(config_home) / "Claude" / "claude_desktop_config.json"
 
 
-def gateway_command(directory: Path) -> tuple[str, list[str]]:
-    """How a host starts this installation's gateway for `directory`: absolute paths only."""
+def gateway_command(directory: Path, env_file: Path | None = None) -> tuple[str, list[str]]:
+    """How a host starts this installation's gateway for `directory` (reading the fleet's
+    token from `env_file`, when given): absolute paths only."""
     butlers = Path(sys.executable).parent / "butlers"
     target = ["gateway", "--dir", str(directory.resolve())]
+    if env_file is not None:
+        target += ["--env-file", str(env_file.resolve())]
     if butlers.is_file():
         return str(butlers), target
     return sys.executable, ["-m", "butlers", *target]
@@ -137,19 +140,21 @@ def install(
     scope: Scope = "project",
     config: Path | None = None,
     environ: Mapping[str, str],
+    env_file: Path | None = None,
 ) -> list[str]:
-    """Install; returns what was done, a line each (nothing done: says so)."""
+    """Install; returns what was done, a line each (nothing done: says so). `env_file`: the
+    gateway the host starts reads the fleet's token from it (`butlers gateway --env-file`)."""
     if not directory.is_dir():
         raise CommandError(f"--dir {directory}: not a directory")
     if scope == "user":
         if host != "claude-code":
             raise CommandError(f"--scope user is Claude Code's; --host {host} has no such scope")
         return [
-            *_register_user(directory, environ),
+            *_register_user(directory, environ, env_file),
             *approve_as_declared(directory, None, environ),
             *_write_skill(_user_home(environ)),
         ]
-    done = _take_over(_place(directory, host, config, environ))
+    done = _take_over(_place(directory, host, config, environ), env_file)
     done += approve_as_declared(directory, None, environ)  # what the host will start: --dir
     root = _skill_root(directory, host, environ)
     return done + (_write_skill(root) if root is not None else [])
@@ -189,7 +194,7 @@ def _skill_root(directory: Path, host: Host, environ: Mapping[str, str]) -> Path
 # -- one host file ------------------------------------------------------------------------
 
 
-def _take_over(place: Install) -> list[str]:
+def _take_over(place: Install, env_file: Path | None = None) -> list[str]:
     current = place.config.read_bytes() if place.config.is_file() else None
     if place.written.is_file() and _put_back_by_hand(place, current):
         _forget(place)  # a record of an install that was undone: installed afresh below
@@ -218,7 +223,7 @@ def _take_over(place: Install) -> list[str]:
         for name, entry in data.get(place.shape.key, {}).items()
         if not _is_gateway_entry(entry)
     }
-    command, args = gateway_command(place.directory)
+    command, args = gateway_command(place.directory, env_file)
     entry: dict[str, Any] = {"command": command, "args": args}
     if place.shape.typed:
         entry = {"type": "stdio", **entry}
@@ -540,9 +545,11 @@ def _gone(entry: Mapping[str, Any]) -> list[str]:
     return gone
 
 
-def _register_user(directory: Path, environ: Mapping[str, str]) -> list[str]:
+def _register_user(
+    directory: Path, environ: Mapping[str, str], env_file: Path | None = None
+) -> list[str]:
     scope = UserScope(user_config_path(environ))
-    command, args = gateway_command(directory)
+    command, args = gateway_command(directory, env_file)
     wanted = {"command": command, "args": args}
     add = ["mcp", "add", "-s", "user", SERVER_NAME, "--", command, *args]
     before, entry = scope.read()
