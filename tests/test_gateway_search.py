@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from butlers.gateway.search import Entry, SearchIndex, words
+from tests.conftest import StartButler
 from tests.fakes.otlp import OtlpReceiver
 from tests.test_gateway import Host, mcp_json, stdio_host, text_of
 from tests.test_gateway_npm import project_with_npm_servers
@@ -220,3 +221,38 @@ async def test_gateway_call_is_a_suite_call_span_with_arguments_redacted(
     log = (tmp_path / "gateway.stderr").read_text()
     assert "Handler called: call_tool gateway_call" in log
     assert SECRET not in log and SECRET not in json.dumps([s.attributes for s in spans])
+
+
+async def test_a_butler_down_when_the_gateway_started_is_found_once_it_is_back(
+    start_butler: StartButler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In search mode a butler that was down at the gateway's start had no tool to call, so
+    no call restarted it: it stayed unknown for the host's whole session (a walkthrough).
+    A search tries it again (at most every SEARCH_RETRY_S), and it is found."""
+    from dataclasses import replace
+
+    from butlers.gateway import server
+    from butlers.gateway.run import GatewayOptions, build_gateway
+    from tests.test_route import make_fleet
+
+    monkeypatch.setattr(server, "SEARCH_RETRY_S", 0.0, raising=False)
+    fleet = await make_fleet(start_butler, tmp_path, names=("general",))
+    general = fleet.targets["general"]
+    config, port, database = general.config, general.port, general.config.database
+    await general.stop()
+
+    async def registry() -> list[dict[str, Any]]:
+        return [{"name": "general", "endpoint_url": general.sse_url, "description": "g"}]
+
+    options = GatewayOptions(directory=tmp_path, environ={}, mode="search")
+    gateway, _ = await build_gateway(options, registry)
+    try:
+        await gateway.warm_all()
+        assert gateway.slots["general"].state == "error"
+        await start_butler(replace(config, port=port), database=database)
+        called = await gateway.mcp.call_tool(
+            "gateway_call", {"name": "general/state_get", "arguments": {"key": "k"}}
+        )
+        assert not called.is_error
+    finally:
+        await gateway.close()

@@ -90,6 +90,10 @@ VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
 # once per start (a call of a tool it does not find waits for them to the end: it may be
 # theirs). The first search of a `--lazy` gateway starts every server: npm's take ~1 s.
 SEARCH_WAIT_S = 8.0
+# A child that failed before it ever listed a tool (a butler down when the gateway started) is
+# tried again by a search or search-mode call, at most this often: it had no tool to call, so
+# no call restarted it, and it stayed unknown for the host's whole session (a walkthrough).
+SEARCH_RETRY_S = 10.0
 # A child's tool list is read again at most this often, however many list_changed it sends.
 REFRESH_EVERY_S = 0.5
 
@@ -132,6 +136,7 @@ class Slot:
     searched_while_starting: bool = False
     # Its tool list read again after a list_changed (`Gateway._refresh_tools`), coalesced.
     relisting: Coalesced | None = None
+    failed_at: float | None = None  # (loop time) its last start that failed
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -386,6 +391,7 @@ class Gateway:
             slot.tools = await slot.child.list_tools()
         except McpCallError as exc:
             slot.state, slot.error = "error", str(exc)
+            slot.failed_at = asyncio.get_running_loop().time()
             if slot.child.closed:  # removed (reload) or the gateway closing: not a failure
                 logger.debug("%s", exc, extra={"action": "child_removed"})
             else:
@@ -828,10 +834,17 @@ class Gateway:
         started yet (`--lazy`, or still warming) is started, and waited for up to `wait_s`
         (None: until each has started or failed): one slow or hung server held up every
         search and call, a healthy server's too, for its whole timeout (a walkthrough). A
-        child in error keeps the tools it last listed (a call restarts it)."""
+        child in error keeps the tools it last listed (a call restarts it); one that never
+        listed any is tried again, at most every SEARCH_RETRY_S."""
         pending = [s for s in self.slots.values() if s.state in ("idle", "warming")]
         if wait_s is not None:  # each start holds up one search at most
             pending = [s for s in pending if not s.searched_while_starting]
+        now = asyncio.get_running_loop().time()
+        pending += [
+            s
+            for s in self.slots.values()
+            if s.state == "error" and not s.tools and now - (s.failed_at or 0) >= SEARCH_RETRY_S
+        ]
         if pending and not self._closed:
             starts = [self._start_warm(slot) for slot in pending]  # joins a start under way
             await asyncio.wait(starts, timeout=wait_s)
