@@ -103,7 +103,8 @@ async def test_install_runs_the_servers_behind_the_gateway_and_uninstall_restore
     code, out, err = await run_cli("gateway", "uninstall", "--dir", str(project))
     assert code == 1 and f"{mcp_json} was edited since `butlers gateway install`" in err
     assert mcp_json.read_bytes() == edited
-    mcp_json.write_bytes(written)
+    # Saved again by an editor that leaves out the final newline: not an edit (a walkthrough).
+    mcp_json.write_bytes(written.rstrip())
     code, out, err = await run_cli("gateway", "uninstall", "--dir", str(project))
     assert code == 0, err
     assert mcp_json.read_text() == ORIGINAL  # byte for byte

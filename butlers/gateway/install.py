@@ -199,7 +199,7 @@ def _take_over(place: Install, env_file: Path | None = None) -> list[str]:
     if place.written.is_file() and _put_back_by_hand(place, current):
         _forget(place)  # a record of an install that was undone: installed afresh below
     if place.written.is_file():
-        if current == place.written.read_bytes():
+        if _same_file(current, place.written.read_bytes()):
             return [f"{place.config}: already installed, nothing changed"]
         raise CommandError(
             f"{place.config} changed since `butlers gateway install` (kept in "
@@ -258,10 +258,11 @@ def _give_back(place: Install) -> list[str]:
     if not place.written.is_file():
         raise CommandError(f"{place.config}: the gateway is not installed there ({place.record})")
     current = place.config.read_bytes() if place.config.is_file() else None
-    if current != place.written.read_bytes() and _put_back_by_hand(place, current):
+    unchanged = _same_file(current, place.written.read_bytes())
+    if not unchanged and _put_back_by_hand(place, current):
         _forget(place)
         return [f"{place.config}: the original was already back; the gateway's record removed"]
-    if current != place.written.read_bytes():
+    if not unchanged:
         original = place.original if place.original.is_file() else None
         back = (
             f"put it back by hand (cp {shlex.quote(str(original))} "
@@ -282,6 +283,12 @@ def _give_back(place: Install) -> list[str]:
         done = f"{place.config}: the original is back"
     _forget(place)
     return [done]
+
+
+def _same_file(current: bytes | None, written: bytes) -> bool:
+    """Whether the host's file is still what install wrote, but for the white space at its end
+    (an editor that saved it without the final newline made it "edited": a walkthrough)."""
+    return current is not None and current.rstrip() == written.rstrip()
 
 
 def _put_back_by_hand(place: Install, current: bytes | None) -> bool:
