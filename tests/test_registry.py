@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -239,10 +240,10 @@ REGISTRY_TOKEN = "registry-test-token-4242"
 
 
 @contextlib.asynccontextmanager
-async def relay_to(port: int, *also: int) -> AsyncIterator[int]:
+async def relay_to(port: int, *also: socket.socket) -> AsyncIterator[int]:
     """A process squatting a port: it answers /health with what the butler on `port` answers
-    to the same question (proof and all). Its own port (it listens on `also` too: a reverse
-    proxy's)."""
+    to the same question (proof and all). Its own port (it listens on the sockets `also`
+    too, bound before: a reverse proxy's)."""
     from aiohttp import ClientSession, web
 
     async def health(request: web.Request) -> web.Response:
@@ -257,8 +258,9 @@ async def relay_to(port: int, *also: int) -> AsyncIterator[int]:
     runner = web.AppRunner(app)
     await runner.setup()
     relay = free_port()
-    for listening in (relay, *also):
-        await web.TCPSite(runner, "127.0.0.1", listening).start()
+    await web.TCPSite(runner, "127.0.0.1", relay).start()
+    for bound in also:
+        await web.SockSite(runner, bound).start()
     try:
         yield relay
     finally:
@@ -356,12 +358,16 @@ async def test_a_butler_behind_a_proxy_proves_itself_for_the_proxys_port_only(
 
     from butlers.mcp_connection.proof import proven_health
 
-    proxy_port = free_port()
+    # The proxy's port held from the start: a port chosen, let go and bound later was taken
+    # meanwhile by another test's server (CI).
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy_port = proxy.getsockname()[1]
     config = replace(
         butler_config("health"), endpoint_url_override=f"http://127.0.0.1:{proxy_port}/sse"
     )
     health = await start_butler(config, auth_token=REGISTRY_TOKEN)
-    async with relay_to(health.port, proxy_port) as relay_port:
+    async with relay_to(health.port, proxy) as relay_port:
         for port, proven in ((health.port, True), (proxy_port, True), (relay_port, False)):
             url = f"http://127.0.0.1:{port}/sse"
             body = await proven_health(url, REGISTRY_TOKEN, "health")
