@@ -773,7 +773,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def memory_list(
         limit: Annotated[int, Field(ge=1, le=500)] = 50,
-        before: int | None = None,
+        before: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None,
     ) -> list[dict[str, Any]]:
         """The newest memories first, with their tags and the conversation they came from;
         `before`: only those with a lower id (the next page)."""

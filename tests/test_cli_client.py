@@ -369,6 +369,12 @@ async def test_every_listing_pages_with_before_and_a_full_page_names_the_next(
     assert code == 1 and "before: '12' is not a routing_log id" in err
     code, _, err = await cli("memory", "general", "--search", "m1", "--before", "3")
     assert code == 1 and "--before pages `butlers memory BUTLER`; a --search is ranked" in err
+    # An id no row can have is named, not a database error (a review).
+    for command in (("inbox",), ("outbox",), ("approvals",)):
+        code, _, err = await cli(*command, "--before", str(2**63))
+        assert code == 1 and "before must be a row's id (1..9223372036854775807)" in err, err
+    code, _, err = await cli("memory", "general", "--before", "0")
+    assert code == 1 and "before" in err and "Traceback" not in err, err
 
 
 async def test_the_token_goes_only_to_a_switchboard_that_proves_it_holds_it(

@@ -363,7 +363,6 @@ async def test_an_event_of_empty_data_lines_is_bounded_too(
         for _ in range(40):
             await response.write(b"data:\n" * 1024)
         await response.write(b"\n")
-        await asyncio.sleep(1)
         return response
 
     app = web.Application()

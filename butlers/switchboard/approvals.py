@@ -57,6 +57,7 @@ from butlers.switchboard.conversation import is_owners
 from butlers.switchboard.deliver import NotificationDesk
 from butlers.switchboard.handoff import MAX_SENDER_NAME_CHARS, MAX_WHO_CHARS
 from butlers.switchboard.operator import (
+    _check_before,
     _check_limit,
     _check_status,
     _refuse_classification_sessions,
@@ -894,6 +895,7 @@ def register_approval_tools(mcp: FastMCP, desk: ApprovalDesk) -> None:
         _refuse_classification_sessions()
         _check_status(status, STATUSES, "approvals")
         _check_limit(limit)
+        _check_before(before)
         await desk.expire()  # what is overdue says so even between two sweeps
         return [public(row) for row in await desk.store.newest(status, limit, before)]
 

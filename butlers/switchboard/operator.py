@@ -69,6 +69,14 @@ def _check_limit(limit: int) -> None:
         raise ToolRefusal(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
 
 
+MAX_ID = 2**63 - 1  # a bigint: past it PostgreSQL refused the statement (a review)
+
+
+def _check_before(before: int | None) -> None:
+    if before is not None and not 1 <= before <= MAX_ID:
+        raise ToolRefusal(f"before must be a row's id (1..{MAX_ID}), got {before}")
+
+
 def _check_status(status: str | None, allowed: Sequence[str], table: str) -> None:
     if status is not None and status not in allowed:
         raise ToolRefusal(
@@ -207,6 +215,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         _refuse_classification_sessions()
         _check_status(status, INBOX_STATUSES, "inbox")
         _check_limit(limit)
+        _check_before(before)
         rows = await store.inbox(status, limit, before)
         asked = await store.approvals_by_trace([r["trace_id"] for r in rows if r["trace_id"]])
         for row in rows:
@@ -267,6 +276,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         _refuse_classification_sessions()
         _check_status(status, OUTBOX_STATUSES, "outbox")
         _check_limit(limit)
+        _check_before(before)
         unsent = OUTBOX_UNSENT if status is None else (status,)
         rows = await store.outbox(unsent, limit, before)
         return [_with_excerpt(row) for row in rows]
