@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import StartButler, free_port, write_butler_dir
+from tests.conftest import StartButler, write_butler_dir
+from tests.fakes.squatter import squatting
 from tests.test_route import Fleet, make_fleet
 
 BUTLERS = str(Path(sys.executable).parent / "butlers")
@@ -384,57 +385,27 @@ async def test_the_token_goes_only_to_a_switchboard_that_proves_it_holds_it(
     token by every command, and by the gateway's first call (a review, a walkthrough). Now
     what cannot prove it holds the token is not connected to, and the command says why; the
     real switchboard proves it."""
-    from aiohttp import web
-
-    heard: list[str] = []
-
-    async def squat(request: web.Request) -> web.Response:
-        heard.append(f"{request.path} {request.headers.get('Authorization', '-')}")
-        return web.json_response({"name": "switchboard", "proof": "0" * 64})
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", squat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    forged = {"name": "switchboard", "proof": "0" * 64}
+    async with squatting(answer=forged) as [squatter]:
         squatted, real = await asyncio.gather(
-            run_cli("list", "--url", f"http://127.0.0.1:{port}/sse", token="cli-token"),
+            run_cli("list", "--url", squatter.sse_url, token="cli-token"),
             run_cli("list", "--url", fleet.switchboard.sse_url, token="cli-token"),
         )
-    finally:
-        await runner.cleanup()
     code, _, err = squatted
     assert code == 1 and "answered /health with a proof of another token" in err, err
     assert "not connected to" in err and "Traceback" not in err
-    assert heard == ["/health -"], heard
+    assert squatter.heard == ["/health -"], squatter.heard
     assert real[0] == 0, real[2]
 
 
 async def test_route_sends_no_token_to_what_took_a_stopped_butlers_port(fleet: Fleet) -> None:
     """A butler stopped (still in the config, so not stale): another program on its port was
     sent the operator's token by route (a review). It is not connected to."""
-    from aiohttp import web
-
     general = fleet.targets["general"]
     port = general.port
     await general.stop()
-    heard: list[str] = []
-
-    async def squat(request: web.Request) -> web.Response:
-        heard.append(f"{request.path} {request.headers.get('Authorization', '-')}")
-        return web.Response(status=404)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", squat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with squatting(port) as [squatter]:
         url = fleet.switchboard.sse_url
         code, _, err = await run_cli("route", "general", "status", "--url", url, token="cli-token")
-    finally:
-        await runner.cleanup()
     assert code == 1 and "not connected to" in err, err
-    assert heard == ["/health -"], heard
+    assert squatter.heard == ["/health -"], squatter.heard

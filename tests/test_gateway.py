@@ -33,6 +33,7 @@ from butlers.mcp_connection.stdio import FrameReader
 from tests.conftest import StartButler, free_port, log_records
 from tests.fakes import wait_listening
 from tests.fakes.mock_mcp import TOOLS as MOCK_TOOLS
+from tests.fakes.squatter import squatting
 from tests.fakes.sse_mcp import TOOLS as SCRIPTED_TOOLS
 from tests.fakes.sse_mcp import SseMcpServer
 from tests.test_route import make_fleet
@@ -1061,52 +1062,38 @@ async def test_the_fleets_token_goes_only_to_a_butler_that_proves_it_holds_it(
     without the token, still served the impostor to the host as the butler (a walkthrough).
     A stale row is left out; what cannot prove it holds the token is not connected to, and
     gateway_status says why; the real butlers prove it, and take calls as before."""
-    from aiohttp import web
-
     from butlers.gateway.run import GatewayOptions, build_gateway
 
     token = "fleet-token-0123456789abcdefghijkl"
     fleet = await make_fleet(start_butler, tmp_path, names=("general",), auth_token=token)
-    heard: list[str] = []
-
-    async def squat(request: web.Request) -> web.Response:
-        heard.append(f"{request.path} {request.headers.get('Authorization', '-')}")
-        return web.Response(status=404)
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", squat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    ports = free_port(), free_port()
-    for port in ports:
-        await web.TCPSite(runner, "127.0.0.1", port).start()
     general = fleet.targets["general"]
 
     async def registry() -> list[dict[str, Any]]:
         return [
             {"name": "general", "endpoint_url": general.sse_url, "description": "real"},
-            {"name": "gone", "endpoint_url": f"http://127.0.0.1:{ports[0]}/sse", "stale": True},
-            {"name": "taken", "endpoint_url": f"http://127.0.0.1:{ports[1]}/sse"},
+            {"name": "gone", "endpoint_url": gone.sse_url, "stale": True},
+            {"name": "taken", "endpoint_url": taken.sse_url},
         ]
 
     options = GatewayOptions(directory=tmp_path, environ={}, auth_token=token)
     with log_records("butlers.gateway") as records:
-        gateway, _ = await build_gateway(options, registry)
-        try:
-            await gateway.warm_all()
-            assert "gone" not in gateway.slots
-            result = await gateway.mcp.call_tool(
-                "general_suite", {"action": "call", "subtool": "state_get", "args": {"key": "x"}}
-            )
-            assert not result.is_error
-            status = await gateway.mcp.call_tool("gateway_status", {})
-            [taken] = [e for e in status.structured_content["result"] if e["name"] == "taken"]
-        finally:
-            await gateway.close()
-            await runner.cleanup()
-    assert heard and set(heard) == {"/health -"}, heard  # asked for its proof, and no more
-    assert taken["state"] == "error", taken
-    assert "answered /health with no butler's answer: not connected to" in taken["error"], taken
+        async with squatting(ports=2) as [gone, taken]:
+            gateway, _ = await build_gateway(options, registry)
+            try:
+                await gateway.warm_all()
+                assert "gone" not in gateway.slots
+                result = await gateway.mcp.call_tool(
+                    "general_suite",
+                    {"action": "call", "subtool": "state_get", "args": {"key": "x"}},
+                )
+                assert not result.is_error
+                status = await gateway.mcp.call_tool("gateway_status", {})
+                [state] = [e for e in status.structured_content["result"] if e["name"] == "taken"]
+            finally:
+                await gateway.close()
+    assert gone.heard == [] and taken.heard == ["/health -"], taken.heard  # its proof, no more
+    assert state["state"] == "error", state
+    assert "answered /health with no butler's answer: not connected to" in state["error"], state
     warned = [r.getMessage() for r in records]
     assert any("butler 'gone' left out" in line for line in warned), warned
 

@@ -24,26 +24,19 @@ async def gateway_command(
     if args.action in ("install", "uninstall"):
         from butlers.gateway import install
 
+        where = {
+            "host": args.target_host,
+            "scope": args.scope,
+            "config": args.config,
+            "environ": settings.environ,
+        }
         env_file = getattr(args, "env_file", None)
         if args.action == "install":
             if env_file is not None:
                 fleet_env(env_file)  # refused now, not each time the host starts it
-            lines = install.install(
-                args.dir,
-                host=args.target_host,
-                scope=args.scope,
-                config=args.config,
-                environ=settings.environ,
-                env_file=env_file,
-            )
+            lines = install.install(args.dir, **where, env_file=env_file)
         else:
-            lines = install.uninstall(
-                args.dir,
-                host=args.target_host,
-                scope=args.scope,
-                config=args.config,
-                environ=settings.environ,
-            )
+            lines = install.uninstall(args.dir, **where)
         for line in lines:
             print(line)
         return 0
