@@ -911,8 +911,9 @@ def _transcription(url: str = "", **more: str) -> str:
 async def test_a_transcription_service_without_its_key_warns_naming_the_variable(
     tmp_path: Path,
 ) -> None:
-    """A local speech-to-text server needs no key, so an unset one is a warning (not a failed
-    `secrets`); with it set, ok. Not configured at all: ok, saying what a voice note gets."""
+    """A speech-to-text server elsewhere may need no key, so an unset one is a warning (not a
+    failed `secrets`), and none at all on this machine's loopback; with it set, ok. Not
+    configured at all: ok, saying what a voice note gets."""
     env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x")
     checks = await doctor(fleet_dir(tmp_path / "none"), env)
     assert checks["transcription"].status == "ok", checks["transcription"]
@@ -931,6 +932,12 @@ async def test_a_transcription_service_without_its_key_warns_naming_the_variable
     assert checks["transcription"].status == "ok", checks["transcription"]
     assert "with the key in GROQ_KEY" in checks["transcription"].detail
     assert all(key not in check.detail for check in checks.values())
+    # A server on this machine (faster-whisper, whisper.cpp) needs none: no warning there.
+    for local in ("http://127.0.0.1:9000/v1/audio/transcriptions", "http://localhost:9000/v1"):
+        config = fleet_dir(tmp_path / f"local-{len(local)}", switchboard=_transcription(local))
+        found = (await doctor(config, env))["transcription"]
+        assert found.status == "ok", found
+        assert "without a key" in found.detail and local in found.detail
 
 
 async def test_a_transcription_key_over_plain_http_beyond_this_machine_fails(

@@ -371,7 +371,7 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     if refusal is not None:
         named = f"[switchboard.transcription] url in {config_file(switchboard)}"
         return [fail(name, f"{refusal} ({named})")]
-    if key is None and config.api_key_env:
+    if key is None and config.api_key_env and not _on_this_machine(config.url):
         return [
             warn(
                 name,
@@ -382,3 +382,17 @@ def transcription(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
         ]
     said = f" with the key in {config.api_key_env}" if key is not None else ", without a key"
     return [ok(name, f"voice notes go to {service} (model {config.model}){said}")]
+
+
+def _on_this_machine(url: str) -> bool:
+    """Whether `url` is a server on this machine (a local faster-whisper or whisper.cpp),
+    which needs no key: warning about an unset one there was noise (a walkthrough)."""
+    from urllib.parse import urlsplit
+
+    from butlers.http import is_loopback
+
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    return host is not None and is_loopback(host)
