@@ -58,6 +58,10 @@ DEFAULT_MAIL_USER_ENV = "BUTLERS_EMAIL_USER"  # EmailConfig.username_env's defau
 DEFAULT_MAIL_PASSWORD_ENV = "BUTLERS_EMAIL_PASSWORD"
 AUTH_TOKEN_ENV = "BUTLERS_AUTH_TOKEN"
 DATA_DIR_ENV = "BUTLERS_DATA_DIR"
+# The C library's zone variable: the client commands print times in local time
+# (butlers.cli.render.when), so a shell that loads .env reads them on the owner's clock,
+# not a server's UTC (a walkthrough on a machine kept in UTC).
+TIMEZONE_ENV = "TZ"
 ANTHROPIC_KEY_ENV = "ANTHROPIC_API_KEY"
 
 # The one-time code that pairs the owner's chat: no 0/O, 1/I to misread; 32**8 = 2**40.
@@ -561,6 +565,12 @@ def env_entries(answers: Answers, environ: Mapping[str, str], target: Path) -> l
             "Where this config's PostgreSQL data and sessions' files live (not a secret: its "
             "own, whatever directory `butlers up` starts in).",
         ),
+        EnvEntry(
+            TIMEZONE_ENV,
+            answers.timezone,
+            "Your time zone ([switchboard.owner] timezone), for the butlers commands: their "
+            "tables show times on your clock, as Telegram and the dashboard do.",
+        ),
     ]
     return entries
 
@@ -579,10 +589,10 @@ def env_text(target: Path, entries: list[EnvEntry]) -> str:
     all read it: a value is bare or in single quotes, where none of them interprets anything.
     A value none of them would read back as it is (a quote, a line break) is refused."""
     lines = [
-        "# Secrets of the butlers in this directory, and where their data lives, written by",
-        "# `butlers init` (mode 0600: keep it so, and out of version control). `butlers up`",
-        "# reads them from the environment only: load this file into the shell that runs",
-        "# butlers commands:",
+        "# Secrets of the butlers in this directory, where their data lives and your time",
+        "# zone, written by `butlers init` (mode 0600: keep it so, and out of version",
+        "# control). `butlers up` reads them from the environment only: load this file into",
+        "# the shell that runs butlers commands:",
         f"#   set -a; . {shlex.quote(str(target / '.env'))}; set +a",
         '# A line starting with "#NAME=" is not set yet: fill in its value and remove the "#".',
     ]

@@ -210,6 +210,9 @@ async def test_non_interactive_init_writes_a_config_that_loads_with_secrets_only
     # relative: started from the checkout it was the example fleet's databases).
     assert variables["BUTLERS_DATA_DIR"] == str(target / ".butlers")
     assert "Its data:" not in init.stdout  # nothing to say about its own
+    # The owner's zone as TZ: a shell that loads .env shows the commands' times on the
+    # owner's clock (butlers.cli.render.when, tests/test_operator.py), not a server's UTC.
+    assert variables["TZ"] == "Europe/Berlin"
     auth_token = variables["BUTLERS_AUTH_TOKEN"]
     assert auth_token and len(auth_token) >= 32
     secrets = [SECRET_TOKEN, MAIL_PASSWORD, auth_token]
