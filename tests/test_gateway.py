@@ -408,6 +408,9 @@ async def test_child_env_and_allow_deny(workdir: Path) -> None:
         assert [t["name"] for t in introspected["tools"]] == ["echo"]
         result = await host.suite("framed_suite", "call", "add", a=1, b=1)
         assert text_of(result) == "Subtool 'add' not allowed by suite 'framed_suite'"
+        # gateway_status counts what the host may call, not what the child has.
+        status = await host.status()
+        assert (status["plain"]["tools"], status["framed"]["tools"]) == (3, 1), status
 
 
 async def test_a_child_that_never_initializes_is_reported_by_name_and_step(

@@ -100,7 +100,7 @@ INSTRUCTIONS: dict[Mode, str] = {
 }
 _STATUS = (
     "Every MCP server behind the gateway: state (warming, ready, active, error), its error if "
-    "any, how many tools it has, and its suite tool."
+    "any, how many of its tools you may call, and its suite tool."
 )
 CONTROL_DESCRIPTIONS: dict[Mode, dict[str, str]] = {
     "suite": {
@@ -133,6 +133,6 @@ CONTROL_DESCRIPTIONS: dict[Mode, dict[str, str]] = {
         "gateway_call": "Run the tool `name` (from gateway_search) with `arguments` (as "
         "gateway_describe's inputSchema says); its result comes back unchanged.",
         "gateway_status": "Every MCP server behind the gateway: state (warming, ready, error), "
-        "its error if any, and how many tools it has.",
+        "its error if any, and how many of its tools you may call.",
     },
 }

@@ -818,7 +818,7 @@ class Gateway:
             "ready": slot.state in ("ready", "active"),
             "active": slot.state == "active",
             "error": slot.error,
-            "tools": len(slot.tools),
+            "tools": len(self._exposed(slot, slot.tools)),  # what the host may call
             "suite": None if self.mode in ("activate", "search") else slot.suite_name,
         }
         if slot.state == "error" and isinstance(slot.child, StdioChild) and slot.child.said:
