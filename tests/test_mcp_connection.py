@@ -566,3 +566,86 @@ async def test_a_target_that_is_not_there_is_unreachable_over_either_transport(p
             await connections.call(f"http://127.0.0.1:{free_port()}{path}", "x", {}, timeout_s=5)
     finally:
         await connections.close()
+
+
+class _EndlessAnswers:
+    """A streamable-HTTP MCP server that shakes hands, then answers `tools/call` with a JSON
+    body that never ends (or, asked for none, a gzip one), counting what it wrote."""
+
+    def __init__(self, *, gzip: bool = False) -> None:
+        self.gzip = gzip
+        self.written = 0
+        self.port = free_port()
+
+    async def __aenter__(self) -> _EndlessAnswers:
+        from aiohttp import web
+
+        async def post(request: web.Request) -> web.StreamResponse:
+            message = await request.json()
+            if "id" not in message:
+                return web.Response(status=202)
+            if message["method"] == "initialize":
+                result = {
+                    "protocolVersion": message["params"]["protocolVersion"],
+                    "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "endless", "version": "1"},
+                }
+                return web.json_response(
+                    {"jsonrpc": "2.0", "id": message["id"], "result": result},
+                    headers={"mcp-session-id": "s1"},
+                )
+            if message["method"] != "tools/call":  # (the SDK's probe of newer revisions)
+                error = {"code": METHOD_NOT_FOUND, "message": "no"}
+                return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": error})
+            headers = {"Content-Type": "application/json"}
+            if self.gzip:
+                headers["Content-Encoding"] = "gzip"
+            response = web.StreamResponse(headers=headers)
+            await response.prepare(request)
+            await response.write(b'{"jsonrpc":"2.0","id":%d,"result":{"content":[' % message["id"])
+            with contextlib.suppress(ConnectionError):
+                while self.written < 1 << 30:
+                    await response.write(b"x" * 65536)
+                    self.written += 65536
+            return response
+
+        async def other(request: web.Request) -> web.Response:
+            return web.Response(status=405 if request.method == "GET" else 200)
+
+        app = web.Application()
+        app.router.add_post("/mcp", post)
+        app.router.add_route("*", "/mcp", other)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("gzip", [False, True])
+async def test_an_endless_answer_over_streamable_http_is_not_read_whole(
+    gzip: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FastMCP's client (the MCP SDK) reads a JSON answer whole, whatever its size (a review:
+    the gateway's remote children and tool servers could fill the process's memory); ours
+    stops at MAX_MESSAGE_BYTES, the call fails saying so and the connection stays. A gzip
+    answer (a few MB are gigabytes) is not read at all: none was asked for."""
+    from butlers.mcp_connection import streamable
+
+    monkeypatch.setattr(streamable, "MAX_MESSAGE_BYTES", 1 << 20)
+    async with _EndlessAnswers(gzip=gzip) as server:
+        connection = streamable.FastMcpConnection(
+            f"http://127.0.0.1:{server.port}/mcp", auth_token=None
+        )
+        await connection.open(timeout_s=10)
+        try:
+            with pytest.raises(RemoteError) as caught:
+                await connection.call_tool("any", {}, timeout_s=20)
+            said = "a compressed answer" if gzip else f"an answer of over {1 << 20} bytes"
+            assert said in str(caught.value), caught.value
+            assert server.written < 64 << 20, server.written  # it stopped reading
+            assert connection.is_open
+        finally:
+            await connection.close()

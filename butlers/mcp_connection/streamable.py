@@ -13,9 +13,10 @@ AnswerLost as over SSE: the call was sent, so its tool may have run and it is no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+import httpx2
 import mcp_types
 from fastmcp import Client
 from fastmcp.client.messages import MessageHandler
@@ -25,7 +26,7 @@ from mcp_types.jsonrpc import CONNECTION_CLOSED, METHOD_NOT_FOUND
 from pydantic import BaseModel
 
 from butlers.errors import AnswerLost, CallTimedOut, ConnectionClosed, McpCallError, RemoteError
-from butlers.mcp_connection.core import no_answer_within
+from butlers.mcp_connection.core import MAX_MESSAGE_BYTES, no_answer_within
 from butlers.mcp_connection.paging import PageGuard
 from butlers.tasks import within
 
@@ -51,7 +52,12 @@ class FastMcpConnection:
     ) -> None:
         self.url = url
         handler = _ToolsChanged(on_tools_changed) if on_tools_changed is not None else None
-        transport = StreamableHttpTransport(url, headers=dict(headers or {}), auth=auth_token)
+        transport = StreamableHttpTransport(
+            url,
+            headers={**(headers or {}), "Accept-Encoding": "identity"},
+            auth=auth_token,
+            httpx_client_factory=_bounded_client,
+        )
         self._client = Client(transport, message_handler=handler)
         self._closing: asyncio.Task[None] | None = None
 
@@ -150,6 +156,50 @@ class FastMcpConnection:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+def _bounded_client(**options: Any) -> httpx2.AsyncClient:
+    """The MCP SDK's own client (its timeouts), whose answers are bounded as ours are over
+    SSE and stdio: the SDK reads a JSON answer whole, whatever its size (a server of the
+    gateway's or a tool server's could fill the process's memory). Its event streams it
+    bounds itself (`max_sse_event_size`)."""
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    client = create_mcp_http_client(
+        headers=options.get("headers"), timeout=options.get("timeout"), auth=options.get("auth")
+    )
+    client.follow_redirects = bool(options.get("follow_redirects", False))
+    client.event_hooks["response"].append(_bound_answer)
+    return client
+
+
+async def _bound_answer(response: httpx2.Response) -> None:
+    """A JSON answer's body read through a count of its bytes. Only an answer sent as it is
+    can be counted so (gzip multiplies what a few MB become), so one compressed although
+    the request asked for none (`Accept-Encoding: identity`) is not read at all."""
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    response.stream = _Bounded(response.stream, refused=encoding not in ("", "identity"))
+
+
+class _Bounded(httpx2.AsyncByteStream):
+    def __init__(self, stream: httpx2.AsyncByteStream, *, refused: bool) -> None:
+        self._stream, self._refused = stream, refused
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        # httpx2.StreamError: what the SDK turns into the call's error, the connection kept.
+        if self._refused:
+            raise httpx2.StreamError("a compressed answer, although none was asked for")
+        read = 0
+        async for chunk in self._stream:
+            read += len(chunk)
+            if read > MAX_MESSAGE_BYTES:
+                raise httpx2.StreamError(f"an answer of over {MAX_MESSAGE_BYTES} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def _mapped(exc: MCPError, timeout_s: float | None) -> McpCallError:
