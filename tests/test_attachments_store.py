@@ -297,12 +297,12 @@ async def test_an_outbox_row_s_files_go_with_it(store: InboxStore) -> None:
             ],
             None,
         )
-    first = await outbox.claim("telegram")
+    first = await outbox.claim("telegram", "r1", 60)
     assert first is not None and first.text == "before" and first.attachments == ()
     assert FILES_KEY not in first.meta and first.meta["reply_to"] == 3
     await outbox.sent(first.id, ["1"])
 
-    second = await outbox.claim("telegram")
+    second = await outbox.claim("telegram", "r1", 60)
     assert second is not None and second.text == "here"
     assert second.attachments == (photo, scan)
     assert second.meta[FILES_KEY] == 2
@@ -311,7 +311,7 @@ async def test_an_outbox_row_s_files_go_with_it(store: InboxStore) -> None:
     await outbox.sent(second.id, ["2"])
     assert await store.pool.fetchval(count) == 0  # taken: not kept for retention_days
 
-    third = await outbox.claim("telegram")
+    third = await outbox.claim("telegram", "r1", 60)
     assert third is not None and third.text == "after" and third.attachments == ()
     await outbox.sent(third.id, ["3"])
 

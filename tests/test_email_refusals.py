@@ -120,7 +120,7 @@ async def test_the_outbox_holds_back_only_the_recipient_a_row_is_held_for(
         ids = [r["id"] for r in await pool.fetch("SELECT id FROM outbox ORDER BY id")]
 
         async def claimed() -> int | None:
-            delivery = await store.claim("email")
+            delivery = await store.claim("email", "r1", 60)
             return None if delivery is None else ids.index(delivery.id)
 
         async def due_now(row: int) -> None:

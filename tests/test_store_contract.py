@@ -672,12 +672,12 @@ async def test_a_transaction_finishes_and_queues_the_reply_together_or_not_at_al
             await stores.outbox.add(conn, [reply(inbox_id=inbox_id)], None)
             raise RuntimeError("crash")
     assert await status(stores, inbox_id) == "processing"
-    assert await stores.outbox.claim("telegram") is None
+    assert await stores.outbox.claim("telegram", "r1", HOUR) is None
     async with stores.pool.acquire() as conn, conn.transaction():
         assert await finish(stores, inbox_id, conn=conn)
         await stores.outbox.add(conn, [reply(inbox_id=inbox_id)], None)
     assert await status(stores, inbox_id) == "done"
-    delivery = await stores.outbox.claim("telegram")
+    delivery = await stores.outbox.claim("telegram", "r1", HOUR)
     assert delivery is not None and delivery.inbox_id == inbox_id
 
 
@@ -686,26 +686,26 @@ async def test_a_transaction_finishes_and_queues_the_reply_together_or_not_at_al
 
 async def test_the_outbox_sends_in_order_and_waits_for_a_row_not_taken(stores: Stores) -> None:
     await add(stores, reply("x", "x1"), reply("x", "x2"), reply("y", "y1"))
-    first = await stores.outbox.claim("telegram")
+    first = await stores.outbox.claim("telegram", "r1", HOUR)
     assert first is not None and (first.text, first.attempts) == ("x1", 1)
-    assert await stores.outbox.claim("email") is None
+    assert await stores.outbox.claim("email", "r1", HOUR) is None
     await stores.outbox.sent(first.id, ["101"])
-    second = await stores.outbox.claim("telegram")
+    second = await stores.outbox.claim("telegram", "r1", HOUR)
     assert second is not None and second.text == "x2"
     # Not taken: the channel's later rows wait for it, whoever they go to.
     await stores.outbox.later(second.id, "telegram is down", HOUR)
-    assert await stores.outbox.claim("telegram") is None
+    assert await stores.outbox.claim("telegram", "r1", HOUR) is None
     due_in = await stores.outbox.head_due_in_s("telegram")
     assert due_in is not None and HOUR - 60 < due_in <= HOUR
     # Refused for its recipient only: only that recipient's rows wait.
     await stores.outbox.later(second.id, "mailbox full", HOUR, held_for_recipient=True)
-    third = await stores.outbox.claim("telegram")
+    third = await stores.outbox.claim("telegram", "r1", HOUR)
     assert third is not None and third.text == "y1"
     await stores.outbox.failed(third.id, "refused")
-    assert await stores.outbox.claim("telegram") is None
+    assert await stores.outbox.claim("telegram", "r1", HOUR) is None
     await stores.outbox.later(second.id, "again", -1)  # due
     assert await stores.outbox.head_due_in_s("telegram") == 0
-    again = await stores.outbox.claim("telegram")
+    again = await stores.outbox.claim("telegram", "r1", HOUR)
     assert again is not None and (again.id, again.attempts) == (second.id, 2)
     assert HELD_KEY not in again.meta
     await stores.outbox.sent(again.id, ["102"])
@@ -717,7 +717,7 @@ async def test_nothing_to_send_is_no_due_time(stores: Stores) -> None:
     an idle leader's sender ran ~6,000 claims a second, measured)."""
     assert await stores.outbox.head_due_in_s("telegram") is None
     await add(stores, reply("x"))
-    delivery = await stores.outbox.claim("telegram")
+    delivery = await stores.outbox.claim("telegram", "r1", HOUR)
     assert delivery is not None
     await stores.outbox.sent(delivery.id, ["1"])
     assert await stores.outbox.head_due_in_s("telegram") is None
@@ -727,21 +727,41 @@ async def test_a_row_being_sent_blocks_its_recipient_and_is_sent_again_by_the_ne
     stores: Stores,
 ) -> None:
     await add(stores, reply("x", "x1"), reply("x", "x2"))
-    first = await stores.outbox.claim("telegram")
+    first = await stores.outbox.claim("telegram", "r1", HOUR)
     assert first is not None
-    # The leader died while sending: the row stays `sending` and goes again, first.
-    again = await stores.outbox.claim("telegram")
+    # The sender that had it (its send cut short, or restarted on the same address) sends
+    # it again at once, first.
+    again = await stores.outbox.claim("telegram", "r1", HOUR)
     assert again is not None and (again.id, again.attempts) == (first.id, 2)
+
+
+async def test_another_replica_takes_a_row_being_sent_only_once_its_lease_is_up(
+    stores: Stores,
+) -> None:
+    """A leader whose lock's connection alone was cut sends on until it notices, while the
+    next leader leads a second later: had it taken the row at once, it went out twice (a
+    red team). It waits the lease out, the other's rows to other people too."""
+    await add(stores, reply("x", "x1"), reply("x", "x2"), reply("y", "y1"))
+    first = await stores.outbox.claim("telegram", "r1", HOUR)
+    assert first is not None and first.text == "x1"
+    assert await stores.outbox.claim("telegram", "r2", HOUR) is None
+    due_in = await stores.outbox.head_due_in_s("telegram")
+    assert due_in is not None and HOUR - 60 < due_in <= HOUR
+    await stores.outbox.sent(first.id, ["1"])  # the first leader finished it
+    second = await stores.outbox.claim("telegram", "r2", -1)  # a lease already up
+    assert second is not None and second.text == "x2"
+    # r2 died with it: r1, leading again, takes it as its lease is up, not before.
+    assert await stores.outbox.claim("telegram", "r1", HOUR) is not None
 
 
 async def test_a_rows_files_come_with_it(stores: Stores) -> None:
     photo = Attachment("p.png", "image/png", PNG)
     await add(stores, reply(text="see", attachments=(photo,)), reply(text="plain"))
-    with_file = await stores.outbox.claim("telegram")
+    with_file = await stores.outbox.claim("telegram", "r1", HOUR)
     assert with_file is not None
     assert [(a.name, a.data) for a in with_file.attachments] == [("p.png", PNG)]
     await stores.outbox.sent(with_file.id, ["1"])
-    plain = await stores.outbox.claim("telegram")
+    plain = await stores.outbox.claim("telegram", "r1", HOUR)
     assert plain is not None and plain.attachments == ()
 
 
@@ -750,7 +770,7 @@ async def test_thread_affinity_finds_the_butler_whose_sent_message_is_answered(
 ) -> None:
     await add(stores, reply("x", butler="health"), reply("x", butler="general"))
     for sent_id in ("501", "502"):
-        delivery = await stores.outbox.claim("telegram")
+        delivery = await stores.outbox.claim("telegram", "r1", HOUR)
         assert delivery is not None
         await stores.outbox.sent(delivery.id, [sent_id])
     answering = stores.outbox.butler_answering
@@ -774,15 +794,15 @@ async def test_notifications_are_counted_once_per_notification(stores: Stores) -
 
 async def test_outbox_prune_keeps_what_is_still_to_send(stores: Stores) -> None:
     await add(stores, reply("x"), reply("y"), reply("z"))
-    sent = await stores.outbox.claim("telegram")
+    sent = await stores.outbox.claim("telegram", "r1", HOUR)
     assert sent is not None
     await stores.outbox.sent(sent.id, ["1"])
-    failed = await stores.outbox.claim("telegram")
+    failed = await stores.outbox.claim("telegram", "r1", HOUR)
     assert failed is not None
     await stores.outbox.failed(failed.id, "refused")
     assert await stores.outbox.prune(1) == 0
     assert await stores.outbox.prune(-1) == 2
-    left = await stores.outbox.claim("telegram")
+    left = await stores.outbox.claim("telegram", "r1", HOUR)
     assert left is not None and left.recipient == "z"
 
 

@@ -158,16 +158,19 @@ class FastMcpConnection:
         await self._client.close()
 
 
-def _bounded_client(**options: Any) -> httpx2.AsyncClient:
+def _bounded_client(
+    headers: dict[str, str] | None = None,
+    timeout: httpx2.Timeout | None = None,
+    auth: httpx2.Auth | None = None,
+    **options: Any,
+) -> httpx2.AsyncClient:
     """The MCP SDK's own client (its timeouts), whose answers are bounded as ours are over
     SSE and stdio: the SDK reads a JSON answer whole, whatever its size (a server of the
     gateway's or a tool server's could fill the process's memory). Its event streams it
-    bounds itself (`max_sse_event_size`)."""
+    bounds itself (`max_sse_event_size`). FastMCP passes `follow_redirects` too."""
     from mcp.shared._httpx_utils import create_mcp_http_client
 
-    client = create_mcp_http_client(
-        headers=options.get("headers"), timeout=options.get("timeout"), auth=options.get("auth")
-    )
+    client = create_mcp_http_client(headers=headers, timeout=timeout, auth=auth)
     client.follow_redirects = bool(options.get("follow_redirects", False))
     client.event_hooks["response"].append(_bound_answer)
     return client
@@ -180,6 +183,7 @@ async def _bound_answer(response: httpx2.Response) -> None:
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         return
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    assert isinstance(response.stream, httpx2.AsyncByteStream)  # (an AsyncClient's)
     response.stream = _Bounded(response.stream, refused=encoding not in ("", "identity"))
 
 

@@ -96,7 +96,10 @@ class Switchboard:
             own=OwnEndpoints.of_switchboard(spawner.config, self_url),
         )
         self.outbox = OutboxSender(
-            OutboxStore(routing_store.pool), tracer=tracer, retry_hours=limits.reply_retry_hours
+            OutboxStore(routing_store.pool),
+            tracer=tracer,
+            retry_hours=limits.reply_retry_hours,
+            replica=replica,
         )
         self.worker = InboxWorker(
             inbox=inbox,

@@ -9,8 +9,11 @@ The leader is the process holding a PostgreSQL advisory lock (`pg_try_advisory_l
 connection of its own. PostgreSQL releases the lock when that connection ends, so when the
 leader dies (a SIGKILL closes its socket at once) another process gets the lock at its next
 try, within `retry_s`. A leader that cannot reach the database any more (a network split: its
-check fails within `check_s`) steps down on its own; server-side TCP keepalives on the lock's
-connection make PostgreSQL drop a leader that vanished without closing its socket.
+check fails within `check_s`) steps down on its own; PostgreSQL drops the lock's connection of
+a leader that vanished without closing its socket, or stopped checking (LIVENESS_SETTINGS).
+A leader stepping down lets a reply under way finish, and the next one leaves a reply another
+process is sending alone for a while (butlers.switchboard.outbox): two leaders for a moment
+send nothing twice.
 
 A lone switchboard takes the lock at its first try, inside `start()`: it runs as before.
 """
@@ -35,12 +38,18 @@ logger = logging.getLogger(__name__)
 LOCK_KEY = 0x6275746C657273
 RETRY_S = 2.0  # a follower tries the lock this often: a dead leader is replaced within this
 CHECK_S = 3.0  # a leader checks its lock's connection this often
-# Server-side keepalives on the lock's connection: PostgreSQL notices a leader that vanished
-# without closing its socket (its machine lost) within about idle + interval * count seconds.
-KEEPALIVE_SETTINGS = {
+# What makes PostgreSQL end the lock's connection, and so the leadership, of a leader that
+# cannot lead any more:
+# - server-side keepalives: one that vanished without closing its socket (its machine lost),
+#   within about idle + interval * count seconds;
+# - idle_session_timeout (PostgreSQL 14+): one whose process is paused (SIGSTOP, a frozen
+#   VM) or whose event loop hangs, which no longer asks `SELECT 1` every CHECK_S while its
+#   kernel still answers the keepalives (a red team: a paused leader was never replaced).
+LIVENESS_SETTINGS = {
     "tcp_keepalives_idle": "5",
     "tcp_keepalives_interval": "2",
     "tcp_keepalives_count": "2",
+    "idle_session_timeout": f"'{int(CHECK_S * 5)}s'",
 }
 
 
@@ -126,8 +135,8 @@ class Leadership:
     async def _try_lock(self) -> None:
         if self._conn is None or self._conn.is_closed():
             self._conn = await within(self._connect(), self.retry_s * 5)
-            for name, value in KEEPALIVE_SETTINGS.items():
-                with contextlib.suppress(asyncpg.PostgresError):  # a pooler may refuse them
+            for name, value in LIVENESS_SETTINGS.items():
+                with contextlib.suppress(asyncpg.PostgresError):  # a pooler, an old server
                     await self._conn.execute(f"SET {name} = {value}")
         got = await within(
             self._conn.fetchval("SELECT pg_try_advisory_lock($1)", LOCK_KEY), self.retry_s * 5

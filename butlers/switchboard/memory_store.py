@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 from butlers.core_store import storable, storable_json
 from butlers.media import Attachment
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage, meta_listing
-from butlers.switchboard.outbox import ERROR_CHARS, FILES_KEY, HELD_KEY, Delivery, Outgoing
+from butlers.switchboard.outbox import (
+    ERROR_CHARS,
+    FILES_KEY,
+    HELD_KEY,
+    SENDER_KEY,
+    Delivery,
+    Outgoing,
+)
 from butlers.switchboard.store import FINISHED
 
 if TYPE_CHECKING:
@@ -571,12 +578,25 @@ class MemoryOutboxStore:
         limit = min(unheld, default=None)
         return [self._rows[i] for i in sorted(heads.values()) if limit is None or i <= limit]
 
-    async def claim(self, channel: str) -> Delivery | None:
+    async def claim(self, channel: str, sender: str, lease_s: float) -> Delivery | None:
         now = self.database.clock()
-        row = next((r for r in self._may_go(channel) if r["next_attempt_at"] <= now), None)
+        row = next(
+            (
+                r
+                for r in self._may_go(channel)
+                if r["next_attempt_at"] <= now
+                or (r["status"] == "sending" and r["meta"].get(SENDER_KEY) == sender)
+            ),
+            None,
+        )
         if row is None:
             return None
-        row.update(status="sending", attempts=row["attempts"] + 1)
+        row.update(
+            status="sending",
+            attempts=row["attempts"] + 1,
+            next_attempt_at=now + timedelta(seconds=lease_s),
+            meta={**row["meta"], SENDER_KEY: sender},
+        )
         files = self.database.tables.outbox_files.get(row["id"], ())
         return Delivery(
             id=row["id"],

@@ -43,6 +43,7 @@ from butlers.errors import DeliveryError, RecipientDeferred
 from butlers.media import Attachment
 from butlers.switchboard import queries as sql
 from butlers.switchboard.queries import HELD_KEY as HELD_KEY
+from butlers.switchboard.queries import SENDER_KEY as SENDER_KEY
 from butlers.tasks import cancel_and_wait, within
 from butlers.telemetry import context_from_carrier
 
@@ -58,6 +59,15 @@ IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
 # channel's later messages queue behind the row (delivery is in order).
 MAX_INTERNAL_ERRORS = 3
 ERROR_CHARS = 1000
+# How long a row another replica is sending waits before this one sends it: longer than a
+# delivery takes (PTB's and SMTP's timeouts: 5-30 s a request, a few requests a row) and a
+# leader that lost its lock takes to step down (leadership.CHECK_S twice). A red team: a
+# leader whose lock's connection alone was cut sent on while the next one, leading a second
+# later, took its row again: the reply went out twice.
+SENDING_LEASE_S = 120.0
+# How long a leader stepping down lets a delivery under way finish (PTB's requests time out
+# within 5-20 s).
+STEP_DOWN_DRAIN_S = 20.0
 # In a row's meta: how many files it carries (none: the key is absent).
 FILES_KEY = "files"
 
@@ -168,12 +178,13 @@ class OutboxStore:
             trace_context,
         )
 
-    async def claim(self, channel: str) -> Delivery | None:
-        """The channel's oldest unsent row, now `sending`, if it is due. Rows go out strictly
-        in order: while the oldest waits for its next attempt, the ones after it wait too,
-        unless it is held for its recipient only (HELD_KEY): then only that recipient's do.
-        A row with files (FILES_KEY) comes with them."""
-        row = await self.pool.fetchrow(sql.OUTBOX_CLAIM, channel)
+    async def claim(self, channel: str, sender: str, lease_s: float) -> Delivery | None:
+        """The channel's oldest unsent row, now `sending` by `sender` (a replica), if it is
+        due. Rows go out strictly in order: while the oldest waits for its next attempt, the
+        ones after it wait too, unless it is held for its recipient only (HELD_KEY): then
+        only that recipient's do. A row with files (FILES_KEY) comes with them. A row another
+        sender has is due `lease_s` after it took it (see OUTBOX_CLAIM)."""
+        row = await self.pool.fetchrow(sql.OUTBOX_CLAIM, channel, sender, lease_s)
         if row is None:
             return None
         if not (row["meta"] or {}).get(FILES_KEY):
@@ -246,14 +257,18 @@ class OutboxSender:
 
     name = "outbox"
 
-    def __init__(self, store: OutboxQueue, *, tracer: Tracer, retry_hours: float) -> None:
+    def __init__(
+        self, store: OutboxQueue, *, tracer: Tracer, retry_hours: float, replica: str
+    ) -> None:
         self.store = store
+        self.replica = replica  # whose `sending` rows are its own (OutboxQueue.claim)
         self.tracer = tracer
         self.retry_budget_s = retry_hours * 3600
         self.channels: dict[str, ChannelModule] = {}  # their sending half
         self._wakes: dict[str, asyncio.Event] = {}
         self._idle: dict[str, asyncio.Event] = {}  # set while a channel has nothing due
         self._tasks: list[asyncio.Task[None]] = []
+        self._stepping_down = False
 
     def wake(self) -> None:
         for name, event in self._wakes.items():
@@ -278,19 +293,33 @@ class OutboxSender:
             )
 
     async def step_down(self) -> None:
-        """A row being sent stays `sending` and is sent again by the next leader."""
-        for task in self._tasks:
-            await cancel_and_wait(task)
-        self._tasks.clear()
-        self._wakes.clear()
-        self._idle.clear()
+        """No row is taken any more; one being sent may finish (STEP_DOWN_DRAIN_S). Cut
+        short, its channel may have it all the same (a request Telegram had read), and the
+        next leader would send it again: a leader that only lost its lock's connection sent
+        a reply twice so (a red team). A row still `sending` after that stays so: this
+        process sends it again when it leads again, another one once its SENDING_LEASE_S is
+        up."""
+        self._stepping_down = True
+        for wake in self._wakes.values():
+            wake.set()
+        try:
+            if self._tasks:
+                with contextlib.suppress(TimeoutError):
+                    await within(asyncio.wait(self._tasks), STEP_DOWN_DRAIN_S)
+        finally:
+            for task in self._tasks:
+                await cancel_and_wait(task)
+            self._tasks.clear()
+            self._wakes.clear()
+            self._idle.clear()
+            self._stepping_down = False
 
     async def _run(self, name: str, channel: ChannelModule) -> None:
         wake = self._wakes[name]
-        while True:
+        while not self._stepping_down:
             wake.clear()
             try:
-                delivery = await self.store.claim(name)
+                delivery = await self.store.claim(name, self.replica, SENDING_LEASE_S)
                 if delivery is not None:
                     await self._deliver(channel, delivery)
                     continue

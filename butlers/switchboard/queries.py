@@ -355,6 +355,7 @@ INBOX_GET = "SELECT * FROM inbox WHERE id = $1"
 # In a row's meta: its last attempt was refused for its recipient only (RecipientDeferred),
 # so it holds back only that recipient's later rows.
 HELD_KEY = Fragment("held_for_recipient")
+SENDER_KEY = Fragment("sender")  # the replica sending a `sending` row (OUTBOX_CLAIM)
 
 # Queue one message (its transaction is the caller's: the inbox row it answers).
 OUTBOX_ADD = """
@@ -387,14 +388,22 @@ _MAY_GO = Fragment(f"""
           AND NOT coalesce((f.meta ->> '{HELD_KEY}')::boolean, false)
     )
 """)
-# Channel $1's next row, now `sending`, if it may go and is due.
+# Channel $1's next row, now `sending` by replica $2 until $3 seconds from now, if it may go
+# and is due. A row another replica is sending is due only when its time is up (a leader
+# that lost its lock sends on until it notices, up to seconds later: taken at once, its row
+# went out twice); one this replica was sending (a send cut short, a restart on the same
+# address) at once.
 OUTBOX_CLAIM = f"""
     WITH head AS (
         SELECT o.id FROM outbox o
-        WHERE {_MAY_GO} AND o.next_attempt_at <= now()
+        WHERE {_MAY_GO}
+          AND (o.next_attempt_at <= now()
+               OR (o.status = 'sending' AND o.meta ->> '{SENDER_KEY}' = $2))
         ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED
     )
-    UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1
+    UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1,
+           next_attempt_at = now() + make_interval(secs => $3),
+           meta = coalesce(outbox.meta, '{{}}') || jsonb_build_object('{SENDER_KEY}', $2::text)
     FROM head WHERE outbox.id = head.id
     RETURNING outbox.*
 """

@@ -233,12 +233,14 @@ class OutboxQueue(Protocol):
         order), each with its files, in `conn`'s transaction (a connection of `pool`)."""
         ...
 
-    async def claim(self, channel: str) -> Delivery | None:
-        """The channel's next row, made `sending` and its attempts counted one more, if it is
-        due; None otherwise. Rows go strictly in order: only each recipient's oldest unsent
-        (pending or sending) row may go, and none after the channel's oldest such row that
-        is not held for its recipient only (`later(held_for_recipient=True)`). The delivery
-        carries the row's files."""
+    async def claim(self, channel: str, sender: str, lease_s: float) -> Delivery | None:
+        """The channel's next row, made `sending` by `sender` (a replica) and its attempts
+        counted one more, if it is due; None otherwise. A row is due at its next attempt; one
+        `sending` at once when its sender is `sender` (whose send was cut short), else
+        `lease_s` after it was taken (another replica may still be sending it). Rows go
+        strictly in order: only each recipient's oldest unsent (pending or sending) row may
+        go, and none after the channel's oldest such row that is not held for its recipient
+        only (`later(held_for_recipient=True)`). The delivery carries the row's files."""
         ...
 
     async def head_due_in_s(self, channel: str) -> float | None:
