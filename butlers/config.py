@@ -833,11 +833,18 @@ class ButlerConfig:
         return self.channels.get("email")
 
 
+def reached_at(host: str) -> str:
+    """Where a butler listening on `host` is reached from this machine: a wildcard bind on
+    loopback, and `localhost` at the address it binds (IPv4: socket.create_server's
+    family). A client may resolve `localhost` to ::1 first, where anyone could listen on the
+    same port, prove itself through the butler's /health and be sent the token (a red
+    team)."""
+    return "127.0.0.1" if host.lower() in ("0.0.0.0", "::", "", "localhost") else host
+
+
 def loopback_sse_url(host: str, port: int) -> str:
-    """The SSE endpoint of a butler listening on `host`: a wildcard bind is reached on
-    loopback."""
-    reached = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{reached}:{port}/sse"
+    """The SSE endpoint of a butler listening on `host` (see reached_at)."""
+    return f"http://{reached_at(host)}:{port}/sse"
 
 
 @dataclasses.dataclass(frozen=True)

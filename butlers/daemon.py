@@ -28,7 +28,7 @@ from butlers.approvals import (
     has_approvals,
     register_approval_execute,
 )
-from butlers.config import ButlerConfig, Placement, SwitchboardConfig
+from butlers.config import ButlerConfig, Placement, SwitchboardConfig, reached_at
 from butlers.context import ButlerContext
 from butlers.core_store import CoreStore
 from butlers.core_tools import (
@@ -109,10 +109,6 @@ def request_body_limit(config: ButlerConfig) -> int:
 FILES_REQUEST_BYTES = MAX_TOOL_ATTACHMENT_BYTES * 4 // 3 + ATTACHMENT_BODY_MARGIN
 
 
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-
-
 class ButlerDaemon:
     """One butler: its pool, its FastMCP server, its HTTP listener and its background ticker."""
 
@@ -177,7 +173,7 @@ class ButlerDaemon:
 
     @property
     def base_url(self) -> str:
-        return f"http://{_loopback(self.config.host)}:{self.port}"
+        return f"http://{reached_at(self.config.host)}:{self.port}"
 
     @property
     def sse_url(self) -> str:

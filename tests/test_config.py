@@ -623,3 +623,23 @@ def test_time_and_schedule_errors_name_the_key(
     with pytest.raises(ConfigError) as info:
         load_butler_config(path)
     assert key in str(info.value) and problem in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("host", "reached"),
+    [
+        ("localhost", "127.0.0.1"),
+        ("LOCALHOST", "127.0.0.1"),
+        ("0.0.0.0", "127.0.0.1"),
+        ("::", "127.0.0.1"),
+        ("127.0.0.2", "127.0.0.2"),
+        ("192.0.2.7", "192.0.2.7"),
+    ],
+)
+def test_a_butler_is_registered_where_it_binds(tmp_path: Path, host: str, reached: str) -> None:
+    """`localhost` binds 127.0.0.1 (an IPv4 socket), so it is registered so: a client that
+    resolves `localhost` to ::1 first reached whoever listened there on the same port, which
+    could prove itself through the butler's /health and be sent the token (a red team)."""
+    path = write(tmp_path, "health", f'[butler]\nname = "health"\nport = 8103\nhost = "{host}"\n')
+    config = load_butler_config(path)
+    assert config.endpoint_url == f"http://{reached}:8103/sse"
