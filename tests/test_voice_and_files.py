@@ -277,6 +277,40 @@ async def test_a_mail_with_an_image_reaches_the_butler_as_an_image(
     assert "Which plant is this?" in json.dumps(blocks(routed))
 
 
+async def test_a_mail_whose_audio_cannot_be_heard_goes_on_without_it(
+    start_butler: StartButler,
+    tmp_path: Path,
+    scripted_api: ScriptedMessagesAPI,
+    imap_server: int,  # noqa: F811
+    smtp_server,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    db_conn,
+) -> None:
+    """A receipt, words about it and a voicemail notice's audio, with no transcription
+    service: the mail was skipped whole and its sender told to write out what they had
+    written (a walkthrough). Its words and the PDF go on; the butler is told what was not
+    read."""
+    scripted_api.respond_with(by_words)
+    switchboard = await start_mail_fleet(
+        start_butler, tmp_path, imap_server, smtp_server, monkeypatch
+    )
+    mail = EmailMessage()
+    mail["From"], mail["To"], mail["Subject"] = "user@example.com", "butler@example.com", "Rcpt"
+    mail["Message-ID"] = "<receipt-voicemail@example.com>"
+    mail.set_content("Please log this receipt as a business expense.")
+    mail.add_attachment(pdf("receipt"), maintype="application", subtype="pdf", filename="r.pdf")
+    mail.add_attachment(ogg_opus(), maintype="audio", subtype="ogg", filename="voicemail.ogg")
+    await append(imap_server, mail)
+    await smtp_server.arrived.wait()
+    [routed] = butler_requests(scripted_api, "general")
+    said = json.dumps(blocks(routed))
+    assert "Please log this receipt" in said
+    assert [b["type"] for b in blocks(routed)].count("document") == 1
+    assert "[not read: 'voicemail.ogg': a voice note, and no transcription service]" in said
+    [row] = await rows(await db_conn(switchboard.config.database))
+    assert row["status"] == "done", row
+
+
 async def test_without_a_transcriber_a_voice_note_gets_a_clear_reply_and_is_skipped(
     start_butler: StartButler,
     tmp_path: Path,

@@ -9,7 +9,10 @@ descriptions (`message_body`).
 
 When the service fails for a while (5xx, a timeout), the message waits in the queue
 (`InboxStore.defer`) and is tried again with a growing delay, like a reply while its channel
-is down; its sender hears only when `retry_hours` have passed without a transcript.
+is down; its sender hears only when `retry_hours` have passed without a transcript. Audio
+that cannot be heard (no service, too long, refused, given up) ends a message that is only
+that audio, with a reply saying why; one that says or carries more goes on without it, a
+line naming what was not read.
 """
 
 from __future__ import annotations
@@ -132,9 +135,12 @@ class AttachmentStep:
         if not descriptions(message.meta):  # most messages: no query, no work
             return Carried(message, [])
         files = await self.inbox.attachments(message.id)
-        ready = await self._heard(message, [file for file in files if file.kind == "audio"])
+        audio = [file for file in files if file.kind == "audio"]
+        ready = await self._heard(message, audio)
         if isinstance(ready, NotNow):
-            return ready
+            if ready.retry_in_s is not None or not _more_than_audio(message, files):
+                return ready
+            ready = _without_audio(message, audio, ready)
         others, told = _within_one_request(
             [file for file in files if file.kind != "audio"], ready.message
         )
@@ -219,6 +225,33 @@ class AttachmentStep:
             extra={"action": "transcription_deferred"},
         )
         return NotNow("queued", None, error, retry_in_s=delay, timed_out=exc.timed_out)
+
+
+def _more_than_audio(message: InboxMessage, files: list[Attachment]) -> bool:
+    """Whether the message says or carries something besides its audio: words typed beside
+    it (a mail's text, a caption), or other files."""
+    return bool(message.text.strip()) or any(file.kind != "audio" for file in files)
+
+
+def _without_audio(message: InboxMessage, audio: list[Attachment], why: NotNow) -> Carried:
+    """The message without its audio, which could not be heard, and a line saying so: a
+    mail with a receipt, its words and a voicemail notification was skipped whole, its
+    sender told to write out what they had written (a walkthrough)."""
+    names = ", ".join(repr(file.name) for file in audio)
+    reason = printable(why.error.removeprefix("transcription: "), 200)
+    note = f"[not read: {names}: {reason}]"
+    text = f"{message.text}\n\n{note}" if message.text.strip() else note
+    logger.info(
+        "message %s: its audio was not heard (%s); its words and other files go on",
+        message.id,
+        reason,
+        extra={"action": "audio_left_out"},
+    )
+    meta = {
+        **message.meta,
+        "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
+    }
+    return Carried(dataclasses.replace(message, text=text, meta=meta), [])
 
 
 def _within_one_request(
