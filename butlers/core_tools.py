@@ -287,6 +287,7 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             prompt = _planted_prompt(task)
         outcome = await ctx.spawner.run(
             _late_note(task, now, zone) + prompt,
+            recall=prompt,  # (the note's words crowded the reminder's out of the memories)
             target=ctx.self_target(),
             trigger_source=f"schedule:{task['name']}",
             routed=task["routed"],  # planted by a routed message's session: restricted alike
@@ -484,13 +485,15 @@ def catch_up_window(runtime: RuntimeConfig) -> timedelta:
 
 
 def _late_note(task: dict[str, Any], now: datetime, zone: str) -> str:
-    """A one-shot reminder that runs late says so to its session (the butler was down)."""
+    """A one-shot reminder that runs late says so to its session, and when it was asked for
+    (`due_at`, kept however often it was tried again): the butler was down, its session
+    failed, or the hourly cap held it back."""
     due_at: datetime = task["due_at"]
     if not task["once"] or now - due_at < LATE_AFTER:
         return ""
     return (
         f"[This one-time reminder was due at {schedule_time.local_now(zone, due_at)} and "
-        "runs late: the butler was not running then. Say so if you tell anyone.]\n\n"
+        "runs late: it could not run then. Say so if you tell anyone.]\n\n"
     )
 
 

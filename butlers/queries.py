@@ -121,8 +121,9 @@ SCHEDULE_COUNT_ROUTED = f"""
 # A new task, unless the name is taken; no cron ($2): it runs once, at $4.
 SCHEDULE_CREATE = f"""
     INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, once, conversation,
-                                 forwarded_from)
-    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6, $7)
+                                 forwarded_from, due_at)
+    VALUES ($1, $2, $3, $4, $5, $2::text IS NULL, $6, $7,
+            CASE WHEN $2::text IS NULL THEN $4::timestamptz END)
     ON CONFLICT (name) DO NOTHING
     RETURNING {_SCHEDULE_COLUMNS}
 """
@@ -163,10 +164,11 @@ SCHEDULE_DECLARE_CHANGED = """
     WHERE name = $1
 """
 SCHEDULE_DECLARE_GONE = "DELETE FROM scheduled_tasks WHERE declared AND name = ANY($1::text[])"
-# The tasks due at $1, locked for this tick (two ticks never run a task twice).
+# The tasks due at $1, locked for this tick (two ticks never run a task twice); `due_at`:
+# when it was due (a one-time reminder: when it was asked for, however often it was retried).
 SCHEDULE_DUE = """
     SELECT id, name, cron, prompt, routed, once, conversation, attempts, forwarded_from,
-           next_run_at AS due_at
+           CASE WHEN once THEN coalesce(due_at, next_run_at) ELSE next_run_at END AS due_at
     FROM scheduled_tasks
     WHERE enabled AND next_run_at <= $1
     ORDER BY next_run_at, name FOR UPDATE SKIP LOCKED

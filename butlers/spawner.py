@@ -179,6 +179,7 @@ class Spawner:
         memories: bool = True,
         attachments: Sequence[Attachment] = (),
         forwarded_from: str | None = None,
+        recall: str | None = None,
     ) -> SessionOutcome:
         """Run one session to completion; failures are recorded and returned, not raised.
         `conversation`: the one a routed message belongs to, where its `notify` goes.
@@ -191,6 +192,8 @@ class Spawner:
         `attachments`: files the model sees beside the prompt (images, PDFs, text files);
         the session's row records one line for each (`Attachment.describe`), not the bytes.
         `forwarded_from`: its message was forwarded, the words this author's (routed only).
+        `recall`: the words its memories are chosen by, when not the whole prompt (a late
+        reminder's: not the note about its lateness).
         Past `[runtime] max_spend_usd_per_day` it is not started: a failed session saying so."""
         withheld = ROUTED_SESSION_WITHHELD if routed else frozenset()
         if withheld:
@@ -217,7 +220,10 @@ class Spawner:
                     refusal = await self._over_spend_cap()
                     preamble = (
                         await self._memories(
-                            prompt, conversation, routed, forwarded=forwarded_from is not None
+                            prompt if recall is None else recall,
+                            conversation,
+                            routed,
+                            forwarded=forwarded_from is not None,
                         )
                         if memories and refusal is None
                         else ""

@@ -72,6 +72,7 @@ async def test_fresh_database_is_created_and_migrated(pg_server, db_conn) -> Non
             "conversation",  # a routed session's reminder answers there (core_0007)
             "attempts",  # a one-time reminder's runs, tried again when one failed (core_0007)
             "forwarded_from",  # planted acting on a message the owner forwarded (core_0010)
+            "due_at",  # when a one-time reminder was asked for, however often retried (core_0011)
         }
         assert set(await _columns(conn, "memories")) == {
             "id",
@@ -147,12 +148,12 @@ async def test_a_database_at_its_heads_is_not_handed_to_alembic(
             command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core@-1"
         )
         conn = await db_conn(name)
-        assert "forwarded_from" not in await _columns(conn, "scheduled_tasks")  # core_0010's
+        assert "due_at" not in await _columns(conn, "scheduled_tasks")  # core_0011's
         await migrate(pg_server, name, ("core",))
         assert upgrades == [("core",)]
         versions = {r[0] for r in await conn.fetch("SELECT version_num FROM alembic_version")}
         assert versions == migration_heads("core")
-        assert "forwarded_from" in await _columns(conn, "scheduled_tasks")
+        assert "due_at" in await _columns(conn, "scheduled_tasks")
         # The switchboard's branches on a database that has only core's: migrated too.
         await migrate(pg_server, name, ("core", "switchboard"))
         assert upgrades == [("core",), ("core", "switchboard")]

@@ -14,6 +14,7 @@ import pytest
 from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
+from butlers import schedule_time
 from butlers.config import RuntimeConfig, ScheduleConfig
 from butlers.memory import Viewer
 from tests.conftest import StartButler, butler_config, log_records
@@ -125,7 +126,8 @@ async def test_at_runs_once_late_if_need_be_and_is_then_gone(
     assert [s["name"] for s in await call(daemon.sse_url, "schedule_list", {})] == ["call-mum"]
     # Due an hour ago: the butler was down when it came.
     await conn.execute(
-        "UPDATE scheduled_tasks SET next_run_at = now() - interval '1 hour' WHERE name = $1",
+        "UPDATE scheduled_tasks SET next_run_at = now() - interval '1 hour', "
+        "due_at = now() - interval '1 hour' WHERE name = $1",
         "call-mum",
     )
     ticked = await call(daemon.sse_url, "tick", {})
@@ -136,6 +138,48 @@ async def test_at_runs_once_late_if_need_be_and_is_then_gone(
     )
     assert "runs late" in prompt and prompt.endswith("Call mum.")
     assert (await call(daemon.sse_url, "tick", {}))["ran"] == []
+
+
+async def test_a_reminder_tried_again_is_told_when_it_was_due_and_keeps_its_memories(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Its session failed (the AI service overloaded) and it ran 15 minutes later: the retry
+    was told nothing of being late (its next_run_at, moved, stood for when it was due), and
+    the note's words, once it was, crowded the reminder's own out of the memories it was
+    given (a walkthrough)."""
+    daemon = await start_butler(butler_config("alpha", timezone="Europe/Berlin"))
+    conn = await db_conn(daemon.config.database)
+    await call(
+        daemon.sse_url, "memory_remember", {"text": "Mum's landline: call mum on 030 1234567"}
+    )
+    at = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+    await call(daemon.sse_url, "schedule_create", {"name": "mum", "at": at, "prompt": "Call mum."})
+    await conn.execute(  # due now: on time
+        "UPDATE scheduled_tasks SET next_run_at = now() - interval '10 seconds', "
+        "due_at = now() - interval '10 seconds'"
+    )
+    scripted_api.error = (529, "overloaded_error", "Overloaded")
+    assert [r["name"] for r in (await call(daemon.sse_url, "tick", {}))["ran"]] == ["mum"]
+    row = await conn.fetchrow("SELECT attempts, next_run_at, due_at FROM scheduled_tasks")
+    assert row["attempts"] == 1 and row["next_run_at"] > datetime.now(UTC)
+    # Its retry, 15 minutes on (the clock moved back rather than waited).
+    scripted_api.error = None
+    scripted_api.script([text("Reminded.")])
+    await conn.execute(
+        "UPDATE scheduled_tasks SET due_at = due_at - interval '15 minutes', "
+        "next_run_at = now() - interval '1 second'"
+    )
+    assert [r["name"] for r in (await call(daemon.sse_url, "tick", {}))["ran"]] == ["mum"]
+    prompts = await conn.fetch(
+        "SELECT prompt FROM sessions WHERE trigger_source = 'schedule:mum' ORDER BY started_at"
+    )
+    first, retry = (p["prompt"] for p in prompts)
+    assert first == "Call mum."
+    due = row["due_at"] - timedelta(minutes=15)
+    assert f"was due at {schedule_time.local_now('Europe/Berlin', due)}" in retry
+    assert "runs late" in retry and retry.endswith("Call mum.")
+    [turn] = [json.dumps(b["messages"][0]) for b in scripted_api.requests[-1:]]
+    assert "030 1234567" in turn, turn
 
 
 @pytest.mark.parametrize(
