@@ -400,6 +400,18 @@ def peoples_share(cap: int) -> int:
     return max(1, cap // 2)
 
 
+def _planted_for(ctx: ButlerContext, row: dict[str, Any]) -> str | None:
+    """Whose words planted a schedule, as `schedule_list` tells the operator (None: the
+    owner's own): the person served, or, for words the owner forwarded into their chat,
+    that chat (as `butlers memory` names a forward's memories)."""
+    if not row["routed"]:
+        return None
+    person = ctx.spawner.person_served(row["conversation"])
+    if person is None and row.get("forwarded_from") is not None:
+        return row["conversation"] or "forwarded"
+    return person
+
+
 def _peoples(ctx: ButlerContext, task: dict[str, Any]) -> bool:
     """Whether a schedule was planted by someone else's message (not the owner's own: a
     message the owner forwarded is another's words)."""
@@ -669,11 +681,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         shown = [_schedule_row(row, zone) for row in rows]
         if session_token() is None:
             # The operator is told whose each is (`for`: the person whose message planted
-            # it; None: the owner's): a person's reminder looked like the owner's own.
+            # it, or the chat where words the owner forwarded did; None: the owner's): a
+            # person's reminder looked like the owner's own, and so did a forward's.
             for row, one in zip(rows, shown, strict=True):
-                one["for"] = (
-                    ctx.spawner.person_served(row["conversation"]) if row["routed"] else None
-                )
+                one["for"] = _planted_for(ctx, row)
         return shown
 
     @tool

@@ -322,7 +322,14 @@ class MemoryStore:
                 ", ".join(str(r["id"]) for r in evicted),
                 extra={"action": "memory_evicted"},
             )
-        return _row(row)
+        kept = _row(row)
+        if SHARED_TAG in tags and private:
+            # The model told the owner a fact was shared that was not (a walkthrough).
+            kept["note"] = (
+                "kept private all the same: what a chat's messages keep is that chat's alone; "
+                "shared memories come from the owner's schedules, triggers and commands"
+            )
+        return kept
 
     def seen_as(self, viewer: Viewer) -> Viewer:
         """`viewer` as the rules read it: the owner's own conversation (not a message they

@@ -99,7 +99,9 @@ _SCHEDULE_COLUMNS = Fragment(
 
 # Held while counting and inserting (or declaring): two creations cannot both pass the cap.
 SCHEDULE_LOCK = "LOCK TABLE scheduled_tasks IN SHARE ROW EXCLUSIVE MODE"
-SCHEDULE_COUNT = "SELECT count(*) FROM scheduled_tasks"
+# Disabled ones are not counted: a person's, disabled once they might no longer write, kept
+# using up the people's caps until someone deleted them by hand (a walkthrough).
+SCHEDULE_COUNT = "SELECT count(*) FROM scheduled_tasks WHERE enabled"
 # The tasks people's messages planted (not the owner's, persons $2, unless forwarded: another's
 # words): those of person $1 (`telegram:<chat>`, any topic; `email:<address>`, any thread: a
 # mail's thread root is its sender's to choose; '' for no conversation), and all of them.
@@ -114,7 +116,7 @@ SCHEDULE_COUNT_ROUTED = f"""
     FROM (
         SELECT {PERSON_OF_CONVERSATION} AS person,
                forwarded_from
-        FROM scheduled_tasks WHERE routed
+        FROM scheduled_tasks WHERE routed AND enabled
     ) AS planted
     WHERE forwarded_from IS NOT NULL OR NOT person = ANY($2::text[])
 """

@@ -270,3 +270,22 @@ async def test_a_routed_message_is_given_the_memories_its_request_matches(
     assert "A message for you, from " in turn  # the frame is there
     assert "Anna's birthday is on May 3" in turn, turn
     assert "boiler" not in turn
+
+
+async def test_shared_asked_for_in_a_chat_is_said_to_be_kept_private(
+    start_butler: StartButler,
+) -> None:
+    """What a chat's messages keep is that chat's alone, the owner's own chat too; a
+    `shared` tag there was ignored without a word, so the model told the owner a fact was
+    shared with guests that was not (a walkthrough). The answer says so; the owner's
+    schedules and commands still share."""
+    alpha = await start_butler(butler_config("alpha", owner_persons=("telegram:777",)))
+    ctx = alpha.context
+    assert ctx is not None
+    dinner = {"text": "Sunday dinner is at seven", "tags": ["shared"]}
+    with ctx.spawner.acting_for("telegram:777"):
+        kept = (await alpha.mcp.call_tool("memory_remember", dinner)).structured_content
+    assert kept is not None and kept["private"] is True
+    assert "kept private all the same" in kept["note"]
+    shared = await call(alpha.sse_url, "memory_remember", {**dinner, "text": "Lunch at one"})
+    assert shared["private"] is False and "note" not in shared

@@ -16,6 +16,7 @@ from fastmcp.exceptions import ToolError
 
 from butlers import schedule_time
 from butlers.config import RuntimeConfig, ScheduleConfig
+from butlers.core_tools import MAX_ROUTED_SCHEDULES
 from butlers.memory import Viewer
 from tests.conftest import StartButler, butler_config, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
@@ -180,6 +181,49 @@ async def test_a_reminder_tried_again_is_told_when_it_was_due_and_keeps_its_memo
     assert "runs late" in retry and retry.endswith("Call mum.")
     [turn] = [json.dumps(b["messages"][0]) for b in scripted_api.requests[-1:]]
     assert "030 1234567" in turn, turn
+
+
+async def test_a_forwards_reminder_is_listed_as_its_chats_and_disabled_ones_count_for_nothing(
+    start_butler: StartButler, db_conn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reminder planted by words the owner forwarded was listed as the owner's own (`for`
+    None, FOR "you"), though it runs restricted as another's words; and a person's disabled
+    ones (they may no longer write) looked like any other in `butlers schedules`, and kept
+    using up the people's caps until deleted by hand (a walkthrough)."""
+    from butlers.cli.render import print_schedules
+
+    daemon = await start_butler(butler_config("alpha", owner_persons=("telegram:777",)))
+    ctx = daemon.context
+    assert ctx is not None
+    with ctx.spawner.acting_for("telegram:777", forwarded_from="Mallory"):
+        await daemon.mcp.call_tool(
+            "schedule_create", {"name": "fwd", "cron": "0 9 * * *", "prompt": "Pay it."}
+        )
+    with ctx.spawner.acting_for("telegram:666"):
+        for n in range(MAX_ROUTED_SCHEDULES):
+            await daemon.mcp.call_tool(
+                "schedule_create", {"name": f"bob-{n}", "cron": "0 9 * * *", "prompt": "Hi."}
+            )
+        with pytest.raises(ToolError, match="the limit for one person"):
+            await daemon.mcp.call_tool(
+                "schedule_create", {"name": "bob-over", "cron": "0 9 * * *", "prompt": "Hi."}
+            )
+    conn = await db_conn(daemon.config.database)
+    await conn.execute("UPDATE scheduled_tasks SET enabled = false WHERE name LIKE 'bob-%'")
+    with ctx.spawner.acting_for("telegram:666"):  # (allowed again, say)
+        await daemon.mcp.call_tool(
+            "schedule_create", {"name": "bob-new", "cron": "0 9 * * *", "prompt": "Hi."}
+        )
+    rows = {r["name"]: r for r in await call(daemon.sse_url, "schedule_list", {})}
+    assert rows["fwd"]["for"] == "telegram:777"
+    assert rows["bob-0"]["for"] == "telegram:666"
+    print_schedules([{**rows[name], "butler": "alpha"} for name in ("fwd", "bob-0", "bob-new")])
+    lines = capsys.readouterr().out.splitlines()
+    [fwd] = [line for line in lines if " fwd " in line]
+    assert " telegram:777 " in fwd and " you " not in fwd
+    [disabled] = [line for line in lines if " bob-0 " in line]
+    [enabled] = [line for line in lines if " bob-new " in line]
+    assert " disabled " in disabled and " disabled " not in enabled
 
 
 @pytest.mark.parametrize(

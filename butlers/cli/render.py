@@ -442,7 +442,7 @@ def print_schedules(rows: list[dict[str, Any]]) -> None:
             row["butler"],
             row["name"],
             row.get("cron") or "once",
-            in_zone(row.get("next_run_at"), zone),
+            in_zone(row.get("next_run_at"), zone) if row.get("enabled", True) else "disabled",
             in_zone(row.get("last_run_at"), zone),
             row.get("origin", "tool"),
             cut(row.get("for"), 40) if row.get("for") else "you",  # whose message planted it
