@@ -19,6 +19,7 @@ import pytest
 from butlers.config import TranscriptionConfig
 from butlers.errors import TranscriptionFailed
 from butlers.media import Attachment
+from butlers.switchboard.attachments import on_this_side
 from butlers.switchboard.transcription import (
     HttpTranscriber,
     LocalTranscriber,
@@ -197,6 +198,32 @@ async def test_an_answer_that_is_not_a_transcription_is_permanent(
     failed = await failure(transcriber)
     assert failed.transient is False and failed.status == 200
     assert said in str(failed) and "OpenAI-compatible" in str(failed)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "setup"),
+    [
+        (307, "", True),  # FastAPI's trailing-slash redirect
+        (405, '{"detail": "Method Not Allowed"}', True),  # another path
+        (400, '{"error": {"message": "Invalid model whisper-2"}}', True),
+        (200, "<html><body>Welcome</body></html>", True),  # not a transcription endpoint
+        (401, '{"error": {"message": "Incorrect API key"}}', True),
+        (400, '{"error": {"message": "Invalid file format"}}', False),  # the recording
+    ],
+)
+async def test_a_setup_problem_is_not_blamed_on_the_recording(
+    transcription_api: FakeTranscriptionAPI,
+    transcriber: HttpTranscriber,
+    status: int,
+    body: str,
+    setup: bool,
+) -> None:
+    """The sender of each of these was told "I could not make out your voice note" (a
+    walkthrough): they are the butler's setup, and said so (SERVICE_REFUSED)."""
+    transcription_api.answer_raw(status, body)
+    failed = await failure(transcriber)
+    assert failed.transient is False
+    assert on_this_side(failed) is setup
 
 
 async def test_silence_is_no_message_and_a_long_error_page_is_cut(

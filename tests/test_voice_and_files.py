@@ -129,18 +129,23 @@ async def test_a_voice_note_is_transcribed_routed_by_its_words_and_answered_with
     assert HEARD in json.dumps(blocks(routed))
 
 
+@pytest.mark.parametrize(
+    "caption",
+    # A caption that starts like a command is the photo's question: it got the help text,
+    # the photo unread (a walkthrough).
+    ["What is on this receipt?", "/help What is on this receipt?"],
+)
 async def test_a_photo_reaches_the_butler_as_an_image_and_the_classifier_as_one_line(
     start_butler: StartButler,
     tmp_path: Path,
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
+    caption: str,
 ) -> None:
     scripted_api.respond_with(by_words)
     small, large = png(2, 2), png(64, 64)
     await start_telegram_fleet(start_butler, tmp_path, bot_api)
-    await bot_api.push_photo(
-        CHAT, [(small, 2, 2), (large, 64, 64)], caption="What is on this receipt?"
-    )
+    await bot_api.push_photo(CHAT, [(small, 2, 2), (large, 64, 64)], caption=caption)
     [reply] = await bot_api.wait_sent(1)
     assert reply["text"] == "general answered"
     [routed] = butler_requests(scripted_api, "general")

@@ -56,8 +56,10 @@ SERVICE_DOWN = (
     "Sorry, I could not transcribe your voice note: the transcription service has not been "
     "answering for {hours}. Please write it out, or send it again later."
 )
-# What the service answers about a caller it will not serve, not about the audio.
-REFUSING_STATUSES = (401, 402, 403, 404)
+# What the service answers about a caller it will not serve, or an address that is not a
+# transcription endpoint (a redirect: FastAPI's trailing slash; 405: another path), not about
+# the audio.
+REFUSING_STATUSES = (401, 402, 403, 404, 405)
 TOO_LONG = (
     "Sorry, your voice note took too long to transcribe. Please send a shorter one, or write "
     "it out."
@@ -203,7 +205,7 @@ class AttachmentStep:
         already waited), until `retry_hours`; anything else, or past that, fails the message."""
         error = f"transcription: {exc}"
         if not exc.transient:
-            refused = exc.status is None or exc.status in REFUSING_STATUSES
+            refused = on_this_side(exc)
             return NotNow("failed", SERVICE_REFUSED if refused else NOT_HEARD, error)
         timeouts = message.meta.get("timeouts")
         if exc.timed_out and isinstance(timeouts, int) and timeouts >= MAX_TIMEOUTS - 1:
@@ -225,6 +227,21 @@ class AttachmentStep:
             extra={"action": "transcription_deferred"},
         )
         return NotNow("queued", None, error, retry_in_s=delay, timed_out=exc.timed_out)
+
+
+def on_this_side(exc: TranscriptionFailed) -> bool:
+    """Whether a failure is the butler's setup, not the recording: no answer at all (a local
+    model missing), a refusal of this caller, a redirect, a 200 that is no transcription (not
+    an OpenAI-compatible endpoint), a 400 about the model. A walkthrough found each of these
+    told to the sender as a note badly spoken."""
+    status = exc.status
+    return (
+        status is None
+        or status in REFUSING_STATUSES
+        or 300 <= status < 400
+        or status == 200
+        or (status == 400 and "model" in str(exc).lower())
+    )
 
 
 def _more_than_audio(message: InboxMessage, files: list[Attachment]) -> bool:

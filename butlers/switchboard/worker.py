@@ -37,7 +37,13 @@ from butlers.errors import LeaseLost, RouteError
 from butlers.logs import progress
 from butlers.media import Attachment
 from butlers.spawner import Spawner
-from butlers.switchboard.attachments import AttachmentStep, Carried, NotNow, quoted
+from butlers.switchboard.attachments import (
+    AttachmentStep,
+    Carried,
+    NotNow,
+    descriptions,
+    quoted,
+)
 from butlers.switchboard.classifier import classify_with_claude, message_body, triage
 from butlers.switchboard.conversation import (
     answered_ids,
@@ -549,7 +555,9 @@ class InboxWorker:
                 return
             if await self._over_sender_limit(message):
                 return
-            if command_of(message.channel, message.text):
+            # A command is a message of its own: a photo captioned "/help what is this?" is
+            # the photo's question (it got the help text, the photo unread: a walkthrough).
+            if not descriptions(message.meta) and command_of(message.channel, message.text):
                 reply = help_text(
                     await self.routing_store.registry(), switchboard=self.spawner.config.name
                 )
