@@ -158,7 +158,11 @@ async def test_a_photo_reaches_the_butler_as_an_image_and_the_classifier_as_one_
     assert base64.b64encode(large).decode() not in classified  # a line, never the bytes
 
 
-@pytest.mark.parametrize("together", [True, False], ids=["one-poll", "one-update-a-poll"])
+@pytest.mark.parametrize(
+    ("together", "hourly_limit"),
+    [(True, 60), (False, 60), (False, 1)],
+    ids=["one-poll", "one-update-a-poll", "the-hours-last-message"],
+)
 async def test_an_album_is_answered_once_with_all_its_photos(
     start_butler: StartButler,
     tmp_path: Path,
@@ -166,13 +170,16 @@ async def test_an_album_is_answered_once_with_all_its_photos(
     scripted_api: ScriptedMessagesAPI,
     db_conn,
     together: bool,
+    hourly_limit: int,
 ) -> None:
     """Three photos sent as an album come as three messages (in one getUpdates answer, or
     one update at a time): one classification, one routed session with the three images, one
-    reply."""
+    reply. The album is one message for max_messages_per_sender_per_hour: sent as the
+    hour's last allowed one, it lost every photo but its first (a walkthrough)."""
     scripted_api.respond_with(by_words)
     photos = [png(8, 8), png(16, 16), png(32, 32)]
-    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api)
+    limits = SwitchboardConfig(max_messages_per_sender_per_hour=hourly_limit)
+    switchboard, _ = await start_telegram_fleet(start_butler, tmp_path, bot_api, switchboard=limits)
     await bot_api.push_album(CHAT, photos, caption="Which of these is sharpest?", together=together)
     [reply] = await bot_api.wait_sent(1)
     assert reply["text"] == "general answered"

@@ -457,7 +457,7 @@ class TelegramModule:
             await self.worker.accept(incoming)
             return
         incoming = replace(incoming, album=message.media_group_id)
-        if not await self.worker.files_welcome("telegram", chat_id):
+        if not await self.worker.files_welcome("telegram", chat_id, message.media_group_id):
             # Over the hourly limit: the message is kept and skipped; nothing is fetched.
             await self.worker.accept(_noting(incoming, OVER_LIMIT))
             return
@@ -485,7 +485,7 @@ class TelegramModule:
                 # Its album counted it as coming (`_album_goes_on`): it need not wait for it.
                 await self.worker.album_part_dropped(incoming)
             return
-        if not await self.worker.files_welcome("telegram", chat_id):
+        if not await self.worker.files_welcome("telegram", chat_id, message.media_group_id):
             # Others of the sender's came meanwhile (webhook updates arrive together):
             # fetched, but not stored.
             await self.worker.accept(_noting(incoming, OVER_LIMIT))

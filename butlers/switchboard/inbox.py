@@ -390,9 +390,13 @@ class InboxStore:
     async def holds_channel(self, channel: str) -> bool:
         return bool(await self.pool.fetchval(sql.INBOX_HOLDS_CHANNEL, channel))
 
-    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+    async def sent_last_hour(
+        self, channel: str, source_id: str, *, besides_album: str | None = None
+    ) -> int:
         """How many messages a sender sent in the last hour, as the worker counts them."""
-        return await self.pool.fetchval(sql.INBOX_SENDER_LAST_HOUR, channel, source_id)
+        return await self.pool.fetchval(
+            sql.INBOX_SENDER_LAST_HOUR, channel, source_id, besides_album
+        )
 
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:
         """The last `exchanges` handled messages of the message's conversation before it,

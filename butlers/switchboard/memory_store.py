@@ -476,7 +476,9 @@ class MemoryInboxStore:
     async def holds_channel(self, channel: str) -> bool:
         return any(row["channel"] == channel for row in self._rows.values())
 
-    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+    async def sent_last_hour(
+        self, channel: str, source_id: str, *, besides_album: str | None = None
+    ) -> int:
         since = self.database.clock() - timedelta(hours=1)
         return sum(
             1
@@ -485,6 +487,7 @@ class MemoryInboxStore:
             and row["source_id"] == source_id
             and row["received_at"] > since
             and row["classified_via"] != "album"
+            and (besides_album is None or row["meta"].get("album") != besides_album)
         )
 
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:

@@ -295,12 +295,14 @@ INBOX_CLAIM_NEXT = """
 """
 # Whether any message of channel $1 is stored (through inbox_sender_received, its first key).
 INBOX_HOLDS_CHANNEL = "SELECT EXISTS (SELECT 1 FROM inbox WHERE channel = $1)"
-# How many messages the sender $2 of channel $1 sent in the last hour (album parts not
+# How many messages the sender $2 of channel $1 sent in the last hour, but those of album $3
+# (album parts not
 # counted): INBOX_CLAIM_NEXT's count, for a message about to be accepted.
 INBOX_SENDER_LAST_HOUR = """
     SELECT count(*) FROM inbox
     WHERE channel = $1 AND source_id = $2 AND received_at > now() - interval '1 hour'
       AND classified_via IS DISTINCT FROM 'album'
+      AND ($3::text IS NULL OR meta ->> 'album' IS DISTINCT FROM $3)
 """
 # Extend $1's leases on the messages $2 by $3 seconds; the ids it still holds, counting those
 # it finished meanwhile (its worker is between that commit and letting go of them).

@@ -194,9 +194,12 @@ class InboxQueue(Protocol):
         that ran before is no first start (the email intake reads all unread mail then)."""
         ...
 
-    async def sent_last_hour(self, channel: str, source_id: str) -> int:
+    async def sent_last_hour(
+        self, channel: str, source_id: str, *, besides_album: str | None = None
+    ) -> int:
         """How many rows the sender `source_id` of `channel` has from the last hour, album
-        parts not counted: the count a message claimed now would be limited by."""
+        parts not counted: the count a message claimed now would be limited by; with
+        `besides_album`, that album's rows (its first message's `album` meta) left out."""
         ...
 
     async def history(self, message: InboxMessage, exchanges: int) -> list[dict[str, Any]]:

@@ -275,20 +275,27 @@ class InboxWorker:
             self.outbox.wake()
         return inbox_id
 
-    async def files_welcome(self, channel: str, source_id: str | None) -> bool:
+    async def files_welcome(
+        self, channel: str, source_id: str | None, album: str | None = None
+    ) -> bool:
         """Whether a sender's files may be fetched and stored now: not while they are over
         `max_messages_per_sender_per_hour`. Their message is then skipped unclassified
         (`_over_sender_limit`); its files would only have filled the disk, a forwarded
         20 MiB document a hundred times over (a red team did), and held up the channel's
-        other chats while they downloaded."""
-        return await self._within_sender_limit(channel, source_id)
+        other chats while they downloaded. A part of `album` counts as the album, one
+        message: an album sent as the hour's last allowed message lost every photo but
+        its first (a walkthrough)."""
+        return await self._within_sender_limit(channel, source_id, album)
 
-    async def _within_sender_limit(self, channel: str, source_id: str | None) -> bool:
-        """Whether the sender is within `max_messages_per_sender_per_hour` now."""
+    async def _within_sender_limit(
+        self, channel: str, source_id: str | None, album: str | None = None
+    ) -> bool:
+        """Whether the sender is within `max_messages_per_sender_per_hour` now (`album`'s
+        rows, but one, not counted: the album is one message)."""
         limit = self.limits.max_messages_per_sender_per_hour
         if not limit or source_id is None:
             return True
-        return await self.inbox.sent_last_hour(channel, source_id) < limit
+        return await self.inbox.sent_last_hour(channel, source_id, besides_album=album) < limit
 
     async def album_part_dropped(self, message: IncomingMessage) -> None:
         """A part of an album its channel refused once downloaded (`message`: the part as it

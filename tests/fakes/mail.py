@@ -541,7 +541,9 @@ class RecordingWorker:
         self._changed.set()
         return len(self.accepted)
 
-    async def files_welcome(self, channel: str, source_id: str | None) -> bool:
+    async def files_welcome(
+        self, channel: str, source_id: str | None, album: str | None = None
+    ) -> bool:
         """As the switchboard's: False while the sender is over the hourly limit (`over`)."""
         return not self.over_limit
 
