@@ -989,3 +989,31 @@ def test_files_posted_to_the_mail_webhook_are_named_not_dropped_silently() -> No
     )
     body.pop("attachments")
     assert parse_webhook(json.dumps(body).encode()).text == "See attached scan."
+
+
+def test_the_owners_lines_stay_theirs_beside_a_voice_note() -> None:
+    """A mail with the owner's line, an attached mail and an audio file: the audio marked the
+    whole mail a voice note, so the owner's line was labelled transcribed and taken for the
+    attached mail's author ("Don't pay it, just check" disowned: a walkthrough). Its
+    transcript, heard after the typed words (AttachmentStep), is labelled where it begins."""
+    import dataclasses
+
+    from butlers.modules.email import _incoming
+    from butlers.switchboard.classifier import message_body
+    from tests.test_media import ogg_opus
+
+    owner_mail = forward_as_attachment("Is this legit? Don't pay it, just check.", invoice_mail())
+    owner_mail.add_attachment(ogg_opus(), maintype="audio", subtype="ogg", filename="memo.ogg")
+    incoming = _incoming(parse_mail(owner_mail.as_bytes()))
+    assert incoming.meta["voice"] is True and incoming.meta["forwarded_at"] > 0
+    typed = incoming.text + "\n\n"
+    heard = dataclasses.replace(
+        owners(incoming),
+        text=typed + "Call Acme first.",
+        meta={**incoming.meta, "transcribed": True, "transcript_at": len(typed)},
+    )
+    said = message_body(heard)
+    assert said.startswith("Is this legit? Don't pay it, just check.\n\n(Forwarded: from here on")
+    assert said.endswith(
+        "Please pay 120 EUR by Friday.\n\n(A voice note, transcribed.) Call Acme first."
+    )

@@ -167,15 +167,21 @@ class AttachmentStep:
         transcript = "\n".join(text.strip() for text in heard if text.strip())
         if not transcript:
             return NotNow("failed", NOT_HEARD, "transcription: the service heard no words")
-        text = f"{message.text}\n\n{transcript}" if message.text.strip() else transcript
+        typed = f"{message.text}\n\n" if message.text.strip() else ""
+        text = typed + transcript
         if not await self.inbox.transcribed(
-            message.id, replica=self.replica, text=text, keep_audio=self.config.keep_audio
+            message.id,
+            replica=self.replica,
+            text=text,
+            keep_audio=self.config.keep_audio,
+            transcript_at=len(typed),
         ):
             raise LeaseLost(message.id)
         meta = {
             **message.meta,
             "voice": True,
             "transcribed": True,
+            "transcript_at": len(typed),
             "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
         }
         return Carried(dataclasses.replace(message, text=text, meta=meta), [], transcript)

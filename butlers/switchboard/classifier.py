@@ -48,14 +48,22 @@ class Classification:
     session: SessionOutcome | None = None
 
 
+def _index(value: object, length: int) -> int:
+    """`value` if it is an index into a text of `length` characters, else 0."""
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < length
+        else 0
+    )
+
+
 def message_body(message: InboxMessage) -> str:
     """What the classifier and the routed butler read of a message: its subject, its text
     (a voice note's transcript, said to be one), and one line per file it carries."""
-    text = (
-        f"(A voice note, transcribed.) {message.text}"
-        if message.meta.get("voice")
-        else message.text
-    )
+    text = message.text
+    if message.meta.get("voice"):  # after the words typed with it (a mail's, a caption)
+        at = _index(message.meta.get("transcript_at"), len(text))
+        text = f"{text[:at]}(A voice note, transcribed.) {text[at:]}"
     subject = f"Subject: {message.subject}\n\n" if message.subject else ""
     if (author := message.meta.get("forwarded_from")) is not None:
         # Someone else's words, passed on: not the sender's own request (their name is

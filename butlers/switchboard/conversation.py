@@ -85,6 +85,8 @@ def forwarded_at(message: InboxMessage) -> int:
     """Where in a message's text a forwarded part begins after the sender's own lines (a
     mail's `forwarded_at`); 0: all of it is forwarded, or it is not a forward."""
     at = message.meta.get("forwarded_at")
-    if message.meta.get("voice") or not isinstance(at, int) or isinstance(at, bool):
+    if not isinstance(at, int) or isinstance(at, bool):
         return 0
+    # A voice note's transcript comes after the words typed with it, which the index counts:
+    # it still holds (treated as 0, the owner's own typed lines were taken for the author's).
     return at if 0 < at < len(message.text) else 0

@@ -261,10 +261,11 @@ class InboxStore:
         return [Attachment(r["name"], r["mime_type"], r["data"]) for r in rows]
 
     async def transcribed(
-        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool
+        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool, transcript_at: int = 0
     ) -> bool:
         """A voice note heard: `text` becomes the message's text (meta "voice" and
-        "transcribed": true, so that a resumed attempt does not transcribe it again), and its
+        "transcribed": true, so that a resumed attempt does not transcribe it again;
+        "transcript_at": where in it the transcript begins, after the words typed with it), and its
         audio files go (their rows, and their lines in meta "attachments") unless `keep_audio`.
         Only while `replica` holds the claim; False when it does not (another process took the
         message over: its work counts). One statement: the text and the audio go together."""
@@ -274,6 +275,7 @@ class InboxStore:
             storable(text),
             replica,
             keep_audio,
+            transcript_at,
         )
         return bool(done)
 

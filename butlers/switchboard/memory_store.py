@@ -453,12 +453,17 @@ class MemoryInboxStore:
         return list(self.database.tables.inbox_files.get(inbox_id, ()))
 
     async def transcribed(
-        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool
+        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool, transcript_at: int = 0
     ) -> bool:
         row = self._held(inbox_id, replica)
         if row is None:
             return False
-        meta = {**row["meta"], "voice": True, "transcribed": True}
+        meta = {
+            **row["meta"],
+            "voice": True,
+            "transcribed": True,
+            "transcript_at": transcript_at,
+        }
         listed = meta.get("attachments")
         if not keep_audio and isinstance(listed, list):
             meta["attachments"] = [

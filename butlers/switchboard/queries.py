@@ -209,9 +209,11 @@ INBOX_TRANSCRIBED = """
         UPDATE inbox SET text = $2,
             meta = CASE
                 WHEN $4 OR jsonb_typeof(meta -> 'attachments') IS DISTINCT FROM 'array'
-                THEN meta || '{"voice": true, "transcribed": true}'
+                THEN meta || jsonb_build_object(
+                    'voice', true, 'transcribed', true, 'transcript_at', $5::int)
                 ELSE meta || jsonb_build_object(
-                    'voice', true, 'transcribed', true, 'attachments', coalesce(
+                    'voice', true, 'transcribed', true, 'transcript_at', $5::int,
+                    'attachments', coalesce(
                     (SELECT jsonb_agg(a ORDER BY n)
                      FROM jsonb_array_elements(meta -> 'attachments')
                           WITH ORDINALITY AS listed (a, n)

@@ -182,11 +182,12 @@ class InboxQueue(Protocol):
         ...
 
     async def transcribed(
-        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool
+        self, inbox_id: int, *, replica: str, text: str, keep_audio: bool, transcript_at: int = 0
     ) -> bool:
         """A voice note heard: `text` becomes the row's text, its meta gains "voice" and
-        "transcribed" (true), and unless `keep_audio` its audio files go, from `attachments`
-        and from meta's listing. Only while `replica` holds it `processing`; else False."""
+        "transcribed" (true) and "transcript_at" (where the transcript begins in `text`), and
+        unless `keep_audio` its audio files go, from `attachments` and from meta's listing.
+        Only while `replica` holds it `processing`; else False."""
         ...
 
     async def holds_channel(self, channel: str) -> bool:
