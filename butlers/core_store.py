@@ -300,7 +300,7 @@ class CoreStore:
                         missed.append({**row, "due_at": latest})
                     continue
                 await conn.execute(sql.SCHEDULE_RAN, row["id"], now, following)
-                due.append(dict(row))
+                due.append({**row, "due_at": max(latest, row["due_at"])})  # the run it makes up
         return due
 
     # -- sessions --------------------------------------------------------------------------

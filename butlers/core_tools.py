@@ -258,6 +258,8 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     due.sort(key=lambda task: _peoples(ctx, task))
     ran: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
+    # Late: later than the ticker's own lateness (a tick comes up to tick_interval_s after).
+    late_after = max(LATE_AFTER, timedelta(seconds=2 * ctx.config.runtime.tick_interval_s))
     for task in due:
         peoples = _peoples(ctx, task)
         if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
@@ -286,7 +288,7 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
         if peoples:  # their words, as when their message came (butlers.switchboard.handoff)
             prompt = _planted_prompt(task)
         outcome = await ctx.spawner.run(
-            _late_note(task, now, zone) + prompt,
+            _late_note(task, now, zone, late_after) + prompt,
             recall=prompt,  # (the note's words crowded the reminder's out of the memories)
             target=ctx.self_target(),
             trigger_source=f"schedule:{task['name']}",
@@ -496,16 +498,19 @@ def catch_up_window(runtime: RuntimeConfig) -> timedelta:
     )
 
 
-def _late_note(task: dict[str, Any], now: datetime, zone: str) -> str:
-    """A one-shot reminder that runs late says so to its session, and when it was asked for
-    (`due_at`, kept however often it was tried again): the butler was down, its session
-    failed, or the hourly cap held it back."""
+def _late_note(task: dict[str, Any], now: datetime, zone: str, late_after: timedelta) -> str:
+    """A run that comes late says so to its session, and when it was due: a one-time
+    reminder's (`due_at`: when it was asked for, however often it was tried again; the
+    butler was down, its session failed, or the hourly cap held it back), and a recurring
+    run made up after downtime (an 08:00 "good morning" made up at 14:00 read as morning:
+    a walkthrough)."""
     due_at: datetime = task["due_at"]
-    if not task["once"] or now - due_at < LATE_AFTER:
+    if now - due_at < late_after:
         return ""
+    what = "one-time reminder" if task["once"] else "scheduled run"
     return (
-        f"[This one-time reminder was due at {schedule_time.local_now(zone, due_at)} and "
-        "runs late: it could not run then. Say so if you tell anyone.]\n\n"
+        f"[This {what} was due at {schedule_time.local_now(zone, due_at)} and runs late: "
+        "it could not run then. Say so if you tell anyone.]\n\n"
     )
 
 

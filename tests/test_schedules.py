@@ -252,13 +252,18 @@ async def test_a_missed_run_is_caught_up_once_and_an_old_one_moves_on(
     scripted_api.script([text("Done.")])
     daemon = await start_butler(butler_config("alpha"))
     conn = await db_conn(daemon.config.database)
+    made_up = (datetime.now(UTC) - timedelta(minutes=10)).replace(second=0, microsecond=0)
     for name in ("recent", "stale"):
         await call(
-            daemon.sse_url, "schedule_create", {"name": name, "cron": "0 * * * *", "prompt": name}
+            daemon.sse_url,
+            "schedule_create",
+            {"name": name, "cron": f"{made_up.minute} * * * *", "prompt": name},
         )
-    # Down for a day. recent: hourly, so its latest due run is within the hour, inside
-    # catch_up_hours (6): it runs, once, not 24 times. stale: daily, last due 10 hours ago,
-    # outside the window: it moves on to tomorrow without running.
+    # Down for a day. recent: hourly, so its latest due run is within the hour (10 minutes
+    # ago), inside catch_up_hours (6): it runs, once, not 24 times, told it is late and
+    # when it was due (a walkthrough: an 08:00 "good morning" made up at 14:00 read as
+    # morning). stale: daily, last due 10 hours ago, outside the window: it moves on to
+    # tomorrow without running.
     ten_hours_ago = datetime.now(UTC) - timedelta(hours=10)
     await conn.execute(
         "UPDATE scheduled_tasks SET next_run_at = now() - interval '1 day' WHERE name = 'recent'"
@@ -271,6 +276,12 @@ async def test_a_missed_run_is_caught_up_once_and_an_old_one_moves_on(
     with log_records("butlers.core_store") as records:
         ticked = await call(daemon.sse_url, "tick", {})
     assert [r["name"] for r in ticked["ran"]] == ["recent"]  # once, not 24 times
+    prompt = await conn.fetchval(
+        "SELECT prompt FROM sessions WHERE trigger_source = $1", "schedule:recent"
+    )
+    assert prompt.startswith(
+        f"[This scheduled run was due at {schedule_time.local_now('UTC', made_up)} and runs late"
+    ), prompt
     assert any("'stale'" in r.getMessage() and "catch_up_hours" in r.getMessage() for r in records)
     stale_next = await conn.fetchval("SELECT next_run_at FROM scheduled_tasks WHERE name = 'stale'")
     assert stale_next > datetime.now(UTC)
