@@ -77,7 +77,9 @@ def test_a_message_sent_long_before_now_says_when_in_the_owners_zone() -> None:
     now = datetime(2026, 11, 28, 9, 0, tzinfo=UTC)
     evening = (now - timedelta(hours=14)).isoformat()
     said = sent_long_ago(evening, "Europe/Berlin", now)
-    assert said.startswith("It was sent 2026-11-27 20:00 (Europe/Berlin), 14 hours ago:")
+    assert said.startswith(
+        "It was sent Friday 2026-11-27 20:00 (Europe/Berlin, UTC+01:00), 14 hours ago:"
+    )
     assert sent_long_ago((now - timedelta(days=3)).isoformat(), "UTC", now).endswith(
         'what it says of "now", "today" or "tomorrow" counts from then.'
     )
@@ -89,5 +91,5 @@ def test_a_message_sent_long_before_now_says_when_in_the_owners_zone() -> None:
     owner = OwnerConfig(telegram_chat_id="42", timezone="Europe/Berlin")
     late = message("42", meta={"sent_at": "2026-01-01T08:00:00+00:00"})
     framed = Handoff.of(late, owner=owner).prompt("Remind me tomorrow")
-    assert "It was sent 2026-01-01 09:00 (Europe/Berlin), " in framed
+    assert "It was sent Thursday 2026-01-01 09:00 (Europe/Berlin, UTC+01:00), " in framed
     assert "It was sent" not in Handoff.of(message("42"), owner=owner).prompt("x")

@@ -16,10 +16,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from zoneinfo import ZoneInfo
 
 from butlers.config import OwnerConfig
 from butlers.media import Attachment
+from butlers.schedule_time import local_now
 from butlers.switchboard.conversation import HISTORY_INTRO, forwarded_at, is_owners
 from butlers.switchboard.inbox import InboxMessage
 from butlers.text import fence, new_boundary, printable
@@ -48,9 +48,10 @@ def sent_long_ago(sent_at: object, zone: str, now: datetime | None = None) -> st
     waited = ((now or datetime.now(UTC)) - sent).total_seconds()
     if waited < LATE_S:
         return ""
-    local = sent.astimezone(ZoneInfo(zone))
+    # As the Now line says a time: with its weekday ("tomorrow" is Saturday) and its offset
+    # (02:30 happens twice on the fall-back night).
     return (
-        f"It was sent {local:%Y-%m-%d %H:%M} ({zone}), {_span(waited)} ago: what it says of "
+        f"It was sent {local_now(zone, sent)}, {_span(waited)} ago: what it says of "
         '"now", "today" or "tomorrow" counts from then.'
     )
 
