@@ -754,6 +754,34 @@ async def test_another_replica_takes_a_row_being_sent_only_once_its_lease_is_up(
     assert await stores.outbox.claim("telegram", "r1", HOUR) is not None
 
 
+async def test_a_sender_whose_lease_ran_out_changes_nothing_and_a_renewed_one_keeps_it(
+    stores: Stores,
+) -> None:
+    """A leader paused mid-send past its lease: another sent the row meanwhile; the first,
+    woken, put it back to `pending` (its request timed out) and it went out again, or
+    failed a row that was sent (a review). Only the row's sender may put it back or fail
+    it; one that renews its lease while it sends keeps the row."""
+    await add(stores, reply("x", "x1", butler="general"))
+    first = await stores.outbox.claim("telegram", "r1", -1)  # its lease ran out at once
+    assert first is not None
+    again = await stores.outbox.claim("telegram", "r2", HOUR)
+    assert again is not None and (again.id, again.attempts) == (first.id, 2)
+    assert not await stores.outbox.renew(first.id, "r1", HOUR)
+    await stores.outbox.sent(again.id, ["1"])
+    await stores.outbox.later(first.id, "timed out", -1, sender="r1")
+    assert await stores.outbox.claim("telegram", "r2", HOUR) is None  # not sent again
+    await stores.outbox.failed(first.id, "gave up", sender="r1")
+    assert await stores.outbox.butler_answering("telegram", "x", ["1"], 7) == "general"  # sent
+    # Renewed while it sends: nobody else takes it, and its sender may put it back.
+    await add(stores, reply("y", "y1"))
+    held = await stores.outbox.claim("telegram", "r1", -1)
+    assert held is not None and await stores.outbox.renew(held.id, "r1", HOUR)
+    assert await stores.outbox.claim("telegram", "r2", HOUR) is None
+    await stores.outbox.later(held.id, "down", -1, sender="r1")
+    back = await stores.outbox.claim("telegram", "r2", HOUR)
+    assert back is not None and back.id == held.id
+
+
 async def test_a_rows_files_come_with_it(stores: Stores) -> None:
     photo = Attachment("p.png", "image/png", PNG)
     await add(stores, reply(text="see", attachments=(photo,)), reply(text="plain"))

@@ -499,3 +499,31 @@ async def test_local_failures_are_permanent_and_say_what_failed(model_dir: Path)
             await local.transcribe(Attachment("v.ogg", "audio/ogg", b"broken"))
         assert "could not transcribe audio (audio/ogg, 6 B) 'v.ogg'" in str(caught.value)
         assert await local.transcribe(VOICE) == "Remind me to call Ada."  # the next one works
+
+
+def test_audio_not_heard_is_told_to_the_butler_without_the_services_words() -> None:
+    """The line a message that goes on without its audio carries reaches the butler, and
+    so maybe its sender: the kind of failure, never the service's address, a variable's
+    name or its error body (a review); the file's name cut."""
+    from butlers.switchboard.attachments import (
+        NO_TRANSCRIBER,
+        NOT_HEARD,
+        SERVICE_REFUSED,
+        NotNow,
+        _unheard_because,
+    )
+
+    secret_detail = "transcription: stt.internal:9000 answered 401: set OPENAI_API_KEY"
+    cases = {
+        NotNow("skipped", NO_TRANSCRIBER, "a voice note, and no transcription service"): (
+            "none is set up"
+        ),
+        NotNow("failed", NOT_HEARD, secret_detail): "no words could be made out",
+        NotNow("failed", SERVICE_REFUSED, secret_detail): "could not be used",
+        NotNow("failed", "'x.ogg' plays longer than 10:00, the most I transcribe", "t"): (
+            "too long"
+        ),
+    }
+    for why, said in cases.items():
+        told = _unheard_because(why)
+        assert said in told and "stt.internal" not in told and "OPENAI" not in told

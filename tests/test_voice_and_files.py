@@ -318,7 +318,10 @@ async def test_a_mail_whose_audio_cannot_be_heard_goes_on_without_it(
     said = json.dumps(blocks(routed))
     assert "Please log this receipt" in said
     assert [b["type"] for b in blocks(routed)].count("document") == 1
-    assert "[not read: 'voicemail.ogg': a voice note, and no transcription service]" in said
+    assert (
+        "[not read: 'voicemail.ogg': voice notes need a transcription service, and none is set "
+        "up]" in said
+    )
     [row] = await rows(await db_conn(switchboard.config.database))
     assert row["status"] == "done", row
 

@@ -131,7 +131,9 @@ async def parts() -> AsyncIterator[Parts]:
     workers: list[InboxWorker] = []
 
     def make(max_concurrent: int = 2, transcriber: Any = None, **limits: Any) -> InboxWorker:
-        sender = OutboxSender(outbox, tracer=trace.get_tracer("test"), retry_hours=1)
+        sender = OutboxSender(
+            outbox, tracer=trace.get_tracer("test"), retry_hours=1, replica="test"
+        )
         sender.channels["telegram"] = StandInChannel()
         worker = InboxWorker(
             inbox=inbox,
@@ -220,7 +222,7 @@ async def test_the_reply_is_queued_to_the_outbox_with_the_outcome(parts: Parts) 
     (row,) = await done(worker, [inbox_id])
     assert (row["status"], row["routed_to"], row["classified_via"]) == ("done", "general", "triage")
     assert row["reply"] == "general did: a#0"
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     assert delivery is not None
     assert (delivery.kind, delivery.recipient, delivery.text, delivery.inbox_id) == (
         "reply",
@@ -244,7 +246,7 @@ async def test_a_failed_route_is_answered_with_a_sorry_and_the_error_kept(parts:
     assert row["status"] == "failed"
     assert row["reply"] == sorry("unreachable", "health")
     assert "health: connection refused" in row["error"]
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     assert delivery is not None and delivery.text == sorry("unreachable", "health")
     # The person's text never reaches the reply.
     assert "127.0.0.1" not in delivery.text
@@ -332,7 +334,7 @@ async def test_a_message_its_butlers_answered_before_an_interruption_is_not_hand
     assert (second["status"], second["reply"]) == ("done", "general did: b#0")
     assert (third["status"], third["reply"]) == ("done", "general did: c#0")
     assert sorted(text for _, text in parts.router.routed) == ["b#0", "c#0"]
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     assert delivery is not None and delivery.text == first["reply"]
 
 
@@ -384,9 +386,9 @@ async def test_a_deferred_message_is_taken_up_when_it_is_due(
     assert inbox_id is not None and later is not None
     first, second = await done(worker, [inbox_id, later])
     assert transcriber.calls == 2
-    assert (
-        first["status"] == "done" and "health did: (A voice note, transcribed.)" in first["reply"]
-    )
+    assert first["status"] == "done"
+    # Its typed words first, the transcript labelled where it begins.
+    assert "health did: a#0\n\n(A voice note, transcribed.) to:health heard" in first["reply"]
     assert second["status"] == "done"
     assert [butler for butler, _ in parts.router.routed] == ["health", "general"]
 
@@ -407,7 +409,7 @@ async def test_a_notification_reaches_the_conversations_person_within_the_hourly
     )
     queued = await desk.deliver("your reminder", "health", None, "telegram:a")
     assert queued == {"queued": 1, "files": 0, "channel": "telegram", "to": "conversation"}
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     assert delivery is not None
     assert (delivery.kind, delivery.recipient, delivery.text, delivery.butler) == (
         "notification",
@@ -440,7 +442,7 @@ async def test_a_notification_to_someone_who_may_no_longer_write_is_refused(
     )
     with pytest.raises(NotifyRefused, match="'telegram:a' may no longer write"):
         await desk.deliver("your reminder", "health", None, "telegram:a")
-    assert await parts.outbox.claim("telegram") is None
+    assert await parts.outbox.claim("telegram", "test", 60) is None
     assert await desk.may_write("telegram:a:topic") is False
     assert await desk.may_write("telegram:b") is True
     # A channel not running here cannot say: its people's reminders are not disabled for it
@@ -502,7 +504,7 @@ async def test_a_message_its_butlers_were_too_busy_for_waits_and_is_answered_lat
     assert (row["status"], row["reply"]) == ("done", "health did: to:health")
     assert len(router.routed) == 3 and row["attempts"] == 1
     assert "deferred_since" in row["meta"]
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     # The first reply queued is the answer: no sorry went before it.
     assert delivery is not None and delivery.text == "health did: to:health"
 
@@ -606,7 +608,7 @@ async def test_an_outcome_whose_commit_went_through_unanswered_is_not_taken_for_
     assert dropped == [1]
     assert (row["status"], row["reply"]) == ("done", "general did: a#0")
     assert not [r for r in records if "taken over" in r.getMessage()]
-    delivery = await parts.outbox.claim("telegram")
+    delivery = await parts.outbox.claim("telegram", "test", 60)
     assert delivery is not None and delivery.text == "general did: a#0"
 
 
@@ -662,7 +664,7 @@ async def test_a_message_not_read_is_answered_within_the_senders_hourly_limit(
         row = await parts.inbox.get(inbox_id)
         assert row is not None and row["status"] == "failed"
     told = []
-    while (delivery := await parts.outbox.claim("telegram")) is not None:
+    while (delivery := await parts.outbox.claim("telegram", "test", 60)) is not None:
         told.append(delivery.text)
         await parts.outbox.sent(delivery.id, ["x"])
     assert told == ["Sorry, your mail was not read: it is too big."] * 2

@@ -161,10 +161,10 @@ async def _health_name(butler: ButlerConfig, timeout_s: float) -> str | None:
     """The name the program on `butler`'s port gives at /health, if it is a butler."""
     import aiohttp
 
+    from butlers.config import loopback_sse_url
     from butlers.dashboard.fleet import health_url
 
-    host = "127.0.0.1" if butler.host in ("0.0.0.0", "", "::") else butler.host
-    url = health_url(f"http://{host}:{butler.port}/sse")
+    url = health_url(loopback_sse_url(butler.host, butler.port))
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,

@@ -180,10 +180,13 @@ async def _bound_answer(response: httpx2.Response) -> None:
     """A JSON answer's body read through a count of its bytes. Only an answer sent as it is
     can be counted so (gzip multiplies what a few MB become), so one compressed although
     the request asked for none (`Accept-Encoding: identity`) is not read at all."""
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
+    kind = response.headers.get("content-type", "").lower()
+    if kind.startswith("text/event-stream") or not isinstance(
+        response.stream,
+        httpx2.AsyncByteStream,  # (always, of an AsyncClient)
+    ):
         return
     encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    assert isinstance(response.stream, httpx2.AsyncByteStream)  # (an AsyncClient's)
     response.stream = _Bounded(response.stream, refused=encoding not in ("", "identity"))
 
 

@@ -260,14 +260,13 @@ def _without_audio(message: InboxMessage, audio: list[Attachment], why: NotNow) 
     """The message without its audio, which could not be heard, and a line saying so: a
     mail with a receipt, its words and a voicemail notification was skipped whole, its
     sender told to write out what they had written (a walkthrough)."""
-    names = ", ".join(repr(file.name) for file in audio)
-    reason = printable(why.error.removeprefix("transcription: "), 200)
-    note = f"[not read: {names}: {reason}]"
+    names = ", ".join(repr(printable(file.name, 80)) for file in audio)
+    note = f"[not read: {names}: {_unheard_because(why)}]"
     text = f"{message.text}\n\n{note}" if message.text.strip() else note
     logger.info(
         "message %s: its audio was not heard (%s); its words and other files go on",
         message.id,
-        reason,
+        why.error,
         extra={"action": "audio_left_out"},
     )
     meta = {
@@ -275,6 +274,20 @@ def _without_audio(message: InboxMessage, audio: list[Attachment], why: NotNow) 
         "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
     }
     return Carried(dataclasses.replace(message, text=text, meta=meta), [])
+
+
+def _unheard_because(why: NotNow) -> str:
+    """Why audio was not heard, as the butler and so its sender may read it: the kind of
+    failure, never the service's own words (its address, a variable's name, a model's
+    path: the operator's, in the log)."""
+    if why.status == "skipped":
+        return "voice notes need a transcription service, and none is set up"
+    if why.reply == NOT_HEARD:
+        return "no words could be made out"
+    said = why.reply or ""
+    if said == TOO_LONG or "plays longer than" in said or "cannot tell how long" in said:
+        return "too long to transcribe, or its length could not be told"
+    return "the transcription service could not be used"
 
 
 def _within_one_request(

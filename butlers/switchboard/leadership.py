@@ -94,6 +94,7 @@ class Leadership:
         self.tries = 0
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None  # the duties' latest step-down
 
     async def open(self) -> None:
         """Try the lock once now (a lone switchboard leads from its first moment), then keep
@@ -107,6 +108,8 @@ class Leadership:
         await cancel_and_wait(self._task)
         self._task = None
         await self._step_down()
+        if self._stopping is not None:  # (begun by the task: the lock was lost)
+            await self._stopping
         await self._close()
 
     async def _run(self) -> None:
@@ -167,14 +170,29 @@ class Leadership:
                 logger.exception("switchboard %s: %s did not start", self.replica, duty.name)
 
     async def _step_down(self) -> None:
+        """Every duty stops at once, side by side: the outbox lets a reply under way finish
+        (up to its STEP_DOWN_DRAIN_S) while the pollers, which another leader may run
+        already, stop now (one after the other, they polled on for the outbox's drain: a
+        review). Shielded: a close() that cancels the leadership's task in the middle of it
+        still finds every duty stopped."""
         if not self.is_leader:
             return
         self.is_leader = False
-        for duty in reversed(self.duties):
-            try:
-                await duty.step_down()
-            except Exception:
-                logger.exception("switchboard %s: %s did not stop cleanly", self.replica, duty.name)
+        self._stopping = asyncio.ensure_future(self._stop_duties())
+        await asyncio.shield(self._stopping)
+
+    async def _stop_duties(self) -> None:
+        outcomes = await asyncio.gather(
+            *(duty.step_down() for duty in self.duties), return_exceptions=True
+        )
+        for duty, outcome in zip(self.duties, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                logger.error(
+                    "switchboard %s: %s did not stop cleanly",
+                    self.replica,
+                    duty.name,
+                    exc_info=outcome,
+                )
         logger.info(
             "switchboard %s stepped down", self.replica, extra={"action": "leader_stepped_down"}
         )

@@ -638,10 +638,24 @@ class MemoryOutboxStore:
             )
             self.database.tables.outbox_files.pop(delivery_id, None)
 
-    async def later(
-        self, delivery_id: int, error: str, delay_s: float, *, held_for_recipient: bool = False
-    ) -> None:
+    def _still_sending(self, delivery_id: int, sender: str | None) -> dict[str, Any] | None:
         row = self._rows.get(delivery_id)
+        if row is None or sender is None:
+            return row
+        if row["status"] != "sending" or row["meta"].get(SENDER_KEY) != sender:
+            return None
+        return row
+
+    async def later(
+        self,
+        delivery_id: int,
+        error: str,
+        delay_s: float,
+        *,
+        held_for_recipient: bool = False,
+        sender: str | None = None,
+    ) -> None:
+        row = self._still_sending(delivery_id, sender)
         if row is None:
             return
         meta = {k: v for k, v in row["meta"].items() if k != HELD_KEY}
@@ -654,10 +668,17 @@ class MemoryOutboxStore:
             meta=meta,
         )
 
-    async def failed(self, delivery_id: int, error: str) -> None:
-        row = self._rows.get(delivery_id)
+    async def failed(self, delivery_id: int, error: str, *, sender: str | None = None) -> None:
+        row = self._still_sending(delivery_id, sender)
         if row is not None:
             row.update(status="failed", error=storable(error[:ERROR_CHARS]))
+
+    async def renew(self, delivery_id: int, sender: str, lease_s: float) -> bool:
+        row = self._still_sending(delivery_id, sender)
+        if row is None:
+            return False
+        row["next_attempt_at"] = self.database.clock() + timedelta(seconds=lease_s)
+        return True
 
     async def butler_answering(
         self, channel: str, recipient: str, sent_ids: Sequence[str], within_days: int

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -59,15 +60,18 @@ IDLE_POLL_S = 30.0  # a fallback: new rows wake their sender at once
 # channel's later messages queue behind the row (delivery is in order).
 MAX_INTERNAL_ERRORS = 3
 ERROR_CHARS = 1000
-# How long a row another replica is sending waits before this one sends it: longer than a
-# delivery takes (PTB's and SMTP's timeouts: 5-30 s a request, a few requests a row) and a
-# leader that lost its lock takes to step down (leadership.CHECK_S twice). A red team: a
-# leader whose lock's connection alone was cut sent on while the next one, leading a second
-# later, took its row again: the reply went out twice.
-SENDING_LEASE_S = 120.0
+# How long a row another sender has is left to it: its lease, renewed every
+# LEASE_RENEW_S while it delivers (a delivery may take long: PTB's rate limiter waits out a
+# 429's retry_after), so that one whose process died or paused holds its channel up for this
+# long at most. A red team: a leader whose lock's connection alone was cut sent on until it
+# noticed, while the next one, leading a second later, took its row again: the reply went
+# out twice.
+SENDING_LEASE_S = 30.0
+LEASE_RENEW_S = 10.0
 # How long a leader stepping down lets a delivery under way finish (PTB's requests time out
-# within 5-20 s).
-STEP_DOWN_DRAIN_S = 20.0
+# within 5 s): with the worker's stop_drain_s and REPLIES_OUT_S, a stop stays within a
+# Kubernetes grace period's default 30 s.
+STEP_DOWN_DRAIN_S = 10.0
 # In a row's meta: how many files it carries (none: the key is absent).
 FILES_KEY = "files"
 
@@ -206,24 +210,39 @@ class OutboxStore:
         )
 
     async def later(
-        self, delivery_id: int, error: str, delay_s: float, *, held_for_recipient: bool = False
+        self,
+        delivery_id: int,
+        error: str,
+        delay_s: float,
+        *,
+        held_for_recipient: bool = False,
+        sender: str | None = None,
     ) -> None:
         """Try the row again in `delay_s`; `held_for_recipient`: only its recipient's later
-        rows wait for it (RecipientDeferred), not the channel's."""
+        rows wait for it (RecipientDeferred), not the channel's. `sender`: only while it
+        still has the row (see _STILL_SENDING)."""
         await self.pool.execute(
             sql.OUTBOX_LATER,
             delivery_id,
+            sender,
             storable(error[:ERROR_CHARS]),
             delay_s,
             held_for_recipient,
         )
 
-    async def failed(self, delivery_id: int, error: str) -> None:
+    async def failed(self, delivery_id: int, error: str, *, sender: str | None = None) -> None:
         await self.pool.execute(
             sql.OUTBOX_FAILED,
             delivery_id,
+            sender,
             storable(error[:ERROR_CHARS]),
         )
+
+    async def renew(self, delivery_id: int, sender: str, lease_s: float) -> bool:
+        """`sender` is still sending the row: its lease runs `lease_s` from now. False when
+        it no longer has it."""
+        done = await self.pool.execute(sql.OUTBOX_RENEW, delivery_id, sender, lease_s)
+        return done.endswith(" 1")
 
     async def butler_answering(
         self, channel: str, recipient: str, sent_ids: Sequence[str], within_days: int
@@ -261,7 +280,11 @@ class OutboxSender:
         self, store: OutboxQueue, *, tracer: Tracer, retry_hours: float, replica: str
     ) -> None:
         self.store = store
-        self.replica = replica  # whose `sending` rows are its own (OutboxQueue.claim)
+        # Whose `sending` rows are its own (OutboxQueue.claim): this process's, not its
+        # replica name's: two processes may share one (a host name a container was given, a
+        # restart while the old process still runs elsewhere), and each would take the
+        # other's row at once (a review).
+        self.sender = f"{replica}/{secrets.token_hex(4)}"
         self.tracer = tracer
         self.retry_budget_s = retry_hours * 3600
         self.channels: dict[str, ChannelModule] = {}  # their sending half
@@ -297,8 +320,7 @@ class OutboxSender:
         short, its channel may have it all the same (a request Telegram had read), and the
         next leader would send it again: a leader that only lost its lock's connection sent
         a reply twice so (a red team). A row still `sending` after that stays so: this
-        process sends it again when it leads again, another one once its SENDING_LEASE_S is
-        up."""
+        process sends it again when it leads again, another one once its lease is up."""
         self._stepping_down = True
         for wake in self._wakes.values():
             wake.set()
@@ -319,7 +341,7 @@ class OutboxSender:
         while not self._stepping_down:
             wake.clear()
             try:
-                delivery = await self.store.claim(name, self.replica, SENDING_LEASE_S)
+                delivery = await self.store.claim(name, self.sender, SENDING_LEASE_S)
                 if delivery is not None:
                     await self._deliver(channel, delivery)
                     continue
@@ -347,7 +369,7 @@ class OutboxSender:
                 },
             ) as span:
                 try:
-                    sent_ids = await channel.deliver(delivery)
+                    sent_ids = await self._delivered(channel, delivery)
                 except DeliveryError as exc:
                     span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
                     await self._not_taken(
@@ -372,6 +394,25 @@ class OutboxSender:
             if token is not None:
                 otel_context.detach(token)
 
+    async def _delivered(self, channel: ChannelModule, delivery: Delivery) -> list[str]:
+        """The channel's ids of what it sent, its lease renewed meanwhile."""
+        renewing = asyncio.create_task(
+            self._renew(delivery.id), name=f"switchboard:outbox:lease:{delivery.id}"
+        )
+        try:
+            return list(await channel.deliver(delivery))
+        finally:
+            await cancel_and_wait(renewing)
+
+    async def _renew(self, delivery_id: int) -> None:
+        while True:
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                if not await self.store.renew(delivery_id, self.sender, SENDING_LEASE_S):
+                    return  # (another took it: its process was paused past the lease)
+            except Exception as exc:  # the database away: the lease may run out, as if dead
+                logger.warning("outbox: row %s's lease not renewed: %s", delivery_id, exc)
+
     async def _not_taken(
         self,
         delivery: Delivery,
@@ -392,7 +433,7 @@ class OutboxSender:
                 error,
                 extra={"action": "delivery_failed"},
             )
-            await self.store.failed(delivery.id, error)
+            await self.store.failed(delivery.id, error, sender=self.sender)
             return
         delay_s = DELIVERY_BACKOFF.delay(delivery.attempts - 1)  # attempts counts this one
         logger.warning(
@@ -403,4 +444,10 @@ class OutboxSender:
             delay_s,
             extra={"action": "delivery_retry"},
         )
-        await self.store.later(delivery.id, error, delay_s, held_for_recipient=held_for_recipient)
+        await self.store.later(
+            delivery.id,
+            error,
+            delay_s,
+            held_for_recipient=held_for_recipient,
+            sender=self.sender,
+        )

@@ -431,16 +431,28 @@ OUTBOX_SENT = """
     )
     DELETE FROM outbox_attachments WHERE outbox_id IN (SELECT id FROM sent)
 """
-# Not taken: again in $3 seconds; $4: held for its recipient only (HELD_KEY).
+# Only while sender $2 still has the row (when given): one whose lease ran out (its process
+# paused past it) may have been sent by another since, and must not be put back or failed.
+_STILL_SENDING = Fragment(f"""
+    ($2::text IS NULL OR (status = 'sending' AND meta ->> '{SENDER_KEY}' = $2))
+""")
+# Not taken: again in $4 seconds; $5: held for its recipient only (HELD_KEY).
 OUTBOX_LATER = f"""
-    UPDATE outbox SET status = 'pending', error = $2,
-           next_attempt_at = now() + make_interval(secs => $3),
-           meta = CASE WHEN $4 THEN coalesce(meta, '{{}}') || '{{"{HELD_KEY}": true}}'
+    UPDATE outbox SET status = 'pending', error = $3,
+           next_attempt_at = now() + make_interval(secs => $4),
+           meta = CASE WHEN $5 THEN coalesce(meta, '{{}}') || '{{"{HELD_KEY}": true}}'
                        ELSE meta - '{HELD_KEY}' END
-    WHERE id = $1
+    WHERE id = $1 AND {_STILL_SENDING}
 """
 # Refused for good, or out of retry time.
-OUTBOX_FAILED = "UPDATE outbox SET status = 'failed', error = $2 WHERE id = $1"
+OUTBOX_FAILED = (
+    f"UPDATE outbox SET status = 'failed', error = $3 WHERE id = $1 AND {_STILL_SENDING}"
+)
+# Sender $2 is still sending row $1: its lease runs $3 seconds from now.
+OUTBOX_RENEW = f"""
+    UPDATE outbox SET next_attempt_at = now() + make_interval(secs => $3)
+    WHERE id = $1 AND status = 'sending' AND meta ->> '{SENDER_KEY}' = $2
+"""
 # Thread affinity: the butler whose message (one of the channel's ids $3) to recipient $2 on
 # channel $1 this person answers, if sent in the last $4 days.
 OUTBOX_BUTLER_ANSWERING = """

@@ -257,14 +257,27 @@ class OutboxQueue(Protocol):
         ...
 
     async def later(
-        self, delivery_id: int, error: str, delay_s: float, *, held_for_recipient: bool = False
+        self,
+        delivery_id: int,
+        error: str,
+        delay_s: float,
+        *,
+        held_for_recipient: bool = False,
+        sender: str | None = None,
     ) -> None:
         """The channel did not take the row: `pending` again, due `delay_s` from now, with
-        `error`; `held_for_recipient`: it holds back only its recipient's later rows."""
+        `error`; `held_for_recipient`: it holds back only its recipient's later rows.
+        `sender`: only if the row is still `sending` by it (one whose lease ran out may have
+        been sent by another since); None: whatever its state."""
         ...
 
-    async def failed(self, delivery_id: int, error: str) -> None:
-        """The row is given up: `failed`, with `error`."""
+    async def failed(self, delivery_id: int, error: str, *, sender: str | None = None) -> None:
+        """The row is given up: `failed`, with `error` (`sender`: as for `later`)."""
+        ...
+
+    async def renew(self, delivery_id: int, sender: str, lease_s: float) -> bool:
+        """`sender` is still sending the row: due to others `lease_s` from now. False when
+        the row is not `sending` by it any more."""
         ...
 
     async def butler_answering(
