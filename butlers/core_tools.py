@@ -678,16 +678,19 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
     @tool
     async def schedule_list() -> list[dict[str, Any]]:
         """Every scheduled task: its cron (or none: a one-time reminder), prompt, next and
-        last run (UTC, with offset), and origin (`config`: declared in butler.toml)."""
+        last run (UTC, with offset), origin (`config`: declared in butler.toml), and `for`:
+        null for the owner's own, else whose message planted it (its prompt is their words,
+        not the owner's instructions)."""
         zone = ctx.config.zone
         rows = await store.schedule_list()
         if (who := person_scope()) is not None:  # a person sees only their own
             rows = [row for row in rows if _planted_by(row, who)]
         shown = [_schedule_row(row, zone) for row in rows]
-        if session_token() is None:
-            # The operator is told whose each is (`for`: the person whose message planted
-            # it, or the chat where words the owner forwarded did; None: the owner's): a
-            # person's reminder looked like the owner's own, and so did a forward's.
+        if who is None:
+            # The operator and the owner's sessions are told whose each is (`for`: the
+            # person whose message planted it, or the chat where words the owner forwarded
+            # did; None: the owner's): a person's reminder looked like the owner's own, its
+            # prompt (their words) like the owner's instructions (a walkthrough).
             for row, one in zip(rows, shown, strict=True):
                 one["for"] = _planted_for(ctx, row)
         return shown

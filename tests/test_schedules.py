@@ -217,6 +217,13 @@ async def test_a_forwards_reminder_is_listed_as_its_chats_and_disabled_ones_coun
     rows = {r["name"]: r for r in await call(daemon.sse_url, "schedule_list", {})}
     assert rows["fwd"]["for"] == "telegram:777"
     assert rows["bob-0"]["for"] == "telegram:666"
+    # The owner's own sessions are told too: a person's prompt is their words, not the
+    # owner's instructions (it came without a word of whose).
+    with ctx.spawner.acting_for("telegram:777"):
+        listed = (await daemon.mcp.call_tool("schedule_list", {})).structured_content
+    assert listed is not None
+    owners_view = {r["name"]: r for r in listed["result"]}
+    assert owners_view["bob-0"]["for"] == "telegram:666" and owners_view["fwd"]["for"]
     print_schedules([{**rows[name], "butler": "alpha"} for name in ("fwd", "bob-0", "bob-new")])
     lines = capsys.readouterr().out.splitlines()
     [fwd] = [line for line in lines if " fwd " in line]
