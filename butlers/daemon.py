@@ -686,10 +686,12 @@ def route_within_the_process(daemons: Sequence[ButlerDaemon]) -> None:
 
 def hurry_fleet(daemons: Sequence[ButlerDaemon]) -> None:
     """Asked to stop again while stopping: the switchboards hand the messages under way back
-    at once instead of letting them finish (`[switchboard] stop_drain_s`)."""
+    at once instead of letting them finish (`[switchboard] stop_drain_s`), and let no reply
+    under way finish either (the outbox's STEP_DOWN_DRAIN_S)."""
     for daemon in daemons:
         if daemon.switchboard is not None:
             daemon.switchboard.worker.hurry()
+            daemon.switchboard.outbox.hurry()
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:

@@ -668,3 +668,39 @@ async def test_a_message_not_read_is_answered_within_the_senders_hourly_limit(
         told.append(delivery.text)
         await parts.outbox.sent(delivery.id, ["x"])
     assert told == ["Sorry, your mail was not read: it is too big."] * 2
+
+
+async def test_a_second_stop_does_not_wait_for_the_reply_under_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leader stepping down lets a reply under way finish (outbox.STEP_DOWN_DRAIN_S); a
+    second Ctrl-C (hurry) stops waiting for it, as it does for the messages under way."""
+    from butlers.switchboard import outbox as outbox_module
+    from butlers.switchboard.outbox import Outgoing
+    from butlers.tasks import within
+
+    monkeypatch.setattr(outbox_module, "STEP_DOWN_DRAIN_S", 600.0)
+
+    class Hanging:
+        def __init__(self) -> None:
+            self.started = asyncio.Event()
+
+        async def deliver(self, delivery: Any) -> list[str]:
+            self.started.set()
+            await asyncio.Event().wait()  # Telegram never answers
+            return []
+
+    database = MemoryDatabase()
+    store = MemoryOutboxStore(database)
+    async with store.pool.acquire() as conn, conn.transaction():
+        await store.add(conn, [Outgoing("reply", "telegram", "1", "hello")], None)
+    sender = OutboxSender(store, tracer=trace.get_tracer("test"), retry_hours=1, replica="t")
+    channel = Hanging()
+    sender.channels["telegram"] = channel  # type: ignore[assignment]
+    await sender.lead()
+    await within(channel.started.wait(), 10)
+    stopping = asyncio.create_task(sender.step_down())
+    await asyncio.sleep(0.2)
+    assert not stopping.done()  # it lets the reply finish
+    sender.hurry()
+    await within(stopping, 10)  # not the 600 s

@@ -292,6 +292,12 @@ class OutboxSender:
         self._idle: dict[str, asyncio.Event] = {}  # set while a channel has nothing due
         self._tasks: list[asyncio.Task[None]] = []
         self._stepping_down = False
+        self._hurry = asyncio.Event()  # a second Ctrl-C: no drain at a step-down
+
+    def hurry(self) -> None:
+        """The owner stopped again (a second Ctrl-C): a step-down no longer lets the reply
+        under way finish (it stays `sending`, sent again at the next start)."""
+        self._hurry.set()
 
     def wake(self) -> None:
         for name, event in self._wakes.items():
@@ -325,9 +331,18 @@ class OutboxSender:
         for wake in self._wakes.values():
             wake.set()
         try:
-            if self._tasks:
-                with contextlib.suppress(TimeoutError):
-                    await within(asyncio.wait(self._tasks), STEP_DOWN_DRAIN_S)
+            if self._tasks and not self._hurry.is_set():
+                drained = asyncio.ensure_future(asyncio.wait(self._tasks))
+                hurried = asyncio.ensure_future(self._hurry.wait())
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await within(
+                            asyncio.wait({drained, hurried}, return_when=asyncio.FIRST_COMPLETED),
+                            STEP_DOWN_DRAIN_S,
+                        )
+                finally:
+                    await cancel_and_wait(hurried)
+                    await cancel_and_wait(drained)  # (not the senders: they are cancelled next)
         finally:
             for task in self._tasks:
                 await cancel_and_wait(task)
