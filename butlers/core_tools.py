@@ -637,7 +637,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         conversation = ctx.spawner.conversation_of(token) if routed else None
         forwarded_from = ctx.spawner.forwarded_from(token) if routed else None
         task = await store.schedule_create(
-            name,
+            stored_name(name),
             cron,
             prompt,
             first_run,
@@ -671,6 +671,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if task is None:
             raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
         shown = _schedule_row(task, zone)
+        shown["name"] = name
         if at is not None and (note := schedule_time.moved_by_clock(at, first_run, zone)):
             shown["note"] = note
         return shown
@@ -686,6 +687,9 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if (who := person_scope()) is not None:  # a person sees only their own
             rows = [row for row in rows if _planted_by(row, who)]
         shown = [_schedule_row(row, zone) for row in rows]
+        if who is not None:  # by the names they gave
+            for one in shown:
+                one["name"] = one["name"].removeprefix(_namespace(who))
         if who is None:
             # The operator and the owner's sessions are told whose each is (`for`: the
             # person whose message planted it, or the chat where words the owner forwarded
@@ -707,11 +711,18 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         routed_only = bool(ctx.spawner.withheld_tools(token)) and (
             person_scope() is not None or ctx.spawner.forwarded_from(token) is not None
         )
-        if (who := person_scope()) is not None and not any(
-            row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
-        ):
-            raise ToolRefusal(f"no schedule named {name!r} that you may delete")
-        if not await store.schedule_delete(name, routed_only=routed_only):
+        stored = name
+        if (who := person_scope()) is not None:
+            # Theirs under their own namespace, or one planted before names had one.
+            theirs = {
+                row["name"]
+                for row in await store.schedule_list()
+                if row["name"] in (_namespace(who) + name, name) and _planted_by(row, who)
+            }
+            if not theirs:
+                raise ToolRefusal(f"no schedule named {name!r} that you may delete")
+            stored = _namespace(who) + name if _namespace(who) + name in theirs else name
+        if not await store.schedule_delete(stored, routed_only=routed_only):
             raise ToolRefusal(
                 f"no schedule named {name!r}" + (" that you may delete" if routed_only else "")
             )
@@ -748,6 +759,17 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if seen_as.person in owner_persons():
             return f"{FORWARDED_SCOPE}{seen_as.person}" if seen_as.forwarded else None
         return seen_as.person
+
+    def stored_name(name: str) -> str:
+        """The name a schedule is kept under: a person's in a namespace of their own, as
+        their state keys are. Names were one namespace for the whole butler, so a person's
+        session learnt from "already exists" which names the owner's schedules had (their
+        words: "call-divorce-lawyer"), and could take a name the owner would want first (a
+        walkthrough). The operator and the owner's sessions see the stored names, with `for`."""
+        who = person_scope()
+        if who == NO_PERSON:  # a credential of no running session: nobody's schedules
+            raise ToolRefusal(ANSWERS_NO_ONE.format(what="plant schedules"))
+        return name if who is None else f"{_namespace(who)}{name}"
 
     def scoped(key: str) -> str:
         who = person_scope()

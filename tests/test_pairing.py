@@ -881,7 +881,8 @@ async def test_a_revoked_persons_reminders_no_longer_reach_them(
         ticked = (await client.call_tool("tick", {})).structured_content
     assert ticked["ran"] == []
     [(name, why)] = [(s["name"], s["reason"]) for s in ticked["skipped"]]
-    assert name == "beacon" and why.startswith("disabled: its person may no longer write")
+    assert name == f"telegram:{STRANGER}/beacon"
+    assert why.startswith("disabled: its person may no longer write")
     assert await conn.fetchval("SELECT enabled FROM scheduled_tasks") is False
     assert await conn.fetchval("SELECT count(*) FROM sessions") == sessions
     # ... and were it run (a butler that did not ask), its notify would be refused.

@@ -186,15 +186,17 @@ async def test_a_schedule_planted_by_a_routed_session_runs_restricted_alike(
     general, conn = await _attacked(
         start_butler, tmp_path, bot_api, scripted_api, db_conn, planter, "Scheduled."
     )
-    assert await conn.fetchval("SELECT routed FROM scheduled_tasks WHERE name = 'loot'") is True
+    # Kept under the attacker's own namespace (a person's schedules are theirs alone).
+    name = await conn.fetchval("SELECT name FROM scheduled_tasks WHERE name LIKE 'telegram:%/loot'")
+    assert await conn.fetchval("SELECT routed FROM scheduled_tasks WHERE name = $1", name) is True
     await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
     async with Client(general.sse_url) as operator:
         [run] = (await operator.call_tool("tick", {})).structured_content["ran"]
-    assert (run["name"], run["success"]) == ("loot", True)
+    assert (run["name"], run["success"]) == (name, True)
     first = next(b for b in scripted_api.requests if LOOT in json.dumps(b["messages"][0]))
     assert not {t["name"] for t in first.get("tools", [])} & WITHHELD
     tool_calls = await conn.fetchval(
-        "SELECT tool_calls FROM sessions WHERE trigger_source = 'schedule:loot'"
+        "SELECT tool_calls FROM sessions WHERE trigger_source = $1", f"schedule:{name}"
     )
     assert [c["name"] for c in json.loads(tool_calls)] == ["mcp__general__sessions_list"]
     assert SECRET not in json.dumps(scripted_api.requests)
