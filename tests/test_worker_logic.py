@@ -704,3 +704,67 @@ async def test_a_second_stop_does_not_wait_for_the_reply_under_way(
     assert not stopping.done()  # it lets the reply finish
     sender.hurry()
     await within(stopping, 10)  # not the 600 s
+
+
+async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_again(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process paused past its lease (a frozen VM, SIGSTOP) woke and went on asking the
+    butler while another replica had taken the message over (and asked it): the renewal
+    noticed only after (a red team). The claim is checked right before a butler is asked."""
+    worker = parts.make(message_lease_s=30)
+    paused = asyncio.Event()
+    original = worker._answered_before
+
+    async def pause_past_the_lease(message: InboxMessage) -> bool:
+        # While this process is "paused", the lease runs out and sb-2 takes the message.
+        clock = parts.database.clock
+        parts.database.clock = lambda: clock() + timedelta(seconds=31)
+        taken = await parts.inbox.claim_next("sb-2", 30)
+        assert taken is not None and taken.id == message.id
+        paused.set()
+        return await original(message)
+
+    monkeypatch.setattr(worker, "_answered_before", pause_past_the_lease)
+    await worker.open()
+    with log_records("butlers.switchboard.worker") as records:
+        inbox_id = await worker.accept(message("a", 0))
+        async with asyncio.timeout(5):
+            await paused.wait()
+            await asyncio.wait(list(worker._in_flight.values()))
+    assert parts.router.routed == []  # the butler was not asked by this process
+    row = await parts.inbox.get(inbox_id)
+    assert row is not None and (row["status"], row["claimed_by"]) == ("processing", "sb-2")
+    assert any("taken over by another switchboard process" in r.getMessage() for r in records)
+
+
+async def test_a_classifiers_route_is_not_forwarded_once_the_message_was_taken_over(
+    parts: Parts,
+) -> None:
+    """The same check for a route a classification session asks for (Dispatch.accept): its
+    session's `route` reached a process that no longer held the message."""
+    from butlers.config import OwnerConfig
+    from butlers.errors import LeaseLost
+    from butlers.switchboard.dispatch import Dispatcher
+    from butlers.switchboard.handoff import Handoff
+
+    class Router(StandInRouter):
+        async def refusal_of(self, butler: str) -> str | None:
+            return None
+
+    worker, router = parts.make(message_lease_s=30), Router()
+    router.gate.set()
+    await parts.inbox.accept(message("a", 0), None)
+    mine = await parts.inbox.claim_next(REPLICA, 30)
+    assert mine is not None
+    dispatcher = Dispatcher(router, max_routes=3)  # type: ignore[arg-type]
+    handoff = Handoff.of(mine, owner=OwnerConfig(), body=mine.text)
+    async with dispatcher.open(mine, handoff, still_ours=worker.still_ours) as dispatch:
+        said = await dispatch.accept("general", "trigger", {"prompt": "a#0"})
+        assert said.startswith("accepted") and len(await dispatch.answers()) == 1
+        clock = parts.database.clock
+        parts.database.clock = lambda: clock() + timedelta(seconds=31)
+        assert await parts.inbox.claim_next("sb-2", 30) is not None
+        with pytest.raises(LeaseLost):
+            await dispatch.accept("health", "trigger", {"prompt": "a#0"})
+    assert [butler for butler, _ in router.routed] == ["general"]

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import hmac
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,9 @@ class Dispatch:
     max_routes: int
     handoff: Handoff  # what the butler is told around each prompt (sender, files, history)
     files: Sequence[Attachment] = ()  # what the message carries, forwarded with each route
+    # Raises LeaseLost when the message is no longer this process's (InboxWorker.still_ours):
+    # checked before each forward, the one step that acts.
+    still_ours: Callable[[InboxMessage], Awaitable[None]] | None = None
     credential: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     _routes: list[tuple[str, asyncio.Task[Any]]] = field(default_factory=list)
     _claimed: int = 0  # routes accepted or being checked: counted before any await
@@ -144,6 +147,12 @@ class Dispatch:
                 butler_name, tool_name, arguments, source=self.source, reason=str(exc)
             )
             raise
+        if self.still_ours is not None:
+            try:
+                await self.still_ours(self.message)
+            except BaseException:
+                self._claimed -= 1
+                raise
         # Created here, the task inherits this call's trace context: the forward and the
         # target's session stay in the message's trace.
         task = asyncio.create_task(
@@ -196,11 +205,16 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def open(
-        self, message: InboxMessage, handoff: Handoff, files: Sequence[Attachment] = ()
+        self,
+        message: InboxMessage,
+        handoff: Handoff,
+        files: Sequence[Attachment] = (),
+        *,
+        still_ours: Callable[[InboxMessage], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Dispatch]:
         """A dispatch for `message`, valid until the block ends; routes still running then
-        (the worker is stopping) are cancelled."""
-        dispatch = Dispatch(message, self.router, self.max_routes, handoff, files)
+        (the worker is stopping) are cancelled. `still_ours`: see Dispatch."""
+        dispatch = Dispatch(message, self.router, self.max_routes, handoff, files, still_ours)
         self._open.append(dispatch)
         try:
             yield dispatch

@@ -15,7 +15,7 @@ from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 from pydantic import JsonValue
 
-from butlers.errors import NotifyRefused, RouteError, RoutePolicyError, RouteRefused
+from butlers.errors import LeaseLost, NotifyRefused, RouteError, RoutePolicyError, RouteRefused
 from butlers.mcp_middleware import classification_claim
 from butlers.spawner import SESSION_HEADER
 from butlers.switchboard.approvals import register_approval_tools
@@ -73,6 +73,10 @@ def register_switchboard_tools(
             except RoutePolicyError as exc:
                 # What a message talked its classifier into: an operator wants to see that.
                 raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+            except LeaseLost as exc:  # the worker stops this session; logged there
+                raise ToolRefusal(
+                    "not routed: another switchboard process has taken this message over"
+                ) from exc
         if SESSION_HEADER.lower() in headers:
             # Any other session of the switchboard (a trigger, a schedule): its call would
             # reach the butler without a session's credential, past its approval gate

@@ -539,14 +539,34 @@ class InboxWorker:
                 logger.warning("cannot renew message leases: %s", exc)
                 continue
             for inbox_id in set(ids) - held:
-                task = self._in_flight.get(inbox_id)
-                if task is not None and inbox_id in self._in_flight:
-                    logger.warning(
-                        "message %s: the lease was lost; stopping work on it",
-                        inbox_id,
-                        extra={"action": "lease_lost"},
-                    )
-                    task.cancel()
+                self._stop_lost(inbox_id)
+
+    def _stop_lost(self, inbox_id: int) -> None:
+        """Another process took the message over: stop working on it here."""
+        task = self._in_flight.get(inbox_id)
+        if task is not None and not task.done():
+            logger.warning(
+                "message %s: the lease was lost; stopping work on it",
+                inbox_id,
+                extra={"action": "lease_lost"},
+            )
+            task.cancel()
+
+    async def still_ours(self, message: InboxMessage) -> None:
+        """Right before a butler is asked (the step that acts): the message is still this
+        process's, its lease renewed; LeaseLost if another process took it over. A process
+        paused past its lease (a frozen VM, SIGSTOP) woke to its classifier's `route` while
+        another replica had taken the message and routed it: the butler was asked twice, the
+        lease renewal only noticed after (a red team). A database that cannot say is no
+        reason to stop (as for the renewal): its lease is renewed again within a third."""
+        try:
+            held = await self.inbox.renew(self.replica, [message.id], self.lease_s)
+        except Exception as exc:
+            logger.warning("message %s: cannot renew its lease: %s", message.id, exc)
+            return
+        if message.id not in held:
+            self._stop_lost(message.id)
+            raise LeaseLost(message.id)
 
     # -- one message ------------------------------------------------------------------------
 
@@ -713,7 +733,9 @@ class InboxWorker:
                 span.set_attribute("thread_butler_gone", butler)
 
             span.set_attribute("via", "claude")
-            async with self.dispatcher.open(message, handoff, files) as dispatch:
+            async with self.dispatcher.open(
+                message, handoff, files, still_ours=self.still_ours
+            ) as dispatch:
                 outcome = await classify_with_claude(
                     self.spawner,
                     message,
@@ -775,6 +797,7 @@ class InboxWorker:
         files: Sequence[Attachment] = (),
     ) -> Answer:
         request = message_body(message)
+        await self.still_ours(message)
         try:
             result = await self.router.route(
                 butler,
