@@ -714,6 +714,7 @@ async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_
     noticed only after (a red team). The claim is checked right before a butler is asked."""
     worker = parts.make(message_lease_s=30)
     paused = asyncio.Event()
+    working: list[asyncio.Task[Any] | None] = []  # the message's task here
     original = worker._answered_before
 
     async def pause_past_the_lease(message: InboxMessage) -> bool:
@@ -722,6 +723,7 @@ async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_
         parts.database.clock = lambda: clock() + timedelta(seconds=31)
         taken = await parts.inbox.claim_next("sb-2", 30)
         assert taken is not None and taken.id == message.id
+        working.append(asyncio.current_task())
         paused.set()
         return await original(message)
 
@@ -731,7 +733,7 @@ async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_
         inbox_id = await worker.accept(message("a", 0))
         async with asyncio.timeout(5):
             await paused.wait()
-            await asyncio.wait(list(worker._in_flight.values()))
+            await asyncio.wait([task for task in working if task is not None])
     assert parts.router.routed == []  # the butler was not asked by this process
     row = await parts.inbox.get(inbox_id)
     assert row is not None and (row["status"], row["claimed_by"]) == ("processing", "sb-2")
