@@ -100,19 +100,27 @@ def validate_cron(cron: str) -> None:
         raise ToolRefusal(f"cron expression {cron!r} never comes round (no such date)") from None
 
 
-def shortest_gap_s(cron: str, start: datetime, *, enough: float = 0) -> float | None:
-    """The shortest time between two consecutive runs of `cron` over the window from its
-    first run after `start` (None: fewer than two runs in it); it stops at the first gap
-    under `enough`. CPU-bound (about 0.1 s for a full window): run it off the event loop."""
-    runs = croniter(cron, start)
-    first = previous = runs.get_next(datetime)
+def shortest_gap_s(
+    cron: str, start: datetime, *, zone: str = "UTC", enough: float = 0
+) -> float | None:
+    """The shortest time between two consecutive runs of `cron` on the wall clock of `zone`
+    (as the ticker runs them: a time the clock skips runs at the jump's end) over the window
+    from its first run after `start` (None: fewer than two runs in it); it stops at the
+    first gap under `enough`. CPU-bound (about 0.1 s for a full window): run it off the
+    event loop. In UTC, `30 2,3 * * *` in Berlin was 3600 s apart, though the spring's jump
+    brings its runs to 03:00 and 03:30 that day."""
+    tz = ZoneInfo(zone)
+    runs = croniter(cron, start.astimezone(tz).replace(tzinfo=None))
+    first = previous = schedule_time.place(runs.get_next(datetime), tz)
     shortest: float | None = None
     for _ in range(GAP_WINDOW_RUNS):
-        following = runs.get_next(datetime)
+        following = schedule_time.place(runs.get_next(datetime), tz)
         # From the first run, not from now: `* * 29 2 *` first runs years away, then every
         # minute that day.
         if following - first > GAP_WINDOW:
             break
+        if following <= previous:  # two wall times the jump moved to one instant: one run
+            continue
         gap = (following - previous).total_seconds()
         shortest = gap if shortest is None else min(shortest, gap)
         if gap < enough:
@@ -121,12 +129,15 @@ def shortest_gap_s(cron: str, start: datetime, *, enough: float = 0) -> float | 
     return shortest
 
 
-async def check_schedule_interval(cron: str, minimum_s: int) -> None:
-    """Refuse a cron (already valid) whose runs come closer together than `minimum_s`
-    (`[runtime] min_schedule_interval_s`): each run is a Claude Code session."""
+async def check_schedule_interval(cron: str, minimum_s: int, zone: str = "UTC") -> None:
+    """Refuse a cron (already valid) whose runs, on the wall clock of `zone`, come closer
+    together than `minimum_s` (`[runtime] min_schedule_interval_s`): each run is a Claude
+    Code session."""
     if minimum_s <= 0:
         return
-    gap = await asyncio.to_thread(shortest_gap_s, cron, datetime.now(UTC), enough=minimum_s)
+    gap = await asyncio.to_thread(
+        shortest_gap_s, cron, datetime.now(UTC), zone=zone, enough=minimum_s
+    )
     if gap is not None and gap < minimum_s:
         raise ToolRefusal(
             f"cron expression {cron!r} runs {gap:g} s apart at its closest; this butler "
@@ -624,7 +635,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         now = datetime.now(UTC)
         if cron is not None:
             validate_cron(cron)
-            await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s)
+            await check_schedule_interval(cron, ctx.config.runtime.min_schedule_interval_s, zone)
             first_run = schedule_time.next_run(cron, now, zone)
         else:
             assert at is not None

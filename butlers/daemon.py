@@ -460,7 +460,9 @@ class ButlerDaemon:
         declared = []
         for schedule in config.schedules:
             try:
-                await check_schedule_interval(schedule.cron, config.runtime.min_schedule_interval_s)
+                await check_schedule_interval(
+                    schedule.cron, config.runtime.min_schedule_interval_s, config.zone
+                )
             except ToolRefusal as exc:
                 logger.error(
                     "[[schedules]] %r not created: %s",

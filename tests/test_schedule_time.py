@@ -114,3 +114,19 @@ def test_a_time_the_clock_skips_or_shows_twice_is_said_so() -> None:
     )
     assert said("2027-01-01T09:00") is None
     assert said("2027-03-28T02:30+01:00") is None  # an offset given: as given
+
+
+def test_the_shortest_gap_is_measured_on_the_butlers_wall_clock() -> None:
+    """`min_schedule_interval_s` was checked on UTC runs: in Berlin, `30 2,3 * * *` is an
+    hour apart in UTC, but on the spring's jump day 02:30 does not exist and runs at 03:00,
+    half an hour before 03:30 (a walkthrough)."""
+    from butlers.core_tools import shortest_gap_s
+
+    before_the_jump = datetime(2027, 3, 20, tzinfo=UTC)  # Berlin springs on 2027-03-28
+    assert shortest_gap_s("30 2,3 * * *", before_the_jump) == 3600
+    assert shortest_gap_s("30 2,3 * * *", before_the_jump, zone="Europe/Berlin") == 1800
+    # Two wall times the jump moves to one instant run once: not a gap of 0.
+    assert shortest_gap_s("0,30 2 * * *", before_the_jump, zone="Europe/Berlin") == 1800
+    # The autumn's repeated hour runs each wall time once (its first occurrence).
+    autumn = datetime(2027, 10, 25, tzinfo=UTC)  # Berlin falls back on 2027-10-31
+    assert shortest_gap_s("0 * * * *", autumn, zone="Europe/Berlin") == 3600
