@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from butlers.core_store import CoreStore
+    from butlers.settings import Settings
     from butlers.spawner import Spawner
     from butlers.switchboard_link import SwitchboardLink
 
@@ -51,6 +52,42 @@ _CACHED_NAMES = 4096  # tool names whose answer is kept (a caller may send any n
 def has_approvals(config: ButlerConfig) -> bool:
     """Whether anything of this butler waits for the owner's yes (else it gets no gate)."""
     return bool(config.approvals.tools) or any(server.approval for server in config.mcp_servers)
+
+
+class _Unbuilt:
+    """What the registering functions are handed where a running butler's parts would be:
+    they only close over them, in tools that are never called here."""
+
+    def __getattr__(self, name: str) -> _Unbuilt:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Unbuilt:
+        return self
+
+
+async def tool_names_offline(config: ButlerConfig, settings: Settings) -> list[str]:
+    """The tools `butlers up` would register on `config`'s butler, found without starting
+    it (`butlers doctor`): the core tools, the switchboard's, and the channels whose
+    variables `settings` has (a channel skipped for them registers nothing). Built on a
+    throwaway server the way the daemon builds its own."""
+    from butlers.channels import CHANNELS, ChannelContext
+    from butlers.core_tools import register_core_tools
+    from butlers.switchboard.tools import register_switchboard_tools
+
+    mcp: FastMCP[Any] = FastMCP(config.name)
+    unbuilt: Any = _Unbuilt()
+    register_core_tools(mcp, unbuilt)
+    if config.is_switchboard:
+        register_switchboard_tools(mcp, unbuilt, jaeger_ui_url="")
+    context = ChannelContext(settings=settings, worker=None)
+    for spec in CHANNELS:
+        table = config.channels.get(spec.name)
+        if table is None or any(
+            settings.variable(name) is None for name in spec.required_variables(table)
+        ):
+            continue
+        spec.open(table, context).register(mcp)
+    return [tool.name for tool in await mcp.list_tools(run_middleware=False)]
 
 
 def check_approval_globs(config: ButlerConfig, tool_names: Sequence[str]) -> None:

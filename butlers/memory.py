@@ -57,11 +57,19 @@ TRIGRAM_THRESHOLD = 0.5
 # web search reads them, and any of them.
 EVERY_WORD = "websearch_to_tsquery($2::regconfig, $1)"
 ANY_WORD = "replace(plainto_tsquery($2::regconfig, $1)::text, ' & ', ' | ')::tsquery"
+
+
 # One step of a word search: its band (`score`: 2 for all the words, 1 for any of them) plus
 # the rank of the words found (cover density, 0..1); those found by an earlier step ($5) left
 # out; the privacy rule ($4: a routed session's conversation, NULL for everyone else).
+def _whose(viewer: Viewer) -> str:
+    """The columns that say whose a memory is: for the operator alone (`butlers memory`'s
+    FOR, the dashboard's For; a search showed none, though its docs said so: a walkthrough)."""
+    return ", conversation, person, private, from_owner" if viewer.kind == "operator" else ""
+
+
 _WORD_SEARCH = """
-    SELECT id, text, tags, created_at, {score} + ts_rank_cd(words, {query}, 32) AS score
+    SELECT id, text, tags, created_at{whose}, {score} + ts_rank_cd(words, {query}, 32) AS score
     FROM memories
     WHERE words @@ {query}
       AND NOT id = ANY($5::bigint[])
@@ -400,12 +408,15 @@ class MemoryStore:
             raise ToolRefusal(f"search query is longer than {MAX_QUERY_CHARS} characters")
         if not 1 <= limit <= 100:
             raise ToolRefusal(f"limit must be between 1 and 100, got {limit}")
+        whose = _whose(viewer)
         async with self.pool.acquire() as conn, conn.transaction():
             # All the words first (a web search's reading: "quoted phrase", -word): the
             # narrowest, so the cheapest through the index; any of the words only to fill up.
             visible = viewer.visible(4, 6)
             rows = await conn.fetch(
-                _WORD_SEARCH.format(score=2, query=EVERY_WORD, visible=visible, excluded=""),
+                _WORD_SEARCH.format(
+                    score=2, query=EVERY_WORD, visible=visible, excluded="", whose=whose
+                ),
                 query,
                 self.language,
                 limit,
@@ -422,7 +433,7 @@ class MemoryStore:
             if len(rows) < limit and len(WORD.findall(wanted)) > 1:
                 rows += await conn.fetch(
                     _WORD_SEARCH.format(
-                        score=1, query=ANY_WORD, visible=visible, excluded=exclusion
+                        score=1, query=ANY_WORD, visible=visible, excluded=exclusion, whose=whose
                     ),
                     wanted,
                     self.language,
@@ -451,7 +462,7 @@ class MemoryStore:
                 )
                 rows += await conn.fetch(
                     f"""
-                    SELECT id, text, tags, created_at, word_similarity($1, text) AS score
+                    SELECT id, text, tags, created_at{whose}, word_similarity($1, text) AS score
                     FROM memories
                     WHERE $1 <% text AND NOT id = ANY($4::bigint[])
                       AND {viewer.visible(3, 5)}
@@ -502,9 +513,7 @@ class MemoryStore:
         """The newest memories first (with ids below `before`, when given: the next page);
         where each came from only for the operator."""
         viewer = self.seen_as(viewer)
-        columns = "id, text, tags, created_at" + (
-            ", conversation, person, private, from_owner" if viewer.kind == "operator" else ""
-        )
+        columns = "id, text, tags, created_at" + _whose(viewer)
         rows = await self.pool.fetch(
             f"SELECT {columns} FROM memories WHERE {viewer.visible(2, 3)} "
             "AND ($4::bigint IS NULL OR id < $4) ORDER BY id DESC LIMIT $1",

@@ -25,7 +25,7 @@ import pytest
 from fastmcp import Client
 
 from butlers.build import build_label
-from butlers.claude_code import isolated_cli_env
+from butlers.claude_code import claude_binary, isolated_cli_env
 from tests.conftest import eventually, free_port, log_records, migration_heads
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ async def test_up_serves_shipped_butlers_stops_cleanly_and_keeps_data(
         "warning: not started: broken (its config error is above)",
         "warning: Claude Code has no credentials (no ANTHROPIC_API_KEY, no `claude` login): "
         "every session will fail; set ANTHROPIC_API_KEY (in the config's .env, then load it) "
-        "or log in with claude /login",
+        f"or log in with {claude_binary()} /login",
         "warning: switchboard: telegram is not running (skipped: TELEGRAM_BOT_TOKEN not set); "
         f"it is in {env_file}: load that before starting: set -a; . {env_file}; set +a",
         # (not in .env: loading it would not help; a misspelt variable name looks like this)

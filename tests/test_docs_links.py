@@ -168,3 +168,18 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
         "README.md:10: docs/a.md#twice-2: no heading #twice-2 in docs/a.md",
         "README.md:13: docs/c.md: no such file docs/c.md",
     ]
+
+
+def test_the_gateway_toml_example_loads(tmp_path: Path) -> None:
+    """docs/gateway.md's `gateway.toml` example, copied as it stands, is one the gateway
+    takes: it had a top-level key under a suite's table, and the gateway refused to start
+    (a walkthrough)."""
+    from butlers.gateway.config import load_gateway_config
+
+    text = (REPO / "docs" / "gateway.md").read_text()
+    after = text.split("`gateway.toml` in `--dir`", 1)[1]
+    example = after.split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "gateway.toml").write_text(example)
+    config = load_gateway_config(tmp_path)
+    assert config.max_result_bytes == 4194304
+    assert config.suites["playwright"].suite_name == "browser"

@@ -147,6 +147,33 @@ async def test_a_missing_config_directory_fails_naming_it(tmp_path: Path) -> Non
     assert "Traceback" not in err, err
 
 
+async def test_an_approvals_glob_that_guards_nothing_fails_as_up_would(tmp_path: Path) -> None:
+    """`[approvals] tools = ["notfy"]`: `butlers up` refuses that butler, and doctor said
+    "ok" of its config (a walkthrough). A glob that matches a tool, a channel's among them
+    (its variables set), passes; the switchboard's own tools count on the switchboard."""
+    config = fleet_dir(tmp_path, telegram='token_env = "TELEGRAM_BOT_TOKEN"')
+    general = config / "general" / "butler.toml"
+    general.write_text(general.read_text() + '[approvals]\ntools = ["notfy", "state_*"]\n')
+    switchboard = config / "switchboard" / "butler.toml"
+    text = switchboard.read_text()
+    switchboard.write_text(
+        text.replace(
+            "[switchboard]", '[approvals]\ntools = ["send_message", "deliver"]\n\n[switchboard]', 1
+        )
+    )
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", TELEGRAM_BOT_TOKEN="123:abc")
+    checks = await doctor(config, env)
+    refused = checks["config.general"]
+    assert refused.status == "fail", refused
+    assert "approvals.tools" in refused.detail and "'notfy'" in refused.detail
+    assert "did you mean 'notify'?" in refused.detail
+    assert "config.switchboard" not in checks, checks["config.switchboard"]
+    # Without its bot token the channel registers nothing: its tool guards nothing either.
+    del env["TELEGRAM_BOT_TOKEN"]
+    checks = await doctor(config, env)
+    assert "'send_message' matches none" in checks["config.switchboard"].detail
+
+
 async def test_a_broken_butler_toml_is_named_with_its_error(tmp_path: Path) -> None:
     config = fleet_dir(tmp_path)
     (config / "general" / "butler.toml").write_text(

@@ -209,7 +209,16 @@ async def test_butlers_memory_lists_searches_and_forgets(
         "memory", "general", "--search", "tulip", "--json", "--url", url, token="cli-token"
     )
     assert code == 0, err
-    assert [m["id"] for m in json.loads(out)] == [memory_id]
+    [found] = json.loads(out)
+    assert found["id"] == memory_id
+    # A search says whose each is too (it said nothing: a walkthrough).
+    assert (found["person"], found["private"], found["from_owner"]) == ("", True, True)
+    code, out, err = await run_cli(
+        "memory", "general", "--search", "milk", "--url", url, token="cli-token"
+    )
+    assert code == 0, err
+    [milk] = [line for line in out.splitlines() if "oat milk" in line]
+    assert " telegram:555 " in milk, out
     code, out, err = await run_cli(
         "memory", "general", "forget", str(memory_id), "--url", url, token="cli-token"
     )

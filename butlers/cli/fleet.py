@@ -404,10 +404,13 @@ def ready_warnings(
     # A butler that could not start (its port taken: already running?) is out of the table.
     notes += [f"not started: {name} (its error is above)" for name in failed]
     if not _claude_code_credentials(settings):
+        from butlers.claude_code import claude_binary
+
+        # The bundled binary's path: `claude` is on no PATH the install made (a walkthrough).
         notes.append(
             "Claude Code has no credentials (no ANTHROPIC_API_KEY, no `claude` login): every "
             "session will fail; set ANTHROPIC_API_KEY (in the config's .env, then load it) or "
-            "log in with claude /login"
+            f"log in with {claude_binary()} /login"
         )
     switchboards = [d for d in running if d.config.is_switchboard]
     if not switchboards and whole_directory:  # (`--only` leaves it to another process)

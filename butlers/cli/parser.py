@@ -305,7 +305,11 @@ def build_parser(settings: Settings) -> argparse.ArgumentParser:
         "default http://localhost:16686)",
     )
     client_args(trace)
-    trace.add_argument("ref", metavar="ID", help="a trace id, or a routing_log id")
+    trace.add_argument(
+        "ref",
+        metavar="ID",
+        help="a trace id, an inbox message's number (butlers inbox), or a routing_log id",
+    )
 
     def limit_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--limit", type=int, default=20, help="at most this many, 1..500 (20)")

@@ -503,9 +503,11 @@ def claude_credentials(subject: Subject, binary: str | None) -> Check:
     if login is not None:
         return ok("claude-credentials", f"logged in with `claude` ({login})")
     claude = binary or "claude"
+    env_file = subject.env_file or subject.config_dir / ENV_FILE
     return fail(
         "claude-credentials",
         "Claude Code has no credentials (no ANTHROPIC_API_KEY, no login), so every session "
-        f"fails: set ANTHROPIC_API_KEY in {subject.env_file or subject.config_dir / ENV_FILE}, "
-        f"or log in with {claude} /login",
+        f"fails: set ANTHROPIC_API_KEY in {env_file} and load it into the shell that starts "
+        f"the fleet (set -a; . {env_file}; set +a: `butlers up` and `make up` read the "
+        f"environment only), or log in with {claude} /login",
     )

@@ -17,7 +17,7 @@ MAKE_TOKEN = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 def checks(subject: Subject) -> list[Check]:
     if not subject.butlers:
         return []
-    found = [*secrets(subject), *exposure(subject)]
+    found = [*secrets(subject), *exposure(subject), *approval_globs(subject)]
     switchboard = subject.fleet.switchboard
     if switchboard is not None:
         found += allowlists(switchboard)
@@ -30,6 +30,30 @@ def checks(subject: Subject) -> list[Check]:
 
 def config_file(butler: ButlerConfig) -> str:
     return str(butler.config_dir / CONFIG_FILENAME) if butler.config_dir else butler.name
+
+
+def approval_globs(subject: Subject) -> list[Check]:
+    """`[approvals] tools` globs that match none of their butler's tools: `butlers up`
+    refuses to start that butler (butlers.approvals.check_approval_globs), and doctor said
+    "ok" of it (a walkthrough)."""
+    import asyncio
+
+    from butlers.approvals import check_approval_globs, tool_names_offline
+    from butlers.errors import ConfigError
+
+    found = []
+    for butler in subject.butlers:
+        if not butler.approvals.tools:
+            continue
+        # (In doctor's worker thread: its own loop for the throwaway server's listing.)
+        names = asyncio.run(tool_names_offline(butler, subject.settings))
+        try:
+            check_approval_globs(butler, names)
+        except ConfigError as exc:
+            found.append(
+                fail(f"config.{butler.name}", f"{exc}; fix it (that butler does not start)")
+            )
+    return found
 
 
 # -- secrets ----------------------------------------------------------------------------------

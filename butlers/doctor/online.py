@@ -513,7 +513,8 @@ async def _claude_auth_status(subject: Subject) -> Check:
     return fail(
         "anthropic",
         f"Claude Code says it is not logged in{where}: set {CREDENTIAL_VARIABLES[0]} in "
-        f"{env_file}, or log in with {binary} /login",
+        f"{env_file} and load it (set -a; . {env_file}; set +a), or log in with {binary} "
+        "/login",
     )
 
 
