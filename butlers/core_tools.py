@@ -647,8 +647,11 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         routed = bool(ctx.spawner.withheld_tools(token))
         conversation = ctx.spawner.conversation_of(token) if routed else None
         forwarded_from = ctx.spawner.forwarded_from(token) if routed else None
+        stored = stored_name(name)
+        if stored != name and await planted_before_namespaces(name):
+            raise ToolRefusal(f"a schedule named {name!r} already exists; delete it first")
         task = await store.schedule_create(
-            stored_name(name),
+            stored,
             cron,
             prompt,
             first_run,
@@ -781,6 +784,15 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         if who == NO_PERSON:  # a credential of no running session: nobody's schedules
             raise ToolRefusal(ANSWERS_NO_ONE.format(what="plant schedules"))
         return name if who is None else f"{_namespace(who)}{name}"
+
+    async def planted_before_namespaces(name: str) -> bool:
+        """Whether the person asking has a schedule called `name` from before theirs had a
+        namespace (kept under the bare name): a second of the same name ran beside it (an
+        upgrade's walkthrough)."""
+        who = person_scope()
+        return who is not None and any(
+            row["name"] == name and _planted_by(row, who) for row in await store.schedule_list()
+        )
 
     def scoped(key: str) -> str:
         who = person_scope()

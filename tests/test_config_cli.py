@@ -192,6 +192,29 @@ def test_a_data_directory_named_in_env_but_not_loaded_stops_up_and_db_upgrade(
     assert list(elsewhere.iterdir()) == [] and not (config / ".butlers").exists()
 
 
+def test_db_upgrade_where_no_fleet_ran_refuses_and_makes_nothing(tmp_path: Path) -> None:
+    """Run from another directory than `butlers up` was (the default BUTLERS_DATA_DIR is
+    relative), `db upgrade` made a new, empty PostgreSQL there, said "migrated" of each
+    butler, and the next `up` served an empty fleet (a walkthrough of an upgrade)."""
+    config = tmp_path / "mine"
+    (config / "general").mkdir(parents=True)
+    (config / "general" / "butler.toml").write_text('[butler]\nname = "general"\nport = 8101\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = butlers(
+        "db", "upgrade", "--config-dir", str(config), cwd=elsewhere, set_data_dir=False
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: no databases in {elsewhere / '.butlers'} (the default, BUTLERS_DATA_DIR being "
+        "unset: read from the directory you are in): `butlers db upgrade` migrates the "
+        "databases of butlers that ran before. If yours did, their data is where `butlers up` "
+        "ran from: set BUTLERS_DATA_DIR to that directory's .butlers. A new fleet needs no "
+        "upgrade: `butlers up` makes its databases"
+    ], result.stderr
+    assert not (elsewhere / ".butlers" / "pgdata").exists()
+
+
 def test_the_same_data_directory_written_another_way_is_the_one_loaded(tmp_path: Path) -> None:
     """`.env` names it with a `..` (or a relative path from the config's parent), the shell
     loaded it as written: the same place, so no refusal."""

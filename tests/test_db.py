@@ -335,6 +335,34 @@ async def test_embedded_server_restarts_on_its_data_after_stale_locks(pg_home: P
     assert _postgres_on(again.pgdata) == []
 
 
+async def test_data_restored_as_root_s_files_says_whose_they_must_be(pg_home: Path) -> None:
+    """A restore copied as root (`cp -r`) leaves root's files, which the server's account
+    cannot read: pg_ctl's "Permission denied" said nothing of what to do (an upgrade's
+    walkthrough). As an ordinary user the server runs as that user: nothing to hand over."""
+    server = EmbeddedServer(pg_home / "pgdata", environ=os.environ)
+    await server.start()
+    await server.stop()
+    control = server.pgdata / "global" / "pg_control"
+    if os.geteuid() == 0:
+        os.chown(control, 0, 0)
+    control.chmod(0o000 if os.geteuid() != 0 else 0o600)
+    again = EmbeddedServer(pg_home / "pgdata", environ=os.environ)
+    try:
+        with pytest.raises(DatabaseError) as excinfo:
+            await again.start()
+    finally:
+        control.chmod(0o600)
+    said = str(excinfo.value)
+    assert "Permission denied" in said, said
+    if os.geteuid() == 0:
+        assert (
+            f"; the data must belong to embedded_postgres, the account PostgreSQL runs as: "
+            f"chown -R embedded_postgres: {server.pgdata}"
+        ) in said, said
+    else:
+        assert "chown" not in said
+
+
 @pytest.mark.parametrize("socket_place", ["pgdata", "runtime dir"])
 async def test_server_left_running_by_a_killed_process_is_adopted(
     pg_home: Path, shared_tmp: Path, socket_place: str

@@ -5,10 +5,12 @@ message again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -266,3 +268,65 @@ async def test_a_channel_failing_in_a_way_it_does_not_explain_gives_up_after_a_f
     await bot_api.push_text(CHAT, "note-2")
     [sent] = await bot_api.wait_sent(1)
     assert sent["text"] == "noted 2"
+
+
+async def test_a_reply_taken_while_the_database_is_away_is_marked_sent_not_sent_again(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """Telegram took the reply, then marking its row sent failed (the database restarting):
+    the row stayed `sending` by this process, which took it again at once and sent it twice
+    (a red team). It is marked sent once the database is back, and sent once."""
+    import asyncpg
+
+    scripted_api.respond_with(answer_notes)
+    switchboard = await notes_fleet(start_butler, tmp_path, bot_api)
+    assert switchboard.switchboard is not None
+    store = switchboard.switchboard.outbox.store
+    marked = store.sent
+    refusals = 3
+
+    async def database_away_at_first(delivery_id: int, sent_ids: Any) -> None:
+        nonlocal refusals
+        if refusals:
+            refusals -= 1
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")
+        await marked(delivery_id, sent_ids)
+
+    store.sent = database_away_at_first  # type: ignore[method-assign]
+    await bot_api.push_text(CHAT, "note-1")
+    await bot_api.wait_sent(1)
+    conn = await db_conn(switchboard.config.database)
+
+    async def marked_sent() -> bool:
+        return await conn.fetchval("SELECT status FROM outbox") == "sent"
+
+    await eventually(marked_sent)
+    assert refusals == 0
+    await bot_api.push_text(CHAT, "note-2")  # a sentinel: nothing else is on its way
+    await bot_api.wait_sent(2)
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"]
+
+
+async def test_a_slow_bot_api_gets_each_reply_once(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """A Bot API that answers sendMessage after 6 s: python-telegram-bot gave up at 5 s and
+    the reply was sent again (three times at 7 s: a red team). It waits READ_TIMEOUT_S."""
+    scripted_api.respond_with(answer_notes)
+    await notes_fleet(start_butler, tmp_path, bot_api)
+    bot_api.hold_sends = True
+    await bot_api.push_text(CHAT, "note-1")
+    await bot_api.wait_attempts(1)
+    await asyncio.sleep(6)  # past python-telegram-bot's own 5 s
+    bot_api.release_sends()
+    await bot_api.push_text(CHAT, "note-2")  # a sentinel
+    await bot_api.wait_sent(2)
+    assert [s["text"] for s in bot_api.sent] == ["noted 1", "noted 2"]
+    assert len(bot_api.send_attempts) == 2

@@ -219,6 +219,45 @@ async def test_unreachable_butler_error_names_it_and_its_endpoint(
     assert format(failed.context.trace_id, "032x") == rows[1]["trace_id"]
 
 
+async def test_a_butler_registered_where_it_no_longer_answers_is_found_where_it_does(
+    fleet: Fleet, db_conn
+) -> None:
+    """A second fleet on the same database (`butlers up --port-offset`) registered its
+    `health`; once it stopped, every route of the first failed "unreachable" until someone
+    ran `butlers discover` (a red team). An unreachable target makes the switchboard
+    discover again (at most every REDISCOVER_EVERY_S), and the route goes where it answers."""
+    health = fleet.targets["health"]
+    conn = await db_conn(fleet.switchboard.config.database)
+    gone = f"http://127.0.0.1:{free_port()}/sse"  # the stopped fleet's
+    await conn.execute("UPDATE butler_registry SET endpoint_url = $1 WHERE name = 'health'", gone)
+    switchboard = fleet.switchboard.switchboard
+    assert switchboard is not None
+    switchboard.router.forget_endpoints()  # (its cache held the other fleet's too)
+    async with Client(fleet.switchboard.sse_url) as client:
+        answer = await call(client, "route", butler_name="health", tool_name="status")
+        assert answer["name"] == "health"
+        assert (
+            await conn.fetchval("SELECT endpoint_url FROM butler_registry WHERE name = 'health'")
+            == health.sse_url
+        )
+        # Gone for good: told so, and discover is not run for every route that fails.
+        await health.stop()
+        discovers = 0
+        rediscover = switchboard.router.rediscover
+
+        async def counted(butler: str, endpoint: str) -> object:
+            nonlocal discovers
+            discovers += 1
+            assert rediscover is not None
+            return await rediscover(butler, endpoint)
+
+        switchboard.router.rediscover = counted
+        for _ in range(3):
+            with pytest.raises(ToolError, match="'health' is unreachable at"):
+                await client.call_tool("route", {"butler_name": "health", "tool_name": "status"})
+    assert discovers == 0  # (one ran within REDISCOVER_EVERY_S, above)
+
+
 async def test_never_started_butler_is_unreachable_too(
     start_butler: StartButler, tmp_path: Path
 ) -> None:

@@ -460,6 +460,9 @@ async def test_a_persons_schedule_names_are_their_own(start_butler: StartButler,
            VALUES ('old-one', '0 9 * * 1', 'x', now() + interval '1 day', true, 'telegram:666')"""
     )
     with ctx.spawner.acting_for("telegram:666"):
+        # ... and its name theirs: not a second beside it (an upgrade's walkthrough).
+        with pytest.raises(ToolError, match="a schedule named 'old-one' already exists"):
+            await daemon.mcp.call_tool("schedule_create", {**mine, "name": "old-one"})
         for name in ("call-lawyer", "old-one"):
             await daemon.mcp.call_tool("schedule_delete", {"name": name})
         with pytest.raises(ToolError, match="that you may delete"):

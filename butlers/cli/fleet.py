@@ -148,12 +148,19 @@ def claim_data_dir(data_dir: Path, config_dir: Path) -> None:
                 "unset BUTLERS_DATA_DIR, or set it to another directory). If that config "
                 f"directory moved to {wanted}, remove {data_dir / CLAIM_FILE}"
             )
-        if recorded or (data_dir / "pgdata").exists():
+        if recorded:  # another config directory's data, taken over: worth a warning
             logger.warning(
-                "%s now serves the config directory %s%s",
+                "%s now serves the config directory %s (%s is gone)",
                 data_dir,
                 wanted,
-                f" ({shown} is gone)" if recorded else " (its data was there before)",
+                shown,
+                extra={"action": "data_dir_claimed"},
+            )
+        elif (data_dir / "pgdata").exists():  # data from before the claim existed: routine
+            logger.info(
+                "%s now serves the config directory %s (its data was there before)",
+                data_dir.resolve(),
+                wanted,
                 extra={"action": "data_dir_claimed"},
             )
         new = f"{CLAIM_FILE}.{os.getpid()}"
@@ -257,6 +264,20 @@ def moved_data_refusal(config_dir: Path, settings: Settings, pgdata: Path) -> st
         "directory?). butlers does not start empty ones in their place: set "
         f"BUTLERS_DATA_DIR={shlex.quote(str(own))} {where}. To start afresh on purpose, "
         f"move {own / 'pgdata'} away first"
+    )
+
+
+def _no_databases(settings: Settings, data_dir: Path) -> str:
+    named = (
+        "BUTLERS_DATA_DIR"
+        if settings.variable("BUTLERS_DATA_DIR")
+        else "the default, BUTLERS_DATA_DIR being unset: read from the directory you are in"
+    )
+    return (
+        f"no databases in {data_dir} ({named}): `butlers db upgrade` migrates the databases "
+        "of butlers that ran before. If yours did, their data is where `butlers up` ran from: "
+        "set BUTLERS_DATA_DIR to that directory's .butlers. A new fleet needs no upgrade: "
+        "`butlers up` makes its databases"
     )
 
 
@@ -717,6 +738,16 @@ async def db_upgrade(config_dir: Path, names: Sequence[str], settings: Settings)
 
     server = server_for(settings)
     if isinstance(server, EmbeddedServer):
+        requested = settings.data_dir.expanduser().resolve() / "pgdata"
+        if not _holds_databases(requested):
+            # An upgrade is of data that exists: from the wrong directory (a relative
+            # BUTLERS_DATA_DIR, `.butlers` by default), it made a new, empty PostgreSQL there,
+            # said "migrated" of each butler, and the next `up` served an empty fleet (a
+            # walkthrough).
+            raise CommandError(
+                moved_data_refusal(config_dir, settings, requested)
+                or _no_databases(settings, requested.parent)
+            )
         await server.locate()
         if (refusal := moved_data_refusal(config_dir, settings, server.pgdata)) is not None:
             raise CommandError(refusal)

@@ -496,8 +496,18 @@ class EmbeddedServer:
             except subprocess.CalledProcessError as exc:
                 output.seek(0)
                 said = output.read().decode(errors="replace").strip()[-2000:]
+                hint = ""
+                if account.switches and "Permission denied" in said:
+                    # A restore copied as root (`cp -r`) leaves root's files, which the
+                    # server's account cannot read (an upgrade's walkthrough).
+                    hint = (
+                        f"; the data must belong to {account.name}, the account PostgreSQL runs "
+                        f"as: chown -R {account.name}: {self.pgdata}"
+                    )
                 raise DatabaseError(
-                    f"{program} failed (exit {exc.returncode})" + (f": {said}" if said else "")
+                    f"{program} failed (exit {exc.returncode})"
+                    + (f": {said}" if said else "")
+                    + hint
                 ) from exc
             except subprocess.TimeoutExpired as exc:
                 raise DatabaseError(f"{program} timed out") from exc

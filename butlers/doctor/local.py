@@ -96,6 +96,11 @@ def data_dir(subject: Subject) -> list[Check]:
     except OSError as exc:
         return [fail("data-dir", f"cannot look at {directory}: {exc.strerror}")]
     mode = stat.S_IMODE(info.st_mode)
+    # Which it is: an owner looking for the variable in .env found none (an upgrade's
+    # walkthrough) when it is the default.
+    named = (
+        "BUTLERS_DATA_DIR" if subject.variable("BUTLERS_DATA_DIR") else "the default data directory"
+    )
     from butlers.cli.fleet import data_dir_refusal
 
     if (refusal := data_dir_refusal(directory)) is not None:
@@ -104,7 +109,7 @@ def data_dir(subject: Subject) -> list[Check]:
         return [
             warn(
                 "data-dir",
-                f"{directory} (BUTLERS_DATA_DIR) is writable by other users "
+                f"{directory} ({named}) is writable by other users "
                 f"({_permissions(mode)}): chmod go-w {directory} (`butlers up` takes their "
                 "write access away)",
             )
@@ -123,7 +128,7 @@ def data_dir(subject: Subject) -> list[Check]:
         return [
             warn(
                 "data-dir",
-                f"{directory} (BUTLERS_DATA_DIR) is open to other users ({_permissions(mode)}): "
+                f"{directory} ({named}) is open to other users ({_permissions(mode)}): "
                 # As root the embedded server's account must still pass through.
                 f"chmod {711 if _embedded_as_root(subject) else 700} {directory}",
             )

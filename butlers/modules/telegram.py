@@ -65,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 4096
 POLL_TIMEOUT_S = 25
+# How long a Bot API call (a reply's sendMessage) may take to answer. A request Telegram
+# read but did not answer in time cannot be told from one it never got: the reply is sent
+# again. At python-telegram-bot's 5 s, a Bot API slow for 7 s had a reply sent three times
+# (a red team); Telegram answers in well under a second when it is well.
+READ_TIMEOUT_S = 30.0
 WEBHOOK_PATH = "/telegram/webhook"
 TYPING_EVERY_S = 4.5
 REFUSAL = "Sorry, this is a private butler: I only answer the people it was set up for."
@@ -195,6 +200,7 @@ class TelegramModule:
         webhook_secret: str | None = None,
     ) -> None:
         from telegram.ext import AIORateLimiter, ExtBot
+        from telegram.request import HTTPXRequest
 
         self.config = config
         self.worker = worker
@@ -214,6 +220,7 @@ class TelegramModule:
             base_url=f"{base}/bot",
             base_file_url=f"{file_base}/bot",
             rate_limiter=AIORateLimiter(overall_max_rate=config.max_messages_per_s, max_retries=3),
+            request=HTTPXRequest(read_timeout=READ_TIMEOUT_S),
         )
         self.status = ModuleStatus(self.name, "starting")
         self._task: asyncio.Task[None] | None = None

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from butlers.config import Placement, SwitchboardConfig, TriageRule
+from butlers.config import Placement, SwitchboardConfig, TriageRule, load_config_dir
 from butlers.dashboard.app import Dashboard, DashboardParts
 from butlers.dashboard.fleet import FleetProbe
 from butlers.dashboard.store import DashboardStore
@@ -95,6 +95,8 @@ class Switchboard:
             switchboard_name=self.name,
             own=OwnEndpoints.of_switchboard(spawner.config, self_url),
         )
+        # A butler not reached where the registry says: the config's endpoints again.
+        self.router.rediscover = self._rediscover_if_moved
         self.outbox = OutboxSender(
             OutboxStore(routing_store.pool),
             tracer=tracer,
@@ -262,6 +264,15 @@ class Switchboard:
         )
         self.router.forget_endpoints()
         return report
+
+    async def _rediscover_if_moved(self, butler: str, endpoint: str) -> None:
+        """Discover again when `butler`, not reached at `endpoint`, is configured to listen
+        elsewhere (another fleet on this database registered its own, then stopped). A
+        butler that is down where its config says is left so: a discover would stamp it
+        seen."""
+        fleet = await asyncio.to_thread(load_config_dir, self.config_dir, self.placement)
+        if any(b.name == butler and b.endpoint_url != endpoint for b in fleet.butlers):
+            await self.discover()
 
     def health(self) -> dict[str, Any]:
         """Which replica this is, and whether it leads (the butler's /health)."""

@@ -589,12 +589,7 @@ class MemoryOutboxStore:
     async def claim(self, channel: str, sender: str, lease_s: float) -> Delivery | None:
         now = self.database.clock()
         row = next(
-            (
-                r
-                for r in self._may_go(channel)
-                if r["next_attempt_at"] <= now
-                or (r["status"] == "sending" and r["meta"].get(SENDER_KEY) == sender)
-            ),
+            (r for r in self._may_go(channel) if r["next_attempt_at"] <= now),
             None,
         )
         if row is None:

@@ -18,7 +18,9 @@ it, in `outbox_attachments`, and its meta counts them (FILES_KEY), so that only 
 costs the sender a second query.
 
 The one window left: a crash after the channel took a message and before its row was marked
-sent. That row is sent again at the next start: at most one duplicate. Telegram has no
+sent (a database away meanwhile is waited out), or a channel that read the request but did
+not answer in time (a Telegram request timed out, a connection cut before its answer): the
+row is sent again, rather than lost. One duplicate per such crash or timeout. Telegram has no
 idempotency key to prevent it; a mail is sent again with the same Message-ID, which mail
 clients use to drop the copy.
 """
@@ -68,10 +70,15 @@ ERROR_CHARS = 1000
 # out twice.
 SENDING_LEASE_S = 30.0
 LEASE_RENEW_S = 10.0
-# How long a leader stepping down lets a delivery under way finish (PTB's requests time out
-# within 5 s): with the worker's stop_drain_s and REPLIES_OUT_S, a stop stays within a
-# Kubernetes grace period's default 30 s.
+# How long a leader stepping down lets a delivery under way finish (a Bot API that is well
+# answers within a second): with the worker's stop_drain_s and REPLIES_OUT_S, a stop stays
+# within a Kubernetes grace period's default 30 s.
 STEP_DOWN_DRAIN_S = 10.0
+# A row the channel took is marked sent, however long the database is away: tried again this
+# often, for up to this long. A red team: a database restarting just after Telegram took a
+# reply left its row `sending`, and this process took it again at once and sent it twice.
+RECORD_SENT_EVERY_S = 1.0
+RECORD_SENT_FOR_S = 600.0
 # In a row's meta: how many files it carries (none: the key is absent).
 FILES_KEY = "files"
 
@@ -403,11 +410,39 @@ class OutboxSender:
                         permanent=delivery.attempts >= MAX_INTERNAL_ERRORS,
                     )
                     return
-                # The channel has it: marking it must survive our own cancellation.
-                await asyncio.shield(self.store.sent(delivery.id, sent_ids))
+                # The channel has it: marking it must survive our own cancellation, and a
+                # database that is away for a while.
+                await asyncio.shield(self._record_sent(delivery, sent_ids))
         finally:
             if token is not None:
                 otel_context.detach(token)
+
+    async def _record_sent(self, delivery: Delivery, sent_ids: list[str]) -> None:
+        """Mark a row its channel took as sent, trying again while the database cannot (up
+        to RECORD_SENT_FOR_S). Its channel's next row waits meanwhile: it would not be
+        marked either."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + RECORD_SENT_FOR_S
+        while True:
+            try:
+                await self.store.sent(delivery.id, sent_ids)
+                return
+            except Exception as exc:
+                if loop.time() >= give_up_at:
+                    logger.error(
+                        "outbox: row %s was sent but cannot be marked so (%s); it may be "
+                        "sent again once its lease is up",
+                        delivery.id,
+                        exc,
+                        extra={"action": "delivery_unrecorded"},
+                    )
+                    return
+                logger.warning(
+                    "outbox: row %s was sent; marking it so failed (%s), trying again",
+                    delivery.id,
+                    exc,
+                )
+                await asyncio.sleep(RECORD_SENT_EVERY_S)
 
     async def _delivered(self, channel: ChannelModule, delivery: Delivery) -> list[str]:
         """The channel's ids of what it sent, its lease renewed meanwhile."""

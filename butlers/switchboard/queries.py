@@ -392,17 +392,14 @@ _MAY_GO = Fragment(f"""
           AND NOT coalesce((f.meta ->> '{HELD_KEY}')::boolean, false)
     )
 """)
-# Channel $1's next row, now `sending` by replica $2 until $3 seconds from now, if it may go
-# and is due. A row another replica is sending is due only when its time is up (a leader
+# Channel $1's next row, now `sending` by sender $2 until $3 seconds from now, if it may go
+# and is due. A row being sent is due only when its lease is up, whoever sent it (a leader
 # that lost its lock sends on until it notices, up to seconds later: taken at once, its row
-# went out twice); one this replica was sending (a send cut short, a restart on the same
-# address) at once.
+# went out twice; a send this process cut short may have reached the channel all the same).
 OUTBOX_CLAIM = f"""
     WITH head AS (
         SELECT o.id FROM outbox o
-        WHERE {_MAY_GO}
-          AND (o.next_attempt_at <= now()
-               OR (o.status = 'sending' AND o.meta ->> '{SENDER_KEY}' = $2))
+        WHERE {_MAY_GO} AND o.next_attempt_at <= now()
         ORDER BY o.id LIMIT 1 FOR UPDATE SKIP LOCKED
     )
     UPDATE outbox SET status = 'sending', attempts = outbox.attempts + 1,

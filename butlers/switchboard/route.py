@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from butlers.config import CHANNEL_MODULES
 from butlers.errors import (
     OUT_OF_TURNS,
+    AnswerLost,
     CallTimedOut,
     RemoteError,
     RouteError,
@@ -47,9 +49,13 @@ if TYPE_CHECKING:
     from butlers.switchboard.inbox import InboxMessage
 
 
+logger = logging.getLogger(__name__)
+
 SUMMARY_CHARS = 200
 ERROR_CHARS = 1000
 DEFAULT_ROUTE_TIMEOUT_S = 330.0  # a little more than a target's default session timeout
+# A target that cannot be reached makes the switchboard discover again at most this often.
+REDISCOVER_EVERY_S = 30.0
 SELF_ROUTING = "routing to the Switchboard is not permitted"
 
 
@@ -206,6 +212,12 @@ class Router:
         # checks per call; a row edited behind our back (another switchboard process's
         # discover) is picked up on a miss.
         self._targets: dict[str, tuple[RegistryTarget, str | None]] = {}
+        # The switchboard's discover, when a target cannot be reached (`butler`, `endpoint`)
+        # and its config says it listens elsewhere (set by it): see `_moved`. At most once
+        # per REDISCOVER_EVERY_S.
+        self.rediscover: Callable[[str, str], Awaitable[object]] | None = None
+        self._rediscovered_at = -REDISCOVER_EVERY_S
+        self._rediscovering = asyncio.Lock()
 
     def forget_endpoints(self) -> None:
         self._targets.clear()
@@ -325,6 +337,27 @@ class Router:
             )
         )
 
+    async def _moved(self, butler_name: str, endpoint: str) -> str | None:
+        """Where `butler_name` answers now, if not at `endpoint`, where it could not be
+        reached: the registry again, after this switchboard's discover (at most once per
+        REDISCOVER_EVERY_S, however many routes fail). A second fleet on the same database
+        (`butlers up --port-offset`) registers its butlers; once it stopped, every route of
+        the first failed "unreachable" until someone ran `butlers discover` (a red team)."""
+        async with self._rediscovering:
+            now = time.monotonic()
+            if self.rediscover is not None and now - self._rediscovered_at >= REDISCOVER_EVERY_S:
+                self._rediscovered_at = now
+                try:
+                    await self.rediscover(butler_name, endpoint)
+                except Exception as exc:  # the route's own failure is what its caller hears
+                    logger.warning("discover after %s was unreachable failed: %s", endpoint, exc)
+        self._targets.pop(butler_name, None)
+        try:
+            moved_to = (await self._routable_target(butler_name)).endpoint_url
+        except RouteRefused:
+            return None
+        return moved_to if moved_to != endpoint else None
+
     async def is_routable(self, butler_name: str) -> bool:
         """A registered butler route may call (see `refusal_of`)."""
         return await self.refusal_of(butler_name) is None
@@ -341,11 +374,24 @@ class Router:
         if source.forwarded_from:
             meta[FORWARDED_META] = source.forwarded_from
         try:
-            result = await self.connections.call(
-                endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
-            )
+            try:
+                result = await self.connections.call(
+                    endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
+                )
+            except TargetUnreachable as exc:
+                self._targets.pop(butler_name, None)  # re-read the registry next time
+                # Not reached at all (a lost answer may have run): where it has moved to.
+                if isinstance(exc.__cause__, AnswerLost):
+                    raise
+                moved_to = await self._moved(butler_name, endpoint)
+                if moved_to is None:
+                    raise
+                endpoint = moved_to
+                result = await self.connections.call(
+                    endpoint, tool_name, forwarded, meta=meta, timeout_s=self.timeout_s
+                )
         except TargetUnreachable as exc:
-            self._targets.pop(butler_name, None)  # re-read the registry next time
+            self._targets.pop(butler_name, None)
             raise TargetDown(f"butler {butler_name!r} is unreachable at {endpoint}: {exc}") from exc
         except CallTimedOut as exc:
             raise TargetSlow(

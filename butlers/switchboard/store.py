@@ -238,10 +238,11 @@ class OutboxQueue(Protocol):
         ...
 
     async def claim(self, channel: str, sender: str, lease_s: float) -> Delivery | None:
-        """The channel's next row, made `sending` by `sender` (a replica) and its attempts
+        """The channel's next row, made `sending` by `sender` (a process) and its attempts
         counted one more, if it is due; None otherwise. A row is due at its next attempt; one
-        `sending` at once when its sender is `sender` (whose send was cut short), else
-        `lease_s` after it was taken (another replica may still be sending it). Rows go
+        `sending` once its lease (`lease_s` after it was taken, or last renewed) is up,
+        whoever its sender (another may still be sending it; a send cut short may have
+        reached the channel). Rows go
         strictly in order: only each recipient's oldest unsent (pending or sending) row may
         go, and none after the channel's oldest such row that is not held for its recipient
         only (`later(held_for_recipient=True)`). The delivery carries the row's files."""
