@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 from collections.abc import Sequence
@@ -423,7 +424,7 @@ class OutboxSender:
         marked either."""
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + RECORD_SENT_FOR_S
-        while True:
+        for tries in itertools.count():
             try:
                 await self.store.sent(delivery.id, sent_ids)
                 return
@@ -437,11 +438,12 @@ class OutboxSender:
                         extra={"action": "delivery_unrecorded"},
                     )
                     return
-                logger.warning(
-                    "outbox: row %s was sent; marking it so failed (%s), trying again",
-                    delivery.id,
-                    exc,
-                )
+                if tries % 60 == 0:  # (not a line a second while the database is away)
+                    logger.warning(
+                        "outbox: row %s was sent; marking it so failed (%s), trying again",
+                        delivery.id,
+                        exc,
+                    )
                 await asyncio.sleep(RECORD_SENT_EVERY_S)
 
     async def _delivered(self, channel: ChannelModule, delivery: Delivery) -> list[str]:
