@@ -770,3 +770,99 @@ async def test_a_classifiers_route_is_not_forwarded_once_the_message_was_taken_o
         with pytest.raises(LeaseLost):
             await dispatch.accept("health", "trigger", {"prompt": "a#0"})
     assert [butler for butler, _ in router.routed] == ["general"]
+
+
+async def test_a_reply_taken_but_not_marked_is_not_sent_again_after_a_step_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The database restarting just after the channel took a reply: marking it sent fails,
+    the leader (its lock's connection gone too) steps down and leads again once the lease
+    is up, and its new sender took the row and sent it again (a review). The marking
+    outlives the step-down, and the channel takes nothing else until it is done."""
+    from butlers.switchboard import outbox as outbox_module
+    from butlers.switchboard.outbox import Outgoing
+    from butlers.tasks import within
+
+    monkeypatch.setattr(outbox_module, "STEP_DOWN_DRAIN_S", 0.1)
+    monkeypatch.setattr(outbox_module, "RECORD_SENT_EVERY_S", 0.05)
+
+    class Counting:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.changed = asyncio.Condition()
+
+        async def deliver(self, delivery: Any) -> list[str]:
+            self.sent.append(delivery.text)
+            async with self.changed:
+                self.changed.notify_all()
+            return [str(len(self.sent))]
+
+        async def until_sent(self, count: int) -> None:
+            async with asyncio.timeout(10), self.changed:
+                await self.changed.wait_for(lambda: len(self.sent) >= count)
+
+    database = MemoryDatabase()
+    store = MemoryOutboxStore(database)
+    async with store.pool.acquire() as conn, conn.transaction():
+        await store.add(conn, [Outgoing("reply", "telegram", "1", "hello")], None)
+    database_away = asyncio.Event()
+    database_away.set()
+    marked = store.sent
+
+    async def sent(delivery_id: int, sent_ids: Any) -> None:
+        if database_away.is_set():
+            raise ConnectionResetError("the database restarts")
+        await marked(delivery_id, sent_ids)
+
+    monkeypatch.setattr(store, "sent", sent)
+    sender = OutboxSender(store, tracer=trace.get_tracer("test"), retry_hours=1, replica="t")
+    channel = Counting()
+    sender.channels["telegram"] = channel  # type: ignore[assignment]
+    await sender.lead()
+    await channel.until_sent(1)
+    await sender.step_down()  # the lock went with the database
+    clock = database.clock
+    database.clock = lambda: clock() + timedelta(seconds=31)  # its lease is up
+    await sender.lead()  # leading again before the database is back
+    await asyncio.sleep(0.3)
+    assert channel.sent == ["hello"]
+    database_away.clear()
+    async with store.pool.acquire() as conn, conn.transaction():
+        await store.add(conn, [Outgoing("reply", "telegram", "1", "next")], None)
+    sender.wake()
+    await channel.until_sent(2)
+    await within(sender.step_down(), 10)
+    assert channel.sent == ["hello", "next"]
+
+
+async def test_a_claim_the_database_cannot_confirm_goes_on_only_within_its_lease(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right before a butler is asked the claim is checked; when the database cannot say
+    (a restart as the process woke from a pause), it went on all the same, and the process
+    that had taken the message over asked the butler too (a review). It goes on only while
+    its last confirmation is recent; past half a lease, it stops."""
+    worker = parts.make(message_lease_s=30)
+    stalled = asyncio.Event()
+    working: list[asyncio.Task[Any] | None] = []
+    original = worker._answered_before
+
+    async def cannot(*_args: Any) -> Any:
+        raise ConnectionResetError("the database restarts")
+
+    async def paused_then_the_database_away(message: InboxMessage) -> bool:
+        worker._held_at[message.id] -= 20  # confirmed 20 s ago: a pause
+        monkeypatch.setattr(parts.inbox, "renew", cannot)
+        working.append(asyncio.current_task())
+        stalled.set()
+        return await original(message)
+
+    monkeypatch.setattr(worker, "_answered_before", paused_then_the_database_away)
+    await worker.open()
+    with log_records("butlers.switchboard.worker") as records:
+        await worker.accept(message("a", 0))
+        async with asyncio.timeout(5):
+            await stalled.wait()
+            await asyncio.wait([task for task in working if task is not None])
+    assert parts.router.routed == []
+    assert any("taken over by another switchboard process" in r.getMessage() for r in records)

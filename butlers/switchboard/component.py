@@ -33,7 +33,7 @@ from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pairing import PairingDesk, PairingStore
-from butlers.switchboard.registry import discover
+from butlers.switchboard.registry import answers_there, discover
 from butlers.switchboard.route import OwnEndpoints, Router
 from butlers.switchboard.routing_store import RoutingStore
 from butlers.switchboard.transcription import Transcriber
@@ -267,12 +267,17 @@ class Switchboard:
 
     async def _rediscover_if_moved(self, butler: str, endpoint: str) -> None:
         """Discover again when `butler`, not reached at `endpoint`, is configured to listen
-        elsewhere (another fleet on this database registered its own, then stopped). A
-        butler that is down where its config says is left so: a discover would stamp it
-        seen."""
+        elsewhere and answers there (another fleet on this database registered its own,
+        then stopped). A butler that is down where its config says is left so (a discover
+        would stamp it seen), and so is one a replica's config places where it does not
+        answer (a replica started without the fleet's --port-offset would move its route
+        there while it restarted: a review)."""
         fleet = await asyncio.to_thread(load_config_dir, self.config_dir, self.placement)
-        if any(b.name == butler and b.endpoint_url != endpoint for b in fleet.butlers):
-            await self.discover()
+        for config in fleet.butlers:
+            if config.name == butler and config.endpoint_url != endpoint:
+                if await answers_there(self.routing_store, config, self._auth_token):
+                    await self.discover()
+                return
 
     def health(self) -> dict[str, Any]:
         """Which replica this is, and whether it leads (the butler's /health)."""

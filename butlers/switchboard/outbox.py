@@ -301,6 +301,10 @@ class OutboxSender:
         self._tasks: list[asyncio.Task[None]] = []
         self._stepping_down = False
         self._hurry = asyncio.Event()  # a second Ctrl-C: no drain at a step-down
+        # Rows a channel took that are not marked sent yet (the database away), by id: their
+        # channel: its sender takes no other row meanwhile, even after a step-down and a new
+        # lead (the marking outlives the sender that began it: a review).
+        self._unrecorded: dict[int, str] = {}
 
     def hurry(self) -> None:
         """The owner stopped again (a second Ctrl-C): a step-down no longer lets the reply
@@ -333,8 +337,9 @@ class OutboxSender:
         """No row is taken any more; one being sent may finish (STEP_DOWN_DRAIN_S). Cut
         short, its channel may have it all the same (a request Telegram had read), and the
         next leader would send it again: a leader that only lost its lock's connection sent
-        a reply twice so (a red team). A row still `sending` after that stays so: this
-        process sends it again when it leads again, another one once its lease is up."""
+        a reply twice so (a red team). A row still `sending` after that stays so, and is
+        sent again (by this process or another) once its lease is up; one the channel took
+        is still marked sent (`_record_sent` outlives the step-down)."""
         self._stepping_down = True
         for wake in self._wakes.values():
             wake.set()
@@ -363,6 +368,10 @@ class OutboxSender:
         wake = self._wakes[name]
         while not self._stepping_down:
             wake.clear()
+            if name in self._unrecorded.values():  # sent, not yet marked: nothing else
+                with contextlib.suppress(TimeoutError):
+                    await within(wake.wait(), RECORD_SENT_EVERY_S)
+                continue
             try:
                 delivery = await self.store.claim(name, self.sender, SENDING_LEASE_S)
                 if delivery is not None:
@@ -420,10 +429,23 @@ class OutboxSender:
 
     async def _record_sent(self, delivery: Delivery, sent_ids: list[str]) -> None:
         """Mark a row its channel took as sent, trying again while the database cannot (up
-        to RECORD_SENT_FOR_S). Its channel's next row waits meanwhile: it would not be
-        marked either."""
+        to RECORD_SENT_FOR_S), its lease renewed meanwhile. Its channel's next row waits (it
+        would not be marked either), also in a sender started after a step-down."""
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + RECORD_SENT_FOR_S
+        self._unrecorded[delivery.id] = delivery.channel
+        try:
+            await self._mark_sent(delivery, sent_ids, give_up_at, loop)
+        finally:
+            self._unrecorded.pop(delivery.id, None)
+
+    async def _mark_sent(
+        self,
+        delivery: Delivery,
+        sent_ids: list[str],
+        give_up_at: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         for tries in itertools.count():
             try:
                 await self.store.sent(delivery.id, sent_ids)
@@ -445,6 +467,9 @@ class OutboxSender:
                         exc,
                     )
                 await asyncio.sleep(RECORD_SENT_EVERY_S)
+                # Another replica takes a row whose lease is up: kept while it can be.
+                with contextlib.suppress(Exception):
+                    await self.store.renew(delivery.id, self.sender, SENDING_LEASE_S)
 
     async def _delivered(self, channel: ChannelModule, delivery: Delivery) -> list[str]:
         """The channel's ids of what it sent, its lease renewed meanwhile."""

@@ -28,7 +28,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from butlers.config import Placement, load_config_dir
+from butlers.config import ButlerConfig, Placement, load_config_dir
 from butlers.core_store import database_identity
 from butlers.mcp_connection.proof import proven_health
 from butlers.switchboard.routing_store import RegistryEntry, RoutingStore
@@ -147,6 +147,16 @@ async def _keep_answering_endpoints(
             extra={"action": "discover_kept"},
         )
     return entries, kept
+
+
+async def answers_there(store: RoutingStore, butler: ButlerConfig, auth_token: str | None) -> bool:
+    """Whether `butler` answers at the endpoint its config gives, proven as discover proves
+    one (with the fleet's token; without one nothing can be proven: taken as yes, as a
+    discover by hand would move it)."""
+    if auth_token is None:
+        return True
+    identity = database_identity(await store.server_started(), butler.database)
+    return await _answers_as(butler.endpoint_url, butler.name, identity, auth_token)
 
 
 async def _answers_as(endpoint_url: str, name: str, identity: str, token: str) -> bool:

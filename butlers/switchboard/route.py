@@ -216,7 +216,7 @@ class Router:
         # and its config says it listens elsewhere (set by it): see `_moved`. At most once
         # per REDISCOVER_EVERY_S.
         self.rediscover: Callable[[str, str], Awaitable[object]] | None = None
-        self._rediscovered_at = -REDISCOVER_EVERY_S
+        self._rediscovered_at: dict[str, float] = {}  # by butler: one down uses up no other's
         self._rediscovering = asyncio.Lock()
 
     def forget_endpoints(self) -> None:
@@ -345,8 +345,9 @@ class Router:
         the first failed "unreachable" until someone ran `butlers discover` (a red team)."""
         async with self._rediscovering:
             now = time.monotonic()
-            if self.rediscover is not None and now - self._rediscovered_at >= REDISCOVER_EVERY_S:
-                self._rediscovered_at = now
+            last = self._rediscovered_at.get(butler_name)
+            if self.rediscover is not None and (last is None or now - last >= REDISCOVER_EVERY_S):
+                self._rediscovered_at[butler_name] = now
                 try:
                     await self.rediscover(butler_name, endpoint)
                 except Exception as exc:  # the route's own failure is what its caller hears
@@ -354,7 +355,7 @@ class Router:
         self._targets.pop(butler_name, None)
         try:
             moved_to = (await self._routable_target(butler_name)).endpoint_url
-        except RouteRefused:
+        except Exception:  # refused now, the database away: "unreachable" stands
             return None
         return moved_to if moved_to != endpoint else None
 

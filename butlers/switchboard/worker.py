@@ -205,6 +205,8 @@ class InboxWorker:
         self._task: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._in_flight: dict[int, asyncio.Task[None]] = {}
+        # When each's lease was last confirmed (claimed, renewed): monotonic seconds.
+        self._held_at: dict[int, float] = {}
         # Messages of `_in_flight` whose butlers were asked (one may have acted on it).
         self._routing: set[int] = set()
 
@@ -454,6 +456,7 @@ class InboxWorker:
                     self._work_on(message), name=f"switchboard:message:{message.id}"
                 )
                 self._in_flight[message.id] = task
+                self._held_at[message.id] = time.monotonic()
             # A message finishing, one arriving (here or in another process) or a lease
             # ending elsewhere: look again.
             with contextlib.suppress(TimeoutError):
@@ -498,6 +501,7 @@ class InboxWorker:
                 await asyncio.sleep(IDLE_POLL_S)
         finally:
             self._in_flight.pop(message.id, None)
+            self._held_at.pop(message.id, None)
             self._routing.discard(message.id)
             self._wake.set()
 
@@ -535,6 +539,9 @@ class InboxWorker:
                 continue
             try:
                 held = await self.inbox.renew(self.replica, ids, self.lease_s)
+                now = time.monotonic()
+                for inbox_id in held & self._held_at.keys():
+                    self._held_at[inbox_id] = now
             except Exception as exc:  # tried again in a third of a lease
                 logger.warning("cannot renew message leases: %s", exc)
                 continue
@@ -557,16 +564,22 @@ class InboxWorker:
         process's, its lease renewed; LeaseLost if another process took it over. A process
         paused past its lease (a frozen VM, SIGSTOP) woke to its classifier's `route` while
         another replica had taken the message and routed it: the butler was asked twice, the
-        lease renewal only noticed after (a red team). A database that cannot say is no
-        reason to stop (as for the renewal): its lease is renewed again within a third."""
+        lease renewal only noticed after (a red team). A database that cannot say: it goes
+        on only while its last renewal's lease has not run out here (a review: a paused
+        process woke to a database restart as well)."""
         try:
             held = await self.inbox.renew(self.replica, [message.id], self.lease_s)
         except Exception as exc:
+            since = time.monotonic() - self._held_at.get(message.id, float("-inf"))
             logger.warning("message %s: cannot renew its lease: %s", message.id, exc)
-            return
+            if since < self.lease_s / 2:  # (renewed every third: well within its lease)
+                return
+            self._stop_lost(message.id)
+            raise LeaseLost(message.id) from exc
         if message.id not in held:
             self._stop_lost(message.id)
             raise LeaseLost(message.id)
+        self._held_at[message.id] = time.monotonic()
 
     # -- one message ------------------------------------------------------------------------
 
