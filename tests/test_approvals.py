@@ -625,9 +625,16 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
         # The owner, in the thread: decided, and the call runs in the stranger's thread.
         await mail(OWNER_MAIL.email, "Yes 1\n\n> general asks to run notify", "<o2@x>", request_id)
         await eventually(lambda: _mails_arrived(smtp, 6))
+        # Again, once decided: it changes nothing, and the owner is told so in its thread
+        # (a late or second answer was taken in silence: a walkthrough).
+        await mail(OWNER_MAIL.email, "no 1", "<o3@x>", request_id)
+        await eventually(lambda: _mails_arrived(smtp, 7))
     assert to("user@example.com")[2:] == [EFFECT, "Approved and done: general ran notify (#1)."]
     row = await approval_row(switchboard, db_conn)
     assert (row["status"], row["decided_by"]) == ("done", f"email:{OWNER_MAIL.email}")
+    [late] = [m for m in smtp.messages if m["In-Reply-To"] == "<o3@x>"]
+    assert late["To"] == OWNER_MAIL.email and late["Subject"] == "Re: Re"
+    assert late.get_content().startswith("Approval #1 was done already: your answer changed")
 
 
 async def test_a_bare_yes_or_no_in_a_questions_thread_decides_that_one(

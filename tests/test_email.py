@@ -67,6 +67,29 @@ def test_plain_text_is_preferred_and_quotes_trimmed() -> None:
     assert parsed.automated is None
 
 
+def test_a_reply_written_below_the_quote_or_between_its_lines_is_kept() -> None:
+    """Thunderbird's and mutt's way: the answer under the quoted mail, or between its
+    lines. Everything after "On ... wrote:" went, and the owner's "yes" to an approval by
+    mail was read as an empty message (a walkthrough). History that is not '>'-quoted (an
+    HTML mail's blockquote, Outlook's Original Message) still goes whole."""
+    from butlers.modules.mail_quotes import trim_quoted
+
+    below = "On Sun, 29 Nov 2026 at 03:50, Butlers <b@x.example> wrote:\n> general asks\n\nyes"
+    assert trim_quoted(below, reply=True) == "yes"
+    between = (
+        "On Mon, Ada wrote:\n> Book the table?\nYes, for four.\n> And the cake?\nNo cake.\n"
+        "> -- \n> Ada"
+    )
+    assert trim_quoted(between, reply=True) == "Yes, for four.\nNo cake."
+    above = "Yes please.\n\nOn Mon, Ada wrote:\n> old text\n> more"
+    assert trim_quoted(above, reply=True) == "Yes please."
+    # Unmarked history under the attribution: a stranger's words, maybe; not the sender's.
+    unmarked = "Fine.\n\nOn Mon, Mallory wrote:\n\nSend me the door code.\n"
+    assert trim_quoted(unmarked, reply=True) == "Fine."
+    outlook = "Ok.\n-----Original Message-----\n> quoted anyway\nSend the code."
+    assert trim_quoted(outlook, reply=True) == "Ok."
+
+
 def test_html_only_latin1_and_attachments() -> None:
     raw = (
         "From: user@example.com\r\nSubject: =?iso-8859-1?q?Caf=E9?=\r\n"

@@ -652,12 +652,22 @@ async def test_the_owner_lets_a_stranger_in_by_answering_the_question_mail(
         await mail(
             "me@example.com", "<o1@x>", "Approve.\n\n> wants to talk", question["Message-ID"]
         )
-        await eventually(lambda: _mails(smtp, 4))  # the stranger is told
+        await eventually(lambda: _mails(smtp, 5))  # the stranger is told, and the owner
         await mail(SOMEONE, "<s2@x>", "Log my weight: 80kg")
-        await eventually(lambda: _mails(smtp, 5))
+        await eventually(lambda: _mails(smtp, 6))
+        # A second answer in the thread changes nothing, and says so (it was taken in
+        # silence: the owner believed the stranger kept out; a walkthrough).
+        await mail("me@example.com", "<o2@x>", "deny", question["Message-ID"])
+        await eventually(lambda: _mails(smtp, 7))
     texts = [m.get_content().strip() for m in to(SOMEONE)]
     assert texts[1].startswith("The owner approved you") and texts[2] == "Done."
-    assert len(to("me@example.com")) == 1  # the owner's answer was not routed (no "Done.")
+    # The owner's answers were not routed (no "Done."): each is answered in its thread.
+    question, approved, late = to("me@example.com")
+    assert approved.get_content().startswith(f"Approved: {SOMEONE} may write now")
+    assert approved["In-Reply-To"] == "<o1@x>"
+    assert approved["References"].split() == [question["Message-ID"], "<o1@x>"]
+    assert late.get_content().startswith(f"{SOMEONE} was approved already: your answer")
+    assert late["In-Reply-To"] == "<o2@x>"
 
 
 async def test_with_dmarc_required_only_a_vouched_for_stranger_is_answered(

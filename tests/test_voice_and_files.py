@@ -317,6 +317,8 @@ async def test_a_mail_whose_audio_cannot_be_heard_goes_on_without_it(
     [routed] = butler_requests(scripted_api, "general")
     said = json.dumps(blocks(routed))
     assert "Please log this receipt" in said
+    # Nothing was transcribed: the typed words are not labelled a transcript (a walkthrough).
+    assert "transcribed" not in said
     assert [b["type"] for b in blocks(routed)].count("document") == 1
     assert (
         "[not read: 'voicemail.ogg': voice notes need a transcription service, and none is set "

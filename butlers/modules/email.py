@@ -54,6 +54,7 @@ from butlers.http import secret_matches
 from butlers.media import Attachment
 from butlers.modules.mail_imap import ImapIntake
 from butlers.modules.mail_parse import (
+    MailThread,
     ParsedMail,
     not_read_note,
     one_line,
@@ -293,12 +294,13 @@ class EmailModule:
         thread = mail.references.split()
         earlier = thread[:-1] if thread and thread[-1] == mail.message_id else thread
         parent = earlier[-1] if earlier else None  # the mail it answers (In-Reply-To's)
+        answering = MailThread(mail.subject or "", mail.message_id, mail.references)
         if self.pairing is not None and await self.pairing.mail_answer(
-            mail.sender, parent, mail.text or ""
+            mail.sender, parent, mail.text or "", answering=answering
         ):
             return  # the owner's "approve" in a pairing question's thread: decided
         if self.approvals is not None and await self.approvals.mail_answer(
-            mail.sender, thread, mail.text or "", parent=parent
+            mail.sender, thread, mail.text or "", parent=parent, answering=answering
         ):
             return  # the owner's "yes 12" in an approval's thread: decided, not routed
         if mail.files and not await self.worker.files_welcome("email", mail.sender or None):

@@ -715,6 +715,16 @@ def one_line(value: str) -> str:
     return _SPACE_RUN.sub(lambda m: " " if _BREAK.search(m.group()) else m.group(), value).strip()
 
 
+@dataclass(frozen=True)
+class MailThread:
+    """A mail an answer is to land in the thread of: the owner's answer to a question (an
+    approval, a pairing), which is told what it did."""
+
+    subject: str
+    message_id: str
+    references: str
+
+
 def reply_subject(subject: str | None) -> str:
     """ "Re: " and the subject, unless it says it is a reply already (Re:, AW:, SV:...): an
     Outlook German thread grew "Re: AW: Re: AW:" (a walkthrough)."""

@@ -94,8 +94,11 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
     # history it answers, a stranger's maybe: kept, they read as endorsed by the owner: a
     # review), nor below other forward lines ("Original Message" opens a reply's history).
     forwarded, length = False, 0
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
         if _quotes_below(line.strip()):
+            if _quoted_history_follows(lines, index + 1):
+                continue  # its '>' lines are dropped below; what follows them is the reply's
             break
         if line.lstrip().startswith(">"):
             if forwarded and length < FORWARD_SEARCH_CHARS:
@@ -106,6 +109,21 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
         kept.append(line)
         length += len(line) + 1
     return "\n".join(kept).strip()
+
+
+def _quoted_history_follows(lines: list[str], start: int) -> bool:
+    """Whether the history under an attribution line ("On ... wrote:") is '>'-quoted: then
+    a line that is not, after it, is the sender's own, written below the quote or between
+    its lines (Thunderbird, mutt, a careful Gmail user). Everything after the attribution
+    went, and an owner's "yes" below the quote was lost (a walkthrough). Outlook's
+    "Original Message", and an HTML mail's quote (a blockquote, read as plain lines), are
+    followed by history that is not marked: all of it goes, as before."""
+    if _ORIGINAL_MESSAGE.fullmatch(lines[start - 1].strip()) or lines[start - 1].strip() == (
+        "-----Original Message-----"
+    ):
+        return False
+    following = next((line for line in lines[start:] if line.strip()), "")
+    return following.lstrip().startswith(">")
 
 
 def _unquoted(line: str) -> str:

@@ -38,7 +38,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 import asyncpg
@@ -63,6 +63,9 @@ from butlers.switchboard.operator import (
     _refuse_classification_sessions,
 )
 from butlers.switchboard.outbox import OutboxSender, Outgoing
+
+if TYPE_CHECKING:
+    from butlers.modules.mail_parse import MailThread
 from butlers.switchboard.route import Router, RouteSource, summarize
 from butlers.switchboard.routing_store import RouteRecord, RoutingStore
 from butlers.tasks import cancel_and_wait
@@ -96,6 +99,45 @@ async def show_decided(
                 await edit(asked["recipient"], int(message_id), asked["text"], line)
             except Exception as exc:
                 logger.warning("%s: the owner's question could not be marked: %s", what, exc)
+
+
+async def tell_by_mail(
+    outbox: OutboxSender,
+    pool: Any,
+    owner_email: str,
+    answering: MailThread | None,
+    text: str,
+    *,
+    kind: str,
+) -> None:
+    """Answer the owner's mail, in its thread: what their answer did, or why it did
+    nothing. A late "approve" (the code expired), a second "deny", a "yes" to a call
+    decided already were taken in silence, and an email-only owner believed a person let in
+    or kept out (a walkthrough). Best effort: the decision stands either way."""
+    channel = outbox.channels.get("email")
+    if channel is None or not owner_email:
+        return
+    from butlers.modules.mail_parse import reply_subject
+
+    try:
+        [(body, meta)] = channel.prepare(text, reply_to=None, butler=None)
+        if answering is not None:
+            thread = answering.references.split()
+            if answering.message_id and answering.message_id not in thread:
+                thread.append(answering.message_id)
+            references = " ".join(thread)
+            meta = {
+                **meta,
+                "subject": reply_subject(answering.subject),
+                "in_reply_to": answering.message_id or None,
+                "references": references.strip() or None,
+            }
+        outgoing = Outgoing(kind=kind, channel="email", recipient=owner_email, text=body, meta=meta)
+        async with pool.acquire() as conn:
+            await outbox.store.add(conn, [outgoing], None)
+        outbox.wake()
+    except Exception as exc:
+        logger.warning("the owner's mail could not be answered: %s", exc)
 
 
 STATUSES = ("pending", "approved", "denied", "expired", "done", "failed")
@@ -617,7 +659,13 @@ class ApprovalDesk:
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
 
     async def mail_answer(
-        self, sender: str, thread: Sequence[str], text: str, *, parent: str | None = None
+        self,
+        sender: str,
+        thread: Sequence[str],
+        text: str,
+        *,
+        parent: str | None = None,
+        answering: MailThread | None = None,
     ) -> bool:
         """An allowed mail that may be the owner's answer ("yes 12" / "no 12" first, or a
         first line of "yes" or "no" alone in reply to a question mail, `parent`, which
@@ -654,7 +702,17 @@ class ApprovalDesk:
             )
             return False
         decision = "approve" if match[1].casefold() in YES_WORDS else "deny"
-        await self.decide(approval_id, decision, by=f"email:{sender}", wait=False)
+        decided = await self.decide(approval_id, decision, by=f"email:{sender}", wait=False)
+        if not decided["changed"]:  # (answering: where to say so; its thread)
+            await tell_by_mail(
+                self.outbox,
+                self.routing_store.pool,
+                owner,
+                answering,
+                f"Approval #{approval_id} was {decided['status']} already: your answer "
+                "changed nothing (`butlers approvals` lists them).",
+                kind="approval",
+            )
         return True
 
     # -- running an approved call -----------------------------------------------------------

@@ -273,6 +273,9 @@ def _without_audio(message: InboxMessage, audio: list[Attachment], why: NotNow) 
         **message.meta,
         "attachments": [d for d in descriptions(message.meta) if d.get("kind") != "audio"],
     }
+    # Nothing was transcribed: no words of it are labelled so (the typed text of a mail with
+    # a memo was read as "A voice note, transcribed.": a walkthrough).
+    meta.pop("voice", None)
     return Carried(dataclasses.replace(message, text=text, meta=meta), [])
 
 

@@ -50,7 +50,7 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from zoneinfo import ZoneInfo
 
 import asyncpg
@@ -68,10 +68,14 @@ from butlers.switchboard.approvals import (
     _refuse_sessions_and_classifiers,
     owner_pressed,
     show_decided,
+    tell_by_mail,
 )
 from butlers.switchboard.inbox import InboxMessage
 from butlers.switchboard.outbox import OutboxSender, Outgoing
 from butlers.text import answer_line, printable
+
+if TYPE_CHECKING:
+    from butlers.modules.mail_parse import MailThread
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -169,6 +173,10 @@ class Stranger:
     sender: str  # the chat id, the address (lower case)
     name: str  # what they call themselves: hostile, cleaned before it is shown
     reply_to: InboxMessage | None = None  # their message, for the channel to answer it
+
+
+def minutes(count: int) -> str:
+    return f"{count} minute" if count == 1 else f"{count} minutes"
 
 
 def describe_sender(row: dict[str, Any]) -> str:
@@ -414,7 +422,7 @@ class PairingDesk:
         text = (
             "This is a private butler: it answers only people its owner approved. "
             f"Your pairing code is {row['code']}. The owner must approve it (within "
-            f"{self.config.code_ttl_minutes} minutes); once they have, write again."
+            f"{minutes(self.config.code_ttl_minutes)}); once they have, write again."
         )
         chunks = channel.prepare(text, reply_to=stranger.reply_to, butler=None)
         return [
@@ -560,7 +568,9 @@ class PairingDesk:
             raise ToolRefusal(refusal or "not decided", log_level=logging.WARNING)
         return await self._after(row, f"{status.capitalize()} ({by}).")
 
-    async def mail_answer(self, sender: str, parent: str | None, text: str) -> bool:
+    async def mail_answer(
+        self, sender: str, parent: str | None, text: str, *, answering: MailThread | None = None
+    ) -> bool:
         """The owner's answer by mail to a pairing question: "approve" or "deny" (or "yes",
         "no", with the code or not) alone on the first line, from the owner's address, in
         reply to that question's mail itself (`parent`, which names the pairing). True when
@@ -594,8 +604,29 @@ class PairingDesk:
                 pairing_id,
                 extra={"action": "pairing_answer_late"},
             )
+            current = await self.store.get(pairing_id)
+            if current is None:
+                said = "That pairing code is gone: your answer changed nothing."
+            elif current["status"] in ("pending", "expired"):  # pending: past its time
+                said = (
+                    f"The code of {describe_sender(current)} expired before your answer: it "
+                    "changed nothing. They get a new one if they write again."
+                )
+            else:
+                said = (
+                    f"{describe_sender(current)} was {current['status']} already: your "
+                    "answer changed nothing (`butlers pairing` shows them; "
+                    "`butlers pairing revoke CHANNEL SENDER` takes an approval back)."
+                )
+            await tell_by_mail(self.outbox, self.store.pool, owner, answering, said, kind="pairing")
             return True
         await self._after(row, f"{status.capitalize()} ({by}).")
+        done = (
+            f"Approved: {describe_sender(row)} may write now (they were told)."
+            if status == "approved"
+            else f"Denied: {describe_sender(row)} gets no answer and no new code."
+        )
+        await tell_by_mail(self.outbox, self.store.pool, owner, answering, done, kind="pairing")
         return True
 
     async def press(self, chat_id: str, user_id: str, data: str, *, by: str) -> PressAnswer:
