@@ -98,7 +98,7 @@ def answer_line(text: str) -> tuple[str, bool]:
     owner's "Yes, please." is read this way, and a stranger's mail of 100 000 spaces cost
     minutes to a regular expression that read it whole (a review)."""
     head = text[:ANSWER_TEXT_CHARS]
-    lines = iter(head.splitlines())
+    lines = iter(head.split("\n"))  # (not splitlines: U+2028 and its kind are no line end)
     for line in lines:
         if line.strip():
             first = " ".join(line.split())

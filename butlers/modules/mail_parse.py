@@ -72,6 +72,7 @@ from butlers.modules.mail_quotes import (
     HEADER_PAIR,
     MAX_OWN_LINES_CHARS,
     REPLY_SUBJECT,
+    answer_below_quote,
     forwarded_part,
     is_reply,
     trim_quoted,
@@ -209,6 +210,8 @@ def parse_mail(raw: bytes, max_bytes: int = MAX_MAIL_BYTES) -> ParsedMail:
             raise MailUnreadable(mail.unreadable)
         reply = is_reply(mail.subject, mail.references, mail.message_id)
         text = trim_quoted(_text_of(message), reply=reply)
+        if not text and reply and (plain := _plain_of(message)):
+            text = answer_below_quote(plain)  # a reply written below its quote
         read = _Attachments()
         for part in _files_of(message, _own_attachments(message)):
             read.add(part, read.named(part))
@@ -271,6 +274,13 @@ def _text_of(message: Message, max_html_chars: int | None = None, *, html: bool 
     assert isinstance(message, EmailMessage)
     body = message.get_body(preferencelist=("html", "plain") if html else ("plain", "html"))
     return _body_text(body, max_html_chars) if body is not None else ""
+
+
+def _plain_of(message: Message) -> str:
+    """A mail's text/plain body, "" when it has none (its quotes are marked; HTML's not)."""
+    assert isinstance(message, EmailMessage)
+    body = message.get_body(preferencelist=("plain",))
+    return _body_text(body) if body is not None else ""
 
 
 class _Attachments:

@@ -94,11 +94,11 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
     # history it answers, a stranger's maybe: kept, they read as endorsed by the owner: a
     # review), nor below other forward lines ("Original Message" opens a reply's history).
     forwarded, length = False, 0
-    lines = text.splitlines()
-    for index, line in enumerate(lines):
+    # At line feeds only: splitlines() also breaks at U+2028, U+0085, form feeds and lone
+    # CRs, which a quoted line may hold, and the rest of a stranger's quoted line came out
+    # unquoted, read as the sender's own words (a red team).
+    for line in text.split("\n"):
         if _quotes_below(line.strip()):
-            if _quoted_history_follows(lines, index + 1):
-                continue  # its '>' lines are dropped below; what follows them is the reply's
             break
         if line.lstrip().startswith(">"):
             if forwarded and length < FORWARD_SEARCH_CHARS:
@@ -111,19 +111,38 @@ def trim_quoted(text: str, *, reply: bool = False) -> str:
     return "\n".join(kept).strip()
 
 
-def _quoted_history_follows(lines: list[str], start: int) -> bool:
-    """Whether the history under an attribution line ("On ... wrote:") is '>'-quoted: then
-    a line that is not, after it, is the sender's own, written below the quote or between
-    its lines (Thunderbird, mutt, a careful Gmail user). Everything after the attribution
-    went, and an owner's "yes" below the quote was lost (a walkthrough). Outlook's
-    "Original Message", and an HTML mail's quote (a blockquote, read as plain lines), are
-    followed by history that is not marked: all of it goes, as before."""
-    if _ORIGINAL_MESSAGE.fullmatch(lines[start - 1].strip()) or lines[start - 1].strip() == (
-        "-----Original Message-----"
-    ):
-        return False
-    following = next((line for line in lines[start:] if line.strip()), "")
-    return following.lstrip().startswith(">")
+def answer_below_quote(text: str) -> str:
+    """The words a plain-text reply holds under its '>'-quoted history, when it holds none
+    above it (Thunderbird's and mutt's way: an owner's "yes" below the quoted question was
+    read as an empty mail: a walkthrough); "" when there are none, or when it is not plainly
+    so. Strict, because what follows an attribution line is often someone else's (a red
+    team): the text is split at line feeds only (U+2028 and its kind stay inside the quoted
+    line they came in), every line of the history must be '>'-quoted (an HTML mail's
+    blockquote, rewrapped quoted lines and unmarked history are not), the sender's words
+    must come after a blank line below the last quoted line, and a `-- ` signature ends
+    them. For text/plain bodies only: HTML's quotes are not marked."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    start = next((n for n, line in enumerate(lines) if _quotes_below(line.strip())), None)
+    if start is None or lines[start].strip().startswith("-"):  # Outlook's: unmarked below
+        return ""
+    if any(line.strip() for line in lines[:start]):
+        return ""  # words above the quote: those are the reply (trim_quoted keeps them)
+    rest = lines[start + 1 :]
+    quoted = [n for n, line in enumerate(rest) if line.startswith(">")]
+    if not quoted:
+        return ""
+    last = quoted[-1]
+    if any(line.strip() and not line.startswith(">") for line in rest[:last]):
+        return ""  # unmarked lines within the history: not plainly quoted
+    tail = rest[last + 1 :]
+    if not tail or tail[0].strip():
+        return ""  # no blank line under the quote: a rewrapped quoted line, maybe
+    words = []
+    for line in tail:
+        if line.rstrip() == "--" or line.startswith(">") or _quotes_below(line.strip()):
+            break
+        words.append(line)
+    return "\n".join(words).strip()
 
 
 def _unquoted(line: str) -> str:
