@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -706,6 +707,33 @@ async def test_a_second_stop_does_not_wait_for_the_reply_under_way(
     await within(stopping, 10)  # not the 600 s
 
 
+async def work_on_one(
+    worker: InboxWorker,
+    monkeypatch: pytest.MonkeyPatch,
+    first: Callable[[InboxMessage], Awaitable[None]],
+) -> tuple[int | None, list[logging.LogRecord]]:
+    """One message accepted and worked on, `first` run as its work begins (in its task, as
+    if the process paused there); its inbox id and what the worker logged until it ended."""
+    started = asyncio.Event()
+    working: list[asyncio.Task[Any] | None] = []
+    original = worker._answered_before
+
+    async def begin(message: InboxMessage) -> bool:
+        await first(message)
+        working.append(asyncio.current_task())
+        started.set()
+        return await original(message)
+
+    monkeypatch.setattr(worker, "_answered_before", begin)
+    await worker.open()
+    with log_records("butlers.switchboard.worker") as records:
+        inbox_id = await worker.accept(message("a", 0))
+        async with asyncio.timeout(5):
+            await started.wait()
+            await asyncio.wait([task for task in working if task is not None])
+    return inbox_id, records
+
+
 async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_again(
     parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -713,28 +741,17 @@ async def test_a_message_taken_over_while_this_process_was_paused_is_not_routed_
     butler while another replica had taken the message over (and asked it): the renewal
     noticed only after (a red team). The claim is checked right before a butler is asked."""
     worker = parts.make(message_lease_s=30)
-    paused = asyncio.Event()
-    working: list[asyncio.Task[Any] | None] = []  # the message's task here
-    original = worker._answered_before
 
-    async def pause_past_the_lease(message: InboxMessage) -> bool:
+    async def pause_past_the_lease(message: InboxMessage) -> None:
         # While this process is "paused", the lease runs out and sb-2 takes the message.
         clock = parts.database.clock
         parts.database.clock = lambda: clock() + timedelta(seconds=31)
         taken = await parts.inbox.claim_next("sb-2", 30)
         assert taken is not None and taken.id == message.id
-        working.append(asyncio.current_task())
-        paused.set()
-        return await original(message)
 
-    monkeypatch.setattr(worker, "_answered_before", pause_past_the_lease)
-    await worker.open()
-    with log_records("butlers.switchboard.worker") as records:
-        inbox_id = await worker.accept(message("a", 0))
-        async with asyncio.timeout(5):
-            await paused.wait()
-            await asyncio.wait([task for task in working if task is not None])
+    inbox_id, records = await work_on_one(worker, monkeypatch, pause_past_the_lease)
     assert parts.router.routed == []  # the butler was not asked by this process
+    assert inbox_id is not None
     row = await parts.inbox.get(inbox_id)
     assert row is not None and (row["status"], row["claimed_by"]) == ("processing", "sb-2")
     assert any("taken over by another switchboard process" in r.getMessage() for r in records)
@@ -843,26 +860,14 @@ async def test_a_claim_the_database_cannot_confirm_goes_on_only_within_its_lease
     that had taken the message over asked the butler too (a review). It goes on only while
     its last confirmation is recent; past half a lease, it stops."""
     worker = parts.make(message_lease_s=30)
-    stalled = asyncio.Event()
-    working: list[asyncio.Task[Any] | None] = []
-    original = worker._answered_before
 
     async def cannot(*_args: Any) -> Any:
         raise ConnectionResetError("the database restarts")
 
-    async def paused_then_the_database_away(message: InboxMessage) -> bool:
+    async def paused_then_the_database_away(message: InboxMessage) -> None:
         worker._held_at[message.id] -= 20  # confirmed 20 s ago: a pause
         monkeypatch.setattr(parts.inbox, "renew", cannot)
-        working.append(asyncio.current_task())
-        stalled.set()
-        return await original(message)
 
-    monkeypatch.setattr(worker, "_answered_before", paused_then_the_database_away)
-    await worker.open()
-    with log_records("butlers.switchboard.worker") as records:
-        await worker.accept(message("a", 0))
-        async with asyncio.timeout(5):
-            await stalled.wait()
-            await asyncio.wait([task for task in working if task is not None])
+    _, records = await work_on_one(worker, monkeypatch, paused_then_the_database_away)
     assert parts.router.routed == []
     assert any("taken over by another switchboard process" in r.getMessage() for r in records)
