@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -166,6 +167,38 @@ def mcp_config_dir(work_dir: Path) -> Path:
     return work_dir / ".mcp"
 
 
+def cache_dir(work_dir: Path) -> Path:
+    """Claude Code's cache (its XDG_CACHE_HOME) for the runs of one directory. It writes a
+    log of each run's MCP connections there (`claude-cli-nodejs/<dir>/mcp-logs-<server>/`),
+    never removed: one file a session in the owner's ~/.cache, without bound (a soak test:
+    500,000 files a month at a busy fleet's pace). Here `prune_cache` keeps a day of them."""
+    return work_dir / ".cache"
+
+
+CACHE_KEPT_S = 24 * 3600.0  # how long a run's files in `cache_dir` are kept
+
+
+def prune_cache(work_dir: Path, older_than_s: float = CACHE_KEPT_S) -> int:
+    """Delete the files in `cache_dir(work_dir)` not changed for `older_than_s`, and the
+    directories that leaves empty; how many files. Blocking: run it off the event loop."""
+    root = cache_dir(work_dir)
+    if not root.is_dir():
+        return 0
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = Path(directory) / name
+            with contextlib.suppress(FileNotFoundError):
+                if path.lstat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+        if Path(directory) != root:
+            with contextlib.suppress(OSError):  # (not empty: a run's files still in it)
+                Path(directory).rmdir()
+    return removed
+
+
 @dataclass(frozen=True)
 class ClaudeCodeResult:
     """What a run answered, and what it cost by Claude Code's own reckoning (None when it
@@ -197,7 +230,7 @@ async def run_claude_code(
     from claude_agent_sdk.types import TextBlock, ToolUseBlock
 
     signs = signs if signs is not None else RunSigns()
-    env = {**_CLI_ENV, **run.env}
+    env = {**_CLI_ENV, "XDG_CACHE_HOME": str(cache_dir(run.work_dir)), **run.env}
     # An API key refused is refused for good; a login's refused token may be refreshed by
     # a run beside this one (they share it): that is left to the CLI's retries.
     with_key = bool(env.get("ANTHROPIC_API_KEY", run.inherited.get("ANTHROPIC_API_KEY")))

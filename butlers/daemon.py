@@ -523,6 +523,7 @@ class ButlerDaemon:
         assert self.context is not None
         days = self.config.retention_days
         deleted = {"sessions": await self.context.store.prune_sessions(days)}
+        deleted["session cache files"] = await self.context.spawner.prune_cache()
         for prune in self._retention:
             deleted.update(await prune(days))
         if any(deleted.values()):

@@ -29,6 +29,7 @@ from butlers.claude_code import (
     RunSigns,
     excerpt,
     mcp_config_dir,
+    prune_cache,
     remove_private_files,
     run_claude_code,
 )
@@ -154,9 +155,15 @@ class Spawner:
         is left until it is older than a session may run: a replica's may still be running."""
         if removed := await asyncio.to_thread(remove_private_files, self.mcp_config_dir):
             logger.info("removed %d MCP config file(s) left by a killed run", removed)
+        await self.prune_cache()
         older_than_s = self.config.runtime.timeout_s + ABANDONED_MARGIN_S
         if marked := await self.store.sessions_abandoned(older_than_s, ABANDONED):
             logger.info("marked %d session(s) a stopped process left unfinished as failed", marked)
+
+    async def prune_cache(self) -> int:
+        """Claude Code's logs of its runs' MCP connections older than a day (its cache is
+        this butler's: `claude_code.cache_dir`); at start and with retention."""
+        return await asyncio.to_thread(prune_cache, self.work_dir)
 
     def system_prompt(self) -> str:
         if self.config.instructions:

@@ -218,6 +218,38 @@ async def test_tick_runs_due_schedule_as_a_session(
     assert row["trigger_source"] == "schedule:remind" and row["success"] is True
 
 
+async def test_claude_codes_logs_of_a_session_stay_in_the_butlers_data_and_age_out(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, tmp_path: Path
+) -> None:
+    """Claude Code logs each run's MCP connections under its cache, one file a session,
+    never removed: in the owner's ~/.cache, without bound (a soak test). They go to the
+    butler's own data (claude_code.cache_dir), and those older than a day are deleted (at
+    start and with retention)."""
+    import os
+    import time
+
+    from butlers.claude_code import cache_dir, prune_cache
+
+    daemon = await start_butler()
+    scripted_api.script([text("Done.")])
+    async with Client(daemon.sse_url) as client:
+        result = (await client.call_tool("trigger", {"prompt": "Hello"})).data
+    assert result["result"] == "Done.", result
+    assert daemon.context is not None
+    work_dir = daemon.context.spawner.work_dir
+    logs = [p for p in cache_dir(work_dir).rglob("*") if p.is_file()]
+    assert logs and any("mcp-logs-" in str(p) for p in logs), logs
+    home_cache = tmp_path / "claude-home" / ".cache"
+    assert not home_cache.exists() or not any(home_cache.rglob("mcp-logs-*")), home_cache
+    # A day old: deleted, and the directories it leaves empty.
+    assert prune_cache(work_dir) == 0  # (new: kept)
+    day_ago = time.time() - 25 * 3600
+    for path in logs:
+        os.utime(path, (day_ago, day_ago))
+    assert prune_cache(work_dir) == len(logs)
+    assert not any(p.is_file() for p in cache_dir(work_dir).rglob("*"))
+
+
 async def test_a_session_runs_with_a_relative_data_dir(
     pg_server,
     make_database,
