@@ -157,7 +157,7 @@ async def test_the_leader_killed_mid_burst_loses_and_repeats_nothing(
         # What the killed leader was doing was taken over (a second attempt) by the other.
         assert any(r["attempts"] == 2 for r in rows)
         assert {r["claimed_by"] for r in rows if r["attempts"] == 2} == {
-            f"{os.uname().nodename}:{replica_port}"
+            (await health(replica_port))["replica"]  # `host:port/<random>`: the survivor
         }
         # The poller moved to the survivor, and there were never two at once.
         assert bot_api.polls[polls_before_the_kill:]  # polls that came after the kill

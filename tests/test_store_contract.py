@@ -265,6 +265,20 @@ async def test_requeue_takes_back_only_this_replicas_interrupted_messages(
     assert message is not None and (message.id, message.attempts) == (mine[0], 2)
 
 
+async def test_requeue_takes_back_what_processes_of_the_name_left_not_other_names(
+    stores: Stores,
+) -> None:
+    """A process claims as `name/<random>` (butlers.switchboard.process_name); a restart
+    resumes what any process of its name left (the name held alone), and the name itself
+    (claims of older releases), but not a longer name's nor another's."""
+    names = ["host:8100/aa", "host:8100", "host:8100/bb", "host:81000/cc", "host:8101/dd"]
+    ids = [await queued(stores, f"telegram:{n}") for n in range(len(names))]
+    for name, inbox_id in zip(names, ids, strict=True):
+        assert await claimed_id(stores, name) == inbox_id
+    assert await stores.inbox.requeue_interrupted("host:8100") == 3
+    assert [await status(stores, i) for i in ids] == ["queued"] * 3 + ["processing"] * 2
+
+
 async def test_release_hands_back_in_place_without_counting_the_attempt(stores: Stores) -> None:
     a1 = await queued(stores, "telegram:a")
     await queued(stores, "telegram:a")

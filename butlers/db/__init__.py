@@ -34,7 +34,7 @@ from butlers.db.migrations import (
     migrations_dir,
     prepare_database,
 )
-from butlers.db.pool import CONNECTION_ERRORS, create_pool
+from butlers.db.pool import CONNECTION_ERRORS, close_connection, create_pool
 from butlers.db.postmaster import PG_PORT
 from butlers.db.postmaster import _running_postmaster as _running_postmaster
 from butlers.db.server import ExternalServer, PostgresServer, running, server_for
@@ -54,6 +54,7 @@ __all__ = [
     "EmbeddedServer",
     "ExternalServer",
     "PostgresServer",
+    "close_connection",
     "create_pool",
     "ensure_database",
     "migrate",

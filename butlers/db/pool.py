@@ -1,12 +1,15 @@
-"""A butler's asyncpg pool: JSONB as Python values, no reset query on release, and the
-errors a call on a connection that went away raises."""
+"""A butler's asyncpg pool: JSONB as Python values, no reset query on release; the errors a
+call on a connection that went away raises, and how a connection of its own is ended."""
 
 from __future__ import annotations
+
+import contextlib
 
 import asyncpg
 
 from butlers.db.server import PostgresServer
 from butlers.errors import DatabaseError
+from butlers.tasks import within
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
@@ -28,6 +31,18 @@ async def _skip_reset(conn: asyncpg.Connection) -> None:
 # What a database call on a connection that went away raises, besides PostgreSQL's own errors
 # (asyncpg's InterfaceError: "connection is closed").
 CONNECTION_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def close_connection(conn: asyncpg.Connection | None) -> None:
+    """End a connection of its own (a lock's, a listener's): politely within CLOSE_TIMEOUT_S,
+    else at once (a server that stopped answering must not hold a stop up)."""
+    if conn is None or conn.is_closed():
+        return
+    with contextlib.suppress(Exception):
+        await within(conn.close(), CLOSE_TIMEOUT_S)
+    if not conn.is_closed():
+        conn.terminate()
 
 
 async def create_pool(server: PostgresServer, database: str, *, max_size: int = 5) -> asyncpg.Pool:

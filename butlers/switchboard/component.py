@@ -6,11 +6,13 @@ MCP tools on them. `use_channels` hands it the butler's channel modules, which i
 between its worker and its leadership. `open()` runs them in that order, once; `close()`
 stops them in reverse.
 
-Why this order: the worker resumes what a crash left before anything new comes in; the
-channels then take messages (their intake writes to the inbox and wakes the worker); only
-then may this process lead, since leading starts the channels' pollers and the outbox, which
-sends through them. Closing goes back: the lock is let go first, so another process takes
-over the pollers at once, and the worker hands its messages back last.
+Why this order: the process takes its name's lock (butlers.switchboard.process_name), then
+the worker resumes what a crash of a process of that name left, before anything new comes
+in; the channels then take messages (their intake writes to the inbox and wakes the worker);
+only then may this process lead, since leading starts the channels' pollers and the outbox,
+which sends through them. Closing: the worker stops first, its messages under way finishing
+(or handed back) while this process still leads, so that their replies go out; then the
+leader's lock is let go, so another process takes over the pollers at once; the name last.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from butlers.switchboard.inbox import InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Connect, LeaderDuty, Leadership
 from butlers.switchboard.outbox import OutboxSender, OutboxStore
 from butlers.switchboard.pairing import PairingDesk, PairingStore
+from butlers.switchboard.process_name import ProcessName
 from butlers.switchboard.registry import answers_there, discover
 from butlers.switchboard.route import OwnEndpoints, Router
 from butlers.switchboard.routing_store import RoutingStore
@@ -103,6 +106,9 @@ class Switchboard:
             retry_hours=limits.reply_retry_hours,
             replica=replica,
         )
+        # Its name among the processes on this database (`replica`: host and port) and its
+        # own claims' (the name and a random suffix).
+        self.process = ProcessName(connect, replica)
         self.worker = InboxWorker(
             inbox=inbox,
             routing_store=routing_store,
@@ -114,7 +120,7 @@ class Switchboard:
             switchboard_tools=tool_names,
             tracer=tracer,
             outbox=self.outbox,
-            replica=replica,
+            replica=self.process.claimant,
             transcriber=transcriber,
         )
         self.notifier = NotificationDesk(
@@ -203,7 +209,8 @@ class Switchboard:
     async def open(self) -> None:
         """Once the butler serves (a classification session connects back to it)."""
         self._once.opening()
-        await self.worker.open()
+        held = await self.process.open()  # no other live process has its name
+        await self.worker.open(resume=self.process.name if held else None)
         if self.modules is not None:
             await self.modules.open()
         await self.wakeups.open()
@@ -227,6 +234,7 @@ class Switchboard:
             await self.modules.close()
         await self.approvals.close()
         await self.connections.close()
+        await self.process.close()  # the name goes last: its messages were handed back
         if waiting:
             # Those `ask` calls' answers (the reply, or: the message stays queued) go out over
             # their SSE streams, which the HTTP listener ends right after this: without the

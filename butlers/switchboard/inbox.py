@@ -315,12 +315,12 @@ class InboxStore:
             storable(error),
         )
 
-    async def requeue_interrupted(self, replica: str) -> int:
-        """At start-up: what this process (`replica`: the same name as before its restart)
-        left `processing` when it crashed goes back to the queue, in its place. A row claimed
-        by nobody in particular is from before leases: requeued too. Another process's rows
-        are its own until their lease runs out."""
-        result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, replica)
+    async def requeue_interrupted(self, name: str) -> int:
+        """At start-up: what processes of this process's name (butlers.switchboard.
+        process_name: no other live one has it) left `processing` when they crashed goes back
+        to the queue, in its place. A row claimed by nobody in particular is from before
+        leases: requeued too. Other processes' rows are theirs until their leases run out."""
+        result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, name)
         return int(result.split()[-1])
 
     async def claim_next(

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import asyncpg
 
-from butlers.db import CONNECTION_ERRORS
+from butlers.db import CONNECTION_ERRORS, close_connection
 from butlers.tasks import cancel_and_wait, within
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,12 @@ CHECK_S = 3.0  # a leader checks its lock's connection this often
 # - idle_session_timeout (PostgreSQL 14+): one whose process is paused (SIGSTOP, a frozen
 #   VM) or whose event loop hangs, which no longer asks `SELECT 1` every CHECK_S while its
 #   kernel still answers the keepalives (a red team: a paused leader was never replaced).
-LIVENESS_SETTINGS = {
+KEEPALIVE_SETTINGS = {
     "tcp_keepalives_idle": "5",
     "tcp_keepalives_interval": "2",
     "tcp_keepalives_count": "2",
-    "idle_session_timeout": f"'{int(CHECK_S * 5)}s'",
 }
+LIVENESS_SETTINGS = {**KEEPALIVE_SETTINGS, "idle_session_timeout": f"'{int(CHECK_S * 5)}s'"}
 
 
 @runtime_checkable
@@ -199,8 +199,4 @@ class Leadership:
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await within(conn.close(), 5)
-            if not conn.is_closed():
-                conn.terminate()
+        await close_connection(conn)

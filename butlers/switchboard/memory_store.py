@@ -392,10 +392,13 @@ class MemoryInboxStore:
                 released += 1
         return released
 
-    async def requeue_interrupted(self, replica: str) -> int:
+    async def requeue_interrupted(self, name: str) -> int:
         requeued = 0
         for row in self._rows.values():
-            if row["status"] == "processing" and row["claimed_by"] in (replica, None):
+            claimant = row["claimed_by"]
+            if row["status"] == "processing" and (
+                claimant in (name, None) or claimant.startswith(f"{name}/")
+            ):
                 row.update(status="queued", claimed_by=None, lease_until=None)
                 requeued += 1
         return requeued

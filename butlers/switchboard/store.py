@@ -143,10 +143,11 @@ class InboxQueue(Protocol):
         in their place, their attempt not counted; how many went back."""
         ...
 
-    async def requeue_interrupted(self, replica: str) -> int:
-        """At start-up: the rows `processing` for `replica` (a crash interrupted them) or for
-        nobody go back to `queued`, their attempts kept (counted towards MAX_ATTEMPTS);
-        another replica's stay its own. How many went back."""
+    async def requeue_interrupted(self, name: str) -> int:
+        """At start-up: the rows `processing` for a process named `name` (`name` itself, or
+        `name/<anything>`: a crash interrupted them) or for nobody go back to `queued`, their
+        attempts kept (counted towards MAX_ATTEMPTS); other names' stay theirs. How many went
+        back."""
         ...
 
     async def finish(

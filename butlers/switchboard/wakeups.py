@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from butlers.db import CONNECTION_ERRORS
+from butlers.db import CONNECTION_ERRORS, close_connection
 from butlers.tasks import cancel_and_wait, within
 
 logger = logging.getLogger(__name__)
@@ -73,11 +73,7 @@ class Wakeups:
                 logger.info("switchboard: not listening for wake-ups (%s); again soon", exc)
             finally:
                 self.listening = False
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await within(conn.close(), 5)
-                    if not conn.is_closed():
-                        conn.terminate()
+                await close_connection(conn)
             await asyncio.sleep(RECONNECT_S)
 
     def _on_notification(self, _conn: object, _pid: int, channel: str, payload: object) -> None:

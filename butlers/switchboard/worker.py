@@ -187,8 +187,8 @@ class InboxWorker:
         self.dispatcher = Dispatcher(router, max_routes=limits.max_routes_per_message)
         self.switchboard_url = switchboard_url
         self.switchboard_tools = switchboard_tools
-        # This process's name in `inbox.claimed_by`: the same after a restart (its host and
-        # port), so that it resumes what it was doing when it crashed.
+        # This process's own name in `inbox.claimed_by` (butlers.switchboard.process_name:
+        # `host:port/<random>`, never another live process's).
         self.replica = replica
         self.max_concurrent = limits.max_concurrent_messages
         # Voice notes to text, files loaded (butlers.switchboard.attachments); the worker owns
@@ -350,8 +350,10 @@ class InboxWorker:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def open(self) -> None:
-        resumed = await self.inbox.requeue_interrupted(self.replica)
+    async def open(self, *, resume: str | None) -> None:
+        """Start taking messages; first, what processes named `resume` left under way (None:
+        another live process may have that name, so nothing is resumed: leases tell)."""
+        resumed = 0 if resume is None else await self.inbox.requeue_interrupted(resume)
         if resumed:
             logger.warning(
                 "resuming %d message(s) left under way when the switchboard last stopped (a "
