@@ -252,6 +252,27 @@ async def test_a_missing_secret_fails_naming_the_variable_and_who_needs_it(tmp_p
     assert str(config / ".env") in checks["secrets"].detail
 
 
+async def test_a_channel_without_its_secrets_warns_while_another_starts(tmp_path: Path) -> None:
+    """`butlers up` starts the switchboard without a channel whose variables are not set:
+    doctor warns of it (it failed, where `up` ran), and fails only when no channel would
+    start, or a tool server's header is not set."""
+    email = (
+        'imap_host = "imap.example.com"\nsmtp_host = "smtp.example.com"\n'
+        'address = "me@example.com"\nallowed_senders = ["me@example.com"]'
+    )
+    config = fleet_dir(tmp_path, telegram='allowed_chat_ids = ["1"]', email=email)
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", TELEGRAM_BOT_TOKEN="1:x")
+    checks = await doctor(config, env)
+    secrets = checks["secrets"]
+    assert secrets.status == "warn", secrets
+    assert "BUTLERS_EMAIL_PASSWORD (switchboard: [modules.email] password_env)" in secrets.detail
+    assert "starts without switchboard's email; switchboard's telegram starts" in secrets.detail
+    del env["TELEGRAM_BOT_TOKEN"]
+    checks = await doctor(config, env)
+    assert checks["secrets"].status == "fail"
+    assert "No channel would start" in checks["secrets"].detail
+
+
 async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
     config = fleet_dir(tmp_path)
     data = tmp_path / "data"

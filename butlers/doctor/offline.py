@@ -66,6 +66,7 @@ class Needed:
     name: str
     why: str
     required: bool = True  # False: a tool server's pass_env (it may do without)
+    channel: str | None = None  # a channel's: `butlers up` starts its butler without it
 
 
 def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
@@ -75,7 +76,8 @@ def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
     for channel, table in butler.channels.items():
         spec = spec_of(channel)
         for variable, key in spec.needed_variables(table) if spec is not None else ():
-            yield Needed(variable, f"{butler.name}: [modules.{channel}] {key}".rstrip())
+            why = f"{butler.name}: [modules.{channel}] {key}".rstrip()
+            yield Needed(variable, why, channel=f"{butler.name}'s {channel}")
     for server in butler.mcp_servers:
         for header, variable in server.headers_env.items():
             yield Needed(variable, f"{butler.name}: [[mcp_servers]] {server.name} header {header}")
@@ -86,14 +88,39 @@ def needed_variables(butler: ButlerConfig) -> Iterator[Needed]:
 
 
 def secrets(subject: Subject) -> list[Check]:
+    """A tool server's header unset fails (its calls would be refused); a channel's is a
+    warning while another channel still starts, as `butlers up` starts without that one
+    (butlers.modules: skipped), and fails when none would (nobody could message the
+    butlers: a doctor that failed what `up` ran, the shipped config's unused email, misled)."""
     needed = [n for b in subject.butlers for n in needed_variables(b)]
     missing = [n for n in needed if n.required and subject.variable(n.name) is None]
     optional = [n for n in needed if not n.required and subject.variable(n.name) is None]
+    skipped = {n.channel for n in missing if n.channel is not None}
+    channels = {n.channel for n in needed if n.channel is not None}
     found: list[Check] = []
     if missing:
         names = sorted({n.name for n in missing})
         listed = "; ".join(f"{n.name} ({n.why})" for n in missing)
-        found.append(fail("secrets", f"not set: {listed}; {subject.where_to_set(*names)}"))
+        advice = f"not set: {listed}; {subject.where_to_set(*names)}"
+        if all(n.channel is not None for n in missing) and skipped != channels:
+            starting = ", ".join(sorted(channels - skipped))
+            found.append(
+                warn(
+                    "secrets",
+                    f"{advice}. `butlers up` starts without "
+                    f"{', '.join(sorted(skipped))}; {starting} starts",
+                )
+            )
+        elif skipped and skipped == channels:
+            found.append(
+                fail(
+                    "secrets",
+                    f"{advice}. No channel would start: nobody could message "
+                    "your butlers (`butlers ask` still works)",
+                )
+            )
+        else:
+            found.append(fail("secrets", advice))
     else:
         names = sorted({n.name for n in needed if n.required})
         found.append(
