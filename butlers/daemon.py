@@ -312,6 +312,7 @@ class ButlerDaemon:
             token_request_bytes=FILES_REQUEST_BYTES,
             health_proof=self._health_proof if self.auth_token else None,
         )
+        forwarded_allow_ips = self.settings.variable("FORWARDED_ALLOW_IPS")
         uv_config = uvicorn.Config(
             app,
             # uvicorn's records propagate to the process's one stream, at its level
@@ -322,6 +323,12 @@ class ButlerDaemon:
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            # X-Forwarded-* are believed only from the proxies FORWARDED_ALLOW_IPS names.
+            # uvicorn's own default believes any loopback client: a DNS-rebinding page in
+            # the owner's browser sent a new X-Forwarded-For with each guess of the token,
+            # and the dashboard's throttle never held it (a red team).
+            proxy_headers=forwarded_allow_ips is not None,
+            forwarded_allow_ips=forwarded_allow_ips,
         )
         listener = Listener(
             uv_config,

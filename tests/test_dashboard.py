@@ -331,6 +331,17 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
         assert 'href="/ui/butlers/general"' in page and 'href="/ui/butlers/health"' not in page
         refused = await client.get("/ui/routing-log?before=yesterday", headers=BEARER)
         assert refused.status_code == 400 and "before must be an ISO 8601 time" in refused.text
+        # What PostgreSQL cannot take is a clear answer, not a 500 (a red team).
+        for address, status, said in (
+            ("/ui/routing-log?before=0001-01-01T00:00:00%2B14:00", 400, "before is out of range"),
+            ("/ui/routing-log?before=9999-12-31T23:59:59-14:00", 400, "before is out of range"),
+            ("/ui/routing-log?butler=%00", 400, "the address holds a NUL character"),
+            ("/ui/butlers/%00", 400, "the address holds a NUL character"),
+            ("/ui/butlers/a%00/memory", 400, "the address holds a NUL character"),
+            ("/ui/messages/99999999999999999999", 404, "no message with id 99999999999999999999"),
+        ):
+            odd = await client.get(address, headers=BEARER)
+            assert (odd.status_code, said in odd.text) == (status, True), (address, odd.text)
         # Its old address (a bookmark) leads to the same page, query kept.
         moved = await client.get("/ui/routes?outcome=failed", headers=BEARER)
         assert moved.status_code == 301

@@ -134,9 +134,15 @@ async def test_a_wrong_token_keeps_where_the_reader_was_going(
 
 
 async def test_wrong_tokens_are_throttled_per_client_with_one_warning_a_burst(
-    start_butler: StartButler, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_butler: StartButler,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Per client: behind a proxy the switchboard believes (FORWARDED_ALLOW_IPS), per the
+    address it forwards."""
     caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "127.0.0.1")  # a proxy on this machine
     switchboard = await switchboard_alone(start_butler, tmp_path)
     base = switchboard.base_url
     guesses = [f"guess-number-{n}" for n in range(9)]
@@ -183,11 +189,14 @@ async def test_wrong_tokens_are_throttled_per_client_with_one_warning_a_burst(
 
 
 async def test_wrong_bearer_tokens_count_as_guesses_like_the_sign_in_forms(
-    start_butler: StartButler, tmp_path: Path
+    start_butler: StartButler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A script's `Authorization: Bearer` on /ui is a guess like the form's: five wrong ones
     and that client is refused (429) before its token is compared. (With a token any Host may
-    ask, as a proxy forwards it: a rebinding web page could only guess.)"""
+    ask, as a proxy forwards it: a rebinding web page can only guess, and, no proxy being
+    believed unless FORWARDED_ALLOW_IPS says so, cannot claim a new address per guess with
+    X-Forwarded-For: a red team's page in Chromium made 30 guesses so.)"""
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)  # the default
     switchboard = await switchboard_alone(start_butler, tmp_path)
     base = switchboard.base_url
     async with aiohttp.ClientSession() as http:
@@ -202,8 +211,9 @@ async def test_wrong_bearer_tokens_count_as_guesses_like_the_sign_in_forms(
             assert (await get(f"guess-{n}"))[0] == 401
         status, retry_after = await get(TOKEN)
         assert status == 429 and retry_after is not None and 1 <= int(retry_after) <= 60
-        # Another client (as a trusted proxy on loopback forwards it) is not held up by it.
-        assert (await get(TOKEN, **{"X-Forwarded-For": "203.0.113.9"}))[0] == 200
+        # The same client claiming to be another (as a rebinding page's fetch may) is not.
+        assert (await get(TOKEN, **{"X-Forwarded-For": "203.0.113.9"}))[0] == 429
+        assert (await get("guess-5", **{"X-Forwarded-For": "203.0.113.10"}))[0] == 429
 
 
 def test_the_throttle_window_and_its_memory() -> None:
@@ -313,9 +323,9 @@ def test_a_client_is_its_address_and_an_ipv6_client_its_64() -> None:
 async def test_the_session_cookie_is_secure_behind_a_tls_proxy_it_trusts(
     start_butler: StartButler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """uvicorn believes X-Forwarded-Proto from FORWARDED_ALLOW_IPS (default the loopback
-    addresses): through a TLS proxy there the cookies are Secure; from a proxy it does not
-    trust, the header changes nothing."""
+    """uvicorn believes X-Forwarded-Proto from FORWARDED_ALLOW_IPS (unset: from nobody):
+    through a TLS proxy there the cookies are Secure; from a proxy it does not trust, the
+    header changes nothing."""
 
     async def cookies_through_proxy(switchboard) -> tuple[str, str]:
         """The CSRF and session cookies of a sign-in through a TLS proxy on loopback: the
@@ -337,6 +347,7 @@ async def test_the_session_cookie_is_secure_behind_a_tls_proxy_it_trusts(
         assert session_cookie.startswith("butlers_ui=")
         return csrf_cookie, session_cookie
 
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "127.0.0.1,::1")  # a proxy on this machine
     trusted = await switchboard_alone(start_butler, tmp_path / "trusted")
     for cookie in await cookies_through_proxy(trusted):
         assert "; Secure" in cookie and "HttpOnly" in cookie, cookie
@@ -348,6 +359,10 @@ async def test_the_session_cookie_is_secure_behind_a_tls_proxy_it_trusts(
     monkeypatch.setenv("FORWARDED_ALLOW_IPS", "192.0.2.1")  # the proxy is elsewhere
     untrusted = await switchboard_alone(start_butler, tmp_path / "untrusted")
     for cookie in await cookies_through_proxy(untrusted):
+        assert "Secure" not in cookie, cookie
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS")  # the default: no proxy is believed
+    unset = await switchboard_alone(start_butler, tmp_path / "unset")
+    for cookie in await cookies_through_proxy(unset):
         assert "Secure" not in cookie, cookie
 
 

@@ -13,7 +13,7 @@ expired), so that cookie is refused from then on even if replayed, by every swit
 process sharing the database (replicas) and after a restart. The cookie is HttpOnly (no
 script reads it), SameSite=Strict (no other site's page sends it), and Secure when the page
 came over HTTPS: directly, or through a TLS proxy whose X-Forwarded-Proto uvicorn trusts
-(FORWARDED_ALLOW_IPS, default the loopback addresses).
+(FORWARDED_ALLOW_IPS; unset, none: butlers.daemon).
 
 Wrong tokens, typed into the sign-in form or sent as a bearer token to a page, are throttled
 per client (`LoginThrottle`).
