@@ -175,10 +175,12 @@ PROXY_SEPARATOR = "__"
 
 
 def _server_name(value: str) -> str:
-    if PROXY_SEPARATOR in value:
+    # Nor may it end in "_": `notes_`'s `write` would be offered as `notes___write`, read
+    # back as server `notes`, tool `_write` (a red team: its approval globs not applied).
+    if PROXY_SEPARATOR in value or value.endswith("_"):
         raise ValueError(
-            f"{value!r} contains {PROXY_SEPARATOR!r}, which separates a server's name from its "
-            "tools' names (`files__read_text_file`)"
+            f"{value!r} contains {PROXY_SEPARATOR!r} or ends in '_': {PROXY_SEPARATOR!r} "
+            "separates a server's name from its tools' names (`files__read_text_file`)"
         )
     return value
 

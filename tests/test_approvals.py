@@ -8,6 +8,7 @@ Bot API answering callback_query updates, answerCallbackQuery and editMessageTex
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 from dataclasses import dataclass, replace
@@ -728,6 +729,10 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
             page = await response.text()
             assert response.status == 200, page
         assert "Working on it..." in page and 'value="approve"' in page
+        # Whom the call serves, as the question says it: a stranger's, not the owner's (the
+        # page showed the call alone: a red team).
+        serves = re.search(r'<td class="serves">([^<]*)</td>', page)[1]
+        assert html.unescape(serves) == f'answering "Ada L" ("telegram:{CHAT}"), not you'
         csrf = re.search(r'name="csrf" value="([^"]+)"', page)[1]
         decide = {"id": "1", "decision": "approve"}
         for refused, headers in (
@@ -771,6 +776,7 @@ async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(
             page = await response.text()
         assert ">Approve #2</button>" in page and 'id="approvals-more"' in page
         assert page.count('<tr data-id="') == 101
+        assert "for a session you started or a schedule" in page  # (they served nobody)
         # The stranger's message (inbox 1) shows what its session asked for.
         async with http.get(f"{base}/ui/messages/1") as response:
             page = await response.text()

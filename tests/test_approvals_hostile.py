@@ -303,6 +303,27 @@ def test_the_owners_question_shows_disguising_characters_as_escapes() -> None:
     assert "\\u202egpj.exe" in question and "Lunch?\\u2028\\u2028ok" in question
 
 
+def test_the_operators_list_shows_the_arguments_that_would_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`butlers approvals` printed a zero-width space as nothing and four spaces as one, so
+    the call listed was not the call that would run (a red team)."""
+    from butlers.cli.render import print_approvals
+
+    row = {
+        "id": 7,
+        "butler": "general",
+        "tool": "files__write_file",
+        "status": "approved",
+        "requested_at": "2026-11-28T12:00:00+00:00",
+        "arguments": {"p": "a\u200b.txt", "t": "a    b\u2066\x1b"},
+    }
+    print_approvals([row], status=None)
+    shown = capsys.readouterr().out
+    assert '{"p": "a\\u200b.txt", "t": "a    b\\u2066\\u001b"}' in shown
+    assert "\x1b" not in shown and "\u200b" not in shown
+
+
 def test_what_a_long_key_a_big_number_or_a_long_list_would_hide_is_shown() -> None:
     """Long keys, a 4000-digit number, 2000 items or thousands of keys used to fill the
     question until it was cut as a whole, `url` (sorted after them) out of sight. Each is

@@ -85,6 +85,8 @@ headers_env = { Authorization = "NOTES_AUTH" }
             "exactly one of command",
         ),
         ("[[mcp_servers]]\nname = 'my__files'\ncommand = 'x'\n", "mcp_servers[0].name", "'__'"),
+        # `notes_`'s `write` would be `notes___write`: server `notes`, tool `_write`.
+        ("[[mcp_servers]]\nname = 'notes_'\ncommand = 'x'\n", "mcp_servers[0].name", "ends in '_'"),
         ("[[mcp_servers]]\nname = 'Files'\ncommand = 'x'\n", "mcp_servers[0].name", "a name"),
         (
             "[[mcp_servers]]\nname = 'a'\ncommand = 'x'\n[[mcp_servers]]\nname = 'b'\n"

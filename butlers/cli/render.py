@@ -314,9 +314,18 @@ def print_approvals(
     if not rows:
         print(none_found("approvals", status))
         return
+    from butlers.text import escaped_disguises
+
     table = []
     for row in rows:
-        arguments = json.dumps(row.get("arguments"), ensure_ascii=False, sort_keys=True)
+        # As the owner's question shows them: what could disguise them escaped, every space
+        # kept (`cut` squeezed runs of spaces and dropped zero-width characters, so the call
+        # shown was not the call that would run: a red team). JSON escapes the controls.
+        arguments = escaped_disguises(
+            json.dumps(row.get("arguments"), ensure_ascii=False, sort_keys=True)
+        )
+        if len(arguments) > TABLE_TEXT_CHARS:
+            arguments = arguments[: TABLE_TEXT_CHARS - 1] + "…"
         cells = (
             str(row["id"]),
             when(row.get("requested_at")),
@@ -325,7 +334,7 @@ def print_approvals(
             row["status"],
             when(row.get("decided_at")),
             row.get("decided_by") or "-",
-            cut(arguments),
+            arguments,
         )
         details = []
         if row["status"] == "pending":  # until when the owner may decide (then: expired)

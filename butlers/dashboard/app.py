@@ -535,11 +535,17 @@ class Dashboard:
         )
         merged = {row["id"]: row for row in [*pending_rows, *newest]}
         rows = [public_approval(merged[i]) for i in sorted(merged, reverse=True)]
+        served: dict[tuple[str | None, str | None], str] = {}  # one name lookup a conversation
         for row in rows:
             # Exactly what will run, and seen as such: nothing in them may reorder or hide
             # what follows (the Telegram question's rule).
             shown = json.dumps(row["arguments"], indent=2, ensure_ascii=False)
             row["shown"] = escaped_disguises(shown)
+            # And whom it serves: a stranger's request is told from the owner's own.
+            key = (row.get("conversation"), row.get("forwarded_from"))
+            if key not in served:
+                served[key] = await desk.whose(row)
+            row["serves"] = served[key]
         # Refreshed while a call runs, but never under buttons: a new request coming in at the
         # top would move the rows, and a click meant for one could approve another.
         waiting = running or any(row["status"] == "approved" for row in rows)

@@ -533,6 +533,24 @@ class ApprovalDesk:
             "owner_asked": asked,
         }
 
+    async def name_served(self, row: dict[str, Any]) -> str | None:
+        """The name of the person whose conversation the asking session served (None: the
+        owner's own, or a session nobody's message started)."""
+        conversation = row.get("conversation")
+        if conversation and not is_owners(conversation, self.owner):
+            return await self.store.name_of(conversation)
+        return None
+
+    async def whose(self, row: dict[str, Any]) -> str:
+        """Whom the call serves, in the owner's question's words (the dashboard says it too:
+        it showed the call without them, a red team)."""
+        return _whose(
+            row.get("conversation"),
+            self.owner,
+            await self.name_served(row),
+            row.get("forwarded_from"),
+        )
+
     async def _ask_owner(self, row: dict[str, Any]) -> bool:
         """Queue the question to the owner on their preferred channel that runs here."""
         reachable = [c for c in self.owner.channels() if c[0] in self.outbox.channels]
@@ -548,11 +566,7 @@ class ApprovalDesk:
         spec = spec_of(channel)
         buttons = spec is not None and spec.buttons
         by_reply = spec is not None and spec.continues_thread  # a mail's answer in its thread
-        conversation = row.get("conversation")
-        name = None
-        if conversation and not is_owners(conversation, self.owner):
-            name = await self.store.name_of(conversation)
-        text = describe(row, self.redact, self.owner, name)
+        text = describe(row, self.redact, self.owner, await self.name_served(row))
         if by_reply:
             text += (
                 '\n\nReply to this mail with "yes" or "no" on its first line (or "yes '
