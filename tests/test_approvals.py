@@ -611,6 +611,8 @@ async def test_the_owner_answers_by_mail_only_from_their_address_in_the_thread(
         await mail("Ada <user@example.com>", ASK, "<t1@x>", None)
         await eventually(lambda: _mails_arrived(smtp, 2))
         [question] = [m for m in smtp.messages if m["To"] == OWNER_MAIL.email]
+        # A subject of its own: not "From your general butler", as the butlers' notes are.
+        assert question["Subject"] == "Approval #1: general asks to run notify"
         assert 'Reply to this mail with "yes" or "no" on its first line (or "yes 1"' in (
             question.get_content()
         )

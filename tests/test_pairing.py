@@ -589,6 +589,8 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         assert answer["Auto-Submitted"] == "auto-replied"
         [question] = to("me@example.com")
         body = question.get_content()
+        # Told apart in the owner's mailbox from the butlers' notes ("From your butlers").
+        assert question["Subject"] == f"Pairing code {code}: someone new wrote"
         assert f'{SOMEONE} (calls themselves "Eve Stranger") wants to talk to your' in body
         assert f"run: butlers pairing approve {code} (or deny {code})." in body
         assert re.search(r"valid until \d{4}-\d\d-\d\d \d\d:\d\d JST\)", body), body
@@ -605,6 +607,7 @@ async def test_an_unknown_mail_sender_gets_a_code_and_the_owner_the_command(
         await eventually(lambda: _mails(smtp, 5))
     texts = [m.get_content().strip() for m in to(SOMEONE)]
     assert texts[1].startswith("The owner approved you") and texts[2] == "Done."
+    assert to(SOMEONE)[1]["Subject"] == "Re: your message to a private butler: approved"
 
 
 async def test_the_owner_lets_a_stranger_in_by_answering_the_question_mail(

@@ -110,7 +110,12 @@ class StandInChannel:
         return sender not in self.gone
 
     def prepare(
-        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+        self,
+        text: str,
+        *,
+        reply_to: InboxMessage | None,
+        butler: str | None,
+        subject: str | None = None,
     ) -> list[tuple[str, dict[str, Any]]]:
         return [(text, {"reply_to": reply_to.external_id if reply_to else None})]
 

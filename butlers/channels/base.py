@@ -65,11 +65,18 @@ class ChannelModule(Protocol):
     async def step_down(self) -> None: ...
 
     def prepare(
-        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+        self,
+        text: str,
+        *,
+        reply_to: InboxMessage | None,
+        butler: str | None,
+        subject: str | None = None,
     ) -> list[tuple[str, dict[str, Any]]]:
         """The rows one message becomes (text over the channel's limit is split), each with
         what `deliver` will need (`reply_to`: the message this answers, if any; `butler`:
-        who speaks, for a notification's subject)."""
+        who speaks, for a notification's subject; `subject`: what a message that answers
+        nothing is about, where the channel has subjects: an approval's question, a pairing
+        code, told apart in the owner's mailbox from the butlers' notes)."""
         ...
 
     async def deliver(self, delivery: Delivery) -> list[str]:

@@ -424,7 +424,12 @@ class EmailModule:
     # -- the outbox's channel ------------------------------------------------------------
 
     def prepare(
-        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+        self,
+        text: str,
+        *,
+        reply_to: InboxMessage | None,
+        butler: str | None,
+        subject: str | None = None,
     ) -> list[tuple[str, dict[str, Any]]]:
         """One row; its Message-ID is chosen now, so that a mail sent again after a crash is
         the same mail to the reader's client (which drops the copy)."""
@@ -433,6 +438,8 @@ class EmailModule:
             meta["subject"] = reply_subject(reply_to.subject)
             meta["in_reply_to"] = reply_to.meta.get("message_id") or None
             meta["references"] = reply_to.meta.get("references") or None
+        elif subject is not None:
+            meta["subject"] = subject
         else:
             meta["subject"] = f"From your {butler} butler" if butler else "From your butlers"
         return [(text, meta)]

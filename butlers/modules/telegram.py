@@ -303,7 +303,12 @@ class TelegramModule:
     # -- the outbox's channel ------------------------------------------------------------
 
     def prepare(
-        self, text: str, *, reply_to: InboxMessage | None, butler: str | None
+        self,
+        text: str,
+        *,
+        reply_to: InboxMessage | None,
+        butler: str | None,
+        subject: str | None = None,
     ) -> list[tuple[str, dict[str, Any]]]:
         """One outbox row per 4096-character chunk; the first answers the person's message."""
         chunks = split_text(text)

@@ -573,7 +573,12 @@ class ApprovalDesk:
                 f'{row["id"]}", "no {row["id"]}"), or run `butlers approvals approve|deny '
                 f"{row['id']}`."
             )
-        chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=row["butler"])
+        chunks = self.outbox.channels[channel].prepare(
+            text,
+            reply_to=None,
+            butler=row["butler"],
+            subject=f"Approval #{row['id']}: {row['butler']} asks to run {row['tool']}",
+        )
         if buttons:
             secret = await self.store.secret()
             keyboard = [

@@ -105,6 +105,8 @@ CODE_LENGTH = 8
 _CODE = re.compile(f"[{CODE_ALPHABET}]{{{CODE_LENGTH}}}")
 _CODE_SEPARATORS = re.compile(r"[\s-]+")
 ANSWER_EVERY_S = 3600  # a sender is answered at most this often
+# The subject of the mail that tells a stranger they were let in (they wrote first).
+APPROVED_SUBJECT = "Re: your message to a private butler: approved"
 DENIED_QUIET_DAYS = 7  # a denied sender gets no new code (nor the owner a question) this long
 MAX_WRONG_CODES_PER_HOUR = 10  # across the switchboard (every process), then all refused
 NAME_CHARS = 64  # of a sender's name, as shown to the owner
@@ -467,7 +469,9 @@ class PairingDesk:
                 f"until you approve or deny the pending ones (`butlers pairing`) or they "
                 "expire. You are told this at most once an hour."
             )
-            chunks = self.outbox.channels[owner[0]].prepare(text, reply_to=None, butler=None)
+            chunks = self.outbox.channels[owner[0]].prepare(
+                text, reply_to=None, butler=None, subject="Pairing: more strangers than codes"
+            )
             outgoing = [
                 Outgoing(kind="pairing", channel=owner[0], recipient=owner[1], text=t, meta=m)
                 for t, m in chunks
@@ -513,7 +517,9 @@ class PairingDesk:
             )
         else:
             text += f"To let them in, run: butlers pairing approve {code} (or deny {code})."
-        chunks = self.outbox.channels[channel].prepare(text, reply_to=None, butler=None)
+        chunks = self.outbox.channels[channel].prepare(
+            text, reply_to=None, butler=None, subject=f"Pairing code {code}: someone new wrote"
+        )
         if buttons:
             secret = await self.secret()
             keyboard = [
@@ -671,7 +677,7 @@ class PairingDesk:
         if channel is None:
             return
         text = "The owner approved you: write again, and the butlers here will answer."
-        chunks = channel.prepare(text, reply_to=None, butler=None)
+        chunks = channel.prepare(text, reply_to=None, butler=None, subject=APPROVED_SUBJECT)
         await self.outbox.store.add(
             conn,
             [
