@@ -572,10 +572,16 @@ class ButlerDaemon:
             body[key] = report()
         return (200 if database["ok"] else 503), body
 
+    def stopping(self) -> None:
+        """The butler is about to stop: a session cut short from now on says so."""
+        if self.context is not None:
+            self.context.spawner.stopping = True
+
     async def stop(self) -> None:
         if self._state in ("new", "stopped"):
             self._state = "stopped"
             return
+        self.stopping()
         self._state = "stopping"
         with butler_context(self.config.name):
             await self._close_resources()
@@ -705,7 +711,11 @@ def hurry_fleet(daemons: Sequence[ButlerDaemon]) -> None:
 
 
 async def stop_fleet(daemons: Sequence[ButlerDaemon]) -> None:
-    """The switchboard first (it holds MCP connections to the others), then the rest at once."""
+    """The switchboard first (it holds MCP connections to the others), then the rest at once.
+    Every butler knows at once that the fleet stops: a session cut short by the switchboard's
+    stop is recorded as the fleet's stop, not as a caller that went away."""
+    for daemon in daemons:
+        daemon.stopping()
     front = [d for d in daemons if d.config.is_switchboard]
     rest = [d for d in daemons if not d.config.is_switchboard]
     await asyncio.gather(*(d.stop() for d in front), return_exceptions=True)

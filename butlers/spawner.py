@@ -136,6 +136,8 @@ class Spawner:
         self.auth_token = auth_token
         self._slots = asyncio.Semaphore(config.runtime.max_concurrent_sessions)
         self.running = 0
+        # Set when the butler (or its fleet) begins to stop: why a session was cut short.
+        self.stopping = False
         self._serving: dict[str, _Serving] = {}  # session token -> what it serves
         self._session_ids: dict[str, uuid.UUID] = {}  # session token -> its sessions row
         # The owner's persons (`telegram:<chat>`, `email:<address>`): their conversations
@@ -458,8 +460,10 @@ class Spawner:
                 result, cost_usd = answered.text, answered.cost_usd
         except asyncio.CancelledError:
             # Cut short (the butler stops, or whoever waited gave up): said so, not left
-            # "running" for ever in sessions_list and the dashboard.
-            error = "interrupted: the session was stopped before it finished (the butler stopped)"
+            # "running" for ever in sessions_list and the dashboard; and which of the two (a
+            # client that disconnected read "the butler stopped": a soak test).
+            why = "the butler stopped" if self.stopping else "whoever asked for it stopped waiting"
+            error = f"interrupted: the session was stopped before it finished ({why})"
             with contextlib.suppress(Exception):
                 await asyncio.shield(
                     self.store.session_finish(

@@ -4,6 +4,7 @@ calls the butler's own tools over MCP; every session is recorded, failures inclu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from pathlib import Path
@@ -15,7 +16,7 @@ from fastmcp.exceptions import ToolError
 
 from butlers.claude_code import McpTarget, not_logged_in
 from butlers.config import RuntimeConfig
-from tests.conftest import StartButler, butler_config, no_credentials_env
+from tests.conftest import StartButler, butler_config, eventually, no_credentials_env
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
 INSTRUCTIONS = "You are the alpha butler. Keep notes in state."
@@ -169,6 +170,34 @@ async def test_timeout_is_a_recorded_failure_and_leaves_no_process(
             break
         await asyncio.sleep(0.1)
     assert _claude_children() == []
+
+
+async def test_a_session_whose_caller_went_away_says_so_not_that_the_butler_stopped(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """A client that disconnects mid-trigger cuts the session short; its row said "the
+    butler stopped" while the butler ran on (a soak test)."""
+    daemon = await start_butler(butler_config(runtime=RuntimeConfig(tick_interval_s=0)))
+    scripted_api.delay_s = 60  # the model never answers while the caller waits
+    async with Client(daemon.sse_url) as client:
+        call = asyncio.create_task(client.call_tool("trigger", {"prompt": "take your time"}))
+        async with asyncio.timeout(60):
+            await scripted_api.wait_for_request(lambda body: True)
+        call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    conn = await db_conn(daemon.config.database)
+
+    async def finished() -> bool:
+        return await conn.fetchval("SELECT finished_at IS NOT NULL FROM sessions")
+
+    await eventually(finished)
+    [row] = await _session_rows(db_conn, daemon)
+    assert row["success"] is False
+    assert row["error"] == (
+        "interrupted: the session was stopped before it finished "
+        "(whoever asked for it stopped waiting)"
+    )
 
 
 @pytest.mark.parametrize("concurrency", [1, 2])
