@@ -942,7 +942,10 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
                 text, channel=channel, conversation=conversation, attachments=files
             )
         except NotifyFailed as exc:
-            raise ToolRefusal(str(exc), log_level=logging.WARNING) from exc
+            # A refusal was logged by the switchboard (one WARNING, not two a refusal: a soak
+            # test); a switchboard that did not answer is this butler's to say.
+            level = logging.INFO if exc.refused else logging.WARNING
+            raise ToolRefusal(str(exc), log_level=level) from exc
 
     @tool
     async def tick() -> dict[str, Any]:

@@ -215,7 +215,12 @@ class TargetOutOfTurns(RouteError):
 
 
 class NotifyFailed(ButlersError):
-    """The switchboard did not take the notification; the message says why."""
+    """The switchboard did not take the notification; the message says why. `refused`: the
+    switchboard answered, refusing it (and logged that itself), rather than failing."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class NotifyRefused(ButlersError):

@@ -152,8 +152,8 @@ class SwitchboardLink:
             raise NotifyFailed(f"{refused}: {exc.message}") from exc
         if result.get("isError"):
             if tool == "deliver":
-                raise NotifyFailed(f"not sent: {unwrap(result)}")
-            raise NotifyFailed(f"{refused}: {unwrap(result)}")
+                raise NotifyFailed(f"not sent: {unwrap(result)}", refused=True)
+            raise NotifyFailed(f"{refused}: {unwrap(result)}", refused=True)
         return unwrap(result)
 
     async def may_write(self, conversation: str) -> bool | None:

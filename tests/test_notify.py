@@ -19,7 +19,7 @@ from butlers.config import (
     TriageRule,
 )
 from butlers.daemon import ButlerDaemon
-from tests.conftest import StartButler, butler_config, free_port, write_butler_dir
+from tests.conftest import StartButler, butler_config, free_port, log_records, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 from tests.test_inbox import turn
@@ -173,6 +173,29 @@ async def test_deliver_refuses_clearly_and_limits_each_butler(
     conn = await db_conn(switchboard.config.database)
     rows = await conn.fetch("SELECT success, error FROM routing_log ORDER BY created_at, id")
     assert [r["success"] for r in rows] == [False, False, False, True, True, False, True]
+
+
+async def test_a_capped_notify_is_one_warning_in_the_log_not_two(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+) -> None:
+    """The switchboard's refusal is its warning; the butler whose notify it refused says it
+    at INFO (each capped notify was two WARNING lines: a soak test)."""
+    limits = SwitchboardConfig(
+        max_notifications_per_hour=1, owner=OwnerConfig(telegram_chat_id=str(OWNER))
+    )
+    _, general = await notify_fleet(start_butler, tmp_path, bot_api, limits)
+    with log_records("fastmcp") as records:
+        async with Client(general.sse_url) as client:
+            await client.call_tool("notify", {"text": "one"})
+            with pytest.raises(Exception, match="already sent 1 notifications in the last hour"):
+                await client.call_tool("notify", {"text": "two"})
+    said = {
+        tool: [r.levelname for r in records if f"Error calling tool {tool!r}" in r.getMessage()]
+        for tool in ("deliver", "notify")
+    }
+    assert said == {"deliver": ["WARNING"], "notify": ["INFO"]}, said
 
 
 async def test_without_an_owner_a_reminder_is_refused_with_what_to_set(
