@@ -536,7 +536,8 @@ class SwitchboardConfig:
     max_messages_per_sender_per_hour: Annotated[Int, Field(ge=0)] = Field(
         default=60,
         description=(
-            "Later messages are kept but not classified, and their files not fetched; 0: no limit."
+            "Later messages are kept but not classified, and their files not fetched; the "
+            "owner ([switchboard.owner]) may send ten times as many; 0: no limit."
         ),
     )
     retention_days: Annotated[Int, Field(ge=1)] = Field(

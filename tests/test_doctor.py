@@ -273,6 +273,19 @@ async def test_a_channel_without_its_secrets_warns_while_another_starts(tmp_path
     assert "No channel would start" in checks["secrets"].detail
 
 
+async def test_an_owner_who_may_not_write_back_warns(tmp_path: Path) -> None:
+    """Reminders reach the owner's chat, but their answers got "this is a private butler"
+    when the allowlist left them out (a walkthrough)."""
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", TELEGRAM_BOT_TOKEN="1:x")
+    owner = '[switchboard.owner]\ntelegram_chat_id = "2"'
+    config = fleet_dir(tmp_path / "a", telegram='allowed_chat_ids = ["1"]', switchboard=owner)
+    check = (await doctor(config, env))["owner"]
+    assert check.status == "warn", check
+    assert "add '2' to [modules.telegram] allowed_chat_ids" in check.detail
+    config = fleet_dir(tmp_path / "b", telegram='allowed_chat_ids = ["1", "2"]', switchboard=owner)
+    assert (await doctor(config, env))["owner"].status == "ok"
+
+
 async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:
     config = fleet_dir(tmp_path)
     data = tmp_path / "data"

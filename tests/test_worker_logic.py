@@ -25,7 +25,7 @@ import pytest
 from opentelemetry import trace
 
 from butlers.claude_code import OVERLOADED
-from butlers.config import SwitchboardConfig, TranscriptionConfig, TriageRule
+from butlers.config import OwnerConfig, SwitchboardConfig, TranscriptionConfig, TriageRule
 from butlers.errors import NotifyRefused, RouteError, TargetBusy, TranscriptionFailed
 from butlers.media import Attachment
 from butlers.switchboard import attachments as attachment_step
@@ -674,6 +674,22 @@ async def test_a_message_not_read_is_answered_within_the_senders_hourly_limit(
         told.append(delivery.text)
         await parts.outbox.sent(delivery.id, ["x"])
     assert told == ["Sorry, your mail was not read: it is too big."] * 2
+
+
+async def test_the_owner_may_send_ten_times_a_senders_hourly_limit(parts: Parts) -> None:
+    """A chatty hour with their own butlers, or the catch-up after the fleet was down, left
+    the owner unanswered like a stranger past max_messages_per_sender_per_hour (a
+    walkthrough); a stranger is still held to it."""
+    parts.router.gate.set()
+    worker = parts.make(
+        max_messages_per_sender_per_hour=2, owner=OwnerConfig(telegram_chat_id="owner")
+    )
+    await worker.open(resume=REPLICA)
+    ids = [await worker.accept(message(who, n)) for who in ("owner", "ada") for n in range(4)]
+    rows = await done(worker, [i for i in ids if i is not None])
+    statuses = [(row["source_id"], row["status"]) for row in rows]
+    assert statuses == [("owner", "done")] * 4 + [("ada", "done")] * 2 + [("ada", "skipped")] * 2
+    await worker.close()
 
 
 async def test_a_second_stop_does_not_wait_for_the_reply_under_way(

@@ -250,8 +250,7 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
             )
         ]
     if switchboard.switchboard.owner.channels():
-        where = ", ".join(c for c, _ in switchboard.switchboard.owner.channels())
-        return [ok("owner", f"[switchboard.owner] reachable by {where}")]
+        return _owner_may_write(switchboard)
     users = [
         b.name
         for b in subject.butlers
@@ -269,6 +268,39 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
             f"{config_file(switchboard)}",
         )
     ]
+
+
+def _owner_may_write(switchboard: ButlerConfig) -> list[Check]:
+    """The owner hears reminders and questions on their channels; writing back there needs
+    the allowlist too (an owner left out got "this is a private butler" in answer to their
+    own reminder: a walkthrough; `init` writes both, a hand-edited config may not)."""
+    from butlers.modules.mail_sender import sender_allowed
+
+    assert switchboard.switchboard is not None
+    owner = switchboard.switchboard.owner
+    left_out = []
+    telegram = switchboard.channels.get("telegram")
+    if owner.telegram_chat_id and telegram is not None:
+        allowed = telegram.allowed_chat_ids
+        if "*" not in allowed and owner.telegram_chat_id not in allowed:
+            left_out.append(
+                f"add {owner.telegram_chat_id!r} to [modules.telegram] allowed_chat_ids"
+            )
+    email = switchboard.channels.get("email")
+    if owner.email and email is not None:
+        if not sender_allowed(owner.email.lower(), email.allowed_senders):
+            left_out.append(f"add {owner.email!r} to [modules.email] allowed_senders")
+    where = ", ".join(c for c, _ in owner.channels())
+    if left_out:
+        return [
+            warn(
+                "owner",
+                f"[switchboard.owner] is reached by {where} but may not write back there "
+                f'(what they send gets "this is a private butler"): {"; ".join(left_out)} '
+                f"in {config_file(switchboard)}",
+            )
+        ]
+    return [ok("owner", f"[switchboard.owner] reachable by {where}")]
 
 
 # -- mail -------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FALLBACK_NOTE_CHARS = 600  # why a message went to the default butler, as its note says
+OWNER_LIMIT_FACTOR = 10  # the owner's messages an hour: ten times a sender's
 IDLE_POLL_S = 5.0  # a fallback: accept() and the other processes' notifications wake it
 # How long an album's first message waits after its latest part came for the next one:
 # Telegram sends an album's photos as a message each, at once, but each is downloaded before it
@@ -294,10 +295,21 @@ class InboxWorker:
     ) -> bool:
         """Whether the sender is within `max_messages_per_sender_per_hour` now (`album`'s
         rows, but one, not counted: the album is one message)."""
-        limit = self.limits.max_messages_per_sender_per_hour
+        limit = self._sender_limit(channel, source_id)
         if not limit or source_id is None:
             return True
         return await self.inbox.sent_last_hour(channel, source_id, besides_album=album) < limit
+
+    def _sender_limit(self, channel: str, source_id: str | None) -> int:
+        """`max_messages_per_sender_per_hour`, OWNER_LIMIT_FACTOR times it for the owner: a
+        chatty hour with their own butlers, or a morning's catch-up after the fleet was down,
+        left the owner unanswered like a stranger (a walkthrough). Still a limit: a mail
+        that forges the owner's From without `require_authentication_results` is the
+        owner's to the switchboard."""
+        limit = self.limits.max_messages_per_sender_per_hour
+        if source_id is not None and is_owners(f"{channel}:{source_id}", self.limits.owner):
+            return limit * OWNER_LIMIT_FACTOR
+        return limit
 
     async def album_part_dropped(self, message: IncomingMessage) -> None:
         """A part of an album its channel refused once downloaded (`message`: the part as it
@@ -674,7 +686,7 @@ class InboxWorker:
         """A sender over `max_messages_per_sender_per_hour` is told once, and the message is
         kept (`skipped`) but not classified: nobody can run the fleet's sessions in a loop.
         The operator's own `ask` (channel mcp) is not limited."""
-        limit = self.limits.max_messages_per_sender_per_hour
+        limit = self._sender_limit(message.channel, message.source_id)
         if not limit or message.channel == "mcp" or message.source_id is None:
             return False
         if message.meta.get("retries"):  # the operator queued it again on purpose
