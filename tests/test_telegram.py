@@ -267,13 +267,27 @@ async def test_long_reply_is_split_and_429_is_retried(
     bot_api: FakeBotAPI,
     scripted_api: ScriptedMessagesAPI,
 ) -> None:
+    """Five 429s in a row: more than the rate limiter's own retries (3 after the first) and
+    than the outbox's internal errors (3: a 429 that was an error of ours looked retried)."""
     long_answer = ("word " * 1200).strip()  # ~6000 characters
-    await start_general_only(start_butler, tmp_path, bot_api, scripted_api, long_answer)
-    bot_api.fail_next_sends_with_429 = 1
+    switchboard = await start_general_only(
+        start_butler, tmp_path, bot_api, scripted_api, long_answer
+    )
+    bot_api.fail_next_sends_with_429 = 5
     await bot_api.push_text(CHAT, "talk to me")
-    sent = await bot_api.wait_sent(2)
+    sent = await bot_api.wait_sent(2, timeout_s=60)
     assert all(len(s["text"]) <= 4096 for s in sent)
     assert " ".join(s["text"] for s in sent) == long_answer
+    assert switchboard.switchboard is not None
+    pool = switchboard.switchboard.outbox.store.pool
+
+    async def both_sent() -> bool:  # (each is marked sent right after Telegram took it)
+        return await pool.fetchval("SELECT bool_and(status = 'sent') FROM outbox")
+
+    await eventually(both_sent)
+    # The rate limiter tried four times, then the outbox once more: a 429, never an error of
+    # ours (three of those and a row is given up).
+    assert await pool.fetchval("SELECT attempts FROM outbox ORDER BY id LIMIT 1") == 2
 
 
 async def test_webhook_mode_checks_the_secret(
