@@ -110,7 +110,7 @@ async def test_a_message_s_files_come_back_the_same_after_a_crash(pools) -> None
     await before.pool.close()  # the process is gone, its message still `processing`
 
     after = InboxStore(await pools())
-    assert await after.requeue_interrupted("a") == 1
+    assert await after.requeue_interrupted(["a"]) == 1
     message = await after.claim_next("a", 30)
     assert message is not None and message.id == inbox_id
     assert message.meta["attachments"] == [

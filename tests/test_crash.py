@@ -21,7 +21,7 @@ import pytest
 from fastmcp import Client
 
 from butlers.spawner import ABANDONED
-from butlers.switchboard.process_name import ProcessName
+from butlers.switchboard.process_name import lock_key
 from tests.conftest import drop_databases, eventually, free_port, write_butler_dir
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
@@ -66,8 +66,9 @@ async def test_sigkill_mid_message_then_restart_answers_it(
     tmp_path: Path, bot_api: FakeBotAPI, scripted_api: ScriptedMessagesAPI, pg_server, db_conn
 ) -> None:
     """A restart resumes at once what its crashed process of the same name (host and port)
-    left, not after the lease (an hour here), but not while another live process has that
-    name: that one's messages under way stay its own (butlers.switchboard.process_name)."""
+    left, not after the lease (an hour here), but not while the process that claimed it
+    holds its lock: a live twin's messages under way stay its own
+    (butlers.switchboard.process_name)."""
     databases = fleet_databases("crash")
     config_dir = write_fleet(tmp_path, bot_api, databases, switchboard="message_lease_s = 3600")
     env = fleet_env(tmp_path, pg_server, bot_api, scripted_api)
@@ -104,18 +105,21 @@ async def test_sigkill_mid_message_then_restart_answers_it(
         assert bot_api.sent == []
         scripted_api.delay_s = 0
 
-        # Another live process with the same name (one machine's twin): nothing is resumed.
-        name, _ = row["claimed_by"].rsplit("/", 1)
-        twin = ProcessName(lambda: asyncpg.connect(pg_server.dsn(databases["switchboard"])), name)
-        await eventually(twin.open)  # (the killed process's lock: gone with its socket)
+        # While the process that claimed it still holds its lock (a live twin of the same
+        # host name and port, as far as a restart can tell), nothing of it is resumed.
+        claimant = row["claimed_by"]
+        key = lock_key(claimant)
+        twin = await asyncpg.connect(pg_server.dsn(databases["switchboard"]))
         try:
+
+            async def took_its_lock() -> bool:  # (the killed one's: gone with its socket)
+                return await twin.fetchval("SELECT pg_try_advisory_lock($1)", key)
+
+            await eventually(took_its_lock)
             second = Butlers("up", "--config-dir", str(config_dir), env=env)
             await second.start()
             await second.wait_ready()
-            await second.wait_stderr(
-                f"another live switchboard process on this database is named {name}"
-            )
-            assert await conn.fetchval("SELECT claimed_by FROM inbox") == row["claimed_by"]
+            assert await conn.fetchval("SELECT claimed_by FROM inbox") == claimant
             assert await second.stop() == 0
         finally:
             await twin.close()

@@ -274,6 +274,7 @@ async def test_every_page_shows_real_rows_filters_and_escapes_hostile_text(
             ),
             ("channel=fax", "channel must be one of telegram, email, mcp"),
             ("before=12abc", "before must be a message id"),
+            ("before=%C2%B2", "before must be a message id"),  # "²" is a digit to isdigit()
         ):
             refused = await client.get(f"/ui/messages?{bad}", headers=BEARER)
             assert refused.status_code == 400 and named in refused.text, refused.text

@@ -17,6 +17,7 @@ from butlers.config import SwitchboardConfig, TelegramConfig, TriageRule
 from butlers.db import create_pool
 from butlers.switchboard.inbox import InboxMessage, InboxStore, IncomingMessage
 from butlers.switchboard.leadership import Leadership
+from butlers.switchboard.process_name import ProcessName
 from butlers.switchboard.wakeups import WakeupHandlers, Wakeups
 from butlers.tasks import cancel_and_wait
 from tests.conftest import WEBHOOK_SECRET, butler_config, eventually, free_port, log_records
@@ -187,7 +188,7 @@ async def test_a_restarted_process_resumes_its_own_messages_not_the_others(store
     theirs = await queue(a, "telegram:2")
     assert (await a.claim_next("host:8100", 30)).id == mine
     assert (await b.claim_next("host:8101", 30)).id == theirs
-    assert await a.requeue_interrupted("host:8100") == 1  # "host:8100" started again
+    assert await a.requeue_interrupted(["host:8100"]) == 1  # "host:8100" started again
     assert (await a.get(mine))["status"] == "queued"
     assert (await a.get(theirs))["status"] == "processing"
     # A process stopping on purpose hands back what it was doing, attempt not counted.
@@ -195,6 +196,72 @@ async def test_a_restarted_process_resumes_its_own_messages_not_the_others(store
     assert await a.release("host:8100", [mine]) == 1
     row = await a.get(mine)
     assert (row["status"], row["attempts"], row["claimed_by"]) == ("queued", 1, None)
+
+
+async def test_a_restart_resumes_only_what_processes_of_its_name_that_are_gone_left(
+    stores, pg_server, database: str
+) -> None:
+    """Two live processes named alike (two machines called `raspberrypi`): whichever
+    restarts resumes what its own dead process left, never the live twin's message, in
+    either order (a review: a name lock held by one let the other's restart take it)."""
+
+    async def connect() -> asyncpg.Connection:
+        return await asyncpg.connect(pg_server.dsn(database))
+
+    store = await stores()
+    a, b = ProcessName(connect, "raspberrypi:8100"), ProcessName(connect, "raspberrypi:8100")
+    await a.open()
+    await b.open()
+    try:
+        assert a.held and b.held and a.claimant != b.claimant
+        as_a = await queue(store, "telegram:1")
+        as_b = await queue(store, "telegram:2")
+        assert (await store.claim_next(a.claimant, 30)).id == as_a
+        assert (await store.claim_next(b.claimant, 30)).id == as_b
+        for gone in (a, b):  # each in turn stops (its lock goes) and starts again
+            await gone.close()
+            again = ProcessName(connect, "raspberrypi:8100")
+            await again.open()
+            try:
+                alive = b if gone is a else a
+                assert await again.resumable(store) == [gone.claimant]
+                assert alive.claimant not in await again.resumable(store)
+            finally:
+                await again.close()
+            await gone.open()  # (the same claimant again, only for the next round)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_process_takes_its_claims_lock_again_when_its_connection_is_cut(
+    pg_server, database: str
+) -> None:
+    """A database restart (here: the lock's backend terminated) lets the lock go: the
+    process takes it again within seconds, or a restart of its name would take its
+    messages under way while it lives (a review)."""
+    from butlers.switchboard.process_name import lock_key
+
+    async def connect() -> asyncpg.Connection:
+        return await asyncpg.connect(pg_server.dsn(database))
+
+    process = ProcessName(connect, "raspberrypi:8100")
+    await process.open()
+    admin = await connect()
+    try:
+        key = lock_key(process.claimant)
+        assert not await admin.fetchval("SELECT pg_try_advisory_lock($1)", key)
+        await admin.execute(
+            """SELECT pg_terminate_backend(pid) FROM pg_locks
+               WHERE locktype = 'advisory' AND granted AND database =
+                     (SELECT oid FROM pg_database WHERE datname = current_database())"""
+        )
+        await eventually(lambda: _async(not process.held), timeout_s=10)
+        await eventually(lambda: _async(process.held), timeout_s=20)
+        assert not await admin.fetchval("SELECT pg_try_advisory_lock($1)", key)
+    finally:
+        await admin.close()
+        await process.close()
 
 
 class Duty:

@@ -492,7 +492,7 @@ async def test_retry_of_skipped_and_given_up_messages_and_what_cannot_be_retried
     )
     assert [tuple(r) for r in queued] == [("queued", 0, None, None, None, None, None)] * 2
 
-    await worker.open(resume=None)
+    await worker.open(resume=[])
     rows = {i: await worker.wait_for(i) for i in (skipped, gave_up)}
     assert {i: (r["status"], r["reply"], r["attempts"]) for i, r in rows.items()} == {
         skipped: ("done", "General here.", 1),

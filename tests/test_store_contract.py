@@ -255,7 +255,7 @@ async def test_requeue_takes_back_only_this_replicas_interrupted_messages(
     theirs = await queued(stores, "telegram:c")
     assert {await claimed_id(stores, "r1"), await claimed_id(stores, "r1")} == set(mine)
     assert await claimed_id(stores, "r2") == theirs
-    assert await stores.inbox.requeue_interrupted("r1") == 2
+    assert await stores.inbox.requeue_interrupted(["r1"]) == 2
     for inbox_id in mine:
         row = await stores.inbox.get(inbox_id)
         assert row is not None
@@ -265,18 +265,22 @@ async def test_requeue_takes_back_only_this_replicas_interrupted_messages(
     assert message is not None and (message.id, message.attempts) == (mine[0], 2)
 
 
-async def test_requeue_takes_back_what_processes_of_the_name_left_not_other_names(
+async def test_a_names_claimants_under_way_and_requeueing_only_those_given(
     stores: Stores,
 ) -> None:
     """A process claims as `name/<random>` (butlers.switchboard.process_name); a restart
-    resumes what any process of its name left (the name held alone), and the name itself
-    (claims of older releases), but not a longer name's nor another's."""
+    asks who of its name has messages under way (the bare name too: claims of older
+    releases), not a longer name nor another, and puts back only the claimants it gives."""
     names = ["host:8100/aa", "host:8100", "host:8100/bb", "host:81000/cc", "host:8101/dd"]
     ids = [await queued(stores, f"telegram:{n}") for n in range(len(names))]
     for name, inbox_id in zip(names, ids, strict=True):
         assert await claimed_id(stores, name) == inbox_id
-    assert await stores.inbox.requeue_interrupted("host:8100") == 3
-    assert [await status(stores, i) for i in ids] == ["queued"] * 3 + ["processing"] * 2
+    under_way = await stores.inbox.claimants_under_way("host:8100")
+    assert sorted(under_way) == ["host:8100", "host:8100/aa", "host:8100/bb"]
+    assert await stores.inbox.requeue_interrupted(["host:8100", "host:8100/aa"]) == 2
+    statuses = [await status(stores, i) for i in ids]
+    assert statuses == ["queued", "queued", "processing", "processing", "processing"]
+    assert await stores.inbox.claimants_under_way("host:8100") == ["host:8100/bb"]
 
 
 async def test_release_hands_back_in_place_without_counting_the_attempt(stores: Stores) -> None:

@@ -190,7 +190,7 @@ async def done(worker: InboxWorker, ids: list[int]) -> list[dict[str, Any]]:
 async def test_a_conversation_goes_one_at_a_time_in_order(parts: Parts) -> None:
     parts.router.gate.set()  # every butler answers at once (after giving the loop up)
     worker = parts.make(max_concurrent=3)
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     ids = [
         await worker.accept(message(conversation, n))
         for n in range(3)
@@ -207,7 +207,7 @@ async def test_a_conversation_goes_one_at_a_time_in_order(parts: Parts) -> None:
 
 async def test_no_more_than_max_concurrent_messages_at_once(parts: Parts) -> None:
     worker = parts.make(max_concurrent=2)
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     ids = [await worker.accept(message(c, 0)) for c in "abcde"]
     await parts.router.until_active(2)
     # The worker claims in one go, without giving the loop up: had it taken a third, the
@@ -222,7 +222,7 @@ async def test_no_more_than_max_concurrent_messages_at_once(parts: Parts) -> Non
 async def test_the_reply_is_queued_to_the_outbox_with_the_outcome(parts: Parts) -> None:
     parts.router.gate.set()
     worker = parts.make()
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     inbox_id = await worker.accept(message("a", 0, meta={"k": 1}))
     assert inbox_id is not None
     (row,) = await done(worker, [inbox_id])
@@ -243,7 +243,7 @@ async def test_a_failed_route_is_answered_with_a_sorry_and_the_error_kept(parts:
     parts.router.gate.set()
     parts.router.fail["health"] = Unreachable("health: connection refused at 127.0.0.1:1")
     worker = parts.make()
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     inbox_id = await worker.accept(
         IncomingMessage("telegram", "m-fail", "to:health", source_id="a", conversation="c:a")
     )
@@ -268,13 +268,13 @@ async def test_a_crash_is_resumed_and_a_message_that_keeps_crashing_is_given_up(
     for _ in range(MAX_ATTEMPTS):
         claimed = await parts.inbox.claim_next(REPLICA, 60)
         assert claimed is not None and claimed.id == crashing
-        await parts.inbox.requeue_interrupted(REPLICA)
+        await parts.inbox.requeue_interrupted([REPLICA])
     # ...and both were in flight when it last died.
     for expected in (crashing, resumed):
         claimed = await parts.inbox.claim_next(REPLICA, 60)
         assert claimed is not None and claimed.id == expected
     worker = parts.make()
-    await worker.open(resume=REPLICA)  # requeues both: they are this replica's
+    await worker.open(resume=[REPLICA])  # requeues both: they are this replica's
     first, second = await done(worker, [resumed, crashing])
     assert (first["status"], first["reply"]) == ("done", "general did: a#0")
     assert (second["status"], second["reply"]) == ("failed", sorry("gave_up"))
@@ -327,7 +327,7 @@ async def test_a_message_its_butlers_answered_before_an_interruption_is_not_hand
         {"retried_at": later.isoformat(), "status": "done"}
     ]
     worker = parts.make(max_concurrent=3)
-    await worker.open(resume=REPLICA)  # requeues all three: they are this replica's
+    await worker.open(resume=[REPLICA])  # requeues all three: they are this replica's
     rows = await done(worker, [i for i in (answered, failed, retried) if i is not None])
     first, second, third = rows
     assert (first["status"], first["routed_to"]) == ("done", "health,general")
@@ -347,7 +347,7 @@ async def test_a_message_its_butlers_answered_before_an_interruption_is_not_hand
 async def test_close_hands_the_messages_in_flight_back(parts: Parts) -> None:
     """What is still under way when the drain ends (here at once: the lane stays fast)."""
     worker = parts.make(stop_drain_s=0)
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     inbox_id = await worker.accept(message("a", 0))
     assert inbox_id is not None
     await parts.router.until_active(1)
@@ -385,7 +385,7 @@ async def test_a_deferred_message_is_taken_up_when_it_is_due(
     parts.router.gate.set()
     transcriber = FlakyTranscriber()
     worker = parts.make(transcriber=transcriber, transcription=TranscriptionConfig())
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     voice = Attachment("v.ogg", "audio/ogg", ogg_opus())  # measured before it is heard
     inbox_id = await worker.accept(message("a", 0, attachments=(voice,)))
     later = await worker.accept(message("a", 1))  # waits behind the deferred one
@@ -462,7 +462,7 @@ async def test_a_worker_woken_as_it_is_closed_still_stops(parts: Parts) -> None:
     worker looked at the queue again and waited on, so `close()` (and `butlers up`'s stop)
     never returned (seen as a fleet that ignored SIGTERM)."""
     worker = parts.make()
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     for _ in range(5):
         await asyncio.sleep(0)  # idle: waiting for a wake
     worker.wake()
@@ -497,7 +497,7 @@ async def test_a_message_its_butlers_were_too_busy_for_waits_and_is_answered_lat
     router.gate.set()
     worker = parts.make()
     worker.router = router
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     # (To health by triage on any channel: `ask`'s would go to a classifier.)
     incoming = IncomingMessage(channel, "m-busy", "to:health", source_id="a", conversation="t:a")
     inbox_id = await worker.accept(incoming)
@@ -540,7 +540,7 @@ async def test_the_database_failing_before_any_butler_was_asked_puts_the_message
     monkeypatch.setattr(worker_module, "DATABASE_RETRY_S", 0.05)
     parts.router.gate.set()
     worker = parts.make()
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     history, failures = parts.inbox.history, []
 
     async def failing_once(*args: Any) -> Any:
@@ -595,7 +595,7 @@ async def test_an_outcome_whose_commit_went_through_unanswered_is_not_taken_for_
     monkeypatch.setattr(worker_module, "FINISH_BACKOFF", worker_module.Backoff((0.05,)))
     parts.router.gate.set()
     worker = parts.make()
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     acquire, dropped = parts.database.acquire, []
 
     @contextlib.asynccontextmanager
@@ -633,7 +633,7 @@ async def test_a_message_whose_lease_ran_out_here_is_not_worked_on_twice(
 
     monkeypatch.setattr(parts.inbox, "renew", cannot)
     worker = parts.make(message_lease_s=1)
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     inbox_id = await worker.accept(message("a", 0))
     assert inbox_id is not None
     await parts.router.until_active(1)
@@ -684,7 +684,7 @@ async def test_the_owner_may_send_ten_times_a_senders_hourly_limit(parts: Parts)
     worker = parts.make(
         max_messages_per_sender_per_hour=2, owner=OwnerConfig(telegram_chat_id="owner")
     )
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     ids = [await worker.accept(message(who, n)) for who in ("owner", "ada") for n in range(4)]
     rows = await done(worker, [i for i in ids if i is not None])
     statuses = [(row["source_id"], row["status"]) for row in rows]
@@ -746,7 +746,7 @@ async def work_on_one(
         return await original(message)
 
     monkeypatch.setattr(worker, "_answered_before", begin)
-    await worker.open(resume=REPLICA)
+    await worker.open(resume=[REPLICA])
     with log_records("butlers.switchboard.worker") as records:
         inbox_id = await worker.accept(message("a", 0))
         async with asyncio.timeout(5):

@@ -664,7 +664,7 @@ def _integer(request: Request, name: str) -> int | None:
     value = request.query_params.get(name) or None
     if value is None:
         return None
-    if not value.isdigit() or len(value) > 18:
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:  # (int("²") raises)
         raise BadFilter(f"{name} must be a message id (a positive whole number), got {value!r}")
     return int(value)
 

@@ -209,8 +209,8 @@ class Switchboard:
     async def open(self) -> None:
         """Once the butler serves (a classification session connects back to it)."""
         self._once.opening()
-        held = await self.process.open()  # no other live process has its name
-        await self.worker.open(resume=self.process.name if held else None)
+        await self.process.open()  # its claims' lock, held while it runs
+        await self.worker.open(resume=await self.process.resumable(self.worker.inbox))
         if self.modules is not None:
             await self.modules.open()
         await self.wakeups.open()

@@ -315,13 +315,18 @@ class InboxStore:
             storable(error),
         )
 
-    async def requeue_interrupted(self, name: str) -> int:
-        """At start-up: what processes of this process's name (butlers.switchboard.
-        process_name: no other live one has it) left `processing` when they crashed goes back
-        to the queue, in its place. A row claimed by nobody in particular is from before
-        leases: requeued too. Other processes' rows are theirs until their leases run out."""
-        result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, name)
+    async def requeue_interrupted(self, claimants: Sequence[str]) -> int:
+        """At start-up: what `claimants` (processes gone: butlers.switchboard.process_name)
+        left `processing` when they crashed goes back to the queue, in its place. A row
+        claimed by nobody in particular is from before leases: requeued too. Other processes'
+        rows are theirs until their leases run out."""
+        result = await self.pool.execute(sql.INBOX_REQUEUE_INTERRUPTED, list(claimants))
         return int(result.split()[-1])
+
+    async def claimants_under_way(self, name: str) -> list[str]:
+        """The claimants with messages `processing` among the processes named `name`."""
+        rows = await self.pool.fetch(sql.INBOX_CLAIMANTS_UNDER_WAY, name)
+        return [row["claimed_by"] for row in rows]
 
     async def claim_next(
         self, replica: str, lease_s: float, exclude: Sequence[int] = ()

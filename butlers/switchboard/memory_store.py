@@ -392,12 +392,22 @@ class MemoryInboxStore:
                 released += 1
         return released
 
-    async def requeue_interrupted(self, name: str) -> int:
+    async def claimants_under_way(self, name: str) -> list[str]:
+        return sorted(
+            {
+                row["claimed_by"]
+                for row in self._rows.values()
+                if row["status"] == "processing"
+                and row["claimed_by"] is not None
+                and (row["claimed_by"] == name or row["claimed_by"].startswith(f"{name}/"))
+            }
+        )
+
+    async def requeue_interrupted(self, claimants: Sequence[str]) -> int:
         requeued = 0
         for row in self._rows.values():
-            claimant = row["claimed_by"]
             if row["status"] == "processing" and (
-                claimant in (name, None) or claimant.startswith(f"{name}/")
+                row["claimed_by"] is None or row["claimed_by"] in claimants
             ):
                 row.update(status="queued", claimed_by=None, lease_until=None)
                 requeued += 1

@@ -254,12 +254,17 @@ INBOX_RECORD_FAILED = """
 """
 # At start-up: what this process ($1) left `processing` goes back to the queue, and rows
 # claimed by nobody in particular (from before leases).
-# What processes named $1 (`host:port`, claiming as `host:port/<random>`; before that as the
-# name itself) left under way, or nobody in particular (from before leases): back in its place.
+# What the claimants $1 (processes gone) left under way, or nobody in particular (from before
+# leases): back in its place.
 INBOX_REQUEUE_INTERRUPTED = """
     UPDATE inbox SET status = 'queued', claimed_by = NULL, lease_until = NULL
-    WHERE status = 'processing'
-      AND (claimed_by IS NULL OR claimed_by = $1 OR starts_with(claimed_by, $1 || '/'))
+    WHERE status = 'processing' AND (claimed_by IS NULL OR claimed_by = ANY($1::text[]))
+"""
+# Who has messages under way among the processes named $1 (`host:port`, claiming as
+# `host:port/<random>`; older releases as the name itself).
+INBOX_CLAIMANTS_UNDER_WAY = """
+    SELECT DISTINCT claimed_by FROM inbox
+    WHERE status = 'processing' AND (claimed_by = $1 OR starts_with(claimed_by, $1 || '/'))
 """
 # The oldest message that may start now, claimed for $1 for $2 seconds, with its sender's
 # last hour. May start: queued and not deferred past now, or its lease ran out; and nothing

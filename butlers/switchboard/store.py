@@ -143,11 +143,15 @@ class InboxQueue(Protocol):
         in their place, their attempt not counted; how many went back."""
         ...
 
-    async def requeue_interrupted(self, name: str) -> int:
-        """At start-up: the rows `processing` for a process named `name` (`name` itself, or
-        `name/<anything>`: a crash interrupted them) or for nobody go back to `queued`, their
-        attempts kept (counted towards MAX_ATTEMPTS); other names' stay theirs. How many went
-        back."""
+    async def claimants_under_way(self, name: str) -> list[str]:
+        """The distinct claimants of the rows `processing` among the processes named `name`
+        (`name` itself, or `name/<anything>`)."""
+        ...
+
+    async def requeue_interrupted(self, claimants: Sequence[str]) -> int:
+        """At start-up: the rows `processing` for `claimants` (processes gone: a crash
+        interrupted them) or for nobody go back to `queued`, their attempts kept (counted
+        towards MAX_ATTEMPTS); others' stay theirs. How many went back."""
         ...
 
     async def finish(

@@ -362,10 +362,10 @@ class InboxWorker:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def open(self, *, resume: str | None) -> None:
-        """Start taking messages; first, what processes named `resume` left under way (None:
-        another live process may have that name, so nothing is resumed: leases tell)."""
-        resumed = 0 if resume is None else await self.inbox.requeue_interrupted(resume)
+    async def open(self, *, resume: Sequence[str]) -> None:
+        """Start taking messages; first, what the claimants `resume` (processes gone:
+        butlers.switchboard.process_name) left under way."""
+        resumed = await self.inbox.requeue_interrupted(resume)
         if resumed:
             logger.warning(
                 "resuming %d message(s) left under way when the switchboard last stopped (a "
