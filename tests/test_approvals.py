@@ -62,12 +62,14 @@ async def approval_fleet(
     *,
     timeout_hours: float = 24.0,
     check_interval_s: float = 0.2,
+    allowed_chats: tuple[int, ...] = (CHAT,),
 ) -> tuple[ButlerDaemon, ButlerDaemon]:
     """test_notify's fleet, with general's `notify` waiting for the owner's approval."""
     return await notify_fleet(
         start_butler,
         tmp_path,
         bot_api,
+        allowed_chats=allowed_chats,
         general_overrides={
             "approvals": ApprovalsConfig(tools=("notify",), timeout_hours=timeout_hours)
         },
@@ -718,6 +720,37 @@ async def _count_at_least(items: list[Any], count: int) -> bool:
 
 async def _mails_arrived(smtp: SmtpServer, count: int) -> bool:
     return len(smtp.messages) >= count
+
+
+async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """A typed "yes" in reply to the question decides it as its button does (it was routed to
+    general, whose "Done." read as a confirmation while the call stayed pending: a
+    walkthrough); said so, and a second answer changes nothing. A "yes" that replies to
+    nothing is an ordinary message."""
+    scripted_api.respond_with(stranger_model)
+    switchboard, _ = await approval_fleet(
+        start_butler, tmp_path, bot_api, allowed_chats=(CHAT, OWNER)
+    )
+    question, _, _ = await the_request(bot_api)
+    await bot_api.push_text(OWNER, "Yes, please!", reply_to=question)
+    await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
+    assert sent_texts(bot_api, OWNER)[-1] == "Approved (#1)."
+    row = await approval_row(switchboard, db_conn)
+    assert row["decided_by"] == f"telegram:{OWNER}"
+    await bot_api.push_text(OWNER, "no", reply_to=question)
+    await bot_api.wait_until(lambda: "nothing changed" in sent_texts(bot_api, OWNER)[-1])
+    assert sent_texts(bot_api, OWNER)[-1].startswith("Approval #1 was ")
+    await bot_api.push_text(OWNER, "yes")  # replying to nothing: routed, answered "Done."
+    await bot_api.wait_until(lambda: sent_texts(bot_api, OWNER)[-1] == "Done.")
+    assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM inbox WHERE source_id = $1", str(OWNER)) == 1
 
 
 async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(

@@ -98,6 +98,10 @@ async def test_a_telegram_reply_goes_back_to_the_butler_without_a_classifier(
     await bot_api.push_text(CHAT, "and yesterday 81", reply_to=ours)
     await bot_api.wait_sent(2)
     assert len(classifier_prompts(scripted_api)) == 1  # the reply needed no classification
+    # And the butler reads what it replies to (an answer older than the history shown left
+    # "move it to 16:00" without its dentist: a walkthrough), quoted as data.
+    routed = butler_prompts(scripted_api, "health")[-1]
+    assert '(In reply to our answer: \\"Logged.\\")\\nand yesterday 81' in routed, routed
     rows = await inbox(conn)
     assert [(r["classified_via"], r["routed_to"]) for r in rows] == [
         ("claude", "health"),

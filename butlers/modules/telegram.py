@@ -47,6 +47,7 @@ from butlers.media import (
     checked,
     clock_length,
 )
+from butlers.switchboard.handoff import MAX_SENDER_NAME_CHARS
 from butlers.switchboard.inbox import InboxMessage, IncomingMessage
 from butlers.switchboard.outbox import Delivery
 from butlers.tasks import cancel_and_wait
@@ -100,6 +101,13 @@ GIVE_UP_ON_EDIT_AFTER_S = 3600.0
 # What getUpdates and a webhook ask Telegram for: messages, and the presses of our approval
 # buttons (butlers.switchboard.approvals).
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query"]
+# An edited message is not read again: said at most this often a chat.
+EDIT_NOT_READ = (
+    "I do not read edited messages: the first version is the one I had. Send the change as a "
+    "new message."
+)
+EDIT_NOTICE_EVERY_S = 3600.0
+REPLIED_TO_CHARS = 1000  # of the message a reply answers, given to the butler with it
 
 
 def split_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> list[str]:
@@ -210,6 +218,7 @@ class TelegramModule:
         # Strangers' codes, the owner's pairing buttons, and the paired chats (the
         # switchboard's; None: only allowed_chat_ids).
         self.pairing: PairingDesk | None = None
+        self._edits_told: dict[str, float] = {}  # chat -> when it was told edits are not read
         base = (config.api_base_url or "https://api.telegram.org").rstrip("/")
         # Files come from <file base>/bot<token>/<file_path> (`file_base_url` names what comes
         # before /bot; a value that already ends in it is taken as it is).
@@ -438,7 +447,10 @@ class TelegramModule:
         if update.callback_query is not None:
             await self._press(update.callback_query)
             return
-        message = update.message  # edited messages, channel posts etc. are ignored on purpose
+        if update.edited_message is not None and self.worker is not None:
+            await self._edited(update.edited_message)
+            return
+        message = update.message  # channel posts etc. are ignored on purpose
         if message is None or self.worker is None:
             return
         chat_id = str(message.chat_id)
@@ -446,11 +458,28 @@ class TelegramModule:
             await self._stranger(message, chat_id)
             return
         user = message.from_user
+        replied = message.reply_to_message
+        if self.approvals is not None and replied is not None and message.text:
+            # The owner's "yes" in reply to an approval's question decides it, as its button.
+            told = await self.approvals.chat_answer(
+                chat_id, str(user.id) if user else "", replied.message_id, message.text
+            )
+            if told is not None:
+                await self._best_effort(chat_id, told)
+                return
         meta: dict[str, Any] = {"message_id": message.message_id}
         if message.date is not None:  # (Telegram keeps a day's updates while we are down)
             meta["sent_at"] = message.date.isoformat()
-        if message.reply_to_message is not None:  # a reply to one of ours: thread affinity
-            meta["reply_to_message_id"] = message.reply_to_message.message_id
+        if replied is not None:  # a reply to one of ours: thread affinity
+            meta["reply_to_message_id"] = replied.message_id
+            # And what it answers, for the butler ("move it to 16:00" said nothing of the
+            # dentist it replied to, once the answer was older than the history shown).
+            if quoted := (replied.text or replied.caption or "")[:REPLIED_TO_CHARS]:
+                meta["reply_to_text"] = quoted
+                by = replied.from_user
+                mine = by is not None and self._ours(by)
+                name = by.full_name if by is not None else ""
+                meta["reply_to_from"] = "" if mine else name[:MAX_SENDER_NAME_CHARS]
         if (author := _forwarded_from(message)) is not None:
             meta["forwarded_from"] = author  # someone else's words (message_body says so)
         # A forum group's topics are separate conversations.
@@ -506,6 +535,26 @@ class TelegramModule:
             incoming = replace(incoming, meta={**meta, "voice": True})
         # An album's photos come as a message each: the inbox answers them as one.
         await self.worker.accept(replace(incoming, attachments=(attachment,)))
+
+    def _ours(self, user: User) -> bool:
+        """Whether `user` is this bot (before getMe answered: any bot)."""
+        try:
+            return user.id == self.bot.id
+        except RuntimeError:  # not initialised yet (a webhook's update at start)
+            return bool(user.is_bot)
+
+    async def _edited(self, message: Message) -> None:
+        """An edit of a message already taken: not read (the first version may have been
+        answered, acted on, a reminder set). Said once an hour a chat, instead of silence:
+        the owner who corrected "at 9" to "at 10" believed the butler knew (a walkthrough)."""
+        chat_id = str(message.chat_id)
+        if not self.allowed(chat_id) and not await self._paired(chat_id):
+            return
+        now = time.monotonic()
+        if now - self._edits_told.get(chat_id, -EDIT_NOTICE_EVERY_S) < EDIT_NOTICE_EVERY_S:
+            return
+        self._edits_told[chat_id] = now
+        await self._best_effort(chat_id, EDIT_NOT_READ)
 
     async def _say_not_read(self, chat_id: str, refusal: AttachmentRefused) -> None:
         """A file not read: logged, and the sender told why."""

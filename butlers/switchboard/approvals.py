@@ -160,10 +160,14 @@ _MAIL_ANSWER_ALONE = re.compile(
     rf"({'|'.join(YES_WORDS[1:] + NO_WORDS[1:])}) #?([1-9][0-9]{{0,17}})[.!]*", re.IGNORECASE
 )
 # Alone, with a word of thanks or please.
-_MAIL_BARE_ANSWER = re.compile(
-    rf"({'|'.join(YES_WORDS + NO_WORDS)})(?:,? (?:please|thanks|thank you|go ahead|bitte|"
-    r"danke|merci|gracias|por favor|grazie|graag|dank je))?[.!]*",
-    re.IGNORECASE,
+_POLITELY = (
+    r"(?:,? (?:please|thanks|thank you|go ahead|bitte|danke|merci|gracias|por favor|grazie|"
+    r"graag|dank je))?[.!]*"
+)
+_MAIL_BARE_ANSWER = re.compile(rf"({'|'.join(YES_WORDS + NO_WORDS)}){_POLITELY}", re.IGNORECASE)
+# The owner's reply in a chat to a question: the mail's bare words, or the buttons' own.
+_CHAT_ANSWER = re.compile(
+    rf"({'|'.join((*YES_WORDS, *NO_WORDS, 'approve', 'deny'))}){_POLITELY}", re.IGNORECASE
 )
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
@@ -256,6 +260,10 @@ class ApprovalStore:
     async def get(self, approval_id: int) -> dict[str, Any] | None:
         row = await self.pool.fetchrow(sql.APPROVAL_GET, approval_id)
         return dict(row) if row is not None else None
+
+    async def asked_in_message(self, channel: str, chat: str, message_id: str) -> int | None:
+        """The approval whose question was the message `message_id` sent to `chat`."""
+        return await self.pool.fetchval(sql.APPROVAL_ASKED_IN_MESSAGE, channel, chat, message_id)
 
     async def asked_by_mail(self, thread: Sequence[str]) -> list[dict[str, Any]]:
         """The approvals whose question mail is one of `thread`'s Message-IDs."""
@@ -589,8 +597,16 @@ class ApprovalDesk:
             ]
             last, meta = chunks[-1]
             chunks[-1] = (last, {**meta, "inline_keyboard": keyboard, "approval_id": row["id"]})
+        # Each chunk says which approval it asks about: the owner's reply in words to any of
+        # them decides it (chat_answer).
         outgoing = [
-            Outgoing(kind="approval", channel=channel, recipient=recipient, text=t, meta=m)
+            Outgoing(
+                kind="approval",
+                channel=channel,
+                recipient=recipient,
+                text=t,
+                meta={**m, "asks_approval": row["id"]},
+            )
             for t, m in chunks
         ]
         # The request mail's Message-ID: an answer by mail counts only in its thread.
@@ -676,6 +692,31 @@ class ApprovalDesk:
             )
         current = decided["status"]
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
+
+    async def chat_answer(
+        self, chat_id: str, user_id: str, replied_to: int | None, text: str
+    ) -> str | None:
+        """The owner's words in reply to a question of theirs in a chat ("yes", "no",
+        "approve", "deny", alone or with a please): decided as a press of its button would be
+        (a typed "yes" was routed to a butler, which answered "Done." while the call stayed
+        pending: a walkthrough). What to tell the owner, or None when it is no such answer
+        (an ordinary message: routed)."""
+        if replied_to is None or not owner_pressed(self.owner, chat_id, user_id):
+            return None
+        line, alone = answer_line(text)
+        match = _CHAT_ANSWER.fullmatch(line) if alone else None
+        if match is None:
+            return None
+        approval_id = await self.store.asked_in_message("telegram", chat_id, str(replied_to))
+        if approval_id is None:
+            return None  # a reply to something else: a message like any other
+        yes = match[1].casefold() in (*YES_WORDS, "approve")
+        decided = await self.decide(
+            approval_id, "approve" if yes else "deny", by=f"telegram:{user_id}", wait=False
+        )
+        if decided["changed"]:
+            return f"{decided['status'].capitalize()} (#{approval_id})."
+        return f"Approval #{approval_id} was {decided['status']} already: nothing changed."
 
     async def mail_answer(
         self,

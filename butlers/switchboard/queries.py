@@ -552,6 +552,14 @@ APPROVAL_UNCLAIMED = """
       AND decided_at < now() - make_interval(secs => $1)
     ORDER BY id
 """
+# The approval whose question to $2 on channel $1 was the message $3 (a chat's reply names the
+# one message it answers; each chunk of a long question says which approval it asks about).
+APPROVAL_ASKED_IN_MESSAGE = """
+    SELECT (meta->>'asks_approval')::bigint FROM outbox
+    WHERE kind = 'approval' AND channel = $1 AND recipient = $2 AND status = 'sent'
+      AND sent_ids @> ARRAY[$3::text] AND meta ? 'asks_approval'
+    ORDER BY id DESC LIMIT 1
+"""
 # The owner's Telegram question(s) with buttons for approval $1, as sent.
 APPROVAL_TELEGRAM_QUESTIONS = """
     SELECT recipient, text, sent_ids FROM outbox

@@ -138,7 +138,7 @@ class FakeBotAPI:
                 "date": int(time.time()),
                 "chat": {"id": chat_id, "type": "private", "first_name": "Ada"},
                 "from": bot,
-                "text": "(ours)",
+                "text": self._sent_by_id.get(reply_to, {}).get("text", "(ours)"),
             }
         return await self.push({"message": self._message(chat_id, **fields)})
 
