@@ -31,6 +31,7 @@ REQUEST = "REQUEST"  # the fence's label: `fenced_text(prompt, REQUEST)` finds t
 LATE_S = 10 * 60
 MAX_SENDER_NAME_CHARS = 60  # a display name is its owner's to choose
 MAX_WHO_CHARS = 120  # a conversation id, as shown
+PLAIN_TEXT_CHANNELS = {"telegram": "Telegram", "email": "mail"}
 
 
 def sent_long_ago(sent_at: object, zone: str, now: datetime | None = None) -> str:
@@ -77,6 +78,7 @@ class Handoff:
     history: str = ""  # the conversation so far (conversation.history_text)
     body: str = ""  # the message as written (classifier.message_body), the direct request
     sent: str = ""  # when it was sent, said only when that was LATE_S or more before now
+    channel: str = ""  # where the answer goes: a chat and a mail show it as plain text
 
     @classmethod
     def of(
@@ -111,6 +113,7 @@ class Handoff:
             files=tuple(f"{file.kind} {file.name!r}" for file in files),
             history=history,
             sent=sent_long_ago(message.meta.get("sent_at"), owner.timezone),
+            channel=message.channel,
         )
 
     def prompt(self, request: str) -> str:
@@ -124,6 +127,13 @@ class Handoff:
         ]
         if self.sent:
             lines.append(self.sent)
+        if self.channel in PLAIN_TEXT_CHANNELS:
+            # Nothing renders it: "**Gate code:** `4821`" reached the owner with its
+            # asterisks and backticks (a walkthrough).
+            lines.append(
+                f"Your answer goes back by {PLAIN_TEXT_CHANNELS[self.channel]}, shown as plain "
+                "text: write no Markdown (asterisks, backticks, tables show as typed)."
+            )
         # Part of it only when the request is the message as written (`message_body`, which
         # marks where the forwarded part begins): a classifier's restatement may lack that
         # line, or carry one the forwarded words planted.
