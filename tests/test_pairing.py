@@ -273,6 +273,32 @@ async def test_the_owners_button_approves_once_and_only_from_the_owner(
     assert texts_to(bot_api, STRANGER)[1].startswith("The owner approved you")
 
 
+async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+    db_conn,
+) -> None:
+    """A typed "approve" in reply to the question decides it, as its button would (as an
+    approval's); said so; the stranger replying the same to their code decides nothing."""
+    switchboard, code = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
+    message_id, _, _ = await owners_question(bot_api)
+    [code_message] = [i for i, p in bot_api._sent_by_id.items() if p["chat_id"] == STRANGER]
+    await bot_api.push_text(STRANGER, f"approve {code}", reply_to=code_message)
+    await bot_api.push_text(OWNER, f"Approve {code}", reply_to=message_id)
+    await bot_api.wait_until(lambda: any("may write now" in t for t in texts_to(bot_api, OWNER)))
+    assert texts_to(bot_api, OWNER)[-1] == (
+        'Approved: Telegram chat 4242 (calls themselves "Ada L") may write now (they were told).'
+    )
+    conn = await db_conn(switchboard.config.database)
+    row = await conn.fetchrow("SELECT status, decided_by FROM pairing_requests")
+    assert tuple(row) == ("approved", f"telegram:{OWNER}")
+    await bot_api.push_text(OWNER, "deny", reply_to=message_id)
+    await bot_api.wait_until(lambda: "already" in texts_to(bot_api, OWNER)[-1])
+    assert await conn.fetchval("SELECT status FROM pairing_requests") == "approved"
+
+
 async def test_revoke_makes_the_sender_unknown_again(
     start_butler: StartButler,
     tmp_path: Path,

@@ -454,19 +454,22 @@ class TelegramModule:
         if message is None or self.worker is None:
             return
         chat_id = str(message.chat_id)
+        user = message.from_user
+        replied = message.reply_to_message
+        if replied is not None and message.text:
+            # The owner's "yes" in reply to an approval's or a pairing's question decides
+            # it, as its button does (the desks check it is the owner's, in their chat, as
+            # for a press: the allowlist is not asked, as it is not for a press).
+            for desk in (self.approvals, self.pairing):
+                told = desk and await desk.chat_answer(
+                    chat_id, str(user.id) if user else "", replied.message_id, message.text
+                )
+                if told:
+                    await self._best_effort(chat_id, told)
+                    return
         if not self.allowed(chat_id) and not await self._paired(chat_id):
             await self._stranger(message, chat_id)
             return
-        user = message.from_user
-        replied = message.reply_to_message
-        if self.approvals is not None and replied is not None and message.text:
-            # The owner's "yes" in reply to an approval's question decides it, as its button.
-            told = await self.approvals.chat_answer(
-                chat_id, str(user.id) if user else "", replied.message_id, message.text
-            )
-            if told is not None:
-                await self._best_effort(chat_id, told)
-                return
         meta: dict[str, Any] = {"message_id": message.message_id}
         if message.date is not None:  # (Telegram keeps a day's updates while we are down)
             meta["sent_at"] = message.date.isoformat()

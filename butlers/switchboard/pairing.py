@@ -318,9 +318,12 @@ class PairingStore:
         rows = await self.pool.fetch(sql.PAIRING_PAIRED, MAX_PAIRED_LISTED)
         return [dict(r) for r in rows]
 
-    async def asked_by_mail(self, thread: list[str], owner: str) -> int | None:
-        """The pairing whose question mail to `owner` is one of `thread`'s Message-IDs."""
-        found: int | None = await self.pool.fetchval(sql.PAIRING_ASKED_BY_MAIL, thread, owner)
+    async def asked_in(self, channel: str, owner: str, sent_ids: list[str]) -> int | None:
+        """The pairing whose question to `owner` on `channel` was one of `sent_ids` (a mail's
+        Message-IDs, a chat's message ids)."""
+        found: int | None = await self.pool.fetchval(
+            sql.PAIRING_ASKED_IN, sent_ids, owner, channel
+        )
         return found
 
     async def owner_questions(self, pairing_id: int) -> list[dict[str, Any]]:
@@ -585,55 +588,71 @@ class PairingDesk:
         owner = self.owner.email.lower()
         if not owner or sender.lower() != owner:
             return False
+        # The question mail itself, not one further up the thread (a red team: a "yes" to
+        # the butler's "Should I block them?" below the question paired them).
+        said = await self._answer("email", owner, [parent] if parent else [], text, sender)
+        if said is None:
+            return False
+        await tell_by_mail(self.outbox, self.store.pool, owner, answering, said, kind="pairing")
+        return True
+
+    async def chat_answer(
+        self, chat_id: str, user_id: str, replied_to: int | None, text: str
+    ) -> str | None:
+        """The owner's words in their chat in reply to a pairing question ("approve",
+        "deny", "yes", "no", with the code or not), decided as its buttons would be (as an
+        approval's: a typed "approve" was routed to a butler). What to tell the owner, or
+        None when it is no such answer (an ordinary message)."""
+        if replied_to is None or not owner_pressed(self.owner, chat_id, user_id):
+            return None
+        return await self._answer("telegram", chat_id, [str(replied_to)], text, user_id)
+
+    async def _answer(
+        self, channel: str, owner: str, asked_in: list[str], text: str, sender: str
+    ) -> str | None:
+        """The owner's answer on `channel` to the question that was one of `asked_in`:
+        decided, and what to tell them (what it did, or why it did nothing); None when
+        `text` is no answer to a pairing question."""
         line, alone = answer_line(text)
         match = _MAIL_PAIRING_ANSWER.fullmatch(line) if alone else None
         if match is None:
-            return False
-        # The question mail itself, not one further up the thread (a red team: a "yes" to
-        # the butler's "Should I block them?" below the question paired them).
-        pairing_id = await self.store.asked_by_mail([parent] if parent else [], owner)
+            return None
+        pairing_id = await self.store.asked_in(channel, owner, asked_in)
         if pairing_id is None:
-            return False
+            return None
         if match[2] is not None:  # a code given: that question's, or no answer ("no problem")
             asked = await self.store.get(pairing_id)
             if asked is None or _CODE_SEPARATORS.sub("", match[2]).upper() != asked["code"]:
-                return False
+                return None
         status = "approved" if match[1].casefold() in ("approve", *YES_WORDS) else "denied"
-        by = f"email:{sender}"
+        by = f"{channel}:{sender}"
         async with self.store.pool.acquire() as conn, conn.transaction():
             row = await self.store.decide(conn, "id", pairing_id, status, by)
             if row is not None:
                 await self._decided(conn, row, by)
         if row is None:
             logger.info(
-                "pairing #%s: an answer by mail to a code already decided or expired",
+                "pairing #%s: an answer to a code already decided or expired",
                 pairing_id,
                 extra={"action": "pairing_answer_late"},
             )
             current = await self.store.get(pairing_id)
             if current is None:
-                said = "That pairing code is gone: your answer changed nothing."
-            elif current["status"] in ("pending", "expired"):  # pending: past its time
-                said = (
+                return "That pairing code is gone: your answer changed nothing."
+            if current["status"] in ("pending", "expired"):  # pending: past its time
+                return (
                     f"The code of {describe_sender(current)} expired before your answer: it "
                     "changed nothing. They get a new one if they write again."
                 )
-            else:
-                said = (
-                    f"{describe_sender(current)} was {current['status']} already: your "
-                    "answer changed nothing (`butlers pairing` shows them; "
-                    "`butlers pairing revoke CHANNEL SENDER` takes an approval back)."
-                )
-            await tell_by_mail(self.outbox, self.store.pool, owner, answering, said, kind="pairing")
-            return True
+            return (
+                f"{describe_sender(current)} was {current['status']} already: your answer "
+                "changed nothing (`butlers pairing` shows them; `butlers pairing revoke "
+                "CHANNEL SENDER` takes an approval back)."
+            )
         await self._after(row, f"{status.capitalize()} ({by}).")
-        done = (
-            f"Approved: {describe_sender(row)} may write now (they were told)."
-            if status == "approved"
-            else f"Denied: {describe_sender(row)} gets no answer and no new code."
-        )
-        await tell_by_mail(self.outbox, self.store.pool, owner, answering, done, kind="pairing")
-        return True
+        if status == "approved":
+            return f"Approved: {describe_sender(row)} may write now (they were told)."
+        return f"Denied: {describe_sender(row)} gets no answer and no new code."
 
     async def press(self, chat_id: str, user_id: str, data: str, *, by: str) -> PressAnswer:
         """A Telegram button press (in chat `chat_id`, by user `user_id`): counted only when

@@ -687,9 +687,9 @@ PAIRING_PAIRED = """
 """
 # The owner's Telegram question(s) with buttons for pairing $1, as sent.
 # The pairing whose owner's question mail (to $2) is one of the mails $1 (a reply's thread).
-PAIRING_ASKED_BY_MAIL = """
+PAIRING_ASKED_IN = """
     SELECT (meta->>'pairing_id')::bigint FROM outbox
-    WHERE kind = 'pairing' AND channel = 'email' AND lower(recipient) = lower($2)
+    WHERE kind = 'pairing' AND channel = $3 AND lower(recipient) = lower($2)
       AND status = 'sent' AND sent_ids && $1::text[] AND meta ? 'pairing_id'
     ORDER BY id DESC LIMIT 1
 """
