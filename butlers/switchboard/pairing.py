@@ -321,9 +321,7 @@ class PairingStore:
     async def asked_in(self, channel: str, owner: str, sent_ids: list[str]) -> int | None:
         """The pairing whose question to `owner` on `channel` was one of `sent_ids` (a mail's
         Message-IDs, a chat's message ids)."""
-        found: int | None = await self.pool.fetchval(
-            sql.PAIRING_ASKED_IN, sent_ids, owner, channel
-        )
+        found: int | None = await self.pool.fetchval(sql.PAIRING_ASKED_IN, sent_ids, owner, channel)
         return found
 
     async def owner_questions(self, pairing_id: int) -> list[dict[str, Any]]:
