@@ -4,6 +4,7 @@ suite tools, uninstalled byte for byte; and `--mode activate` with the memory se
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,27 @@ async def test_activate_mode_with_the_real_memory_server(tmp_path: Path, npm_ser
         assert not result.is_error, text_of(result)
         assert "Bob" in text_of(await host.call("read_graph"))
     assert (tmp_path / "m.jsonl").is_file()  # ${MEMORY_FILE:-...} from the environment
+
+
+async def test_the_filesystem_servers_first_call_after_each_start_has_the_roots(
+    tmp_path: Path, npm_servers: Path
+) -> None:
+    """The filesystem server asks for the roots after its handshake and applies them then:
+    its first call after every start (idle stops included) went before, and a file of the
+    project outside its argv's directory was refused (a walkthrough: 3 calls of 3)."""
+    project = project_with_npm_servers(tmp_path, npm_servers)
+    (project / "readme.txt").write_text("the project's own\n")
+    (project / "gateway.toml").write_text("[suites.files]\nidle_timeout_s = 1\n")
+    code, _, err = await run_cli("gateway", "install", "--dir", str(project))
+    assert code == 0, err
+    [server] = json.loads((project / ".mcp.json").read_text())["mcpServers"].values()
+    async with as_the_host_starts(server, project) as client:
+        host = Host(client, [])
+        assert "files_suite" in await host.tools()
+        for attempt in range(3):
+            if attempt:
+                await asyncio.sleep(2.5)  # idle: stopped, started again by the call below
+            result = await host.suite(
+                "files_suite", "call", "read_text_file", path=str(project / "readme.txt")
+            )
+            assert "the project's own" in text_of(result), (attempt, text_of(result))

@@ -50,6 +50,14 @@ LISTS_CHANGED = {
     "notifications/resources/list_changed": "resources",
 }
 KILL_GRACE_S = 2.0
+# A child offered roots may ask for them right after the handshake and apply them then (the
+# npm filesystem server: its first call went before, and was refused the project: a
+# walkthrough). Its calls (not its listing) wait for the question this long after the
+# handshake the first time (never again if it does not ask), longer once it has asked, and
+# then a moment for the roots to take.
+ROOTS_FIRST_WAIT_S = 0.5
+ROOTS_KNOWN_WAIT_S = 5.0
+ROOTS_SETTLE_S = 0.1
 # A tool name as MCP's SEP-986 has it (letters, digits, _ - . /, at most 128): a child's other
 # names are left out. One with a line break forged a line of `--dry-run`'s listing, and
 # activate mode put it as it was into the host's tool list (a walkthrough).
@@ -90,6 +98,11 @@ class _Child:
         # What a child asking `roots/list` is told (the gateway's --dir); None: we offer no
         # roots, and the child's request is "method not found".
         self.roots = roots
+        # Whether the child asks for the roots after its handshake (None: not known yet), and
+        # whether it did on this connection.
+        self.asks_roots: bool | None = None
+        self._roots_asked = asyncio.Event()
+        self._roots_taken: asyncio.Task[None] | None = None  # this connection's wait
         # Counts the connections made: what was read from the child before a restart is stale.
         self.generation = 0
         # What the child offered in its last handshake (prompts, resources...); kept while an
@@ -153,6 +166,7 @@ class _Child:
         """The child's `CallToolResult` as JSON; starts it first if need be. `progress` gets
         the params of each `notifications/progress` the child sends about this call."""
         await self.start()
+        await self._until_roots_taken()
         assert self._connection is not None, "start() connected it"
         meta = None
         token = f"gateway-{next(_progress_tokens)}"
@@ -173,6 +187,7 @@ class _Child:
         """Any other request of the child's (prompts, resources), its result as JSON; starts
         it first if need be. Held to the call timeout."""
         await self.start()
+        await self._until_roots_taken()
         connection = self._connection
         assert connection is not None, "start() connected it"
         return await self._ask(
@@ -186,6 +201,7 @@ class _Child:
         server on the 2026-07-28 revision sends neither.)"""
         if self.roots is not None:
             connection.capabilities = {"roots": {"listChanged": False}}
+        self._roots_asked = asyncio.Event()
         connection.on_request = self._answer
         connection.on_notification = self._notified
 
@@ -198,8 +214,42 @@ class _Child:
     def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """The child asks us (its client): `roots/list` is the gateway's directory."""
         if method == "roots/list" and self.roots is not None:
+            self._roots_asked.set()
             return {"roots": [dict(root) for root in self.roots]}
         return None
+
+    async def _until_roots_taken(self) -> None:
+        """Before a call: this connection's roots asked for and taken (or not asked)."""
+        task = self._roots_taken
+        if task is not None and not task.done():
+            # (Not the task's outcome: one ended with its child is no error of this call's;
+            # and a caller giving up does not cut the others' wait.)
+            await asyncio.wait({task})
+
+    def _await_roots(self) -> None:
+        """After the handshake: the wait for the roots runs while the tools are listed."""
+        if self.roots is not None and self.asks_roots is not False:
+            self._roots_taken = asyncio.get_running_loop().create_task(
+                self._take_roots(), name=f"child:{self.name}:roots"
+            )
+
+    async def _take_roots(self) -> None:
+        """The roots asked for and answered, the answer read (a ping behind it came back)
+        and a moment to apply them; or, the first time, no question within a moment."""
+        connection = self._connection
+        if self.roots is None or self.asks_roots is False or connection is None:
+            return
+        wait_s = ROOTS_KNOWN_WAIT_S if self.asks_roots else ROOTS_FIRST_WAIT_S
+        try:
+            await within(self._roots_asked.wait(), wait_s)
+        except TimeoutError:
+            if self.asks_roots is None:
+                self.asks_roots = False  # it does not ask: no start waits for it again
+            return
+        self.asks_roots = True
+        with contextlib.suppress(Exception):  # (no ping: the moment below is all it gets)
+            await connection.request("ping", {}, timeout_s=self.rpc_timeout_s)
+        await asyncio.sleep(ROOTS_SETTLE_S)
 
     def _notified(self, method: str, params: dict[str, Any]) -> None:
         """A call's progress goes to whoever asked for it; log messages to `on_log`; a
@@ -400,6 +450,7 @@ class StdioChild(_Child):
                     raise
             await self._unless_closed()
             self._opened()
+            self._await_roots()
 
     async def _unless_closed(self) -> None:
         """Within start(): a child closed meanwhile has what this start spawned ended (close()
@@ -490,6 +541,10 @@ class StdioChild(_Child):
         also what it started, also when it has exited already (a crash leaves its own
         children behind)."""
         connection, self._connection = self._connection, None
+        roots, self._roots_taken = self._roots_taken, None
+        if roots is not None:
+            roots.cancel()
+            await asyncio.gather(roots, return_exceptions=True)
         if connection is not None:
             await connection.close()
         process, self._process = self._process, None
