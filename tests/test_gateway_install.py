@@ -605,6 +605,38 @@ async def test_a_project_without_mcp_json_gets_one_and_uninstall_removes_it(
     assert not mcp_json.exists() and not (project / ".butlers-gateway").exists()
 
 
+async def test_uninstall_keeps_the_servers_added_behind_the_gateway(tmp_path: Path) -> None:
+    """The docs say to add a server to servers.json once installed; uninstall put the
+    original back and deleted servers.json, the added server and its token with it, saying
+    only "the original is back" (a walkthrough). Now the original comes back with the servers
+    as they are behind the gateway; without any, and with nothing changed, as before."""
+    project = tmp_path / "project"
+    project.mkdir()
+    mcp_json = project / ".mcp.json"
+    notes = {"command": "npx", "args": ["-y", "notes-server"]}
+    mcp_json.write_text(json.dumps({"mcpServers": {"notes": notes}, "other": 1}))
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    servers = project / ".butlers-gateway" / "claude-code" / "servers.json"
+    behind = json.loads(servers.read_text())
+    github = {"command": "npx", "args": ["-y", "gh"], "env": {"GITHUB_TOKEN": "ghp_kept"}}
+    behind["mcpServers"]["github"] = github
+    servers.write_text(json.dumps(behind))
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code == 0, out
+    assert "with the servers added or changed behind the gateway since install (github)" in out
+    restored = json.loads(mcp_json.read_text())
+    assert restored == {"mcpServers": {"notes": notes, "github": github}, "other": 1}
+    assert not (project / ".butlers-gateway").exists()
+    # Unreadable, it is not deleted: the uninstall refuses and says which file.
+    code, out = await _butlers_in(tmp_path, "gateway", "install", "--dir", str(project))
+    assert code == 0, out
+    servers.write_text('{"mcpServers": {"github": ')
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code != 0 and f"{servers}: not readable" in out, out
+    assert servers.is_file()
+
+
 @pytest.mark.parametrize(
     "content",
     [b'{"mcpServers": {"notes": {"command": "npx",}}}', b"\xff\xfe{not utf-8", b'["a list"]'],

@@ -275,14 +275,51 @@ def _give_back(place: Install) -> list[str]:
             f"edits. To undo the install, {back} and run uninstall again, which then only "
             "removes the gateway's record; or undo the edit and run uninstall again"
         )
-    if place.absent.is_file():
+    before = None if place.absent.is_file() else place.original.read_bytes()
+    kept = _servers_kept(place, before)
+    if kept is not None:
+        config, names = kept
+        _replace(place.config, config)
+        done = (
+            f"{place.config}: the original is back, with the servers added or changed behind "
+            f"the gateway since install ({names})"
+        )
+    elif before is None:
         place.config.unlink()
         done = f"{place.config}: removed (there was none before install)"
     else:
-        _replace(place.config, place.original.read_bytes())
+        _replace(place.config, before)
         done = f"{place.config}: the original is back"
     _forget(place)
     return [done]
+
+
+def _servers_kept(place: Install, original: bytes | None) -> tuple[bytes, str] | None:
+    """The host's file to put back when the servers behind the gateway are no longer the
+    ones install moved there (the docs say to add new ones to servers.json: uninstall
+    deleted them, their tokens with them, a walkthrough): the original with those servers in
+    its place, and which ones differ. None when nothing changed: the original goes back byte
+    for byte."""
+    try:
+        behind = json.loads(place.servers.read_bytes())["mcpServers"]
+        if not isinstance(behind, dict):
+            raise TypeError("mcpServers is not an object")
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise CommandError(
+            f"{place.servers}: not readable ({exc}): it holds the servers behind the gateway; "
+            "fix it (or move your servers out of it), then run uninstall again"
+        ) from exc
+    data: dict[str, Any] = json.loads(original) if original is not None else {}
+    before = data.get(place.shape.key, {})
+    moved = {name: entry for name, entry in before.items() if not _is_gateway_entry(entry)}
+    if behind == moved:
+        return None
+    changed = sorted(n for n in behind.keys() | moved.keys() if behind.get(n) != moved.get(n))
+    gateway = {name: entry for name, entry in before.items() if _is_gateway_entry(entry)}
+    data[place.shape.key] = {**gateway, **behind}
+    return (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode(), ", ".join(changed)
 
 
 def _same_file(current: bytes | None, written: bytes) -> bool:
