@@ -117,7 +117,8 @@ _PROC_TESTS: dict[str, frozenset[str]] = {
         "test_report_compares_direct_suite_activate_and_search test_search_mode_report_and_dry_run",
         "test_gateway_search.py": "test_gateway_call_is_a_suite_call_span_with_arguments_redacted "
         "test_the_index_follows_a_child_whose_tools_change "
-        "test_a_server_that_never_starts_holds_up_one_search_and_no_call",
+        "test_a_server_that_never_starts_holds_up_one_search_and_no_call "
+        "test_a_tool_several_servers_have_alike_is_one_result",
         "test_gateway_tracing.py": "*",
         "test_gateway_wrapper.py": "test_a_stdio_server_of_claude_code_gets_no_credentials_and_"
         "no_values_in_argv",

@@ -33,14 +33,24 @@ _STOP = frozenset(
 
 
 def stem(word: str) -> str:
-    """Harman's S-stemmer: plurals to singular ("files" -> "file", "entries" -> "entry"),
-    so a request's words meet a description's whatever their number."""
+    """Harman's S-stemmer, then a final "e" off and "-ed"/"-ing" off longer words: plurals
+    to singular ("files" -> "fil", as "file"; "entries" -> "entry"), "-ches", "-shes",
+    "-sses", "-xes" and "-zes" to their word ("compresses" -> "compress", "matches" and
+    "match" alike; the S-stemmer alone made them "compresse", missing "Compresses a single
+    file": a walkthrough), and "scheduled", "schedule" and "scheduling" alike; so a request's
+    words meet a description's whatever their number or tense."""
     if len(word) > 3 and word.endswith("ies") and not word.endswith(("eies", "aies")):
         return word[:-3] + "y"
-    if len(word) > 3 and word.endswith("es") and not word.endswith(("aes", "ees", "oes")):
-        return word[:-1]
-    if len(word) > 2 and word.endswith("s") and not word.endswith(("us", "ss")):
-        return word[:-1]
+    if len(word) > 4 and word.endswith(("ches", "shes", "sses", "xes", "zes")):
+        word = word[:-2]
+    elif len(word) > 3 and word.endswith("es") and not word.endswith(("aes", "ees", "oes")):
+        word = word[:-1]
+    elif len(word) > 2 and word.endswith("s") and not word.endswith(("us", "ss", "is")):
+        word = word[:-1]
+    if len(word) > 4 and word.endswith("ed") and not word.endswith("eed"):
+        word = word[:-2]
+    if len(word) > 3 and word.endswith("e"):
+        word = word[:-1]
     return word
 
 

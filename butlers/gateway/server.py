@@ -880,16 +880,24 @@ class Gateway:
                 f"got {limit!r}"
             )
         index = await self.search_index()
-        return [
-            {
-                "name": index.callable_name(entry),
-                "server": entry.server,
-                "summary": summarize(
-                    entry.tool.get("description"), self._summary_limit(self.slots[entry.server])
-                ),
-            }
-            for entry in index.search(query, limit)
-        ]
+        # One result a tool: the same tool on several servers (every butler's `state_set`)
+        # is the best-ranked one, the others named in its `also`: four copies of each filled
+        # the five results of a fleet's search (a walkthrough).
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        for entry in index.search(query, len(index.entries)):
+            same = (entry.name, str(entry.tool.get("description") or ""))
+            if same in found:
+                found[same].setdefault("also", []).append(index.callable_name(entry))
+            elif len(found) < limit:
+                found[same] = {
+                    "name": index.callable_name(entry),
+                    "server": entry.server,
+                    "summary": summarize(
+                        entry.tool.get("description"),
+                        self._summary_limit(self.slots[entry.server]),
+                    ),
+                }
+        return list(found.values())
 
     async def _describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
         entry = await self._search_entry(arguments, "gateway_describe")
