@@ -118,7 +118,8 @@ _PROC_TESTS: dict[str, frozenset[str]] = {
         "test_gateway_search.py": "test_gateway_call_is_a_suite_call_span_with_arguments_redacted "
         "test_the_index_follows_a_child_whose_tools_change "
         "test_a_server_that_never_starts_holds_up_one_search_and_no_call "
-        "test_a_tool_several_servers_have_alike_is_one_result",
+        "test_a_tool_several_servers_have_alike_is_one_result "
+        "test_a_call_of_a_known_tool_never_waits_for_a_failing_server",
         "test_gateway_tracing.py": "*",
         "test_gateway_wrapper.py": "test_a_stdio_server_of_claude_code_gets_no_credentials_and_"
         "no_values_in_argv",

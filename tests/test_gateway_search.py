@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from butlers.gateway.search import Entry, SearchIndex, words
+from butlers.gateway.server import SEARCH_RETRY_S, search_retry_after_s
 from tests.conftest import StartButler
 from tests.fakes.otlp import OtlpReceiver
-from tests.test_gateway import Host, mcp_json, stdio_host, text_of
+from tests.test_gateway import Host, child_pids, mcp_json, stdio_host, text_of
 from tests.test_gateway_npm import project_with_npm_servers
 from tests.test_gateway_tracing import PARENT_ID, SECRET, TRACE_ID
 
@@ -159,6 +160,31 @@ async def test_a_server_that_never_starts_holds_up_one_search_and_no_call(
             assert again == found
             result = await host.call("gateway_call", name="echo", arguments={"message": "hi"})
             assert not result.is_error and text_of(result) == "hi", text_of(result)
+
+
+async def test_a_call_of_a_known_tool_never_waits_for_a_failing_server(tmp_path: Path) -> None:
+    """A server that hangs at start fails (rpc_ms) and is tried again by searches; a call of
+    a healthy server's tool named in the index neither waits for it nor starts it again (one
+    call stalled 8 s every 74 s: a walkthrough). Its spawns are counted: the mock writes its
+    pid at each."""
+    mcp_json(tmp_path, "plain")
+    mcp_json(tmp_path, "hung", "--silent")
+    (tmp_path / "gateway.toml").write_text("[timeouts]\nrpc_ms = 1000\n")
+    async with stdio_host(tmp_path, "--mode", "search") as host:
+        await search(host, "echo back a message")
+        async with asyncio.timeout(30):
+            while (await host.status())["hung"]["state"] != "error":  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        spawned = len(child_pids(tmp_path))
+        await asyncio.sleep(SEARCH_RETRY_S + 1)  # past the time a search tries it again
+        result = await host.call("gateway_call", name="echo", arguments={"message": "hi"})
+        assert not result.is_error and text_of(result) == "hi", text_of(result)
+        assert len(child_pids(tmp_path)) == spawned  # not started again for the call
+
+
+def test_a_server_failing_again_and_again_is_tried_less_and_less_often() -> None:
+    waits = [search_retry_after_s(failures) for failures in range(1, 9)]
+    assert waits == [10, 20, 40, 80, 160, 320, 600, 600]
 
 
 def test_a_name_two_servers_share_is_qualified() -> None:

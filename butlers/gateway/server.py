@@ -87,13 +87,24 @@ State = Literal["idle", "warming", "ready", "active", "error"]
 Verbosity = Literal["summary", "full", "redacted"]
 VERBOSITIES: tuple[Verbosity, ...] = ("summary", "full", "redacted")
 # How long a search waits for servers still starting before it answers from the others,
-# once per start (a call of a tool it does not find waits for them to the end: it may be
-# theirs). The first search of a `--lazy` gateway starts every server: npm's take ~1 s.
+# once per start (a call of a tool it does not find waits for them as long again: it may be
+# theirs; a call of a tool it finds waits for none). The first search of a `--lazy` gateway
+# starts every server: npm's take ~1 s.
 SEARCH_WAIT_S = 8.0
 # A child that failed before it ever listed a tool (a butler down when the gateway started) is
-# tried again by a search or search-mode call, at most this often: it had no tool to call, so
+# tried again by a search or search-mode call, at first this often: it had no tool to call, so
 # no call restarted it, and it stayed unknown for the host's whole session (a walkthrough).
+# Each failure in a row doubles the wait, up to SEARCH_RETRY_MAX_S: a server that hangs at
+# start held up a search every 74 s for good (a walkthrough).
 SEARCH_RETRY_S = 10.0
+SEARCH_RETRY_MAX_S = 600.0
+
+
+def search_retry_after_s(failures: int) -> float:
+    """How long after its last failed start a search tries a child again."""
+    return min(SEARCH_RETRY_S * 2 ** max(failures - 1, 0), SEARCH_RETRY_MAX_S)
+
+
 # A child's tool list is read again at most this often, however many list_changed it sends.
 REFRESH_EVERY_S = 0.5
 
@@ -137,6 +148,7 @@ class Slot:
     # Its tool list read again after a list_changed (`Gateway._refresh_tools`), coalesced.
     relisting: Coalesced | None = None
     failed_at: float | None = None  # (loop time) its last start that failed
+    failures: int = 0  # its starts that failed in a row
 
 
 def suite_description(spec: ChildSpec, config: GatewayConfig) -> str:
@@ -392,6 +404,7 @@ class Gateway:
         except McpCallError as exc:
             slot.state, slot.error = "error", str(exc)
             slot.failed_at = asyncio.get_running_loop().time()
+            slot.failures += 1
             if slot.child.closed:  # removed (reload) or the gateway closing: not a failure
                 logger.debug("%s", exc, extra={"action": "child_removed"})
             else:
@@ -402,6 +415,7 @@ class Gateway:
                 slot.state, slot.error = "idle", None
             raise
         slot.state = "active" if slot.injected else "ready"
+        slot.failures = 0
         if not was_up:
             self._came_up(slot)
 
@@ -828,6 +842,9 @@ class Gateway:
 
     # -- search mode ----------------------------------------------------------------------
 
+    def _index_fresh(self, index: SearchIndex) -> bool:
+        return index.fresh([(name, slot.tools) for name, slot in self.slots.items()])
+
     async def search_index(self, *, wait_s: float | None = SEARCH_WAIT_S) -> SearchIndex:
         """Every child's exposed tools, indexed; built again when a child's tool list was
         read again (start, restart, list_changed: see butlers.gateway.search). A child not
@@ -835,7 +852,7 @@ class Gateway:
         (None: until each has started or failed): one slow or hung server held up every
         search and call, a healthy server's too, for its whole timeout (a walkthrough). A
         child in error keeps the tools it last listed (a call restarts it); one that never
-        listed any is tried again, at most every SEARCH_RETRY_S."""
+        listed any is tried again, after `search_retry_after_s`."""
         pending = [s for s in self.slots.values() if s.state in ("idle", "warming")]
         if wait_s is not None:  # each start holds up one search at most
             pending = [s for s in pending if not s.searched_while_starting]
@@ -843,7 +860,9 @@ class Gateway:
         pending += [
             s
             for s in self.slots.values()
-            if s.state == "error" and not s.tools and now - (s.failed_at or 0) >= SEARCH_RETRY_S
+            if s.state == "error"
+            and not s.tools
+            and now - (s.failed_at or 0) >= search_retry_after_s(s.failures)
         ]
         if pending and not self._closed:
             starts = [self._start_warm(slot) for slot in pending]  # joins a start under way
@@ -930,10 +949,17 @@ class Gateway:
         name = arguments.get("name")
         if not isinstance(name, str) or not name:
             raise ToolRefusal(f"{tool}: 'name' must be a tool's name from gateway_search")
-        index = await self.search_index()
-        found = index.resolve(name)
-        if not found and self._starting():  # maybe theirs: waited for, this time to the end
-            index = await self.search_index(wait_s=None)
+        # A name the tools listed now have is called at once: a hung server's start held up
+        # calls of a healthy one's tools by up to SEARCH_WAIT_S (a walkthrough).
+        index = self._search_index
+        found = index.resolve(name) if index is not None and self._index_fresh(index) else []
+        if not found:
+            index = await self.search_index()
+            found = index.resolve(name)
+        if not found and self._starting():  # maybe theirs: waited for once more, as long
+            for slot in self.slots.values():
+                slot.searched_while_starting = False
+            index = await self.search_index()
             found = index.resolve(name)
         if len(found) == 1:
             return found[0]
