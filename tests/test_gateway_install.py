@@ -255,6 +255,23 @@ async def test_user_scope_follows_a_moved_project_and_uninstall_keeps_what_chang
 
 
 @pytest.mark.claude
+async def test_user_scope_puts_the_skill_where_claude_code_reads_it(tmp_path: Path) -> None:
+    """With CLAUDE_CONFIG_DIR set, Claude Code reads a user's skills from it: the skill went
+    to ~/.claude, where Claude Code never saw it (a walkthrough)."""
+    home = tmp_path / "home"
+    env = {**_claude_user_env(home), "CLAUDE_CONFIG_DIR": str(tmp_path / "ccd")}
+    project = _project_with_notes(tmp_path / "project")
+    code, out, err = await run_cli(
+        "gateway", "install", "--scope", "user", "--dir", str(project), env=env
+    )
+    assert code == 0, err
+    skill = tmp_path / "ccd" / "skills" / "butlers-gateway" / "SKILL.md"
+    assert skill.is_file() and not (home / SKILL).exists()
+    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    assert code == 0, err
+    assert not (tmp_path / "ccd" / "skills").exists() and (tmp_path / "ccd").is_dir()
+
+
 async def test_user_scope_follows_a_venv_rebuilt_elsewhere(tmp_path: Path) -> None:
     """The program the registration runs is gone (the venv was moved or rebuilt elsewhere):
     installing with the new one re-registers the gateway with it. Here a venv made of links to

@@ -152,12 +152,12 @@ def install(
         return [
             *_register_user(directory, environ, env_file),
             *approve_as_declared(directory, None, environ),
-            *_write_skill(_user_home(environ)),
+            *_write_skill(_user_skill(environ)[0]),
         ]
     done = _take_over(_place(directory, host, config, environ), env_file)
     done += approve_as_declared(directory, None, environ)  # what the host will start: --dir
     root = _skill_root(directory, host, environ)
-    return done + (_write_skill(root) if root is not None else [])
+    return done + (_write_skill(root / SKILL) if root is not None else [])
 
 
 def uninstall(
@@ -171,10 +171,10 @@ def uninstall(
     if scope == "user":
         if host != "claude-code":
             raise CommandError(f"--scope user is Claude Code's; --host {host} has no such scope")
-        return [*_unregister_user(environ), *_remove_skill(_user_home(environ))]
+        return [*_unregister_user(environ), *_remove_skill(*_user_skill(environ))]
     done = _give_back(_place(directory, host, config, environ))
     root = _skill_root(directory, host, environ)
-    return done + (_remove_skill(root) if root is not None else [])
+    return done + (_remove_skill(root / SKILL, root) if root is not None else [])
 
 
 def _place(directory: Path, host: Host, config: Path | None, environ: Mapping[str, str]) -> Install:
@@ -746,8 +746,20 @@ def _user_home(environ: Mapping[str, str]) -> Path:
 # -- the skill ----------------------------------------------------------------------------
 
 
-def _write_skill(root: Path) -> list[str]:
-    path = root / SKILL
+def _user_skill(environ: Mapping[str, str]) -> tuple[Path, Path]:
+    """Where Claude Code reads a user's skills (the file, and the folder it is under): in
+    CLAUDE_CONFIG_DIR when that is set (the skill went to ~/.claude while Claude Code read
+    the other: a walkthrough), else in ~/.claude."""
+    configured = environ.get("CLAUDE_CONFIG_DIR")
+    if configured:
+        root = Path(configured)
+        return root / SKILL.relative_to(".claude"), root
+    home = _user_home(environ)
+    return home / SKILL, home
+
+
+def _write_skill(path: Path) -> list[str]:
+    """The skill at `path` (its folders made as needed)."""
     if path.is_file() and path.read_text(encoding="utf-8") == SKILL_TEXT:
         return []
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -756,8 +768,7 @@ def _write_skill(root: Path) -> list[str]:
     return [f"{path}: the /butlers-gateway skill"]
 
 
-def _remove_skill(root: Path) -> list[str]:
-    path = root / SKILL
+def _remove_skill(path: Path, root: Path) -> list[str]:
     if not path.is_file() or path.read_text(encoding="utf-8") != SKILL_TEXT:
         return []  # not there, or the user's own now
     path.unlink()
