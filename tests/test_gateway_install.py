@@ -261,13 +261,13 @@ async def test_user_scope_puts_the_skill_where_claude_code_reads_it(tmp_path: Pa
     home = tmp_path / "home"
     env = {**_claude_user_env(home), "CLAUDE_CONFIG_DIR": str(tmp_path / "ccd")}
     project = _project_with_notes(tmp_path / "project")
-    code, out, err = await run_cli(
+    code, _, err = await run_cli(
         "gateway", "install", "--scope", "user", "--dir", str(project), env=env
     )
     assert code == 0, err
     skill = tmp_path / "ccd" / "skills" / "butlers-gateway" / "SKILL.md"
     assert skill.is_file() and not (home / SKILL).exists()
-    code, out, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
+    code, _, err = await run_cli("gateway", "uninstall", "--scope", "user", env=env)
     assert code == 0, err
     assert not (tmp_path / "ccd" / "skills").exists() and (tmp_path / "ccd").is_dir()
 

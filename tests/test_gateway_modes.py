@@ -86,6 +86,22 @@ async def test_both_mode_swaps_a_suite_for_its_tools_and_introspect_takes_a_verb
         )
 
 
+async def test_a_renamed_tool_never_takes_another_servers_name(tmp_path: Path) -> None:
+    """`a` has `echo` and its own `b_echo`; `b`'s `echo`, renamed `b_echo`, shadowed `a`'s,
+    and deactivating `b` removed `a`'s from the host's list (a walkthrough). Now it is
+    `b_echo_2`."""
+    mcp_json(tmp_path, "a", "--odd-tool", "b_echo")
+    mcp_json(tmp_path, "b")
+    async with stdio_host(tmp_path, "--mode", "activate") as host:
+        await host.call("gateway_activate", name="a")
+        result = await host.call("gateway_activate", name="b")
+        assert "b_echo_2" in result.structured_content["tools"], result.structured_content
+        assert text_of(await host.call("b_echo")) == "ok"  # a's own (the mock's odd tool)
+        assert text_of(await host.call("b_echo_2", message="from b")) == "from b"
+        await host.call("gateway_deactivate", name="b")
+        assert "b_echo" in await host.tools() and "b_echo_2" not in await host.tools()
+
+
 async def test_a_tool_whose_name_is_no_tools_name_is_left_out(tmp_path: Path) -> None:
     """A child lists a tool named with a line break (it forged a line of the listing) and one
     with a terminal escape: left out of the listing, the host's tool list and the search, with

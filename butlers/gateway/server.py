@@ -998,7 +998,13 @@ class Gateway:
         for tool in self._exposed(slot, self._with_wrapper(slot)):
             name = tool["name"]
             if name in taken:
-                name = f"{slot.spec.name}_{name}"
+                # Prefixed with its server; numbered when that too is taken (another server's
+                # own `b_echo`: activating `b` shadowed it, and deactivating `b` removed it
+                # from the host's list, a walkthrough).
+                prefixed, n = f"{slot.spec.name}_{name}", 2
+                name = prefixed
+                while name in taken:
+                    name, n = f"{prefixed}_{n}", n + 1
             injected = _ChildTool(
                 name=name,
                 description=tool.get("description") or "",
