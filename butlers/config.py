@@ -537,7 +537,8 @@ class SwitchboardConfig:
         default=60,
         description=(
             "Later messages are kept but not classified, and their files not fetched; the "
-            "owner ([switchboard.owner]) may send ten times as many; 0: no limit."
+            "owner ([switchboard.owner]) may send ten times as many (by mail only with "
+            "require_authentication_results: a From is anyone's to write); 0: no limit."
         ),
     )
     retention_days: Annotated[Int, Field(ge=1)] = Field(

@@ -738,6 +738,16 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
         start_butler, tmp_path, bot_api, allowed_chats=(CHAT, OWNER)
     )
     question, _, _ = await the_request(bot_api)
+    # Not an answer: routed, without the question (it quotes a stranger's arguments: carried
+    # to the owner's session, they read as the owner's words, a review).
+    await bot_api.push_text(OWNER, "what is this about?", reply_to=question)
+    await bot_api.wait_until(lambda: sent_texts(bot_api, OWNER)[-1:] == ["Done."])
+    [asked] = [
+        json.dumps(b)
+        for b in scripted_api.requests
+        if "what is this about" in json.dumps(b) and "REQUEST" in json.dumps(b)
+    ]
+    assert "REPLIED_TO" not in asked and "asks to run notify" not in asked
     await bot_api.push_text(OWNER, "Yes, please!", reply_to=question)
     await bot_api.wait_until(lambda: EFFECT in sent_texts(bot_api, CHAT))
     assert sent_texts(bot_api, OWNER)[-1] == "Approved (#1)."
@@ -750,7 +760,7 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
     await bot_api.wait_until(lambda: sent_texts(bot_api, OWNER)[-1] == "Done.")
     assert sent_texts(bot_api, CHAT).count(EFFECT) == 1
     conn = await db_conn(switchboard.config.database)
-    assert await conn.fetchval("SELECT count(*) FROM inbox WHERE source_id = $1", str(OWNER)) == 1
+    assert await conn.fetchval("SELECT count(*) FROM inbox WHERE source_id = $1", str(OWNER)) == 2
 
 
 async def test_the_dashboard_lists_approvals_and_decides_with_its_csrf_token(

@@ -99,9 +99,12 @@ async def test_a_telegram_reply_goes_back_to_the_butler_without_a_classifier(
     await bot_api.wait_sent(2)
     assert len(classifier_prompts(scripted_api)) == 1  # the reply needed no classification
     # And the butler reads what it replies to (an answer older than the history shown left
-    # "move it to 16:00" without its dentist: a walkthrough), quoted as data.
-    routed = butler_prompts(scripted_api, "health")[-1]
-    assert '(In reply to our answer: \\"Logged.\\")\\nand yesterday 81' in routed, routed
+    # "move it to 16:00" without its dentist: a walkthrough), in a block of its own, as data.
+    content = json.loads(butler_prompts(scripted_api, "health")[-1])["content"]
+    routed = content if isinstance(content, str) else " ".join(b.get("text", "") for b in content)
+    assert "The message replies to a message of ours, quoted between the REPLIED_TO" in routed
+    block = re.search(r"<<<REPLIED_TO (\w{16})\n(.*)\nREPLIED_TO \1>>>", routed, re.S)
+    assert block is not None and block.group(2) == "Logged.", routed
     rows = await inbox(conn)
     assert [(r["classified_via"], r["routed_to"]) for r in rows] == [
         ("claude", "health"),

@@ -636,7 +636,15 @@ async def test_uninstall_keeps_the_servers_added_behind_the_gateway(tmp_path: Pa
     assert code == 0, out
     servers = project / ".butlers-gateway" / "claude-code" / "servers.json"
     behind = json.loads(servers.read_text())
-    github = {"command": "npx", "args": ["-y", "gh"], "env": {"GITHUB_TOKEN": "ghp_kept"}}
+    # A token written out stays in the private servers.json: moved into .mcp.json it would be
+    # in a file a project commits (a review). Uninstall refuses, naming the server and key.
+    behind["mcpServers"]["github"] = {"command": "npx", "env": {"GITHUB_TOKEN": "ghp_kept"}}
+    servers.write_text(json.dumps(behind))
+    code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))
+    assert code != 0 and "(github: GITHUB_TOKEN)" in out and "ghp_kept" not in out, out
+    assert "ghp_kept" not in mcp_json.read_text() and servers.is_file()
+    # As a reference to a variable, it moves.
+    github = {"command": "npx", "args": ["-y", "gh"], "env": {"GITHUB_TOKEN": "${GH_TOKEN}"}}
     behind["mcpServers"]["github"] = github
     servers.write_text(json.dumps(behind))
     code, out = await _butlers_in(tmp_path, "gateway", "uninstall", "--dir", str(project))

@@ -299,6 +299,23 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
     assert await conn.fetchval("SELECT status FROM pairing_requests") == "approved"
 
 
+@pytest.mark.parametrize(
+    ("said", "answer"),
+    [
+        ("No, thanks.", True),  # decided nothing, routed to a butler (a review)
+        ("deny, thanks", True),
+        ("Approve please", True),
+        ("approve ABCD-2345, thanks!", True),
+        ("no problem", False),  # words of a message, not an answer
+        ("yes, but only on weekdays", False),
+    ],
+)
+def test_a_polite_answer_is_an_answer(said: str, answer: bool) -> None:
+    from butlers.switchboard.pairing import _MAIL_PAIRING_ANSWER
+
+    assert bool(_MAIL_PAIRING_ANSWER.fullmatch(said)) is answer
+
+
 async def test_revoke_makes_the_sender_unknown_again(
     start_butler: StartButler,
     tmp_path: Path,
@@ -737,6 +754,11 @@ async def test_with_dmarc_required_only_a_vouched_for_stranger_is_answered(
     assert smtp.messages[1]["To"] == SOMEONE
     assert CODE_SENT.search(smtp.messages[1].get_content())
     assert await conn.fetchval("SELECT sender FROM pairing_requests") == SOMEONE
+    # The mail taken says its sender was vouched for (the owner's limit needs it by mail).
+    verified = await conn.fetchval(
+        "SELECT meta->'sender_verified' FROM inbox WHERE source_id = 'user@example.com'"
+    )
+    assert verified == "true"
 
 
 async def _mails(smtp: SmtpServer, count: int) -> bool:

@@ -692,6 +692,17 @@ async def test_the_owner_may_send_ten_times_a_senders_hourly_limit(parts: Parts)
     await worker.close()
 
 
+def test_by_mail_only_a_verified_owner_gets_the_owners_limit(parts: Parts) -> None:
+    """A From is anyone's to write: without `require_authentication_results` a forged owner's
+    mail got ten times a stranger's sessions (a review). A chat's sender is Telegram's."""
+    owner = OwnerConfig(email="me@example.com", telegram_chat_id="7")
+    worker = parts.make(max_messages_per_sender_per_hour=2, owner=owner)
+    assert worker._sender_limit("email", "me@example.com") == 2
+    assert worker._sender_limit("email", "Me@Example.com", verified=True) == 20
+    assert worker._sender_limit("email", "eve@example.com", verified=True) == 2
+    assert worker._sender_limit("telegram", "7") == 20
+
+
 async def test_a_second_stop_does_not_wait_for_the_reply_under_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

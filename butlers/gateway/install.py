@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -294,6 +295,18 @@ def _give_back(place: Install) -> list[str]:
     return [done]
 
 
+def _literal_values(entry: dict[str, Any]) -> list[str]:
+    """The `env` and `headers` keys of a server entry whose values are written out (not a
+    `${VAR}` reference, nor empty)."""
+    return [
+        key
+        for table in ("env", "headers")
+        if isinstance(values := entry.get(table), dict)
+        for key, value in values.items()
+        if isinstance(value, str) and value and not re.fullmatch(r"\$\{[^}]+\}", value)
+    ]
+
+
 def _servers_kept(place: Install, original: bytes | None) -> tuple[bytes, str] | None:
     """The host's file to put back when the servers behind the gateway are no longer the
     ones install moved there (the docs say to add new ones to servers.json: uninstall
@@ -311,12 +324,31 @@ def _servers_kept(place: Install, original: bytes | None) -> tuple[bytes, str] |
             f"{place.servers}: not readable ({exc}): it holds the servers behind the gateway; "
             "fix it (or move your servers out of it), then run uninstall again"
         ) from exc
-    data: dict[str, Any] = json.loads(original) if original is not None else {}
-    before = data.get(place.shape.key, {})
+    data: Any = json.loads(original) if original is not None else {}
+    before = data.get(place.shape.key, {}) if isinstance(data, dict) else None
+    if not isinstance(before, dict):  # (install read it as an object: edited since)
+        raise CommandError(
+            f"{place.original}: not the object install kept; put {place.config} back by hand"
+        )
     moved = {name: entry for name, entry in before.items() if not _is_gateway_entry(entry)}
     if behind == moved:
         return None
     changed = sorted(n for n in behind.keys() | moved.keys() if behind.get(n) != moved.get(n))
+    # A value written into servers.json (private, 0600, ignored by git) must not move into
+    # the host's file, which a project commits: a token added there went into .mcp.json (a
+    # review). `${VAR}` references move; literal values stay where they are, said so.
+    literal = [
+        f"{name}: {', '.join(keys)}"
+        for name in changed
+        if isinstance(behind.get(name), dict) and (keys := _literal_values(behind[name]))
+    ]
+    if literal:
+        raise CommandError(
+            f"{place.servers} holds servers added or changed behind the gateway with values "
+            f"written out ({'; '.join(literal)}): moving them into {place.config} would put "
+            "those values in a file a project commits. Make them `${VAR}` references (set in "
+            "your environment), or move the servers yourself, then run uninstall again"
+        )
     gateway = {name: entry for name, entry in before.items() if _is_gateway_entry(entry)}
     data[place.shape.key] = {**gateway, **behind}
     return (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode(), ", ".join(changed)

@@ -318,7 +318,10 @@ class EmailModule:
                 max_bytes=self.config.max_attachment_bytes,
                 max_count=self.worker.limits.max_attachments_per_message,
             )
-        await self.worker.accept(_incoming(mail))
+        incoming = _incoming(mail)
+        if self.config.require_authentication_results:  # (`wanted` checked it: DMARC passed)
+            incoming = replace(incoming, meta={**incoming.meta, "sender_verified": True})
+        await self.worker.accept(incoming)
 
     async def record_failed(self, mail: ParsedMail, error: str, *, unread: str = "") -> None:
         """Keep a mail we cannot take as a `failed` inbox row (its envelope and `error`), so

@@ -476,8 +476,10 @@ class TelegramModule:
         if replied is not None:  # a reply to one of ours: thread affinity
             meta["reply_to_message_id"] = replied.message_id
             # And what it answers, for the butler ("move it to 16:00" said nothing of the
-            # dentist it replied to, once the answer was older than the history shown).
-            if quoted := (replied.text or replied.caption or "")[:REPLIED_TO_CHARS]:
+            # dentist it replied to, once the answer was older than the history shown); not
+            # an approval's or a pairing's question, which quotes a stranger's words.
+            quoted = (replied.text or replied.caption or "")[:REPLIED_TO_CHARS]
+            if quoted and not await self._a_question(chat_id, replied.message_id):
                 meta["reply_to_text"] = quoted
                 by = replied.from_user
                 mine = by is not None and self._ours(by)
@@ -540,11 +542,17 @@ class TelegramModule:
         await self.worker.accept(replace(incoming, attachments=(attachment,)))
 
     def _ours(self, user: User) -> bool:
-        """Whether `user` is this bot (before getMe answered: any bot)."""
-        try:
-            return user.id == self.bot.id
-        except RuntimeError:  # not initialised yet (a webhook's update at start)
-            return bool(user.is_bot)
+        """Whether `user` is this bot: its id is the token's first part (no getMe needed: a
+        webhook's update may come first, when any bot passed for ours, a review)."""
+        return str(user.id) == self.bot.token.split(":", 1)[0]
+
+    async def _a_question(self, chat_id: str, message_id: int) -> bool:
+        """Whether our message `message_id` in `chat_id` asked the owner about an approval
+        or a pairing."""
+        for desk in (self.approvals, self.pairing):
+            if desk is not None and await desk.asked_in_chat(chat_id, message_id):
+                return True
+        return False
 
     async def _edited(self, message: Message) -> None:
         """An edit of a message already taken: not read (the first version may have been

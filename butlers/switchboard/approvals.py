@@ -160,14 +160,14 @@ _MAIL_ANSWER_ALONE = re.compile(
     rf"({'|'.join(YES_WORDS[1:] + NO_WORDS[1:])}) #?([1-9][0-9]{{0,17}})[.!]*", re.IGNORECASE
 )
 # Alone, with a word of thanks or please.
-_POLITELY = (
+POLITELY = (
     r"(?:,? (?:please|thanks|thank you|go ahead|bitte|danke|merci|gracias|por favor|grazie|"
     r"graag|dank je))?[.!]*"
 )
-_MAIL_BARE_ANSWER = re.compile(rf"({'|'.join(YES_WORDS + NO_WORDS)}){_POLITELY}", re.IGNORECASE)
+_MAIL_BARE_ANSWER = re.compile(rf"({'|'.join(YES_WORDS + NO_WORDS)}){POLITELY}", re.IGNORECASE)
 # The owner's reply in a chat to a question: the mail's bare words, or the buttons' own.
 _CHAT_ANSWER = re.compile(
-    rf"({'|'.join((*YES_WORDS, *NO_WORDS, 'approve', 'deny'))}){_POLITELY}", re.IGNORECASE
+    rf"({'|'.join((*YES_WORDS, *NO_WORDS, 'approve', 'deny'))}){POLITELY}", re.IGNORECASE
 )
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
@@ -693,6 +693,12 @@ class ApprovalDesk:
         current = decided["status"]
         return PressAnswer(f"Already {current} (#{approval_id}): nothing changed.", None)
 
+    async def asked_in_chat(self, chat_id: str, message_id: int) -> bool:
+        """Whether the message `message_id` in the owner's chat asked about an approval."""
+        if chat_id != self.owner.telegram_chat_id:
+            return False
+        return await self.store.asked_in_message("telegram", chat_id, str(message_id)) is not None
+
     async def chat_answer(
         self, chat_id: str, user_id: str, replied_to: int | None, text: str
     ) -> str | None:
@@ -711,9 +717,12 @@ class ApprovalDesk:
         if approval_id is None:
             return None  # a reply to something else: a message like any other
         yes = match[1].casefold() in (*YES_WORDS, "approve")
-        decided = await self.decide(
-            approval_id, "approve" if yes else "deny", by=f"telegram:{user_id}", wait=False
-        )
+        try:
+            decided = await self.decide(
+                approval_id, "approve" if yes else "deny", by=f"telegram:{user_id}", wait=False
+            )
+        except ToolRefusal:  # its row gone (retention) while its question was not
+            return f"Approval #{approval_id} is gone: nothing changed."
         if decided["changed"]:
             return f"{decided['status'].capitalize()} (#{approval_id})."
         return f"Approval #{approval_id} was {decided['status']} already: nothing changed."

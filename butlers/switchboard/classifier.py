@@ -59,8 +59,9 @@ def _index(value: object, length: int) -> int:
 
 def message_body(message: InboxMessage) -> str:
     """What the classifier and the routed butler read of a message: its subject, its text
-    (a voice note's transcript, said to be one), what it replies to, and one line per file
-    it carries."""
+    (a voice note's transcript, said to be one), and one line per file it carries. (What a
+    chat's reply answers is the handoff's, in a block of its own: butlers.switchboard.
+    handoff.)"""
     text = message.text
     if message.meta.get("voice"):  # after the words typed with it (a mail's, a caption)
         at = _index(message.meta.get("transcript_at"), len(text))
@@ -86,13 +87,6 @@ def message_body(message: InboxMessage) -> str:
             )
     else:
         text = subject + text
-    if replied := message.meta.get("reply_to_text"):
-        # What a chat's reply answers: an older answer of ours ("move it to 16:00" under
-        # "Dentist booked for Thursday 15:00") is not always in the history shown. Quoted,
-        # on one line: its words, like any message's, are data.
-        author = message.meta.get("reply_to_from")
-        whose = f"a message by {json.dumps(author, ensure_ascii=False)}" if author else "our answer"
-        text = f"(In reply to {whose}: {json.dumps(replied, ensure_ascii=False)})\n{text}"
     files = described(message.meta)
     return f"{text}\n\n{files}" if files else text
 

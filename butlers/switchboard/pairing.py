@@ -63,6 +63,7 @@ from butlers.switchboard import queries as sql
 from butlers.switchboard.approvals import (
     MAC_BYTES,
     NO_WORDS,
+    POLITELY,
     YES_WORDS,
     PressAnswer,
     _refuse_sessions_and_classifiers,
@@ -82,9 +83,10 @@ logger = logging.getLogger(__name__)
 
 # The owner's answer by mail, alone on the first line (`answer_line`): "approve", "Deny.",
 # "yes ABCD-2345" (a code given must be that question's).
+# ("No, thanks." too, as an approval's: routed to a butler, it decided nothing, a review.)
 _MAIL_PAIRING_ANSWER = re.compile(
     rf"(approve|deny|{'|'.join(YES_WORDS + NO_WORDS)})(?: ([A-Za-z0-9]{{4}}-?[A-Za-z0-9]{{4}}))?"
-    r"[.!]*",
+    rf"{POLITELY}",
     re.IGNORECASE,
 )
 
@@ -593,6 +595,12 @@ class PairingDesk:
             return False
         await tell_by_mail(self.outbox, self.store.pool, owner, answering, said, kind="pairing")
         return True
+
+    async def asked_in_chat(self, chat_id: str, message_id: int) -> bool:
+        """Whether the message `message_id` in the owner's chat asked about a pairing."""
+        if chat_id != self.owner.telegram_chat_id:
+            return False
+        return await self.store.asked_in("telegram", chat_id, [str(message_id)]) is not None
 
     async def chat_answer(
         self, chat_id: str, user_id: str, replied_to: int | None, text: str

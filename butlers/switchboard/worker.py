@@ -300,15 +300,18 @@ class InboxWorker:
             return True
         return await self.inbox.sent_last_hour(channel, source_id, besides_album=album) < limit
 
-    def _sender_limit(self, channel: str, source_id: str | None) -> int:
+    def _sender_limit(self, channel: str, source_id: str | None, verified: bool = False) -> int:
         """`max_messages_per_sender_per_hour`, OWNER_LIMIT_FACTOR times it for the owner: a
         chatty hour with their own butlers, or a morning's catch-up after the fleet was down,
-        left the owner unanswered like a stranger (a walkthrough). Still a limit: a mail
-        that forges the owner's From without `require_authentication_results` is the
-        owner's to the switchboard."""
+        left the owner unanswered like a stranger (a walkthrough). By mail only when the
+        sender was verified (`require_authentication_results`): a forged From of the owner's
+        would get ten times a stranger's sessions (a review); a chat's sender is Telegram's
+        to vouch for."""
         limit = self.limits.max_messages_per_sender_per_hour
-        if source_id is not None and is_owners(f"{channel}:{source_id}", self.limits.owner):
-            return limit * OWNER_LIMIT_FACTOR
+        vouched = channel != "email" or verified
+        if vouched and source_id is not None:
+            if is_owners(f"{channel}:{source_id}", self.limits.owner):
+                return limit * OWNER_LIMIT_FACTOR
         return limit
 
     async def album_part_dropped(self, message: IncomingMessage) -> None:
@@ -686,7 +689,8 @@ class InboxWorker:
         """A sender over `max_messages_per_sender_per_hour` is told once, and the message is
         kept (`skipped`) but not classified: nobody can run the fleet's sessions in a loop.
         The operator's own `ask` (channel mcp) is not limited."""
-        limit = self._sender_limit(message.channel, message.source_id)
+        verified = bool(message.meta.get("sender_verified"))
+        limit = self._sender_limit(message.channel, message.source_id, verified)
         if not limit or message.channel == "mcp" or message.source_id is None:
             return False
         if message.meta.get("retries"):  # the operator queued it again on purpose

@@ -132,7 +132,7 @@ class FakeBotAPI:
         reply in the app)."""
         fields: dict[str, Any] = {"text": text}
         if reply_to is not None:
-            bot = {"id": 1, "is_bot": True, "first_name": "Butler"}
+            bot = self.bot_user()
             fields["reply_to_message"] = {
                 "message_id": reply_to,
                 "date": int(time.time()),
@@ -141,6 +141,15 @@ class FakeBotAPI:
                 "text": self._sent_by_id.get(reply_to, {}).get("text", "(ours)"),
             }
         return await self.push({"message": self._message(chat_id, **fields)})
+
+    @property
+    def bot_id(self) -> int:
+        """The bot's user id: as Telegram's, the token's first part."""
+        return int(self.token.split(":", 1)[0])
+
+    def bot_user(self) -> dict[str, Any]:
+        """The bot as a message's `from`."""
+        return {"id": self.bot_id, "is_bot": True, "first_name": "Butler"}
 
     def sent_message_ids(self) -> list[int]:
         """The message ids the bot's sends were given, in order (a person may reply to one)."""
@@ -161,7 +170,7 @@ class FakeBotAPI:
             "message_id": message_id,
             "date": int(time.time()),
             "chat": {"id": chat_id, "type": "private", "first_name": "Ada"},
-            "from": {"id": 1, "is_bot": True, "first_name": "Butler"},
+            "from": self.bot_user(),
             "text": str(sent.get("text", "(a message)")),
         }
         presser = from_id if from_id is not None else chat_id
@@ -392,7 +401,7 @@ class FakeBotAPI:
             {
                 "ok": True,
                 "result": {
-                    "id": 1,
+                    "id": self.bot_id,
                     "is_bot": True,
                     "first_name": "Butler",
                     "username": "butler_bot",
@@ -439,7 +448,7 @@ class FakeBotAPI:
             self._changed.notify_all()
         message = self._message(int(params["chat_id"]), text=str(params["text"]))
         message["message_id"] = message_id
-        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        message["from"] = self.bot_user()
         return web.json_response({"ok": True, "result": message})
 
     async def _api_getFile(self, params: dict[str, Any]) -> web.Response:
@@ -526,7 +535,7 @@ class FakeBotAPI:
         chat_id = int(params["chat_id"])
         caption = params.get("caption")
         message = self._message(chat_id)
-        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        message["from"] = self.bot_user()
         if kind == "photo":
             message["photo"] = [{"file_id": "p", "file_unique_id": "p", "width": 1, "height": 1}]
         else:
@@ -643,7 +652,7 @@ class FakeBotAPI:
             )
         chat_id = int(params["chat_id"])
         message = self._message(chat_id, text=str(params["text"]))
-        message["from"] = {"id": 1, "is_bot": True, "first_name": "Butler"}
+        message["from"] = self.bot_user()
         self._sent_ids.append(message["message_id"])
         self._sent_by_id[message["message_id"]] = params
         async with self._changed:
