@@ -276,13 +276,18 @@ async def test_a_channel_without_its_secrets_warns_while_another_starts(tmp_path
 async def test_an_owner_who_may_not_write_back_warns(tmp_path: Path) -> None:
     """Reminders reach the owner's chat, but their answers got "this is a private butler"
     when the allowlist left them out (a walkthrough)."""
-    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", TELEGRAM_BOT_TOKEN="1:x")
-    owner = '[switchboard.owner]\ntelegram_chat_id = "2"'
-    config = fleet_dir(tmp_path / "a", telegram='allowed_chat_ids = ["1"]', switchboard=owner)
+    env = base_env(tmp_path, ANTHROPIC_API_KEY="sk-x", BUTLERS_EMAIL_PASSWORD="x")
+    owner = '[switchboard.owner]\nemail = "me@example.com"\ntelegram_chat_id = "2"'
+    email = (
+        'imap_host = "imap.example.com"\nsmtp_host = "smtp.example.com"\n'
+        'address = "bot@example.com"\nallowed_senders = ["{}"]'
+    )
+    config = fleet_dir(tmp_path / "a", email=email.format("ada@example.com"), switchboard=owner)
     check = (await doctor(config, env))["owner"]
     assert check.status == "warn", check
-    assert "add '2' to [modules.telegram] allowed_chat_ids" in check.detail
-    config = fleet_dir(tmp_path / "b", telegram='allowed_chat_ids = ["1", "2"]', switchboard=owner)
+    assert "add 'me@example.com' to [modules.email] allowed_senders" in check.detail
+    assert "telegram" not in check.detail.split(":", 1)[1]  # (the owner's chat may write)
+    config = fleet_dir(tmp_path / "b", email=email.format("me@example.com"), switchboard=owner)
     assert (await doctor(config, env))["owner"].status == "ok"
 
 

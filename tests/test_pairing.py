@@ -25,6 +25,7 @@ from fastmcp.exceptions import ToolError
 from butlers.config import OwnerConfig, PairingConfig, SwitchboardConfig, TelegramConfig
 from butlers.daemon import ButlerDaemon
 from butlers.modules.email import PAIRING_SUBJECT
+from butlers.modules.telegram import NOT_AN_ANSWER
 from butlers.switchboard import classifier
 from butlers.switchboard.pairing import describe_sender
 from tests.conftest import StartButler, eventually, log_records
@@ -286,12 +287,17 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
     message_id, _, _ = await owners_question(bot_api)
     [code_message] = [i for i, p in bot_api._sent_by_id.items() if p["chat_id"] == STRANGER]
     await bot_api.push_text(STRANGER, f"approve {code}", reply_to=code_message)
+    # Words that do not answer it are said not to, not handed to a butler (whose "Done." read
+    # as the decision: a walkthrough).
+    await bot_api.push_text(OWNER, "sure, let him in", reply_to=message_id)
+    await bot_api.wait_until(lambda: texts_to(bot_api, OWNER)[-1:] == [NOT_AN_ANSWER])
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT status FROM pairing_requests") == "pending"
     await bot_api.push_text(OWNER, f"Approve {code}", reply_to=message_id)
     await bot_api.wait_until(lambda: any("may write now" in t for t in texts_to(bot_api, OWNER)))
     assert texts_to(bot_api, OWNER)[-1] == (
         'Approved: Telegram chat 4242 (calls themselves "Ada L") may write now (they were told).'
     )
-    conn = await db_conn(switchboard.config.database)
     row = await conn.fetchrow("SELECT status, decided_by FROM pairing_requests")
     assert tuple(row) == ("approved", f"telegram:{OWNER}")
     await bot_api.push_text(OWNER, "deny", reply_to=message_id)
@@ -314,6 +320,20 @@ def test_a_polite_answer_is_an_answer(said: str, answer: bool) -> None:
     from butlers.switchboard.pairing import _MAIL_PAIRING_ANSWER
 
     assert bool(_MAIL_PAIRING_ANSWER.fullmatch(said)) is answer
+
+
+async def test_the_owner_writes_without_being_on_the_allowlist(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """[switchboard.owner]'s chat gets the reminders and questions: left off allowed_chat_ids
+    (a hand-written config), the owner was sent a pairing code and asked about themselves (a
+    walkthrough). Their messages are routed like an allowed chat's."""
+    await pairing_fleet(start_butler, tmp_path, bot_api, scripted_api)  # allows CHAT only
+    await bot_api.push_text(OWNER, "Remember that my locker code is 1234")
+    await bot_api.wait_until(lambda: texts_to(bot_api, OWNER) == ["Done."])
 
 
 async def test_revoke_makes_the_sender_unknown_again(

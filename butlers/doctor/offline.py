@@ -271,21 +271,16 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
 
 
 def _owner_may_write(switchboard: ButlerConfig) -> list[Check]:
-    """The owner hears reminders and questions on their channels; writing back there needs
-    the allowlist too (an owner left out got "this is a private butler" in answer to their
-    own reminder: a walkthrough; `init` writes both, a hand-edited config may not)."""
+    """The owner hears reminders and questions on their channels; writing back by mail
+    needs the allowlist too (an owner left out got "this is a private butler" in answer to
+    their own reminder: a walkthrough; `init` writes both, a hand-edited config may not).
+    The owner's Telegram chat may write as it is (its sender is Telegram's to vouch for; a
+    mail's From is anyone's to write)."""
     from butlers.modules.mail_sender import sender_allowed
 
     assert switchboard.switchboard is not None
     owner = switchboard.switchboard.owner
     left_out = []
-    telegram = switchboard.channels.get("telegram")
-    if owner.telegram_chat_id and telegram is not None:
-        allowed = telegram.allowed_chat_ids
-        if "*" not in allowed and owner.telegram_chat_id not in allowed:
-            left_out.append(
-                f"add {owner.telegram_chat_id!r} to [modules.telegram] allowed_chat_ids"
-            )
     email = switchboard.channels.get("email")
     if owner.email and email is not None:
         if not sender_allowed(owner.email.lower(), email.allowed_senders):

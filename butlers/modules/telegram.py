@@ -107,6 +107,11 @@ EDIT_NOT_READ = (
     "new message."
 )
 EDIT_NOTICE_EVERY_S = 3600.0
+# The owner's reply to an approval's or a pairing's question that does not answer it.
+NOT_AN_ANSWER = (
+    "That replies to a question of mine: press Approve or Deny on it, or reply with approve "
+    "or deny (yes, no). To ask something else, send a new message."
+)
 REPLIED_TO_CHARS = 1000  # of the message a reply answers, given to the butler with it
 
 
@@ -412,8 +417,13 @@ class TelegramModule:
     # -- intake -----------------------------------------------------------------------------
 
     def allowed(self, chat_id: str) -> bool:
+        """Listed in `allowed_chat_ids`, or the owner's chat ([switchboard.owner]: reminders
+        and questions go there; left off the list, the owner's answers got a pairing code
+        about themselves, a walkthrough)."""
         allowed = self.config.allowed_chat_ids
-        return "*" in allowed or chat_id in allowed
+        desk = self.approvals or self.pairing
+        owner = desk.owner.telegram_chat_id if desk is not None else ""
+        return "*" in allowed or chat_id in allowed or (bool(owner) and chat_id == owner)
 
     async def handle_update_json(self, data: dict[str, Any]) -> None:
         from telegram import Update
@@ -467,6 +477,13 @@ class TelegramModule:
                 if told:
                     await self._best_effort(chat_id, told)
                     return
+        question = replied is not None and await self._a_question(chat_id, replied.message_id)
+        if question:
+            # Any other reply to a question ("ok", a thumbs-up, a voice note "yes, approve")
+            # is no message for a butler: routed, it was answered "Done." while the code or
+            # the call waited (a walkthrough).
+            await self._best_effort(chat_id, NOT_AN_ANSWER)
+            return
         if not self.allowed(chat_id) and not await self._paired(chat_id):
             await self._stranger(message, chat_id)
             return
@@ -479,7 +496,7 @@ class TelegramModule:
             # dentist it replied to, once the answer was older than the history shown); not
             # an approval's or a pairing's question, which quotes a stranger's words.
             quoted = (replied.text or replied.caption or "")[:REPLIED_TO_CHARS]
-            if quoted and not await self._a_question(chat_id, replied.message_id):
+            if quoted:
                 meta["reply_to_text"] = quoted
                 by = replied.from_user
                 mine = by is not None and self._ours(by)

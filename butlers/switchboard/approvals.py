@@ -165,9 +165,12 @@ POLITELY = (
     r"graag|dank je))?[.!]*"
 )
 _MAIL_BARE_ANSWER = re.compile(rf"({'|'.join(YES_WORDS + NO_WORDS)}){POLITELY}", re.IGNORECASE)
-# The owner's reply in a chat to a question: the mail's bare words, or the buttons' own.
+# The owner's reply in a chat to a question: the mail's bare words, the buttons' own, and a
+# chat's ("ok", a thumbs-up: the owner's everyday answers went to a butler, a walkthrough).
+CHAT_YES = (*YES_WORDS, "approve", "approved", "ok", "okay", "\U0001f44d", "\u2705")
+CHAT_NO = (*NO_WORDS, "deny", "denied", "\U0001f44e", "\u274c")
 _CHAT_ANSWER = re.compile(
-    rf"({'|'.join((*YES_WORDS, *NO_WORDS, 'approve', 'deny'))}){POLITELY}", re.IGNORECASE
+    rf"({'|'.join(map(re.escape, (*CHAT_YES, *CHAT_NO)))}){POLITELY}", re.IGNORECASE
 )
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
@@ -716,7 +719,7 @@ class ApprovalDesk:
         approval_id = await self.store.asked_in_message("telegram", chat_id, str(replied_to))
         if approval_id is None:
             return None  # a reply to something else: a message like any other
-        yes = match[1].casefold() in (*YES_WORDS, "approve")
+        yes = match[1].casefold() in CHAT_YES
         try:
             decided = await self.decide(
                 approval_id, "approve" if yes else "deny", by=f"telegram:{user_id}", wait=False

@@ -61,6 +61,8 @@ from butlers.config import OwnerConfig, PairingConfig
 from butlers.core_store import CoreStore, storable
 from butlers.switchboard import queries as sql
 from butlers.switchboard.approvals import (
+    CHAT_NO,
+    CHAT_YES,
     MAC_BYTES,
     NO_WORDS,
     POLITELY,
@@ -84,10 +86,13 @@ logger = logging.getLogger(__name__)
 # The owner's answer by mail, alone on the first line (`answer_line`): "approve", "Deny.",
 # "yes ABCD-2345" (a code given must be that question's).
 # ("No, thanks." too, as an approval's: routed to a butler, it decided nothing, a review.)
+_CODE_GIVEN = r"(?: ([A-Za-z0-9]{4}-?[A-Za-z0-9]{4}))?"
 _MAIL_PAIRING_ANSWER = re.compile(
-    rf"(approve|deny|{'|'.join(YES_WORDS + NO_WORDS)})(?: ([A-Za-z0-9]{{4}}-?[A-Za-z0-9]{{4}}))?"
-    rf"{POLITELY}",
-    re.IGNORECASE,
+    rf"(approve|deny|{'|'.join(YES_WORDS + NO_WORDS)}){_CODE_GIVEN}{POLITELY}", re.IGNORECASE
+)
+# In a chat, its everyday words too ("ok", a thumbs-up), as an approval's.
+_CHAT_PAIRING_ANSWER = re.compile(
+    rf"({'|'.join(map(re.escape, (*CHAT_YES, *CHAT_NO)))}){_CODE_GIVEN}{POLITELY}", re.IGNORECASE
 )
 
 
@@ -620,7 +625,8 @@ class PairingDesk:
         decided, and what to tell them (what it did, or why it did nothing); None when
         `text` is no answer to a pairing question."""
         line, alone = answer_line(text)
-        match = _MAIL_PAIRING_ANSWER.fullmatch(line) if alone else None
+        answer = _MAIL_PAIRING_ANSWER if channel == "email" else _CHAT_PAIRING_ANSWER
+        match = answer.fullmatch(line) if alone else None
         if match is None:
             return None
         pairing_id = await self.store.asked_in(channel, owner, asked_in)
@@ -630,7 +636,7 @@ class PairingDesk:
             asked = await self.store.get(pairing_id)
             if asked is None or _CODE_SEPARATORS.sub("", match[2]).upper() != asked["code"]:
                 return None
-        status = "approved" if match[1].casefold() in ("approve", *YES_WORDS) else "denied"
+        status = "approved" if match[1].casefold() in ("approve", *CHAT_YES) else "denied"
         by = f"{channel}:{sender}"
         async with self.store.pool.acquire() as conn, conn.transaction():
             row = await self.store.decide(conn, "id", pairing_id, status, by)
