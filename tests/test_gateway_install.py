@@ -663,6 +663,30 @@ async def test_uninstall_keeps_the_servers_added_behind_the_gateway(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
+    ("entry", "found"),
+    [
+        ({"env": {"API_KEY": "${API_KEY:-sk-live-0}"}}, ["API_KEY"]),  # a default spelled out
+        ({"env": {"PIN": 12345678}}, ["PIN"]),
+        ({"headers": {"Authorization": {"value": "Bearer x"}}}, ["Authorization"]),
+        ({"args": ["--token", "sk-live"]}, ["args --token"]),
+        ({"args": ["--api-key=sk-live"]}, ["args --api-key"]),
+        ({"url": "https://api.example.com/mcp?key=sk"}, ["url"]),
+        ({"url": "https://user:pw@api.example.com/mcp"}, ["url"]),
+        ({"env": {"A": "${A}"}, "args": ["-y", "pkg", "--token", "${T}"]}, []),
+        ({"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/p"]}, []),
+    ],
+)
+def test_a_value_written_out_is_found_in_what_uninstall_would_move(
+    entry: dict, found: list[str]
+) -> None:
+    """What uninstall would write into a committed .mcp.json: a review found defaults,
+    numbers, arguments and URLs it missed."""
+    from butlers.gateway.install import _literal_values
+
+    assert _literal_values(entry) == found
+
+
+@pytest.mark.parametrize(
     "content",
     [b'{"mcpServers": {"notes": {"command": "npx",}}}', b"\xff\xfe{not utf-8", b'["a list"]'],
     ids=["trailing-comma", "not-utf-8", "not-an-object"],

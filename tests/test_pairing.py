@@ -317,9 +317,10 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
     ],
 )
 def test_a_polite_answer_is_an_answer(said: str, answer: bool) -> None:
-    from butlers.switchboard.pairing import _MAIL_PAIRING_ANSWER
+    from butlers.switchboard.pairing import _CHAT_PAIRING_ANSWER, _MAIL_PAIRING_ANSWER
 
     assert bool(_MAIL_PAIRING_ANSWER.fullmatch(said)) is answer
+    assert bool(_CHAT_PAIRING_ANSWER.fullmatch(said)) is answer
 
 
 async def test_the_owner_writes_without_being_on_the_allowlist(

@@ -177,6 +177,24 @@ async def test_stickers_and_edits_get_an_answer_saying_what_is_read(
     assert await conn.fetchval("SELECT array_agg(text) FROM inbox") == ["plain text"]
 
 
+def test_the_owners_chat_may_write_only_when_it_is_a_private_chat() -> None:
+    """[switchboard.owner]'s chat may write without being listed; a group named there would
+    have let every member write as the owner (a review)."""
+    from types import SimpleNamespace
+
+    from butlers.config import OwnerConfig
+    from butlers.modules.telegram import TelegramModule
+
+    def module(owner: str) -> SimpleNamespace:
+        desk = SimpleNamespace(owner=OwnerConfig(telegram_chat_id=owner))
+        return SimpleNamespace(config=SimpleNamespace(allowed_chat_ids=("1",)), approvals=desk)
+
+    assert TelegramModule.allowed(module("777"), "777")
+    assert not TelegramModule.allowed(module("-100500"), "-100500")
+    assert not TelegramModule.allowed(module(""), "")
+    assert TelegramModule.allowed(module("-100500"), "1")
+
+
 async def test_burst_of_messages_all_answered_in_order(
     start_butler: StartButler,
     tmp_path: Path,

@@ -703,6 +703,19 @@ def test_by_mail_only_a_verified_owner_gets_the_owners_limit(parts: Parts) -> No
     assert worker._sender_limit("telegram", "7") == 20
 
 
+async def test_a_verified_owners_files_have_the_owners_limit_too(parts: Parts) -> None:
+    """Their 3rd mail of the hour was read, its files stripped "over the hourly limit"
+    (a review)."""
+    worker = parts.make(max_messages_per_sender_per_hour=2, owner=OwnerConfig(email="me@x.com"))
+    for n in range(3):
+        await parts.inbox.accept(
+            IncomingMessage("email", f"m{n}", "note", source_id="me@x.com", conversation="e:1"),
+            None,
+        )
+    assert not await worker.files_welcome("email", "me@x.com")
+    assert await worker.files_welcome("email", "me@x.com", verified=True)
+
+
 async def test_a_second_stop_does_not_wait_for_the_reply_under_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

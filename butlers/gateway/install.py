@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from butlers.errors import CommandError
 from butlers.gateway.approvals import approve_as_declared
@@ -295,16 +296,41 @@ def _give_back(place: Install) -> list[str]:
     return [done]
 
 
+_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")  # `${NAME}`, no default written out
+# An argument that usually carries a secret, and the one after such a flag.
+_SECRET_ARG = re.compile(r"--?[\w-]*(token|key|secret|password|passwd|auth)[\w-]*", re.I)
+
+
 def _literal_values(entry: dict[str, Any]) -> list[str]:
-    """The `env` and `headers` keys of a server entry whose values are written out (not a
-    `${VAR}` reference, nor empty)."""
-    return [
+    """Where a server entry holds a value written out that may be a secret: every `env` and
+    `headers` value that is not a bare `${NAME}` reference (a default, `${KEY:-sk-...}`, is
+    written out too; so is a number), the argument after a `--token`-like flag (or its
+    `=value`), and a `url` with a user, a password or a query. Names, never the values."""
+    found = [
         key
         for table in ("env", "headers")
         if isinstance(values := entry.get(table), dict)
         for key, value in values.items()
-        if isinstance(value, str) and value and not re.fullmatch(r"\$\{[^}]+\}", value)
+        if value not in ("", None) and not (isinstance(value, str) and _REFERENCE.fullmatch(value))
     ]
+    args = entry.get("args")
+    if isinstance(args, list):
+        for i, arg in enumerate(args):
+            if not isinstance(arg, str) or not _SECRET_ARG.match(arg):
+                continue
+            value = (
+                arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            )
+            if isinstance(value, str) and value and not _REFERENCE.fullmatch(value):
+                found.append(f"args {arg.split('=', 1)[0]}")
+    url = entry.get("url")
+    if isinstance(url, str):
+        parts = urlsplit(url)
+        if ("@" in parts.netloc and not _REFERENCE.fullmatch(parts.netloc.split("@")[0])) or (
+            parts.query and "${" not in parts.query
+        ):
+            found.append("url")
+    return found
 
 
 def _servers_kept(place: Install, original: bytes | None) -> tuple[bytes, str] | None:

@@ -303,7 +303,10 @@ class EmailModule:
             mail.sender, thread, mail.text or "", parent=parent, answering=answering
         ):
             return  # the owner's "yes 12" in an approval's thread: decided, not routed
-        if mail.files and not await self.worker.files_welcome("email", mail.sender or None):
+        verified = bool(self.config.require_authentication_results)  # (`wanted` checked it)
+        if mail.files and not await self.worker.files_welcome(
+            "email", mail.sender or None, verified=verified
+        ):
             # Over the hourly limit: the mail is kept and skipped; its files are not stored.
             names = [file.name for file in mail.files]
             note = not_read_note(names, "over the hourly limit of messages")
@@ -319,7 +322,7 @@ class EmailModule:
                 max_count=self.worker.limits.max_attachments_per_message,
             )
         incoming = _incoming(mail)
-        if self.config.require_authentication_results:  # (`wanted` checked it: DMARC passed)
+        if verified:  # (DMARC passed for the From's domain)
             incoming = replace(incoming, meta={**incoming.meta, "sender_verified": True})
         await self.worker.accept(incoming)
 

@@ -423,7 +423,9 @@ class TelegramModule:
         allowed = self.config.allowed_chat_ids
         desk = self.approvals or self.pairing
         owner = desk.owner.telegram_chat_id if desk is not None else ""
-        return "*" in allowed or chat_id in allowed or (bool(owner) and chat_id == owner)
+        # A private chat only (a user's id): a group named as the owner's would let every
+        # member write as the owner (a review).
+        return "*" in allowed or chat_id in allowed or (owner.isdigit() and chat_id == owner)
 
     async def handle_update_json(self, data: dict[str, Any]) -> None:
         from telegram import Update
@@ -501,7 +503,7 @@ class TelegramModule:
                 by = replied.from_user
                 mine = by is not None and self._ours(by)
                 name = by.full_name if by is not None else ""
-                meta["reply_to_from"] = "" if mine else name[:MAX_SENDER_NAME_CHARS]
+                meta["reply_to_from"] = "" if mine else printable(name, MAX_SENDER_NAME_CHARS)
         if (author := _forwarded_from(message)) is not None:
             meta["forwarded_from"] = author  # someone else's words (message_body says so)
         # A forum group's topics are separate conversations.

@@ -172,6 +172,18 @@ CHAT_NO = (*NO_WORDS, "deny", "denied", "\U0001f44e", "\u274c")
 _CHAT_ANSWER = re.compile(
     rf"({'|'.join(map(re.escape, (*CHAT_YES, *CHAT_NO)))}){POLITELY}", re.IGNORECASE
 )
+
+
+def chat_decision(text: str) -> str | None:
+    """ "approve" or "deny" when a chat message, whole, answers a question ("ok", a
+    thumbs-up, "No, thanks."); None otherwise. The whole message, not a mail's first line:
+    "ok" above "> no, not him" is no answer (a review)."""
+    match = _CHAT_ANSWER.fullmatch(" ".join(text.split()))
+    if match is None:
+        return None
+    return "approve" if match[1].casefold() in CHAT_YES else "deny"
+
+
 RESULT_CHARS = 2000
 SHOWN_ARGUMENTS_CHARS = 3000
 # Pending approvals one person may have, in all their conversations (a mail's thread is its
@@ -712,18 +724,14 @@ class ApprovalDesk:
         (an ordinary message: routed)."""
         if replied_to is None or not owner_pressed(self.owner, chat_id, user_id):
             return None
-        line, alone = answer_line(text)
-        match = _CHAT_ANSWER.fullmatch(line) if alone else None
-        if match is None:
+        decision = chat_decision(text)
+        if decision is None:
             return None
         approval_id = await self.store.asked_in_message("telegram", chat_id, str(replied_to))
         if approval_id is None:
             return None  # a reply to something else: a message like any other
-        yes = match[1].casefold() in CHAT_YES
         try:
-            decided = await self.decide(
-                approval_id, "approve" if yes else "deny", by=f"telegram:{user_id}", wait=False
-            )
+            decided = await self.decide(approval_id, decision, by=f"telegram:{user_id}", wait=False)
         except ToolRefusal:  # its row gone (retention) while its question was not
             return f"Approval #{approval_id} is gone: nothing changed."
         if decided["changed"]:

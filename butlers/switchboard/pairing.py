@@ -624,9 +624,11 @@ class PairingDesk:
         """The owner's answer on `channel` to the question that was one of `asked_in`:
         decided, and what to tell them (what it did, or why it did nothing); None when
         `text` is no answer to a pairing question."""
-        line, alone = answer_line(text)
-        answer = _MAIL_PAIRING_ANSWER if channel == "email" else _CHAT_PAIRING_ANSWER
-        match = answer.fullmatch(line) if alone else None
+        if channel == "email":  # its first line, above the quote and the signature
+            line, alone = answer_line(text)
+            match = _MAIL_PAIRING_ANSWER.fullmatch(line) if alone else None
+        else:  # a chat's whole message ("ok\n> no, not him" is no answer: a review)
+            match = _CHAT_PAIRING_ANSWER.fullmatch(" ".join(text.split()))
         if match is None:
             return None
         pairing_id = await self.store.asked_in(channel, owner, asked_in)

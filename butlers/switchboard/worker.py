@@ -279,7 +279,12 @@ class InboxWorker:
         return inbox_id
 
     async def files_welcome(
-        self, channel: str, source_id: str | None, album: str | None = None
+        self,
+        channel: str,
+        source_id: str | None,
+        album: str | None = None,
+        *,
+        verified: bool = False,
     ) -> bool:
         """Whether a sender's files may be fetched and stored now: not while they are over
         `max_messages_per_sender_per_hour`. Their message is then skipped unclassified
@@ -287,15 +292,21 @@ class InboxWorker:
         20 MiB document a hundred times over (a red team did), and held up the channel's
         other chats while they downloaded. A part of `album` counts as the album, one
         message: an album sent as the hour's last allowed message lost every photo but
-        its first (a walkthrough)."""
-        return await self._within_sender_limit(channel, source_id, album)
+        its first (a walkthrough). `verified`: a mail's sender was vouched for (the owner's
+        limit then, as for their messages)."""
+        return await self._within_sender_limit(channel, source_id, album, verified=verified)
 
     async def _within_sender_limit(
-        self, channel: str, source_id: str | None, album: str | None = None
+        self,
+        channel: str,
+        source_id: str | None,
+        album: str | None = None,
+        *,
+        verified: bool = False,
     ) -> bool:
         """Whether the sender is within `max_messages_per_sender_per_hour` now (`album`'s
         rows, but one, not counted: the album is one message)."""
-        limit = self._sender_limit(channel, source_id)
+        limit = self._sender_limit(channel, source_id, verified)
         if not limit or source_id is None:
             return True
         return await self.inbox.sent_last_hour(channel, source_id, besides_album=album) < limit
