@@ -542,7 +542,12 @@ class RecordingWorker:
         return len(self.accepted)
 
     async def files_welcome(
-        self, channel: str, source_id: str | None, album: str | None = None
+        self,
+        channel: str,
+        source_id: str | None,
+        album: str | None = None,
+        *,
+        verified: bool = False,
     ) -> bool:
         """As the switchboard's: False while the sender is over the hourly limit (`over`)."""
         return not self.over_limit
