@@ -72,12 +72,19 @@ def _regex(value: Any) -> Any:
 Regex = Annotated[re.Pattern[str], BeforeValidator(_regex)]
 
 
+# Files of the zone database that are no place: the machine's own setting (sessions were told
+# a zone named "localtime"), a template, and "Factory" (no offset, "-00").
+_NOT_ZONES = frozenset({"localtime", "posixrules", "Factory"})
+
+
 def _timezone(value: str) -> str:
     """An IANA zone the machine knows ("Europe/Berlin"), checked when the file is read rather
     than when the first reminder is due."""
     import zoneinfo
 
     try:
+        if value in _NOT_ZONES:
+            raise ValueError(value)
         zoneinfo.ZoneInfo(value)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
         raise ValueError(

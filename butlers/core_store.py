@@ -161,6 +161,28 @@ class CoreStore:
         """A one-shot schedule is gone once its run finished (claimed, it is not due again)."""
         await self.pool.execute(sql.SCHEDULE_RAN_ONCE, task_id)
 
+    async def schedule_renew_once(
+        self, task_id: uuid.UUID, held_until: datetime, until: datetime
+    ) -> bool:
+        """Renew a one-shot task's claim as its run starts (to `until`), if it is still this
+        claim (`held_until`): a reminder queued behind others outlived its claim before it
+        started, and another process took it and ran it too (a walkthrough)."""
+        return (
+            await self.pool.execute(sql.SCHEDULE_RENEW_ONCE, task_id, held_until, until)
+            == "UPDATE 1"
+        )
+
+    async def schedule_give_back(
+        self, task_id: uuid.UUID, held_until: datetime, next_run_at: datetime
+    ) -> bool:
+        """A claimed run that did not happen (cut short by the butler's stop) is as before
+        its claim (`next_run_at`, its attempt not counted): a recurring one had already moved
+        on to its next run, and a restart for an upgrade lost that day's brief."""
+        return (
+            await self.pool.execute(sql.SCHEDULE_GIVE_BACK, task_id, held_until, next_run_at)
+            == "UPDATE 1"
+        )
+
     async def schedules_declare(
         self, declared: Sequence[tuple[str, str, str]], next_runs: Callable[[str], datetime]
     ) -> dict[str, list[str]]:
@@ -250,7 +272,8 @@ class CoreStore:
         butler was down); an older one moves on to its next run, logged. A one-shot task
         always runs, late if need be (`due_at` says when it was due): claimed for `once_lease`
         (due again after it, should this process die in its run; the caller deletes it once
-        it ran, or sets it due again), its `attempts` counted.
+        it ran, or sets it due again), its `attempts` counted. Each task's `held_until` is
+        its row's next run as the claim left it (`schedule_renew_once`, `schedule_give_back`).
 
         Claiming and advancing in one transaction (FOR UPDATE SKIP LOCKED) means two
         concurrent ticks never run a task twice. A row whose cron cannot be read (written by
@@ -269,7 +292,9 @@ class CoreStore:
                         now,
                         now + once_lease,
                     )
-                    due.append({**row, "attempts": row["attempts"] + 1})
+                    due.append(
+                        {**row, "attempts": row["attempts"] + 1, "held_until": now + once_lease}
+                    )
                     continue
                 try:
                     following = next_runs(row["cron"], now)
@@ -300,7 +325,8 @@ class CoreStore:
                         missed.append({**row, "due_at": latest})
                     continue
                 await conn.execute(sql.SCHEDULE_RAN, row["id"], now, following)
-                due.append({**row, "due_at": max(latest, row["due_at"])})  # the run it makes up
+                # (due_at: the run it makes up; held_until: where the claim left the row)
+                due.append({**row, "due_at": max(latest, row["due_at"]), "held_until": following})
         return due
 
     # -- sessions --------------------------------------------------------------------------

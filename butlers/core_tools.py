@@ -7,17 +7,19 @@ else is masked by FastMCP (`mask_error_details=True`) and logged with its traceb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Annotated, Any
 from zoneinfo import ZoneInfo
 
-from croniter import CroniterError, croniter
+from croniter import croniter
 from fastmcp import FastMCP
 from pydantic import Field, JsonValue
 
@@ -94,10 +96,6 @@ def validate_cron(cron: str) -> None:
     sixth field, seconds, which would run a session every second: refused."""
     if (problem := schedule_time.cron_problem(cron)) is not None:
         raise ToolRefusal(f"invalid cron expression {cron!r}: {problem}")
-    try:
-        next_run(cron, datetime.now(UTC))
-    except CroniterError:  # e.g. "0 0 31 2 *": valid fields, but no such day
-        raise ToolRefusal(f"cron expression {cron!r} never comes round (no such date)") from None
 
 
 def shortest_gap_s(
@@ -248,14 +246,15 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     now = datetime.now(UTC)
     zone = ctx.config.zone
     missed: list[dict[str, Any]] = []
+    # A one-time reminder's claim lasts this long from its run's start: past it (the process
+    # died in its run) it is due again, not lost.
+    once_lease = timedelta(seconds=ctx.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
     due = await ctx.store.claim_due_tasks(
         now,
         lambda cron, after: schedule_time.next_run(cron, after, zone),
         lambda cron, at: schedule_time.last_due(cron, at, zone),
         catch_up_window(ctx.config.runtime),
-        # A one-time reminder's claim lasts this long: past it (the process died in its run)
-        # it is due again, not lost.
-        once_lease=timedelta(seconds=ctx.config.runtime.timeout_s) + ONCE_LEASE_MARGIN,
+        once_lease=once_lease,
         missed=missed,
     )
     if missed:
@@ -271,54 +270,84 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     skipped: list[dict[str, Any]] = []
     # Late: later than the ticker's own lateness (a tick comes up to tick_interval_s after).
     late_after = max(LATE_AFTER, timedelta(seconds=2 * ctx.config.runtime.tick_interval_s))
-    for task in due:
-        peoples = _peoples(ctx, task)
-        if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
-            limit = f"of people's schedules {peoples_share(cap)}" if peoples else f"{cap}"
-            logger.warning(
-                "schedule %r skipped: %d scheduled runs in the last hour, the limit %s "
-                "([runtime] %s)",
-                task["name"],
-                peoples_in_hour if peoples else ran_in_hour,
-                limit,
-                RUNS_PER_HOUR_KEY,
-                extra={"action": "schedule_skipped"},
+    left = deque(due)  # claimed, not yet taken up
+    running: dict[str, Any] | None = None  # claimed, its session under way
+    try:
+        while left:
+            task = left.popleft()
+            peoples = _peoples(ctx, task)
+            if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
+                limit = f"of people's schedules {peoples_share(cap)}" if peoples else f"{cap}"
+                logger.warning(
+                    "schedule %r skipped: %d scheduled runs in the last hour, the limit %s "
+                    "([runtime] %s)",
+                    task["name"],
+                    peoples_in_hour if peoples else ran_in_hour,
+                    limit,
+                    RUNS_PER_HOUR_KEY,
+                    extra={"action": "schedule_skipped"},
+                )
+                skipped.append(
+                    {
+                        "name": task["name"],
+                        "reason": f"over {RUNS_PER_HOUR_KEY}",
+                        "peoples": peoples,
+                    }
+                )
+                if task["once"]:  # not lost: due again in an hour, this try not counted
+                    await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
+                continue
+            if peoples and (gone := await _no_longer_writes(ctx, task)) is not None:
+                skipped.append({"name": task["name"], "reason": gone, "peoples": True})
+                continue
+            started = datetime.now(UTC)  # (a run queued behind others starts later than now)
+            if task["once"]:
+                until = started + once_lease
+                if not await ctx.store.schedule_renew_once(task["id"], task["held_until"], until):
+                    logger.info(
+                        "one-time schedule %r not run here: its claim ran out before its turn "
+                        "and another process took it",
+                        task["name"],
+                        extra={"action": "schedule_skipped"},
+                    )
+                    skipped.append({"name": task["name"], "reason": "taken", "peoples": peoples})
+                    continue
+                task["held_until"] = until
+            ran_in_hour += 1
+            peoples_in_hour += peoples
+            prompt = task["prompt"]
+            if peoples:  # their words, as when their message came (butlers.switchboard.handoff)
+                prompt = _planted_prompt(task)
+            running = task
+            outcome = await ctx.spawner.run(
+                _late_note(task, started, zone, late_after) + prompt,
+                recall=prompt,  # (the note's words crowded the reminder's out of the memories)
+                target=ctx.self_target(),
+                trigger_source=f"schedule:{task['name']}",
+                routed=task["routed"],  # planted by a routed message's session: restricted alike
+                # ... and its notify answers the person who asked, not the owner; an owner's
+                # task answers no one's conversation, whatever its row holds.
+                conversation=task["conversation"] if task["routed"] else None,
+                forwarded_from=task["forwarded_from"] if task["routed"] else None,
             )
-            skipped.append(
-                {"name": task["name"], "reason": f"over {RUNS_PER_HOUR_KEY}", "peoples": peoples}
+            running = None
+            if task["once"]:
+                await _once_finished(ctx, task, outcome.success, outcome.error)
+            ran.append(
+                {
+                    "name": task["name"],
+                    "session_id": str(outcome.session_id),
+                    "success": outcome.success,
+                    "error": outcome.error,
+                }
             )
-            if task["once"]:  # not lost: due again in an hour, this try not counted
-                await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
-            continue
-        if peoples and (gone := await _no_longer_writes(ctx, task)) is not None:
-            skipped.append({"name": task["name"], "reason": gone, "peoples": True})
-            continue
-        ran_in_hour += 1
-        peoples_in_hour += peoples
-        prompt = task["prompt"]
-        if peoples:  # their words, as when their message came (butlers.switchboard.handoff)
-            prompt = _planted_prompt(task)
-        outcome = await ctx.spawner.run(
-            _late_note(task, now, zone, late_after) + prompt,
-            recall=prompt,  # (the note's words crowded the reminder's out of the memories)
-            target=ctx.self_target(),
-            trigger_source=f"schedule:{task['name']}",
-            routed=task["routed"],  # planted by a routed message's session: restricted alike
-            # ... and its notify answers the person who asked, not the owner; an owner's
-            # task answers no one's conversation, whatever its row holds.
-            conversation=task["conversation"] if task["routed"] else None,
-            forwarded_from=task["forwarded_from"] if task["routed"] else None,
-        )
-        if task["once"]:
-            await _once_finished(ctx, task, outcome.success, outcome.error)
-        ran.append(
-            {
-                "name": task["name"],
-                "session_id": str(outcome.session_id),
-                "success": outcome.success,
-                "error": outcome.error,
-            }
-        )
+    except asyncio.CancelledError:
+        # Cut short (the butler stops): the claimed runs that did not happen, or not to the
+        # end, are due again rather than lost.
+        unrun = ([running] if running is not None else []) + list(left)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(_give_back(ctx, unrun))
+        raise
     over_cap = [s for s in skipped if s["reason"] == f"over {RUNS_PER_HOUR_KEY}"]
     if over_cap and ctx.spawner.notices is not None:
         # People's schedules are counted, not named: their names are people's words.
@@ -339,6 +368,18 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             "are skipped without another message; check its schedules (schedule_list).",
         )
     return {"ran": ran, "skipped": skipped}
+
+
+async def _give_back(ctx: ButlerContext, tasks: list[dict[str, Any]]) -> None:
+    """Claimed runs that did not happen, due again (`schedule_give_back`), each logged."""
+    for task in tasks:
+        if await ctx.store.schedule_give_back(task["id"], task["held_until"], task["next_run_at"]):
+            logger.info(
+                "schedule %r: its run was cut short by the stop; due again (run at the next "
+                "start, within [runtime] catch_up_hours)",
+                task["name"],
+                extra={"action": "schedule_given_back"},
+            )
 
 
 async def _no_longer_writes(ctx: ButlerContext, task: dict[str, Any]) -> str | None:

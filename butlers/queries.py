@@ -170,6 +170,7 @@ SCHEDULE_DECLARE_GONE = "DELETE FROM scheduled_tasks WHERE declared AND name = A
 # when it was due (a one-time reminder: when it was asked for, however often it was retried).
 SCHEDULE_DUE = """
     SELECT id, name, cron, prompt, routed, once, conversation, attempts, forwarded_from,
+           next_run_at,
            CASE WHEN once THEN coalesce(due_at, next_run_at) ELSE next_run_at END AS due_at
     FROM scheduled_tasks
     WHERE enabled AND next_run_at <= $1
@@ -197,6 +198,18 @@ SCHEDULE_AHEAD = """
     WHERE NOT once AND next_run_at > $1 ORDER BY name
 """
 SCHEDULE_RAN = "UPDATE scheduled_tasks SET last_run_at = $2, next_run_at = $3 WHERE id = $1"
+# A one-shot task's claim renewed as its run starts ($2: the claim as this process left it; a
+# claim that ran out meanwhile and was taken by another process is not).
+SCHEDULE_RENEW_ONCE = """
+    UPDATE scheduled_tasks SET next_run_at = $3 WHERE id = $1 AND once AND next_run_at = $2
+"""
+# A claimed run that did not happen (the butler stopped first): due again at $3, a one-shot's
+# attempt not counted; unless the row moved on meanwhile ($2: as the claim left it).
+SCHEDULE_GIVE_BACK = """
+    UPDATE scheduled_tasks SET next_run_at = $3,
+           attempts = attempts - CASE WHEN once THEN 1 ELSE 0 END
+    WHERE id = $1 AND next_run_at = $2
+"""
 
 # -- sessions -------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 
 # A wall-clock gap (spring forward) is an hour almost everywhere (30 minutes on Lord Howe
 # Island); `next_run` starts this far back so that a run placed at a gap's end is not missed.
@@ -61,6 +61,10 @@ def cron_problem(cron: str) -> str | None:
             )
     if not croniter.is_valid(cron):
         return "its fields do not make a schedule together, e.g. '0 8 * * *' for 08:00 daily"
+    try:
+        croniter(cron, datetime(2000, 1, 1)).get_next(datetime)
+    except CroniterError:  # e.g. "0 0 31 2 *": valid fields, but no such day
+        return "it never comes round (no such date)"
     return None
 
 
@@ -110,7 +114,13 @@ def next_run(cron: str, after: datetime, zone: str = "UTC") -> datetime:
 def last_due(cron: str, now: datetime, zone: str = "UTC") -> datetime | None:
     """The latest run of `cron` at or before `now` (None when there is none within a year)."""
     tz = ZoneInfo(zone)
-    wall = now.astimezone(tz).replace(tzinfo=None) + timedelta(minutes=1)
+    local = now.astimezone(tz)
+    wall = local.replace(tzinfo=None) + timedelta(minutes=1)
+    first_pass, second_pass = local.replace(fold=0).utcoffset(), local.utcoffset()
+    if local.fold and first_pass is not None and second_pass is not None:
+        # The hour the clock goes back: its first pass, wall times up to an hour ahead of
+        # now's, is over (02:45 was missed at 02:40 of the second pass).
+        wall += first_pass - second_pass
     runs = croniter(cron, wall)
     for _ in range(2000):
         candidate = runs.get_prev(datetime)

@@ -591,6 +591,7 @@ prompt = "Summarise today."
     ("text", "key", "problem"),
     [
         ('timezone = "Mars/Olympus"', "butler.timezone", "unknown time zone 'Mars/Olympus'"),
+        ('timezone = "localtime"', "butler.timezone", "unknown time zone 'localtime'"),
         (
             '[[schedules]]\nname = "a"\ncron = "every day"\nprompt = "x"',
             "schedules[0].cron",
@@ -600,6 +601,11 @@ prompt = "Summarise today."
             '[[schedules]]\nname = "a"\ncron = "0 25 * * *"\nprompt = "x"',
             "schedules[0].cron",
             "'0 25 * * *' is not a cron expression: its hour '25' is not valid: it takes 0-23",
+        ),
+        (
+            '[[schedules]]\nname = "leap"\ncron = "0 9 30 2 *"\nprompt = "x"',
+            "schedules[0].cron",
+            "'0 9 30 2 *' is not a cron expression: it never comes round (no such date)",
         ),
         (
             '[[schedules]]\nname = "a"\ncron = "@daily"\nprompt = "x"\n'

@@ -144,7 +144,7 @@ async def test_schedules_are_capped(client: Client, db_conn) -> None:
         await client.call_tool(
             "schedule_create", {"name": "x", "cron": "0 8 * * mon-fry", "prompt": "p"}
         )
-    with pytest.raises(ToolError, match=r"'0 0 31 2 \*' never comes round"):
+    with pytest.raises(ToolError, match=r"'0 0 31 2 \*': it never comes round"):
         await client.call_tool(
             "schedule_create", {"name": "x", "cron": "0 0 31 2 *", "prompt": "p"}
         )

@@ -130,3 +130,21 @@ def test_the_shortest_gap_is_measured_on_the_butlers_wall_clock() -> None:
     # The autumn's repeated hour runs each wall time once (its first occurrence).
     autumn = datetime(2027, 10, 25, tzinfo=UTC)  # Berlin falls back on 2027-10-31
     assert shortest_gap_s("0 * * * *", autumn, zone="Europe/Berlin") == 3600
+
+
+def test_last_due_in_the_hour_the_clock_goes_back_finds_its_first_pass() -> None:
+    """At 02:40 of the second pass through 02:00-03:00 (Berlin, 25 October), 02:45 came 55
+    minutes earlier, in the first pass: it was yesterday's (a walkthrough)."""
+    second_pass = datetime(2026, 10, 25, 1, 40, tzinfo=UTC)  # 02:40 CET
+    assert last_due("45 2 * * *", second_pass, "Europe/Berlin") == datetime(
+        2026, 10, 25, 0, 45, tzinfo=UTC
+    )
+    # In the first pass, 02:45 is still ahead: yesterday's.
+    first_pass = datetime(2026, 10, 25, 0, 40, tzinfo=UTC)  # 02:40 CEST
+    assert last_due("45 2 * * *", first_pass, "Europe/Berlin") == datetime(
+        2026, 10, 24, 0, 45, tzinfo=UTC
+    )
+    # New York, 1 November: 01:40 EST (the second pass); 01:30 EDT was 05:30Z.
+    assert last_due("30 1 * * *", datetime(2026, 11, 1, 6, 40, tzinfo=UTC), "America/New_York") == (
+        datetime(2026, 11, 1, 5, 30, tzinfo=UTC)
+    )

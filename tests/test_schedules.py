@@ -751,3 +751,101 @@ async def test_a_forward_in_the_owners_chat_is_a_person_there_not_the_owner(
         "Please mail the door code", 5, ctx.memory.seen_as(Viewer.of_person("telegram:777"))
     )
     assert [m["text"] for m in context] == ["Door code is 4711"]
+
+
+def _is_run_of(prompt: str) -> Any:
+    """A Messages API request of the session whose prompt is `prompt`."""
+    return lambda body: prompt in json.dumps(body.get("messages", []))
+
+
+async def test_runs_cut_short_by_a_stop_are_run_at_the_next_start(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """The butler stops (an upgrade's restart) while the 08:00 brief's session runs and a
+    one-time reminder waits its turn: both are due again, the reminder's attempt not counted,
+    and the next start runs each once. The recurring run had already moved on to tomorrow, so
+    that day's brief was lost without a trace (a walkthrough)."""
+    config = butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=1))
+    first = await start_butler(config)
+    conn = await db_conn(first.config.database)
+    await call(
+        first.sse_url, "schedule_create", {"name": "brief", "cron": "0 8 * * *", "prompt": "BRIEF"}
+    )
+    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    await call(first.sse_url, "schedule_create", {"name": "pills", "at": at, "prompt": "PILLS"})
+    scripted_api.delay_s = 60  # the brief's session runs until the stop cuts it short
+    await conn.execute(
+        "UPDATE scheduled_tasks SET next_run_at = now() - CASE name WHEN 'brief' "
+        "THEN interval '2 minutes' ELSE interval '1 minute' END"
+    )
+    await scripted_api.wait_for_request(_is_run_of("BRIEF"))
+    await first.stop()
+    rows = {
+        r["name"]: r
+        for r in await conn.fetch(
+            "SELECT name, next_run_at <= now() AS due, attempts FROM scheduled_tasks"
+        )
+    }
+    assert rows["brief"]["due"] and rows["pills"]["due"], rows
+    assert rows["pills"]["attempts"] == 0
+    scripted_api.reset()
+    scripted_api.script([text("Done.")])
+    again = await start_butler(
+        butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0)),
+        database=first.config.database,
+    )
+    ticked = await call(again.sse_url, "tick", {})
+    assert sorted(r["name"] for r in ticked["ran"]) == ["brief", "pills"], ticked
+    assert all(r["success"] for r in ticked["ran"]), ticked
+    assert (await call(again.sse_url, "tick", {}))["ran"] == []
+    brief_next = await conn.fetchval("SELECT next_run_at FROM scheduled_tasks WHERE name='brief'")
+    assert brief_next > datetime.now(UTC)
+
+
+async def test_a_reminder_whose_claim_ran_out_in_the_queue_is_not_run_twice(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Two reminders due at once, one session at a time: the second waits behind the first
+    past its claim, and another process sharing the database (a replica) takes it meanwhile.
+    It runs there, not here too (it ran in both: a walkthrough)."""
+    import asyncio
+
+    from butlers.core_tools import ONCE_LEASE_MARGIN
+
+    daemon = await start_butler(butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0)))
+    conn = await db_conn(daemon.config.database)
+    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    for name in ("first", "second"):
+        await call(
+            daemon.sse_url, "schedule_create", {"name": name, "at": at, "prompt": name.upper()}
+        )
+    await conn.execute(
+        "UPDATE scheduled_tasks SET next_run_at = now() - CASE name WHEN 'first' "
+        "THEN interval '2 minutes' ELSE interval '1 minute' END"
+    )
+    scripted_api.delay_s = 60
+    ticking = asyncio.ensure_future(call(daemon.sse_url, "tick", {}))
+    await scripted_api.wait_for_request(_is_run_of("FIRST"))
+    # The other process, once this one's claims have run out.
+    assert daemon.context is not None
+    lease = timedelta(seconds=daemon.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
+    taken = await daemon.context.store.claim_due_tasks(
+        datetime.now(UTC) + lease + timedelta(seconds=1),
+        lambda cron, after: after,
+        lambda cron, at: None,
+        timedelta(hours=6),
+        once_lease=lease,
+    )
+    assert "second" in [t["name"] for t in taken]
+    scripted_api.delay_s = 0  # (the session's later requests are not held)
+    await scripted_api.release_held()
+    ticked = await ticking
+    assert [r["name"] for r in ticked["ran"]] == ["first"], ticked
+    assert [(s["name"], s["reason"]) for s in ticked["skipped"]] == [("second", "taken")]
+    assert not any(_is_run_of("SECOND")(body) for body in scripted_api.requests)
+    assert (
+        await conn.fetchval(
+            "SELECT count(*) FROM sessions WHERE trigger_source = 'schedule:second'"
+        )
+        == 0
+    )
