@@ -13,6 +13,7 @@ import pytest
 
 from butlers.config import TelegramConfig, TriageRule
 from butlers.modules.telegram import EDIT_NOT_READ, TEXT_ONLY
+from butlers.tasks import within
 from tests.conftest import (
     WEBHOOK_SECRET,
     StartButler,
@@ -397,3 +398,48 @@ async def test_start_up_waits_for_an_unreachable_bot_api(
         assert sent["text"] == "Finally."
     finally:
         await api.stop()
+
+
+async def test_another_poller_costs_a_moment_and_the_module_recovers(
+    start_butler: StartButler,
+    tmp_path: Path,
+    bot_api: FakeBotAPI,
+    scripted_api: ScriptedMessagesAPI,
+) -> None:
+    """A second getUpdates with the bot's token (a replica's hand-over, a script) is answered
+    409 to the first: the poller tries again at once rather than after a minute (a message
+    then waited 63 s), is `failed` on /health only while the other keeps polling, and
+    `running` again once it stopped (it stayed `failed` for good: a walkthrough)."""
+    switchboard = await start_general_only(
+        start_butler, tmp_path, bot_api, scripted_api, "Answered."
+    )
+    url = f"{bot_api.url}/bot{bot_api.token}/getUpdates"
+
+    async def foreign_poll(wait_s: float) -> None:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json={"timeout": wait_s}) as response:
+                await response.read()
+
+    async def polling() -> bool:
+        return bool(bot_api.polls)
+
+    async def module_state() -> str:
+        modules = (await _health(switchboard))["modules"]
+        return next(m["status"] for m in modules if m["name"] == "telegram")
+
+    await eventually(polling)
+    await foreign_poll(0)  # once: the switchboard's waiting poll is ended with 409
+    await bot_api.push_text(CHAT, "still there?")
+    await within(bot_api.wait_sent(1), 20)  # (it waited 60 s)
+    assert await module_state() == "running"
+    # Another poller that keeps polling: failed, saying why, ...
+    async with asyncio.timeout(60):
+        while await module_state() != "failed":
+            await foreign_poll(0.5)
+    [telegram] = [m for m in (await _health(switchboard))["modules"] if m["name"] == "telegram"]
+    assert "another poller is running" in telegram["detail"]
+
+    # ... until it stops: answering, and running again (its next poll goes through).
+    await bot_api.push_text(CHAT, "and now?")
+    await within(bot_api.wait_sent(2), 30)
+    assert await module_state() == "running"

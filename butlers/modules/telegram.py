@@ -66,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 4096
 POLL_TIMEOUT_S = 25
+# getUpdates answered 409 this many times in a row: another poller for more than a hand-over's
+# moment (the module is `failed` on /health until a poll goes through again).
+CONFLICTS_BEFORE_FAILED = 3
 # How long a Bot API call (a reply's sendMessage) may take to answer. A request Telegram
 # read but did not answer in time cannot be told from one it never got: the reply is sent
 # again. At python-telegram-bot's 5 s, a Bot API slow for 7 s had a reply sent three times
@@ -938,6 +941,7 @@ class TelegramModule:
 
         offset: int | None = None
         failures = 0
+        conflicts = 0  # 409s in a row: another process polled with this token
         retried: dict[int, int] = {}  # the update that failed to be stored: its tries
         while True:
             try:
@@ -947,14 +951,38 @@ class TelegramModule:
                     allowed_updates=ALLOWED_UPDATES,
                 )
                 failures = 0
+                if conflicts:
+                    conflicts = 0
+                    self.status = ModuleStatus(self.name, "running", f"@{self.bot.username}")
+                    logger.info("telegram: polling again, no other poller now")
             except InvalidToken as exc:  # revoked while running: polling cannot go on
                 self._token_rejected(exc)
                 return
             except Conflict as exc:
-                # Another process polls with this token: Telegram allows one poller per token.
-                self.status = ModuleStatus(self.name, "failed", f"another poller is running: {exc}")
-                logger.error("telegram: %s", self.status.detail)
-                await asyncio.sleep(RECONNECT.steps[-1])
+                # Another process polls with this token (Telegram allows one poller per token,
+                # and answers the other 409): for a moment while switchboard replicas hand
+                # over, for good while a second fleet or a script uses the token. Tried again
+                # soon: a 60 s wait after one 409 left no replica polling for a minute, and
+                # the module `failed` for good (a walkthrough). `failed` once it lasts.
+                delay = RECONNECT.delay(conflicts)
+                conflicts += 1
+                if conflicts == CONFLICTS_BEFORE_FAILED:
+                    self.status = ModuleStatus(
+                        self.name, "failed", f"another poller is running: {exc}"
+                    )
+                    logger.error(
+                        "telegram: %s (another process uses this bot's token); still trying",
+                        self.status.detail,
+                        extra={"action": "telegram_conflict"},
+                    )
+                elif conflicts == 1:
+                    logger.warning(
+                        "telegram: another poller took getUpdates (%s); retry in %ss",
+                        exc,
+                        delay,
+                        extra={"action": "telegram_conflict"},
+                    )
+                await asyncio.sleep(delay)
                 continue
             except Exception as exc:
                 delay = RECONNECT.delay(failures)
