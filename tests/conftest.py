@@ -73,8 +73,8 @@ _PROC_TESTS: dict[str, frozenset[str]] = {
         "test_email_arrivals.py": "*",
         "test_email_durability.py": "*",
         "test_email_limits.py": "test_a_big_mail_is_parsed_without_blocking_the_event_loop "
-        "test_a_mail_being_read_when_the_process_died_is_not_read_again "
-        "test_a_mail_carrying_the_keyword_at_start_is_not_parsed "
+        "test_a_mail_being_read_when_the_process_died_twice_is_not_read_again "
+        "test_a_mail_left_marked_once_is_read_once_more_and_twice_is_not "
         "test_a_mail_over_the_size_limit_is_recorded_as_failed_unread "
         "test_a_mail_that_cannot_be_parsed_is_kept_as_a_failed_row "
         "test_a_mail_whose_reading_a_clean_stop_interrupted_is_read_at_the_next_start "

@@ -26,7 +26,13 @@ import pytest
 import butlers.modules.mail_imap as mail_imap
 import butlers.modules.mail_parse as mail_parse
 from butlers.errors import MailUnreadable
-from butlers.modules.mail_imap import TRIED_KEYWORD, Fetched, fetched, keywords_kept
+from butlers.modules.mail_imap import (
+    TRIED_AGAIN_KEYWORD,
+    TRIED_KEYWORD,
+    Fetched,
+    fetched,
+    keywords_kept,
+)
 from butlers.modules.mail_limits import MAX_HEADER_BYTES, MAX_MAIL_BYTES, MAX_MIME_PARTS
 from butlers.modules.mail_parse import ParsedMail, parse_header, parse_mail
 from tests.conftest import log_records
@@ -255,12 +261,13 @@ async def test_a_big_mail_is_parsed_without_blocking_the_event_loop(
 # -- a mail that crashed the process ------------------------------------------------------------
 
 
-async def test_a_mail_being_read_when_the_process_died_is_not_read_again(
+async def test_a_mail_being_read_when_the_process_died_twice_is_not_read_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first run dies while parsing <poison@x> (its connection cut, no goodbye: as the
-    OOM killer would leave it). The mail carries the keyword; the next start records it as
-    failed without parsing it, and reads the next mail."""
+    OOM killer would leave it). The mail carries the keyword; the next start reads it once
+    more (the process may have died of something else: a replica's leader killed), and dies
+    again; the third records it as failed without parsing it, and reads the next mail."""
     entered, release = threading.Event(), threading.Event()
 
     def hang_on_poison(raw: bytes) -> None:
@@ -270,21 +277,26 @@ async def test_a_mail_being_read_when_the_process_died_is_not_read_again(
 
     worker = RecordingWorker()
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
-        front = TcpFront(port)
-        await front.start()
-        try:
-            await imap_append(port, USER, PASSWORD, raw_mail("<poison@x>", subject=b"poison"))
-            config = email_config(imap_port=front.port, mode="poll")
-            spy_parse(monkeypatch, before=hang_on_poison)
-            async with running(config, worker):
-                assert await asyncio.to_thread(entered.wait, 30)
-                front.drop()  # the process dies: nothing more goes to the server
-            release.set()
-        finally:
-            release.set()
-            await front.stop()
-        [flags] = (await imap_flags(port, USER, PASSWORD)).values()
-        assert TRIED_KEYWORD in flags and "\\Seen" not in flags
+        await imap_append(port, USER, PASSWORD, raw_mail("<poison@x>", subject=b"poison"))
+        for death, keywords in enumerate(
+            ({TRIED_KEYWORD}, {TRIED_KEYWORD, TRIED_AGAIN_KEYWORD}), start=1
+        ):
+            front = TcpFront(port)
+            await front.start()
+            entered.clear()
+            release.clear()
+            try:
+                config = email_config(imap_port=front.port, mode="poll")
+                spy_parse(monkeypatch, before=hang_on_poison)
+                async with running(config, worker):
+                    assert await asyncio.to_thread(entered.wait, 30), death
+                    front.drop()  # the process dies: nothing more goes to the server
+                release.set()
+            finally:
+                release.set()
+                await front.stop()
+            [flags] = (await imap_flags(port, USER, PASSWORD)).values()
+            assert keywords <= flags and "\\Seen" not in flags, (death, flags)
 
         await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
         parsed = spy_parse(monkeypatch)
@@ -300,8 +312,10 @@ async def test_a_mail_being_read_when_the_process_died_is_not_read_again(
         "user@example.com",
         "poison",
     )
-    assert "an earlier attempt to read it never finished" in error
-    assert all(TRIED_KEYWORD not in f and "\\Seen" in f for f in flags_after.values())
+    assert "two attempts to read it never finished" in error
+    assert all(
+        not {TRIED_KEYWORD, TRIED_AGAIN_KEYWORD} & f and "\\Seen" in f for f in flags_after.values()
+    )
 
 
 async def test_a_mail_whose_reading_a_clean_stop_interrupted_is_read_at_the_next_start(
@@ -333,21 +347,32 @@ async def test_a_mail_whose_reading_a_clean_stop_interrupted_is_read_at_the_next
     assert len(parsed) == 1 and worker.inbox.failed == []
 
 
-async def test_a_mail_carrying_the_keyword_at_start_is_not_parsed(
+async def test_a_mail_left_marked_once_is_read_once_more_and_twice_is_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A mail another process was reading when it died (a replica's leader killed, say) is
+    read by the next one: it was refused as "never finished" and its sender told so (a
+    walkthrough). Marked by two attempts, it is not parsed."""
     worker = RecordingWorker()
     parsed = spy_parse(monkeypatch)
     async with pymap_server(USER, PASSWORD, fast_login=True) as port:
+        await imap_append(port, USER, PASSWORD, raw_mail("<interrupted@x>"))
         await imap_append(port, USER, PASSWORD, raw_mail("<poison@x>"))
-        [uid] = await imap_flags(port, USER, PASSWORD)
-        await imap_store(port, USER, PASSWORD, uid, f"+FLAGS ({TRIED_KEYWORD})")
+        interrupted, poison = await imap_flags(port, USER, PASSWORD)
+        await imap_store(port, USER, PASSWORD, interrupted, f"+FLAGS ({TRIED_KEYWORD})")
+        both = f"+FLAGS ({TRIED_KEYWORD} {TRIED_AGAIN_KEYWORD})"
+        await imap_store(port, USER, PASSWORD, poison, both)
         await imap_append(port, USER, PASSWORD, raw_mail("<next@x>"))
-        async with running(email_config(imap_port=port, mode="poll"), worker):
-            await worker.wait_for("<next@x>")
-            await wait_until_seen(port)
-    assert [b"<next@x>" in raw for raw in parsed] == [True]
+        with log_records("butlers.modules.email") as records:
+            async with running(email_config(imap_port=port, mode="poll"), worker):
+                await worker.wait_for("<next@x>")
+                await wait_until_seen(port)
+        flags_after = await imap_flags(port, USER, PASSWORD)
+    assert [b"<poison@x>" in raw for raw in parsed] == [False, False]
+    assert worker.ids == ["<interrupted@x>", "<next@x>"]
     assert [m.external_id for m, _ in worker.inbox.failed] == ["<poison@x>"]
+    assert any("reading it once more" in r.getMessage() for r in records)
+    assert all(not {TRIED_KEYWORD, TRIED_AGAIN_KEYWORD} & f for f in flags_after.values())
 
 
 async def test_a_server_that_keeps_no_keywords_is_used_and_said_so() -> None:
@@ -453,7 +478,8 @@ def test_fetch_data_is_found_by_uid_wherever_the_server_puts_it() -> None:
         (b"OK [PERMANENTFLAGS (\\Answered \\Deleted \\Seen \\*)] Flags permitted.", True),
         # pymap's `(\* \Answered ...)`, after aioimaplib deleted every "* " from the line
         (b"OK [PERMANENTFLAGS (\\\\Answered \\Deleted \\Seen)] Flags permitted.", True),
-        (b"OK [PERMANENTFLAGS ($ButlersTried \\Seen)] Flags permitted.", True),
+        (b"OK [PERMANENTFLAGS ($ButlersTried $ButlersTriedAgain \\Seen)] Flags here.", True),
+        (b"OK [PERMANENTFLAGS ($ButlersTried \\Seen)] Flags permitted.", False),
         (b"OK [PERMANENTFLAGS (\\Answered \\Deleted \\Seen)] Flags permitted.", False),
         (b"OK [UIDVALIDITY 3] UIDs valid.", True),  # none said: every flag is (RFC 3501)
     ],

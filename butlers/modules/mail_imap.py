@@ -10,14 +10,17 @@ process:
    read that is longer than MAX_HEADER_BYTES is refused unparsed). Strangers, bounces, our
    own mail and a failed DMARC check end here, flagged \\Seen and logged.
 3. A mail over its size limit (`mail_limit`), with a header we will not read, or carrying
-   TRIED_KEYWORD (step 4) is not read: its envelope is kept as a failed inbox row, and it is
-   flagged \\Seen.
+   both TRIED_KEYWORD and TRIED_AGAIN_KEYWORD (step 4) is not read: its envelope is kept as
+   a failed inbox row, and it is flagged \\Seen.
 4. Mark it with the keyword TRIED_KEYWORD, fetch it (at most that limit, whatever
    RFC822.SIZE said) and parse it in a worker thread. Should the process die meanwhile (the
-   kernel's OOM killer, say), the mail carries the keyword at the next start and step 3
-   keeps it from being read again: without it, it would crash the process at every start.
-   A clean stop removes the keyword; a server that keeps no keywords (PERMANENTFLAGS
-   without \\*) is used without this protection, which is logged.
+   kernel's OOM killer, say), the mail carries the keyword at the next start: it is read
+   once more, marked TRIED_AGAIN_KEYWORD too (the process may have died of something else:
+   a switchboard replica's leader killed while it read a mail, whose successor then refused
+   that mail, a walkthrough), and after a second death step 3 keeps it from being read
+   again: without that, it would crash the process at every start. A clean stop removes
+   the keywords; a server that keeps no keywords (PERMANENTFLAGS without \\*) is used
+   without this protection, which is logged.
 5. Store it, flag it \\Seen, remove the keyword. A mail that cannot be stored is tried
    MAX_MAIL_FAILURES times, then recorded as failed; one that cannot be parsed at once.
 """
@@ -65,6 +68,7 @@ HEALTHY_CONNECTION_S = 60  # a connection that lasted this long was a working on
 MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as failed, skipped
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
 TRIED_KEYWORD = "$ButlersTried"  # set while a mail is read (step 4 above)
+TRIED_AGAIN_KEYWORD = "$ButlersTriedAgain"  # ... and while it is read once more
 UNMARK_TIMEOUT_S = 2.0  # removing the keyword when stopping: no longer than this
 # Unread mail already in the mailbox at the first start is left alone, but for what came in
 # this long before it (the owner's first mail, sent before `butlers up`; mail that came while
@@ -152,7 +156,7 @@ def keywords_kept(select_lines: list[Any]) -> bool:
         if isinstance(line, bytes | bytearray) and (found := _PERMANENTFLAGS.search(line)):
             flags = found.group(1).decode(errors="replace").split()
             wildcard = "\\*" in flags or any(flag.startswith("\\\\") for flag in flags)
-            return wildcard or TRIED_KEYWORD in flags
+            return wildcard or {TRIED_KEYWORD, TRIED_AGAIN_KEYWORD} <= set(flags)
     return True
 
 
@@ -460,6 +464,8 @@ class ImapIntake:
             # the Date its sender's program wrote (a review: it may say 1970).
             envelope = replace(envelope, sent_at=head.arrived.isoformat())
         left_marked = TRIED_KEYWORD in head.flags
+        # Marked by an attempt that never finished (not a retry of ours): read once more.
+        again = left_marked and key not in self._marked
         if not await self.module.wanted(envelope):
             await self._settle(client, key, uid, marked=left_marked)
             return True
@@ -470,22 +476,37 @@ class ImapIntake:
                 f"it is {human_size(head.size)}, over the limit of {human_size(limit)} for a "
                 "mail (room for one attachment of [modules.email] max_attachment_bytes)"
             )
-        if problem is None and left_marked and key not in self._marked:
+        if problem is None and again and TRIED_AGAIN_KEYWORD in head.flags:
             problem = (
-                "an earlier attempt to read it never finished (the process stopped or died "
-                "meanwhile), so it is not read again"
+                "two attempts to read it never finished (the process stopped or died "
+                "meanwhile each time), so it is not read again"
             )
         if problem is not None:
             await self._give_up(envelope, uid, head.size, problem)
             await self._settle(client, key, uid, marked=left_marked)
             return True
-        return await self._read(client, key, uid, envelope, head.size)
+        if again:
+            logger.warning(
+                "email: an earlier attempt to read mail uid %s (%r) never finished (a "
+                "process stopped or died meanwhile); reading it once more",
+                uid,
+                envelope.message_id[:200],
+                extra={"action": "email_read_again"},
+            )
+        return await self._read(client, key, uid, envelope, head.size, again=again)
 
     async def _read(
-        self, client: aioimaplib.IMAP4, key: str, uid: str, envelope: ParsedMail, size: int | None
+        self,
+        client: aioimaplib.IMAP4,
+        key: str,
+        uid: str,
+        envelope: ParsedMail,
+        size: int | None,
+        *,
+        again: bool = False,
     ) -> bool:
         """Steps 4-5 of the module docstring; False when the mail is to be tried again."""
-        marked = await self._mark(client, key, uid)
+        marked = await self._mark(client, key, uid, again=again)
         try:
             limit = self._mail_limit
             body = await self._fetch(client, uid, f"(UID BODY.PEEK[]<0.{limit + 1}>)")
@@ -524,10 +545,11 @@ class ImapIntake:
         response = await self._ok(client.uid("fetch", uid, items), f"UID FETCH {uid}")
         return fetched(response.lines, uid)
 
-    async def _mark(self, client: aioimaplib.IMAP4, key: str, uid: str) -> bool:
+    async def _mark(self, client: aioimaplib.IMAP4, key: str, uid: str, *, again: bool) -> bool:
         if not self._keywords:
             return False
-        store = client.uid("store", uid, f"+FLAGS ({TRIED_KEYWORD})")
+        keywords = f"{TRIED_KEYWORD} {TRIED_AGAIN_KEYWORD}" if again else TRIED_KEYWORD
+        store = client.uid("store", uid, f"+FLAGS ({keywords})")
         response = await self._until_lost(store)
         if response.result != "OK":
             self._no_keywords(f"STORE {TRIED_KEYWORD} answered {response.lines[-1:]!r}")
@@ -536,8 +558,10 @@ class ImapIntake:
         return True
 
     async def _unmark(self, client: aioimaplib.IMAP4, uid: str) -> None:
-        """Remove our keyword (a NO changes nothing that matters: it is only left behind)."""
-        await self._until_lost(client.uid("store", uid, f"-FLAGS ({TRIED_KEYWORD})"))
+        """Remove our keywords (a NO changes nothing that matters: they are only left
+        behind)."""
+        keywords = f"{TRIED_KEYWORD} {TRIED_AGAIN_KEYWORD}"
+        await self._until_lost(client.uid("store", uid, f"-FLAGS ({keywords})"))
 
     async def _settle(self, client: aioimaplib.IMAP4, key: str, uid: str, *, marked: bool) -> None:
         await self._ok(client.uid("store", uid, "+FLAGS (\\Seen)"), f"STORE {uid} \\Seen")
