@@ -869,7 +869,7 @@ def register_core_tools(mcp: FastMCP, ctx: ButlerContext) -> None:
         return await memory().search(query, limit, viewer())
 
     @tool
-    async def memory_forget(id: int) -> dict[str, Any]:
+    async def memory_forget(id: Annotated[int, Field(ge=1, le=2**63 - 1)]) -> dict[str, Any]:
         """Delete memory `id` (as memory_search shows it)."""
         who = viewer()
         if not await memory().forget(id, who):

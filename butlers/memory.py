@@ -25,7 +25,8 @@ started (a schedule, `trigger`) or the owner's own chat finds the shared ones an
 one acting on words the owner forwarded finds the shared ones and what such sessions kept,
 never the owner's; the operator (the CLI, no session) finds all. A person's session may
 forget only their own (a forward: only what forwards kept). A person may keep at
-most PERSON_QUOTA memories, and when the butler is full the people's go before the owner's.
+most PERSON_QUOTA memories, and when the butler is full the people's go before the owner's
+(those of whoever holds the most first).
 Other butlers never see any: they live in this butler's database only.
 """
 
@@ -41,6 +42,7 @@ from typing import Any, Literal
 import asyncpg
 
 from butlers.core_store import storable
+from butlers.text import printable
 from butlers.tool_errors import ToolRefusal
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,20 @@ PRIVATE_TAG = "private"
 NO_PERSON = "none:"
 # Memories one person (not the owner) may keep; past it their oldest unused one goes.
 PERSON_QUOTA = 200
+# The butler is full: one memory goes, the oldest unused of the person (not the owner) who
+# holds the most, else the owner's oldest unused. Not the people's oldest whoever's: one
+# sender writing from many addresses (plus-addressing under an allowed domain) filled the
+# butler and evicted everyone else's memories (a red team); now theirs go first.
+EVICT_ONE = """
+    DELETE FROM memories WHERE id = coalesce(
+        (SELECT id FROM memories
+         WHERE NOT from_owner AND person = (
+             SELECT person FROM memories WHERE NOT from_owner
+             GROUP BY person ORDER BY count(*) DESC, max(used_at) LIMIT 1)
+         ORDER BY used_at, id LIMIT 1),
+        (SELECT id FROM memories ORDER BY used_at, id LIMIT 1))
+    RETURNING id
+"""
 # Memories given to a session with its prompt, at most this many bytes.
 MEMORY_CONTEXT_BYTES = 4096
 
@@ -201,6 +217,11 @@ def check_tags(tags: list[str]) -> list[str]:
             raise ToolRefusal("a tag must not be empty")
         if len(tag) > MAX_TAG_CHARS:
             raise ToolRefusal(f"tag {tag[:20]!r}... is longer than {MAX_TAG_CHARS} characters")
+        if printable(tag) != tag:  # a terminal escape, a line break: a tag is a word or two
+            raise ToolRefusal(
+                f"tag {printable(tag, 20)!r} holds a control or invisible character, or a "
+                "run of spaces: a tag is a word or a few"
+            )
         if tag not in cleaned:
             cleaned.append(tag)
     return cleaned
@@ -314,15 +335,9 @@ class MemoryStore:
                     person,
                     PERSON_QUOTA,
                 )
-            evicted += await conn.fetch(
-                """
-                DELETE FROM memories WHERE id IN (
-                    SELECT id FROM memories
-                    ORDER BY from_owner DESC, used_at DESC, id DESC OFFSET $1
-                ) RETURNING id
-                """,
-                self.max_memories,
-            )
+            over = await conn.fetchval("SELECT count(*) FROM memories") - self.max_memories
+            for _ in range(max(0, over)):  # (one, but after a lowered max_memories)
+                evicted += await conn.fetch(EVICT_ONE)
         if evicted:
             logger.warning(
                 "memory: %d memories kept at most; evicted the oldest unused: %s",

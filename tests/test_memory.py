@@ -6,6 +6,7 @@ private memories."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from fastmcp import Client
 from fastmcp.exceptions import ToolError
 
 from butlers.memory import Viewer
-from tests.conftest import StartButler, butler_config
+from tests.conftest import StartButler, butler_config, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
 
 
@@ -42,6 +43,11 @@ async def test_remember_search_forget_and_another_butler_sees_nothing(
     assert await call(alpha.sse_url, "memory_search", {"query": "dentist"}) == []
     with pytest.raises(ToolError, match="no memory"):
         await call(alpha.sse_url, "memory_forget", {"id": dentist["id"]})
+    # An id past bigint is refused by its bounds, named (an error logged with a traceback
+    # for each, before: a red team).
+    with log_records("butlers") as records, pytest.raises(ToolError, match="less than or equal"):
+        await call(alpha.sse_url, "memory_forget", {"id": 2**63})
+    assert not [r for r in records if r.levelno >= logging.ERROR]
 
 
 async def test_a_session_is_given_the_memories_its_prompt_matches_and_the_local_time(

@@ -156,7 +156,17 @@ async def test_bad_input_is_refused_with_the_reason(memory: MemoryStore) -> None
         await memory.search(" ")
     with pytest.raises(ToolRefusal, match="limit"):
         await memory.search("x", limit=0)
+    # A tag is a word or a few: no terminal escape, line break or invisible character (they
+    # reached the operator's terminal through `butlers memory`: a red team).
+    for tag in ("\x1b[30`you", "\x1b]8;;https://evil.example/\x07see", "x\nforged row", "a\u200bb"):
+        with pytest.raises(ToolRefusal, match="control or invisible character"):
+            await memory.remember("likes tea", ["tea", tag])
     assert await memory.count() == 0
+    assert (await memory.remember("likes tea", ["Tea time", "café"]))["tags"] == [
+        "tea time",
+        "café",
+    ]
+    await memory.forget((await memory.list(limit=1))[0]["id"])
     # NUL and a query of operators only do not break the search.
     await memory.remember("tab\x00le", [])
     assert await memory.search('" - or ""') == []
@@ -248,3 +258,27 @@ async def test_a_prompts_context_is_the_memories_sharing_two_of_its_words(
     # The person's words are data: quotes, backslashes and operators do not break the query.
     assert await memory.context("it's a \\'winter' & | ! <-> (tyres", 5, OWNER_SESSION) != []
     assert await memory.context("the and of", 5, OWNER_SESSION) == []  # stop words only
+
+
+async def test_a_full_butler_evicts_from_whoever_holds_the_most(
+    memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sender writing from many addresses (plus-addressing under an allowed domain)
+    fills the butler: their memories go, not another person's few (Alice's went: a red
+    team), nor the owner's."""
+    import butlers.memory
+
+    monkeypatch.setattr(butlers.memory, "PERSON_QUOTA", 4)
+    memory.max_memories = 10
+    await memory.remember("owner: passport in the drawer", [])
+    alice = Viewer("person", "email:alice@family.example")
+    await memory.remember("Alice: my insulin dose is 12 units", [], writer=alice)
+    for n in range(4):
+        mallory = Viewer("person", f"email:mallory+{n}@family.example")
+        for i in range(4):
+            await memory.remember(f"filler {n} {i}", [], writer=mallory)
+    assert await memory.count() == 10
+    assert [m["text"] for m in await memory.search("insulin", 10, alice)] == [
+        "Alice: my insulin dose is 12 units"
+    ]
+    assert await memory.search("passport", 10, OWNER_SESSION)

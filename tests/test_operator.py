@@ -180,6 +180,28 @@ def test_a_long_sender_name_never_pushes_their_id_out(capsys: pytest.CaptureFixt
     assert "(98765)" in capsys.readouterr().out
 
 
+def test_a_memorys_tags_cannot_write_to_the_operators_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Tags kept before they were checked (a person's session chose them) are printed as
+    the text is: no escape reaches the terminal, no line break forges a row (a red team)."""
+    from butlers.cli.render import print_memories
+
+    row = {
+        "id": 7,
+        "created_at": "2026-11-27T12:00:00+00:00",
+        "person": "telegram:666",
+        "from_owner": False,
+        "private": True,
+        "tags": ["\x1b[30`you", "\x1b]8;;https://evil.example/\x07see\x1b]8;;\x07", "x\nforged"],
+        "text": "likes tea",
+    }
+    print_memories([row])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\nforged" not in out, out
+    assert "telegram:666" in out
+
+
 async def test_inbox_list_newest_first_filtered_bounded_and_traced(fleet, db_conn) -> None:
     switchboard, _ = fleet
     conn = await db_conn(switchboard.config.database)

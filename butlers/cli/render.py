@@ -481,7 +481,7 @@ def print_memories(rows: list[dict[str, Any]], limit: int | None = None) -> None
             str(row["id"]),
             when(row.get("created_at")),
             whose_memory(row),
-            ",".join(row.get("tags") or []) or "-",
+            cut(",".join(row.get("tags") or []), 64) or "-",
             f"{row['score']:.3f}" if "score" in row else "-",
             cut(row["text"]),
         )
