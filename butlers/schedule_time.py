@@ -142,10 +142,14 @@ def parse_at(at: str, zone: str, now: datetime) -> datetime:
             moment = place(moment, ZoneInfo(zone))
         else:
             moment = moment.astimezone(UTC)
-    except ValueError:
+    except ValueError as exc:
+        # The form is right but a field is not ("day is out of range for month", "hour must
+        # be in 0..23"): said so, rather than "not an ISO 8601 date-time".
+        said = str(exc)
+        no_such = "" if said.startswith("Invalid isoformat") else f": no such date or time ({said})"
         raise BadTime(
             f"at {at!r} is not an ISO 8601 date-time such as '2026-12-24T09:00' (local time) "
-            "or '2026-12-24T09:00+01:00'"
+            f"or '2026-12-24T09:00+01:00'{no_such}"
         ) from None
     except OverflowError:  # year 1 with a positive offset, 9999 with a negative one
         raise BadTime(

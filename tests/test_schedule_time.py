@@ -66,8 +66,12 @@ def test_at_without_an_offset_is_local_and_the_past_is_refused() -> None:
     )
     with pytest.raises(BadTime, match="in the past"):
         parse_at("2026-11-26T12:30", "Europe/Berlin", now)  # 11:30 UTC
-    with pytest.raises(BadTime, match="ISO 8601"):
+    with pytest.raises(BadTime, match="ISO 8601") as refused:
         parse_at("tomorrow at nine", "UTC", now)
+    assert "no such date" not in str(refused.value)
+    # The right form with no such day: said so, not only "not an ISO 8601 date-time".
+    with pytest.raises(BadTime, match=r"no such date or time \(day is out of range for month"):
+        parse_at("2027-02-31T09:00", "UTC", now)
 
 
 def test_last_due_is_the_latest_run_not_after_now() -> None:
