@@ -282,3 +282,26 @@ async def test_a_full_butler_evicts_from_whoever_holds_the_most(
         "Alice: my insulin dose is 12 units"
     ]
     assert await memory.search("passport", 10, OWNER_SESSION)
+
+
+async def test_many_addresses_of_one_sender_count_as_one(
+    memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sender keeping one memory from each of many +addresses, each holding fewer than
+    Alice: theirs still go first (Alice's three went: a review); and a lowered
+    max_memories is made up at once."""
+    memory.max_memories = 10
+    await memory.remember("owner: passport in the drawer", [])
+    alice = Viewer("person", "email:alice@family.example")
+    for n in range(3):
+        await memory.remember(f"Alice: insulin note {n}", [], writer=alice)
+    for n in range(12):
+        mallory = Viewer("person", f"email:mallory+{n}@family.example")
+        await memory.remember(f"filler {n}", [], writer=mallory)
+    assert await memory.count() == 10
+    assert len(await memory.search("insulin", 10, alice)) == 3
+    memory.max_memories = 5
+    await memory.remember("filler again", [], writer=Viewer("person", "email:mallory@x.example"))
+    assert await memory.count() == 5
+    assert len(await memory.search("insulin", 10, alice)) == 3
+    assert await memory.search("passport", 10, OWNER_SESSION)

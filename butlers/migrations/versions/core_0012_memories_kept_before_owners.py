@@ -5,10 +5,14 @@ default), but left the rows already there at the defaults though `conversation` 
 message kept them; core_0009 then made every row of no person the owner's own. A stranger's
 words kept in those releases thus reached the sessions the owner starts, and their tools, as
 the owner's facts (a red team). Since core_0007 a row of no person has no conversation (the
-owner's sessions keep none), so a row with one is such a row: it becomes its conversation's
-person's, private to them, not the owner's. The owner's own chat's rows of then go the same
-way (their sessions through that chat still find them; their schedules no longer do):
-nothing then told the owner's chat apart from a forward in it.
+owner's sessions keep none), so a row with one is such a row.
+
+Whose it is depends on who the owner is, which only the configuration knows: here such a row
+is set aside (`person` = 'unsettled:' + its conversation's person, private, not the
+owner's: no session finds it, the operator does), and butlers.memory.MemoryStore.open
+settles it at the next start: the owner's chat's or address's rows become the owner's, the
+others' that person's own. Making them all their conversation's person's (the first version)
+handed the owner's chat's rows to sessions acting on forwards there (a review).
 
 Revision ID: core_0012
 Revises: core_0011
@@ -28,7 +32,7 @@ def upgrade() -> None:
     op.execute(
         """
         UPDATE memories
-        SET person = split_part(conversation, ':', 1) || ':' || CASE
+        SET person = 'unsettled:' || split_part(conversation, ':', 1) || ':' || CASE
                 WHEN split_part(conversation, ':', 1) = 'email'
                 THEN lower(split_part(conversation, ':', 2))
                 ELSE split_part(conversation, ':', 2) END,
