@@ -275,6 +275,7 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
     try:
         while left:
             task = left.popleft()
+            running = task  # from here until it is settled: given back if cut short
             peoples = _peoples(ctx, task)
             if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
                 limit = f"of people's schedules {peoples_share(cap)}" if peoples else f"{cap}"
@@ -296,40 +297,50 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
                 )
                 if task["once"]:  # not lost: due again in an hour, this try not counted
                     await ctx.store.schedule_once_again(task["id"], now + ONCE_RETRY_SKIPPED, False)
+                running = None
                 continue
             if peoples and (gone := await _no_longer_writes(ctx, task)) is not None:
                 skipped.append({"name": task["name"], "reason": gone, "peoples": True})
+                running = None
                 continue
-            started = datetime.now(UTC)  # (a run queued behind others starts later than now)
-            if task["once"]:
-                until = started + once_lease
-                if not await ctx.store.schedule_renew_once(task["id"], task["held_until"], until):
-                    logger.info(
-                        "one-time schedule %r not run here: its claim ran out before its turn "
-                        "and another process took it",
-                        task["name"],
-                        extra={"action": "schedule_skipped"},
-                    )
-                    skipped.append({"name": task["name"], "reason": "taken", "peoples": peoples})
-                    continue
-                task["held_until"] = until
-            ran_in_hour += 1
-            peoples_in_hour += peoples
-            prompt = task["prompt"]
-            if peoples:  # their words, as when their message came (butlers.switchboard.handoff)
-                prompt = _planted_prompt(task)
-            running = task
-            outcome = await ctx.spawner.run(
-                _late_note(task, started, zone, late_after) + prompt,
-                recall=prompt,  # (the note's words crowded the reminder's out of the memories)
-                target=ctx.self_target(),
-                trigger_source=f"schedule:{task['name']}",
-                routed=task["routed"],  # planted by a routed message's session: restricted alike
-                # ... and its notify answers the person who asked, not the owner; an owner's
-                # task answers no one's conversation, whatever its row holds.
-                conversation=task["conversation"] if task["routed"] else None,
-                forwarded_from=task["forwarded_from"] if task["routed"] else None,
-            )
+            # The session's slot first, then the claim renewed: a reminder that waited for a
+            # slot (behind routed sessions) past its claim ran in two processes (a review).
+            async with ctx.spawner.slot() as slot:
+                started = datetime.now(UTC)  # (queued behind others, it starts after now)
+                if task["once"]:
+                    until = started + once_lease
+                    if not await ctx.store.schedule_renew_once(
+                        task["id"], task["held_until"], until
+                    ):
+                        logger.info(
+                            "one-time schedule %r not run here: its claim ran out before its "
+                            "turn and another process took it",
+                            task["name"],
+                            extra={"action": "schedule_skipped"},
+                        )
+                        skipped.append(
+                            {"name": task["name"], "reason": "taken", "peoples": peoples}
+                        )
+                        running = None
+                        continue
+                    task["held_until"] = until
+                ran_in_hour += 1
+                peoples_in_hour += peoples
+                prompt = task["prompt"]
+                if peoples:  # their words, as when their message came (switchboard.handoff)
+                    prompt = _planted_prompt(task)
+                outcome = await ctx.spawner.run(
+                    _late_note(task, started, zone, late_after) + prompt,
+                    recall=prompt,  # (the note's words crowded the reminder's out of memories)
+                    target=ctx.self_target(),
+                    trigger_source=f"schedule:{task['name']}",
+                    routed=task["routed"],  # planted by a routed message's session: restricted
+                    # ... and its notify answers the person who asked, not the owner; an
+                    # owner's task answers no one's conversation, whatever its row holds.
+                    conversation=task["conversation"] if task["routed"] else None,
+                    forwarded_from=task["forwarded_from"] if task["routed"] else None,
+                    slots=slot,
+                )
             running = None
             if task["once"]:
                 await _once_finished(ctx, task, outcome.success, outcome.error)

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -174,6 +174,15 @@ class Spawner:
             f"You are the {self.config.name} butler. {self.config.description}\n"
             "Use your tools to do what you are asked, then answer briefly."
         )
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[asyncio.Semaphore]:
+        """Wait for a session slot (`max_concurrent_sessions`) and hold it: `run(...,
+        slots=<the one yielded>)` then starts at once. For a caller with something to do
+        once its session is sure to start (a reminder renews its claim: one that waited
+        here behind routed sessions past its claim ran in two processes: a review)."""
+        async with self._slots:
+            yield asyncio.Semaphore(1)
 
     async def run(
         self,

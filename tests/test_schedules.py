@@ -18,7 +18,8 @@ from butlers import schedule_time
 from butlers.config import RuntimeConfig, ScheduleConfig
 from butlers.core_tools import MAX_ROUTED_SCHEDULES
 from butlers.memory import Viewer
-from tests.conftest import StartButler, butler_config, log_records
+from butlers.tasks import within
+from tests.conftest import StartButler, butler_config, eventually, log_records
 from tests.fakes.messages_api import ScriptedMessagesAPI, text
 
 TOKYO_BRIEF = ScheduleConfig(name="brief", cron="0 8 * * *", prompt="Summarise today.")
@@ -849,3 +850,75 @@ async def test_a_reminder_whose_claim_ran_out_in_the_queue_is_not_run_twice(
         )
         == 0
     )
+
+
+async def test_a_reminder_waiting_for_a_session_slot_past_its_claim_is_not_run_twice(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """One session at a time, and a long one under way (a routed message's, a trigger's):
+    the reminder waits for the slot past its claim, another process takes it meanwhile; it
+    runs there, not here too (its claim was renewed before the wait: a review)."""
+    import asyncio
+
+    from butlers.core_tools import ONCE_LEASE_MARGIN
+
+    daemon = await start_butler(
+        butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0, max_concurrent_sessions=1))
+    )
+    conn = await db_conn(daemon.config.database)
+    scripted_api.delay_s = 60
+    hog = asyncio.ensure_future(call(daemon.sse_url, "trigger", {"prompt": "HOG"}))
+    await scripted_api.wait_for_request(_is_run_of("HOG"))
+    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    await call(daemon.sse_url, "schedule_create", {"name": "r", "at": at, "prompt": "REMIND"})
+    await conn.execute("UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute'")
+    ticking = asyncio.ensure_future(call(daemon.sse_url, "tick", {}))
+
+    async def claimed() -> bool:
+        return await conn.fetchval("SELECT attempts FROM scheduled_tasks") == 1
+
+    await eventually(claimed)
+    assert daemon.context is not None
+    lease = timedelta(seconds=daemon.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
+    taken = await daemon.context.store.claim_due_tasks(
+        datetime.now(UTC) + lease + timedelta(seconds=1),
+        lambda cron, after: after,
+        lambda cron, at: None,
+        timedelta(hours=6),
+        once_lease=lease,
+    )
+    assert [t["name"] for t in taken] == ["r"]
+    scripted_api.delay_s = 0
+    await scripted_api.release_held()
+    await hog
+    ticked = await ticking
+    assert ticked["ran"] == [] and [s["reason"] for s in ticked["skipped"]] == ["taken"]
+    assert not any(_is_run_of("REMIND")(body) for body in scripted_api.requests)
+
+
+async def test_a_persons_run_cut_short_before_its_session_is_due_again(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn, monkeypatch
+) -> None:
+    """The stop comes while the switchboard is asked whether the person may still write
+    (before the session): the run is given back, not lost (a review)."""
+    import asyncio
+
+    from butlers import core_tools
+
+    asked = asyncio.Event()
+
+    async def slow_answer(ctx: Any, task: dict[str, Any]) -> str | None:
+        asked.set()
+        await asyncio.sleep(60)
+        return None
+
+    monkeypatch.setattr(core_tools, "_no_longer_writes", slow_answer)
+    daemon = await start_butler(butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=1)))
+    conn = await db_conn(daemon.config.database)
+    await conn.execute(
+        "INSERT INTO scheduled_tasks (name, cron, prompt, next_run_at, routed, conversation) "
+        "VALUES ('theirs', '0 8 * * *', 'x', now() - interval '1 minute', true, 'telegram:5')"
+    )
+    await within(asked.wait(), 30)
+    await daemon.stop()
+    assert await conn.fetchval("SELECT next_run_at <= now() FROM scheduled_tasks")
