@@ -69,6 +69,7 @@ MAX_MAIL_FAILURES = 3  # a mail that cannot be stored this often is recorded as 
 RETRY_FAILED_S = 5.0  # how soon a mail that could not be stored is tried again (at most)
 TRIED_KEYWORD = "$ButlersTried"  # set while a mail is read (step 4 above)
 TRIED_AGAIN_KEYWORD = "$ButlersTriedAgain"  # ... and while it is read once more
+OUR_KEYWORDS = frozenset({TRIED_KEYWORD, TRIED_AGAIN_KEYWORD})
 UNMARK_TIMEOUT_S = 2.0  # removing the keyword when stopping: no longer than this
 # Unread mail already in the mailbox at the first start is left alone, but for what came in
 # this long before it (the owner's first mail, sent before `butlers up`; mail that came while
@@ -145,10 +146,10 @@ def search_date(moment: datetime) -> str:
     return f"{moment.day}-{_MONTHS[moment.month - 1]}-{moment.year}"
 
 
-def keywords_kept(select_lines: list[Any]) -> bool:
-    """Whether the selected mailbox keeps TRIED_KEYWORD across connections: PERMANENTFLAGS names
-    it or \\* (any keyword may be created). Without PERMANENTFLAGS, RFC 3501 says to assume
-    every flag is permanent.
+def keywords_kept(select_lines: list[Any]) -> frozenset[str]:
+    """Which of TRIED_KEYWORD and TRIED_AGAIN_KEYWORD the selected mailbox keeps across
+    connections: those PERMANENTFLAGS names, or both with \\* (any keyword may be created).
+    Without PERMANENTFLAGS, RFC 3501 says to assume every flag is permanent.
 
     aioimaplib deletes every "* " from an untagged line, so a `\\*` followed by another flag
     (pymap sorts it first: `(\\* \\Answered ...)`) reaches us as `(\\\\Answered ...)`."""
@@ -156,8 +157,8 @@ def keywords_kept(select_lines: list[Any]) -> bool:
         if isinstance(line, bytes | bytearray) and (found := _PERMANENTFLAGS.search(line)):
             flags = found.group(1).decode(errors="replace").split()
             wildcard = "\\*" in flags or any(flag.startswith("\\\\") for flag in flags)
-            return wildcard or {TRIED_KEYWORD, TRIED_AGAIN_KEYWORD} <= set(flags)
-    return True
+            return OUR_KEYWORDS if wildcard else OUR_KEYWORDS & frozenset(flags)
+    return OUR_KEYWORDS
 
 
 class ImapIntake:
@@ -172,6 +173,9 @@ class ImapIntake:
         # Mails this process marked with TRIED_KEYWORD: a retry of ours, not a crash's remains.
         self._marked: set[str] = set()
         self._keywords = True
+        # The mailbox keeps TRIED_AGAIN_KEYWORD too: a mail whose reading never finished once
+        # is read once more (without it, not: as before that keyword, rather than no guard).
+        self._again = True
         self._told_no_keywords = False
         self._first_uid = 1  # the first UID of the mailbox it reads (_first_to_read)
         self._lost = asyncio.Event()  # the current connection dropped
@@ -247,7 +251,8 @@ class ImapIntake:
                 ),
                 "",
             )
-            self._keywords = keywords_kept(selected.lines)
+            kept = keywords_kept(selected.lines)
+            self._keywords, self._again = TRIED_KEYWORD in kept, TRIED_AGAIN_KEYWORD in kept
             if not self._keywords:
                 self._no_keywords("its PERMANENTFLAGS allow no keywords")
             self._first_uid = await self._first_to_read(client, uidvalidity, selected.lines)
@@ -476,10 +481,11 @@ class ImapIntake:
                 f"it is {human_size(head.size)}, over the limit of {human_size(limit)} for a "
                 "mail (room for one attachment of [modules.email] max_attachment_bytes)"
             )
-        if problem is None and again and TRIED_AGAIN_KEYWORD in head.flags:
+        if problem is None and again and (TRIED_AGAIN_KEYWORD in head.flags or not self._again):
+            times = "two attempts" if self._again else "an earlier attempt"
             problem = (
-                "two attempts to read it never finished (the process stopped or died "
-                "meanwhile each time), so it is not read again"
+                f"{times} to read it never finished (the process stopped or died meanwhile), "
+                "so it is not read again"
             )
         if problem is not None:
             await self._give_up(envelope, uid, head.size, problem)
