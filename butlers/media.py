@@ -281,7 +281,10 @@ def audio_seconds(data: bytes, *, beyond: float = float("inf")) -> float | None:
     still understate it, and a transcription's time limit then bounds it."""
     if data.startswith(b"OggS"):
         played = _opus_seconds(data, beyond)
-        if played is not None:
+        if played is not None or _first_packet_is_opus(data):
+            # An Opus file is measured by its packets or not at all: one that cannot be
+            # measured fell back to what its last page declares (a review: a second stream
+            # that is not Opus, and it passed as 1 s while it played 20 minutes).
             return played
     from tinytag import TinyTag
 
@@ -316,7 +319,12 @@ def _opus_seconds(data: bytes, beyond: float) -> float | None:
     position = 0
     while position + 27 <= len(data):
         if data[position : position + 4] != b"OggS":
-            return None  # not a page where one must start: not ours to guess
+            # Bytes between pages: a decoder (libogg, FFmpeg) looks for the next page and
+            # plays on, so so do we (a junk byte after the head hid 20 minutes: a review).
+            position = data.find(b"OggS", position + 1)
+            if position < 0:
+                break
+            continue
         serial = int.from_bytes(data[position + 14 : position + 18], "little")
         lacing = data[position + 27 : position + 27 + data[position + 26]]
         offset = position + 27 + len(lacing)
@@ -339,6 +347,13 @@ def _opus_seconds(data: bytes, beyond: float) -> float | None:
     if not any(ended for ended, _ in streams.values()):
         return None  # no packet at all: nothing says it is Opus
     return played_ms / 1000
+
+
+def _first_packet_is_opus(data: bytes) -> bool:
+    """The file's first Ogg page begins an Opus stream (its first packet is OpusHead)."""
+    if len(data) < 27:
+        return False
+    return data[27 + data[26] :].startswith(b"OpusHead")
 
 
 def clock_length(seconds: float) -> str:

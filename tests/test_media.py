@@ -393,6 +393,13 @@ def test_how_long_audio_plays_is_read_from_its_packets_or_header() -> None:
     assert audio_seconds(chained) == pytest.approx(75)
     assert audio_seconds(wav(8000)) == pytest.approx(1.0)
     assert audio_seconds(b"OggS" + b"\x00" * 40) is None  # no page: no length
+    # Junk between pages is skipped, as a decoder skips it, and the length its last page
+    # declares is never taken instead (one junk byte hid 20 minutes: a review).
+    head, long = ogg_opus(), ogg_opus_playing(20 * 60)
+    assert (audio_seconds(head + b"\x00" + long[len(head) :], beyond=900) or 0) > 900
+    # An Opus file with a second stream that is not Opus: not measured, so not transcribed.
+    vorbis = ogg_page(b"\x01vorbis" + b"\x00" * 22, serial=2)
+    assert audio_seconds(ogg_opus_playing(30) + vorbis) is None
     assert audio_seconds(b"RIFF" + b"\xff" * 60) is None
     assert (clock_length(61.2), clock_length(960), clock_length(8 * 3600 + 5)) == (
         "1:01",
