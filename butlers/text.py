@@ -115,3 +115,11 @@ def answer_line(text: str) -> tuple[str, bool]:
         if line.strip() and not line.lstrip().startswith(">"):
             return first, False
     return first, True
+
+
+def within_limit(text: str, limit: int) -> str:
+    """At most `limit` characters of `text`, and a line saying where it was cut when it was
+    (a long mail was cut mid-word and nobody was told: a walkthrough)."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n\n[cut: the first {limit} of its {len(text)} characters are above]"

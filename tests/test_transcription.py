@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import threading
 import time
@@ -91,6 +92,26 @@ async def test_without_a_language_none_is_sent_and_the_text_is_the_services(
     assert await transcriber.transcribe(VOICE) == f"{VOICE.size} bytes heard"
     [sent] = transcription_api.requests
     assert sent.language is None and sent.model == "whisper-1"
+
+
+async def test_a_transcript_is_made_storable_and_cut_to_a_messages_length(
+    transcription_api: FakeTranscriptionAPI, transcriber: HttpTranscriber
+) -> None:
+    """A lone surrogate failed the whole message once routed, and a 3 MB transcript had the
+    classifier refuse the prompt (a walkthrough): replaced, and cut saying so."""
+    from butlers.switchboard.transcription import MAX_TRANSCRIPT_CHARS
+
+    transcription_api.answer_raw(200, '{"text": "Log my weight \\ud800 75 kilograms"}')
+    text = await transcriber.transcribe(VOICE)
+    assert text.startswith("Log my weight ") and text.endswith(" 75 kilograms")
+    text.encode()  # (it raised UnicodeEncodeError)
+    transcription_api.answer_raw(200, json.dumps({"text": "word " * MAX_TRANSCRIPT_CHARS}))
+    text = await transcriber.transcribe(VOICE)
+    assert len(text) < MAX_TRANSCRIPT_CHARS + 100
+    whole = 5 * MAX_TRANSCRIPT_CHARS - 1  # (stripped of its last space)
+    assert text.endswith(
+        f"[cut: the first {MAX_TRANSCRIPT_CHARS} of its {whole} characters are above]"
+    )
 
 
 def test_the_file_name_follows_the_type_never_the_senders_name() -> None:

@@ -78,7 +78,7 @@ from butlers.modules.mail_quotes import (
     trim_quoted,
 )
 from butlers.modules.mail_sender import automated_reason, single_address
-from butlers.text import printable
+from butlers.text import printable, within_limit
 
 MAIL_TYPES = frozenset({"message/rfc822", "message/global"})  # a mail attached (RFC 6532)
 # The line an attached mail's text follows: one FORWARDED_BLOCK matches (Gmail's own).
@@ -172,14 +172,8 @@ def parse_header(header: bytes, *, complete: bool = True) -> ParsedMail:
 
 
 def within_text_limit(text: str) -> str:
-    """At most MAX_TEXT_CHARS of a mail's text, and a line saying where it was cut when it
-    was (a long mail was cut mid-word and nobody was told: a walkthrough)."""
-    if len(text) <= MAX_TEXT_CHARS:
-        return text
-    return (
-        text[:MAX_TEXT_CHARS]
-        + f"\n\n[cut: the first {MAX_TEXT_CHARS} of its {len(text)} characters are above]"
-    )
+    """At most MAX_TEXT_CHARS of a mail's text, saying so when cut (butlers.text)."""
+    return within_limit(text, MAX_TEXT_CHARS)
 
 
 def not_read_note(names: Sequence[str], why: str = "") -> str:

@@ -38,14 +38,18 @@ from urllib.parse import urlsplit
 import httpx
 
 from butlers.config import TranscriptionConfig
+from butlers.core_store import storable
 from butlers.errors import TranscriptionFailed
 from butlers.http import is_loopback
 from butlers.media import Attachment
 from butlers.modules.mail_transport import describe, tls_context
-from butlers.text import printable
+from butlers.text import printable, within_limit
 
 # How much of a service's error text goes into the message (a whole HTML error page does not).
 MAX_SAID_CHARS = 200
+# A transcript is stored as its message's text: at most as long as a mail's (a service that
+# answered 3 MB of text had the classifier refuse the prompt, the owner told "try later").
+MAX_TRANSCRIPT_CHARS = 100_000
 # Statuses worth trying again: the service is overloaded, rate-limits us, or had a fault.
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
 # Files a faster-whisper model directory must hold. Without tokenizer.json, faster-whisper
@@ -69,6 +73,13 @@ _EXTENSIONS = {
     "audio/flac": "flac",
     "audio/x-flac": "flac",
 }
+
+
+def heard(text: str) -> str:
+    """A transcript as it is stored as its message's text: nothing PostgreSQL refuses (NUL),
+    no lone surrogate (it failed the whole message when routed: a walkthrough), at most
+    MAX_TRANSCRIPT_CHARS, saying so when cut."""
+    return within_limit((storable(text) or "").strip(), MAX_TRANSCRIPT_CHARS)
 
 
 class Transcriber(Protocol):
@@ -242,8 +253,7 @@ class HttpTranscriber:
                 transient=False,
                 status=status,
             )
-        # PostgreSQL's text refuses NUL, and the transcript is stored as the message's text.
-        return text.replace("\x00", "").strip()
+        return heard(text)
 
     def _fix(self, status: int) -> str:
         if status in (401, 403):
@@ -435,4 +445,4 @@ class LocalTranscriber:
                 f"{type(exc).__name__}: {printable(str(exc), 200)}",
                 transient=False,
             ) from None
-        return text.replace("\x00", "").strip()
+        return heard(text)
