@@ -87,8 +87,12 @@ def _timezone(value: str) -> str:
             raise ValueError(value)
         zoneinfo.ZoneInfo(value)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        # Said right but for its case ("europe/berlin"): named, not only refused.
+        known = {name.lower(): name for name in zoneinfo.available_timezones()}
+        meant = known.get(value.strip().lower())
+        hint = f"; did you mean {meant!r}?" if meant and meant not in _NOT_ZONES else ""
         raise ValueError(
-            f"unknown time zone {value!r}: an IANA name such as 'Europe/Berlin' or 'UTC'"
+            f"unknown time zone {value!r}: an IANA name such as 'Europe/Berlin' or 'UTC'{hint}"
         ) from None
     return value
 

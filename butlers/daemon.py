@@ -417,7 +417,11 @@ class ButlerDaemon:
             # says a transcription service is needed.
             transcriber=transcriber_from(limits.transcription, self.settings.variable),
         )
-        register_switchboard_tools(mcp, switchboard, jaeger_ui_url=self.settings.jaeger_ui_url)
+        register_switchboard_tools(
+            mcp,
+            switchboard,
+            jaeger_ui_url=self.settings.jaeger_ui_url if self.telemetry.exporting else None,
+        )
         report = await switchboard.discover()
         for error in report["errors"]:
             # INFO: `butlers up` / `run` loaded the same directory and printed each of these

@@ -253,6 +253,18 @@ def check_email(text: str) -> str:
     return _whole(EMAIL, text, "an email address such as me@example.com")
 
 
+def not_the_butlers(owner_email: str, butler_address: str) -> str:
+    """The owner's address, unless it is the butler's own: mail from that is never read (it
+    is how the butler knows its own replies), so the owner could never write (a walkthrough
+    of the first hour)."""
+    if owner_email and owner_email.lower() == butler_address.lower():
+        raise ValueError(
+            f"{owner_email} is the butler's own address, whose mail it never reads (its own "
+            "replies): give the address you write from"
+        )
+    return owner_email
+
+
 def check_host(text: str) -> str:
     return _whole(HOST, text, "a host name such as imap.example.com")
 
@@ -395,6 +407,10 @@ def complete_mail(answers: Answers) -> None:
                 f"name {answers.mail_username!r} is not one"
             )
         answers.mail_address = answers.mail_username
+    try:
+        not_the_butlers(answers.owner_email, answers.mail_address)
+    except ValueError as exc:
+        raise CommandError(f"--owner-email: {exc}") from None
     if answers.pairing and not answers.authserv_id:
         # Every mail from an unknown address would be answered with a code: without a
         # verified sender, forged Froms make the butler mail people who never wrote.
@@ -885,7 +901,7 @@ async def ask_questions(
             # Asked now, not refused at the end with every answer lost (a walkthrough).
             answers.authserv_id = await console.ask(
                 "Pairing by email needs your mail server's authserv-id (a stranger's From "
-                "proves nothing without it; Enter: no pairing)",
+                "proves nothing without it; Enter: no pairing at all, by Telegram either)",
                 _optional(check_host),
             )
             answers.pairing = bool(answers.authserv_id)
@@ -980,7 +996,8 @@ async def ask_mail(
         )
     if args.owner_email is None:
         answers.owner_email = await console.ask(
-            "Your own address (may write to the butlers)", check_email
+            "Your own address (may write to the butlers)",
+            lambda text: not_the_butlers(check_email(text), answers.mail_address),
         )
 
 

@@ -593,6 +593,12 @@ prompt = "Summarise today."
         ('timezone = "Mars/Olympus"', "butler.timezone", "unknown time zone 'Mars/Olympus'"),
         ('timezone = "localtime"', "butler.timezone", "unknown time zone 'localtime'"),
         (
+            'timezone = "europe/berlin"',
+            "butler.timezone",
+            "unknown time zone 'europe/berlin': an IANA name such as 'Europe/Berlin' or 'UTC'; "
+            "did you mean 'Europe/Berlin'?",
+        ),
+        (
             '[[schedules]]\nname = "a"\ncron = "every day"\nprompt = "x"',
             "schedules[0].cron",
             "is not a cron expression",

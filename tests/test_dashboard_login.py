@@ -120,7 +120,10 @@ async def test_a_wrong_token_keeps_where_the_reader_was_going(
     that page (it landed on the fleet)."""
     switchboard = await switchboard_alone(start_butler, tmp_path)
     async with dashboard_client(pg_server, switchboard) as client:
-        csrf = CSRF.search((await client.get("/ui/login?next=/ui/messages")).text)[1]
+        page = (await client.get("/ui/login?next=/ui/messages")).text
+        # Where the token is, for an owner who never opened .env (the first hour's walkthrough).
+        assert "<code>.env</code> file of your config directory" in page
+        csrf = CSRF.search(page)[1]
         wrong = await client.post(
             "/ui/login", data={"token": "nope", "csrf": csrf, "next": "/ui/messages"}
         )

@@ -289,6 +289,12 @@ async def test_an_owner_who_may_not_write_back_warns(tmp_path: Path) -> None:
     assert "telegram" not in check.detail.split(":", 1)[1]  # (the owner's chat may write)
     config = fleet_dir(tmp_path / "b", email=email.format("me@example.com"), switchboard=owner)
     assert (await doctor(config, env))["owner"].status == "ok"
+    # The owner's address the butler's own: its mail is never read (the owner could never
+    # write by mail: the first hour's walkthrough).
+    own = owner.replace("me@example.com", "Bot@Example.com")
+    config = fleet_dir(tmp_path / "c", email=email.format("bot@example.com"), switchboard=own)
+    check = (await doctor(config, env))["owner"]
+    assert check.status == "fail" and "is the butler's own address" in check.detail, check
 
 
 async def test_a_data_directory_open_to_others_warns(tmp_path: Path) -> None:

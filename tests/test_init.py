@@ -304,6 +304,10 @@ async def test_init_into_an_existing_empty_directory(tmp_path: Path) -> None:
             ("--channels", "email", "--pairing", *EMAIL_FLAGS),
             "pairing by email needs --authserv-id",
         ),
+        (  # the butler never reads its own address's mail: the owner could never write
+            ("--channels", "email", *EMAIL_FLAGS[:-1], "Butler@Example.com"),
+            "--owner-email: Butler@Example.com is the butler's own address",
+        ),
     ],
 )
 async def test_bad_answers_are_named_and_nothing_is_written(

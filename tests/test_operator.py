@@ -643,3 +643,28 @@ async def test_a_classification_session_may_not_use_operator_tools(fleet) -> Non
         with pytest.raises(Refused, match="not available to a classification session"):
             await call(switchboard, tool, headers=forged, **arguments)
     assert await call(switchboard, "inbox_list") == []
+
+
+async def test_without_span_export_a_trace_is_an_id_with_no_link(
+    start_butler: StartButler, tmp_path: Path, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Spans that go nowhere (no OTEL_EXPORTER_OTLP_ENDPOINT): `butlers inbox` and `log`
+    printed a Jaeger link that led nowhere (the first hour's walkthrough); the id stays."""
+    from butlers.telemetry import Telemetry
+
+    switchboard, _ = await start_fleet(
+        start_butler, tmp_path, names=("general",), auth_token=TOKEN, telemetry=Telemetry()
+    )
+    conn = await db_conn(switchboard.config.database)
+    await seed_inbox(
+        conn,
+        external_id="a",
+        source_id="42",
+        text="hi",
+        trace_context={"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"},
+    )
+    await call(switchboard, "route", butler_name="general", tool_name="status")
+    [row] = await call(switchboard, "inbox_list")
+    assert (row["trace_id"], row["trace_url"]) == (TRACE, None)
+    [logged] = await call(switchboard, "routing_log_list")
+    assert logged["trace_id"] and logged["trace_url"] is None

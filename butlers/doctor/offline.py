@@ -250,7 +250,7 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
             )
         ]
     if switchboard.switchboard.owner.channels():
-        return _owner_may_write(switchboard)
+        return _owner_may_write(subject, switchboard)
     users = [
         b.name
         for b in subject.butlers
@@ -270,7 +270,7 @@ def owner(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     ]
 
 
-def _owner_may_write(switchboard: ButlerConfig) -> list[Check]:
+def _owner_may_write(subject: Subject, switchboard: ButlerConfig) -> list[Check]:
     """The owner hears reminders and questions on their channels; writing back by mail
     needs the allowlist too (an owner left out got "this is a private butler" in answer to
     their own reminder: a walkthrough; `init` writes both, a hand-edited config may not).
@@ -283,6 +283,18 @@ def _owner_may_write(switchboard: ButlerConfig) -> list[Check]:
     left_out = []
     email = switchboard.channels.get("email")
     if owner.email and email is not None:
+        butlers_own = email.address or subject.variable(email.username_env) or ""
+        if owner.email.lower() == butlers_own.lower():
+            # Mail from the butler's own address is never read (its own replies): the owner
+            # could never write, and reminders went to the butler's own mailbox.
+            return [
+                fail(
+                    "owner",
+                    f"[switchboard.owner] email {owner.email!r} is the butler's own address "
+                    "([modules.email] address, or its user name), whose mail it never reads: "
+                    f"set the address you write from in {config_file(switchboard)}",
+                )
+            ]
         if not sender_allowed(owner.email.lower(), email.allowed_senders):
             left_out.append(f"add {owner.email!r} to [modules.email] allowed_senders")
     where = ", ".join(c for c, _ in owner.channels())

@@ -195,13 +195,19 @@ def _with_excerpt(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str) -> None:
+def register_operator_tools(
+    mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str | None
+) -> None:
     """Register inbox_list, routing_log_list, inbox_retry, outbox_list and outbox_retry on
     the switchboard.
 
-    Trace links point to `jaeger_ui_url` (the butler's Settings.jaeger_ui_url)."""
+    Trace links point to `jaeger_ui_url` (the butler's Settings.jaeger_ui_url); None when
+    spans are not exported: a trace is then an id with no link (a link to a Jaeger that never
+    got it led nowhere: a walkthrough)."""
     store = OperatorStore(switchboard.routing_store.pool)
-    jaeger = jaeger_ui_url
+
+    def trace_url(trace_id: str | None) -> str | None:
+        return jaeger_url(trace_id, jaeger_ui_url) if trace_id and jaeger_ui_url else None
 
     @mcp.tool
     async def inbox_list(
@@ -221,7 +227,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         for row in rows:
             _with_excerpt(row)
             row.pop("traced")
-            row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
+            row["trace_url"] = trace_url(row["trace_id"])
             row["approvals"] = asked.get(row["trace_id"], [])  # what its sessions asked for
         return rows
 
@@ -236,7 +242,7 @@ def register_operator_tools(mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui
         _check_limit(limit)
         rows = await store.routing_log(butler, limit, before)
         for row in rows:
-            row["trace_url"] = jaeger_url(row["trace_id"], jaeger) if row["trace_id"] else None
+            row["trace_url"] = trace_url(row["trace_id"])
         return rows
 
     @mcp.tool

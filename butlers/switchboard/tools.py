@@ -48,7 +48,7 @@ def _classification_of_caller(
 
 
 def register_switchboard_tools(
-    mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str
+    mcp: FastMCP, switchboard: Switchboard, *, jaeger_ui_url: str | None
 ) -> None:
     """Register the switchboard's tools on its butler's server: route, deliver, list_butlers,
     routing_log_entry, discover, ask, the operator's inbox_list, inbox_retry,
