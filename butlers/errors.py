@@ -158,6 +158,10 @@ class TokenRejected(ButlersError):
     """Telegram answered a bot token with Unauthorized: `init` asks for another one."""
 
 
+class BotApiUnreachable(CommandError):
+    """The Bot API did not answer `init`'s getMe: it asks for the chat id instead."""
+
+
 class InvalidChild(ButlersError, ValueError):
     """A `.mcp.json` that is not a child the gateway can run; the message says which key is
     wrong and how. The gateway skips the file with a warning."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from butlers.claude_code import claude_binary
-from butlers.errors import CommandError, TokenRejected
+from butlers.errors import BotApiUnreachable, CommandError, TokenRejected
 
 if TYPE_CHECKING:
     from telegram import Bot, Chat
@@ -937,6 +937,14 @@ async def ask_telegram(
                 token, answers.telegram_api_base_url, name, console
             )
             return
+        except BotApiUnreachable as exc:
+            # Offline, a proxy, a firewall: the answers so far are kept (they were all lost,
+            # "nothing was written": a walkthrough), and the chat id can be typed instead.
+            console.say(
+                f"{exc}: check this machine's connection to Telegram. The token is kept; "
+                "type your chat id below instead, or press Enter and set it later."
+            )
+            break
         except TokenRejected:
             # A token copied short is the commonest slip: ask again instead of starting over.
             console.say(
@@ -949,7 +957,9 @@ async def ask_telegram(
             answers.typed_secrets[name] = token  # "": none yet, not the rejected one
             which = "that bot token"
     answers.owner_chat_id = await console.ask(
-        "Your Telegram chat id (Enter: none yet)", _optional(check_chat_id)
+        "Your Telegram chat id, a number (Telegram's @userinfobot tells you yours; Enter: none "
+        "yet)",
+        _optional(check_chat_id),
     )
 
 
@@ -1084,7 +1094,9 @@ async def capture_owner_chat(
     except InvalidToken:
         raise TokenRejected(f"Telegram rejected the bot token for ${token_env}") from None
     except TelegramError as exc:
-        raise failed(f"cannot reach the Telegram Bot API at {base}", exc) from None
+        raise BotApiUnreachable(
+            redactor(f"cannot reach the Telegram Bot API at {base} ({type(exc).__name__}: {exc})")
+        ) from None
     try:
         code = new_code()
         console.say(

@@ -33,7 +33,7 @@ from butlers.init_command import (
     toml_string,
     write_config,
 )
-from tests.conftest import eventually
+from tests.conftest import eventually, free_port
 from tests.fakes.mail import MailCA, SmtpServer, pymap_server
 from tests.test_cli import BUTLERS, REPO, Butlers, cli_env, processes  # noqa: F401 (fixtures)
 from tests.test_install import Installed, InstalledButlers, installed  # noqa: F401
@@ -812,6 +812,29 @@ async def test_a_rejected_token_in_the_variable_is_not_written_when_none_is_type
     assert wrong not in init.stdout + init.stderr
     assert wrong not in (target / ".env").read_text()
     assert _env_file(target / ".env")["TELEGRAM_BOT_TOKEN"] is None  # `#NAME=`: to fill in
+    owner = tomllib.loads((target / "switchboard" / "butler.toml").read_text())["switchboard"]
+    assert owner["owner"]["telegram_chat_id"] == str(OWNER)
+
+
+async def test_a_bot_api_out_of_reach_keeps_the_answers_and_asks_for_the_chat_id(
+    tmp_path: Path,
+    processes: list[Butlers],  # noqa: F811
+) -> None:
+    """Offline, or behind a firewall: init ended and threw every answer away (the first
+    hour's walkthrough). It says so, keeps the token and asks for the chat id instead."""
+    from types import SimpleNamespace
+
+    nowhere = SimpleNamespace(url=f"http://127.0.0.1:{free_port()}")
+    token = "123456:a-token-typed-while-offline_" + "z" * 8
+    target = tmp_path / "mine"
+    init = await _interactive(processes, target, nowhere)  # type: ignore[arg-type]
+    init.answer("", "n", "", token)
+    await init.wait_stdout(re.compile(r"cannot reach the Telegram Bot API at http://127\.0\.0\.1"))
+    await init.wait_stdout(re.compile("@userinfobot tells you yours"))
+    init.answer(str(OWNER), "n", "UTC")
+    assert await init.finish() == 0, init.stderr
+    assert token not in init.stdout + init.stderr
+    assert _env_file(target / ".env")["TELEGRAM_BOT_TOKEN"] == token
     owner = tomllib.loads((target / "switchboard" / "butler.toml").read_text())["switchboard"]
     assert owner["owner"]["telegram_chat_id"] == str(OWNER)
 
