@@ -222,6 +222,9 @@ async def test_an_unknown_chat_gets_one_code_and_the_owner_approves_from_the_cli
     # A used code: exit 1, nothing changed.
     rc, out, err = await run_cli("pairing", "deny", code, *url)
     assert rc == 1 and f"pairing code {code} was approved already" in err
+    assert "wrong codes" not in err  # a real code, not a guess: not counted as one
+    conn = await db_conn(switchboard.config.database)
+    assert await conn.fetchval("SELECT count(*) FROM pairing_failures") == 1  # the guess's
     rc, out, _ = await run_cli("pairing", "--json", *url)
     listing = json.loads(out)
     assert listing["pending"] == []

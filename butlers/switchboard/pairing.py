@@ -553,8 +553,8 @@ class PairingDesk:
 
     async def decide(self, typed_code: str, decision: str, *, by: str) -> dict[str, Any]:
         """Approve or deny the pending code `typed_code`, once. ToolRefusal for a code that is
-        wrong, expired or used (each counts against MAX_WRONG_CODES_PER_HOUR), and for any
-        code while that many wrong ones were tried within the hour."""
+        wrong (counted against MAX_WRONG_CODES_PER_HOUR), expired or used, and for any code
+        while that many wrong ones were tried within the hour."""
         status = DECISIONS.get(decision)
         if status is None:
             raise ToolRefusal(f"decision must be approve or deny, got {clean_name(decision)!r}")
@@ -573,9 +573,12 @@ class PairingDesk:
             else:
                 row = await self.store.decide(conn, "code_digest", code_digest, status, by)
                 if row is None:
-                    await self.store.wrong_code(conn, by)
                     known = await self.store.by_digest(conn, code_digest)
-                    refusal = _why_not(code, known, wrong + 1)
+                    if known is None:  # a guess; a real code decided or expired is none (a
+                        # second "approve" of it counted as a wrong code: a walkthrough)
+                        await self.store.wrong_code(conn, by)
+                        wrong += 1
+                    refusal = _why_not(code, known, wrong)
                 else:
                     await self._decided(conn, row, by)
         if refusal is not None or row is None:
@@ -782,7 +785,7 @@ def _why_not(code: str, known: dict[str, Any] | None, wrong: int) -> str:
         return f"no pairing code {code}: check it against `butlers pairing` {counted}"
     if known["status"] in ("pending", "expired"):  # pending: past its time, not yet marked
         return f"pairing code {code} expired: the sender gets a new one if they write again"
-    return f"pairing code {code} was {known['status']} already: nothing changed {counted}"
+    return f"pairing code {code} was {known['status']} already: nothing changed"
 
 
 def public(row: dict[str, Any]) -> dict[str, Any]:
