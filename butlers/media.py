@@ -19,6 +19,7 @@ import dataclasses
 import io
 import secrets
 import struct
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -318,15 +319,17 @@ def _opus_seconds(data: bytes, beyond: float) -> float | None:
     played_ms = 0.0
     position = 0
     while position + 27 <= len(data):
-        if data[position : position + 4] != b"OggS":
-            # Bytes between pages: a decoder (libogg, FFmpeg) looks for the next page and
-            # plays on, so so do we (a junk byte after the head hid 20 minutes: a review).
+        lacing = data[position + 27 : position + 27 + data[position + 26]]
+        end = position + 27 + len(lacing) + sum(lacing)
+        if data[position : position + 4] != b"OggS" or not _ogg_crc_matches(data, position, end):
+            # Not a page: a decoder (libogg) looks for the next one and plays on, so so do
+            # we. A junk byte after the head, or a page whose CRC is wrong (libogg drops it)
+            # claiming the real pages as one unfinished packet, hid 20 minutes (reviews).
             position = data.find(b"OggS", position + 1)
             if position < 0:
                 break
             continue
         serial = int.from_bytes(data[position + 14 : position + 18], "little")
-        lacing = data[position + 27 : position + 27 + data[position + 26]]
         offset = position + 27 + len(lacing)
         stream = streams.setdefault(serial, [0, b""])
         for length in lacing:
@@ -347,6 +350,23 @@ def _opus_seconds(data: bytes, beyond: float) -> float | None:
     if not any(ended for ended, _ in streams.values()):
         return None  # no packet at all: nothing says it is Opus
     return played_ms / 1000
+
+
+# Ogg's CRC is CRC-32 (0x04C11DB7) unreflected, from 0, with no final XOR; zlib's is the
+# reflected one: fed bit-reversed bytes from a start that makes its register 0, its result's
+# complement bit-reversed is Ogg's. In C: a pure-Python CRC of 20 MiB took seconds.
+_BITS_REVERSED = bytes(int(f"{byte:08b}"[::-1], 2) for byte in range(256))
+
+
+def _ogg_crc_matches(data: bytes, start: int, end: int) -> bool:
+    """The page at data[start:end] carries the CRC of its bytes (its CRC field as zeros)."""
+    if end > len(data):
+        return False
+    page = data[start : start + 22] + b"\0\0\0\0" + data[start + 26 : end]
+    register = ~zlib.crc32(page.translate(_BITS_REVERSED), 0xFFFFFFFF) & 0xFFFFFFFF
+    return int(f"{register:032b}"[::-1], 2) == int.from_bytes(
+        data[start + 22 : start + 26], "little"
+    )
 
 
 def _first_packet_is_opus(data: bytes) -> bool:

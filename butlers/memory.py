@@ -132,6 +132,8 @@ NO_PERSON = "none:"
 # A memory core_0012 set aside: kept by someone's message before memories had an owner; whose
 # it is (the owner's, or that person's) is settled by MemoryStore.open, which knows the owner.
 UNSETTLED_PREFIX = "unsettled:"
+# An advisory lock held while a memory is kept and the butler made room ("memory" in ASCII).
+MEMORY_LOCK_KEY = 0x6D656D6F7279
 # Memories one person (not the owner) may keep; past it their oldest unused one goes.
 PERSON_QUOTA = 200
 # The butler is full: one memory goes, the oldest unused of the sender (not the owner) who
@@ -300,16 +302,20 @@ class MemoryStore:
             )
             if restemmed != "UPDATE 0":
                 logger.info("memory: re-stemmed for %s: %s", self.language, restemmed)
-            settled = await conn.execute(
-                """
-                UPDATE memories SET person = substr(person, $2),
-                       from_owner = substr(person, $2) = ANY($1::text[])
-                WHERE starts_with(person, $3)
-                """,
-                sorted(self.owner_persons),
-                len(UNSETTLED_PREFIX) + 1,
-                UNSETTLED_PREFIX,
-            )
+            # Not while no owner is known (the switchboard's butler.toml failed to load): the
+            # owner's chat's would be settled as a person's, for good (a review).
+            settled = "UPDATE 0"
+            if self.owner_persons:
+                settled = await conn.execute(
+                    """
+                    UPDATE memories SET person = substr(person, $2),
+                           from_owner = substr(person, $2) = ANY($1::text[])
+                    WHERE starts_with(person, $3)
+                    """,
+                    sorted(self.owner_persons),
+                    len(UNSETTLED_PREFIX) + 1,
+                    UNSETTLED_PREFIX,
+                )
             if settled != "UPDATE 0":
                 logger.info(
                     "memory: settled whose the memories kept before core_0007 are: %s", settled
@@ -334,6 +340,10 @@ class MemoryStore:
             person, from_owner = "", True
             private = PRIVATE_TAG in tags or SHARED_TAG not in tags
         async with self.pool.acquire() as conn, conn.transaction():
+            # One remember at a time counts and evicts: two at once evicted the same row, the
+            # butler went over its cap, and the catch-all eviction took the wrong people's (a
+            # review); several at once evicted too many.
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", MEMORY_LOCK_KEY)
             row = await conn.fetchrow(
                 """
                 INSERT INTO memories

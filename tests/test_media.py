@@ -397,6 +397,12 @@ def test_how_long_audio_plays_is_read_from_its_packets_or_header() -> None:
     # declares is never taken instead (one junk byte hid 20 minutes: a review).
     head, long = ogg_opus(), ogg_opus_playing(20 * 60)
     assert (audio_seconds(head + b"\x00" + long[len(head) :], beyond=900) or 0) > 900
+    # A page whose CRC is wrong (libogg drops it) claiming the real pages as one unfinished
+    # packet of its own: dropped here too, the pages behind it counted (it measured 0 s).
+    audio = ogg_opus_playing(1200)[len(head) :]
+    fake = b"OggS\x00\x01" + struct.pack("<qIII", 0, 1, 99, 0xDEADBEEF) + bytes([255] * 256)
+    crafted = head + fake + audio + b"\0" * (255 * 255 - len(audio))
+    assert (audio_seconds(crafted, beyond=900) or 0) > 900
     # An Opus file with a second stream that is not Opus: not measured, so not transcribed.
     vorbis = ogg_page(b"\x01vorbis" + b"\x00" * 22, serial=2)
     assert audio_seconds(ogg_opus_playing(30) + vorbis) is None

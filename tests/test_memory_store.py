@@ -305,3 +305,54 @@ async def test_many_addresses_of_one_sender_count_as_one(
     assert await memory.count() == 5
     assert len(await memory.search("insulin", 10, alice)) == 3
     assert await memory.search("passport", 10, OWNER_SESSION)
+
+
+async def test_remembers_at_once_keep_the_cap_and_evict_only_the_flood(
+    pg_server, make_database: Callable[..., Awaitable[str]]
+) -> None:
+    """Sessions at once (max_concurrent_sessions, a replica): two remembers that both saw
+    the butler one over its cap evicted the same row, the butler stayed over it, and the
+    catch-all eviction then took Alice's all; eight at once evicted too many, the owner's
+    too (a review). One at a time: the cap holds, the owner's stay, and the flood gets no
+    more room than Alice keeps (whoever holds the most gives way)."""
+    import asyncio
+
+    pool = await create_pool(pg_server, await make_database(), max_size=8)
+    try:
+        memory = MemoryStore(pool, language="english", max_memories=10)
+        await memory.open()
+        for i in range(5):
+            await memory.remember(f"owner fact {i}", [])
+        alice = Viewer("person", "email:alice@family.example")
+        for i in range(5):
+            await memory.remember(f"Alice: insulin note {i}", [], writer=alice)
+        mallory = Viewer("person", "telegram:666")
+        for r in range(4):
+            await asyncio.gather(
+                *(memory.remember(f"flood {r} {i}", [], writer=mallory) for i in range(8))
+            )
+            assert await memory.count() == 10
+        kept = len(await memory.search("insulin", 10, alice))
+        flood = len(await memory.search("flood", 10, mallory))
+        assert kept + flood == 5 and abs(kept - flood) <= 1, (kept, flood)
+        assert len(await memory.search("owner fact", 10, OWNER_SESSION)) == 5
+    finally:
+        await pool.close()
+
+
+async def test_memories_set_aside_wait_for_an_owner_to_be_known(memory: MemoryStore) -> None:
+    """A start with no owner known (the switchboard's butler.toml did not load) settled the
+    owner's chat's old memories as a person's, for good (a review): they wait."""
+    async with memory.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO memories (text, tags, conversation, private, language, words, person,"
+            " from_owner) VALUES ('safe code 1234', '{}', 'telegram:42', true, 'english',"
+            " to_tsvector('english', 'safe code 1234'), 'unsettled:telegram:42', false)"
+        )
+    await MemoryStore(memory.pool).open()  # no owner known
+    known = MemoryStore(memory.pool, owner_persons=("telegram:42",))
+    await known.open()
+    assert [m["text"] for m in await known.search("safe code", 5, OWNER_SESSION)] == [
+        "safe code 1234"
+    ]
+    assert await known.search("safe code", 5, Viewer("person", "telegram:42", forwarded=True)) == []
