@@ -11,8 +11,9 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import psutil
@@ -411,12 +412,10 @@ def test_a_stop_waits_until_the_process_is_gone() -> None:
         brief.wait()
 
 
-async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
-    pg_server, db_conn
-) -> None:
-    """core_0009: the memories the operator, a schedule or trigger kept were shared unless
-    tagged `private`, so every person's session was handed them. Those kept before become
-    the owner's own unless tagged `shared`; people's are as they were."""
+@contextlib.asynccontextmanager
+async def core_database_at(pg_server, db_conn, revision: str) -> AsyncIterator[tuple[str, Any]]:
+    """A new database migrated to core's `revision` (down from its head), and a connection:
+    rows as an older release left them, for a migration to carry over; dropped after."""
     from alembic import command
 
     from butlers.db import migrations
@@ -427,9 +426,25 @@ async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
         await ensure_database(pg_server, name)
         await migrate(pg_server, name, ("core",))
         await asyncio.to_thread(
-            command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core_0008"
+            command.downgrade, migrations._alembic_config(pg_server.dsn(name)), revision
         )
         conn = await db_conn(name)
+        try:
+            yield name, conn
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
+    pg_server, db_conn
+) -> None:
+    """core_0009: the memories the operator, a schedule or trigger kept were shared unless
+    tagged `private`, so every person's session was handed them. Those kept before become
+    the owner's own unless tagged `shared`; people's are as they were."""
+    async with core_database_at(pg_server, db_conn, "core_0008") as (name, conn):
         kept = """
             INSERT INTO memories (text, tags, private, language, words, person, from_owner)
             VALUES ($1, $2, $3, 'simple', to_tsvector('simple', $1), $4, $5)
@@ -446,10 +461,6 @@ async def test_the_owners_memories_kept_before_are_made_their_own_unless_shared(
             ("door code", True),
             ("anna's", True),
         ]
-        await conn.close()
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
 
 
 async def test_memories_kept_by_someones_message_before_core_0007_stay_theirs(
@@ -459,20 +470,9 @@ async def test_memories_kept_by_someones_message_before_core_0007_stay_theirs(
     the owner's (core_0009) and reached the owner's own sessions: a stranger's words as the
     owner's facts (a red team). Its conversation says whose it is; the owner's chat's are the
     owner's, never a forward's there (the first version handed them to forwards: a review)."""
-    from alembic import command
-
-    from butlers.db import migrations
     from butlers.memory import OWNER_SESSION, MemoryStore, Viewer
 
-    name = f"t_mem_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(pg_server.dsn("postgres"))
-    try:
-        await ensure_database(pg_server, name)
-        await migrate(pg_server, name, ("core",))
-        await asyncio.to_thread(
-            command.downgrade, migrations._alembic_config(pg_server.dsn(name)), "core_0006"
-        )
-        conn = await db_conn(name)
+    async with core_database_at(pg_server, db_conn, "core_0006") as (name, conn):
         kept = """
             INSERT INTO memories (text, tags, conversation, private, language, words)
             VALUES ($1, '{}', $2, false, 'english', to_tsvector('english', $1))
@@ -513,10 +513,6 @@ async def test_memories_kept_by_someones_message_before_core_0007_stay_theirs(
             assert await store.search("weather", 10, forward) == []
         finally:
             await pool.close()
-        await conn.close()
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
 
 
 def test_the_server_log_is_read_as_a_file_not_through_a_link(tmp_path: Path) -> None:

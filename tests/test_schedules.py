@@ -754,6 +754,23 @@ async def test_a_forward_in_the_owners_chat_is_a_person_there_not_the_owner(
     assert [m["text"] for m in context] == ["Door code is 4711"]
 
 
+async def _claimed_by_another_process(daemon: Any) -> list[str]:
+    """What another process sharing the database claims once this one's one-time claims
+    have run out (its claim at a time past their lease): the names it took."""
+    from butlers.core_tools import ONCE_LEASE_MARGIN
+
+    assert daemon.context is not None
+    lease = timedelta(seconds=daemon.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
+    taken = await daemon.context.store.claim_due_tasks(
+        datetime.now(UTC) + lease + timedelta(seconds=1),
+        lambda cron, after: after,
+        lambda cron, at: None,
+        timedelta(hours=6),
+        once_lease=lease,
+    )
+    return [t["name"] for t in taken]
+
+
 def _is_run_of(prompt: str) -> Any:
     """A Messages API request of the session whose prompt is `prompt`."""
     return lambda body: prompt in json.dumps(body.get("messages", []))
@@ -811,8 +828,6 @@ async def test_a_reminder_whose_claim_ran_out_in_the_queue_is_not_run_twice(
     It runs there, not here too (it ran in both: a walkthrough)."""
     import asyncio
 
-    from butlers.core_tools import ONCE_LEASE_MARGIN
-
     daemon = await start_butler(butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0)))
     conn = await db_conn(daemon.config.database)
     at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
@@ -827,17 +842,8 @@ async def test_a_reminder_whose_claim_ran_out_in_the_queue_is_not_run_twice(
     scripted_api.delay_s = 60
     ticking = asyncio.ensure_future(call(daemon.sse_url, "tick", {}))
     await scripted_api.wait_for_request(_is_run_of("FIRST"))
-    # The other process, once this one's claims have run out.
-    assert daemon.context is not None
-    lease = timedelta(seconds=daemon.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
-    taken = await daemon.context.store.claim_due_tasks(
-        datetime.now(UTC) + lease + timedelta(seconds=1),
-        lambda cron, after: after,
-        lambda cron, at: None,
-        timedelta(hours=6),
-        once_lease=lease,
-    )
-    assert "second" in [t["name"] for t in taken]
+    taken = await _claimed_by_another_process(daemon)
+    assert "second" in taken
     scripted_api.delay_s = 0  # (the session's later requests are not held)
     await scripted_api.release_held()
     ticked = await ticking
@@ -860,8 +866,6 @@ async def test_a_reminder_waiting_for_a_session_slot_past_its_claim_is_not_run_t
     runs there, not here too (its claim was renewed before the wait: a review)."""
     import asyncio
 
-    from butlers.core_tools import ONCE_LEASE_MARGIN
-
     daemon = await start_butler(
         butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0, max_concurrent_sessions=1))
     )
@@ -878,16 +882,8 @@ async def test_a_reminder_waiting_for_a_session_slot_past_its_claim_is_not_run_t
         return await conn.fetchval("SELECT attempts FROM scheduled_tasks") == 1
 
     await eventually(claimed)
-    assert daemon.context is not None
-    lease = timedelta(seconds=daemon.config.runtime.timeout_s) + ONCE_LEASE_MARGIN
-    taken = await daemon.context.store.claim_due_tasks(
-        datetime.now(UTC) + lease + timedelta(seconds=1),
-        lambda cron, after: after,
-        lambda cron, at: None,
-        timedelta(hours=6),
-        once_lease=lease,
-    )
-    assert [t["name"] for t in taken] == ["r"]
+    taken = await _claimed_by_another_process(daemon)
+    assert taken == ["r"]
     scripted_api.delay_s = 0
     await scripted_api.release_held()
     await hog
