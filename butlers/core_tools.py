@@ -277,6 +277,18 @@ async def run_due_tasks(ctx: ButlerContext) -> dict[str, list[dict[str, Any]]]:
             task = left.popleft()
             running = task  # from here until it is settled: given back if cut short
             peoples = _peoples(ctx, task)
+            if task["once"] and task["attempts"] > ONCE_ATTEMPTS:
+                # Claimed again and again, never finished: its runs killed the process (a
+                # stop gives its try back). Given up as a failing one is, not run for ever.
+                await _once_finished(
+                    ctx,
+                    {**task, "attempts": ONCE_ATTEMPTS},
+                    False,
+                    "its runs never finished (the process died during each)",
+                )
+                skipped.append({"name": task["name"], "reason": "given up", "peoples": peoples})
+                running = None
+                continue
             if cap and (ran_in_hour >= cap or (peoples and peoples_in_hour >= peoples_share(cap))):
                 limit = f"of people's schedules {peoples_share(cap)}" if peoples else f"{cap}"
                 logger.warning(

@@ -918,3 +918,29 @@ async def test_a_persons_run_cut_short_before_its_session_is_due_again(
     await within(asked.wait(), 30)
     await daemon.stop()
     assert await conn.fetchval("SELECT next_run_at <= now() FROM scheduled_tasks")
+
+
+async def test_a_reminder_whose_runs_kill_the_process_is_given_up(
+    start_butler: StartButler, scripted_api: ScriptedMessagesAPI, db_conn
+) -> None:
+    """Claimed once more than ONCE_ATTEMPTS, none of its runs finished (each killed the
+    process, whose claim then lapsed): given up and the owner told, not claimed every lease
+    for ever (a review counted eight attempts)."""
+    from butlers.core_tools import ONCE_ATTEMPTS
+
+    daemon = await start_butler(butler_config("alpha", runtime=RuntimeConfig(tick_interval_s=0)))
+    conn = await db_conn(daemon.config.database)
+    at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    await call(daemon.sse_url, "schedule_create", {"name": "boom", "at": at, "prompt": "BOOM"})
+    await conn.execute(
+        "UPDATE scheduled_tasks SET next_run_at = now() - interval '1 minute', attempts = $1",
+        ONCE_ATTEMPTS,
+    )
+    ticked = await call(daemon.sse_url, "tick", {})
+    assert ticked["ran"] == [] and [s["reason"] for s in ticked["skipped"]] == ["given up"]
+    assert await conn.fetchval("SELECT count(*) FROM scheduled_tasks") == 0
+    assert (
+        await conn.fetchval("SELECT count(*) FROM limit_notices WHERE kind LIKE 'once_given_up:%'")
+        == 1
+    )
+    assert not any(_is_run_of("BOOM")(body) for body in scripted_api.requests)
