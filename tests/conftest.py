@@ -19,7 +19,7 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import croniter  # noqa: F401 - see below
@@ -706,6 +706,23 @@ def log_records(logger_name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+async def recorded_as_sent(conn: Any, message_id: int) -> None:
+    """Until the outbox has recorded the chat message `message_id` (which the fake Bot API
+    got) as sent: only then is a reply to it known to answer a question. The Bot API has it
+    a moment before (a reply within that moment, which no person types, is no answer: a
+    test that did not wait failed under a loaded CI)."""
+
+    async def recorded() -> bool:
+        return bool(
+            await conn.fetchval(
+                "SELECT count(*) FROM outbox WHERE status = 'sent' AND $1 = ANY(sent_ids)",
+                str(message_id),
+            )
+        )
+
+    await eventually(recorded)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30) -> None:

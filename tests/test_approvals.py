@@ -27,7 +27,7 @@ from butlers.errors import ConfigError
 from butlers.modules.telegram import NOT_AN_ANSWER
 from butlers.switchboard.approvals import RequestedCall
 from butlers.switchboard.classifier import CLASSIFIER_TOOLS
-from tests.conftest import StartButler, butler_config, eventually
+from tests.conftest import StartButler, butler_config, eventually, recorded_as_sent
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.mail import SmtpServer
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -739,6 +739,7 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
         start_butler, tmp_path, bot_api, allowed_chats=(CHAT, OWNER)
     )
     question, _, _ = await the_request(bot_api)
+    await recorded_as_sent(await db_conn(switchboard.config.database), question)
     # Not an answer: said so, and not routed (a butler's "Done." read as a decision, and the
     # question quotes a stranger's arguments: carried to the owner's session, they read as
     # the owner's words, a review).

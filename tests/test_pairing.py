@@ -28,7 +28,7 @@ from butlers.modules.email import PAIRING_SUBJECT
 from butlers.modules.telegram import NOT_AN_ANSWER
 from butlers.switchboard import classifier
 from butlers.switchboard.pairing import describe_sender
-from tests.conftest import StartButler, eventually, log_records
+from tests.conftest import StartButler, eventually, log_records, recorded_as_sent
 from tests.fakes.bot_api import FakeBotAPI
 from tests.fakes.mail import SmtpServer, imap_append, imap_unseen, pymap_server
 from tests.fakes.messages_api import ScriptedMessagesAPI, text, tool_use
@@ -288,13 +288,14 @@ async def test_the_owner_answers_the_question_in_words_in_reply_to_it(
     approval's); said so; the stranger replying the same to their code decides nothing."""
     switchboard, code = await stranger_with_a_code(start_butler, tmp_path, bot_api, scripted_api)
     message_id, _, _ = await owners_question(bot_api)
+    conn = await db_conn(switchboard.config.database)
+    await recorded_as_sent(conn, message_id)
     [code_message] = [i for i, p in bot_api._sent_by_id.items() if p["chat_id"] == STRANGER]
     await bot_api.push_text(STRANGER, f"approve {code}", reply_to=code_message)
     # Words that do not answer it are said not to, not handed to a butler (whose "Done." read
     # as the decision: a walkthrough).
     await bot_api.push_text(OWNER, "sure, let him in", reply_to=message_id)
     await bot_api.wait_until(lambda: texts_to(bot_api, OWNER)[-1:] == [NOT_AN_ANSWER])
-    conn = await db_conn(switchboard.config.database)
     assert await conn.fetchval("SELECT status FROM pairing_requests") == "pending"
     await bot_api.push_text(OWNER, f"Approve {code}", reply_to=message_id)
     await bot_api.wait_until(lambda: any("may write now" in t for t in texts_to(bot_api, OWNER)))
