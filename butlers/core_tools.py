@@ -87,10 +87,6 @@ ATTACHMENTS_SCHEMA = (
 )
 
 
-def next_run(cron: str, after: datetime) -> datetime:
-    return croniter(cron, after).get_next(datetime)
-
-
 def validate_cron(cron: str) -> None:
     """Five fields (minute resolution) or a nickname such as @daily. croniter also takes a
     sixth field, seconds, which would run a session every second: refused."""
